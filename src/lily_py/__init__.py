@@ -1,0 +1,29 @@
+"""lily_py: fast local inference for Qwen3.6-35B-A3B (qwen3_5_moe, MLX 4-bit).
+
+    import lily_py
+    model = lily_py.load("path/or/org-name")       # or lily_py.load() for the tiny demo model
+    for chunk in model.generate([{"role": "user", "content": "Hello"}], max_tokens=64):
+        print(chunk.text, end="", flush=True)
+"""
+from .config import ModelConfig
+from .errors import (BackendError, BusyError, CheckpointError, ConfigError, ContextLengthError,
+                     LilyError)
+from .generation import GenerationChunk, GenerationStats
+from .model import GenerationResult, Model, load
+from .resources import demo_path
+from .sampling import SamplingParams
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "load", "Model", "ModelConfig", "GenerationChunk", "GenerationStats", "GenerationResult",
+    "SamplingParams", "demo_path", "LilyError", "ConfigError", "CheckpointError",
+    "ContextLengthError", "BackendError", "BusyError", "__version__",
+]
+
+
+def build_info() -> dict:
+    """What the compiled core was built with (devices, compiler, version)."""
+    from . import _core
+    return {"version": _core.version(), "compiler": _core.compiler(),
+            "devices": list(_core.devices()), "has_metal": bool(_core.has_metal)}

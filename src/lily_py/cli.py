@@ -1,0 +1,159 @@
+"""Command line: ``lily-py generate``, ``lily-py chat``, ``lily-py info``.
+
+Without ``--model`` every command uses the small demo checkpoint shipped with lily_py, so
+``lily-py generate --prompt "..."`` works on a fresh machine with no download.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import __version__
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", "-m", default=None,
+                   help="checkpoint folder or Hugging Face repo id (default: the bundled demo)")
+    p.add_argument("--backend", default="auto", choices=["auto", "reference", "emu", "metal"],
+                   help="device that runs the model (default: auto)")
+    p.add_argument("--context", type=int, default=None,
+                   help="context length in tokens (default: the model's maximum)")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=200)
+    p.add_argument("--temperature", "--temp", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--thinking", dest="enable_thinking", action=argparse.BooleanOptionalAction,
+                   default=None, help="turn the model's thinking on/off (chat template)")
+
+
+def _sampling_kwargs(a) -> dict:
+    return dict(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
+                min_p=a.min_p, seed=a.seed, stop=a.stop, enable_thinking=a.enable_thinking)
+
+
+def _load(a):
+    from .model import load
+    return load(a.model, backend=a.backend, context_length=a.context)
+
+
+def _stream(model, prompt, a, out) -> str:
+    text = []
+    last = None
+    for chunk in model.generate(prompt, **_sampling_kwargs(a)):
+        out.write(chunk.text)
+        out.flush()
+        text.append(chunk.text)
+        last = chunk
+    out.write("\n")
+    if last is not None and last.stats is not None and not getattr(a, "quiet", False):
+        print(f"[{last.finish_reason}] {last.stats}", file=sys.stderr)
+    return "".join(text)
+
+
+def cmd_generate(a) -> int:
+    model = _load(a)
+    if a.prompt is None:
+        a.prompt = sys.stdin.read()
+    prompt = a.prompt if a.raw else [{"role": "user", "content": a.prompt}]
+    if a.system and not a.raw:
+        prompt.insert(0, {"role": "system", "content": a.system})
+    if not a.raw and (model.tokenizer is None or model.tokenizer.chat_template is None):
+        prompt = a.prompt
+    _stream(model, prompt, a, sys.stdout)
+    return 0
+
+
+def cmd_chat(a) -> int:
+    model = _load(a)
+    messages = [{"role": "system", "content": a.system}] if a.system else []
+    print(f"lily_py chat — {model.config.summary()} [{model.backend}]. "
+          "Commands: /reset, /exit.", file=sys.stderr)
+    while True:
+        try:
+            line = input(">>> ")
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return 0
+        if not line.strip():
+            continue
+        if line.strip() == "/exit":
+            return 0
+        if line.strip() == "/reset":
+            messages = messages[:1] if a.system else []
+            model.reset()
+            print("(conversation cleared)", file=sys.stderr)
+            continue
+        messages.append({"role": "user", "content": line})
+        try:
+            reply = _stream(model, messages, a, sys.stdout)
+        except KeyboardInterrupt:
+            print("\n(interrupted)", file=sys.stderr)
+            messages.pop()
+            continue
+        messages.append({"role": "assistant", "content": reply})
+
+
+def cmd_info(a) -> int:
+    from .checkpoint import load_weights
+    from .hub import resolve
+    from .resources import demo_path
+    folder = demo_path() if a.model is None else resolve(a.model)
+    cfg, w = load_weights(folder)
+    print(f"folder: {folder}")
+    print(cfg.summary())
+    print(f"format: {w.format} (norms stored {w.norm_convention}); "
+          f"{len(w.files)} weight file(s); {w.nbytes() / 1e6:.1f} MB of weights")
+    if w.skipped:
+        print("skipped: " + ", ".join(f"{n} tensor(s) of the {r}" for r, n in w.skipped.items()))
+    try:
+        import lily_py
+        print(f"lily_py {lily_py.__version__}; core: {lily_py.build_info()}")
+    except ImportError as e:
+        print(f"lily_py {__version__}; native core not importable: {e}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="lily-py", description=__doc__.splitlines()[0])
+    ap.add_argument("--version", action="version", version=f"lily_py {__version__}")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    g = sub.add_parser("generate", help="stream a completion to stdout")
+    _add_model_args(g)
+    _add_sampling_args(g)
+    g.add_argument("--prompt", "-p", default=None, help="prompt text (default: read stdin)")
+    g.add_argument("--system", default=None, help="system prompt (chat mode)")
+    g.add_argument("--raw", action="store_true",
+                   help="feed the prompt as plain text instead of a chat user message")
+    g.add_argument("--quiet", "-q", action="store_true", help="no statistics on stderr")
+    g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("chat", help="interactive multi-turn chat")
+    _add_model_args(c)
+    _add_sampling_args(c)
+    c.add_argument("--system", default=None, help="system prompt")
+    c.set_defaults(func=cmd_chat)
+
+    i = sub.add_parser("info", help="describe a checkpoint and this build")
+    i.add_argument("--model", "-m", default=None)
+    i.set_defaults(func=cmd_info)
+
+    a = ap.parse_args(argv)
+    from .errors import LilyError
+    try:
+        return a.func(a)
+    except (LilyError, FileNotFoundError, ValueError) as e:
+        print(f"lily-py: error: {e}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""Streaming generation objects: what ``Model.generate`` yields, and stop-string matching."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class GenerationStats:
+    """Timing and token counts of one ``generate`` call (on the last chunk)."""
+    prompt_tokens: int          # tokens in the rendered prompt
+    reused_tokens: int          # of those, already in the model's state (not prefilled again)
+    prefilled_tokens: int       # prompt tokens actually run through prefill
+    generated_tokens: int       # tokens sampled (including a final stop/EOS token)
+    prefill_seconds: float
+    decode_seconds: float
+    backend: str
+
+    @property
+    def prefill_tokens_per_second(self) -> float:
+        return self.prefilled_tokens / self.prefill_seconds if self.prefill_seconds > 0 else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        # The first generated token comes from the prefill's logits.
+        n = max(0, self.generated_tokens - 1)
+        return n / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+    def __str__(self) -> str:
+        return (f"prompt {self.prompt_tokens} tokens ({self.reused_tokens} reused, "
+                f"{self.prefilled_tokens} prefilled at {self.prefill_tokens_per_second:.1f} tok/s), "
+                f"generated {self.generated_tokens} tokens at "
+                f"{self.decode_tokens_per_second:.1f} tok/s [{self.backend}]")
+
+
+@dataclass
+class GenerationChunk:
+    """One streamed piece of a generation.
+
+    ``text`` is the new text (may be empty while a multi-byte character or a possible stop
+    string is pending), ``token`` the token id sampled at this step (None on a final flush),
+    ``finish_reason`` is None until the last chunk, then "stop" (EOS token or stop string) or
+    "length" (max_tokens reached); the last chunk also carries ``stats``.
+    """
+    text: str
+    token: int | None
+    finish_reason: str | None = None
+    stats: GenerationStats | None = None
+
+
+class StopMatcher:
+    """Holds back streamed text that could still become one of the stop strings.
+
+    ``push(piece)`` returns ``(safe_text, stopped)``: text that can be shown, and whether a stop
+    string completed (then ``safe_text`` ends right before it and the rest is dropped).
+    """
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self.pending = ""
+
+    def push(self, piece: str) -> tuple[str, bool]:
+        if not self.stops:
+            return piece, False
+        buf = self.pending + piece
+        hits = [(buf.find(s), s) for s in self.stops if s in buf]
+        if hits:
+            pos = min(h[0] for h in hits)
+            self.pending = ""
+            return buf[:pos], True
+        # Keep the longest suffix of buf that is a proper prefix of some stop string.
+        hold = 0
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(buf)), 0, -1):
+                if buf.endswith(s[:n]):
+                    hold = max(hold, n)
+                    break
+        self.pending = buf[len(buf) - hold:] if hold else ""
+        return buf[:len(buf) - hold], False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out

@@ -1,0 +1,368 @@
+"""The user-facing model: ``lily_py.load`` and ``Model`` (prefill / decode / reset / generate).
+
+A ``Model`` owns one conversation state (KV cache, DeltaNet state, conv windows) on its backend
+and remembers the token ids it has fed, so a new prompt that extends them (the next turn of a
+chat) only prefills the new tokens.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from .checkpoint import ModelWeights, load_weights
+from .config import ModelConfig
+from .errors import BackendError, BusyError, ContextLengthError
+from .generation import GenerationChunk, GenerationStats, StopMatcher
+from .sampling import SamplingParams, sample
+
+log = logging.getLogger("lily_py")
+
+BACKENDS = ("auto", "reference", "emu", "metal")
+DEFAULT_PREFILL_CHUNK = 4096
+
+
+class ReferenceBackend:
+    """The NumPy reference model as a backend (slow, exact, any machine)."""
+    name = "reference"
+
+    def __init__(self, cfg: ModelConfig, weights: ModelWeights, *, deltanet: str = "chunked"):
+        from .reference.model import ReferenceModel
+        self.model = ReferenceModel(cfg, weights, deltanet=deltanet)
+        self.state = self.model.new_state()
+
+    def forward(self, ids: np.ndarray, *, all_logits: bool) -> np.ndarray:
+        return self.model.forward(ids, self.state, all_logits=all_logits)
+
+    def reset(self) -> None:
+        self.state = self.model.new_state()
+
+
+def _make_backend(name: str, cfg: ModelConfig, weights: ModelWeights):
+    if name not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
+    if name in ("emu", "metal"):
+        raise BackendError(
+            f"backend {name!r} is not available in this build yet: the engine that runs the "
+            "Metal kernels (and their CPU emulator) is under construction. Use "
+            "backend='reference' (or 'auto').")
+    if name == "auto":
+        log.info("lily_py: backend 'auto' selected 'reference' (no engine device in this build)")
+    return ReferenceBackend(cfg, weights)
+
+
+def load(path_or_repo_id: str | os.PathLike | None = None, *, backend: str = "auto",
+         context_length: int | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+         revision: str | None = None) -> "Model":
+    """Load a qwen3_5_moe checkpoint.
+
+    ``path_or_repo_id``: a local folder, a Hugging Face repo id (``org/name``, downloaded through
+    huggingface_hub, text weights only), or None for the small demo model shipped with lily_py.
+    ``context_length``: maximum tokens in the conversation state (default: the config's
+    ``max_position_embeddings``). ``prefill_chunk``: long prompts are prefilled in chunks of
+    this many tokens.
+    """
+    from . import hub
+    from .resources import demo_path
+    from .tokenizer import Tokenizer
+
+    folder = demo_path() if path_or_repo_id is None else hub.resolve(path_or_repo_id,
+                                                                     revision=revision)
+    cfg, weights = load_weights(folder)
+    tok = Tokenizer.from_dir(folder) if os.path.exists(os.path.join(folder, "tokenizer.json")) \
+        else None
+    if tok is None:
+        log.warning("lily_py: %s has no tokenizer.json; only token-id prompts work", folder)
+    return Model(folder, cfg, weights, tok, backend=backend, context_length=context_length,
+                 prefill_chunk=prefill_chunk)
+
+
+@dataclass
+class GenerationResult:
+    """What ``Model.generate_text`` returns."""
+    text: str
+    tokens: list[int]
+    finish_reason: str
+    stats: GenerationStats
+
+
+class Model:
+    """One model with one conversation state. Not thread-safe for concurrent generation: a
+    second ``generate`` while one is running raises ``BusyError``."""
+
+    def __init__(self, path: str, config: ModelConfig, weights: ModelWeights, tokenizer, *,
+                 backend: str = "auto", context_length: int | None = None,
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
+        if context_length is None:
+            context_length = config.max_position_embeddings
+        if not isinstance(context_length, int) or context_length < 1:
+            raise ValueError(f"context_length must be a positive integer, got {context_length!r}")
+        if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be a positive integer, got {prefill_chunk!r}")
+        self.path = path
+        self.config = config
+        self.weights = weights
+        self.tokenizer = tokenizer
+        self.context_length = context_length
+        self.prefill_chunk = prefill_chunk
+        self._backend = _make_backend(backend, config, weights)
+        self._history: list[int] = []
+        self._last_logits: np.ndarray | None = None
+        self._lock = threading.Lock()
+        self._generating = False
+        self.prefilled_tokens_total = 0     # tokens run through prefill since load
+
+    # ---- introspection ------------------------------------------------------------------------
+    @property
+    def backend(self) -> str:
+        return self._backend.name
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        """Token ids currently in the model's state, in order."""
+        return tuple(self._history)
+
+    @property
+    def position(self) -> int:
+        return len(self._history)
+
+    def __repr__(self) -> str:
+        return (f"<lily_py.Model {self.config.summary()}; backend={self.backend}, "
+                f"{self.position}/{self.context_length} tokens in state, path={self.path!r}>")
+
+    # ---- explicit stepping --------------------------------------------------------------------
+    def prefill(self, token_ids: Sequence[int] | np.ndarray, *, all_logits: bool = False
+                ) -> np.ndarray:
+        """Feed ``token_ids`` after the current state. Returns float32 logits of the last
+        position ``[vocab]``, or of every fed position ``[T, vocab]`` with ``all_logits``."""
+        self._check_idle()
+        return self._prefill(token_ids, all_logits=all_logits)
+
+    def decode(self, token_id: int) -> np.ndarray:
+        """Feed one token; returns the next-token logits ``[vocab]`` (float32)."""
+        self._check_idle()
+        if isinstance(token_id, (np.integer,)):
+            token_id = int(token_id)
+        if not isinstance(token_id, int) or isinstance(token_id, bool):
+            raise TypeError(f"decode takes one token id (int), got {type(token_id).__name__}")
+        return self._feed(self._validate_ids([token_id]), all_logits=False)
+
+    def reset(self) -> None:
+        """Clear the KV cache, recurrent and conv state."""
+        self._check_idle()
+        self._reset()
+
+    # ---- generation ---------------------------------------------------------------------------
+    def generate(self, prompt, *, max_tokens: int = 256, temperature: float = 0.0,
+                 top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int | None = None,
+                 stop: Sequence[str] | str | None = None, enable_thinking: bool | None = None,
+                 tools: list | None = None) -> Iterator[GenerationChunk]:
+        """Stream a completion as ``GenerationChunk`` objects.
+
+        ``prompt``: a string (fed as raw text), a list of chat messages
+        (``[{"role": "user", "content": "..."}]``, rendered with the checkpoint's chat template
+        and a generation prompt; ``enable_thinking`` and ``tools`` go to the template), or a list
+        of token ids. If the prompt extends the tokens already in the state, only the new ones
+        are prefilled. Generation ends at an EOS token, a ``stop`` string (not included in the
+        text) or ``max_tokens``. Closing the generator early leaves the model usable.
+        """
+        params = SamplingParams(float(temperature), top_k, float(top_p), float(min_p), seed)
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if not all(isinstance(s, str) for s in stops):
+            raise TypeError(f"stop must be a string or a list of strings, got {stop!r}")
+        ids = self._prompt_ids(prompt, enable_thinking=enable_thinking, tools=tools)
+        with self._lock:
+            if self._generating:
+                raise BusyError("this model is already generating; finish or close the other "
+                                "generator first (one model runs one generation at a time)")
+            self._generating = True
+        try:
+            gen = self._generate(ids, params, max_tokens, stops)
+        except BaseException:
+            self._generating = False
+            raise
+        return _Guarded(gen, self)
+
+    def generate_text(self, prompt, **kwargs) -> GenerationResult:
+        """Non-streaming ``generate``: the whole text, sampled tokens, finish reason, stats."""
+        parts, tokens, last = [], [], None
+        for chunk in self.generate(prompt, **kwargs):
+            parts.append(chunk.text)
+            if chunk.token is not None:
+                tokens.append(chunk.token)
+            last = chunk
+        return GenerationResult("".join(parts), tokens, last.finish_reason, last.stats)
+
+    def _generate(self, ids: list[int], params: SamplingParams, max_tokens: int,
+                  stops: list[str]) -> Iterator[GenerationChunk]:
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        reuse = self._reusable_prefix(ids)
+        if reuse == 0 and self._history:
+            self._reset()
+        t0 = time.perf_counter()
+        if reuse == len(ids):
+            logits = self._last_logits
+        else:
+            logits = self._prefill(ids[reuse:], all_logits=False)
+        t_prefill = time.perf_counter() - t0
+        eos = self._eos_ids()
+        detok = self.tokenizer.detokenizer() if self.tokenizer is not None else None
+        matcher = StopMatcher(stops)
+        t1 = time.perf_counter()
+
+        def stats(n: int) -> GenerationStats:
+            return GenerationStats(len(ids), reuse, len(ids) - reuse, n, t_prefill,
+                                   time.perf_counter() - t1, self.backend)
+
+        for n in range(max_tokens):
+            tok = sample(logits, params, n, seed)
+            if tok in eos:
+                rest = (detok.finalize() if detok else "")
+                text, _ = matcher.push(rest)
+                yield GenerationChunk(text + matcher.flush(), tok, "stop", stats(n + 1))
+                return
+            piece = detok.add(tok) if detok else ""
+            text, stopped = matcher.push(piece)
+            if stopped:
+                yield GenerationChunk(text, tok, "stop", stats(n + 1))
+                return
+            if n == max_tokens - 1 or self.position >= self.context_length:
+                rest = detok.finalize() if detok else ""
+                more, stopped = matcher.push(rest)
+                text += more
+                if not stopped:
+                    text += matcher.flush()
+                yield GenerationChunk(text, tok, "stop" if stopped else "length", stats(n + 1))
+                return
+            yield GenerationChunk(text, tok)
+            logits = self._feed([tok], all_logits=False)
+
+    # ---- internals ----------------------------------------------------------------------------
+    def _check_idle(self) -> None:
+        if self._generating:
+            raise BusyError("the model is generating; close the generator before calling "
+                            "prefill/decode/reset")
+
+    def _reset(self) -> None:
+        self._backend.reset()
+        self._history.clear()
+        self._last_logits = None
+
+    def _eos_ids(self) -> frozenset[int]:
+        if self.tokenizer is not None and self.tokenizer.eos_token_ids:
+            return frozenset(self.tokenizer.eos_token_ids)
+        return frozenset(self.config.eos_token_id)
+
+    def _reusable_prefix(self, ids: list[int]) -> int:
+        h = self._history
+        if h and len(ids) >= len(h) and ids[:len(h)] == h:
+            if len(ids) > len(h) or self._last_logits is not None:
+                return len(h)
+        return 0
+
+    def _prompt_ids(self, prompt, *, enable_thinking, tools) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self._require_tokenizer().encode(prompt)
+        elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+            text = self._require_tokenizer().apply_chat_template(
+                list(prompt), add_generation_prompt=True, enable_thinking=enable_thinking,
+                tools=tools)
+            ids = self.tokenizer.encode(text)
+        elif isinstance(prompt, (list, tuple, np.ndarray)):
+            ids = [int(t) for t in np.asarray(prompt).reshape(-1)] if len(prompt) else []
+        else:
+            raise TypeError("prompt must be a string, a list of chat messages (dicts with 'role' "
+                            f"and 'content') or a list of token ids; got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("the prompt is empty (no tokens to feed)")
+        ids = self._validate_ids(ids)
+        if len(ids) > self.context_length:
+            raise ContextLengthError(f"the prompt has {len(ids)} tokens; the context length is "
+                                     f"{self.context_length}")
+        return ids
+
+    def _require_tokenizer(self):
+        if self.tokenizer is None:
+            raise ValueError(f"{self.path} has no tokenizer.json: pass token ids instead of text")
+        return self.tokenizer
+
+    def _validate_ids(self, token_ids) -> list[int]:
+        arr = np.asarray(token_ids)
+        if arr.ndim != 1:
+            raise ValueError(f"token ids must be a 1-D sequence, got shape {arr.shape}")
+        if arr.size and arr.dtype.kind not in "iu":
+            raise TypeError(f"token ids must be integers, got dtype {arr.dtype}")
+        bad = np.flatnonzero((arr < 0) | (arr >= self.config.vocab_size))
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(f"token id {int(arr[i])} at index {i} is outside the vocabulary "
+                             f"[0, {self.config.vocab_size})")
+        return [int(t) for t in arr]
+
+    def _prefill(self, token_ids, *, all_logits: bool) -> np.ndarray:
+        ids = self._validate_ids(token_ids)
+        if not ids:
+            raise ValueError("prefill needs at least one token id")
+        out = []
+        for s in range(0, len(ids), self.prefill_chunk):
+            chunk = ids[s:s + self.prefill_chunk]
+            last = s + self.prefill_chunk >= len(ids)
+            logits = self._feed(chunk, all_logits=all_logits)
+            if all_logits:
+                out.append(logits)
+            elif last:
+                out.append(logits)
+            self.prefilled_tokens_total += len(chunk)
+        return np.concatenate(out) if all_logits else out[-1]
+
+    def _feed(self, ids: list[int], *, all_logits: bool) -> np.ndarray:
+        if self.position + len(ids) > self.context_length:
+            raise ContextLengthError(
+                f"feeding {len(ids)} tokens after {self.position} would exceed the context "
+                f"length {self.context_length}; call reset() or load with a larger context_length")
+        logits = self._backend.forward(np.asarray(ids, dtype=np.int64), all_logits=all_logits)
+        self._history.extend(ids)
+        self._last_logits = logits[-1] if all_logits else logits
+        return logits
+
+
+class _Guarded:
+    """Wraps the generation generator so that the model is released however iteration ends
+    (exhausted, closed early, garbage-collected, or an exception)."""
+
+    def __init__(self, gen: Iterator[GenerationChunk], model: Model):
+        self._gen, self._model = gen, model
+        self._released = False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> GenerationChunk:
+        try:
+            return next(self._gen)
+        except BaseException:
+            self._release()
+            raise
+
+    def close(self) -> None:
+        try:
+            self._gen.close()
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._model._generating = False
+
+    def __del__(self):
+        if not self._released:
+            self.close()
