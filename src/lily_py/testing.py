@@ -1,0 +1,212 @@
+"""Random-weight qwen3_5_moe checkpoints, for tests, benchmarks and examples.
+
+``make_checkpoint(folder, text_config, fmt="mlx" | "hf", ...)`` writes a folder that
+``lily_py.load`` (and mlx-lm / transformers) accept, with NumPy only: MLX 4-bit layout with the
+8-bit router and shared-expert gate (as mlx-lm writes it), or Hugging Face layout (fused or
+per-expert experts, ``model.`` or ``model.language_model.`` prefix, zero-centred norms).
+
+Quantized weights are generated directly as random codes with per-group scales chosen for a
+target standard deviation, so even the real model's shapes take seconds to write.
+"""
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from .config import ModelConfig
+
+# The real Qwen3.6-35B-A3B text config (MODEL_FACTS.md section 3).
+REAL_TEXT_CONFIG: dict[str, Any] = {
+    "vocab_size": 248320, "hidden_size": 2048, "num_hidden_layers": 40,
+    "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+    "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32, "linear_conv_kernel_dim": 4, "num_experts": 256,
+    "num_experts_per_tok": 8, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+    "rms_norm_eps": 1e-6, "max_position_embeddings": 262144, "tie_word_embeddings": False,
+    "hidden_act": "silu", "full_attention_interval": 4,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0,
+                        "partial_rotary_factor": 0.25},
+}
+
+# A small config with every feature of the real one, for fast tests.
+TINY_TEXT_CONFIG: dict[str, Any] = {
+    "vocab_size": 320, "hidden_size": 128, "num_hidden_layers": 4,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+    "linear_key_head_dim": 32, "linear_value_head_dim": 32, "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4, "linear_conv_kernel_dim": 4, "num_experts": 6,
+    "num_experts_per_tok": 2, "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64,
+    "rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "tie_word_embeddings": False,
+    "hidden_act": "silu", "full_attention_interval": 4,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0,
+                        "partial_rotary_factor": 0.25},
+}
+
+_DT = {"bf16": ml_dtypes.bfloat16, "f16": np.float16, "f32": np.float32}
+
+
+def tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Canonical module -> (kind, logical shape). kind: "linear", "norm" (zero-centred),
+    "vector", "conv", "experts"."""
+    c = cfg
+    H, V, E = c.hidden_size, c.vocab_size, c.num_experts
+    I, Is = c.moe_intermediate_size, c.shared_expert_intermediate_size
+    out: dict[str, tuple[str, tuple[int, ...]]] = {
+        "embed_tokens": ("linear", (V, H)), "norm": ("norm", (H,)), "lm_head": ("linear", (V, H))}
+    for i in range(c.num_hidden_layers):
+        p = f"layers.{i}."
+        out[p + "input_layernorm"] = ("norm", (H,))
+        out[p + "post_attention_layernorm"] = ("norm", (H,))
+        if c.is_full_attention(i):
+            D, Hq, Hkv = c.head_dim, c.num_attention_heads, c.num_key_value_heads
+            out[p + "self_attn.q_proj"] = ("linear", (2 * Hq * D, H))
+            out[p + "self_attn.k_proj"] = ("linear", (Hkv * D, H))
+            out[p + "self_attn.v_proj"] = ("linear", (Hkv * D, H))
+            out[p + "self_attn.o_proj"] = ("linear", (H, Hq * D))
+            out[p + "self_attn.q_norm"] = ("norm", (D,))
+            out[p + "self_attn.k_norm"] = ("norm", (D,))
+        else:
+            a, Hv = p + "linear_attn.", c.linear_num_value_heads
+            out[a + "in_proj_qkv"] = ("linear", (c.linear_conv_dim, H))
+            out[a + "in_proj_z"] = ("linear", (c.linear_value_dim, H))
+            out[a + "in_proj_b"] = ("linear", (Hv, H))
+            out[a + "in_proj_a"] = ("linear", (Hv, H))
+            out[a + "conv1d"] = ("conv", (c.linear_conv_dim, c.linear_conv_kernel_dim))
+            out[a + "dt_bias"] = ("vector", (Hv,))
+            out[a + "A_log"] = ("vector", (Hv,))
+            out[a + "norm"] = ("gated_norm", (c.linear_value_head_dim,))
+            out[a + "out_proj"] = ("linear", (H, c.linear_value_dim))
+        m = p + "mlp."
+        out[m + "gate"] = ("linear8", (E, H))
+        out[m + "shared_expert.gate_proj"] = ("linear", (Is, H))
+        out[m + "shared_expert.up_proj"] = ("linear", (Is, H))
+        out[m + "shared_expert.down_proj"] = ("linear", (H, Is))
+        out[m + "shared_expert_gate"] = ("linear8", (1, H))
+        out[m + "experts.gate_proj"] = ("experts", (E, I, H))
+        out[m + "experts.up_proj"] = ("experts", (E, I, H))
+        out[m + "experts.down_proj"] = ("experts", (E, H, I))
+    return out
+
+
+def _random_quant(rng, shape, bits, group_size, std, sdt):
+    """Random codes with scale/bias so that w = s*q + b has mean ~0 and the given std."""
+    *lead, n, k = shape
+    words = rng.integers(0, 2**32, size=(*lead, n, k * bits // 32), dtype=np.uint32)
+    levels = (1 << bits) - 1
+    unit = np.sqrt((levels + 1) ** 2 - 1) / np.sqrt(12.0)     # std of uniform codes 0..levels
+    s = (std / unit) * rng.uniform(0.5, 1.5, size=(*lead, n, k // group_size))
+    scales = s.astype(sdt)
+    biases = (-s * levels / 2).astype(sdt)
+    return words, scales, biases
+
+
+def _dense(rng, shape, std, dt):
+    return (rng.standard_normal(shape, dtype=np.float32) * std).astype(dt)
+
+
+def make_checkpoint(folder: str | os.PathLike, text_config: dict | None = None, *,
+                    fmt: str = "mlx", bits: int = 4, group_size: int = 64, dtype: str = "bf16",
+                    seed: int = 0, std: float = 0.05, expert_layout: str = "fused",
+                    hf_prefix: str = "model.language_model.", nested: bool = True,
+                    shards: int = 1, extra_tensors: dict[str, np.ndarray] | None = None) -> str:
+    """Write a random-weight checkpoint; returns the folder. See the module docstring."""
+    if fmt not in ("mlx", "hf"):
+        raise ValueError(f"fmt must be 'mlx' or 'hf', got {fmt!r}")
+    text = dict(TINY_TEXT_CONFIG if text_config is None else text_config)
+    raw = {"model_type": "qwen3_5_moe", "text_config": text} if nested else \
+        {"model_type": "qwen3_5_moe_text", **text}
+    cfg = ModelConfig.from_dict(raw)
+    dt = _DT[dtype]
+    pending_gate = None
+    tensors: dict[str, np.ndarray] = {}
+    quant_block: dict[str, Any] = {}
+
+    def name(canon: str) -> str:
+        if fmt == "mlx":
+            return ("language_model." + canon) if canon.startswith("lm_head") else \
+                "language_model.model." + canon
+        return canon if canon.startswith("lm_head") else hf_prefix + canon
+
+    for canon, (kind, shape) in tensor_shapes(cfg).items():
+        # one generator per tensor: the same tensor gets the same values in every format
+        rng = np.random.default_rng([seed, zlib.crc32(canon.encode())])
+        if kind in ("linear", "linear8"):
+            b = 8 if kind == "linear8" else bits
+            sd = std if not canon.startswith(("embed", "lm_head")) else 1.0 if \
+                canon.startswith("embed") else std
+            if fmt == "mlx" and shape[-1] % group_size == 0:
+                w, s, bi = _random_quant(rng, shape, b, group_size, sd, dt)
+                tensors[name(canon) + ".weight"] = w
+                tensors[name(canon) + ".scales"] = s
+                tensors[name(canon) + ".biases"] = bi
+                if kind == "linear8":
+                    quant_block[name(canon)] = {"group_size": group_size, "bits": 8}
+            else:
+                tensors[name(canon) + ".weight"] = _dense(rng, shape, sd, dt)
+        elif kind == "experts":
+            if fmt == "mlx":
+                base = name(canon).replace(".experts.", ".switch_mlp.")
+                if shape[-1] % group_size:       # mlx-lm leaves such modules unquantized
+                    tensors[base + ".weight"] = _dense(rng, shape, std, dt)
+                    continue
+                w, s, bi = _random_quant(rng, shape, bits, group_size, std, dt)
+                tensors[base + ".weight"], tensors[base + ".scales"], tensors[base + ".biases"] = w, s, bi
+            elif expert_layout == "fused":
+                w = _dense(rng, shape, std, dt)
+                if canon.endswith("gate_proj"):
+                    pending_gate = w
+                elif canon.endswith("up_proj"):
+                    tensors[name(canon).replace("up_proj", "gate_up_proj")] = \
+                        np.concatenate([pending_gate, w], 1)
+                else:
+                    tensors[name(canon)] = w
+            else:
+                w = _dense(rng, shape, std, dt)
+                for e in range(shape[0]):
+                    tensors[name(canon).replace(".experts.", f".experts.{e}.") + ".weight"] = w[e]
+        elif kind == "norm":
+            w = rng.normal(0.0, 0.1, size=shape).astype(np.float32)      # HF: zero-centred
+            tensors[name(canon) + ".weight"] = (w + 1.0 if fmt == "mlx" else w).astype(dt)
+        elif kind == "gated_norm":
+            tensors[name(canon) + ".weight"] = rng.uniform(0.8, 1.2, size=shape).astype(dt)
+        elif kind == "conv":
+            w = rng.normal(0, 0.3, size=shape).astype(dt)
+            tensors[name(canon) + ".weight"] = w[:, :, None] if fmt == "mlx" else w[:, None, :]
+        elif kind == "vector":
+            if canon.endswith("A_log"):
+                tensors[name(canon)] = np.log(rng.uniform(1, 16, size=shape)).astype(np.float32)
+            else:
+                tensors[name(canon)] = rng.uniform(-1, 1, size=shape).astype(dt)
+    for k, v in (extra_tensors or {}).items():
+        tensors[k] = v
+    if fmt == "mlx" and quant_block is not None:
+        q = {"group_size": group_size, "bits": bits, "mode": "affine", **quant_block}
+        raw["quantization"] = q
+        raw["quantization_config"] = q
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(raw, f, indent=2)
+    _write_safetensors(folder, tensors, shards, {"format": "mlx"} if fmt == "mlx" else {"format": "pt"})
+    return os.fspath(folder)
+
+
+def _write_safetensors(folder, tensors, shards, metadata):
+    from safetensors.numpy import save_file
+    names = sorted(tensors)
+    if shards <= 1:
+        save_file(tensors, os.path.join(folder, "model.safetensors"), metadata=metadata)
+        return
+    parts = [names[i::shards] for i in range(shards)]
+    weight_map, total = {}, 0
+    for i, part in enumerate(parts):
+        fn = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({k: tensors[k] for k in part}, os.path.join(folder, fn), metadata=metadata)
+        for k in part:
+            weight_map[k] = fn
+            total += tensors[k].nbytes
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
