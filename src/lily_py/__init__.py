@@ -11,6 +11,7 @@ from .errors import (BackendError, BusyError, CheckpointError, ConfigError, Cont
 from .generation import GenerationChunk, GenerationStats
 from .model import GenerationResult, Model, load
 from .resources import demo_path
+from .chat_template import ChatTemplateError
 from .sampling import SamplingParams
 
 __version__ = "0.1.0"
@@ -18,7 +19,7 @@ __version__ = "0.1.0"
 __all__ = [
     "load", "Model", "ModelConfig", "GenerationChunk", "GenerationStats", "GenerationResult",
     "SamplingParams", "demo_path", "LilyError", "ConfigError", "CheckpointError",
-    "ContextLengthError", "BackendError", "BusyError", "__version__",
+    "ContextLengthError", "BackendError", "BusyError", "ChatTemplateError", "__version__",
 ]
 
 

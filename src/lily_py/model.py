@@ -222,7 +222,13 @@ class Model:
             return GenerationStats(len(ids), reuse, len(ids) - reuse, n, t_prefill,
                                    time.perf_counter() - t1, self.backend)
 
+        # The embedding/lm_head may have more rows than the tokenizer has ids (padding): those
+        # ids can never be sampled.
+        n_ids = self.tokenizer.vocab_size if self.tokenizer is not None else self.config.vocab_size
         for n in range(max_tokens):
+            if n_ids < logits.shape[-1]:
+                logits = logits.copy()
+                logits[n_ids:] = -np.inf
             tok = sample(logits, params, n, seed)
             if tok in eos:
                 rest = (detok.finalize() if detok else "")

@@ -99,8 +99,9 @@ def keep_mask(scaled_logits: np.ndarray, top_k: int, top_p: float, min_p: float)
 def sample(logits: np.ndarray, params: SamplingParams, step: int, seed: int) -> int:
     """Choose the next token from ``logits [V]`` (float32)."""
     logits = np.asarray(logits, dtype=np.float32)
-    if not np.all(np.isfinite(logits)):
-        bad = int(np.flatnonzero(~np.isfinite(logits))[0])
+    if np.isnan(logits).any() or np.isposinf(logits).any() or np.isneginf(logits).all():
+        bad = int(np.flatnonzero(~np.isfinite(logits) & ~np.isneginf(logits))[0]) \
+            if not np.isneginf(logits).all() else 0
         raise FloatingPointError(f"logits contain a non-finite value at token id {bad}: "
                                  f"{logits[bad]} (numerical failure in the model)")
     if params.greedy:
