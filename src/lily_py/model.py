@@ -6,6 +6,7 @@ chat) only prefills the new tokens.
 """
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import secrets
@@ -42,6 +43,12 @@ class ReferenceBackend:
 
     def reset(self) -> None:
         self.state = self.model.new_state()
+
+    def snapshot(self):
+        return copy.deepcopy(self.state)
+
+    def restore(self, snap) -> None:
+        self.state = copy.deepcopy(snap)
 
 
 def _make_backend(name: str, cfg: ModelConfig, weights: ModelWeights):
@@ -114,6 +121,9 @@ class Model:
         self._backend = _make_backend(backend, config, weights)
         self._history: list[int] = []
         self._last_logits: np.ndarray | None = None
+        # (prompt ids, backend state, logits) saved right after the last generate() prefill, so
+        # the next turn can roll back to it when the reply re-tokenizes differently.
+        self._snapshot: tuple[list[int], object, np.ndarray] | None = None
         self._lock = threading.Lock()
         self._generating = False
         self.prefilled_tokens_total = 0     # tokens run through prefill since load
@@ -178,14 +188,14 @@ class Model:
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         if not all(isinstance(s, str) for s in stops):
             raise TypeError(f"stop must be a string or a list of strings, got {stop!r}")
-        ids = self._prompt_ids(prompt, enable_thinking=enable_thinking, tools=tools)
+        ids, boundary = self._prompt_ids(prompt, enable_thinking=enable_thinking, tools=tools)
         with self._lock:
             if self._generating:
                 raise BusyError("this model is already generating; finish or close the other "
                                 "generator first (one model runs one generation at a time)")
             self._generating = True
         try:
-            gen = self._generate(ids, params, max_tokens, stops)
+            gen = self._generate(ids, boundary, params, max_tokens, stops)
         except BaseException:
             self._generating = False
             raise
@@ -201,17 +211,30 @@ class Model:
             last = chunk
         return GenerationResult("".join(parts), tokens, last.finish_reason, last.stats)
 
-    def _generate(self, ids: list[int], params: SamplingParams, max_tokens: int,
+    def _generate(self, ids: list[int], boundary: int, params: SamplingParams, max_tokens: int,
                   stops: list[str]) -> Iterator[GenerationChunk]:
         seed = params.seed if params.seed is not None else secrets.randbits(63)
-        reuse = self._reusable_prefix(ids)
-        if reuse == 0 and self._history:
-            self._reset()
         t0 = time.perf_counter()
-        if reuse == len(ids):
+        reuse = self._reusable_prefix(ids)
+        if reuse == 0 and self._snapshot is not None and self._snapshot[0] \
+                and ids[:len(self._snapshot[0])] == self._snapshot[0]:
+            # The prompt extends an earlier prompt but not the generated tokens after it (the
+            # next chat turn re-tokenized the reply differently): roll back to that prompt.
+            self._restore_snapshot()
+            reuse = len(self._history)
+        elif reuse == 0 and self._history:
+            self._reset()
+        # Snapshot the state at the end of the conversation proper (before the generation
+        # prompt): the next turn's prompt starts with exactly these tokens.
+        if reuse < boundary < len(ids):
+            self._prefill(ids[reuse:boundary], all_logits=False)
+            self._snapshot = (list(self._history), self._backend.snapshot(), self._last_logits)
+        if len(self._history) == len(ids):
             logits = self._last_logits
         else:
-            logits = self._prefill(ids[reuse:], all_logits=False)
+            logits = self._prefill(ids[len(self._history):], all_logits=False)
+        if not reuse < boundary < len(ids):
+            self._snapshot = (list(self._history), self._backend.snapshot(), logits)
         t_prefill = time.perf_counter() - t0
         eos = self._eos_ids()
         detok = self.tokenizer.detokenizer() if self.tokenizer is not None else None
@@ -261,6 +284,13 @@ class Model:
         self._backend.reset()
         self._history.clear()
         self._last_logits = None
+        self._snapshot = None
+
+    def _restore_snapshot(self) -> None:
+        history, state, logits = self._snapshot
+        self._backend.restore(state)
+        self._history = list(history)
+        self._last_logits = logits
 
     def _eos_ids(self) -> frozenset[int]:
         if self.tokenizer is not None and self.tokenizer.eos_token_ids:
@@ -274,14 +304,19 @@ class Model:
                 return len(h)
         return 0
 
-    def _prompt_ids(self, prompt, *, enable_thinking, tools) -> list[int]:
+    def _prompt_ids(self, prompt, *, enable_thinking, tools) -> tuple[list[int], int]:
+        """Token ids of the prompt, and where the conversation proper ends in them (before the
+        generation prompt of a chat; the whole prompt otherwise)."""
+        boundary = None
         if isinstance(prompt, str):
             ids = self._require_tokenizer().encode(prompt)
         elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
-            text = self._require_tokenizer().apply_chat_template(
-                list(prompt), add_generation_prompt=True, enable_thinking=enable_thinking,
-                tools=tools)
-            ids = self.tokenizer.encode(text)
+            tok = self._require_tokenizer()
+            kw = dict(enable_thinking=enable_thinking, tools=tools)
+            ids = tok.encode(tok.apply_chat_template(list(prompt), add_generation_prompt=True, **kw))
+            head = tok.encode(tok.apply_chat_template(list(prompt), add_generation_prompt=False, **kw))
+            if head == ids[:len(head)]:
+                boundary = len(head)
         elif isinstance(prompt, (list, tuple, np.ndarray)):
             ids = [int(t) for t in np.asarray(prompt).reshape(-1)] if len(prompt) else []
         else:
@@ -293,7 +328,7 @@ class Model:
         if len(ids) > self.context_length:
             raise ContextLengthError(f"the prompt has {len(ids)} tokens; the context length is "
                                      f"{self.context_length}")
-        return ids
+        return ids, len(ids) if boundary is None else boundary
 
     def _require_tokenizer(self):
         if self.tokenizer is None:
