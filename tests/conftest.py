@@ -1,6 +1,9 @@
 """Shared test helpers: tolerance checks that name the first bad index, and small checkpoints."""
 from __future__ import annotations
 
+import os
+import shutil
+
 import numpy as np
 import pytest
 
@@ -33,3 +36,18 @@ def tiny_mlx(tmp_path_factory):
 def tiny_hf(tmp_path_factory):
     from lily_py.testing import make_checkpoint
     return make_checkpoint(tmp_path_factory.mktemp("tiny_hf"), fmt="hf", dtype="f32", seed=2)
+
+
+TOKENIZER_DIR = os.path.join(os.path.dirname(__file__), "fixtures", "chat", "tokenizer")
+
+
+@pytest.fixture(scope="session")
+def chat_ckpt(tmp_path_factory):
+    """Random-weight MLX checkpoint with a Qwen-style tokenizer and chat template (575 ids; the
+    model's vocabulary is padded to 640 rows like the real model's)."""
+    from lily_py.testing import TINY_TEXT_CONFIG, make_checkpoint
+    p = make_checkpoint(tmp_path_factory.mktemp("chat"), dict(TINY_TEXT_CONFIG, vocab_size=640),
+                        fmt="mlx", seed=11, std=0.08)
+    for f in os.listdir(TOKENIZER_DIR):
+        shutil.copy(os.path.join(TOKENIZER_DIR, f), p)
+    return p

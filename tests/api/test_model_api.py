@@ -1,27 +1,17 @@
 """The Python API contract: prefill / decode / reset / generate, on a random-weight model with a
 Qwen-style tokenizer and chat template (tests/fixtures/chat/tokenizer, 575 ids; the model's
 vocabulary is padded to 640 rows like the real model's)."""
-import os
-import shutil
-
 import numpy as np
 import pytest
 
 import lily_py
 from lily_py import BackendError, BusyError, ContextLengthError
 from lily_py.sampling import SamplingParams, sample
-from lily_py.testing import TINY_TEXT_CONFIG, make_checkpoint
-
-TOKENIZER_DIR = os.path.join(os.path.dirname(__file__), "..", "fixtures", "chat", "tokenizer")
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    p = make_checkpoint(tmp_path_factory.mktemp("api"), dict(TINY_TEXT_CONFIG, vocab_size=640),
-                        fmt="mlx", seed=11, std=0.08)
-    for f in os.listdir(TOKENIZER_DIR):
-        shutil.copy(os.path.join(TOKENIZER_DIR, f), p)
-    return p
+def ckpt(chat_ckpt):
+    return chat_ckpt
 
 
 @pytest.fixture
