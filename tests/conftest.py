@@ -51,3 +51,22 @@ def chat_ckpt(tmp_path_factory):
     for f in os.listdir(TOKENIZER_DIR):
         shutil.copy(os.path.join(TOKENIZER_DIR, f), p)
     return p
+
+
+@pytest.fixture
+def rng(request):
+    """A fresh random generator per test; its seed is reported if the test fails."""
+    import secrets
+    seed = secrets.randbits(32)
+    request.node.user_properties.append(("seed", seed))
+    return np.random.default_rng(seed)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        for name, value in item.user_properties:
+            if name == "seed":
+                report.sections.append(("random seed", f"np.random.default_rng({value})"))

@@ -51,6 +51,11 @@ SKIP_RULES: tuple[tuple[str, re.Pattern], ...] = (
 _MAX_HEADER = 100 * 1024 * 1024
 
 
+def _skip_rule(name: str) -> str | None:
+    """The SKIP_RULES entry that covers tensor ``name``, if any."""
+    return next((r for r, pat in SKIP_RULES if pat.search(name)), None)
+
+
 @dataclass
 class TensorRef:
     name: str            # name as stored in the file
@@ -88,6 +93,10 @@ class SafetensorsFile:
         base = 8 + n
         self.tensors: dict[str, TensorRef] = {}
         for name, info in header.items():
+            if isinstance(info, dict) and info.get("dtype") not in _DTYPES:
+                raise CheckpointError(f"{path}: tensor {name!r} has dtype {info.get('dtype')!r}, "
+                                      f"which lily_py does not read (supported: "
+                                      f"{', '.join(_DTYPES)})")
             try:
                 dtype = _DTYPES[info["dtype"]]
                 shape = tuple(int(d) for d in info["shape"])
@@ -115,7 +124,10 @@ class SafetensorsFile:
 
 
 def find_weight_files(folder: str) -> list[str]:
-    """The checkpoint's safetensors files: from model.safetensors.index.json, else *.safetensors."""
+    """The checkpoint's safetensors files: from model.safetensors.index.json, else *.safetensors.
+
+    A shard listed in the index may be absent if every tensor the index puts in it is skipped
+    by a rule (a vision-only shard that a hub download left out on purpose)."""
     index = os.path.join(folder, "model.safetensors.index.json")
     if os.path.exists(index):
         try:
@@ -123,7 +135,9 @@ def find_weight_files(folder: str) -> list[str]:
                 weight_map = json.load(f)["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
-        files = sorted(set(weight_map.values()))
+        needed = {fn for name, fn in weight_map.items() if not _skip_rule(name)}
+        files = sorted(fn for fn in set(weight_map.values())
+                       if fn in needed or os.path.exists(os.path.join(folder, fn)))
         missing = [fn for fn in files if not os.path.exists(os.path.join(folder, fn))]
         if missing:
             raise CheckpointError(f"{index}: lists shard(s) that are missing from {folder}: "
@@ -212,7 +226,7 @@ class _Loader:
             sf = SafetensorsFile(path)
             self.st[path] = sf
             for name, ref in sf.tensors.items():
-                rule = next((r for r, pat in SKIP_RULES if pat.search(name)), None)
+                rule = _skip_rule(name)
                 if rule is not None:
                     self.skipped[rule] = self.skipped.get(rule, 0) + 1
                     continue
@@ -314,7 +328,13 @@ class _Loader:
                 f"{self.index[module + '.weight'][1].file}: {module}: packed weight "
                 f"{list(w.shape)} / scales {list(scales.shape)} do not match logical shape "
                 f"{list(shape)}")
-        return QuantSpec(bits_num // in_dim, in_dim // scales.shape[-1])
+        bits, group = bits_num // in_dim, in_dim // scales.shape[-1]
+        if bits not in (2, 3, 4, 5, 6, 8) or group not in (32, 64, 128):
+            raise CheckpointError(
+                f"{self.index[module + '.weight'][1].file}: {module}: shapes imply {bits}-bit "
+                f"quantization with group size {group}; supported are 2-6 or 8 bits and groups "
+                "of 32, 64 or 128")
+        return QuantSpec(bits, group)
 
     # ---- model structure --------------------------------------------------------------------
     def build(self) -> ModelWeights:
@@ -423,8 +443,4 @@ def load_weights(folder: str | os.PathLike, cfg: ModelConfig | None = None
 
 def text_weight_files(index: dict) -> list[str]:
     """Shards of a sharded checkpoint that hold at least one tensor the text model uses."""
-    keep = set()
-    for name, fn in index.get("weight_map", {}).items():
-        if not any(pat.search(name) for _, pat in SKIP_RULES):
-            keep.add(fn)
-    return sorted(keep)
+    return sorted({fn for name, fn in index.get("weight_map", {}).items() if not _skip_rule(name)})

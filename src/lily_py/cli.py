@@ -18,6 +18,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="device that runs the model (default: auto)")
     p.add_argument("--context", type=int, default=None,
                    help="context length in tokens (default: the model's maximum)")
+    p.add_argument("--revision", default=None, help="hub revision (branch, tag or commit)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -39,7 +40,7 @@ def _sampling_kwargs(a) -> dict:
 
 def _load(a):
     from .model import load
-    return load(a.model, backend=a.backend, context_length=a.context)
+    return load(a.model, backend=a.backend, context_length=a.context, revision=a.revision)
 
 
 def _stream(model, prompt, a, out) -> str:
@@ -70,6 +71,7 @@ def cmd_generate(a) -> int:
 
 
 def cmd_chat(a) -> int:
+    from .errors import LilyError
     model = _load(a)
     messages = [{"role": "system", "content": a.system}] if a.system else []
     print(f"lily_py chat — {model.config.summary()} [{model.backend}]. "
@@ -94,6 +96,11 @@ def cmd_chat(a) -> int:
             reply = _stream(model, messages, a, sys.stdout)
         except KeyboardInterrupt:
             print("\n(interrupted)", file=sys.stderr)
+            messages.pop()
+            continue
+        except (LilyError, ValueError, TypeError) as e:
+            # e.g. the conversation outgrew --context: keep the session, drop the message
+            print(f"\nlily-py: error: {e} (type /reset to start over)", file=sys.stderr)
             messages.pop()
             continue
         messages.append({"role": "assistant", "content": reply})

@@ -272,6 +272,11 @@ class ModelConfig:
             return None
         if not isinstance(q, Mapping):
             raise ConfigError(f"{source}: field 'quantization': expected an object, found {q!r}")
+        method = q.get("quant_method")
+        if method is not None and method != "mlx":
+            raise ConfigError(f"{source}: field 'quantization_config.quant_method': {method!r} "
+                              "checkpoints are not supported; lily_py reads MLX affine 4/8-bit "
+                              "conversions (e.g. from mlx_lm.convert) and unquantized bf16/fp16/fp32")
         mode = q.get("mode", "affine")
         if mode != "affine":
             raise ConfigError(f"{source}: field 'quantization.mode': expected 'affine' (MLX affine "

@@ -15,7 +15,7 @@ from .checkpoint import text_weight_files
 from .errors import CheckpointError
 
 META_FILES = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-              "chat_template.jinja", "special_tokens_map.json", "model.safetensors.index.json"]
+              "chat_template.jinja", "chat_template.json", "special_tokens_map.json", "model.safetensors.index.json"]
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 

@@ -6,7 +6,6 @@ chat) only prefills the new tokens.
 """
 from __future__ import annotations
 
-import copy
 import logging
 import os
 import secrets
@@ -39,16 +38,21 @@ class ReferenceBackend:
         self.state = self.model.new_state()
 
     def forward(self, ids: np.ndarray, *, all_logits: bool) -> np.ndarray:
-        return self.model.forward(ids, self.state, all_logits=all_logits)
+        # All or nothing: run on a fork and keep it only if every layer finished, so an
+        # exception (or Ctrl-C) mid-step leaves the previous state intact.
+        state = self.state.fork()
+        out = self.model.forward(ids, state, all_logits=all_logits)
+        self.state = state
+        return out
 
     def reset(self) -> None:
         self.state = self.model.new_state()
 
     def snapshot(self):
-        return copy.deepcopy(self.state)
+        return self.state.fork()
 
     def restore(self, snap) -> None:
-        self.state = copy.deepcopy(snap)
+        self.state = snap.fork()
 
 
 def _make_backend(name: str, cfg: ModelConfig, weights: ModelWeights):
@@ -108,8 +112,11 @@ class Model:
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
         if context_length is None:
             context_length = config.max_position_embeddings
-        if not isinstance(context_length, int) or context_length < 1:
-            raise ValueError(f"context_length must be a positive integer, got {context_length!r}")
+        if not isinstance(context_length, int) or not 1 <= context_length <= \
+                config.max_position_embeddings:
+            raise ValueError(f"context_length must be an integer in [1, "
+                             f"{config.max_position_embeddings}] (the model's "
+                             f"max_position_embeddings), got {context_length!r}")
         if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be a positive integer, got {prefill_chunk!r}")
         self.path = path
@@ -192,7 +199,8 @@ class Model:
         with self._lock:
             if self._generating:
                 raise BusyError("this model is already generating; finish or close the other "
-                                "generator first (one model runs one generation at a time)")
+                                "generator first (g.close(), or `with model.generate(...) as g:`); "
+                                "one model runs one generation at a time")
             self._generating = True
         try:
             gen = self._generate(ids, boundary, params, max_tokens, stops)
@@ -216,25 +224,25 @@ class Model:
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         t0 = time.perf_counter()
         reuse = self._reusable_prefix(ids)
-        if reuse == 0 and self._snapshot is not None and self._snapshot[0] \
-                and ids[:len(self._snapshot[0])] == self._snapshot[0]:
-            # The prompt extends an earlier prompt but not the generated tokens after it (the
-            # next chat turn re-tokenized the reply differently): roll back to that prompt.
+        snap = self._snapshot
+        if reuse == 0 and snap is not None and ids[:len(snap[0])] == snap[0]:
+            # The prompt extends an earlier conversation but not the tokens generated after it
+            # (the next chat turn renders or tokenizes the reply differently): roll back.
             self._restore_snapshot()
             reuse = len(self._history)
         elif reuse == 0 and self._history:
             self._reset()
-        # Snapshot the state at the end of the conversation proper (before the generation
-        # prompt): the next turn's prompt starts with exactly these tokens.
-        if reuse < boundary < len(ids):
-            self._prefill(ids[reuse:boundary], all_logits=False)
+        # Keep a snapshot at the end of the conversation proper (before the generation prompt
+        # of a chat; the whole prompt otherwise): the next turn starts with exactly these tokens.
+        if len(self._history) < boundary:
+            self._prefill(ids[len(self._history):boundary], all_logits=False)
+        if len(self._history) == boundary and not (snap is not None and snap[0] == ids[:boundary]
+                                                   and self._snapshot is snap):
             self._snapshot = (list(self._history), self._backend.snapshot(), self._last_logits)
         if len(self._history) == len(ids):
             logits = self._last_logits
         else:
             logits = self._prefill(ids[len(self._history):], all_logits=False)
-        if not reuse < boundary < len(ids):
-            self._snapshot = (list(self._history), self._backend.snapshot(), logits)
         t_prefill = time.perf_counter() - t0
         eos = self._eos_ids()
         detok = self.tokenizer.detokenizer() if self.tokenizer is not None else None
@@ -310,7 +318,8 @@ class Model:
         boundary = None
         if isinstance(prompt, str):
             ids = self._require_tokenizer().encode(prompt)
-        elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+        elif isinstance(prompt, (list, tuple)) and prompt and not isinstance(
+                prompt[0], (int, float, np.number, list, tuple, np.ndarray)):
             tok = self._require_tokenizer()
             kw = dict(enable_thinking=enable_thinking, tools=tools)
             ids = tok.encode(tok.apply_chat_template(list(prompt), add_generation_prompt=True, **kw))
@@ -318,7 +327,7 @@ class Model:
             if head == ids[:len(head)]:
                 boundary = len(head)
         elif isinstance(prompt, (list, tuple, np.ndarray)):
-            ids = [int(t) for t in np.asarray(prompt).reshape(-1)] if len(prompt) else []
+            ids = self._validate_ids(prompt) if len(prompt) else []
         else:
             raise TypeError("prompt must be a string, a list of chat messages (dicts with 'role' "
                             f"and 'content') or a list of token ids; got {type(prompt).__name__}")
@@ -337,6 +346,8 @@ class Model:
 
     def _validate_ids(self, token_ids) -> list[int]:
         arr = np.asarray(token_ids)
+        if arr.dtype == np.bool_:
+            raise TypeError("token ids must be integers, got booleans")
         if arr.ndim != 1:
             raise ValueError(f"token ids must be a 1-D sequence, got shape {arr.shape}")
         if arr.size and arr.dtype.kind not in "iu":
@@ -352,6 +363,7 @@ class Model:
         ids = self._validate_ids(token_ids)
         if not ids:
             raise ValueError("prefill needs at least one token id")
+        self._check_room(len(ids))
         out = []
         for s in range(0, len(ids), self.prefill_chunk):
             chunk = ids[s:s + self.prefill_chunk]
@@ -364,14 +376,18 @@ class Model:
             self.prefilled_tokens_total += len(chunk)
         return np.concatenate(out) if all_logits else out[-1]
 
-    def _feed(self, ids: list[int], *, all_logits: bool) -> np.ndarray:
-        if self.position + len(ids) > self.context_length:
+    def _check_room(self, n: int) -> None:
+        if self.position + n > self.context_length:
             raise ContextLengthError(
-                f"feeding {len(ids)} tokens after {self.position} would exceed the context "
+                f"feeding {n} tokens after {self.position} would exceed the context "
                 f"length {self.context_length}; call reset() or load with a larger context_length")
+
+    def _feed(self, ids: list[int], *, all_logits: bool) -> np.ndarray:
+        self._check_room(len(ids))
         logits = self._backend.forward(np.asarray(ids, dtype=np.int64), all_logits=all_logits)
         self._history.extend(ids)
-        self._last_logits = logits[-1] if all_logits else logits
+        # Our own copy: callers may edit what they get back (e.g. a repetition penalty).
+        self._last_logits = (logits[-1] if all_logits else logits).copy()
         return logits
 
 
@@ -385,6 +401,12 @@ class _Guarded:
 
     def __iter__(self):
         return self
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def __next__(self) -> GenerationChunk:
         try:

@@ -9,10 +9,11 @@ how it was interrupted or resumed.
     choice = argmax_i over kept entries of  logits[i] / temperature + gumbel(uniform(seed, n, i))
 
 which draws from softmax(logits / temperature) restricted to the kept entries. Filters
-(applied to the temperature-scaled distribution, in this order, each keeping at least one
-entry): top-k (the k most likely), top-p (the smallest most-likely set whose probability
-reaches p), min-p (entries with probability >= min_p * max probability).
-Ties (greedy and filters) go to the lowest token id.
+apply one after the other, each to the distribution renormalised over what the previous ones
+kept (the order and semantics of transformers' warpers): top-k (the k most likely), top-p (the
+smallest most-likely set whose probability reaches p), min-p (entries with probability >=
+min_p * max probability). Each keeps at least the most likely entry. Ties (greedy and filters)
+go to the lowest token id.
 """
 from __future__ import annotations
 
@@ -60,13 +61,15 @@ class SamplingParams:
     def __post_init__(self):
         if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not (isinstance(self.top_k, int) and self.top_k >= 0):
+        if not (isinstance(self.top_k, (int, np.integer)) and not isinstance(self.top_k, bool)
+                and self.top_k >= 0):
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not (isinstance(self.min_p, (int, float)) and 0 <= self.min_p <= 1):
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and not (isinstance(self.seed, int) and self.seed >= 0):
+        if self.seed is not None and not (isinstance(self.seed, (int, np.integer))
+                                          and not isinstance(self.seed, bool) and self.seed >= 0):
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
 
     @property
@@ -83,7 +86,7 @@ def keep_mask(scaled_logits: np.ndarray, top_k: int, top_p: float, min_p: float)
         keep_sorted[top_k:] = False
     if top_p < 1.0 or min_p > 0.0:
         s = scaled_logits[order].astype(np.float64)
-        p = np.exp(s - s[0])
+        p = np.where(keep_sorted, np.exp(s - s[0]), 0.0)       # renormalised over the kept set
         p /= p.sum()
         if top_p < 1.0:
             before = np.cumsum(p) - p                            # mass strictly before entry
@@ -106,7 +109,10 @@ def sample(logits: np.ndarray, params: SamplingParams, step: int, seed: int) -> 
                                  f"{logits[bad]} (numerical failure in the model)")
     if params.greedy:
         return int(np.argmax(logits))
-    scaled = logits / np.float32(params.temperature)
+    # Shift by the max first: a tiny temperature then sends every other entry to -inf instead
+    # of overflowing.
+    with np.errstate(over="ignore"):
+        scaled = (logits - logits.max()) / np.float32(params.temperature)
     mask = keep_mask(scaled, params.top_k, params.top_p, params.min_p)
     u = uniform(seed, step, logits.shape[0])
     gumbel = -np.log(-np.log(u))

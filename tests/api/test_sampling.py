@@ -75,6 +75,19 @@ def test_sampled_frequencies_match_the_distribution(params, expected):
     assert np.all(np.abs(counts - n * exp) <= 5 * sd + 1), (counts, n * exp)
 
 
+def test_top_k_then_top_p_renormalises_like_transformers():
+    # p = [.4, .3, .2, .1]; top-k 2 keeps [.4, .3] -> renormalised [.571, .429]; top-p 0.5 then
+    # keeps only the first (transformers' TopK then TopP warpers give the same set).
+    logits = np.log(np.array([0.4, 0.3, 0.2, 0.1], np.float32))
+    assert keep_mask(logits, 2, 0.5, 0.0).tolist() == [True, False, False, False]
+
+
+def test_tiny_temperature_is_greedy_not_overflow():
+    logits = np.array([0.1, 2.0, -1.0, 1.9], np.float32)
+    for t in (1e-40, 1e-30, 1e-8):
+        assert sample(logits, SamplingParams(temperature=t), 0, 5) == 1
+
+
 def test_temperature_sharpens():
     logits = np.log(np.array([0.6, 0.4], np.float32))
     n = 4000
@@ -86,6 +99,7 @@ def test_temperature_sharpens():
 @pytest.mark.parametrize("kw, msg", [
     (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(top_p=1.5), "top_p"),
     (dict(top_k=-2), "top_k"), (dict(min_p=2), "min_p"), (dict(seed=-1), "seed"),
+    (dict(seed=True), "seed"), (dict(top_k=1.5), "top_k"),
 ])
 def test_bad_params(kw, msg):
     with pytest.raises(ValueError, match=msg):

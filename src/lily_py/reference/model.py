@@ -15,7 +15,7 @@ import numpy as np
 
 from ..checkpoint import AttentionWeights, ModelWeights
 from ..config import ModelConfig
-from .attention import attention_layer
+from .attention import KVCache, attention_layer
 from .gated_delta import causal_conv1d, chunked_gated_delta, recurrent_gated_delta
 from .moe import moe_block
 from .ops import gated_rms_norm, l2_normalize, rms_norm, sigmoid, softplus
@@ -23,11 +23,18 @@ from .ops import gated_rms_norm, l2_normalize, rms_norm, sigmoid, softplus
 
 @dataclass
 class ReferenceState:
-    """Everything the model carries between calls."""
+    """Everything the model carries between calls.
+
+    Arrays in here are never modified in place (each step stores new arrays; the KV cache is
+    append-only), so ``fork()`` — a structural copy sharing the arrays — is a full snapshot."""
     position: int = 0
-    kv: dict[int, dict] = field(default_factory=dict)            # layer -> {"k", "v"} [P, Hkv, D]
+    kv: dict[int, KVCache] = field(default_factory=dict)         # layer -> keys/values [P, Hkv, D]
     conv: dict[int, np.ndarray] = field(default_factory=dict)    # layer -> [K-1, C]
     recurrent: dict[int, np.ndarray] = field(default_factory=dict)  # layer -> [Hv, Dk, Dv] fp32
+
+    def fork(self) -> "ReferenceState":
+        return ReferenceState(self.position, {i: c.fork() for i, c in self.kv.items()},
+                              dict(self.conv), dict(self.recurrent))
 
 
 class ReferenceModel:
@@ -49,7 +56,7 @@ class ReferenceModel:
         st = ReferenceState()
         for i in range(c.num_hidden_layers):
             if c.is_full_attention(i):
-                st.kv[i] = {"k": None, "v": None}
+                st.kv[i] = KVCache()
             else:
                 st.conv[i] = np.zeros((c.linear_conv_kernel_dim - 1, c.linear_conv_dim), np.float32)
                 st.recurrent[i] = np.zeros((c.linear_num_value_heads, c.linear_key_head_dim,
@@ -73,7 +80,8 @@ class ReferenceModel:
         return rms_norm(x, self.w.norm, c.rms_norm_eps)
 
     def forward(self, ids, state: ReferenceState, *, all_logits: bool = False) -> np.ndarray:
-        """Feed ``ids``; logits ``[T, V]`` if ``all_logits`` else ``[V]`` for the last token."""
+        """Feed ``ids``; logits ``[T, V]`` if ``all_logits`` else ``[V]`` for the last token.
+        Updates ``state`` layer by layer: callers that need all-or-nothing pass a ``fork()``."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         h = self.hidden_states(ids, state)
         if not all_logits:
