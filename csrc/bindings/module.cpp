@@ -9,12 +9,16 @@
 
 namespace nb = nanobind;
 
+namespace lily::bindings {
+void init_ops(nb::module_& m);  // ops.cpp: lily_py._core.ops, .emu, kernel_table, EmulatorError
+}
+
 #ifndef LILY_VERSION
 #define LILY_VERSION "unknown"
 #endif
 
 static std::vector<std::string> available_devices() {
-  std::vector<std::string> devices;
+  std::vector<std::string> devices{"emu"};
 #if defined(LILY_HAVE_METAL)
   devices.push_back("metal");
 #endif
@@ -42,4 +46,5 @@ NB_MODULE(_core, m) {
 #else
       false;
 #endif
+  lily::bindings::init_ops(m);
 }

@@ -1,0 +1,46 @@
+// NumPy <-> device buffer helpers for the kernel bindings (ops.cpp, emu.cpp).
+#pragma once
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+
+#include <cstring>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "gpu/encoder.h"
+
+namespace lily::bindings {
+
+namespace nb = nanobind;
+
+// Any C-contiguous CPU array (bfloat16 arrives as a uint16 view: see lily_py/ops.py).
+using InArray = nb::ndarray<nb::ro, nb::c_contig, nb::device::cpu>;
+using InOutArray = nb::ndarray<nb::c_contig, nb::device::cpu>;
+
+inline size_t nbytes(const InArray& a) { return a.nbytes(); }
+
+// A device buffer holding a copy of `a`.
+inline std::unique_ptr<gpu::Buffer> upload(gpu::Device& dev, const void* data, size_t bytes) {
+  auto b = dev.new_buffer(bytes);
+  std::memcpy(b->contents(), data, bytes);
+  return b;
+}
+
+// A new NumPy array of `shape` owning a copy of `src`.
+template <class T>
+nb::ndarray<nb::numpy, T> download(const void* src, std::vector<size_t> shape) {
+  size_t n = 1;
+  for (size_t s : shape) n *= s;
+  T* data = new T[n];
+  std::memcpy(data, src, n * sizeof(T));
+  nb::capsule owner(data, [](void* p) noexcept { delete[] static_cast<T*>(p); });
+  return nb::ndarray<nb::numpy, T>(data, shape.size(), shape.data(), owner);
+}
+
+inline void require(bool ok, const std::string& msg) {
+  if (!ok) throw std::invalid_argument(msg);
+}
+
+}  // namespace lily::bindings

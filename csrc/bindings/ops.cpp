@@ -1,0 +1,308 @@
+// lily_py._core.ops: one function per kernel family over NumPy arrays (what lily_py.ops wraps),
+// plus the kernel table. The routing/encoding lives in csrc/gpu/ops/; this file only moves
+// arrays in and out of device buffers.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "bindings/arrays.h"
+#include "emu/emulator.h"
+#include "gpu/dtype.h"
+#include "gpu/kernel_ids.h"
+#include "gpu/ops/elementwise.h"
+#include "gpu/ops/embedding.h"
+#include "gpu/ops/norm.h"
+#include "gpu/ops/qmm.h"
+#if defined(LILY_HAVE_METAL)
+#include "metal/metal_device.h"
+#endif
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace lily::bindings {
+
+emu::Order parse_order(const std::string& s);  // emu.cpp
+void init_emu(nb::module_& parent);              // emu.cpp
+
+namespace {
+
+struct DeviceChoice {
+  std::unique_ptr<gpu::Device> device;
+};
+
+DeviceChoice make_device(const std::string& name, const std::string& order, uint64_t seed, bool fp_traps) {
+  if (name == "emu") {
+    emu::RunOptions o;
+    o.order = parse_order(order);
+    o.seed = seed;
+    o.fp_traps = fp_traps;
+    return {std::make_unique<emu::EmuDevice>(o)};
+  }
+  if (name == "metal") {
+#if defined(LILY_HAVE_METAL)
+    return {metal::create_device()};
+#else
+    throw std::invalid_argument("device 'metal' is not available in this build (built without "
+                                "LILY_METAL: not macOS); use device='emu'");
+#endif
+  }
+  throw std::invalid_argument("unknown device '" + name + "' (expected 'emu' or 'metal')");
+}
+
+nb::dict stats_of(const gpu::Encoder& enc, nb::list kernels) {
+  const gpu::Counters& c = enc.counters();
+  nb::dict d;
+  d["kernels"] = kernels;
+  d["dispatches"] = c.dispatches;
+  d["barriers"] = c.barriers;
+  d["bytes_bound"] = c.bytes_bound;
+  d["threads"] = c.threads;
+  return d;
+}
+
+// One op call: a device, its buffers (copies of the NumPy inputs), one encoder.
+struct Run {
+  DeviceChoice dc;
+  std::vector<std::unique_ptr<gpu::Buffer>> buffers;
+  std::unique_ptr<gpu::Encoder> enc;
+  nb::list kernels;
+
+  Run(const std::string& device, const std::string& order, uint64_t seed, bool fp_traps)
+      : dc(make_device(device, order, seed, fp_traps)), enc(dc.device->new_encoder()) {}
+  gpu::Binding input(const InArray& a) {
+    buffers.push_back(upload(*dc.device, a.data(), a.nbytes()));
+    return {buffers.back().get(), 0, buffers.back()->size()};
+  }
+  gpu::Binding output(size_t bytes) {  // poisoned on the emulator: unwritten elements read NaN
+    buffers.push_back(dc.device->new_buffer(bytes));
+    return {buffers.back().get(), 0, bytes};
+  }
+  template <class F>
+  void encode(gpu::KernelId k, F f) {
+    {
+      nb::gil_scoped_release release;
+      f(*enc);
+      enc->commit();
+      enc->wait();
+    }
+    kernels.append(std::string(gpu::kernel_info(k).name));
+  }
+  nb::object download(const gpu::Binding& b, gpu::DType t, std::vector<size_t> shape) {
+    if (t == gpu::DType::f32) return nb::cast(bindings::download<float>(b.buffer->contents(), shape));
+    return nb::cast(bindings::download<uint16_t>(b.buffer->contents(), shape));
+  }
+  nb::dict stats() { return stats_of(*enc, kernels); }
+};
+
+size_t elem_bits(gpu::DType t) { return gpu::dtype_size(t) * 8; }
+
+void check_array(const InArray& a, const char* fn, const char* what, size_t ndim, size_t bits) {
+  require(a.ndim() == ndim, std::string(fn) + ": " + what + " must be " + std::to_string(ndim) + "-D, got " +
+                                std::to_string(a.ndim()) + "-D");
+  require(a.dtype().bits == bits, std::string(fn) + ": " + what + " has " + std::to_string(a.dtype().bits) +
+                                      "-bit elements, expected " + std::to_string(bits));
+}
+
+
+}  // namespace
+
+void init_ops(nb::module_& parent) {
+  init_emu(parent);
+
+  parent.def("kernel_table", [] {
+    nb::list out;
+    for (const gpu::KernelInfo& k : gpu::kKernelTable) {
+      nb::dict d;
+      d["name"] = std::string(k.name);
+      d["args"] = std::string(k.args);
+      d["args_size"] = k.args_size;
+      d["num_buffers"] = k.num_buffers;
+      out.append(d);
+    }
+    return out;
+  }, "The host kernel table (csrc/gpu/kernel_ids.h): name, args struct, args_size, num_buffers.");
+
+#if defined(LILY_HAVE_METAL)
+  nb::module_ mm = parent.def_submodule("metal", "The Metal device (macOS builds).");
+  mm.def("available", &metal::available, "A Metal device exists on this machine.");
+  mm.def("info", [] {
+    metal::Info i = metal::info();
+    nb::dict d;
+    d["name"] = i.name;
+    d["family"] = i.family;
+    d["library"] = i.library;
+    return d;
+  }, "Device name, GPU family and the library in use.");
+  mm.def("library_functions", &metal::library_functions, "Kernel names in the loaded Metal library.");
+#endif
+
+  nb::module_ m = parent.def_submodule("ops", "Kernels over NumPy arrays (wrapped by lily_py.ops).");
+
+  m.def("qmm_route", [](uint32_t M) { return std::string(gpu::ops::qmm_route_name(gpu::ops::qmm_route(M))); },
+        "M"_a, "Route quantized_matmul takes for M rows of x: 'qmv' or 'qmm'.");
+  m.attr("QMV_MAX_ROWS") = static_cast<uint32_t>(kQmvMaxRows);
+
+  m.def(
+      "quantized_matmul",
+      [](InArray x, InArray w, InArray scales, InArray biases, uint32_t bits, uint32_t group_size,
+         const std::string& x_dtype, const std::string& scale_dtype, const std::string& device,
+         const std::string& order, uint64_t seed, bool fp_traps) {
+        const gpu::DType xt = gpu::parse_dtype(x_dtype, "quantized_matmul: x");
+        const gpu::DType st = gpu::parse_dtype(scale_dtype, "quantized_matmul: scales");
+        const char* fn = "quantized_matmul";
+        check_array(x, fn, "x", 2, elem_bits(xt));
+        check_array(w, fn, "w", 2, 32);
+        check_array(scales, fn, "scales", 2, elem_bits(st));
+        check_array(biases, fn, "biases", 2, elem_bits(st));
+        const uint32_t M = static_cast<uint32_t>(x.shape(0)), K = static_cast<uint32_t>(x.shape(1));
+        const uint32_t N = static_cast<uint32_t>(w.shape(0));
+        require(bits == 4 || bits == 8, "quantized_matmul: bits must be 4 or 8, got " + std::to_string(bits));
+        require(w.shape(1) * 32 == size_t(K) * bits,
+                "quantized_matmul: w has " + std::to_string(w.shape(1)) + " words per row, K=" +
+                    std::to_string(K) + " at " + std::to_string(bits) + " bits needs " +
+                    std::to_string(size_t(K) * bits / 32));
+        require(group_size != 0 && K % group_size == 0 && scales.shape(0) == N &&
+                    scales.shape(1) == K / group_size && biases.shape(0) == N && biases.shape(1) == K / group_size,
+                "quantized_matmul: scales/biases must be [N, K/group_size] = [" + std::to_string(N) + ", " +
+                    std::to_string(group_size ? K / group_size : 0) + "]");
+
+        gpu::ops::QmmOperands op;
+        op.x_dtype = xt;
+        op.scale_dtype = st;
+        op.M = M;
+        op.N = N;
+        op.K = K;
+        op.bits = bits;
+        op.group_size = group_size;
+        Run run(device, order, seed, fp_traps);
+        op.x = run.input(x);
+        op.w = run.input(w);
+        op.scales = run.input(scales);
+        op.biases = run.input(biases);
+        op.y = run.output(size_t(M) * N * gpu::dtype_size(xt));
+        gpu::ops::validate(op);
+        run.encode(gpu::ops::qmm_kernel(gpu::ops::qmm_route(M), bits, xt, st),
+                   [&](gpu::Encoder& e) { gpu::ops::encode_quantized_matmul(e, op); });
+        return nb::make_tuple(run.download(op.y, xt, {M, N}), run.stats());
+      },
+      "x"_a, "w"_a, "scales"_a, "biases"_a, nb::kw_only(), "bits"_a, "group_size"_a, "x_dtype"_a,
+      "scale_dtype"_a, "device"_a = "emu", "order"_a = "shuffle", "seed"_a = 0, "fp_traps"_a = true,
+      "y = x @ dequant(w).T on a device; returns (y, stats). bfloat16 arrays travel as uint16 "
+      "(x_dtype / scale_dtype say which). Use lily_py.ops.quantized_matmul.");
+
+  m.def(
+      "rms_norm",
+      [](InArray x, InArray weight, std::optional<InArray> residual, float eps, float weight_offset,
+         const std::string& x_dtype, const std::string& w_dtype, const std::string& device,
+         const std::string& order, uint64_t seed, bool fp_traps) {
+        const char* fn = "rms_norm";
+        gpu::ops::RmsNormOperands op;
+        op.x_dtype = gpu::parse_dtype(x_dtype, "rms_norm: x");
+        op.w_dtype = gpu::parse_dtype(w_dtype, "rms_norm: weight");
+        check_array(x, fn, "x", 2, elem_bits(op.x_dtype));
+        check_array(weight, fn, "weight", 1, elem_bits(op.w_dtype));
+        op.rows = static_cast<uint32_t>(x.shape(0));
+        op.D = static_cast<uint32_t>(x.shape(1));
+        require(weight.shape(0) == op.D, "rms_norm: weight has " + std::to_string(weight.shape(0)) +
+                                             " elements, rows of x have " + std::to_string(op.D));
+        op.eps = eps;
+        op.weight_offset = weight_offset;
+        Run run(device, order, seed, fp_traps);
+        op.x = run.input(x);
+        op.weight = run.input(weight);
+        const size_t bytes = x.nbytes();
+        if (residual) {
+          check_array(*residual, fn, "residual", 2, elem_bits(op.x_dtype));
+          require(residual->shape(0) == op.rows && residual->shape(1) == op.D, "rms_norm: residual must have the shape of x");
+          op.residual = run.input(*residual);
+          op.h_out = run.output(bytes);
+        }
+        op.y = run.output(bytes);
+        run.encode(gpu::ops::rms_norm_kernel(bool(residual), op.x_dtype, op.w_dtype),
+                   [&](gpu::Encoder& e) { gpu::ops::encode_rms_norm(e, op); });
+        nb::object y = run.download(op.y, op.x_dtype, {op.rows, op.D});
+        nb::object h = residual ? run.download(op.h_out, op.x_dtype, {op.rows, op.D}) : nb::none();
+        return nb::make_tuple(y, h, run.stats());
+      },
+      "x"_a, "weight"_a, "residual"_a.none(), nb::kw_only(), "eps"_a, "weight_offset"_a, "x_dtype"_a, "w_dtype"_a,
+      "device"_a = "emu", "order"_a = "shuffle", "seed"_a = 0, "fp_traps"_a = true,
+      "RMSNorm over rows of x (fused residual add when residual is given); returns (y, h or None, "
+      "stats). Use lily_py.ops.rms_norm.");
+
+  m.def(
+      "embedding",
+      [](InArray ids, InArray table, InArray scales, InArray biases, uint32_t bits, uint32_t group_size,
+         const std::string& out_dtype, const std::string& scale_dtype, const std::string& device,
+         const std::string& order, uint64_t seed, bool fp_traps) {
+        const char* fn = "embedding";
+        gpu::ops::EmbeddingOperands op;
+        op.out_dtype = gpu::parse_dtype(out_dtype, "embedding: out");
+        op.scale_dtype = gpu::parse_dtype(scale_dtype, "embedding: scales");
+        check_array(ids, fn, "ids", 1, 32);
+        check_array(table, fn, "table", 2, 32);
+        check_array(scales, fn, "scales", 2, elem_bits(op.scale_dtype));
+        check_array(biases, fn, "biases", 2, elem_bits(op.scale_dtype));
+        op.tokens = static_cast<uint32_t>(ids.shape(0));
+        op.vocab = static_cast<uint32_t>(table.shape(0));
+        op.bits = bits;
+        op.group_size = group_size;
+        require(bits == 4 || bits == 8, "embedding: bits must be 4 or 8");
+        op.D = static_cast<uint32_t>(table.shape(1) * 32 / bits);
+        require(group_size != 0 && op.D % group_size == 0 && scales.shape(0) == op.vocab &&
+                    scales.shape(1) == op.D / group_size && biases.shape(0) == op.vocab &&
+                    biases.shape(1) == op.D / group_size,
+                "embedding: scales/biases must be [vocab, D/group_size]");
+        Run run(device, order, seed, fp_traps);
+        op.ids = run.input(ids);
+        op.table = run.input(table);
+        op.scales = run.input(scales);
+        op.biases = run.input(biases);
+        op.out = run.output(size_t(op.tokens) * op.D * gpu::dtype_size(op.out_dtype));
+        run.encode(gpu::ops::embedding_kernel(bits, op.out_dtype, op.scale_dtype),
+                   [&](gpu::Encoder& e) { gpu::ops::encode_embedding(e, op); });
+        return nb::make_tuple(run.download(op.out, op.out_dtype, {op.tokens, op.D}), run.stats());
+      },
+      "ids"_a, "table"_a, "scales"_a, "biases"_a, nb::kw_only(), "bits"_a, "group_size"_a, "out_dtype"_a,
+      "scale_dtype"_a, "device"_a = "emu", "order"_a = "shuffle", "seed"_a = 0, "fp_traps"_a = true,
+      "Rows ids of the quantized table, dequantized; returns (out, stats). Use lily_py.ops.embedding.");
+
+  m.def(
+      "elementwise",
+      [](const std::string& which, InArray a, InArray b, bool b_per_row, const std::string& dtype,
+         const std::string& device, const std::string& order, uint64_t seed, bool fp_traps) {
+        gpu::ops::ElementwiseOperands op;
+        if (which == "swiglu") op.op = gpu::ops::Elementwise::swiglu;
+        else if (which == "sigmoid_mul") op.op = gpu::ops::Elementwise::sigmoid_mul;
+        else throw std::invalid_argument("elementwise: unknown op '" + which + "'");
+        const char* fn = which == "swiglu" ? "swiglu" : "sigmoid_mul";
+        op.dtype = gpu::parse_dtype(dtype, fn);
+        check_array(a, fn, "a", 2, elem_bits(op.dtype));
+        check_array(b, fn, "b", 2, elem_bits(op.dtype));
+        op.rows = static_cast<uint32_t>(a.shape(0));
+        op.cols = static_cast<uint32_t>(a.shape(1));
+        op.b_per_row = b_per_row;
+        require(b.shape(0) == op.rows && b.shape(1) == (b_per_row ? 1 : op.cols),
+                std::string(fn) + ": b has the wrong shape");
+        Run run(device, order, seed, fp_traps);
+        op.a = run.input(a);
+        op.b = run.input(b);
+        op.y = run.output(a.nbytes());
+        run.encode(gpu::ops::elementwise_kernel(op.op, op.dtype),
+                   [&](gpu::Encoder& e) { gpu::ops::encode_elementwise(e, op); });
+        return nb::make_tuple(run.download(op.y, op.dtype, {op.rows, op.cols}), run.stats());
+      },
+      "op"_a, "a"_a, "b"_a, nb::kw_only(), "b_per_row"_a, "dtype"_a, "device"_a = "emu", "order"_a = "shuffle",
+      "seed"_a = 0, "fp_traps"_a = true,
+      "swiglu (silu(a) * b) or sigmoid_mul (a * sigmoid(b)); returns (y, stats). Use lily_py.ops.");
+}
+
+}  // namespace lily::bindings

@@ -1,0 +1,96 @@
+// The emulator device: host-side API (buffers, launches, the gpu::Device implementation).
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "emu/runtime.h"
+#include "gpu/encoder.h"
+
+namespace lily::emu {
+
+enum class Order : uint8_t {
+  forward,  // threads (and threadgroups) resumed in index order
+  reverse,  // reverse index order
+  shuffle,  // a fresh random order every scheduling round, from `seed` (default)
+};
+
+struct RunOptions {
+  Order order = Order::shuffle;
+  uint64_t seed = 0;
+  bool fp_traps = true;              // trap arithmetic on NaN (poison) where supported
+  size_t stack_bytes = 128 * 1024;   // per GPU thread
+};
+
+// A buffer whose bytes end flush against an inaccessible region of kGuardBytes (and start
+// kGuardBytes after another, where LILY_EMU_SIGNALS), with the slack before it and the alignment
+// tail after it filled with poison. New buffers are poisoned. An access up to kGuardBytes outside
+// the buffer faults at once; farther ones fault only if they hit unmapped memory.
+class GuardedBuffer final : public gpu::Buffer {
+ public:
+  static constexpr size_t kGuardBytes = 64 * 1024;
+
+  explicit GuardedBuffer(size_t bytes);
+  ~GuardedBuffer() override;
+  GuardedBuffer(const GuardedBuffer&) = delete;
+  GuardedBuffer& operator=(const GuardedBuffer&) = delete;
+
+  void* contents() override { return data_; }
+  size_t size() const override { return size_; }
+
+  // While a kernel runs, buffers bound only to `const device T*` parameters are read-only.
+  void set_read_only(bool read_only);
+  // After a dispatch: "" if the poison around the data is intact, else what was overwritten
+  // (and the poison is restored).
+  std::string check_slack();
+
+  // For fault reports: where `addr` lies relative to this buffer.
+  enum class Where { outside, guard_before, guard_after, slack_before, slack_after, data };
+  Where classify(const void* addr) const;
+  long long offset_of(const void* addr) const;  // addr - data start
+
+ private:
+  char* map_ = nullptr;
+  size_t map_len_ = 0;
+  char* lo_ = nullptr;    // first accessible byte (after the leading guard page)
+  char* hi_ = nullptr;    // one past the last accessible byte (trailing guard page starts here)
+  char* data_ = nullptr;  // hi_ - round_up(size_, 16)
+  size_t size_ = 0;
+  size_t guard_ = 0;
+};
+
+// One kernel launch on the emulator.
+struct Launch {
+  const KernelEntry* kernel = nullptr;
+  const void* args = nullptr;
+  size_t args_size = 0;
+  std::vector<gpu::Binding> buffers;  // buffers[i] is [[buffer(i + 1)]]; must be GuardedBuffers
+  gpu::Size3 groups, threads;
+};
+
+// Runs every threadgroup of the launch; throws KernelError (with the kernel name, the
+// threadgroup, the thread and the shader call site) on anything a GPU would hide.
+void run(const Launch& launch, const RunOptions& options);
+
+struct Features {
+  const char* fibers;  // context-switch implementation
+  bool guard_pages;    // out-of-bounds access faults immediately (else: canary check after)
+  bool fp_traps;       // arithmetic on poisoned memory raises immediately (else: NaN results)
+};
+Features features();
+
+// gpu::Device for the emulator: dispatches execute immediately, in encoding order.
+class EmuDevice final : public gpu::Device {
+ public:
+  explicit EmuDevice(RunOptions options = {}) : options_(options) {}
+  std::string_view name() const override { return "emu"; }
+  std::unique_ptr<gpu::Buffer> new_buffer(size_t bytes) override;
+  std::unique_ptr<gpu::Encoder> new_encoder() override;
+
+ private:
+  RunOptions options_;
+};
+
+}  // namespace lily::emu

@@ -1,0 +1,734 @@
+// Metal Shading Language as C++: the subset of MSL the shaders use, implemented for the emulator.
+//
+// Included only by csrc/emu/shaders_emu.cpp, after every standard header (the address-space
+// macros at the end of this file would break them). Implemented here:
+//   types      bfloat (struct, round-to-nearest-even), half (_Float16 where the compiler has it),
+//              vec<T,2|3|4> (float2..4, int2..4, uint2..4, ...; .x .y .z .w and [i], no swizzles),
+//              uint/ushort/uchar/ulong
+//   math       abs min max clamp fma exp exp2 log log2 sqrt rsqrt floor ceil round rint trunc tanh
+//              sin cos pow powr select mix saturate isnan isinf isfinite dot, also in fast:: and
+//              precise:: (all precise here), as_type
+//   sync       threadgroup_barrier, simdgroup_barrier (mem_flags accepted, memory is coherent)
+//   simd       simd_sum simd_max simd_min simd_prefix_{inclusive,exclusive}_sum simd_shuffle
+//              simd_shuffle_{up,down,xor} simd_broadcast simd_broadcast_first simd_all simd_any
+//              simd_is_first; every lane of the simdgroup must call each collective (checked)
+//   atomics    atomic_int/atomic_uint/atomic_float: atomic_{load,store,exchange}_explicit,
+//              atomic_fetch_{add,sub,min,max}_explicit, atomic_compare_exchange_weak_explicit
+//   matrices   simdgroup_matrix<T,8,8> (float/half/bfloat), distributed over the lanes:
+//              make_filled_simdgroup_matrix, diagonal constructor, simdgroup_load/store
+//              (matrix_origin must be 0), simdgroup_multiply(_accumulate)
+//   kernels    LILY_INSTANTIATE registers a kernel under its host name; LILY_TG_ARRAY declares a
+//              threadgroup array (shared by the threadgroup, poisoned with signalling NaN);
+//              LILY_KERNEL_TAIL is the fixed list of built-in thread-position parameters.
+#pragma once
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+
+#include "emu/runtime.h"
+
+#define LILY_EMU 1
+
+namespace metal {
+
+using uint = unsigned int;
+using ushort = unsigned short;
+using uchar = unsigned char;
+using ulong = uint64_t;
+using std::numeric_limits;
+
+#if defined(__FLT16_MAX__)
+using half = _Float16;
+#endif
+
+// ---------------------------------------------------------------------------- bfloat
+struct bfloat {
+  uint16_t bits;
+  bfloat() = default;
+  explicit constexpr bfloat(float f) : bits(from_float(f)) {}
+  explicit constexpr bfloat(double d) : bfloat(static_cast<float>(d)) {}
+  explicit constexpr bfloat(int i) : bfloat(static_cast<float>(i)) {}
+  explicit constexpr bfloat(unsigned i) : bfloat(static_cast<float>(i)) {}
+  constexpr operator float() const { return std::bit_cast<float>(uint32_t(bits) << 16); }
+
+  static constexpr uint16_t from_float(float f) {
+    uint32_t u = std::bit_cast<uint32_t>(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // NaN
+    u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest, ties to even
+    return static_cast<uint16_t>(u >> 16);
+  }
+};
+static_assert(sizeof(bfloat) == 2);
+
+// ---------------------------------------------------------------------------- vectors
+template <class T, int N>
+struct vec_storage;
+template <class T>
+struct alignas(2 * sizeof(T)) vec_storage<T, 2> {
+  union {
+    struct { T x, y; };
+    T v[2];
+  };
+};
+template <class T>
+struct alignas(4 * sizeof(T)) vec_storage<T, 3> {
+  union {
+    struct { T x, y, z; };
+    T v[4];
+  };
+};
+template <class T>
+struct alignas(4 * sizeof(T)) vec_storage<T, 4> {
+  union {
+    struct { T x, y, z, w; };
+    T v[4];
+  };
+};
+
+template <class T, int N>
+struct vec;
+
+template <class U>
+struct vec_info {
+  static constexpr int size = 1;
+};
+template <class U, int M>
+struct vec_info<vec<U, M>> {
+  static constexpr int size = M;
+};
+
+template <class T, int N>
+struct vec : vec_storage<T, N> {
+  using value_type = T;
+  vec() = default;
+  constexpr vec(T s) {  // broadcast (MSL: float4(1.0f))
+    for (int i = 0; i < N; ++i) this->v[i] = s;
+  }
+  // Component-wise construction from scalars and smaller vectors: float4(a, b, c, d),
+  // float4(float2, float2), float4(float3, w), uint3(x, y, z).
+  template <class A, class B, class... C>
+  constexpr vec(const A& a, const B& b, const C&... c) {
+    static_assert(vec_info<A>::size + vec_info<B>::size + (vec_info<C>::size + ... + 0) == N,
+                  "vector constructor: component count must equal the vector size");
+    int k = 0;
+    put(k, a);
+    put(k, b);
+    (put(k, c), ...);
+  }
+  template <class U>
+  explicit constexpr vec(const vec<U, N>& o) {  // conversion: float4(int4) converts each value
+    for (int i = 0; i < N; ++i) this->v[i] = static_cast<T>(o.v[i]);
+  }
+  constexpr T& operator[](int i) { return this->v[i]; }
+  constexpr const T& operator[](int i) const { return this->v[i]; }
+
+ private:
+  template <class U>
+  constexpr void put(int& k, const U& u) {
+    if constexpr (vec_info<U>::size == 1) {
+      this->v[k++] = static_cast<T>(u);
+    } else {
+      for (int i = 0; i < vec_info<U>::size; ++i) this->v[k++] = static_cast<T>(u.v[i]);
+    }
+  }
+};
+
+#define LILY_VEC_TYPES(T, name) \
+  using name##2 = vec<T, 2>;    \
+  using name##3 = vec<T, 3>;    \
+  using name##4 = vec<T, 4>;
+LILY_VEC_TYPES(float, float)
+LILY_VEC_TYPES(int, int)
+LILY_VEC_TYPES(unsigned int, uint)
+LILY_VEC_TYPES(unsigned short, ushort)
+LILY_VEC_TYPES(unsigned char, uchar)
+LILY_VEC_TYPES(short, short)
+LILY_VEC_TYPES(bfloat, bfloat)
+LILY_VEC_TYPES(bool, bool)
+LILY_VEC_TYPES(uint64_t, ulong)
+#if defined(__FLT16_MAX__)
+LILY_VEC_TYPES(_Float16, half)
+#endif
+#undef LILY_VEC_TYPES
+
+#define LILY_VEC_BINOP(op)                                                             \
+  template <class T, int N>                                                            \
+  constexpr vec<T, N> operator op(const vec<T, N>& a, const vec<T, N>& b) {            \
+    vec<T, N> r;                                                                       \
+    for (int i = 0; i < N; ++i) r.v[i] = static_cast<T>(a.v[i] op b.v[i]);             \
+    return r;                                                                          \
+  }                                                                                    \
+  template <class T, int N, class S, class = std::enable_if_t<std::is_arithmetic_v<S>>> \
+  constexpr vec<T, N> operator op(const vec<T, N>& a, S s) {                           \
+    return a op vec<T, N>(static_cast<T>(s));                                          \
+  }                                                                                    \
+  template <class T, int N, class S, class = std::enable_if_t<std::is_arithmetic_v<S>>> \
+  constexpr vec<T, N> operator op(S s, const vec<T, N>& a) {                           \
+    return vec<T, N>(static_cast<T>(s)) op a;                                          \
+  }                                                                                    \
+  template <class T, int N, class S>                                                   \
+  constexpr vec<T, N>& operator op##=(vec<T, N>& a, const S& b) {                      \
+    a = a op b;                                                                        \
+    return a;                                                                          \
+  }
+LILY_VEC_BINOP(+)
+LILY_VEC_BINOP(-)
+LILY_VEC_BINOP(*)
+LILY_VEC_BINOP(/)
+LILY_VEC_BINOP(&)
+LILY_VEC_BINOP(|)
+LILY_VEC_BINOP(^)
+LILY_VEC_BINOP(<<)
+LILY_VEC_BINOP(>>)
+#undef LILY_VEC_BINOP
+
+template <class T, int N>
+constexpr vec<T, N> operator-(const vec<T, N>& a) {
+  vec<T, N> r;
+  for (int i = 0; i < N; ++i) r.v[i] = -a.v[i];
+  return r;
+}
+
+// ---------------------------------------------------------------------------- math
+// Templates (not overloads) so the C library's float overloads stay unambiguous; vectors apply
+// the scalar function per component.
+#define LILY_MATH1(name, expr)                                     \
+  template <class T>                                               \
+  inline T name(T x) {                                             \
+    if constexpr (vec_info<T>::size > 1) {                         \
+      T r;                                                         \
+      for (int i = 0; i < vec_info<T>::size; ++i) r.v[i] = name(x.v[i]); \
+      return r;                                                    \
+    } else if constexpr (std::is_same_v<T, bfloat>) {              \
+      return bfloat(name(static_cast<float>(x)));                  \
+    } else {                                                       \
+      return static_cast<T>(expr);                                 \
+    }                                                              \
+  }
+#define LILY_MATH_FUNCS                                           \
+  LILY_MATH1(exp, std::exp(x))                                    \
+  LILY_MATH1(exp2, std::exp2(x))                                  \
+  LILY_MATH1(log, std::log(x))                                    \
+  LILY_MATH1(log2, std::log2(x))                                  \
+  LILY_MATH1(sqrt, std::sqrt(x))                                  \
+  LILY_MATH1(rsqrt, 1.0f / std::sqrt(x))                          \
+  LILY_MATH1(floor, std::floor(x))                                \
+  LILY_MATH1(ceil, std::ceil(x))                                  \
+  LILY_MATH1(round, std::round(x))                                \
+  LILY_MATH1(rint, std::rint(x))                                  \
+  LILY_MATH1(trunc, std::trunc(x))                                \
+  LILY_MATH1(tanh, std::tanh(x))                                  \
+  LILY_MATH1(sin, std::sin(x))                                    \
+  LILY_MATH1(cos, std::cos(x))                                    \
+  LILY_MATH1(saturate, std::fmin(std::fmax(x, T(0)), T(1)))
+LILY_MATH_FUNCS
+namespace precise {
+LILY_MATH_FUNCS
+}
+namespace fast {
+LILY_MATH_FUNCS
+}
+#undef LILY_MATH_FUNCS
+#undef LILY_MATH1
+
+template <class T>
+inline T abs(T x) {
+  if constexpr (vec_info<T>::size > 1) {
+    T r;
+    for (int i = 0; i < vec_info<T>::size; ++i) r.v[i] = abs(x.v[i]);
+    return r;
+  } else if constexpr (std::is_floating_point_v<T>) {
+    return std::fabs(x);
+  } else if constexpr (std::is_unsigned_v<T>) {
+    return x;
+  } else {
+    return x < 0 ? -x : x;
+  }
+}
+template <class T>
+inline T fabs(T x) { return abs(x); }
+
+// MSL max/min on floats return the non-NaN operand (fmax/fmin).
+template <class T>
+inline T max(T a, T b) {
+  if constexpr (vec_info<T>::size > 1) {
+    T r;
+    for (int i = 0; i < vec_info<T>::size; ++i) r.v[i] = max(a.v[i], b.v[i]);
+    return r;
+  } else if constexpr (std::is_floating_point_v<T>) {
+    return std::fmax(a, b);
+  } else if constexpr (std::is_same_v<T, bfloat>) {
+    return bfloat(std::fmax(float(a), float(b)));
+  } else {
+    return a < b ? b : a;
+  }
+}
+template <class T>
+inline T min(T a, T b) {
+  if constexpr (vec_info<T>::size > 1) {
+    T r;
+    for (int i = 0; i < vec_info<T>::size; ++i) r.v[i] = min(a.v[i], b.v[i]);
+    return r;
+  } else if constexpr (std::is_floating_point_v<T>) {
+    return std::fmin(a, b);
+  } else if constexpr (std::is_same_v<T, bfloat>) {
+    return bfloat(std::fmin(float(a), float(b)));
+  } else {
+    return b < a ? b : a;
+  }
+}
+template <class T>
+inline T fmax(T a, T b) { return max(a, b); }
+template <class T>
+inline T fmin(T a, T b) { return min(a, b); }
+template <class T>
+inline T clamp(T x, T lo, T hi) { return min(max(x, lo), hi); }
+template <class T>
+inline T fma(T a, T b, T c) {
+  if constexpr (vec_info<T>::size > 1) {
+    T r;
+    for (int i = 0; i < vec_info<T>::size; ++i) r.v[i] = fma(a.v[i], b.v[i], c.v[i]);
+    return r;
+  } else {
+    return std::fma(a, b, c);
+  }
+}
+template <class T>
+inline T pow(T a, T b) { return std::pow(a, b); }
+template <class T>
+inline T powr(T a, T b) { return std::pow(a, b); }
+template <class T>
+inline T mix(T a, T b, T t) { return a + (b - a) * t; }
+template <class T>
+inline T select(T a, T b, bool c) { return c ? b : a; }
+template <class T>
+inline bool isnan(T x) { return std::isnan(static_cast<float>(x)); }
+template <class T>
+inline bool isinf(T x) { return std::isinf(static_cast<float>(x)); }
+template <class T>
+inline bool isfinite(T x) { return std::isfinite(static_cast<float>(x)); }
+template <class T, int N>
+inline T dot(const vec<T, N>& a, const vec<T, N>& b) {
+  T s = a.v[0] * b.v[0];
+  for (int i = 1; i < N; ++i) s += a.v[i] * b.v[i];
+  return s;
+}
+template <class To, class From>
+inline To as_type(const From& f) {
+  static_assert(sizeof(To) == sizeof(From), "as_type: sizes differ");
+  return std::bit_cast<To>(f);
+}
+
+// ---------------------------------------------------------------------------- synchronisation
+enum class mem_flags : unsigned { mem_none = 0, mem_device = 1, mem_threadgroup = 2, mem_texture = 4 };
+constexpr mem_flags operator|(mem_flags a, mem_flags b) {
+  return static_cast<mem_flags>(static_cast<unsigned>(a) | static_cast<unsigned>(b));
+}
+
+inline void threadgroup_barrier(mem_flags, const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+  ::lily::emu::threadgroup_sync(file, line);
+}
+inline void simdgroup_barrier(mem_flags, const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+  ::lily::emu::simd_sync("simdgroup_barrier", file, line);
+}
+
+// ---------------------------------------------------------------------------- simd collectives
+namespace detail {
+
+// Every lane writes its value into its slot of the simdgroup's exchange area, waits until all
+// lanes arrived at the same collective, then computes the result from all slots (each lane the
+// same way, so all lanes agree). Two areas alternate so a fast lane cannot overwrite values that
+// slower lanes still read.
+template <class V>
+struct Exchange {
+  const unsigned char* base;
+  uint32_t lane, width;
+  const V& at(uint32_t l) const { return *reinterpret_cast<const V*>(base + l * ::lily::emu::kSlotBytes); }
+};
+
+template <class V>
+inline Exchange<V> exchange(const V& value, const char* op, const char* file, int line) {
+  static_assert(sizeof(V) <= ::lily::emu::kSlotBytes && std::is_trivially_copyable_v<V>,
+                "simd collective on a type larger than the emulator's exchange slot");
+  ::lily::emu::LaneView& lv = ::lily::emu::lane_view();
+  unsigned char* base =
+      lv.slots + (lv.simd_seq & 1u) * ::lily::emu::kSimdWidth * ::lily::emu::kSlotBytes;
+  std::memcpy(base + lv.lane * ::lily::emu::kSlotBytes, &value, sizeof(V));
+  const uint32_t lane = lv.lane, width = lv.simd_width;
+  ::lily::emu::simd_sync(op, file, line);
+  return {base, lane, width};
+}
+
+template <class T>
+inline T add(const T& a, const T& b) {
+  if constexpr (std::is_same_v<T, bfloat>) return bfloat(float(a) + float(b));
+  else return a + b;
+}
+
+template <class T, class F>
+inline T tree(const Exchange<T>& ex, F f) {  // pairwise reduction in lane order
+  T vals[::lily::emu::kSimdWidth];
+  for (uint32_t i = 0; i < ex.width; ++i) vals[i] = ex.at(i);
+  for (uint32_t stride = 1; stride < ex.width; stride *= 2)
+    for (uint32_t i = 0; i + stride < ex.width; i += 2 * stride) vals[i] = f(vals[i], vals[i + stride]);
+  return vals[0];
+}
+
+struct WithIndex {  // value + per-lane parameter that must be uniform (delta, lane id, mask)
+  alignas(16) unsigned char value[48];
+  uint32_t param;
+};
+
+template <class T>
+inline T shuffle_common(T v, uint32_t param, int kind, const char* op, const char* file, int line) {
+  static_assert(sizeof(T) <= 48, "simd shuffle on a type larger than 48 bytes");
+  WithIndex w{};
+  std::memcpy(w.value, &v, sizeof(T));
+  w.param = param;
+  auto ex = exchange(w, op, file, line);
+  uint32_t src = 0;
+  switch (kind) {
+    case 0: src = param; break;                   // simd_shuffle: any lane, per-lane index
+    case 1: src = ex.lane + param; break;         // shuffle_down
+    case 2: src = ex.lane - param; break;         // shuffle_up (wraps below 0: checked below)
+    case 3: src = ex.lane ^ param; break;         // shuffle_xor
+    case 4: src = param; break;                   // broadcast: uniform lane
+  }
+  if (kind != 0)
+    for (uint32_t l = 0; l < ex.width; ++l)
+      if (ex.at(l).param != param)
+        ::lily::emu::kernel_fail(std::string(op) + ": argument differs between lanes (" +
+                                     std::to_string(param) + " vs " + std::to_string(ex.at(l).param) +
+                                     "); it must be uniform",
+                                 file, line);
+  if ((kind == 1 && src >= ex.width) || (kind == 2 && param > ex.lane)) return v;  // edge lanes keep theirs
+  if (src >= ex.width)
+    ::lily::emu::kernel_fail(std::string(op) + ": source lane " + std::to_string(src) +
+                                 " does not exist (simdgroup has " + std::to_string(ex.width) + " lanes)",
+                             file, line);
+  T out;
+  std::memcpy(&out, ex.at(src).value, sizeof(T));
+  return out;
+}
+
+}  // namespace detail
+
+template <class T>
+inline T simd_sum(T v, const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+  auto ex = detail::exchange(v, "simd_sum", file, line);
+  return detail::tree(ex, [](const T& a, const T& b) { return detail::add(a, b); });
+}
+template <class T>
+inline T simd_max(T v, const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+  auto ex = detail::exchange(v, "simd_max", file, line);
+  return detail::tree(ex, [](const T& a, const T& b) { return max(a, b); });
+}
+template <class T>
+inline T simd_min(T v, const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+  auto ex = detail::exchange(v, "simd_min", file, line);
+  return detail::tree(ex, [](const T& a, const T& b) { return min(a, b); });
+}
+template <class T>
+inline T simd_prefix_inclusive_sum(T v, const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+  auto ex = detail::exchange(v, "simd_prefix_inclusive_sum", file, line);
+  T s = ex.at(0);
+  for (uint32_t l = 1; l <= ex.lane; ++l) s = detail::add(s, ex.at(l));
+  return s;
+}
+template <class T>
+inline T simd_prefix_exclusive_sum(T v, const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+  auto ex = detail::exchange(v, "simd_prefix_exclusive_sum", file, line);
+  T s = T(0);
+  for (uint32_t l = 0; l < ex.lane; ++l) s = detail::add(s, ex.at(l));
+  return s;
+}
+template <class T>
+inline T simd_shuffle(T v, ushort lane, const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+  return detail::shuffle_common(v, lane, 0, "simd_shuffle", file, line);
+}
+template <class T>
+inline T simd_shuffle_down(T v, ushort delta, const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+  return detail::shuffle_common(v, delta, 1, "simd_shuffle_down", file, line);
+}
+template <class T>
+inline T simd_shuffle_up(T v, ushort delta, const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+  return detail::shuffle_common(v, delta, 2, "simd_shuffle_up", file, line);
+}
+template <class T>
+inline T simd_shuffle_xor(T v, ushort mask, const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+  return detail::shuffle_common(v, mask, 3, "simd_shuffle_xor", file, line);
+}
+template <class T>
+inline T simd_broadcast(T v, ushort lane, const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+  return detail::shuffle_common(v, lane, 4, "simd_broadcast", file, line);
+}
+template <class T>
+inline T simd_broadcast_first(T v, const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+  return detail::shuffle_common(v, 0, 4, "simd_broadcast_first", file, line);
+}
+inline bool simd_all(bool b, const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+  auto ex = detail::exchange(b, "simd_all", file, line);
+  for (uint32_t l = 0; l < ex.width; ++l)
+    if (!ex.at(l)) return false;
+  return true;
+}
+inline bool simd_any(bool b, const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+  auto ex = detail::exchange(b, "simd_any", file, line);
+  for (uint32_t l = 0; l < ex.width; ++l)
+    if (ex.at(l)) return true;
+  return false;
+}
+inline bool simd_is_first() { return ::lily::emu::lane_view().lane == 0; }  // all lanes active
+
+// ---------------------------------------------------------------------------- atomics
+enum memory_order { memory_order_relaxed, memory_order_acquire, memory_order_release,
+                    memory_order_acq_rel, memory_order_seq_cst };
+
+template <class T>
+struct atomic {
+  T value;
+};
+using atomic_int = atomic<int>;
+using atomic_uint = atomic<unsigned int>;
+using atomic_float = atomic<float>;
+
+template <class T, class U>
+inline void atomic_store_explicit(volatile atomic<T>* a, U v, memory_order) {
+  T t = static_cast<T>(v);
+  __atomic_store(&a->value, &t, __ATOMIC_SEQ_CST);
+}
+template <class T>
+inline T atomic_load_explicit(volatile atomic<T>* a, memory_order) {
+  T t;
+  __atomic_load(&a->value, &t, __ATOMIC_SEQ_CST);
+  return t;
+}
+template <class T, class U>
+inline T atomic_exchange_explicit(volatile atomic<T>* a, U v, memory_order) {
+  T t = static_cast<T>(v), old;
+  __atomic_exchange(&a->value, &t, &old, __ATOMIC_SEQ_CST);
+  return old;
+}
+template <class T, class U>
+inline bool atomic_compare_exchange_weak_explicit(volatile atomic<T>* a, T* expected, U desired,
+                                                  memory_order, memory_order) {
+  T d = static_cast<T>(desired);
+  return __atomic_compare_exchange(&a->value, expected, &d, true, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+}
+namespace detail {
+template <class T, class F>
+inline T atomic_update(volatile atomic<T>* a, F f) {
+  T old;
+  __atomic_load(&a->value, &old, __ATOMIC_SEQ_CST);
+  T next = f(old);
+  while (!__atomic_compare_exchange(&a->value, &old, &next, true, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
+    next = f(old);
+  return old;
+}
+}  // namespace detail
+template <class T, class U>
+inline T atomic_fetch_add_explicit(volatile atomic<T>* a, U v, memory_order) {
+  return detail::atomic_update(a, [&](T o) { return static_cast<T>(o + static_cast<T>(v)); });
+}
+template <class T, class U>
+inline T atomic_fetch_sub_explicit(volatile atomic<T>* a, U v, memory_order) {
+  return detail::atomic_update(a, [&](T o) { return static_cast<T>(o - static_cast<T>(v)); });
+}
+template <class T, class U>
+inline T atomic_fetch_max_explicit(volatile atomic<T>* a, U v, memory_order) {
+  return detail::atomic_update(a, [&](T o) { return o < static_cast<T>(v) ? static_cast<T>(v) : o; });
+}
+template <class T, class U>
+inline T atomic_fetch_min_explicit(volatile atomic<T>* a, U v, memory_order) {
+  return detail::atomic_update(a, [&](T o) { return static_cast<T>(v) < o ? static_cast<T>(v) : o; });
+}
+
+// ---------------------------------------------------------------------------- simdgroup_matrix
+// 8x8 matrices distributed over the 32 lanes like on the GPU: lane l holds elements (r, c) and
+// (r, c + 1) with r = l / 4, c = 2 * (l % 4) (the emulator's layout; MSL leaves it opaque, so
+// thread_elements() is not provided). Loads and stores touch only the lane's two elements; the
+// multiply is a simd collective that gathers the rows and columns it needs from the other lanes
+// (so divergence is caught there) and accumulates in float, k = 0..7 in order.
+template <class T, int Cols, int Rows>
+struct simdgroup_matrix {
+  static_assert(Cols == 8 && Rows == 8, "the emulator implements 8x8 simdgroup matrices");
+  T e[2];
+  simdgroup_matrix() { std::memset(static_cast<void*>(e), 0xFF, sizeof e); }  // uninitialised: NaN
+  explicit simdgroup_matrix(T diagonal) {  // MSL: a diagonal matrix
+    const uint32_t l = ::lily::emu::lane_view().lane, r = l / 4, c = 2 * (l % 4);
+    e[0] = r == c ? diagonal : T(0);
+    e[1] = r == c + 1 ? diagonal : T(0);
+  }
+};
+using simdgroup_float8x8 = simdgroup_matrix<float, 8, 8>;
+using simdgroup_bfloat8x8 = simdgroup_matrix<bfloat, 8, 8>;
+#if defined(__FLT16_MAX__)
+using simdgroup_half8x8 = simdgroup_matrix<_Float16, 8, 8>;
+#endif
+
+template <class T, int Cols, int Rows>
+inline simdgroup_matrix<T, Cols, Rows> make_filled_simdgroup_matrix(T value) {
+  simdgroup_matrix<T, Cols, Rows> m;
+  m.e[0] = value;
+  m.e[1] = value;
+  return m;
+}
+
+namespace detail {
+inline void check_origin(ulong2 origin, const char* op, const char* file, int line) {
+  if (origin.x != 0 || origin.y != 0)
+    ::lily::emu::kernel_fail(std::string(op) + ": a nonzero matrix_origin is not emulated; offset the pointer",
+                             file, line);
+}
+}  // namespace detail
+
+template <class T, int Cols, int Rows>
+inline void simdgroup_load(simdgroup_matrix<T, Cols, Rows>& d, const T* src, ulong elements_per_row = Cols,
+                           ulong2 matrix_origin = ulong2(0), bool transpose_matrix = false,
+                           const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+  detail::check_origin(matrix_origin, "simdgroup_load", file, line);
+  const uint32_t l = ::lily::emu::lane_view().lane, r = l / 4, c = 2 * (l % 4);
+  for (uint32_t i = 0; i < 2; ++i)
+    d.e[i] = transpose_matrix ? src[(c + i) * elements_per_row + r] : src[r * elements_per_row + c + i];
+}
+template <class T, int Cols, int Rows>
+inline void simdgroup_store(const simdgroup_matrix<T, Cols, Rows>& m, T* dst, ulong elements_per_row = Cols,
+                            ulong2 matrix_origin = ulong2(0), bool transpose_matrix = false,
+                            const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+  detail::check_origin(matrix_origin, "simdgroup_store", file, line);
+  const uint32_t l = ::lily::emu::lane_view().lane, r = l / 4, c = 2 * (l % 4);
+  for (uint32_t i = 0; i < 2; ++i)
+    (transpose_matrix ? dst[(c + i) * elements_per_row + r] : dst[r * elements_per_row + c + i]) = m.e[i];
+}
+
+namespace detail {
+template <class T>
+struct MmaOperands {
+  T a[2], b[2], c[2];
+};
+}  // namespace detail
+
+// d = a * b + c (all 8x8).
+template <class T>
+inline void simdgroup_multiply_accumulate(simdgroup_matrix<T, 8, 8>& d, const simdgroup_matrix<T, 8, 8>& a,
+                                          const simdgroup_matrix<T, 8, 8>& b, const simdgroup_matrix<T, 8, 8>& c,
+                                          const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+  const detail::MmaOperands<T> mine{{a.e[0], a.e[1]}, {b.e[0], b.e[1]}, {c.e[0], c.e[1]}};
+  auto ex = detail::exchange(mine, "simdgroup_multiply_accumulate", file, line);
+  if (ex.width != ::lily::emu::kSimdWidth)
+    ::lily::emu::kernel_fail("simdgroup_multiply_accumulate needs a full simdgroup of 32 lanes", file, line);
+  const uint32_t r = ex.lane / 4, c0 = 2 * (ex.lane % 4);
+  T out[2];
+  for (uint32_t i = 0; i < 2; ++i) {
+    const uint32_t col = c0 + i;
+    float s = static_cast<float>(mine.c[i]);
+    for (uint32_t k = 0; k < 8; ++k)
+      s += static_cast<float>(ex.at(4 * r + k / 2).a[k % 2]) * static_cast<float>(ex.at(4 * k + col / 2).b[col % 2]);
+    out[i] = static_cast<T>(s);
+  }
+  d.e[0] = out[0];
+  d.e[1] = out[1];
+}
+template <class T>
+inline void simdgroup_multiply(simdgroup_matrix<T, 8, 8>& d, const simdgroup_matrix<T, 8, 8>& a,
+                               const simdgroup_matrix<T, 8, 8>& b, const char* file = __builtin_FILE(),
+                               int line = __builtin_LINE()) {
+  simdgroup_multiply_accumulate(d, a, b, make_filled_simdgroup_matrix<T, 8, 8>(T(0)), file, line);
+}
+
+}  // namespace metal
+
+// ---------------------------------------------------------------------------- kernel registration
+namespace lily::emu::shim {
+
+template <class F>
+struct KernelTraits;
+template <class A, class... P>
+struct KernelTraits<void (*)(const A&, P...)> {
+  using Args = A;
+  using Params = std::tuple<P...>;
+  static constexpr size_t kTail = 6;  // LILY_KERNEL_TAIL
+  static_assert(sizeof...(P) >= kTail, "kernel must end with LILY_KERNEL_TAIL");
+  static constexpr size_t kBuffers = sizeof...(P) - kTail;
+  static_assert(std::is_same_v<std::tuple_element_t<kBuffers + 0, Params>, metal::uint3> &&
+                    std::is_same_v<std::tuple_element_t<kBuffers + 1, Params>, metal::uint3> &&
+                    std::is_same_v<std::tuple_element_t<kBuffers + 2, Params>, metal::uint3> &&
+                    std::is_same_v<std::tuple_element_t<kBuffers + 3, Params>, metal::uint3> &&
+                    std::is_same_v<std::tuple_element_t<kBuffers + 4, Params>, metal::uint> &&
+                    std::is_same_v<std::tuple_element_t<kBuffers + 5, Params>, metal::uint>,
+                "kernel parameters must end with LILY_KERNEL_TAIL");
+};
+
+inline metal::uint3 u3(const uint32_t v[3]) { return metal::uint3(v[0], v[1], v[2]); }
+
+template <auto F, size_t... I>
+inline void call(const void* args, void* const* bufs, const ThreadIds& ids, std::index_sequence<I...>) {
+  using Tr = KernelTraits<decltype(F)>;
+  using P = typename Tr::Params;
+  F(*static_cast<const typename Tr::Args*>(args), static_cast<std::tuple_element_t<I, P>>(bufs[I])...,
+    u3(ids.group_pos), u3(ids.thread_pos), u3(ids.group_size), u3(ids.grid_pos), ids.lane, ids.simd_id);
+}
+
+template <auto F>
+void thread_entry(const void* args, void* const* bufs, const ThreadIds& ids) {
+  call<F>(args, bufs, ids, std::make_index_sequence<KernelTraits<decltype(F)>::kBuffers>{});
+}
+
+template <auto F, size_t... I>
+void describe_buffers(KernelEntry& e, std::index_sequence<I...>) {
+  using P = typename KernelTraits<decltype(F)>::Params;
+  auto one = [&](auto i, auto* ptr_tag) {
+    using Ptr = std::remove_pointer_t<decltype(ptr_tag)>;
+    static_assert(std::is_pointer_v<Ptr>, "kernel buffer parameters must be pointers");
+    using Elem = std::remove_pointer_t<Ptr>;
+    e.buffers[decltype(i)::value] = {std::is_const_v<Elem>, static_cast<uint32_t>(sizeof(Elem))};
+  };
+  (one(std::integral_constant<size_t, I>{}, static_cast<std::tuple_element_t<I, P>*>(nullptr)), ...);
+}
+
+template <auto F>
+bool add(const char* name, const char* file) {
+  using Tr = KernelTraits<decltype(F)>;
+  static_assert(Tr::kBuffers <= kMaxKernelBuffers, "too many buffer parameters");
+  KernelEntry e;
+  e.name = name;
+  e.file = file;
+  e.entry = &thread_entry<F>;
+  e.args_size = sizeof(typename Tr::Args);
+  e.num_buffers = static_cast<uint32_t>(Tr::kBuffers);
+  describe_buffers<F>(e, std::make_index_sequence<Tr::kBuffers>{});
+  return register_kernel(e);
+}
+
+}  // namespace lily::emu::shim
+
+#define LILY_EMU_CAT_(a, b) a##b
+#define LILY_EMU_CAT(a, b) LILY_EMU_CAT_(a, b)
+
+// LILY_INSTANTIATE("host_name", function<template args>): registers the instantiation.
+#define LILY_INSTANTIATE(name, ...)                                                  \
+  [[maybe_unused]] static const bool LILY_EMU_CAT(lily_emu_registered_, __COUNTER__) = \
+      ::lily::emu::shim::add<&__VA_ARGS__>(name, __FILE__);
+
+// LILY_TG_ARRAY(float, tile, [32][36]): threadgroup float tile[32][36]; (at kernel scope, unconditionally)
+#define LILY_TG_ARRAY(T, name, dims)                                                  \
+  T(&name) dims = *reinterpret_cast<T(*) dims>(                                       \
+      ::lily::emu::threadgroup_alloc(sizeof(T dims), alignof(T), __FILE__, __LINE__))
+
+#define LILY_KERNEL_TAIL                                                                       \
+  uint3 group_pos, uint3 thread_pos, uint3 group_size, uint3 grid_pos, uint lane, uint simd_id
+
+// MSL address spaces and function qualifiers. `constant` is read-only, as in MSL.
+#define device
+#define threadgroup
+#define thread
+#define constant const
+#define kernel

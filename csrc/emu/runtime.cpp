@@ -1,0 +1,640 @@
+// Emulator runtime: kernel registry, the per-threadgroup fiber scheduler, fault handling.
+// See runtime.h for the execution model. Kept out of the shader translation unit on purpose: the
+// Metal shim's macros (`thread`, `constant`, ...) would break the standard headers used here.
+#include "emu/platform.h"
+
+#include <signal.h>
+#include <sys/mman.h>
+#include <unistd.h>
+#if defined(LILY_EMU_SIGNALS)
+#include <ucontext.h>
+#endif
+#include <cfenv>
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "emu/emulator.h"
+#include "emu/fiber.h"
+#include "emu/runtime.h"
+
+namespace lily::emu {
+
+// ============================== registry =====================================================
+
+namespace {
+std::deque<KernelEntry>& registry() {
+  static std::deque<KernelEntry> r;
+  return r;
+}
+}  // namespace
+
+bool register_kernel(const KernelEntry& e) {
+  for (const KernelEntry& k : registry())
+    if (std::strcmp(k.name, e.name) == 0) {
+      // Two instantiations with one host name: the Metal library would reject this too.
+      std::fprintf(stderr, "lily emu: kernel '%s' instantiated twice (%s, %s)\n", e.name, k.file, e.file);
+      std::abort();
+    }
+  registry().push_back(e);
+  return true;
+}
+
+const KernelEntry* find_kernel(std::string_view name) {
+  for (const KernelEntry& k : registry())
+    if (name == k.name) return &k;
+  return nullptr;
+}
+
+std::vector<const KernelEntry*> registered_kernels() {
+  std::vector<const KernelEntry*> out;
+  for (const KernelEntry& k : registry()) out.push_back(&k);
+  return out;
+}
+
+// ============================== scheduler state ==============================================
+
+namespace {
+
+enum class St : uint8_t { runnable, at_simd, at_barrier, done };
+
+struct Group;
+
+struct Thread {
+  LaneView view{};
+  ThreadIds ids{};
+  uint32_t index = 0;  // linear index in the threadgroup
+  St state = St::runnable;
+  uint32_t barrier_seq = 0;
+  const char* op = nullptr;  // last synchronisation point reached
+  const char* file = nullptr;
+  int line = 0;
+  uint32_t n_allocs = 0;  // threadgroup_alloc calls made so far
+  Fiber* fiber = nullptr;
+  Group* group = nullptr;
+};
+
+struct Alloc {
+  size_t offset, bytes;
+  const char* file;
+  int line;
+};
+
+struct Group {
+  const KernelEntry* kernel = nullptr;
+  const void* args = nullptr;
+  void* const* buffers = nullptr;
+  uint32_t group_pos[3] = {0, 0, 0};
+  std::vector<Thread> threads;
+  uint32_t n = 0, nsimd = 0;
+  unsigned char* slots = nullptr;
+  unsigned char* arena = nullptr;
+  std::vector<Alloc> allocs;
+  size_t arena_used = 0;
+  std::string error;  // first error; non-empty aborts the threadgroup
+  void fail(const std::string& e) {
+    if (error.empty()) error = e;
+  }
+};
+
+// What a fault handler needs to classify an address (set per launch, read in the handler).
+struct BoundBuffer {
+  GuardedBuffer* buffer;
+  uint32_t index;
+  bool read_only;
+};
+
+struct Worker {
+  std::vector<std::unique_ptr<Fiber>> fibers;
+  size_t stack_bytes = 0;
+  std::vector<unsigned char> slot_store;
+  alignas(64) unsigned char arena[kThreadgroupMemory];
+  Group* group = nullptr;
+  Thread* running = nullptr;
+  const BoundBuffer* bound = nullptr;
+  size_t n_bound = 0;
+  // Filled by the signal handler:
+  volatile sig_atomic_t fault_sig = 0;
+  void* fault_addr = nullptr;
+  int fault_code = 0;
+  int fault_write = -1;  // 1 write, 0 read, -1 unknown
+  char* fault_stack_lo = nullptr;
+};
+
+thread_local Worker* t_worker = nullptr;                 // read by the signal handler
+thread_local std::unique_ptr<Worker> t_worker_owner;    // frees it when the OS thread ends
+
+Worker& worker(size_t stack_bytes) {
+  if (!t_worker) {  // one per OS thread, kept for reuse (fiber stacks, arena)
+    t_worker_owner = std::make_unique<Worker>();
+    t_worker = t_worker_owner.get();
+  }
+  Worker& w = *t_worker;
+  if (w.stack_bytes != stack_bytes) {
+    w.fibers.clear();
+    w.stack_bytes = stack_bytes;
+  }
+  return w;
+}
+
+std::string short_file(const char* f) {
+  if (!f) return "?";
+  std::string s(f);
+  for (const char* marker : {"/shaders/", "/csrc/"}) {
+    size_t p = s.rfind(marker);
+    if (p != std::string::npos) return s.substr(p + 1);
+  }
+  return s;
+}
+
+std::string site(const char* op, const char* file, int line) {
+  return std::string(op ? op : "?") + " at " + short_file(file) + ":" + std::to_string(line);
+}
+
+std::string xyz(const uint32_t v[3]) {
+  return "(" + std::to_string(v[0]) + "," + std::to_string(v[1]) + "," + std::to_string(v[2]) + ")";
+}
+
+std::string who(const Thread& t) {
+  return "thread " + xyz(t.ids.thread_pos) + " [simdgroup " + std::to_string(t.ids.simd_id) +
+         " lane " + std::to_string(t.ids.lane) + "]";
+}
+
+void poison_bytes(unsigned char* p, size_t n) {
+  for (size_t i = 0; i < n; ++i)
+    p[i] = (reinterpret_cast<uintptr_t>(p + i) & 1) ? 0xFF : 0xA0;
+}
+
+}  // namespace
+
+// ============================== calls from GPU threads =======================================
+
+LaneView& lane_view() { return t_worker->running->view; }
+
+void simd_sync(const char* op, const char* file, int line) {
+  Thread* t = t_worker->running;
+  t->op = op;
+  t->file = file;
+  t->line = line;
+  t->state = St::at_simd;
+  t->fiber->yield();
+  t->view.simd_seq += 1;
+}
+
+void threadgroup_sync(const char* file, int line) {
+  Thread* t = t_worker->running;
+  t->op = "threadgroup_barrier";
+  t->file = file;
+  t->line = line;
+  t->state = St::at_barrier;
+  t->fiber->yield();
+  t->barrier_seq += 1;
+}
+
+void* threadgroup_alloc(size_t bytes, size_t align, const char* file, int line) {
+  Thread* t = t_worker->running;
+  Group* g = t->group;
+  const uint32_t k = t->n_allocs++;
+  if (k < g->allocs.size()) {
+    const Alloc& a = g->allocs[k];
+    if (a.bytes != bytes || a.line != line)
+      kernel_fail("threadgroup array #" + std::to_string(k) + " declared differently by threads (" +
+                      std::to_string(a.bytes) + " bytes at line " + std::to_string(a.line) + " vs " +
+                      std::to_string(bytes) + " bytes); declare threadgroup arrays unconditionally",
+                  file, line);
+    return g->arena + a.offset;
+  }
+  if (align < 16) align = 16;
+  const size_t off = (g->arena_used + align - 1) / align * align;
+  if (off + bytes > kThreadgroupMemory)
+    kernel_fail("threadgroup memory exceeds Metal's " + std::to_string(kThreadgroupMemory) +
+                    "-byte limit (" + std::to_string(off + bytes) + " bytes requested)",
+                file, line);
+  g->allocs.push_back({off, bytes, file, line});
+  g->arena_used = off + bytes;
+  return g->arena + off;
+}
+
+void kernel_fail(const std::string& what, const char* file, int line) {
+  throw KernelError(what + " (" + short_file(file) + ":" + std::to_string(line) + ")");
+}
+
+// ============================== fault handling ===============================================
+
+namespace {
+
+[[noreturn]] void fault_landing();
+
+#if defined(LILY_EMU_SIGNALS)
+std::mutex g_sig_mu;
+int g_sig_users = 0;
+struct sigaction g_old[3];
+const int kSignals[3] = {SIGSEGV, SIGBUS, SIGFPE};
+
+void on_fault(int sig, siginfo_t* si, void* uctx_raw) {
+  Worker* w = t_worker;
+  if (w == nullptr || w->running == nullptr || w->fault_sig != 0) {
+    // Not a kernel fault (or a fault while landing): give the signal to whoever had it before.
+    for (int i = 0; i < 3; ++i)
+      if (kSignals[i] == sig) sigaction(sig, &g_old[i], nullptr);
+    return;  // the instruction re-executes and faults into the previous handler
+  }
+  w->fault_sig = sig;
+  w->fault_addr = si->si_addr;
+  w->fault_code = si->si_code;
+  auto* uc = static_cast<ucontext_t*>(uctx_raw);
+  w->fault_write = (sig == SIGSEGV) ? ((uc->uc_mcontext.gregs[REG_ERR] & 2) ? 1 : 0) : -1;
+  w->fault_stack_lo = w->running->fiber->stack_lo();
+  // Resume at fault_landing on the top of the faulting fiber's stack (the fiber is abandoned).
+  auto top = reinterpret_cast<uintptr_t>(w->running->fiber->stack_hi());
+  uintptr_t sp = ((top - 256) & ~uintptr_t(15)) - 8;  // as if just called
+  uc->uc_mcontext.gregs[REG_RSP] = static_cast<greg_t>(sp);
+  uc->uc_mcontext.gregs[REG_RIP] = static_cast<greg_t>(reinterpret_cast<uintptr_t>(&fault_landing));
+}
+
+void install_handlers() {
+  std::lock_guard<std::mutex> lock(g_sig_mu);
+  if (g_sig_users++ > 0) return;
+  struct sigaction sa;
+  std::memset(&sa, 0, sizeof sa);
+  sa.sa_sigaction = &on_fault;
+  sa.sa_flags = SA_SIGINFO | SA_ONSTACK;
+  sigemptyset(&sa.sa_mask);
+  for (int i = 0; i < 3; ++i) sigaction(kSignals[i], &sa, &g_old[i]);
+}
+
+void remove_handlers() {
+  std::lock_guard<std::mutex> lock(g_sig_mu);
+  if (--g_sig_users > 0) return;
+  for (int i = 0; i < 3; ++i) {
+    struct sigaction cur;
+    sigaction(kSignals[i], nullptr, &cur);
+    if ((cur.sa_flags & SA_SIGINFO) && cur.sa_sigaction == &on_fault)  // still ours: restore
+      sigaction(kSignals[i], &g_old[i], nullptr);
+  }
+}
+
+// Alternate signal stack for the running OS thread (a fiber stack overflow leaves no stack).
+struct AltStack {
+  stack_t old{};
+  bool installed = false;
+  std::vector<char> mem;
+  void install() {
+    if (mem.empty()) mem.resize(64 * 1024);
+    stack_t ss{};
+    ss.ss_sp = mem.data();
+    ss.ss_size = mem.size();
+    ss.ss_flags = 0;
+    installed = sigaltstack(&ss, &old) == 0;
+  }
+  void restore() {
+    if (installed) sigaltstack(&old, nullptr);
+    installed = false;
+  }
+};
+#endif
+
+std::string describe_fault(Worker& w, const Thread& t) {
+  std::string s;
+#if defined(LILY_EMU_SIGNALS)
+  if (w.fault_sig == SIGFPE) {
+    s = "floating-point invalid operation (arithmetic on NaN: a read of poisoned memory - "
+        "threadgroup memory not written before this read (missing barrier?) or an unwritten "
+        "output/slack byte - or an invalid operation such as inf - inf)";
+  } else {
+    const void* a = w.fault_addr;
+    const char* rw = w.fault_write == 1 ? "write" : w.fault_write == 0 ? "read" : "access";
+    s = std::string("out-of-bounds ") + rw + " at address " +
+        std::to_string(reinterpret_cast<uintptr_t>(a)) + " (not within " +
+        std::to_string(GuardedBuffer::kGuardBytes) + " bytes of any bound buffer)";
+    for (size_t i = 0; i < w.n_bound; ++i) {
+      const BoundBuffer& b = w.bound[i];
+      auto where = b.buffer->classify(a);
+      if (where == GuardedBuffer::Where::outside) continue;
+      const std::string buf = "buffer(" + std::to_string(b.index) + ") of " +
+                              std::to_string(b.buffer->size()) + " bytes";
+      const std::string off = "byte offset " + std::to_string(b.buffer->offset_of(a));
+      if (where == GuardedBuffer::Where::guard_after || where == GuardedBuffer::Where::slack_after)
+        s = std::string("out-of-bounds ") + rw + " past the end of " + buf + " at " + off;
+      else if (where == GuardedBuffer::Where::guard_before || where == GuardedBuffer::Where::slack_before)
+        s = std::string("out-of-bounds ") + rw + " before the start of " + buf + " at " + off;
+      else if (b.read_only)
+        s = "write to " + buf + ", which the kernel declares `const device` (read-only), at " + off;
+      break;
+    }
+    const char* a_c = static_cast<const char*>(a);
+    if (w.fault_stack_lo && a_c < w.fault_stack_lo && a_c >= w.fault_stack_lo - 65536)
+      s = "GPU thread stack overflow (emulator stack " + std::to_string(t_worker->stack_bytes) +
+          " bytes): too many or too large thread-local arrays";
+  }
+#else
+  (void)w;
+#endif
+  s += " in " + who(t);
+  if (t.file)  // the kernel source line is not known; the last rendezvous narrows it down
+    s += ", after " + site(t.op, t.file, t.line);
+  else
+    s += ", before its first barrier or simd collective";
+  return s;
+}
+
+[[noreturn]] void fault_landing() {
+  Worker* w = t_worker;
+  Thread* t = w->running;
+  std::feclearexcept(FE_ALL_EXCEPT);
+  t->group->fail(describe_fault(*w, *t));
+  t->state = St::done;
+  w->fault_sig = 0;
+  t->fiber->yield();
+  std::abort();  // never resumed
+}
+
+// ============================== running a threadgroup ========================================
+
+void fiber_main(void* p) {
+  Thread* t = static_cast<Thread*>(p);
+  Group* g = t->group;
+  try {
+    g->kernel->entry(g->args, g->buffers, t->ids);
+  } catch (const std::exception& e) {
+    g->fail(std::string(e.what()) + " in " + who(*t));
+  } catch (...) {
+    g->fail("unknown C++ exception in " + who(*t));
+  }
+  t->state = St::done;
+  t->fiber->yield();
+  std::abort();  // never resumed
+}
+
+bool same_site(const Thread& a, const Thread& b) {
+  return a.line == b.line && (a.file == b.file || std::strcmp(a.file, b.file) == 0) &&
+         (a.op == b.op || std::strcmp(a.op, b.op) == 0);
+}
+
+void fill_order(std::vector<uint32_t>& order, Order policy, std::mt19937_64& rng) {
+  const uint32_t n = static_cast<uint32_t>(order.size());
+  for (uint32_t i = 0; i < n; ++i) order[i] = policy == Order::reverse ? n - 1 - i : i;
+  if (policy == Order::shuffle) std::shuffle(order.begin(), order.end(), rng);
+}
+
+// Resolves every simdgroup whose live lanes all wait at a collective; false if none could be.
+bool release_simdgroups(Group& g) {
+  bool progressed = false;
+  for (uint32_t s = 0; s < g.nsimd; ++s) {
+    const uint32_t lo = s * kSimdWidth, hi = std::min(g.n, lo + kSimdWidth);
+    Thread* first = nullptr;
+    const Thread* exited = nullptr;
+    bool at_barrier = false;
+    for (uint32_t i = lo; i < hi; ++i) {
+      Thread& t = g.threads[i];
+      if (t.state == St::at_simd && !first) first = &t;
+      if (t.state == St::done && !exited) exited = &t;
+      if (t.state == St::at_barrier) at_barrier = true;
+    }
+    if (!first || at_barrier) continue;
+    if (exited) {
+      g.fail("divergent simdgroup: " + who(*first) + " waits at " +
+             site(first->op, first->file, first->line) + " but " + who(*exited) +
+             " already returned (every lane must reach each simd_* collective)");
+      return false;
+    }
+    for (uint32_t i = lo; i < hi; ++i) {
+      Thread& t = g.threads[i];
+      if (!same_site(t, *first) || t.view.simd_seq != first->view.simd_seq) {
+        g.fail("divergent simdgroup: " + who(*first) + " is at " +
+               site(first->op, first->file, first->line) + " (collective #" +
+               std::to_string(first->view.simd_seq) + ") but " + who(t) + " is at " +
+               site(t.op, t.file, t.line) + " (collective #" + std::to_string(t.view.simd_seq) + ")");
+        return false;
+      }
+    }
+    for (uint32_t i = lo; i < hi; ++i) g.threads[i].state = St::runnable;
+    progressed = true;
+  }
+  return progressed;
+}
+
+// All live threads must wait at the same barrier; then they are released.
+void release_barrier(Group& g) {
+  const Thread* first = nullptr;
+  const Thread* exited = nullptr;
+  for (const Thread& t : g.threads) {
+    if (t.state == St::at_barrier && !first) first = &t;
+    if (t.state == St::done && !exited) exited = &t;
+  }
+  for (const Thread& t : g.threads)
+    if (t.state == St::at_simd) {
+      g.fail("divergent simdgroup: " + who(t) + " waits at " + site(t.op, t.file, t.line) +
+             " while other lanes of its simdgroup wait at a barrier or returned");
+      return;
+    }
+  if (!first) {
+    g.fail("scheduler found no runnable thread (emulator bug)");
+    return;
+  }
+  if (exited) {
+    g.fail(who(*exited) + " returned while " + who(*first) + " (and others) wait at " +
+           site(first->op, first->file, first->line) +
+           " (a GPU would hang or misbehave: no early return before a barrier)");
+    return;
+  }
+  for (const Thread& t : g.threads)
+    if (t.state == St::at_barrier && (!same_site(t, *first) || t.barrier_seq != first->barrier_seq)) {
+      g.fail("threads wait at different barriers: " + who(*first) + " at " +
+             site(first->op, first->file, first->line) + " (barrier #" +
+             std::to_string(first->barrier_seq) + "), " + who(t) + " at " +
+             site(t.op, t.file, t.line) + " (barrier #" + std::to_string(t.barrier_seq) + ")");
+      return;
+    }
+  for (Thread& t : g.threads) t.state = St::runnable;
+}
+
+void run_group(Worker& w, Group& g, Order policy, std::mt19937_64& rng) {
+  std::vector<uint32_t> order(g.n);
+  for (;;) {
+    fill_order(order, policy, rng);
+    for (uint32_t idx : order) {
+      Thread& t = g.threads[idx];
+      if (t.state != St::runnable) continue;
+      w.running = &t;
+      t.fiber->resume();
+      w.running = nullptr;
+      if (!g.error.empty()) return;
+    }
+    bool all_done = true;
+    for (const Thread& t : g.threads) all_done &= t.state == St::done;
+    if (all_done) return;
+    if (release_simdgroups(g)) continue;
+    if (!g.error.empty()) return;
+    release_barrier(g);
+    if (!g.error.empty()) return;
+  }
+}
+
+}  // namespace
+
+// ============================== launches =====================================================
+
+void run(const Launch& L, const RunOptions& opt) {
+  const KernelEntry* k = L.kernel;
+  if (!k) throw KernelError("emulator launch without a kernel");
+  const std::string kname = k->name;
+  if (L.args_size != k->args_size)
+    throw KernelError(kname + ": args struct of " + std::to_string(L.args_size) +
+                      " bytes, kernel expects " + std::to_string(k->args_size));
+  if (L.buffers.size() != k->num_buffers)
+    throw KernelError(kname + ": " + std::to_string(L.buffers.size()) + " buffers bound, kernel takes " +
+                      std::to_string(k->num_buffers));
+  const uint32_t n = L.threads.x * L.threads.y * L.threads.z;
+  if (n == 0 || n > 1024 || L.groups.count() == 0)
+    throw KernelError(kname + ": bad grid (" + std::to_string(L.groups.count()) + " threadgroups of " +
+                      std::to_string(n) + " threads; at most 1024 per threadgroup)");
+
+  // Buffers: pointers, read-only protection, fault classification table.
+  std::vector<BoundBuffer> bound;
+  std::vector<void*> ptrs(k->num_buffers);
+  for (uint32_t i = 0; i < k->num_buffers; ++i) {
+    const gpu::Binding& b = L.buffers[i];
+    auto* gb = dynamic_cast<GuardedBuffer*>(b.buffer);
+    if (!gb) throw KernelError(kname + ": buffer(" + std::to_string(i + 1) + ") is not an emulator buffer");
+    if (b.offset > gb->size())
+      throw KernelError(kname + ": buffer(" + std::to_string(i + 1) + ") offset past its end");
+    if (k->buffers[i].elem_size && b.offset % k->buffers[i].elem_size)
+      throw KernelError(kname + ": buffer(" + std::to_string(i + 1) + ") offset " + std::to_string(b.offset) +
+                        " is not a multiple of its element size " + std::to_string(k->buffers[i].elem_size));
+    ptrs[i] = static_cast<char*>(gb->contents()) + b.offset;
+    bound.push_back({gb, i + 1, k->buffers[i].read_only});
+  }
+  for (BoundBuffer& b : bound)  // a buffer also bound writable elsewhere stays writable
+    for (const BoundBuffer& o : bound)
+      if (o.buffer == b.buffer && !o.read_only) b.read_only = false;
+
+  Worker& w = worker(opt.stack_bytes);
+  while (w.fibers.size() < n) w.fibers.push_back(std::make_unique<Fiber>(opt.stack_bytes));
+  const uint32_t nsimd = (n + kSimdWidth - 1) / kSimdWidth;
+  w.slot_store.assign(size_t(nsimd) * 2 * kSimdWidth * kSlotBytes + 64, 0);
+  unsigned char* slots = reinterpret_cast<unsigned char*>(
+      (reinterpret_cast<uintptr_t>(w.slot_store.data()) + 63) & ~uintptr_t(63));
+
+  Group g;
+  g.kernel = k;
+  g.args = L.args;
+  g.buffers = ptrs.data();
+  g.n = n;
+  g.nsimd = nsimd;
+  g.slots = slots;
+  g.arena = w.arena;
+  g.threads.resize(n);
+
+  // Threadgroup order.
+  const uint64_t ngroups = L.groups.count();
+  std::vector<uint64_t> gorder(ngroups);
+  for (uint64_t i = 0; i < ngroups; ++i) gorder[i] = opt.order == Order::reverse ? ngroups - 1 - i : i;
+  std::mt19937_64 rng(opt.seed * 0x9E3779B97F4A7C15ull + 1);
+  if (opt.order == Order::shuffle) std::shuffle(gorder.begin(), gorder.end(), rng);
+
+  // Enter the kernel environment (undone in every exit path below).
+  w.bound = bound.data();
+  w.n_bound = bound.size();
+  for (BoundBuffer& b : bound)
+    if (b.read_only) b.buffer->set_read_only(true);
+#if defined(LILY_EMU_SIGNALS)
+  install_handlers();
+  AltStack alt;
+  alt.install();
+#endif
+  std::fenv_t saved_env;
+  std::feholdexcept(&saved_env);  // saves the environment, clears flags, masks traps
+#if defined(LILY_EMU_FP_TRAPS)
+  if (opt.fp_traps) feenableexcept(FE_INVALID);
+#endif
+  w.fault_sig = 0;
+
+  std::string error;
+  uint32_t err_group[3] = {0, 0, 0};
+  try {
+    for (uint64_t gi : gorder) {
+      g.group_pos[0] = static_cast<uint32_t>(gi % L.groups.x);
+      g.group_pos[1] = static_cast<uint32_t>((gi / L.groups.x) % L.groups.y);
+      g.group_pos[2] = static_cast<uint32_t>(gi / (uint64_t(L.groups.x) * L.groups.y));
+      g.allocs.clear();
+      g.arena_used = 0;
+      g.error.clear();
+      poison_bytes(w.arena, kThreadgroupMemory);
+      for (uint32_t i = 0; i < n; ++i) {
+        Thread& t = g.threads[i];
+        t = Thread{};
+        t.index = i;
+        t.group = &g;
+        t.fiber = w.fibers[i].get();
+        const uint32_t tp[3] = {i % L.threads.x, (i / L.threads.x) % L.threads.y,
+                                i / (L.threads.x * L.threads.y)};
+        const uint32_t ts[3] = {L.threads.x, L.threads.y, L.threads.z};
+        for (int d = 0; d < 3; ++d) {
+          t.ids.group_pos[d] = g.group_pos[d];
+          t.ids.thread_pos[d] = tp[d];
+          t.ids.group_size[d] = ts[d];
+          t.ids.grid_pos[d] = g.group_pos[d] * ts[d] + tp[d];
+        }
+        t.ids.lane = i % kSimdWidth;
+        t.ids.simd_id = i / kSimdWidth;
+        t.view.lane = t.ids.lane;
+        t.view.simd_width = std::min(kSimdWidth, n - t.ids.simd_id * kSimdWidth);
+        t.view.simd_seq = 0;
+        t.view.slots = slots + size_t(t.ids.simd_id) * 2 * kSimdWidth * kSlotBytes;
+        t.fiber->reset(&fiber_main, &t);
+      }
+      w.group = &g;
+      run_group(w, g, opt.order, rng);
+      w.group = nullptr;
+      if (!g.error.empty()) {
+        error = g.error;
+        std::memcpy(err_group, g.group_pos, sizeof err_group);
+        break;
+      }
+    }
+  } catch (const std::exception& e) {
+    error = std::string("emulator failure: ") + e.what();
+  }
+
+  std::fesetenv(&saved_env);
+#if defined(LILY_EMU_SIGNALS)
+  alt.restore();
+  remove_handlers();
+#endif
+  for (BoundBuffer& b : bound)
+    if (b.read_only) b.buffer->set_read_only(false);
+  w.bound = nullptr;
+  w.n_bound = 0;
+  w.running = nullptr;
+  w.group = nullptr;
+
+  if (!error.empty())
+    throw KernelError(kname + " (threadgroup " + xyz(err_group) + "): " + error);
+  for (const BoundBuffer& b : bound) {
+    std::string damage = b.buffer->check_slack();
+    if (!damage.empty())
+      throw KernelError(kname + ": out-of-bounds write to buffer(" + std::to_string(b.index) + "): " + damage);
+  }
+}
+
+Features features() {
+  Features f{};
+  f.fibers = Fiber::implementation();
+#if defined(LILY_EMU_SIGNALS)
+  f.guard_pages = true;
+#endif
+#if defined(LILY_EMU_FP_TRAPS)
+  f.fp_traps = true;
+#endif
+  return f;
+}
+
+}  // namespace lily::emu

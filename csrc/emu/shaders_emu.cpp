@@ -1,0 +1,27 @@
+// The emulator's shader translation unit: every shaders/*.metal compiled as C++, once.
+//
+// Order matters: standard headers first, then the Metal shim (it defines `device`, `thread`,
+// `constant`, `threadgroup` and `kernel` as macros), then the shaders. Each LILY_INSTANTIATE
+// registers its kernel with the emulator registry during static initialisation.
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+
+#include "emu/runtime.h"
+#include "emu/metal_emu.h"
+
+// clang-format off
+#include "elementwise.metal"
+#include "embedding.metal"
+#include "norm.metal"
+#include "qmm.metal"
+#include "emu/selftest.metal"
+// clang-format on

@@ -1,0 +1,15 @@
+#include "gpu/dtype.h"
+
+#include <stdexcept>
+#include <string>
+
+namespace lily::gpu {
+
+DType parse_dtype(std::string_view name, std::string_view what) {
+  if (name == "float32") return DType::f32;
+  if (name == "bfloat16") return DType::bf16;
+  throw std::invalid_argument(std::string(what) + ": unsupported dtype '" + std::string(name) +
+                              "' (expected float32 or bfloat16)");
+}
+
+}  // namespace lily::gpu

@@ -1,0 +1,82 @@
+#include "gpu/encoder.h"
+
+#include <cstring>
+
+namespace lily::gpu {
+
+namespace {
+std::string kname(KernelId id) { return std::string(kernel_info(id).name); }
+}  // namespace
+
+void Encoder::set_kernel(KernelId id) {
+  if (static_cast<size_t>(id) >= kNumKernels) throw EncodeError("set_kernel: unknown kernel id");
+  pending_.kernel = id;
+  pending_.num_buffers = kernel_info(id).num_buffers;
+  have_kernel_ = true;
+}
+
+void Encoder::set_args_bytes(const void* data, size_t size) {
+  if (!have_kernel_) throw EncodeError("set_args before set_kernel");
+  const KernelInfo& k = kernel_info(pending_.kernel);
+  if (size != k.args_size)
+    throw EncodeError("set_args for " + kname(pending_.kernel) + ": got " + std::to_string(size) +
+                      " bytes, kernel expects " + std::string(k.args) + " (" +
+                      std::to_string(k.args_size) + " bytes)");
+  std::memcpy(pending_.args, data, size);
+  pending_.args_size = size;
+  have_args_ = true;
+}
+
+void Encoder::set_buffer(uint32_t index, Buffer& buffer, size_t offset, size_t bytes) {
+  if (bytes == 0) {
+    if (offset > buffer.size()) bytes = 0;
+    else bytes = buffer.size() - offset;
+  }
+  set_buffer(index, Binding{&buffer, offset, bytes});
+}
+
+void Encoder::set_buffer(uint32_t index, const Binding& b) {
+  if (!have_kernel_) throw EncodeError("set_buffer before set_kernel");
+  const std::string where = kname(pending_.kernel) + " buffer(" + std::to_string(index) + ")";
+  if (index == 0 || index > pending_.num_buffers)
+    throw EncodeError(where + ": index out of range 1.." + std::to_string(pending_.num_buffers));
+  if (b.buffer == nullptr) throw EncodeError(where + ": null buffer");
+  if (b.bytes == 0) throw EncodeError(where + ": empty range");
+  if (b.offset > b.buffer->size() || b.bytes > b.buffer->size() - b.offset)
+    throw EncodeError(where + ": range [" + std::to_string(b.offset) + ", +" +
+                      std::to_string(b.bytes) + ") exceeds buffer of " +
+                      std::to_string(b.buffer->size()) + " bytes");
+  pending_.buffers[index] = b;
+  bound_mask_ |= 1u << index;
+}
+
+void Encoder::dispatch(Size3 groups, Size3 threads) {
+  if (!have_kernel_) throw EncodeError("dispatch without a kernel");
+  const std::string name = kname(pending_.kernel);
+  if (!have_args_) throw EncodeError("dispatch " + name + ": args struct not set");
+  for (uint32_t i = 1; i <= pending_.num_buffers; ++i)
+    if (!(bound_mask_ & (1u << i)))
+      throw EncodeError("dispatch " + name + ": buffer(" + std::to_string(i) + ") not bound");
+  if (groups.count() == 0 || threads.count() == 0)
+    throw EncodeError("dispatch " + name + ": empty grid");
+  if (threads.count() > 1024)
+    throw EncodeError("dispatch " + name + ": " + std::to_string(threads.count()) +
+                      " threads per threadgroup exceeds 1024");
+  pending_.groups = groups;
+  pending_.threads = threads;
+  encode_dispatch(pending_);
+  counters_.dispatches += 1;
+  counters_.threads += groups.count() * threads.count();
+  for (uint32_t i = 1; i <= pending_.num_buffers; ++i) counters_.bytes_bound += pending_.buffers[i].bytes;
+  for (auto& b : pending_.buffers) b = Binding{};
+  bound_mask_ = 0;
+  have_args_ = false;
+  have_kernel_ = false;
+}
+
+void Encoder::barrier() {
+  encode_barrier();
+  counters_.barriers += 1;
+}
+
+}  // namespace lily::gpu

@@ -1,0 +1,110 @@
+// The device-independent encoding interface (plain C++, no Metal headers).
+//
+// Host code in csrc/gpu/ops/ decides what to dispatch (kernel, args struct, buffers, grid,
+// barriers) and talks only to these classes; devices (csrc/emu/, csrc/metal/) implement them.
+// Every dispatch is validated against the kernel table (csrc/gpu/kernel_ids.h) before it reaches
+// a device, and counted, so the engine can report per-step dispatches / barriers / bytes bound.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+
+#include "gpu/kernel_ids.h"
+
+namespace lily::gpu {
+
+struct Size3 {
+  uint32_t x = 1, y = 1, z = 1;
+  uint64_t count() const { return uint64_t(x) * y * z; }
+};
+
+// A device allocation whose contents the host can read and write (shared storage on Apple
+// Silicon; guarded host memory in the emulator).
+class Buffer {
+ public:
+  virtual ~Buffer() = default;
+  virtual void* contents() = 0;
+  virtual size_t size() const = 0;
+};
+
+// One buffer argument: the byte range [offset, offset + bytes) of `buffer`.
+struct Binding {
+  Buffer* buffer = nullptr;
+  size_t offset = 0;
+  size_t bytes = 0;
+};
+
+inline constexpr uint32_t kMaxBuffers = 15;   // buffer indices 1..15 (0 holds the args struct)
+inline constexpr size_t kMaxArgsBytes = 256;  // args structs go through setBytes
+
+struct Dispatch {
+  KernelId kernel{};
+  alignas(16) unsigned char args[kMaxArgsBytes] = {};
+  size_t args_size = 0;
+  Binding buffers[kMaxBuffers + 1];  // [0] unused: index 0 is the args struct
+  uint32_t num_buffers = 0;          // == kernel_info(kernel).num_buffers
+  Size3 groups;                      // threadgroups in the grid
+  Size3 threads;                     // threads per threadgroup
+};
+
+struct Counters {
+  uint64_t dispatches = 0;
+  uint64_t barriers = 0;
+  uint64_t bytes_bound = 0;  // sum over dispatches of the byte ranges bound
+  uint64_t threads = 0;      // GPU threads launched
+};
+
+// Raised for host-side encoding mistakes (unbound buffer, wrong args struct, empty grid...).
+class EncodeError : public std::logic_error {
+ public:
+  using std::logic_error::logic_error;
+};
+
+class Encoder {
+ public:
+  virtual ~Encoder() = default;
+
+  void set_kernel(KernelId id);
+  template <class Args>
+  void set_args(const Args& args) {
+    set_args_bytes(&args, sizeof(Args));
+  }
+  void set_args_bytes(const void* data, size_t size);
+  // Binds [offset, offset + bytes) of `buffer` at [[buffer(index)]]; bytes = 0 means "to the end".
+  void set_buffer(uint32_t index, Buffer& buffer, size_t offset = 0, size_t bytes = 0);
+  void set_buffer(uint32_t index, const Binding& binding);
+  // Validates the pending kernel/args/buffers, hands the dispatch to the device, counts it and
+  // clears the bindings (every dispatch binds all of its buffers: no stale bindings).
+  void dispatch(Size3 groups, Size3 threads_per_group);
+  // Orders every later dispatch after every earlier one (buffer memory).
+  void barrier();
+
+  virtual void commit() = 0;  // submit what was encoded
+  virtual void wait() = 0;    // block until the submitted work finished (errors surface here)
+
+  const Counters& counters() const { return counters_; }
+
+ protected:
+  virtual void encode_dispatch(const Dispatch& d) = 0;
+  virtual void encode_barrier() = 0;
+
+ private:
+  Dispatch pending_;
+  bool have_kernel_ = false;
+  bool have_args_ = false;
+  uint32_t bound_mask_ = 0;
+  Counters counters_;
+};
+
+class Device {
+ public:
+  virtual ~Device() = default;
+  virtual std::string_view name() const = 0;
+  virtual std::unique_ptr<Buffer> new_buffer(size_t bytes) = 0;
+  virtual std::unique_ptr<Encoder> new_encoder() = 0;
+};
+
+}  // namespace lily::gpu

@@ -1,0 +1,97 @@
+// Kernel identity on the host: one enum, one name table, generated from the single list below.
+//
+// Each row: X(id, ArgsStruct, buffers)
+//   id         - enum name AND the kernel's [[host_name]] (the shader's LILY_INSTANTIATE string must
+//                be exactly this; tests/kernels/test_kernel_table.py checks every id is registered in
+//                the emulator with the same args size and buffer count, and on macOS in the metallib)
+//   ArgsStruct - the struct bound at [[buffer(0)]] (shaders/common/args.h)
+//   buffers    - number of device buffers bound at [[buffer(1)]] .. [[buffer(buffers)]]
+//
+// Adding a kernel: write it in shaders/<family>.metal with LILY_INSTANTIATE("<id>", ...), add one
+// row here, encode it from csrc/gpu/ops/<family>.cpp, test it in tests/kernels/.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string_view>
+
+#include "common/args.h"
+
+// clang-format off
+#define LILY_KERNEL_LIST(X)                                                   \
+  /* quantized matrix-vector, small M (shaders/qmm.metal): x, w, scales, biases, out */ \
+  X(qmv_b4_xf32_sf32,   QmmArgs, 5)                                           \
+  X(qmv_b4_xf32_sbf16,  QmmArgs, 5)                                           \
+  X(qmv_b4_xbf16_sf32,  QmmArgs, 5)                                           \
+  X(qmv_b4_xbf16_sbf16, QmmArgs, 5)                                           \
+  X(qmv_b8_xf32_sf32,   QmmArgs, 5)                                           \
+  X(qmv_b8_xf32_sbf16,  QmmArgs, 5)                                           \
+  X(qmv_b8_xbf16_sf32,  QmmArgs, 5)                                           \
+  X(qmv_b8_xbf16_sbf16, QmmArgs, 5)                                           \
+  /* quantized matrix-matrix, tiled (shaders/qmm.metal): x, w, scales, biases, out */ \
+  X(qmm_b4_xf32_sf32,   QmmArgs, 5)                                           \
+  X(qmm_b4_xf32_sbf16,  QmmArgs, 5)                                           \
+  X(qmm_b4_xbf16_sf32,  QmmArgs, 5)                                           \
+  X(qmm_b4_xbf16_sbf16, QmmArgs, 5)                                           \
+  X(qmm_b8_xf32_sf32,   QmmArgs, 5)                                           \
+  X(qmm_b8_xf32_sbf16,  QmmArgs, 5)                                           \
+  X(qmm_b8_xbf16_sf32,  QmmArgs, 5)                                           \
+  X(qmm_b8_xbf16_sbf16, QmmArgs, 5)                                           \
+  /* RMSNorm (shaders/norm.metal): x, weight, y */                            \
+  X(rms_norm_xf32_wf32,   RmsNormArgs, 3)                                     \
+  X(rms_norm_xf32_wbf16,  RmsNormArgs, 3)                                     \
+  X(rms_norm_xbf16_wf32,  RmsNormArgs, 3)                                     \
+  X(rms_norm_xbf16_wbf16, RmsNormArgs, 3)                                     \
+  /* RMSNorm with the residual add fused in: x, residual, weight, h_out, y */ \
+  X(rms_norm_residual_xf32_wf32,   RmsNormArgs, 5)                            \
+  X(rms_norm_residual_xf32_wbf16,  RmsNormArgs, 5)                            \
+  X(rms_norm_residual_xbf16_wf32,  RmsNormArgs, 5)                            \
+  X(rms_norm_residual_xbf16_wbf16, RmsNormArgs, 5)                            \
+  /* quantized embedding lookup (shaders/embedding.metal): ids, table, scales, biases, out */ \
+  X(embedding_b4_xf32_sf32,   EmbeddingArgs, 5)                               \
+  X(embedding_b4_xf32_sbf16,  EmbeddingArgs, 5)                               \
+  X(embedding_b4_xbf16_sf32,  EmbeddingArgs, 5)                               \
+  X(embedding_b4_xbf16_sbf16, EmbeddingArgs, 5)                               \
+  X(embedding_b8_xf32_sf32,   EmbeddingArgs, 5)                               \
+  X(embedding_b8_xf32_sbf16,  EmbeddingArgs, 5)                               \
+  X(embedding_b8_xbf16_sf32,  EmbeddingArgs, 5)                               \
+  X(embedding_b8_xbf16_sbf16, EmbeddingArgs, 5)                               \
+  /* elementwise (shaders/elementwise.metal): a, b, y */                      \
+  X(swiglu_f32,       ElementwiseArgs, 3)                                     \
+  X(swiglu_bf16,      ElementwiseArgs, 3)                                     \
+  X(sigmoid_mul_f32,  ElementwiseArgs, 3)                                     \
+  X(sigmoid_mul_bf16, ElementwiseArgs, 3)
+// clang-format on
+
+namespace lily::gpu {
+
+enum class KernelId : uint16_t {
+#define LILY_KERNEL_ENUM(id, args, buffers) id,
+  LILY_KERNEL_LIST(LILY_KERNEL_ENUM)
+#undef LILY_KERNEL_ENUM
+};
+
+struct KernelInfo {
+  KernelId id;
+  std::string_view name;   // [[host_name]] of the kernel
+  std::string_view args;   // name of its args struct
+  size_t args_size;        // sizeof(args struct)
+  uint32_t num_buffers;    // device buffers at indices 1..num_buffers
+};
+
+inline constexpr KernelInfo kKernelTable[] = {
+#define LILY_KERNEL_INFO(id, args, buffers) \
+  {KernelId::id, #id, #args, sizeof(::lily::args), buffers},
+    LILY_KERNEL_LIST(LILY_KERNEL_INFO)
+#undef LILY_KERNEL_INFO
+};
+
+inline constexpr size_t kNumKernels = sizeof(kKernelTable) / sizeof(kKernelTable[0]);
+
+constexpr const KernelInfo& kernel_info(KernelId id) {
+  return kKernelTable[static_cast<size_t>(id)];
+}
+
+std::optional<KernelId> find_kernel(std::string_view name);
+
+}  // namespace lily::gpu

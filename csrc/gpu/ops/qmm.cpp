@@ -1,0 +1,90 @@
+#include "gpu/ops/qmm.h"
+
+#include <stdexcept>
+#include <string>
+
+namespace lily::gpu::ops {
+
+namespace {
+
+uint32_t ceil_div(uint32_t a, uint32_t b) { return (a + b - 1) / b; }
+
+void need_bytes(const Binding& b, uint64_t bytes, const char* what) {
+  if (b.buffer == nullptr) throw std::invalid_argument(std::string("quantized_matmul: ") + what + " not bound");
+  if (b.bytes < bytes)
+    throw std::invalid_argument(std::string("quantized_matmul: ") + what + " range has " +
+                                std::to_string(b.bytes) + " bytes, needs " + std::to_string(bytes));
+}
+
+}  // namespace
+
+QmmRoute qmm_route(uint32_t M) { return M <= kQmvMaxRows ? QmmRoute::qmv : QmmRoute::qmm; }
+
+const char* qmm_route_name(QmmRoute r) { return r == QmmRoute::qmv ? "qmv" : "qmm"; }
+
+KernelId qmm_kernel(QmmRoute route, uint32_t bits, DType x, DType s) {
+  // Index into the kernel list order: route, bits, x dtype, scale dtype (see kernel_ids.h).
+  if (bits != 4 && bits != 8)
+    throw std::invalid_argument("quantized_matmul: bits=" + std::to_string(bits) + " unsupported (4 or 8)");
+  const bool xb = x == DType::bf16, sb = s == DType::bf16;
+  if (route == QmmRoute::qmv) {
+    if (bits == 4)
+      return xb ? (sb ? KernelId::qmv_b4_xbf16_sbf16 : KernelId::qmv_b4_xbf16_sf32)
+                : (sb ? KernelId::qmv_b4_xf32_sbf16 : KernelId::qmv_b4_xf32_sf32);
+    return xb ? (sb ? KernelId::qmv_b8_xbf16_sbf16 : KernelId::qmv_b8_xbf16_sf32)
+              : (sb ? KernelId::qmv_b8_xf32_sbf16 : KernelId::qmv_b8_xf32_sf32);
+  }
+  if (bits == 4)
+    return xb ? (sb ? KernelId::qmm_b4_xbf16_sbf16 : KernelId::qmm_b4_xbf16_sf32)
+              : (sb ? KernelId::qmm_b4_xf32_sbf16 : KernelId::qmm_b4_xf32_sf32);
+  return xb ? (sb ? KernelId::qmm_b8_xbf16_sbf16 : KernelId::qmm_b8_xbf16_sf32)
+            : (sb ? KernelId::qmm_b8_xf32_sbf16 : KernelId::qmm_b8_xf32_sf32);
+}
+
+void validate(const QmmOperands& op) {
+  auto fail = [](const std::string& m) { throw std::invalid_argument("quantized_matmul: " + m); };
+  if (op.bits != 4 && op.bits != 8) fail("bits=" + std::to_string(op.bits) + " unsupported (4 or 8)");
+  if (op.group_size != 32 && op.group_size != 64 && op.group_size != 128)
+    fail("group_size=" + std::to_string(op.group_size) + " unsupported (32, 64 or 128)");
+  if (op.M == 0 || op.N == 0 || op.K == 0)
+    fail("empty shape M=" + std::to_string(op.M) + " N=" + std::to_string(op.N) + " K=" + std::to_string(op.K));
+  if (op.K % op.group_size)
+    fail("K=" + std::to_string(op.K) + " is not a multiple of group_size=" + std::to_string(op.group_size));
+  const uint32_t xs = op.x_stride ? op.x_stride : op.K;
+  const uint32_t ys = op.y_stride ? op.y_stride : op.N;
+  if (xs < op.K) fail("x_stride " + std::to_string(xs) + " < K " + std::to_string(op.K));
+  if (ys < op.N) fail("y_stride " + std::to_string(ys) + " < N " + std::to_string(op.N));
+  const uint64_t xe = dtype_size(op.x_dtype), se = dtype_size(op.scale_dtype);
+  need_bytes(op.x, ((uint64_t(op.M) - 1) * xs + op.K) * xe, "x");
+  need_bytes(op.w, uint64_t(op.N) * op.K * op.bits / 8, "w");
+  need_bytes(op.scales, uint64_t(op.N) * (op.K / op.group_size) * se, "scales");
+  need_bytes(op.biases, uint64_t(op.N) * (op.K / op.group_size) * se, "biases");
+  need_bytes(op.y, ((uint64_t(op.M) - 1) * ys + op.N) * xe, "y");
+}
+
+void encode_quantized_matmul(Encoder& enc, const QmmOperands& op) {
+  validate(op);
+  const QmmRoute route = qmm_route(op.M);
+  QmmArgs args{op.M, op.N, op.K, op.group_size, op.x_stride ? op.x_stride : op.K,
+               op.y_stride ? op.y_stride : op.N};
+  enc.set_kernel(qmm_kernel(route, op.bits, op.x_dtype, op.scale_dtype));
+  enc.set_args(args);
+  // Bind exactly the bytes the kernel reads, so counters report true weight traffic.
+  const uint64_t xe = dtype_size(op.x_dtype), se = dtype_size(op.scale_dtype);
+  const uint64_t groups = op.K / op.group_size;
+  auto range = [](Binding b, uint64_t bytes) { b.bytes = bytes; return b; };
+  enc.set_buffer(1, range(op.x, ((uint64_t(op.M) - 1) * args.x_stride + op.K) * xe));
+  enc.set_buffer(2, range(op.w, uint64_t(op.N) * op.K * op.bits / 8));
+  enc.set_buffer(3, range(op.scales, uint64_t(op.N) * groups * se));
+  enc.set_buffer(4, range(op.biases, uint64_t(op.N) * groups * se));
+  enc.set_buffer(5, range(op.y, ((uint64_t(op.M) - 1) * args.y_stride + op.N) * xe));
+  if (route == QmmRoute::qmv) {
+    enc.dispatch({ceil_div(op.N, kQmvRowsPerSimd * kQmvSimdsPerGroup), 1, 1},
+                 {32 * kQmvSimdsPerGroup, 1, 1});
+  } else {
+    enc.dispatch({ceil_div(op.N, kQmmTileN), ceil_div(op.M, kQmmTileM), 1},
+                 {32 * kQmmSimdsPerGroup, 1, 1});
+  }
+}
+
+}  // namespace lily::gpu::ops

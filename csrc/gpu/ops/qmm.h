@@ -1,0 +1,41 @@
+// Quantized matmul y = x @ dequant(w)^T (MLX affine layout), routed by the number of rows M.
+// Kernels: shaders/qmm.metal. Route and tile constants: shaders/common/args.h.
+#pragma once
+#include <cstdint>
+
+#include "gpu/dtype.h"
+#include "gpu/encoder.h"
+
+namespace lily::gpu::ops {
+
+enum class QmmRoute : uint8_t {
+  qmv,  // M <= kQmvMaxRows: matrix-vector, every weight byte read once for all M rows
+  qmm,  // M >  kQmvMaxRows: 32x32 output tiles, weights dequantized per tile into threadgroup memory
+};
+
+QmmRoute qmm_route(uint32_t M);
+const char* qmm_route_name(QmmRoute r);
+
+struct QmmOperands {
+  Binding x;        // [M, x_stride] of x_dtype
+  Binding w;        // uint32 [N, K * bits / 32]
+  Binding scales;   // [N, K / group_size] of scale_dtype
+  Binding biases;   // [N, K / group_size] of scale_dtype
+  Binding y;        // [M, y_stride] of x_dtype
+  DType x_dtype = DType::f32;
+  DType scale_dtype = DType::f32;
+  uint32_t M = 0, N = 0, K = 0;
+  uint32_t bits = 4, group_size = 64;
+  uint32_t x_stride = 0, y_stride = 0;  // 0 means packed (K, N)
+};
+
+// The kernel a route uses for these bits / dtypes; throws std::invalid_argument when unsupported.
+KernelId qmm_kernel(QmmRoute route, uint32_t bits, DType x_dtype, DType scale_dtype);
+
+// Throws std::invalid_argument naming the bad operand (shape, size, group, bits).
+void validate(const QmmOperands& op);
+
+// Encodes one dispatch (no barrier: the caller orders it against its producers/consumers).
+void encode_quantized_matmul(Encoder& enc, const QmmOperands& op);
+
+}  // namespace lily::gpu::ops

@@ -1,0 +1,48 @@
+"""Write one self-contained Metal source from shaders/*.metal (build step, macOS only).
+
+Every `#include "common/..."` is inlined once (the headers use #pragma once), so the Metal device
+can compile the result at run time with newLibraryWithSource, which has no include path. Used when
+the Metal toolchain (`xcrun metal`) is missing at build time.
+
+    python amalgamate.py --shader-dir shaders --out lily_shaders.metal shaders/a.metal ...
+"""
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+INCLUDE = re.compile(r'^\s*#include "([^"]+)"\s*$')
+
+
+def inline(path: Path, shader_dir: Path, seen: set[Path]) -> list[str]:
+    out = []
+    for line in path.read_text().splitlines():
+        m = INCLUDE.match(line)
+        if m:
+            inc = (shader_dir / m.group(1)).resolve()
+            if inc not in seen:
+                seen.add(inc)
+                out.append(f"// ---- {m.group(1)}")
+                out.extend(inline(inc, shader_dir, seen))
+        elif line.strip() != "#pragma once":
+            out.append(line)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shader-dir", type=Path, required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("sources", type=Path, nargs="+")
+    a = ap.parse_args()
+    seen: set[Path] = set()
+    lines = ["// Generated from shaders/ by csrc/metal/amalgamate.py. Do not edit."]
+    for src in a.sources:
+        lines.append(f"// ==== {src.name}")
+        lines.extend(inline(src, a.shader_dir, seen))
+    a.out.write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+// Kernel argument structs: compiled by the shaders (Metal and the emulator) and by the host.
+//
+// One struct per kernel family, bound with setBytes at [[buffer(0)]]. Only plain 32-bit fields
+// (same layout on every side). Route constants that host code and kernels must agree on live here
+// as enumerators, so no number is written twice.
+#pragma once
+#if !defined(__METAL_VERSION__)
+#include <cstdint>
+#endif
+
+namespace lily {
+
+// ---- quantized matmul (shaders/qmm.metal, host: csrc/gpu/ops/qmm.cpp) ----------------------
+enum : uint32_t {
+  kQmvMaxRows = 8,        // qmv route handles M <= kQmvMaxRows rows of x per dispatch
+  kQmvRowsPerSimd = 4,    // output features per simdgroup in qmv
+  kQmvSimdsPerGroup = 2,  // simdgroups per threadgroup in qmv
+  kQmmTileM = 32,         // qmm output tile: rows of x
+  kQmmTileN = 32,         // qmm output tile: output features
+  kQmmTileK = 32,         // qmm K step (must divide every supported group size)
+  kQmmSimdsPerGroup = 4,  // qmm threadgroup = 4 simdgroups (2 x 2 over the 32 x 32 tile)
+};
+
+// y[M, N] = x[M, K] @ dequant(w)[N, K]^T ; w uint32 [N, K*bits/32], scales/biases [N, K/group_size]
+struct QmmArgs {
+  uint32_t M;           // rows of x / y
+  uint32_t N;           // output features (rows of w)
+  uint32_t K;           // input features; multiple of group_size
+  uint32_t group_size;  // 32, 64 or 128
+  uint32_t x_stride;    // elements between rows of x (>= K)
+  uint32_t y_stride;    // elements between rows of y (>= N)
+};
+
+// ---- RMSNorm (shaders/norm.metal, host: csrc/gpu/ops/norm.cpp) ---------------------------------
+enum : uint32_t {
+  kNormMaxThreads = 1024,  // one threadgroup per row, at most this many threads
+};
+
+// y = h * rsqrt(mean(h^2) + eps) * (weight + weight_offset), per row of D elements, where
+// h = x (plain) or h = round_T(x + residual) (fused; h is also written to h_out).
+struct RmsNormArgs {
+  uint32_t rows;
+  uint32_t D;
+  float eps;
+  float weight_offset;  // 0: weight is the multiplier (MLX files); 1: zero-centred (HF) weight
+};
+
+// ---- quantized embedding lookup (shaders/embedding.metal, host: csrc/gpu/ops/embedding.cpp) ----
+enum : uint32_t {
+  kEmbedThreads = 64,      // threads per threadgroup
+  kEmbedPerThread = 8,     // consecutive values each thread dequantizes
+};
+
+// out[t, :] = dequant(table[ids[t], :]); ids outside [0, vocab) give a row of NaN.
+struct EmbeddingArgs {
+  uint32_t tokens;
+  uint32_t vocab;
+  uint32_t D;
+  uint32_t group_size;
+};
+
+// ---- elementwise (shaders/elementwise.metal, host: csrc/gpu/ops/elementwise.cpp) -------------
+enum : uint32_t {
+  kElementwiseThreads = 256,
+};
+
+// swiglu:      y[r, c] = silu(a[r, c]) * b[r, c]
+// sigmoid_mul: y[r, c] = a[r, c] * sigmoid(b[r, c * b_col_step])   (b_col_step 0: one gate per row)
+struct ElementwiseArgs {
+  uint32_t rows;
+  uint32_t cols;
+  uint32_t a_stride;    // elements between rows of a
+  uint32_t b_stride;    // elements between rows of b
+  uint32_t y_stride;    // elements between rows of y
+  uint32_t b_col_step;  // 1, or 0 to broadcast b[r, 0] along the row
+};
+
+}  // namespace lily

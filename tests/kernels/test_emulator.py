@@ -1,0 +1,271 @@
+"""The emulator itself: MSL semantics it implements, and the GPU bugs it must catch.
+
+Runs the self-test kernels of csrc/emu/selftest.metal through lily_py._core.emu.dispatch.
+Feature kernels are compared with NumPy models of the Metal functions; "broken" kernels contain
+one bug each (missing barrier, divergent simd_sum, early return before a barrier, out-of-bounds
+access, ...) and must raise lily_py._core.EmulatorError naming it.
+"""
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+
+import lily_py._core as core
+from kernel_checks import F32_EPS, assert_close, rng  # noqa: F401  (fixture)
+
+FEATURES = core.emu.features()
+ORDERS = ("forward", "reverse", "shuffle")
+POISON = np.uint32(0xFFA0FFA0)
+
+
+def args(n: int, param: int = 0) -> bytes:
+    return struct.pack("<II", n, param)  # SelftestArgs {uint32 n; uint32 param;}
+
+
+def dispatch(kernel, n, param, buffers, groups, threads, **kw):
+    core.emu.dispatch(f"selftest_{kernel}", args(n, param), buffers, groups, threads, **kw)
+
+
+def run_good_kernel():
+    """A correct kernel after a failure: the emulator must be left in a usable state."""
+    x = np.arange(40, dtype=np.float32)
+    out = np.zeros(40, np.float32)
+    dispatch("tg_rotate", 40, 1, [x, out], (1, 1, 1), (40, 1, 1))
+    np.testing.assert_array_equal(out, 2 * np.roll(x, -1))
+
+
+# ------------------------------------------------------------------------------ simd collectives
+SIMD_OPS = ["sum", "max", "min", "prefix_inclusive", "prefix_exclusive", "shuffle_lane_xor1",
+            "shuffle_down3", "shuffle_up5", "shuffle_xor6", "broadcast7", "broadcast_first", "all",
+            "any_gt2", "sum_int", "sum_float4"]
+
+
+def simd_model(x: np.ndarray) -> np.ndarray:
+    """NumPy model of csrc/emu/selftest.metal:simd_ops for one threadgroup (32-lane simdgroups)."""
+    n = x.size
+    out = np.zeros((len(SIMD_OPS), n), np.float64)
+    for start in range(0, n, 32):
+        v = x[start:start + 32].astype(np.float64)
+        w = v.size
+        lanes = np.arange(w)
+        sl = slice(start, start + w)
+        out[0, sl] = v.sum()
+        out[1, sl] = v.max()
+        out[2, sl] = v.min()
+        out[3, sl] = np.cumsum(v)
+        out[4, sl] = np.cumsum(v) - v
+        out[5, sl] = v[lanes ^ 1]
+        out[6, sl] = np.where(lanes + 3 < w, v[np.minimum(lanes + 3, w - 1)], v)
+        out[7, sl] = np.where(lanes >= 5, v[np.maximum(lanes - 5, 0)], v)
+        out[8, sl] = v[lanes ^ 6]
+        out[9, sl] = v[7]
+        out[10, sl] = v[0]
+        out[11, sl] = float((v > -100).all())
+        out[12, sl] = float((v > 2).any())
+        out[13, sl] = np.trunc(v * 4).sum()
+        out[14, sl] = v.sum() + 10 * w
+    return out
+
+
+@pytest.mark.parametrize("threads", [64, 48, 96], ids=["2full", "partial16", "3full"])
+@pytest.mark.parametrize("order", ORDERS)
+def test_simd_collectives_match_numpy(rng, threads, order):
+    # Multiples of 1/4 in [-8, 8): every sum below is exact in float32, so the comparison is exact.
+    x = (rng.integers(-32, 32, size=threads) / 4).astype(np.float32)
+    out = np.zeros(len(SIMD_OPS) * threads, np.float32)
+    dispatch("simd_ops", threads, 0, [x, out], (1, 1, 1), (threads, 1, 1), order=order, seed=rng.seed)
+    got = out.reshape(len(SIMD_OPS), threads)
+    want = simd_model(x)
+    for i, name in enumerate(SIMD_OPS):
+        assert_close(got[i], want[i], atol=0, rtol=0, what=f"simd op {name}", seed=rng.seed)
+
+
+def test_thread_positions_3d_grid():
+    groups, threads = (3, 2, 2), (5, 3, 2)  # 30 threads per threadgroup: one partial simdgroup
+    per_group = int(np.prod(threads))
+    total = int(np.prod(groups)) * per_group
+    out = np.zeros(8 * total, np.uint32)
+    dispatch("thread_ids", groups[0], groups[1], [out], groups, threads)
+    got = out.reshape(total, 8)
+    want = []
+    for gz in range(groups[2]):
+        for gy in range(groups[1]):
+            for gx in range(groups[0]):
+                for tz in range(threads[2]):
+                    for ty in range(threads[1]):
+                        for tx in range(threads[0]):
+                            local = tx + threads[0] * (ty + threads[1] * tz)
+                            want.append([gx * threads[0] + tx, gy * threads[1] + ty, gz * threads[2] + tz,
+                                         tx, ty, tz, local % 32, local // 32])
+    np.testing.assert_array_equal(got, np.array(want, np.uint32))
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("param", [1, 37, 99])
+def test_threadgroup_memory_with_barrier(rng, order, param):
+    n, groups = 100, 3  # 100 threads: four simdgroups, the last one partial
+    x = rng.standard_normal(n * groups).astype(np.float32)
+    out = np.zeros_like(x)
+    dispatch("tg_rotate", n, param, [x, out], (groups, 1, 1), (n, 1, 1), order=order, seed=rng.seed)
+    want = 2 * np.concatenate([np.roll(x[g * n:(g + 1) * n], -param) for g in range(groups)])
+    np.testing.assert_array_equal(out, want)
+
+
+def test_device_atomics(rng):
+    n = 1000
+    x = (rng.integers(-32, 33, size=n) / 8).astype(np.float32)  # sums exact in float32
+    counter = np.zeros(1, np.uint32)
+    fsum = np.zeros(1, np.float32)
+    imax = np.full(1, -(2 ** 31), np.int32)
+    dispatch("atomics", n, 0, [x, counter, fsum, imax], (4, 1, 1), (256, 1, 1), seed=rng.seed)
+    assert counter[0] == n
+    assert fsum[0] == x.astype(np.float64).sum()
+    assert imax[0] == int(np.trunc(x.astype(np.float64) * 100).max())
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_simdgroup_matrix_multiply_accumulate(rng, order):
+    a = rng.standard_normal((8, 16)).astype(np.float32)
+    b = rng.standard_normal((16, 8)).astype(np.float32)
+    c0 = rng.standard_normal((8, 8)).astype(np.float32)
+    b_top = np.ascontiguousarray(b[:8])
+    bt_bot = np.ascontiguousarray(b[8:].T)  # loaded with transpose_matrix = true
+    c = np.zeros((8, 8), np.float32)
+    dispatch("mma", 0, 0, [a, b_top, bt_bot, c0, c], (1, 1, 1), (32, 1, 1), order=order, seed=rng.seed)
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    ref = a64 @ b64 + c0
+    # 16 fp32 multiply-adds per element: |error| <= 17 u sum(|a||b|) + |c|) (two accumulations).
+    scale = np.abs(a64) @ np.abs(b64) + np.abs(c0)
+    assert_close(c, ref, atol=2 * 17 * F32_EPS * scale, rtol=0, what="simdgroup mma", seed=rng.seed)
+
+
+def test_registry_lists_selftests_and_read_only_flags():
+    entries = {k["name"]: k for k in core.emu.kernels()}
+    assert entries["selftest_tg_rotate"]["read_only"] == [True, False]  # const device float* x; float* out
+    assert entries["selftest_atomics"]["read_only"] == [True, False, False, False]
+    assert entries["selftest_thread_ids"]["num_buffers"] == 1
+    assert entries["selftest_simd_ops"]["args_size"] == 8
+
+
+# ------------------------------------------------------------------------------ broken kernels
+def broken(kernel, n=64, param=0, threads=64, out_size=None, **kw):
+    x = np.arange(n, dtype=np.float32) + 1
+    out = np.zeros(out_size if out_size is not None else n, np.float32)
+    dispatch(kernel, n, param, [x, out], (1, 1, 1), (threads, 1, 1), **kw)
+    return out
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_missing_barrier_is_caught(order):
+    if not FEATURES["fp_traps"]:
+        pytest.skip("fp traps need glibc on x86-64; test_missing_barrier_without_traps_gives_nan covers this build")
+    with pytest.raises(core.EmulatorError, match=r"broken_missing_barrier.*floating-point invalid operation.*missing barrier"):
+        broken("broken_missing_barrier", order=order)
+    run_good_kernel()
+
+
+def test_missing_barrier_without_traps_gives_nan():
+    out = broken("broken_missing_barrier", fp_traps=False, order="forward")
+    # Forward order: thread i reads slot i + 1 before thread i + 1 wrote it -> poison (NaN).
+    assert np.isnan(out[:-1]).all(), out[:8]
+
+
+def test_unwritten_threadgroup_memory_shows_as_poison():
+    out = broken("broken_unwritten_copy")
+    bits = out.view(np.uint32)
+    assert (bits[1::2] == POISON).all(), bits[1::2][:4]  # never written: the poison pattern
+    np.testing.assert_array_equal(out[0::2], np.arange(0, 64, 2, dtype=np.float32) + 1)
+
+
+@pytest.mark.parametrize("active", [16, 1, 31])
+def test_divergent_simd_sum_is_caught(active):
+    with pytest.raises(core.EmulatorError, match=r"divergent simdgroup.*simd_sum at csrc/emu/selftest\.metal:\d+"):
+        broken("broken_divergent_simd_sum", param=active)
+    run_good_kernel()
+
+
+def test_early_return_before_barrier_is_caught():
+    with pytest.raises(core.EmulatorError, match=r"thread \(3,0,0\).*returned while .* wait at threadgroup_barrier"):
+        broken("broken_early_return", param=3)
+    run_good_kernel()
+
+
+def test_threads_at_different_barriers_are_caught():
+    with pytest.raises(core.EmulatorError, match="threads wait at different barriers"):
+        broken("broken_different_barriers")
+    run_good_kernel()
+
+
+def test_out_of_bounds_write_is_caught():
+    # With guard pages the faulting write is reported at once; without them the canary bytes
+    # after the buffer are checked after the dispatch. Both name the buffer.
+    with pytest.raises(core.EmulatorError, match=r"out-of-bounds write.*buffer\(2\)"):
+        broken("broken_oob_write", param=1)
+    run_good_kernel()
+
+
+def test_out_of_bounds_write_far_past_end_is_caught():
+    with pytest.raises(core.EmulatorError, match=r"out-of-bounds write.*buffer\(2\)"):
+        broken("broken_oob_write", param=5000)
+    run_good_kernel()
+
+
+def test_out_of_bounds_read_is_caught():
+    if FEATURES["guard_pages"]:
+        with pytest.raises(core.EmulatorError, match=r"out-of-bounds read past the end of buffer\(1\)"):
+            broken("broken_oob_read", param=1)
+    else:  # the read lands in poisoned slack: the value copied out is NaN
+        out = broken("broken_oob_read", param=1)
+        assert np.isnan(out[-1]) and not np.isnan(out[:-1]).any()
+    run_good_kernel()
+
+
+def test_write_to_const_buffer_is_caught():
+    if not FEATURES["guard_pages"]:
+        pytest.skip("read-only buffers need page protection + the fault handler (Linux x86-64 builds)")
+    with pytest.raises(core.EmulatorError, match=r"write to buffer\(1\).*const device"):
+        broken("broken_write_const")
+    run_good_kernel()
+
+
+def test_nonuniform_shuffle_delta_is_caught():
+    with pytest.raises(core.EmulatorError, match="simd_shuffle_down: argument differs between lanes"):
+        broken("broken_nonuniform_shuffle")
+
+
+def test_threadgroup_memory_limit_is_enforced():
+    with pytest.raises(core.EmulatorError, match="32768-byte limit"):
+        broken("broken_tg_overflow")
+    run_good_kernel()
+
+
+def test_gpu_thread_stack_overflow_is_caught():
+    if not FEATURES["guard_pages"]:
+        pytest.skip("needs the fault handler (Linux x86-64 builds)")
+    with pytest.raises(core.EmulatorError, match="GPU thread stack overflow"):
+        broken("broken_stack_overflow")
+    run_good_kernel()
+
+
+def test_platform_features_reported():
+    f = FEATURES
+    assert f["simd_width"] == 32 and f["threadgroup_memory"] == 32768
+    import platform
+    if platform.system() == "Linux" and platform.machine() == "x86_64":
+        assert f["guard_pages"] and f["fp_traps"] and "assembly" in f["fibers"]
+
+
+def test_dispatch_rejects_bad_launches():
+    x = np.zeros(4, np.float32)
+    with pytest.raises(ValueError, match="no kernel named"):
+        core.emu.dispatch("no_such_kernel", args(4), [x, x], (1, 1, 1), (4, 1, 1))
+    with pytest.raises(core.EmulatorError, match="1 buffers bound, kernel takes 2"):
+        core.emu.dispatch("selftest_tg_rotate", args(4), [x], (1, 1, 1), (4, 1, 1))
+    with pytest.raises(core.EmulatorError, match="args struct of 4 bytes"):
+        core.emu.dispatch("selftest_tg_rotate", b"\0" * 4, [x, x.copy()], (1, 1, 1), (4, 1, 1))
+    with pytest.raises(core.EmulatorError, match="at most 1024 per threadgroup"):
+        core.emu.dispatch("selftest_tg_rotate", args(4), [x, x.copy()], (1, 1, 1), (2048, 1, 1))
+    with pytest.raises(ValueError, match="order must be"):
+        core.emu.dispatch("selftest_tg_rotate", args(4), [x, x.copy()], (1, 1, 1), (4, 1, 1), order="random")

@@ -1,0 +1,76 @@
+"""The host kernel table (csrc/gpu/kernel_ids.h) against the emulator registry and the shaders.
+
+Every kernel id must exist in the emulator with the same args struct size and buffer count, and
+every kernel the shaders instantiate must be a kernel id (the emulator's own self-test kernels
+aside). On macOS the built metallib gets the same check when the Metal device lands.
+"""
+from __future__ import annotations
+
+import re
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+import lily_py._core as core
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_every_kernel_id_is_registered_in_the_emulator():
+    registry = {k["name"]: k for k in core.emu.kernels()}
+    table = core.kernel_table()
+    assert len(table) > 0
+    missing = [k["name"] for k in table if k["name"] not in registry]
+    assert not missing, f"kernel ids without an emulator kernel: {missing}"
+    for k in table:
+        e = registry[k["name"]]
+        assert e["args_size"] == k["args_size"], (k["name"], e["args_size"], k["args_size"])
+        assert e["num_buffers"] == k["num_buffers"], (k["name"], e["num_buffers"], k["num_buffers"])
+        assert e["file"].endswith(".metal"), e["file"]
+
+
+def test_every_emulator_kernel_has_an_id_or_is_a_selftest():
+    ids = {k["name"] for k in core.kernel_table()}
+    extra = [k["name"] for k in core.emu.kernels() if k["name"] not in ids]
+    assert all(name.startswith("selftest_") for name in extra), extra
+    for k in core.emu.kernels():
+        if k["name"].startswith("selftest_"):
+            assert k["file"].endswith("csrc/emu/selftest.metal"), k  # never in shaders/
+
+
+def test_names_are_unique():
+    for names in ([k["name"] for k in core.kernel_table()], [k["name"] for k in core.emu.kernels()]):
+        dup = [n for n, c in Counter(names).items() if c > 1]
+        assert not dup, dup
+
+
+def test_shader_instantiations_are_exactly_the_kernel_ids():
+    text = "\n".join(p.read_text() for p in sorted((ROOT / "shaders").glob("*.metal")))
+    names = re.findall(r'^\s*LILY_INSTANTIATE\("([^"]+)"', text, flags=re.M)
+    assert Counter(names) == Counter(k["name"] for k in core.kernel_table())
+
+
+def test_kernel_signatures_bind_buffers_in_order():
+    # [[buffer(0)]] is the args struct, then device buffers 1, 2, ... in parameter order: the host
+    # binds by index and the emulator by position, so the two must agree.
+    sources = sorted((ROOT / "shaders").glob("*.metal")) + [ROOT / "csrc/emu/selftest.metal"]
+    seen = 0
+    for path in sources:
+        text = path.read_text()
+        for name, params in re.findall(r"\[\[kernel\]\]\s+void\s+(\w+)\s*\((.*?)LILY_KERNEL_TAIL\s*\)", text, re.S):
+            seen += 1
+            idx = [int(i) for i in re.findall(r"\[\[buffer\((\d+)\)\]\]", params)]
+            assert idx == list(range(len(idx))), f"{path.name}:{name} buffer indices {idx}"
+            first = params.strip().split(",")[0]
+            assert re.match(r"constant\s+\w+Args&\s+args\s+\[\[buffer\(0\)\]\]", first), f"{path.name}:{name}: {first}"
+    assert seen >= 2
+
+
+@pytest.mark.skipif("metal" not in core.devices(), reason="this build has no Metal device (built without LILY_METAL: not macOS)")
+def test_every_kernel_id_is_in_the_metal_library():
+    if not core.metal.available():
+        pytest.fail("the build has the Metal device but this machine reports no Metal GPU")
+    functions = set(core.metal.library_functions())
+    missing = [k["name"] for k in core.kernel_table() if k["name"] not in functions]
+    assert not missing, f"kernel ids missing from {core.metal.info()['library']}: {missing}"

@@ -1,0 +1,170 @@
+"""lily_py.ops.quantized_matmul on the emulator vs lily_py.reference.kernels.
+
+Tolerance (kernel_checks.assert_close): the inputs the kernel sees (x as float32 or bfloat16,
+MLX-packed codes, scales and biases) are given exactly to a float64 reference, so the only error
+is the kernel's fp32 arithmetic: per-element dequantization (s*q + b, two roundings) and a sum of
+K rounded products in some order. Each rounding is at most u = 2^-24 relative and they do not
+conspire, so the error stays within a small multiple of sqrt(K) u mag with
+mag = sum_k |x_k| (|s q_k| + |b|) (kernels.quantized_matmul_error_scale); we allow
+8 sqrt(K) u mag (observed: < 2% of that). The worst case 2 K u mag would be too loose to see
+precision-policy violations: rounding the dequantized weights to bf16 (as MLX does in
+threadgroup memory) errs by ~2^-9 mag / sqrt(K), which this bound rejects. A bfloat16 output adds
+its final rounding: rtol = 2^-8 (>= one bf16 unit roundoff 2^-9 of |y|). A wrong group, code,
+row or route changes y by a sizeable fraction of mag.
+"""
+from __future__ import annotations
+
+import itertools
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from kernel_checks import BF16_EPS, F32_EPS, assert_close, device, rng  # noqa: F401  (fixtures)
+from lily_py import ops
+from lily_py.reference import kernels as ref_kernels
+from lily_py.reference import quant
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+QMV_MAX_ROWS = 8  # must match kQmvMaxRows in shaders/common/args.h (checked below)
+
+
+def make_case(rng, m, n, k, *, bits, group_size, x_dtype, scale_dtype, lead=None):
+    w_float = rng.standard_normal((n, k)).astype(np.float32) * 0.05
+    w, scales, biases = quant.quantize(w_float, bits=bits, group_size=group_size, scale_dtype=scale_dtype)
+    shape = (m, k) if lead is None else (*lead, k)
+    x = rng.standard_normal(shape).astype(np.float32).astype(x_dtype)  # bf16-rounded when bf16
+    return x, w, scales, biases
+
+
+def check(rng, x, w, scales, biases, *, bits, group_size, device="emu", **kw):
+    y, stats = ops._quantized_matmul(x, w, scales, biases, bits=bits, group_size=group_size, device=device,
+                                     seed=rng.seed, **kw)
+    ref = ref_kernels.quantized_matmul(x, w, scales, biases, bits=bits, group_size=group_size)
+    mag = ref_kernels.quantized_matmul_error_scale(x, w, scales, biases, bits=bits, group_size=group_size)
+    k = x.shape[-1]
+    assert y.dtype == x.dtype and y.shape == ref.shape
+    rtol = 2 * BF16_EPS if x.dtype == BF16 else 0.0
+    assert_close(y, ref, atol=8 * np.sqrt(k) * F32_EPS * mag, rtol=rtol,
+                 what=f"quantized_matmul {stats['kernels']} x{x.shape} w{w.shape}", seed=rng.seed)
+    return y, stats
+
+
+def test_route_boundary_constant_matches_extension():
+    import lily_py._core as core
+    assert core.ops.QMV_MAX_ROWS == QMV_MAX_ROWS
+    assert ops.quantized_matmul_route(QMV_MAX_ROWS) == "qmv"
+    assert ops.quantized_matmul_route(QMV_MAX_ROWS + 1) == "qmm"
+
+
+# Both sides of the qmv / qmm route switch (M = 8 | 9), every bits x group x dtype combination,
+# odd N (not a multiple of the 8-row qmv threadgroup nor of the 32-wide qmm tile) and odd K.
+COMBOS = list(itertools.product([4, 8], [32, 64, 128], [np.float32, BF16], [np.float32, BF16]))
+
+
+@pytest.mark.parametrize("m", [1, 3, QMV_MAX_ROWS, QMV_MAX_ROWS + 1, 45])
+@pytest.mark.parametrize("bits,group_size,x_dtype,scale_dtype", COMBOS,
+                         ids=[f"b{b}-g{g}-x{np.dtype(x).name}-s{np.dtype(s).name}" for b, g, x, s in COMBOS])
+def test_quantized_matmul_matches_reference(rng, device, m, bits, group_size, x_dtype, scale_dtype):
+    n = 37
+    k = 3 * group_size if group_size != 32 else 7 * 32
+    x, w, s, b = make_case(rng, m, n, k, bits=bits, group_size=group_size, x_dtype=x_dtype,
+                           scale_dtype=scale_dtype)
+    _, stats = check(rng, x, w, s, b, bits=bits, group_size=group_size, device=device)
+    route = "qmv" if m <= QMV_MAX_ROWS else "qmm"
+    xs = "bf16" if np.dtype(x_dtype) == BF16 else "f32"
+    ss = "bf16" if np.dtype(scale_dtype) == BF16 else "f32"
+    assert stats["kernels"] == [f"{route}_b{bits}_x{xs}_s{ss}"]
+
+
+@pytest.mark.parametrize("m", [QMV_MAX_ROWS, QMV_MAX_ROWS + 1])
+@pytest.mark.parametrize("n,k", [(1, 64), (7, 576), (33, 1088), (65, 128)])
+def test_odd_shapes_around_route_switch(rng, device, m, n, k):
+    # K = 576, 1088: not multiples of qmv's 512-code step (4-bit), so lanes run out mid-row.
+    x, w, s, b = make_case(rng, m, n, k, bits=4, group_size=64, x_dtype=BF16, scale_dtype=BF16)
+    check(rng, x, w, s, b, bits=4, group_size=64, device=device)
+
+
+@pytest.mark.parametrize("m", [1, 9])
+def test_model_shape_slice(rng, device, m):
+    # The real model's 4-bit / group-64 / bf16 configuration at K = hidden size 2048.
+    x, w, s, b = make_case(rng, m, 70, 2048, bits=4, group_size=64, x_dtype=BF16, scale_dtype=BF16)
+    check(rng, x, w, s, b, bits=4, group_size=64, device=device)
+
+
+def test_leading_dims_and_1d_x(rng, device):
+    x, w, s, b = make_case(rng, 0, 19, 128, bits=8, group_size=64, x_dtype=np.float32,
+                           scale_dtype=np.float32, lead=(2, 5))
+    y, _ = check(rng, x, w, s, b, bits=8, group_size=64, device=device)
+    assert y.shape == (2, 5, 19)
+    y1 = ops.quantized_matmul(x[1, 2], w, s, b, bits=8, group_size=64, device=device)
+    assert y1.shape == (19,)
+    y1b = ops.quantized_matmul(x[1, 2][None], w, s, b, bits=8, group_size=64, device=device)[0]
+    np.testing.assert_array_equal(y1, y1b)
+
+
+@pytest.mark.parametrize("m", [2, 40])
+def test_result_independent_of_thread_order(rng, m):
+    # No races: forward, reverse and shuffled scheduling give bit-identical results.
+    x, w, s, b = make_case(rng, m, 40, 256, bits=4, group_size=64, x_dtype=np.float32, scale_dtype=BF16)
+    runs = [ops._quantized_matmul(x, w, s, b, bits=4, group_size=64, order=o, seed=rng.seed)[0]
+            for o in ("forward", "reverse", "shuffle")]
+    np.testing.assert_array_equal(runs[0], runs[1])
+    np.testing.assert_array_equal(runs[0], runs[2])
+
+
+def test_counters_report_exact_bytes(rng):
+    m, n, k = 3, 50, 256
+    x, w, s, b = make_case(rng, m, n, k, bits=4, group_size=64, x_dtype=BF16, scale_dtype=BF16)
+    _, stats = ops._quantized_matmul(x, w, s, b, bits=4, group_size=64)
+    assert stats["dispatches"] == 1 and stats["barriers"] == 0
+    assert stats["bytes_bound"] == x.nbytes + w.nbytes + s.nbytes + b.nbytes + m * n * 2
+    assert stats["threads"] == -(-n // 8) * 64  # qmv: 8 rows per 64-thread threadgroup
+
+
+# ------------------------------------------------------------------------------ bad input
+def _ok(rng):
+    return make_case(rng, 2, 16, 128, bits=4, group_size=64, x_dtype=np.float32, scale_dtype=np.float32)
+
+
+@pytest.mark.parametrize("mutate,match", [
+    (lambda a: {**a, "x": a["x"].astype(np.float64)}, "x must be float32 or bfloat16, got float64"),
+    (lambda a: {**a, "x": a["x"].tolist()}, "x must be a numpy.ndarray"),
+    (lambda a: {**a, "x": a["x"][:, :100]}, "K=100 .* not a multiple of group_size=64"),
+    (lambda a: {**a, "x": np.zeros((2, 192), np.float32)}, r"w is \(16, 16\) but x has K=192"),
+    (lambda a: {**a, "w": a["w"].astype(np.int32)}, "w must be a 2-D uint32 array"),
+    (lambda a: {**a, "w": a["w"][None]}, "w must be a 2-D uint32 array"),
+    (lambda a: {**a, "scales": a["scales"][:, :1]}, r"scales must be \[N, K/group_size\] = \[16, 2\], got \[16, 1\]"),
+    (lambda a: {**a, "biases": a["biases"][:8]}, r"biases must be \[N, K/group_size\]"),
+    (lambda a: {**a, "biases": a["biases"].astype(BF16)}, "scales .* and biases .* must have the same dtype"),
+    (lambda a: {**a, "bits": 3}, r"bits must be one of \(4, 8\), got 3"),
+    (lambda a: {**a, "group_size": 16}, r"group_size must be one of \(32, 64, 128\), got 16"),
+    (lambda a: {**a, "device": "cuda"}, "device must be 'emu' or 'metal', got 'cuda'"),
+], ids=["x-float64", "x-list", "K-not-group-multiple", "w-K-mismatch", "w-int32", "w-3d",
+        "scales-shape", "biases-shape", "dtype-mismatch", "bits", "group", "device"])
+def test_bad_input_raises_clear_error(rng, mutate, match):
+    x, w, s, b = _ok(rng)
+    a = mutate({"x": x, "w": w, "scales": s, "biases": b, "bits": 4, "group_size": 64, "device": "emu"})
+    with pytest.raises((ValueError, TypeError), match=match):
+        ops.quantized_matmul(a["x"], a["w"], a["scales"], a["biases"], bits=a["bits"],
+                             group_size=a["group_size"], device=a["device"])
+
+
+def test_metal_device_unavailable_is_a_clear_error(rng):
+    import lily_py._core as core
+    if "metal" in core.devices():
+        pytest.skip("this build has the Metal device")
+    x, w, s, b = _ok(rng)
+    with pytest.raises(ValueError, match="device 'metal' is not available"):
+        ops.quantized_matmul(x, w, s, b, bits=4, group_size=64, device="metal")
+
+
+def test_extension_validates_too(rng):
+    # The binding re-checks shapes itself (callers other than lily_py.ops).
+    import lily_py._core as core
+    x, w, s, b = _ok(rng)
+    with pytest.raises(ValueError, match="scales/biases must be"):
+        core.ops.quantized_matmul(x, w, s[:, :1].copy(), b, bits=4, group_size=64, x_dtype="float32",
+                                  scale_dtype="float32")
+    with pytest.raises(ValueError, match="unsupported dtype 'float16'"):
+        core.ops.quantized_matmul(x, w, s, b, bits=4, group_size=64, x_dtype="float16", scale_dtype="float32")
