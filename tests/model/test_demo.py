@@ -77,3 +77,11 @@ def test_demo_is_confident(demo, expected):
         gaps.append(top2[1] - top2[0])
         logits = demo.decode(t)
     assert min(gaps) > 1e-2, gaps
+
+
+def test_demo_chat_template_is_the_shipped_template():
+    """The demo carries a copy of the Qwen template; a template change must regenerate it."""
+    here = os.path.dirname(lily_py.__file__)
+    with open(os.path.join(here, "templates", "qwen3_5_chat_template.jinja")) as a, \
+            open(os.path.join(lily_py.demo_path(), "chat_template.jinja")) as b:
+        assert a.read() == b.read(), "re-run tools/make_demo.py after changing the template"
