@@ -21,6 +21,7 @@
 // clang-format off
 #include "elementwise.metal"
 #include "embedding.metal"
+#include "gated_delta.metal"
 #include "norm.metal"
 #include "qmm.metal"
 #include "emu/selftest.metal"

@@ -60,7 +60,17 @@
   X(swiglu_f32,       ElementwiseArgs, 3)                                     \
   X(swiglu_bf16,      ElementwiseArgs, 3)                                     \
   X(sigmoid_mul_f32,  ElementwiseArgs, 3)                                     \
-  X(sigmoid_mul_bf16, ElementwiseArgs, 3)
+  X(sigmoid_mul_bf16, ElementwiseArgs, 3)                                     \
+  /* causal conv1d + SiLU with state (shaders/gated_delta.metal): x, weight, state_in, y, state_out */ \
+  X(conv1d_xf32_wf32,   Conv1dArgs, 5)                                        \
+  X(conv1d_xf32_wbf16,  Conv1dArgs, 5)                                        \
+  X(conv1d_xbf16_wf32,  Conv1dArgs, 5)                                        \
+  X(conv1d_xbf16_wbf16, Conv1dArgs, 5)                                        \
+  /* fused gated delta rule + gated RMSNorm: qkv, z, a, b, A_log, dt_bias, norm_weight, state, y */ \
+  X(gated_delta_xf32_wf32,   GatedDeltaArgs, 9)                               \
+  X(gated_delta_xf32_wbf16,  GatedDeltaArgs, 9)                               \
+  X(gated_delta_xbf16_wf32,  GatedDeltaArgs, 9)                               \
+  X(gated_delta_xbf16_wbf16, GatedDeltaArgs, 9)
 // clang-format on
 
 namespace lily::gpu {

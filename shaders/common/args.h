@@ -76,3 +76,4 @@ struct ElementwiseArgs {
 };
 
 }  // namespace lily
+#include "common/args_gated_delta.h"  // Gated DeltaNet (conv1d, gated_delta)

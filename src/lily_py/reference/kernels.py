@@ -63,3 +63,81 @@ def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
 def sigmoid_mul(x: np.ndarray, gate: np.ndarray) -> np.ndarray:
     """``x * sigmoid(gate)`` in float64 (gate broadcasts, e.g. one value per row)."""
     return np.asarray(x).astype(np.float64) / (1.0 + np.exp(-np.asarray(gate).astype(np.float64)))
+
+
+# ---- Gated DeltaNet (lily_py.ops.causal_conv1d / gated_delta / gated_delta_mixer) ------------
+
+def causal_conv1d(x: np.ndarray, weight: np.ndarray, state: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Depthwise causal conv + SiLU in float64: ``x [T, C]``, ``weight [C, K]``, ``state [K-1, C]``.
+
+    ``y[t, c] = silu(sum_j weight[c, j] * xx[t + j, c])`` with ``xx = concat(state, x)``; the new
+    state is ``xx[-(K-1):]`` (values as given, in x's dtype). Returns ``(y float64, new_state)``."""
+    K = weight.shape[1]
+    xx = np.concatenate([np.asarray(state), np.asarray(x)], axis=0)
+    x64, w64 = xx.astype(np.float64), np.asarray(weight).astype(np.float64)
+    T = x.shape[0]
+    acc = sum(x64[j:j + T] * w64[:, j] for j in range(K))
+    return acc / (1.0 + np.exp(-acc)), xx[xx.shape[0] - (K - 1):].copy()
+
+
+def conv1d_error_scale(x: np.ndarray, weight: np.ndarray, state: np.ndarray) -> np.ndarray:
+    """``sum_j |w[c, j] xx[t + j, c]|`` per output: what fp32 rounding of the taps scales with."""
+    K = weight.shape[1]
+    xx = np.abs(np.concatenate([np.asarray(state), np.asarray(x)], axis=0).astype(np.float64))
+    w64 = np.abs(np.asarray(weight).astype(np.float64))
+    return sum(xx[j:j + x.shape[0]] * w64[:, j] for j in range(K))
+
+
+def gated_delta(q, k, v, z, a, b, A_log, dt_bias, norm_weight, state, *, eps: float):
+    """The fused gated delta rule + gated RMSNorm in float64, token by token.
+
+    q, k ``[T, Hk, Dk]`` and v ``[T, Hv, Dv]`` raw (after the conv; normalised here), z
+    ``[T, Hv, Dv]``, a, b ``[T, Hv]``, A_log, dt_bias ``[Hv]``, norm_weight ``[Dv]``, state
+    ``[Hv, Dk, Dv]`` (the reference layout). Returns ``(y [T, Hv, Dv], new_state [Hv, Dk, Dv])``.
+    """
+    f = lambda t: np.asarray(t).astype(np.float64)  # noqa: E731
+    q, k, v, z, a, b = f(q), f(k), f(v), f(z), f(a), f(b)
+    T, Hk, Dk = q.shape
+    Hv = v.shape[1]
+    rep = Hv // Hk
+    q = q / np.sqrt(np.sum(q * q, -1, keepdims=True) + np.float64(np.float32(1e-6)))
+    q = q * np.float64(np.float32(Dk ** -0.5))
+    k = k / np.sqrt(np.sum(k * k, -1, keepdims=True) + np.float64(np.float32(1e-6)))
+    q, k = np.repeat(q, rep, axis=1), np.repeat(k, rep, axis=1)
+    decay = np.exp(-np.exp(f(A_log)) * np.logaddexp(0.0, a + f(dt_bias)))   # [T, Hv]
+    beta = 1.0 / (1.0 + np.exp(-b))
+    S = f(state).copy()
+    o = np.empty(v.shape)
+    for t in range(T):
+        S *= decay[t][:, None, None]
+        u = (v[t] - np.einsum("hkv,hk->hv", S, k[t])) * beta[t][:, None]
+        S += k[t][:, :, None] * u[:, None, :]
+        o[t] = np.einsum("hkv,hk->hv", S, q[t])
+    rms = np.sqrt(np.mean(o * o, -1, keepdims=True) + np.float64(np.float32(eps)))
+    y = o / rms * f(norm_weight) * (z / (1.0 + np.exp(-z)))
+    return y, S
+
+
+def gated_delta_mixer(x, in_proj, out_proj, conv_weight, A_log, dt_bias, norm_weight, conv_state,
+                      state, *, Hk: int, Hv: int, Dk: int, Dv: int, eps: float, bits: int,
+                      group_size: int, round_to=None):
+    """The Gated DeltaNet token mixer of one layer in float64 from the kernel references above.
+
+    ``in_proj`` / ``out_proj``: ``(w, scales, biases)`` in MLX's layout, in_proj rows
+    ``qkv | z | b | a``. ``round_to``: the activation dtype the device stores intermediates in
+    (the projection, the conv output, the normed output); each is rounded to it at the same
+    point. Returns ``(out [T, hidden], conv_state, state [Hv, Dk, Dv])``."""
+    rnd = (lambda t: t) if round_to is None else (lambda t: np.asarray(t).astype(round_to))  # noqa: E731
+    T = x.shape[0]
+    C, VD = 2 * Hk * Dk + Hv * Dv, Hv * Dv
+    proj = rnd(quantized_matmul(x, *in_proj, bits=bits, group_size=group_size))
+    qkv, new_conv = causal_conv1d(proj[:, :C], conv_weight, conv_state)
+    qkv = rnd(qkv)
+    z = proj[:, C:C + VD].reshape(T, Hv, Dv)
+    bb, aa = proj[:, C + VD:C + VD + Hv], proj[:, C + VD + Hv:]
+    q = qkv[:, :Hk * Dk].reshape(T, Hk, Dk)
+    k = qkv[:, Hk * Dk:2 * Hk * Dk].reshape(T, Hk, Dk)
+    v = qkv[:, 2 * Hk * Dk:].reshape(T, Hv, Dv)
+    o, S = gated_delta(q, k, v, z, aa, bb, A_log, dt_bias, norm_weight, state, eps=eps)
+    o = rnd(o.reshape(T, VD))
+    return quantized_matmul(o, *out_proj, bits=bits, group_size=group_size), new_conv, S

@@ -1,0 +1,87 @@
+// Gated DeltaNet: causal conv1d with state, the fused gated delta rule (+ gated RMSNorm), and the
+// whole DeltaNet token mixer of one layer (projections through the quantized matmul).
+// Kernels: shaders/gated_delta.metal (+ shaders/qmm.metal). Constants: shaders/common/args_gated_delta.h.
+#pragma once
+#include <cstdint>
+
+#include "gpu/dtype.h"
+#include "gpu/encoder.h"
+
+namespace lily::gpu::ops {
+
+struct Conv1dOperands {
+  Binding x;          // [T, x_stride] of x_dtype (the conv channels are the first C of each row)
+  Binding weight;     // [C, K] of w_dtype (MLX stores [C, K, 1]: the same bytes)
+  Binding state_in;   // [K-1, C] of x_dtype: the K-1 inputs before x
+  Binding y;          // [T, y_stride] of x_dtype
+  Binding state_out;  // [K-1, C] of x_dtype; a different buffer from state_in unless T == 1
+  DType x_dtype = DType::f32;
+  DType w_dtype = DType::f32;
+  uint32_t T = 0, C = 0, K = 4;
+  uint32_t x_stride = 0, y_stride = 0;  // 0 means packed (C)
+};
+
+KernelId conv1d_kernel(DType x_dtype, DType w_dtype);
+// One dispatch, grid (ceil(C / kConvThreads), T); no barrier. Throws std::invalid_argument.
+void encode_conv1d(Encoder& enc, const Conv1dOperands& op);
+
+struct GatedDeltaOperands {
+  Binding qkv;          // [T, qkv_stride] of x_dtype: q [Hk*Dk] | k [Hk*Dk] | v [Hv*Dv] after the conv
+  Binding z;            // [T, z_stride] of x_dtype: output gate [Hv*Dv]
+  Binding a;            // [T, ab_stride] of x_dtype: decay input [Hv]
+  Binding b;            // [T, ab_stride] of x_dtype: beta input [Hv]
+  Binding A_log;        // [Hv] float32
+  Binding dt_bias;      // [Hv] of w_dtype
+  Binding norm_weight;  // [Dv] of w_dtype (plain multiplier)
+  Binding state;        // [Hv, Dv, Dk] float32, updated in place
+  Binding y;            // [T, Hv*Dv] of x_dtype
+  DType x_dtype = DType::f32;
+  DType w_dtype = DType::f32;
+  uint32_t T = 0, Hk = 0, Hv = 0, Dk = 0, Dv = 0;
+  uint32_t qkv_stride = 0, z_stride = 0, ab_stride = 0;  // 0 means packed
+  float eps = 1e-6f;
+};
+
+KernelId gated_delta_kernel(DType x_dtype, DType w_dtype);
+uint32_t gated_delta_threads(uint32_t Dv);  // threads per threadgroup (one threadgroup per value head)
+// One dispatch, Hv threadgroups; no barrier. Throws std::invalid_argument.
+void encode_gated_delta(Encoder& enc, const GatedDeltaOperands& op);
+
+// A quantized linear layer (MLX affine layout), as bound for the quantized matmul.
+struct QuantLinear {
+  Binding w, scales, biases;
+  DType scale_dtype = DType::f32;
+  uint32_t bits = 4, group_size = 64;
+};
+
+// The Gated DeltaNet token mixer of one layer for T tokens (decode: T = 1), from the normed
+// hidden states x to the mixer output (before the residual add):
+//   proj = x @ in_proj^T        in_proj = rows in_proj_qkv | in_proj_z | in_proj_b | in_proj_a
+//                               concatenated at load (same bits/group in the checkpoint)
+//   qkv  = conv1d(proj[:, :C])  conv state rolled from conv_state_in to conv_state_out
+//   o    = gated_delta(qkv, z, a, b, ...)   recurrent state updated in place
+//   out  = o @ out_proj^T
+// Dispatches: 4 (in_proj, conv1d, gated_delta, out_proj); barriers: 3, one before each consumer.
+struct GatedDeltaMixerOperands {
+  Binding x;               // [T, hidden] of x_dtype
+  QuantLinear in_proj;     // [C + Hv*Dv + 2*Hv, hidden]
+  QuantLinear out_proj;    // [hidden, Hv*Dv]
+  Binding conv_weight;     // [C, K] of w_dtype
+  Binding A_log, dt_bias, norm_weight;  // as in GatedDeltaOperands
+  Binding conv_state_in;   // [K-1, C] of x_dtype
+  Binding conv_state_out;  // [K-1, C] of x_dtype, a different buffer from conv_state_in
+  Binding state;           // [Hv, Dv, Dk] float32, in place
+  Binding proj;            // scratch [T, C + Hv*Dv + 2*Hv] of x_dtype
+  Binding conv_out;        // scratch [T, C] of x_dtype
+  Binding o;               // scratch [T, Hv*Dv] of x_dtype
+  Binding out;             // [T, hidden] of x_dtype
+  DType x_dtype = DType::f32;
+  DType w_dtype = DType::f32;
+  uint32_t T = 0, hidden = 0, Hk = 0, Hv = 0, Dk = 0, Dv = 0, K = 4;
+  float eps = 1e-6f;
+};
+
+uint32_t gated_delta_mixer_proj_rows(uint32_t Hk, uint32_t Hv, uint32_t Dk, uint32_t Dv);
+void encode_gated_delta_mixer(Encoder& enc, const GatedDeltaMixerOperands& op);
+
+}  // namespace lily::gpu::ops

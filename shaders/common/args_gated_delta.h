@@ -1,0 +1,50 @@
+// Gated DeltaNet argument structs and route constants (shaders/gated_delta.metal, host:
+// csrc/gpu/ops/gated_delta.cpp). Included once from common/args.h.
+#pragma once
+#if !defined(__METAL_VERSION__)
+#include <cstdint>
+#endif
+
+namespace lily {
+
+enum : uint32_t {
+  kConvThreads = 256,     // conv1d: channels per threadgroup (one thread per channel and token)
+  kConvMaxKernel = 8,     // conv1d: largest kernel size (the model uses 4)
+  kGdColsPerSimd = 4,     // gated_delta: value columns (Dv) one simdgroup owns (one float4)
+  kGdRowsPerLane = 4,     // gated_delta: key rows (Dk) one lane owns, rows lane + 32 r
+  kGdMaxDk = 32 * kGdRowsPerLane,  // 128: largest key head dim
+  kGdMaxDv = 32 * kGdColsPerSimd,  // 128: largest value head dim (32 simdgroups = 1024 threads)
+};
+
+// Depthwise causal conv + SiLU with a rolling state of the last K-1 inputs:
+//   xx = concat(state_in [K-1, C], x [T, C]);  y[t, c] = silu(sum_j w[c, j] * xx[t + j, c])
+//   state_out = xx[T .. T+K-2]  (state_out may alias state_in only when T == 1)
+struct Conv1dArgs {
+  uint32_t T;         // tokens
+  uint32_t C;         // channels
+  uint32_t K;         // kernel size, <= kConvMaxKernel
+  uint32_t x_stride;  // elements between rows of x (>= C): x may be a column slice of a wider row
+  uint32_t y_stride;  // elements between rows of y (>= C)
+};
+
+// The fused gated delta rule over T tokens of one value head per threadgroup, state in registers:
+//   q, k <- l2norm(q), l2norm(k) (eps 1e-6); q *= Dk^-1/2
+//   decay = exp(-exp(A_log[h]) * softplus(a[t, h] + dt_bias[h])); beta = sigmoid(b[t, h])
+//   S <- decay S; u = beta (v - S^T k); S <- S + k u^T; o = S^T q
+//   y[t, h, :] = rmsnorm(o) * norm_w * silu(z[t, h, :])
+// Device state layout: float32 [Hv, Dv, Dk] (row j of a head = column j of the reference's
+// [Dk, Dv] matrix), updated in place.
+struct GatedDeltaArgs {
+  uint32_t T;
+  uint32_t Hk;         // key heads
+  uint32_t Hv;         // value heads, a multiple of Hk; value head h uses key head h / (Hv/Hk)
+  uint32_t Dk;         // key head dim, <= kGdMaxDk
+  uint32_t Dv;         // value head dim, <= kGdMaxDv
+  uint32_t qkv_stride; // elements between token rows of qkv (q | k | v, >= 2 Hk Dk + Hv Dv)
+  uint32_t z_stride;   // elements between token rows of z (>= Hv Dv)
+  uint32_t ab_stride;  // elements between token rows of a and of b (>= Hv)
+  float q_scale;       // Dk^-1/2 rounded to float32 by the host (the reference's np.float32(Dk ** -0.5))
+  float eps;           // gated RMSNorm epsilon (rms_norm_eps)
+};
+
+}  // namespace lily

@@ -1,0 +1,376 @@
+"""Gated DeltaNet kernels (conv1d, the fused gated delta rule, the whole mixer) on the emulator
+vs lily_py.reference.kernels (float64 on the exact inputs the kernels see).
+
+Tolerances (u = 2^-24; bf16 outputs add rtol 2^-8 >= one bf16 rounding of |y|):
+* conv1d: K products and K-1 adds in fp32 (<= (2K) u * sum_j |w x|) and SiLU (exp, a division,
+  two products: <= 8 u |y|): atol = 2K u mag + 8 u |y| with mag = kernels.conv1d_error_scale.
+  The new state is a copy: exact.
+* gated_delta: per token every state element sees a decay product, a dot product of Dk terms
+  (|k| = 1 after the L2 norm), u = beta (v - kv) and one rank-1 update. Roundings are
+  independent, so a step adds ~sqrt(Dk) u M of error (M = max(|S|, |v|)) rather than the worst
+  case Dk u M, and the transition S -> decay (I - beta k k^T) S has norm <= 1 (decay, beta in
+  (0, 1), |k| = 1): old errors never grow and T steps add up as a random walk,
+  rel_S = 16 sqrt((T + 1) Dk) u of M (observed: ~1/200 of it; a bf16 state, 2^-9 per step,
+  fails it at once). o = S^T q with |q| = Dk^-1/2 errs by <= rel_S M; the gated norm divides
+  by rms(o), so atol_y = rel_S M / rms(o) * |w silu(z)| per (token, head), plus 16 u |y| for the
+  norm's own arithmetic. A wrong gate, head mapping, order or missing norm moves y by O(|y|).
+* Equivalences (prefill == looped decode, chunk splits): the same fp32 operations in the same
+  order per token, the state stored as fp32 between dispatches: bit-identical.
+"""
+from __future__ import annotations
+
+import time
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from kernel_checks import BF16_EPS, F32_EPS, assert_close, device, rng  # noqa: F401  (fixtures)
+from lily_py import ops
+from lily_py._ops_gated_delta import _causal_conv1d, _gated_delta, _gated_delta_mixer
+from lily_py.reference import gated_delta as ref_gd
+from lily_py.reference import kernels as ref
+from lily_py.reference import ops as ref_ops
+from lily_py.reference import quant
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+F32 = np.dtype(np.float32)
+DTYPES = [F32, BF16]
+CONV_THREADS = 256  # kConvThreads (shaders/common/args_gated_delta.h)
+
+
+def rand(rng, shape, dtype=F32, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(np.float32).astype(dtype)
+
+
+def out_rtol(dtype):
+    return 2 * BF16_EPS if np.dtype(dtype) == BF16 else 0.0
+
+
+def dname(t):
+    return "bf16" if np.dtype(t) == BF16 else "f32"
+
+
+# ------------------------------------------------------------------------------------- conv1d
+def check_conv(rng, x, w, s, y, st):
+    yr, sr = ref.causal_conv1d(x, w, s)
+    K = w.shape[1]
+    atol = 2 * K * F32_EPS * ref.conv1d_error_scale(x, w, s) + 8 * F32_EPS * np.abs(yr)
+    assert_close(y, yr, atol=atol, rtol=out_rtol(x.dtype), what="conv1d y", seed=rng.seed)
+    np.testing.assert_array_equal(st, sr)  # the state is a copy of inputs
+
+
+# C = 37 (one partial threadgroup), 256 | 257 (both sides of the kConvThreads boundary).
+@pytest.mark.parametrize("T", [1, 3, 17])
+@pytest.mark.parametrize("C", [37, 256, 257])
+@pytest.mark.parametrize("x_dtype", DTYPES, ids=["xf32", "xbf16"])
+@pytest.mark.parametrize("w_dtype", DTYPES, ids=["wf32", "wbf16"])
+def test_conv1d(rng, device, T, C, x_dtype, w_dtype):
+    K = 4
+    x, w, s = rand(rng, (T, C), x_dtype, 2.0), rand(rng, (C, K), w_dtype, 0.5), rand(rng, (K - 1, C), x_dtype, 2.0)
+    y, st, stats = _causal_conv1d(x, w, s, device=device, seed=rng.seed)
+    assert y.dtype == x_dtype and st.dtype == x_dtype
+    assert stats["kernels"] == [f"conv1d_x{dname(x_dtype)}_w{dname(w_dtype)}"]
+    assert stats["dispatches"] == 1 and stats["threads"] == -(-C // CONV_THREADS) * CONV_THREADS * T
+    check_conv(rng, x, w, s, y, st)
+
+
+@pytest.mark.parametrize("K", [2, 4, 5])
+def test_conv1d_kernel_sizes_and_mlx_weight_layout(rng, K):
+    T, C = 6, 50
+    x, w, s = rand(rng, (T, C)), rand(rng, (C, K)), rand(rng, (K - 1, C))
+    y, st = ops.causal_conv1d(x, w[:, :, None], s)  # MLX stores [C, K, 1]
+    check_conv(rng, x, w, s, y, st)
+
+
+def test_conv1d_chunks_equal_one_shot(rng):
+    """Prefill in pieces (and T decode steps) == one prefill: bit-identical y and state."""
+    T, C, K = 29, 70, 4
+    x, w, s = rand(rng, (T, C), BF16), rand(rng, (C, K), BF16), rand(rng, (K - 1, C), BF16)
+    y, st, _ = _causal_conv1d(x, w, s)
+    for chunks in ([1] * T, [1, 2, 26], [13, 16], [28, 1]):
+        yc, stc, stats = _causal_conv1d(x, w, s, chunks=chunks)
+        assert stats["dispatches"] == len(chunks) and stats["barriers"] == len(chunks) - 1
+        np.testing.assert_array_equal(yc.view(np.uint16), y.view(np.uint16), err_msg=str(chunks))
+        np.testing.assert_array_equal(stc.view(np.uint16), st.view(np.uint16), err_msg=str(chunks))
+
+
+def test_conv1d_bad_input(rng):
+    x, w, s = rand(rng, (3, 8)), rand(rng, (8, 4)), rand(rng, (3, 8))
+    with pytest.raises(ValueError, match=r"state must be \[K-1, C\]"):
+        ops.causal_conv1d(x, w, s[:2])
+    with pytest.raises(ValueError, match="conv weight must be"):
+        ops.causal_conv1d(x, w[:7], s)
+    with pytest.raises(ValueError, match="x's dtype"):
+        ops.causal_conv1d(x, w, s.astype(BF16))
+    with pytest.raises(ValueError, match="device"):
+        ops.causal_conv1d(x, w, s, device="cuda")
+
+
+# -------------------------------------------------------------------------------- gated_delta
+def make_gd(rng, T, Hk, Hv, Dk, Dv, x_dtype=F32, w_dtype=F32, state_scale=0.3):
+    """Inputs shaped like the model's: conv outputs (silu-ish, O(1)), gates around their typical
+    ranges (decay ~ exp(-exp(A_log) softplus(a + dt_bias)) in (0.3, 1))."""
+    q, k = rand(rng, (T, Hk, Dk), x_dtype), rand(rng, (T, Hk, Dk), x_dtype)
+    v, z = rand(rng, (T, Hv, Dv), x_dtype), rand(rng, (T, Hv, Dv), x_dtype)
+    a, b = rand(rng, (T, Hv), x_dtype), rand(rng, (T, Hv), x_dtype, 2.0)
+    A_log = (rng.uniform(-3, 0.5, Hv)).astype(np.float32)
+    dt_bias = rand(rng, (Hv,), w_dtype)
+    norm_w = (1 + rand(rng, (Dv,), F32, 0.2)).astype(w_dtype)
+    S = rand(rng, (Hv, Dk, Dv), F32, state_scale)
+    return q, k, v, z, a, b, A_log, dt_bias, norm_w, S
+
+
+def check_gd(rng, args, y, S, *, what, eps=1e-6):
+    q, k, v, z, a, b, A_log, dt_bias, norm_w, S0 = args
+    T, Dk = q.shape[0], q.shape[2]
+    yr, Sr = ref.gated_delta(q, k, v, z, a, b, A_log, dt_bias, norm_w, S0, eps=eps)
+    # reference o (before the norm) for the rms in the y bound
+    M = max(np.abs(Sr).max(), np.abs(S0).max(), np.abs(v.astype(np.float64)).max())
+    rel_s = 16 * np.sqrt((T + 1) * Dk) * F32_EPS  # see the module docstring
+    assert_close(S, Sr, atol=rel_s * M, rtol=0, what=f"{what}: state", seed=rng.seed)
+    z64 = z.astype(np.float64)
+    gate = np.abs(norm_w.astype(np.float64) * z64 / (1 + np.exp(-z64)))
+    # rms(o) per (t, h): recover it from y = o / rms * gate  ->  use the reference's o via S^T q.
+    o_rms = _ref_o_rms(q, k, v, a, b, A_log, dt_bias, S0, eps)
+    atol_y = rel_s * M / o_rms[..., None] * gate
+    assert_close(y, yr, atol=atol_y, rtol=16 * F32_EPS + out_rtol(y.dtype), what=f"{what}: y", seed=rng.seed)
+    return yr, Sr
+
+
+def _ref_o_rms(q, k, v, a, b, A_log, dt_bias, S0, eps):
+    ones = np.ones(v.shape[2])
+    zbig = np.full(v.shape, 50.0)  # silu(50) = 50 exactly in float64 to 1e-20: y = 50 o / rms
+    y, _ = ref.gated_delta(q, k, v, zbig, a, b, A_log, dt_bias, ones, S0, eps=eps)
+    o_over_rms = y / 50.0
+    # sum over Dv of (o / rms)^2 = Dv * mean(o^2) / (mean(o^2) + eps) -> rms = sqrt(mean(o^2) + eps)
+    m = np.mean(o_over_rms ** 2, -1)  # = ms / (ms + eps)
+    ms = m * eps / np.maximum(1 - m, 1e-300)
+    return np.sqrt(ms + eps)
+
+
+GD_SHAPES = [  # (Hk, Hv, Dk, Dv)
+    (2, 4, 32, 16),     # Hv = 2 Hk, as in the model
+    (3, 3, 24, 20),     # Hv = Hk, odd dims (masked rows and columns)
+    (1, 3, 45, 33),     # Hv = 3 Hk; Dv = 33: a simdgroup with one live column
+]
+
+
+@pytest.mark.parametrize("shape", GD_SHAPES, ids=lambda s: "hk%d_hv%d_dk%d_dv%d" % s)
+@pytest.mark.parametrize("x_dtype", DTYPES, ids=["xf32", "xbf16"])
+@pytest.mark.parametrize("w_dtype", DTYPES, ids=["wf32", "wbf16"])
+def test_gated_delta(rng, device, shape, x_dtype, w_dtype):
+    Hk, Hv, Dk, Dv = shape
+    T = 5
+    args = make_gd(rng, T, Hk, Hv, Dk, Dv, x_dtype, w_dtype)
+    y, S, stats = _gated_delta(*args, eps=1e-6, device=device, seed=rng.seed)
+    assert y.dtype == x_dtype and S.dtype == F32 and S.shape == (Hv, Dk, Dv)
+    assert stats["kernels"] == [f"gated_delta_x{dname(x_dtype)}_w{dname(w_dtype)}"]
+    assert stats["dispatches"] == 1 and stats["barriers"] == 0
+    assert stats["threads"] == Hv * -(-Dv // 4) * 32
+    check_gd(rng, args, y, S, what=f"gated_delta {shape}")
+
+
+def test_gated_delta_real_head_dims(rng, device):
+    """Dk = Dv = 128 (1024 threads, every register slot live), Hv = 2 Hk, decode and a short scan."""
+    args = make_gd(rng, 3, 1, 2, 128, 128, BF16, BF16)
+    y, S, stats = _gated_delta(*args, device=device, seed=rng.seed)
+    assert stats["threads"] == 2 * 1024
+    check_gd(rng, args, y, S, what="gated_delta Dk=Dv=128")
+    one = [t[:1] for t in args[:6]] + list(args[6:])
+    y1, S1 = ops.gated_delta_step(*(t[0] for t in one[:6]), *one[6:], device=device)
+    check_gd(rng, one, y1[None], S1, what="gated_delta_step Dk=Dv=128")
+
+
+def test_gated_delta_matches_model_reference(rng):
+    """The kernel equals the model-level reference (reference/gated_delta.py + ops.py in fp32):
+    recurrent_gated_delta + gated_rms_norm, with the model's gate formulas."""
+    T, Hk, Hv, Dk, Dv = 9, 2, 4, 32, 16
+    q, k, v, z, a, b, A_log, dt_bias, norm_w, S0 = make_gd(rng, T, Hk, Hv, Dk, Dv)
+    y, S = ops.gated_delta_scan(q, k, v, z, a, b, A_log, dt_bias, norm_w, S0, eps=1e-6)
+    qn = ref_ops.l2_normalize(q) * np.float32(Dk ** -0.5)
+    kn = ref_ops.l2_normalize(k)
+    g = -np.exp(A_log) * ref_ops.softplus(a + dt_bias)
+    o, Sr = ref_gd.recurrent_gated_delta(qn, kn, v, g, ref_ops.sigmoid(b), S0)
+    yr = ref_ops.gated_rms_norm(o, z, norm_w, 1e-6)
+    assert_close(S, Sr, atol=1e-5 * np.abs(Sr).max(), rtol=0, what="state vs model reference", seed=rng.seed)
+    assert_close(y, yr, atol=1e-4, rtol=1e-4, what="y vs model reference", seed=rng.seed)
+
+
+SMALL = (1, 2, 32, 16)  # Hk, Hv, Dk, Dv: few heads keep the long scans fast on the emulator
+
+
+@pytest.mark.parametrize("T", [1, 7, 16, 33, 64, 300])
+def test_prefill_from_nonzero_state(rng, T):
+    args = make_gd(rng, T, *SMALL, BF16, BF16, state_scale=0.5)
+    y, S, _ = _gated_delta(*args, seed=rng.seed)
+    check_gd(rng, args, y, S, what=f"prefill T={T} from a nonzero state")
+
+
+def test_prefill_equals_looped_decode(rng):
+    T = 40
+    args = make_gd(rng, T, 2, 4, 32, 16, BF16, BF16)
+    y, S, _ = _gated_delta(*args)
+    yd, Sd, stats = _gated_delta(*args, chunks=[1] * T)
+    assert stats["dispatches"] == T and stats["barriers"] == T - 1
+    np.testing.assert_array_equal(yd.view(np.uint16), y.view(np.uint16))
+    np.testing.assert_array_equal(Sd, S)
+    # and through the single-token function, state round-tripping through NumPy each step
+    st = args[-1]
+    for t in range(T):
+        yt, st = ops.gated_delta_step(*(x[t] for x in args[:6]), *args[6:9], st)
+        np.testing.assert_array_equal(yt.view(np.uint16), y[t].view(np.uint16), err_msg=f"step {t}")
+    np.testing.assert_array_equal(st, S)
+
+
+def test_chunk_boundary_invariance(rng):
+    """Split the prompt anywhere: same outputs and state, bit for bit."""
+    T = 50
+    args = make_gd(rng, T, 2, 4, 32, 16, F32, BF16)
+    y, S, _ = _gated_delta(*args)
+    cuts = sorted(set(int(c) for c in rng.integers(1, T, 3)))
+    for chunks in ([1, T - 1], [T - 1, 1], [16, 16, 18], list(np.diff([0, *cuts, T]))):
+        yc, Sc, stats = _gated_delta(*args, chunks=chunks)
+        assert stats["dispatches"] == len(chunks)
+        np.testing.assert_array_equal(yc, y, err_msg=str(chunks))
+        np.testing.assert_array_equal(Sc, S, err_msg=str(chunks))
+
+
+def test_drift_512_decode_steps_bf16(rng, record_property):
+    """512 decode steps (one dispatch each) with bf16 activations vs the fp32 model reference
+    (reference/gated_delta.recurrent_gated_delta on the same bf16 inputs) and the float64 one.
+    The fp32 state must not drift: the error stays at the level of fp32 rounding, bounded by
+    check_gd's rel_S, and the last 128 steps are no worse than 4x the first 128."""
+    T, (Hk, Hv, Dk, Dv) = 512, (2, 4, 64, 16)
+    args = make_gd(rng, T, Hk, Hv, Dk, Dv, BF16, BF16, state_scale=0.5)
+    q, k, v, z, a, b, A_log, dt_bias, norm_w, S0 = args
+    # one dispatch per token, like decode, the state kept on the device between steps
+    y, S, stats = _gated_delta(*args, chunks=[1] * T, seed=rng.seed)
+    assert stats["dispatches"] == T
+    yr, Sr = check_gd(rng, args, y, S, what="512-step drift")
+    f = lambda t: t.astype(np.float32)  # noqa: E731
+    qn = ref_ops.l2_normalize(f(q)) * np.float32(Dk ** -0.5)
+    g = -np.exp(A_log) * ref_ops.softplus(f(a) + f(dt_bias))
+    o32, S32 = ref_gd.recurrent_gated_delta(qn, ref_ops.l2_normalize(f(k)), f(v), g, ref_ops.sigmoid(f(b)), S0)
+    y32 = ref_ops.gated_rms_norm(o32, f(z), f(norm_w), 1e-6)
+    s_err32 = float(np.abs(S - S32).max() / np.abs(S32).max())
+    s_err64 = float(np.abs(S - Sr).max() / np.abs(Sr).max())
+    y_err = np.abs(y.astype(np.float64) - yr).max(axis=(1, 2)) / np.abs(yr).max()
+    y_err32 = float(np.abs(y.astype(np.float64) - y32).max() / np.abs(y32).max())
+    record_property("drift_state_rel_err_vs_fp32_ref", s_err32)
+    record_property("drift_state_rel_err_vs_f64", s_err64)
+    record_property("drift_y_rel_err_vs_fp32_ref", y_err32)
+    print(f"\n512-step drift (bf16 activations): state max|err|/max|S| = {s_err32:.2e} vs the fp32 "
+          f"reference, {s_err64:.2e} vs float64; y max|err|/max|y| = {y_err32:.2e} vs fp32 reference "
+          f"(bf16 output rounding 2^-9 = {2**-9:.2e})")
+    assert s_err32 < 1e-5 and s_err64 < 1e-5
+    assert y_err[-128:].max() <= 4 * y_err[:128].max() + 1e-6
+
+
+def test_gated_delta_bad_input(rng):
+    args = list(make_gd(rng, 2, 2, 4, 16, 8))
+    bad = list(args)
+    bad[2] = rand(rng, (2, 3, 8))  # Hv = 3 not a multiple of Hk = 2
+    with pytest.raises(ValueError, match="multiple of key heads"):
+        ops.gated_delta_scan(*bad)
+    bad = list(args)
+    bad[9] = args[9].transpose(0, 2, 1).copy()
+    with pytest.raises(ValueError, match=r"state must be float32 \[4, 16, 8\]"):
+        ops.gated_delta_scan(*bad)
+    bad = list(args)
+    bad[3] = args[3].astype(BF16)
+    with pytest.raises(ValueError, match="z must have the dtype of q"):
+        ops.gated_delta_scan(*bad)
+    big = list(make_gd(rng, 1, 1, 1, 130, 8))
+    with pytest.raises(ValueError, match="<= 128"):
+        ops.gated_delta_scan(*big)
+
+
+# ------------------------------------------------------------------------------------- mixer
+def make_mixer(rng, T, hidden, Hk, Hv, Dk, Dv, x_dtype, s_dtype, *, bits=4, gs=64, K=4):
+    C = 2 * Hk * Dk + Hv * Dv
+
+    def lin(n, k_, scale=0.08):
+        return quant.quantize(rand(rng, (n, k_), F32, scale), bits=bits, group_size=gs, scale_dtype=s_dtype)
+    w_dtype = s_dtype
+    return dict(
+        x=rand(rng, (T, hidden), x_dtype),
+        in_proj_qkv=lin(C, hidden), in_proj_z=lin(Hv * Dv, hidden), in_proj_b=lin(Hv, hidden),
+        in_proj_a=lin(Hv, hidden), out_proj=lin(hidden, Hv * Dv),
+        conv_weight=rand(rng, (C, K), w_dtype, 0.5), A_log=rng.uniform(-3, 0.5, Hv).astype(np.float32),
+        dt_bias=rand(rng, (Hv,), w_dtype), norm_weight=(1 + rand(rng, (Dv,), F32, 0.2)).astype(w_dtype),
+        conv_state=rand(rng, (K - 1, C), x_dtype), state=rand(rng, (Hv, Dk, Dv), F32, 0.3))
+
+
+# T = 1 (decode, qmv route) and T = 8 | 9 (both sides of the qmv/qmm switch, kQmvMaxRows = 8).
+@pytest.mark.parametrize("T", [1, 8, 9])
+@pytest.mark.parametrize("x_dtype", DTYPES, ids=["xf32", "xbf16"])
+def test_gated_delta_mixer(rng, device, T, x_dtype):
+    """The whole mixer against the float64 reference composed of the kernel references, with the
+    device's intermediate roundings (proj, conv out, normed o) applied at the same points.
+    f32: each stage adds at most its own bound above (qmm 8 sqrt(K) u mag, conv, gated delta),
+    ~1e-5 relative in total: atol 1e-4 max|out|. bf16: a stage's last-bit rounding flip (2^-8
+    relative of one intermediate) propagates through at most a sum of K products into out:
+    atol 2^-6 max|out|."""
+    Hk, Hv, Dk, Dv, hidden = 2, 4, 32, 16, 128
+    s_dtype = BF16 if x_dtype == BF16 else F32
+    m = make_mixer(rng, T, hidden, Hk, Hv, Dk, Dv, x_dtype, s_dtype)
+    dims = dict(num_key_heads=Hk, num_value_heads=Hv, head_k_dim=Dk, head_v_dim=Dv)
+    out, cs, S, stats = _gated_delta_mixer(*m.values(), **dims, eps=1e-6, device=device, seed=rng.seed)
+    # Per DeltaNet layer: fused in_proj, conv1d, gated_delta, out_proj; a barrier before each consumer.
+    assert stats["dispatches"] == 4 and stats["barriers"] == 3
+    route = "qmv" if T <= 8 else "qmm"
+    xs, ss = dname(x_dtype), dname(s_dtype)
+    assert stats["kernels"] == [f"{route}_b4_x{xs}_s{ss}", f"conv1d_x{xs}_w{ss}", f"gated_delta_x{xs}_w{ss}",
+                                f"{route}_b4_x{xs}_s{ss}"]
+    in_proj = tuple(np.concatenate([m[n][i] for n in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")])
+                    for i in range(3))
+    outr, csr, Sr = ref.gated_delta_mixer(
+        m["x"], in_proj, m["out_proj"], m["conv_weight"], m["A_log"], m["dt_bias"], m["norm_weight"],
+        m["conv_state"], m["state"], Hk=Hk, Hv=Hv, Dk=Dk, Dv=Dv, eps=1e-6, bits=4, group_size=64,
+        round_to=x_dtype if x_dtype == BF16 else None)
+    tol = 2.0 ** -6 if x_dtype == BF16 else 1e-4
+    assert_close(out, outr, atol=tol * np.abs(outr).max(), rtol=out_rtol(x_dtype), what=f"mixer T={T} out",
+                 seed=rng.seed)
+    assert_close(S, Sr, atol=(tol / 10) * np.abs(Sr).max() + 0, rtol=0, what="mixer state", seed=rng.seed)
+    if x_dtype == F32:
+        assert_close(cs, csr, atol=1e-5 * np.abs(csr).max(), rtol=0, what="mixer conv state", seed=rng.seed)
+
+
+def test_gated_delta_mixer_bad_input(rng):
+    m = make_mixer(rng, 1, 128, 2, 4, 32, 16, F32, F32)
+    m["in_proj_z"] = m["in_proj_b"]
+    with pytest.raises(ValueError, match="in_proj_z must have 64 rows"):
+        ops.gated_delta_mixer(*m.values(), num_key_heads=2, num_value_heads=4, head_k_dim=32, head_v_dim=16)
+
+
+def test_gated_delta_mixer_real_dims_decode(rng):
+    """One decode step of a real DeltaNet layer (hidden 2048, Hk 16, Hv 32, Dk = Dv = 128, bf16):
+    exactly 4 dispatches and 3 barriers (the numbers docs/kernels.md quotes)."""
+    m = make_mixer(rng, 1, 2048, 16, 32, 128, 128, BF16, BF16)
+    dims = dict(num_key_heads=16, num_value_heads=32, head_k_dim=128, head_v_dim=128)
+    out, cs, S, stats = _gated_delta_mixer(*m.values(), **dims, seed=rng.seed)
+    assert stats["dispatches"] == 4 and stats["barriers"] == 3
+    assert stats["kernels"] == ["qmv_b4_xbf16_sbf16", "conv1d_xbf16_wbf16", "gated_delta_xbf16_wbf16",
+                                "qmv_b4_xbf16_sbf16"]
+    in_proj = tuple(np.concatenate([m[n][i] for n in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")])
+                    for i in range(3))
+    outr, _, Sr = ref.gated_delta_mixer(
+        m["x"], in_proj, m["out_proj"], m["conv_weight"], m["A_log"], m["dt_bias"], m["norm_weight"],
+        m["conv_state"], m["state"], Hk=16, Hv=32, Dk=128, Dv=128, eps=1e-6, bits=4, group_size=64, round_to=BF16)
+    assert_close(out, outr, atol=2.0 ** -6 * np.abs(outr).max(), rtol=2 * BF16_EPS, what="real-dims mixer out",
+                 seed=rng.seed)
+    assert_close(S, Sr, atol=1e-6 * np.abs(Sr).max(), rtol=0, what="real-dims mixer state", seed=rng.seed)
+
+
+def test_gated_delta_is_order_independent(rng):
+    """No races: forward, reverse and shuffled thread orders give the same bits (state and y)."""
+    args = make_gd(rng, 6, 2, 4, 40, 36)
+    runs = [_gated_delta(*args, order=o, seed=rng.seed)[:2] for o in ("forward", "reverse", "shuffle")]
+    for y, S in runs[1:]:
+        np.testing.assert_array_equal(y, runs[0][0])
+        np.testing.assert_array_equal(S, runs[0][1])
+    x, w, s = rand(rng, (9, 300)), rand(rng, (300, 4)), rand(rng, (3, 300))
+    convs = [_causal_conv1d(x, w, s, order=o, seed=rng.seed)[:2] for o in ("forward", "reverse")]
+    np.testing.assert_array_equal(convs[0][0], convs[1][0])
+    np.testing.assert_array_equal(convs[0][1], convs[1][1])
