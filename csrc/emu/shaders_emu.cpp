@@ -21,6 +21,7 @@
 // clang-format off
 #include "elementwise.metal"
 #include "embedding.metal"
+#include "moe.metal"
 #include "norm.metal"
 #include "qmm.metal"
 #include "emu/selftest.metal"

@@ -76,3 +76,5 @@ struct ElementwiseArgs {
 };
 
 }  // namespace lily
+
+#include "common/args_moe.h"  // mixture of experts (shaders/moe.metal)
