@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 import lily_py._core as core
-from kernel_checks import assert_close, rng  # noqa: F401  (fixture)
+from kernel_checks import assert_close, device, rng  # noqa: F401  (fixtures)
 from lily_py import ops
 from lily_py.reference import kernels as ref
 from lily_py.reference import quant
@@ -132,9 +132,9 @@ def expected_route(T, k):
 # Token counts of the issue, both sides of the mv | mm32 switch (8 | 9); 7 experts (not a power of
 # two), H = 64, I = 32, group 32.
 @pytest.mark.parametrize("T", [1, 2, 7, 8, 9, 33, 257, 300])
-def test_token_counts(rng, T):
+def test_token_counts(rng, device, T):
     W, x_of = make_block(rng, E=7, H=64, I=32, gs=32)
-    check(rng, W, x_of(T), 2, route=expected_route(T, 2))
+    check(rng, W, x_of(T), 2, route=expected_route(T, 2), device=device)
 
 
 @pytest.mark.parametrize("top_k", [1, 2, 8])
@@ -142,6 +142,15 @@ def test_token_counts(rng, T):
 def test_top_k(rng, T, top_k):
     W, x_of = make_block(rng, E=11, H=128, I=64, gs=64)
     check(rng, W, x_of(T), top_k, route=expected_route(T, top_k))
+
+
+# Many experts: several logits per router lane (E > 32) and, at E = 300 > kMoePlanThreads, plan
+# threads owning two experts; 256 is the real model's count.
+@pytest.mark.parametrize("E", [67, 256, 300])
+@pytest.mark.parametrize("T", [1, 33])
+def test_many_experts(rng, T, E):
+    W, x_of = make_block(rng, E=E, H=64, I=32, gs=32)
+    check(rng, W, x_of(T), 8, route=expected_route(T, 8))
 
 
 @pytest.mark.parametrize("T", [3, 40])
@@ -168,9 +177,9 @@ def test_many_empty_experts(rng, T, top_k):
 
 # Both sides of the mm32 | mm64 switch at k = 8: 383 * 8 = 3064 < 3072 <= 384 * 8 routed rows.
 @pytest.mark.parametrize("T", [TILE64_MIN_ROWS // 8 - 1, TILE64_MIN_ROWS // 8])
-def test_tile_switch(rng, T):
+def test_tile_switch(rng, device, T):
     W, x_of = make_block(rng, E=9, H=64, I=32, gs=32)
-    check(rng, W, x_of(T), 8, route=expected_route(T, 8))
+    check(rng, W, x_of(T), 8, route=expected_route(T, 8), device=device)
 
 
 @pytest.mark.parametrize("T", [2, 20])
