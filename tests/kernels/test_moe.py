@@ -182,6 +182,16 @@ def test_tile_switch(rng, device, T):
     check(rng, W, x_of(T), 8, route=expected_route(T, 8), device=device)
 
 
+@pytest.mark.parametrize("T", [1, 17])
+def test_layer_of_a_loaded_mlx_checkpoint(rng, tiny_mlx, T):
+    # The packing lily_py.ops.moe documents is what the loader maps (memory-mapped MLX tensors).
+    from lily_py.checkpoint import load_weights
+    cfg, weights = load_weights(tiny_mlx)
+    layer = weights.layers[1].moe
+    x = rng.standard_normal((T, cfg.hidden_size)).astype(np.float32)
+    check(rng, layer, x, cfg.num_experts_per_tok)
+
+
 @pytest.mark.parametrize("T", [2, 20])
 def test_residual_add_fused(rng, T):
     W, x_of = make_block(rng, E=6, H=64, I=32, gs=32)
