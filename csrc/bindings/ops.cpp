@@ -32,6 +32,7 @@ namespace lily::bindings {
 
 emu::Order parse_order(const std::string& s);  // emu.cpp
 void init_emu(nb::module_& parent);              // emu.cpp
+void init_ops_moe(nb::module_& ops);             // ops_moe.cpp
 
 namespace {
 
@@ -146,6 +147,8 @@ void init_ops(nb::module_& parent) {
 #endif
 
   nb::module_ m = parent.def_submodule("ops", "Kernels over NumPy arrays (wrapped by lily_py.ops).");
+
+  init_ops_moe(m);
 
   m.def("qmm_route", [](uint32_t M) { return std::string(gpu::ops::qmm_route_name(gpu::ops::qmm_route(M))); },
         "M"_a, "Route quantized_matmul takes for M rows of x: 'qmv' or 'qmm'.");

@@ -22,6 +22,7 @@
 #include "elementwise.metal"
 #include "embedding.metal"
 #include "gated_delta.metal"
+#include "moe.metal"
 #include "norm.metal"
 #include "qmm.metal"
 #include "emu/selftest.metal"

@@ -70,7 +70,17 @@
   X(gated_delta_xf32_wf32,   GatedDeltaArgs, 9)                               \
   X(gated_delta_xf32_wbf16,  GatedDeltaArgs, 9)                               \
   X(gated_delta_xbf16_wf32,  GatedDeltaArgs, 9)                               \
-  X(gated_delta_xbf16_wbf16, GatedDeltaArgs, 9)
+  X(gated_delta_xbf16_wbf16, GatedDeltaArgs, 9)                               \
+  /* mixture of experts (shaders/moe.metal; buffers listed in the shader) */  \
+  X(moe_route,                       MoeArgs, 3)                              \
+  X(moe_plan,                        MoeArgs, 4)                              \
+  X(moe_gate_up_mv_b4_xf32_sbf16,    MoeArgs, 15)                             \
+  X(moe_down_mv_b4_xf32_sbf16,       MoeArgs, 11)                             \
+  X(moe_gate_up_mm32_b4_xf32_sbf16,  MoeArgs, 15)                             \
+  X(moe_gate_up_mm64_b4_xf32_sbf16,  MoeArgs, 15)                             \
+  X(moe_down_mm32_b4_sbf16,          MoeArgs, 10)                             \
+  X(moe_down_mm64_b4_sbf16,          MoeArgs, 10)                             \
+  X(moe_combine_xf32,                MoeArgs, 4)
 // clang-format on
 
 namespace lily::gpu {

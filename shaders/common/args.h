@@ -77,3 +77,5 @@ struct ElementwiseArgs {
 
 }  // namespace lily
 #include "common/args_gated_delta.h"  // Gated DeltaNet (conv1d, gated_delta)
+
+#include "common/args_moe.h"  // mixture of experts (shaders/moe.metal)

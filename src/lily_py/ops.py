@@ -252,3 +252,6 @@ def _elementwise(op, a, b, *, device="emu", order="shuffle", seed=0, fp_traps=Tr
                                        seed=seed, fp_traps=fp_traps)
     return _from_core(y, a_dtype).reshape(a.shape), stats
 from ._ops_gated_delta import causal_conv1d, gated_delta_mixer, gated_delta_scan, gated_delta_step  # noqa: E402,F401
+
+
+from ._ops_moe import _moe, moe, moe_route, moe_weights  # noqa: E402,F401  (the MoE block)

@@ -141,3 +141,103 @@ def gated_delta_mixer(x, in_proj, out_proj, conv_weight, A_log, dt_bias, norm_we
     o, S = gated_delta(q, k, v, z, aa, bb, A_log, dt_bias, norm_weight, state, eps=eps)
     o = rnd(o.reshape(T, VD))
     return quantized_matmul(o, *out_proj, bits=bits, group_size=group_size), new_conv, S
+# ------------------------------------------------------------------------------ mixture of experts
+def dequantized_magnitude(w: np.ndarray, scales: np.ndarray, biases: np.ndarray, *, bits: int,
+                          group_size: int) -> np.ndarray:
+    """``|s| q + |b|`` per weight (float64, ``[..., N, K]``): what fp32 rounding in any
+    dequantize-and-dot order is proportional to (see :func:`quantized_matmul_error_scale`)."""
+    q = quant.unpack(w, bits).astype(np.float64)
+    s = np.repeat(np.abs(np.asarray(scales).astype(np.float64)), group_size, axis=-1)
+    b = np.repeat(np.abs(np.asarray(biases).astype(np.float64)), group_size, axis=-1)
+    return s * q + b
+
+
+def moe_logits(x: np.ndarray, router: np.ndarray, shared_gate: np.ndarray) -> np.ndarray:
+    """Router logits ``[T, E + 1]`` in float64: ``x @ router.T`` then the shared-expert gate logit
+    (the kernels' fused router matrix has the shared gate as row E)."""
+    return np.asarray(x, np.float64) @ np.concatenate([router, shared_gate], 0).astype(np.float64).T
+
+
+def moe_route(logits: np.ndarray, top_k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Routing the kernels must reproduce: ``lily_py.reference.moe.route`` on the fp32 router
+    logits (softmax over all experts in fp32, top-k with ties to the lowest index,
+    renormalised), plus the shared gate ``sigmoid(logit E)``. ``logits``: ``[T, E + 1]``.
+    Returns ``(ids [T, k], weights [T, k] float32, shared_gate [T] float64)``."""
+    from .moe import route
+    logits = np.asarray(logits)
+    ids, weights = route(logits[:, :-1].astype(np.float32), top_k)
+    return ids, weights, 1.0 / (1.0 + np.exp(-logits[:, -1].astype(np.float64)))
+
+
+def moe(x, router, gate, up, down, shared_gate_proj, shared_up, shared_down, shared_gate, *, top_k,
+        residual=None):
+    """The MoE block in float64 on dense (dequantized) weights: ``router [E, H]``, stacked
+    ``gate``/``up`` ``[E, I, H]``, ``down`` ``[E, H, I]``, shared ``[Is, H]``, ``[Is, H]``,
+    ``[H, Is]``, ``shared_gate [1, H]``. Same math as ``lily_py.reference.moe.moe_block``.
+    Returns ``(out [T, H] float64, ids [T, k], weights [T, k])``."""
+    x64 = np.asarray(x, np.float64)
+    ids, weights, sgate = moe_route(moe_logits(x, router, shared_gate), top_k)
+    out = np.zeros_like(x64) if residual is None else np.asarray(residual, np.float64).copy()
+    for t in range(x64.shape[0]):
+        for j in range(top_k):
+            e = ids[t, j]
+            h = swiglu(gate[e] @ x64[t], up[e] @ x64[t])
+            out[t] += float(weights[t, j]) * (np.asarray(down[e], np.float64) @ h)
+    hs = swiglu(x64 @ np.asarray(shared_gate_proj, np.float64).T, x64 @ np.asarray(shared_up, np.float64).T)
+    out += sgate[:, None] * (hs @ np.asarray(shared_down, np.float64).T)
+    return out, ids, weights
+
+
+def moe_error_bound(x, mags: dict, dense: dict, *, top_k, residual=None) -> np.ndarray:
+    """Bound ``[T, H]`` (float64) on |kernel - moe()| from fp32 rounding, for tokens whose routing
+    agrees. ``mags``/``dense``: ``dequantized_magnitude`` / dequantized matrices under the keys
+    router, gate, up, down, shared_gate_proj, shared_up, shared_down, shared_gate.
+    With u = 2^-24 and e_K = 8 sqrt(K) u (the dot-product factor tests/kernels use for
+    quantized_matmul):
+      gate/up:   |dg| <= e_H |x|.|Wg|, |du| <= e_H |x|.|Wu|
+      h:         |dh| <= 1.1 |dg| |u| + |silu(g)| |du| + 4 u |h|      (|silu'| <= 1.1)
+      y = D h:   |dy| <= |D|.|dh| + e_I |D|.|h|
+      weights:   logits |dl| <= e_H |x|.|Wr|; softmax + renormalisation + sigmoid:
+                 |dw| <= w (4 max|dl| + (2E + 2k + 16) u)
+      out:       sum_j (w_j |dy_j| + |dw_j| |y_j|) + (k + 2) u (sum_j w_j |y_j| + |residual|)."""
+    u = 2.0 ** -24
+    x64 = np.asarray(x, np.float64)
+    T, H = x64.shape
+    E = dense["router"].shape[0]
+    eH = 8 * np.sqrt(H) * u
+    ax = np.abs(x64)
+    logits = moe_logits(x, dense["router"], dense["shared_gate"])
+    ids, weights, sgate = moe_route(logits, top_k)
+    dl = eH * (ax @ np.concatenate([mags["router"], mags["shared_gate"]], 0).T)
+    wrel = 4 * dl.max(axis=1) + (2 * E + 2 * top_k + 16) * u
+
+    def branch(t, Wg, Wu, Wd, Mg, Mu, Md):
+        g = Wg @ x64[t]
+        up_ = Wu @ x64[t]
+        sig = 1.0 / (1.0 + np.exp(-g))
+        silu = g * sig
+        h = silu * up_
+        dg, du = eH * (Mg @ ax[t]), eH * (Mu @ ax[t])
+        dh = 1.1 * dg * np.abs(up_) + np.abs(silu) * du + 4 * u * np.abs(h)
+        eI = 8 * np.sqrt(Wd.shape[1]) * u
+        y = Wd @ h
+        dy = Md @ dh + eI * (Md @ np.abs(h))
+        return np.abs(y), dy
+
+    bound = np.zeros((T, H))
+    for t in range(T):
+        total = np.zeros(H)
+        slots = [(float(weights[t, j]), ids[t, j]) for j in range(top_k)]
+        for w, e in slots:
+            ay, dy = branch(t, dense["gate"][e], dense["up"][e], dense["down"][e],
+                            mags["gate"][e], mags["up"][e], mags["down"][e])
+            bound[t] += w * dy + w * wrel[t] * ay
+            total += w * ay
+        ay, dy = branch(t, dense["shared_gate_proj"], dense["shared_up"], dense["shared_down"],
+                        mags["shared_gate_proj"], mags["shared_up"], mags["shared_down"])
+        s = sgate[t]
+        bound[t] += s * dy + s * (dl[t, -1] + 4 * u) * ay
+        total += s * ay
+        res = 0.0 if residual is None else np.abs(np.asarray(residual[t], np.float64))
+        bound[t] += (top_k + 2) * u * (total + res)
+    return bound

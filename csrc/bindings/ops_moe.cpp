@@ -1,0 +1,166 @@
+// lily_py._core.ops.moe: the mixture-of-experts block over NumPy arrays (wrapped by
+// lily_py._ops_moe). Routing/encoding lives in csrc/gpu/ops/moe.cpp; this file moves arrays in
+// and out of device buffers and reports what the block encoded.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "bindings/arrays.h"
+#include "emu/emulator.h"
+#include "gpu/dtype.h"
+#include "gpu/ops/moe.h"
+#if defined(LILY_HAVE_METAL)
+#include "metal/metal_device.h"
+#endif
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace lily::bindings {
+
+emu::Order parse_order(const std::string& s);  // emu.cpp
+
+namespace {
+
+std::unique_ptr<gpu::Device> make_moe_device(const std::string& name, const std::string& order, uint64_t seed,
+                                             bool fp_traps) {
+  if (name == "emu") {
+    emu::RunOptions o;
+    o.order = parse_order(order);
+    o.seed = seed;
+    o.fp_traps = fp_traps;
+    return std::make_unique<emu::EmuDevice>(o);
+  }
+  if (name == "metal") {
+#if defined(LILY_HAVE_METAL)
+    return metal::create_device();
+#else
+    throw std::invalid_argument("device 'metal' is not available in this build (built without "
+                                "LILY_METAL: not macOS); use device='emu'");
+#endif
+  }
+  throw std::invalid_argument("unknown device '" + name + "' (expected 'emu' or 'metal')");
+}
+
+template <class T>
+nb::object copy_out(const gpu::Binding& b, std::vector<size_t> shape) {
+  return nb::cast(download<T>(b.buffer->contents(), shape));
+}
+
+}  // namespace
+
+void init_ops_moe(nb::module_& m) {
+  m.def("moe_route", [](uint32_t tokens, uint32_t top_k) {
+    return std::string(gpu::ops::moe_route_name(gpu::ops::moe_route(tokens, top_k)));
+  }, "tokens"_a, "top_k"_a, "Route the MoE block takes: 'mv', 'mm32' or 'mm64'.");
+  m.attr("MOE_MV_MAX_TOKENS") = static_cast<uint32_t>(kMoeMvMaxTokens);
+  m.attr("MOE_TILE64_MIN_ROWS") = static_cast<uint32_t>(kMoeTile64MinRows);
+  m.attr("MOE_MAX_EXPERTS") = static_cast<uint32_t>(kMoeMaxExperts);
+  m.attr("MOE_MAX_TOP_K") = static_cast<uint32_t>(kMoeMaxTopK);
+
+  m.def(
+      "moe",
+      [](InArray x, std::vector<InArray> mats, std::optional<InArray> residual, uint32_t top_k,
+         uint32_t group_size, uint32_t router_bits, uint32_t router_group_size, const std::string& router_scale_dtype,
+         const std::string& device, const std::string& order, uint64_t seed, bool fp_traps) {
+        // mats: router (w, s, b) [E + 1, H], gate, up, down (stacked), shared gate, up, down.
+        require(mats.size() == 21, "moe: expected 21 quantized arrays (7 matrices x (w, scales, biases))");
+        require(x.ndim() == 2 && x.dtype().bits == 32, "moe: x must be a 2-D float32 array");
+        for (size_t i = 0; i < 21; ++i) {
+          const bool packed = i % 3 == 0;
+          const size_t nd = (i >= 3 && i < 12) ? 3 : 2;
+          require(mats[i].ndim() == nd, "moe: array " + std::to_string(i) + " must be " + std::to_string(nd) + "-D");
+          require(mats[i].dtype().bits == (packed ? 32u : (i < 3 ? (router_scale_dtype == "float32" ? 32u : 16u) : 16u)),
+                  "moe: array " + std::to_string(i) + " has the wrong element size");
+        }
+        gpu::ops::MoeOperands op;
+        op.tokens = uint32_t(x.shape(0));
+        op.hidden = uint32_t(x.shape(1));
+        op.experts = uint32_t(mats[0].shape(0)) - 1;
+        op.top_k = top_k;
+        op.inter = uint32_t(mats[3].shape(1));
+        op.shared_inter = uint32_t(mats[12].shape(0));
+        op.group_size = group_size;
+        op.router_bits = router_bits;
+        op.router_group_size = router_group_size;
+        op.router_scale_dtype = gpu::parse_dtype(router_scale_dtype, "moe: router scales");
+        require(mats[3].shape(0) == op.experts && mats[6].shape(0) == op.experts && mats[9].shape(0) == op.experts,
+                "moe: expert stacks must have E = router rows - 1 = " + std::to_string(op.experts) + " experts");
+        auto dev = make_moe_device(device, order, seed, fp_traps);
+        std::vector<std::unique_ptr<gpu::Buffer>> bufs;
+        auto input = [&](const InArray& a) {
+          bufs.push_back(upload(*dev, a.data(), a.nbytes()));
+          return gpu::Binding{bufs.back().get(), 0, bufs.back()->size()};
+        };
+        auto output = [&](size_t bytes) {  // poisoned on the emulator: unwritten elements read NaN
+          if (bytes == 0) return gpu::Binding{};
+          bufs.push_back(dev->new_buffer(bytes));
+          return gpu::Binding{bufs.back().get(), 0, bytes};
+        };
+        op.x = input(x);
+        if (residual) {
+          require(residual->ndim() == 2 && residual->shape(0) == op.tokens && residual->shape(1) == op.hidden &&
+                      residual->dtype().bits == 32, "moe: residual must be float32 with the shape of x");
+          op.residual = input(*residual);
+        }
+        gpu::ops::QuantMatrix* qm[7] = {&op.router, &op.gate, &op.up, &op.down, &op.shared_gate, &op.shared_up,
+                                        &op.shared_down};
+        for (int i = 0; i < 7; ++i) {
+          qm[i]->w = input(mats[3 * i]);
+          qm[i]->scales = input(mats[3 * i + 1]);
+          qm[i]->biases = input(mats[3 * i + 2]);
+        }
+        const gpu::ops::MoeScratchBytes sb = gpu::ops::moe_scratch_bytes(op);
+        op.out = output(size_t(op.tokens) * op.hidden * 4);
+        op.scratch.logits = output(sb.logits);
+        op.scratch.ids = output(sb.ids);
+        op.scratch.weights = output(sb.weights);
+        op.scratch.plan = output(sb.plan);
+        op.scratch.row_weight = output(sb.row_weight);
+        op.scratch.h = output(sb.h);
+        op.scratch.y = output(sb.y);
+        gpu::ops::validate(op);
+
+        auto enc = dev->new_encoder();
+        gpu::ops::RecordingEncoder rec(*enc);
+        {
+          nb::gil_scoped_release release;
+          gpu::ops::encode_moe(rec, op);  // the block: must not synchronise with the host
+        }
+        const uint64_t syncs = rec.commits + rec.waits;
+        {
+          nb::gil_scoped_release release;
+          enc->commit();
+          enc->wait();
+        }
+        const gpu::Counters& c = rec.counters();
+        nb::dict stats;
+        nb::list kernels;
+        for (const auto& k : rec.kernels) kernels.append(k);
+        stats["kernels"] = kernels;
+        stats["route"] = std::string(gpu::ops::moe_route_name(gpu::ops::moe_route(op.tokens, op.top_k)));
+        stats["dispatches"] = c.dispatches;
+        stats["barriers"] = c.barriers;
+        stats["bytes_bound"] = c.bytes_bound;
+        stats["threads"] = c.threads;
+        stats["host_syncs"] = syncs;
+        const uint32_t T = op.tokens, k = op.top_k;
+        return nb::make_tuple(copy_out<float>(op.out, {T, op.hidden}), copy_out<uint32_t>(op.scratch.ids, {T, k}),
+                              copy_out<float>(op.scratch.weights, {T, k + 1}), stats);
+      },
+      "x"_a, "mats"_a, "residual"_a.none(), nb::kw_only(), "top_k"_a, "group_size"_a, "router_bits"_a,
+      "router_group_size"_a, "router_scale_dtype"_a, "device"_a = "emu", "order"_a = "shuffle", "seed"_a = 0,
+      "fp_traps"_a = true,
+      "The MoE block on a device; returns (out, ids, weights, stats). bfloat16 scales travel as uint16. "
+      "Use lily_py.ops.moe.");
+}
+
+}  // namespace lily::bindings

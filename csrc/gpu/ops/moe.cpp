@@ -1,0 +1,266 @@
+#include "gpu/ops/moe.h"
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+#include "gpu/ops/qmm.h"
+
+namespace lily::gpu::ops {
+
+namespace {
+
+uint32_t ceil_div(uint32_t a, uint32_t b) { return (a + b - 1) / b; }
+
+[[noreturn]] void fail(const std::string& m) { throw std::invalid_argument("moe: " + m); }
+
+// The exact byte range a kernel reads or writes; fails when the caller's binding is smaller.
+Binding range(const Binding& b, uint64_t bytes, const char* what) {
+  if (b.buffer == nullptr) fail(std::string(what) + " not bound");
+  if (b.bytes < bytes)
+    fail(std::string(what) + " range has " + std::to_string(b.bytes) + " bytes, needs " + std::to_string(bytes));
+  Binding r = b;
+  r.bytes = bytes;
+  return r;
+}
+
+struct QuantBytes {
+  uint64_t w, s;
+};
+
+// Bytes of a quantized [count, N, K] stack.
+QuantBytes quant_bytes(uint64_t count, uint64_t N, uint64_t K, uint32_t bits, uint32_t gs, DType st) {
+  return {count * N * K * bits / 8, count * N * (K / gs) * dtype_size(st)};
+}
+
+void bind_quant(Encoder& enc, uint32_t first, const QuantMatrix& m, QuantBytes b, const char* what) {
+  const std::string n(what);
+  enc.set_buffer(first, range(m.w, b.w, (n + ".w").c_str()));
+  enc.set_buffer(first + 1, range(m.scales, b.s, (n + ".scales").c_str()));
+  enc.set_buffer(first + 2, range(m.biases, b.s, (n + ".biases").c_str()));
+}
+
+MoeArgs make_args(const MoeOperands& op, MoeRoute route) {
+  const uint32_t bm = moe_tile_rows(route);
+  MoeArgs a{};
+  a.tokens = op.tokens;
+  a.hidden = op.hidden;
+  a.experts = op.experts;
+  a.top_k = op.top_k;
+  a.inter = op.inter;
+  a.shared_inter = op.shared_inter;
+  a.h_stride = std::max(op.inter, op.shared_inter);
+  a.group_size = op.group_size;
+  a.tile_rows = bm;
+  a.max_tiles = bm ? moe_max_tiles(op.tokens, op.top_k, op.experts, bm) : 0;
+  a.has_residual = op.residual.buffer != nullptr ? 1u : 0u;
+  return a;
+}
+
+}  // namespace
+
+MoeRoute moe_route(uint32_t tokens, uint32_t top_k) {
+  if (tokens <= kMoeMvMaxTokens) return MoeRoute::mv;
+  return uint64_t(tokens) * top_k >= kMoeTile64MinRows ? MoeRoute::mm64 : MoeRoute::mm32;
+}
+
+const char* moe_route_name(MoeRoute r) {
+  return r == MoeRoute::mv ? "mv" : r == MoeRoute::mm32 ? "mm32" : "mm64";
+}
+
+uint32_t moe_tile_rows(MoeRoute r) { return r == MoeRoute::mv ? 0 : r == MoeRoute::mm32 ? 32 : 64; }
+
+uint32_t moe_max_tiles(uint32_t tokens, uint32_t top_k, uint32_t experts, uint32_t bm) {
+  // sum over non-empty experts of ceil(count / bm) <= (rows + nonempty * (bm - 1)) / bm,
+  // plus the shared group's ceil(tokens / bm).
+  const uint64_t routed = uint64_t(tokens) * top_k;
+  const uint64_t nonempty = std::min<uint64_t>(experts, routed);
+  return uint32_t((routed + nonempty * (bm - 1)) / bm + ceil_div(tokens, bm));
+}
+
+MoeScratchBytes moe_scratch_bytes(const MoeOperands& op) {
+  const MoeRoute route = moe_route(op.tokens, op.top_k);
+  const uint64_t T = op.tokens, k = op.top_k, R = T * (k + 1);
+  MoeScratchBytes b;
+  b.logits = T * (op.experts + 1) * dtype_size(op.x_dtype);
+  b.ids = T * k * 4;
+  b.weights = R * 4;
+  b.h = R * std::max(op.inter, op.shared_inter) * 4;
+  if (route != MoeRoute::mv) {
+    const uint64_t tiles = moe_max_tiles(op.tokens, op.top_k, op.experts, moe_tile_rows(route));
+    b.plan = (kMoePlanTiles + 3 * tiles + 2 * R) * 4;
+    b.row_weight = R * 4;
+    b.y = R * op.hidden * 4;
+  }
+  return b;
+}
+
+void validate(const MoeOperands& op) {
+  auto num = [](uint64_t v) { return std::to_string(v); };
+  if (op.tokens == 0 || op.hidden == 0 || op.experts == 0 || op.inter == 0 || op.shared_inter == 0)
+    fail("empty shape T=" + num(op.tokens) + " H=" + num(op.hidden) + " E=" + num(op.experts) +
+         " I=" + num(op.inter) + " Is=" + num(op.shared_inter));
+  if (op.experts > kMoeMaxExperts) fail("experts=" + num(op.experts) + " exceeds " + num(kMoeMaxExperts));
+  if (op.top_k == 0 || op.top_k > op.experts || op.top_k > kMoeMaxTopK)
+    fail("top_k=" + num(op.top_k) + " must be in [1, min(experts, " + num(kMoeMaxTopK) + ")]");
+  if (op.bits != 4) fail("expert bits=" + num(op.bits) + " unsupported (4)");
+  if (op.x_dtype != DType::f32) fail("x must be float32 (bfloat16 activations are not instantiated)");
+  if (op.scale_dtype != DType::bf16) fail("expert scales/biases must be bfloat16");
+  if (op.group_size != 32 && op.group_size != 64 && op.group_size != 128)
+    fail("group_size=" + num(op.group_size) + " unsupported (32, 64 or 128)");
+  for (auto [v, what] : {std::pair{op.hidden, "hidden"}, {op.inter, "inter"}, {op.shared_inter, "shared_inter"}})
+    if (v % op.group_size) fail(std::string(what) + "=" + num(v) + " is not a multiple of group_size=" + num(op.group_size));
+  if (uint64_t(op.tokens) * (op.top_k + 1) * std::max(op.hidden, std::max(op.inter, op.shared_inter)) >= (1ull << 32))
+    fail("tokens * (top_k + 1) * features exceeds 32-bit indexing: split the chunk");
+  const MoeScratchBytes sb = moe_scratch_bytes(op);
+  const uint64_t act = uint64_t(op.tokens) * op.hidden * dtype_size(op.x_dtype);
+  range(op.x, act, "x");
+  range(op.out, act, "out");
+  if (op.residual.buffer) range(op.residual, act, "residual");
+  range(op.scratch.logits, sb.logits, "scratch.logits");
+  range(op.scratch.ids, sb.ids, "scratch.ids");
+  range(op.scratch.weights, sb.weights, "scratch.weights");
+  range(op.scratch.h, sb.h, "scratch.h");
+  if (sb.plan) {
+    range(op.scratch.plan, sb.plan, "scratch.plan");
+    range(op.scratch.row_weight, sb.row_weight, "scratch.row_weight");
+    range(op.scratch.y, sb.y, "scratch.y");
+  }
+  const uint32_t E = op.experts, H = op.hidden, I = op.inter, Is = op.shared_inter;
+  auto check = [&](const QuantMatrix& m, QuantBytes b, const char* what) {
+    const std::string n(what);
+    range(m.w, b.w, (n + ".w").c_str());
+    range(m.scales, b.s, (n + ".scales").c_str());
+    range(m.biases, b.s, (n + ".biases").c_str());
+  };
+  const auto q = [&](uint64_t c, uint64_t N, uint64_t K) {
+    return quant_bytes(c, N, K, op.bits, op.group_size, op.scale_dtype);
+  };
+  check(op.gate, q(E, I, H), "gate");
+  check(op.up, q(E, I, H), "up");
+  check(op.down, q(E, H, I), "down");
+  check(op.shared_gate, q(1, Is, H), "shared_gate");
+  check(op.shared_up, q(1, Is, H), "shared_up");
+  check(op.shared_down, q(1, H, Is), "shared_down");
+  // The router goes through quantized_matmul, which validates bits / group size / bytes itself.
+}
+
+void encode_moe(Encoder& enc, const MoeOperands& op) {
+  validate(op);
+  const MoeRoute route = moe_route(op.tokens, op.top_k);
+  const MoeArgs a = make_args(op, route);
+  const MoeScratchBytes sb = moe_scratch_bytes(op);
+  const uint32_t T = op.tokens, H = op.hidden, E = op.experts, k = op.top_k;
+  const uint32_t I = op.inter, Is = op.shared_inter;
+  const uint64_t act = uint64_t(T) * H * dtype_size(op.x_dtype);
+  const auto q = [&](uint64_t c, uint64_t N, uint64_t K) {
+    return quant_bytes(c, N, K, op.bits, op.group_size, op.scale_dtype);
+  };
+  const Binding residual = range(op.residual.buffer ? op.residual : op.x, act, "residual");
+
+  // 1. router + shared-gate logits [T, E + 1] (qmv for T <= 8, else qmm)
+  QmmOperands r;
+  r.x = op.x;
+  r.w = op.router.w;
+  r.scales = op.router.scales;
+  r.biases = op.router.biases;
+  r.y = op.scratch.logits;
+  r.x_dtype = op.x_dtype;
+  r.scale_dtype = op.router_scale_dtype;
+  r.M = T;
+  r.N = E + 1;
+  r.K = H;
+  r.bits = op.router_bits;
+  r.group_size = op.router_group_size;
+  encode_quantized_matmul(enc, r);
+  enc.barrier();  // logits -> route
+
+  // 2. softmax, top-k, renormalise, shared gate
+  enc.set_kernel(KernelId::moe_route);
+  enc.set_args(a);
+  enc.set_buffer(1, range(op.scratch.logits, sb.logits, "scratch.logits"));
+  enc.set_buffer(2, range(op.scratch.ids, sb.ids, "scratch.ids"));
+  enc.set_buffer(3, range(op.scratch.weights, sb.weights, "scratch.weights"));
+  enc.dispatch({T, 1, 1}, {32, 1, 1});
+  enc.barrier();  // ids, weights -> experts (mv) / plan (tiled)
+
+  if (route == MoeRoute::mv) {
+    // 3. gate + up + SwiGLU of the selected experts and the shared expert, per slot
+    enc.set_kernel(KernelId::moe_gate_up_mv_b4_xf32_sbf16);
+    enc.set_args(a);
+    enc.set_buffer(1, range(op.x, act, "x"));
+    enc.set_buffer(2, range(op.scratch.ids, sb.ids, "scratch.ids"));
+    bind_quant(enc, 3, op.gate, q(E, I, H), "gate");
+    bind_quant(enc, 6, op.up, q(E, I, H), "up");
+    bind_quant(enc, 9, op.shared_gate, q(1, Is, H), "shared_gate");
+    bind_quant(enc, 12, op.shared_up, q(1, Is, H), "shared_up");
+    enc.set_buffer(15, range(op.scratch.h, sb.h, "scratch.h"));
+    enc.dispatch({ceil_div(a.h_stride, kMoeMvRowsPerSimd * kMoeMvSimdsPerGroup), T * (k + 1), 1},
+                 {32 * kMoeMvSimdsPerGroup, 1, 1});
+    enc.barrier();  // h -> down
+    // 4. down projection x routing weights, shared expert x gate, residual add
+    enc.set_kernel(KernelId::moe_down_mv_b4_xf32_sbf16);
+    enc.set_args(a);
+    enc.set_buffer(1, range(op.scratch.ids, sb.ids, "scratch.ids"));
+    enc.set_buffer(2, range(op.scratch.weights, sb.weights, "scratch.weights"));
+    enc.set_buffer(3, range(op.scratch.h, sb.h, "scratch.h"));
+    bind_quant(enc, 4, op.down, q(E, H, I), "down");
+    bind_quant(enc, 7, op.shared_down, q(1, H, Is), "shared_down");
+    enc.set_buffer(10, residual);
+    enc.set_buffer(11, range(op.out, act, "out"));
+    enc.dispatch({ceil_div(H, kMoeMvRowsPerSimd * kMoeMvSimdsPerGroup), T, 1}, {32 * kMoeMvSimdsPerGroup, 1, 1});
+    return;
+  }
+
+  const bool t64 = route == MoeRoute::mm64;
+  // 3. plan: counts, offsets, block map, permutation (one threadgroup)
+  enc.set_kernel(KernelId::moe_plan);
+  enc.set_args(a);
+  enc.set_buffer(1, range(op.scratch.ids, sb.ids, "scratch.ids"));
+  enc.set_buffer(2, range(op.scratch.weights, sb.weights, "scratch.weights"));
+  enc.set_buffer(3, range(op.scratch.plan, sb.plan, "scratch.plan"));
+  enc.set_buffer(4, range(op.scratch.row_weight, sb.row_weight, "scratch.row_weight"));
+  enc.dispatch({1, 1, 1}, {kMoePlanThreads, 1, 1});
+  enc.barrier();  // plan -> grouped gate/up
+  // 4. grouped gate + up + SwiGLU (gather fused into the x loads)
+  enc.set_kernel(t64 ? KernelId::moe_gate_up_mm64_b4_xf32_sbf16 : KernelId::moe_gate_up_mm32_b4_xf32_sbf16);
+  enc.set_args(a);
+  enc.set_buffer(1, range(op.x, act, "x"));
+  enc.set_buffer(2, range(op.scratch.plan, sb.plan, "scratch.plan"));
+  bind_quant(enc, 3, op.gate, q(E, I, H), "gate");
+  bind_quant(enc, 6, op.up, q(E, I, H), "up");
+  bind_quant(enc, 9, op.shared_gate, q(1, Is, H), "shared_gate");
+  bind_quant(enc, 12, op.shared_up, q(1, Is, H), "shared_up");
+  enc.set_buffer(15, range(op.scratch.h, sb.h, "scratch.h"));
+  enc.dispatch({ceil_div(a.h_stride, kMoeTileN), a.max_tiles, 1}, {32 * kMoeTileSimds, 1, 1});
+  enc.barrier();  // h -> grouped down
+  // 5. grouped down projection x routing weight per row
+  enc.set_kernel(t64 ? KernelId::moe_down_mm64_b4_sbf16 : KernelId::moe_down_mm32_b4_sbf16);
+  enc.set_args(a);
+  enc.set_buffer(1, range(op.scratch.plan, sb.plan, "scratch.plan"));
+  enc.set_buffer(2, range(op.scratch.row_weight, sb.row_weight, "scratch.row_weight"));
+  enc.set_buffer(3, range(op.scratch.h, sb.h, "scratch.h"));
+  bind_quant(enc, 4, op.down, q(E, H, I), "down");
+  bind_quant(enc, 7, op.shared_down, q(1, H, Is), "shared_down");
+  enc.set_buffer(10, range(op.scratch.y, sb.y, "scratch.y"));
+  enc.dispatch({ceil_div(H, kMoeTileN), a.max_tiles, 1}, {32 * kMoeTileSimds, 1, 1});
+  enc.barrier();  // y -> combine
+  // 6. scatter back: sum of each token's k + 1 weighted rows (+ residual)
+  enc.set_kernel(KernelId::moe_combine_xf32);
+  enc.set_args(a);
+  enc.set_buffer(1, range(op.scratch.plan, sb.plan, "scratch.plan"));
+  enc.set_buffer(2, range(op.scratch.y, sb.y, "scratch.y"));
+  enc.set_buffer(3, residual);
+  enc.set_buffer(4, range(op.out, act, "out"));
+  enc.dispatch({ceil_div(H, kMoeCombineThreads), T, 1}, {kMoeCombineThreads, 1, 1});
+}
+
+void RecordingEncoder::encode_dispatch(const Dispatch& d) {
+  kernels.emplace_back(kernel_info(d.kernel).name);
+  inner_.set_kernel(d.kernel);
+  inner_.set_args_bytes(d.args, d.args_size);
+  for (uint32_t i = 1; i <= d.num_buffers; ++i) inner_.set_buffer(i, d.buffers[i]);
+  inner_.dispatch(d.groups, d.threads);
+}
+
+}  // namespace lily::gpu::ops

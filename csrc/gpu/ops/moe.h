@@ -1,0 +1,94 @@
+// Mixture-of-experts block on the device: router, routing plan, expert matmuls, combine.
+// Kernels: shaders/moe.metal (+ the router logits through qmm.metal). Args and route constants:
+// shaders/common/args_moe.h. Everything is encoded into the caller's encoder with barriers
+// between dependent dispatches; no step reads device memory on the host or waits for the GPU:
+// every buffer size and grid comes from bounds known on the host (tokens, top_k, experts).
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "gpu/dtype.h"
+#include "gpu/encoder.h"
+
+namespace lily::gpu::ops {
+
+enum class MoeRoute : uint8_t {
+  mv,    // tokens <= kMoeMvMaxTokens: gather matvec per (token, slot), fused down + combine
+  mm32,  // tiled grouped matmul, 32-row tiles (routed rows tokens * top_k < kMoeTile64MinRows)
+  mm64,  // tiled grouped matmul, 64-row tiles
+};
+
+MoeRoute moe_route(uint32_t tokens, uint32_t top_k);
+const char* moe_route_name(MoeRoute r);
+uint32_t moe_tile_rows(MoeRoute r);  // 0 for mv
+// Tiles the tiled grids cover: an upper bound of the plan's tile count for any routing.
+uint32_t moe_max_tiles(uint32_t tokens, uint32_t top_k, uint32_t experts, uint32_t tile_rows);
+
+// An MLX affine-quantized matrix (or stack of matrices).
+struct QuantMatrix {
+  Binding w;       // uint32 [..., N, K * bits / 32]
+  Binding scales;  // [..., N, K / group_size] of scale_dtype
+  Binding biases;
+};
+
+// Scratch buffers the block needs (device memory the caller owns; sizes: moe_scratch_bytes).
+struct MoeScratch {
+  Binding logits;      // float32 [T, E + 1]      router logits (+ shared-expert gate logit)
+  Binding ids;         // uint32  [T, k]          chosen experts, descending probability
+  Binding weights;     // float32 [T, k + 1]      routing weights (+ sigmoid shared gate)
+  Binding plan;        // uint32  (tiled routes)  layout in shaders/common/args_moe.h
+  Binding row_weight;  // float32 [R]             (tiled routes) R = T * (k + 1)
+  Binding h;           // float32 [R, max(I, Is)] SwiGLU intermediate
+  Binding y;           // float32 [R, H]          (tiled routes) weighted expert outputs
+};
+
+struct MoeScratchBytes {
+  size_t logits = 0, ids = 0, weights = 0, plan = 0, row_weight = 0, h = 0, y = 0;
+};
+
+struct MoeOperands {
+  Binding x;         // [T, H] of x_dtype
+  Binding residual;  // [T, H] of x_dtype; buffer == nullptr: no residual add
+  Binding out;       // [T, H] of x_dtype: residual + moe(x)
+  QuantMatrix router;  // [E + 1, H] router_bits: rows 0..E-1 the router, row E the shared gate
+  QuantMatrix gate, up, down;  // stacked experts [E, I, H], [E, I, H], [E, H, I]
+  QuantMatrix shared_gate, shared_up, shared_down;  // [Is, H], [Is, H], [H, Is]
+  MoeScratch scratch;
+  DType x_dtype = DType::f32;
+  DType scale_dtype = DType::bf16;         // expert scales / biases
+  DType router_scale_dtype = DType::bf16;  // router scales / biases
+  uint32_t tokens = 0, hidden = 0, experts = 0, top_k = 0, inter = 0, shared_inter = 0;
+  uint32_t bits = 4, group_size = 64;               // every expert matrix
+  uint32_t router_bits = 8, router_group_size = 64;
+};
+
+MoeScratchBytes moe_scratch_bytes(const MoeOperands& op);
+
+// Throws std::invalid_argument naming the bad operand.
+void validate(const MoeOperands& op);
+
+// Encodes the whole block (4 dispatches on the mv route, 6 on the tiled routes, barriers
+// between them). Never commits, waits or reads device memory.
+void encode_moe(Encoder& enc, const MoeOperands& op);
+
+// An encoder that forwards everything to another one and records what a block encoded: the
+// kernel of every dispatch, and every commit() / wait() (host synchronisation) it was asked for.
+class RecordingEncoder final : public Encoder {
+ public:
+  explicit RecordingEncoder(Encoder& inner) : inner_(inner) {}
+  void commit() override { ++commits; inner_.commit(); }
+  void wait() override { ++waits; inner_.wait(); }
+  std::vector<std::string> kernels;
+  uint64_t commits = 0, waits = 0;
+
+ protected:
+  void encode_dispatch(const Dispatch& d) override;
+  void encode_barrier() override { inner_.barrier(); }
+
+ private:
+  Encoder& inner_;
+};
+
+}  // namespace lily::gpu::ops

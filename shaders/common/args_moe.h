@@ -1,0 +1,58 @@
+// Mixture-of-experts kernel arguments (shaders/moe.metal, host: csrc/gpu/ops/moe.cpp).
+// Included by common/args.h; compiled by the shaders, the host and the emulator alike.
+//
+// Row spaces (must match csrc/gpu/ops/moe.cpp and lily_py/_ops_moe.py):
+//   slot    s = t * (top_k + 1) + j, j < top_k a routed expert, j == top_k the shared expert
+//           (decode/matvec route: h rows are slots)
+//   group   g < experts a routed expert, g == experts the shared expert ("group E")
+//   permuted row (tiled routes): rows of group g are [offset[g], offset[g + 1]); the shared
+//           group always holds every token, so R = tokens * (top_k + 1) rows exactly.
+// The plan buffer (uint32, tiled routes) holds, in order:
+//   [0]                          number of tiles actually used (<= max_tiles)
+//   [kMoePlanTiles + 3 i + 0..2] tile i: group, first row, one past the last row
+//   [moe_plan_row_token(..) + r]  token of permuted row r                      (R entries)
+//   [moe_plan_pos(..) + s]        permuted row of slot s                       (R entries)
+#pragma once
+#if !defined(__METAL_VERSION__)
+#include <cstdint>
+#endif
+
+namespace lily {
+
+enum : uint32_t {
+  kMoeMaxExperts = 512,       // routed experts a block may have (router kernel registers)
+  kMoeMaxTopK = 16,           // experts per token
+  kMoeMvMaxTokens = 8,        // tokens <= this: matrix-vector route (decode)
+  kMoeTile64MinRows = 3072,   // routed rows tokens*top_k >= this: 64-row tiles, else 32
+  kMoeMvRowsPerSimd = 4,      // matvec: output features per simdgroup
+  kMoeMvSimdsPerGroup = 2,    // matvec: simdgroups per threadgroup
+  kMoeTileN = 32,             // tiled: output features per tile
+  kMoeTileK = 32,             // tiled: K step (divides every supported group size)
+  kMoeTileSimds = 4,          // tiled: 4 simdgroups = 128 threads (2 x 2 over the tile)
+  kMoePlanThreads = 256,      // plan: one threadgroup of this many threads
+  kMoeCombineThreads = 256,   // combine: threads per threadgroup (one output element each)
+  kMoePlanTiles = 1,          // first tile entry in the plan buffer
+};
+
+struct MoeArgs {
+  uint32_t tokens;        // T
+  uint32_t hidden;        // H: features of x / out, K of gate/up, N of down
+  uint32_t experts;       // E routed experts (the shared expert is group E)
+  uint32_t top_k;         // k routed experts per token
+  uint32_t inter;         // I: routed expert intermediate size
+  uint32_t shared_inter;  // Is: shared expert intermediate size
+  uint32_t h_stride;      // elements between rows of the intermediate h (max(I, Is))
+  uint32_t group_size;    // quantization group of every expert matrix (32, 64 or 128)
+  uint32_t tile_rows;     // tiled routes: BM (32 or 64); 0 on the matvec route
+  uint32_t max_tiles;     // tiled routes: tiles the grid covers (host bound, >= tiles used)
+  uint32_t has_residual;  // 1: out = residual + moe(x); 0: out = moe(x)
+  uint32_t pad;
+};
+
+// Section offsets of the plan buffer (plain scalars: shader structs stay plain).
+inline uint32_t moe_plan_row_token(uint32_t max_tiles) { return kMoePlanTiles + 3 * max_tiles; }
+inline uint32_t moe_plan_pos(uint32_t max_tiles, uint32_t tokens, uint32_t top_k) {
+  return moe_plan_row_token(max_tiles) + tokens * (top_k + 1);
+}
+
+}  // namespace lily

@@ -1,0 +1,580 @@
+// Mixture of experts: router top-k, routing plan, expert matmuls with fused dequantization,
+// combine. Host: csrc/gpu/ops/moe.cpp (routes, grids, the dispatch sequence).
+// Reference: lily_py.reference.kernels.moe_route / moe (which match lily_py.reference.moe).
+//
+// The block, per route (T tokens, k of E experts, args MoeArgs in common/args_moe.h):
+//   matvec (T <= kMoeMvMaxTokens):  router logits (qmv, qmm.metal) -> moe_route ->
+//                                   moe_gate_up_mv -> moe_down_mv               (4 dispatches)
+//   tiled (32- or 64-row tiles):     router logits (qmm) -> moe_route -> moe_plan ->
+//                                   moe_gate_up_mm -> moe_down_mm -> moe_combine (6 dispatches)
+// The router weight is [E + 1, H]: rows 0..E-1 the router, row E the shared-expert gate, so one
+// matmul yields every logit. The shared expert is one more "group" (index E) that every token
+// uses with weight sigmoid(logit E): no separate shared-expert dispatches.
+//
+// Buffers of quantized matrices follow MLX's affine layout (common/quant.h): routed experts are
+// stacked [E, N, K * bits / 32] with scales/biases [E, N, K / group_size] (mlx-lm's switch_mlp),
+// the shared expert's matrices are [N, K * bits / 32].
+//
+// Precision (every kernel): codes, scales, biases and activations widened to fp32; dot products,
+// softmax, SwiGLU, routing weights and sums in fp32 (no fast math); nothing dequantized reaches
+// device memory; the intermediate h and the per-row expert outputs y are fp32; out is rounded to
+// T once.
+#include "common/lily_metal.h"
+#include "common/mma.h"
+#include "common/quant.h"
+
+namespace lily {
+
+inline float moe_silu(float v) { return v / (1.0f + exp(-v)); }
+
+// ---------------------------------------------------------------------------------------------
+// moe_route: softmax over the E router logits (fp32), top-k, renormalise; shared-expert gate.
+//   grid:     T threadgroups of 32 threads (one simdgroup per token)
+//   lane:     logits e = lane, lane + 32, ... (E <= kMoeMaxExperts)
+//   top-k:    k rounds of (simd_max of the probabilities, simd_min of the indices holding it):
+//             ties go to the lowest expert index, as in lily_py.reference.moe.route (stable sort)
+//   outputs:  ids[t, j] (descending probability), weights[t, j] = p_j / sum_j p_j (sum in slot
+//             order), weights[t, k] = sigmoid(logit E) (the shared expert's weight)
+//   logits:   [T, E + 1] fp32 (row E of the router matrix is the shared-expert gate)
+template <typename L>
+[[kernel]] void moe_route(constant MoeArgs& args [[buffer(0)]],
+                          const device L* logits [[buffer(1)]],
+                          device uint32_t* ids [[buffer(2)]],
+                          device float* weights [[buffer(3)]],
+                          LILY_KERNEL_TAIL) {
+  constexpr uint32_t PER_LANE = kMoeMaxExperts / 32;
+  constexpr float kTaken = -1.0f;  // below every probability
+  const uint32_t E = args.experts, k = args.top_k, t = group_pos.x;
+  const device L* row = logits + t * (E + 1);
+
+  float p[PER_LANE];
+  float m = -3.0e38f;
+  for (uint32_t i = 0; i < PER_LANE; ++i) {
+    const uint32_t e = lane + 32 * i;
+    p[i] = e < E ? float(row[e]) : kTaken;
+    if (e < E) m = max(m, p[i]);
+  }
+  m = simd_max(m);
+  float sum = 0.0f;
+  for (uint32_t i = 0; i < PER_LANE; ++i) {
+    if (lane + 32 * i < E) {
+      p[i] = exp(p[i] - m);
+      sum += p[i];
+    }
+  }
+  sum = simd_sum(sum);
+  for (uint32_t i = 0; i < PER_LANE; ++i)
+    if (lane + 32 * i < E) p[i] = p[i] / sum;
+
+  uint32_t sel[kMoeMaxTopK];
+  float selp[kMoeMaxTopK];
+  for (uint32_t j = 0; j < k; ++j) {  // k is uniform: every lane makes the same collectives
+    float best = kTaken;
+    uint32_t best_e = 0xFFFFFFFFu;
+    for (uint32_t i = 0; i < PER_LANE; ++i) {  // ascending e: the lane keeps its lowest index
+      const uint32_t e = lane + 32 * i;
+      if (e < E && p[i] > best) {
+        best = p[i];
+        best_e = e;
+      }
+    }
+    const float top = simd_max(best);
+    const uint32_t top_e = simd_min(best == top ? best_e : 0xFFFFFFFFu);
+    for (uint32_t i = 0; i < PER_LANE; ++i)
+      if (lane + 32 * i == top_e) p[i] = kTaken;
+    sel[j] = top_e;
+    selp[j] = top;
+  }
+  float wsum = 0.0f;
+  for (uint32_t j = 0; j < k; ++j) wsum += selp[j];
+  if (lane == 0) {
+    for (uint32_t j = 0; j < k; ++j) {
+      ids[t * k + j] = sel[j];
+      weights[t * (k + 1) + j] = selp[j] / wsum;
+    }
+    weights[t * (k + 1) + k] = 1.0f / (1.0f + exp(-float(row[E])));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// moe_plan: the routing plan of the tiled routes, all on the device, deterministic.
+//   grid:     one threadgroup of kMoePlanThreads threads; thread i owns experts i, i + 256, ...
+//   steps:    (1) count rows per expert: the routed ids stream through threadgroup memory in
+//             chunks of kMoePlanThreads * 4 and every thread counts its experts' entries;
+//             (2) exclusive prefix sum over the E + 1 groups (the shared group E holds all T
+//             tokens) -> offsets, tiles of tile_rows rows per group -> block map;
+//             (3) the same stream again: each thread gives its experts' entries consecutive rows
+//             in token order (a stable permutation, no atomics), writes row -> token, the
+//             per-row routing weight and slot -> row; the shared group's rows are offset[E] + t.
+//   outputs:  the plan buffer (layout in common/args_moe.h) and row_weight [R] fp32.
+//   cost:     every thread reads all T * k ids twice from threadgroup memory (T = 4096, k = 8:
+//             64K reads per thread); a one-pass atomic version would be faster on the GPU but
+//             gives a run-dependent row order.
+template <typename W>
+[[kernel]] void moe_plan(constant MoeArgs& args [[buffer(0)]],
+                         const device uint32_t* ids [[buffer(1)]],
+                         const device W* weights [[buffer(2)]],
+                         device uint32_t* plan [[buffer(3)]],
+                         device float* row_weight [[buffer(4)]],
+                         LILY_KERNEL_TAIL) {
+  constexpr uint32_t CHUNK = kMoePlanThreads * 4;
+  constexpr uint32_t OWN = (kMoeMaxExperts + kMoePlanThreads - 1) / kMoePlanThreads;
+  LILY_TG_ARRAY(uint32_t, chunk, [CHUNK]);
+  LILY_TG_ARRAY(uint32_t, offsets, [kMoeMaxExperts + 2]);
+  LILY_TG_ARRAY(uint32_t, tile_base, [kMoeMaxExperts + 2]);
+  const uint32_t E = args.experts, k = args.top_k, T = args.tokens, BM = args.tile_rows;
+  const uint32_t groups = E + 1;
+  const uint32_t tid = thread_pos.x, nt = group_size.x;  // nt == kMoePlanThreads
+  const uint32_t row_token = moe_plan_row_token(args.max_tiles);
+  const uint32_t pos = moe_plan_pos(args.max_tiles, T, k);
+  const uint32_t routed = T * k;
+
+  uint32_t count[OWN];
+  for (uint32_t o = 0; o < OWN; ++o) count[o] = 0;
+  for (uint32_t c0 = 0; c0 < routed; c0 += CHUNK) {  // (1) count
+    for (uint32_t i = tid; i < CHUNK; i += nt) chunk[i] = c0 + i < routed ? ids[c0 + i] : 0xFFFFFFFFu;
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    for (uint32_t o = 0; o < OWN; ++o) {
+      const uint32_t e = tid + o * nt;
+      for (uint32_t i = 0; i < min(CHUNK, routed - c0); ++i) count[o] += chunk[i] == e ? 1u : 0u;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+  for (uint32_t o = 0; o < OWN; ++o)
+    if (tid + o * nt < E) offsets[tid + o * nt] = count[o];  // counts, until the scan below
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+
+  if (tid == 0) {  // (2) E + 1 <= 513 additions: cheaper serial than a scan's extra barriers
+    uint32_t off = 0, tiles = 0;
+    for (uint32_t g = 0; g < groups; ++g) {
+      const uint32_t c = g < E ? offsets[g] : T;
+      offsets[g] = off;
+      tile_base[g] = tiles;
+      off += c;
+      tiles += (c + BM - 1) / BM;
+    }
+    offsets[groups] = off;
+    tile_base[groups] = tiles;
+    plan[0] = tiles;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+
+  for (uint32_t g = tid; g < groups; g += nt) {  // block map: tiles of group g
+    const uint32_t lo = offsets[g], hi = offsets[g + 1];
+    for (uint32_t m = 0; lo + m * BM < hi; ++m) {
+      const uint32_t ti = kMoePlanTiles + 3 * (tile_base[g] + m);
+      plan[ti] = g;
+      plan[ti + 1] = lo + m * BM;
+      plan[ti + 2] = min(lo + (m + 1) * BM, hi);
+    }
+  }
+  for (uint32_t t = tid; t < T; t += nt) {  // the shared group: row offsets[E] + t
+    const uint32_t r = offsets[E] + t, s = t * (k + 1) + k;
+    plan[pos + s] = r;
+    plan[row_token + r] = t;
+    row_weight[r] = float(weights[s]);
+  }
+
+  uint32_t next[OWN];  // (3) stable permutation of the routed slots
+  for (uint32_t o = 0; o < OWN; ++o) next[o] = tid + o * nt < E ? offsets[tid + o * nt] : 0u;
+  for (uint32_t c0 = 0; c0 < routed; c0 += CHUNK) {
+    for (uint32_t i = tid; i < CHUNK; i += nt) chunk[i] = c0 + i < routed ? ids[c0 + i] : 0xFFFFFFFFu;
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    for (uint32_t o = 0; o < OWN; ++o) {
+      const uint32_t e = tid + o * nt;
+      if (e >= E) continue;
+      for (uint32_t i = 0; i < min(CHUNK, routed - c0); ++i) {
+        if (chunk[i] != e) continue;
+        const uint32_t flat = c0 + i, t = flat / k, s = t * (k + 1) + flat % k, r = next[o]++;
+        plan[pos + s] = r;
+        plan[row_token + r] = t;
+        row_weight[r] = float(weights[s]);
+      }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// moe_gate_up_mv: decode / matvec route. h[slot, n] = silu(gate_g[n] . x_t) * (up_g[n] . x_t)
+// for the k selected experts and the shared expert of every token; reads only those experts.
+//   grid:       (ceil(max(I, Is) / 8), T * (k + 1)) threadgroups of 64 threads (2 simdgroups)
+//   simdgroup:  4 consecutive output features of one slot; gate and up rows both
+//   lane:       strips of 64 / bits codes (8 bytes) per row per step, like qmv (qmm.metal):
+//               per group-strip s * dot(x, q) + b * sum(x); one simd_sum(float4) per matrix
+template <typename T, typename S, int bits>
+[[kernel]] void moe_gate_up_mv(constant MoeArgs& args [[buffer(0)]],
+                               const device T* x [[buffer(1)]],
+                               const device uint32_t* ids [[buffer(2)]],
+                               const device uint32_t* gate_w [[buffer(3)]],
+                               const device S* gate_s [[buffer(4)]],
+                               const device S* gate_b [[buffer(5)]],
+                               const device uint32_t* up_w [[buffer(6)]],
+                               const device S* up_s [[buffer(7)]],
+                               const device S* up_b [[buffer(8)]],
+                               const device uint32_t* sh_gate_w [[buffer(9)]],
+                               const device S* sh_gate_s [[buffer(10)]],
+                               const device S* sh_gate_b [[buffer(11)]],
+                               const device uint32_t* sh_up_w [[buffer(12)]],
+                               const device S* sh_up_s [[buffer(13)]],
+                               const device S* sh_up_b [[buffer(14)]],
+                               device float* h [[buffer(15)]],
+                               LILY_KERNEL_TAIL) {
+  constexpr uint32_t V = 64 / bits;
+  constexpr uint32_t step = 32 * V;
+  const uint32_t k = args.top_k, H = args.hidden;
+  const uint32_t slot = group_pos.y, t = slot / (k + 1), j = slot % (k + 1);
+  const bool shared = j == k;
+  const uint32_t g = shared ? 0u : ids[t * k + j];
+  const uint32_t N = shared ? args.shared_inter : args.inter;
+  const uint32_t wpr = H * bits / 32, gpr = H / args.group_size;
+  const device uint32_t* wg = shared ? sh_gate_w : gate_w + g * N * wpr;
+  const device S* sg = shared ? sh_gate_s : gate_s + g * N * gpr;
+  const device S* bg = shared ? sh_gate_b : gate_b + g * N * gpr;
+  const device uint32_t* wu = shared ? sh_up_w : up_w + g * N * wpr;
+  const device S* su = shared ? sh_up_s : up_s + g * N * gpr;
+  const device S* bu = shared ? sh_up_b : up_b + g * N * gpr;
+  const device T* xt = x + t * H;
+  const uint32_t n0 = (group_pos.x * kMoeMvSimdsPerGroup + simd_id) * kMoeMvRowsPerSimd;
+
+  float4 ag = float4(0.0f);
+  float4 au = float4(0.0f);
+  for (uint32_t kk = lane * V; kk < H; kk += step) {
+    const uint32_t grp = kk / args.group_size;  // the strip lies inside one group
+    float xv[V];
+    float xsum = 0.0f;
+    for (uint32_t i = 0; i < V; ++i) {
+      xv[i] = float(xt[kk + i]);
+      xsum += xv[i];
+    }
+    for (uint32_t r = 0; r < kMoeMvRowsPerSimd; ++r) {
+      const uint32_t n = n0 + r;
+      if (n >= N) break;
+      float q[V];
+      float dot = 0.0f;
+      unpack_codes<bits, V>(wg + n * wpr + kk * bits / 32, q);
+      for (uint32_t i = 0; i < V; ++i) dot += xv[i] * q[i];
+      ag[r] += float(sg[n * gpr + grp]) * dot + float(bg[n * gpr + grp]) * xsum;
+      dot = 0.0f;
+      unpack_codes<bits, V>(wu + n * wpr + kk * bits / 32, q);
+      for (uint32_t i = 0; i < V; ++i) dot += xv[i] * q[i];
+      au[r] += float(su[n * gpr + grp]) * dot + float(bu[n * gpr + grp]) * xsum;
+    }
+  }
+  const float4 G = simd_sum(ag);
+  const float4 U = simd_sum(au);
+  if (lane == 0) {
+    for (uint32_t r = 0; r < kMoeMvRowsPerSimd; ++r)
+      if (n0 + r < N) h[slot * args.h_stride + n0 + r] = moe_silu(G[r]) * U[r];
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// moe_down_mv: decode / matvec route. out[t, n] = (residual[t, n]) + sum_j w_j (down_g[n] . h_slot)
+// over the k routed slots then the shared slot (w_k = sigmoid gate): down projection, routing
+// weights, shared expert and residual add in one dispatch.
+//   grid:       (ceil(H / 8), T) threadgroups of 64 threads (2 simdgroups)
+//   simdgroup:  4 consecutive output features; for each of the k + 1 slots a strip walk over
+//               K = I (Is for the shared slot) as in moe_gate_up_mv, simd_sum, weighted add
+template <typename T, typename S, int bits>
+[[kernel]] void moe_down_mv(constant MoeArgs& args [[buffer(0)]],
+                            const device uint32_t* ids [[buffer(1)]],
+                            const device float* weights [[buffer(2)]],
+                            const device float* h [[buffer(3)]],
+                            const device uint32_t* down_w [[buffer(4)]],
+                            const device S* down_s [[buffer(5)]],
+                            const device S* down_b [[buffer(6)]],
+                            const device uint32_t* sh_down_w [[buffer(7)]],
+                            const device S* sh_down_s [[buffer(8)]],
+                            const device S* sh_down_b [[buffer(9)]],
+                            const device T* residual [[buffer(10)]],
+                            device T* out [[buffer(11)]],
+                            LILY_KERNEL_TAIL) {
+  constexpr uint32_t V = 64 / bits;
+  constexpr uint32_t step = 32 * V;
+  const uint32_t k = args.top_k, H = args.hidden, t = group_pos.y;
+  const uint32_t n0 = (group_pos.x * kMoeMvSimdsPerGroup + simd_id) * kMoeMvRowsPerSimd;
+  float total[kMoeMvRowsPerSimd] = {0.0f, 0.0f, 0.0f, 0.0f};
+
+  for (uint32_t j = 0; j <= k; ++j) {  // uniform loop: same collectives in every lane
+    const uint32_t slot = t * (k + 1) + j;
+    const bool shared = j == k;
+    const uint32_t g = shared ? 0u : ids[t * k + j];
+    const uint32_t K = shared ? args.shared_inter : args.inter;
+    const uint32_t wpr = K * bits / 32, gpr = K / args.group_size;
+    const device uint32_t* w = shared ? sh_down_w : down_w + g * H * wpr;
+    const device S* sc = shared ? sh_down_s : down_s + g * H * gpr;
+    const device S* bi = shared ? sh_down_b : down_b + g * H * gpr;
+    const device float* hs = h + slot * args.h_stride;
+    float4 acc = float4(0.0f);
+    for (uint32_t kk = lane * V; kk < K; kk += step) {
+      const uint32_t grp = kk / args.group_size;
+      float hv[V];
+      float hsum = 0.0f;
+      for (uint32_t i = 0; i < V; ++i) {
+        hv[i] = hs[kk + i];
+        hsum += hv[i];
+      }
+      for (uint32_t r = 0; r < kMoeMvRowsPerSimd; ++r) {
+        const uint32_t n = n0 + r;
+        if (n >= H) break;
+        float q[V];
+        unpack_codes<bits, V>(w + n * wpr + kk * bits / 32, q);
+        float dot = 0.0f;
+        for (uint32_t i = 0; i < V; ++i) dot += hv[i] * q[i];
+        acc[r] += float(sc[n * gpr + grp]) * dot + float(bi[n * gpr + grp]) * hsum;
+      }
+    }
+    const float4 y = simd_sum(acc);
+    const float wj = weights[slot];
+    for (uint32_t r = 0; r < kMoeMvRowsPerSimd; ++r) total[r] += wj * y[r];
+  }
+  if (lane == 0) {
+    for (uint32_t r = 0; r < kMoeMvRowsPerSimd; ++r) {
+      const uint32_t n = n0 + r;
+      if (n >= H) continue;
+      const float v = args.has_residual ? total[r] + float(residual[t * H + n]) : total[r];
+      out[t * H + n] = T(v);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// moe_gate_up_mm: tiled routes. For each tile of the block map (rows [r0, r1) of group g) and
+// 32 output features: h[row, n] = silu(x_tok(row) . gate_g[n]) * (x_tok(row) . up_g[n]).
+// The gather is fused: x rows are read through the plan's row -> token map.
+//   grid:    (ceil(max(I, Is) / 32), max_tiles) threadgroups of 128 threads (4 simdgroups);
+//            tiles >= the plan's tile count (host bound > actual) do no work (uniformly)
+//   tile:    BM rows x 32 features, K = H walked in steps of 32: thread t loads BM/32 rows of x
+//            (row t/4 + 32 i, 8 values) and dequantizes 8 gate and 8 up weights of feature t/4
+//            into threadgroup memory (fp32, zeros past the tile), barrier; simdgroup s
+//            multiplies its (BM/2) x 16 quarter into two accumulators (gate, up) with
+//            common/mma.h, barrier. Epilogue: gate and up tiles through threadgroup memory,
+//            SwiGLU, masked write of h (fp32).
+template <typename T, typename S, int bits, int BM>
+[[kernel]] void moe_gate_up_mm(constant MoeArgs& args [[buffer(0)]],
+                               const device T* x [[buffer(1)]],
+                               const device uint32_t* plan [[buffer(2)]],
+                               const device uint32_t* gate_w [[buffer(3)]],
+                               const device S* gate_s [[buffer(4)]],
+                               const device S* gate_b [[buffer(5)]],
+                               const device uint32_t* up_w [[buffer(6)]],
+                               const device S* up_s [[buffer(7)]],
+                               const device S* up_b [[buffer(8)]],
+                               const device uint32_t* sh_gate_w [[buffer(9)]],
+                               const device S* sh_gate_s [[buffer(10)]],
+                               const device S* sh_gate_b [[buffer(11)]],
+                               const device uint32_t* sh_up_w [[buffer(12)]],
+                               const device S* sh_up_s [[buffer(13)]],
+                               const device S* sh_up_b [[buffer(14)]],
+                               device float* h [[buffer(15)]],
+                               LILY_KERNEL_TAIL) {
+  constexpr uint32_t BN = kMoeTileN, BK = kMoeTileK, LD = BK + 4, RPT = BM / 32;
+  static_assert(BN == 32 && BK == 32 && kMoeTileSimds == 4 && (BM == 32 || BM == 64),
+                "the thread-to-tile mapping below assumes 32-wide tiles, 128 threads, BM 32 or 64");
+  LILY_TG_ARRAY(float, xs, [BM * LD]);   // x tile; after the K loop: the up accumulators
+  LILY_TG_ARRAY(float, wgt, [BN * LD]);  // gate weights [n][k]
+  LILY_TG_ARRAY(float, wut, [BN * LD]);  // up weights [n][k]
+  LILY_TG_ARRAY(float, ys, [BM * LD]);   // gate accumulators
+
+  const uint32_t tile = group_pos.y;
+  const bool active = tile < plan[0];  // uniform over the threadgroup
+  const uint32_t g = active ? plan[kMoePlanTiles + 3 * tile] : 0u;
+  const uint32_t r0 = active ? plan[kMoePlanTiles + 3 * tile + 1] : 0u;
+  const uint32_t r1 = active ? plan[kMoePlanTiles + 3 * tile + 2] : 0u;
+  const bool shared = g == args.experts;
+  const uint32_t N = shared ? args.shared_inter : args.inter;
+  const uint32_t n0 = group_pos.x * BN;
+  const uint32_t H = args.hidden;
+  const uint32_t K_end = (active && n0 < N) ? H : 0u;  // uniform: no work, no barrier mismatch
+  const uint32_t wpr = H * bits / 32, gpr = H / args.group_size;
+  const device uint32_t* wg = shared ? sh_gate_w : gate_w + g * N * wpr;
+  const device S* sg = shared ? sh_gate_s : gate_s + g * N * gpr;
+  const device S* bg = shared ? sh_gate_b : gate_b + g * N * gpr;
+  const device uint32_t* wu = shared ? sh_up_w : up_w + g * N * wpr;
+  const device S* su = shared ? sh_up_s : up_s + g * N * gpr;
+  const device S* bu = shared ? sh_up_b : up_b + g * N * gpr;
+
+  const uint32_t tp = thread_pos.x;
+  const uint32_t col = (tp % 4) * 8;
+  const uint32_t row_token = moe_plan_row_token(args.max_tiles);
+  uint32_t tok[RPT];
+  bool valid[RPT];
+  for (uint32_t i = 0; i < RPT; ++i) {
+    const uint32_t r = r0 + tp / 4 + 32 * i;
+    valid[i] = r < r1;
+    tok[i] = valid[i] ? plan[row_token + r] : 0u;
+  }
+  const uint32_t sm = (simd_id / 2) * (BM / 2), sn = (simd_id % 2) * 16;
+  MmaTile<BM / 16, 2> acc_g;
+  MmaTile<BM / 16, 2> acc_u;
+  mma_zero(acc_g);
+  mma_zero(acc_u);
+
+  for (uint32_t k0 = 0; k0 < K_end; k0 += BK) {
+    for (uint32_t i = 0; i < RPT; ++i) {
+      const uint32_t row = tp / 4 + 32 * i;
+      for (uint32_t c = 0; c < 8; ++c)
+        xs[row * LD + col + c] = valid[i] ? float(x[tok[i] * H + k0 + col + c]) : 0.0f;
+    }
+    const uint32_t n = n0 + tp / 4;
+    if (n < N) {
+      const uint32_t gi = n * gpr + (k0 + col) / args.group_size;
+      float q[8];
+      unpack_codes<bits, 8>(wg + n * wpr + (k0 + col) * bits / 32, q);
+      const float s1 = float(sg[gi]), b1 = float(bg[gi]);
+      for (uint32_t c = 0; c < 8; ++c) wgt[(tp / 4) * LD + col + c] = s1 * q[c] + b1;
+      unpack_codes<bits, 8>(wu + n * wpr + (k0 + col) * bits / 32, q);
+      const float s2 = float(su[gi]), b2 = float(bu[gi]);
+      for (uint32_t c = 0; c < 8; ++c) wut[(tp / 4) * LD + col + c] = s2 * q[c] + b2;
+    } else {
+      for (uint32_t c = 0; c < 8; ++c) {
+        wgt[(tp / 4) * LD + col + c] = 0.0f;
+        wut[(tp / 4) * LD + col + c] = 0.0f;
+      }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    for (uint32_t kk = 0; kk < BK; kk += 8) {
+      mma_step(acc_g, xs + sm * LD + kk, LD, wgt + sn * LD + kk, LD);
+      mma_step(acc_u, xs + sm * LD + kk, LD, wut + sn * LD + kk, LD);
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+
+  mma_store(acc_g, ys + sm * LD + sn, LD);
+  mma_store(acc_u, xs + sm * LD + sn, LD);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (K_end != 0u) {
+    for (uint32_t i = 0; i < RPT; ++i) {
+      if (!valid[i]) continue;
+      const uint32_t row = tp / 4 + 32 * i;
+      const uint32_t r = r0 + row;
+      for (uint32_t c = 0; c < 8; ++c) {
+        const uint32_t n = n0 + col + c;
+        if (n < N) h[r * args.h_stride + n] = moe_silu(ys[row * LD + col + c]) * xs[row * LD + col + c];
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// moe_down_mm: tiled routes. y[row, n] = row_weight[row] * (h[row] . down_g[n]) for each tile of
+// the block map and 32 of the H output features (y in permuted row order, fp32).
+//   grid:    (ceil(H / 32), max_tiles) threadgroups of 128 threads (4 simdgroups)
+//   tile:    as moe_gate_up_mm with one matrix: K = I (Is for the shared group), the rows of h
+//            are contiguous [r0, r1); epilogue through threadgroup memory, scaled by the row's
+//            routing weight (the sigmoid gate for shared rows), masked write.
+template <typename S, int bits, int BM>
+[[kernel]] void moe_down_mm(constant MoeArgs& args [[buffer(0)]],
+                            const device uint32_t* plan [[buffer(1)]],
+                            const device float* row_weight [[buffer(2)]],
+                            const device float* h [[buffer(3)]],
+                            const device uint32_t* down_w [[buffer(4)]],
+                            const device S* down_s [[buffer(5)]],
+                            const device S* down_b [[buffer(6)]],
+                            const device uint32_t* sh_down_w [[buffer(7)]],
+                            const device S* sh_down_s [[buffer(8)]],
+                            const device S* sh_down_b [[buffer(9)]],
+                            device float* y [[buffer(10)]],
+                            LILY_KERNEL_TAIL) {
+  constexpr uint32_t BN = kMoeTileN, BK = kMoeTileK, LD = BK + 4, RPT = BM / 32;
+  static_assert(BN == 32 && BK == 32 && kMoeTileSimds == 4 && (BM == 32 || BM == 64),
+                "the thread-to-tile mapping below assumes 32-wide tiles, 128 threads, BM 32 or 64");
+  LILY_TG_ARRAY(float, xs, [BM * LD]);
+  LILY_TG_ARRAY(float, ws, [BN * LD]);
+  LILY_TG_ARRAY(float, ys, [BM * LD]);
+
+  const uint32_t tile = group_pos.y;
+  const bool active = tile < plan[0];
+  const uint32_t g = active ? plan[kMoePlanTiles + 3 * tile] : 0u;
+  const uint32_t r0 = active ? plan[kMoePlanTiles + 3 * tile + 1] : 0u;
+  const uint32_t r1 = active ? plan[kMoePlanTiles + 3 * tile + 2] : 0u;
+  const bool shared = g == args.experts;
+  const uint32_t H = args.hidden;
+  const uint32_t K = shared ? args.shared_inter : args.inter;
+  const uint32_t n0 = group_pos.x * BN;
+  const uint32_t K_end = active ? K : 0u;
+  const uint32_t wpr = K * bits / 32, gpr = K / args.group_size;
+  const device uint32_t* w = shared ? sh_down_w : down_w + g * H * wpr;
+  const device S* sc = shared ? sh_down_s : down_s + g * H * gpr;
+  const device S* bi = shared ? sh_down_b : down_b + g * H * gpr;
+
+  const uint32_t tp = thread_pos.x;
+  const uint32_t col = (tp % 4) * 8;
+  const uint32_t sm = (simd_id / 2) * (BM / 2), sn = (simd_id % 2) * 16;
+  MmaTile<BM / 16, 2> acc;
+  mma_zero(acc);
+
+  for (uint32_t k0 = 0; k0 < K_end; k0 += BK) {
+    for (uint32_t i = 0; i < RPT; ++i) {
+      const uint32_t row = tp / 4 + 32 * i;
+      const uint32_t r = r0 + row;
+      for (uint32_t c = 0; c < 8; ++c)
+        xs[row * LD + col + c] = r < r1 ? h[r * args.h_stride + k0 + col + c] : 0.0f;
+    }
+    const uint32_t n = n0 + tp / 4;
+    if (n < H) {
+      const uint32_t gi = n * gpr + (k0 + col) / args.group_size;
+      float q[8];
+      unpack_codes<bits, 8>(w + n * wpr + (k0 + col) * bits / 32, q);
+      const float s = float(sc[gi]), b = float(bi[gi]);
+      for (uint32_t c = 0; c < 8; ++c) ws[(tp / 4) * LD + col + c] = s * q[c] + b;
+    } else {
+      for (uint32_t c = 0; c < 8; ++c) ws[(tp / 4) * LD + col + c] = 0.0f;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    for (uint32_t kk = 0; kk < BK; kk += 8) mma_step(acc, xs + sm * LD + kk, LD, ws + sn * LD + kk, LD);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+
+  mma_store(acc, ys + sm * LD + sn, LD);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (active) {
+    for (uint32_t i = 0; i < RPT; ++i) {
+      const uint32_t row = tp / 4 + 32 * i;
+      const uint32_t r = r0 + row;
+      if (r >= r1) continue;
+      const float wr = row_weight[r];
+      for (uint32_t c = 0; c < 8; ++c) {
+        const uint32_t n = n0 + col + c;
+        if (n < H) y[r * H + n] = wr * ys[row * LD + col + c];
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// moe_combine: tiled routes. out[t, n] = sum_j y[pos(t, j), n] (routed slots in order, then the
+// shared slot; already weighted) (+ residual[t, n]), rounded to T once.
+//   grid:    (ceil(H / 256), T) threadgroups of 256 threads, one output element per thread
+template <typename T>
+[[kernel]] void moe_combine(constant MoeArgs& args [[buffer(0)]],
+                            const device uint32_t* plan [[buffer(1)]],
+                            const device float* y [[buffer(2)]],
+                            const device T* residual [[buffer(3)]],
+                            device T* out [[buffer(4)]],
+                            LILY_KERNEL_TAIL) {
+  const uint32_t k = args.top_k, H = args.hidden, t = group_pos.y;
+  const uint32_t n = group_pos.x * kMoeCombineThreads + thread_pos.x;
+  const uint32_t pos = moe_plan_pos(args.max_tiles, args.tokens, k);
+  if (n < H) {
+    float acc = 0.0f;
+    for (uint32_t j = 0; j <= k; ++j) acc += y[plan[pos + t * (k + 1) + j] * H + n];
+    if (args.has_residual) acc += float(residual[t * H + n]);
+    out[t * H + n] = T(acc);
+  }
+}
+
+// Instantiations: exactly the MoE rows of csrc/gpu/kernel_ids.h (activations fp32, scales bf16,
+// 4-bit experts; the router goes through qmm.metal's 8-bit kernels).
+LILY_INSTANTIATE("moe_route", moe_route<float>)
+LILY_INSTANTIATE("moe_plan", moe_plan<float>)
+LILY_INSTANTIATE("moe_gate_up_mv_b4_xf32_sbf16", moe_gate_up_mv<float, bfloat, 4>)
+LILY_INSTANTIATE("moe_down_mv_b4_xf32_sbf16", moe_down_mv<float, bfloat, 4>)
+LILY_INSTANTIATE("moe_gate_up_mm32_b4_xf32_sbf16", moe_gate_up_mm<float, bfloat, 4, 32>)
+LILY_INSTANTIATE("moe_gate_up_mm64_b4_xf32_sbf16", moe_gate_up_mm<float, bfloat, 4, 64>)
+LILY_INSTANTIATE("moe_down_mm32_b4_sbf16", moe_down_mm<bfloat, 4, 32>)
+LILY_INSTANTIATE("moe_down_mm64_b4_sbf16", moe_down_mm<bfloat, 4, 64>)
+LILY_INSTANTIATE("moe_combine_xf32", moe_combine<float>)
+
+}  // namespace lily

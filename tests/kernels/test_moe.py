@@ -1,0 +1,276 @@
+"""lily_py.ops.moe (router, routing plan, expert kernels, combine) on the emulator vs
+lily_py.reference.kernels.moe (float64) and lily_py.reference.moe.moe_block (the model's fp32
+reference).
+
+Tolerance: reference.kernels.moe_error_bound, derived in its docstring: fp32 rounding of the
+router / gate / up / down dot products (8 sqrt(K) u times the magnitude sum |x|.(|s| q + |b|), the
+factor the quantized_matmul tests justify), propagated through SwiGLU (|silu'| <= 1.1), the
+softmax + renormalisation (relative error 4 max|d logit| + (2E + 2k + 16) u of each routing
+weight) and the final sum of k + 2 terms. Against the fp32 model reference (which makes the same
+kind of errors) the bound is doubled. The elementwise bound is loose (worst-case factor 8 sqrt(K)
+and no cancellation in the magnitude sums: observed errors stay below 2e-4 of it) and would let an
+intermediate rounded to bfloat16 through (that errs by ~0.12-0.15 of the bound in RMS, up to 0.8
+of it elementwise), so the RMS error must also stay below 1/64 of the RMS bound.
+
+Routing: token by token the chosen experts must equal the reference exactly, except where the
+reference itself has a near-tie (two of the top k + 1 probabilities within a relative 1e-5, far
+above the ~1e-6 the two fp32 computations can differ by); such tokens are left out of the output comparison
+and must be rare. Exact ties (identical router rows) must go to the lowest index on both sides.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import lily_py._core as core
+from kernel_checks import assert_close, device, rng  # noqa: F401  (fixtures)
+from lily_py import ops
+from lily_py.reference import kernels as ref
+from lily_py.reference import quant
+from lily_py.reference.moe import moe_block
+from lily_py.weights import QuantLinear
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+MV_MAX_TOKENS = 8          # must match kMoeMvMaxTokens (checked below)
+TILE64_MIN_ROWS = 3072     # must match kMoeTile64MinRows (checked below)
+TIE_MARGIN = 1e-5
+KEYS = ("router", "gate", "up", "down", "shared_gate_proj", "shared_up", "shared_down", "shared_gate")
+
+
+def quantized(rng, shape, bits, gs, scale=0.1, fill=None):
+    w = fill if fill is not None else rng.standard_normal(shape).astype(np.float32) * scale
+    return QuantLinear(*quant.quantize(w, bits=bits, group_size=gs, scale_dtype=BF16), bits, gs)
+
+
+def make_block(rng, *, E, H, I, Is=None, gs=64, load="uniform"):
+    """A quantized MoE block (router 8-bit, experts 4-bit, bf16 scales) and its x generator.
+
+    load: "uniform" (random router), "skewed" (expert 0 is every token's first choice) or
+    "few" (only experts 0..2 are ever chosen for top_k <= 3: many empty experts)."""
+    Is = Is or I
+    r = rng.standard_normal((E, H)).astype(np.float32) * 0.1
+    if load == "skewed":
+        r[0] = 0.2 + rng.standard_normal(H).astype(np.float32) * 0.01
+    elif load == "few":
+        r[:3] = 0.2 + rng.standard_normal((3, H)).astype(np.float32) * 0.05
+    W = SimpleNamespace(
+        router=quantized(rng, (E, H), 8, gs, fill=r),
+        gate_proj=quantized(rng, (E, I, H), 4, gs), up_proj=quantized(rng, (E, I, H), 4, gs),
+        down_proj=quantized(rng, (E, H, I), 4, gs),
+        shared_gate_proj=quantized(rng, (Is, H), 4, gs), shared_up_proj=quantized(rng, (Is, H), 4, gs),
+        shared_down_proj=quantized(rng, (H, Is), 4, gs), shared_expert_gate=quantized(rng, (1, H), 8, gs))
+    offset = 0.0 if load == "uniform" else 1.0
+
+    def x_of(T):
+        return (rng.standard_normal((T, H)) * 0.5 + offset).astype(np.float32)
+    return W, x_of
+
+
+def parts(W):
+    mats = (W.router, W.gate_proj, W.up_proj, W.down_proj, W.shared_gate_proj, W.shared_up_proj,
+            W.shared_down_proj, W.shared_expert_gate)
+    dense = {k: m.dense() if len(m.shape) == 2 else np.stack([m.expert(e).dense() for e in range(m.shape[0])])
+             for k, m in zip(KEYS, mats)}
+    mags = {k: ref.dequantized_magnitude(m.w, m.scales, m.biases, bits=m.bits, group_size=m.group_size)
+            for k, m in zip(KEYS, mats)}
+    return dense, mags
+
+
+def near_ties(dense, x, top_k):
+    logits = ref.moe_logits(x, dense["router"], dense["shared_gate"])[:, :-1]
+    p = np.exp(logits - logits.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    top = -np.sort(-p, axis=1)[:, :top_k + 1]
+    gap = -np.diff(top, axis=1)  # relative: the two sides' probabilities differ by a relative ~1e-6
+    return (gap < TIE_MARGIN * top[:, :-1]).any(axis=1)
+
+
+def check(rng, W, x, top_k, *, residual=None, route=None, **kw):
+    out, ids, weights, stats = ops._moe(x, *ops.moe_weights(W), top_k=top_k, residual=residual,
+                                        seed=rng.seed, **kw)
+    if route is not None:
+        assert stats["route"] == route, stats
+    dense, mags = parts(W)
+    want, rids, rweights = ref.moe(x, *(dense[k] for k in KEYS), top_k=top_k, residual=residual)
+    tie = near_ties(dense, x, top_k)
+    ok = ~tie
+    assert tie.sum() <= max(1, len(x) // 20), f"too many near-ties ({tie.sum()}) for a meaningful test"
+    what = f"moe T={len(x)} k={top_k} route={stats['route']}"
+    np.testing.assert_array_equal(ids[ok], rids[ok], err_msg=f"{what}: routing differs (seed {rng.seed})")
+    bound = ref.moe_error_bound(x, mags, dense, top_k=top_k, residual=residual)
+    # routing weights: softmax + renormalisation in fp32 from logits within e_H |x|.|Wr|
+    wb = np.abs(rweights[ok]) * 1e-5
+    assert_close(weights[ok, :top_k], rweights[ok], atol=wb, rtol=0, what=what + " weights", seed=rng.seed)
+    assert_close(out[ok], want[ok], atol=bound[ok], rtol=0, what=what, seed=rng.seed)
+    rms = np.sqrt(np.mean((out[ok] - want[ok]) ** 2)) / np.sqrt(np.mean(bound[ok] ** 2))
+    assert rms <= 1 / 64, f"{what}: RMS error {rms:.3g} of the RMS bound (seed {rng.seed})"
+    f32 = moe_block(x, W, top_k) + (0 if residual is None else residual)
+    assert_close(out[ok], f32[ok], atol=2 * bound[ok], rtol=0, what=what + " vs reference.moe.moe_block",
+                 seed=rng.seed)
+    assert stats["host_syncs"] == 0
+    return out, ids, stats
+
+
+# ------------------------------------------------------------------------------ routes
+def test_route_constants_match_extension():
+    assert core.ops.MOE_MV_MAX_TOKENS == MV_MAX_TOKENS
+    assert core.ops.MOE_TILE64_MIN_ROWS == TILE64_MIN_ROWS
+    assert ops.moe_route(MV_MAX_TOKENS, 8) == "mv"
+    assert ops.moe_route(MV_MAX_TOKENS + 1, 8) == "mm32"
+    assert ops.moe_route(TILE64_MIN_ROWS // 8 - 1, 8) == "mm32"
+    assert ops.moe_route(TILE64_MIN_ROWS // 8, 8) == "mm64"
+    assert ops.moe_route(TILE64_MIN_ROWS // 2, 2) == "mm64"
+
+
+def expected_route(T, k):
+    return "mv" if T <= MV_MAX_TOKENS else ("mm64" if T * k >= TILE64_MIN_ROWS else "mm32")
+
+
+# Token counts of the issue, both sides of the mv | mm32 switch (8 | 9); 7 experts (not a power of
+# two), H = 64, I = 32, group 32.
+@pytest.mark.parametrize("T", [1, 2, 7, 8, 9, 33, 257, 300])
+def test_token_counts(rng, device, T):
+    W, x_of = make_block(rng, E=7, H=64, I=32, gs=32)
+    check(rng, W, x_of(T), 2, route=expected_route(T, 2), device=device)
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 8])
+@pytest.mark.parametrize("T", [1, 9, 33])
+def test_top_k(rng, T, top_k):
+    W, x_of = make_block(rng, E=11, H=128, I=64, gs=64)
+    check(rng, W, x_of(T), top_k, route=expected_route(T, top_k))
+
+
+# Many experts: several logits per router lane (E > 32) and, at E = 300 > kMoePlanThreads, plan
+# threads owning two experts; 256 is the real model's count.
+@pytest.mark.parametrize("E", [67, 256, 300])
+@pytest.mark.parametrize("T", [1, 33])
+def test_many_experts(rng, T, E):
+    W, x_of = make_block(rng, E=E, H=64, I=32, gs=32)
+    check(rng, W, x_of(T), 8, route=expected_route(T, 8))
+
+
+@pytest.mark.parametrize("T", [3, 40])
+def test_shared_intermediate_differs_and_group_128(rng, T):
+    # I = 128 != Is = 256: the h rows are max(I, Is) wide, the shared group's K differs.
+    W, x_of = make_block(rng, E=5, H=128, I=128, Is=256, gs=128)
+    check(rng, W, x_of(T), 2)
+
+
+@pytest.mark.parametrize("T,top_k", [(1, 2), (9, 2), (257, 8)])
+def test_skewed_load_one_expert_gets_every_token(rng, T, top_k):
+    W, x_of = make_block(rng, E=9, H=64, I=32, gs=32, load="skewed")
+    x = x_of(T)
+    _, ids, _ = check(rng, W, x, top_k)
+    assert (ids[:, 0] == 0).all()
+
+
+@pytest.mark.parametrize("T,top_k", [(2, 1), (33, 2), (257, 2)])
+def test_many_empty_experts(rng, T, top_k):
+    W, x_of = make_block(rng, E=24, H=64, I=32, gs=32, load="few")
+    _, ids, _ = check(rng, W, x_of(T), top_k)
+    assert set(np.unique(ids)) <= {0, 1, 2}  # >= 21 of 24 experts receive no token
+
+
+# Both sides of the mm32 | mm64 switch at k = 8: 383 * 8 = 3064 < 3072 <= 384 * 8 routed rows.
+@pytest.mark.parametrize("T", [TILE64_MIN_ROWS // 8 - 1, TILE64_MIN_ROWS // 8])
+def test_tile_switch(rng, device, T):
+    W, x_of = make_block(rng, E=9, H=64, I=32, gs=32)
+    check(rng, W, x_of(T), 8, route=expected_route(T, 8), device=device)
+
+
+@pytest.mark.parametrize("T", [1, 17])
+def test_layer_of_a_loaded_mlx_checkpoint(rng, tiny_mlx, T):
+    # The packing lily_py.ops.moe documents is what the loader maps (memory-mapped MLX tensors).
+    from lily_py.checkpoint import load_weights
+    cfg, weights = load_weights(tiny_mlx)
+    layer = weights.layers[1].moe
+    x = rng.standard_normal((T, cfg.hidden_size)).astype(np.float32)
+    check(rng, layer, x, cfg.num_experts_per_tok)
+
+
+@pytest.mark.parametrize("T", [2, 20])
+def test_residual_add_fused(rng, T):
+    W, x_of = make_block(rng, E=6, H=64, I=32, gs=32)
+    res = rng.standard_normal((T, 64)).astype(np.float32)
+    check(rng, W, x_of(T), 2, residual=res)
+
+
+@pytest.mark.parametrize("T", [1, 12])
+def test_exact_ties_go_to_the_lowest_index(rng, T):
+    W, x_of = make_block(rng, E=6, H=64, I=32, gs=32)
+    r = W.router.dense()
+    r[4] = r[1] = 0.3  # experts 1 and 4 tie exactly and win every token
+    W.router = quantized(rng, r.shape, 8, 32, fill=r)
+    x = np.abs(x_of(T)) + 0.1
+    out, ids, weights, _ = ops._moe(x, *ops.moe_weights(W), top_k=3, seed=rng.seed)
+    assert (ids[:, 0] == 1).all() and (ids[:, 1] == 4).all()
+    np.testing.assert_array_equal(weights[:, 0], weights[:, 1])
+    dense, _ = parts(W)
+    rids = ref.moe(x, *(dense[k] for k in KEYS), top_k=3)[1]
+    np.testing.assert_array_equal(ids[:, :2], rids[:, :2])
+
+
+# ------------------------------------------------------------------------------ counters
+@pytest.mark.parametrize("T,route,dispatches", [(1, "mv", 4), (MV_MAX_TOKENS, "mv", 4), (257, "mm32", 6),
+                                                (TILE64_MIN_ROWS // 8, "mm64", 6)])
+def test_dispatches_per_block_and_no_host_sync(rng, T, route, dispatches):
+    W, x_of = make_block(rng, E=9, H=64, I=32, gs=32)
+    _, _, _, stats = ops._moe(x_of(T), *ops.moe_weights(W), top_k=8)
+    print(f"\nMoE block T={T} k=8 route={route}: {stats['dispatches']} dispatches, {stats['barriers']} barriers, "
+          f"{stats['host_syncs']} host syncs: {stats['kernels']}")
+    assert stats["route"] == route
+    assert stats["dispatches"] == dispatches and stats["barriers"] == dispatches - 1
+    assert stats["host_syncs"] == 0  # no commit / wait inside the block: nothing read back
+    assert stats["kernels"][0] == ("qmv_b8_xf32_sbf16" if route == "mv" else "qmm_b8_xf32_sbf16")
+    assert stats["kernels"][1] == "moe_route"
+
+
+@pytest.mark.parametrize("T", [3, 40])
+def test_result_independent_of_thread_order(rng, T):
+    W, x_of = make_block(rng, E=7, H=64, I=32, gs=32)
+    x = x_of(T)
+    runs = [ops._moe(x, *ops.moe_weights(W), top_k=2, order=o, seed=rng.seed) for o in ("forward", "reverse", "shuffle")]
+    for r in runs[1:]:
+        for a, b in zip(runs[0][:3], r[:3]):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_leading_dims(rng):
+    W, x_of = make_block(rng, E=5, H=64, I=32, gs=32)
+    x = x_of(6).reshape(2, 3, 64)
+    y = ops.moe(x, *ops.moe_weights(W), top_k=2)
+    assert y.shape == (2, 3, 64)
+    np.testing.assert_array_equal(y[1, 2], ops.moe(x[1, 2], *ops.moe_weights(W), top_k=2))
+
+
+# ------------------------------------------------------------------------------ bad input
+@pytest.mark.parametrize("mutate,match", [
+    (lambda a: {**a, "x": a["x"].astype(np.float64)}, "x must be a float32 array"),
+    (lambda a: {**a, "top_k": 0}, r"top_k must be in \[1, min\(E=5, 16\)\], got 0"),
+    (lambda a: {**a, "top_k": 6}, r"top_k must be in \[1, min\(E=5, 16\)\], got 6"),
+    (lambda a: {**a, "experts": {k: v for k, v in a["experts"].items() if k != "up_proj"}}, "experts lacks"),
+    (lambda a: {**a, "x": a["x"][:, :32]}, r"x has H=32 features but experts\['down_proj'\] is \[5, 64, 4\]"),
+    (lambda a: {**a, "router": (a["router"].w.astype(np.int32), a["router"].scales, a["router"].biases)},
+     "router w must be uint32"),
+    (lambda a: {**a, "residual": a["x"][:1]}, "residual must be float32 with x's shape"),
+    (lambda a: {**a, "device": "cuda"}, "device must be 'emu' or 'metal'"),
+], ids=["x-float64", "k-0", "k-too-big", "missing-up", "H-mismatch", "router-int32", "residual", "device"])
+def test_bad_input_raises_clear_error(rng, mutate, match):
+    W, x_of = make_block(rng, E=5, H=64, I=32, gs=32)
+    router, experts, shared = ops.moe_weights(W)
+    a = mutate({"x": x_of(2), "router": router, "experts": experts, "shared": shared, "top_k": 2,
+                "residual": None, "device": "emu"})
+    with pytest.raises(ValueError, match=match):
+        ops.moe(a["x"], a["router"], a["experts"], a["shared"], top_k=a["top_k"], residual=a["residual"],
+                device=a["device"])
+
+
+def test_8bit_experts_rejected(rng):
+    W, x_of = make_block(rng, E=5, H=64, I=32, gs=32)
+    W.up_proj = quantized(rng, (5, 32, 64), 8, 32)
+    with pytest.raises(ValueError, match=r"experts\['up_proj'\] is 8-bit; the expert kernels are 4-bit"):
+        ops.moe(x_of(1), *ops.moe_weights(W), top_k=2)
