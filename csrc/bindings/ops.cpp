@@ -134,7 +134,7 @@ void init_ops(nb::module_& parent) {
 
 #if defined(LILY_HAVE_METAL)
   nb::module_ mm = parent.def_submodule("metal", "The Metal device (macOS builds).");
-  mm.def("available", &metal::available, "A Metal device exists on this machine.");
+  mm.def("available", &metal::available, "A Metal GPU that can run the kernels (family apple7 or newer) exists on this machine.");
   mm.def("info", [] {
     metal::Info i = metal::info();
     nb::dict d;

@@ -12,7 +12,8 @@ import argparse
 import re
 from pathlib import Path
 
-INCLUDE = re.compile(r'^\s*#include "([^"]+)"\s*$')
+# `#include "x"`, optionally followed by a // comment (which must not hide the include).
+INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"\s*(//.*)?$')
 
 
 def inline(path: Path, shader_dir: Path, seen: set[Path]) -> list[str]:
@@ -21,10 +22,14 @@ def inline(path: Path, shader_dir: Path, seen: set[Path]) -> list[str]:
         m = INCLUDE.match(line)
         if m:
             inc = (shader_dir / m.group(1)).resolve()
+            if not inc.is_file():
+                raise SystemExit(f"amalgamate.py: {path}: included file {m.group(1)} not found in {shader_dir}")
             if inc not in seen:
                 seen.add(inc)
                 out.append(f"// ---- {m.group(1)}")
                 out.extend(inline(inc, shader_dir, seen))
+        elif re.match(r'^\s*#\s*include\s*"', line):
+            raise SystemExit(f"amalgamate.py: {path}: cannot parse include line: {line!r}")
         elif line.strip() != "#pragma once":
             out.append(line)
     return out

@@ -69,8 +69,8 @@ def test_kernel_signatures_bind_buffers_in_order():
 
 @pytest.mark.skipif("metal" not in core.devices(), reason="this build has no Metal device (built without LILY_METAL: not macOS)")
 def test_every_kernel_id_is_in_the_metal_library():
-    if not core.metal.available():
-        pytest.fail("the build has the Metal device but this machine reports no Metal GPU")
+    # library_functions() loads the library on any Metal GPU, including the paravirtual GPU of
+    # hosted macOS CI runners that cannot run the kernels (core.metal.available() is False there).
     functions = set(core.metal.library_functions())
     missing = [k["name"] for k in core.kernel_table() if k["name"] not in functions]
     assert not missing, f"kernel ids missing from {core.metal.info()['library']}: {missing}"
