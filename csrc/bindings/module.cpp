@@ -11,6 +11,7 @@ namespace nb = nanobind;
 
 namespace lily::bindings {
 void init_ops(nb::module_& m);  // ops.cpp: lily_py._core.ops, .emu, kernel_table, EmulatorError
+void init_engine(nb::module_& m);  // engine.cpp: lily_py._core.Engine (the whole model on a device)
 }
 
 #ifndef LILY_VERSION
@@ -47,4 +48,5 @@ NB_MODULE(_core, m) {
       false;
 #endif
   lily::bindings::init_ops(m);
+  lily::bindings::init_engine(m);
 }

@@ -55,16 +55,20 @@ class ReferenceBackend:
         self.state = snap.fork()
 
 
-def _make_backend(name: str, cfg: ModelConfig, weights: ModelWeights):
+def _make_backend(name: str, cfg: ModelConfig, weights: ModelWeights, *, context_length: int,
+                  prefill_chunk: int):
     if name not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
     if name in ("emu", "metal"):
-        raise BackendError(
-            f"backend {name!r} is not available in this build yet: the engine that runs the "
-            "Metal kernels (and their CPU emulator) is under construction. Use "
-            "backend='reference' (or 'auto').")
+        # The C++ engine on a device (lily_py/_engine.py); "emu" runs the Metal kernels on the CPU.
+        from ._engine import EngineBackend
+        return EngineBackend(name, cfg, weights, context_length=context_length,
+                             prefill_chunk=prefill_chunk)
     if name == "auto":
-        log.info("lily_py: backend 'auto' selected 'reference' (no engine device in this build)")
+        # The emulator runs the engine's kernels ~1e6 GPU threads/s: far slower than the NumPy
+        # reference on CPU, so "auto" keeps the reference where there is no Metal device
+        # (docs/architecture.md, engine section).
+        log.info("lily_py: backend 'auto' selected 'reference' (no Metal device in this build)")
     return ReferenceBackend(cfg, weights)
 
 
@@ -125,7 +129,8 @@ class Model:
         self.tokenizer = tokenizer
         self.context_length = context_length
         self.prefill_chunk = prefill_chunk
-        self._backend = _make_backend(backend, config, weights)
+        self._backend = _make_backend(backend, config, weights, context_length=context_length,
+                                      prefill_chunk=prefill_chunk)
         self._history: list[int] = []
         self._last_logits: np.ndarray | None = None
         # (prompt ids, backend state, logits) saved right after the last generate() prefill, so
@@ -148,6 +153,12 @@ class Model:
     @property
     def position(self) -> int:
         return len(self._history)
+
+    def stats(self) -> dict | None:
+        """Counters of the backend's last step (engine backends: dispatches, barriers,
+        bytes_bound, threads, commits, waits_in_step, host_waits, tokens); None for the
+        reference backend or before the first step."""
+        return getattr(self._backend, "last_stats", None)
 
     def __repr__(self) -> str:
         return (f"<lily_py.Model {self.config.summary()}; backend={self.backend}, "

@@ -1,0 +1,148 @@
+// lily_py._core.Engine: the whole model on a device (csrc/core/engine.h). Python builds the spec
+// (lily_py/_engine.py), uploads the memory-mapped checkpoint tensors once, then calls forward()
+// per step; the GIL is released while the device encodes and runs a step.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "bindings/arrays.h"
+#include "core/engine.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace lily::bindings {
+
+namespace {
+
+template <class T>
+T get(const nb::dict& d, const char* key) {
+  if (!d.contains(key)) throw std::invalid_argument(std::string("engine spec: missing '") + key + "'");
+  return nb::cast<T>(d[key]);
+}
+
+core::QuantSpec quant(const nb::dict& d, const char* key) {
+  nb::dict q = get<nb::dict>(d, key);
+  core::QuantSpec s;
+  s.bits = get<uint32_t>(q, "bits");
+  s.group_size = get<uint32_t>(q, "group_size");
+  s.scale_dtype = gpu::parse_dtype(get<std::string>(q, "scale_dtype"), std::string(key) + " scale_dtype");
+  return s;
+}
+
+core::ModelSpec spec_from(const nb::dict& d) {
+  core::ModelSpec s;
+  s.vocab = get<uint32_t>(d, "vocab");
+  s.hidden = get<uint32_t>(d, "hidden");
+  s.full_attention = get<std::vector<uint8_t>>(d, "full_attention");
+  s.layers = uint32_t(s.full_attention.size());
+  s.q_heads = get<uint32_t>(d, "q_heads");
+  s.kv_heads = get<uint32_t>(d, "kv_heads");
+  s.head_dim = get<uint32_t>(d, "head_dim");
+  s.rotary_dim = get<uint32_t>(d, "rotary_dim");
+  s.rope_theta = get<double>(d, "rope_theta");
+  s.lin_k_heads = get<uint32_t>(d, "lin_k_heads");
+  s.lin_v_heads = get<uint32_t>(d, "lin_v_heads");
+  s.lin_k_dim = get<uint32_t>(d, "lin_k_dim");
+  s.lin_v_dim = get<uint32_t>(d, "lin_v_dim");
+  s.conv_kernel = get<uint32_t>(d, "conv_kernel");
+  s.experts = get<uint32_t>(d, "experts");
+  s.top_k = get<uint32_t>(d, "top_k");
+  s.moe_inter = get<uint32_t>(d, "moe_inter");
+  s.shared_inter = get<uint32_t>(d, "shared_inter");
+  s.eps = get<float>(d, "eps");
+  s.embed = quant(d, "embed");
+  s.lm_head = quant(d, "lm_head");
+  s.mixer = quant(d, "mixer");
+  s.experts_q = quant(d, "experts_q");
+  s.router = quant(d, "router");
+  s.context_length = get<uint32_t>(d, "context_length");
+  s.prefill_chunk = get<uint32_t>(d, "prefill_chunk");
+  s.logit_rows = get<uint32_t>(d, "logit_rows");
+  return s;
+}
+
+nb::dict stats_dict(const core::StepStats& s) {
+  nb::dict d;
+  d["tokens"] = s.tokens;
+  d["dispatches"] = s.dispatches;
+  d["barriers"] = s.barriers;
+  d["bytes_bound"] = s.bytes_bound;
+  d["threads"] = s.threads;
+  d["commits"] = s.commits;
+  d["waits_in_step"] = s.waits_in_step;
+  d["host_waits"] = s.host_waits;
+  return d;
+}
+
+using IdArray = nb::ndarray<const uint32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+
+}  // namespace
+
+void init_engine(nb::module_& m) {
+  nb::class_<core::Snapshot>(m, "EngineSnapshot", "A host copy of an Engine's conversation state.")
+      .def_ro("position", &core::Snapshot::position);
+
+  nb::class_<core::Engine>(m, "Engine",
+                           "One model on one device ('emu', 'metal', or 'count': counters only, no memory).")
+      .def("__init__",
+           [](core::Engine* self, nb::dict spec, const std::string& device) {
+             new (self) core::Engine(spec_from(spec), core::make_device(device));
+           },
+           "spec"_a, "device"_a)
+      .def_prop_ro("device", [](const core::Engine& e) { return std::string(e.device_name()); })
+      .def_prop_ro("position", &core::Engine::position)
+      .def_prop_ro("valid", &core::Engine::valid)
+      .def_rw("serialize", &core::Engine::serialize, "Barrier between every two dispatches (debugging).")
+      .def("summary", [](const core::Engine& e) { return e.spec().summary(); })
+      .def("weight_list", &core::Engine::weight_list, "Every weight the engine expects: (name, bytes).")
+      .def(
+          "upload",
+          [](core::Engine& e, const std::string& name, std::vector<InArray> parts) {
+            std::vector<std::pair<const void*, size_t>> p;
+            for (const auto& a : parts) p.emplace_back(a.data(), a.nbytes());
+            nb::gil_scoped_release release;
+            e.upload(name, p);
+          },
+          "name"_a, "parts"_a, "Copy C-contiguous arrays back to back into weight `name` (row concatenation).")
+      .def("check_loaded", &core::Engine::check_loaded)
+      .def_prop_ro("weight_bytes", &core::Engine::weight_bytes)
+      .def_prop_ro("state_bytes", &core::Engine::state_bytes)
+      .def_prop_ro("scratch_bytes", &core::Engine::scratch_bytes)
+      .def(
+          "forward",
+          [](core::Engine& e, IdArray ids, bool all_logits) {
+            const uint32_t T = uint32_t(ids.shape(0));
+            const size_t rows = all_logits ? T : 1, V = e.spec().vocab;
+            float* out = new float[rows * V];
+            nb::capsule owner(out, [](void* p) noexcept { delete[] static_cast<float*>(p); });
+            core::StepStats st;
+            {
+              nb::gil_scoped_release release;
+              st = e.forward(ids.data(), T, all_logits, out);
+            }
+            size_t shape[2] = {rows, V};
+            return nb::make_tuple(nb::ndarray<nb::numpy, float>(out, 2, shape, owner), stats_dict(st));
+          },
+          "ids"_a, "all_logits"_a = false,
+          "Feed uint32 ids [T] (one step, one command buffer); returns (float32 logits [T or 1, V], stats).")
+      .def(
+          "count",
+          [](core::Engine& e, uint32_t T, uint32_t position, bool all_logits) {
+            return stats_dict(e.count(T, position, all_logits));
+          },
+          "tokens"_a, "position"_a = 0, "all_logits"_a = false,
+          "Counters of one step encoded on the counting device (nothing runs).")
+      .def("last_stats", [](const core::Engine& e) { return stats_dict(e.last_stats()); })
+      .def("reset", &core::Engine::reset)
+      .def("snapshot", &core::Engine::snapshot)
+      .def("restore", &core::Engine::restore, "snapshot"_a);
+}
+
+}  // namespace lily::bindings

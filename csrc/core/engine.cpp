@@ -1,0 +1,322 @@
+#include "core/engine.h"
+
+#include <algorithm>
+#include <cstring>
+#include <sstream>
+#include <stdexcept>
+
+#include "emu/emulator.h"
+#include "gpu/counting_device.h"
+#include "gpu/ops/gated_delta.h"
+#include "gpu/ops/moe.h"
+#if defined(LILY_HAVE_METAL)
+#include "metal/metal_device.h"
+#endif
+
+namespace lily::core {
+
+namespace {
+
+[[noreturn]] void fail(const std::string& m) { throw std::invalid_argument("engine: " + m); }
+
+std::string num(uint64_t v) { return std::to_string(v); }
+
+void check_quant(const QuantSpec& q, const char* what) {
+  if (q.bits != 4 && q.bits != 8) fail(std::string(what) + ": bits=" + num(q.bits) + " unsupported (4 or 8)");
+  if (q.group_size != 32 && q.group_size != 64 && q.group_size != 128)
+    fail(std::string(what) + ": group_size=" + num(q.group_size) + " unsupported (32, 64 or 128)");
+}
+
+// The MoE scratch for T tokens (moe_scratch_bytes reads only the shape fields).
+gpu::ops::MoeScratchBytes moe_bytes(const ModelSpec& s, uint32_t T) {
+  gpu::ops::MoeOperands op;
+  op.tokens = T;
+  op.hidden = s.hidden;
+  op.experts = s.experts;
+  op.top_k = s.top_k;
+  op.inter = s.moe_inter;
+  op.shared_inter = s.shared_inter;
+  op.x_dtype = gpu::DType::f32;
+  return gpu::ops::moe_scratch_bytes(op);
+}
+
+}  // namespace
+
+void ModelSpec::validate() const {
+  if (vocab == 0 || hidden == 0 || layers == 0) fail("empty model (vocab, hidden, layers)");
+  if (full_attention.size() != layers) fail("full_attention has " + num(full_attention.size()) + " entries for " + num(layers) + " layers");
+  if (lin_k_heads == 0 || lin_v_heads == 0 || lin_k_dim == 0 || lin_v_dim == 0) fail("empty DeltaNet dims");
+  if (experts == 0 || top_k == 0 || moe_inter == 0 || shared_inter == 0) fail("empty MoE dims");
+  if (context_length == 0) fail("context_length must be >= 1");
+  if (prefill_chunk == 0) fail("prefill_chunk must be >= 1");
+  if (logit_rows == 0 || logit_rows > prefill_chunk) fail("logit_rows must be in [1, prefill_chunk]");
+  check_quant(embed, "embed");
+  check_quant(lm_head, "lm_head");
+  check_quant(mixer, "mixer projections");
+  check_quant(experts_q, "experts");
+  check_quant(router, "router");
+  if (!(eps > 0)) fail("eps must be > 0");
+}
+
+std::string ModelSpec::summary() const {
+  std::ostringstream o;
+  uint32_t attn = 0;
+  for (uint8_t a : full_attention) attn += a;
+  o << layers << " layers (" << layers - attn << " DeltaNet, " << attn << " attention), hidden " << hidden << ", vocab "
+    << vocab << ", " << experts << " experts top-" << top_k << ", context " << context_length << ", chunk "
+    << prefill_chunk;
+  return o.str();
+}
+
+std::unique_ptr<gpu::Device> make_device(const std::string& name) {
+  if (name == "emu") return std::make_unique<emu::EmuDevice>();
+  if (name == "count") return std::make_unique<gpu::CountingDevice>();
+  if (name == "metal") {
+#if defined(LILY_HAVE_METAL)
+    return metal::create_device();
+#else
+    throw std::invalid_argument("device 'metal' is not available in this build (not macOS); use 'emu'");
+#endif
+  }
+  throw std::invalid_argument("unknown device '" + name + "' (expected 'emu', 'metal' or 'count')");
+}
+
+gpu::Binding Engine::alloc_weight(const std::string& name, size_t bytes) {
+  auto buf = device_->new_buffer(bytes);
+  gpu::Binding b{buf.get(), 0, bytes};
+  weights_[name] = Weight{std::move(buf), false};
+  weight_order_.push_back(name);
+  return b;
+}
+
+gpu::Binding Engine::alloc(std::vector<std::unique_ptr<gpu::Buffer>>& pool, size_t bytes) {
+  pool.push_back(device_->new_buffer(std::max<size_t>(bytes, 4)));
+  return gpu::Binding{pool.back().get(), 0, bytes};
+}
+
+gpu::QuantWeight Engine::alloc_quant(const std::string& name, uint64_t rows, uint64_t cols, const QuantSpec& q,
+                                     uint64_t count) {
+  if (cols % q.group_size) fail(name + ": in-features " + num(cols) + " not a multiple of group_size " + num(q.group_size));
+  const uint64_t w = count * rows * cols * q.bits / 8;
+  const uint64_t s = count * rows * (cols / q.group_size) * gpu::dtype_size(q.scale_dtype);
+  return gpu::QuantWeight{alloc_weight(name + ".weight", w), alloc_weight(name + ".scales", s),
+                          alloc_weight(name + ".biases", s)};
+}
+
+Engine::Engine(ModelSpec spec, std::unique_ptr<gpu::Device> device) : spec_(std::move(spec)), device_(std::move(device)) {
+  const ModelSpec& s = spec_;
+  s.validate();
+  const uint64_t H = s.hidden, V = s.vocab, E = s.experts, I = s.moe_inter, Is = s.shared_inter;
+  const uint64_t C = s.conv_dim(), VD = s.value_dim(), Hv = s.lin_v_heads, K = s.conv_kernel;
+  const uint64_t P = gpu::ops::gated_delta_mixer_proj_rows(s.lin_k_heads, s.lin_v_heads, s.lin_k_dim, s.lin_v_dim);
+
+  // Weights, in checkpoint order.
+  m_.embed = alloc_quant("embed", V, H, s.embed);
+  for (uint32_t i = 0; i < s.layers; ++i) {
+    const std::string p = "layers." + num(i) + ".";
+    gpu::Layer L;
+    L.attention = s.full_attention[i] != 0;
+    L.input_norm = alloc_weight(p + "input_norm", H * 4);
+    L.post_norm = alloc_weight(p + "post_norm", H * 4);
+    if (L.attention) {
+      fail("layer " + num(i) + " is gated full attention, which this build's engine does not encode yet "
+           "(use a checkpoint whose layer_types are all linear_attention, or backend='reference')");
+    }
+    L.dn.in_proj = alloc_quant(p + "in_proj", P, H, s.mixer);
+    L.dn.out_proj = alloc_quant(p + "out_proj", H, VD, s.mixer);
+    L.dn.conv = alloc_weight(p + "conv1d", C * K * 4);
+    L.dn.A_log = alloc_weight(p + "A_log", Hv * 4);
+    L.dn.dt_bias = alloc_weight(p + "dt_bias", Hv * 4);
+    L.dn.norm = alloc_weight(p + "gated_norm", uint64_t(s.lin_v_dim) * 4);
+    L.dn.conv_state[0] = alloc(state_, (K - 1) * C * 4);
+    L.dn.conv_state[1] = alloc(state_, (K - 1) * C * 4);
+    L.dn.state = alloc(state_, Hv * s.lin_v_dim * s.lin_k_dim * 4);
+    L.moe.router = alloc_quant(p + "router", E + 1, H, s.router);
+    L.moe.gate = alloc_quant(p + "experts.gate", I, H, s.experts_q, E);
+    L.moe.up = alloc_quant(p + "experts.up", I, H, s.experts_q, E);
+    L.moe.down = alloc_quant(p + "experts.down", H, I, s.experts_q, E);
+    L.moe.shared_gate = alloc_quant(p + "shared.gate", Is, H, s.experts_q);
+    L.moe.shared_up = alloc_quant(p + "shared.up", Is, H, s.experts_q);
+    L.moe.shared_down = alloc_quant(p + "shared.down", H, Is, s.experts_q);
+    m_.layers.push_back(L);
+  }
+  m_.norm = alloc_weight("norm", H * 4);
+  m_.lm_head = alloc_quant("lm_head", V, H, s.lm_head);
+
+  // Scratch for prefill_chunk tokens.
+  const uint64_t T = s.prefill_chunk;
+  gpu::StepScratch& t = m_.s;
+  t.ids = alloc(scratch_, T * 4);
+  t.x = alloc(scratch_, T * H * 4);
+  t.h = alloc(scratch_, T * H * 4);
+  t.xn = alloc(scratch_, T * H * 4);
+  t.mix = alloc(scratch_, T * H * 4);
+  t.proj = alloc(scratch_, T * P * 4);
+  t.conv_out = alloc(scratch_, T * C * 4);
+  t.o = alloc(scratch_, T * VD * 4);
+  gpu::ops::MoeScratchBytes mb;  // the largest over every chunk size (routes differ)
+  for (uint32_t n = 1; n <= s.prefill_chunk; ++n) {
+    const auto b = moe_bytes(s, n);
+    mb.logits = std::max(mb.logits, b.logits);
+    mb.ids = std::max(mb.ids, b.ids);
+    mb.weights = std::max(mb.weights, b.weights);
+    mb.plan = std::max(mb.plan, b.plan);
+    mb.row_weight = std::max(mb.row_weight, b.row_weight);
+    mb.h = std::max(mb.h, b.h);
+    mb.y = std::max(mb.y, b.y);
+  }
+  t.moe_logits = alloc(scratch_, mb.logits);
+  t.moe_ids = alloc(scratch_, mb.ids);
+  t.moe_weights = alloc(scratch_, mb.weights);
+  t.moe_plan = alloc(scratch_, mb.plan);
+  t.moe_row_weight = alloc(scratch_, mb.row_weight);
+  t.moe_h = alloc(scratch_, mb.h);
+  t.moe_y = alloc(scratch_, mb.y);
+  t.logits = alloc(scratch_, uint64_t(s.logit_rows) * V * 4);
+  reset();
+}
+
+std::vector<std::pair<std::string, size_t>> Engine::weight_list() const {
+  std::vector<std::pair<std::string, size_t>> out;
+  for (const auto& n : weight_order_) out.emplace_back(n, weights_.at(n).buffer->size());
+  return out;
+}
+
+void Engine::upload(const std::string& name, const std::vector<std::pair<const void*, size_t>>& parts) {
+  auto it = weights_.find(name);
+  if (it == weights_.end()) fail("no weight named '" + name + "'");
+  gpu::Buffer& b = *it->second.buffer;
+  size_t total = 0;
+  for (const auto& p : parts) total += p.second;
+  if (total != b.size())
+    fail("weight '" + name + "': got " + num(total) + " bytes in " + num(parts.size()) + " part(s), expected " + num(b.size()));
+  char* dst = static_cast<char*>(b.contents());
+  if (dst == nullptr) fail("weight '" + name + "': device '" + std::string(device_->name()) + "' has no storage to upload to");
+  for (const auto& p : parts) {
+    std::memcpy(dst, p.first, p.second);
+    dst += p.second;
+  }
+  it->second.loaded = true;
+}
+
+void Engine::check_loaded() const {
+  for (const auto& n : weight_order_)
+    if (!weights_.at(n).loaded) fail("weight '" + n + "' was never uploaded");
+}
+
+size_t Engine::weight_bytes() const {
+  size_t n = 0;
+  for (const auto& [k, w] : weights_) n += w.buffer->size();
+  return n;
+}
+size_t Engine::state_bytes() const {
+  size_t n = 0;
+  for (const auto& b : state_) n += b->size();
+  return n;
+}
+size_t Engine::scratch_bytes() const {
+  size_t n = 0;
+  for (const auto& b : scratch_) n += b->size();
+  return n;
+}
+
+std::vector<gpu::Binding> Engine::state_buffers() const {
+  std::vector<gpu::Binding> out;
+  for (const auto& b : state_) out.push_back({b.get(), 0, b->size()});
+  return out;
+}
+
+void Engine::reset() {
+  for (const auto& b : state_)
+    if (b->contents()) std::memset(b->contents(), 0, b->size());
+  position_ = 0;
+  conv_parity_ = 0;
+  valid_ = true;
+}
+
+Snapshot Engine::snapshot() const {
+  if (!valid_) fail("the state is invalid after a failed step: reset() or restore() first");
+  Snapshot s;
+  s.position = position_;
+  s.conv_parity = conv_parity_;
+  for (const auto& b : state_) {
+    const char* p = static_cast<const char*>(b->contents());
+    s.buffers.emplace_back(p, p ? p + b->size() : p);
+  }
+  return s;
+}
+
+void Engine::restore(const Snapshot& s) {
+  if (s.buffers.size() != state_.size()) fail("snapshot is from a different engine");
+  for (size_t i = 0; i < state_.size(); ++i) {
+    if (s.buffers[i].size() != (state_[i]->contents() ? state_[i]->size() : 0)) fail("snapshot is from a different engine");
+    if (state_[i]->contents()) std::memcpy(state_[i]->contents(), s.buffers[i].data(), s.buffers[i].size());
+  }
+  position_ = s.position;
+  conv_parity_ = s.conv_parity;
+  valid_ = true;
+}
+
+StepStats Engine::run(uint32_t T, uint32_t position, bool all_logits, bool execute) {
+  gpu::StepParams p;
+  p.tokens = T;
+  p.position = position;
+  p.all_logits = all_logits;
+  p.conv_parity = conv_parity_;
+  p.serialize = serialize;
+  auto enc = device_->new_encoder();
+  gpu::ops::RecordingEncoder rec(*enc);  // counts commit()/wait() asked for while encoding
+  gpu::encode_prefill_chunk(rec, spec_, m_, p);
+  StepStats st;
+  st.tokens = T;
+  st.waits_in_step = rec.waits;
+  st.commits = rec.commits;
+  enc->commit();
+  st.commits += 1;
+  if (execute) {
+    enc->wait();
+    st.host_waits = st.waits_in_step + 1;
+  }
+  const gpu::Counters& c = enc->counters();
+  st.dispatches = c.dispatches;
+  st.barriers = c.barriers;
+  st.bytes_bound = c.bytes_bound;
+  st.threads = c.threads;
+  return st;
+}
+
+StepStats Engine::forward(const uint32_t* ids, uint32_t T, bool all_logits, float* logits) {
+  if (!valid_) fail("the state is invalid after a failed step: reset() or restore() first");
+  if (T == 0 || T > spec_.prefill_chunk) fail("forward: " + num(T) + " tokens outside [1, prefill_chunk=" + num(spec_.prefill_chunk) + "]");
+  if (all_logits && T > spec_.logit_rows) fail("forward: all_logits for " + num(T) + " tokens exceeds logit_rows=" + num(spec_.logit_rows));
+  if (uint64_t(position_) + T > spec_.context_length)
+    fail("forward: position " + num(position_) + " + " + num(T) + " tokens exceeds context_length " + num(spec_.context_length));
+  for (uint32_t i = 0; i < T; ++i)
+    if (ids[i] >= spec_.vocab) fail("forward: token id " + num(ids[i]) + " at index " + num(i) + " outside [0, " + num(spec_.vocab) + ")");
+  void* id_dst = m_.s.ids.buffer->contents();
+  if (id_dst) std::memcpy(id_dst, ids, size_t(T) * 4);
+  StepStats st;
+  try {
+    valid_ = false;  // until the step finished: a device error leaves a half-updated state
+    st = run(T, position_, all_logits, true);
+  } catch (...) {
+    throw;
+  }
+  valid_ = true;
+  position_ += T;
+  conv_parity_ = 1 - conv_parity_;
+  const size_t rows = all_logits ? T : 1;
+  const void* src = m_.s.logits.buffer->contents();
+  if (logits && src) std::memcpy(logits, src, rows * spec_.vocab * 4);
+  last_ = st;
+  return st;
+}
+
+StepStats Engine::count(uint32_t T, uint32_t position, bool all_logits) {
+  if (std::string_view(device_->name()) != "count") fail("count() runs on the counting device only (device 'count')");
+  StepStats st = run(T, position, all_logits, false);
+  last_ = st;
+  return st;
+}
+
+}  // namespace lily::core

@@ -1,0 +1,96 @@
+// The engine: one model on one device. Owns the weights (device buffers filled once from the
+// checkpoint's memory-mapped tensors; row-concatenated projections fused at load), the
+// conversation state (DeltaNet recurrent state and conv windows in fp32; bf16 KV cache once
+// attention is wired) and the scratch of one step, all allocated once at construction.
+// forward() encodes one whole step into one encoder, commits it and waits once at the end (the
+// only host wait: to read the logits).
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/model_spec.h"
+#include "gpu/encoder.h"
+#include "gpu/step.h"
+
+namespace lily::core {
+
+// Per-step counters (one forward = one step = one command buffer).
+struct StepStats {
+  uint64_t tokens = 0;
+  uint64_t dispatches = 0, barriers = 0, bytes_bound = 0, threads = 0;
+  uint64_t commits = 0;         // command buffers submitted
+  uint64_t waits_in_step = 0;   // host waits requested while the step was encoded (must be 0)
+  uint64_t host_waits = 0;      // host waits for the whole forward (1: to read the logits)
+};
+
+// A copy of the conversation state (host memory), for Model's multi-turn rollback.
+struct Snapshot {
+  uint32_t position = 0, conv_parity = 0;
+  std::vector<std::vector<char>> buffers;  // in Engine::state_buffers() order
+};
+
+class Engine {
+ public:
+  Engine(ModelSpec spec, std::unique_ptr<gpu::Device> device);
+
+  const ModelSpec& spec() const { return spec_; }
+  std::string_view device_name() const { return device_->name(); }
+
+  // Every weight the engine expects: (name, bytes), in load order.
+  std::vector<std::pair<std::string, size_t>> weight_list() const;
+  // Copies `parts` back to back into weight `name` (row concatenation of C-contiguous blocks);
+  // their sizes must add up to the weight's bytes exactly. Throws std::invalid_argument.
+  void upload(const std::string& name, const std::vector<std::pair<const void*, size_t>>& parts);
+  // Throws std::invalid_argument naming the first weight never uploaded.
+  void check_loaded() const;
+  size_t weight_bytes() const;
+  size_t state_bytes() const;
+  size_t scratch_bytes() const;
+
+  // Feeds ids [T] (T <= prefill_chunk) after the state; writes float32 logits [T or 1, vocab] to
+  // `logits` (may be null on the counting device). Validation failures throw before anything is
+  // encoded; a device error mid-step leaves the state invalid (valid() false until reset/restore).
+  StepStats forward(const uint32_t* ids, uint32_t T, bool all_logits, float* logits);
+  // Encodes a step at `position` without touching state or reading results (the counting
+  // device: counters for any config without weights).
+  StepStats count(uint32_t T, uint32_t position, bool all_logits);
+
+  void reset();
+  Snapshot snapshot() const;
+  void restore(const Snapshot& snap);
+  uint32_t position() const { return position_; }
+  bool valid() const { return valid_; }
+  bool serialize = false;  // barrier between every two dispatches
+  const StepStats& last_stats() const { return last_; }
+
+ private:
+  gpu::Binding alloc_weight(const std::string& name, size_t bytes);
+  gpu::Binding alloc(std::vector<std::unique_ptr<gpu::Buffer>>& pool, size_t bytes);
+  gpu::QuantWeight alloc_quant(const std::string& name, uint64_t rows, uint64_t cols, const QuantSpec& q,
+                               uint64_t count = 1);
+  std::vector<gpu::Binding> state_buffers() const;
+  StepStats run(uint32_t T, uint32_t position, bool all_logits, bool execute);
+
+  ModelSpec spec_;
+  std::unique_ptr<gpu::Device> device_;
+  struct Weight {
+    std::unique_ptr<gpu::Buffer> buffer;
+    bool loaded = false;
+  };
+  std::map<std::string, Weight> weights_;
+  std::vector<std::string> weight_order_;
+  std::vector<std::unique_ptr<gpu::Buffer>> state_, scratch_;
+  gpu::ModelBuffers m_;
+  uint32_t position_ = 0, conv_parity_ = 0;
+  bool valid_ = true;
+  StepStats last_;
+};
+
+std::unique_ptr<gpu::Device> make_device(const std::string& name);
+
+}  // namespace lily::core

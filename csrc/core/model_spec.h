@@ -1,0 +1,46 @@
+// What the engine needs to know about one qwen3_5_moe checkpoint: the text config's dimensions,
+// the per-class quantization (MLX affine) and the run-time sizes (context, prefill chunk).
+// Filled by lily_py (src/lily_py/_engine.py: spec_from_config) from the validated ModelConfig
+// and the loaded weights, or from the real 35B config alone to count dispatches without weights.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "gpu/dtype.h"
+
+namespace lily::core {
+
+// MLX affine quantization of one class of weights: uint32 codes, one scale + bias per group.
+struct QuantSpec {
+  uint32_t bits = 4;
+  uint32_t group_size = 64;
+  gpu::DType scale_dtype = gpu::DType::bf16;
+};
+
+struct ModelSpec {
+  // text config (MODEL_FACTS.md section 3)
+  uint32_t vocab = 0, hidden = 0, layers = 0;
+  std::vector<uint8_t> full_attention;  // [layers]: 1 = gated full attention, 0 = Gated DeltaNet
+  uint32_t q_heads = 0, kv_heads = 0, head_dim = 0, rotary_dim = 0;
+  double rope_theta = 1e7;
+  uint32_t lin_k_heads = 0, lin_v_heads = 0, lin_k_dim = 0, lin_v_dim = 0, conv_kernel = 4;
+  uint32_t experts = 0, top_k = 0, moe_inter = 0, shared_inter = 0;
+  float eps = 1e-6f;
+  // quantization per weight class (lily_py checks every tensor matches its class at load)
+  QuantSpec embed, lm_head, mixer, experts_q, router;
+  // run-time sizes
+  uint32_t context_length = 0;  // KV cache rows per attention layer
+  uint32_t prefill_chunk = 0;   // most tokens one step encodes (scratch is sized for it)
+  uint32_t logit_rows = 0;      // most rows of logits one step writes (all_logits)
+
+  uint32_t conv_dim() const { return 2 * lin_k_heads * lin_k_dim + lin_v_heads * lin_v_dim; }
+  uint32_t value_dim() const { return lin_v_heads * lin_v_dim; }
+  uint32_t attn_qkv_rows() const { return 2 * q_heads * head_dim + 2 * kv_heads * head_dim; }
+
+  // Throws std::invalid_argument naming the first unsupported or inconsistent field.
+  void validate() const;
+  std::string summary() const;
+};
+
+}  // namespace lily::core

@@ -1,0 +1,234 @@
+#include "gpu/step.h"
+
+#include <stdexcept>
+#include <string>
+
+#include "gpu/ops/embedding.h"
+#include "gpu/ops/gated_delta.h"
+#include "gpu/ops/moe.h"
+#include "gpu/ops/norm.h"
+#include "gpu/ops/qmm.h"
+
+namespace lily::gpu {
+
+namespace {
+
+// Rows [first, first + count) of a row-major binding with `row_bytes` per row.
+Binding rows(const Binding& b, uint64_t first, uint64_t count, uint64_t row_bytes) {
+  return Binding{b.buffer, b.offset + first * row_bytes, count * row_bytes};
+}
+
+// Forwards everything to `inner`, with a barrier between every two dispatches (the
+// serialize-everything switch); barriers the step asks for are merged with those.
+class SerialEncoder final : public Encoder {
+ public:
+  explicit SerialEncoder(Encoder& inner) : inner_(inner) {}
+  void commit() override { inner_.commit(); }
+  void wait() override { inner_.wait(); }
+
+ protected:
+  void encode_dispatch(const Dispatch& d) override {
+    if (dispatched_since_barrier_) inner_.barrier();
+    inner_.set_kernel(d.kernel);
+    inner_.set_args_bytes(d.args, d.args_size);
+    for (uint32_t i = 1; i <= d.num_buffers; ++i) inner_.set_buffer(i, d.buffers[i]);
+    inner_.dispatch(d.groups, d.threads);
+    dispatched_since_barrier_ = true;
+  }
+  void encode_barrier() override {
+    if (dispatched_since_barrier_) inner_.barrier();
+    dispatched_since_barrier_ = false;
+  }
+
+ private:
+  Encoder& inner_;
+  bool dispatched_since_barrier_ = false;
+};
+
+ops::QuantLinear quant_linear(const QuantWeight& w, const core::QuantSpec& q) {
+  ops::QuantLinear l;
+  l.w = w.w;
+  l.scales = w.scales;
+  l.biases = w.biases;
+  l.scale_dtype = q.scale_dtype;
+  l.bits = q.bits;
+  l.group_size = q.group_size;
+  return l;
+}
+
+ops::QuantMatrix quant_matrix(const QuantWeight& w) { return ops::QuantMatrix{w.w, w.scales, w.biases}; }
+
+void encode_deltanet(Encoder& enc, const core::ModelSpec& spec, const Layer& L, const StepScratch& s,
+                     const StepParams& p) {
+  const uint32_t T = p.tokens;
+  ops::GatedDeltaMixerOperands g;
+  g.x = s.xn;
+  g.in_proj = quant_linear(L.dn.in_proj, spec.mixer);
+  g.out_proj = quant_linear(L.dn.out_proj, spec.mixer);
+  g.conv_weight = L.dn.conv;
+  g.A_log = L.dn.A_log;
+  g.dt_bias = L.dn.dt_bias;
+  g.norm_weight = L.dn.norm;
+  g.conv_state_in = L.dn.conv_state[p.conv_parity];
+  g.conv_state_out = L.dn.conv_state[1 - p.conv_parity];
+  g.state = L.dn.state;
+  g.proj = s.proj;
+  g.conv_out = s.conv_out;
+  g.o = s.o;
+  g.out = s.mix;
+  g.x_dtype = DType::f32;
+  g.w_dtype = DType::f32;
+  g.T = T;
+  g.hidden = spec.hidden;
+  g.Hk = spec.lin_k_heads;
+  g.Hv = spec.lin_v_heads;
+  g.Dk = spec.lin_k_dim;
+  g.Dv = spec.lin_v_dim;
+  g.K = spec.conv_kernel;
+  g.eps = spec.eps;
+  ops::encode_gated_delta_mixer(enc, g);
+}
+
+void encode_moe_block(Encoder& enc, const core::ModelSpec& spec, const Layer& L, const StepScratch& s,
+                      const StepParams& p) {
+  ops::MoeOperands m;
+  m.x = s.xn;
+  m.residual = s.h;
+  m.out = s.x;
+  m.router = quant_matrix(L.moe.router);
+  m.gate = quant_matrix(L.moe.gate);
+  m.up = quant_matrix(L.moe.up);
+  m.down = quant_matrix(L.moe.down);
+  m.shared_gate = quant_matrix(L.moe.shared_gate);
+  m.shared_up = quant_matrix(L.moe.shared_up);
+  m.shared_down = quant_matrix(L.moe.shared_down);
+  m.scratch = ops::MoeScratch{s.moe_logits, s.moe_ids, s.moe_weights, s.moe_plan, s.moe_row_weight, s.moe_h, s.moe_y};
+  m.x_dtype = DType::f32;
+  m.scale_dtype = spec.experts_q.scale_dtype;
+  m.router_scale_dtype = spec.router.scale_dtype;
+  m.tokens = p.tokens;
+  m.hidden = spec.hidden;
+  m.experts = spec.experts;
+  m.top_k = spec.top_k;
+  m.inter = spec.moe_inter;
+  m.shared_inter = spec.shared_inter;
+  m.bits = spec.experts_q.bits;
+  m.group_size = spec.experts_q.group_size;
+  m.router_bits = spec.router.bits;
+  m.router_group_size = spec.router.group_size;
+  ops::encode_moe(enc, m);
+}
+
+void encode_step(Encoder& enc, const core::ModelSpec& spec, const ModelBuffers& m, const StepParams& p) {
+  const uint32_t T = p.tokens, H = spec.hidden;
+  if (T == 0 || T > spec.prefill_chunk)
+    throw std::invalid_argument("engine step: tokens=" + std::to_string(T) + " outside [1, prefill_chunk=" +
+                                std::to_string(spec.prefill_chunk) + "]");
+  if (p.all_logits && T > spec.logit_rows)
+    throw std::invalid_argument("engine step: all_logits for " + std::to_string(T) + " tokens exceeds logit_rows=" +
+                                std::to_string(spec.logit_rows));
+  if (uint64_t(p.position) + T > spec.context_length)
+    throw std::invalid_argument("engine step: position " + std::to_string(p.position) + " + " + std::to_string(T) +
+                                " tokens exceeds context_length " + std::to_string(spec.context_length));
+  const StepScratch& s = m.s;
+  const uint64_t row = uint64_t(H) * 4;
+  StepScratch t = s;  // the activations narrowed to T rows (ops bind exactly what they touch)
+  t.ids = Binding{s.ids.buffer, s.ids.offset, uint64_t(T) * 4};
+  t.x = rows(s.x, 0, T, row);
+  t.h = rows(s.h, 0, T, row);
+  t.xn = rows(s.xn, 0, T, row);
+  t.mix = rows(s.mix, 0, T, row);
+
+  ops::EmbeddingOperands e;
+  e.ids = t.ids;
+  e.table = m.embed.w;
+  e.scales = m.embed.scales;
+  e.biases = m.embed.biases;
+  e.out = t.x;
+  e.out_dtype = DType::f32;
+  e.scale_dtype = spec.embed.scale_dtype;
+  e.tokens = T;
+  e.vocab = spec.vocab;
+  e.D = H;
+  e.bits = spec.embed.bits;
+  e.group_size = spec.embed.group_size;
+  ops::encode_embedding(enc, e);
+  enc.barrier();  // x (embedding) -> input norm of layer 0
+
+  for (const Layer& L : m.layers) {
+    ops::RmsNormOperands in;
+    in.x = t.x;
+    in.weight = L.input_norm;
+    in.y = t.xn;
+    in.rows = T;
+    in.D = H;
+    in.eps = spec.eps;
+    ops::encode_rms_norm(enc, in);
+    enc.barrier();  // xn -> mixer projections
+
+    if (L.attention)
+      throw std::invalid_argument("engine step: gated attention layers are not wired into this build yet");
+    encode_deltanet(enc, spec, L, t, p);
+    enc.barrier();  // mix (out_proj) -> residual + post norm
+
+    ops::RmsNormOperands post;
+    post.x = t.mix;
+    post.residual = t.x;
+    post.h_out = t.h;
+    post.weight = L.post_norm;
+    post.y = t.xn;
+    post.rows = T;
+    post.D = H;
+    post.eps = spec.eps;
+    ops::encode_rms_norm(enc, post);
+    enc.barrier();  // h, xn -> MoE (router reads xn; combine reads h)
+
+    encode_moe_block(enc, spec, L, t, p);
+    enc.barrier();  // x (h + moe) -> next layer's input norm / the final norm
+  }
+
+  const uint32_t out_rows = p.all_logits ? T : 1;
+  const uint32_t first = T - out_rows;
+  ops::RmsNormOperands fin;
+  fin.x = rows(s.x, first, out_rows, row);
+  fin.weight = m.norm;
+  fin.y = rows(s.xn, 0, out_rows, row);
+  fin.rows = out_rows;
+  fin.D = H;
+  fin.eps = spec.eps;
+  ops::encode_rms_norm(enc, fin);
+  enc.barrier();  // xn (final norm) -> lm_head
+
+  ops::QmmOperands head;
+  head.x = fin.y;
+  head.w = m.lm_head.w;
+  head.scales = m.lm_head.scales;
+  head.biases = m.lm_head.biases;
+  head.y = rows(s.logits, 0, out_rows, uint64_t(spec.vocab) * 4);
+  head.x_dtype = DType::f32;
+  head.scale_dtype = spec.lm_head.scale_dtype;
+  head.M = out_rows;
+  head.N = spec.vocab;
+  head.K = H;
+  head.bits = spec.lm_head.bits;
+  head.group_size = spec.lm_head.group_size;
+  ops::encode_quantized_matmul(enc, head);
+}
+
+}  // namespace
+
+void encode_prefill_chunk(Encoder& enc, const core::ModelSpec& spec, const ModelBuffers& m, const StepParams& p) {
+  if (p.serialize) {
+    SerialEncoder ser(enc);
+    encode_step(ser, spec, m, p);
+  } else {
+    encode_step(enc, spec, m, p);
+  }
+}
+
+void encode_decode_step(Encoder& enc, const core::ModelSpec& spec, const ModelBuffers& m, const StepParams& p) {
+  if (p.tokens != 1) throw std::invalid_argument("encode_decode_step: a decode step feeds exactly one token");
+  encode_prefill_chunk(enc, spec, m, p);
+}
+
+}  // namespace lily::gpu

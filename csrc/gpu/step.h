@@ -1,0 +1,80 @@
+// One whole step of the model encoded into one encoder (one command buffer): a prefill chunk of
+// T tokens or a decode step (T = 1). Plain C++: it decides which kernels, buffers, grids and
+// barriers; the device (emu, metal, count) runs or counts them. Never commits or waits.
+//
+//   ids -> embedding -> x
+//   per layer:  xn  = rms_norm(x, input_norm)
+//               mix = DeltaNet mixer(xn)                 (gated attention: when it lands)
+//               h   = x + mix;  xn = rms_norm(h, post_norm)        (one fused dispatch)
+//               x   = h + moe(xn)                        (residual add fused into the MoE)
+//   xn = rms_norm(x[rows], norm)   rows = all T (all_logits) or only the last position
+//   logits[rows, V] = xn @ lm_head^T
+//
+// Barriers: one before every consumer of the previous dispatch's output, named below by the
+// tensors they order; the ops (gated_delta, moe) place their internal ones the same way.
+// `serialize` puts a barrier between every two dispatches (debugging switch).
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "core/model_spec.h"
+#include "gpu/encoder.h"
+
+namespace lily::gpu {
+
+struct QuantWeight {
+  Binding w, scales, biases;  // MLX affine: uint32 codes, [N, K / group] scales and biases
+};
+
+struct DeltaNetLayer {
+  QuantWeight in_proj;    // rows in_proj_qkv | in_proj_z | in_proj_b | in_proj_a, fused at load
+  QuantWeight out_proj;   // [hidden, Hv * Dv]
+  Binding conv;           // float32 [C, K]
+  Binding A_log, dt_bias, norm;  // float32 [Hv], [Hv], [Dv]
+  Binding conv_state[2];  // float32 [K-1, C] each: step parity p reads [p], writes [1 - p]
+  Binding state;          // float32 [Hv, Dv, Dk], updated in place
+};
+
+struct MoeLayer {
+  QuantWeight router;  // rows router [E, H] | shared_expert_gate [1, H], fused at load
+  QuantWeight gate, up, down;  // stacked experts
+  QuantWeight shared_gate, shared_up, shared_down;
+};
+
+struct Layer {
+  bool attention = false;
+  Binding input_norm, post_norm;  // float32 [H], effective multipliers (folded 1 + w)
+  DeltaNetLayer dn;
+  MoeLayer moe;
+};
+
+// Activations and temporaries, sized for spec.prefill_chunk tokens (float32 throughout).
+struct StepScratch {
+  Binding ids;                  // uint32 [chunk]
+  Binding x, h, xn, mix;        // [chunk, H]
+  Binding proj, conv_out, o;    // DeltaNet: [chunk, P], [chunk, C], [chunk, Hv * Dv]
+  Binding moe_logits, moe_ids, moe_weights, moe_plan, moe_row_weight, moe_h, moe_y;
+  Binding logits;               // [logit_rows, V]
+};
+
+struct ModelBuffers {
+  QuantWeight embed, lm_head;
+  Binding norm;  // float32 [H]
+  std::vector<Layer> layers;
+  StepScratch s;
+};
+
+struct StepParams {
+  uint32_t tokens = 1;       // T: 1..spec.prefill_chunk
+  uint32_t position = 0;     // tokens already in the state
+  bool all_logits = false;   // logits for every position (T <= spec.logit_rows) or the last only
+  uint32_t conv_parity = 0;  // which conv_state buffer holds the current window
+  bool serialize = false;
+};
+
+// Dispatch and barrier counts of one step are whatever the encoder counts (Encoder::counters);
+// tests compare them with a count derived from the config (tests/model/test_engine.py).
+void encode_prefill_chunk(Encoder& enc, const core::ModelSpec& spec, const ModelBuffers& m, const StepParams& p);
+void encode_decode_step(Encoder& enc, const core::ModelSpec& spec, const ModelBuffers& m, const StepParams& p);
+
+}  // namespace lily::gpu

@@ -1,0 +1,209 @@
+"""The engine backends (``backend="emu"`` / ``"metal"``): the whole model on a device, driven by
+the C++ engine (``lily_py._core.Engine``, csrc/core/engine.h), one command buffer per step.
+
+This module maps a loaded checkpoint onto the engine: it builds the engine's spec from the
+config, checks that every tensor has the quantization the engine's kernels take, and uploads the
+memory-mapped tensors once (the device buffer is the only copy; row-concatenated projections are
+fused by uploading their parts back to back). ``count_step`` computes a step's counters for any
+config - the real 35B one included - on the counting device, without weights.
+"""
+from __future__ import annotations
+
+import numpy as np
+import ml_dtypes
+
+from .checkpoint import AttentionWeights, ModelWeights
+from .config import ModelConfig
+from .errors import BackendError
+from .weights import QuantLinear
+
+# All-logits steps write at most this many rows of logits (the logits buffer is [rows, vocab]).
+LOGIT_ROWS = 64
+
+
+def _core():
+    from . import _core
+    return _core
+
+
+def _scale_dtype(a: np.ndarray, what: str) -> str:
+    if a.dtype == ml_dtypes.bfloat16:
+        return "bfloat16"
+    if a.dtype == np.float32:
+        return "float32"
+    raise BackendError(f"engine: {what} has {a.dtype} scales; the engine's kernels take bfloat16 or "
+                       "float32 scales (use backend='reference')")
+
+
+def _quant(lin, what: str) -> dict:
+    if not isinstance(lin, QuantLinear):
+        raise BackendError(f"engine: {what} is not MLX-quantized ({type(lin).__name__}); the engine "
+                           "runs MLX affine-quantized checkpoints only (use backend='reference')")
+    return {"bits": int(lin.bits), "group_size": int(lin.group_size),
+            "scale_dtype": _scale_dtype(lin.scales, what)}
+
+
+# The quantization the real Qwen3.6-35B-A3B MLX 4-bit checkpoint uses (mlx-lm's conversion):
+# 4-bit group 64 everywhere, 8-bit router and shared-expert gate, bfloat16 scales.
+REAL_QUANT = {
+    "embed": {"bits": 4, "group_size": 64, "scale_dtype": "bfloat16"},
+    "lm_head": {"bits": 4, "group_size": 64, "scale_dtype": "bfloat16"},
+    "mixer": {"bits": 4, "group_size": 64, "scale_dtype": "bfloat16"},
+    "experts_q": {"bits": 4, "group_size": 64, "scale_dtype": "bfloat16"},
+    "router": {"bits": 8, "group_size": 64, "scale_dtype": "bfloat16"},
+}
+
+
+def engine_spec(cfg: ModelConfig, quant: dict, *, context_length: int, prefill_chunk: int) -> dict:
+    """The dict ``lily_py._core.Engine`` takes (csrc/core/model_spec.h)."""
+    return {
+        "vocab": cfg.vocab_size, "hidden": cfg.hidden_size,
+        "full_attention": [1 if cfg.is_full_attention(i) else 0 for i in range(cfg.num_hidden_layers)],
+        "q_heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim, "rotary_dim": cfg.rotary_dim, "rope_theta": float(cfg.rope_theta),
+        "lin_k_heads": cfg.linear_num_key_heads, "lin_v_heads": cfg.linear_num_value_heads,
+        "lin_k_dim": cfg.linear_key_head_dim, "lin_v_dim": cfg.linear_value_head_dim,
+        "conv_kernel": cfg.linear_conv_kernel_dim, "experts": cfg.num_experts,
+        "top_k": cfg.num_experts_per_tok, "moe_inter": cfg.moe_intermediate_size,
+        "shared_inter": cfg.shared_expert_intermediate_size, "eps": float(cfg.rms_norm_eps),
+        **quant,
+        "context_length": int(context_length), "prefill_chunk": int(prefill_chunk),
+        "logit_rows": int(min(prefill_chunk, LOGIT_ROWS)),
+    }
+
+
+def _tensors(cfg: ModelConfig, w: ModelWeights):
+    """(engine weight name, quant class or None, [parts]) for every engine weight. Parts are the
+    checkpoint's memory-mapped arrays (quantized) or small float32 vectors."""
+    def q(name, cls, *lins):
+        yield name + ".weight", cls, lins, [lin.w for lin in lins]
+        yield name + ".scales", cls, lins, [lin.scales for lin in lins]
+        yield name + ".biases", cls, lins, [lin.biases for lin in lins]
+
+    def f32(name, a):
+        yield name, None, (), [np.ascontiguousarray(a, dtype=np.float32)]
+
+    yield from q("embed", "embed", w.embed)
+    for i, lw in enumerate(w.layers):
+        p = f"layers.{i}."
+        yield from f32(p + "input_norm", lw.input_norm)
+        yield from f32(p + "post_norm", lw.post_norm)
+        mx = lw.mixer
+        if isinstance(mx, AttentionWeights):
+            raise BackendError(f"engine: layer {i} is gated full attention, which this build's engine "
+                               "does not encode yet (use backend='reference')")
+        yield from q(p + "in_proj", "mixer", mx.in_proj_qkv, mx.in_proj_z, mx.in_proj_b, mx.in_proj_a)
+        yield from q(p + "out_proj", "mixer", mx.out_proj)
+        yield from f32(p + "conv1d", mx.conv1d)
+        yield from f32(p + "A_log", mx.A_log)
+        yield from f32(p + "dt_bias", mx.dt_bias)
+        yield from f32(p + "gated_norm", mx.norm)
+        m = lw.moe
+        yield from q(p + "router", "router", m.router, m.shared_expert_gate)
+        yield from q(p + "experts.gate", "experts_q", m.gate_proj)
+        yield from q(p + "experts.up", "experts_q", m.up_proj)
+        yield from q(p + "experts.down", "experts_q", m.down_proj)
+        yield from q(p + "shared.gate", "experts_q", m.shared_gate_proj)
+        yield from q(p + "shared.up", "experts_q", m.shared_up_proj)
+        yield from q(p + "shared.down", "experts_q", m.shared_down_proj)
+    yield from f32("norm", w.norm)
+    yield from q("lm_head", "lm_head", w.lm_head)
+
+
+def checkpoint_quant(w: ModelWeights) -> dict:
+    """The engine's quantization classes, read off the first tensor of each class."""
+    first_dn = next((lw for lw in w.layers if not isinstance(lw.mixer, AttentionWeights)), None)
+    mixer = first_dn.mixer.in_proj_qkv if first_dn is not None else w.layers[0].mixer.q_proj
+    m = w.layers[0].moe
+    return {"embed": _quant(w.embed, "embed_tokens"), "lm_head": _quant(w.lm_head, "lm_head"),
+            "mixer": _quant(mixer, "layer 0 mixer projections"),
+            "experts_q": _quant(m.gate_proj, "layer 0 experts"), "router": _quant(m.router, "layer 0 router")}
+
+
+def _raw(a: np.ndarray) -> np.ndarray:
+    """A C-contiguous view (bfloat16 as uint16: the core sees bytes); no copy for checkpoint views."""
+    a = np.asarray(a)
+    if a.dtype == ml_dtypes.bfloat16:
+        a = a.view(np.uint16)
+    return a if a.flags.c_contiguous else np.ascontiguousarray(a)
+
+
+def upload_weights(engine, cfg: ModelConfig, w: ModelWeights, quant: dict) -> None:
+    """Upload every tensor once; raise BackendError for a tensor outside its quant class."""
+    for name, cls, lins, parts in _tensors(cfg, w):
+        if cls is not None:
+            for lin in lins:
+                got = _quant(lin, name)
+                if got != quant[cls]:
+                    raise BackendError(f"engine: {name.rsplit('.', 1)[0]} is quantized {got}, but the "
+                                       f"engine takes one quantization per class ({cls}: {quant[cls]}); "
+                                       "use backend='reference'")
+        engine.upload(name, [_raw(p) for p in parts])
+    engine.check_loaded()
+
+
+class EngineBackend:
+    """The C++ engine as a Model backend (same interface as ReferenceBackend)."""
+
+    def __init__(self, device: str, cfg: ModelConfig, weights: ModelWeights, *, context_length: int,
+                 prefill_chunk: int):
+        if device not in _core().devices() and device != "count":
+            raise BackendError(f"device {device!r} is not available in this build "
+                               f"(available: {_core().devices()})")
+        self.name = device
+        self.cfg = cfg
+        quant = checkpoint_quant(weights)
+        try:
+            self.engine = _core().Engine(engine_spec(cfg, quant, context_length=context_length,
+                                                     prefill_chunk=prefill_chunk), device)
+        except ValueError as e:
+            raise BackendError(str(e)) from None
+        upload_weights(self.engine, cfg, weights, quant)
+        self.prefill_chunk = prefill_chunk
+        self._context = context_length
+        self.logit_rows = min(prefill_chunk, LOGIT_ROWS)
+        self.last_stats: dict | None = None
+
+    def forward(self, ids: np.ndarray, *, all_logits: bool) -> np.ndarray:
+        ids = np.ascontiguousarray(ids, dtype=np.uint32).reshape(-1)
+        if self.engine.position + len(ids) > self.engine_context:
+            raise ValueError("engine: the step would exceed the engine's context length")
+        step = self.logit_rows if all_logits else self.prefill_chunk
+        if len(ids) <= step:
+            logits, self.last_stats = self.engine.forward(ids, all_logits)
+            return logits if all_logits else logits[0]
+        # Several steps: keep them all-or-nothing with a snapshot.
+        snap = self.engine.snapshot()
+        out = []
+        try:
+            for s in range(0, len(ids), step):
+                logits, self.last_stats = self.engine.forward(ids[s:s + step], all_logits)
+                out.append(logits)
+        except BaseException:
+            self.engine.restore(snap)
+            raise
+        return np.concatenate(out) if all_logits else out[-1][0]
+
+    @property
+    def engine_context(self) -> int:
+        return self._context
+
+    def reset(self) -> None:
+        self.engine.reset()
+
+    def snapshot(self):
+        return self.engine.snapshot()
+
+    def restore(self, snap) -> None:
+        self.engine.restore(snap)
+
+
+def count_step(cfg: ModelConfig, *, tokens: int = 1, position: int = 0, all_logits: bool = False,
+               quant: dict | None = None, prefill_chunk: int | None = None) -> dict:
+    """Counters of one step for ``cfg`` on the counting device (no weights, nothing runs):
+    dispatches, barriers, bytes_bound, threads, commits, waits_in_step."""
+    chunk = prefill_chunk or max(tokens, 1)
+    spec = engine_spec(cfg, quant or REAL_QUANT, context_length=position + tokens,
+                       prefill_chunk=chunk)
+    eng = _core().Engine(spec, "count")
+    return eng.count(tokens, position, all_logits)
