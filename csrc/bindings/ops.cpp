@@ -303,6 +303,7 @@ void init_ops(nb::module_& parent) {
       "op"_a, "a"_a, "b"_a, nb::kw_only(), "b_per_row"_a, "dtype"_a, "device"_a = "emu", "order"_a = "shuffle",
       "seed"_a = 0, "fp_traps"_a = true,
       "swiglu (silu(a) * b) or sigmoid_mul (a * sigmoid(b)); returns (y, stats). Use lily_py.ops.");
+  { void init_ops_attention(nb::module_&); init_ops_attention(parent); }  // ops_attention.cpp
 }
 
 }  // namespace lily::bindings

@@ -76,3 +76,5 @@ struct ElementwiseArgs {
 };
 
 }  // namespace lily
+
+#include "common/args_attention.h"  // attention family: rope, qk norm, KV cache, decode/prefill

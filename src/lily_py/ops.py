@@ -251,3 +251,5 @@ def _elementwise(op, a, b, *, device="emu", order="shuffle", seed=0, fp_traps=Tr
                                        b_per_row=per_row, dtype=a_dtype, device=device, order=order,
                                        seed=seed, fp_traps=fp_traps)
     return _from_core(y, a_dtype).reshape(a.shape), stats
+
+from ._ops_attention import *  # noqa: E402,F401,F403  rope, qk_norm_rope_append, attention_* (attention family)
