@@ -351,9 +351,31 @@ def run_mixer_chunks(rng, chunks, hidden, Hq, Hkv, D, rd, theta, offset=0.0):
 
 
 def test_mixer_chunked_prefill_then_decode(rng):
-    # chunk 2 attends to chunk 1 through the cache; then decode steps on both routes
-    stats = run_mixer_chunks(rng, [5, 7, 1, 1], hidden=128, Hq=4, Hkv=2, D=64, rd=16, theta=1e4, offset=1.0)
+    # chunk 2 attends to chunk 1 through the cache (its projections take the tiled qmm route:
+    # 11 rows > 8), then decode steps
+    stats = run_mixer_chunks(rng, [5, 11, 1, 1], hidden=128, Hq=4, Hkv=2, D=64, rd=16, theta=1e4, offset=1.0)
     assert [s["dispatches"] for s in stats] == [6, 6, 6, 6]
+
+
+def test_mixer_chunking_does_not_change_the_result(rng):
+    # A prompt prefilled in chunks of 9 + 10 + 11 equals the same prompt in one chunk of 30, bit for
+    # bit: every chunk takes the qmm route (a row's sum order does not depend on M), a query row
+    # walks the same 32-key blocks from key 0 whatever chunk it is in, and keys it cannot see
+    # contribute exact zeros.
+    Hq, Hkv, D, hidden = 4, 2, 32, 64
+    weights, _ = mixer_case(rng, hidden, Hq, Hkv, D)
+    x = rand(rng, (30, hidden), np.float32)
+    empty = np.zeros((Hkv, 32, D), BF16)
+    kw = dict(q_heads=Hq, rotary_dim=8, theta=1e4)
+    one, k1, v1 = ops.attention_mixer(x, weights, empty, empty, position=0, **kw)
+    kc, vc, outs, pos = empty, empty, [], 0
+    for n in (9, 10, 11):
+        o, kc, vc = ops.attention_mixer(x[pos:pos + n], weights, kc, vc, position=pos, **kw)
+        outs.append(o)
+        pos += n
+    np.testing.assert_array_equal(np.concatenate(outs), one)
+    np.testing.assert_array_equal(kc, k1)
+    np.testing.assert_array_equal(vc, v1)
 
 
 def test_mixer_decode_dispatch_counts_both_routes(rng):
