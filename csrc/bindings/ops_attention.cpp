@@ -286,7 +286,9 @@ void init_ops_attention(nb::module_& parent) {
         op.dtype = gpu::parse_dtype(dtype, "attention_mixer: x");
         op.w_dtype = gpu::parse_dtype(w_dtype, "attention_mixer: q_norm");
         const gpu::DType st = gpu::parse_dtype(scale_dtype, "attention_mixer: scales");
-        require(proj.size() == 12, "attention_mixer: proj must be 12 arrays (w, scales, biases) x (q, k, v, o)");
+        require(proj.size() == 12 || proj.size() == 6,
+                "attention_mixer: proj must be 12 arrays (w, scales, biases) x (q, k, v, o) or 6 (qkv, o)");
+        const bool fused = proj.size() == 6;
         require(x.ndim() == 2 && k_cache.ndim() == 3, "attention_mixer: x must be 2-D and caches 3-D");
         const size_t T = x.shape(0), H = x.shape(1), Hkv = k_cache.shape(0), cap = k_cache.shape(1), D = k_cache.shape(2);
         check_dims(x, fn, "x", {T, H}, gpu::dtype_size(op.dtype) * 8);
@@ -307,18 +309,26 @@ void init_ops_attention(nb::module_& parent) {
         AttnRun r(device, order, seed, fp_traps);
         const size_t xs = gpu::dtype_size(op.dtype);
         op.x = r.input(x);
-        op.q_proj = qmm_weights(r, proj[0], proj[1], proj[2], bits, group_size, st);
-        op.k_proj = qmm_weights(r, proj[3], proj[4], proj[5], bits, group_size, st);
-        op.v_proj = qmm_weights(r, proj[6], proj[7], proj[8], bits, group_size, st);
-        op.o_proj = qmm_weights(r, proj[9], proj[10], proj[11], bits, group_size, st);
+        if (fused) {
+          op.qkv_proj = qmm_weights(r, proj[0], proj[1], proj[2], bits, group_size, st);
+          op.o_proj = qmm_weights(r, proj[3], proj[4], proj[5], bits, group_size, st);
+          op.qkv = r.output(T * (q_heads * 2 * D + 2 * Hkv * D) * xs);
+        } else {
+          op.q_proj = qmm_weights(r, proj[0], proj[1], proj[2], bits, group_size, st);
+          op.k_proj = qmm_weights(r, proj[3], proj[4], proj[5], bits, group_size, st);
+          op.v_proj = qmm_weights(r, proj[6], proj[7], proj[8], bits, group_size, st);
+          op.o_proj = qmm_weights(r, proj[9], proj[10], proj[11], bits, group_size, st);
+        }
         op.q_norm = r.input(q_norm);
         op.k_norm = r.input(k_norm);
         op.inv_freq = r.input(gpu::ops::rope_inv_freq(rotary_dim, theta));
         op.k_cache = r.input(k_cache);
         op.v_cache = r.input(v_cache);
-        op.qg = r.output(T * q_heads * 2 * D * xs);
-        op.k = r.output(T * Hkv * D * xs);
-        op.v = r.output(T * Hkv * D * xs);
+        if (!fused) {
+          op.qg = r.output(T * q_heads * 2 * D * xs);
+          op.k = r.output(T * Hkv * D * xs);
+          op.v = r.output(T * Hkv * D * xs);
+        }
         op.q = r.output(T * q_heads * D * xs);
         op.attn = r.output(T * q_heads * D * xs);
         if (T == 1) op.scratch = r.output(gpu::ops::attention_scratch_bytes(q_heads, u32(D), position + 1));

@@ -228,8 +228,9 @@ def attention_mixer(x: np.ndarray, weights: dict, k_cache: np.ndarray, v_cache: 
     attention (decode route for ``T == 1``, prefill otherwise), output gate, o_proj.
 
     ``weights``: ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` as ``(w, scales, biases)`` in MLX
-    layout (``bits``, ``group_size``), ``q_norm``, ``k_norm`` ``[head_dim]``. Returns
-    ``(out [T, hidden], k_cache, v_cache)``."""
+    layout (``bits``, ``group_size``), ``q_norm``, ``k_norm`` ``[head_dim]``. Instead of the three
+    input projections, ``qkv_proj`` (their rows concatenated, as a loader fuses them) makes them one
+    matmul. Returns ``(out [T, hidden], k_cache, v_cache)``."""
     out, kc, vc, _ = _attention_mixer(x, weights, k_cache, v_cache, position=position, q_heads=q_heads,
                                       rotary_dim=rotary_dim, theta=theta, eps=eps, weight_offset=weight_offset,
                                       bits=bits, group_size=group_size, device=device)
@@ -248,7 +249,8 @@ def _attention_mixer(x, weights, k_cache, v_cache, *, position, q_heads, rotary_
         raise ValueError(f"{fn}: k_cache {list(k_cache.shape)} and v_cache {list(v_cache.shape)} differ")
     D = kc.shape[2]
     proj, sdt = [], None
-    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+    names = ("qkv_proj", "o_proj") if "qkv_proj" in weights else ("q_proj", "k_proj", "v_proj", "o_proj")
+    for name in names:
         if name not in weights or len(weights[name]) != 3:
             raise ValueError(f"{fn}: weights[{name!r}] must be (w, scales, biases)")
         w, s, b = weights[name]

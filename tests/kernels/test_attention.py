@@ -386,6 +386,38 @@ def test_mixer_decode_dispatch_counts_both_routes(rng):
     assert (long_["dispatches"], long_["barriers"]) == (7, 4)
 
 
+def fuse_qkv(weights):
+    """q/k/v projections row-concatenated into one matrix, as a loader would fuse them."""
+    parts = [weights[n] for n in ("q_proj", "k_proj", "v_proj")]
+    fused = {k: v for k, v in weights.items() if k not in ("q_proj", "k_proj", "v_proj")}
+    fused["qkv_proj"] = tuple(np.concatenate([p[i] for p in parts]) for i in range(3))
+    return fused
+
+
+@pytest.mark.parametrize("chunks", [[3, 1], [SPLIT_KEYS, 1], [12]], ids=["decode", "decode-split", "prefill-qmm"])
+def test_mixer_fused_qkv_projection(rng, chunks):
+    # One matmul over row-concatenated q/k/v weights gives bit-identical results (an output's sum
+    # does not depend on the other weight rows), with two dispatches fewer and the same barriers.
+    Hq, Hkv, D, hidden = 4, 2, 32, 64
+    weights, _ = mixer_case(rng, hidden, Hq, Hkv, D)
+    fused = fuse_qkv(weights)
+    x = rand(rng, (sum(chunks), hidden), np.float32)
+    kw = dict(q_heads=Hq, rotary_dim=8, theta=1e4, seed=rng.seed)
+    caches = [np.zeros((Hkv, sum(chunks), D), BF16)] * 2
+    kc_a, vc_a = kc_b, vc_b = caches
+    pos = 0
+    for n in chunks:
+        a, kc_a, vc_a, sa = A._attention_mixer(x[pos:pos + n], weights, kc_a, vc_a, position=pos, **kw)
+        b, kc_b, vc_b, sb = A._attention_mixer(x[pos:pos + n], fused, kc_b, vc_b, position=pos, **kw)
+        np.testing.assert_array_equal(a, b)
+        assert sb["dispatches"] == sa["dispatches"] - 2 and sb["barriers"] == sa["barriers"]
+        pos += n
+    np.testing.assert_array_equal(kc_a, kc_b)
+    np.testing.assert_array_equal(vc_a, vc_b)
+    split = chunks[-1] == 1 and ops.attention_decode_route(pos)["route"] == "split"
+    assert (sb["dispatches"], sb["barriers"]) == ((5, 4) if split else (4, 3))
+
+
 def test_mixer_real_shapes_decode(rng):
     # The model's attention layer: hidden 2048, 16 / 2 heads of 256, rotary 64, theta 1e7.
     stats = run_mixer_chunks(rng, [3, 1], hidden=2048, Hq=16, Hkv=2, D=256, rd=64, theta=1e7)

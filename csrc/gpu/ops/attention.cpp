@@ -77,14 +77,19 @@ void encode_qk_norm_rope(Encoder& enc, const QkNormRopeOperands& op) {
   check_cache(fn, op.kv_heads, op.capacity, op.head_dim);
   const uint64_t xs = dtype_size(op.x_dtype), D = op.head_dim;
   const uint64_t cache_bytes = uint64_t(op.kv_heads) * op.capacity * D * 2;
-  const uint32_t qg_stride = op.q_heads * 2 * op.head_dim, kv_stride = op.kv_heads * op.head_dim;
-  QkNormRopeArgs args{op.tokens,   op.q_heads,  op.kv_heads, op.head_dim, op.rotary_dim, op.position,
-                      op.capacity, qg_stride,   kv_stride,   kv_stride,   op.eps,        op.weight_offset};
+  const uint32_t qg_row = op.q_heads * 2 * op.head_dim, kv_row = op.kv_heads * op.head_dim;
+  const uint32_t qg_stride = op.qg_stride ? op.qg_stride : qg_row;
+  const uint32_t k_stride = op.k_stride ? op.k_stride : kv_row;
+  const uint32_t v_stride = op.v_stride ? op.v_stride : kv_row;
+  if (qg_stride < qg_row || k_stride < kv_row || v_stride < kv_row) fail(fn, "a token stride is shorter than its row");
+  QkNormRopeArgs args{op.tokens,   op.q_heads, op.kv_heads, op.head_dim, op.rotary_dim, op.position,
+                      op.capacity, qg_stride,  k_stride,    v_stride,    op.eps,        op.weight_offset};
+  const uint64_t rows = op.tokens - 1;
   enc.set_kernel(qk_norm_rope_kernel(op.x_dtype, op.w_dtype));
   enc.set_args(args);
-  enc.set_buffer(1, need(fn, op.qg, op.tokens * qg_stride * xs, "qg"));
-  enc.set_buffer(2, need(fn, op.k, op.tokens * kv_stride * xs, "k"));
-  enc.set_buffer(3, need(fn, op.v, op.tokens * kv_stride * xs, "v"));
+  enc.set_buffer(1, need(fn, op.qg, (rows * qg_stride + qg_row) * xs, "qg"));
+  enc.set_buffer(2, need(fn, op.k, (rows * k_stride + kv_row) * xs, "k"));
+  enc.set_buffer(3, need(fn, op.v, (rows * v_stride + kv_row) * xs, "v"));
   enc.set_buffer(4, need(fn, op.q_norm, D * dtype_size(op.w_dtype), "q_norm"));
   enc.set_buffer(5, need(fn, op.k_norm, D * dtype_size(op.w_dtype), "k_norm"));
   enc.set_buffer(6, need(fn, op.inv_freq, uint64_t(op.rotary_dim / 2) * 4, "inv_freq"));
@@ -221,6 +226,7 @@ void encode_attention_mixer(Encoder& enc, const AttentionMixerOperands& op) {
   const char* fn = "attention_mixer";
   if (op.tokens == 0 || op.hidden == 0) fail(fn, "empty shape");
   const uint32_t T = op.tokens, D = op.head_dim;
+  const uint64_t xs = dtype_size(op.dtype);
   auto proj = [&](QmmOperands p, const Binding& x, const Binding& y, uint32_t K, uint32_t N, const char* what) {
     p.x = x;
     p.y = y;
@@ -237,15 +243,35 @@ void encode_attention_mixer(Encoder& enc, const AttentionMixerOperands& op) {
     }
     encode_quantized_matmul(enc, p);
   };
-  proj(op.q_proj, op.x, op.qg, op.hidden, op.q_heads * 2 * D, "q_proj");
-  proj(op.k_proj, op.x, op.k, op.hidden, op.kv_heads * D, "k_proj");
-  proj(op.v_proj, op.x, op.v, op.hidden, op.kv_heads * D, "v_proj");
+  const uint32_t nq = op.q_heads * 2 * D, nkv = op.kv_heads * D;
+  const bool fused = op.qkv_proj.w.buffer != nullptr;
+  Binding qg = op.qg, k = op.k, v = op.v;
+  uint32_t qg_stride = 0, kv_stride = 0;
+  if (fused) {
+    const uint32_t ntot = nq + 2 * nkv;
+    proj(op.qkv_proj, op.x, op.qkv, op.hidden, ntot, "qkv_proj");
+    auto part = [&](uint64_t col) {  // the qkv temporary from column col on
+      if (op.qkv.bytes < col * xs) fail(fn, "qkv temporary too small");
+      return Binding{op.qkv.buffer, op.qkv.offset + col * xs, op.qkv.bytes - col * xs};
+    };
+    qg = part(0);
+    k = part(nq);
+    v = part(uint64_t(nq) + nkv);
+    qg_stride = kv_stride = ntot;
+  } else {
+    proj(op.q_proj, op.x, op.qg, op.hidden, nq, "q_proj");
+    proj(op.k_proj, op.x, op.k, op.hidden, nkv, "k_proj");
+    proj(op.v_proj, op.x, op.v, op.hidden, nkv, "v_proj");
+  }
   enc.barrier();  // qg, k, v -> qk_norm_rope
 
   QkNormRopeOperands n;
-  n.qg = op.qg;
-  n.k = op.k;
-  n.v = op.v;
+  n.qg = qg;
+  n.k = k;
+  n.v = v;
+  n.qg_stride = qg_stride;
+  n.k_stride = kv_stride;
+  n.v_stride = kv_stride;
   n.q_norm = op.q_norm;
   n.k_norm = op.k_norm;
   n.inv_freq = op.inv_freq;
@@ -271,10 +297,9 @@ void encode_attention_mixer(Encoder& enc, const AttentionMixerOperands& op) {
   a.k_cache = op.k_cache;
   a.v_cache = op.v_cache;
   // The gate is the second half of each head's row of q_proj's output.
-  const uint64_t xs = dtype_size(op.dtype);
-  a.gate = Binding{op.qg.buffer, op.qg.offset + D * xs, op.qg.bytes > D * xs ? op.qg.bytes - D * xs : 0};
+  a.gate = Binding{qg.buffer, qg.offset + D * xs, qg.bytes > D * xs ? qg.bytes - D * xs : 0};
   a.gate_head_stride = 2 * D;
-  a.gate_stride = op.q_heads * 2 * D;
+  a.gate_stride = fused ? qg_stride : nq;
   a.out = op.attn;
   a.scratch = op.scratch;
   a.dtype = op.dtype;

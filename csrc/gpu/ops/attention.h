@@ -38,6 +38,7 @@ struct QkNormRopeOperands {
   DType w_dtype = DType::f32;
   uint32_t tokens = 0, q_heads = 0, kv_heads = 0, head_dim = 0, rotary_dim = 0;
   uint32_t position = 0, capacity = 0;
+  uint32_t qg_stride = 0, k_stride = 0, v_stride = 0;  // elements between tokens; 0: packed
   float eps = 1e-6f;
   float weight_offset = 0.0f;  // 1 for zero-centred (Hugging Face) norm weights
 };
@@ -79,10 +80,14 @@ void encode_attention_prefill(Encoder& enc, const AttentionOperands& op);
 //   qmv/qmm q_proj, k_proj, v_proj (one dispatch each, independent) | barrier | qk_norm_rope |
 //   barrier | attention (decode: single route, or split | barrier | combine; prefill) | barrier |
 //   qmv/qmm o_proj
+// With qkv_proj bound (q_proj, k_proj and v_proj row-concatenated at load, [Nq + 2 Nkv, hidden])
+// the three projections are one dispatch into the qkv temporary, read in place with strides.
 // The projections' QmmOperands carry the weights (their x / y / M are filled in here).
 struct AttentionMixerOperands {
   Binding x;                       // [tokens, hidden] of dtype
   QmmOperands q_proj, k_proj, v_proj, o_proj;  // weights, bits, group size, scale dtype
+  QmmOperands qkv_proj;            // fused alternative to q/k/v_proj (used when qkv_proj.w is bound)
+  Binding qkv;                     // fused only: [tokens, q_heads * 2D + 2 * kv_heads * D] of dtype
   Binding q_norm, k_norm;          // [head_dim] of w_dtype
   Binding inv_freq;                // float32 [rotary_dim / 2]
   Binding k_cache, v_cache;        // bf16 [kv_heads, capacity, head_dim]
