@@ -9,6 +9,7 @@
 // activation dtype T, or to bf16 in the cache). RoPE angles are float(position) * inv_freq[i] in
 // fp32, exactly as lily_py.reference.ops.rope_cos_sin computes them (inv_freq comes from the host).
 #include "common/lily_metal.h"
+#include "common/mma.h"
 
 namespace lily {
 
@@ -311,6 +312,152 @@ template <typename T>
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// attention_prefill_mma: the prefill route for head_dim % 32 == 0 (and % 64 == 0 above 128), with
+// 8x8 simdgroup matrices (common/mma.h). One threadgroup = one KV head x qt = 32 / group query
+// tokens: its 32 rows are (token, head) pairs, row = token_in_block * group + head_in_group (rows
+// past qt * group are zero padding). Per block of 32 keys:
+//   S = Q K^T:  head_dim walked in 32-wide chunks: q rows and k rows of the chunk -> threadgroup
+//               (fp32), barrier, simdgroup s multiplies its 16x16 quarter of S (2x2 tiles), barrier;
+//               S -> threadgroup memory, barrier
+//   softmax:    thread t owns row t / 4, columns 8 (t % 4) .. +8: scale, causal mask, row max and
+//               sum over the row's 4 threads (simd_shuffle_xor 1, 2), running m and l in registers,
+//               p back into S, the row's rescale factor onto the diagonal of an 8x8 tile; barrier
+//   O += P V:   per pass of vc = min(head_dim, 128) columns: V block -> threadgroup (fp32),
+//               barrier; simdgroup s owns all 32 rows x columns s * vc / 4 .. +vc / 4: rescales its
+//               tiles (diag * O) then accumulates P V (4 k-steps); barrier
+//   grid:       (kv_heads, ceil(tokens / qt)) x kAttnMmaThreads = 128 threads
+//   registers:  O: 4 row tiles x (head_dim / 32) column tiles of 8x8 fp32 (64 floats per lane at
+//               head_dim 256), S quarter 2x2 tiles, m and l of one row
+//   threadgroup memory: q, k, S tiles 3 x 32 x 36 floats, V 32 x 132 floats, diagonals 32 x 8:
+//               31,744 bytes
+// Each K/V row is read from device memory once per threadgroup (q once per key block).
+template <typename T>
+[[kernel]] void attention_prefill_mma(constant AttnArgs& args [[buffer(0)]],
+                                      const device T* q [[buffer(1)]],
+                                      const device bfloat* k_cache [[buffer(2)]],
+                                      const device bfloat* v_cache [[buffer(3)]],
+                                      const device T* gate [[buffer(4)]],
+                                      device T* out [[buffer(5)]],
+                                      LILY_KERNEL_TAIL) {
+  constexpr uint32_t R = kAttnMmaRows;
+  constexpr uint32_t BK = kAttnBlockKeys;
+  constexpr uint32_t LD = 36;                     // padded rows of the q, k and S tiles
+  constexpr uint32_t LDV = kAttnMmaMaxVCols + 4;  // padded rows of the V tile
+  static_assert(R == 32 && BK == 32 && kAttnMmaThreads == 128, "the mapping below assumes 32 x 32 and 128 threads");
+  LILY_TG_ARRAY(float, qs, [R * LD]);
+  LILY_TG_ARRAY(float, ks, [BK * LD]);
+  LILY_TG_ARRAY(float, ss, [R * LD]);
+  LILY_TG_ARRAY(float, vs, [BK * LDV]);
+  LILY_TG_ARRAY(float, diag, [R * 8]);
+
+  const uint32_t D = args.head_dim;
+  const uint32_t group = args.q_heads / args.kv_heads;
+  const uint32_t qt = R / group;     // query tokens per threadgroup
+  const uint32_t rows = qt * group;  // live rows
+  const uint32_t kvh = group_pos.x;
+  const uint32_t t0 = group_pos.y * qt;
+  const uint32_t t_last = min(t0 + qt, args.tokens) - 1;
+  const uint32_t key_end = args.position + t_last + 1;
+  const uint32_t cache_base = kvh * args.capacity * D;
+  const uint32_t t = thread_pos.x;
+  const uint32_t row = t / 4;        // the row this thread loads and runs the softmax of
+  const uint32_t col = (t % 4) * 8;  // its 8 columns
+  const bool row_live = row < rows && t0 + row / group < args.tokens;
+  const uint32_t row_tok = min(t0 + min(row, rows - 1) / group, args.tokens - 1);
+  const uint32_t row_head = kvh * group + min(row, rows - 1) % group;
+  const uint32_t visible_end = args.position + row_tok + 1;  // the row sees keys < visible_end
+  const uint32_t vc = D > kAttnMmaMaxVCols ? D / 2 : D;     // V columns per pass
+  const uint32_t passes = D / vc;
+  const uint32_t tiles = vc / 32;                            // column tiles per simdgroup per pass
+  const uint32_t sm = (simd_id / 2) * 16;
+  const uint32_t sn = (simd_id % 2) * 16;
+
+  MmaTile<4, 8> o;
+  mma_zero(o);
+  float m = neg_inf();
+  float l = 0.0f;
+
+  for (uint32_t kb = 0; kb < key_end; kb += BK) {
+    const uint32_t nkeys = min(BK, key_end - kb);
+    MmaTile<2, 2> sacc;
+    mma_zero(sacc);
+    for (uint32_t dc = 0; dc < D; dc += 32) {
+      const device T* qr = q + row_tok * args.q_stride + row_head * D + dc + col;
+      for (uint32_t i = 0; i < 8; ++i) qs[row * LD + col + i] = row_live ? float(qr[i]) : 0.0f;
+      const device bfloat* kr = k_cache + cache_base + (kb + min(row, nkeys - 1)) * D + dc + col;
+      for (uint32_t i = 0; i < 8; ++i) ks[row * LD + col + i] = row < nkeys ? float(kr[i]) : 0.0f;
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+      for (uint32_t kk = 0; kk < 32; kk += 8) mma_step(sacc, qs + sm * LD + kk, LD, ks + sn * LD + kk, LD);
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+    }
+    mma_store(sacc, ss + sm * LD + sn, LD);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+
+    float sv[8];
+    float block_max = neg_inf();
+    for (uint32_t i = 0; i < 8; ++i) {
+      sv[i] = ss[row * LD + col + i] * args.scale;
+      if (kb + col + i < visible_end) block_max = max(block_max, sv[i]);
+    }
+    block_max = max(block_max, simd_shuffle_xor(block_max, 1));
+    block_max = max(block_max, simd_shuffle_xor(block_max, 2));
+    const float m_new = max(m, block_max);
+    const float corr = m == m_new ? 1.0f : exp(m - m_new);  // never (-inf) - (-inf)
+    float psum = 0.0f;
+    for (uint32_t i = 0; i < 8; ++i) {
+      const float p = kb + col + i < visible_end ? exp(sv[i] - m_new) : 0.0f;
+      ss[row * LD + col + i] = p;
+      psum += p;
+    }
+    psum += simd_shuffle_xor(psum, 1);
+    psum += simd_shuffle_xor(psum, 2);
+    l = l * corr + psum;
+    m = m_new;
+    for (uint32_t c = (t % 4) * 2; c < (t % 4) * 2 + 2; ++c)
+      diag[(row / 8) * 64 + (row % 8) * 8 + c] = c == row % 8 ? corr : 0.0f;
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+
+    for (uint32_t pass = 0; pass < passes; ++pass) {
+      for (uint32_t e = t; e < BK * vc; e += kAttnMmaThreads) {
+        const uint32_t j = e / vc;
+        const uint32_t c = e % vc;
+        vs[j * LDV + c] = j < nkeys ? float(v_cache[cache_base + (kb + j) * D + pass * vc + c]) : 0.0f;
+      }
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+      for (uint32_t i = 0; i < 4; ++i) {
+        for (uint32_t jj = 0; jj < tiles; ++jj) {
+          mma_tile_scale_rows(o.c[i][pass * 4 + jj], diag + i * 64);
+          for (uint32_t kk = 0; kk < BK; kk += 8)
+            mma_tile_step(o.c[i][pass * 4 + jj], ss + (8 * i) * LD + kk, LD,
+                          vs + kk * LDV + simd_id * (vc / 4) + 8 * jj, LDV);
+        }
+      }
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+    }
+  }
+
+  // Epilogue, per pass: O tiles -> threadgroup memory, then each row's 4 threads normalize, gate
+  // and write its columns.
+  const float inv_l = 1.0f / l;
+  for (uint32_t pass = 0; pass < passes; ++pass) {
+    for (uint32_t i = 0; i < 4; ++i)
+      for (uint32_t jj = 0; jj < tiles; ++jj)
+        mma_tile_store(o.c[i][pass * 4 + jj], vs + (8 * i) * LDV + simd_id * (vc / 4) + 8 * jj, LDV);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    if (row_live) {
+      for (uint32_t c = t % 4; c < vc; c += 4) {
+        const uint32_t d = pass * vc + c;
+        float y = vs[row * LDV + c] * inv_l;
+        if (args.use_gate != 0)
+          y *= attn_sigmoid(float(gate[row_tok * args.gate_stride + row_head * args.gate_head_stride + d]));
+        out[(row_tok * args.q_heads + row_head) * D + d] = T(y);
+      }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+}
+
 LILY_INSTANTIATE("rope_f32", rope<float>)
 LILY_INSTANTIATE("rope_bf16", rope<bfloat>)
 LILY_INSTANTIATE("qk_norm_rope_xf32_wf32", qk_norm_rope<float, float>)
@@ -325,5 +472,7 @@ LILY_INSTANTIATE("attn_combine_f32", attention_combine<float>)
 LILY_INSTANTIATE("attn_combine_bf16", attention_combine<bfloat>)
 LILY_INSTANTIATE("attn_prefill_f32", attention<float, kAttnPrefillTokens>)
 LILY_INSTANTIATE("attn_prefill_bf16", attention<bfloat, kAttnPrefillTokens>)
+LILY_INSTANTIATE("attn_prefill_mma_f32", attention_prefill_mma<float>)
+LILY_INSTANTIATE("attn_prefill_mma_bf16", attention_prefill_mma<bfloat>)
 
 }  // namespace lily

@@ -133,6 +133,10 @@ void init_ops_attention(nb::module_& parent) {
     return bindings::download<float>(f.data(), {f.size()});
   }, "rotary_dim"_a, "theta"_a, "float32 [rotary_dim / 2] inverse frequencies the RoPE kernels use.");
 
+  m.def("attention_prefill_route", [](uint32_t head_dim) {
+    return std::string(gpu::ops::attention_prefill_uses_mma(head_dim) ? "mma" : "simd");
+  }, "head_dim"_a, "Prefill attention route for this head_dim: 'mma' (simdgroup matrices) or 'simd'.");
+
   m.def("attention_decode_route", [](uint32_t length) {
     const gpu::ops::AttnRoute r = gpu::ops::attention_decode_route(length);
     nb::dict d;
@@ -259,6 +263,8 @@ void init_ops_attention(nb::module_& parent) {
           } else {
             kernels.append(bf ? "attn_decode_bf16" : "attn_decode_f32");
           }
+        } else if (gpu::ops::attention_prefill_uses_mma(op.head_dim)) {
+          kernels.append(bf ? "attn_prefill_mma_bf16" : "attn_prefill_mma_f32");
         } else {
           kernels.append(bf ? "attn_prefill_bf16" : "attn_prefill_f32");
         }

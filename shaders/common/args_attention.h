@@ -17,6 +17,9 @@ enum : uint32_t {
   kAttnPrefillTokens = 4,    // prefill: query tokens per threadgroup (K/V block reused by all)
   kAttnSplitKeys = 256,      // decode: contexts longer than this take the split-K route ...
   kAttnMaxSplits = 32,       // ... with at most this many splits (keys per split a multiple of 32)
+  kAttnMmaRows = 32,         // prefill (mma route): query rows (token, head) per threadgroup
+  kAttnMmaThreads = 128,     // prefill (mma route): 4 simdgroups
+  kAttnMmaMaxVCols = 128,    // prefill (mma route): V columns staged per pass (head_dim 256: 2 passes)
 };
 
 // Partial rotary embedding (rotate-half pairing) of the first rotary_dim features of rows of x.

@@ -36,7 +36,7 @@ def _from_core(y, dtype_name):
     return f(y, dtype_name)
 
 __all__ = ["rope", "qk_norm_rope_append", "attention_decode", "attention_prefill",
-           "attention_decode_route", "attention_mixer"]
+           "attention_decode_route", "attention_prefill_route", "attention_mixer"]
 
 
 def _uint(v, what: str, fn: str) -> int:
@@ -145,6 +145,12 @@ def attention_decode_route(length: int) -> dict:
     "splits", "split_keys"}``. Up to 256 keys one pass; longer contexts split the keys into at
     most 32 ranges (multiples of 32 keys) and combine the partial softmaxes."""
     return dict(_core().ops.attention_decode_route(_uint(length, "length", "attention_decode_route")))
+
+
+def attention_prefill_route(head_dim: int) -> str:
+    """How :func:`attention_prefill` runs for ``head_dim``: ``"mma"`` (8x8 simdgroup matrices;
+    head_dim a multiple of 32, and of 64 above 128: 64, 128, 256, ...) or ``"simd"`` (scalar fp32)."""
+    return str(_core().ops.attention_prefill_route(_uint(head_dim, "head_dim", "attention_prefill_route")))
 
 
 def _check_attention(q, k_cache, v_cache, gate, fn, tokens_axis: bool):

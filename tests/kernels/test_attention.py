@@ -230,20 +230,39 @@ def test_attention_decode_ignores_rows_past_length(rng):
     np.testing.assert_array_equal(a, ops.attention_decode(q[0], kc2, vc2, length=270, gate=g[0]))
 
 
+def test_prefill_route_rule():
+    # mma: head_dim a multiple of 32 (of 64 above 128, so each of 2 passes stages a multiple of 32)
+    assert [ops.attention_prefill_route(d) for d in (32, 64, 96, 128, 192, 256)] == ["mma"] * 6
+    assert [ops.attention_prefill_route(d) for d in (16, 24, 40, 100, 160, 224)] == ["simd"] * 6
+
+
+# Both prefill routes (mma: head_dim 64, 96, 256; simd: 16, 24, 33, 40, 160), every group size
+# shape of the mma row packing (group 1: 32 tokens per threadgroup, 3: 10 tokens + 2 padding
+# rows, 8: 4 tokens), partial token blocks, chunks after an existing cache.
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
 @pytest.mark.parametrize("T,position,Hq,Hkv,D", [
-    (5, 3, 16, 2, 256),    # real heads, a partial 4-token block
-    (9, 0, 6, 2, 40),      # first chunk of a prompt, odd sizes
-    (4, 37, 3, 3, 24),     # a second chunk attending to the first, g = 1
-    (7, 290, 8, 1, 33),    # past a 256-key context, 2 blocks of queries, g = 8
-    (1, 12, 4, 2, 16),     # one token through the prefill kernel
-])
+    (5, 3, 16, 2, 256),    # real heads (mma, 2 V passes), a partial block
+    (9, 0, 6, 2, 40),      # simd: first chunk of a prompt, odd sizes
+    (4, 37, 3, 3, 24),     # simd: a second chunk attending to the first, g = 1
+    (7, 290, 8, 1, 33),    # simd: past a 256-key context, 2 blocks of queries, g = 8
+    (1, 12, 4, 2, 16),     # simd: one token through the prefill kernel
+    (23, 41, 6, 2, 64),    # mma: g = 3 (10 tokens + 2 padding rows per threadgroup), 3 threadgroups
+    (40, 5, 2, 2, 96),     # mma: g = 1, 32 tokens per threadgroup, 2 threadgroups
+    (9, 70, 8, 1, 64),     # mma: g = 8, 4 tokens per threadgroup
+    (6, 2, 4, 2, 160),     # simd: 160 > 128 and not a multiple of 64
+], ids=lambda v: str(v))
 def test_attention_prefill(rng, device, dtype, T, position, Hq, Hkv, D):
     q, kc, vc, g = attn_case(rng, T, Hq, Hkv, D, position + T + 2, dtype, gate=T % 2 == 1)
     out, stats = A._attention_prefill(q, kc, vc, position=position, gate=g, device=device, seed=rng.seed)
-    assert list(stats["kernels"]) == [f"attn_prefill_{sfx(dtype)}"] and stats["dispatches"] == 1
-    assert stats["threads"] == Hkv * -(-T // 4) * 32 * (Hq // Hkv)
-    check_attention(rng, out, q, kc, vc, g, position, f"prefill T={T} position={position}")
+    group = Hq // Hkv
+    if ops.attention_prefill_route(D) == "mma":
+        assert list(stats["kernels"]) == [f"attn_prefill_mma_{sfx(dtype)}"]
+        assert stats["threads"] == Hkv * -(-T // (32 // group)) * 128
+    else:
+        assert list(stats["kernels"]) == [f"attn_prefill_{sfx(dtype)}"]
+        assert stats["threads"] == Hkv * -(-T // 4) * 32 * group
+    assert stats["dispatches"] == 1
+    check_attention(rng, out, q, kc, vc, g, position, f"prefill T={T} position={position} D={D}")
 
 
 def test_prefill_equals_looped_decode_bitwise(rng):
@@ -258,10 +277,16 @@ def test_prefill_equals_looped_decode_bitwise(rng):
 
 @pytest.mark.parametrize("order", ["forward", "reverse"])
 def test_attention_independent_of_thread_order(rng, order):
+    # No races: split decode and both prefill routes give bit-identical results in any order.
     q, kc, vc, g = attn_case(rng, 1, 4, 2, 64, 700, np.float32)
     a, _ = A._attention_decode(q[0], kc, vc, length=700, gate=g[0], order="shuffle", seed=rng.seed)
     b, _ = A._attention_decode(q[0], kc, vc, length=700, gate=g[0], order=order)
     np.testing.assert_array_equal(a, b)
+    for D in (64, 40):  # mma, simd
+        q, kc, vc, g = attn_case(rng, 11, 4, 2, D, 80, np.float32)
+        a, _ = A._attention_prefill(q, kc, vc, position=60, gate=g, order="shuffle", seed=rng.seed)
+        b, _ = A._attention_prefill(q, kc, vc, position=60, gate=g, order=order)
+        np.testing.assert_array_equal(a, b)
 
 
 # ------------------------------------------------------------------------------ the whole mixer

@@ -208,11 +208,28 @@ void encode_attention_decode(Encoder& enc, const AttentionOperands& op) {
   enc.dispatch({op.q_heads, 1, 1}, {32, 1, 1});
 }
 
+bool attention_prefill_uses_mma(uint32_t head_dim) {
+  return head_dim % 32 == 0 && head_dim <= 2 * kAttnMmaMaxVCols && (head_dim <= kAttnMmaMaxVCols || head_dim % 64 == 0);
+}
+
 void encode_attention_prefill(Encoder& enc, const AttentionOperands& op) {
   const char* fn = "attention_prefill";
   Checked c = check_attention(fn, op);
   const uint32_t group = op.q_heads / op.kv_heads;
-  enc.set_kernel(op.dtype == DType::bf16 ? KernelId::attn_prefill_bf16 : KernelId::attn_prefill_f32);
+  const bool bf = op.dtype == DType::bf16;
+  if (attention_prefill_uses_mma(op.head_dim)) {
+    const uint32_t qt = kAttnMmaRows / group;
+    enc.set_kernel(bf ? KernelId::attn_prefill_mma_bf16 : KernelId::attn_prefill_mma_f32);
+    enc.set_args(c.args);
+    enc.set_buffer(1, c.q);
+    enc.set_buffer(2, c.k);
+    enc.set_buffer(3, c.v);
+    enc.set_buffer(4, c.gate);
+    enc.set_buffer(5, c.out);
+    enc.dispatch({op.kv_heads, (op.tokens + qt - 1) / qt, 1}, {kAttnMmaThreads, 1, 1});
+    return;
+  }
+  enc.set_kernel(bf ? KernelId::attn_prefill_bf16 : KernelId::attn_prefill_f32);
   enc.set_args(c.args);
   enc.set_buffer(1, c.q);
   enc.set_buffer(2, c.k);

@@ -72,7 +72,11 @@ struct AttentionOperands {
 uint64_t attention_scratch_bytes(uint32_t q_heads, uint32_t head_dim, uint32_t length);
 // Decode (tokens == 1): one dispatch, or split + barrier + combine (route from position + 1).
 void encode_attention_decode(Encoder& enc, const AttentionOperands& op);
-// Prefill: one dispatch; ceil(tokens / kAttnPrefillTokens) x kv_heads threadgroups.
+// Prefill route: "mma" (simdgroup matrices) when head_dim % 32 == 0 and, above 128, % 64 == 0
+// (64, 128, 256, ...); otherwise "simd" (scalar fp32, any head_dim <= 256).
+bool attention_prefill_uses_mma(uint32_t head_dim);
+// Prefill: one dispatch. mma: (kv_heads, ceil(tokens / (32 / group))) x 128 threads;
+// simd: (kv_heads, ceil(tokens / kAttnPrefillTokens)) x 32 * group threads.
 void encode_attention_prefill(Encoder& enc, const AttentionOperands& op);
 
 // The whole gated-attention token mixer of one layer (the model's attention layer minus its input
