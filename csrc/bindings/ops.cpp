@@ -307,6 +307,7 @@ void init_ops(nb::module_& parent) {
       "seed"_a = 0, "fp_traps"_a = true,
       "swiglu (silu(a) * b) or sigmoid_mul (a * sigmoid(b)); returns (y, stats). Use lily_py.ops.");
   { void init_ops_gated_delta(nb::module_&); init_ops_gated_delta(m); }  // ops_gated_delta.cpp
+  { void init_ops_attention(nb::module_&); init_ops_attention(parent); }  // ops_attention.cpp
 }
 
 }  // namespace lily::bindings

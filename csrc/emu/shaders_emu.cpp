@@ -19,6 +19,7 @@
 #include "emu/metal_emu.h"
 
 // clang-format off
+#include "attention.metal"
 #include "elementwise.metal"
 #include "embedding.metal"
 #include "gated_delta.metal"

@@ -80,7 +80,28 @@
   X(moe_gate_up_mm64_b4_xf32_sbf16,  MoeArgs, 15)                             \
   X(moe_down_mm32_b4_sbf16,          MoeArgs, 10)                             \
   X(moe_down_mm64_b4_sbf16,          MoeArgs, 10)                             \
-  X(moe_combine_xf32,                MoeArgs, 4)
+  X(moe_combine_xf32,                MoeArgs, 4)                              \
+  /* attention (shaders/attention.metal): rope: x, inv_freq, y */             \
+  X(rope_f32,  RopeArgs, 3)                                                   \
+  X(rope_bf16, RopeArgs, 3)                                                   \
+  /* qg, k, v, q_norm, k_norm, inv_freq, q_out, k_cache, v_cache */          \
+  X(qk_norm_rope_xf32_wf32,   QkNormRopeArgs, 9)                              \
+  X(qk_norm_rope_xf32_wbf16,  QkNormRopeArgs, 9)                              \
+  X(qk_norm_rope_xbf16_wf32,  QkNormRopeArgs, 9)                              \
+  X(qk_norm_rope_xbf16_wbf16, QkNormRopeArgs, 9)                              \
+  /* q, k_cache, v_cache, gate, out */                                        \
+  X(attn_decode_f32,  AttnArgs, 5)                                            \
+  X(attn_decode_bf16, AttnArgs, 5)                                            \
+  X(attn_prefill_f32,  AttnArgs, 5)                                           \
+  X(attn_prefill_bf16, AttnArgs, 5)                                           \
+  X(attn_prefill_mma_f32,  AttnArgs, 5)                                       \
+  X(attn_prefill_mma_bf16, AttnArgs, 5)                                       \
+  /* split-K decode: q, k_cache, v_cache, partial_o, partial_ml */            \
+  X(attn_decode_split_f32,  AttnArgs, 5)                                      \
+  X(attn_decode_split_bf16, AttnArgs, 5)                                      \
+  /* partial_o, partial_ml, gate, out */                                      \
+  X(attn_combine_f32,  AttnArgs, 4)                                           \
+  X(attn_combine_bf16, AttnArgs, 4)
 // clang-format on
 
 namespace lily::gpu {

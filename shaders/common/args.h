@@ -79,3 +79,5 @@ struct ElementwiseArgs {
 #include "common/args_gated_delta.h"  // Gated DeltaNet (conv1d, gated_delta)
 
 #include "common/args_moe.h"  // mixture of experts (shaders/moe.metal)
+
+#include "common/args_attention.h"  // attention family: rope, qk norm, KV cache, decode/prefill

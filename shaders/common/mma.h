@@ -39,4 +39,28 @@ inline void mma_store(thread const MmaTile<TM, TN>& t, threadgroup float* out, u
       simdgroup_store(t.c[i][j], out + uint32_t(8 * i) * ldo + uint32_t(8 * j), ulong(ldo), ulong2(0), false);
 }
 
+// ---- single-tile helpers (attention prefill: rows rescaled by the online softmax) -------------
+
+// c = diag * c: row r of the 8x8 tile scaled by diag[r * 8 + r] (diag: an 8x8 diagonal matrix in
+// threadgroup memory, zeros off the diagonal; the product is exact: one nonzero term per output).
+inline void mma_tile_scale_rows(thread simdgroup_float8x8& c, const threadgroup float* diag) {
+  simdgroup_float8x8 d;
+  simdgroup_load(d, diag, ulong(8), ulong2(0), false);
+  simdgroup_multiply(c, d, c);
+}
+
+// c += A[8 x 8] * B[8 x 8], both row-major in threadgroup memory (leading dimensions lda, ldb).
+inline void mma_tile_step(thread simdgroup_float8x8& c, const threadgroup float* a, uint32_t lda,
+                          const threadgroup float* b, uint32_t ldb) {
+  simdgroup_float8x8 af;
+  simdgroup_float8x8 bf;
+  simdgroup_load(af, a, ulong(lda), ulong2(0), false);
+  simdgroup_load(bf, b, ulong(ldb), ulong2(0), false);
+  simdgroup_multiply_accumulate(c, af, bf, c);
+}
+
+inline void mma_tile_store(thread const simdgroup_float8x8& c, threadgroup float* out, uint32_t ldo) {
+  simdgroup_store(c, out, ulong(ldo), ulong2(0), false);
+}
+
 }  // namespace lily

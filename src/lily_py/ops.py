@@ -255,3 +255,5 @@ from ._ops_gated_delta import causal_conv1d, gated_delta_mixer, gated_delta_scan
 
 
 from ._ops_moe import _moe, moe, moe_route, moe_weights  # noqa: E402,F401  (the MoE block)
+
+from ._ops_attention import *  # noqa: E402,F401,F403  rope, qk_norm_rope_append, attention_* (attention family)

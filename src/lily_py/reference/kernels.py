@@ -241,3 +241,78 @@ def moe_error_bound(x, mags: dict, dense: dict, *, top_k, residual=None) -> np.n
         res = 0.0 if residual is None else np.abs(np.asarray(residual[t], np.float64))
         bound[t] += (top_k + 2) * u * (total + res)
     return bound
+# ---------------------------------------------------------------------------------------------
+# Attention family (shaders/attention.metal): RoPE, fused q/k norm + RoPE + KV append, attention.
+# The KV cache the kernels use is bf16 [kv_heads, capacity, head_dim] (head-major, unlike
+# reference.attention.KVCache's [capacity, kv_heads, head_dim]).
+
+def rope_inv_freq(rotary_dim: int, theta: float) -> np.ndarray:
+    """``float32(1 / theta^(2i / rotary_dim))``, exactly as :func:`lily_py.reference.ops.rope_cos_sin`."""
+    return (1.0 / (theta ** (np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim))).astype(np.float32)
+
+
+def rope_angles(positions, rotary_dim: int, theta: float) -> np.ndarray:
+    """``[T, rotary_dim / 2]`` float32 angles ``float32(position) * inv_freq`` (one fp32 product)."""
+    return np.asarray(positions, dtype=np.float32)[:, None] * rope_inv_freq(rotary_dim, theta)[None, :]
+
+
+def rope(x: np.ndarray, *, position: int, rotary_dim: int, theta: float) -> np.ndarray:
+    """Partial rotate-half RoPE of ``x [T, heads, D]`` (token t at ``position + t``) in float64,
+    from the float32 angles the kernels compute; features ``>= rotary_dim`` pass through."""
+    x64 = np.asarray(x).astype(np.float64)
+    T = x64.shape[0]
+    ang = rope_angles(np.arange(position, position + T), rotary_dim, theta).astype(np.float64)
+    c, s = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+    half = rotary_dim // 2
+    a, b = x64[..., :half], x64[..., half:rotary_dim]
+    return np.concatenate([a * c - b * s, b * c + a * s, x64[..., rotary_dim:]], axis=-1)
+
+
+def qk_norm_rope(qg: np.ndarray, k: np.ndarray, q_norm: np.ndarray, k_norm: np.ndarray, *, position: int,
+                 rotary_dim: int, theta: float, eps: float, weight_offset: float = 0.0):
+    """``(q, k)`` after per-head RMSNorm and partial RoPE, float64: ``q`` from the query half of
+    ``qg [T, Hq, 2D]`` (``[T, Hq, D]``), ``k`` from ``k [T, Hkv, D]``. The values go to the cache
+    unchanged (rounded to bf16 there)."""
+    D = k.shape[-1]
+    q = rms_norm(np.asarray(qg)[..., :D], q_norm, eps=eps, weight_offset=weight_offset)
+    kn = rms_norm(k, k_norm, eps=eps, weight_offset=weight_offset)
+    return (rope(q, position=position, rotary_dim=rotary_dim, theta=theta),
+            rope(kn, position=position, rotary_dim=rotary_dim, theta=theta))
+
+
+def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, *, position: int,
+              gate: np.ndarray | None = None):
+    """Causal GQA attention over a head-major cache, float64, and the magnitudes its error scales with.
+
+    ``q [T, Hq, D]``: token ``t`` sits at ``position + t`` and sees cache rows ``0 .. position + t``;
+    ``k_cache, v_cache [Hkv, capacity, D]``; query head ``h`` uses KV head ``h // (Hq / Hkv)``.
+    Scores ``q . k * float32(D ** -0.5)``; ``out = softmax(scores) v`` times ``sigmoid(gate)``
+    when a gate ``[T, Hq, D]`` is given. Returns ``(out [T, Hq, D], score_mag [T, Hq, 1],
+    value_mag [T, Hq, D])``: ``score_mag = max_j scale * sum_d |q_d k_jd|`` (what the fp32 error of
+    a score is proportional to) and ``value_mag = sum_j p_j |v_jd|`` (times the gate).
+    """
+    q64 = np.asarray(q).astype(np.float64)
+    k64 = np.asarray(k_cache).astype(np.float64)
+    v64 = np.asarray(v_cache).astype(np.float64)
+    T, Hq, D = q64.shape
+    Hkv = k64.shape[0]
+    g = Hq // Hkv
+    scale = np.float64(np.float32(D ** -0.5))
+    out = np.empty((T, Hq, D))
+    smag = np.empty((T, Hq, 1))
+    vmag = np.empty((T, Hq, D))
+    for t in range(T):
+        S = position + t + 1
+        for h in range(Hq):
+            kk, vv = k64[h // g, :S], v64[h // g, :S]
+            s = kk @ q64[t, h] * scale
+            p = np.exp(s - s.max())
+            p /= p.sum()
+            out[t, h] = p @ vv
+            smag[t, h] = (np.abs(kk) @ np.abs(q64[t, h])).max() * scale
+            vmag[t, h] = p @ np.abs(vv)
+    if gate is not None:
+        sg = 1.0 / (1.0 + np.exp(-np.asarray(gate).astype(np.float64)))
+        out *= sg
+        vmag *= sg
+    return out, smag, vmag

@@ -1,0 +1,353 @@
+// lily_py._core.ops: the attention family (rope, qk_norm_rope, attention decode/prefill, the whole
+// attention mixer) over NumPy arrays. Wrapped by lily_py._ops_attention; encoding lives in
+// csrc/gpu/ops/attention.cpp.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "bindings/arrays.h"
+#include "emu/emulator.h"
+#include "gpu/dtype.h"
+#include "gpu/ops/attention.h"
+#include "gpu/ops/qmm.h"
+#if defined(LILY_HAVE_METAL)
+#include "metal/metal_device.h"
+#endif
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace lily::bindings {
+
+emu::Order parse_order(const std::string& s);  // emu.cpp
+
+namespace {
+
+std::unique_ptr<gpu::Device> attention_device(const std::string& name, const std::string& order, uint64_t seed,
+                                              bool fp_traps) {
+  if (name == "emu") {
+    emu::RunOptions o;
+    o.order = parse_order(order);
+    o.seed = seed;
+    o.fp_traps = fp_traps;
+    return std::make_unique<emu::EmuDevice>(o);
+  }
+  if (name == "metal") {
+#if defined(LILY_HAVE_METAL)
+    return metal::create_device();
+#else
+    throw std::invalid_argument("device 'metal' is not available in this build (built without "
+                                "LILY_METAL: not macOS); use device='emu'");
+#endif
+  }
+  throw std::invalid_argument("unknown device '" + name + "' (expected 'emu' or 'metal')");
+}
+
+// One op call: a device, its buffers (copies of the NumPy inputs), one encoder, one commit.
+struct AttnRun {
+  std::unique_ptr<gpu::Device> device;
+  std::vector<std::unique_ptr<gpu::Buffer>> buffers;
+  std::unique_ptr<gpu::Encoder> enc;
+
+  AttnRun(const std::string& dev, const std::string& order, uint64_t seed, bool fp_traps)
+      : device(attention_device(dev, order, seed, fp_traps)), enc(device->new_encoder()) {}
+  gpu::Binding input(const InArray& a) {
+    buffers.push_back(upload(*device, a.data(), a.nbytes()));
+    return {buffers.back().get(), 0, buffers.back()->size()};
+  }
+  gpu::Binding input(const std::vector<float>& v) {
+    buffers.push_back(upload(*device, v.data(), v.size() * sizeof(float)));
+    return {buffers.back().get(), 0, buffers.back()->size()};
+  }
+  gpu::Binding output(size_t bytes) {  // poisoned on the emulator: unwritten elements read NaN
+    buffers.push_back(device->new_buffer(bytes ? bytes : 4));
+    return {buffers.back().get(), 0, bytes};
+  }
+  template <class F>
+  nb::dict run(F f) {
+    {
+      nb::gil_scoped_release release;
+      f(*enc);
+      enc->commit();
+      enc->wait();
+    }
+    const gpu::Counters& c = enc->counters();
+    nb::dict d;
+    d["dispatches"] = c.dispatches;
+    d["barriers"] = c.barriers;
+    d["bytes_bound"] = c.bytes_bound;
+    d["threads"] = c.threads;
+    return d;
+  }
+  nb::object download(const gpu::Binding& b, gpu::DType t, std::vector<size_t> shape) {
+    if (t == gpu::DType::f32) return nb::cast(bindings::download<float>(b.buffer->contents(), shape));
+    return nb::cast(bindings::download<uint16_t>(b.buffer->contents(), shape));
+  }
+};
+
+void check_dims(const InArray& a, const char* fn, const char* what, std::vector<size_t> shape, size_t bits) {
+  std::string want = "[";
+  for (size_t i = 0; i < shape.size(); ++i) want += (i ? ", " : "") + std::to_string(shape[i]);
+  want += "]";
+  bool ok = a.ndim() == shape.size() && a.dtype().bits == bits;
+  for (size_t i = 0; ok && i < shape.size(); ++i) ok = a.shape(i) == shape[i];
+  require(ok, std::string(fn) + ": " + what + " must be " + want + " of " + std::to_string(bits) + "-bit elements");
+}
+
+uint32_t u32(size_t v) { return static_cast<uint32_t>(v); }
+
+gpu::ops::QmmOperands qmm_weights(AttnRun& r, const InArray& w, const InArray& s, const InArray& b, uint32_t bits,
+                             uint32_t group_size, gpu::DType st) {
+  gpu::ops::QmmOperands p;
+  p.w = r.input(w);
+  p.scales = r.input(s);
+  p.biases = r.input(b);
+  p.bits = bits;
+  p.group_size = group_size;
+  p.scale_dtype = st;
+  return p;
+}
+
+}  // namespace
+
+void init_ops_attention(nb::module_& parent) {
+  nb::module_ m = nb::borrow<nb::module_>(parent.attr("ops"));
+
+  m.attr("ATTN_SPLIT_KEYS") = static_cast<uint32_t>(kAttnSplitKeys);
+  m.attr("ATTN_MAX_SPLITS") = static_cast<uint32_t>(kAttnMaxSplits);
+  m.attr("ATTN_BLOCK_KEYS") = static_cast<uint32_t>(kAttnBlockKeys);
+  m.attr("ATTN_PREFILL_TOKENS") = static_cast<uint32_t>(kAttnPrefillTokens);
+  m.attr("ATTN_MAX_HEAD_DIM") = static_cast<uint32_t>(kAttnMaxHeadDim);
+  m.attr("ATTN_MAX_GROUP") = static_cast<uint32_t>(kAttnMaxGroup);
+
+  m.def("rope_inv_freq", [](uint32_t rotary_dim, double theta) {
+    std::vector<float> f = gpu::ops::rope_inv_freq(rotary_dim, theta);
+    return bindings::download<float>(f.data(), {f.size()});
+  }, "rotary_dim"_a, "theta"_a, "float32 [rotary_dim / 2] inverse frequencies the RoPE kernels use.");
+
+  m.def("attention_prefill_route", [](uint32_t head_dim) {
+    return std::string(gpu::ops::attention_prefill_uses_mma(head_dim) ? "mma" : "simd");
+  }, "head_dim"_a, "Prefill attention route for this head_dim: 'mma' (simdgroup matrices) or 'simd'.");
+
+  m.def("attention_decode_route", [](uint32_t length) {
+    const gpu::ops::AttnRoute r = gpu::ops::attention_decode_route(length);
+    nb::dict d;
+    d["route"] = r.split ? "split" : "single";
+    d["splits"] = r.splits;
+    d["split_keys"] = r.split_keys;
+    return d;
+  }, "length"_a, "Decode attention route for a context of `length` keys: {route, splits, split_keys}.");
+
+  m.def(
+      "rope",
+      [](InArray x, uint32_t rotary_dim, uint32_t position, double theta, const std::string& dtype,
+         const std::string& device, const std::string& order, uint64_t seed, bool fp_traps) {
+        const char* fn = "rope";
+        gpu::ops::RopeOperands op;
+        op.dtype = gpu::parse_dtype(dtype, "rope: x");
+        require(x.ndim() == 3, "rope: x must be [tokens, heads, head_dim]");
+        check_dims(x, fn, "x", {x.shape(0), x.shape(1), x.shape(2)}, gpu::dtype_size(op.dtype) * 8);
+        op.tokens = u32(x.shape(0));
+        op.heads = u32(x.shape(1));
+        op.head_dim = u32(x.shape(2));
+        op.rotary_dim = rotary_dim;
+        op.position = position;
+        AttnRun r(device, order, seed, fp_traps);
+        op.x = r.input(x);
+        op.inv_freq = r.input(gpu::ops::rope_inv_freq(rotary_dim, theta));
+        op.y = r.output(x.nbytes());
+        nb::dict stats = r.run([&](gpu::Encoder& e) { gpu::ops::encode_rope(e, op); });
+        stats["kernels"] = nb::make_tuple(std::string(gpu::kernel_info(gpu::ops::rope_kernel(op.dtype)).name));
+        return nb::make_tuple(r.download(op.y, op.dtype, {op.tokens, op.heads, op.head_dim}), stats);
+      },
+      "x"_a, nb::kw_only(), "rotary_dim"_a, "position"_a, "theta"_a, "dtype"_a, "device"_a = "emu",
+      "order"_a = "shuffle", "seed"_a = 0, "fp_traps"_a = true,
+      "Partial RoPE of x [tokens, heads, head_dim]; returns (y, stats). Use lily_py.ops.rope.");
+
+  m.def(
+      "qk_norm_rope",
+      [](InArray qg, InArray k, InArray v, InArray q_norm, InArray k_norm, InArray k_cache, InArray v_cache,
+         uint32_t position, uint32_t rotary_dim, double theta, float eps, float weight_offset,
+         const std::string& x_dtype, const std::string& w_dtype, const std::string& device,
+         const std::string& order, uint64_t seed, bool fp_traps) {
+        const char* fn = "qk_norm_rope";
+        gpu::ops::QkNormRopeOperands op;
+        op.x_dtype = gpu::parse_dtype(x_dtype, "qk_norm_rope: qg");
+        op.w_dtype = gpu::parse_dtype(w_dtype, "qk_norm_rope: q_norm");
+        const size_t xb = gpu::dtype_size(op.x_dtype) * 8, wb = gpu::dtype_size(op.w_dtype) * 8;
+        require(qg.ndim() == 3 && k.ndim() == 3 && k_cache.ndim() == 3, "qk_norm_rope: qg, k and caches must be 3-D");
+        const size_t T = qg.shape(0), Hq = qg.shape(1), D = qg.shape(2) / 2, Hkv = k.shape(1), cap = k_cache.shape(1);
+        check_dims(qg, fn, "qg", {T, Hq, 2 * D}, xb);
+        check_dims(k, fn, "k", {T, Hkv, D}, xb);
+        check_dims(v, fn, "v", {T, Hkv, D}, xb);
+        check_dims(q_norm, fn, "q_norm", {D}, wb);
+        check_dims(k_norm, fn, "k_norm", {D}, wb);
+        check_dims(k_cache, fn, "k_cache", {Hkv, cap, D}, 16);
+        check_dims(v_cache, fn, "v_cache", {Hkv, cap, D}, 16);
+        op.tokens = u32(T);
+        op.q_heads = u32(Hq);
+        op.kv_heads = u32(Hkv);
+        op.head_dim = u32(D);
+        op.rotary_dim = rotary_dim;
+        op.position = position;
+        op.capacity = u32(cap);
+        op.eps = eps;
+        op.weight_offset = weight_offset;
+        AttnRun r(device, order, seed, fp_traps);
+        op.qg = r.input(qg);
+        op.k = r.input(k);
+        op.v = r.input(v);
+        op.q_norm = r.input(q_norm);
+        op.k_norm = r.input(k_norm);
+        op.inv_freq = r.input(gpu::ops::rope_inv_freq(rotary_dim, theta));
+        op.q_out = r.output(T * Hq * D * gpu::dtype_size(op.x_dtype));
+        op.k_cache = r.input(k_cache);
+        op.v_cache = r.input(v_cache);
+        nb::dict stats = r.run([&](gpu::Encoder& e) { gpu::ops::encode_qk_norm_rope(e, op); });
+        stats["kernels"] = nb::make_tuple(std::string(gpu::kernel_info(gpu::ops::qk_norm_rope_kernel(op.x_dtype, op.w_dtype)).name));
+        return nb::make_tuple(r.download(op.q_out, op.x_dtype, {T, Hq, D}),
+                              r.download(op.k_cache, gpu::DType::bf16, {Hkv, cap, D}),
+                              r.download(op.v_cache, gpu::DType::bf16, {Hkv, cap, D}), stats);
+      },
+      "qg"_a, "k"_a, "v"_a, "q_norm"_a, "k_norm"_a, "k_cache"_a, "v_cache"_a, nb::kw_only(), "position"_a,
+      "rotary_dim"_a, "theta"_a, "eps"_a, "weight_offset"_a, "x_dtype"_a, "w_dtype"_a, "device"_a = "emu",
+      "order"_a = "shuffle", "seed"_a = 0, "fp_traps"_a = true,
+      "q/k RMSNorm + partial RoPE + KV append; returns (q, k_cache, v_cache, stats). Use "
+      "lily_py.ops.qk_norm_rope_append.");
+
+  m.def(
+      "attention",
+      [](InArray q, InArray k_cache, InArray v_cache, std::optional<InArray> gate, uint32_t position, bool decode,
+         const std::string& dtype, const std::string& device, const std::string& order, uint64_t seed,
+         bool fp_traps) {
+        const char* fn = decode ? "attention_decode" : "attention_prefill";
+        gpu::ops::AttentionOperands op;
+        op.dtype = gpu::parse_dtype(dtype, std::string(fn) + ": q");
+        const size_t xb = gpu::dtype_size(op.dtype) * 8;
+        require(q.ndim() == 3 && k_cache.ndim() == 3, std::string(fn) + ": q and caches must be 3-D");
+        const size_t T = q.shape(0), Hq = q.shape(1), D = q.shape(2), Hkv = k_cache.shape(0), cap = k_cache.shape(1);
+        check_dims(q, fn, "q", {T, Hq, D}, xb);
+        check_dims(k_cache, fn, "k_cache", {Hkv, cap, D}, 16);
+        check_dims(v_cache, fn, "v_cache", {Hkv, cap, D}, 16);
+        op.tokens = u32(T);
+        op.q_heads = u32(Hq);
+        op.kv_heads = u32(Hkv);
+        op.head_dim = u32(D);
+        op.position = position;
+        op.capacity = u32(cap);
+        AttnRun r(device, order, seed, fp_traps);
+        op.q = r.input(q);
+        op.k_cache = r.input(k_cache);
+        op.v_cache = r.input(v_cache);
+        if (gate) {
+          check_dims(*gate, fn, "gate", {T, Hq, D}, xb);
+          op.gate = r.input(*gate);
+        }
+        op.out = r.output(T * Hq * D * gpu::dtype_size(op.dtype));
+        nb::list kernels;
+        const bool bf = op.dtype == gpu::DType::bf16;
+        if (decode) {
+          const gpu::ops::AttnRoute route = gpu::ops::attention_decode_route(position + 1);
+          if (route.split) {
+            op.scratch = r.output(gpu::ops::attention_scratch_bytes(op.q_heads, op.head_dim, position + 1));
+            kernels.append(bf ? "attn_decode_split_bf16" : "attn_decode_split_f32");
+            kernels.append(bf ? "attn_combine_bf16" : "attn_combine_f32");
+          } else {
+            kernels.append(bf ? "attn_decode_bf16" : "attn_decode_f32");
+          }
+        } else if (gpu::ops::attention_prefill_uses_mma(op.head_dim)) {
+          kernels.append(bf ? "attn_prefill_mma_bf16" : "attn_prefill_mma_f32");
+        } else {
+          kernels.append(bf ? "attn_prefill_bf16" : "attn_prefill_f32");
+        }
+        nb::dict stats = r.run([&](gpu::Encoder& e) {
+          if (decode) gpu::ops::encode_attention_decode(e, op);
+          else gpu::ops::encode_attention_prefill(e, op);
+        });
+        stats["kernels"] = kernels;
+        return nb::make_tuple(r.download(op.out, op.dtype, {T, Hq, D}), stats);
+      },
+      "q"_a, "k_cache"_a, "v_cache"_a, "gate"_a.none(), nb::kw_only(), "position"_a, "decode"_a, "dtype"_a,
+      "device"_a = "emu", "order"_a = "shuffle", "seed"_a = 0, "fp_traps"_a = true,
+      "Causal attention of q [tokens, q_heads, D] (positions position..) over the bf16 cache; returns "
+      "(out, stats). Use lily_py.ops.attention_decode / attention_prefill.");
+
+  m.def(
+      "attention_mixer",
+      [](InArray x, std::vector<InArray> proj, uint32_t bits, uint32_t group_size, const std::string& scale_dtype,
+         InArray q_norm, InArray k_norm, InArray k_cache, InArray v_cache, uint32_t q_heads, uint32_t rotary_dim,
+         double theta, float eps, float weight_offset, uint32_t position, const std::string& dtype,
+         const std::string& w_dtype, const std::string& device, const std::string& order, uint64_t seed,
+         bool fp_traps) {
+        const char* fn = "attention_mixer";
+        gpu::ops::AttentionMixerOperands op;
+        op.dtype = gpu::parse_dtype(dtype, "attention_mixer: x");
+        op.w_dtype = gpu::parse_dtype(w_dtype, "attention_mixer: q_norm");
+        const gpu::DType st = gpu::parse_dtype(scale_dtype, "attention_mixer: scales");
+        require(proj.size() == 12 || proj.size() == 6,
+                "attention_mixer: proj must be 12 arrays (w, scales, biases) x (q, k, v, o) or 6 (qkv, o)");
+        const bool fused = proj.size() == 6;
+        require(x.ndim() == 2 && k_cache.ndim() == 3, "attention_mixer: x must be 2-D and caches 3-D");
+        const size_t T = x.shape(0), H = x.shape(1), Hkv = k_cache.shape(0), cap = k_cache.shape(1), D = k_cache.shape(2);
+        check_dims(x, fn, "x", {T, H}, gpu::dtype_size(op.dtype) * 8);
+        check_dims(v_cache, fn, "v_cache", {Hkv, cap, D}, 16);
+        check_dims(k_cache, fn, "k_cache", {Hkv, cap, D}, 16);
+        check_dims(q_norm, fn, "q_norm", {D}, gpu::dtype_size(op.w_dtype) * 8);
+        check_dims(k_norm, fn, "k_norm", {D}, gpu::dtype_size(op.w_dtype) * 8);
+        op.tokens = u32(T);
+        op.hidden = u32(H);
+        op.q_heads = q_heads;
+        op.kv_heads = u32(Hkv);
+        op.head_dim = u32(D);
+        op.rotary_dim = rotary_dim;
+        op.position = position;
+        op.capacity = u32(cap);
+        op.eps = eps;
+        op.weight_offset = weight_offset;
+        AttnRun r(device, order, seed, fp_traps);
+        const size_t xs = gpu::dtype_size(op.dtype);
+        op.x = r.input(x);
+        if (fused) {
+          op.qkv_proj = qmm_weights(r, proj[0], proj[1], proj[2], bits, group_size, st);
+          op.o_proj = qmm_weights(r, proj[3], proj[4], proj[5], bits, group_size, st);
+          op.qkv = r.output(T * (q_heads * 2 * D + 2 * Hkv * D) * xs);
+        } else {
+          op.q_proj = qmm_weights(r, proj[0], proj[1], proj[2], bits, group_size, st);
+          op.k_proj = qmm_weights(r, proj[3], proj[4], proj[5], bits, group_size, st);
+          op.v_proj = qmm_weights(r, proj[6], proj[7], proj[8], bits, group_size, st);
+          op.o_proj = qmm_weights(r, proj[9], proj[10], proj[11], bits, group_size, st);
+        }
+        op.q_norm = r.input(q_norm);
+        op.k_norm = r.input(k_norm);
+        op.inv_freq = r.input(gpu::ops::rope_inv_freq(rotary_dim, theta));
+        op.k_cache = r.input(k_cache);
+        op.v_cache = r.input(v_cache);
+        if (!fused) {
+          op.qg = r.output(T * q_heads * 2 * D * xs);
+          op.k = r.output(T * Hkv * D * xs);
+          op.v = r.output(T * Hkv * D * xs);
+        }
+        op.q = r.output(T * q_heads * D * xs);
+        op.attn = r.output(T * q_heads * D * xs);
+        if (T == 1) op.scratch = r.output(gpu::ops::attention_scratch_bytes(q_heads, u32(D), position + 1));
+        op.out = r.output(T * H * xs);
+        nb::dict stats = r.run([&](gpu::Encoder& e) { gpu::ops::encode_attention_mixer(e, op); });
+        return nb::make_tuple(r.download(op.out, op.dtype, {T, H}), r.download(op.k_cache, gpu::DType::bf16, {Hkv, cap, D}),
+                              r.download(op.v_cache, gpu::DType::bf16, {Hkv, cap, D}), stats);
+      },
+      "x"_a, "proj"_a, nb::kw_only(), "bits"_a, "group_size"_a, "scale_dtype"_a, "q_norm"_a, "k_norm"_a,
+      "k_cache"_a, "v_cache"_a, "q_heads"_a, "rotary_dim"_a, "theta"_a, "eps"_a, "weight_offset"_a, "position"_a,
+      "dtype"_a, "w_dtype"_a, "device"_a = "emu", "order"_a = "shuffle", "seed"_a = 0, "fp_traps"_a = true,
+      "The gated-attention mixer of one layer (projections, q/k norm, RoPE, KV append, attention, gate, "
+      "o_proj) in one encoder; returns (out, k_cache, v_cache, stats). Use lily_py.ops.attention_mixer.");
+}
+
+}  // namespace lily::bindings

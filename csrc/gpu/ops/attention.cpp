@@ -1,0 +1,336 @@
+#include "gpu/ops/attention.h"
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+namespace lily::gpu::ops {
+
+namespace {
+
+[[noreturn]] void fail(const char* fn, const std::string& m) {
+  throw std::invalid_argument(std::string(fn) + ": " + m);
+}
+
+// The binding restricted to exactly `bytes` (counters report exact ranges); fails when too short.
+Binding need(const char* fn, const Binding& b, uint64_t bytes, const char* what) {
+  if (b.buffer == nullptr) fail(fn, std::string(what) + " not bound");
+  if (b.bytes < bytes)
+    fail(fn, std::string(what) + " range has " + std::to_string(b.bytes) + " bytes, needs " + std::to_string(bytes));
+  Binding r = b;
+  r.bytes = bytes;
+  return r;
+}
+
+void check_rotary(const char* fn, uint32_t head_dim, uint32_t rotary_dim) {
+  if (rotary_dim % 2 != 0 || rotary_dim > head_dim)
+    fail(fn, "rotary_dim must be even and <= head_dim, got " + std::to_string(rotary_dim) + " (head_dim " +
+                 std::to_string(head_dim) + ")");
+}
+
+void check_cache(const char* fn, uint32_t kv_heads, uint32_t capacity, uint32_t head_dim) {
+  if (uint64_t(kv_heads) * capacity * head_dim >= (uint64_t(1) << 32))
+    fail(fn, "KV cache of more than 2^32 elements per tensor");
+}
+
+}  // namespace
+
+std::vector<float> rope_inv_freq(uint32_t rotary_dim, double theta) {
+  std::vector<float> f(rotary_dim / 2);
+  for (uint32_t i = 0; i < rotary_dim / 2; ++i)
+    f[i] = static_cast<float>(1.0 / std::pow(theta, double(2 * i) / double(rotary_dim)));
+  return f;
+}
+
+KernelId rope_kernel(DType t) { return t == DType::bf16 ? KernelId::rope_bf16 : KernelId::rope_f32; }
+
+void encode_rope(Encoder& enc, const RopeOperands& op) {
+  const char* fn = "rope";
+  if (op.tokens == 0 || op.heads == 0 || op.head_dim == 0) fail(fn, "empty shape");
+  check_rotary(fn, op.head_dim, op.rotary_dim);
+  const uint64_t bytes = uint64_t(op.tokens) * op.heads * op.head_dim * dtype_size(op.dtype);
+  const uint32_t stride = op.heads * op.head_dim;
+  RopeArgs args{op.tokens, op.heads, op.head_dim, op.rotary_dim, op.position, stride, stride};
+  enc.set_kernel(rope_kernel(op.dtype));
+  enc.set_args(args);
+  enc.set_buffer(1, need(fn, op.x, bytes, "x"));
+  enc.set_buffer(2, need(fn, op.inv_freq, uint64_t(op.rotary_dim / 2) * 4, "inv_freq"));
+  enc.set_buffer(3, need(fn, op.y, bytes, "y"));
+  enc.dispatch({op.heads, op.tokens, 1}, {kRopeThreads, 1, 1});
+}
+
+KernelId qk_norm_rope_kernel(DType x, DType w) {
+  const bool xb = x == DType::bf16, wb = w == DType::bf16;
+  return xb ? (wb ? KernelId::qk_norm_rope_xbf16_wbf16 : KernelId::qk_norm_rope_xbf16_wf32)
+            : (wb ? KernelId::qk_norm_rope_xf32_wbf16 : KernelId::qk_norm_rope_xf32_wf32);
+}
+
+void encode_qk_norm_rope(Encoder& enc, const QkNormRopeOperands& op) {
+  const char* fn = "qk_norm_rope";
+  if (op.tokens == 0 || op.q_heads == 0 || op.kv_heads == 0 || op.head_dim == 0) fail(fn, "empty shape");
+  check_rotary(fn, op.head_dim, op.rotary_dim);
+  if (uint64_t(op.position) + op.tokens > op.capacity)
+    fail(fn, "rows " + std::to_string(op.position) + ".." + std::to_string(uint64_t(op.position) + op.tokens - 1) +
+                 " do not fit a cache of capacity " + std::to_string(op.capacity));
+  if (!(op.eps > 0.0f)) fail(fn, "eps must be > 0");
+  check_cache(fn, op.kv_heads, op.capacity, op.head_dim);
+  const uint64_t xs = dtype_size(op.x_dtype), D = op.head_dim;
+  const uint64_t cache_bytes = uint64_t(op.kv_heads) * op.capacity * D * 2;
+  const uint32_t qg_row = op.q_heads * 2 * op.head_dim, kv_row = op.kv_heads * op.head_dim;
+  const uint32_t qg_stride = op.qg_stride ? op.qg_stride : qg_row;
+  const uint32_t k_stride = op.k_stride ? op.k_stride : kv_row;
+  const uint32_t v_stride = op.v_stride ? op.v_stride : kv_row;
+  if (qg_stride < qg_row || k_stride < kv_row || v_stride < kv_row) fail(fn, "a token stride is shorter than its row");
+  QkNormRopeArgs args{op.tokens,   op.q_heads, op.kv_heads, op.head_dim, op.rotary_dim, op.position,
+                      op.capacity, qg_stride,  k_stride,    v_stride,    op.eps,        op.weight_offset};
+  const uint64_t rows = op.tokens - 1;
+  enc.set_kernel(qk_norm_rope_kernel(op.x_dtype, op.w_dtype));
+  enc.set_args(args);
+  enc.set_buffer(1, need(fn, op.qg, (rows * qg_stride + qg_row) * xs, "qg"));
+  enc.set_buffer(2, need(fn, op.k, (rows * k_stride + kv_row) * xs, "k"));
+  enc.set_buffer(3, need(fn, op.v, (rows * v_stride + kv_row) * xs, "v"));
+  enc.set_buffer(4, need(fn, op.q_norm, D * dtype_size(op.w_dtype), "q_norm"));
+  enc.set_buffer(5, need(fn, op.k_norm, D * dtype_size(op.w_dtype), "k_norm"));
+  enc.set_buffer(6, need(fn, op.inv_freq, uint64_t(op.rotary_dim / 2) * 4, "inv_freq"));
+  enc.set_buffer(7, need(fn, op.q_out, uint64_t(op.tokens) * op.q_heads * D * xs, "q_out"));
+  enc.set_buffer(8, need(fn, op.k_cache, cache_bytes, "k_cache"));
+  enc.set_buffer(9, need(fn, op.v_cache, cache_bytes, "v_cache"));
+  enc.dispatch({op.q_heads + op.kv_heads, op.tokens, 1}, {kRopeThreads, 1, 1});
+}
+
+AttnRoute attention_decode_route(uint32_t length) {
+  AttnRoute r;
+  if (length <= kAttnSplitKeys) return r;
+  r.split = true;
+  const uint32_t want = std::min<uint32_t>(kAttnMaxSplits, (length + kAttnSplitKeys - 1) / kAttnSplitKeys);
+  const uint32_t per = (length + want - 1) / want;
+  r.split_keys = (per + kAttnBlockKeys - 1) / kAttnBlockKeys * kAttnBlockKeys;
+  r.splits = (length + r.split_keys - 1) / r.split_keys;  // every split non-empty
+  return r;
+}
+
+uint64_t attention_scratch_bytes(uint32_t q_heads, uint32_t head_dim, uint32_t length) {
+  const AttnRoute r = attention_decode_route(length);
+  if (!r.split) return 0;
+  return uint64_t(q_heads) * r.splits * (uint64_t(head_dim) + 2) * 4;
+}
+
+namespace {
+
+struct Checked {
+  AttnArgs args;
+  Binding q, k, v, gate, out;
+};
+
+Checked check_attention(const char* fn, const AttentionOperands& op) {
+  if (op.tokens == 0 || op.q_heads == 0 || op.kv_heads == 0 || op.head_dim == 0) fail(fn, "empty shape");
+  if (op.head_dim > kAttnMaxHeadDim)
+    fail(fn, "head_dim " + std::to_string(op.head_dim) + " > " + std::to_string(kAttnMaxHeadDim));
+  if (op.q_heads % op.kv_heads != 0 || op.q_heads / op.kv_heads > kAttnMaxGroup)
+    fail(fn, "q_heads must be a multiple of kv_heads with at most " + std::to_string(kAttnMaxGroup) +
+                 " query heads per KV head, got " + std::to_string(op.q_heads) + " / " + std::to_string(op.kv_heads));
+  if (uint64_t(op.position) + op.tokens > op.capacity)
+    fail(fn, "keys up to row " + std::to_string(uint64_t(op.position) + op.tokens - 1) +
+                 " needed but the cache has capacity " + std::to_string(op.capacity));
+  check_cache(fn, op.kv_heads, op.capacity, op.head_dim);
+  const uint64_t xs = dtype_size(op.dtype), D = op.head_dim;
+  Checked c{};
+  AttnArgs& a = c.args;
+  a.tokens = op.tokens;
+  a.q_heads = op.q_heads;
+  a.kv_heads = op.kv_heads;
+  a.head_dim = op.head_dim;
+  a.position = op.position;
+  a.capacity = op.capacity;
+  a.q_stride = op.q_stride ? op.q_stride : op.q_heads * op.head_dim;
+  a.gate_head_stride = op.gate_head_stride ? op.gate_head_stride : op.head_dim;
+  a.gate_stride = op.gate_stride ? op.gate_stride : op.q_heads * a.gate_head_stride;
+  a.use_gate = op.gate.buffer != nullptr ? 1u : 0u;
+  a.splits = 1;
+  a.split_keys = 0;
+  a.scale = static_cast<float>(1.0 / std::sqrt(double(op.head_dim)));
+  const uint64_t rows = uint64_t(op.tokens - 1);
+  c.q = need(fn, op.q, (rows * a.q_stride + uint64_t(op.q_heads) * D) * xs, "q");
+  const uint64_t cache_bytes = uint64_t(op.kv_heads) * op.capacity * D * 2;
+  c.k = need(fn, op.k_cache, cache_bytes, "k_cache");
+  c.v = need(fn, op.v_cache, cache_bytes, "v_cache");
+  // Without a gate the kernel never reads buffer 4: bind q there (4 bytes) so every slot is bound.
+  c.gate = a.use_gate ? need(fn, op.gate, (rows * a.gate_stride + (op.q_heads - 1) * uint64_t(a.gate_head_stride) + D) * xs, "gate")
+                      : Binding{op.q.buffer, op.q.offset, 4};
+  c.out = need(fn, op.out, uint64_t(op.tokens) * op.q_heads * D * xs, "out");
+  return c;
+}
+
+}  // namespace
+
+void encode_attention_decode(Encoder& enc, const AttentionOperands& op) {
+  const char* fn = "attention_decode";
+  if (op.tokens != 1) fail(fn, "decode attends one query token, got " + std::to_string(op.tokens));
+  Checked c = check_attention(fn, op);
+  const uint32_t group = op.q_heads / op.kv_heads;
+  const uint32_t length = op.position + 1;
+  const AttnRoute route = attention_decode_route(length);
+  const bool bf = op.dtype == DType::bf16;
+  if (!route.split) {
+    enc.set_kernel(bf ? KernelId::attn_decode_bf16 : KernelId::attn_decode_f32);
+    enc.set_args(c.args);
+    enc.set_buffer(1, c.q);
+    enc.set_buffer(2, c.k);
+    enc.set_buffer(3, c.v);
+    enc.set_buffer(4, c.gate);
+    enc.set_buffer(5, c.out);
+    enc.dispatch({op.kv_heads, 1, 1}, {32 * group, 1, 1});
+    return;
+  }
+  c.args.splits = route.splits;
+  c.args.split_keys = route.split_keys;
+  const uint64_t o_bytes = uint64_t(op.q_heads) * route.splits * op.head_dim * 4;
+  const uint64_t ml_bytes = uint64_t(op.q_heads) * route.splits * 2 * 4;
+  const Binding scratch = need(fn, op.scratch, o_bytes + ml_bytes, "scratch");
+  const Binding partial_o{scratch.buffer, scratch.offset, o_bytes};
+  const Binding partial_ml{scratch.buffer, scratch.offset + o_bytes, ml_bytes};
+  enc.set_kernel(bf ? KernelId::attn_decode_split_bf16 : KernelId::attn_decode_split_f32);
+  enc.set_args(c.args);
+  enc.set_buffer(1, c.q);
+  enc.set_buffer(2, c.k);
+  enc.set_buffer(3, c.v);
+  enc.set_buffer(4, partial_o);
+  enc.set_buffer(5, partial_ml);
+  enc.dispatch({op.kv_heads, 1, route.splits}, {32 * group, 1, 1});
+  enc.barrier();  // partials -> combine
+  enc.set_kernel(bf ? KernelId::attn_combine_bf16 : KernelId::attn_combine_f32);
+  enc.set_args(c.args);
+  enc.set_buffer(1, partial_o);
+  enc.set_buffer(2, partial_ml);
+  enc.set_buffer(3, c.gate);
+  enc.set_buffer(4, c.out);
+  enc.dispatch({op.q_heads, 1, 1}, {32, 1, 1});
+}
+
+bool attention_prefill_uses_mma(uint32_t head_dim) {
+  return head_dim % 32 == 0 && head_dim <= 2 * kAttnMmaMaxVCols && (head_dim <= kAttnMmaMaxVCols || head_dim % 64 == 0);
+}
+
+void encode_attention_prefill(Encoder& enc, const AttentionOperands& op) {
+  const char* fn = "attention_prefill";
+  Checked c = check_attention(fn, op);
+  const uint32_t group = op.q_heads / op.kv_heads;
+  const bool bf = op.dtype == DType::bf16;
+  if (attention_prefill_uses_mma(op.head_dim)) {
+    const uint32_t qt = kAttnMmaRows / group;
+    enc.set_kernel(bf ? KernelId::attn_prefill_mma_bf16 : KernelId::attn_prefill_mma_f32);
+    enc.set_args(c.args);
+    enc.set_buffer(1, c.q);
+    enc.set_buffer(2, c.k);
+    enc.set_buffer(3, c.v);
+    enc.set_buffer(4, c.gate);
+    enc.set_buffer(5, c.out);
+    enc.dispatch({op.kv_heads, (op.tokens + qt - 1) / qt, 1}, {kAttnMmaThreads, 1, 1});
+    return;
+  }
+  enc.set_kernel(bf ? KernelId::attn_prefill_bf16 : KernelId::attn_prefill_f32);
+  enc.set_args(c.args);
+  enc.set_buffer(1, c.q);
+  enc.set_buffer(2, c.k);
+  enc.set_buffer(3, c.v);
+  enc.set_buffer(4, c.gate);
+  enc.set_buffer(5, c.out);
+  enc.dispatch({op.kv_heads, (op.tokens + kAttnPrefillTokens - 1) / kAttnPrefillTokens, 1}, {32 * group, 1, 1});
+}
+
+void encode_attention_mixer(Encoder& enc, const AttentionMixerOperands& op) {
+  const char* fn = "attention_mixer";
+  if (op.tokens == 0 || op.hidden == 0) fail(fn, "empty shape");
+  const uint32_t T = op.tokens, D = op.head_dim;
+  const uint64_t xs = dtype_size(op.dtype);
+  auto proj = [&](QmmOperands p, const Binding& x, const Binding& y, uint32_t K, uint32_t N, const char* what) {
+    p.x = x;
+    p.y = y;
+    p.x_dtype = op.dtype;
+    p.M = T;
+    p.K = K;
+    p.N = N;
+    p.x_stride = 0;
+    p.y_stride = 0;
+    try {
+      validate(p);
+    } catch (const std::invalid_argument& e) {
+      fail(fn, std::string(what) + ": " + e.what());
+    }
+    encode_quantized_matmul(enc, p);
+  };
+  const uint32_t nq = op.q_heads * 2 * D, nkv = op.kv_heads * D;
+  const bool fused = op.qkv_proj.w.buffer != nullptr;
+  Binding qg = op.qg, k = op.k, v = op.v;
+  uint32_t qg_stride = 0, kv_stride = 0;
+  if (fused) {
+    const uint32_t ntot = nq + 2 * nkv;
+    proj(op.qkv_proj, op.x, op.qkv, op.hidden, ntot, "qkv_proj");
+    auto part = [&](uint64_t col) {  // the qkv temporary from column col on
+      if (op.qkv.bytes < col * xs) fail(fn, "qkv temporary too small");
+      return Binding{op.qkv.buffer, op.qkv.offset + col * xs, op.qkv.bytes - col * xs};
+    };
+    qg = part(0);
+    k = part(nq);
+    v = part(uint64_t(nq) + nkv);
+    qg_stride = kv_stride = ntot;
+  } else {
+    proj(op.q_proj, op.x, op.qg, op.hidden, nq, "q_proj");
+    proj(op.k_proj, op.x, op.k, op.hidden, nkv, "k_proj");
+    proj(op.v_proj, op.x, op.v, op.hidden, nkv, "v_proj");
+  }
+  enc.barrier();  // qg, k, v -> qk_norm_rope
+
+  QkNormRopeOperands n;
+  n.qg = qg;
+  n.k = k;
+  n.v = v;
+  n.qg_stride = qg_stride;
+  n.k_stride = kv_stride;
+  n.v_stride = kv_stride;
+  n.q_norm = op.q_norm;
+  n.k_norm = op.k_norm;
+  n.inv_freq = op.inv_freq;
+  n.q_out = op.q;
+  n.k_cache = op.k_cache;
+  n.v_cache = op.v_cache;
+  n.x_dtype = op.dtype;
+  n.w_dtype = op.w_dtype;
+  n.tokens = T;
+  n.q_heads = op.q_heads;
+  n.kv_heads = op.kv_heads;
+  n.head_dim = D;
+  n.rotary_dim = op.rotary_dim;
+  n.position = op.position;
+  n.capacity = op.capacity;
+  n.eps = op.eps;
+  n.weight_offset = op.weight_offset;
+  encode_qk_norm_rope(enc, n);
+  enc.barrier();  // q, k_cache, v_cache -> attention
+
+  AttentionOperands a;
+  a.q = op.q;
+  a.k_cache = op.k_cache;
+  a.v_cache = op.v_cache;
+  // The gate is the second half of each head's row of q_proj's output.
+  a.gate = Binding{qg.buffer, qg.offset + D * xs, qg.bytes > D * xs ? qg.bytes - D * xs : 0};
+  a.gate_head_stride = 2 * D;
+  a.gate_stride = fused ? qg_stride : nq;
+  a.out = op.attn;
+  a.scratch = op.scratch;
+  a.dtype = op.dtype;
+  a.tokens = T;
+  a.q_heads = op.q_heads;
+  a.kv_heads = op.kv_heads;
+  a.head_dim = D;
+  a.position = op.position;
+  a.capacity = op.capacity;
+  if (T == 1) encode_attention_decode(enc, a);
+  else encode_attention_prefill(enc, a);
+  enc.barrier();  // gated attention output -> o_proj
+
+  proj(op.o_proj, op.attn, op.out, op.q_heads * D, op.hidden, "o_proj");
+}
+
+}  // namespace lily::gpu::ops

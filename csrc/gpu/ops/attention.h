@@ -1,0 +1,111 @@
+// Gated-attention kernels: partial RoPE, fused q/k norm + RoPE + KV append, decode attention
+// (single or split-K route) and causal prefill attention. Kernels: shaders/attention.metal.
+// Route and tile constants: shaders/common/args_attention.h.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "gpu/dtype.h"
+#include "gpu/encoder.h"
+#include "gpu/ops/qmm.h"
+
+namespace lily::gpu::ops {
+
+// inv_freq[i] = float32(1 / theta^(2i / rotary_dim)), computed in double and rounded once, exactly
+// as lily_py.reference.ops.rope_cos_sin does (must match it: tests compare bit for bit).
+std::vector<float> rope_inv_freq(uint32_t rotary_dim, double theta);
+
+struct RopeOperands {
+  Binding x;         // [tokens, heads, head_dim] of dtype
+  Binding inv_freq;  // float32 [rotary_dim / 2]
+  Binding y;         // [tokens, heads, head_dim] of dtype (may alias x)
+  DType dtype = DType::f32;
+  uint32_t tokens = 0, heads = 0, head_dim = 0, rotary_dim = 0, position = 0;
+};
+KernelId rope_kernel(DType dtype);
+void encode_rope(Encoder& enc, const RopeOperands& op);
+
+struct QkNormRopeOperands {
+  Binding qg;        // [tokens, q_heads, 2 * head_dim] of x_dtype (q_proj output: query | gate)
+  Binding k, v;      // [tokens, kv_heads, head_dim] of x_dtype
+  Binding q_norm;    // [head_dim] of w_dtype
+  Binding k_norm;    // [head_dim] of w_dtype
+  Binding inv_freq;  // float32 [rotary_dim / 2]
+  Binding q_out;     // [tokens, q_heads, head_dim] of x_dtype
+  Binding k_cache;   // bf16 [kv_heads, capacity, head_dim]; rows position .. position+tokens-1 written
+  Binding v_cache;   // bf16 [kv_heads, capacity, head_dim]
+  DType x_dtype = DType::f32;
+  DType w_dtype = DType::f32;
+  uint32_t tokens = 0, q_heads = 0, kv_heads = 0, head_dim = 0, rotary_dim = 0;
+  uint32_t position = 0, capacity = 0;
+  uint32_t qg_stride = 0, k_stride = 0, v_stride = 0;  // elements between tokens; 0: packed
+  float eps = 1e-6f;
+  float weight_offset = 0.0f;  // 1 for zero-centred (Hugging Face) norm weights
+};
+KernelId qk_norm_rope_kernel(DType x_dtype, DType w_dtype);
+void encode_qk_norm_rope(Encoder& enc, const QkNormRopeOperands& op);
+
+// Decode route for a context of `length` keys (the new token's included).
+struct AttnRoute {
+  bool split = false;       // false: one pass (attn_decode_*); true: attn_decode_split_* + attn_combine_*
+  uint32_t splits = 1;      // key ranges
+  uint32_t split_keys = 0;  // keys per range (multiple of kAttnBlockKeys); 0 on the single route
+};
+AttnRoute attention_decode_route(uint32_t length);
+
+struct AttentionOperands {
+  Binding q;           // [tokens, q_heads, head_dim] of dtype, q_stride elements between tokens
+  Binding k_cache;     // bf16 [kv_heads, capacity, head_dim]
+  Binding v_cache;     // bf16 [kv_heads, capacity, head_dim]
+  Binding gate;        // optional (buffer == nullptr: no gate): rows at gate_stride / gate_head_stride
+  Binding out;         // [tokens, q_heads, head_dim] of dtype
+  Binding scratch;     // split route only: attention_scratch_bytes() bytes of float partials
+  DType dtype = DType::f32;
+  uint32_t tokens = 1, q_heads = 0, kv_heads = 0, head_dim = 0;
+  uint32_t position = 0;  // absolute position of query token 0; token t sees keys [0, position + t]
+  uint32_t capacity = 0;
+  uint32_t q_stride = 0;          // 0: packed (q_heads * head_dim)
+  uint32_t gate_stride = 0;       // 0: packed (q_heads * gate_head_stride)
+  uint32_t gate_head_stride = 0;  // 0: head_dim
+};
+// Bytes of the split route's partials (o and (m, l) per query head and split).
+uint64_t attention_scratch_bytes(uint32_t q_heads, uint32_t head_dim, uint32_t length);
+// Decode (tokens == 1): one dispatch, or split + barrier + combine (route from position + 1).
+void encode_attention_decode(Encoder& enc, const AttentionOperands& op);
+// Prefill route: "mma" (simdgroup matrices) when head_dim % 32 == 0 and, above 128, % 64 == 0
+// (64, 128, 256, ...); otherwise "simd" (scalar fp32, any head_dim <= 256).
+bool attention_prefill_uses_mma(uint32_t head_dim);
+// Prefill: one dispatch. mma: (kv_heads, ceil(tokens / (32 / group))) x 128 threads;
+// simd: (kv_heads, ceil(tokens / kAttnPrefillTokens)) x 32 * group threads.
+void encode_attention_prefill(Encoder& enc, const AttentionOperands& op);
+
+// The whole gated-attention token mixer of one layer (the model's attention layer minus its input
+// norm and residual add), for decode (tokens == 1) and prefill chunks:
+//   qmv/qmm q_proj, k_proj, v_proj (one dispatch each, independent) | barrier | qk_norm_rope |
+//   barrier | attention (decode: single route, or split | barrier | combine; prefill) | barrier |
+//   qmv/qmm o_proj
+// With qkv_proj bound (q_proj, k_proj and v_proj row-concatenated at load, [Nq + 2 Nkv, hidden])
+// the three projections are one dispatch into the qkv temporary, read in place with strides.
+// The projections' QmmOperands carry the weights (their x / y / M are filled in here).
+struct AttentionMixerOperands {
+  Binding x;                       // [tokens, hidden] of dtype
+  QmmOperands q_proj, k_proj, v_proj, o_proj;  // weights, bits, group size, scale dtype
+  QmmOperands qkv_proj;            // fused alternative to q/k/v_proj (used when qkv_proj.w is bound)
+  Binding qkv;                     // fused only: [tokens, q_heads * 2D + 2 * kv_heads * D] of dtype
+  Binding q_norm, k_norm;          // [head_dim] of w_dtype
+  Binding inv_freq;                // float32 [rotary_dim / 2]
+  Binding k_cache, v_cache;        // bf16 [kv_heads, capacity, head_dim]
+  Binding qg, k, v, q, attn;       // temporaries: [tokens, q_heads * 2D], [tokens, kv_heads * D] x2,
+                                   // [tokens, q_heads * D] x2, all of dtype
+  Binding scratch;                 // split-route partials (attention_scratch_bytes), decode only
+  Binding out;                     // [tokens, hidden] of dtype
+  DType dtype = DType::f32;
+  DType w_dtype = DType::f32;
+  uint32_t tokens = 0, hidden = 0, q_heads = 0, kv_heads = 0, head_dim = 0, rotary_dim = 0;
+  uint32_t position = 0, capacity = 0;
+  float eps = 1e-6f;
+  float weight_offset = 0.0f;
+};
+void encode_attention_mixer(Encoder& enc, const AttentionMixerOperands& op);
+
+}  // namespace lily::gpu::ops

@@ -1,0 +1,478 @@
+// Gated full attention: partial RoPE, fused q/k RMSNorm + RoPE + KV-cache append, decode attention
+// (GQA-packed, single or split-K route + combine) and causal prefill attention, all over a bf16 KV
+// cache laid out [kv_heads, capacity, head_dim]. Host: csrc/gpu/ops/attention.cpp. References:
+// lily_py.reference.kernels (rope, qk_norm_rope, attention). Args and route constants:
+// common/args_attention.h.
+//
+// Precision policy (all kernels): inputs widened to fp32; norms, angles, dot products, softmax and
+// the weighted sum of values in fp32 with precise exp/cos/sin; each output rounded once (to the
+// activation dtype T, or to bf16 in the cache). RoPE angles are float(position) * inv_freq[i] in
+// fp32, exactly as lily_py.reference.ops.rope_cos_sin computes them (inv_freq comes from the host).
+#include "common/lily_metal.h"
+#include "common/mma.h"
+
+namespace lily {
+
+// -infinity, spelled so that Metal, the emulator and the strict pass all accept it.
+inline float neg_inf() { return as_type<float>(0xff800000u); }
+
+// ---------------------------------------------------------------------------------------------
+// rope: y = partial rotary embedding of x (rotate-half pairing: feature i pairs with i + rd/2 for
+// i < rd/2; features >= rd pass through unchanged).
+//   grid:    (heads, tokens) threadgroups of kRopeThreads = 32 threads (one simdgroup)
+//   thread:  pairs i = lane, lane + 32, ... < rd/2, then pass-through features rd + lane, ...
+//   shapes:  x [tokens, heads, head_dim] (x_stride between tokens), y likewise (y_stride)
+template <typename T>
+[[kernel]] void rope(constant RopeArgs& args [[buffer(0)]],
+                     const device T* x [[buffer(1)]],
+                     const device float* inv_freq [[buffer(2)]],
+                     device T* y [[buffer(3)]],
+                     LILY_KERNEL_TAIL) {
+  const uint32_t t = group_pos.y;
+  const uint32_t D = args.head_dim;
+  const device T* xr = x + t * args.x_stride + group_pos.x * D;
+  device T* yr = y + t * args.y_stride + group_pos.x * D;
+  const uint32_t half_rd = args.rotary_dim / 2;
+  const float pos = float(args.position + t);
+  for (uint32_t i = thread_pos.x; i < half_rd; i += group_size.x) {
+    const float angle = pos * inv_freq[i];
+    const float c = cos(angle);
+    const float s = sin(angle);
+    const float a = float(xr[i]);
+    const float b = float(xr[i + half_rd]);
+    yr[i] = T(a * c - b * s);
+    yr[i + half_rd] = T(b * c + a * s);
+  }
+  for (uint32_t c = args.rotary_dim + thread_pos.x; c < D; c += group_size.x) yr[c] = xr[c];
+}
+
+// ---------------------------------------------------------------------------------------------
+// qk_norm_rope: the attention layer's step between the projections and attention, one dispatch:
+//   q head rows:  q = rope(rms_norm(qg[t, h, 0:D]) * (q_norm + weight_offset)) -> q_out (T)
+//   k head rows:  k = rope(rms_norm(k[t, h]) * (k_norm + weight_offset)) -> k_cache[h, position + t]
+//                 v[t, h] -> v_cache[h, position + t] (bf16)
+//   grid:    (q_heads + kv_heads, tokens) threadgroups of 32 threads (one simdgroup: the sum of
+//            squares is one simd_sum, no barrier); group_pos.x < q_heads is a query head
+//   thread:  sum of squares over features lane, lane + 32, ...; then RoPE pairs as in `rope`
+//   The gate half qg[t, h, D:2D] is left where it is: attention reads it (AttnArgs.use_gate).
+template <typename T, typename W>
+[[kernel]] void qk_norm_rope(constant QkNormRopeArgs& args [[buffer(0)]],
+                             const device T* qg [[buffer(1)]],
+                             const device T* k [[buffer(2)]],
+                             const device T* v [[buffer(3)]],
+                             const device W* q_norm [[buffer(4)]],
+                             const device W* k_norm [[buffer(5)]],
+                             const device float* inv_freq [[buffer(6)]],
+                             device T* q_out [[buffer(7)]],
+                             device bfloat* k_cache [[buffer(8)]],
+                             device bfloat* v_cache [[buffer(9)]],
+                             LILY_KERNEL_TAIL) {
+  const uint32_t t = group_pos.y;
+  const uint32_t D = args.head_dim;
+  const bool is_q = group_pos.x < args.q_heads;  // uniform over the threadgroup
+  const uint32_t qh = is_q ? group_pos.x : 0;
+  const uint32_t kvh = is_q ? 0 : group_pos.x - args.q_heads;
+  const device T* src = is_q ? qg + t * args.qg_stride + qh * 2 * D : k + t * args.k_stride + kvh * D;
+  const device W* w = is_q ? q_norm : k_norm;
+  device T* qo = q_out + (t * args.q_heads + qh) * D;
+  const uint32_t cache_row = (kvh * args.capacity + args.position + t) * D;
+
+  float ss = 0.0f;
+  for (uint32_t c = lane; c < D; c += 32) {
+    const float xv = float(src[c]);
+    ss += xv * xv;
+  }
+  const float scale = rsqrt(simd_sum(ss) / float(D) + args.eps);
+
+  const uint32_t half_rd = args.rotary_dim / 2;
+  const float pos = float(args.position + t);
+  for (uint32_t i = lane; i < half_rd; i += 32) {
+    const float angle = pos * inv_freq[i];
+    const float c = cos(angle);
+    const float s = sin(angle);
+    const float a = float(src[i]) * scale * (float(w[i]) + args.weight_offset);
+    const float b = float(src[i + half_rd]) * scale * (float(w[i + half_rd]) + args.weight_offset);
+    const float ya = a * c - b * s;
+    const float yb = b * c + a * s;
+    if (is_q) {
+      qo[i] = T(ya);
+      qo[i + half_rd] = T(yb);
+    } else {
+      k_cache[cache_row + i] = bfloat(ya);
+      k_cache[cache_row + i + half_rd] = bfloat(yb);
+    }
+  }
+  for (uint32_t c = args.rotary_dim + lane; c < D; c += 32) {
+    const float yv = float(src[c]) * scale * (float(w[c]) + args.weight_offset);
+    if (is_q) qo[c] = T(yv);
+    else k_cache[cache_row + c] = bfloat(yv);
+  }
+  if (!is_q) {
+    const device T* vr = v + t * args.v_stride + kvh * D;
+    for (uint32_t c = lane; c < D; c += 32) v_cache[cache_row + c] = bfloat(float(vr[c]));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Attention over the cache. One threadgroup = one KV head x Bq query tokens (x one key range on
+// the split route); simdgroup s (< group = q_heads / kv_heads <= 8) owns query head
+// kv_head * group + s for those Bq tokens, so each K/V row is read from device memory once per
+// threadgroup and used by all group x Bq query rows.
+//   grid:     (kv_heads, ceil(tokens / Bq), splits), 32 * group threads
+//   per block of kAttnBlockKeys = 32 keys:
+//     1. all threads copy the K block (bf16) into threadgroup memory; barrier
+//     2. lane j scores key j for each of its simdgroup's rows (dot over head_dim in fp32, q read
+//        from device memory: the same address on every lane), online-softmax update of the row's
+//        running max m and sum l (simd_max, simd_sum), p_j to threadgroup memory; barrier
+//     3. all threads copy the V block into the same threadgroup memory; barrier
+//     4. lane owns dims lane, lane + 32, ... (<= 8): o = o * corr + sum_j p_j v_j; barrier
+//   registers per thread: o[Bq][8], m[Bq], l[Bq] (Bq = 1 decode, kAttnPrefillTokens prefill)
+//   threadgroup memory: K or V block 32 x 256 bf16 (16 KiB) + p 8 x Bq x 32 floats
+//   Causal: row (token t) uses keys < position + t + 1. Rows past `tokens` repeat the last
+//   token's computation and are not written. Bank conflicts in step 2 (lanes read different rows
+//   of the block) are avoided by starting lane j's dot product at feature 2j (mod head_dim).
+template <uint32_t Bq>
+struct AttnState {
+  float o[Bq][kAttnDimsPerLane];
+  float m[Bq];
+  float l[Bq];
+};
+
+template <typename T, uint32_t Bq>
+inline void attend_keys(constant AttnArgs& args, const device T* q, const device bfloat* k_cache,
+                        const device bfloat* v_cache, threadgroup bfloat* kv_s, threadgroup float* p_s,
+                        thread AttnState<Bq>& st, uint32_t kv_head, uint32_t t0, uint32_t key_begin,
+                        uint32_t key_end, uint32_t tid, uint32_t threads, uint32_t lane, uint32_t simd_id) {
+  const uint32_t D = args.head_dim;
+  const uint32_t group = args.q_heads / args.kv_heads;
+  const uint32_t h = kv_head * group + simd_id;
+  const uint32_t cache_base = kv_head * args.capacity * D;
+  const uint32_t rot = (2 * lane) % D;  // bank-conflict-free start of lane's dot product
+
+  for (uint32_t r = 0; r < Bq; ++r) {
+    st.m[r] = neg_inf();
+    st.l[r] = 0.0f;
+    for (uint32_t i = 0; i < kAttnDimsPerLane; ++i) st.o[r][i] = 0.0f;
+  }
+
+  for (uint32_t kb = key_begin; kb < key_end; kb += kAttnBlockKeys) {
+    const uint32_t nkeys = min(uint32_t(kAttnBlockKeys), key_end - kb);
+    for (uint32_t e = tid; e < kAttnBlockKeys * D; e += threads) {
+      const uint32_t j = e / D;
+      kv_s[e] = j < nkeys ? k_cache[cache_base + (kb + j) * D + e % D] : bfloat(0.0f);
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+
+    for (uint32_t r = 0; r < Bq; ++r) {
+      const uint32_t t = min(t0 + r, args.tokens - 1);
+      const uint32_t causal_end = args.position + t + 1;  // keys < causal_end are visible
+      const device T* qr = q + t * args.q_stride + h * D;
+      const uint32_t key = kb + lane;
+      const bool valid = lane < nkeys && key < causal_end;
+      float dot = 0.0f;
+      for (uint32_t i = 0; i < D; ++i) {
+        uint32_t d = i + rot;
+        if (d >= D) d -= D;
+        dot += float(qr[d]) * float(kv_s[lane * D + d]);
+      }
+      const float s = dot * args.scale;
+      const float block_max = simd_max(valid ? s : neg_inf());
+      const float m_new = max(st.m[r], block_max);
+      // m_new > m unless nothing new is visible; never evaluates (-inf) - (-inf).
+      const float corr = st.m[r] == m_new ? 1.0f : exp(st.m[r] - m_new);
+      const float p = valid ? exp(s - m_new) : 0.0f;
+      st.l[r] = st.l[r] * corr + simd_sum(p);
+      st.m[r] = m_new;
+      for (uint32_t i = 0; i < kAttnDimsPerLane; ++i) st.o[r][i] *= corr;
+      p_s[(simd_id * Bq + r) * kAttnBlockKeys + lane] = p;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+
+    for (uint32_t e = tid; e < kAttnBlockKeys * D; e += threads) {
+      const uint32_t j = e / D;
+      kv_s[e] = j < nkeys ? v_cache[cache_base + (kb + j) * D + e % D] : bfloat(0.0f);
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+
+    for (uint32_t r = 0; r < Bq; ++r) {
+      const threadgroup float* pr = p_s + (simd_id * Bq + r) * kAttnBlockKeys;
+      for (uint32_t i = 0; i < kAttnDimsPerLane; ++i) {
+        const uint32_t d = lane + 32 * i;
+        if (d >= D) break;
+        float acc = 0.0f;
+        for (uint32_t j = 0; j < nkeys; ++j) acc += pr[j] * float(kv_s[j * D + d]);
+        st.o[r][i] += acc;
+      }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+}
+
+inline float attn_sigmoid(float g) { return 1.0f / (1.0f + exp(-g)); }
+
+// Single route (decode with <= kAttnSplitKeys keys) and prefill: normalizes, gates, writes out.
+//   buffers: q [tokens, q_heads, D] T, k_cache, v_cache bf16 [kv_heads, capacity, D],
+//            gate T (see AttnArgs), out [tokens, q_heads, D] T
+template <typename T, uint32_t Bq>
+[[kernel]] void attention(constant AttnArgs& args [[buffer(0)]],
+                          const device T* q [[buffer(1)]],
+                          const device bfloat* k_cache [[buffer(2)]],
+                          const device bfloat* v_cache [[buffer(3)]],
+                          const device T* gate [[buffer(4)]],
+                          device T* out [[buffer(5)]],
+                          LILY_KERNEL_TAIL) {
+  LILY_TG_ARRAY(bfloat, kv_s, [kAttnBlockKeys * kAttnMaxHeadDim]);
+  LILY_TG_ARRAY(float, p_s, [kAttnMaxGroup * Bq * kAttnBlockKeys]);
+  const uint32_t t0 = group_pos.y * Bq;
+  const uint32_t t_last = min(t0 + Bq, args.tokens) - 1;
+  const uint32_t key_end = args.position + t_last + 1;
+  AttnState<Bq> st;
+  attend_keys<T, Bq>(args, q, k_cache, v_cache, kv_s, p_s, st, group_pos.x, t0, 0, key_end,
+                     thread_pos.x, group_size.x, lane, simd_id);
+
+  const uint32_t D = args.head_dim;
+  const uint32_t h = group_pos.x * (args.q_heads / args.kv_heads) + simd_id;
+  for (uint32_t r = 0; r < Bq; ++r) {
+    const uint32_t t = t0 + r;
+    if (t >= args.tokens) break;
+    const float inv_l = 1.0f / st.l[r];
+    for (uint32_t i = 0; i < kAttnDimsPerLane; ++i) {
+      const uint32_t d = lane + 32 * i;
+      if (d >= D) break;
+      float y = st.o[r][i] * inv_l;
+      if (args.use_gate != 0)
+        y *= attn_sigmoid(float(gate[t * args.gate_stride + h * args.gate_head_stride + d]));
+      out[(t * args.q_heads + h) * D + d] = T(y);
+    }
+  }
+}
+
+// Split route, first pass (decode, tokens = 1): threadgroup (kv head, 0, split) covers keys
+// [split * split_keys, min((split + 1) * split_keys, position + 1)) (never empty: the host sizes
+// the splits) and writes its unnormalized partials.
+//   buffers: q, k_cache, v_cache as above; partial_o float [q_heads, splits, D];
+//            partial_ml float [q_heads, splits, 2] (running max m, sum l)
+template <typename T>
+[[kernel]] void attention_split(constant AttnArgs& args [[buffer(0)]],
+                                const device T* q [[buffer(1)]],
+                                const device bfloat* k_cache [[buffer(2)]],
+                                const device bfloat* v_cache [[buffer(3)]],
+                                device float* partial_o [[buffer(4)]],
+                                device float* partial_ml [[buffer(5)]],
+                                LILY_KERNEL_TAIL) {
+  LILY_TG_ARRAY(bfloat, kv_s, [kAttnBlockKeys * kAttnMaxHeadDim]);
+  LILY_TG_ARRAY(float, p_s, [kAttnMaxGroup * kAttnBlockKeys]);
+  const uint32_t split = group_pos.z;
+  const uint32_t key_begin = split * args.split_keys;
+  const uint32_t key_end = min(key_begin + args.split_keys, args.position + 1);
+  AttnState<1> st;
+  attend_keys<T, 1>(args, q, k_cache, v_cache, kv_s, p_s, st, group_pos.x, 0, key_begin, key_end,
+                    thread_pos.x, group_size.x, lane, simd_id);
+
+  const uint32_t D = args.head_dim;
+  const uint32_t h = group_pos.x * (args.q_heads / args.kv_heads) + simd_id;
+  const uint32_t slot = h * args.splits + split;
+  for (uint32_t i = 0; i < kAttnDimsPerLane; ++i) {
+    const uint32_t d = lane + 32 * i;
+    if (d >= D) break;
+    partial_o[slot * D + d] = st.o[0][i];
+  }
+  if (lane == 0) {
+    partial_ml[slot * 2] = st.m[0];
+    partial_ml[slot * 2 + 1] = st.l[0];
+  }
+}
+
+// Split route, second pass: out[h] = sum_s e_s o_s / sum_s e_s l_s * sigmoid(gate), with
+// e_s = exp(m_s - max_s m_s); splits summed in order.
+//   grid: q_heads threadgroups of 32 threads; lane owns dims lane, lane + 32, ...
+template <typename T>
+[[kernel]] void attention_combine(constant AttnArgs& args [[buffer(0)]],
+                                  const device float* partial_o [[buffer(1)]],
+                                  const device float* partial_ml [[buffer(2)]],
+                                  const device T* gate [[buffer(3)]],
+                                  device T* out [[buffer(4)]],
+                                  LILY_KERNEL_TAIL) {
+  const uint32_t h = group_pos.x;
+  const uint32_t D = args.head_dim;
+  const uint32_t base = h * args.splits;
+  float m_max = neg_inf();
+  for (uint32_t s = 0; s < args.splits; ++s) m_max = max(m_max, partial_ml[(base + s) * 2]);
+  float l_sum = 0.0f;
+  for (uint32_t s = 0; s < args.splits; ++s)
+    l_sum += exp(partial_ml[(base + s) * 2] - m_max) * partial_ml[(base + s) * 2 + 1];
+  const float inv_l = 1.0f / l_sum;
+  for (uint32_t d = lane; d < D; d += 32) {
+    float acc = 0.0f;
+    for (uint32_t s = 0; s < args.splits; ++s)
+      acc += exp(partial_ml[(base + s) * 2] - m_max) * partial_o[(base + s) * D + d];
+    float y = acc * inv_l;
+    if (args.use_gate != 0) y *= attn_sigmoid(float(gate[h * args.gate_head_stride + d]));
+    out[h * D + d] = T(y);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// attention_prefill_mma: the prefill route for head_dim % 32 == 0 (and % 64 == 0 above 128), with
+// 8x8 simdgroup matrices (common/mma.h). One threadgroup = one KV head x qt = 32 / group query
+// tokens: its 32 rows are (token, head) pairs, row = token_in_block * group + head_in_group (rows
+// past qt * group are zero padding). Per block of 32 keys:
+//   S = Q K^T:  head_dim walked in 32-wide chunks: q rows and k rows of the chunk -> threadgroup
+//               (fp32), barrier, simdgroup s multiplies its 16x16 quarter of S (2x2 tiles), barrier;
+//               S -> threadgroup memory, barrier
+//   softmax:    thread t owns row t / 4, columns 8 (t % 4) .. +8: scale, causal mask, row max and
+//               sum over the row's 4 threads (simd_shuffle_xor 1, 2), running m and l in registers,
+//               p back into S, the row's rescale factor onto the diagonal of an 8x8 tile; barrier
+//   O += P V:   per pass of vc = min(head_dim, 128) columns: V block -> threadgroup (fp32),
+//               barrier; simdgroup s owns all 32 rows x columns s * vc / 4 .. +vc / 4: rescales its
+//               tiles (diag * O) then accumulates P V (4 k-steps); barrier
+//   grid:       (kv_heads, ceil(tokens / qt)) x kAttnMmaThreads = 128 threads
+//   registers:  O: 4 row tiles x (head_dim / 32) column tiles of 8x8 fp32 (64 floats per lane at
+//               head_dim 256), S quarter 2x2 tiles, m and l of one row
+//   threadgroup memory: q, k, S tiles 3 x 32 x 36 floats, V 32 x 132 floats, diagonals 32 x 8:
+//               31,744 bytes
+// Each K/V row is read from device memory once per threadgroup (q once per key block).
+template <typename T>
+[[kernel]] void attention_prefill_mma(constant AttnArgs& args [[buffer(0)]],
+                                      const device T* q [[buffer(1)]],
+                                      const device bfloat* k_cache [[buffer(2)]],
+                                      const device bfloat* v_cache [[buffer(3)]],
+                                      const device T* gate [[buffer(4)]],
+                                      device T* out [[buffer(5)]],
+                                      LILY_KERNEL_TAIL) {
+  constexpr uint32_t R = kAttnMmaRows;
+  constexpr uint32_t BK = kAttnBlockKeys;
+  constexpr uint32_t LD = 36;                     // padded rows of the q, k and S tiles
+  constexpr uint32_t LDV = kAttnMmaMaxVCols + 4;  // padded rows of the V tile
+  static_assert(R == 32 && BK == 32 && kAttnMmaThreads == 128, "the mapping below assumes 32 x 32 and 128 threads");
+  LILY_TG_ARRAY(float, qs, [R * LD]);
+  LILY_TG_ARRAY(float, ks, [BK * LD]);
+  LILY_TG_ARRAY(float, ss, [R * LD]);
+  LILY_TG_ARRAY(float, vs, [BK * LDV]);
+  LILY_TG_ARRAY(float, diag, [R * 8]);
+
+  const uint32_t D = args.head_dim;
+  const uint32_t group = args.q_heads / args.kv_heads;
+  const uint32_t qt = R / group;     // query tokens per threadgroup
+  const uint32_t rows = qt * group;  // live rows
+  const uint32_t kvh = group_pos.x;
+  const uint32_t t0 = group_pos.y * qt;
+  const uint32_t t_last = min(t0 + qt, args.tokens) - 1;
+  const uint32_t key_end = args.position + t_last + 1;
+  const uint32_t cache_base = kvh * args.capacity * D;
+  const uint32_t t = thread_pos.x;
+  const uint32_t row = t / 4;        // the row this thread loads and runs the softmax of
+  const uint32_t col = (t % 4) * 8;  // its 8 columns
+  const bool row_live = row < rows && t0 + row / group < args.tokens;
+  const uint32_t row_tok = min(t0 + min(row, rows - 1) / group, args.tokens - 1);
+  const uint32_t row_head = kvh * group + min(row, rows - 1) % group;
+  const uint32_t visible_end = args.position + row_tok + 1;  // the row sees keys < visible_end
+  const uint32_t vc = D > kAttnMmaMaxVCols ? D / 2 : D;     // V columns per pass
+  const uint32_t passes = D / vc;
+  const uint32_t tiles = vc / 32;                            // column tiles per simdgroup per pass
+  const uint32_t sm = (simd_id / 2) * 16;
+  const uint32_t sn = (simd_id % 2) * 16;
+
+  MmaTile<4, 8> o;
+  mma_zero(o);
+  float m = neg_inf();
+  float l = 0.0f;
+
+  for (uint32_t kb = 0; kb < key_end; kb += BK) {
+    const uint32_t nkeys = min(BK, key_end - kb);
+    MmaTile<2, 2> sacc;
+    mma_zero(sacc);
+    for (uint32_t dc = 0; dc < D; dc += 32) {
+      const device T* qr = q + row_tok * args.q_stride + row_head * D + dc + col;
+      for (uint32_t i = 0; i < 8; ++i) qs[row * LD + col + i] = row_live ? float(qr[i]) : 0.0f;
+      const device bfloat* kr = k_cache + cache_base + (kb + min(row, nkeys - 1)) * D + dc + col;
+      for (uint32_t i = 0; i < 8; ++i) ks[row * LD + col + i] = row < nkeys ? float(kr[i]) : 0.0f;
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+      for (uint32_t kk = 0; kk < 32; kk += 8) mma_step(sacc, qs + sm * LD + kk, LD, ks + sn * LD + kk, LD);
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+    }
+    mma_store(sacc, ss + sm * LD + sn, LD);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+
+    float sv[8];
+    float block_max = neg_inf();
+    for (uint32_t i = 0; i < 8; ++i) {
+      sv[i] = ss[row * LD + col + i] * args.scale;
+      if (kb + col + i < visible_end) block_max = max(block_max, sv[i]);
+    }
+    block_max = max(block_max, simd_shuffle_xor(block_max, 1));
+    block_max = max(block_max, simd_shuffle_xor(block_max, 2));
+    const float m_new = max(m, block_max);
+    const float corr = m == m_new ? 1.0f : exp(m - m_new);  // never (-inf) - (-inf)
+    float psum = 0.0f;
+    for (uint32_t i = 0; i < 8; ++i) {
+      const float p = kb + col + i < visible_end ? exp(sv[i] - m_new) : 0.0f;
+      ss[row * LD + col + i] = p;
+      psum += p;
+    }
+    psum += simd_shuffle_xor(psum, 1);
+    psum += simd_shuffle_xor(psum, 2);
+    l = l * corr + psum;
+    m = m_new;
+    for (uint32_t c = (t % 4) * 2; c < (t % 4) * 2 + 2; ++c)
+      diag[(row / 8) * 64 + (row % 8) * 8 + c] = c == row % 8 ? corr : 0.0f;
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+
+    for (uint32_t pass = 0; pass < passes; ++pass) {
+      for (uint32_t e = t; e < BK * vc; e += kAttnMmaThreads) {
+        const uint32_t j = e / vc;
+        const uint32_t c = e % vc;
+        vs[j * LDV + c] = j < nkeys ? float(v_cache[cache_base + (kb + j) * D + pass * vc + c]) : 0.0f;
+      }
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+      for (uint32_t i = 0; i < 4; ++i) {
+        for (uint32_t jj = 0; jj < tiles; ++jj) {
+          mma_tile_scale_rows(o.c[i][pass * 4 + jj], diag + i * 64);
+          for (uint32_t kk = 0; kk < BK; kk += 8)
+            mma_tile_step(o.c[i][pass * 4 + jj], ss + (8 * i) * LD + kk, LD,
+                          vs + kk * LDV + simd_id * (vc / 4) + 8 * jj, LDV);
+        }
+      }
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+    }
+  }
+
+  // Epilogue, per pass: O tiles -> threadgroup memory, then each row's 4 threads normalize, gate
+  // and write its columns.
+  const float inv_l = 1.0f / l;
+  for (uint32_t pass = 0; pass < passes; ++pass) {
+    for (uint32_t i = 0; i < 4; ++i)
+      for (uint32_t jj = 0; jj < tiles; ++jj)
+        mma_tile_store(o.c[i][pass * 4 + jj], vs + (8 * i) * LDV + simd_id * (vc / 4) + 8 * jj, LDV);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    if (row_live) {
+      for (uint32_t c = t % 4; c < vc; c += 4) {
+        const uint32_t d = pass * vc + c;
+        float y = vs[row * LDV + c] * inv_l;
+        if (args.use_gate != 0)
+          y *= attn_sigmoid(float(gate[row_tok * args.gate_stride + row_head * args.gate_head_stride + d]));
+        out[(row_tok * args.q_heads + row_head) * D + d] = T(y);
+      }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+}
+
+LILY_INSTANTIATE("rope_f32", rope<float>)
+LILY_INSTANTIATE("rope_bf16", rope<bfloat>)
+LILY_INSTANTIATE("qk_norm_rope_xf32_wf32", qk_norm_rope<float, float>)
+LILY_INSTANTIATE("qk_norm_rope_xf32_wbf16", qk_norm_rope<float, bfloat>)
+LILY_INSTANTIATE("qk_norm_rope_xbf16_wf32", qk_norm_rope<bfloat, float>)
+LILY_INSTANTIATE("qk_norm_rope_xbf16_wbf16", qk_norm_rope<bfloat, bfloat>)
+LILY_INSTANTIATE("attn_decode_f32", attention<float, 1>)
+LILY_INSTANTIATE("attn_decode_bf16", attention<bfloat, 1>)
+LILY_INSTANTIATE("attn_decode_split_f32", attention_split<float>)
+LILY_INSTANTIATE("attn_decode_split_bf16", attention_split<bfloat>)
+LILY_INSTANTIATE("attn_combine_f32", attention_combine<float>)
+LILY_INSTANTIATE("attn_combine_bf16", attention_combine<bfloat>)
+LILY_INSTANTIATE("attn_prefill_f32", attention<float, kAttnPrefillTokens>)
+LILY_INSTANTIATE("attn_prefill_bf16", attention<bfloat, kAttnPrefillTokens>)
+LILY_INSTANTIATE("attn_prefill_mma_f32", attention_prefill_mma<float>)
+LILY_INSTANTIATE("attn_prefill_mma_bf16", attention_prefill_mma<bfloat>)
+
+}  // namespace lily

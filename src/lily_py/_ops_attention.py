@@ -1,0 +1,286 @@
+"""Attention-family kernels over NumPy arrays (re-exported by :mod:`lily_py.ops`).
+
+The KV cache is bfloat16 ``[kv_heads, capacity, head_dim]`` (head-major, preallocated); the
+functions return new arrays (inputs are copied to the device, never modified). NumPy oracles:
+``lily_py.reference.kernels.rope / qk_norm_rope / attention``. Shapes of the real model: 16 query
+heads, 2 KV heads, head_dim 256, rotary_dim 64, theta 1e7.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+import ml_dtypes
+
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+
+
+# lily_py.ops re-exports this module (its last line); the shared helpers are looked up there at call
+# time, so importing either module first works.
+def _check_device(device, fn):
+    from .ops import _check_device as f
+    return f(device, fn)
+
+
+def _core():
+    from .ops import _core as f
+    return f()
+
+
+def _float_array(a, what, fn):
+    from .ops import _float_array as f
+    return f(a, what, fn)
+
+
+def _from_core(y, dtype_name):
+    from .ops import _from_core as f
+    return f(y, dtype_name)
+
+__all__ = ["rope", "qk_norm_rope_append", "attention_decode", "attention_prefill",
+           "attention_decode_route", "attention_prefill_route", "attention_mixer"]
+
+
+def _uint(v, what: str, fn: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+        raise ValueError(f"{fn}: {what} must be a non-negative integer, got {v!r}")
+    return int(v)
+
+
+def _check_rotary(rotary_dim, head_dim: int, theta, fn: str) -> int:
+    rd = _uint(rotary_dim, "rotary_dim", fn)
+    if rd % 2 or rd > head_dim:
+        raise ValueError(f"{fn}: rotary_dim must be even and <= head_dim ({head_dim}), got {rd}")
+    if not float(theta) > 0:
+        raise ValueError(f"{fn}: theta must be > 0, got {theta!r}")
+    return rd
+
+
+def _bf16_cache(a, what: str, fn: str) -> np.ndarray:
+    if not isinstance(a, np.ndarray) or a.dtype != BFLOAT16 or a.ndim != 3:
+        raise ValueError(f"{fn}: {what} must be a bfloat16 array [kv_heads, capacity, head_dim], got "
+                         f"{getattr(a, 'dtype', type(a).__name__)} {list(getattr(a, 'shape', []))}")
+    return np.ascontiguousarray(a).view(np.uint16)
+
+
+def rope(x: np.ndarray, *, position: int, rotary_dim: int, theta: float, device: str = "emu") -> np.ndarray:
+    """Partial rotary embedding (rotate-half) of ``x [tokens, heads, head_dim]``; token ``t`` is at
+    ``position + t``. Feature ``i < rotary_dim / 2`` pairs with ``i + rotary_dim / 2``; features
+    ``>= rotary_dim`` pass through. Angles ``float32(pos) * inv_freq`` in float32 as
+    ``lily_py.reference.ops.rope_cos_sin``; float32 or bfloat16, math in float32."""
+    return _rope(x, position=position, rotary_dim=rotary_dim, theta=theta, device=device)[0]
+
+
+def _rope(x, *, position, rotary_dim, theta, device="emu", order="shuffle", seed=0, fp_traps=True):
+    fn = "rope"
+    xc, dt = _float_array(x, "x", fn)
+    if xc.ndim != 3 or 0 in xc.shape:
+        raise ValueError(f"{fn}: x must be a non-empty [tokens, heads, head_dim] array, got {list(x.shape)}")
+    rd = _check_rotary(rotary_dim, x.shape[2], theta, fn)
+    pos = _uint(position, "position", fn)
+    _check_device(device, fn)
+    y, stats = _core().ops.rope(xc, rotary_dim=rd, position=pos, theta=float(theta), dtype=dt, device=device,
+                                order=order, seed=seed, fp_traps=fp_traps)
+    return _from_core(y, dt), stats
+
+
+def qk_norm_rope_append(qg: np.ndarray, k: np.ndarray, v: np.ndarray, q_norm: np.ndarray, k_norm: np.ndarray,
+                        k_cache: np.ndarray, v_cache: np.ndarray, *, position: int, rotary_dim: int,
+                        theta: float, eps: float = 1e-6, weight_offset: float = 0.0, device: str = "emu"):
+    """The attention layer's fused step after the projections: returns ``(q, k_cache, v_cache)``.
+
+    ``qg [T, Hq, 2 * D]`` is q_proj's output (per head the query, then the output gate),
+    ``k, v [T, Hkv, D]``. The query and key heads get RMSNorm (weights ``q_norm``/``k_norm [D]``
+    plus ``weight_offset``: 1 for Hugging Face's zero-centred weights, 0 for MLX files) and partial
+    RoPE at positions ``position .. position + T - 1``; ``q [T, Hq, D]`` is returned, the keys and
+    ``v`` are written to rows ``position ..`` of copies of the bfloat16 caches
+    ``[Hkv, capacity, D]`` (other rows unchanged). Activations float32 or bfloat16, math float32.
+    """
+    q, kc, vc, _ = _qk_norm_rope_append(qg, k, v, q_norm, k_norm, k_cache, v_cache, position=position,
+                                        rotary_dim=rotary_dim, theta=theta, eps=eps,
+                                        weight_offset=weight_offset, device=device)
+    return q, kc, vc
+
+
+def _qk_norm_rope_append(qg, k, v, q_norm, k_norm, k_cache, v_cache, *, position, rotary_dim, theta, eps=1e-6,
+                         weight_offset=0.0, device="emu", order="shuffle", seed=0, fp_traps=True):
+    fn = "qk_norm_rope_append"
+    qc, dt = _float_array(qg, "qg", fn)
+    if qc.ndim != 3 or 0 in qc.shape or qc.shape[2] % 2:
+        raise ValueError(f"{fn}: qg must be [tokens, q_heads, 2 * head_dim], got {list(qg.shape)}")
+    T, Hq, D = qc.shape[0], qc.shape[1], qc.shape[2] // 2
+    kc_, kdt = _float_array(k, "k", fn)
+    vc_, vdt = _float_array(v, "v", fn)
+    if kdt != dt or vdt != dt:
+        raise ValueError(f"{fn}: qg, k and v must have the same dtype, got {qg.dtype}, {k.dtype}, {v.dtype}")
+    if kc_.ndim != 3 or kc_.shape[0] != T or kc_.shape[2] != D or kc_.shape[1] == 0 or vc_.shape != kc_.shape:
+        raise ValueError(f"{fn}: k and v must be [tokens={T}, kv_heads, head_dim={D}], got "
+                         f"{list(k.shape)} and {list(v.shape)}")
+    Hkv = kc_.shape[1]
+    if Hq % Hkv:
+        raise ValueError(f"{fn}: q_heads={Hq} is not a multiple of kv_heads={Hkv}")
+    qn, wdt = _float_array(q_norm, "q_norm", fn)
+    kn, kwdt = _float_array(k_norm, "k_norm", fn)
+    if qn.shape != (D,) or kn.shape != (D,) or kwdt != wdt:
+        raise ValueError(f"{fn}: q_norm and k_norm must be [{D}] of one dtype, got {q_norm.dtype} "
+                         f"{list(q_norm.shape)} and {k_norm.dtype} {list(k_norm.shape)}")
+    kcache, vcache = _bf16_cache(k_cache, "k_cache", fn), _bf16_cache(v_cache, "v_cache", fn)
+    if kcache.shape[0] != Hkv or kcache.shape[2] != D or vcache.shape != kcache.shape:
+        raise ValueError(f"{fn}: caches must be [kv_heads={Hkv}, capacity, head_dim={D}], got "
+                         f"{list(k_cache.shape)} and {list(v_cache.shape)}")
+    pos = _uint(position, "position", fn)
+    if pos + T > kcache.shape[1]:
+        raise ValueError(f"{fn}: rows {pos}..{pos + T - 1} do not fit a cache of capacity {kcache.shape[1]}")
+    rd = _check_rotary(rotary_dim, D, theta, fn)
+    if not float(eps) > 0:
+        raise ValueError(f"{fn}: eps must be > 0, got {eps!r}")
+    _check_device(device, fn)
+    q, kco, vco, stats = _core().ops.qk_norm_rope(
+        qc, kc_, vc_, qn, kn, kcache, vcache, position=pos, rotary_dim=rd, theta=float(theta), eps=float(eps),
+        weight_offset=float(weight_offset), x_dtype=dt, w_dtype=wdt, device=device, order=order, seed=seed,
+        fp_traps=fp_traps)
+    return _from_core(q, dt), kco.view(BFLOAT16), vco.view(BFLOAT16), stats
+
+
+def attention_decode_route(length: int) -> dict:
+    """How :func:`attention_decode` runs for ``length`` keys: ``{"route": "single" | "split",
+    "splits", "split_keys"}``. Up to 256 keys one pass; longer contexts split the keys into at
+    most 32 ranges (multiples of 32 keys) and combine the partial softmaxes."""
+    return dict(_core().ops.attention_decode_route(_uint(length, "length", "attention_decode_route")))
+
+
+def attention_prefill_route(head_dim: int) -> str:
+    """How :func:`attention_prefill` runs for ``head_dim``: ``"mma"`` (8x8 simdgroup matrices;
+    head_dim a multiple of 32, and of 64 above 128: 64, 128, 256, ...) or ``"simd"`` (scalar fp32)."""
+    return str(_core().ops.attention_prefill_route(_uint(head_dim, "head_dim", "attention_prefill_route")))
+
+
+def _check_attention(q, k_cache, v_cache, gate, fn, tokens_axis: bool):
+    qc, dt = _float_array(q, "q", fn)
+    want = "[tokens, q_heads, head_dim]" if tokens_axis else "[q_heads, head_dim]"
+    if qc.ndim != (3 if tokens_axis else 2) or 0 in qc.shape:
+        raise ValueError(f"{fn}: q must be a non-empty {want} array, got {list(q.shape)}")
+    q3 = qc if tokens_axis else qc[None]
+    T, Hq, D = q3.shape
+    kc, vc = _bf16_cache(k_cache, "k_cache", fn), _bf16_cache(v_cache, "v_cache", fn)
+    if kc.shape[2] != D or vc.shape != kc.shape or kc.shape[0] == 0:
+        raise ValueError(f"{fn}: caches must be [kv_heads, capacity, head_dim={D}], got "
+                         f"{list(k_cache.shape)} and {list(v_cache.shape)}")
+    Hkv = kc.shape[0]
+    max_group = int(_core().ops.ATTN_MAX_GROUP)
+    if Hq % Hkv or Hq // Hkv > max_group:
+        raise ValueError(f"{fn}: q_heads={Hq} must be a multiple of kv_heads={Hkv} with at most "
+                         f"{max_group} query heads per KV head")
+    if D > int(_core().ops.ATTN_MAX_HEAD_DIM):
+        raise ValueError(f"{fn}: head_dim={D} > {int(_core().ops.ATTN_MAX_HEAD_DIM)}")
+    gc = None
+    if gate is not None:
+        gc, gdt = _float_array(gate, "gate", fn)
+        if gc.shape != qc.shape or gdt != dt:
+            raise ValueError(f"{fn}: gate must match q ({q.dtype} {list(q.shape)}), got {gate.dtype} {list(gate.shape)}")
+        gc = gc.reshape(q3.shape)
+    return q3, kc, vc, gc, dt
+
+
+def attention_decode(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, *, length: int,
+                     gate: np.ndarray | None = None, device: str = "emu") -> np.ndarray:
+    """One query token's attention over cache rows ``0 .. length - 1``: ``q [Hq, D]`` (float32 or
+    bfloat16), caches bfloat16 ``[Hkv, capacity, D]``; query head ``h`` uses KV head
+    ``h // (Hq / Hkv)`` and the heads sharing a KV head read each cache row once. Returns
+    ``softmax(q k^T / sqrt(D)) v`` ``[Hq, D]``, times ``sigmoid(gate)`` if ``gate [Hq, D]`` is given.
+    Route: :func:`attention_decode_route`."""
+    return _attention_decode(q, k_cache, v_cache, length=length, gate=gate, device=device)[0]
+
+
+def _attention_decode(q, k_cache, v_cache, *, length, gate=None, device="emu", order="shuffle", seed=0,
+                      fp_traps=True):
+    fn = "attention_decode"
+    q3, kc, vc, gc, dt = _check_attention(q, k_cache, v_cache, gate, fn, tokens_axis=False)
+    n = _uint(length, "length", fn)
+    if not 1 <= n <= kc.shape[1]:
+        raise ValueError(f"{fn}: length must be in [1, capacity={kc.shape[1]}], got {n}")
+    _check_device(device, fn)
+    out, stats = _core().ops.attention(q3, kc, vc, gc, position=n - 1, decode=True, dtype=dt, device=device,
+                                       order=order, seed=seed, fp_traps=fp_traps)
+    return _from_core(out, dt)[0], stats
+
+
+def attention_prefill(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, *, position: int,
+                      gate: np.ndarray | None = None, device: str = "emu") -> np.ndarray:
+    """Causal attention of a chunk of queries ``q [T, Hq, D]`` at positions ``position ..
+    position + T - 1`` over the bfloat16 caches ``[Hkv, capacity, D]``, which must already hold
+    rows ``0 .. position + T - 1`` (earlier chunks and this chunk's own keys). Token ``t`` attends
+    rows ``0 .. position + t``. Blockwise with an online softmax: no ``T x T`` score matrix.
+    Returns ``[T, Hq, D]`` (times ``sigmoid(gate)`` if ``gate [T, Hq, D]`` is given)."""
+    return _attention_prefill(q, k_cache, v_cache, position=position, gate=gate, device=device)[0]
+
+
+def _attention_prefill(q, k_cache, v_cache, *, position, gate=None, device="emu", order="shuffle", seed=0,
+                       fp_traps=True):
+    fn = "attention_prefill"
+    q3, kc, vc, gc, dt = _check_attention(q, k_cache, v_cache, gate, fn, tokens_axis=True)
+    pos = _uint(position, "position", fn)
+    if pos + q3.shape[0] > kc.shape[1]:
+        raise ValueError(f"{fn}: rows up to {pos + q3.shape[0] - 1} needed but the cache has capacity {kc.shape[1]}")
+    _check_device(device, fn)
+    out, stats = _core().ops.attention(q3, kc, vc, gc, position=pos, decode=False, dtype=dt, device=device,
+                                       order=order, seed=seed, fp_traps=fp_traps)
+    return _from_core(out, dt), stats
+
+
+def attention_mixer(x: np.ndarray, weights: dict, k_cache: np.ndarray, v_cache: np.ndarray, *, position: int,
+                    q_heads: int, rotary_dim: int, theta: float, eps: float = 1e-6, weight_offset: float = 0.0,
+                    bits: int = 4, group_size: int = 64, device: str = "emu"):
+    """The gated-attention token mixer of one layer for ``x [T, hidden]`` at ``position``, encoded
+    as one device step: q/k/v projections (quantized matmul), q/k norm + RoPE + KV append,
+    attention (decode route for ``T == 1``, prefill otherwise), output gate, o_proj.
+
+    ``weights``: ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` as ``(w, scales, biases)`` in MLX
+    layout (``bits``, ``group_size``), ``q_norm``, ``k_norm`` ``[head_dim]``. Instead of the three
+    input projections, ``qkv_proj`` (their rows concatenated, as a loader fuses them) makes them one
+    matmul. Returns ``(out [T, hidden], k_cache, v_cache)``."""
+    out, kc, vc, _ = _attention_mixer(x, weights, k_cache, v_cache, position=position, q_heads=q_heads,
+                                      rotary_dim=rotary_dim, theta=theta, eps=eps, weight_offset=weight_offset,
+                                      bits=bits, group_size=group_size, device=device)
+    return out, kc, vc
+
+
+def _attention_mixer(x, weights, k_cache, v_cache, *, position, q_heads, rotary_dim, theta, eps=1e-6,
+                     weight_offset=0.0, bits=4, group_size=64, device="emu", order="shuffle", seed=0,
+                     fp_traps=True):
+    fn = "attention_mixer"
+    xc, dt = _float_array(x, "x", fn)
+    if xc.ndim != 2 or 0 in xc.shape:
+        raise ValueError(f"{fn}: x must be a non-empty [tokens, hidden] array, got {list(x.shape)}")
+    kc, vc = _bf16_cache(k_cache, "k_cache", fn), _bf16_cache(v_cache, "v_cache", fn)
+    if vc.shape != kc.shape:
+        raise ValueError(f"{fn}: k_cache {list(k_cache.shape)} and v_cache {list(v_cache.shape)} differ")
+    D = kc.shape[2]
+    proj, sdt = [], None
+    names = ("qkv_proj", "o_proj") if "qkv_proj" in weights else ("q_proj", "k_proj", "v_proj", "o_proj")
+    for name in names:
+        if name not in weights or len(weights[name]) != 3:
+            raise ValueError(f"{fn}: weights[{name!r}] must be (w, scales, biases)")
+        w, s, b = weights[name]
+        if not isinstance(w, np.ndarray) or w.dtype != np.uint32 or w.ndim != 2:
+            raise ValueError(f"{fn}: {name} weight must be a 2-D uint32 array")
+        sc, st = _float_array(s, f"{name} scales", fn)
+        bc, bt = _float_array(b, f"{name} biases", fn)
+        if sdt is None:
+            sdt = st
+        if st != sdt or bt != sdt:
+            raise ValueError(f"{fn}: every projection's scales and biases must share one dtype")
+        proj += [np.ascontiguousarray(w), sc, bc]
+    qn, wdt = _float_array(weights.get("q_norm"), "q_norm", fn)
+    kn, kwdt = _float_array(weights.get("k_norm"), "k_norm", fn)
+    if kwdt != wdt:
+        raise ValueError(f"{fn}: q_norm and k_norm must share one dtype")
+    pos = _uint(position, "position", fn)
+    if pos + xc.shape[0] > kc.shape[1]:
+        raise ValueError(f"{fn}: rows up to {pos + xc.shape[0] - 1} needed but the cache has capacity {kc.shape[1]}")
+    rd = _check_rotary(rotary_dim, D, theta, fn)
+    _check_device(device, fn)
+    out, kco, vco, stats = _core().ops.attention_mixer(
+        xc, proj, bits=bits, group_size=group_size, scale_dtype=sdt, q_norm=qn, k_norm=kn, k_cache=kc,
+        v_cache=vc, q_heads=_uint(q_heads, "q_heads", fn), rotary_dim=rd, theta=float(theta), eps=float(eps),
+        weight_offset=float(weight_offset), position=pos, dtype=dt, w_dtype=wdt, device=device, order=order,
+        seed=seed, fp_traps=fp_traps)
+    return _from_core(out, dt), kco.view(BFLOAT16), vco.view(BFLOAT16), stats
