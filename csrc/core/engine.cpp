@@ -7,6 +7,7 @@
 
 #include "emu/emulator.h"
 #include "gpu/counting_device.h"
+#include "gpu/ops/attention.h"
 #include "gpu/ops/gated_delta.h"
 #include "gpu/ops/moe.h"
 #if defined(LILY_HAVE_METAL)
@@ -119,9 +120,16 @@ Engine::Engine(ModelSpec spec, std::unique_ptr<gpu::Device> device) : spec_(std:
     L.input_norm = alloc_weight(p + "input_norm", H * 4);
     L.post_norm = alloc_weight(p + "post_norm", H * 4);
     if (L.attention) {
-      fail("layer " + num(i) + " is gated full attention, which this build's engine does not encode yet "
-           "(use a checkpoint whose layer_types are all linear_attention, or backend='reference')");
-    }
+      const uint64_t D = s.head_dim, kv = uint64_t(s.kv_heads) * s.context_length * D * 2;  // bf16
+      L.at.qkv_proj = alloc_quant(p + "qkv_proj", s.attn_qkv_rows(), H, s.mixer);
+      L.at.o_proj = alloc_quant(p + "o_proj", H, uint64_t(s.q_heads) * D, s.mixer);
+      L.at.q_norm = alloc_weight(p + "q_norm", D * 4);
+      L.at.k_norm = alloc_weight(p + "k_norm", D * 4);
+      L.at.k_cache = alloc(state_, kv);
+      kv_cache_.push_back(state_.size() - 1);
+      L.at.v_cache = alloc(state_, kv);
+      kv_cache_.push_back(state_.size() - 1);
+    } else {
     L.dn.in_proj = alloc_quant(p + "in_proj", P, H, s.mixer);
     L.dn.out_proj = alloc_quant(p + "out_proj", H, VD, s.mixer);
     L.dn.conv = alloc_weight(p + "conv1d", C * K * 4);
@@ -131,6 +139,7 @@ Engine::Engine(ModelSpec spec, std::unique_ptr<gpu::Device> device) : spec_(std:
     L.dn.conv_state[0] = alloc(state_, (K - 1) * C * 4);
     L.dn.conv_state[1] = alloc(state_, (K - 1) * C * 4);
     L.dn.state = alloc(state_, Hv * s.lin_v_dim * s.lin_k_dim * 4);
+    }
     L.moe.router = alloc_quant(p + "router", E + 1, H, s.router);
     L.moe.gate = alloc_quant(p + "experts.gate", I, H, s.experts_q, E);
     L.moe.up = alloc_quant(p + "experts.up", I, H, s.experts_q, E);
@@ -154,6 +163,19 @@ Engine::Engine(ModelSpec spec, std::unique_ptr<gpu::Device> device) : spec_(std:
   t.proj = alloc(scratch_, T * P * 4);
   t.conv_out = alloc(scratch_, T * C * 4);
   t.o = alloc(scratch_, T * VD * 4);
+  if (std::find(s.full_attention.begin(), s.full_attention.end(), 1) != s.full_attention.end()) {
+    const uint64_t qd = uint64_t(s.q_heads) * s.head_dim;
+    t.qkv = alloc(scratch_, T * s.attn_qkv_rows() * 4);
+    t.q = alloc(scratch_, T * qd * 4);
+    t.attn = alloc(scratch_, T * qd * 4);
+    uint64_t partials = 0;  // the split-K partials for the longest context
+    for (uint32_t len : {s.context_length, std::min<uint32_t>(s.context_length, 257u)})
+      partials = std::max(partials, gpu::ops::attention_scratch_bytes(s.q_heads, s.head_dim, len));
+    t.attn_partials = alloc(scratch_, partials);
+    const std::vector<float> f = gpu::ops::rope_inv_freq(s.rotary_dim, s.rope_theta);
+    m_.inv_freq = alloc(scratch_, f.size() * 4);
+    if (void* dst = m_.inv_freq.buffer->contents()) std::memcpy(dst, f.data(), f.size() * 4);
+  }
   gpu::ops::MoeScratchBytes mb;  // the largest over every chunk size (routes differ)
   for (uint32_t n = 1; n <= s.prefill_chunk; ++n) {
     const auto b = moe_bytes(s, n);
@@ -173,6 +195,8 @@ Engine::Engine(ModelSpec spec, std::unique_ptr<gpu::Device> device) : spec_(std:
   t.moe_h = alloc(scratch_, mb.h);
   t.moe_y = alloc(scratch_, mb.y);
   t.logits = alloc(scratch_, uint64_t(s.logit_rows) * V * 4);
+  for (const auto& b : state_)
+    if (b->contents()) std::memset(b->contents(), 0, b->size());
   reset();
 }
 
@@ -226,9 +250,12 @@ std::vector<gpu::Binding> Engine::state_buffers() const {
   return out;
 }
 
+bool Engine::is_kv(size_t i) const { return std::find(kv_cache_.begin(), kv_cache_.end(), i) != kv_cache_.end(); }
+
 void Engine::reset() {
-  for (const auto& b : state_)
-    if (b->contents()) std::memset(b->contents(), 0, b->size());
+  // The KV caches need no clearing: attention reads rows [0, position) only.
+  for (size_t i = 0; i < state_.size(); ++i)
+    if (!is_kv(i) && state_[i]->contents()) std::memset(state_[i]->contents(), 0, state_[i]->size());
   position_ = 0;
   conv_parity_ = 0;
   valid_ = true;
@@ -239,18 +266,36 @@ Snapshot Engine::snapshot() const {
   Snapshot s;
   s.position = position_;
   s.conv_parity = conv_parity_;
-  for (const auto& b : state_) {
-    const char* p = static_cast<const char*>(b->contents());
-    s.buffers.emplace_back(p, p ? p + b->size() : p);
+  for (size_t i = 0; i < state_.size(); ++i) {
+    const char* p = static_cast<const char*>(state_[i]->contents());
+    if (p == nullptr) {
+      s.buffers.emplace_back();
+    } else if (is_kv(i)) {  // rows [0, position) of every KV head
+      const size_t row = size_t(spec_.head_dim) * 2, cap = size_t(spec_.context_length) * row;
+      std::vector<char> v;
+      for (uint32_t h = 0; h < spec_.kv_heads; ++h) v.insert(v.end(), p + h * cap, p + h * cap + position_ * row);
+      s.buffers.push_back(std::move(v));
+    } else {
+      s.buffers.emplace_back(p, p + state_[i]->size());
+    }
   }
   return s;
 }
 
 void Engine::restore(const Snapshot& s) {
   if (s.buffers.size() != state_.size()) fail("snapshot is from a different engine");
+  const size_t row = size_t(spec_.head_dim) * 2, cap = size_t(spec_.context_length) * row;
   for (size_t i = 0; i < state_.size(); ++i) {
-    if (s.buffers[i].size() != (state_[i]->contents() ? state_[i]->size() : 0)) fail("snapshot is from a different engine");
-    if (state_[i]->contents()) std::memcpy(state_[i]->contents(), s.buffers[i].data(), s.buffers[i].size());
+    char* p = static_cast<char*>(state_[i]->contents());
+    const size_t want = p == nullptr ? 0 : is_kv(i) ? size_t(spec_.kv_heads) * s.position * row : state_[i]->size();
+    if (s.buffers[i].size() != want) fail("snapshot is from a different engine");
+    if (p == nullptr) continue;
+    if (is_kv(i)) {
+      for (uint32_t h = 0; h < spec_.kv_heads; ++h)
+        std::memcpy(p + h * cap, s.buffers[i].data() + h * size_t(s.position) * row, size_t(s.position) * row);
+    } else {
+      std::memcpy(p, s.buffers[i].data(), want);
+    }
   }
   position_ = s.position;
   conv_parity_ = s.conv_parity;

@@ -1,7 +1,7 @@
 // The engine: one model on one device. Owns the weights (device buffers filled once from the
 // checkpoint's memory-mapped tensors; row-concatenated projections fused at load), the
-// conversation state (DeltaNet recurrent state and conv windows in fp32; bf16 KV cache once
-// attention is wired) and the scratch of one step, all allocated once at construction.
+// conversation state (DeltaNet recurrent state and conv windows in fp32; bf16 KV cache sized to
+// the context length) and the scratch of one step, all allocated once at construction.
 // forward() encodes one whole step into one encoder, commits it and waits once at the end (the
 // only host wait: to read the logits).
 #pragma once
@@ -74,6 +74,7 @@ class Engine {
   gpu::QuantWeight alloc_quant(const std::string& name, uint64_t rows, uint64_t cols, const QuantSpec& q,
                                uint64_t count = 1);
   std::vector<gpu::Binding> state_buffers() const;
+  bool is_kv(size_t state_index) const;
   StepStats run(uint32_t T, uint32_t position, bool all_logits, bool execute);
 
   ModelSpec spec_;
@@ -85,6 +86,7 @@ class Engine {
   std::map<std::string, Weight> weights_;
   std::vector<std::string> weight_order_;
   std::vector<std::unique_ptr<gpu::Buffer>> state_, scratch_;
+  std::vector<size_t> kv_cache_;  // indices into state_ of the KV caches
   gpu::ModelBuffers m_;
   uint32_t position_ = 0, conv_parity_ = 0;
   bool valid_ = true;

@@ -3,6 +3,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "gpu/ops/attention.h"
 #include "gpu/ops/embedding.h"
 #include "gpu/ops/gated_delta.h"
 #include "gpu/ops/moe.h"
@@ -89,6 +90,46 @@ void encode_deltanet(Encoder& enc, const core::ModelSpec& spec, const Layer& L, 
   ops::encode_gated_delta_mixer(enc, g);
 }
 
+void encode_attention(Encoder& enc, const core::ModelSpec& spec, const ModelBuffers& m, const Layer& L,
+                      const StepScratch& s, const StepParams& p) {
+  auto weights = [&](const QuantWeight& w) {
+    ops::QmmOperands q;
+    q.w = w.w;
+    q.scales = w.scales;
+    q.biases = w.biases;
+    q.scale_dtype = spec.mixer.scale_dtype;
+    q.bits = spec.mixer.bits;
+    q.group_size = spec.mixer.group_size;
+    return q;
+  };
+  ops::AttentionMixerOperands a;
+  a.x = s.xn;
+  a.qkv_proj = weights(L.at.qkv_proj);
+  a.o_proj = weights(L.at.o_proj);
+  a.qkv = s.qkv;
+  a.q_norm = L.at.q_norm;
+  a.k_norm = L.at.k_norm;
+  a.inv_freq = m.inv_freq;
+  a.k_cache = L.at.k_cache;
+  a.v_cache = L.at.v_cache;
+  a.q = s.q;
+  a.attn = s.attn;
+  a.scratch = s.attn_partials;
+  a.out = s.mix;
+  a.dtype = DType::f32;
+  a.w_dtype = DType::f32;
+  a.tokens = p.tokens;
+  a.hidden = spec.hidden;
+  a.q_heads = spec.q_heads;
+  a.kv_heads = spec.kv_heads;
+  a.head_dim = spec.head_dim;
+  a.rotary_dim = spec.rotary_dim;
+  a.position = p.position;
+  a.capacity = spec.context_length;
+  a.eps = spec.eps;
+  ops::encode_attention_mixer(enc, a);
+}
+
 void encode_moe_block(Encoder& enc, const core::ModelSpec& spec, const Layer& L, const StepScratch& s,
                       const StepParams& p) {
   ops::MoeOperands m;
@@ -138,6 +179,12 @@ void encode_step(Encoder& enc, const core::ModelSpec& spec, const ModelBuffers& 
   t.h = rows(s.h, 0, T, row);
   t.xn = rows(s.xn, 0, T, row);
   t.mix = rows(s.mix, 0, T, row);
+  const uint64_t qkv_row = uint64_t(spec.attn_qkv_rows()) * 4, q_row = uint64_t(spec.q_heads) * spec.head_dim * 4;
+  if (s.qkv.buffer) {
+    t.qkv = rows(s.qkv, 0, T, qkv_row);
+    t.q = rows(s.q, 0, T, q_row);
+    t.attn = rows(s.attn, 0, T, q_row);
+  }
 
   ops::EmbeddingOperands e;
   e.ids = t.ids;
@@ -166,9 +213,8 @@ void encode_step(Encoder& enc, const core::ModelSpec& spec, const ModelBuffers& 
     ops::encode_rms_norm(enc, in);
     enc.barrier();  // xn -> mixer projections
 
-    if (L.attention)
-      throw std::invalid_argument("engine step: gated attention layers are not wired into this build yet");
-    encode_deltanet(enc, spec, L, t, p);
+    if (L.attention) encode_attention(enc, spec, m, L, t, p);
+    else encode_deltanet(enc, spec, L, t, p);
     enc.barrier();  // mix (out_proj) -> residual + post norm
 
     ops::RmsNormOperands post;

@@ -4,7 +4,7 @@
 //
 //   ids -> embedding -> x
 //   per layer:  xn  = rms_norm(x, input_norm)
-//               mix = DeltaNet mixer(xn)                 (gated attention: when it lands)
+//               mix = DeltaNet mixer(xn)  or  gated attention mixer(xn)  (by layer type)
 //               h   = x + mix;  xn = rms_norm(h, post_norm)        (one fused dispatch)
 //               x   = h + moe(xn)                        (residual add fused into the MoE)
 //   xn = rms_norm(x[rows], norm)   rows = all T (all_logits) or only the last position
@@ -35,6 +35,13 @@ struct DeltaNetLayer {
   Binding state;          // float32 [Hv, Dv, Dk], updated in place
 };
 
+struct AttentionLayer {
+  QuantWeight qkv_proj;   // rows q_proj (per head query | gate) | k_proj | v_proj, fused at load
+  QuantWeight o_proj;     // [hidden, q_heads * head_dim]
+  Binding q_norm, k_norm; // float32 [head_dim], effective multipliers
+  Binding k_cache, v_cache;  // bf16 [kv_heads, context_length, head_dim]
+};
+
 struct MoeLayer {
   QuantWeight router;  // rows router [E, H] | shared_expert_gate [1, H], fused at load
   QuantWeight gate, up, down;  // stacked experts
@@ -44,7 +51,8 @@ struct MoeLayer {
 struct Layer {
   bool attention = false;
   Binding input_norm, post_norm;  // float32 [H], effective multipliers (folded 1 + w)
-  DeltaNetLayer dn;
+  DeltaNetLayer dn;      // when !attention
+  AttentionLayer at;     // when attention
   MoeLayer moe;
 };
 
@@ -53,13 +61,16 @@ struct StepScratch {
   Binding ids;                  // uint32 [chunk]
   Binding x, h, xn, mix;        // [chunk, H]
   Binding proj, conv_out, o;    // DeltaNet: [chunk, P], [chunk, C], [chunk, Hv * Dv]
+  Binding qkv, q, attn;         // attention: [chunk, 2 Hq D + 2 Hkv D], [chunk, Hq D] x2
+  Binding attn_partials;        // attention decode split-K partials (for context_length keys)
   Binding moe_logits, moe_ids, moe_weights, moe_plan, moe_row_weight, moe_h, moe_y;
   Binding logits;               // [logit_rows, V]
 };
 
 struct ModelBuffers {
   QuantWeight embed, lm_head;
-  Binding norm;  // float32 [H]
+  Binding norm;      // float32 [H]
+  Binding inv_freq;  // float32 [rotary_dim / 2] (RoPE, computed at construction)
   std::vector<Layer> layers;
   StepScratch s;
 };

@@ -83,22 +83,7 @@ def _tensors(cfg: ModelConfig, w: ModelWeights):
     def f32(name, a):
         yield name, None, (), [np.ascontiguousarray(a, dtype=np.float32)]
 
-    yield from q("embed", "embed", w.embed)
-    for i, lw in enumerate(w.layers):
-        p = f"layers.{i}."
-        yield from f32(p + "input_norm", lw.input_norm)
-        yield from f32(p + "post_norm", lw.post_norm)
-        mx = lw.mixer
-        if isinstance(mx, AttentionWeights):
-            raise BackendError(f"engine: layer {i} is gated full attention, which this build's engine "
-                               "does not encode yet (use backend='reference')")
-        yield from q(p + "in_proj", "mixer", mx.in_proj_qkv, mx.in_proj_z, mx.in_proj_b, mx.in_proj_a)
-        yield from q(p + "out_proj", "mixer", mx.out_proj)
-        yield from f32(p + "conv1d", mx.conv1d)
-        yield from f32(p + "A_log", mx.A_log)
-        yield from f32(p + "dt_bias", mx.dt_bias)
-        yield from f32(p + "gated_norm", mx.norm)
-        m = lw.moe
+    def moe(p, m):
         yield from q(p + "router", "router", m.router, m.shared_expert_gate)
         yield from q(p + "experts.gate", "experts_q", m.gate_proj)
         yield from q(p + "experts.up", "experts_q", m.up_proj)
@@ -106,6 +91,27 @@ def _tensors(cfg: ModelConfig, w: ModelWeights):
         yield from q(p + "shared.gate", "experts_q", m.shared_gate_proj)
         yield from q(p + "shared.up", "experts_q", m.shared_up_proj)
         yield from q(p + "shared.down", "experts_q", m.shared_down_proj)
+
+    yield from q("embed", "embed", w.embed)
+    for i, lw in enumerate(w.layers):
+        p = f"layers.{i}."
+        yield from f32(p + "input_norm", lw.input_norm)
+        yield from f32(p + "post_norm", lw.post_norm)
+        mx = lw.mixer
+        if isinstance(mx, AttentionWeights):
+            yield from q(p + "qkv_proj", "mixer", mx.q_proj, mx.k_proj, mx.v_proj)
+            yield from q(p + "o_proj", "mixer", mx.o_proj)
+            yield from f32(p + "q_norm", mx.q_norm)
+            yield from f32(p + "k_norm", mx.k_norm)
+            yield from moe(p, lw.moe)
+            continue
+        yield from q(p + "in_proj", "mixer", mx.in_proj_qkv, mx.in_proj_z, mx.in_proj_b, mx.in_proj_a)
+        yield from q(p + "out_proj", "mixer", mx.out_proj)
+        yield from f32(p + "conv1d", mx.conv1d)
+        yield from f32(p + "A_log", mx.A_log)
+        yield from f32(p + "dt_bias", mx.dt_bias)
+        yield from f32(p + "gated_norm", mx.norm)
+        yield from moe(p, lw.moe)
     yield from f32("norm", w.norm)
     yield from q("lm_head", "lm_head", w.lm_head)
 
@@ -199,11 +205,13 @@ class EngineBackend:
 
 
 def count_step(cfg: ModelConfig, *, tokens: int = 1, position: int = 0, all_logits: bool = False,
-               quant: dict | None = None, prefill_chunk: int | None = None) -> dict:
+               quant: dict | None = None, prefill_chunk: int | None = None,
+               context_length: int | None = None) -> dict:
     """Counters of one step for ``cfg`` on the counting device (no weights, nothing runs):
-    dispatches, barriers, bytes_bound, threads, commits, waits_in_step."""
+    dispatches, barriers, bytes_bound, threads, commits, waits_in_step. The KV caches are bound
+    whole (bytes_bound grows with ``context_length``, default position + tokens)."""
     chunk = prefill_chunk or max(tokens, 1)
-    spec = engine_spec(cfg, quant or REAL_QUANT, context_length=position + tokens,
+    spec = engine_spec(cfg, quant or REAL_QUANT, context_length=context_length or position + tokens,
                        prefill_chunk=chunk)
     eng = _core().Engine(spec, "count")
     return eng.count(tokens, position, all_logits)
