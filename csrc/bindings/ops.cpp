@@ -32,6 +32,7 @@ namespace lily::bindings {
 
 emu::Order parse_order(const std::string& s);  // emu.cpp
 void init_emu(nb::module_& parent);              // emu.cpp
+void init_ops_sampling(nb::module_& ops);        // ops_sampling.cpp
 
 namespace {
 
@@ -303,6 +304,7 @@ void init_ops(nb::module_& parent) {
       "op"_a, "a"_a, "b"_a, nb::kw_only(), "b_per_row"_a, "dtype"_a, "device"_a = "emu", "order"_a = "shuffle",
       "seed"_a = 0, "fp_traps"_a = true,
       "swiglu (silu(a) * b) or sigmoid_mul (a * sigmoid(b)); returns (y, stats). Use lily_py.ops.");
+  init_ops_sampling(m);
 }
 
 }  // namespace lily::bindings

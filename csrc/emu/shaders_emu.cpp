@@ -23,5 +23,6 @@
 #include "embedding.metal"
 #include "norm.metal"
 #include "qmm.metal"
+#include "sampling.metal"
 #include "emu/selftest.metal"
 // clang-format on

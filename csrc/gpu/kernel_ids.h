@@ -60,7 +60,17 @@
   X(swiglu_f32,       ElementwiseArgs, 3)                                     \
   X(swiglu_bf16,      ElementwiseArgs, 3)                                     \
   X(sigmoid_mul_f32,  ElementwiseArgs, 3)                                     \
-  X(sigmoid_mul_bf16, ElementwiseArgs, 3)
+  X(sigmoid_mul_bf16, ElementwiseArgs, 3)                                     \
+  /* argmax / sampling (shaders/sampling.metal; host csrc/gpu/ops/sampling.cpp) */ \
+  X(sample_max_partial_f32,    SampleArgs, 2) /* logits, partials */          \
+  X(sample_max_final,          SampleArgs, 4) /* partials, state, ids, chosen_logit */ \
+  X(sample_stats_partial_f32,  SampleArgs, 3) /* logits, state, partials */   \
+  X(sample_stats_final,        SampleArgs, 2) /* partials, state */           \
+  X(sample_hist_partial_f32,   SampleArgs, 3) /* logits, state, hist */       \
+  X(sample_select,             SampleArgs, 2) /* hist, state */               \
+  X(sample_gumbel_partial_f32, SampleArgs, 4) /* logits, state, hist, partials */ \
+  X(sample_gumbel_final,       SampleArgs, 4) /* partials, state, ids, chosen_logit */ \
+  X(sample_noise,              SampleArgs, 1) /* out */
 // clang-format on
 
 namespace lily::gpu {

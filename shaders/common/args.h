@@ -76,3 +76,5 @@ struct ElementwiseArgs {
 };
 
 }  // namespace lily
+
+#include "common/args_sampling.h"  // argmax / sampling (shaders/sampling.metal)
