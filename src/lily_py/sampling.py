@@ -6,9 +6,12 @@ generator state). A device kernel computes the same function per entry, so the r
 reproduce a device's choice exactly for the same seed, and a run is reproducible regardless of
 how it was interrupted or resumed.
 
-    choice = argmax_i over kept entries of  logits[i] / temperature + gumbel(uniform(seed, n, i))
+    choice = argmax_i over kept entries of  (logits[i] - max) * (1/temperature) + gumbel(uniform(seed, n, i))
 
-which draws from softmax(logits / temperature) restricted to the kept entries. Filters
+which draws from softmax(logits / temperature) restricted to the kept entries. Everything that
+decides the choice is exactly specified float32 or integer arithmetic (``log32``, ``exp32``,
+fixed-point masses for top-p), so the device kernels (shaders/sampling.metal) choose the same
+token bit for bit; see docs/sampling.md. Filters
 apply one after the other, each to the distribution renormalised over what the previous ones
 kept (the order and semantics of transformers' warpers): top-k (the k most likely), top-p (the
 smallest most-likely set whose probability reaches p), min-p (entries with probability >=

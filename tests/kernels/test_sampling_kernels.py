@@ -151,6 +151,18 @@ def test_top_k_tie_at_the_cutoff_keeps_lowest_ids(device):
     assert kept == {0, 1, 3, 10}
 
 
+def test_top_p_tie_at_the_cutoff_keeps_lowest_ids(device):
+    # p = 0.5 at id 5 and five ties of 0.1: top-p 0.65 keeps the ties whose mass before them is
+    # < 0.65 (0.5, 0.6), i.e. the two lowest ids 2 and 9; 17, 30, 33 are cut.
+    x = np.full(40, -30.0, np.float32)
+    x[5] = np.log(0.5)
+    x[[2, 9, 17, 30, 33]] = np.log(0.1)
+    scaled = (x - x.max()).astype(np.float32)
+    assert set(np.flatnonzero(S.keep_mask(scaled, 0, 0.65, 0.0))) == {2, 5, 9}
+    kept = {ops.sample(x, temperature=1.0, top_p=0.65, seed=4, step=s, device=device) for s in range(300)}
+    assert kept == {2, 5, 9}
+
+
 @pytest.mark.parametrize("params,dispatches", [CONFIGS[0], CONFIGS[4], CONFIGS[8]], ids=["plain", "p0.3", "k+p+minp"])
 def test_full_vocabulary(rng, params, dispatches):
     x = random_logits(rng, FULL_V, scale=2.0)
