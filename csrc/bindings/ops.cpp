@@ -33,6 +33,7 @@ namespace lily::bindings {
 emu::Order parse_order(const std::string& s);  // emu.cpp
 void init_emu(nb::module_& parent);              // emu.cpp
 void init_ops_moe(nb::module_& ops);             // ops_moe.cpp
+void init_ops_sampling(nb::module_& ops);        // ops_sampling.cpp
 
 namespace {
 
@@ -308,6 +309,7 @@ void init_ops(nb::module_& parent) {
       "swiglu (silu(a) * b) or sigmoid_mul (a * sigmoid(b)); returns (y, stats). Use lily_py.ops.");
   { void init_ops_gated_delta(nb::module_&); init_ops_gated_delta(m); }  // ops_gated_delta.cpp
   { void init_ops_attention(nb::module_&); init_ops_attention(parent); }  // ops_attention.cpp
+  init_ops_sampling(m);
 }
 
 }  // namespace lily::bindings

@@ -26,5 +26,6 @@
 #include "moe.metal"
 #include "norm.metal"
 #include "qmm.metal"
+#include "sampling.metal"
 #include "emu/selftest.metal"
 // clang-format on

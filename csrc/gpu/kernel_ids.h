@@ -101,7 +101,17 @@
   X(attn_decode_split_bf16, AttnArgs, 5)                                      \
   /* partial_o, partial_ml, gate, out */                                      \
   X(attn_combine_f32,  AttnArgs, 4)                                           \
-  X(attn_combine_bf16, AttnArgs, 4)
+  X(attn_combine_bf16, AttnArgs, 4)                                          \
+  /* argmax / sampling (shaders/sampling.metal; host csrc/gpu/ops/sampling.cpp) */ \
+  X(sample_max_partial_f32,    SampleArgs, 2) /* logits, partials */          \
+  X(sample_max_final,          SampleArgs, 4) /* partials, state, ids, chosen_logit */ \
+  X(sample_stats_partial_f32,  SampleArgs, 3) /* logits, state, partials */   \
+  X(sample_stats_final,        SampleArgs, 2) /* partials, state */           \
+  X(sample_hist_partial_f32,   SampleArgs, 3) /* logits, state, hist */       \
+  X(sample_select,             SampleArgs, 2) /* hist, state */               \
+  X(sample_gumbel_partial_f32, SampleArgs, 4) /* logits, state, hist, partials */ \
+  X(sample_gumbel_final,       SampleArgs, 4) /* partials, state, ids, chosen_logit */ \
+  X(sample_noise,              SampleArgs, 1) /* out */
 // clang-format on
 
 namespace lily::gpu {

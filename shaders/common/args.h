@@ -81,3 +81,5 @@ struct ElementwiseArgs {
 #include "common/args_moe.h"  // mixture of experts (shaders/moe.metal)
 
 #include "common/args_attention.h"  // attention family: rope, qk norm, KV cache, decode/prefill
+
+#include "common/args_sampling.h"  // argmax / sampling (shaders/sampling.metal)

@@ -17,6 +17,8 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
+from ._ops_sampling import _argmax, _sample, argmax, sample  # noqa: E402,F401  (sampling kernels)
+
 __all__ = ["quantized_matmul", "quantized_matmul_route", "rms_norm", "embedding", "swiglu",
            "sigmoid_mul", "devices"]
 

@@ -6,9 +6,12 @@ generator state). A device kernel computes the same function per entry, so the r
 reproduce a device's choice exactly for the same seed, and a run is reproducible regardless of
 how it was interrupted or resumed.
 
-    choice = argmax_i over kept entries of  logits[i] / temperature + gumbel(uniform(seed, n, i))
+    choice = argmax_i over kept entries of  (logits[i] - max) * (1/temperature) + gumbel(uniform(seed, n, i))
 
-which draws from softmax(logits / temperature) restricted to the kept entries. Filters
+which draws from softmax(logits / temperature) restricted to the kept entries. Everything that
+decides the choice is exactly specified float32 or integer arithmetic (``log32``, ``exp32``,
+fixed-point masses for top-p), so the device kernels (shaders/sampling.metal) choose the same
+token bit for bit; see docs/sampling.md. Filters
 apply one after the other, each to the distribution renormalised over what the previous ones
 kept (the order and semantics of transformers' warpers): top-k (the k most likely), top-p (the
 smallest most-likely set whose probability reaches p), min-p (entries with probability >=
@@ -40,14 +43,143 @@ def hash32(x: np.ndarray) -> np.ndarray:
 
 
 def uniform(seed: int, step: int, n: int) -> np.ndarray:
-    """Uniform floats in (0, 1) for entries 0..n-1 at ``step`` under ``seed`` (float32 exact:
-    24-bit mantissa, centred in its bucket so 0 and 1 never occur)."""
+    """Uniform floats in (0, 1) for entries 0..n-1 at ``step`` under ``seed``: the top 23 bits of
+    the hash, centred in their bucket, ``(j + 0.5) * 2^-23``. Exact in float32 (24 significant
+    bits), so 0 and 1 never occur (24 bits would round ``2^24 - 0.5`` up to exactly 1.0, whose
+    Gumbel noise is +inf). Must match ``lily_uniform`` in shaders/common/sampling.h."""
+    h = hash32(np.arange(n, dtype=np.uint32) * _GOLDEN ^ sample_key(seed, step))
+    return ((h >> np.uint32(9)).astype(np.float32) + np.float32(0.5)) * np.float32(2.0 ** -23)
+
+
+def sample_key(seed: int, step: int) -> np.uint32:
+    """The per-(seed, step) key mixed into every entry's hash. Must match ``lily_sample_key``."""
     seed = int(seed) & 0xFFFFFFFFFFFFFFFF
     with np.errstate(over="ignore"):
         key = hash32(np.uint32(seed & 0xFFFFFFFF) ^ hash32(np.uint32(seed >> 32) + _GOLDEN))
-        key = hash32(key ^ hash32(np.uint32(step & 0xFFFFFFFF)))
-        h = hash32(np.arange(n, dtype=np.uint32) * _GOLDEN ^ key)
-    return ((h >> np.uint32(8)).astype(np.float32) + np.float32(0.5)) * np.float32(2.0 ** -24)
+        return np.uint32(hash32(key ^ hash32(np.uint32(step & 0xFFFFFFFF))))
+
+
+# ---- float32 math that every device computes bit-identically ----------------------------------
+# Gumbel noise needs log, and the top-p mass needs exp. Library log/exp differ between glibc,
+# NumPy's SIMD loops and Metal (a few ulp), which would change choices at near-ties. So both are
+# defined here by exactly rounded float32 operations only: +, -, *, exact bit manipulation and
+# fused multiply-add (one rounding; `fma` in Metal and C++). Every multiply feeding an add is an
+# explicit fma, so a compiler that contracts a*b+c into an fma cannot change the result.
+# Must match lily_log / lily_exp in shaders/common/sampling.h, operation for operation.
+
+_F32 = np.float32
+
+
+def fma32(a, b, c) -> np.ndarray:
+    """Correctly rounded float32 ``a * b + c`` (one rounding), as Metal's and C's ``fma``.
+
+    The float64 product of two float32 is exact; the float64 sum is rounded to odd (TwoSum gives
+    the exact error, an even inexact result moves one ulp towards it), and rounding to odd at 53
+    bits followed by rounding to nearest at 24 bits is a correct rounding (Boldo & Melquiond)."""
+    a = np.asarray(a, np.float32).astype(np.float64)
+    b = np.asarray(b, np.float32).astype(np.float64)
+    c = np.asarray(c, np.float32).astype(np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        p = a * b
+        s = p + c
+        bp = s - c
+        err = (p - bp) + (c - (s - bp))
+        bits = np.asarray(s).view(np.uint64)
+        fix = np.isfinite(s) & (err != 0) & ((bits & np.uint64(1)) == 0)
+        s = np.where(fix, np.nextafter(s, np.where(err > 0, np.inf, -np.inf)), s)
+    return s.astype(np.float32)
+
+
+# Cephes logf: log(1 + f) = f - f^2/2 + f^3 P(f) for f in [sqrt(1/2) - 1, sqrt(2) - 1].
+_LOG_P = [7.0376836292e-2, -1.1514610310e-1, 1.1676998740e-1, -1.2420140846e-1, 1.4249322787e-1,
+          -1.6668057665e-1, 2.0000714765e-1, -2.4999993993e-1, 3.3333331174e-1]
+_LN2_HI, _LN2_LO = 0.693359375, -2.12194440e-4
+
+
+def log32(x) -> np.ndarray:
+    """float32 natural log (about 1 ulp) for positive normal x (the only inputs Gumbel noise
+    produces: u in [2^-24, 1 - 2^-24], -log(u) in [5.9e-8, 16.7]). Must match lily_log."""
+    x = np.asarray(x, np.float32)
+    b = x.view(np.uint32)
+    e = (b >> np.uint32(23)).astype(np.int32) - 126             # x = m 2^e, m in [0.5, 1)
+    m = ((b & np.uint32(0x007FFFFF)) | np.uint32(0x3F000000)).view(np.float32)
+    small = m < _F32(0.707106781186547524)
+    e = np.where(small, e - 1, e)
+    f = np.where(small, (m + m) - _F32(1.0), m - _F32(1.0))   # exact (Sterbenz)
+    z = f * f
+    y = np.full_like(f, _F32(_LOG_P[0]))
+    for c in _LOG_P[1:]:
+        y = fma32(y, f, _F32(c))
+    y = (y * f) * z
+    ef = e.astype(np.float32)
+    y = fma32(ef, _F32(_LN2_LO), y)
+    y = fma32(z, _F32(-0.5), y)
+    r = f + y
+    return fma32(ef, _F32(_LN2_HI), r)
+
+
+# exp(s) = 2^k exp(r), k = rint(s log2(e)), r = s - k ln2 (two fma steps), exp(r) by a degree-6
+# Taylor-like minimax polynomial (Cephes expf).
+_EXP_P = [1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1,
+          5.0000001201e-1]
+_EXP_C1, _EXP_C2 = 0.693359375, -2.12194440e-4
+EXP_MIN = -32.0   # exp32(s) = 0 below this (and for -inf); mass_fixed is 0 there anyway
+                  # (exp(-27.8) < 2^-40), and 2^k stays a normal float (no denormal flushing)
+
+
+def exp32(s) -> np.ndarray:
+    """float32 exp for EXP_MIN <= s <= 0 (about 1 ulp); 0 below. Must match lily_exp."""
+    s = np.asarray(s, np.float32)
+    low = ~(s >= _F32(EXP_MIN))
+    x = np.where(low, _F32(0.0), s)
+    k = np.rint(x * _F32(1.44269504088896341))
+    r = fma32(k, _F32(-_EXP_C1), x)
+    r = fma32(k, _F32(-_EXP_C2), r)
+    z = r * r
+    y = np.full_like(r, _F32(_EXP_P[0]))
+    for c in _EXP_P[1:]:
+        y = fma32(y, r, _F32(c))
+    y = fma32(y, z, r)
+    y = y + _F32(1.0)
+    scale = ((k.astype(np.int32) + 127).astype(np.uint32) << np.uint32(23)).view(np.float32)
+    return np.where(low, _F32(0.0), y * scale).astype(np.float32)
+
+
+MASS_BITS = 40   # fixed-point mass: floor(exp32(s) * 2^40), s <= 0, so <= 2^40 per entry
+
+
+def mass_fixed(s) -> np.ndarray:
+    """Each entry's probability mass relative to the most likely one, as an exact integer:
+    floor(exp32(s) * 2^MASS_BITS) (uint64). Integer sums do not depend on the order of the
+    additions, so a parallel reduction on a device gives exactly these sums. Entries below
+    2^-40 of the maximum count as 0 (at most 248320 * 2^-40 = 2.3e-7 of the mass)."""
+    e = exp32(s).astype(np.float64)
+    return np.floor(e * 2.0 ** MASS_BITS).astype(np.uint64)
+
+
+def top_p_fixed(top_p: float) -> int:
+    """top_p as a 32-bit fraction t = floor(top_p * 2^32) (top_p < 1); must match the host op."""
+    return min(int(np.floor(float(top_p) * 2.0 ** 32)), 0xFFFFFFFF)
+
+
+def top_p_limit(total_mass: int, top_p: float) -> int:
+    """The integer mass limit P = max(1, ceil(Z * t / 2^32)): an entry is kept by top-p iff the
+    mass strictly before it (in the sorted order) is < P."""
+    t = top_p_fixed(top_p)
+    return max(1, -((-int(total_mass) * t) >> 32))
+
+
+def min_p_threshold(min_p: float) -> np.float32:
+    """min-p keeps p_i >= min_p * p_max, i.e. s_i >= log(min_p) on the scaled logits (max 0):
+    float32(log(min_p)) computed in float64 once by the host."""
+    return np.float32(np.log(np.float64(min_p))) if min_p > 0 else np.float32(-np.inf)
+
+
+def inverse_temperature(temperature: float) -> np.float32:
+    """float32(1 / temperature); the scaled logits are (l - max l) * this (one rounded multiply,
+    the same on every device, unlike division). inf (temperature < ~2.9e-39) means greedy."""
+    with np.errstate(over="ignore", divide="ignore"):
+        return np.float32(1.0 / float(temperature))
 
 
 @dataclass(frozen=True)
@@ -78,25 +210,42 @@ class SamplingParams:
 
 
 def keep_mask(scaled_logits: np.ndarray, top_k: int, top_p: float, min_p: float) -> np.ndarray:
-    """Boolean mask of the entries the filters keep (at least the most likely one)."""
-    n = scaled_logits.shape[-1]
-    order = np.argsort(-scaled_logits, kind="stable")           # most likely first, ties by id
+    """Boolean mask of the entries the filters keep (at least the most likely one).
+
+    ``scaled_logits`` are float32, normally with maximum 0 (``(l - max l) * inverse_temperature``;
+    other inputs are shifted so). In the
+    sorted order (most likely first, ties by lowest id) entry j is kept iff
+      * top-k: j < top_k;
+      * top-p: the mass strictly before j, sum_{i<j} q_i, is < top_p_limit(Z, top_p), with
+        q = mass_fixed(s) and Z the sum of q over the top-k set (the distribution renormalised
+        over what top-k kept);
+      * min-p: s_j >= min_p_threshold(min_p)  (p_j >= min_p * p_max).
+    Exact integer / float32 comparisons, so a device reproduces the kept set bit for bit.
+    """
+    s = np.asarray(scaled_logits, dtype=np.float32)
+    n = s.shape[-1]
+    order = np.argsort(-s, kind="stable")                       # most likely first, ties by id
+    with np.errstate(invalid="ignore"):
+        s = (s - s[order[0]]).astype(np.float32)                # no-op (exact) when the max is 0
     keep_sorted = np.ones(n, dtype=bool)
     if top_k and top_k < n:
         keep_sorted[top_k:] = False
-    if top_p < 1.0 or min_p > 0.0:
-        s = scaled_logits[order].astype(np.float64)
-        p = np.where(keep_sorted, np.exp(s - s[0]), 0.0)       # renormalised over the kept set
-        p /= p.sum()
-        if top_p < 1.0:
-            before = np.cumsum(p) - p                            # mass strictly before entry
-            keep_sorted &= before < top_p
-        if min_p > 0.0:
-            keep_sorted &= p >= min_p * p[0]
+    if top_p < 1.0:
+        q = mass_fixed(s[order])
+        q_kept = np.where(keep_sorted, q, np.uint64(0))
+        before = np.cumsum(q_kept) - q_kept                     # exact (< 2^58)
+        keep_sorted &= before < np.uint64(top_p_limit(int(q_kept.sum()), top_p))
+    if min_p > 0.0:
+        keep_sorted &= s[order] >= min_p_threshold(min_p)
     keep_sorted[0] = True
     mask = np.zeros(n, dtype=bool)
     mask[order[keep_sorted]] = True
     return mask
+
+
+def gumbel(seed: int, step: int, n: int) -> np.ndarray:
+    """Gumbel noise -log(-log(u)) in float32 with log32 (bit-identical on every device)."""
+    return -log32(-log32(uniform(seed, step, n)))
 
 
 def sample(logits: np.ndarray, params: SamplingParams, step: int, seed: int) -> int:
@@ -107,13 +256,13 @@ def sample(logits: np.ndarray, params: SamplingParams, step: int, seed: int) -> 
             if not np.isneginf(logits).all() else 0
         raise FloatingPointError(f"logits contain a non-finite value at token id {bad}: "
                                  f"{logits[bad]} (numerical failure in the model)")
-    if params.greedy:
-        return int(np.argmax(logits))
-    # Shift by the max first: a tiny temperature then sends every other entry to -inf instead
-    # of overflowing.
-    with np.errstate(over="ignore"):
-        scaled = (logits - logits.max()) / np.float32(params.temperature)
+    inv_t = inverse_temperature(params.temperature) if not params.greedy else np.float32(np.inf)
+    if np.isinf(inv_t):
+        return int(np.argmax(logits))                             # greedy: ties to the lowest id
+    # Shift by the max first: a tiny temperature then sends every other entry to -inf instead of
+    # overflowing; the most likely entry has s = 0 exactly.
+    with np.errstate(over="ignore", invalid="ignore"):
+        scaled = (logits - logits.max()) * inv_t
+    scaled = np.where(np.isneginf(logits), np.float32(-np.inf), scaled).astype(np.float32)
     mask = keep_mask(scaled, params.top_k, params.top_p, params.min_p)
-    u = uniform(seed, step, logits.shape[0])
-    gumbel = -np.log(-np.log(u))
-    return int(np.argmax(np.where(mask, scaled + gumbel, -np.inf)))
+    return int(np.argmax(np.where(mask, scaled + gumbel(seed, step, logits.shape[0]), -np.inf)))

@@ -1,0 +1,189 @@
+#include "gpu/ops/sampling.h"
+
+#include <cmath>
+#include <limits>
+#include <stdexcept>
+#include <string>
+
+namespace lily::gpu::ops {
+
+namespace {
+
+uint32_t ceil_div(uint32_t a, uint32_t b) { return (a + b - 1) / b; }
+
+Binding range(Binding b, uint64_t bytes) {
+  b.bytes = bytes;
+  return b;
+}
+
+// Host-side parameter encodings; must match lily_py.sampling (inverse_temperature,
+// top_p_fixed, min_p_threshold).
+float inverse_temperature(double t) { return static_cast<float>(1.0 / t); }
+uint32_t top_p_fixed(double p) {
+  const double t = std::floor(p * 4294967296.0);
+  return t >= 4294967295.0 ? 0xFFFFFFFFu : static_cast<uint32_t>(t);
+}
+float min_p_threshold(double m) {
+  return m > 0 ? static_cast<float>(std::log(m)) : -std::numeric_limits<float>::infinity();
+}
+
+}  // namespace
+
+uint32_t sample_groups(uint32_t valid_vocab) { return ceil_div(valid_vocab, kSampleChunk); }
+
+uint32_t SamplePlan::dispatches() const {
+  if (greedy) return 2;
+  return 2 + (stats ? 2 : 0) + (search_top_k ? 2 * kSampleRounds : 0) + (search_keep ? 2 * kSampleRounds : 0) + 2;
+}
+
+SamplePlan sample_plan(const SampleOperands& op) {
+  SamplePlan p;
+  const SampleParams& s = op.params;
+  if (s.greedy || std::isinf(inverse_temperature(s.temperature))) {
+    p.greedy = true;
+    return p;
+  }
+  const bool top_k = s.top_k != 0 && s.top_k < op.valid_vocab;
+  const bool top_p = s.top_p < 1.0;
+  const bool min_p = s.min_p > 0.0;
+  p.stats = min_p || (top_p && !top_k);
+  p.search_top_k = top_k && top_p;
+  p.search_keep = top_k || top_p || min_p;
+  return p;
+}
+
+size_t sample_state_bytes(uint32_t rows) { return size_t(rows) * sizeof(SampleState); }
+size_t sample_partials_bytes(uint32_t rows, uint32_t v) { return size_t(rows) * sample_groups(v) * sizeof(SamplePartial); }
+size_t sample_hist_bytes(uint32_t rows, uint32_t v) {
+  return size_t(rows) * sample_groups(v) * kSampleBins * sizeof(SampleBin);
+}
+
+void validate(const SampleOperands& op) {
+  auto fail = [](const std::string& m) { throw std::invalid_argument("sample: " + m); };
+  if (op.rows == 0 || op.valid_vocab == 0) fail("empty shape");
+  if (op.stride < op.valid_vocab) fail("stride " + std::to_string(op.stride) + " < valid_vocab " + std::to_string(op.valid_vocab));
+  const SampleParams& s = op.params;
+  if (!s.greedy && !(s.temperature > 0)) fail("temperature must be > 0 when sampling");
+  if (!(s.top_p > 0 && s.top_p <= 1)) fail("top_p must be in (0, 1]");
+  if (!(s.min_p >= 0 && s.min_p <= 1)) fail("min_p must be in [0, 1]");
+  auto need = [&](const Binding& b, uint64_t bytes, const char* what) {
+    if (b.buffer == nullptr) fail(std::string(what) + " not bound");
+    if (b.bytes < bytes) fail(std::string(what) + " range has " + std::to_string(b.bytes) + " bytes, needs " + std::to_string(bytes));
+  };
+  need(op.logits, ((uint64_t(op.rows) - 1) * op.stride + op.valid_vocab) * 4, "logits");
+  need(op.ids, (uint64_t(op.slot) + op.rows) * 4, "ids");
+  need(op.chosen_logit, (uint64_t(op.slot) + op.rows) * 4, "chosen_logit");
+  need(op.state, sample_state_bytes(op.rows), "state");
+  need(op.partials, sample_partials_bytes(op.rows, op.valid_vocab), "partials");
+  if (!sample_plan(op).greedy) need(op.hist, sample_hist_bytes(op.rows, op.valid_vocab), "hist");
+}
+
+void encode_sample(Encoder& enc, const SampleOperands& op) {
+  validate(op);
+  const SamplePlan plan = sample_plan(op);
+  const SampleParams& s = op.params;
+  const uint32_t G = sample_groups(op.valid_vocab);
+  SampleArgs a{};
+  a.rows = op.rows;
+  a.stride = op.stride;
+  a.valid_vocab = op.valid_vocab;
+  a.groups = G;
+  a.inv_temperature = plan.greedy ? 1.0f : inverse_temperature(s.temperature);
+  a.min_p_log = plan.greedy ? -std::numeric_limits<float>::infinity() : min_p_threshold(s.min_p);
+  a.top_k = (s.top_k != 0 && s.top_k < op.valid_vocab) ? s.top_k : 0;
+  a.top_p = s.top_p < 1.0 ? top_p_fixed(s.top_p) : 0;
+  a.seed_lo = static_cast<uint32_t>(s.seed);
+  a.seed_hi = static_cast<uint32_t>(s.seed >> 32);
+  a.step = s.step;
+  a.slot = op.slot;
+  a.greedy = plan.greedy ? 1 : 0;
+
+  const Binding logits = range(op.logits, ((uint64_t(op.rows) - 1) * op.stride + op.valid_vocab) * 4);
+  const Binding ids = range(op.ids, (uint64_t(op.slot) + op.rows) * 4);
+  const Binding chosen = range(op.chosen_logit, (uint64_t(op.slot) + op.rows) * 4);
+  const Binding state = range(op.state, sample_state_bytes(op.rows));
+  const Binding parts = range(op.partials, sample_partials_bytes(op.rows, op.valid_vocab));
+  const Binding hist = plan.greedy ? Binding{} : range(op.hist, sample_hist_bytes(op.rows, op.valid_vocab));
+  const Size3 partial_grid{G, op.rows, 1}, final_grid{1, op.rows, 1};
+  const Size3 partial_threads{kSampleThreads, 1, 1}, final_threads{kSampleFinalThreads, 1, 1};
+  bool first = true;
+  auto begin = [&](KernelId k) {  // every pass reads what the previous one wrote
+    if (!first) enc.barrier();
+    first = false;
+    enc.set_kernel(k);
+    enc.set_args(a);
+  };
+
+  begin(KernelId::sample_max_partial_f32);
+  enc.set_buffer(1, logits);
+  enc.set_buffer(2, parts);
+  enc.dispatch(partial_grid, partial_threads);
+  begin(KernelId::sample_max_final);
+  enc.set_buffer(1, parts);
+  enc.set_buffer(2, state);
+  enc.set_buffer(3, ids);
+  enc.set_buffer(4, chosen);
+  enc.dispatch(final_grid, final_threads);
+  if (plan.greedy) return;
+
+  if (plan.stats) {
+    begin(KernelId::sample_stats_partial_f32);
+    enc.set_buffer(1, logits);
+    enc.set_buffer(2, state);
+    enc.set_buffer(3, parts);
+    enc.dispatch(partial_grid, partial_threads);
+    begin(KernelId::sample_stats_final);
+    enc.set_buffer(1, parts);
+    enc.set_buffer(2, state);
+    enc.dispatch(final_grid, final_threads);
+  }
+  auto search = [&](uint32_t which) {
+    a.search = which;
+    for (int round = kSampleRounds - 1; round >= 0; --round) {
+      a.shift = uint32_t(round) * kSampleDigitBits;
+      begin(KernelId::sample_hist_partial_f32);
+      enc.set_buffer(1, logits);
+      enc.set_buffer(2, state);
+      enc.set_buffer(3, hist);
+      enc.dispatch(partial_grid, partial_threads);
+      begin(KernelId::sample_select);
+      enc.set_buffer(1, hist);
+      enc.set_buffer(2, state);
+      enc.dispatch(final_grid, final_threads);
+    }
+  };
+  if (plan.search_top_k) search(0);
+  if (plan.search_keep) search(1);
+
+  begin(KernelId::sample_gumbel_partial_f32);
+  enc.set_buffer(1, logits);
+  enc.set_buffer(2, state);
+  enc.set_buffer(3, hist);
+  enc.set_buffer(4, parts);
+  enc.dispatch(partial_grid, partial_threads);
+  begin(KernelId::sample_gumbel_final);
+  enc.set_buffer(1, parts);
+  enc.set_buffer(2, state);
+  enc.set_buffer(3, ids);
+  enc.set_buffer(4, chosen);
+  enc.dispatch(final_grid, final_threads);
+}
+
+void encode_sample_noise(Encoder& enc, const Binding& out, uint32_t n, uint64_t seed, uint32_t step) {
+  if (n == 0) throw std::invalid_argument("sample_noise: n must be > 0");
+  if (out.buffer == nullptr || out.bytes < uint64_t(n) * 4) throw std::invalid_argument("sample_noise: out too small");
+  SampleArgs a{};
+  a.rows = 1;
+  a.stride = n;
+  a.valid_vocab = n;
+  a.groups = sample_groups(n);
+  a.seed_lo = static_cast<uint32_t>(seed);
+  a.seed_hi = static_cast<uint32_t>(seed >> 32);
+  a.step = step;
+  enc.set_kernel(KernelId::sample_noise);
+  enc.set_args(a);
+  enc.set_buffer(1, range(out, uint64_t(n) * 4));
+  enc.dispatch({a.groups, 1, 1}, {kSampleThreads, 1, 1});
+}
+
+}  // namespace lily::gpu::ops

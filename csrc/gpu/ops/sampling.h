@@ -1,0 +1,56 @@
+// Argmax and sampling over rows of logits, writing the chosen token id into a device slot.
+// Kernels: shaders/sampling.metal. Constants and records: shaders/common/args_sampling.h.
+// Reference: lily_py.sampling (sample / keep_mask), reproduced bit for bit.
+#pragma once
+#include <cstdint>
+
+#include "gpu/encoder.h"
+
+namespace lily::gpu::ops {
+
+struct SampleParams {
+  bool greedy = true;          // argmax, ties to the lowest id
+  double temperature = 1.0;    // > 0 when not greedy
+  uint32_t top_k = 0;          // 0 = off
+  double top_p = 1.0;          // 1 = off
+  double min_p = 0.0;          // 0 = off
+  uint64_t seed = 0;
+  uint32_t step = 0;
+};
+
+struct SampleOperands {
+  Binding logits;        // float32 [rows, stride]
+  Binding ids;           // uint32 [>= slot + rows]: row r's token goes to ids[slot + r]
+  Binding chosen_logit;  // float32 [>= slot + rows]: its raw logit
+  Binding state;         // scratch: SampleState [rows] (status / bad_id readable after the call)
+  Binding partials;      // scratch: SamplePartial [rows * groups]
+  Binding hist;          // scratch: SampleBin [rows * groups * kSampleBins] (sampling only)
+  uint32_t rows = 0, stride = 0, valid_vocab = 0, slot = 0;
+  SampleParams params;
+};
+
+// Which passes a call encodes (decided from the parameters alone, never from the data).
+struct SamplePlan {
+  bool greedy = false;       // max partial + final only
+  bool stats = false;        // min-p count / total mass pass (min_p > 0, or top-p without top-k)
+  bool search_top_k = false; // a cutoff search for the top-k set's mass (top-k and top-p both on)
+  bool search_keep = false;  // the cutoff search for the kept set (any filter on)
+  uint32_t dispatches() const;
+};
+
+uint32_t sample_groups(uint32_t valid_vocab);  // partial threadgroups per row
+SamplePlan sample_plan(const SampleOperands& op);
+// Scratch sizes in bytes for rows x valid_vocab.
+size_t sample_state_bytes(uint32_t rows);
+size_t sample_partials_bytes(uint32_t rows, uint32_t valid_vocab);
+size_t sample_hist_bytes(uint32_t rows, uint32_t valid_vocab);
+// Throws std::invalid_argument naming the bad operand or parameter.
+void validate(const SampleOperands& op);
+// Encodes the plan's dispatches with a barrier between consecutive ones (each reads what the
+// previous wrote); no barrier after the last one.
+void encode_sample(Encoder& enc, const SampleOperands& op);
+
+// The Gumbel noise of (seed, step) for ids 0..n-1 into out (float32 [n]); for tests.
+void encode_sample_noise(Encoder& enc, const Binding& out, uint32_t n, uint64_t seed, uint32_t step);
+
+}  // namespace lily::gpu::ops

@@ -1,0 +1,489 @@
+// Argmax (greedy) and sampling (temperature, top-k, top-p, min-p, Gumbel-max) over a vocabulary of
+// up to 248,320 logits per row, writing the chosen token id into a uint32 device slot.
+// Host: csrc/gpu/ops/sampling.cpp (the pass sequence). Reference: lily_py.sampling (must match
+// bit for bit; see docs/kernels.md "Sampling" for the exact-reproduction argument).
+//
+// Shapes: logits float32 [R, stride], entries 0 .. valid_vocab-1 of each row are read; ids uint32
+// and chosen_logit float32 [>= slot + R]. Partial kernels: grid (G, R), G = ceil(valid_vocab /
+// 2048), 64 threads; thread t owns the 32 consecutive entries g*2048 + 32t .. +32 (id order is
+// thread order, which the tie ranking relies on). Final / select kernels: grid (1, R), 32 threads.
+//
+// Precision: no reassociated float math. Maxima and argmaxes are exact (ties to the lowest id);
+// s = (l - max) * inv_temperature is one float32 subtract and one multiply; masses are integers
+// (lily_mass), so their sums are exact in any order; noise and z = s + gumbel are float32 with
+// the exactly specified lily_log (common/sampling.h).
+//
+// Errors: a NaN or +inf logit, or no finite logit, below valid_vocab sets SampleState.status;
+// the final kernel then writes kSampleNoId (0xFFFFFFFF) and a NaN logit, and later kernels of the
+// call skip all work (no floating-point exception from a NaN reaches the arithmetic).
+#include "common/lily_metal.h"
+#include "common/sampling.h"
+
+namespace lily {
+
+// (value, id) order: larger value first, then lower id; id kSampleNoId is "nothing".
+inline bool sample_better(float v, uint32_t id, float best, uint32_t best_id) {
+  if (id == kSampleNoId) return false;
+  if (best_id == kSampleNoId) return true;
+  return v > best || (v == best && id < best_id);
+}
+
+inline float sample_nan() { return as_type<float>(0x7FC00000u); }
+
+// Records cross address spaces field by field (the strict pass has no struct copy between address
+// spaces); a threadgroup record is kSampleRecordWords uint32 words.
+
+inline void sample_tg_store(threadgroup uint32_t* r, SamplePartial p) {
+  r[0] = as_type<uint32_t>(p.value);
+  r[1] = as_type<uint32_t>(p.logit);
+  r[2] = p.id;
+  r[3] = p.status;
+  r[4] = p.bad_id;
+  r[5] = p.count;
+  r[6] = p.mass_lo;
+  r[7] = p.mass_hi;
+}
+
+inline SamplePartial sample_tg_load(const threadgroup uint32_t* r) {
+  SamplePartial p;
+  p.value = as_type<float>(r[0]);
+  p.logit = as_type<float>(r[1]);
+  p.id = r[2];
+  p.status = r[3];
+  p.bad_id = r[4];
+  p.count = r[5];
+  p.mass_lo = r[6];
+  p.mass_hi = r[7];
+  return p;
+}
+
+inline SamplePartial sample_load(const device SamplePartial* r) {
+  SamplePartial p;
+  p.value = r->value;
+  p.logit = r->logit;
+  p.id = r->id;
+  p.status = r->status;
+  p.bad_id = r->bad_id;
+  p.count = r->count;
+  p.mass_lo = r->mass_lo;
+  p.mass_hi = r->mass_hi;
+  return p;
+}
+
+inline void sample_store(device SamplePartial* r, SamplePartial p) {
+  r->value = p.value;
+  r->logit = p.logit;
+  r->id = p.id;
+  r->status = p.status;
+  r->bad_id = p.bad_id;
+  r->count = p.count;
+  r->mass_lo = p.mass_lo;
+  r->mass_hi = p.mass_hi;
+}
+
+// Merge record r into out: best (value, id), OR of status, min bad id, sums of count and mass.
+inline SamplePartial sample_merge(SamplePartial out, SamplePartial r) {
+  if (sample_better(r.value, r.id, out.value, out.id)) {
+    out.value = r.value;
+    out.logit = r.logit;
+    out.id = r.id;
+  }
+  out.status |= r.status;
+  out.bad_id = min(out.bad_id, r.bad_id);
+  out.count += r.count;
+  const ulong m = lily_u64(out.mass_lo, out.mass_hi) + lily_u64(r.mass_lo, r.mass_hi);
+  out.mass_lo = uint32_t(m);
+  out.mass_hi = uint32_t(m >> 32);
+  return out;
+}
+
+// Combine the n per-thread records of a threadgroup in thread order (thread 0 calls it).
+inline SamplePartial sample_combine(const threadgroup uint32_t* recs, uint32_t n) {
+  SamplePartial out = sample_tg_load(recs);
+  for (uint32_t t = 1; t < n; ++t) out = sample_merge(out, sample_tg_load(recs + t * kSampleRecordWords));
+  return out;
+}
+
+inline SamplePartial sample_empty() {
+  SamplePartial p;
+  p.value = 0.0f;
+  p.logit = 0.0f;
+  p.id = kSampleNoId;
+  p.status = 0;
+  p.bad_id = kSampleNoId;
+  p.count = 0;
+  p.mass_lo = 0;
+  p.mass_hi = 0;
+  return p;
+}
+
+// ---------------------------------------------------------------------------------------------
+// sample_max_partial: per (row, group) the largest finite-or--inf logit and its lowest id, and
+// NaN / +inf detection. grid (G, R) x 64.
+template <typename T>
+[[kernel]] void sample_max_partial(constant SampleArgs& args [[buffer(0)]],
+                                   const device T* logits [[buffer(1)]],
+                                   device SamplePartial* part [[buffer(2)]],
+                                   LILY_KERNEL_TAIL) {
+  LILY_TG_ARRAY(uint32_t, recs, [kSampleThreads * kSampleRecordWords]);
+  const uint32_t row = group_pos.y, g = group_pos.x;
+  const uint32_t begin = g * kSampleChunk + thread_pos.x * kSampleStrip;
+  const uint32_t end = min(begin + kSampleStrip, args.valid_vocab);
+  const device T* lr = logits + ulong(row) * args.stride;
+  SamplePartial p = sample_empty();
+  for (uint32_t i = begin; i < end; ++i) {
+    const float l = float(lr[i]);
+    if (isnan(l) || (isinf(l) && l > 0.0f)) {
+      p.status |= isnan(l) ? uint32_t(kSampleStatusNaN) : uint32_t(kSampleStatusPosInf);
+      p.bad_id = min(p.bad_id, i);
+    } else if (sample_better(l, i, p.value, p.id)) {
+      p.value = l;
+      p.logit = l;
+      p.id = i;
+    }
+  }
+  sample_tg_store(recs + thread_pos.x * kSampleRecordWords, p);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (thread_pos.x == 0) sample_store(part + row * args.groups + g, sample_combine(recs, group_size.x));
+}
+
+// Reduce a row's G partial records (32 threads, then thread 0 in thread order).
+inline SamplePartial sample_reduce_row(const device SamplePartial* part, threadgroup uint32_t* recs,
+                                       uint32_t groups, uint32_t t, uint32_t threads) {
+  SamplePartial p = sample_empty();
+  for (uint32_t g = t; g < groups; g += threads) p = sample_merge(p, sample_load(part + g));
+  sample_tg_store(recs + t * kSampleRecordWords, p);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  return sample_combine(recs, threads);
+}
+
+inline void sample_write_error_or(device uint32_t* ids, device float* chosen, uint32_t at, uint32_t status,
+                                  uint32_t id, float logit) {
+  ids[at] = status ? uint32_t(kSampleNoId) : id;
+  chosen[at] = status ? sample_nan() : logit;
+}
+
+// sample_max_final: the row's max logit and argmax into SampleState (and, greedy, the token into
+// ids[slot + row]); initialises the filter state of a sampling call. grid (1, R) x 32.
+template <typename T>  // T: logits type of the call (unused here)
+[[kernel]] void sample_max_final(constant SampleArgs& args [[buffer(0)]],
+                                 const device SamplePartial* part [[buffer(1)]],
+                                 device SampleState* state [[buffer(2)]],
+                                 device uint32_t* ids [[buffer(3)]],
+                                 device float* chosen_logit [[buffer(4)]],
+                                 LILY_KERNEL_TAIL) {
+  LILY_TG_ARRAY(uint32_t, recs, [kSampleFinalThreads * kSampleRecordWords]);
+  const uint32_t row = group_pos.y;
+  const SamplePartial p = sample_reduce_row(part + row * args.groups, recs, args.groups, thread_pos.x, group_size.x);
+  if (thread_pos.x == 0) {
+    uint32_t status = p.status;
+    if (p.id == kSampleNoId || (isinf(p.value) && p.value < 0.0f)) status |= kSampleStatusNoFinite;
+    device SampleState& st = state[row];
+    st.max_logit = p.value;
+    st.max_id = p.id;
+    st.status = status;
+    st.bad_id = p.bad_id;
+    st.k_eff = args.top_k ? args.top_k : args.valid_vocab;
+    st.limit_lo = 0xFFFFFFFFu;
+    st.limit_hi = 0xFFFFFFFFu;
+    st.total_lo = 0;
+    st.total_hi = 0;
+    st.prefix = 0;
+    st.above_count = 0;
+    st.above_lo = 0;
+    st.above_hi = 0;
+    st.cut_key = 0;
+    st.keep_ties = 0;
+    st.tie_digit = 0;
+    st.filtered = 0;
+    if (args.greedy) sample_write_error_or(ids, chosen_logit, args.slot + row, status, p.id, p.logit);
+  }
+}
+
+// Valid entries of a row for the kernels after max_final: none when the row is in error.
+inline uint32_t sample_valid_end(constant SampleArgs& args, const device SampleState& st) {
+  return st.status ? 0u : args.valid_vocab;
+}
+
+inline float sample_scaled(float l, float max_logit, float inv_temperature) {
+  return (l - max_logit) * inv_temperature;  // -inf stays -inf; the max entry gives exactly 0
+}
+
+// ---------------------------------------------------------------------------------------------
+// sample_stats_partial: per (row, group) the number of entries with s >= min_p_log and the sum
+// of their fixed-point masses over all entries (Z without top-k). grid (G, R) x 64.
+template <typename T>
+[[kernel]] void sample_stats_partial(constant SampleArgs& args [[buffer(0)]],
+                                     const device T* logits [[buffer(1)]],
+                                     const device SampleState* state [[buffer(2)]],
+                                     device SamplePartial* part [[buffer(3)]],
+                                     LILY_KERNEL_TAIL) {
+  LILY_TG_ARRAY(uint32_t, recs, [kSampleThreads * kSampleRecordWords]);
+  const uint32_t row = group_pos.y, g = group_pos.x;
+  const device SampleState& st = state[row];
+  const uint32_t begin = g * kSampleChunk + thread_pos.x * kSampleStrip;
+  const uint32_t end = min(begin + kSampleStrip, sample_valid_end(args, st));
+  const device T* lr = logits + ulong(row) * args.stride;
+  SamplePartial p = sample_empty();
+  ulong mass = 0;
+  for (uint32_t i = begin; i < end; ++i) {
+    const float s = sample_scaled(float(lr[i]), st.max_logit, args.inv_temperature);
+    p.count += s >= args.min_p_log ? 1u : 0u;
+    mass += lily_mass(s);
+  }
+  p.mass_lo = uint32_t(mass);
+  p.mass_hi = uint32_t(mass >> 32);
+  sample_tg_store(recs + thread_pos.x * kSampleRecordWords, p);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (thread_pos.x == 0) sample_store(part + row * args.groups + g, sample_combine(recs, group_size.x));
+}
+
+// sample_stats_final: k_eff = min(top_k, count) and, top-p without top-k, P from Z. grid (1, R) x 32.
+template <typename T>  // T: logits type of the call (unused here)
+[[kernel]] void sample_stats_final(constant SampleArgs& args [[buffer(0)]],
+                                   const device SamplePartial* part [[buffer(1)]],
+                                   device SampleState* state [[buffer(2)]],
+                                   LILY_KERNEL_TAIL) {
+  LILY_TG_ARRAY(uint32_t, recs, [kSampleFinalThreads * kSampleRecordWords]);
+  const uint32_t row = group_pos.y;
+  const SamplePartial p = sample_reduce_row(part + row * args.groups, recs, args.groups, thread_pos.x, group_size.x);
+  if (thread_pos.x == 0) {
+    device SampleState& st = state[row];
+    st.total_lo = p.mass_lo;
+    st.total_hi = p.mass_hi;
+    if (!isinf(args.min_p_log)) st.k_eff = min(st.k_eff, max(p.count, 1u));
+    if (args.top_p != 0 && args.top_k == 0) {
+      const ulong P = lily_top_p_limit(lily_u64(p.mass_lo, p.mass_hi), args.top_p);
+      st.limit_lo = uint32_t(P);
+      st.limit_hi = uint32_t(P >> 32);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The cutoff search: the kept set is a prefix of the sorted order (value descending, id
+// ascending), so it is {key > cut_key} plus the keep_ties lowest ids with key == cut_key, where
+// cut_key is the order key of the last kept entry. Found digit by digit (4 bits, from the top):
+// sample_hist_partial histograms the entries inside the current key bucket; sample_select walks
+// the 16 bins from the top with the running count/mass above them and keeps the lowest non-empty
+// bin whose top entry is still kept (count above < bound and mass above < P).
+
+// sample_hist_partial: grid (G, R) x 64; per thread 16 private bins, summed per bin by 16 threads.
+template <typename T>
+[[kernel]] void sample_hist_partial(constant SampleArgs& args [[buffer(0)]],
+                                    const device T* logits [[buffer(1)]],
+                                    const device SampleState* state [[buffer(2)]],
+                                    device SampleBin* hist [[buffer(3)]],
+                                    LILY_KERNEL_TAIL) {
+  LILY_TG_ARRAY(uint32_t, counts, [kSampleThreads * kSampleBins]);
+  LILY_TG_ARRAY(ulong, masses, [kSampleThreads * kSampleBins]);
+  const uint32_t row = group_pos.y, g = group_pos.x;
+  const device SampleState& st = state[row];
+  const uint32_t begin = g * kSampleChunk + thread_pos.x * kSampleStrip;
+  const uint32_t end = min(begin + kSampleStrip, sample_valid_end(args, st));
+  const device T* lr = logits + ulong(row) * args.stride;
+  const uint32_t shift = args.shift;
+  const bool first = shift + kSampleDigitBits >= 32;
+  uint32_t c[kSampleBins];
+  ulong m[kSampleBins];
+  for (uint32_t d = 0; d < kSampleBins; ++d) {
+    c[d] = 0;
+    m[d] = 0;
+  }
+  for (uint32_t i = begin; i < end; ++i) {
+    const float s = sample_scaled(float(lr[i]), st.max_logit, args.inv_temperature);
+    const uint32_t key = lily_order_key(s);
+    if (first || (key >> (shift + kSampleDigitBits)) == (st.prefix >> (shift + kSampleDigitBits))) {
+      const uint32_t d = (key >> shift) & (kSampleBins - 1);
+      c[d] += 1;
+      m[d] += lily_mass(s);
+    }
+  }
+  for (uint32_t d = 0; d < kSampleBins; ++d) {
+    counts[thread_pos.x * kSampleBins + d] = c[d];
+    masses[thread_pos.x * kSampleBins + d] = m[d];
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (thread_pos.x < kSampleBins) {
+    uint32_t count = 0;
+    ulong mass = 0;
+    for (uint32_t t = 0; t < group_size.x; ++t) {
+      count += counts[t * kSampleBins + thread_pos.x];
+      mass += masses[t * kSampleBins + thread_pos.x];
+    }
+    device SampleBin& b = hist[(row * args.groups + g) * kSampleBins + thread_pos.x];
+    b.count = count;
+    b.mass_lo = uint32_t(mass);
+    b.mass_hi = uint32_t(mass >> 32);
+    b.pad = 0;
+  }
+}
+
+// sample_select: one digit of the cutoff. grid (1, R) x 32. search 0 bounds the count by top_k
+// only (its result is the top-k set, whose mass Z gives P); search 1 by k_eff and P.
+template <typename T>  // T: logits type of the call (unused here)
+[[kernel]] void sample_select(constant SampleArgs& args [[buffer(0)]],
+                              const device SampleBin* hist [[buffer(1)]],
+                              device SampleState* state [[buffer(2)]],
+                              LILY_KERNEL_TAIL) {
+  LILY_TG_ARRAY(uint32_t, counts, [kSampleBins]);
+  LILY_TG_ARRAY(ulong, masses, [kSampleBins]);
+  const uint32_t row = group_pos.y;
+  if (thread_pos.x < kSampleBins) {
+    uint32_t count = 0;
+    ulong mass = 0;
+    for (uint32_t g = 0; g < args.groups; ++g) {
+      const device SampleBin& b = hist[(row * args.groups + g) * kSampleBins + thread_pos.x];
+      count += b.count;
+      mass += lily_u64(b.mass_lo, b.mass_hi);
+    }
+    counts[thread_pos.x] = count;
+    masses[thread_pos.x] = mass;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (thread_pos.x == 0) {
+    device SampleState& st = state[row];
+    const bool first = args.shift + kSampleDigitBits >= 32;
+    const uint32_t bound = args.search == 0 ? args.top_k : st.k_eff;
+    const ulong limit = args.search == 0 ? ~ulong(0) : lily_u64(st.limit_lo, st.limit_hi);
+    uint32_t above_c = first ? 0u : st.above_count;
+    ulong above_m = first ? ulong(0) : lily_u64(st.above_lo, st.above_hi);
+    int chosen = -1;
+    uint32_t chosen_c = 0;
+    ulong chosen_m = 0;
+    for (int d = int(kSampleBins) - 1; d >= 0; --d) {
+      if (counts[d] == 0) continue;
+      if (!(above_c < bound && above_m < limit)) break;
+      chosen = d;
+      chosen_c = above_c;
+      chosen_m = above_m;
+      above_c += counts[d];
+      above_m += masses[d];
+    }
+    if (chosen >= 0) {  // always, unless the row is in error (no entries)
+      const uint32_t prefix = (first ? 0u : st.prefix) | (uint32_t(chosen) << args.shift);
+      st.prefix = prefix;
+      st.above_count = chosen_c;
+      st.above_lo = uint32_t(chosen_m);
+      st.above_hi = uint32_t(chosen_m >> 32);
+      if (args.shift == 0) {  // prefix is the cut key; counts[chosen] entries tie on it
+        const uint32_t ties = counts[chosen];
+        const ulong q = masses[chosen] / ulong(ties);  // every tie has the same mass
+        uint32_t keep = min(ties, bound - chosen_c);
+        if (args.search == 0) {
+          const ulong Z = chosen_m + ulong(keep) * q;
+          const ulong P = lily_top_p_limit(Z, args.top_p);
+          st.limit_lo = uint32_t(P);
+          st.limit_hi = uint32_t(P >> 32);
+        } else {
+          if (q > 0 && limit != ~ulong(0)) {
+            const ulong by_mass = (limit - chosen_m + q - 1) / q;  // r < (P - mass above) / q
+            if (by_mass < ulong(keep)) keep = uint32_t(by_mass);
+          }
+          st.cut_key = prefix;
+          st.keep_ties = keep;
+          st.tie_digit = uint32_t(chosen);
+          st.filtered = 1;
+        }
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// sample_gumbel_partial: per (row, group) the kept entry with the largest z = s + gumbel(seed,
+// step, id) (ties to the lowest id). A tie on the cut key is kept when its rank among the ties
+// (ties in earlier groups, from the last search round's histogram, + earlier threads, + earlier
+// entries of the strip) is < keep_ties. grid (G, R) x 64.
+template <typename T>
+[[kernel]] void sample_gumbel_partial(constant SampleArgs& args [[buffer(0)]],
+                                      const device T* logits [[buffer(1)]],
+                                      const device SampleState* state [[buffer(2)]],
+                                      const device SampleBin* hist [[buffer(3)]],
+                                      device SamplePartial* part [[buffer(4)]],
+                                      LILY_KERNEL_TAIL) {
+  LILY_TG_ARRAY(uint32_t, recs, [kSampleThreads * kSampleRecordWords]);
+  LILY_TG_ARRAY(uint32_t, simd_ties, [kSampleThreads / 32]);
+  const uint32_t row = group_pos.y, g = group_pos.x;
+  const device SampleState& st = state[row];
+  const uint32_t begin = g * kSampleChunk + thread_pos.x * kSampleStrip;
+  const uint32_t end = min(begin + kSampleStrip, sample_valid_end(args, st));
+  const device T* lr = logits + ulong(row) * args.stride;
+  const bool filtered = st.filtered != 0;
+
+  uint32_t rank = 0;  // ties on the cut key before this thread's strip
+  uint32_t mine = 0;
+  if (filtered) {
+    for (uint32_t h = 0; h < g; ++h) rank += hist[(row * args.groups + h) * kSampleBins + st.tie_digit].count;
+    for (uint32_t i = begin; i < end; ++i)
+      mine += lily_order_key(sample_scaled(float(lr[i]), st.max_logit, args.inv_temperature)) == st.cut_key ? 1u : 0u;
+  }
+  const uint32_t before = simd_prefix_exclusive_sum(mine);
+  if (lane == 31) simd_ties[simd_id] = before + mine;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (uint32_t s = 0; s < simd_id; ++s) rank += simd_ties[s];
+  rank += before;
+
+  const uint32_t key = lily_sample_key(args.seed_lo, args.seed_hi, args.step);
+  SamplePartial p = sample_empty();
+  for (uint32_t i = begin; i < end; ++i) {
+    const float l = float(lr[i]);
+    const float s = sample_scaled(l, st.max_logit, args.inv_temperature);
+    bool kept = true;
+    if (filtered) {
+      const uint32_t k = lily_order_key(s);
+      if (k == st.cut_key) kept = rank++ < st.keep_ties;
+      else kept = k > st.cut_key;
+    }
+    if (!kept) continue;
+    const float z = s + lily_gumbel(key, i);
+    if (sample_better(z, i, p.value, p.id)) {
+      p.value = z;
+      p.logit = l;
+      p.id = i;
+    }
+  }
+  sample_tg_store(recs + thread_pos.x * kSampleRecordWords, p);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (thread_pos.x == 0) sample_store(part + row * args.groups + g, sample_combine(recs, group_size.x));
+}
+
+// sample_gumbel_final: the row's choice into ids[slot + row] and its raw logit into
+// chosen_logit[slot + row] (kSampleNoId and NaN when the row is in error). grid (1, R) x 32.
+template <typename T>  // T: logits type of the call (unused here)
+[[kernel]] void sample_gumbel_final(constant SampleArgs& args [[buffer(0)]],
+                                    const device SamplePartial* part [[buffer(1)]],
+                                    const device SampleState* state [[buffer(2)]],
+                                    device uint32_t* ids [[buffer(3)]],
+                                    device float* chosen_logit [[buffer(4)]],
+                                    LILY_KERNEL_TAIL) {
+  LILY_TG_ARRAY(uint32_t, recs, [kSampleFinalThreads * kSampleRecordWords]);
+  const uint32_t row = group_pos.y;
+  const SamplePartial p = sample_reduce_row(part + row * args.groups, recs, args.groups, thread_pos.x, group_size.x);
+  if (thread_pos.x == 0)
+    sample_write_error_or(ids, chosen_logit, args.slot + row, state[row].status, p.id, p.logit);
+}
+
+// sample_noise: the Gumbel noise itself, out[i] = gumbel(seed, step, i) for i < valid_vocab (tests
+// compare it bit for bit with lily_py.sampling.gumbel). grid (ceil(valid_vocab / 2048), 1) x 64.
+template <typename T>  // T: logits type of the call (unused here)
+[[kernel]] void sample_noise(constant SampleArgs& args [[buffer(0)]],
+                             device float* out [[buffer(1)]],
+                             LILY_KERNEL_TAIL) {
+  const uint32_t key = lily_sample_key(args.seed_lo, args.seed_hi, args.step);
+  const uint32_t begin = group_pos.x * kSampleChunk + thread_pos.x * kSampleStrip;
+  const uint32_t end = min(begin + kSampleStrip, args.valid_vocab);
+  for (uint32_t i = begin; i < end; ++i) out[i] = lily_gumbel(key, i);
+}
+
+LILY_INSTANTIATE("sample_max_partial_f32", sample_max_partial<float>)
+LILY_INSTANTIATE("sample_max_final", sample_max_final<float>)
+LILY_INSTANTIATE("sample_stats_partial_f32", sample_stats_partial<float>)
+LILY_INSTANTIATE("sample_stats_final", sample_stats_final<float>)
+LILY_INSTANTIATE("sample_hist_partial_f32", sample_hist_partial<float>)
+LILY_INSTANTIATE("sample_select", sample_select<float>)
+LILY_INSTANTIATE("sample_gumbel_partial_f32", sample_gumbel_partial<float>)
+LILY_INSTANTIATE("sample_gumbel_final", sample_gumbel_final<float>)
+LILY_INSTANTIATE("sample_noise", sample_noise<float>)
+
+}  // namespace lily

@@ -1,0 +1,248 @@
+"""lily_py.ops.argmax / sample on the emulator vs lily_py.sampling (the reference).
+
+No tolerance: the device must choose exactly the token the reference chooses for the same seed and
+step. That is by construction (docs/kernels.md, "Sampling"): the noise uses only correctly rounded
+float32 operations with explicit fma (checked bit for bit below over the full vocabulary), the
+scaled logits are one subtract and one multiply, and the filters compare exact integers (masses
+in fixed point) or float32 values, so any reduction order gives the same kept set. Inputs are
+fresh random logits (seed in failure messages, replay with LILY_TEST_SEED), with planted ties
+where they matter (greedy, the top-k / top-p cutoff) and -inf entries.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import lily_py._core as core
+from kernel_checks import device, rng  # noqa: F401  (fixtures)
+from lily_py import ops
+from lily_py import sampling as S
+
+FULL_V = 248_320
+ODD_V = [1, 31, 33, 1000, 2049]           # 2048 entries per partial threadgroup: 2049 spans two
+NO_ID = 0xFFFFFFFF
+ROUNDS = 8                                # must match kSampleRounds (32-bit keys, 4-bit digits)
+
+# (params, dispatches): 2 max passes + [2 stats] + [16 per cutoff search] + 2 Gumbel passes.
+CONFIGS = [
+    (dict(temperature=1.0), 4),
+    (dict(temperature=0.7, top_k=1), 4 + 2 * ROUNDS),
+    (dict(temperature=1.3, top_k=7), 4 + 2 * ROUNDS),
+    (dict(temperature=1.0, top_p=0.9), 4 + 2 + 2 * ROUNDS),
+    (dict(temperature=1.0, top_p=0.3), 4 + 2 + 2 * ROUNDS),
+    (dict(temperature=1.0, min_p=0.05), 4 + 2 + 2 * ROUNDS),
+    (dict(temperature=0.9, top_k=20, top_p=0.8), 4 + 4 * ROUNDS),
+    (dict(temperature=0.6, top_p=0.95, min_p=0.02), 4 + 2 + 2 * ROUNDS),
+    (dict(temperature=0.8, top_k=50, top_p=0.7, min_p=0.01), 4 + 2 + 4 * ROUNDS),
+]
+IDS = ["plain", "k1", "k7", "p0.9", "p0.3", "minp", "k+p", "p+minp", "k+p+minp"]
+
+
+def expected_dispatches(params, v):
+    """The documented pass sequence (docs/kernels.md): max (2) [+ stats (2)] [+ top-k search]
+    [+ kept-set search] + Gumbel (2); a search is kSampleRounds x (histogram + select)."""
+    top_k = 0 < params.get("top_k", 0) < v
+    top_p = params.get("top_p", 1.0) < 1
+    min_p = params.get("min_p", 0.0) > 0
+    return (4 + 2 * (min_p or (top_p and not top_k)) + 2 * ROUNDS * (top_k and top_p)
+            + 2 * ROUNDS * (top_k or top_p or min_p))
+
+
+def ref_sample(logits, params, step, seed, valid=None):
+    row = logits if valid is None else logits[:valid]
+    return S.sample(row, S.SamplingParams(**params), step, seed)
+
+
+def random_logits(rng, v, *, ties=False, neg_inf=False, scale=3.0):
+    x = (rng.standard_normal(v) * scale).astype(np.float32)
+    if ties:  # coarse values: many entries tie, also at the top-k / top-p cutoffs
+        x = (np.round(x * 2) / 2).astype(np.float32)
+    if neg_inf and v > 3:
+        x[rng.choice(v, size=v // 4, replace=False)] = -np.inf
+        x[rng.integers(v)] = 1.0
+    return x
+
+
+def test_constants_match_extension():
+    assert core.ops.SAMPLE_NO_ID == NO_ID
+    assert core.ops.SAMPLE_CHUNK == 2048
+
+
+def test_noise_is_bit_identical_over_the_full_vocabulary(rng):
+    seed, step = int(rng.integers(0, 2**63)), int(rng.integers(0, 2**32))
+    dev = core.ops.sample_noise(FULL_V, seed, step)
+    ref = S.gumbel(seed, step, FULL_V)
+    bad = np.flatnonzero(dev.view(np.uint32) != ref.view(np.uint32))
+    assert bad.size == 0, f"noise differs at id {bad[:5]} (seed {seed}, step {step}): {dev[bad[:5]]} vs {ref[bad[:5]]}"
+    assert np.isfinite(dev).all()
+
+
+def test_reference_log_exp_are_accurate(rng):
+    x = rng.uniform(1e-7, 17.0, 20000).astype(np.float32)
+    ulp = np.spacing(np.abs(np.log(x.astype(np.float64))).astype(np.float32))
+    assert np.all(np.abs(S.log32(x) - np.log(x.astype(np.float64))) <= 2 * ulp)
+    s = -rng.uniform(0, 31.9, 20000).astype(np.float32)
+    e = np.exp(s.astype(np.float64))
+    assert np.all(np.abs(S.exp32(s) - e) <= 2 * np.spacing(e.astype(np.float32)))
+    assert S.exp32(np.float32(-np.inf)) == 0 and S.exp32(np.float32(0)) == 1
+
+
+@pytest.mark.parametrize("v", ODD_V)
+def test_argmax_matches_numpy(rng, device, v):
+    x = random_logits(rng, v, neg_inf=True)
+    got, logit = ops.argmax(x, return_logit=True, device=device)
+    assert got == int(np.argmax(x)), f"seed {rng.seed}"
+    assert logit == x[got]
+
+
+def test_argmax_planted_ties_go_to_lowest_id(rng, device):
+    v = 5000
+    x = random_logits(rng, v)
+    ids = np.sort(rng.choice(v, size=4, replace=False))  # across threads and threadgroups
+    x[ids] = x.max() + 1
+    assert ops.argmax(x, device=device) == ids[0], f"seed {rng.seed}"
+    assert ops.argmax(np.zeros(3000, np.float32), device=device) == 0
+    assert ops.argmax(np.where(np.arange(40) >= 30, 0.0, -np.inf).astype(np.float32), device=device) == 30
+
+
+def test_argmax_valid_vocab_and_batch(rng, device):
+    x = np.stack([random_logits(rng, 3001) for _ in range(3)])
+    x[:, 2990:] = 100.0  # padding rows: never chosen
+    got = ops.argmax(x, valid_vocab=2990, device=device)
+    np.testing.assert_array_equal(got, np.argmax(x[:, :2990], axis=1))
+
+
+@pytest.mark.parametrize("params,dispatches", CONFIGS, ids=IDS)
+@pytest.mark.parametrize("v", ODD_V)
+def test_sample_matches_reference(rng, device, params, dispatches, v):
+    for trial in range(3):
+        x = random_logits(rng, v, ties=trial == 1, neg_inf=trial == 2)
+        seed, step = int(rng.integers(0, 2**64, dtype=np.uint64)), int(rng.integers(0, 1000))
+        ids, chosen, status, _, stats = ops._sample(x, seed=seed, step=step, device=device, **params)
+        want = ref_sample(x, params, step, seed)
+        assert status[0] == 0 and ids[0] == want, \
+            f"v={v} {params} seed={seed} step={step} trial={trial}: device {ids[0]}, reference {want} (rng {rng.seed})"
+        assert chosen[0] == x[want]
+        # Each filter configuration encodes a fixed pass sequence (top-k >= V is off).
+        expect = expected_dispatches(params, v)
+        assert v < 1000 or expect == dispatches
+        assert stats["dispatches"] == expect == stats["planned_dispatches"] == len(stats["kernels"])
+        assert stats["barriers"] == expect - 1
+
+
+def test_many_seed_step_pairs(rng, device):
+    x = random_logits(rng, 777, ties=True)
+    params = dict(temperature=0.9, top_k=40, top_p=0.9, min_p=0.01)
+    seed = int(rng.integers(0, 2**63))
+    for step in range(40):
+        assert ops.sample(x, seed=seed, step=step, device=device, **params) == ref_sample(x, params, step, seed), \
+            f"seed {seed} step {step} (rng {rng.seed})"
+
+
+def test_top_k_tie_at_the_cutoff_keeps_lowest_ids(device):
+    # Five entries tie for the last two top-k places: ids 3 and 10 are kept, 12, 20, 40 are not.
+    x = np.full(50, -30.0, np.float32)
+    x[[0, 1]] = 5.0
+    x[[3, 10, 12, 20, 40]] = 4.0
+    kept = set()
+    for step in range(200):
+        kept.add(ops.sample(x, temperature=1.0, top_k=4, seed=1, step=step, device=device))
+        assert kept <= {0, 1, 3, 10}
+    assert kept == {0, 1, 3, 10}
+
+
+def test_top_p_tie_at_the_cutoff_keeps_lowest_ids(device):
+    # p = 0.5 at id 5 and five ties of 0.1: top-p 0.65 keeps the ties whose mass before them is
+    # < 0.65 (0.5, 0.6), i.e. the two lowest ids 2 and 9; 17, 30, 33 are cut.
+    x = np.full(40, -30.0, np.float32)
+    x[5] = np.log(0.5)
+    x[[2, 9, 17, 30, 33]] = np.log(0.1)
+    scaled = (x - x.max()).astype(np.float32)
+    assert set(np.flatnonzero(S.keep_mask(scaled, 0, 0.65, 0.0))) == {2, 5, 9}
+    kept = {ops.sample(x, temperature=1.0, top_p=0.65, seed=4, step=s, device=device) for s in range(300)}
+    assert kept == {2, 5, 9}
+
+
+@pytest.mark.parametrize("params,dispatches", [CONFIGS[0], CONFIGS[4], CONFIGS[8]], ids=["plain", "p0.3", "k+p+minp"])
+def test_full_vocabulary(rng, params, dispatches):
+    x = random_logits(rng, FULL_V, scale=2.0)
+    x[FULL_V - 100:] = -np.inf  # like the model's padding rows
+    seed, step = int(rng.integers(0, 2**63)), int(rng.integers(0, 10**6))
+    ids, _, _, _, stats = ops._sample(x, seed=seed, step=step, **params)
+    assert ids[0] == ref_sample(x, params, step, seed), f"seed {seed} step {step} (rng {rng.seed})"
+    assert stats["dispatches"] == dispatches
+    assert ops.argmax(x) == int(np.argmax(x))
+
+
+def test_valid_vocab_is_never_sampled(rng, device):
+    x = random_logits(rng, 2500)
+    x[2100:] = np.nan  # garbage past valid_vocab is not even read
+    for step in range(5):
+        got = ops.sample(x, temperature=5.0, seed=3, step=step, valid_vocab=2100, device=device)
+        assert got == ref_sample(x, dict(temperature=5.0), step, 3, valid=2100)
+
+
+def test_slot_write_and_batch(rng, device):
+    x = np.stack([random_logits(rng, 1500) for _ in range(3)])
+    params = dict(temperature=1.0, top_k=30)
+    ids, chosen, status, _, stats = ops._sample(x, seed=11, step=2, slot=5, device=device, **params)
+    assert ids.shape == (8,) and ids.dtype == np.uint32
+    assert np.all(ids[:5] == 0xABABABAB)  # other slots untouched
+    for r in range(3):
+        assert ids[5 + r] == ref_sample(x[r], params, 2, 11)
+        assert chosen[5 + r] == x[r, ids[5 + r]]
+    np.testing.assert_array_equal(ops.sample(x, seed=11, step=2, device=device, **params), ids[5:])
+    assert stats["dispatches"] == 4 + 2 * ROUNDS  # one pass sequence for the whole batch
+    ids, _, _, _, stats = ops._argmax(x, slot=2, device=device)
+    np.testing.assert_array_equal(ids[2:], np.argmax(x, axis=1))
+    assert stats["dispatches"] == 2 and stats["barriers"] == 1
+
+
+def test_tiny_temperature_is_greedy(device):
+    x = np.array([0.1, 2.0, -1.0, 2.0, 1.9], np.float32)
+    ids, _, _, _, stats = ops._sample(x, temperature=1e-40, seed=0, step=0, device=device)
+    assert ids[0] == 1 and stats["dispatches"] == 2
+    assert ops.sample(x, temperature=0, seed=0, step=0, device=device) == 1
+
+
+@pytest.mark.parametrize("bad,where", [(np.nan, 7), (np.inf, 2000)])
+def test_nonfinite_logits_raise_like_the_reference(rng, device, bad, where):
+    x = random_logits(rng, 2100)
+    x[where] = bad
+    for call in (lambda: ops.argmax(x, device=device),
+                 lambda: ops.sample(x, temperature=1.0, top_p=0.5, seed=1, step=0, device=device)):
+        with pytest.raises(FloatingPointError, match=f"token id {where}"):
+            call()
+    with pytest.raises(FloatingPointError):
+        ref_sample(x, dict(temperature=1.0), 0, 1)
+    ids, chosen, status, bad_id, _ = ops._sample(x, temperature=1.0, top_k=3, seed=1, step=0, slot=1, device=device)
+    assert ids[1] == NO_ID and np.isnan(chosen[1]) and status[0] != 0 and bad_id[0] == where
+
+
+def test_all_neg_inf_raises(device):
+    x = np.full(100, -np.inf, np.float32)
+    with pytest.raises(FloatingPointError):
+        ops.argmax(x, device=device)
+    with pytest.raises(FloatingPointError):
+        ops.sample(x, temperature=1.0, seed=0, step=0, device=device)
+
+
+def test_result_independent_of_thread_order(rng):
+    x = random_logits(rng, 3000, ties=True)
+    p = dict(temperature=1.0, top_k=100, top_p=0.8, min_p=0.01, seed=5, step=9)
+    got = {int(ops._sample(x, order=o, emu_seed=rng.seed, **p)[0][0]) for o in ("forward", "reverse", "shuffle")}
+    assert len(got) == 1
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(logits=np.zeros(5, np.float64)), "float32"), (dict(logits=np.zeros((2, 0), np.float32)), "shape"),
+    (dict(temperature=-1.0), "temperature"), (dict(temperature=float("nan")), "temperature"),
+    (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(min_p=-0.1), "min_p"),
+    (dict(top_k=-1), "top_k"), (dict(top_k=2.5), "top_k"), (dict(seed=-1), "seed"), (dict(step=True), "step"),
+    (dict(valid_vocab=0), "valid_vocab"), (dict(valid_vocab=6), "valid_vocab"), (dict(device="cuda"), "device"),
+])
+def test_bad_input_raises_value_error(kw, msg):
+    args = dict(logits=np.zeros(5, np.float32), temperature=1.0, seed=0, step=0)
+    args.update(kw)
+    with pytest.raises(ValueError, match=msg):
+        ops.sample(args.pop("logits"), **args)
