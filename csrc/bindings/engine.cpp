@@ -78,6 +78,8 @@ nb::dict stats_dict(const core::StepStats& s) {
   d["commits"] = s.commits;
   d["waits_in_step"] = s.waits_in_step;
   d["host_waits"] = s.host_waits;
+  d["ids_from_slot"] = s.ids_from_slot;
+  if (s.token != 0xFFFFFFFFu) d["token"] = s.token;
   return d;
 }
 
@@ -85,7 +87,26 @@ using IdArray = nb::ndarray<const uint32_t, nb::ndim<1>, nb::c_contig, nb::devic
 
 }  // namespace
 
+core::StepSampling sampling_from(nb::object sample, bool from_slot) {
+  core::StepSampling s;
+  s.ids_from_slot = from_slot;
+  if (sample.is_none()) return s;
+  nb::dict d = nb::cast<nb::dict>(sample);
+  s.enabled = true;
+  const double t = get<double>(d, "temperature");
+  s.params.greedy = t == 0.0;
+  s.params.temperature = t == 0.0 ? 1.0 : t;
+  s.params.top_k = get<uint32_t>(d, "top_k");
+  s.params.top_p = get<double>(d, "top_p");
+  s.params.min_p = get<double>(d, "min_p");
+  s.params.seed = get<uint64_t>(d, "seed");
+  s.params.step = get<uint32_t>(d, "step");
+  s.valid_vocab = get<uint32_t>(d, "valid_vocab");
+  return s;
+}
+
 void init_engine(nb::module_& m) {
+  nb::exception<core::SampleError>(m, "SampleError", PyExc_FloatingPointError);
   nb::class_<core::Snapshot>(m, "EngineSnapshot", "A host copy of an Engine's conversation state.")
       .def_ro("position", &core::Snapshot::position);
 
@@ -117,7 +138,8 @@ void init_engine(nb::module_& m) {
       .def_prop_ro("scratch_bytes", &core::Engine::scratch_bytes)
       .def(
           "forward",
-          [](core::Engine& e, IdArray ids, bool all_logits) {
+          [](core::Engine& e, IdArray ids, bool all_logits, nb::object sample, bool from_slot) {
+            const core::StepSampling sampling = sampling_from(sample, from_slot);
             const uint32_t T = uint32_t(ids.shape(0));
             const size_t rows = all_logits ? T : 1, V = e.spec().vocab;
             float* out = new float[rows * V];
@@ -125,19 +147,22 @@ void init_engine(nb::module_& m) {
             core::StepStats st;
             {
               nb::gil_scoped_release release;
-              st = e.forward(ids.data(), T, all_logits, out);
+              st = e.forward(ids.data(), T, all_logits, out, sampling);
             }
             size_t shape[2] = {rows, V};
             return nb::make_tuple(nb::ndarray<nb::numpy, float>(out, 2, shape, owner), stats_dict(st));
           },
-          "ids"_a, "all_logits"_a = false,
-          "Feed uint32 ids [T] (one step, one command buffer); returns (float32 logits [T or 1, V], stats).")
+          "ids"_a, "all_logits"_a = false, "sample"_a = nb::none(), "from_slot"_a = false,
+          "Feed uint32 ids [T] (one step, one command buffer); returns (float32 logits [T or 1, V], stats). "
+          "`sample`: dict(temperature, top_k, top_p, min_p, seed, step, valid_vocab) samples the last "
+          "position on the device into the token slot (stats['token']); `from_slot`: feed that slot "
+          "(the previous step's sample) instead of `ids` (which must then hold one placeholder id).")
       .def(
           "count",
-          [](core::Engine& e, uint32_t T, uint32_t position, bool all_logits) {
-            return stats_dict(e.count(T, position, all_logits));
+          [](core::Engine& e, uint32_t T, uint32_t position, bool all_logits, nb::object sample, bool from_slot) {
+            return stats_dict(e.count(T, position, all_logits, sampling_from(sample, from_slot)));
           },
-          "tokens"_a, "position"_a = 0, "all_logits"_a = false,
+          "tokens"_a, "position"_a = 0, "all_logits"_a = false, "sample"_a = nb::none(), "from_slot"_a = false,
           "Counters of one step encoded on the counting device (nothing runs).")
       .def("last_stats", [](const core::Engine& e) { return stats_dict(e.last_stats()); })
       .def("reset", &core::Engine::reset)

@@ -10,6 +10,7 @@
 #include "gpu/ops/attention.h"
 #include "gpu/ops/gated_delta.h"
 #include "gpu/ops/moe.h"
+#include "gpu/ops/sampling.h"
 #if defined(LILY_HAVE_METAL)
 #include "metal/metal_device.h"
 #endif
@@ -195,6 +196,11 @@ Engine::Engine(ModelSpec spec, std::unique_ptr<gpu::Device> device) : spec_(std:
   t.moe_h = alloc(scratch_, mb.h);
   t.moe_y = alloc(scratch_, mb.y);
   t.logits = alloc(scratch_, uint64_t(s.logit_rows) * V * 4);
+  t.token_slot = alloc(scratch_, 4);
+  t.chosen_logit = alloc(scratch_, 4);
+  t.sample_state = alloc(scratch_, gpu::ops::sample_state_bytes(1));
+  t.sample_partials = alloc(scratch_, gpu::ops::sample_partials_bytes(1, uint32_t(V)));
+  t.sample_hist = alloc(scratch_, gpu::ops::sample_hist_bytes(1, uint32_t(V)));
   for (const auto& b : state_)
     if (b->contents()) std::memset(b->contents(), 0, b->size());
   reset();
@@ -259,6 +265,7 @@ void Engine::reset() {
   position_ = 0;
   conv_parity_ = 0;
   valid_ = true;
+  have_token_ = false;
 }
 
 Snapshot Engine::snapshot() const {
@@ -300,10 +307,15 @@ void Engine::restore(const Snapshot& s) {
   position_ = s.position;
   conv_parity_ = s.conv_parity;
   valid_ = true;
+  have_token_ = false;
 }
 
-StepStats Engine::run(uint32_t T, uint32_t position, bool all_logits, bool execute) {
+StepStats Engine::run(uint32_t T, uint32_t position, bool all_logits, bool execute, const StepSampling& sampling) {
   gpu::StepParams p;
+  p.sample = sampling.enabled;
+  p.sample_params = sampling.params;
+  p.valid_vocab = sampling.valid_vocab;
+  p.ids_from_slot = sampling.ids_from_slot;
   p.tokens = T;
   p.position = position;
   p.all_logits = all_logits;
@@ -314,6 +326,7 @@ StepStats Engine::run(uint32_t T, uint32_t position, bool all_logits, bool execu
   gpu::encode_prefill_chunk(rec, spec_, m_, p);
   StepStats st;
   st.tokens = T;
+  st.ids_from_slot = sampling.ids_from_slot;
   st.waits_in_step = rec.waits;
   st.commits = rec.commits;
   enc->commit();
@@ -330,23 +343,26 @@ StepStats Engine::run(uint32_t T, uint32_t position, bool all_logits, bool execu
   return st;
 }
 
-StepStats Engine::forward(const uint32_t* ids, uint32_t T, bool all_logits, float* logits) {
+StepStats Engine::forward(const uint32_t* ids, uint32_t T, bool all_logits, float* logits,
+                          const StepSampling& sampling) {
   if (!valid_) fail("the state is invalid after a failed step: reset() or restore() first");
   if (T == 0 || T > spec_.prefill_chunk) fail("forward: " + num(T) + " tokens outside [1, prefill_chunk=" + num(spec_.prefill_chunk) + "]");
   if (all_logits && T > spec_.logit_rows) fail("forward: all_logits for " + num(T) + " tokens exceeds logit_rows=" + num(spec_.logit_rows));
   if (uint64_t(position_) + T > spec_.context_length)
     fail("forward: position " + num(position_) + " + " + num(T) + " tokens exceeds context_length " + num(spec_.context_length));
-  for (uint32_t i = 0; i < T; ++i)
+  if (sampling.valid_vocab > spec_.vocab) fail("forward: valid_vocab " + num(sampling.valid_vocab) + " > vocab " + num(spec_.vocab));
+  if (sampling.ids_from_slot && (T != 1 || !have_token_))
+    fail("forward: feeding the device slot needs one token and a previous sampling step");
+  if (sampling.enabled && !sampling.params.greedy && !(sampling.params.temperature > 0))
+    fail("forward: temperature must be > 0 when not greedy");
+  for (uint32_t i = 0; i < T && !sampling.ids_from_slot; ++i)
     if (ids[i] >= spec_.vocab) fail("forward: token id " + num(ids[i]) + " at index " + num(i) + " outside [0, " + num(spec_.vocab) + ")");
   void* id_dst = m_.s.ids.buffer->contents();
-  if (id_dst) std::memcpy(id_dst, ids, size_t(T) * 4);
+  if (id_dst && !sampling.ids_from_slot) std::memcpy(id_dst, ids, size_t(T) * 4);
   StepStats st;
-  try {
-    valid_ = false;  // until the step finished: a device error leaves a half-updated state
-    st = run(T, position_, all_logits, true);
-  } catch (...) {
-    throw;
-  }
+  valid_ = false;  // until the step finished: a device error leaves a half-updated state
+  have_token_ = false;
+  st = run(T, position_, all_logits, true, sampling);
   valid_ = true;
   position_ += T;
   conv_parity_ = 1 - conv_parity_;
@@ -354,12 +370,25 @@ StepStats Engine::forward(const uint32_t* ids, uint32_t T, bool all_logits, floa
   const void* src = m_.s.logits.buffer->contents();
   if (logits && src) std::memcpy(logits, src, rows * spec_.vocab * 4);
   last_ = st;
+  if (sampling.enabled) {
+    // The step itself is complete (state advanced, logits returned); a sampler error only means
+    // there is no token to feed.
+    const auto* state = static_cast<const ::lily::SampleState*>(m_.s.sample_state.buffer->contents());
+    if (state && state->status != 0)
+      throw SampleError("engine: the sampler found a non-finite logit" +
+                        (state->bad_id != 0xFFFFFFFFu ? " at token id " + num(state->bad_id) : std::string(" (all -inf)")) +
+                        " (numerical failure in the model)");
+    if (const auto* tok = static_cast<const uint32_t*>(m_.s.token_slot.buffer->contents())) st.token = *tok;
+    if (const auto* l = static_cast<const float*>(m_.s.chosen_logit.buffer->contents())) st.token_logit = *l;
+    have_token_ = true;
+    last_ = st;
+  }
   return st;
 }
 
-StepStats Engine::count(uint32_t T, uint32_t position, bool all_logits) {
+StepStats Engine::count(uint32_t T, uint32_t position, bool all_logits, const StepSampling& sampling) {
   if (std::string_view(device_->name()) != "count") fail("count() runs on the counting device only (device 'count')");
-  StepStats st = run(T, position, all_logits, false);
+  StepStats st = run(T, position, all_logits, false, sampling);
   last_ = st;
   return st;
 }

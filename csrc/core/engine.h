@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <map>
+#include <stdexcept>
 #include <memory>
 #include <string>
 #include <utility>
@@ -26,6 +27,23 @@ struct StepStats {
   uint64_t commits = 0;         // command buffers submitted
   uint64_t waits_in_step = 0;   // host waits requested while the step was encoded (must be 0)
   uint64_t host_waits = 0;      // host waits for the whole forward (1: to read the logits)
+  bool ids_from_slot = false;   // the embedding read the previous step's sampled token on the device
+  uint32_t token = 0xFFFFFFFFu; // the sampled token (sampling steps), read from the device slot
+  float token_logit = 0.0f;
+};
+
+// The sampler saw a NaN / +inf logit (or only -inf) below valid_vocab.
+class SampleError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// Sampling fused into a step (the device sampler, shaders/sampling.metal).
+struct StepSampling {
+  bool enabled = false;
+  gpu::ops::SampleParams params;
+  uint32_t valid_vocab = 0;  // 0: the whole vocabulary
+  bool ids_from_slot = false;  // feed the previous step's sampled token (device slot), not `ids`
 };
 
 // A copy of the conversation state (host memory), for Model's multi-turn rollback.
@@ -55,10 +73,11 @@ class Engine {
   // Feeds ids [T] (T <= prefill_chunk) after the state; writes float32 logits [T or 1, vocab] to
   // `logits` (may be null on the counting device). Validation failures throw before anything is
   // encoded; a device error mid-step leaves the state invalid (valid() false until reset/restore).
-  StepStats forward(const uint32_t* ids, uint32_t T, bool all_logits, float* logits);
+  StepStats forward(const uint32_t* ids, uint32_t T, bool all_logits, float* logits,
+                    const StepSampling& sampling = {});
   // Encodes a step at `position` without touching state or reading results (the counting
   // device: counters for any config without weights).
-  StepStats count(uint32_t T, uint32_t position, bool all_logits);
+  StepStats count(uint32_t T, uint32_t position, bool all_logits, const StepSampling& sampling = {});
 
   void reset();
   Snapshot snapshot() const;
@@ -75,7 +94,7 @@ class Engine {
                                uint64_t count = 1);
   std::vector<gpu::Binding> state_buffers() const;
   bool is_kv(size_t state_index) const;
-  StepStats run(uint32_t T, uint32_t position, bool all_logits, bool execute);
+  StepStats run(uint32_t T, uint32_t position, bool all_logits, bool execute, const StepSampling& sampling);
 
   ModelSpec spec_;
   std::unique_ptr<gpu::Device> device_;
@@ -90,6 +109,7 @@ class Engine {
   gpu::ModelBuffers m_;
   uint32_t position_ = 0, conv_parity_ = 0;
   bool valid_ = true;
+  bool have_token_ = false;  // token_slot holds the last step's sampled token
   StepStats last_;
 };
 

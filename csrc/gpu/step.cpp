@@ -174,7 +174,8 @@ void encode_step(Encoder& enc, const core::ModelSpec& spec, const ModelBuffers& 
   const StepScratch& s = m.s;
   const uint64_t row = uint64_t(H) * 4;
   StepScratch t = s;  // the activations narrowed to T rows (ops bind exactly what they touch)
-  t.ids = Binding{s.ids.buffer, s.ids.offset, uint64_t(T) * 4};
+  if (p.ids_from_slot && T != 1) throw std::invalid_argument("engine step: ids_from_slot needs exactly one token");
+  t.ids = p.ids_from_slot ? s.token_slot : Binding{s.ids.buffer, s.ids.offset, uint64_t(T) * 4};
   t.x = rows(s.x, 0, T, row);
   t.h = rows(s.h, 0, T, row);
   t.xn = rows(s.xn, 0, T, row);
@@ -259,6 +260,22 @@ void encode_step(Encoder& enc, const core::ModelSpec& spec, const ModelBuffers& 
   head.bits = spec.lm_head.bits;
   head.group_size = spec.lm_head.group_size;
   ops::encode_quantized_matmul(enc, head);
+  if (!p.sample) return;
+  enc.barrier();  // logits -> sampler
+
+  ops::SampleOperands so;
+  so.logits = rows(s.logits, out_rows - 1, 1, uint64_t(spec.vocab) * 4);
+  so.ids = s.token_slot;
+  so.chosen_logit = s.chosen_logit;
+  so.state = s.sample_state;
+  so.partials = s.sample_partials;
+  so.hist = s.sample_hist;
+  so.rows = 1;
+  so.stride = spec.vocab;
+  so.valid_vocab = p.valid_vocab ? p.valid_vocab : spec.vocab;
+  so.slot = 0;
+  so.params = p.sample_params;
+  ops::encode_sample(enc, so);
 }
 
 }  // namespace

@@ -9,6 +9,7 @@
 //               x   = h + moe(xn)                        (residual add fused into the MoE)
 //   xn = rms_norm(x[rows], norm)   rows = all T (all_logits) or only the last position
 //   logits[rows, V] = xn @ lm_head^T
+//   (sampling on) token_slot[0] = sample(logits[last row])   the next step's embedding can read it
 //
 // Barriers: one before every consumer of the previous dispatch's output, named below by the
 // tensors they order; the ops (gated_delta, moe) place their internal ones the same way.
@@ -19,6 +20,7 @@
 
 #include "core/model_spec.h"
 #include "gpu/encoder.h"
+#include "gpu/ops/sampling.h"
 
 namespace lily::gpu {
 
@@ -65,6 +67,9 @@ struct StepScratch {
   Binding attn_partials;        // attention decode split-K partials (for context_length keys)
   Binding moe_logits, moe_ids, moe_weights, moe_plan, moe_row_weight, moe_h, moe_y;
   Binding logits;               // [logit_rows, V]
+  Binding token_slot;           // uint32 [1]: the sampled token id (device slot)
+  Binding chosen_logit;         // float32 [1]: its raw logit
+  Binding sample_state, sample_partials, sample_hist;  // sampler scratch for one row of V
 };
 
 struct ModelBuffers {
@@ -81,6 +86,10 @@ struct StepParams {
   bool all_logits = false;   // logits for every position (T <= spec.logit_rows) or the last only
   uint32_t conv_parity = 0;  // which conv_state buffer holds the current window
   bool serialize = false;
+  bool ids_from_slot = false;  // embedding reads token_slot (the previous step's sample), T == 1
+  bool sample = false;         // sample the last position's logits into token_slot
+  ops::SampleParams sample_params;
+  uint32_t valid_vocab = 0;    // ids >= valid_vocab are never sampled (0: vocab)
 };
 
 // Dispatch and barrier counts of one step are whatever the encoder counts (Encoder::counters);

@@ -169,15 +169,28 @@ class EngineBackend:
         self._context = context_length
         self.logit_rows = min(prefill_chunk, LOGIT_ROWS)
         self.last_stats: dict | None = None
+        self.last_token: int | None = None   # the device sampler's token of the last step
 
-    def forward(self, ids: np.ndarray, *, all_logits: bool) -> np.ndarray:
+    # Model.generate samples decode steps with the device sampler (fused into the step).
+    samples_on_device = True
+
+    def forward(self, ids: np.ndarray, *, all_logits: bool, sample: dict | None = None) -> np.ndarray:
+        """Logits of the last position (or all with ``all_logits``). ``sample``: dict(temperature,
+        top_k, top_p, min_p, seed, step, valid_vocab) also samples the last position on the device
+        (``self.last_token``); when ``ids`` is that token, the step reads it from the device slot."""
         ids = np.ascontiguousarray(ids, dtype=np.uint32).reshape(-1)
-        if self.engine.position + len(ids) > self.engine_context:
+        if self.engine.position + len(ids) > self._context:
             raise ValueError("engine: the step would exceed the engine's context length")
         step = self.logit_rows if all_logits else self.prefill_chunk
+        from_slot = (sample is not None and len(ids) == 1 and self.last_token is not None
+                     and int(ids[0]) == self.last_token)
+        self.last_token = None
         if len(ids) <= step:
-            logits, self.last_stats = self.engine.forward(ids, all_logits)
+            logits, self.last_stats = self.engine.forward(ids, all_logits, sample, from_slot)
+            self.last_token = self.last_stats.get("token")
             return logits if all_logits else logits[0]
+        if sample is not None:
+            raise ValueError("engine: sampling steps feed at most one chunk")
         # Several steps: keep them all-or-nothing with a snapshot.
         snap = self.engine.snapshot()
         out = []
@@ -196,12 +209,14 @@ class EngineBackend:
 
     def reset(self) -> None:
         self.engine.reset()
+        self.last_token = None
 
     def snapshot(self):
         return self.engine.snapshot()
 
     def restore(self, snap) -> None:
         self.engine.restore(snap)
+        self.last_token = None
 
 
 def count_step(cfg: ModelConfig, *, tokens: int = 1, position: int = 0, all_logits: bool = False,

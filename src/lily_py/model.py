@@ -267,11 +267,19 @@ class Model:
         # The embedding/lm_head may have more rows than the tokenizer has ids (padding): those
         # ids can never be sampled.
         n_ids = self.tokenizer.vocab_size if self.tokenizer is not None else self.config.vocab_size
+        # Engine backends sample decode steps on the device, inside the step's command buffer
+        # (bit-identical to lily_py.sampling.sample); the first token comes from the prompt's
+        # logits on the host.
+        on_device = getattr(self._backend, "samples_on_device", False)
+        device_tok = None
         for n in range(max_tokens):
-            if n_ids < logits.shape[-1]:
-                logits = logits.copy()
-                logits[n_ids:] = -np.inf
-            tok = sample(logits, params, n, seed)
+            if device_tok is not None:
+                tok = device_tok
+            else:
+                if n_ids < logits.shape[-1]:
+                    logits = logits.copy()
+                    logits[n_ids:] = -np.inf
+                tok = sample(logits, params, n, seed)
             if tok in eos:
                 rest = (detok.finalize() if detok else "")
                 text, _ = matcher.push(rest)
@@ -291,7 +299,14 @@ class Model:
                 yield GenerationChunk(text, tok, "stop" if stopped else "length", stats(n + 1))
                 return
             yield GenerationChunk(text, tok)
-            logits = self._feed([tok], all_logits=False)
+            if on_device:
+                logits = self._feed([tok], all_logits=False, sample=dict(
+                    temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                    min_p=params.min_p, seed=seed, step=n + 1,
+                    valid_vocab=min(n_ids, self.config.vocab_size)))
+                device_tok = self._backend.last_token
+            else:
+                logits = self._feed([tok], all_logits=False)
 
     # ---- internals ----------------------------------------------------------------------------
     def _check_idle(self) -> None:
@@ -393,9 +408,11 @@ class Model:
                 f"feeding {n} tokens after {self.position} would exceed the context "
                 f"length {self.context_length}; call reset() or load with a larger context_length")
 
-    def _feed(self, ids: list[int], *, all_logits: bool) -> np.ndarray:
+    def _feed(self, ids: list[int], *, all_logits: bool, sample: dict | None = None) -> np.ndarray:
         self._check_room(len(ids))
-        logits = self._backend.forward(np.asarray(ids, dtype=np.int64), all_logits=all_logits)
+        arr = np.asarray(ids, dtype=np.int64)
+        logits = self._backend.forward(arr, all_logits=all_logits) if sample is None else \
+            self._backend.forward(arr, all_logits=all_logits, sample=sample)
         self._history.extend(ids)
         # Our own copy: callers may edit what they get back (e.g. a repetition penalty).
         self._last_logits = (logits[-1] if all_logits else logits).copy()

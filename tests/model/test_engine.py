@@ -209,3 +209,49 @@ def test_engine_refuses_unsupported_checkpoints(tiny_hf):
         lily_py.load(tiny_hf, backend="emu", context_length=16)
     with pytest.raises(lily_py.BackendError, match="not available in this build"):
         lily_py.load(tiny_hf, backend="metal", context_length=16)
+
+
+SAMPLING = [dict(temperature=0.0), dict(temperature=0.8, seed=7),
+            dict(temperature=0.7, top_k=20, top_p=0.9, min_p=0.05, seed=11)]
+
+
+@pytest.mark.parametrize("opts", SAMPLING, ids=["greedy", "temperature", "filters"])
+def test_device_sampling_reproduces_reference(dn_ckpt, opts):
+    """Decode steps sample on the device (fused into the step, token written to the device slot
+    and read by the next step's embedding): the same tokens as the reference's host sampler."""
+    emu, ref = _pair(dn_ckpt)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    a = emu.generate_text(prompt, max_tokens=24, **opts)
+    b = ref.generate_text(prompt, max_tokens=24, **opts)
+    assert a.tokens == b.tokens
+    st = emu.stats()
+    assert st["ids_from_slot"] and st["token"] == a.tokens[-1] and st["waits_in_step"] == 0
+
+
+@pytest.mark.parametrize("opts", SAMPLING[1:], ids=["temperature", "filters"])
+def test_device_sampling_demo(opts):
+    emu = lily_py.load(backend="emu", context_length=96)
+    ref = lily_py.load(backend="reference", context_length=96)
+    prompt = emu.tokenizer.encode("Once upon a time")
+    assert emu.generate_text(prompt, max_tokens=24, **opts).tokens == \
+        ref.generate_text(prompt, max_tokens=24, **opts).tokens
+
+
+def test_sampling_step_counters(attn_ckpt):
+    """A decode step with the sampler fused in: the model's counts plus exactly the sampler's
+    own plan (as the sampling op counts it) and one barrier (logits -> sampler)."""
+    from lily_py import ops
+    m = lily_py.load(attn_ckpt, backend="emu", context_length=64)
+    for opts in SAMPLING:
+        m.reset()
+        m.generate_text([5, 6, 7], max_tokens=3, **opts)
+        st = m.stats()
+        d, b = _expected_counts(m.config, 1)
+        params = dict(temperature=opts["temperature"], top_k=opts.get("top_k", 0),
+                      top_p=opts.get("top_p", 1.0), min_p=opts.get("min_p", 0.0))
+        logits = np.random.default_rng(0).standard_normal(m.config.vocab_size).astype(np.float32)
+        sampler = ops._sample(logits, seed=1, step=1, **params)[4]
+        print(opts, st, "sampler:", sampler["dispatches"], sampler["barriers"])
+        assert st["dispatches"] == d + sampler["dispatches"]
+        assert st["barriers"] == b + 1 + sampler["barriers"]
+        assert st["waits_in_step"] == 0 and st["commits"] == 1 and st["ids_from_slot"]
