@@ -273,3 +273,19 @@ def test_generator_closed_midstream_and_multiturn(dn_ckpt):
     turn2 = emu.generate_text(prompt2, max_tokens=5)
     assert turn2.stats.reused_tokens > 0
     assert turn2.tokens == ref.generate_text(prompt2, max_tokens=5).tokens
+
+
+def test_real_head_dims(tmp_path, rng):
+    """Random weights with the real model's head dims (attention head_dim 256, rotary 64;
+    DeltaNet Dk = Dv = 128) and fewer heads / a narrow hidden size: engine == reference."""
+    cfg = dict(TINY_TEXT_CONFIG, hidden_size=256, vocab_size=512, head_dim=256,
+               num_attention_heads=4, num_key_value_heads=2, linear_key_head_dim=128,
+               linear_value_head_dim=128, linear_num_key_heads=2, linear_num_value_heads=4,
+               num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128,
+               shared_expert_intermediate_size=128)
+    path = make_checkpoint(tmp_path, cfg, fmt="mlx", seed=9, std=0.06)
+    emu, ref = _pair(path)
+    ids = rng.integers(0, 512, size=9).tolist()
+    _close(emu.prefill(ids), ref.prefill(ids), "prefill", attention=True)
+    for t in rng.integers(0, 512, size=2).tolist():
+        _close(emu.decode(t), ref.decode(t), f"decode {t}", attention=True)
