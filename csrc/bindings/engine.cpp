@@ -138,31 +138,33 @@ void init_engine(nb::module_& m) {
       .def_prop_ro("scratch_bytes", &core::Engine::scratch_bytes)
       .def(
           "forward",
-          [](core::Engine& e, IdArray ids, bool all_logits, nb::object sample, bool from_slot) {
+          [](core::Engine& e, IdArray ids, bool all_logits, nb::object sample, bool from_slot, bool logits) {
             const core::StepSampling sampling = sampling_from(sample, from_slot);
             const uint32_t T = uint32_t(ids.shape(0));
-            const size_t rows = all_logits ? T : 1, V = e.spec().vocab;
-            float* out = new float[rows * V];
+            const size_t rows = !logits ? 0 : all_logits ? T : 1, V = e.spec().vocab;
+            float* out = new float[rows * V + 1];
             nb::capsule owner(out, [](void* p) noexcept { delete[] static_cast<float*>(p); });
             core::StepStats st;
             {
               nb::gil_scoped_release release;
-              st = e.forward(ids.data(), T, all_logits, out, sampling);
+              st = e.forward(ids.data(), T, all_logits, out, sampling, logits);
             }
             size_t shape[2] = {rows, V};
             return nb::make_tuple(nb::ndarray<nb::numpy, float>(out, 2, shape, owner), stats_dict(st));
           },
-          "ids"_a, "all_logits"_a = false, "sample"_a = nb::none(), "from_slot"_a = false,
-          "Feed uint32 ids [T] (one step, one command buffer); returns (float32 logits [T or 1, V], stats). "
+          "ids"_a, "all_logits"_a = false, "sample"_a = nb::none(), "from_slot"_a = false, "logits"_a = true,
+          "`logits=False`: a prefill chunk that is not the last (no final norm / lm_head; [0, V] returned). Feed uint32 ids [T] (one step, one command buffer); returns (float32 logits [T or 1, V], stats). "
           "`sample`: dict(temperature, top_k, top_p, min_p, seed, step, valid_vocab) samples the last "
           "position on the device into the token slot (stats['token']); `from_slot`: feed that slot "
           "(the previous step's sample) instead of `ids` (which must then hold one placeholder id).")
       .def(
           "count",
-          [](core::Engine& e, uint32_t T, uint32_t position, bool all_logits, nb::object sample, bool from_slot) {
-            return stats_dict(e.count(T, position, all_logits, sampling_from(sample, from_slot)));
+          [](core::Engine& e, uint32_t T, uint32_t position, bool all_logits, nb::object sample, bool from_slot,
+             bool logits) {
+            return stats_dict(e.count(T, position, all_logits, sampling_from(sample, from_slot), logits));
           },
           "tokens"_a, "position"_a = 0, "all_logits"_a = false, "sample"_a = nb::none(), "from_slot"_a = false,
+          "logits"_a = true,
           "Counters of one step encoded on the counting device (nothing runs).")
       .def("last_stats", [](const core::Engine& e) { return stats_dict(e.last_stats()); })
       .def("reset", &core::Engine::reset)

@@ -310,8 +310,10 @@ void Engine::restore(const Snapshot& s) {
   have_token_ = false;
 }
 
-StepStats Engine::run(uint32_t T, uint32_t position, bool all_logits, bool execute, const StepSampling& sampling) {
+StepStats Engine::run(uint32_t T, uint32_t position, bool all_logits, bool execute, const StepSampling& sampling,
+                      bool want_logits) {
   gpu::StepParams p;
+  p.logits = want_logits;
   p.sample = sampling.enabled;
   p.sample_params = sampling.params;
   p.valid_vocab = sampling.valid_vocab;
@@ -344,7 +346,8 @@ StepStats Engine::run(uint32_t T, uint32_t position, bool all_logits, bool execu
 }
 
 StepStats Engine::forward(const uint32_t* ids, uint32_t T, bool all_logits, float* logits,
-                          const StepSampling& sampling) {
+                          const StepSampling& sampling, bool want_logits) {
+  if (!want_logits && (all_logits || sampling.enabled)) fail("forward: all_logits / sampling need want_logits");
   if (!valid_) fail("the state is invalid after a failed step: reset() or restore() first");
   if (T == 0 || T > spec_.prefill_chunk) fail("forward: " + num(T) + " tokens outside [1, prefill_chunk=" + num(spec_.prefill_chunk) + "]");
   if (all_logits && T > spec_.logit_rows) fail("forward: all_logits for " + num(T) + " tokens exceeds logit_rows=" + num(spec_.logit_rows));
@@ -362,13 +365,13 @@ StepStats Engine::forward(const uint32_t* ids, uint32_t T, bool all_logits, floa
   StepStats st;
   valid_ = false;  // until the step finished: a device error leaves a half-updated state
   have_token_ = false;
-  st = run(T, position_, all_logits, true, sampling);
+  st = run(T, position_, all_logits, true, sampling, want_logits);
   valid_ = true;
   position_ += T;
   conv_parity_ = 1 - conv_parity_;
   const size_t rows = all_logits ? T : 1;
   const void* src = m_.s.logits.buffer->contents();
-  if (logits && src) std::memcpy(logits, src, rows * spec_.vocab * 4);
+  if (logits && src && want_logits) std::memcpy(logits, src, rows * spec_.vocab * 4);
   last_ = st;
   if (sampling.enabled) {
     // The step itself is complete (state advanced, logits returned); a sampler error only means
@@ -386,9 +389,10 @@ StepStats Engine::forward(const uint32_t* ids, uint32_t T, bool all_logits, floa
   return st;
 }
 
-StepStats Engine::count(uint32_t T, uint32_t position, bool all_logits, const StepSampling& sampling) {
+StepStats Engine::count(uint32_t T, uint32_t position, bool all_logits, const StepSampling& sampling,
+                        bool want_logits) {
   if (std::string_view(device_->name()) != "count") fail("count() runs on the counting device only (device 'count')");
-  StepStats st = run(T, position, all_logits, false, sampling);
+  StepStats st = run(T, position, all_logits, false, sampling, want_logits);
   last_ = st;
   return st;
 }

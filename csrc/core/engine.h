@@ -73,11 +73,14 @@ class Engine {
   // Feeds ids [T] (T <= prefill_chunk) after the state; writes float32 logits [T or 1, vocab] to
   // `logits` (may be null on the counting device). Validation failures throw before anything is
   // encoded; a device error mid-step leaves the state invalid (valid() false until reset/restore).
+  // want_logits false: a prefill chunk that is not the last one (no final norm, no lm_head; the
+  // step ends with the last layer, `logits` is not written).
   StepStats forward(const uint32_t* ids, uint32_t T, bool all_logits, float* logits,
-                    const StepSampling& sampling = {});
+                    const StepSampling& sampling = {}, bool want_logits = true);
   // Encodes a step at `position` without touching state or reading results (the counting
   // device: counters for any config without weights).
-  StepStats count(uint32_t T, uint32_t position, bool all_logits, const StepSampling& sampling = {});
+  StepStats count(uint32_t T, uint32_t position, bool all_logits, const StepSampling& sampling = {},
+                  bool want_logits = true);
 
   void reset();
   Snapshot snapshot() const;
@@ -94,7 +97,8 @@ class Engine {
                                uint64_t count = 1);
   std::vector<gpu::Binding> state_buffers() const;
   bool is_kv(size_t state_index) const;
-  StepStats run(uint32_t T, uint32_t position, bool all_logits, bool execute, const StepSampling& sampling);
+  StepStats run(uint32_t T, uint32_t position, bool all_logits, bool execute, const StepSampling& sampling,
+                bool want_logits);
 
   ModelSpec spec_;
   std::unique_ptr<gpu::Device> device_;

@@ -203,7 +203,10 @@ void encode_step(Encoder& enc, const core::ModelSpec& spec, const ModelBuffers& 
   ops::encode_embedding(enc, e);
   enc.barrier();  // x (embedding) -> input norm of layer 0
 
-  for (const Layer& L : m.layers) {
+  if (!p.logits && (p.sample || p.all_logits))
+    throw std::invalid_argument("engine step: sampling / all_logits need the logits");
+  for (size_t li = 0; li < m.layers.size(); ++li) {
+    const Layer& L = m.layers[li];
     ops::RmsNormOperands in;
     in.x = t.x;
     in.weight = L.input_norm;
@@ -231,6 +234,7 @@ void encode_step(Encoder& enc, const core::ModelSpec& spec, const ModelBuffers& 
     enc.barrier();  // h, xn -> MoE (router reads xn; combine reads h)
 
     encode_moe_block(enc, spec, L, t, p);
+    if (li + 1 == m.layers.size() && !p.logits) return;  // the state is complete: no head
     enc.barrier();  // x (h + moe) -> next layer's input norm / the final norm
   }
 

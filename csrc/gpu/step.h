@@ -84,6 +84,7 @@ struct StepParams {
   uint32_t tokens = 1;       // T: 1..spec.prefill_chunk
   uint32_t position = 0;     // tokens already in the state
   bool all_logits = false;   // logits for every position (T <= spec.logit_rows) or the last only
+  bool logits = true;        // false: stop after the last layer (a prefill chunk that is not the last)
   uint32_t conv_parity = 0;  // which conv_state buffer holds the current window
   bool serialize = false;
   bool ids_from_slot = false;  // embedding reads token_slot (the previous step's sample), T == 1

@@ -171,13 +171,17 @@ class EngineBackend:
         self.last_stats: dict | None = None
         self.last_token: int | None = None   # the device sampler's token of the last step
 
-    # Model.generate samples decode steps with the device sampler (fused into the step).
+    # Model.generate samples decode steps with the device sampler (fused into the step), and
+    # Model.prefill skips the final norm and lm_head of every chunk but the last.
     samples_on_device = True
+    skips_logits = True
 
-    def forward(self, ids: np.ndarray, *, all_logits: bool, sample: dict | None = None) -> np.ndarray:
+    def forward(self, ids: np.ndarray, *, all_logits: bool, sample: dict | None = None,
+                logits: bool = True) -> np.ndarray | None:
         """Logits of the last position (or all with ``all_logits``). ``sample``: dict(temperature,
         top_k, top_p, min_p, seed, step, valid_vocab) also samples the last position on the device
-        (``self.last_token``); when ``ids`` is that token, the step reads it from the device slot."""
+        (``self.last_token``); when ``ids`` is that token, the step reads it from the device slot.
+        ``logits=False`` (a prefill chunk that is not the last): no final norm / lm_head, None."""
         ids = np.ascontiguousarray(ids, dtype=np.uint32).reshape(-1)
         if self.engine.position + len(ids) > self._context:
             raise ValueError("engine: the step would exceed the engine's context length")
@@ -185,12 +189,13 @@ class EngineBackend:
         from_slot = (sample is not None and len(ids) == 1 and self.last_token is not None
                      and int(ids[0]) == self.last_token)
         self.last_token = None
+        want = logits or all_logits or sample is not None
         if len(ids) <= step:
-            logits, self.last_stats = self.engine.forward(ids, all_logits, sample, from_slot)
+            out, self.last_stats = self.engine.forward(ids, all_logits, sample, from_slot, want)
             self.last_token = self.last_stats.get("token")
-            return logits if all_logits else logits[0]
-        if sample is not None:
-            raise ValueError("engine: sampling steps feed at most one chunk")
+            return None if not want else out if all_logits else out[0]
+        if sample is not None or not want:
+            raise ValueError("engine: sampling and logits=False steps feed at most one chunk")
         # Several steps: keep them all-or-nothing with a snapshot.
         snap = self.engine.snapshot()
         out = []

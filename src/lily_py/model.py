@@ -394,7 +394,7 @@ class Model:
         for s in range(0, len(ids), self.prefill_chunk):
             chunk = ids[s:s + self.prefill_chunk]
             last = s + self.prefill_chunk >= len(ids)
-            logits = self._feed(chunk, all_logits=all_logits)
+            logits = self._feed(chunk, all_logits=all_logits, logits=last or all_logits)
             if all_logits:
                 out.append(logits)
             elif last:
@@ -408,12 +408,22 @@ class Model:
                 f"feeding {n} tokens after {self.position} would exceed the context "
                 f"length {self.context_length}; call reset() or load with a larger context_length")
 
-    def _feed(self, ids: list[int], *, all_logits: bool, sample: dict | None = None) -> np.ndarray:
+    def _feed(self, ids: list[int], *, all_logits: bool, sample: dict | None = None,
+              logits: bool = True) -> np.ndarray | None:
+        """Feed ids to the backend. ``logits=False`` (a prefill chunk that is not the last) lets
+        engine backends skip the final norm and lm_head; returns None then."""
         self._check_room(len(ids))
         arr = np.asarray(ids, dtype=np.int64)
-        logits = self._backend.forward(arr, all_logits=all_logits) if sample is None else \
-            self._backend.forward(arr, all_logits=all_logits, sample=sample)
+        kw = {}
+        if sample is not None:
+            kw["sample"] = sample
+        if not logits and getattr(self._backend, "skips_logits", False):
+            kw["logits"] = False
+        logits = self._backend.forward(arr, all_logits=all_logits, **kw)
         self._history.extend(ids)
+        if logits is None:
+            self._last_logits = None
+            return None
         # Our own copy: callers may edit what they get back (e.g. a repetition penalty).
         self._last_logits = (logits[-1] if all_logits else logits).copy()
         return logits

@@ -164,6 +164,10 @@ def test_step_counters(attn_ckpt, rng, tokens):
                          context_length=m.context_length)
     for k in ("dispatches", "barriers", "bytes_bound", "threads", "waits_in_step"):
         assert counted[k] == st[k], k
+    # A prefill chunk that is not the last skips the final norm and lm_head (and their barriers).
+    assert m._backend.forward(np.array([1] * tokens), all_logits=False, logits=False) is None
+    st = m.stats()
+    assert (st["dispatches"], st["barriers"]) == (d - 2, b - 2)
 
 
 def test_decode_split_route_counters(attn_ckpt, rng):
