@@ -293,3 +293,24 @@ def test_real_head_dims(tmp_path, rng):
     _close(emu.prefill(ids), ref.prefill(ids), "prefill", attention=True)
     for t in rng.integers(0, 512, size=2).tolist():
         _close(emu.decode(t), ref.decode(t), f"decode {t}", attention=True)
+
+
+def test_engine_rejects_bad_input_before_encoding(dn_ckpt):
+    """Bad steps raise ValueError before anything is encoded: the state is untouched."""
+    m = lily_py.load(dn_ckpt, backend="emu", context_length=8, prefill_chunk=4)
+    eng = m._backend.engine
+    m.prefill([1, 2, 3])
+    snap = m._backend.snapshot()
+    for ids, msg in (([320], "outside"), ([1] * 5, "prefill_chunk")):
+        with pytest.raises(ValueError, match=msg):
+            eng.forward(np.array(ids, dtype=np.uint32))
+        assert eng.position == 3 and eng.valid
+    with pytest.raises(ValueError, match="device slot"):
+        eng.forward(np.array([1], dtype=np.uint32), from_slot=True)
+    with pytest.raises(ValueError, match="expected"):
+        eng.upload("norm", [np.zeros(3, np.float32)])
+    with pytest.raises(ValueError, match="no weight named"):
+        eng.upload("nope", [np.zeros(3, np.float32)])
+    after_errors = m.decode(4)
+    m._backend.restore(snap)
+    np.testing.assert_array_equal(m._backend.forward(np.array([4]), all_logits=False), after_errors)
