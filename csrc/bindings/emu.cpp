@@ -13,7 +13,11 @@
 #include <vector>
 
 #include "bindings/arrays.h"
+#include "bindings/device.h"
 #include "emu/emulator.h"
+#if defined(LILY_HAVE_METAL)
+#include "metal/metal_device.h"
+#endif
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -25,6 +29,26 @@ emu::Order parse_order(const std::string& s) {
   if (s == "reverse") return emu::Order::reverse;
   if (s == "shuffle") return emu::Order::shuffle;
   throw std::invalid_argument("order must be 'forward', 'reverse' or 'shuffle', got '" + s + "'");
+}
+
+std::unique_ptr<gpu::Device> make_device(const std::string& name, const std::string& order,
+                                         uint64_t seed, bool fp_traps) {
+  if (name == "emu") {
+    emu::RunOptions o;
+    o.order = parse_order(order);
+    o.seed = seed;
+    o.fp_traps = fp_traps;
+    return std::make_unique<emu::EmuDevice>(o);
+  }
+  if (name == "metal") {
+#if defined(LILY_HAVE_METAL)
+    return metal::create_device();
+#else
+    throw std::invalid_argument("device 'metal' is not available in this build (built without "
+                                "LILY_METAL: not macOS); use device='emu'");
+#endif
+  }
+  throw std::invalid_argument("unknown device '" + name + "' (expected 'emu' or 'metal')");
 }
 
 void init_emu(nb::module_& parent) {

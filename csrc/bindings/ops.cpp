@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "bindings/arrays.h"
+#include "bindings/device.h"
 #include "emu/emulator.h"
 #include "gpu/dtype.h"
 #include "gpu/kernel_ids.h"
@@ -30,7 +31,6 @@ using namespace nb::literals;
 
 namespace lily::bindings {
 
-emu::Order parse_order(const std::string& s);  // emu.cpp
 void init_emu(nb::module_& parent);              // emu.cpp
 void init_ops_moe(nb::module_& ops);             // ops_moe.cpp
 void init_ops_sampling(nb::module_& ops);        // ops_sampling.cpp
@@ -40,25 +40,6 @@ namespace {
 struct DeviceChoice {
   std::unique_ptr<gpu::Device> device;
 };
-
-DeviceChoice make_device(const std::string& name, const std::string& order, uint64_t seed, bool fp_traps) {
-  if (name == "emu") {
-    emu::RunOptions o;
-    o.order = parse_order(order);
-    o.seed = seed;
-    o.fp_traps = fp_traps;
-    return {std::make_unique<emu::EmuDevice>(o)};
-  }
-  if (name == "metal") {
-#if defined(LILY_HAVE_METAL)
-    return {metal::create_device()};
-#else
-    throw std::invalid_argument("device 'metal' is not available in this build (built without "
-                                "LILY_METAL: not macOS); use device='emu'");
-#endif
-  }
-  throw std::invalid_argument("unknown device '" + name + "' (expected 'emu' or 'metal')");
-}
 
 nb::dict stats_of(const gpu::Encoder& enc, nb::list kernels) {
   const gpu::Counters& c = enc.counters();
@@ -79,7 +60,7 @@ struct Run {
   nb::list kernels;
 
   Run(const std::string& device, const std::string& order, uint64_t seed, bool fp_traps)
-      : dc(make_device(device, order, seed, fp_traps)), enc(dc.device->new_encoder()) {}
+      : dc{make_device(device, order, seed, fp_traps)}, enc(dc.device->new_encoder()) {}
   gpu::Binding input(const InArray& a) {
     buffers.push_back(upload(*dc.device, a.data(), a.nbytes()));
     return {buffers.back().get(), 0, buffers.back()->size()};

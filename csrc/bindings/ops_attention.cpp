@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "bindings/arrays.h"
+#include "bindings/device.h"
 #include "emu/emulator.h"
 #include "gpu/dtype.h"
 #include "gpu/ops/attention.h"
@@ -27,29 +28,8 @@ using namespace nb::literals;
 
 namespace lily::bindings {
 
-emu::Order parse_order(const std::string& s);  // emu.cpp
 
 namespace {
-
-std::unique_ptr<gpu::Device> attention_device(const std::string& name, const std::string& order, uint64_t seed,
-                                              bool fp_traps) {
-  if (name == "emu") {
-    emu::RunOptions o;
-    o.order = parse_order(order);
-    o.seed = seed;
-    o.fp_traps = fp_traps;
-    return std::make_unique<emu::EmuDevice>(o);
-  }
-  if (name == "metal") {
-#if defined(LILY_HAVE_METAL)
-    return metal::create_device();
-#else
-    throw std::invalid_argument("device 'metal' is not available in this build (built without "
-                                "LILY_METAL: not macOS); use device='emu'");
-#endif
-  }
-  throw std::invalid_argument("unknown device '" + name + "' (expected 'emu' or 'metal')");
-}
 
 // One op call: a device, its buffers (copies of the NumPy inputs), one encoder, one commit.
 struct AttnRun {
@@ -58,7 +38,7 @@ struct AttnRun {
   std::unique_ptr<gpu::Encoder> enc;
 
   AttnRun(const std::string& dev, const std::string& order, uint64_t seed, bool fp_traps)
-      : device(attention_device(dev, order, seed, fp_traps)), enc(device->new_encoder()) {}
+      : device(make_device(dev, order, seed, fp_traps)), enc(device->new_encoder()) {}
   gpu::Binding input(const InArray& a) {
     buffers.push_back(upload(*device, a.data(), a.nbytes()));
     return {buffers.back().get(), 0, buffers.back()->size()};

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "bindings/arrays.h"
+#include "bindings/device.h"
 #include "emu/emulator.h"
 #include "gpu/dtype.h"
 #include "gpu/kernel_ids.h"
@@ -27,7 +28,6 @@ using namespace nb::literals;
 
 namespace lily::bindings {
 
-emu::Order parse_order(const std::string& s);  // emu.cpp
 
 namespace {
 
@@ -38,25 +38,8 @@ struct GdRun {
   std::unique_ptr<gpu::Encoder> enc;
   nb::list kernels;
 
-  GdRun(const std::string& name, const std::string& order, uint64_t seed, bool fp_traps) {
-    if (name == "emu") {
-      emu::RunOptions o;
-      o.order = parse_order(order);
-      o.seed = seed;
-      o.fp_traps = fp_traps;
-      device = std::make_unique<emu::EmuDevice>(o);
-    } else if (name == "metal") {
-#if defined(LILY_HAVE_METAL)
-      device = metal::create_device();
-#else
-      throw std::invalid_argument("device 'metal' is not available in this build (built without "
-                                  "LILY_METAL: not macOS); use device='emu'");
-#endif
-    } else {
-      throw std::invalid_argument("unknown device '" + name + "' (expected 'emu' or 'metal')");
-    }
-    enc = device->new_encoder();
-  }
+  GdRun(const std::string& name, const std::string& order, uint64_t seed, bool fp_traps)
+      : device(make_device(name, order, seed, fp_traps)), enc(device->new_encoder()) {}
   gpu::Binding input(const InArray& a) {
     buffers.push_back(upload(*device, a.data(), a.nbytes()));
     return {buffers.back().get(), 0, buffers.back()->size()};

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "bindings/arrays.h"
+#include "bindings/device.h"
 #include "emu/emulator.h"
 #include "gpu/dtype.h"
 #include "gpu/ops/moe.h"
@@ -26,29 +27,8 @@ using namespace nb::literals;
 
 namespace lily::bindings {
 
-emu::Order parse_order(const std::string& s);  // emu.cpp
 
 namespace {
-
-std::unique_ptr<gpu::Device> make_moe_device(const std::string& name, const std::string& order, uint64_t seed,
-                                             bool fp_traps) {
-  if (name == "emu") {
-    emu::RunOptions o;
-    o.order = parse_order(order);
-    o.seed = seed;
-    o.fp_traps = fp_traps;
-    return std::make_unique<emu::EmuDevice>(o);
-  }
-  if (name == "metal") {
-#if defined(LILY_HAVE_METAL)
-    return metal::create_device();
-#else
-    throw std::invalid_argument("device 'metal' is not available in this build (built without "
-                                "LILY_METAL: not macOS); use device='emu'");
-#endif
-  }
-  throw std::invalid_argument("unknown device '" + name + "' (expected 'emu' or 'metal')");
-}
 
 template <class T>
 nb::object copy_out(const gpu::Binding& b, std::vector<size_t> shape) {
@@ -94,7 +74,7 @@ void init_ops_moe(nb::module_& m) {
         op.router_scale_dtype = gpu::parse_dtype(router_scale_dtype, "moe: router scales");
         require(mats[3].shape(0) == op.experts && mats[6].shape(0) == op.experts && mats[9].shape(0) == op.experts,
                 "moe: expert stacks must have E = router rows - 1 = " + std::to_string(op.experts) + " experts");
-        auto dev = make_moe_device(device, order, seed, fp_traps);
+        auto dev = make_device(device, order, seed, fp_traps);
         std::vector<std::unique_ptr<gpu::Buffer>> bufs;
         auto input = [&](const InArray& a) {
           bufs.push_back(upload(*dev, a.data(), a.nbytes()));

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "bindings/arrays.h"
+#include "bindings/device.h"
 #include "emu/emulator.h"
 #include "gpu/kernel_ids.h"
 #include "gpu/ops/sampling.h"
@@ -22,24 +23,8 @@ using namespace nb::literals;
 
 namespace lily::bindings {
 
-emu::Order parse_order(const std::string& s);  // emu.cpp
 
 namespace {
-
-std::unique_ptr<gpu::Device> sampling_device(const std::string& name, const std::string& order, uint64_t seed,
-                                             bool fp_traps) {
-  if (name == "emu") {
-    emu::RunOptions o;
-    o.order = parse_order(order);
-    o.seed = seed;
-    o.fp_traps = fp_traps;
-    return std::make_unique<emu::EmuDevice>(o);
-  }
-#if defined(LILY_HAVE_METAL)
-  if (name == "metal") return metal::create_device();
-#endif
-  throw std::invalid_argument("sample: device '" + name + "' is not available in this build");
-}
 
 nb::list kernel_names(const gpu::ops::SamplePlan& plan) {
   nb::list k;
@@ -78,7 +63,7 @@ void init_ops_sampling(nb::module_& m) {
         op.valid_vocab = valid_vocab;
         op.slot = slot;
         op.params = {greedy, temperature, top_k, top_p, min_p, seed, step};
-        auto dev = sampling_device(device, order, emu_seed, fp_traps);
+        auto dev = make_device(device, order, emu_seed, fp_traps);
         std::vector<std::unique_ptr<gpu::Buffer>> bufs;
         auto buffer = [&](size_t bytes, int fill) {
           bufs.push_back(dev->new_buffer(bytes));
@@ -128,7 +113,7 @@ void init_ops_sampling(nb::module_& m) {
   m.def(
       "sample_noise",
       [](uint32_t n, uint64_t seed, uint32_t step, const std::string& device) {
-        auto dev = sampling_device(device, "forward", 0, true);
+        auto dev = make_device(device, "forward", 0, true);
         auto buf = dev->new_buffer(size_t(n) * 4);
         auto enc = dev->new_encoder();
         {

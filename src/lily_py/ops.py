@@ -259,3 +259,9 @@ from ._ops_gated_delta import causal_conv1d, gated_delta_mixer, gated_delta_scan
 from ._ops_moe import _moe, moe, moe_route, moe_weights  # noqa: E402,F401  (the MoE block)
 
 from ._ops_attention import *  # noqa: E402,F401,F403  rope, qk_norm_rope_append, attention_* (attention family)
+
+# Every family's public functions (each _ops_<family> module lists its own).
+from . import _ops_attention, _ops_gated_delta, _ops_moe, _ops_sampling  # noqa: E402
+
+__all__ += [*_ops_sampling.__all__, *_ops_gated_delta.__all__, *_ops_moe.__all__,
+            *_ops_attention.__all__]
