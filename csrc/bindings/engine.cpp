@@ -79,6 +79,7 @@ nb::dict stats_dict(const core::StepStats& s) {
   d["waits_in_step"] = s.waits_in_step;
   d["host_waits"] = s.host_waits;
   d["ids_from_slot"] = s.ids_from_slot;
+  d["in_flight"] = s.in_flight;
   if (s.token != 0xFFFFFFFFu) d["token"] = s.token;
   return d;
 }
@@ -157,6 +158,35 @@ void init_engine(nb::module_& m) {
           "`sample`: dict(temperature, top_k, top_p, min_p, seed, step, valid_vocab) samples the last "
           "position on the device into the token slot (stats['token']); `from_slot`: feed that slot "
           "(the previous step's sample) instead of `ids` (which must then hold one placeholder id).")
+      .def(
+          "submit",
+          [](core::Engine& e, IdArray ids, nb::object sample, bool from_slot) {
+            const core::StepSampling sampling = sampling_from(sample, from_slot);
+            core::StepStats st;
+            {
+              nb::gil_scoped_release release;
+              st = e.submit(ids.data(), uint32_t(ids.shape(0)), false, sampling, true);
+            }
+            return stats_dict(st);
+          },
+          "ids"_a, "sample"_a = nb::none(), "from_slot"_a = false,
+          "Encode and commit one step without waiting (logits of the last position); see complete().")
+      .def(
+          "complete",
+          [](core::Engine& e) {
+            const size_t V = e.spec().vocab;
+            float* out = new float[V];
+            nb::capsule owner(out, [](void* p) noexcept { delete[] static_cast<float*>(p); });
+            core::StepStats st;
+            {
+              nb::gil_scoped_release release;
+              st = e.complete(out);
+            }
+            size_t shape[1] = {V};
+            return nb::make_tuple(nb::ndarray<nb::numpy, float>(out, 1, shape, owner), stats_dict(st));
+          },
+          "Wait for the oldest step in flight: (float32 logits [V], stats with 'token').")
+      .def_prop_ro("in_flight", &core::Engine::in_flight)
       .def(
           "count",
           [](core::Engine& e, uint32_t T, uint32_t position, bool all_logits, nb::object sample, bool from_slot,

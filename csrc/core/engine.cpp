@@ -195,10 +195,10 @@ Engine::Engine(ModelSpec spec, std::unique_ptr<gpu::Device> device) : spec_(std:
   t.moe_row_weight = alloc(scratch_, mb.row_weight);
   t.moe_h = alloc(scratch_, mb.h);
   t.moe_y = alloc(scratch_, mb.y);
-  t.logits = alloc(scratch_, uint64_t(s.logit_rows) * V * 4);
-  t.token_slot = alloc(scratch_, 4);
-  t.chosen_logit = alloc(scratch_, 4);
-  t.sample_state = alloc(scratch_, gpu::ops::sample_state_bytes(1));
+  t.logits = alloc(scratch_, uint64_t(std::max(s.logit_rows, 2u)) * V * 4);
+  t.token_slot = alloc(scratch_, 2 * 4);  // two slots: two steps in flight
+  t.chosen_logit = alloc(scratch_, 2 * 4);
+  t.sample_state = alloc(scratch_, 2 * gpu::ops::sample_state_bytes(1));
   t.sample_partials = alloc(scratch_, gpu::ops::sample_partials_bytes(1, uint32_t(V)));
   t.sample_hist = alloc(scratch_, gpu::ops::sample_hist_bytes(1, uint32_t(V)));
   for (const auto& b : state_)
@@ -258,7 +258,12 @@ std::vector<gpu::Binding> Engine::state_buffers() const {
 
 bool Engine::is_kv(size_t i) const { return std::find(kv_cache_.begin(), kv_cache_.end(), i) != kv_cache_.end(); }
 
+void Engine::require_idle(const char* what) const {
+  if (!inflight_.empty()) fail(std::string(what) + ": steps are in flight; complete() them first");
+}
+
 void Engine::reset() {
+  require_idle("reset");
   // The KV caches need no clearing: attention reads rows [0, position) only.
   for (size_t i = 0; i < state_.size(); ++i)
     if (!is_kv(i) && state_[i]->contents()) std::memset(state_[i]->contents(), 0, state_[i]->size());
@@ -269,6 +274,7 @@ void Engine::reset() {
 }
 
 Snapshot Engine::snapshot() const {
+  require_idle("snapshot");
   if (!valid_) fail("the state is invalid after a failed step: reset() or restore() first");
   Snapshot s;
   s.position = position_;
@@ -290,6 +296,7 @@ Snapshot Engine::snapshot() const {
 }
 
 void Engine::restore(const Snapshot& s) {
+  require_idle("restore");
   if (s.buffers.size() != state_.size()) fail("snapshot is from a different engine");
   const size_t row = size_t(spec_.head_dim) * 2, cap = size_t(spec_.context_length) * row;
   for (size_t i = 0; i < state_.size(); ++i) {
@@ -310,45 +317,48 @@ void Engine::restore(const Snapshot& s) {
   have_token_ = false;
 }
 
-StepStats Engine::run(uint32_t T, uint32_t position, bool all_logits, bool execute, const StepSampling& sampling,
-                      bool want_logits) {
+Engine::InFlight Engine::encode(uint32_t T, uint32_t position, bool all_logits, const StepSampling& sampling,
+                                bool want_logits) {
   gpu::StepParams p;
   p.logits = want_logits;
   p.sample = sampling.enabled;
   p.sample_params = sampling.params;
   p.valid_vocab = sampling.valid_vocab;
   p.ids_from_slot = sampling.ids_from_slot;
+  p.slot = next_slot_;
   p.tokens = T;
   p.position = position;
   p.all_logits = all_logits;
   p.conv_parity = conv_parity_;
   p.serialize = serialize;
-  auto enc = device_->new_encoder();
-  gpu::ops::RecordingEncoder rec(*enc);  // counts commit()/wait() asked for while encoding
+  InFlight f;
+  f.enc = device_->new_encoder();
+  gpu::ops::RecordingEncoder rec(*f.enc);  // counts commit()/wait() asked for while encoding
   gpu::encode_prefill_chunk(rec, spec_, m_, p);
-  StepStats st;
-  st.tokens = T;
-  st.ids_from_slot = sampling.ids_from_slot;
-  st.waits_in_step = rec.waits;
-  st.commits = rec.commits;
-  enc->commit();
-  st.commits += 1;
-  if (execute) {
-    enc->wait();
-    st.host_waits = st.waits_in_step + 1;
-  }
-  const gpu::Counters& c = enc->counters();
-  st.dispatches = c.dispatches;
-  st.barriers = c.barriers;
-  st.bytes_bound = c.bytes_bound;
-  st.threads = c.threads;
-  return st;
+  f.st.tokens = T;
+  f.st.ids_from_slot = sampling.ids_from_slot;
+  f.st.waits_in_step = rec.waits;
+  f.st.commits = rec.commits + 1;
+  f.st.in_flight = uint32_t(inflight_.size());
+  f.enc->commit();
+  const gpu::Counters& c = f.enc->counters();
+  f.st.dispatches = c.dispatches;
+  f.st.barriers = c.barriers;
+  f.st.bytes_bound = c.bytes_bound;
+  f.st.threads = c.threads;
+  f.slot = p.slot;
+  f.rows = !want_logits ? 0 : all_logits ? T : 1;
+  f.sampled = sampling.enabled;
+  return f;
 }
 
-StepStats Engine::forward(const uint32_t* ids, uint32_t T, bool all_logits, float* logits,
-                          const StepSampling& sampling, bool want_logits) {
+StepStats Engine::submit(const uint32_t* ids, uint32_t T, bool all_logits, const StepSampling& sampling,
+                         bool want_logits) {
   if (!want_logits && (all_logits || sampling.enabled)) fail("forward: all_logits / sampling need want_logits");
-  if (!valid_) fail("the state is invalid after a failed step: reset() or restore() first");
+  if (!valid_ && inflight_.empty()) fail("the state is invalid after a failed step: reset() or restore() first");
+  if (inflight_.size() >= 2) fail("submit: two steps are in flight already; complete() one first");
+  if (!inflight_.empty() && !sampling.ids_from_slot)
+    fail("submit: only a step fed from the device slot may be submitted while another is in flight");
   if (T == 0 || T > spec_.prefill_chunk) fail("forward: " + num(T) + " tokens outside [1, prefill_chunk=" + num(spec_.prefill_chunk) + "]");
   if (all_logits && T > spec_.logit_rows) fail("forward: all_logits for " + num(T) + " tokens exceeds logit_rows=" + num(spec_.logit_rows));
   if (uint64_t(position_) + T > spec_.context_length)
@@ -362,37 +372,66 @@ StepStats Engine::forward(const uint32_t* ids, uint32_t T, bool all_logits, floa
     if (ids[i] >= spec_.vocab) fail("forward: token id " + num(ids[i]) + " at index " + num(i) + " outside [0, " + num(spec_.vocab) + ")");
   void* id_dst = m_.s.ids.buffer->contents();
   if (id_dst && !sampling.ids_from_slot) std::memcpy(id_dst, ids, size_t(T) * 4);
-  StepStats st;
-  valid_ = false;  // until the step finished: a device error leaves a half-updated state
+  valid_ = false;  // until every step in flight finished: a device error leaves a half-updated state
   have_token_ = false;
-  st = run(T, position_, all_logits, true, sampling, want_logits);
-  valid_ = true;
+  InFlight f = encode(T, position_, all_logits, sampling, want_logits);
   position_ += T;
   conv_parity_ = 1 - conv_parity_;
-  const size_t rows = all_logits ? T : 1;
-  const void* src = m_.s.logits.buffer->contents();
-  if (logits && src && want_logits) std::memcpy(logits, src, rows * spec_.vocab * 4);
+  next_slot_ = 1 - next_slot_;
+  have_token_ = sampling.enabled;
+  const StepStats st = f.st;
+  inflight_.push_back(std::move(f));
+  return st;
+}
+
+StepStats Engine::complete(float* logits) {
+  if (inflight_.empty()) fail("complete: no step in flight");
+  InFlight f = std::move(inflight_.front());
+  inflight_.pop_front();
+  try {
+    f.enc->wait();
+  } catch (...) {
+    inflight_.clear();  // the state is invalid (valid_ stays false) until reset / restore
+    have_token_ = false;
+    throw;
+  }
+  StepStats st = f.st;
+  st.host_waits = st.waits_in_step + 1;
+  const size_t V = spec_.vocab;
+  const char* src = static_cast<const char*>(m_.s.logits.buffer->contents());
+  if (logits && src && f.rows)
+    std::memcpy(logits, src + (f.rows == 1 ? f.slot : 0) * V * 4, f.rows * V * 4);
+  if (inflight_.empty()) valid_ = true;
   last_ = st;
-  if (sampling.enabled) {
+  if (f.sampled) {
     // The step itself is complete (state advanced, logits returned); a sampler error only means
     // there is no token to feed.
-    const auto* state = static_cast<const ::lily::SampleState*>(m_.s.sample_state.buffer->contents());
-    if (state && state->status != 0)
+    const char* sp = static_cast<const char*>(m_.s.sample_state.buffer->contents());
+    const auto* state = sp ? reinterpret_cast<const ::lily::SampleState*>(sp + f.slot * gpu::ops::sample_state_bytes(1)) : nullptr;
+    if (state && state->status != 0) {
+      if (inflight_.empty()) have_token_ = false;
       throw SampleError("engine: the sampler found a non-finite logit" +
                         (state->bad_id != 0xFFFFFFFFu ? " at token id " + num(state->bad_id) : std::string(" (all -inf)")) +
                         " (numerical failure in the model)");
-    if (const auto* tok = static_cast<const uint32_t*>(m_.s.token_slot.buffer->contents())) st.token = *tok;
-    if (const auto* l = static_cast<const float*>(m_.s.chosen_logit.buffer->contents())) st.token_logit = *l;
-    have_token_ = true;
+    }
+    if (const auto* tok = static_cast<const uint32_t*>(m_.s.token_slot.buffer->contents())) st.token = tok[f.slot];
+    if (const auto* l = static_cast<const float*>(m_.s.chosen_logit.buffer->contents())) st.token_logit = l[f.slot];
     last_ = st;
   }
   return st;
 }
 
+StepStats Engine::forward(const uint32_t* ids, uint32_t T, bool all_logits, float* logits,
+                          const StepSampling& sampling, bool want_logits) {
+  if (!inflight_.empty()) fail("forward: steps are in flight; complete() them first");
+  submit(ids, T, all_logits, sampling, want_logits);
+  return complete(logits);
+}
+
 StepStats Engine::count(uint32_t T, uint32_t position, bool all_logits, const StepSampling& sampling,
                         bool want_logits) {
   if (std::string_view(device_->name()) != "count") fail("count() runs on the counting device only (device 'count')");
-  StepStats st = run(T, position, all_logits, false, sampling, want_logits);
+  StepStats st = encode(T, position, all_logits, sampling, want_logits).st;
   last_ = st;
   return st;
 }

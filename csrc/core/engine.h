@@ -7,6 +7,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <stdexcept>
 #include <memory>
@@ -28,6 +29,7 @@ struct StepStats {
   uint64_t waits_in_step = 0;   // host waits requested while the step was encoded (must be 0)
   uint64_t host_waits = 0;      // host waits for the whole forward (1: to read the logits)
   bool ids_from_slot = false;   // the embedding read the previous step's sampled token on the device
+  uint32_t in_flight = 0;       // steps already in flight when this one was submitted (1: overlapped)
   uint32_t token = 0xFFFFFFFFu; // the sampled token (sampling steps), read from the device slot
   float token_logit = 0.0f;
 };
@@ -77,6 +79,16 @@ class Engine {
   // step ends with the last layer, `logits` is not written).
   StepStats forward(const uint32_t* ids, uint32_t T, bool all_logits, float* logits,
                     const StepSampling& sampling = {}, bool want_logits = true);
+  // Two steps in flight: submit() encodes and commits a step without waiting (the state's
+  // bookkeeping advances at once); complete() waits for the oldest step in flight and returns
+  // its stats, logits and sampled token. While one step is in flight, only a one-token step fed
+  // from the device slot (ids_from_slot) may be submitted: step N+1 is committed before the host
+  // waits on step N, and the token never needs the host. Token slot, logits row and sampler
+  // status alternate between the two steps, so neither overwrites what the host reads.
+  StepStats submit(const uint32_t* ids, uint32_t T, bool all_logits, const StepSampling& sampling = {},
+                   bool want_logits = true);
+  StepStats complete(float* logits);
+  size_t in_flight() const { return inflight_.size(); }
   // Encodes a step at `position` without touching state or reading results (the counting
   // device: counters for any config without weights).
   StepStats count(uint32_t T, uint32_t position, bool all_logits, const StepSampling& sampling = {},
@@ -97,8 +109,14 @@ class Engine {
                                uint64_t count = 1);
   std::vector<gpu::Binding> state_buffers() const;
   bool is_kv(size_t state_index) const;
-  StepStats run(uint32_t T, uint32_t position, bool all_logits, bool execute, const StepSampling& sampling,
-                bool want_logits);
+  struct InFlight {
+    std::unique_ptr<gpu::Encoder> enc;
+    StepStats st;
+    uint32_t slot = 0, rows = 0;
+    bool sampled = false;
+  };
+  InFlight encode(uint32_t T, uint32_t position, bool all_logits, const StepSampling& sampling, bool want_logits);
+  void require_idle(const char* what) const;
 
   ModelSpec spec_;
   std::unique_ptr<gpu::Device> device_;
@@ -113,7 +131,9 @@ class Engine {
   gpu::ModelBuffers m_;
   uint32_t position_ = 0, conv_parity_ = 0;
   bool valid_ = true;
-  bool have_token_ = false;  // token_slot holds the last step's sampled token
+  bool have_token_ = false;  // the last submitted step samples into token_slot[1 - next_slot_]
+  uint32_t next_slot_ = 0;
+  std::deque<InFlight> inflight_;
   StepStats last_;
 };
 

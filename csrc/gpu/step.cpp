@@ -175,7 +175,9 @@ void encode_step(Encoder& enc, const core::ModelSpec& spec, const ModelBuffers& 
   const uint64_t row = uint64_t(H) * 4;
   StepScratch t = s;  // the activations narrowed to T rows (ops bind exactly what they touch)
   if (p.ids_from_slot && T != 1) throw std::invalid_argument("engine step: ids_from_slot needs exactly one token");
-  t.ids = p.ids_from_slot ? s.token_slot : Binding{s.ids.buffer, s.ids.offset, uint64_t(T) * 4};
+  if (p.slot > 1) throw std::invalid_argument("engine step: slot must be 0 or 1");
+  t.ids = p.ids_from_slot ? Binding{s.token_slot.buffer, s.token_slot.offset + (1 - p.slot) * 4, 4}
+                          : Binding{s.ids.buffer, s.ids.offset, uint64_t(T) * 4};
   t.x = rows(s.x, 0, T, row);
   t.h = rows(s.h, 0, T, row);
   t.xn = rows(s.xn, 0, T, row);
@@ -240,6 +242,7 @@ void encode_step(Encoder& enc, const core::ModelSpec& spec, const ModelBuffers& 
 
   const uint32_t out_rows = p.all_logits ? T : 1;
   const uint32_t first = T - out_rows;
+  const uint32_t logits_row = out_rows == 1 ? p.slot : 0;  // one row: alternate between steps
   ops::RmsNormOperands fin;
   fin.x = rows(s.x, first, out_rows, row);
   fin.weight = m.norm;
@@ -255,7 +258,7 @@ void encode_step(Encoder& enc, const core::ModelSpec& spec, const ModelBuffers& 
   head.w = m.lm_head.w;
   head.scales = m.lm_head.scales;
   head.biases = m.lm_head.biases;
-  head.y = rows(s.logits, 0, out_rows, uint64_t(spec.vocab) * 4);
+  head.y = rows(s.logits, logits_row, out_rows, uint64_t(spec.vocab) * 4);
   head.x_dtype = DType::f32;
   head.scale_dtype = spec.lm_head.scale_dtype;
   head.M = out_rows;
@@ -268,16 +271,17 @@ void encode_step(Encoder& enc, const core::ModelSpec& spec, const ModelBuffers& 
   enc.barrier();  // logits -> sampler
 
   ops::SampleOperands so;
-  so.logits = rows(s.logits, out_rows - 1, 1, uint64_t(spec.vocab) * 4);
+  so.logits = rows(s.logits, logits_row + out_rows - 1, 1, uint64_t(spec.vocab) * 4);
   so.ids = s.token_slot;
   so.chosen_logit = s.chosen_logit;
-  so.state = s.sample_state;
+  const uint64_t state_bytes = ops::sample_state_bytes(1);  // one SampleState per slot
+  so.state = Binding{s.sample_state.buffer, s.sample_state.offset + p.slot * state_bytes, state_bytes};
   so.partials = s.sample_partials;
   so.hist = s.sample_hist;
   so.rows = 1;
   so.stride = spec.vocab;
   so.valid_vocab = p.valid_vocab ? p.valid_vocab : spec.vocab;
-  so.slot = 0;
+  so.slot = p.slot;
   so.params = p.sample_params;
   ops::encode_sample(enc, so);
 }

@@ -66,10 +66,11 @@ struct StepScratch {
   Binding qkv, q, attn;         // attention: [chunk, 2 Hq D + 2 Hkv D], [chunk, Hq D] x2
   Binding attn_partials;        // attention decode split-K partials (for context_length keys)
   Binding moe_logits, moe_ids, moe_weights, moe_plan, moe_row_weight, moe_h, moe_y;
-  Binding logits;               // [logit_rows, V]
-  Binding token_slot;           // uint32 [1]: the sampled token id (device slot)
-  Binding chosen_logit;         // float32 [1]: its raw logit
-  Binding sample_state, sample_partials, sample_hist;  // sampler scratch for one row of V
+  Binding logits;               // [max(logit_rows, 2), V]; one-token steps write row `slot`
+  Binding token_slot;           // uint32 [2]: sampled token ids (device slots; steps alternate)
+  Binding chosen_logit;         // float32 [2]: their raw logits
+  Binding sample_state;         // SampleState [2] (one per slot: the host reads its status)
+  Binding sample_partials, sample_hist;  // sampler scratch for one row of V
 };
 
 struct ModelBuffers {
@@ -87,7 +88,9 @@ struct StepParams {
   bool logits = true;        // false: stop after the last layer (a prefill chunk that is not the last)
   uint32_t conv_parity = 0;  // which conv_state buffer holds the current window
   bool serialize = false;
-  bool ids_from_slot = false;  // embedding reads token_slot (the previous step's sample), T == 1
+  uint32_t slot = 0;           // 0/1: this step's token slot and (one-token steps) logits row;
+                               // two steps in flight never share them
+  bool ids_from_slot = false;  // embedding reads token_slot[1 - slot] (the previous step's sample), T == 1
   bool sample = false;         // sample the last position's logits into token_slot
   ops::SampleParams sample_params;
   uint32_t valid_vocab = 0;    // ids >= valid_vocab are never sampled (0: vocab)

@@ -208,6 +208,19 @@ class EngineBackend:
             raise
         return np.concatenate(out) if all_logits else out[-1][0]
 
+    def submit(self, token: int | None, sample: dict) -> None:
+        """Commit a one-token step that samples on the device, without waiting: it feeds
+        ``token`` from the host, or (None) the token the previous step sampled, from the device
+        slot. At most two steps are in flight; ``complete()`` returns the oldest."""
+        ids = np.array([0 if token is None else token], dtype=np.uint32)
+        self.last_stats = self.engine.submit(ids, sample, token is None)
+
+    def complete(self) -> tuple[np.ndarray, int]:
+        """Wait for the oldest step in flight: (float32 logits [V], its sampled token)."""
+        logits, self.last_stats = self.engine.complete()
+        self.last_token = self.last_stats["token"]
+        return logits, self.last_token
+
     @property
     def engine_context(self) -> int:
         return self._context

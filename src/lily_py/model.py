@@ -268,45 +268,74 @@ class Model:
         # ids can never be sampled.
         n_ids = self.tokenizer.vocab_size if self.tokenizer is not None else self.config.vocab_size
         # Engine backends sample decode steps on the device, inside the step's command buffer
-        # (bit-identical to lily_py.sampling.sample); the first token comes from the prompt's
-        # logits on the host.
+        # (bit-identical to lily_py.sampling.sample), and keep two steps in flight: the step that
+        # feeds token n (read from the device slot) is committed before the host waits for the
+        # step that samples token n. The first token comes from the prompt's logits on the host.
+        # A token after which generation stops (EOS, stop string) has then already been fed: it
+        # is in `tokens`, unlike with the reference backend.
         on_device = getattr(self._backend, "samples_on_device", False)
-        device_tok = None
-        for n in range(max_tokens):
-            if device_tok is not None:
-                tok = device_tok
-            else:
-                if n_ids < logits.shape[-1]:
-                    logits = logits.copy()
-                    logits[n_ids:] = -np.inf
-                tok = sample(logits, params, n, seed)
-            if tok in eos:
-                rest = (detok.finalize() if detok else "")
-                text, _ = matcher.push(rest)
-                yield GenerationChunk(text + matcher.flush(), tok, "stop", stats(n + 1))
-                return
-            piece = detok.add(tok) if detok else ""
-            text, stopped = matcher.push(piece)
-            if stopped:
-                yield GenerationChunk(text, tok, "stop", stats(n + 1))
-                return
-            if n == max_tokens - 1 or self.position >= self.context_length:
-                rest = detok.finalize() if detok else ""
-                more, stopped = matcher.push(rest)
-                text += more
-                if not stopped:
-                    text += matcher.flush()
-                yield GenerationChunk(text, tok, "stop" if stopped else "length", stats(n + 1))
-                return
-            yield GenerationChunk(text, tok)
-            if on_device:
-                logits = self._feed([tok], all_logits=False, sample=dict(
-                    temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                    min_p=params.min_p, seed=seed, step=n + 1,
-                    valid_vocab=min(n_ids, self.config.vocab_size)))
-                device_tok = self._backend.last_token
-            else:
-                logits = self._feed([tok], all_logits=False)
+        in_flight = 0          # engine steps submitted and not completed (each feeds `tok`)
+        tok = None
+
+        def sample_args(step: int) -> dict:
+            return dict(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                        min_p=params.min_p, seed=seed, step=step,
+                        valid_vocab=min(n_ids, self.config.vocab_size))
+
+        def complete(fed: int) -> int | None:
+            nonlocal in_flight
+            in_flight -= 1
+            self._history.append(fed)
+            out, token = self._backend.complete()
+            self._last_logits = out.copy()
+            return token
+
+        def drain() -> None:
+            while in_flight:
+                complete(tok)
+
+        try:
+            for n in range(max_tokens):
+                if n == 0 or not on_device:
+                    if n_ids < logits.shape[-1]:
+                        logits = logits.copy()
+                        logits[n_ids:] = -np.inf
+                    tok = sample(logits, params, n, seed)
+                else:
+                    if n < max_tokens - 1 and self.position + in_flight + 1 <= self.context_length:
+                        self._backend.submit(None, sample_args(n + 1))   # feeds token n
+                        in_flight += 1
+                    tok = complete(tok)
+                if tok in eos:
+                    drain()
+                    rest = (detok.finalize() if detok else "")
+                    text, _ = matcher.push(rest)
+                    yield GenerationChunk(text + matcher.flush(), tok, "stop", stats(n + 1))
+                    return
+                piece = detok.add(tok) if detok else ""
+                text, stopped = matcher.push(piece)
+                if stopped:
+                    drain()
+                    yield GenerationChunk(text, tok, "stop", stats(n + 1))
+                    return
+                if n == max_tokens - 1 or self.position >= self.context_length:
+                    drain()
+                    rest = detok.finalize() if detok else ""
+                    more, stopped = matcher.push(rest)
+                    text += more
+                    if not stopped:
+                        text += matcher.flush()
+                    yield GenerationChunk(text, tok, "stop" if stopped else "length", stats(n + 1))
+                    return
+                yield GenerationChunk(text, tok)
+                if on_device and n == 0:
+                    self._check_room(1)
+                    self._backend.submit(tok, sample_args(1))   # feeds token 0 from the host
+                    in_flight += 1
+                elif not on_device:
+                    logits = self._feed([tok], all_logits=False)
+        finally:
+            drain()     # closed mid-stream or failed: finish the steps in flight
 
     # ---- internals ----------------------------------------------------------------------------
     def _check_idle(self) -> None:

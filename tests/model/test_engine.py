@@ -314,3 +314,56 @@ def test_engine_rejects_bad_input_before_encoding(dn_ckpt):
     after_errors = m.decode(4)
     m._backend.restore(snap)
     np.testing.assert_array_equal(m._backend.forward(np.array([4]), all_logits=False), after_errors)
+
+
+def test_two_steps_in_flight(dn_ckpt):
+    """Engine level: step N+1 (fed from the device slot) is committed before the host waits on
+    step N; tokens and logits equal those of steps run one at a time."""
+    sample = dict(temperature=0.8, top_k=0, top_p=1.0, min_p=0.0, seed=5, valid_vocab=320)
+    seq = lily_py.load(dn_ckpt, backend="emu", context_length=32)
+    seq.prefill([1, 2, 3])
+    eng = seq._backend.engine
+    toks, logits = [], []
+    out, st = eng.forward(np.array([4], np.uint32), sample=dict(sample, step=1))
+    toks.append(st["token"]), logits.append(out[0])
+    for step in range(2, 6):
+        out, st = eng.forward(np.array([0], np.uint32), sample=dict(sample, step=step), from_slot=True)
+        toks.append(st["token"]), logits.append(out[0])
+
+    pip = lily_py.load(dn_ckpt, backend="emu", context_length=32)
+    pip.prefill([1, 2, 3])
+    eng = pip._backend.engine
+    assert eng.submit(np.array([4], np.uint32), sample=dict(sample, step=1))["in_flight"] == 0
+    got, got_logits = [], []
+    for step in range(2, 6):
+        st = eng.submit(np.array([0], np.uint32), sample=dict(sample, step=step), from_slot=True)
+        assert st["in_flight"] == 1 and eng.in_flight == 2
+        with pytest.raises(ValueError, match="in flight"):
+            eng.reset()
+        out, st = eng.complete()
+        got.append(st["token"]), got_logits.append(out)
+        assert st["waits_in_step"] == 0 and st["host_waits"] == 1
+    out, st = eng.complete()
+    got.append(st["token"]), got_logits.append(out)
+    assert got == toks and eng.in_flight == 0 and eng.position == 8
+    np.testing.assert_array_equal(np.array(got_logits), np.array(logits))
+    with pytest.raises(ValueError, match="no step in flight"):
+        eng.complete()
+
+
+def test_generate_pipelined_state(tmp_path):
+    """Model.generate on the engine keeps two steps in flight; the token it stopped at has been
+    fed (it is in `tokens`), and the next turn reuses the state."""
+    emu = lily_py.load(backend="emu", context_length=128)
+    ref = lily_py.load(backend="reference", context_length=128)
+    prompt = emu.tokenizer.encode("In the beginning")
+    a = emu.generate_text(prompt, max_tokens=20, stop=" the")
+    b = ref.generate_text(prompt, max_tokens=20, stop=" the")
+    assert a.tokens == b.tokens and a.text == b.text and a.finish_reason == "stop"
+    assert list(emu.tokens) == prompt + a.tokens           # the stop token was fed (in flight)
+    assert list(ref.tokens) == prompt + b.tokens[:-1]
+    assert emu.stats()["in_flight"] == 1                   # the last step overlapped its predecessor
+    more = prompt + a.tokens + emu.tokenizer.encode(" and")
+    c = emu.generate_text(more, max_tokens=6)
+    assert c.stats.reused_tokens == len(prompt) + len(a.tokens)
+    assert c.tokens == ref.generate_text(more, max_tokens=6).tokens
