@@ -65,11 +65,28 @@ def _make_backend(name: str, cfg: ModelConfig, weights: ModelWeights, *, context
         return EngineBackend(name, cfg, weights, context_length=context_length,
                              prefill_chunk=prefill_chunk)
     if name == "auto":
-        # The emulator runs the engine's kernels ~1e6 GPU threads/s: far slower than the NumPy
-        # reference on CPU, so "auto" keeps the reference where there is no Metal device
-        # (docs/architecture.md, engine section).
-        log.info("lily_py: backend 'auto' selected 'reference' (no Metal device in this build)")
+        name = auto_backend()
+        log.info("lily_py: backend 'auto' selected %r", name)
+        if name == "metal":
+            from ._engine import EngineBackend
+            return EngineBackend(name, cfg, weights, context_length=context_length,
+                                 prefill_chunk=prefill_chunk)
     return ReferenceBackend(cfg, weights)
+
+
+def auto_backend() -> str:
+    """What ``backend="auto"`` picks: "metal" where this build has the Metal device and the
+    machine has a GPU that can run the kernels (Apple silicon, family apple7+); otherwise
+    "reference". The emulator ("emu") runs the engine's kernels at ~1e6 GPU threads/s, far slower
+    than the NumPy reference on a CPU, so it is never picked automatically
+    (docs/architecture.md, engine section)."""
+    try:
+        from . import _core
+    except ImportError:
+        return "reference"
+    if "metal" in _core.devices() and _core.metal.available():
+        return "metal"
+    return "reference"
 
 
 def load(path_or_repo_id: str | os.PathLike | None = None, *, backend: str = "auto",

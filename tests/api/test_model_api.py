@@ -214,3 +214,16 @@ def test_backends(ckpt):
     with pytest.raises(ValueError, match="backend must be one of"):
         lily_py.load(ckpt, backend="cuda")
     assert lily_py.load(ckpt, backend="auto").backend == "reference"
+
+
+def test_auto_picks_metal_only_where_a_capable_gpu_exists(monkeypatch):
+    import types
+    import lily_py._core as core
+    from lily_py.model import auto_backend
+    assert auto_backend() == ("metal" if "metal" in core.devices() and core.metal.available()
+                              else "reference")
+    monkeypatch.setattr(core, "devices", lambda: ["emu", "metal"])
+    monkeypatch.setattr(core, "metal", types.SimpleNamespace(available=lambda: True), raising=False)
+    assert auto_backend() == "metal"
+    monkeypatch.setattr(core, "metal", types.SimpleNamespace(available=lambda: False), raising=False)
+    assert auto_backend() == "reference"
