@@ -262,20 +262,34 @@ void Engine::require_idle(const char* what) const {
   if (!inflight_.empty()) fail(std::string(what) + ": steps are in flight; complete() them first");
 }
 
+void Engine::discard_inflight() {
+  // reset()/restore() overwrite the state, so steps still in flight (e.g. after a KeyboardInterrupt
+  // in the host loop) are waited out and dropped rather than refused.
+  while (!inflight_.empty()) {
+    try {
+      inflight_.front().enc->wait();
+    } catch (...) {
+    }
+    inflight_.pop_front();
+  }
+  have_token_ = false;
+}
+
 void Engine::reset() {
-  require_idle("reset");
+  discard_inflight();
   // The KV caches need no clearing: attention reads rows [0, position) only.
   for (size_t i = 0; i < state_.size(); ++i)
     if (!is_kv(i) && state_[i]->contents()) std::memset(state_[i]->contents(), 0, state_[i]->size());
   position_ = 0;
   conv_parity_ = 0;
   valid_ = true;
+  failed_ = false;
   have_token_ = false;
 }
 
 Snapshot Engine::snapshot() const {
   require_idle("snapshot");
-  if (!valid_) fail("the state is invalid after a failed step: reset() or restore() first");
+  if (!valid_) fail("the engine state is invalid after a failed step: call Model.reset() (or restore a snapshot)");
   Snapshot s;
   s.position = position_;
   s.conv_parity = conv_parity_;
@@ -296,8 +310,9 @@ Snapshot Engine::snapshot() const {
 }
 
 void Engine::restore(const Snapshot& s) {
-  require_idle("restore");
-  if (s.buffers.size() != state_.size()) fail("snapshot is from a different engine");
+  discard_inflight();
+  if (s.buffers.size() != state_.size() || s.position > spec_.context_length || s.conv_parity > 1)
+    fail("snapshot is from a different engine");
   const size_t row = size_t(spec_.head_dim) * 2, cap = size_t(spec_.context_length) * row;
   for (size_t i = 0; i < state_.size(); ++i) {
     char* p = static_cast<char*>(state_[i]->contents());
@@ -314,6 +329,7 @@ void Engine::restore(const Snapshot& s) {
   position_ = s.position;
   conv_parity_ = s.conv_parity;
   valid_ = true;
+  failed_ = false;
   have_token_ = false;
 }
 
@@ -355,7 +371,7 @@ Engine::InFlight Engine::encode(uint32_t T, uint32_t position, bool all_logits, 
 StepStats Engine::submit(const uint32_t* ids, uint32_t T, bool all_logits, const StepSampling& sampling,
                          bool want_logits) {
   if (!want_logits && (all_logits || sampling.enabled)) fail("forward: all_logits / sampling need want_logits");
-  if (!valid_ && inflight_.empty()) fail("the state is invalid after a failed step: reset() or restore() first");
+  if (!valid_ && inflight_.empty()) fail("the engine state is invalid after a failed step: call Model.reset() (or restore a snapshot)");
   if (inflight_.size() >= 2) fail("submit: two steps are in flight already; complete() one first");
   if (!inflight_.empty() && !sampling.ids_from_slot)
     fail("submit: only a step fed from the device slot may be submitted while another is in flight");
@@ -374,7 +390,13 @@ StepStats Engine::submit(const uint32_t* ids, uint32_t T, bool all_logits, const
   if (id_dst && !sampling.ids_from_slot) std::memcpy(id_dst, ids, size_t(T) * 4);
   valid_ = false;  // until every step in flight finished: a device error leaves a half-updated state
   have_token_ = false;
-  InFlight f = encode(T, position_, all_logits, sampling, want_logits);
+  InFlight f;
+  try {
+    f = encode(T, position_, all_logits, sampling, want_logits);
+  } catch (...) {
+    failed_ = true;  // the devices may have half-run it (the emulator runs at commit)
+    throw;
+  }
   position_ += T;
   conv_parity_ = 1 - conv_parity_;
   next_slot_ = 1 - next_slot_;
@@ -392,6 +414,7 @@ StepStats Engine::complete(float* logits) {
     f.enc->wait();
   } catch (...) {
     inflight_.clear();  // the state is invalid (valid_ stays false) until reset / restore
+    failed_ = true;
     have_token_ = false;
     throw;
   }
@@ -401,7 +424,7 @@ StepStats Engine::complete(float* logits) {
   const char* src = static_cast<const char*>(m_.s.logits.buffer->contents());
   if (logits && src && f.rows)
     std::memcpy(logits, src + (f.rows == 1 ? f.slot : 0) * V * 4, f.rows * V * 4);
-  if (inflight_.empty()) valid_ = true;
+  if (inflight_.empty() && !failed_) valid_ = true;
   last_ = st;
   if (f.sampled) {
     // The step itself is complete (state advanced, logits returned); a sampler error only means

@@ -131,6 +131,8 @@ class Engine {
   gpu::ModelBuffers m_;
   uint32_t position_ = 0, conv_parity_ = 0;
   bool valid_ = true;
+  bool failed_ = false;  // a step failed while others were in flight: invalid until reset/restore
+  void discard_inflight();  // wait out (ignoring errors) and drop every step in flight
   bool have_token_ = false;  // the last submitted step samples into token_slot[1 - next_slot_]
   uint32_t next_slot_ = 0;
   std::deque<InFlight> inflight_;

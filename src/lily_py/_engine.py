@@ -225,6 +225,19 @@ class EngineBackend:
     def engine_context(self) -> int:
         return self._context
 
+    @property
+    def position(self) -> int:
+        """Tokens in the engine's state (the truth if a host call was interrupted)."""
+        return self.engine.position
+
+    @property
+    def in_flight(self) -> int:
+        return self.engine.in_flight
+
+    @property
+    def valid(self) -> bool:
+        return self.engine.valid
+
     def reset(self) -> None:
         self.engine.reset()
         self.last_token = None

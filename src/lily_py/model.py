@@ -6,6 +6,7 @@ chat) only prefills the new tokens.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
@@ -26,6 +27,7 @@ log = logging.getLogger("lily_py")
 
 BACKENDS = ("auto", "reference", "emu", "metal")
 DEFAULT_PREFILL_CHUNK = 4096
+DEFAULT_ENGINE_CONTEXT = 32768
 
 
 class ReferenceBackend:
@@ -47,6 +49,12 @@ class ReferenceBackend:
 
     def reset(self) -> None:
         self.state = self.model.new_state()
+
+    @property
+    def position(self) -> int:
+        return self.state.position
+
+    valid = True          # forward is all-or-nothing: the state is always consistent
 
     def snapshot(self):
         return self.state.fork()
@@ -131,8 +139,13 @@ class Model:
     def __init__(self, path: str, config: ModelConfig, weights: ModelWeights, tokenizer, *,
                  backend: str = "auto", context_length: int | None = None,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
+        if backend == "auto":
+            backend = auto_backend()
         if context_length is None:
-            context_length = config.max_position_embeddings
+            # Engine backends allocate the KV cache for the whole context up front (5.4 GB of
+            # bf16 at the real model's 262,144): default to 32K there; pass more when needed.
+            context_length = config.max_position_embeddings if backend == "reference" else \
+                min(config.max_position_embeddings, DEFAULT_ENGINE_CONTEXT)
         if not isinstance(context_length, int) or not 1 <= context_length <= \
                 config.max_position_embeddings:
             raise ValueError(f"context_length must be an integer in [1, "
@@ -140,6 +153,7 @@ class Model:
                              f"max_position_embeddings), got {context_length!r}")
         if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be a positive integer, got {prefill_chunk!r}")
+        prefill_chunk = min(prefill_chunk, context_length)   # scratch is sized from it
         self.path = path
         self.config = config
         self.weights = weights
@@ -154,6 +168,7 @@ class Model:
         # the next turn can roll back to it when the reply re-tokenizes differently.
         self._snapshot: tuple[list[int], object, np.ndarray] | None = None
         self._lock = threading.Lock()
+        self._step_lock = threading.Lock()   # one explicit prefill/decode/reset at a time
         self._generating = False
         self.prefilled_tokens_total = 0     # tokens run through prefill since load
 
@@ -186,22 +201,34 @@ class Model:
                 ) -> np.ndarray:
         """Feed ``token_ids`` after the current state. Returns float32 logits of the last
         position ``[vocab]``, or of every fed position ``[T, vocab]`` with ``all_logits``."""
-        self._check_idle()
-        return self._prefill(token_ids, all_logits=all_logits)
+        with self._exclusive():
+            return self._prefill(token_ids, all_logits=all_logits)
 
     def decode(self, token_id: int) -> np.ndarray:
         """Feed one token; returns the next-token logits ``[vocab]`` (float32)."""
-        self._check_idle()
         if isinstance(token_id, (np.integer,)):
             token_id = int(token_id)
         if not isinstance(token_id, int) or isinstance(token_id, bool):
             raise TypeError(f"decode takes one token id (int), got {type(token_id).__name__}")
-        return self._feed(self._validate_ids([token_id]), all_logits=False)
+        with self._exclusive():
+            return self._feed(self._validate_ids([token_id]), all_logits=False)
 
     def reset(self) -> None:
         """Clear the KV cache, recurrent and conv state."""
+        with self._exclusive():
+            self._reset()
+
+    @contextlib.contextmanager
+    def _exclusive(self):
+        """Explicit steps from two threads at once would interleave in one state: refuse."""
         self._check_idle()
-        self._reset()
+        if not self._step_lock.acquire(blocking=False):
+            raise BusyError("another thread is running a step on this model; one model runs one "
+                            "call at a time")
+        try:
+            yield
+        finally:
+            self._step_lock.release()
 
     # ---- generation ---------------------------------------------------------------------------
     def generate(self, prompt, *, max_tokens: int = 256, temperature: float = 0.0,
@@ -295,8 +322,9 @@ class Model:
         tok = None
 
         def sample_args(step: int) -> dict:
-            return dict(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                        min_p=params.min_p, seed=seed, step=step,
+            return dict(temperature=params.temperature,
+                        top_k=min(int(params.top_k), self.config.vocab_size), top_p=params.top_p,
+                        min_p=params.min_p, seed=int(seed) & 0xFFFFFFFFFFFFFFFF, step=step,
                         valid_vocab=min(n_ids, self.config.vocab_size))
 
         def complete(fed: int) -> int | None:
@@ -308,8 +336,14 @@ class Model:
             return token
 
         def drain() -> None:
-            while in_flight:
-                complete(tok)
+            # The engine's own count: a KeyboardInterrupt can land between a submit() and our
+            # bookkeeping. Each step still in flight fed the token the previous one sampled.
+            nonlocal in_flight
+            fed = tok
+            while getattr(self._backend, "in_flight", 0):
+                in_flight = max(in_flight, 1)
+                fed = complete(fed)
+            in_flight = 0
 
         try:
             for n in range(max_tokens):
@@ -353,6 +387,8 @@ class Model:
                     logits = self._feed([tok], all_logits=False)
         finally:
             drain()     # closed mid-stream or failed: finish the steps in flight
+            if not getattr(self._backend, "valid", True):
+                self._reset()       # a device error mid-generation: start clean next time
 
     # ---- internals ----------------------------------------------------------------------------
     def _check_idle(self) -> None:
@@ -454,6 +490,25 @@ class Model:
                 f"feeding {n} tokens after {self.position} would exceed the context "
                 f"length {self.context_length}; call reset() or load with a larger context_length")
 
+    def _feed_guarded(self, call, ids: list[int]):
+        """Run one backend step feeding ``ids``, keeping ``_history`` equal to the backend's
+        state however the call ends: an interrupt that lands after the step finished still
+        records the tokens; a device failure that left the state invalid resets the model."""
+        before, hist = self._backend.position, len(self._history)
+        try:
+            out = call()
+            self._history.extend(ids)
+            return out
+        except BaseException:
+            if not getattr(self._backend, "valid", True):
+                self._reset()
+            elif self._backend.position == before + len(ids) and len(self._history) == hist:
+                self._history.extend(ids)
+                self._last_logits = None
+            elif self._backend.position != before + len(self._history) - hist:
+                self._reset()
+            raise
+
     def _feed(self, ids: list[int], *, all_logits: bool, sample: dict | None = None,
               logits: bool = True) -> np.ndarray | None:
         """Feed ids to the backend. ``logits=False`` (a prefill chunk that is not the last) lets
@@ -465,8 +520,8 @@ class Model:
             kw["sample"] = sample
         if not logits and getattr(self._backend, "skips_logits", False):
             kw["logits"] = False
-        logits = self._backend.forward(arr, all_logits=all_logits, **kw)
-        self._history.extend(ids)
+        logits = self._feed_guarded(
+            lambda: self._backend.forward(arr, all_logits=all_logits, **kw), ids)
         if logits is None:
             self._last_logits = None
             return None
