@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "bindings/arrays.h"
+#include "bindings/op_run.h"
 #include "bindings/device.h"
 #include "emu/emulator.h"
 #include "gpu/dtype.h"
@@ -37,54 +38,7 @@ void init_ops_sampling(nb::module_& ops);        // ops_sampling.cpp
 
 namespace {
 
-struct DeviceChoice {
-  std::unique_ptr<gpu::Device> device;
-};
-
-nb::dict stats_of(const gpu::Encoder& enc, nb::list kernels) {
-  const gpu::Counters& c = enc.counters();
-  nb::dict d;
-  d["kernels"] = kernels;
-  d["dispatches"] = c.dispatches;
-  d["barriers"] = c.barriers;
-  d["bytes_bound"] = c.bytes_bound;
-  d["threads"] = c.threads;
-  return d;
-}
-
-// One op call: a device, its buffers (copies of the NumPy inputs), one encoder.
-struct Run {
-  DeviceChoice dc;
-  std::vector<std::unique_ptr<gpu::Buffer>> buffers;
-  std::unique_ptr<gpu::Encoder> enc;
-  nb::list kernels;
-
-  Run(const std::string& device, const std::string& order, uint64_t seed, bool fp_traps)
-      : dc{make_device(device, order, seed, fp_traps)}, enc(dc.device->new_encoder()) {}
-  gpu::Binding input(const InArray& a) {
-    buffers.push_back(upload(*dc.device, a.data(), a.nbytes()));
-    return {buffers.back().get(), 0, buffers.back()->size()};
-  }
-  gpu::Binding output(size_t bytes) {  // poisoned on the emulator: unwritten elements read NaN
-    buffers.push_back(dc.device->new_buffer(bytes));
-    return {buffers.back().get(), 0, bytes};
-  }
-  template <class F>
-  void encode(gpu::KernelId k, F f) {
-    {
-      nb::gil_scoped_release release;
-      f(*enc);
-      enc->commit();
-      enc->wait();
-    }
-    kernels.append(std::string(gpu::kernel_info(k).name));
-  }
-  nb::object download(const gpu::Binding& b, gpu::DType t, std::vector<size_t> shape) {
-    if (t == gpu::DType::f32) return nb::cast(bindings::download<float>(b.buffer->contents(), shape));
-    return nb::cast(bindings::download<uint16_t>(b.buffer->contents(), shape));
-  }
-  nb::dict stats() { return stats_of(*enc, kernels); }
-};
+using Run = OpRun;
 
 size_t elem_bits(gpu::DType t) { return gpu::dtype_size(t) * 8; }
 

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "bindings/arrays.h"
+#include "bindings/op_run.h"
 #include "bindings/device.h"
 #include "emu/emulator.h"
 #include "gpu/dtype.h"
@@ -31,47 +32,7 @@ namespace lily::bindings {
 
 namespace {
 
-// One op call: a device, its buffers (copies of the NumPy inputs), one encoder, one commit.
-struct AttnRun {
-  std::unique_ptr<gpu::Device> device;
-  std::vector<std::unique_ptr<gpu::Buffer>> buffers;
-  std::unique_ptr<gpu::Encoder> enc;
-
-  AttnRun(const std::string& dev, const std::string& order, uint64_t seed, bool fp_traps)
-      : device(make_device(dev, order, seed, fp_traps)), enc(device->new_encoder()) {}
-  gpu::Binding input(const InArray& a) {
-    buffers.push_back(upload(*device, a.data(), a.nbytes()));
-    return {buffers.back().get(), 0, buffers.back()->size()};
-  }
-  gpu::Binding input(const std::vector<float>& v) {
-    buffers.push_back(upload(*device, v.data(), v.size() * sizeof(float)));
-    return {buffers.back().get(), 0, buffers.back()->size()};
-  }
-  gpu::Binding output(size_t bytes) {  // poisoned on the emulator: unwritten elements read NaN
-    buffers.push_back(device->new_buffer(bytes ? bytes : 4));
-    return {buffers.back().get(), 0, bytes};
-  }
-  template <class F>
-  nb::dict run(F f) {
-    {
-      nb::gil_scoped_release release;
-      f(*enc);
-      enc->commit();
-      enc->wait();
-    }
-    const gpu::Counters& c = enc->counters();
-    nb::dict d;
-    d["dispatches"] = c.dispatches;
-    d["barriers"] = c.barriers;
-    d["bytes_bound"] = c.bytes_bound;
-    d["threads"] = c.threads;
-    return d;
-  }
-  nb::object download(const gpu::Binding& b, gpu::DType t, std::vector<size_t> shape) {
-    if (t == gpu::DType::f32) return nb::cast(bindings::download<float>(b.buffer->contents(), shape));
-    return nb::cast(bindings::download<uint16_t>(b.buffer->contents(), shape));
-  }
-};
+using AttnRun = OpRun;
 
 void check_dims(const InArray& a, const char* fn, const char* what, std::vector<size_t> shape, size_t bits) {
   std::string want = "[";

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "bindings/arrays.h"
+#include "bindings/op_run.h"
 #include "bindings/device.h"
 #include "emu/emulator.h"
 #include "gpu/dtype.h"
@@ -31,47 +32,7 @@ namespace lily::bindings {
 
 namespace {
 
-// One op call: a device, its buffers, one encoder (the same shape as ops.cpp's Run).
-struct GdRun {
-  std::unique_ptr<gpu::Device> device;
-  std::vector<std::unique_ptr<gpu::Buffer>> buffers;
-  std::unique_ptr<gpu::Encoder> enc;
-  nb::list kernels;
-
-  GdRun(const std::string& name, const std::string& order, uint64_t seed, bool fp_traps)
-      : device(make_device(name, order, seed, fp_traps)), enc(device->new_encoder()) {}
-  gpu::Binding input(const InArray& a) {
-    buffers.push_back(upload(*device, a.data(), a.nbytes()));
-    return {buffers.back().get(), 0, buffers.back()->size()};
-  }
-  gpu::Binding output(size_t bytes) {  // poisoned on the emulator: unwritten elements read NaN
-    buffers.push_back(device->new_buffer(bytes));
-    return {buffers.back().get(), 0, bytes};
-  }
-  template <class F>
-  void run(F f) {
-    nb::gil_scoped_release release;
-    f(*enc);
-    enc->commit();
-    enc->wait();
-  }
-  void note(gpu::KernelId k) { kernels.append(std::string(gpu::kernel_info(k).name)); }
-  nb::object download(const gpu::Binding& b, gpu::DType t, std::vector<size_t> shape) {
-    const void* p = static_cast<const char*>(b.buffer->contents()) + b.offset;
-    if (t == gpu::DType::f32) return nb::cast(bindings::download<float>(p, shape));
-    return nb::cast(bindings::download<uint16_t>(p, shape));
-  }
-  nb::dict stats() {
-    const gpu::Counters& c = enc->counters();
-    nb::dict d;
-    d["kernels"] = kernels;
-    d["dispatches"] = c.dispatches;
-    d["barriers"] = c.barriers;
-    d["bytes_bound"] = c.bytes_bound;
-    d["threads"] = c.threads;
-    return d;
-  }
-};
+using GdRun = OpRun;
 
 size_t elem_bits(gpu::DType t) { return gpu::dtype_size(t) * 8; }
 
