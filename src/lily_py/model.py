@@ -65,6 +65,7 @@ class ReferenceBackend:
 
 def _make_backend(name: str, cfg: ModelConfig, weights: ModelWeights, *, context_length: int,
                   prefill_chunk: int):
+    """The backend for a resolved name ("auto" is resolved by Model first)."""
     if name not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
     if name in ("emu", "metal"):
@@ -72,13 +73,6 @@ def _make_backend(name: str, cfg: ModelConfig, weights: ModelWeights, *, context
         from ._engine import EngineBackend
         return EngineBackend(name, cfg, weights, context_length=context_length,
                              prefill_chunk=prefill_chunk)
-    if name == "auto":
-        name = auto_backend()
-        log.info("lily_py: backend 'auto' selected %r", name)
-        if name == "metal":
-            from ._engine import EngineBackend
-            return EngineBackend(name, cfg, weights, context_length=context_length,
-                                 prefill_chunk=prefill_chunk)
     return ReferenceBackend(cfg, weights)
 
 
@@ -141,6 +135,7 @@ class Model:
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
         if backend == "auto":
             backend = auto_backend()
+            log.info("lily_py: backend 'auto' selected %r", backend)
         if context_length is None:
             # Engine backends allocate the KV cache for the whole context up front (5.4 GB of
             # bf16 at the real model's 262,144): default to 32K there; pass more when needed.
