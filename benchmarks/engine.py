@@ -24,7 +24,7 @@ import time
 import numpy as np
 
 import lily_py
-from lily_py._engine import count_step
+from lily_py.backends.engine import count_step
 from lily_py.config import ModelConfig
 from lily_py.testing import REAL_TEXT_CONFIG, make_checkpoint
 

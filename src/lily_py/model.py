@@ -19,76 +19,15 @@ import numpy as np
 
 from .checkpoint import ModelWeights, load_weights
 from .config import ModelConfig
-from .errors import BackendError, BusyError, ContextLengthError
+from .errors import BusyError, ContextLengthError
 from .generation import GenerationChunk, GenerationStats, StopMatcher
 from .sampling import SamplingParams, sample
+from .backends import BACKENDS, auto_backend, make_backend  # noqa: F401  (BACKENDS: public name)
 
 log = logging.getLogger("lily_py")
 
-BACKENDS = ("auto", "reference", "emu", "metal")
 DEFAULT_PREFILL_CHUNK = 4096
 DEFAULT_ENGINE_CONTEXT = 32768
-
-
-class ReferenceBackend:
-    """The NumPy reference model as a backend (slow, exact, any machine)."""
-    name = "reference"
-
-    def __init__(self, cfg: ModelConfig, weights: ModelWeights, *, deltanet: str = "chunked"):
-        from .reference.model import ReferenceModel
-        self.model = ReferenceModel(cfg, weights, deltanet=deltanet)
-        self.state = self.model.new_state()
-
-    def forward(self, ids: np.ndarray, *, all_logits: bool) -> np.ndarray:
-        # All or nothing: run on a fork and keep it only if every layer finished, so an
-        # exception (or Ctrl-C) mid-step leaves the previous state intact.
-        state = self.state.fork()
-        out = self.model.forward(ids, state, all_logits=all_logits)
-        self.state = state
-        return out
-
-    def reset(self) -> None:
-        self.state = self.model.new_state()
-
-    @property
-    def position(self) -> int:
-        return self.state.position
-
-    valid = True          # forward is all-or-nothing: the state is always consistent
-
-    def snapshot(self):
-        return self.state.fork()
-
-    def restore(self, snap) -> None:
-        self.state = snap.fork()
-
-
-def _make_backend(name: str, cfg: ModelConfig, weights: ModelWeights, *, context_length: int,
-                  prefill_chunk: int):
-    """The backend for a resolved name ("auto" is resolved by Model first)."""
-    if name not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
-    if name in ("emu", "metal"):
-        # The C++ engine on a device (lily_py/_engine.py); "emu" runs the Metal kernels on the CPU.
-        from ._engine import EngineBackend
-        return EngineBackend(name, cfg, weights, context_length=context_length,
-                             prefill_chunk=prefill_chunk)
-    return ReferenceBackend(cfg, weights)
-
-
-def auto_backend() -> str:
-    """What ``backend="auto"`` picks: "metal" where this build has the Metal device and the
-    machine has a GPU that can run the kernels (Apple silicon, family apple7+); otherwise
-    "reference". The emulator ("emu") runs the engine's kernels at ~1e6 GPU threads/s, far slower
-    than the NumPy reference on a CPU, so it is never picked automatically
-    (docs/architecture.md, engine section)."""
-    try:
-        from . import _core
-    except ImportError:
-        return "reference"
-    if "metal" in _core.devices() and _core.metal.available():
-        return "metal"
-    return "reference"
 
 
 def load(path_or_repo_id: str | os.PathLike | None = None, *, backend: str = "auto",
@@ -155,7 +94,7 @@ class Model:
         self.tokenizer = tokenizer
         self.context_length = context_length
         self.prefill_chunk = prefill_chunk
-        self._backend = _make_backend(backend, config, weights, context_length=context_length,
+        self._backend = make_backend(backend, config, weights, context_length=context_length,
                                       prefill_chunk=prefill_chunk)
         self._history: list[int] = []
         self._last_logits: np.ndarray | None = None

@@ -3,7 +3,7 @@
 Run: python tests/kernels/attention_counts.py (quoted in docs/kernels.md)."""
 import time
 import numpy as np, ml_dtypes
-from lily_py import _ops_attention as A
+from lily_py.ops import attention as A
 from lily_py.reference import quant
 BF16 = np.dtype(ml_dtypes.bfloat16)
 rng = np.random.default_rng(0)

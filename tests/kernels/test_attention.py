@@ -26,7 +26,7 @@ import pytest
 
 import lily_py._core as core
 from kernel_checks import BF16_EPS, F32_EPS, assert_close, device, rng  # noqa: F401  (fixtures)
-from lily_py import _ops_attention as A
+from lily_py.ops import attention as A
 from lily_py import ops
 from lily_py.reference import attention as ref_attention
 from lily_py.reference import kernels as ref

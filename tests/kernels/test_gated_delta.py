@@ -27,7 +27,7 @@ import pytest
 
 from kernel_checks import BF16_EPS, F32_EPS, assert_close, device, rng  # noqa: F401  (fixtures)
 from lily_py import ops
-from lily_py._ops_gated_delta import _causal_conv1d, _gated_delta, _gated_delta_mixer
+from lily_py.ops.gated_delta import _causal_conv1d, _gated_delta, _gated_delta_mixer
 from lily_py.reference import gated_delta as ref_gd
 from lily_py.reference import kernels as ref
 from lily_py.reference import ops as ref_ops

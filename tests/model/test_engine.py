@@ -158,7 +158,7 @@ def test_step_counters(attn_ckpt, rng, tokens):
     assert st["waits_in_step"] == 0 and st["commits"] == 1 and st["host_waits"] == 1
     assert st["tokens"] == tokens
     # The counting device encodes the same plan without weights: identical counters.
-    from lily_py._engine import checkpoint_quant, count_step
+    from lily_py.backends.engine import checkpoint_quant, count_step
     counted = count_step(m.config, tokens=tokens, position=m.position - tokens,
                          quant=checkpoint_quant(m.weights), prefill_chunk=m.prefill_chunk,
                          context_length=m.context_length)
@@ -198,7 +198,7 @@ def test_serialize_switch(attn_ckpt, rng):
 def test_real_config_counters(tokens, position):
     """Per-step counters of the real 35B shapes on the counting device (no weights, nothing
     allocated): printed for the docs and the benchmark."""
-    from lily_py._engine import count_step
+    from lily_py.backends.engine import count_step
     from lily_py.config import ModelConfig
     from lily_py.testing import REAL_TEXT_CONFIG
     cfg = ModelConfig.from_dict({"model_type": "qwen3_5_moe", "text_config": dict(REAL_TEXT_CONFIG)})

@@ -14,26 +14,7 @@ import ml_dtypes
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 
 
-# lily_py.ops re-exports this module (its last line); the shared helpers are looked up there at call
-# time, so importing either module first works.
-def _check_device(device, fn):
-    from .ops import _check_device as f
-    return f(device, fn)
-
-
-def _core():
-    from .ops import _core as f
-    return f()
-
-
-def _float_array(a, what, fn):
-    from .ops import _float_array as f
-    return f(a, what, fn)
-
-
-def _from_core(y, dtype_name):
-    from .ops import _from_core as f
-    return f(y, dtype_name)
+from ._common import _check_device, _core, _float_array, _from_core
 
 __all__ = ["rope", "qk_norm_rope_append", "attention_decode", "attention_prefill",
            "attention_decode_route", "attention_prefill_route", "attention_mixer"]

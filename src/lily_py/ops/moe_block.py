@@ -31,7 +31,7 @@ FN = "moe"
 
 
 def _core():
-    from . import _core
+    from .. import _core
     return _core
 
 

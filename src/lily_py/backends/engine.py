@@ -12,17 +12,17 @@ from __future__ import annotations
 import numpy as np
 import ml_dtypes
 
-from .checkpoint import AttentionWeights, ModelWeights
-from .config import ModelConfig
-from .errors import BackendError
-from .weights import QuantLinear
+from ..checkpoint import AttentionWeights, ModelWeights
+from ..config import ModelConfig
+from ..errors import BackendError
+from ..weights import QuantLinear
 
 # All-logits steps write at most this many rows of logits (the logits buffer is [rows, vocab]).
 LOGIT_ROWS = 64
 
 
 def _core():
-    from . import _core
+    from .. import _core
     return _core
 
 

@@ -12,7 +12,7 @@ __all__ = ["argmax", "sample"]
 
 
 def _core():
-    from . import _core
+    from .. import _core
     return _core
 
 

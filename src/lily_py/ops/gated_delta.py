@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .ops import _check_device, _core, _float_array, _from_core
+from ._common import _check_device, _core, _float_array, _from_core
 
 __all__ = ["causal_conv1d", "gated_delta_scan", "gated_delta_step", "gated_delta_mixer"]
 

@@ -1,0 +1,38 @@
+"""Model backends, side by side: ``reference`` (the NumPy model, :mod:`.reference`) and the C++
+engine on a device, ``emu`` or ``metal`` (:mod:`.engine`). All have the same interface:
+``forward(ids, all_logits=...)``, ``reset()``, ``position``, ``valid``, ``snapshot()``, ``restore()``."""
+from __future__ import annotations
+
+from ..checkpoint import ModelWeights
+from ..config import ModelConfig
+
+BACKENDS = ("auto", "reference", "emu", "metal")
+
+
+def make_backend(name: str, cfg: ModelConfig, weights: ModelWeights, *, context_length: int,
+                  prefill_chunk: int):
+    """The backend for a resolved name ("auto" is resolved by Model first)."""
+    if name not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
+    if name in ("emu", "metal"):
+        # The C++ engine on a device (lily_py/backends/engine.py); "emu" runs the Metal kernels on the CPU.
+        from .engine import EngineBackend
+        return EngineBackend(name, cfg, weights, context_length=context_length,
+                             prefill_chunk=prefill_chunk)
+    from .reference import ReferenceBackend
+    return ReferenceBackend(cfg, weights)
+
+
+def auto_backend() -> str:
+    """What ``backend="auto"`` picks: "metal" where this build has the Metal device and the
+    machine has a GPU that can run the kernels (Apple silicon, family apple7+); otherwise
+    "reference". The emulator ("emu") runs the engine's kernels at ~1e6 GPU threads/s, far slower
+    than the NumPy reference on a CPU, so it is never picked automatically
+    (docs/architecture.md, engine section)."""
+    try:
+        from .. import _core
+    except ImportError:
+        return "reference"
+    if "metal" in _core.devices() and _core.metal.available():
+        return "metal"
+    return "reference"

@@ -1,0 +1,73 @@
+"""Quantized matmul (qmv / qmm routes; ``shaders/qmm.metal``)."""
+from __future__ import annotations
+
+import numpy as np
+
+from ._common import _BITS, _GROUP_SIZES, BFLOAT16, _check_device, _core, _float_array
+
+__all__ = ['quantized_matmul', 'quantized_matmul_route']
+
+def quantized_matmul_route(m: int) -> str:
+    """The route :func:`quantized_matmul` takes for ``m`` rows of ``x``: ``"qmv"`` or ``"qmm"``."""
+    return str(_core().ops.qmm_route(int(m)))
+
+
+def quantized_matmul(x: np.ndarray, w: np.ndarray, scales: np.ndarray, biases: np.ndarray, *,
+                     bits: int, group_size: int, device: str = "emu") -> np.ndarray:
+    """``y = x @ dequant(w).T`` with the dequantization fused into the kernel.
+
+    ``x``: ``[..., K]`` float32 or bfloat16. ``w``: uint32 ``[N, K * bits / 32]`` (MLX affine
+    layout, ``32 // bits`` codes per word, least significant first). ``scales``, ``biases``:
+    ``[N, K / group_size]``, float32 or bfloat16 (the same dtype). ``bits`` is 4 or 8,
+    ``group_size`` 32, 64 or 128. Returns ``[..., N]`` in the dtype of ``x``; accumulation is fp32.
+    Rows ``M <= 8`` take the matrix-vector route (``qmv``), larger ``M`` the tiled one (``qmm``).
+    """
+    y, _ = _quantized_matmul(x, w, scales, biases, bits=bits, group_size=group_size, device=device)
+    return y
+
+
+def _quantized_matmul(x, w, scales, biases, *, bits, group_size, device="emu", order="shuffle",
+                      seed=0, fp_traps=True):
+    """:func:`quantized_matmul` plus the run's stats (kernels, dispatches, bytes bound, threads)
+    and the emulator's scheduling knobs (``order``: forward/reverse/shuffle, ``seed``,
+    ``fp_traps``)."""
+    fn = "quantized_matmul"
+    if bits not in _BITS:
+        raise ValueError(f"{fn}: bits must be one of {_BITS}, got {bits!r}")
+    if group_size not in _GROUP_SIZES:
+        raise ValueError(f"{fn}: group_size must be one of {_GROUP_SIZES}, got {group_size!r}")
+    xc, x_dtype = _float_array(x, "x", fn)
+    if xc.ndim < 1 or xc.shape[-1] == 0:
+        raise ValueError(f"{fn}: x must have shape [..., K] with K > 0, got {x.shape}")
+    if not isinstance(w, np.ndarray) or w.dtype != np.uint32 or w.ndim != 2:
+        raise ValueError(f"{fn}: w must be a 2-D uint32 array [N, K*bits/32], got "
+                         f"{getattr(w, 'dtype', type(w).__name__)} {getattr(w, 'shape', '')}")
+    k = x.shape[-1]
+    n = w.shape[0]
+    if n == 0:
+        raise ValueError(f"{fn}: w has no rows (N = 0)")
+    if k % group_size:
+        raise ValueError(f"{fn}: K={k} (last dim of x) is not a multiple of group_size={group_size}")
+    if w.shape[1] * 32 != k * bits:
+        raise ValueError(f"{fn}: w is {w.shape} but x has K={k}: at {bits} bits w must be "
+                         f"[N, {k * bits // 32}]")
+    sc, s_dtype = _float_array(scales, "scales", fn)
+    bc, b_dtype = _float_array(biases, "biases", fn)
+    if s_dtype != b_dtype:
+        raise ValueError(f"{fn}: scales ({scales.dtype}) and biases ({biases.dtype}) must have the same dtype")
+    want = (n, k // group_size)
+    for what, a in (("scales", scales), ("biases", biases)):
+        if a.shape != want:
+            raise ValueError(f"{fn}: {what} must be [N, K/group_size] = {list(want)}, got {list(a.shape)}")
+    _check_device(device, fn)
+    lead = x.shape[:-1]
+    m = int(np.prod(lead, dtype=np.int64)) if lead else 1
+    if m == 0:
+        return np.zeros((*lead, n), dtype=x.dtype), {"kernels": [], "dispatches": 0}
+    x2 = xc.reshape(m, k)
+    y, stats = _core().ops.quantized_matmul(
+        x2, np.ascontiguousarray(w), sc, bc, bits=bits, group_size=group_size, x_dtype=x_dtype,
+        scale_dtype=s_dtype, device=device, order=order, seed=seed, fp_traps=fp_traps)
+    if x_dtype == "bfloat16":
+        y = y.view(BFLOAT16)
+    return y.reshape(*lead, n), stats
