@@ -95,11 +95,12 @@ class Context {
                              " (M1) or newer (virtual machines expose an 'Apple Paravirtual device' without them)");
   }
 
-  id<MTLComputePipelineState> pipeline(gpu::KernelId id) {
+  // (The parameter must not be called `id`: that would hide Objective-C's `id` type below.)
+  id<MTLComputePipelineState> pipeline(gpu::KernelId kernel) {
     std::lock_guard<std::mutex> lock(mu_);
-    const size_t i = static_cast<size_t>(id);
+    const size_t i = static_cast<size_t>(kernel);
     if (pipelines_[i] != nil) return pipelines_[i];
-    const std::string name(gpu::kernel_info(id).name);
+    const std::string name(gpu::kernel_info(kernel).name);
     std::string error;
     @autoreleasepool {
       id<MTLFunction> fn = [library_ newFunctionWithName:[NSString stringWithUTF8String:name.c_str()]];
