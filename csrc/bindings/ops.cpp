@@ -71,14 +71,6 @@ void init_ops(nb::module_& parent) {
 #if defined(LILY_HAVE_METAL)
   nb::module_ mm = parent.def_submodule("metal", "The Metal device (macOS builds).");
   mm.def("available", &metal::available, "A Metal GPU that can run the kernels (family apple7 or newer) exists on this machine.");
-  mm.def("info", [] {
-    metal::Info i = metal::info();
-    nb::dict d;
-    d["name"] = i.name;
-    d["family"] = i.family;
-    d["library"] = i.library;
-    return d;
-  }, "Device name, GPU family and the library in use.");
   mm.def("library_functions", &metal::library_functions, "Kernel names in the loaded Metal library.");
 #endif
 
