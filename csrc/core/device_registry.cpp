@@ -106,7 +106,7 @@ const std::vector<Entry>& entries() {
 #if defined(LILY_HAVE_METAL)
          return metal::unavailable_reason();
 #else
-         return std::string("not in this build (built without LILY_METAL: not macOS)");
+         return std::string("this build has no Metal device (built without LILY_METAL: not macOS)");
 #endif
        },
        [](const Options&) -> std::unique_ptr<gpu::Device> {

@@ -12,6 +12,7 @@ import os
 import secrets
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -77,18 +78,25 @@ def _make_backend(name: str, cfg: ModelConfig, weights: ModelWeights, *, context
 
 
 def auto_backend() -> str:
-    """What ``backend="auto"`` picks: "metal" where this build has the Metal device and the
-    machine has a GPU that can run the kernels (Apple silicon, family apple7+); otherwise
-    "reference". The emulator ("emu") runs the engine's kernels at ~1e6 GPU threads/s, far slower
-    than the NumPy reference on a CPU, so it is never picked automatically
-    (docs/architecture.md, engine section)."""
+    """What ``backend="auto"`` picks: "metal" where this build has the Metal device and its
+    library and every kernel's pipeline are usable on this machine (Apple silicon, family
+    apple7+); otherwise "reference". The emulator ("emu") runs the engine's kernels at ~1e6 GPU
+    threads/s, far slower than the NumPy reference on a CPU, so it is never picked automatically
+    (docs/architecture.md, engine section). ``lily_py.auto_backend()`` also says why."""
+    return _resolve_auto()[0]
+
+
+def _resolve_auto() -> tuple[str, str | None]:
+    from ._devices import auto_backend as pick
+    return pick()
+
+
+def _built_with_metal() -> bool:
     try:
         from . import _core
     except ImportError:
-        return "reference"
-    if "metal" in _core.devices() and _core.metal.available():
-        return "metal"
-    return "reference"
+        return False
+    return bool(_core.has_metal)
 
 
 def load(path_or_repo_id: str | os.PathLike | None = None, *, backend: str = "auto",
@@ -134,8 +142,12 @@ class Model:
                  backend: str = "auto", context_length: int | None = None,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
         if backend == "auto":
-            backend = auto_backend()
+            backend, why = _resolve_auto()
             log.info("lily_py: backend 'auto' selected %r", backend)
+            if why is not None and _built_with_metal():
+                # A Mac build whose GPU path is unusable: say so once, then run on the reference.
+                warnings.warn(f"lily_py: backend='auto' runs on 'reference' (slow): the Metal device "
+                              f"is not usable: {why}", RuntimeWarning, stacklevel=3)
         if context_length is None:
             # Engine backends allocate the KV cache for the whole context up front (5.4 GB of
             # bf16 at the real model's 262,144): default to 32K there; pass more when needed.
