@@ -179,7 +179,11 @@ class Context {
       if (library_ != nil) {
         info_.library_path = lib;
         info_.library_source = "metallib";
-        info_.math_mode = "metallib compiled with -fno-fast-math";
+#if defined(LILY_METALLIB_FLAGS)
+        info_.math_mode = "metallib compiled with: " LILY_METALLIB_FLAGS;
+#else
+        info_.math_mode = "metallib (compile flags not recorded)";
+#endif
         return "";
       }
       info_.metallib_error = "cannot load " + lib + ": " + describe(err);
@@ -449,6 +453,25 @@ std::vector<std::string> library_functions() {
   if (ctx.library() == nil) return out;
   @autoreleasepool {
     for (NSString* n in [ctx.library() functionNames]) out.push_back(utf8(n));
+  }
+  return out;
+}
+
+std::vector<PipelineReport> pipeline_report() {
+  Context& ctx = Context::get();
+  std::vector<PipelineReport> out;
+  for (const gpu::KernelInfo& k : gpu::kKernelTable) {
+    PipelineReport r;
+    r.kernel = std::string(k.name);
+    try {
+      id<MTLComputePipelineState> pso = ctx.pipeline(k.id);
+      r.info.max_threads = static_cast<uint32_t>([pso maxTotalThreadsPerThreadgroup]);
+      r.info.static_threadgroup_bytes = static_cast<int64_t>([pso staticThreadgroupMemoryLength]);
+      r.info.simd_width = static_cast<uint32_t>([pso threadExecutionWidth]);
+    } catch (const std::exception& e) {
+      r.error = e.what();
+    }
+    out.push_back(std::move(r));
   }
   return out;
 }

@@ -28,4 +28,13 @@ std::unique_ptr<gpu::Device> create_device();  // shares one MTLDevice / queue /
                                                // throws std::runtime_error unless unavailable_reason() is ""
 std::vector<std::string> library_functions();  // function names in the loaded library (any device)
 
+// Every kernel's pipeline on any Metal device (also one that cannot run the kernels, e.g. a VM's
+// paravirtual GPU): its limits, or the error creating it. For CI logs and doctor.
+struct PipelineReport {
+  std::string kernel;
+  gpu::PipelineInfo info;
+  std::string error;  // "" when the pipeline was created
+};
+std::vector<PipelineReport> pipeline_report();
+
 }  // namespace lily::metal
