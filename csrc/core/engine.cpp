@@ -291,24 +291,39 @@ void Engine::check_memory(const MemoryPlan& p) {
                             ", scratch " + gib(p.scratch_bytes) + ")";
   if (need > avail) {
     // The largest context_length whose buffers fit (KV caches and attention scratch grow with it).
-    auto total_at = [&](uint32_t ctx) {
+    auto total_at = [&](uint32_t ctx, uint32_t chunk) {
       ModelSpec t = spec_;
       t.context_length = ctx;
-      t.prefill_chunk = std::min(t.prefill_chunk, ctx);
+      t.prefill_chunk = std::min(chunk, ctx);
       t.logit_rows = std::min(t.logit_rows, t.prefill_chunk);
       return plan_memory(t).total();
     };
-    uint32_t lo = 0, hi = spec_.context_length;  // total_at(lo) fits (lo > 0), total_at(hi) does not
-    if (total_at(1) <= avail) {
-      lo = 1;
+    // The largest x in [1, hi) with fits(x), 0 if none (fits is monotone: more is bigger).
+    auto largest = [&](uint32_t hi, auto fits) {
+      if (hi <= 1 || !fits(1u)) return 0u;
+      uint32_t lo = 1;  // fits(lo), !fits(hi)
       while (hi - lo > 1) {
         const uint32_t mid = lo + (hi - lo) / 2;
-        (total_at(mid) <= avail ? lo : hi) = mid;
+        (fits(mid) ? lo : hi) = mid;
       }
+      return lo;
+    };
+    const uint32_t chunk = spec_.prefill_chunk;
+    // KV caches and attention scratch grow with context_length, the step's scratch with prefill_chunk.
+    const uint32_t ctx_fit = largest(spec_.context_length, [&](uint32_t c) { return total_at(c, chunk) <= avail; });
+    const uint32_t chunk_fit = largest(chunk, [&](uint32_t k) { return total_at(spec_.context_length, k) <= avail; });
+    std::string fit;
+    if (ctx_fit > 0)
+      fit = "context_length=" + num(ctx_fit) + (ctx_fit < chunk ? " (prefill_chunk " + num(ctx_fit) + ")" : "") +
+            " would fit (this load asked for " + num(spec_.context_length) + ")";
+    if (chunk_fit > 0)
+      fit += (fit.empty() ? "" : ", or ") + std::string("prefill_chunk=") + num(chunk_fit) + " at context_length " +
+             num(spec_.context_length);
+    if (fit.empty()) {
+      const uint32_t both = largest(spec_.context_length, [&](uint32_t c) { return total_at(c, 1) <= avail; });
+      fit = both > 0 ? "context_length=" + num(both) + " with prefill_chunk=1 would fit"
+                     : "no context_length fits: the weights alone need " + gib(p.weight_bytes);
     }
-    const std::string fit = lo > 0 ? "context_length=" + num(lo) + " would fit (this load asked for " +
-                                         num(spec_.context_length) + ")"
-                                   : "no context_length fits: the weights alone need " + gib(p.weight_bytes);
     throw DeviceMemoryError("engine: the model needs " + num(need) + " bytes (" + gib(need) + ") of device memory" + parts +
                             ", but " + dev + " has " + num(avail) + " bytes (" + gib(avail) +
                             ") available (recommendedMaxWorkingSetSize); " + fit);

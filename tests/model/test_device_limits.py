@@ -143,8 +143,8 @@ def _real_spec(context_length, prefill_chunk=4096):
                        prefill_chunk=min(prefill_chunk, context_length))
 
 
-def _total(context_length):
-    return _core.Engine(_real_spec(context_length), "count").memory["total_bytes"]
+def _total(context_length, prefill_chunk=4096):
+    return _core.Engine(_real_spec(context_length, prefill_chunk), "count").memory["total_bytes"]
 
 
 def test_memory_error_says_needed_available_and_a_context_that_fits():
@@ -160,6 +160,10 @@ def test_memory_error_says_needed_available_and_a_context_that_fits():
     assert m, msg
     fit = int(m.group(1))
     assert fit < 32768 and _total(fit) <= ws < _total(fit + 1)      # the largest that fits
+    m = re.search(r"or prefill_chunk=(\d+) at context_length 32768", msg)   # or a smaller chunk
+    assert m, msg
+    chunk = int(m.group(1))
+    assert chunk < 4096 and _total(32768, chunk) <= ws < _total(32768, chunk + 1)
     with simulated_device(working_set_bytes=ws):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)          # it fits, just above 85%
