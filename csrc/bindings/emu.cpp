@@ -14,10 +14,8 @@
 
 #include "bindings/arrays.h"
 #include "bindings/device.h"
+#include "core/device_registry.h"
 #include "emu/emulator.h"
-#if defined(LILY_HAVE_METAL)
-#include "metal/metal_device.h"
-#endif
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -33,22 +31,13 @@ emu::Order parse_order(const std::string& s) {
 
 std::unique_ptr<gpu::Device> make_device(const std::string& name, const std::string& order,
                                          uint64_t seed, bool fp_traps) {
-  if (name == "emu") {
-    emu::RunOptions o;
-    o.order = parse_order(order);
-    o.seed = seed;
-    o.fp_traps = fp_traps;
-    return std::make_unique<emu::EmuDevice>(o);
-  }
-  if (name == "metal") {
-#if defined(LILY_HAVE_METAL)
-    return metal::create_device();
-#else
-    throw std::invalid_argument("device 'metal' is not available in this build (built without "
-                                "LILY_METAL: not macOS); use device='emu'");
-#endif
-  }
-  throw std::invalid_argument("unknown device '" + name + "' (expected 'emu' or 'metal')");
+  if (name == "count") throw std::invalid_argument("ops run on 'emu' or 'metal', not 'count'");
+  devices::Options o;
+  o.order = order;
+  o.seed = seed;
+  o.fp_traps = fp_traps;
+  parse_order(order);  // validate even for devices that ignore it
+  return devices::create(name, o);
 }
 
 void init_emu(nb::module_& parent) {

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "bindings/arrays.h"
+#include "core/device_registry.h"
 #include "core/engine.h"
 
 namespace nb = nanobind;
@@ -108,6 +109,8 @@ core::StepSampling sampling_from(nb::object sample, bool from_slot) {
 
 void init_engine(nb::module_& m) {
   nb::exception<core::SampleError>(m, "SampleError", PyExc_FloatingPointError);
+  nb::exception<core::DeviceMemoryError>(m, "DeviceMemoryError", PyExc_MemoryError);
+  nb::exception<core::DeviceLimitError>(m, "DeviceLimitError", PyExc_RuntimeError);
   nb::class_<core::Snapshot>(m, "EngineSnapshot", "A host copy of an Engine's conversation state.")
       .def_ro("position", &core::Snapshot::position);
 
@@ -115,9 +118,50 @@ void init_engine(nb::module_& m) {
                            "One model on one device ('emu', 'metal', or 'count': counters only, no memory).")
       .def("__init__",
            [](core::Engine* self, nb::dict spec, const std::string& device) {
-             new (self) core::Engine(spec_from(spec), core::make_device(device));
+             core::ModelSpec s = spec_from(spec);
+             std::unique_ptr<gpu::Device> dev = devices::create(device);
+             {
+               nb::gil_scoped_release release;  // creating pipelines can take a while on Metal
+               new (self) core::Engine(std::move(s), std::move(dev));
+             }
+             // Above ~85% of the device's working set: one Python warning (an error under -W error).
+             if (!self->memory_warning().empty() &&
+                 PyErr_WarnEx(PyExc_RuntimeWarning, self->memory_warning().c_str(), 1) != 0) {
+               self->~Engine();
+               throw nb::python_error();
+             }
            },
-           "spec"_a, "device"_a)
+           "spec"_a, "device"_a,
+           "Checks the memory the model needs against the device first (DeviceMemoryError, a MemoryError; "
+           "RuntimeWarning above 85% of the working set), then creates and checks every pipeline a step "
+           "uses (DeviceLimitError).")
+      .def_prop_ro("memory", [](const core::Engine& e) {
+        const core::MemoryPlan& p = e.memory();
+        nb::dict d;
+        d["weight_bytes"] = p.weight_bytes;
+        d["state_bytes"] = p.state_bytes;
+        d["scratch_bytes"] = p.scratch_bytes;
+        d["total_bytes"] = p.total();
+        d["largest_buffer_bytes"] = p.largest_buffer_bytes;
+        d["largest_buffer"] = p.largest_buffer;
+        d["working_set_bytes"] = p.working_set_bytes ? nb::cast(p.working_set_bytes) : nb::none();
+        d["max_buffer_bytes"] = p.max_buffer_bytes ? nb::cast(p.max_buffer_bytes) : nb::none();
+        d["warning"] = e.memory_warning().empty() ? nb::none() : nb::cast(e.memory_warning());
+        return d;
+      }, "Device memory planned at load (bytes) and the device's limits (None: unlimited).")
+      .def_prop_ro("pipelines", [](const core::Engine& e) {
+        nb::list out;
+        for (const core::PlannedKernel& k : e.pipelines()) {
+          nb::dict d;
+          d["kernel"] = std::string(gpu::kernel_info(k.kernel).name);
+          d["threads"] = k.threads;
+          d["max_threads"] = k.pipeline.max_threads;
+          d["static_threadgroup_bytes"] = k.pipeline.static_threadgroup_bytes < 0 ? nb::none() : nb::cast(k.pipeline.static_threadgroup_bytes);
+          out.append(d);
+        }
+        return out;
+      }, "Every kernel the engine's steps use, checked at load: kernel, threads (most per threadgroup "
+         "dispatched), max_threads, static_threadgroup_bytes (None: unknown).")
       .def_prop_ro("device", [](const core::Engine& e) { return std::string(e.device_name()); })
       .def_prop_ro("position", &core::Engine::position)
       .def_prop_ro("valid", &core::Engine::valid)

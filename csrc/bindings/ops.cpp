@@ -71,15 +71,40 @@ void init_ops(nb::module_& parent) {
 #if defined(LILY_HAVE_METAL)
   nb::module_ mm = parent.def_submodule("metal", "The Metal device (macOS builds).");
   mm.def("available", &metal::available, "A Metal GPU that can run the kernels (family apple7 or newer) exists on this machine.");
+  mm.def("unavailable_reason", &metal::unavailable_reason, "'' when the kernels can run here; else why not.");
   mm.def("info", [] {
-    metal::Info i = metal::info();
+    const gpu::DeviceInfo i = metal::info();
     nb::dict d;
-    d["name"] = i.name;
-    d["family"] = i.family;
-    d["library"] = i.library;
+    d["name"] = i.device_name;
+    d["family"] = i.gpu_family;
+    d["library"] = i.library_path;
+    d["library_source"] = i.library_source;
+    d["metallib_error"] = i.metallib_error;
+    d["metallib_built"] = i.metallib_built;
+    d["working_set_bytes"] = i.working_set_bytes;
+    d["max_buffer_bytes"] = i.max_buffer_bytes;
+    d["build_target"] = i.build_target;
+    d["build_sdk"] = i.build_sdk;
+    d["math_mode"] = i.math_mode;
     return d;
-  }, "Device name, GPU family and the library in use.");
+  }, "Any Metal device (also one that cannot run the kernels): name, family, library in use, its "
+     "source ('metallib' / 'source'), metallib_error, metallib_built, working set, max buffer length, "
+     "build target and SDK, math mode.");
   mm.def("library_functions", &metal::library_functions, "Kernel names in the loaded Metal library.");
+  mm.def("pipeline_report", [] {
+    nb::list out;
+    for (const metal::PipelineReport& r : metal::pipeline_report()) {
+      nb::dict d;
+      d["kernel"] = r.kernel;
+      d["max_threads"] = r.info.max_threads;
+      d["static_threadgroup_bytes"] = r.info.static_threadgroup_bytes;
+      d["simd_width"] = r.info.simd_width;
+      d["error"] = r.error;
+      out.append(d);
+    }
+    return out;
+  }, "Every kernel's pipeline on any Metal device (also one that cannot run the kernels): kernel, "
+     "max_threads, static_threadgroup_bytes, simd_width, error ('' when created).");
 #endif
 
   nb::module_ m = parent.def_submodule("ops", "Kernels over NumPy arrays (wrapped by lily_py.ops).");

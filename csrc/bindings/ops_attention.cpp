@@ -20,9 +20,6 @@
 #include "gpu/dtype.h"
 #include "gpu/ops/attention.h"
 #include "gpu/ops/qmm.h"
-#if defined(LILY_HAVE_METAL)
-#include "metal/metal_device.h"
-#endif
 
 namespace nb = nanobind;
 using namespace nb::literals;

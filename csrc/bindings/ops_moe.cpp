@@ -18,9 +18,6 @@
 #include "emu/emulator.h"
 #include "gpu/dtype.h"
 #include "gpu/ops/moe.h"
-#if defined(LILY_HAVE_METAL)
-#include "metal/metal_device.h"
-#endif
 
 namespace nb = nanobind;
 using namespace nb::literals;

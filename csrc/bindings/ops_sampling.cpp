@@ -14,9 +14,6 @@
 #include "emu/emulator.h"
 #include "gpu/kernel_ids.h"
 #include "gpu/ops/sampling.h"
-#if defined(LILY_HAVE_METAL)
-#include "metal/metal_device.h"
-#endif
 
 namespace nb = nanobind;
 using namespace nb::literals;

@@ -48,6 +48,35 @@ struct StepSampling {
   bool ids_from_slot = false;  // feed the previous step's sampled token (device slot), not `ids`
 };
 
+// Device memory the engine needs for a spec (computed before anything is allocated).
+struct MemoryPlan {
+  uint64_t weight_bytes = 0, state_bytes = 0, scratch_bytes = 0;  // state: KV caches, DeltaNet state, conv windows
+  uint64_t largest_buffer_bytes = 0;
+  std::string largest_buffer;     // what the largest buffer holds
+  uint64_t working_set_bytes = 0;  // the device's recommendedMaxWorkingSetSize (0: unlimited)
+  uint64_t max_buffer_bytes = 0;   // the device's maxBufferLength (0: unlimited)
+  uint64_t total() const { return weight_bytes + state_bytes + scratch_bytes; }
+};
+MemoryPlan plan_memory(const ModelSpec& spec);
+
+// The model does not fit the device's memory (Python: MemoryError).
+class DeviceMemoryError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+// A kernel's pipeline on this device cannot take what the engine dispatches (Python: RuntimeError).
+class DeviceLimitError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// One kernel the engine's steps use, checked at load.
+struct PlannedKernel {
+  gpu::KernelId kernel;
+  uint32_t threads = 0;  // most threads per threadgroup any step dispatches
+  gpu::PipelineInfo pipeline;
+};
+
 // A copy of the conversation state (host memory), for Model's multi-turn rollback.
 struct Snapshot {
   uint32_t position = 0, conv_parity = 0;
@@ -56,6 +85,8 @@ struct Snapshot {
 
 class Engine {
  public:
+  // Checks the memory the spec needs against the device (DeviceMemoryError) before allocating;
+  // after allocating, creates every pipeline a step uses and checks its limits (DeviceLimitError).
   Engine(ModelSpec spec, std::unique_ptr<gpu::Device> device);
 
   const ModelSpec& spec() const { return spec_; }
@@ -101,12 +132,15 @@ class Engine {
   bool valid() const { return valid_; }
   bool serialize = false;  // barrier between every two dispatches
   const StepStats& last_stats() const { return last_; }
+  const MemoryPlan& memory() const { return memory_; }
+  const std::string& memory_warning() const { return memory_warning_; }  // above ~85% of the working set
+  const std::vector<PlannedKernel>& pipelines() const { return plan_; }
+  gpu::DeviceInfo device_info() const { return device_->info(); }
 
  private:
-  gpu::Binding alloc_weight(const std::string& name, size_t bytes);
-  gpu::Binding alloc(std::vector<std::unique_ptr<gpu::Buffer>>& pool, size_t bytes);
-  gpu::QuantWeight alloc_quant(const std::string& name, uint64_t rows, uint64_t cols, const QuantSpec& q,
-                               uint64_t count = 1);
+  class DeviceAllocator;
+  void check_memory(const MemoryPlan& p);
+  void check_pipelines();
   std::vector<gpu::Binding> state_buffers() const;
   bool is_kv(size_t state_index) const;
   struct InFlight {
@@ -137,8 +171,9 @@ class Engine {
   uint32_t next_slot_ = 0;
   std::deque<InFlight> inflight_;
   StepStats last_;
+  MemoryPlan memory_;
+  std::string memory_warning_;
+  std::vector<PlannedKernel> plan_;
 };
-
-std::unique_ptr<gpu::Device> make_device(const std::string& name);
 
 }  // namespace lily::core

@@ -46,4 +46,22 @@ std::unique_ptr<gpu::Buffer> EmuDevice::new_buffer(size_t bytes) {
 
 std::unique_ptr<gpu::Encoder> EmuDevice::new_encoder() { return std::make_unique<EmuEncoder>(options_); }
 
+gpu::DeviceInfo EmuDevice::info() const {
+  gpu::DeviceInfo i;
+  i.name = "emu";
+  i.device_name = std::string("CPU emulator (") + features().fibers + " fibers)";
+  i.library_source = "emulator";
+  i.math_mode = "-ffp-contract=off -fno-fast-math";
+  return i;
+}
+
+gpu::PipelineInfo EmuDevice::pipeline_info(gpu::KernelId kernel) {
+  const gpu::KernelInfo& info = gpu::kernel_info(kernel);
+  if (!find_kernel(info.name))
+    throw KernelError("kernel '" + std::string(info.name) + "' is in the kernel table but not in the emulator registry");
+  gpu::PipelineInfo p;
+  p.simd_width = kSimdWidth;
+  return p;
+}
+
 }  // namespace lily::emu

@@ -88,6 +88,11 @@ class EmuDevice final : public gpu::Device {
   std::string_view name() const override { return "emu"; }
   std::unique_ptr<gpu::Buffer> new_buffer(size_t bytes) override;
   std::unique_ptr<gpu::Encoder> new_encoder() override;
+  gpu::DeviceInfo info() const override;
+  // The kernel's registry entry must exist; limits are Apple's (tests simulate lower ones through
+  // the device registry). Static threadgroup memory is unknown before a run (-1): the emulator
+  // checks each threadgroup's allocations against kThreadgroupMemory as it runs.
+  gpu::PipelineInfo pipeline_info(gpu::KernelId kernel) override;
 
  private:
   RunOptions options_;

@@ -30,4 +30,11 @@ class CountingEncoder final : public Encoder {
 std::unique_ptr<Buffer> CountingDevice::new_buffer(size_t bytes) { return std::make_unique<SizeOnlyBuffer>(bytes); }
 std::unique_ptr<Encoder> CountingDevice::new_encoder() { return std::make_unique<CountingEncoder>(); }
 
+DeviceInfo CountingDevice::info() const {
+  DeviceInfo i;
+  i.name = "count";
+  i.device_name = "counting device (nothing runs, no memory)";
+  return i;
+}
+
 }  // namespace lily::gpu

@@ -14,6 +14,8 @@ class CountingDevice final : public Device {
   // A buffer with a size and no storage: contents() is nullptr (nothing may read or write it).
   std::unique_ptr<Buffer> new_buffer(size_t bytes) override;
   std::unique_ptr<Encoder> new_encoder() override;
+  DeviceInfo info() const override;
+  PipelineInfo pipeline_info(KernelId) override { return PipelineInfo{}; }  // Apple's limits
 };
 
 }  // namespace lily::gpu

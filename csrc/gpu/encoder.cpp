@@ -80,3 +80,9 @@ void Encoder::barrier() {
 }
 
 }  // namespace lily::gpu
+
+namespace lily::gpu {
+
+uint32_t Encoder::thread_limit(KernelId) const { return kMaxThreadsPerGroup; }
+
+}  // namespace lily::gpu

@@ -26,6 +26,7 @@ class SerialEncoder final : public Encoder {
   explicit SerialEncoder(Encoder& inner) : inner_(inner) {}
   void commit() override { inner_.commit(); }
   void wait() override { inner_.wait(); }
+  uint32_t thread_limit(KernelId k) const override { return inner_.thread_limit(k); }
 
  protected:
   void encode_dispatch(const Dispatch& d) override {

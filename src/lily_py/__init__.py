@@ -5,9 +5,10 @@
     for chunk in model.generate([{"role": "user", "content": "Hello"}], max_tokens=64):
         print(chunk.text, end="", flush=True)
 """
+from ._devices import DeviceStatus, auto_backend, device_info, devices, pipeline_limits
 from .config import ModelConfig
 from .errors import (BackendError, BusyError, CheckpointError, ConfigError, ContextLengthError,
-                     LilyError)
+                     DeviceMemoryError, LilyError)
 from .generation import GenerationChunk, GenerationStats
 from .model import GenerationResult, Model, load
 from .resources import demo_path
@@ -20,6 +21,7 @@ __all__ = [
     "load", "Model", "ModelConfig", "GenerationChunk", "GenerationStats", "GenerationResult",
     "SamplingParams", "demo_path", "LilyError", "ConfigError", "CheckpointError",
     "ContextLengthError", "BackendError", "BusyError", "ChatTemplateError", "__version__",
+    "DeviceMemoryError", "DeviceStatus", "devices", "device_info", "pipeline_limits", "auto_backend",
 ]
 
 

@@ -12,6 +12,7 @@ import os
 import secrets
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -22,7 +23,7 @@ from .config import ModelConfig
 from .errors import BusyError, ContextLengthError
 from .generation import GenerationChunk, GenerationStats, StopMatcher
 from .sampling import SamplingParams, sample
-from .backends import BACKENDS, auto_backend, make_backend  # noqa: F401  (BACKENDS: public name)
+from .backends import BACKENDS, auto_backend, built_with_metal, make_backend, resolve_auto  # noqa: F401  (BACKENDS, auto_backend: public names)
 
 log = logging.getLogger("lily_py")
 
@@ -73,8 +74,12 @@ class Model:
                  backend: str = "auto", context_length: int | None = None,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
         if backend == "auto":
-            backend = auto_backend()
+            backend, why = resolve_auto()
             log.info("lily_py: backend 'auto' selected %r", backend)
+            if why is not None and built_with_metal():
+                # A Mac build whose GPU path is unusable: say so once, then run on the reference.
+                warnings.warn(f"lily_py: backend='auto' runs on 'reference' (slow): the Metal device "
+                              f"is not usable: {why}", RuntimeWarning, stacklevel=3)
         if context_length is None:
             # Engine backends allocate the KV cache for the whole context up front (5.4 GB of
             # bf16 at the real model's 262,144): default to 32K there; pass more when needed.

@@ -58,13 +58,14 @@ def test_kernel_signatures_bind_buffers_in_order():
     seen = 0
     for path in sources:
         text = path.read_text()
-        for name, params in re.findall(r"\[\[kernel\]\]\s+void\s+(\w+)\s*\((.*?)LILY_KERNEL_TAIL\s*\)", text, re.S):
+        for name, params in re.findall(r"\[\[kernel(?:,[^\]]*)?\]\]\s+void\s+(\w+)\s*\((.*?)LILY_KERNEL_TAIL\s*\)", text, re.S):
             seen += 1
             idx = [int(i) for i in re.findall(r"\[\[buffer\((\d+)\)\]\]", params)]
             assert idx == list(range(len(idx))), f"{path.name}:{name} buffer indices {idx}"
             first = params.strip().split(",")[0]
             assert re.match(r"constant\s+\w+Args&\s+args\s+\[\[buffer\(0\)\]\]", first), f"{path.name}:{name}: {first}"
     assert seen >= 2
+    assert seen == len(set(re.findall(r'LILY_INSTANTIATE\("\w+", (\w+)<', "\n".join(p.read_text() for p in sources))))
 
 
 @pytest.mark.skipif("metal" not in core.devices(), reason="this build has no Metal device (built without LILY_METAL: not macOS)")

@@ -80,6 +80,7 @@ class RecordingEncoder final : public Encoder {
   explicit RecordingEncoder(Encoder& inner) : inner_(inner) {}
   void commit() override { ++commits; inner_.commit(); }
   void wait() override { ++waits; inner_.wait(); }
+  uint32_t thread_limit(KernelId k) const override { return inner_.thread_limit(k); }
   std::vector<std::string> kernels;
   uint64_t commits = 0, waits = 0;
 

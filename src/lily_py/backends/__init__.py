@@ -24,15 +24,23 @@ def make_backend(name: str, cfg: ModelConfig, weights: ModelWeights, *, context_
 
 
 def auto_backend() -> str:
-    """What ``backend="auto"`` picks: "metal" where this build has the Metal device and the
-    machine has a GPU that can run the kernels (Apple silicon, family apple7+); otherwise
-    "reference". The emulator ("emu") runs the engine's kernels at ~1e6 GPU threads/s, far slower
-    than the NumPy reference on a CPU, so it is never picked automatically
-    (docs/architecture.md, engine section)."""
+    """What ``backend="auto"`` picks: "metal" where this build has the Metal device and its
+    library and every kernel's pipeline are usable on this machine (Apple silicon, family
+    apple7+); otherwise "reference". The emulator ("emu") runs the engine's kernels at ~1e6 GPU
+    threads/s, far slower than the NumPy reference on a CPU, so it is never picked automatically
+    (docs/architecture.md, engine section). ``lily_py.auto_backend()`` also says why."""
+    return resolve_auto()[0]
+
+
+def resolve_auto() -> tuple[str, str | None]:
+    """("metal" or "reference", why Metal is not usable or None), from the device registry."""
+    from .._devices import auto_backend as pick
+    return pick()
+
+
+def built_with_metal() -> bool:
     try:
         from .. import _core
     except ImportError:
-        return "reference"
-    if "metal" in _core.devices() and _core.metal.available():
-        return "metal"
-    return "reference"
+        return False
+    return bool(_core.has_metal)

@@ -14,7 +14,7 @@ import ml_dtypes
 
 from ..checkpoint import AttentionWeights, ModelWeights
 from ..config import ModelConfig
-from ..errors import BackendError
+from ..errors import BackendError, DeviceMemoryError
 from ..weights import QuantLinear
 
 # All-logits steps write at most this many rows of logits (the logits buffer is [rows, vocab]).
@@ -153,16 +153,21 @@ class EngineBackend:
 
     def __init__(self, device: str, cfg: ModelConfig, weights: ModelWeights, *, context_length: int,
                  prefill_chunk: int):
-        if device not in _core().devices() and device != "count":
-            raise BackendError(f"device {device!r} is not available in this build "
-                               f"(available: {_core().devices()})")
+        status = {d["name"]: d for d in _core().registry.list()}
+        if device not in status or not status[device]["available"]:
+            why = status[device]["reason"] if device in status else "unknown device"
+            raise BackendError(f"device {device!r} is not available in this build or on this "
+                               f"machine: {why}")
         self.name = device
         self.cfg = cfg
         quant = checkpoint_quant(weights)
+        core = _core()
         try:
-            self.engine = _core().Engine(engine_spec(cfg, quant, context_length=context_length,
-                                                     prefill_chunk=prefill_chunk), device)
-        except ValueError as e:
+            self.engine = core.Engine(engine_spec(cfg, quant, context_length=context_length,
+                                                  prefill_chunk=prefill_chunk), device)
+        except core.DeviceMemoryError as e:
+            raise DeviceMemoryError(str(e)) from None
+        except (ValueError, core.DeviceLimitError) as e:
             raise BackendError(str(e)) from None
         upload_weights(self.engine, cfg, weights, quant)
         self.prefill_chunk = prefill_chunk
