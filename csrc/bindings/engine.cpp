@@ -166,6 +166,8 @@ void init_engine(nb::module_& m) {
       .def_prop_ro("position", &core::Engine::position)
       .def_prop_ro("valid", &core::Engine::valid)
       .def_rw("serialize", &core::Engine::serialize, "Barrier between every two dispatches (debugging).")
+      .def_rw("skip_barrier", &core::Engine::skip_barrier,
+              "Emulator, debugging: every step ignores its barrier #skip_barrier (-1: none).")
       .def("summary", [](const core::Engine& e) { return e.spec().summary(); })
       .def("weight_list", &core::Engine::weight_list, "Every weight the engine expects: (name, bytes).")
       .def(
@@ -240,6 +242,17 @@ void init_engine(nb::module_& m) {
           "tokens"_a, "position"_a = 0, "all_logits"_a = false, "sample"_a = nb::none(), "from_slot"_a = false,
           "logits"_a = true,
           "Counters of one step encoded on the counting device (nothing runs).")
+      .def(
+          "check",
+          [](core::Engine& e, uint32_t T, uint32_t position, bool all_logits, nb::object sample, bool from_slot,
+             bool logits, int64_t skip_barrier) {
+            return stats_dict(e.check(T, position, all_logits, sampling_from(sample, from_slot), logits, skip_barrier));
+          },
+          "tokens"_a, "position"_a = 0, "all_logits"_a = false, "sample"_a = nb::none(), "from_slot"_a = false,
+          "logits"_a = true, "skip_barrier"_a = -1,
+          "Emulator only: encode one step at `position` on an encoder that runs nothing and checks "
+          "hazards between dispatches (EmulatorError names them), ignoring barrier #skip_barrier "
+          "(-1: none). The state is untouched; returns the counters.")
       .def("last_stats", [](const core::Engine& e) { return stats_dict(e.last_stats()); })
       .def("reset", &core::Engine::reset)
       .def("snapshot", &core::Engine::snapshot)

@@ -539,7 +539,7 @@ void Engine::restore(const Snapshot& s) {
 }
 
 Engine::InFlight Engine::encode(uint32_t T, uint32_t position, bool all_logits, const StepSampling& sampling,
-                                bool want_logits) {
+                                bool want_logits, std::unique_ptr<gpu::Encoder> enc) {
   gpu::StepParams p;
   p.logits = want_logits;
   p.sample = sampling.enabled;
@@ -553,7 +553,14 @@ Engine::InFlight Engine::encode(uint32_t T, uint32_t position, bool all_logits, 
   p.conv_parity = conv_parity_;
   p.serialize = serialize;
   InFlight f;
-  f.enc = device_->new_encoder();
+  if (!enc && skip_barrier >= 0) {
+    auto* emu_dev = dynamic_cast<emu::EmuDevice*>(device_.get());
+    if (!emu_dev) fail("skip_barrier needs the emulator (device 'emu')");
+    emu::RunOptions o = emu_dev->options();
+    o.skip_barrier = skip_barrier;
+    enc = emu_dev->new_encoder(o);
+  }
+  f.enc = enc ? std::move(enc) : device_->new_encoder();
   gpu::ops::RecordingEncoder rec(*f.enc);  // counts commit()/wait() asked for while encoding
   gpu::encode_prefill_chunk(rec, spec_, m_, p);
   f.st.tokens = T;
@@ -662,6 +669,17 @@ StepStats Engine::count(uint32_t T, uint32_t position, bool all_logits, const St
   StepStats st = encode(T, position, all_logits, sampling, want_logits).st;
   last_ = st;
   return st;
+}
+
+StepStats Engine::check(uint32_t T, uint32_t position, bool all_logits, const StepSampling& sampling,
+                        bool want_logits, int64_t skip_barrier) {
+  auto* emu_dev = dynamic_cast<emu::EmuDevice*>(device_.get());
+  if (!emu_dev) fail("check() needs the emulator (device 'emu')");
+  emu::RunOptions o = emu_dev->options();
+  o.execute = false;
+  o.hazards = true;
+  o.skip_barrier = skip_barrier;
+  return encode(T, position, all_logits, sampling, want_logits, emu_dev->new_encoder(o)).st;
 }
 
 }  // namespace lily::core

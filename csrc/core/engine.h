@@ -124,6 +124,11 @@ class Engine {
   // device: counters for any config without weights).
   StepStats count(uint32_t T, uint32_t position, bool all_logits, const StepSampling& sampling = {},
                   bool want_logits = true);
+  // Emulator only: encodes a step at `position` on an encoder that runs nothing and checks the
+  // plan for hazards between dispatches (throws emu::KernelError naming them), ignoring barrier
+  // number `skip_barrier` (-1: none). The state is untouched. Counters as for count().
+  StepStats check(uint32_t T, uint32_t position, bool all_logits, const StepSampling& sampling = {},
+                  bool want_logits = true, int64_t skip_barrier = -1);
 
   void reset();
   Snapshot snapshot() const;
@@ -131,6 +136,9 @@ class Engine {
   uint32_t position() const { return position_; }
   bool valid() const { return valid_; }
   bool serialize = false;  // barrier between every two dispatches
+  // Emulator, debugging / tests: every step's encoder ignores its barrier #skip_barrier (-1: none),
+  // so the emulator's hazard check reports what that barrier ordered.
+  int64_t skip_barrier = -1;
   const StepStats& last_stats() const { return last_; }
   const MemoryPlan& memory() const { return memory_; }
   const std::string& memory_warning() const { return memory_warning_; }  // above ~85% of the working set
@@ -149,7 +157,8 @@ class Engine {
     uint32_t slot = 0, rows = 0;
     bool sampled = false;
   };
-  InFlight encode(uint32_t T, uint32_t position, bool all_logits, const StepSampling& sampling, bool want_logits);
+  InFlight encode(uint32_t T, uint32_t position, bool all_logits, const StepSampling& sampling, bool want_logits,
+                  std::unique_ptr<gpu::Encoder> enc = nullptr);
   void require_idle(const char* what) const;
 
   ModelSpec spec_;
