@@ -80,6 +80,7 @@ nb::dict stats_dict(const core::StepStats& s) {
   d["host_waits"] = s.host_waits;
   d["ids_from_slot"] = s.ids_from_slot;
   d["in_flight"] = s.in_flight;
+  d["encode_ns"] = s.encode_ns;
   if (s.token != 0xFFFFFFFFu) d["token"] = s.token;
   return d;
 }

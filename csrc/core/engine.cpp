@@ -1,6 +1,7 @@
 #include "core/engine.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <sstream>
 #include <stdexcept>
@@ -73,6 +74,7 @@ std::string ModelSpec::summary() const {
 std::unique_ptr<gpu::Device> make_device(const std::string& name) {
   if (name == "emu") return std::make_unique<emu::EmuDevice>();
   if (name == "count") return std::make_unique<gpu::CountingDevice>();
+  if (name == "count_host") return std::make_unique<gpu::CountingDevice>(true);
   if (name == "metal") {
 #if defined(LILY_HAVE_METAL)
     return metal::create_device();
@@ -80,7 +82,7 @@ std::unique_ptr<gpu::Device> make_device(const std::string& name) {
     throw std::invalid_argument("device 'metal' is not available in this build (not macOS); use 'emu'");
 #endif
   }
-  throw std::invalid_argument("unknown device '" + name + "' (expected 'emu', 'metal' or 'count')");
+  throw std::invalid_argument("unknown device '" + name + "' (expected 'emu', 'metal', 'count' or 'count_host')");
 }
 
 gpu::Binding Engine::alloc_weight(const std::string& name, size_t bytes) {
@@ -348,9 +350,12 @@ Engine::InFlight Engine::encode(uint32_t T, uint32_t position, bool all_logits, 
   p.conv_parity = conv_parity_;
   p.serialize = serialize;
   InFlight f;
+  const auto t0 = std::chrono::steady_clock::now();
   f.enc = device_->new_encoder();
   gpu::ops::RecordingEncoder rec(*f.enc);  // counts commit()/wait() asked for while encoding
   gpu::encode_prefill_chunk(rec, spec_, m_, p);
+  f.st.encode_ns = uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                std::chrono::steady_clock::now() - t0).count());
   f.st.tokens = T;
   f.st.ids_from_slot = sampling.ids_from_slot;
   f.st.waits_in_step = rec.waits;
@@ -453,7 +458,8 @@ StepStats Engine::forward(const uint32_t* ids, uint32_t T, bool all_logits, floa
 
 StepStats Engine::count(uint32_t T, uint32_t position, bool all_logits, const StepSampling& sampling,
                         bool want_logits) {
-  if (std::string_view(device_->name()) != "count") fail("count() runs on the counting device only (device 'count')");
+  if (!std::string_view(device_->name()).starts_with("count"))
+    fail("count() runs on the counting device only (device 'count' or 'count_host')");
   StepStats st = encode(T, position, all_logits, sampling, want_logits).st;
   last_ = st;
   return st;

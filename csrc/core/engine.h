@@ -30,6 +30,7 @@ struct StepStats {
   uint64_t host_waits = 0;      // host waits for the whole forward (1: to read the logits)
   bool ids_from_slot = false;   // the embedding read the previous step's sampled token on the device
   uint32_t in_flight = 0;       // steps already in flight when this one was submitted (1: overlapped)
+  uint64_t encode_ns = 0;       // host time spent encoding the step (steady clock; a timing, not a counter)
   uint32_t token = 0xFFFFFFFFu; // the sampled token (sampling steps), read from the device slot
   float token_logit = 0.0f;
 };

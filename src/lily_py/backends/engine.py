@@ -153,7 +153,7 @@ class EngineBackend:
 
     def __init__(self, device: str, cfg: ModelConfig, weights: ModelWeights, *, context_length: int,
                  prefill_chunk: int):
-        if device not in _core().devices() and device != "count":
+        if device not in _core().devices() and device not in ("count", "count_host"):
             raise BackendError(f"device {device!r} is not available in this build "
                                f"(available: {_core().devices()})")
         self.name = device
