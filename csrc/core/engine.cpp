@@ -287,6 +287,7 @@ void Engine::reset() {
   valid_ = true;
   failed_ = false;
   have_token_ = false;
+  last_rows_ = 0;
 }
 
 Snapshot Engine::snapshot() const {
@@ -333,6 +334,7 @@ void Engine::restore(const Snapshot& s) {
   valid_ = true;
   failed_ = false;
   have_token_ = false;
+  last_rows_ = 0;
 }
 
 Engine::InFlight Engine::encode(uint32_t T, uint32_t position, bool all_logits, const StepSampling& sampling,
@@ -395,6 +397,7 @@ StepStats Engine::submit(const uint32_t* ids, uint32_t T, bool all_logits, const
   if (id_dst && !sampling.ids_from_slot) std::memcpy(id_dst, ids, size_t(T) * 4);
   valid_ = false;  // until every step in flight finished: a device error leaves a half-updated state
   have_token_ = false;
+  last_rows_ = 0;  // the new step will overwrite the logits rows
   InFlight f;
   try {
     f = encode(T, position_, all_logits, sampling, want_logits);
@@ -429,6 +432,8 @@ StepStats Engine::complete(float* logits) {
   const char* src = static_cast<const char*>(m_.s.logits.buffer->contents());
   if (logits && src && f.rows)
     std::memcpy(logits, src + (f.rows == 1 ? f.slot : 0) * V * 4, f.rows * V * 4);
+  last_rows_ = f.rows;
+  last_slot_ = f.slot;
   if (inflight_.empty() && !failed_) valid_ = true;
   last_ = st;
   if (f.sampled) {
@@ -447,6 +452,16 @@ StepStats Engine::complete(float* logits) {
     last_ = st;
   }
   return st;
+}
+
+void Engine::last_logits(float* out) const {
+  require_idle("last_logits");
+  if (last_rows_ == 0) fail("last_logits: the last step computed no logits (or the state was reset / restored)");
+  const size_t V = spec_.vocab;
+  const char* src = static_cast<const char*>(m_.s.logits.buffer->contents());
+  if (src == nullptr) fail("last_logits: device '" + std::string(device_->name()) + "' keeps no logits");
+  const size_t row = last_rows_ == 1 ? last_slot_ : last_rows_ - 1;
+  std::memcpy(out, src + row * V * 4, V * 4);
 }
 
 StepStats Engine::forward(const uint32_t* ids, uint32_t T, bool all_logits, float* logits,

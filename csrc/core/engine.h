@@ -89,6 +89,11 @@ class Engine {
   StepStats submit(const uint32_t* ids, uint32_t T, bool all_logits, const StepSampling& sampling = {},
                    bool want_logits = true);
   StepStats complete(float* logits);
+  // Copies the last position's float32 logits [vocab] of the last completed step (the device
+  // buffer keeps them until the next step is submitted); needs no step in flight and a last step
+  // that computed logits. Generation never copies logits per token: this is the "asked for" path.
+  void last_logits(float* out) const;
+  bool has_last_logits() const { return inflight_.empty() && last_rows_ != 0; }
   size_t in_flight() const { return inflight_.size(); }
   // Encodes a step at `position` without touching state or reading results (the counting
   // device: counters for any config without weights).
@@ -138,6 +143,7 @@ class Engine {
   uint32_t next_slot_ = 0;
   std::deque<InFlight> inflight_;
   StepStats last_;
+  uint32_t last_rows_ = 0, last_slot_ = 0;  // logits rows / slot of the last completed step
 };
 
 std::unique_ptr<gpu::Device> make_device(const std::string& name);
