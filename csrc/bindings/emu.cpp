@@ -78,7 +78,7 @@ void init_emu(nb::module_& parent) {
          std::tuple<uint32_t, uint32_t, uint32_t> groups, std::tuple<uint32_t, uint32_t, uint32_t> threads,
          const std::string& order, uint64_t seed, bool fp_traps) {
         const emu::KernelEntry* k = emu::find_kernel(name);
-        require(k != nullptr, "emu.dispatch: no kernel named '" + name + "' in the emulator registry");
+        LILY_REQUIRE(k != nullptr, "emu.dispatch: no kernel named '" + name + "' in the emulator registry");
         emu::RunOptions opt;
         opt.order = parse_order(order);
         opt.seed = seed;
@@ -91,7 +91,7 @@ void init_emu(nb::module_& parent) {
         L.args = a.data();
         L.args_size = a.size();
         for (size_t i = 0; i < buffers.size(); ++i) {
-          require(buffers[i].nbytes() > 0, "emu.dispatch: buffer " + std::to_string(i + 1) + " is empty");
+          LILY_REQUIRE(buffers[i].nbytes() > 0, "emu.dispatch: buffer " + std::to_string(i + 1) + " is empty");
           bufs.push_back(upload(dev, buffers[i].data(), buffers[i].nbytes()));
           L.buffers.push_back({bufs.back().get(), 0, bufs.back()->size()});
         }

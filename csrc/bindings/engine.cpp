@@ -81,6 +81,7 @@ nb::dict stats_dict(const core::StepStats& s) {
   d["host_waits"] = s.host_waits;
   d["ids_from_slot"] = s.ids_from_slot;
   d["in_flight"] = s.in_flight;
+  d["encode_ns"] = s.encode_ns;
   if (s.token != 0xFFFFFFFFu) d["token"] = s.token;
   return d;
 }
@@ -111,6 +112,13 @@ void init_engine(nb::module_& m) {
   nb::exception<core::SampleError>(m, "SampleError", PyExc_FloatingPointError);
   nb::exception<core::DeviceMemoryError>(m, "DeviceMemoryError", PyExc_MemoryError);
   nb::exception<core::DeviceLimitError>(m, "DeviceLimitError", PyExc_RuntimeError);
+  nb::class_<core::StepSampling>(m, "Sampling",
+                                 "Sampling parameters parsed once (Engine.submit_slot takes them per token).")
+      .def("__init__",
+           [](core::StepSampling* self, nb::dict sample) {
+             new (self) core::StepSampling(sampling_from(nb::object(sample), false));
+           },
+           "sample"_a, "dict(temperature, top_k, top_p, min_p, seed, step, valid_vocab)");
   nb::class_<core::Snapshot>(m, "EngineSnapshot", "A host copy of an Engine's conversation state.")
       .def_ro("position", &core::Snapshot::position);
 
@@ -185,25 +193,32 @@ void init_engine(nb::module_& m) {
       .def_prop_ro("scratch_bytes", &core::Engine::scratch_bytes)
       .def(
           "forward",
-          [](core::Engine& e, IdArray ids, bool all_logits, nb::object sample, bool from_slot, bool logits) {
+          [](core::Engine& e, IdArray ids, bool all_logits, nb::object sample, bool from_slot, bool logits,
+             bool fetch) -> nb::tuple {
             const core::StepSampling sampling = sampling_from(sample, from_slot);
             const uint32_t T = uint32_t(ids.shape(0));
-            const size_t rows = !logits ? 0 : all_logits ? T : 1, V = e.spec().vocab;
-            float* out = new float[rows * V + 1];
-            nb::capsule owner(out, [](void* p) noexcept { delete[] static_cast<float*>(p); });
+            const size_t rows = !logits || !fetch ? 0 : all_logits ? T : 1, V = e.spec().vocab;
+            float* out = fetch ? new float[rows * V + 1] : nullptr;
             core::StepStats st;
-            {
+            try {
               nb::gil_scoped_release release;
               st = e.forward(ids.data(), T, all_logits, out, sampling, logits);
+            } catch (...) {
+              delete[] out;
+              throw;
             }
+            if (!fetch) return nb::make_tuple(nb::none(), stats_dict(st));
+            nb::capsule owner(out, [](void* p) noexcept { delete[] static_cast<float*>(p); });
             size_t shape[2] = {rows, V};
             return nb::make_tuple(nb::ndarray<nb::numpy, float>(out, 2, shape, owner), stats_dict(st));
           },
           "ids"_a, "all_logits"_a = false, "sample"_a = nb::none(), "from_slot"_a = false, "logits"_a = true,
+          "fetch"_a = true,
           "`logits=False`: a prefill chunk that is not the last (no final norm / lm_head; [0, V] returned). Feed uint32 ids [T] (one step, one command buffer); returns (float32 logits [T or 1, V], stats). "
           "`sample`: dict(temperature, top_k, top_p, min_p, seed, step, valid_vocab) samples the last "
           "position on the device into the token slot (stats['token']); `from_slot`: feed that slot "
-          "(the previous step's sample) instead of `ids` (which must then hold one placeholder id).")
+          "(the previous step's sample) instead of `ids` (which must then hold one placeholder id). "
+          "`fetch=False`: the logits stay on the device (None returned; last_logits() copies them later).")
       .def(
           "submit",
           [](core::Engine& e, IdArray ids, nb::object sample, bool from_slot) {
@@ -232,6 +247,50 @@ void init_engine(nb::module_& m) {
             return nb::make_tuple(nb::ndarray<nb::numpy, float>(out, 1, shape, owner), stats_dict(st));
           },
           "Wait for the oldest step in flight: (float32 logits [V], stats with 'token').")
+      .def(
+          "submit_slot",
+          [](core::Engine& e, const core::StepSampling& sampling, uint32_t step) {
+            // The per-token call of generation: no arrays, no dicts.
+            core::StepSampling s = sampling;
+            s.params.step = step;
+            s.ids_from_slot = true;
+            const uint32_t placeholder = 0;
+            nb::gil_scoped_release release;
+            e.submit(&placeholder, 1, false, s, true);
+          },
+          "sampling"_a, "step"_a,
+          "Commit a one-token step fed from the device slot (the previous step's sample) that samples "
+          "with `sampling` at `step`, without waiting; stats via last_stats() after complete_token().")
+      .def(
+          "complete_token",
+          [](core::Engine& e) -> nb::object {
+            core::StepStats st;
+            {
+              nb::gil_scoped_release release;
+              st = e.complete(nullptr);
+            }
+            if (st.token == 0xFFFFFFFFu) return nb::none();
+            return nb::int_(st.token);
+          },
+          "Wait for the oldest step in flight; its sampled token (None if it did not sample). The "
+          "logits stay on the device (last_logits()); stats via last_stats().")
+      .def(
+          "last_logits",
+          [](const core::Engine& e) {
+            const size_t V = e.spec().vocab;
+            float* out = new float[V];
+            try {
+              e.last_logits(out);
+            } catch (...) {
+              delete[] out;
+              throw;
+            }
+            nb::capsule owner(out, [](void* p) noexcept { delete[] static_cast<float*>(p); });
+            size_t shape[1] = {V};
+            return nb::ndarray<nb::numpy, float>(out, 1, shape, owner);
+          },
+          "float32 logits [V] of the last position of the last completed step (copied from the device).")
+      .def_prop_ro("has_last_logits", &core::Engine::has_last_logits)
       .def_prop_ro("in_flight", &core::Engine::in_flight)
       .def(
           "count",

@@ -50,10 +50,10 @@ std::vector<uint32_t> chunks_of(const std::vector<uint32_t>& chunks, uint32_t T,
   if (chunks.empty()) return {T};
   uint64_t sum = 0;
   for (uint32_t c : chunks) {
-    require(c > 0, std::string(fn) + ": chunk sizes must be > 0");
+    LILY_REQUIRE(c > 0, std::string(fn) + ": chunk sizes must be > 0");
     sum += c;
   }
-  require(sum == T, std::string(fn) + ": chunk sizes sum to " + std::to_string(sum) + ", T is " + std::to_string(T));
+  LILY_REQUIRE(sum == T, std::string(fn) + ": chunk sizes sum to " + std::to_string(sum) + ", T is " + std::to_string(T));
   return chunks;
 }
 
@@ -71,11 +71,11 @@ void init_ops_gated_delta(nb::module_& m) {
          bool fp_traps) {
         const char* fn = "conv1d";
         const gpu::DType xt = gpu::parse_dtype(x_dtype, "conv1d: x"), wt = gpu::parse_dtype(w_dtype, "conv1d: weight");
-        require(x.ndim() == 2 && weight.ndim() == 2, "conv1d: x must be [T, C] and weight [C, K]");
+        LILY_REQUIRE(x.ndim() == 2 && weight.ndim() == 2, "conv1d: x must be [T, C] and weight [C, K]");
         const uint32_t T = uint32_t(x.shape(0)), C = uint32_t(x.shape(1)), K = uint32_t(weight.shape(1));
         check(x, fn, "x", {T, C}, elem_bits(xt));
         check(weight, fn, "weight", {C, K}, elem_bits(wt));
-        require(K >= 2, "conv1d: kernel size must be >= 2");
+        LILY_REQUIRE(K >= 2, "conv1d: kernel size must be >= 2");
         check(state, fn, "state", {K - 1, C}, elem_bits(xt));
         const std::vector<uint32_t> parts = chunks_of(chunks, T, fn);
         GdRun run(device, order, seed, fp_traps);
@@ -121,7 +121,7 @@ void init_ops_gated_delta(nb::module_& m) {
         const char* fn = "gated_delta";
         const gpu::DType xt = gpu::parse_dtype(x_dtype, "gated_delta: activations");
         const gpu::DType wt = gpu::parse_dtype(w_dtype, "gated_delta: dt_bias / norm_weight");
-        require(qkv.ndim() == 2, "gated_delta: qkv must be [T, C]");
+        LILY_REQUIRE(qkv.ndim() == 2, "gated_delta: qkv must be [T, C]");
         const uint32_t T = uint32_t(qkv.shape(0)), C = 2 * Hk * Dk + Hv * Dv;
         check(qkv, fn, "qkv", {T, C}, elem_bits(xt));
         check(z, fn, "z", {T, Hv * Dv}, elem_bits(xt));
@@ -186,13 +186,13 @@ void init_ops_gated_delta(nb::module_& m) {
         op.x_dtype = gpu::parse_dtype(x_dtype, "gated_delta_mixer: x");
         op.w_dtype = gpu::parse_dtype(w_dtype, "gated_delta_mixer: conv/norm weights");
         const gpu::DType st = gpu::parse_dtype(scale_dtype, "gated_delta_mixer: scales");
-        require(x.ndim() == 2 && conv_weight.ndim() == 2, "gated_delta_mixer: x must be [T, hidden], conv_weight [C, K]");
-        require(bits == 4 || bits == 8, "gated_delta_mixer: bits must be 4 or 8");
-        require(group_size == 32 || group_size == 64 || group_size == 128, "gated_delta_mixer: group_size must be 32, 64 or 128");
+        LILY_REQUIRE(x.ndim() == 2 && conv_weight.ndim() == 2, "gated_delta_mixer: x must be [T, hidden], conv_weight [C, K]");
+        LILY_REQUIRE(bits == 4 || bits == 8, "gated_delta_mixer: bits must be 4 or 8");
+        LILY_REQUIRE(group_size == 32 || group_size == 64 || group_size == 128, "gated_delta_mixer: group_size must be 32, 64 or 128");
         const uint32_t T = uint32_t(x.shape(0)), H = uint32_t(x.shape(1));
         const uint32_t C = 2 * Hk * Dk + Hv * Dv, VD = Hv * Dv, K = uint32_t(conv_weight.shape(1));
         const uint32_t P = gpu::ops::gated_delta_mixer_proj_rows(Hk, Hv, Dk, Dv);
-        require(H % group_size == 0 && VD % group_size == 0, "gated_delta_mixer: hidden and Hv*Dv must be multiples of group_size");
+        LILY_REQUIRE(H % group_size == 0 && VD % group_size == 0, "gated_delta_mixer: hidden and Hv*Dv must be multiples of group_size");
         const size_t xb = elem_bits(op.x_dtype), sbits = elem_bits(st);
         check(x, fn, "x", {T, H}, xb);
         check(in_w, fn, "in_proj weight", {P, H * bits / 32}, 32);
@@ -202,7 +202,7 @@ void init_ops_gated_delta(nb::module_& m) {
         check(out_s, fn, "out_proj scales", {H, VD / group_size}, sbits);
         check(out_b, fn, "out_proj biases", {H, VD / group_size}, sbits);
         check(conv_weight, fn, "conv_weight", {C, K}, elem_bits(op.w_dtype));
-        require(K >= 2, "gated_delta_mixer: conv kernel size must be >= 2");
+        LILY_REQUIRE(K >= 2, "gated_delta_mixer: conv kernel size must be >= 2");
         check(A_log, fn, "A_log", {Hv}, 32);
         check(dt_bias, fn, "dt_bias", {Hv}, elem_bits(op.w_dtype));
         check(norm_weight, fn, "norm_weight", {Dv}, elem_bits(op.w_dtype));

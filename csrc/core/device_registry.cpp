@@ -131,6 +131,10 @@ const std::vector<Entry>& entries() {
        [] { return std::string(); },
        [](const Options&) -> std::unique_ptr<gpu::Device> { return std::make_unique<gpu::CountingDevice>(); },
        true},
+      {"count_host", "counts like 'count', with host memory behind every buffer (times the host path: nothing runs)",
+       [] { return std::string(); },
+       [](const Options&) -> std::unique_ptr<gpu::Device> { return std::make_unique<gpu::CountingDevice>(true); },
+       true},
   };
   return table;
 }

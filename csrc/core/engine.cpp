@@ -1,6 +1,7 @@
 #include "core/engine.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <map>
 #include <sstream>
@@ -490,6 +491,7 @@ void Engine::reset() {
   valid_ = true;
   failed_ = false;
   have_token_ = false;
+  last_rows_ = 0;
 }
 
 Snapshot Engine::snapshot() const {
@@ -536,6 +538,7 @@ void Engine::restore(const Snapshot& s) {
   valid_ = true;
   failed_ = false;
   have_token_ = false;
+  last_rows_ = 0;
 }
 
 Engine::InFlight Engine::encode(uint32_t T, uint32_t position, bool all_logits, const StepSampling& sampling,
@@ -553,6 +556,7 @@ Engine::InFlight Engine::encode(uint32_t T, uint32_t position, bool all_logits, 
   p.conv_parity = conv_parity_;
   p.serialize = serialize;
   InFlight f;
+  const auto t0 = std::chrono::steady_clock::now();
   if (!enc && skip_barrier >= 0) {
     auto* emu_dev = dynamic_cast<emu::EmuDevice*>(device_.get());
     if (!emu_dev) fail("skip_barrier needs the emulator (device 'emu')");
@@ -563,6 +567,8 @@ Engine::InFlight Engine::encode(uint32_t T, uint32_t position, bool all_logits, 
   f.enc = enc ? std::move(enc) : device_->new_encoder();
   gpu::ops::RecordingEncoder rec(*f.enc);  // counts commit()/wait() asked for while encoding
   gpu::encode_prefill_chunk(rec, spec_, m_, p);
+  f.st.encode_ns = uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                std::chrono::steady_clock::now() - t0).count());
   f.st.tokens = T;
   f.st.ids_from_slot = sampling.ids_from_slot;
   f.st.waits_in_step = rec.waits;
@@ -602,6 +608,7 @@ StepStats Engine::submit(const uint32_t* ids, uint32_t T, bool all_logits, const
   if (id_dst && !sampling.ids_from_slot) std::memcpy(id_dst, ids, size_t(T) * 4);
   valid_ = false;  // until every step in flight finished: a device error leaves a half-updated state
   have_token_ = false;
+  last_rows_ = 0;  // the new step will overwrite the logits rows
   InFlight f;
   try {
     f = encode(T, position_, all_logits, sampling, want_logits);
@@ -636,6 +643,8 @@ StepStats Engine::complete(float* logits) {
   const char* src = static_cast<const char*>(m_.s.logits.buffer->contents());
   if (logits && src && f.rows)
     std::memcpy(logits, src + (f.rows == 1 ? f.slot : 0) * V * 4, f.rows * V * 4);
+  last_rows_ = f.rows;
+  last_slot_ = f.slot;
   if (inflight_.empty() && !failed_) valid_ = true;
   last_ = st;
   if (f.sampled) {
@@ -656,6 +665,16 @@ StepStats Engine::complete(float* logits) {
   return st;
 }
 
+void Engine::last_logits(float* out) const {
+  require_idle("last_logits");
+  if (last_rows_ == 0) fail("last_logits: the last step computed no logits (or the state was reset / restored)");
+  const size_t V = spec_.vocab;
+  const char* src = static_cast<const char*>(m_.s.logits.buffer->contents());
+  if (src == nullptr) fail("last_logits: device '" + std::string(device_->name()) + "' keeps no logits");
+  const size_t row = last_rows_ == 1 ? last_slot_ : last_rows_ - 1;
+  std::memcpy(out, src + row * V * 4, V * 4);
+}
+
 StepStats Engine::forward(const uint32_t* ids, uint32_t T, bool all_logits, float* logits,
                           const StepSampling& sampling, bool want_logits) {
   if (!inflight_.empty()) fail("forward: steps are in flight; complete() them first");
@@ -665,7 +684,8 @@ StepStats Engine::forward(const uint32_t* ids, uint32_t T, bool all_logits, floa
 
 StepStats Engine::count(uint32_t T, uint32_t position, bool all_logits, const StepSampling& sampling,
                         bool want_logits) {
-  if (std::string_view(device_->name()) != "count") fail("count() runs on the counting device only (device 'count')");
+  if (!std::string_view(device_->name()).starts_with("count"))
+    fail("count() runs on the counting device only (device 'count' or 'count_host')");
   StepStats st = encode(T, position, all_logits, sampling, want_logits).st;
   last_ = st;
   return st;

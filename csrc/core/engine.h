@@ -30,6 +30,7 @@ struct StepStats {
   uint64_t host_waits = 0;      // host waits for the whole forward (1: to read the logits)
   bool ids_from_slot = false;   // the embedding read the previous step's sampled token on the device
   uint32_t in_flight = 0;       // steps already in flight when this one was submitted (1: overlapped)
+  uint64_t encode_ns = 0;       // host time spent encoding the step (steady clock; a timing, not a counter)
   uint32_t token = 0xFFFFFFFFu; // the sampled token (sampling steps), read from the device slot
   float token_logit = 0.0f;
 };
@@ -119,6 +120,11 @@ class Engine {
   StepStats submit(const uint32_t* ids, uint32_t T, bool all_logits, const StepSampling& sampling = {},
                    bool want_logits = true);
   StepStats complete(float* logits);
+  // Copies the last position's float32 logits [vocab] of the last completed step (the device
+  // buffer keeps them until the next step is submitted); needs no step in flight and a last step
+  // that computed logits. Generation never copies logits per token: this is the "asked for" path.
+  void last_logits(float* out) const;
+  bool has_last_logits() const { return inflight_.empty() && last_rows_ != 0; }
   size_t in_flight() const { return inflight_.size(); }
   // Encodes a step at `position` without touching state or reading results (the counting
   // device: counters for any config without weights).
@@ -183,6 +189,7 @@ class Engine {
   MemoryPlan memory_;
   std::string memory_warning_;
   std::vector<PlannedKernel> plan_;
+  uint32_t last_rows_ = 0, last_slot_ = 0;  // logits rows / slot of the last completed step
 };
 
 }  // namespace lily::core

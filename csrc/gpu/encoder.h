@@ -98,6 +98,8 @@ class Encoder {
   virtual void encode_barrier() = 0;
 
  private:
+  [[noreturn]] void bad_binding(uint32_t index, const Binding& b) const;  // throws the EncodeError
+  [[noreturn]] void bad_dispatch(Size3 groups, Size3 threads) const;
   Dispatch pending_;
   bool have_kernel_ = false;
   bool have_args_ = false;

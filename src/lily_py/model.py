@@ -103,6 +103,9 @@ class Model:
                                       prefill_chunk=prefill_chunk)
         self._history: list[int] = []
         self._last_logits: np.ndarray | None = None
+        # Engine backends: the last step's logits are still on the device (fetched on demand by
+        # _current_logits(); generation never copies them per token).
+        self._logits_on_device = False
         # (prompt ids, backend state, logits) saved right after the last generate() prefill, so
         # the next turn can roll back to it when the reply re-tokenizes differently.
         self._snapshot: tuple[list[int], object, np.ndarray] | None = None
@@ -226,15 +229,39 @@ class Model:
             reuse = len(self._history)
         elif reuse == 0 and self._history:
             self._reset()
+        # The embedding/lm_head may have more rows than the tokenizer has ids (padding): those
+        # ids can never be sampled.
+        n_ids = self.tokenizer.vocab_size if self.tokenizer is not None else self.config.vocab_size
+        on_device = getattr(self._backend, "samples_on_device", False)
+
+        def sample_args(step: int) -> dict:
+            return dict(temperature=params.temperature,
+                        top_k=min(int(params.top_k), self.config.vocab_size), top_p=params.top_p,
+                        min_p=params.min_p, seed=int(seed) & 0xFFFFFFFFFFFFFFFF, step=step,
+                        valid_vocab=min(n_ids, self.config.vocab_size))
+
+        # Engine backends sample the first token on the device, in the command buffer of the
+        # prompt's last prefill step (its logits stay on the device).
+        first = sample_args(0) if on_device else None
+        first_tok = None
         # Keep a snapshot at the end of the conversation proper (before the generation prompt
         # of a chat; the whole prompt otherwise): the next turn starts with exactly these tokens.
         if len(self._history) < boundary:
-            self._prefill(ids[len(self._history):boundary], all_logits=False)
+            whole = boundary == len(ids)
+            self._prefill(ids[len(self._history):boundary], all_logits=False,
+                          sample=first if whole else None)
+            if whole and first is not None:
+                first_tok = self._backend.last_token
         if len(self._history) == boundary and not (snap is not None and snap[0] == ids[:boundary]
                                                    and self._snapshot is snap):
-            self._snapshot = (list(self._history), self._backend.snapshot(), self._last_logits)
-        if len(self._history) == len(ids):
-            logits = self._last_logits
+            self._snapshot = (list(self._history), self._backend.snapshot(), self._current_logits())
+        if first_tok is not None:
+            logits = None
+        elif len(self._history) == len(ids):
+            logits = self._current_logits()
+        elif first is not None:
+            self._prefill(ids[len(self._history):], all_logits=False, sample=first)
+            logits, first_tok = None, self._backend.last_token
         else:
             logits = self._prefill(ids[len(self._history):], all_logits=False)
         t_prefill = time.perf_counter() - t0
@@ -247,32 +274,24 @@ class Model:
             return GenerationStats(len(ids), reuse, len(ids) - reuse, n, t_prefill,
                                    time.perf_counter() - t1, self.backend)
 
-        # The embedding/lm_head may have more rows than the tokenizer has ids (padding): those
-        # ids can never be sampled.
-        n_ids = self.tokenizer.vocab_size if self.tokenizer is not None else self.config.vocab_size
         # Engine backends sample decode steps on the device, inside the step's command buffer
         # (bit-identical to lily_py.sampling.sample), and keep two steps in flight: the step that
         # feeds token n (read from the device slot) is committed before the host waits for the
-        # step that samples token n. The first token comes from the prompt's logits on the host.
+        # step that samples token n. The first token is sampled on the device too, in the prompt's
+        # last prefill step (on the host only when the prompt added no token to the state).
+        # Per token the host copies no logits and builds no array.
         # A token after which generation stops (EOS, stop string) has then already been fed: it
         # is in `tokens`, unlike with the reference backend.
-        on_device = getattr(self._backend, "samples_on_device", False)
         in_flight = 0          # engine steps submitted and not completed (each feeds `tok`)
         tok = None
-
-        def sample_args(step: int) -> dict:
-            return dict(temperature=params.temperature,
-                        top_k=min(int(params.top_k), self.config.vocab_size), top_p=params.top_p,
-                        min_p=params.min_p, seed=int(seed) & 0xFFFFFFFFFFFFFFFF, step=step,
-                        valid_vocab=min(n_ids, self.config.vocab_size))
+        sampling = self._backend.sampling(sample_args(0)) if on_device else None
 
         def complete(fed: int) -> int | None:
             nonlocal in_flight
             in_flight -= 1
             self._history.append(fed)
-            out, token = self._backend.complete()
-            self._last_logits = out.copy()
-            return token
+            self._last_logits, self._logits_on_device = None, True
+            return self._backend.complete_token()
 
         def drain() -> None:
             # The engine's own count: a KeyboardInterrupt can land between a submit() and our
@@ -286,14 +305,16 @@ class Model:
 
         try:
             for n in range(max_tokens):
-                if n == 0 or not on_device:
+                if n == 0 and first_tok is not None:
+                    tok = first_tok
+                elif n == 0 or not on_device:
                     if n_ids < logits.shape[-1]:
                         logits = logits.copy()
                         logits[n_ids:] = -np.inf
                     tok = sample(logits, params, n, seed)
                 else:
                     if n < max_tokens - 1 and self.position + in_flight + 1 <= self.context_length:
-                        self._backend.submit(None, sample_args(n + 1))   # feeds token n
+                        self._backend.submit_next(sampling, n + 1)   # feeds token n
                         in_flight += 1
                     tok = complete(tok)
                 if tok in eos:
@@ -320,7 +341,10 @@ class Model:
                 yield GenerationChunk(text, tok)
                 if on_device and n == 0:
                     self._check_room(1)
-                    self._backend.submit(tok, sample_args(1))   # feeds token 0 from the host
+                    if first_tok is not None:
+                        self._backend.submit_next(sampling, 1)      # feeds token 0 from the slot
+                    else:
+                        self._backend.submit(tok, sample_args(1))   # feeds token 0 from the host
                     in_flight += 1
                 elif not on_device:
                     logits = self._feed([tok], all_logits=False)
@@ -339,13 +363,22 @@ class Model:
         self._backend.reset()
         self._history.clear()
         self._last_logits = None
+        self._logits_on_device = False
         self._snapshot = None
+
+    def _current_logits(self) -> np.ndarray | None:
+        """Logits of the last fed position (from the device when the last step left them there)."""
+        if self._last_logits is None and self._logits_on_device:
+            self._logits_on_device = False
+            self._last_logits = self._backend.last_logits()
+        return self._last_logits
 
     def _restore_snapshot(self) -> None:
         history, state, logits = self._snapshot
         self._backend.restore(state)
         self._history = list(history)
         self._last_logits = logits
+        self._logits_on_device = False
 
     def _eos_ids(self) -> frozenset[int]:
         if self.tokenizer is not None and self.tokenizer.eos_token_ids:
@@ -355,7 +388,7 @@ class Model:
     def _reusable_prefix(self, ids: list[int]) -> int:
         h = self._history
         if h and len(ids) >= len(h) and ids[:len(h)] == h:
-            if len(ids) > len(h) or self._last_logits is not None:
+            if len(ids) > len(h) or self._last_logits is not None or self._logits_on_device:
                 return len(h)
         return 0
 
@@ -406,7 +439,8 @@ class Model:
                              f"[0, {self.config.vocab_size})")
         return [int(t) for t in arr]
 
-    def _prefill(self, token_ids, *, all_logits: bool) -> np.ndarray:
+    def _prefill(self, token_ids, *, all_logits: bool, sample: dict | None = None
+                 ) -> np.ndarray | None:
         ids = self._validate_ids(token_ids)
         if not ids:
             raise ValueError("prefill needs at least one token id")
@@ -415,7 +449,8 @@ class Model:
         for s in range(0, len(ids), self.prefill_chunk):
             chunk = ids[s:s + self.prefill_chunk]
             last = s + self.prefill_chunk >= len(ids)
-            logits = self._feed(chunk, all_logits=all_logits, logits=last or all_logits)
+            logits = self._feed(chunk, all_logits=all_logits, logits=last or all_logits,
+                                sample=sample if last else None)
             if all_logits:
                 out.append(logits)
             elif last:
@@ -451,19 +486,29 @@ class Model:
     def _feed(self, ids: list[int], *, all_logits: bool, sample: dict | None = None,
               logits: bool = True) -> np.ndarray | None:
         """Feed ids to the backend. ``logits=False`` (a prefill chunk that is not the last) lets
-        engine backends skip the final norm and lm_head; returns None then."""
+        engine backends skip the final norm and lm_head; returns None then. ``sample`` (engine
+        backends): also sample the last position on the device (``backend.last_token``); the
+        logits stay on the device and None is returned."""
         self._check_room(len(ids))
         arr = np.asarray(ids, dtype=np.int64)
         kw = {}
         if sample is not None:
             kw["sample"] = sample
+            kw["fetch"] = False
         if not logits and getattr(self._backend, "skips_logits", False):
             kw["logits"] = False
         logits = self._feed_guarded(
             lambda: self._backend.forward(arr, all_logits=all_logits, **kw), ids)
         if logits is None:
             self._last_logits = None
+            self._logits_on_device = sample is not None
             return None
+        self._logits_on_device = False
+        if getattr(self._backend, "keeps_logits", False):
+            # Engine backends: `logits` is a fresh array the caller owns; the device still holds
+            # the last row (_current_logits() copies it when needed).
+            self._last_logits, self._logits_on_device = None, True
+            return logits
         # Our own copy: callers may edit what they get back (e.g. a repetition penalty).
         self._last_logits = (logits[-1] if all_logits else logits).copy()
         return logits

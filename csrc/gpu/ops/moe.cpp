@@ -15,10 +15,11 @@ uint32_t ceil_div(uint32_t a, uint32_t b) { return (a + b - 1) / b; }
 [[noreturn]] void fail(const std::string& m) { throw std::invalid_argument("moe: " + m); }
 
 // The exact byte range a kernel reads or writes; fails when the caller's binding is smaller.
-Binding range(const Binding& b, uint64_t bytes, const char* what) {
-  if (b.buffer == nullptr) fail(std::string(what) + " not bound");
+// `what` + `part` names the operand (the message is built only on failure).
+Binding range(const Binding& b, uint64_t bytes, const char* what, const char* part = "") {
+  if (b.buffer == nullptr) fail(std::string(what) + part + " not bound");
   if (b.bytes < bytes)
-    fail(std::string(what) + " range has " + std::to_string(b.bytes) + " bytes, needs " + std::to_string(bytes));
+    fail(std::string(what) + part + " range has " + std::to_string(b.bytes) + " bytes, needs " + std::to_string(bytes));
   Binding r = b;
   r.bytes = bytes;
   return r;
@@ -34,10 +35,9 @@ QuantBytes quant_bytes(uint64_t count, uint64_t N, uint64_t K, uint32_t bits, ui
 }
 
 void bind_quant(Encoder& enc, uint32_t first, const QuantMatrix& m, QuantBytes b, const char* what) {
-  const std::string n(what);
-  enc.set_buffer(first, range(m.w, b.w, (n + ".w").c_str()));
-  enc.set_buffer(first + 1, range(m.scales, b.s, (n + ".scales").c_str()));
-  enc.set_buffer(first + 2, range(m.biases, b.s, (n + ".biases").c_str()));
+  enc.set_buffer(first, range(m.w, b.w, what, ".w"));
+  enc.set_buffer(first + 1, range(m.scales, b.s, what, ".scales"));
+  enc.set_buffer(first + 2, range(m.biases, b.s, what, ".biases"));
 }
 
 MoeArgs make_args(const MoeOperands& op, MoeRoute route) {
@@ -128,10 +128,9 @@ void validate(const MoeOperands& op) {
   }
   const uint32_t E = op.experts, H = op.hidden, I = op.inter, Is = op.shared_inter;
   auto check = [&](const QuantMatrix& m, QuantBytes b, const char* what) {
-    const std::string n(what);
-    range(m.w, b.w, (n + ".w").c_str());
-    range(m.scales, b.s, (n + ".scales").c_str());
-    range(m.biases, b.s, (n + ".biases").c_str());
+    range(m.w, b.w, what, ".w");
+    range(m.scales, b.s, what, ".scales");
+    range(m.biases, b.s, what, ".biases");
   };
   const auto q = [&](uint64_t c, uint64_t N, uint64_t K) {
     return quant_bytes(c, N, K, op.bits, op.group_size, op.scale_dtype);

@@ -7,14 +7,17 @@ from ..checkpoint import ModelWeights
 from ..config import ModelConfig
 
 BACKENDS = ("auto", "reference", "emu", "metal")
+# Not for users: the engine on the counting device with host memory (nothing runs, every sampled
+# token is 0), so benchmarks can time the host side of generation (benchmarks/host_overhead.py).
+TIMING_BACKENDS = ("count_host",)
 
 
 def make_backend(name: str, cfg: ModelConfig, weights: ModelWeights, *, context_length: int,
                   prefill_chunk: int):
     """The backend for a resolved name ("auto" is resolved by Model first)."""
-    if name not in BACKENDS:
+    if name not in BACKENDS and name not in TIMING_BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
-    if name in ("emu", "metal"):
+    if name in ("emu", "metal") + TIMING_BACKENDS:
         # The C++ engine on a device (lily_py/backends/engine.py); "emu" runs the Metal kernels on the CPU.
         from .engine import EngineBackend
         return EngineBackend(name, cfg, weights, context_length=context_length,
