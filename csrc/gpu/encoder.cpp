@@ -74,6 +74,12 @@ void Encoder::dispatch(Size3 groups, Size3 threads) {
   have_kernel_ = false;
 }
 
+void Encoder::add_flops(uint64_t executed, uint64_t useful) {
+  counters_.flops_executed += executed;
+  counters_.flops_useful += useful;
+  forward_flops(executed, useful);
+}
+
 void Encoder::barrier() {
   encode_barrier();
   counters_.barriers += 1;
