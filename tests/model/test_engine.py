@@ -439,3 +439,45 @@ def test_huge_seed_and_top_k_are_accepted_like_the_reference(dn_ckpt):
     emu = lily_py.load(dn_ckpt, backend="emu", context_length=32).generate_text([1, 2], **kw)
     ref = lily_py.load(dn_ckpt, backend="reference").generate_text([1, 2], **kw)
     assert emu.tokens == ref.tokens
+
+
+_GREEDY_REF: dict = {}
+
+
+def _real_head_dims_config():
+    return dict(TINY_TEXT_CONFIG, hidden_size=256, vocab_size=512, head_dim=256,
+                num_attention_heads=4, num_key_value_heads=2, linear_key_head_dim=128,
+                linear_value_head_dim=128, linear_num_key_heads=2, linear_num_value_heads=4,
+                num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128,
+                shared_expert_intermediate_size=128)
+
+
+@pytest.fixture(scope="module")
+def real_dims_ckpt(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("engine_real_dims"), _real_head_dims_config(), fmt="mlx",
+                           seed=9, std=0.06)
+
+
+@pytest.mark.parametrize("chunk", [1, 64, 4096])
+@pytest.mark.parametrize("which", ["demo", "real_head_dims"])
+def test_greedy_after_chunked_prefill(real_dims_ckpt, which, chunk):
+    """Greedy tokens identical to the reference for 32 steps after a prompt prefilled in chunks of
+    1 (the scan), 64 and 4096 (the chunked DeltaNet route for every chunk of >= 64 tokens: a
+    partial last chunk inside the prompt, and the scan for a short tail)."""
+    from lily_py.ops import gated_delta_route
+    path, n = (None, 100) if which == "demo" else (real_dims_ckpt, 80)
+    load = (lambda **kw: lily_py.load(**kw)) if path is None else (lambda **kw: lily_py.load(path, **kw))
+    probe = load(backend="reference", context_length=256)
+    prompt = (list(range(3, 40)) * 8)[:n] if path else \
+        probe.tokenizer.encode("In the beginning God created the heaven and the earth. " * 20)[:n]
+    assert len(prompt) == n
+    key = (which, n)
+    if key not in _GREEDY_REF:
+        _GREEDY_REF[key] = probe.generate_text(prompt, max_tokens=32).tokens
+    emu = load(backend="emu", context_length=256, prefill_chunk=chunk)
+    got = emu.generate_text(prompt, max_tokens=32)
+    assert got.tokens == _GREEDY_REF[key]
+    cfg = emu.config
+    routes = {gated_delta_route(min(chunk, n - s), cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+              for s in range(0, n, chunk)}
+    assert routes == ({"scan"} if chunk == 1 else {"chunked", "scan"} if chunk == 64 else {"chunked"})
