@@ -76,6 +76,8 @@ nb::dict stats_dict(const core::StepStats& s) {
   d["barriers"] = s.barriers;
   d["bytes_bound"] = s.bytes_bound;
   d["threads"] = s.threads;
+  d["flops_executed"] = s.flops_executed;
+  d["flops_useful"] = s.flops_useful;
   d["commits"] = s.commits;
   d["waits_in_step"] = s.waits_in_step;
   d["host_waits"] = s.host_waits;

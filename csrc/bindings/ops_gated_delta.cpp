@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <algorithm>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -64,6 +65,9 @@ gpu::Binding rows_from(const gpu::Binding& b, size_t offset_bytes) {
 }  // namespace
 
 void init_ops_gated_delta(nb::module_& m) {
+  m.def("gated_delta_route", [](uint32_t T, uint32_t Dk, uint32_t Dv) {
+    return std::string(gpu::ops::gated_delta_route_name(gpu::ops::gated_delta_route(T, Dk, Dv)));
+  }, "T"_a, "Dk"_a, "Dv"_a, "The delta rule's route for T tokens: 'scan' or 'chunked'.");
   m.def(
       "conv1d",
       [](InArray x, InArray weight, InArray state, std::vector<uint32_t> chunks, const std::string& x_dtype,
@@ -116,9 +120,11 @@ void init_ops_gated_delta(nb::module_& m) {
       "gated_delta",
       [](InArray qkv, InArray z, InArray a, InArray b, InArray A_log, InArray dt_bias, InArray norm_weight,
          InArray state, uint32_t Hk, uint32_t Hv, uint32_t Dk, uint32_t Dv, float eps, std::vector<uint32_t> chunks,
-         const std::string& x_dtype, const std::string& w_dtype, const std::string& device, const std::string& order,
-         uint64_t seed, bool fp_traps) {
+         const std::string& route, const std::string& x_dtype, const std::string& w_dtype, const std::string& device,
+         const std::string& order, uint64_t seed, bool fp_traps) {
         const char* fn = "gated_delta";
+        require(route == "scan" || route == "chunked" || route == "auto",
+                "gated_delta: route must be 'scan', 'chunked' or 'auto', got '" + route + "'");
         const gpu::DType xt = gpu::parse_dtype(x_dtype, "gated_delta: activations");
         const gpu::DType wt = gpu::parse_dtype(w_dtype, "gated_delta: dt_bias / norm_weight");
         LILY_REQUIRE(qkv.ndim() == 2, "gated_delta: qkv must be [T, C]");
@@ -138,6 +144,12 @@ void init_ops_gated_delta(nb::module_& m) {
         const gpu::Binding sb = run.input(state);
         const size_t xe = gpu::dtype_size(xt);
         const gpu::Binding y = run.output(size_t(T) * Hv * Dv * xe);
+        auto chunked = [&](uint32_t n) {
+          return route == "chunked" || (route == "auto" && gpu::ops::gated_delta_route(n, Dk, Dv) == gpu::ops::GdRoute::chunked);
+        };
+        uint32_t most = 0;
+        for (uint32_t n : parts) most = std::max(most, n);
+        const gpu::Binding scratch = run.output(gpu::ops::gated_delta_chunk_scratch_bytes(most, Hk, Hv, Dk, Dv));
         run.run([&](gpu::Encoder& e) {
           uint32_t t0 = 0;
           for (size_t i = 0; i < parts.size(); ++i) {
@@ -160,19 +172,35 @@ void init_ops_gated_delta(nb::module_& m) {
             op.Dk = Dk;
             op.Dv = Dv;
             op.eps = eps;
-            gpu::ops::encode_gated_delta(e, op);
+            if (chunked(parts[i])) {
+              op.chunk_scratch = scratch;
+              gpu::ops::encode_gated_delta_chunked(e, op);
+            } else {
+              gpu::ops::encode_gated_delta(e, op);
+            }
             t0 += parts[i];
           }
         });
-        for (size_t i = 0; i < parts.size(); ++i) run.note(gpu::ops::gated_delta_kernel(xt, wt));
+        for (size_t i = 0; i < parts.size(); ++i) {
+          if (chunked(parts[i])) {
+            const bool wb = wt == gpu::DType::bf16;
+            for (gpu::KernelId k : {wb ? gpu::KernelId::gd_chunk_prep_xf32_wbf16 : gpu::KernelId::gd_chunk_prep_xf32_wf32,
+                                    gpu::KernelId::gd_chunk_wy_f32, gpu::KernelId::gd_chunk_state_f32,
+                                    wb ? gpu::KernelId::gd_chunk_norm_xf32_wbf16 : gpu::KernelId::gd_chunk_norm_xf32_wf32})
+              run.note(k);
+          } else {
+            run.note(gpu::ops::gated_delta_kernel(xt, wt));
+          }
+        }
         return nb::make_tuple(run.download(y, xt, {T, Hv * Dv}), run.download(sb, gpu::DType::f32, {Hv, Dv, Dk}),
                               run.stats());
       },
       "qkv"_a, "z"_a, "a"_a, "b"_a, "A_log"_a, "dt_bias"_a, "norm_weight"_a, "state"_a, nb::kw_only(), "Hk"_a,
-      "Hv"_a, "Dk"_a, "Dv"_a, "eps"_a, "chunks"_a = std::vector<uint32_t>{}, "x_dtype"_a, "w_dtype"_a,
-      "device"_a = "emu", "order"_a = "shuffle", "seed"_a = 0, "fp_traps"_a = true,
-      "Fused gated delta rule + gated RMSNorm; state float32 [Hv, Dv, Dk] (device layout); one dispatch "
-      "per chunk; returns (y, new_state, stats). Use lily_py.ops.gated_delta.");
+      "Hv"_a, "Dk"_a, "Dv"_a, "eps"_a, "chunks"_a = std::vector<uint32_t>{}, "route"_a = "scan", "x_dtype"_a,
+      "w_dtype"_a, "device"_a = "emu", "order"_a = "shuffle", "seed"_a = 0, "fp_traps"_a = true,
+      "Fused gated delta rule + gated RMSNorm; state float32 [Hv, Dv, Dk] (device layout); per chunk of "
+      "tokens one scan dispatch, or (route 'chunked', or 'auto' past the engine's switch) the 4 dispatches "
+      "of the WY form; returns (y, new_state, stats). Use lily_py.ops.gated_delta.");
 
   m.def(
       "gated_delta_mixer",

@@ -128,6 +128,8 @@ void init_ops_moe(nb::module_& m) {
         stats["barriers"] = c.barriers;
         stats["bytes_bound"] = c.bytes_bound;
         stats["threads"] = c.threads;
+        stats["flops_executed"] = c.flops_executed;
+        stats["flops_useful"] = c.flops_useful;
         stats["host_syncs"] = syncs;
         const uint32_t T = op.tokens, k = op.top_k;
         return nb::make_tuple(copy_out<float>(op.out, {T, op.hidden}), copy_out<uint32_t>(op.scratch.ids, {T, k}),

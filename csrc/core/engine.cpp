@@ -144,6 +144,10 @@ void build_buffers(const ModelSpec& s, Allocator& a, gpu::ModelBuffers& m_) {
   t.proj = a.scratch(T * P * 4);
   t.conv_out = a.scratch(T * C * 4);
   t.o = a.scratch(T * VD * 4);
+  const bool any_deltanet = std::find(s.full_attention.begin(), s.full_attention.end(), 0) != s.full_attention.end();
+  if (any_deltanet && gpu::ops::gated_delta_route(uint32_t(T), s.lin_k_dim, s.lin_v_dim) == gpu::ops::GdRoute::chunked)
+    t.gd_chunk = a.scratch(gpu::ops::gated_delta_chunk_scratch_bytes(uint32_t(T), s.lin_k_heads, s.lin_v_heads,
+                                                                           s.lin_k_dim, s.lin_v_dim));
   if (std::find(s.full_attention.begin(), s.full_attention.end(), 1) != s.full_attention.end()) {
     const uint64_t qd = uint64_t(s.q_heads) * s.head_dim;
     t.qkv = a.scratch(T * s.attn_qkv_rows() * 4);
@@ -580,6 +584,8 @@ Engine::InFlight Engine::encode(uint32_t T, uint32_t position, bool all_logits, 
   f.st.barriers = c.barriers;
   f.st.bytes_bound = c.bytes_bound;
   f.st.threads = c.threads;
+  f.st.flops_executed = c.flops_executed;
+  f.st.flops_useful = c.flops_useful;
   f.slot = p.slot;
   f.rows = !want_logits ? 0 : all_logits ? T : 1;
   f.sampled = sampling.enabled;

@@ -25,6 +25,7 @@ namespace lily::core {
 struct StepStats {
   uint64_t tokens = 0;
   uint64_t dispatches = 0, barriers = 0, bytes_bound = 0, threads = 0;
+  uint64_t flops_executed = 0, flops_useful = 0;  // matrix work (gpu::Counters)
   uint64_t commits = 0;         // command buffers submitted
   uint64_t waits_in_step = 0;   // host waits requested while the step was encoded (must be 0)
   uint64_t host_waits = 0;      // host waits for the whole forward (1: to read the logits)

@@ -85,6 +85,12 @@ void Encoder::bad_dispatch(Size3 groups, Size3 threads) const {
                     " threads per threadgroup exceeds 1024");
 }
 
+void Encoder::add_flops(uint64_t executed, uint64_t useful) {
+  counters_.flops_executed += executed;
+  counters_.flops_useful += useful;
+  forward_flops(executed, useful);
+}
+
 void Encoder::barrier() {
   encode_barrier();
   counters_.barriers += 1;

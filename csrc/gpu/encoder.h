@@ -56,6 +56,12 @@ struct Counters {
   uint64_t barriers = 0;
   uint64_t bytes_bound = 0;  // sum over dispatches of the byte ranges bound
   uint64_t threads = 0;      // GPU threads launched
+  // Matrix work (2 FLOPs per multiply-add of the matmul-like products: projections, router,
+  // experts, attention scores and values, the delta rule; norms, gates, softmax, conv1d and
+  // elementwise ops are not counted). Added by the host ops (csrc/gpu/ops/*.cpp) with add_flops.
+  uint64_t flops_executed = 0;  // what the dispatched tiles compute, padding included (MoE tiled
+                                // routes: the grid's bound over every routing, see ops/moe.cpp)
+  uint64_t flops_useful = 0;    // what the math needs: no tile padding, routed rows only
 };
 
 // Raised for host-side encoding mistakes (unbound buffer, wrong args struct, empty grid...).
@@ -82,6 +88,9 @@ class Encoder {
   void dispatch(Size3 groups, Size3 threads_per_group);
   // Orders every later dispatch after every earlier one (buffer memory).
   void barrier();
+  // Counts the matrix work of the dispatch(es) just encoded (see Counters); forwarding encoders
+  // pass it on to the encoder they wrap.
+  void add_flops(uint64_t executed, uint64_t useful);
 
   virtual void commit() = 0;  // submit what was encoded
   virtual void wait() = 0;    // block until the submitted work finished (errors surface here)
@@ -96,6 +105,7 @@ class Encoder {
  protected:
   virtual void encode_dispatch(const Dispatch& d) = 0;
   virtual void encode_barrier() = 0;
+  virtual void forward_flops(uint64_t /*executed*/, uint64_t /*useful*/) {}
 
  private:
   [[noreturn]] void bad_binding(uint32_t index, const Binding& b) const;  // throws the EncodeError
