@@ -183,8 +183,34 @@ def scripted(monkeypatch, tokens):
     monkeypatch.setattr(lily_py.model, "sample", lambda *a, **k: next(it))
 
 
+class NullBackend:
+    """A backend that computes nothing (the scripted tokens do not depend on the logits)."""
+    name, valid = "reference", True
+
+    def __init__(self, vocab):
+        self.vocab, self.position = vocab, 0
+
+    def forward(self, ids, *, all_logits):
+        self.position += len(ids)
+        return np.zeros((len(ids), self.vocab) if all_logits else self.vocab, np.float32)
+
+    def reset(self):
+        self.position = 0
+
+    def snapshot(self):
+        return self.position
+
+    def restore(self, snap):
+        self.position = snap
+
+    @staticmethod
+    def snapshot_nbytes(snap):
+        return 8
+
+
 def test_generate_end_to_end_with_a_scripted_model(monkeypatch, tok):
     m = lily_py.load(backend="reference")
+    m._backend = NullBackend(m.config.vocab_size)
     t = m.tokenizer
     msgs = [{"role": "user", "content": "Weather in Paris?"}]
     _, out = assistant_output(tok, reasoning="Need the tool.", content="Checking.",
