@@ -122,7 +122,21 @@ void init_engine(nb::module_& m) {
            },
            "sample"_a, "dict(temperature, top_k, top_p, min_p, seed, step, valid_vocab)");
   nb::class_<core::Snapshot>(m, "EngineSnapshot", "A host copy of an Engine's conversation state.")
-      .def_ro("position", &core::Snapshot::position);
+      .def_ro("position", &core::Snapshot::position)
+      .def_prop_ro("nbytes",
+                   [](const core::Snapshot& s) {
+                     size_t n = 0;
+                     for (const auto& b : s.buffers) n += b.size();
+                     return n;
+                   },
+                   "Bytes of state held (KV rows up to the position, recurrent and conv state).")
+      .def("to_bytes",
+           [](const core::Snapshot& s) {
+             std::string out;
+             for (const auto& b : s.buffers) out.append(b.data(), b.size());
+             return nb::bytes(out.data(), out.size());
+           },
+           "Every state buffer, concatenated (for comparing two states bit for bit).");
 
   nb::class_<core::Engine>(m, "Engine",
                            "One model on one device ('emu', 'metal', or 'count': counters only, no memory).")

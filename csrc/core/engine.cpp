@@ -562,11 +562,8 @@ Engine::InFlight Engine::encode(uint32_t T, uint32_t position, bool all_logits, 
   InFlight f;
   const auto t0 = std::chrono::steady_clock::now();
   if (!enc && skip_barrier >= 0) {
-    auto* emu_dev = dynamic_cast<emu::EmuDevice*>(device_.get());
-    if (!emu_dev) fail("skip_barrier needs the emulator (device 'emu')");
-    emu::RunOptions o = emu_dev->options();
-    o.skip_barrier = skip_barrier;
-    enc = emu_dev->new_encoder(o);
+    enc = device_->new_checking_encoder(skip_barrier, true);
+    if (!enc) fail("skip_barrier needs a device that checks plans (the emulator, device 'emu')");
   }
   f.enc = enc ? std::move(enc) : device_->new_encoder();
   gpu::ops::RecordingEncoder rec(*f.enc);  // counts commit()/wait() asked for while encoding
@@ -699,13 +696,9 @@ StepStats Engine::count(uint32_t T, uint32_t position, bool all_logits, const St
 
 StepStats Engine::check(uint32_t T, uint32_t position, bool all_logits, const StepSampling& sampling,
                         bool want_logits, int64_t skip_barrier) {
-  auto* emu_dev = dynamic_cast<emu::EmuDevice*>(device_.get());
-  if (!emu_dev) fail("check() needs the emulator (device 'emu')");
-  emu::RunOptions o = emu_dev->options();
-  o.execute = false;
-  o.hazards = true;
-  o.skip_barrier = skip_barrier;
-  return encode(T, position, all_logits, sampling, want_logits, emu_dev->new_encoder(o)).st;
+  auto enc = device_->new_checking_encoder(skip_barrier, false);
+  if (!enc) fail("check() needs a device that checks plans (the emulator, device 'emu')");
+  return encode(T, position, all_logits, sampling, want_logits, std::move(enc)).st;
 }
 
 }  // namespace lily::core

@@ -181,6 +181,14 @@ gpu::PipelineInfo EmuDevice::pipeline_info(gpu::KernelId kernel) {
   return p;
 }
 
+std::unique_ptr<gpu::Encoder> EmuDevice::new_checking_encoder(int64_t skip_barrier, bool execute) {
+  RunOptions o = options_;
+  o.hazards = true;
+  o.skip_barrier = skip_barrier;
+  o.execute = execute;
+  return new_encoder(o);
+}
+
 std::unique_ptr<gpu::Encoder> EmuDevice::new_encoder(const RunOptions& options) {
   return std::make_unique<EmuEncoder>(options);
 }

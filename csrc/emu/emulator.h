@@ -142,6 +142,7 @@ class EmuDevice final : public gpu::Device {
   gpu::PipelineInfo pipeline_info(gpu::KernelId kernel) override;
   // An encoder with these options instead of the device's (e.g. execute = false, skip_barrier).
   std::unique_ptr<gpu::Encoder> new_encoder(const RunOptions& options);
+  std::unique_ptr<gpu::Encoder> new_checking_encoder(int64_t skip_barrier, bool execute) override;
   const RunOptions& options() const { return options_; }
 
  private:

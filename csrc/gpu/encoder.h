@@ -159,6 +159,10 @@ class Device {
   // Buffers the GPU should keep resident (weights, state): Metal on macOS 15+ adds them to an
   // MTLResidencySet attached to the queue; elsewhere a no-op.
   virtual void make_resident(const std::vector<Buffer*>& buffers) {}
+  // Devices that can check a plan (the emulator): an encoder that checks hazards between
+  // dispatches, ignores its barrier number `skip_barrier` (-1: none) and runs the dispatches only
+  // when `execute`. nullptr where the device cannot (Metal, counting).
+  virtual std::unique_ptr<Encoder> new_checking_encoder(int64_t skip_barrier, bool execute) { return nullptr; }
 };
 
 }  // namespace lily::gpu

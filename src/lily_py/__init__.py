@@ -10,7 +10,9 @@ from .config import ModelConfig
 from .errors import (BackendError, BusyError, CheckpointError, ConfigError, ContextLengthError,
                      DeviceMemoryError, LilyError)
 from .generation import GenerationChunk, GenerationStats
-from .model import GenerationResult, Model, load
+from .model import DEFAULT_CONTEXT, DEFAULT_MAX_TOKENS, GenerationResult, Model, load
+from .parsing import ToolCall, ToolCallError
+from .prompt_cache import DEFAULT_PROMPT_CACHE_BYTES, PromptCache
 from .resources import demo_path
 from .chat_template import ChatTemplateError
 from .sampling import SamplingParams
@@ -22,6 +24,8 @@ __all__ = [
     "SamplingParams", "demo_path", "LilyError", "ConfigError", "CheckpointError",
     "ContextLengthError", "BackendError", "BusyError", "ChatTemplateError", "__version__",
     "DeviceMemoryError", "DeviceStatus", "devices", "device_info", "pipeline_limits", "auto_backend",
+    "ToolCall", "ToolCallError", "PromptCache", "DEFAULT_CONTEXT", "DEFAULT_MAX_TOKENS",
+    "DEFAULT_PROMPT_CACHE_BYTES",
 ]
 
 

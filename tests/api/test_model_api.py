@@ -182,7 +182,7 @@ def test_context_length(ckpt):
         m.prefill(list(range(1, 12)))
     assert m.position == 0
     r = m.generate_text(list(range(1, 8)), max_tokens=50)
-    assert r.finish_reason == "length" and m.position == 10 and len(r.tokens) == 4
+    assert r.finish_reason == "context_length" and m.position == 10 and len(r.tokens) == 4
 
 
 @pytest.mark.parametrize("call, exc, msg", [

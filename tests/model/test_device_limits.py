@@ -27,7 +27,7 @@ from conftest import assert_close
 
 def test_registry_lists_every_device_with_a_reason():
     devs = {d.name: d for d in lily_py.devices()}
-    assert list(devs) == ["metal", "emu", "count"]          # backend="auto" preference order
+    assert list(devs) == ["metal", "emu", "count", "count_host"]   # backend="auto" preference order
     assert devs["emu"].available and devs["count"].available and devs["emu"].reason == ""
     if not _core.has_metal:
         assert not devs["metal"].available

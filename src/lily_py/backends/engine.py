@@ -294,6 +294,14 @@ class EngineBackend:
         self.engine.restore(snap)
         self.last_token = None
 
+    @staticmethod
+    def snapshot_nbytes(snap) -> int:
+        return int(snap.nbytes)
+
+    @staticmethod
+    def snapshot_bytes(snap) -> bytes:
+        return snap.to_bytes()
+
 
 def count_step(cfg: ModelConfig, *, tokens: int = 1, position: int = 0, all_logits: bool = False,
                quant: dict | None = None, prefill_chunk: int | None = None,
