@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 import sys
 
@@ -73,6 +74,14 @@ def cmd_serve(a) -> int:
           f"{' (API key required)' if api_key else ''}", file=sys.stderr, flush=True)
     config = uvicorn.Config(server.app, log_level=a.log_level,
                             timeout_graceful_shutdown=a.shutdown_timeout, lifespan="on")
-    uvicorn.Server(config).run(sockets=[sock])
+    # uvicorn handles SIGINT/SIGTERM (stop accepting, let running requests finish, then the
+    # lifespan shutdown cancels what is left) and afterwards re-raises the signal to the handler
+    # it found: a no-op here, so that a requested stop ends with exit status 0.
+    previous = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
     print("lily-py serve: stopped", file=sys.stderr, flush=True)
     return 0
