@@ -147,3 +147,18 @@ class ThreadServer:
         self.uv.should_exit = True
         self.thread.join(30)
         assert not self.thread.is_alive(), "the in-process server did not stop"
+
+
+@pytest.fixture
+def inproc():
+    """Starts ``ThreadServer``s around given model objects; all are stopped at teardown."""
+    servers = []
+
+    def start(model, **kw) -> ThreadServer:
+        s = ThreadServer(model, **kw)
+        servers.append(s)
+        return s
+
+    yield start
+    for s in servers:
+        s.close()

@@ -358,7 +358,9 @@ def parse_completion(body) -> GenRequest:
         prompt = p
     elif isinstance(p, str) and p:
         prompt = p
-    elif isinstance(p, list) and len(p) > 1:
+    elif isinstance(p, list) and len(p) > 1 and all(
+            isinstance(x, str) or (isinstance(x, list) and all(isinstance(t, int) for t in x))
+            for x in p):
         raise bad("'prompt' holds several prompts; lily-py serve answers one prompt per request",
                   "prompt", "unsupported_value")
     else:
