@@ -251,6 +251,8 @@ class Server:
                 "model": self.model_id, "system_fingerprint": self._fingerprint()}
         fr = protocol.finish_reason(reason, saw_calls)
         if req.kind == "chat":
+            if message["content"] is None and not saw_calls:
+                message["content"] = ""
             choice = {"index": 0, "message": message, "finish_reason": fr, "logprobs": None}
             return {**head, "object": "chat.completion", "choices": [choice],
                     "usage": protocol.usage(stats)}

@@ -66,7 +66,8 @@ class Scheduler:
         with self._cond:
             if self._stopping:
                 raise QueueFull("the server is shutting down")
-            if len(self._waiting) >= self.max_queue:
+            # An idle model takes the next job at once: it does not count against the queue.
+            if len(self._waiting) >= self.max_queue + (self._running is None):
                 self.counts["rejected"] += 1
                 raise QueueFull(f"the queue is full ({self.max_queue} requests waiting behind the "
                                 "running one); retry later")
