@@ -1,4 +1,4 @@
-"""Command line: ``lily-py generate``, ``lily-py chat``, ``lily-py info``.
+"""Command line: ``lily-py generate``, ``lily-py chat``, ``lily-py info``, ``lily-py serve``.
 
 Without ``--model`` every command uses the small demo checkpoint shipped with lily_py, so
 ``lily-py generate --prompt "..."`` works on a fresh machine with no download.
@@ -150,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     i = sub.add_parser("info", help="describe a checkpoint and this build")
     i.add_argument("--model", "-m", default=None)
     i.set_defaults(func=cmd_info)
+
+    from .serve.cli import add_parser as add_serve_parser
+    add_serve_parser(sub, _add_model_args)
 
     a = ap.parse_args(argv)
     from .errors import LilyError
