@@ -21,6 +21,7 @@ from .checkpoint import ModelWeights, load_weights
 from .config import ModelConfig
 from .errors import BusyError, ContextLengthError
 from .generation import GenerationChunk, GenerationStats, StopMatcher
+from .progress import ProgressCallback  # noqa: F401  (annotations)
 from .sampling import SamplingParams, sample
 from .backends import BACKENDS, auto_backend, make_backend  # noqa: F401  (BACKENDS: public name)
 
@@ -32,14 +33,15 @@ DEFAULT_ENGINE_CONTEXT = 32768
 
 def load(path_or_repo_id: str | os.PathLike | None = None, *, backend: str = "auto",
          context_length: int | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-         revision: str | None = None) -> "Model":
+         revision: str | None = None, verbose: bool | None = None) -> "Model":
     """Load a qwen3_5_moe checkpoint.
 
     ``path_or_repo_id``: a local folder, a Hugging Face repo id (``org/name``, downloaded through
     huggingface_hub, text weights only), or None for the small demo model shipped with lily_py.
     ``context_length``: maximum tokens in the conversation state (default: the config's
     ``max_position_embeddings``). ``prefill_chunk``: long prompts are prefilled in chunks of
-    this many tokens.
+    this many tokens. ``verbose``: show progress (bytes and shards) on stderr while engine
+    backends read and upload the weights; None (default) = only when stderr is a terminal.
     """
     from . import hub
     from .resources import demo_path
@@ -53,7 +55,7 @@ def load(path_or_repo_id: str | os.PathLike | None = None, *, backend: str = "au
     if tok is None:
         log.warning("lily_py: %s has no tokenizer.json; only token-id prompts work", folder)
     return Model(folder, cfg, weights, tok, backend=backend, context_length=context_length,
-                 prefill_chunk=prefill_chunk)
+                 prefill_chunk=prefill_chunk, verbose=verbose)
 
 
 @dataclass
@@ -71,7 +73,7 @@ class Model:
 
     def __init__(self, path: str, config: ModelConfig, weights: ModelWeights, tokenizer, *,
                  backend: str = "auto", context_length: int | None = None,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, verbose: bool | None = None):
         if backend == "auto":
             backend = auto_backend()
             log.info("lily_py: backend 'auto' selected %r", backend)
@@ -95,7 +97,7 @@ class Model:
         self.context_length = context_length
         self.prefill_chunk = prefill_chunk
         self._backend = make_backend(backend, config, weights, context_length=context_length,
-                                      prefill_chunk=prefill_chunk)
+                                      prefill_chunk=prefill_chunk, verbose=verbose)
         self._history: list[int] = []
         self._last_logits: np.ndarray | None = None
         # (prompt ids, backend state, logits) saved right after the last generate() prefill, so
@@ -131,12 +133,16 @@ class Model:
                 f"{self.position}/{self.context_length} tokens in state, path={self.path!r}>")
 
     # ---- explicit stepping --------------------------------------------------------------------
-    def prefill(self, token_ids: Sequence[int] | np.ndarray, *, all_logits: bool = False
-                ) -> np.ndarray:
+    def prefill(self, token_ids: Sequence[int] | np.ndarray, *, all_logits: bool = False,
+                progress: "ProgressCallback | None" = None) -> np.ndarray:
         """Feed ``token_ids`` after the current state. Returns float32 logits of the last
-        position ``[vocab]``, or of every fed position ``[T, vocab]`` with ``all_logits``."""
+        position ``[vocab]``, or of every fed position ``[T, vocab]`` with ``all_logits``.
+
+        ``progress(done_tokens, total_tokens)`` is called after each prefill chunk (of
+        ``prefill_chunk`` tokens), ending with ``done_tokens == total_tokens``. An exception it
+        raises stops the prefill after that chunk; the chunks already fed stay in the state."""
         with self._exclusive():
-            return self._prefill(token_ids, all_logits=all_logits)
+            return self._prefill(token_ids, all_logits=all_logits, progress=progress)
 
     def decode(self, token_id: int) -> np.ndarray:
         """Feed one token; returns the next-token logits ``[vocab]`` (float32)."""
@@ -168,7 +174,8 @@ class Model:
     def generate(self, prompt, *, max_tokens: int = 256, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int | None = None,
                  stop: Sequence[str] | str | None = None, enable_thinking: bool | None = None,
-                 tools: list | None = None) -> Iterator[GenerationChunk]:
+                 tools: list | None = None, prefill_progress: "ProgressCallback | None" = None
+                 ) -> Iterator[GenerationChunk]:
         """Stream a completion as ``GenerationChunk`` objects.
 
         ``prompt``: a string (fed as raw text), a list of chat messages
@@ -177,6 +184,8 @@ class Model:
         of token ids. If the prompt extends the tokens already in the state, only the new ones
         are prefilled. Generation ends at an EOS token, a ``stop`` string (not included in the
         text) or ``max_tokens``. Closing the generator early leaves the model usable.
+        ``prefill_progress(done_tokens, total_tokens)``: called after each chunk of the prompt's
+        prefill (tokens reused from the state are not counted), as ``Model.prefill``'s ``progress``.
         """
         params = SamplingParams(float(temperature), top_k, float(top_p), float(min_p), seed)
         if not isinstance(max_tokens, int) or max_tokens < 1:
@@ -192,7 +201,7 @@ class Model:
                                 "one model runs one generation at a time")
             self._generating = True
         try:
-            gen = self._generate(ids, boundary, params, max_tokens, stops)
+            gen = self._generate(ids, boundary, params, max_tokens, stops, prefill_progress)
         except BaseException:
             self._generating = False
             raise
@@ -209,7 +218,7 @@ class Model:
         return GenerationResult("".join(parts), tokens, last.finish_reason, last.stats)
 
     def _generate(self, ids: list[int], boundary: int, params: SamplingParams, max_tokens: int,
-                  stops: list[str]) -> Iterator[GenerationChunk]:
+                  stops: list[str], progress=None) -> Iterator[GenerationChunk]:
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         t0 = time.perf_counter()
         reuse = self._reusable_prefix(ids)
@@ -223,15 +232,19 @@ class Model:
             self._reset()
         # Keep a snapshot at the end of the conversation proper (before the generation prompt
         # of a chat; the whole prompt otherwise): the next turn starts with exactly these tokens.
+        start, total = len(self._history), len(ids) - len(self._history)
+        if progress is not None:   # one count over both prefill calls below
+            user_cb = progress
+            progress = lambda done, _n: user_cb(len(self._history) - start, total)  # noqa: E731
         if len(self._history) < boundary:
-            self._prefill(ids[len(self._history):boundary], all_logits=False)
+            self._prefill(ids[len(self._history):boundary], all_logits=False, progress=progress)
         if len(self._history) == boundary and not (snap is not None and snap[0] == ids[:boundary]
                                                    and self._snapshot is snap):
             self._snapshot = (list(self._history), self._backend.snapshot(), self._last_logits)
         if len(self._history) == len(ids):
             logits = self._last_logits
         else:
-            logits = self._prefill(ids[len(self._history):], all_logits=False)
+            logits = self._prefill(ids[len(self._history):], all_logits=False, progress=progress)
         t_prefill = time.perf_counter() - t0
         eos = self._eos_ids()
         detok = self.tokenizer.detokenizer() if self.tokenizer is not None else None
@@ -401,7 +414,7 @@ class Model:
                              f"[0, {self.config.vocab_size})")
         return [int(t) for t in arr]
 
-    def _prefill(self, token_ids, *, all_logits: bool) -> np.ndarray:
+    def _prefill(self, token_ids, *, all_logits: bool, progress=None) -> np.ndarray:
         ids = self._validate_ids(token_ids)
         if not ids:
             raise ValueError("prefill needs at least one token id")
@@ -416,6 +429,8 @@ class Model:
             elif last:
                 out.append(logits)
             self.prefilled_tokens_total += len(chunk)
+            if progress is not None:
+                progress(min(s + self.prefill_chunk, len(ids)), len(ids))
         return np.concatenate(out) if all_logits else out[-1]
 
     def _check_room(self, n: int) -> None:

@@ -134,9 +134,27 @@ def _raw(a: np.ndarray) -> np.ndarray:
     return a if a.flags.c_contiguous else np.ascontiguousarray(a)
 
 
-def upload_weights(engine, cfg: ModelConfig, w: ModelWeights, quant: dict) -> None:
-    """Upload every tensor once; raise BackendError for a tensor outside its quant class."""
-    for name, cls, lins, parts in _tensors(cfg, w):
+def _source_file(a: np.ndarray) -> str | None:
+    """The checkpoint file a memory-mapped tensor view reads from (None for in-memory arrays)."""
+    while a is not None:
+        fn = getattr(a, "filename", None)
+        if fn:
+            return fn
+        a = getattr(a, "base", None)
+    return None
+
+
+def upload_weights(engine, cfg: ModelConfig, w: ModelWeights, quant: dict, *,
+                   verbose: bool | None = None) -> None:
+    """Upload every tensor once; raise BackendError for a tensor outside its quant class.
+    Shows bytes and shards on a terminal as it goes (lily_py.progress; ``verbose=False``: never)."""
+    from ..progress import LoadProgress
+    tensors = list(_tensors(cfg, w))
+    total = sum(np.asarray(p).nbytes for *_, parts in tensors for p in parts)
+    shards: dict[str, int] = {}
+    bar = LoadProgress(total, max(len(w.files), 1), verbose=verbose)
+    done = 0
+    for name, cls, lins, parts in tensors:
         if cls is not None:
             for lin in lins:
                 got = _quant(lin, name)
@@ -145,14 +163,20 @@ def upload_weights(engine, cfg: ModelConfig, w: ModelWeights, quant: dict) -> No
                                        f"engine takes one quantization per class ({cls}: {quant[cls]}); "
                                        "use backend='reference'")
         engine.upload(name, [_raw(p) for p in parts])
+        done += sum(np.asarray(p).nbytes for p in parts)
+        src = _source_file(parts[0]) if bar.enabled else None
+        if src is not None:
+            shards.setdefault(src, len(shards) + 1)
+        bar.update(done, shards.get(src, max(len(shards), 1)))
     engine.check_loaded()
+    bar.close(done)
 
 
 class EngineBackend:
     """The C++ engine as a Model backend (same interface as ReferenceBackend)."""
 
     def __init__(self, device: str, cfg: ModelConfig, weights: ModelWeights, *, context_length: int,
-                 prefill_chunk: int):
+                 prefill_chunk: int, verbose: bool | None = None):
         if device not in _core().devices() and device != "count":
             raise BackendError(f"device {device!r} is not available in this build "
                                f"(available: {_core().devices()})")
@@ -164,7 +188,7 @@ class EngineBackend:
                                                      prefill_chunk=prefill_chunk), device)
         except ValueError as e:
             raise BackendError(str(e)) from None
-        upload_weights(self.engine, cfg, weights, quant)
+        upload_weights(self.engine, cfg, weights, quant, verbose=verbose)
         self.prefill_chunk = prefill_chunk
         self._context = context_length
         self.logit_rows = min(prefill_chunk, LOGIT_ROWS)
