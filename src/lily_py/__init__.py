@@ -13,13 +13,14 @@ from .model import GenerationResult, Model, load
 from .resources import demo_path
 from .chat_template import ChatTemplateError
 from .sampling import SamplingParams
+from .tools.doctor import doctor
 
 __version__ = "0.1.0"
 
 __all__ = [
     "load", "Model", "ModelConfig", "GenerationChunk", "GenerationStats", "GenerationResult",
     "SamplingParams", "demo_path", "LilyError", "ConfigError", "CheckpointError",
-    "ContextLengthError", "BackendError", "BusyError", "ChatTemplateError", "__version__",
+    "ContextLengthError", "BackendError", "BusyError", "ChatTemplateError", "doctor", "__version__",
 ]
 
 

@@ -127,7 +127,7 @@ def cmd_info(a) -> int:
 
 
 def _add_tool_commands(sub) -> None:
-    """``doctor`` (lily_py/doctor.py) and ``bench`` (lily_py/bench.py)."""
+    """``doctor`` and ``bench`` (lily_py/tools/)."""
     d = sub.add_parser("doctor", help="check this build on this machine: device, pipelines, "
                        "every kernel family and the demo model against the NumPy reference")
     d.add_argument("--device", choices=["metal", "emu"], default=None,
@@ -135,12 +135,12 @@ def _add_tool_commands(sub) -> None:
     d.add_argument("--quick", action="store_true", help="smaller model-sized cases (emulator)")
     d.add_argument("--seed", type=int, default=None, help="replay a run's random inputs")
     d.add_argument("--json", dest="json_path", default=None, help="also write the results here")
-    d.set_defaults(func=lambda a: __import__("lily_py.doctor", fromlist=["doctor"]).doctor(
+    d.set_defaults(func=lambda a: __import__("lily_py").doctor(
         a.device, quick=a.quick, json_path=a.json_path, seed=a.seed))
 
     b = sub.add_parser("bench", help="prefill / decode tokens/s, counters per token, time to first "
                        "token and peak memory at Lily's and MLX's context lengths")
-    from .bench import add_arguments
+    from .tools.bench import add_arguments
     add_arguments(b)
 
 

@@ -50,7 +50,7 @@ def _out_rtol(dtype) -> float:
 # fall back to what lily_py._core reports, and say so.
 
 def _core():
-    from . import _core
+    from .. import _core
     return _core
 
 
@@ -193,8 +193,8 @@ def _dt(dtype) -> str:
 
 def fam_quantized_matmul(rng, device, *, quick):
     """tests/kernels/test_quantized_matmul.py: atol 8 sqrt(K) u mag, bf16 out rtol 2^-8."""
-    from . import ops
-    from .reference import kernels as ref, quant
+    from .. import ops
+    from ..reference import kernels as ref, quant
     for m, n, k, xdt in [(3, 37, 192, F32), (9, 70, 512 if quick else 2048, BF16)]:
         w, s, b = quant.quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.05, bits=4,
                                  group_size=64, scale_dtype=BF16)
@@ -208,8 +208,8 @@ def fam_quantized_matmul(rng, device, *, quick):
 
 def fam_rms_norm(rng, device, *, quick):
     """tests/kernels/test_norm_embedding_elementwise.py: rtol (4 sqrt(D) + 8) u (+ bf16 out)."""
-    from . import ops
-    from .reference import kernels as ref
+    from .. import ops
+    from ..reference import kernels as ref
     for rows, d, xdt in [(3, 257, F32), (4, 2048, BF16)]:
         x, w = _rand(rng, (rows, d), xdt, 3.0), _rand(rng, (d,), BF16)
         y = ops.rms_norm(x, w, eps=1e-6, device=device)
@@ -219,8 +219,8 @@ def fam_rms_norm(rng, device, *, quick):
 
 def fam_embedding(rng, device, *, quick):
     """tests/kernels/test_norm_embedding_elementwise.py: atol 2 u (|s q| + |b|)."""
-    from . import ops
-    from .reference import kernels as ref, quant
+    from .. import ops
+    from ..reference import kernels as ref, quant
     for vocab, d, odt in [(53, 320, F32), (1000 if quick else 4096, 2048, BF16)]:
         table, s, b = quant.quantize(rng.standard_normal((vocab, d)).astype(np.float32), bits=4,
                                      group_size=64, scale_dtype=BF16)
@@ -236,8 +236,8 @@ def fam_embedding(rng, device, *, quick):
 
 def fam_elementwise(rng, device, *, quick):
     """tests/kernels/test_norm_embedding_elementwise.py: rtol 16 u (+ bf16 out)."""
-    from . import ops
-    from .reference import kernels as ref
+    from .. import ops
+    from ..reference import kernels as ref
     g, u = _rand(rng, (3, 257), F32, 4.0), _rand(rng, (3, 257), F32)
     yield ("swiglu [3,257] f32",
            *measure(ops.swiglu(g, u, device=device), ref.swiglu(g, u), atol=0, rtol=16 * U), "")
@@ -249,7 +249,7 @@ def fam_elementwise(rng, device, *, quick):
 
 def fam_sampling(rng, device, *, quick):
     """tests/kernels/test_sampling_kernels.py: the device picks exactly the reference's token."""
-    from . import ops, sampling as S
+    from .. import ops, sampling as S
     for v, params in [(1000, dict(temperature=0.7, top_k=20, top_p=0.9)),
                       (32768 if quick else 248320, dict(temperature=1.0, top_p=0.95, min_p=0.02))]:
         logits = (rng.standard_normal(v) * 3.0).astype(np.float32)
@@ -267,8 +267,8 @@ def fam_sampling(rng, device, *, quick):
 def fam_gated_delta(rng, device, *, quick):
     """tests/kernels/test_gated_delta.py: conv1d atol 2K u mag + 8 u |y|; gated delta state
     atol 16 sqrt((T+1) Dk) u M, y atol that / rms(o) * |w silu(z)| + rtol 16 u."""
-    from . import ops
-    from .reference import kernels as ref
+    from .. import ops
+    from ..reference import kernels as ref
     for T, C in [(5, 257), (3, 8192)]:
         K = 4
         x, w, st = _rand(rng, (T, C), BF16, 2.0), _rand(rng, (C, K), BF16, 0.5), _rand(rng, (K - 1, C), BF16, 2.0)
@@ -303,7 +303,7 @@ def fam_gated_delta(rng, device, *, quick):
 
 def _gd_o_rms(q, k, v, a, b, A_log, dt_bias, S0, eps):
     """rms(o) per (token, head) of the reference's pre-norm output (as in test_gated_delta.py)."""
-    from .reference import kernels as ref
+    from ..reference import kernels as ref
     y, _ = ref.gated_delta(q, k, v, np.full(v.shape, 50.0), a, b, A_log, dt_bias, np.ones(v.shape[2]),
                            S0, eps=eps)
     m = np.mean((y / 50.0) ** 2, -1)
@@ -313,9 +313,9 @@ def _gd_o_rms(q, k, v, a, b, A_log, dt_bias, S0, eps):
 def fam_moe(rng, device, *, quick):
     """tests/kernels/test_moe.py: routing equal (near-ties excluded), output within
     reference.kernels.moe_error_bound, RMS error <= 1/64 of the RMS bound."""
-    from . import ops
-    from .reference import kernels as ref, quant
-    from .weights import QuantLinear
+    from .. import ops
+    from ..reference import kernels as ref, quant
+    from ..weights import QuantLinear
     from types import SimpleNamespace
 
     def ql(shape, bits, gs, fill=None):
@@ -358,8 +358,8 @@ def fam_moe(rng, device, *, quick):
 
 def fam_attention(rng, device, *, quick):
     """tests/kernels/test_attention.py: atol (8 sqrt(D) u smag + (64 + 2 nb + 2 splits) u) vmag."""
-    from . import ops
-    from .reference import kernels as ref
+    from .. import ops
+    from ..reference import kernels as ref
 
     def bound(q, kc, vc, g, position):
         r, smag, vmag = ref.attention(q, kc, vc, position=position, gate=g)
@@ -394,7 +394,7 @@ FAMILIES: dict[str, Callable] = {
 def check_model(device: str, *, tokens: int = 32) -> list[Check]:
     """The demo checkpoint on the device vs the reference backend (tests/model/test_engine.py:
     prompt logits within 2^-7 max|ref| (bf16 KV cache), greedy tokens identical)."""
-    from .model import load
+    from ..model import load
     out = []
     t0 = time.perf_counter()
     dev = load(backend=device, context_length=128)
@@ -441,7 +441,7 @@ def run(device: str | None = None, *, quick: bool = False, families: list[str] |
         model: bool = True, seed: int | None = None, out: TextIO | None = sys.stdout) -> Report:
     """Run every check on ``device`` (default: :func:`default_device`), printing the tables to
     ``out`` as they complete (None: silent). Returns the :class:`Report`."""
-    from . import __version__
+    from .. import __version__
     device = device or default_device()
     seed = secrets.randbits(63) if seed is None else int(seed)
     rep = Report(device=device, quick=quick, seed=seed)
