@@ -32,7 +32,7 @@ def wants_progress(verbose: bool | None, stream: TextIO) -> bool:
 
 
 class LoadProgress:
-    """``update(done_bytes, shard)`` while uploading ``total_bytes`` from ``shards`` files;
+    """``update(done_bytes, shards_read)`` while uploading ``total_bytes`` from ``shards`` files;
     ``close()`` ends the line. Redraws at most every ``interval`` seconds."""
 
     def __init__(self, total_bytes: int, shards: int, *, verbose: bool | None = None,
@@ -44,7 +44,7 @@ class LoadProgress:
         self._last = -1.0
         self._drawn = False
 
-    def update(self, done_bytes: int, shard: int = 1, *, force: bool = False) -> None:
+    def update(self, done_bytes: int, shards_read: int = 1, *, force: bool = False) -> None:
         if not self.enabled:
             return
         now = time.perf_counter()
@@ -55,7 +55,7 @@ class LoadProgress:
         dt = now - self.t0
         rate = f", {_gb(done_bytes / dt)}/s" if dt > 0.5 else ""
         self.stream.write(f"\r{self.label}: {_gb(done_bytes)} / {_gb(self.total)} ({pct:5.1f}%), "
-                          f"shard {shard}/{self.shards}{rate}   ")
+                          f"{shards_read}/{self.shards} shards{rate}   ")
         self.stream.flush()
         self._drawn = True
 

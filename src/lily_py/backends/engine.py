@@ -151,7 +151,7 @@ def upload_weights(engine, cfg: ModelConfig, w: ModelWeights, quant: dict, *,
     from ..progress import LoadProgress
     tensors = list(_tensors(cfg, w))
     total = sum(np.asarray(p).nbytes for *_, parts in tensors for p in parts)
-    shards: dict[str, int] = {}
+    shards: dict[str, int] = {}     # checkpoint files read so far
     bar = LoadProgress(total, max(len(w.files), 1), verbose=verbose)
     done = 0
     for name, cls, lins, parts in tensors:
@@ -164,10 +164,9 @@ def upload_weights(engine, cfg: ModelConfig, w: ModelWeights, quant: dict, *,
                                        "use backend='reference'")
         engine.upload(name, [_raw(p) for p in parts])
         done += sum(np.asarray(p).nbytes for p in parts)
-        src = _source_file(parts[0]) if bar.enabled else None
-        if src is not None:
-            shards.setdefault(src, len(shards) + 1)
-        bar.update(done, shards.get(src, max(len(shards), 1)))
+        if bar.enabled:
+            shards.update({f: 1 for f in map(_source_file, parts) if f is not None})
+            bar.update(done, max(len(shards), 1))
     engine.check_loaded()
     bar.close(done)
 
