@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import lily_py
+import lily_py._core  # noqa: F401  (the extension: a missing build fails loudly)
 from lily_py.tools import doctor as D
 
 FAMILIES = ["quantized_matmul", "rms_norm", "embedding", "swiglu/sigmoid_mul", "sampling",
@@ -108,3 +109,41 @@ def test_measure_is_the_tests_bound():
     assert err == pytest.approx(0.1) and ratio == pytest.approx(1.0)
     assert D.measure([np.nan], [1.0], atol=1, rtol=0)[1] == float("inf")
     assert D.measure([1.0, 2.0], [1.0], atol=1, rtol=0)[1] == float("inf")
+
+
+def test_device_registry_api_is_used_where_present(monkeypatch):
+    """The registry API of issue 13 (lily_py.devices / device_info / pipeline_limits): doctor
+    prints its facts, and a metallib that was built but did not load is a failure."""
+    from dataclasses import dataclass
+
+    @dataclass(frozen=True)
+    class DeviceStatus:
+        name: str
+        available: bool
+        reason: str
+        description: str = ""
+
+    facts = {"name": "metal", "device_name": "Apple M9 (test double)", "gpu_family": "apple9",
+             "working_set_bytes": 48 * 2**30, "max_buffer_bytes": 32 * 2**30,
+             "library_path": "/x/lily_shaders.metal", "library_source": "source",
+             "metallib_error": "Invalid library file", "metallib_built": True, "build_target": "macOS 14.0",
+             "build_sdk": "macOS SDK 14.2", "math_mode": "fastMathEnabled=NO", "residency_set": False,
+             "simulated": False}
+    monkeypatch.setattr(lily_py, "devices", lambda: [DeviceStatus("metal", True, ""), DeviceStatus("emu", True, ""),
+                                                     DeviceStatus("count", True, "")], raising=False)
+    monkeypatch.setattr(lily_py, "device_info", lambda name: dict(facts, name=name), raising=False)
+    monkeypatch.setattr(lily_py, "pipeline_limits", lambda name: [
+        {"kernel": k["name"], "max_threads": 1024, "static_threadgroup_bytes": 0, "simd_width": 32}
+        for k in lily_py._core.kernel_table()], raising=False)
+    assert D.default_device() == "metal"
+    out = io.StringIO()
+    rep = D.run("metal", families=[], model=False, out=out)
+    text = out.getvalue()
+    for s in ("registry        metal: usable; emu: usable; count: usable", "Apple M9 (test double)", "apple9",
+              "48.0 GiB", "macOS SDK 14.2", "fastMathEnabled=NO", "Invalid library file",
+              "a lily.metallib was built but did not load    FAIL"):
+        assert s in text, s
+    assert rep.exit_status == 1 and [c.name for c in rep.failed] == ["metallib"]
+    monkeypatch.setattr(lily_py, "devices", lambda: [DeviceStatus("metal", False, "no Metal device")],
+                        raising=False)
+    assert D.device_status("metal") == (False, "no Metal device") and D.default_device() == "emu"

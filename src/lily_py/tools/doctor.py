@@ -398,8 +398,9 @@ def check_model(device: str, *, tokens: int = 32) -> list[Check]:
     from ..model import load
     out = []
     t0 = time.perf_counter()
-    dev = load(backend=device, context_length=128)
+    dev = load(backend=device, context_length=128, verbose=False)
     ref = load(backend="reference", context_length=128)
+    out.extend(_engine_checks(dev, time.perf_counter() - t0))
     prompt = dev.tokenizer.encode("The quick brown fox")
     got, want = dev.prefill(prompt), ref.prefill(prompt)
     err, ratio = measure(got, want, atol=2.0 ** -7 * float(np.abs(want).max()), rtol=0)
@@ -416,6 +417,31 @@ def check_model(device: str, *, tokens: int = 32) -> list[Check]:
                      detail="identical" if same else f"first difference at token {first}: "
                      f"{a.tokens[first:first + 3] if first is not None else a.tokens} vs "
                      f"{b.tokens[first:first + 3] if first is not None else b.tokens}"))
+    return out
+
+
+def _engine_checks(model, seconds: float) -> list[Check]:
+    """What the loaded engine reports about its plan, where this build has it: the pipelines every
+    step uses (threads per threadgroup vs the pipeline's limit, checked at load) and the device
+    memory it allocated against the working set."""
+    eng = getattr(model._backend, "engine", None)
+    out = []
+    pipes = getattr(eng, "pipelines", None)
+    if pipes is not None:
+        pipes = [dict(d) for d in pipes]
+        over = [d["kernel"] for d in pipes if d.get("max_threads") and d.get("threads", 0) > d["max_threads"]]
+        top = max(pipes, key=lambda d: d.get("threads", 0), default=None)
+        out.append(Check("model", "demo pipelines", f"{len(pipes)} kernels the plan uses", not over,
+                         seconds=seconds, detail=(f"over the limit: {over}" if over else
+                         f"checked at load; most threads: {top['kernel']} {top.get('threads')} of "
+                         f"{top.get('max_threads')}" if top else "")))
+    mem = getattr(eng, "memory", None)
+    if mem is not None:
+        mem = dict(mem)
+        ws = mem.get("working_set_bytes")
+        out.append(Check("model", "demo memory", f"{_fmt_bytes(mem.get('total_bytes'))} allocated", None,
+                         detail=f"working set {'unlimited' if ws is None else _fmt_bytes(ws)}"
+                         + (f"; {mem['warning']}" if mem.get("warning") else "")))
     return out
 
 
@@ -454,6 +480,10 @@ def run(device: str | None = None, *, quick: bool = False, families: list[str] |
     # 1. device
     p()
     p("Device")
+    reg = _registry()
+    if reg is not None:
+        p("  registry        " + "; ".join(f"{d.name}: " + ("usable" if d.available else f"not usable ({d.reason})")
+                                      for d in reg))
     usable, reason = device_status(device)
     rep.checks.append(Check("device", "usable", device, usable, detail=reason))
     if not usable:
@@ -471,7 +501,8 @@ def run(device: str | None = None, *, quick: bool = False, families: list[str] |
             ("library", f.get("library_path")), ("library source", f.get("library_source")),
             ("metallib error", f.get("metallib_error")), ("build target", f.get("build_target")),
             ("build SDK", f.get("build_sdk")), ("math mode", f.get("math_mode")),
-            ("compiler", f.get("compiler"))]
+            ("compiler", f.get("compiler")),
+            ("simulated", "yes (limits set by lily_py.testing.simulated_device)" if f.get("simulated") else None)]
     for k, v in rows:
         if v is not None or k in ("name", "GPU family", "library"):
             p(f"  {k:<16}{'-' if v is None else v}")
@@ -579,9 +610,9 @@ def _kernel_row(c: Check) -> str:
     err = "-" if c.max_err is None else f"{c.max_err:.2e}"
     ratio = "-" if c.ratio is None else ("inf" if c.ratio == float("inf") else f"{c.ratio:.3f}")
     t = "" if c.seconds is None else f"{c.seconds:.1f}s"
-    res = "PASS" if c.ok else "FAIL"
+    res = "PASS" if c.ok else ("INFO" if c.ok is None else "FAIL")
     line = f"  {c.name:<19}{c.case:<52}{err:>10}{ratio:>11}{t:>7}  {res}"
-    if c.detail and (not c.ok or c.section == "model"):
+    if c.detail and (c.ok is not True or c.section == "model"):
         line += f"  ({c.detail})"
     return line
 
