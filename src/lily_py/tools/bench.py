@@ -127,12 +127,16 @@ def _per_token(stats: list[dict], key: str, tokens: int) -> float | None:
     return sum(s[key] for s in stats) / tokens
 
 
-def measure_context(model, context: int, decode_tokens: int, rng) -> Row:
-    """Prefill ``context`` random ids from an empty state, then ``decode_tokens`` greedy tokens
-    through ``generate`` (on-device sampling, two steps in flight on engine backends)."""
-    model.reset()
+def random_prompt(model, context: int, rng) -> list[int]:
     vocab = model.tokenizer.vocab_size if model.tokenizer is not None else model.config.vocab_size
-    ids = rng.integers(0, min(vocab, model.config.vocab_size), size=context).tolist()
+    return rng.integers(0, min(vocab, model.config.vocab_size), size=context).tolist()
+
+
+def measure_context(model, ids: list[int], decode_tokens: int) -> Row:
+    """Prefill ``ids`` from an empty state, then ``decode_tokens`` greedy tokens through
+    ``generate`` (on-device sampling, two steps in flight on engine backends)."""
+    model.reset()
+    context = len(ids)
     chunk_stats: list[dict] = []
 
     def on_chunk(done: int, total: int) -> None:
@@ -168,15 +172,26 @@ def measure_context(model, context: int, decode_tokens: int, rng) -> Row:
     return row
 
 
-def run_mlx(path: str, context: int, decode_tokens: int, seed: int, vocab: int) -> tuple[float, float]:
-    """mlx-lm on the same checkpoint and the same random prompt: (prefill tok/s, decode tok/s)."""
+_MLX_MODELS: dict[str, object] = {}
+
+
+def mlx_device() -> str:
+    import mlx.core as mx
+    import mlx_lm
+    return f"mlx-lm {getattr(mlx_lm, '__version__', '?')} on {mx.default_device()}"
+
+
+def run_mlx(path: str, ids: list[int], decode_tokens: int) -> tuple[float, float]:
+    """mlx-lm on the same checkpoint and prompt: (prefill tok/s, decode tok/s), greedy."""
     import mlx.core as mx
     from mlx_lm import load
     from mlx_lm.generate import generate_step
-    model, _ = load(path)
-    ids = np.random.default_rng([seed, context]).integers(0, vocab, size=context).tolist()
-    for _ in generate_step(mx.array(ids[:4]), model, max_tokens=2):   # warm-up (compile)
-        pass
+    if path not in _MLX_MODELS:
+        _MLX_MODELS[path] = load(path)[0]
+        for _ in generate_step(mx.array(ids[:4]), _MLX_MODELS[path], max_tokens=2):   # warm-up
+            pass
+    model = _MLX_MODELS[path]
+    context = len(ids)
     t0 = time.perf_counter()
     t_first, n = None, 0
     for _tok, _ in generate_step(mx.array(ids), model, max_tokens=decode_tokens + 1):
@@ -309,11 +324,12 @@ def bench(*, model: str | None = None, random_weights: bool = False, config: str
                 quiet.setLevel(level)
             rng = np.random.default_rng(seed)
             for c in run_ctx:
-                row = measure_context(m, c, decode_tokens, rng)
+                ids = random_prompt(m, c, rng)
+                row = measure_context(m, ids, decode_tokens)
                 if compare == "mlx-lm":
                     try:
-                        row.mlx_prefill_tps, row.mlx_decode_tps = run_mlx(path, c, decode_tokens, seed,
-                                                                          cfg.vocab_size)
+                        row.mlx_prefill_tps, row.mlx_decode_tps = run_mlx(path, ids, decode_tokens)
+                        result["compare"] = mlx_device()
                     except ImportError as e:
                         row.note = f"mlx-lm not installed ({e.name})"
                 measured.rows.append(row)
@@ -338,7 +354,8 @@ def bench(*, model: str | None = None, random_weights: bool = False, config: str
         if compare == "mlx-lm" and measured.rows:
             say()
             if any(r.mlx_prefill_tps is not None for r in measured.rows):
-                say(f"COMPARE - mlx-lm on the same checkpoint and prompts (tokens/s; ratio = lily_py / mlx-lm):")
+                say(f"COMPARE - {result['compare']}, same checkpoint and prompts (tokens/s; ratio = lily_py / "
+                    "mlx-lm):")
                 say(format_compare(measured))
             else:
                 say(f"COMPARE - mlx-lm: {measured.rows[0].note or 'not run'}")
