@@ -88,3 +88,11 @@ def test_a_callback_that_raises_stops_after_that_chunk(tiny_mlx):
     ref.prefill(list(range(1, 11)))
     import numpy as np
     np.testing.assert_array_equal(m.decode(11), ref.decode(11))
+
+
+def test_prefill_bar_draws_on_its_stream(tiny_mlx):
+    from lily_py.progress import prefill_bar
+    out = io.StringIO()
+    m = lily_py.load(tiny_mlx, backend="reference", prefill_chunk=8)
+    m.prefill(list(range(1, 12)), progress=prefill_bar(out))
+    assert out.getvalue() == "\rprefill: 8 / 11 tokens\rprefill: 11 / 11 tokens\n"
