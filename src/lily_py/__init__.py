@@ -16,13 +16,14 @@ from .prompt_cache import DEFAULT_PROMPT_CACHE_BYTES, PromptCache
 from .resources import demo_path
 from .chat_template import ChatTemplateError
 from .sampling import SamplingParams
+from .tools.doctor import doctor
 
 __version__ = "0.1.0"
 
 __all__ = [
     "load", "Model", "ModelConfig", "GenerationChunk", "GenerationStats", "GenerationResult",
     "SamplingParams", "demo_path", "LilyError", "ConfigError", "CheckpointError",
-    "ContextLengthError", "BackendError", "BusyError", "ChatTemplateError", "__version__",
+    "ContextLengthError", "BackendError", "BusyError", "ChatTemplateError", "doctor", "__version__",
     "DeviceMemoryError", "DeviceStatus", "devices", "device_info", "pipeline_limits", "auto_backend",
     "ToolCall", "ToolCallError", "PromptCache", "DEFAULT_CONTEXT", "DEFAULT_MAX_TOKENS",
     "DEFAULT_PROMPT_CACHE_BYTES",

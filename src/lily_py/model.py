@@ -26,6 +26,7 @@ from .errors import BusyError, ContextLengthError
 from .generation import GenerationChunk, GenerationStats, StopMatcher
 from .parsing import OutputParser, ToolCall, ToolCallError, prompt_opens_reasoning
 from .prompt_cache import DEFAULT_PROMPT_CACHE_BYTES, PromptCache
+from .progress import ProgressCallback  # noqa: F401  (annotations)
 from .sampling import SamplingParams, sample
 from .backends import BACKENDS, auto_backend, built_with_metal, make_backend, resolve_auto  # noqa: F401  (BACKENDS, auto_backend: public names)
 
@@ -46,7 +47,7 @@ class _Cancelled(Exception):
 
 def load(path_or_repo_id: str | os.PathLike | None = None, *, backend: str = "auto",
          context_length: int | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-         revision: str | None = None,
+         revision: str | None = None, verbose: bool | None = None,
          prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES) -> "Model":
     """Load a qwen3_5_moe checkpoint.
 
@@ -57,6 +58,8 @@ def load(path_or_repo_id: str | os.PathLike | None = None, *, backend: str = "au
     allocate the KV cache for all of it up front). ``prefill_chunk``: long prompts are
     prefilled in chunks of this many tokens. ``prompt_cache_bytes``: budget of the prompt cache
     (state snapshots reused across ``generate`` calls, default 1 GiB; 0 turns it off).
+    ``verbose``: show progress (bytes and shards) on stderr while engine backends read and upload
+    the weights; None (default) = only when stderr is a terminal.
     """
     from . import hub
     from .resources import demo_path
@@ -70,7 +73,7 @@ def load(path_or_repo_id: str | os.PathLike | None = None, *, backend: str = "au
     if tok is None:
         log.warning("lily_py: %s has no tokenizer.json; only token-id prompts work", folder)
     return Model(folder, cfg, weights, tok, backend=backend, context_length=context_length,
-                 prefill_chunk=prefill_chunk, prompt_cache_bytes=prompt_cache_bytes)
+                 prefill_chunk=prefill_chunk, prompt_cache_bytes=prompt_cache_bytes, verbose=verbose)
 
 
 @dataclass
@@ -96,7 +99,7 @@ class Model:
     def __init__(self, path: str, config: ModelConfig, weights: ModelWeights, tokenizer, *,
                  backend: str = "auto", context_length: int | None = None,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-                 prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES):
+                 prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES, verbose: bool | None = None):
         if backend == "auto":
             backend, why = resolve_auto()
             log.info("lily_py: backend 'auto' selected %r", backend)
@@ -124,7 +127,7 @@ class Model:
         self.prefill_chunk = prefill_chunk
         self.prompt_cache = PromptCache(prompt_cache_bytes)
         self._backend = make_backend(backend, config, weights, context_length=context_length,
-                                      prefill_chunk=prefill_chunk)
+                                      prefill_chunk=prefill_chunk, verbose=verbose)
         self._history: list[int] = []
         self._last_logits: np.ndarray | None = None
         # Engine backends: the last step's logits are still on the device (fetched on demand by
@@ -161,12 +164,16 @@ class Model:
                 f"{self.position}/{self.context_length} tokens in state, path={self.path!r}>")
 
     # ---- explicit stepping --------------------------------------------------------------------
-    def prefill(self, token_ids: Sequence[int] | np.ndarray, *, all_logits: bool = False
-                ) -> np.ndarray:
+    def prefill(self, token_ids: Sequence[int] | np.ndarray, *, all_logits: bool = False,
+                progress: "ProgressCallback | None" = None) -> np.ndarray:
         """Feed ``token_ids`` after the current state. Returns float32 logits of the last
-        position ``[vocab]``, or of every fed position ``[T, vocab]`` with ``all_logits``."""
+        position ``[vocab]``, or of every fed position ``[T, vocab]`` with ``all_logits``.
+
+        ``progress(done_tokens, total_tokens)`` is called after each prefill chunk (of
+        ``prefill_chunk`` tokens), ending with ``done_tokens == total_tokens``. An exception it
+        raises stops the prefill after that chunk; the chunks already fed stay in the state."""
         with self._exclusive():
-            return self._prefill(token_ids, all_logits=all_logits)
+            return self._prefill(token_ids, all_logits=all_logits, progress=progress)
 
     def decode(self, token_id: int) -> np.ndarray:
         """Feed one token; returns the next-token logits ``[vocab]`` (float32)."""
@@ -199,7 +206,8 @@ class Model:
                  top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int | None = None,
                  stop: Sequence[str] | str | None = None, enable_thinking: bool | None = None,
                  tools: list | None = None, chat_template_kwargs: dict | None = None,
-                 parse_output: bool | None = None) -> Iterator[GenerationChunk]:
+                 parse_output: bool | None = None,
+                 prefill_progress: "ProgressCallback | None" = None) -> Iterator[GenerationChunk]:
         """Stream a completion as ``GenerationChunk`` objects.
 
         ``prompt``: a string (fed as raw text), a list of chat messages
@@ -219,6 +227,9 @@ class Model:
         "tool_calls" after a tool call), ``max_tokens`` ("length"), a full context
         ("context_length") or ``cancel()`` ("cancelled"). Closing the generator early leaves the
         model usable.
+        ``prefill_progress(done_tokens, total_tokens)``: called after each chunk of the prompt's
+        prefill (tokens reused from the state or the prompt cache are not counted), as
+        ``Model.prefill``'s ``progress``.
         """
         params = SamplingParams(_real("temperature", temperature), top_k, _real("top_p", top_p),
                                 _real("min_p", min_p), seed)
@@ -251,7 +262,7 @@ class Model:
             self._generating = True
             self._cancel.clear()
         try:
-            gen = self._generate(ids, points, params, max_tokens, stops, parser)
+            gen = self._generate(ids, points, params, max_tokens, stops, parser, prefill_progress)
         except BaseException:
             self._generating = False
             raise
@@ -289,8 +300,8 @@ class Model:
                                 "".join(reasoning), calls, errors, "".join(raw))
 
     def _generate(self, ids: list[int], points: list[int], params: SamplingParams,
-                  max_tokens: int, stops: list[str], parser: OutputParser | None
-                  ) -> Iterator[GenerationChunk]:
+                  max_tokens: int, stops: list[str], parser: OutputParser | None,
+                  progress=None) -> Iterator[GenerationChunk]:
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         t0 = time.perf_counter()
         cache = self.prompt_cache if self.prompt_cache.max_bytes > 0 else None
@@ -326,6 +337,12 @@ class Model:
         # prompt's last prefill step (its logits stay on the device).
         first = sample_args(0) if on_device else None
         first_tok = None
+        # prefill_progress: one count over every prefill call below (tokens reused from the
+        # state or the prompt cache are not counted).
+        start, total = len(self._history), len(ids) - len(self._history)
+        if progress is not None:
+            user_cb = progress
+            progress = lambda done, _n: user_cb(len(self._history) - start, total)  # noqa: E731
         try:
             # Prefill up to each snapshot point in turn and snapshot there (the end of a long
             # system prompt / tool list, the end of the conversation before the generation
@@ -334,7 +351,7 @@ class Model:
                 if len(self._history) < p:
                     whole = p == len(ids)
                     self._prefill(ids[len(self._history):p], all_logits=False, cancellable=True,
-                                  sample=first if whole else None)
+                                  sample=first if whole else None, progress=progress)
                     if whole and first is not None:
                         first_tok = self._backend.last_token
                 if cache is not None and len(self._history) == p and tuple(ids[:p]) not in cache:
@@ -347,11 +364,11 @@ class Model:
                 logits = self._current_logits()
             elif first is not None:
                 self._prefill(ids[len(self._history):], all_logits=False, cancellable=True,
-                              sample=first)
+                              sample=first, progress=progress)
                 logits, first_tok = None, self._backend.last_token
             else:
                 logits = self._prefill(ids[len(self._history):], all_logits=False,
-                                       cancellable=True)
+                                       cancellable=True, progress=progress)
             if self._cancel.is_set():
                 raise _Cancelled
         except _Cancelled:
@@ -592,7 +609,7 @@ class Model:
         return [int(t) for t in arr]
 
     def _prefill(self, token_ids, *, all_logits: bool, sample: dict | None = None,
-                 cancellable: bool = False) -> np.ndarray | None:
+                 cancellable: bool = False, progress=None) -> np.ndarray | None:
         ids = self._validate_ids(token_ids)
         if not ids:
             raise ValueError("prefill needs at least one token id")
@@ -610,6 +627,8 @@ class Model:
             elif last:
                 out.append(logits)
             self.prefilled_tokens_total += len(chunk)
+            if progress is not None:
+                progress(min(s + self.prefill_chunk, len(ids)), len(ids))
         return np.concatenate(out) if all_logits else out[-1]
 
     def _check_room(self, n: int) -> None:

@@ -13,15 +13,16 @@ TIMING_BACKENDS = ("count_host",)
 
 
 def make_backend(name: str, cfg: ModelConfig, weights: ModelWeights, *, context_length: int,
-                  prefill_chunk: int):
-    """The backend for a resolved name ("auto" is resolved by Model first)."""
+                 prefill_chunk: int, verbose: bool | None = None):
+    """The backend for a resolved name ("auto" is resolved by Model first). ``verbose``: load
+    progress on a terminal (engine backends upload the weights; None: when stderr is a TTY)."""
     if name not in BACKENDS and name not in TIMING_BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
     if name in ("emu", "metal") + TIMING_BACKENDS:
         # The C++ engine on a device (lily_py/backends/engine.py); "emu" runs the Metal kernels on the CPU.
         from .engine import EngineBackend
         return EngineBackend(name, cfg, weights, context_length=context_length,
-                             prefill_chunk=prefill_chunk)
+                             prefill_chunk=prefill_chunk, verbose=verbose)
     from .reference import ReferenceBackend
     return ReferenceBackend(cfg, weights)
 

@@ -134,9 +134,27 @@ def _raw(a: np.ndarray) -> np.ndarray:
     return a if a.flags.c_contiguous else np.ascontiguousarray(a)
 
 
-def upload_weights(engine, cfg: ModelConfig, w: ModelWeights, quant: dict) -> None:
-    """Upload every tensor once; raise BackendError for a tensor outside its quant class."""
-    for name, cls, lins, parts in _tensors(cfg, w):
+def _source_file(a: np.ndarray) -> str | None:
+    """The checkpoint file a memory-mapped tensor view reads from (None for in-memory arrays)."""
+    while a is not None:
+        fn = getattr(a, "filename", None)
+        if fn:
+            return fn
+        a = getattr(a, "base", None)
+    return None
+
+
+def upload_weights(engine, cfg: ModelConfig, w: ModelWeights, quant: dict, *,
+                   verbose: bool | None = None) -> None:
+    """Upload every tensor once; raise BackendError for a tensor outside its quant class.
+    Shows bytes and shards on a terminal as it goes (lily_py.progress; ``verbose=False``: never)."""
+    from ..progress import LoadProgress
+    tensors = list(_tensors(cfg, w))
+    total = sum(np.asarray(p).nbytes for *_, parts in tensors for p in parts)
+    shards: dict[str, int] = {}     # checkpoint files read so far
+    bar = LoadProgress(total, max(len(w.files), 1), verbose=verbose)
+    done = 0
+    for name, cls, lins, parts in tensors:
         if cls is not None:
             for lin in lins:
                 got = _quant(lin, name)
@@ -145,14 +163,19 @@ def upload_weights(engine, cfg: ModelConfig, w: ModelWeights, quant: dict) -> No
                                        f"engine takes one quantization per class ({cls}: {quant[cls]}); "
                                        "use backend='reference'")
         engine.upload(name, [_raw(p) for p in parts])
+        done += sum(np.asarray(p).nbytes for p in parts)
+        if bar.enabled:
+            shards.update({f: 1 for f in map(_source_file, parts) if f is not None})
+            bar.update(done, max(len(shards), 1))
     engine.check_loaded()
+    bar.close(done)
 
 
 class EngineBackend:
     """The C++ engine as a Model backend (same interface as ReferenceBackend)."""
 
     def __init__(self, device: str, cfg: ModelConfig, weights: ModelWeights, *, context_length: int,
-                 prefill_chunk: int):
+                 prefill_chunk: int, verbose: bool | None = None):
         status = {d["name"]: d for d in _core().registry.list()}
         if device not in status or not status[device]["available"]:
             why = status[device]["reason"] if device in status else "unknown device"
@@ -169,7 +192,7 @@ class EngineBackend:
             raise DeviceMemoryError(str(e)) from None
         except (ValueError, core.DeviceLimitError) as e:
             raise BackendError(str(e)) from None
-        upload_weights(self.engine, cfg, weights, quant)
+        upload_weights(self.engine, cfg, weights, quant, verbose=verbose)
         self.prefill_chunk = prefill_chunk
         self._context = context_length
         self.logit_rows = min(prefill_chunk, LOGIT_ROWS)
