@@ -15,6 +15,12 @@ enum class Order : uint8_t {
   forward,  // threads (and threadgroups) resumed in index order
   reverse,  // reverse index order
   shuffle,  // a fresh random order every scheduling round, from `seed` (default)
+  // Adversarial: one simdgroup at a time runs ahead to its next threadgroup barrier (its simd
+  // collectives resolved as its lanes arrive) before the next simdgroup starts, in a fresh random
+  // simdgroup order for every barrier phase; threadgroups shuffled. What lockstep hides shows up:
+  // a simdgroup that overwrites shared memory another one still has to read (a barrier missing
+  // at the end of a loop) corrupts the slower simdgroup's reads.
+  ahead,
 };
 
 struct RunOptions {

@@ -456,7 +456,41 @@ void release_barrier(Group& g) {
   for (Thread& t : g.threads) t.state = St::runnable;
 }
 
+// Order::ahead: each simdgroup in turn runs until none of its lanes can move (all at a threadgroup
+// barrier, returned, or stuck at a divergent collective), then the barrier is released.
+void run_group_ahead(Worker& w, Group& g, std::mt19937_64& rng) {
+  std::vector<uint32_t> sorder(g.nsimd);
+  for (;;) {
+    fill_order(sorder, Order::shuffle, rng);
+    for (uint32_t s : sorder) {
+      const uint32_t lo = s * kSimdWidth, hi = std::min(g.n, lo + kSimdWidth);
+      for (bool ran = true; ran;) {
+        ran = false;
+        for (uint32_t i = lo; i < hi; ++i) {
+          Thread& t = g.threads[i];
+          if (t.state != St::runnable) continue;
+          w.running = &t;
+          t.fiber->resume();
+          w.running = nullptr;
+          ran = true;
+          if (!g.error.empty()) return;
+        }
+        release_simdgroups(g);
+        if (!g.error.empty()) return;
+      }
+    }
+    bool all_done = true;
+    for (const Thread& t : g.threads) all_done &= t.state == St::done;
+    if (all_done) return;
+    if (release_simdgroups(g)) continue;
+    if (!g.error.empty()) return;
+    release_barrier(g);
+    if (!g.error.empty()) return;
+  }
+}
+
 void run_group(Worker& w, Group& g, Order policy, std::mt19937_64& rng) {
+  if (policy == Order::ahead) return run_group_ahead(w, g, rng);
   std::vector<uint32_t> order(g.n);
   for (;;) {
     fill_order(order, policy, rng);
@@ -538,7 +572,7 @@ void run(const Launch& L, const RunOptions& opt) {
   std::vector<uint64_t> gorder(ngroups);
   for (uint64_t i = 0; i < ngroups; ++i) gorder[i] = opt.order == Order::reverse ? ngroups - 1 - i : i;
   std::mt19937_64 rng(opt.seed * 0x9E3779B97F4A7C15ull + 1);
-  if (opt.order == Order::shuffle) std::shuffle(gorder.begin(), gorder.end(), rng);
+  if (opt.order == Order::shuffle || opt.order == Order::ahead) std::shuffle(gorder.begin(), gorder.end(), rng);
 
   // Enter the kernel environment (undone in every exit path below).
   w.bound = bound.data();

@@ -16,7 +16,7 @@ import lily_py._core as core
 from kernel_checks import F32_EPS, assert_close, rng  # noqa: F401  (fixture)
 
 FEATURES = core.emu.features()
-ORDERS = ("forward", "reverse", "shuffle")
+ORDERS = ("forward", "reverse", "shuffle", "ahead")
 POISON = np.uint32(0xFFA0FFA0)
 
 
