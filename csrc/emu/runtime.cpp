@@ -88,7 +88,7 @@ struct Alloc {
   int line;
 };
 
-// Race detector (RunOptions::races), threadgroup memory: per 4-byte word, the last thread that
+// Race detector (RunOptions::races), threadgroup memory: per 2-byte unit (bfloat is the smallest store), the last thread that
 // changed it and when (threadgroup barrier epoch, its simdgroup's collective count, the sync
 // point its code ran after).
 struct TgWrite {
@@ -354,7 +354,8 @@ std::string describe_fault(Worker& w, const Thread& t) {
     const char* rw = w.fault_write == 1 ? "write" : w.fault_write == 0 ? "read" : "access";
     s = std::string("out-of-bounds ") + rw + " at address " +
         std::to_string(reinterpret_cast<uintptr_t>(a)) + " (not within " +
-        std::to_string(GuardedBuffer::kGuardBytes) + " bytes of any bound buffer)";
+        std::to_string(GuardedBuffer::kGuardBytes) + " bytes of any bound buffer; an index read from "
+        "never-written memory? poison reads as 0xFFA0FFA0 = 4288741280 as a uint)";
     for (size_t i = 0; i < w.n_bound; ++i) {
       const BoundBuffer& b = w.bound[i];
       auto where = b.buffer->classify(a);
@@ -541,31 +542,26 @@ void check_red_zones(Group& g) {
 
 // Race detector: the words the running thread changed in the segment it just ran.
 void tg_record_writes(Group& g, const Thread& t, size_t used_before) {
-  const size_t end = std::min(kArenaBytes, g.arena_used + kSpareChecked) / 4 * 4;
-  if (g.tg_writes.size() < end / 4) g.tg_writes.resize(kArenaBytes / 4);
-  for (size_t off = 0; off < end; off += 4) {
+  const size_t end = std::min(kArenaBytes, g.arena_used + kSpareChecked) / 2 * 2;
+  if (g.tg_writes.size() < end / 2) g.tg_writes.resize(kArenaBytes / 2);
+  for (size_t off = 0; off < end; off += 2) {
     if (off % 64 == 0 && off + 64 <= used_before && std::memcmp(g.arena + off, g.tg_snap.data() + off, 64) == 0) {
-      off += 60;
+      off += 62;
       continue;
     }
     const unsigned char* now = g.arena + off;
     bool changed;
-    if (off + 4 <= used_before) {
-      changed = std::memcmp(now, g.tg_snap.data() + off, 4) != 0;
-    } else {
-      changed = !(is_poison(now) && is_poison(now + 1) && is_poison(now + 2) && is_poison(now + 3));
-      if (changed && off < used_before)  // straddles: compare what the snapshot has
-        changed = std::memcmp(now, g.tg_snap.data() + off, used_before - off) != 0 ||
-                  !is_poison(now + (used_before - off));
-    }
+    if (off + 2 <= used_before) changed = std::memcmp(now, g.tg_snap.data() + off, 2) != 0;
+    else if (off + 1 == used_before) changed = now[0] != g.tg_snap[off] || !is_poison(now + 1);
+    else changed = !(is_poison(now) && is_poison(now + 1));
     if (!changed) continue;
-    if (!in_array(g, off) && !in_array(g, off + 3)) {
+    if (!in_array(g, off) && !in_array(g, off + 1)) {
       g.fail("threadgroup memory overflow: " + who(t) + " wrote " + arena_place(g, off) + " in its code after " +
              (t.file ? site(t.op, t.file, t.line) : std::string("the kernel start")));
       return;
     }
-    TgWrite& s = g.tg_writes[off / 4];
-    const uintptr_t addr = reinterpret_cast<uintptr_t>(now);
+    TgWrite& s = g.tg_writes[off / 2];
+    const uintptr_t addr = reinterpret_cast<uintptr_t>(now) & ~uintptr_t(3);
     if (s.writer && s.writer - 1 != t.index && s.epoch == g.epoch &&
         !t_worker->atomics.count(addr)) {
       const Thread& o = g.threads[s.writer - 1];
@@ -736,14 +732,14 @@ void run(const Launch& L, const RunOptions& opt) {
     unsigned char* data;
     size_t bytes;
     std::vector<unsigned char> snap;
-    std::vector<uint64_t> writer;  // per 4-byte word: threadgroup linear index + 1
+    std::vector<uint64_t> writer;  // per 2-byte unit (bfloat is the smallest store): threadgroup + 1
   };
   std::vector<DeviceWrites> dev_writes;
   if (opt.races)
     for (uint32_t i = 0; i < k->num_buffers; ++i)
       if (!k->buffers[i].read_only)
         dev_writes.push_back({&bound[i], static_cast<unsigned char*>(ptrs[i]), L.buffers[i].bytes, {}, {}});
-  for (DeviceWrites& d : dev_writes) d.writer.assign((d.bytes + 3) / 4, 0);
+  for (DeviceWrites& d : dev_writes) d.writer.assign((d.bytes + 1) / 2, 0);
 
   // Threadgroup order.
   const uint64_t ngroups = L.groups.count();
@@ -813,10 +809,14 @@ void run(const Launch& L, const RunOptions& opt) {
       if (g.error.empty()) check_red_zones(g);
       for (DeviceWrites& d : dev_writes) {
         if (!g.error.empty()) break;
-        for (size_t off = 0; off < d.bytes; off += 4) {
-          const size_t len = std::min<size_t>(4, d.bytes - off);
+        for (size_t off = 0; off < d.bytes; off += 2) {
+          if (off % 64 == 0 && off + 64 <= d.bytes && std::memcmp(d.data + off, d.snap.data() + off, 64) == 0) {
+            off += 62;
+            continue;
+          }
+          const size_t len = std::min<size_t>(2, d.bytes - off);
           if (std::memcmp(d.data + off, d.snap.data() + off, len) == 0) continue;
-          uint64_t& wr = d.writer[off / 4];
+          uint64_t& wr = d.writer[off / 2];
           const uintptr_t addr = reinterpret_cast<uintptr_t>(d.data + off) & ~uintptr_t(3);
           if (wr && wr != gi + 1 &&
               !w.atomics.count(addr)) {
