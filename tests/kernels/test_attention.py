@@ -275,7 +275,7 @@ def test_prefill_equals_looped_decode_bitwise(rng):
         np.testing.assert_array_equal(pre[t], dec)
 
 
-@pytest.mark.parametrize("order", ["forward", "reverse"])
+@pytest.mark.parametrize("order", ["forward", "reverse", "ahead"])
 def test_attention_independent_of_thread_order(rng, order):
     # No races: split decode and both prefill routes give bit-identical results in any order.
     q, kc, vc, g = attn_case(rng, 1, 4, 2, 64, 700, np.float32)

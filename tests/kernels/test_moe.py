@@ -233,10 +233,10 @@ def test_dispatches_per_block_and_no_host_sync(rng, T, route, dispatches):
 def test_result_independent_of_thread_order(rng, T):
     W, x_of = make_block(rng, E=7, H=64, I=32, gs=32)
     x = x_of(T)
-    runs = [ops._moe(x, *ops.moe_weights(W), top_k=2, order=o, seed=rng.seed) for o in ("forward", "reverse", "shuffle")]
-    for r in runs[1:]:
+    runs = [ops._moe(x, *ops.moe_weights(W), top_k=2, order=o, seed=rng.seed) for o in ("forward", "reverse", "shuffle", "ahead")]
+    for o, r in zip(("reverse", "shuffle", "ahead"), runs[1:]):
         for a, b in zip(runs[0][:3], r[:3]):
-            np.testing.assert_array_equal(a, b)
+            np.testing.assert_array_equal(a, b, err_msg=f"order {o!r} differs from 'forward': a race (missing barrier?)")
 
 
 def test_leading_dims(rng):

@@ -230,7 +230,7 @@ def test_all_neg_inf_raises(device):
 def test_result_independent_of_thread_order(rng):
     x = random_logits(rng, 3000, ties=True)
     p = dict(temperature=1.0, top_k=100, top_p=0.8, min_p=0.01, seed=5, step=9)
-    got = {int(ops._sample(x, order=o, emu_seed=rng.seed, **p)[0][0]) for o in ("forward", "reverse", "shuffle")}
+    got = {int(ops._sample(x, order=o, emu_seed=rng.seed, **p)[0][0]) for o in ("forward", "reverse", "shuffle", "ahead")}
     assert len(got) == 1
 
 
