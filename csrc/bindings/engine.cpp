@@ -245,6 +245,8 @@ void init_engine(nb::module_& m) {
           },
           "float32 logits [V] of the last position of the last completed step (copied from the device).")
       .def_prop_ro("has_last_logits", &core::Engine::has_last_logits)
+      .def_prop_ro("logit_bytes_copied", &core::Engine::logit_bytes_copied,
+                   "Bytes of logits copied from the device to the host since construction.")
       .def_prop_ro("in_flight", &core::Engine::in_flight)
       .def(
           "count",

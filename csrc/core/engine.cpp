@@ -430,8 +430,10 @@ StepStats Engine::complete(float* logits) {
   st.host_waits = st.waits_in_step + 1;
   const size_t V = spec_.vocab;
   const char* src = static_cast<const char*>(m_.s.logits.buffer->contents());
-  if (logits && src && f.rows)
+  if (logits && src && f.rows) {
     std::memcpy(logits, src + (f.rows == 1 ? f.slot : 0) * V * 4, f.rows * V * 4);
+    logit_bytes_copied_ += f.rows * V * 4;
+  }
   last_rows_ = f.rows;
   last_slot_ = f.slot;
   if (inflight_.empty() && !failed_) valid_ = true;
@@ -462,6 +464,7 @@ void Engine::last_logits(float* out) const {
   if (src == nullptr) fail("last_logits: device '" + std::string(device_->name()) + "' keeps no logits");
   const size_t row = last_rows_ == 1 ? last_slot_ : last_rows_ - 1;
   std::memcpy(out, src + row * V * 4, V * 4);
+  logit_bytes_copied_ += V * 4;
 }
 
 StepStats Engine::forward(const uint32_t* ids, uint32_t T, bool all_logits, float* logits,

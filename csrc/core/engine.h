@@ -94,6 +94,9 @@ class Engine {
   // that computed logits. Generation never copies logits per token: this is the "asked for" path.
   void last_logits(float* out) const;
   bool has_last_logits() const { return inflight_.empty() && last_rows_ != 0; }
+  // Bytes of logits copied from the device to the host since construction (complete(logits)
+  // and last_logits()): what "logits leave the device only when asked for" is tested with.
+  uint64_t logit_bytes_copied() const { return logit_bytes_copied_; }
   size_t in_flight() const { return inflight_.size(); }
   // Encodes a step at `position` without touching state or reading results (the counting
   // device: counters for any config without weights).
@@ -144,6 +147,7 @@ class Engine {
   std::deque<InFlight> inflight_;
   StepStats last_;
   uint32_t last_rows_ = 0, last_slot_ = 0;  // logits rows / slot of the last completed step
+  mutable uint64_t logit_bytes_copied_ = 0;
 };
 
 std::unique_ptr<gpu::Device> make_device(const std::string& name);

@@ -392,3 +392,86 @@ def test_huge_seed_and_top_k_are_accepted_like_the_reference(dn_ckpt):
     emu = lily_py.load(dn_ckpt, backend="emu", context_length=32).generate_text([1, 2], **kw)
     ref = lily_py.load(dn_ckpt, backend="reference").generate_text([1, 2], **kw)
     assert emu.tokens == ref.tokens
+
+
+@pytest.mark.parametrize("opts", SAMPLING, ids=["greedy", "temperature", "filters"])
+def test_first_token_sampled_on_device_in_the_prefill_step(dn_ckpt, opts):
+    """The first token is sampled on the device, in the command buffer of the prompt's last
+    prefill step (also when the prompt takes several chunks), and equals the reference's choice.
+    During generation no logits row is copied to the host except the one the conversation
+    snapshot keeps (one row per generate call, however many tokens)."""
+    emu = lily_py.load(dn_ckpt, backend="emu", context_length=64, prefill_chunk=4)
+    ref = lily_py.load(dn_ckpt, backend="reference", context_length=64, prefill_chunk=4)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]          # three chunks of at most 4
+    eng = emu._backend.engine
+    V = emu.config.vocab_size
+    copied = eng.logit_bytes_copied
+    opts = dict(opts, seed=opts.get("seed", 5))
+    g = emu.generate(prompt, max_tokens=12, **opts)
+    first = next(g)
+    st = emu.stats()
+    assert st["tokens"] == 2 and st["token"] == first.token     # the last chunk (2 tokens) sampled it
+    assert st["commits"] == 1 and st["waits_in_step"] == 0
+    rest = [c.token for c in g]
+    want = ref.generate_text(prompt, max_tokens=12, **opts).tokens
+    assert [first.token] + rest == want
+    assert eng.logit_bytes_copied - copied == V * 4             # the snapshot's row only
+    copied = eng.logit_bytes_copied
+    emu.generate_text(prompt + want + [7], max_tokens=20, **opts)
+    assert eng.logit_bytes_copied - copied == V * 4
+
+
+def test_prompt_without_new_tokens_samples_on_the_host_from_the_device_logits(dn_ckpt):
+    """The other side of the first-token switch: a prompt equal to the state (nothing to
+    prefill) samples its first token on the host, from the last step's logits fetched from the
+    device on demand; the tokens equal the reference's."""
+    emu, ref = _pair(dn_ckpt)
+    prompt = [9, 8, 7, 6]
+    kw = dict(max_tokens=3, temperature=0.9, seed=3)
+    a1, b1 = emu.generate_text(prompt, **kw), ref.generate_text(prompt, **kw)
+    assert a1.tokens == b1.tokens
+    state = prompt + a1.tokens[:2]                 # the last token was sampled, never fed
+    assert list(emu.tokens) == list(ref.tokens) == state
+    eng = emu._backend.engine
+    copied = eng.logit_bytes_copied
+    a2 = emu.generate_text(state, max_tokens=6, temperature=0.9, seed=4)
+    b2 = ref.generate_text(state, max_tokens=6, temperature=0.9, seed=4)
+    assert a2.stats.reused_tokens == len(state) and a2.stats.prefilled_tokens == 0
+    assert a2.tokens == b2.tokens
+    assert eng.logit_bytes_copied - copied == emu.config.vocab_size * 4   # fetched once, on demand
+
+
+def test_decode_returns_logits_and_last_logits_on_demand(dn_ckpt, rng):
+    """decode()/prefill() hand back the logits (one copy from the device, the caller owns it);
+    the engine's last_logits() copies the last step's row again and refuses when there is none."""
+    emu, ref = _pair(dn_ckpt)
+    eng = emu._backend.engine
+    ids = rng.integers(0, emu.config.vocab_size, size=5).tolist()
+    a = emu.prefill(ids)
+    _close(a, ref.prefill(ids), "prefill")
+    copied = eng.logit_bytes_copied
+    b = emu.decode(3)
+    assert eng.logit_bytes_copied - copied == emu.config.vocab_size * 4
+    _close(b, ref.decode(3), "decode")
+    b[:] = 0                                                  # the caller's array: edits are free
+    np.testing.assert_array_equal(eng.last_logits(), emu._backend.last_logits())
+    assert np.abs(eng.last_logits()).max() > 0
+    eng.forward(np.array([1, 2], np.uint32), logits=False)   # a chunk without lm_head
+    assert not eng.has_last_logits
+    with pytest.raises(ValueError, match="computed no logits"):
+        eng.last_logits()
+    emu.reset()
+    with pytest.raises(ValueError, match="computed no logits"):
+        eng.last_logits()
+
+
+def test_count_host_device_generates_without_running_anything(tmp_path):
+    """The counting device with host memory backs a Model (benchmarks/host_overhead.py): every
+    step is encoded and counted, nothing runs, every sampled token is 0."""
+    path = make_checkpoint(tmp_path, _dn_config(), fmt="mlx", seed=1)
+    m = lily_py.load(path, backend="count_host", context_length=64, prefill_chunk=8)
+    out = m.generate_text([5, 6, 7], max_tokens=10, temperature=0.7, top_p=0.9, seed=1)
+    assert out.tokens == [0] * 10 and out.finish_reason == "length"
+    st = m.stats()
+    assert st["dispatches"] > 0 and st["encode_ns"] > 0 and st["ids_from_slot"]
+    assert lily_py.load(path, backend="count_host").backend == "count_host"
