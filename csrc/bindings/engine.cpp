@@ -74,6 +74,7 @@ nb::dict stats_dict(const core::StepStats& s) {
   d["dispatches"] = s.dispatches;
   d["barriers"] = s.barriers;
   d["bytes_bound"] = s.bytes_bound;
+  d["bytes_touched"] = s.bytes_touched;
   d["threads"] = s.threads;
   d["commits"] = s.commits;
   d["waits_in_step"] = s.waits_in_step;
@@ -257,6 +258,23 @@ void init_engine(nb::module_& m) {
           "tokens"_a, "position"_a = 0, "all_logits"_a = false, "sample"_a = nb::none(), "from_slot"_a = false,
           "logits"_a = true,
           "Counters of one step encoded on the counting device (nothing runs).")
+      .def(
+          "count_kernels",
+          [](const core::Engine& e) {
+            nb::dict out;  // kernel name -> dict(dispatches, bytes_touched, threads, groups)
+            const auto& ks = e.counted_kernels();
+            for (size_t i = 0; i < ks.size(); ++i) {
+              if (ks[i].dispatches == 0) continue;
+              nb::dict d;
+              d["dispatches"] = ks[i].dispatches;
+              d["bytes_touched"] = ks[i].bytes_touched;
+              d["threads"] = ks[i].threads;
+              d["groups"] = ks[i].groups;
+              out[std::string(gpu::kKernelTable[i].name).c_str()] = d;
+            }
+            return out;
+          },
+          "Per-kernel totals of the last count(): name -> dict(dispatches, bytes_touched, threads, groups).")
       .def("last_stats", [](const core::Engine& e) { return stats_dict(e.last_stats()); })
       .def("reset", &core::Engine::reset)
       .def("snapshot", &core::Engine::snapshot)

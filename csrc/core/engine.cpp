@@ -368,6 +368,7 @@ Engine::InFlight Engine::encode(uint32_t T, uint32_t position, bool all_logits, 
   f.st.dispatches = c.dispatches;
   f.st.barriers = c.barriers;
   f.st.bytes_bound = c.bytes_bound;
+  f.st.bytes_touched = c.bytes_touched;
   f.st.threads = c.threads;
   f.slot = p.slot;
   f.rows = !want_logits ? 0 : all_logits ? T : 1;
@@ -478,9 +479,11 @@ StepStats Engine::count(uint32_t T, uint32_t position, bool all_logits, const St
                         bool want_logits) {
   if (!std::string_view(device_->name()).starts_with("count"))
     fail("count() runs on the counting device only (device 'count' or 'count_host')");
-  StepStats st = encode(T, position, all_logits, sampling, want_logits).st;
-  last_ = st;
-  return st;
+  InFlight f = encode(T, position, all_logits, sampling, want_logits);
+  const gpu::Counters& c = f.enc->counters();
+  counted_kernels_.assign(std::begin(c.kernels), std::end(c.kernels));
+  last_ = f.st;
+  return f.st;
 }
 
 }  // namespace lily::core

@@ -25,6 +25,7 @@ namespace lily::core {
 struct StepStats {
   uint64_t tokens = 0;
   uint64_t dispatches = 0, barriers = 0, bytes_bound = 0, threads = 0;
+  uint64_t bytes_touched = 0;   // bytes the kernels read plus write (routed experts only, KV up to the position)
   uint64_t commits = 0;         // command buffers submitted
   uint64_t waits_in_step = 0;   // host waits requested while the step was encoded (must be 0)
   uint64_t host_waits = 0;      // host waits for the whole forward (1: to read the logits)
@@ -102,6 +103,8 @@ class Engine {
   // device: counters for any config without weights).
   StepStats count(uint32_t T, uint32_t position, bool all_logits, const StepSampling& sampling = {},
                   bool want_logits = true);
+  // Per-kernel totals of the last count() (indexed by KernelId).
+  const std::vector<gpu::KernelCounters>& counted_kernels() const { return counted_kernels_; }
 
   void reset();
   Snapshot snapshot() const;
@@ -148,6 +151,7 @@ class Engine {
   StepStats last_;
   uint32_t last_rows_ = 0, last_slot_ = 0;  // logits rows / slot of the last completed step
   mutable uint64_t logit_bytes_copied_ = 0;
+  std::vector<gpu::KernelCounters> counted_kernels_;
 };
 
 std::unique_ptr<gpu::Device> make_device(const std::string& name);

@@ -42,6 +42,10 @@ inline constexpr size_t kMaxArgsBytes = 256;  // args structs go through setByte
 
 struct Dispatch {
   KernelId kernel{};
+  // Bytes the kernel reads plus bytes it writes through each buffer (set_buffer: the range bound;
+  // set_touched overrides it: a KV cache read up to the position, the routed experts of a stack,
+  // a state read and written in place).
+  uint64_t touched[kMaxBuffers + 1] = {};
   alignas(16) unsigned char args[kMaxArgsBytes] = {};
   size_t args_size = 0;
   Binding buffers[kMaxBuffers + 1];  // [0] unused: index 0 is the args struct
@@ -50,11 +54,18 @@ struct Dispatch {
   Size3 threads;                     // threads per threadgroup
 };
 
+// Per-kernel totals of one encoder (indexed by KernelId).
+struct KernelCounters {
+  uint64_t dispatches = 0, bytes_touched = 0, threads = 0, groups = 0;
+};
+
 struct Counters {
   uint64_t dispatches = 0;
   uint64_t barriers = 0;
-  uint64_t bytes_bound = 0;  // sum over dispatches of the byte ranges bound
-  uint64_t threads = 0;      // GPU threads launched
+  uint64_t bytes_bound = 0;    // sum over dispatches of the byte ranges bound
+  uint64_t bytes_touched = 0;  // sum over dispatches of the bytes the kernels read and write
+  uint64_t threads = 0;        // GPU threads launched
+  KernelCounters kernels[kNumKernels];
 };
 
 // Raised for host-side encoding mistakes (unbound buffer, wrong args struct, empty grid...).
@@ -76,6 +87,9 @@ class Encoder {
   // Binds [offset, offset + bytes) of `buffer` at [[buffer(index)]]; bytes = 0 means "to the end".
   void set_buffer(uint32_t index, Buffer& buffer, size_t offset = 0, size_t bytes = 0);
   void set_buffer(uint32_t index, const Binding& binding);
+  // The bytes the pending kernel reads plus writes through buffer `index` (after set_buffer, which
+  // sets the bound range), when that differs from the range bound.
+  void set_touched(uint32_t index, uint64_t bytes);
   // Validates the pending kernel/args/buffers, hands the dispatch to the device, counts it and
   // clears the bindings (every dispatch binds all of its buffers: no stale bindings).
   void dispatch(Size3 groups, Size3 threads_per_group);
@@ -100,6 +114,9 @@ class Encoder {
   uint32_t bound_mask_ = 0;
   Counters counters_;
 };
+
+// Re-encodes a dispatch `d` (as a device received it) on `inner`: for encoders that wrap another.
+void forward_dispatch(Encoder& inner, const Dispatch& d);
 
 class Device {
  public:

@@ -162,7 +162,7 @@ def test_step_counters(attn_ckpt, rng, tokens):
     counted = count_step(m.config, tokens=tokens, position=m.position - tokens,
                          quant=checkpoint_quant(m.weights), prefill_chunk=m.prefill_chunk,
                          context_length=m.context_length)
-    for k in ("dispatches", "barriers", "bytes_bound", "threads", "waits_in_step"):
+    for k in ("dispatches", "barriers", "bytes_bound", "bytes_touched", "threads", "waits_in_step"):
         assert counted[k] == st[k], k
     # A prefill chunk that is not the last skips the final norm and lm_head (and their barriers).
     assert m._backend.forward(np.array([1] * tokens), all_logits=False, logits=False) is None
@@ -206,6 +206,58 @@ def test_real_config_counters(tokens, position):
     print(f"real config, {tokens} token(s) at position {position}:", st)
     assert (st["dispatches"], st["barriers"]) == _expected_counts(cfg, tokens, position)
     assert st["waits_in_step"] == 0 and st["commits"] == 1
+
+
+def _real_cfg():
+    from lily_py.config import ModelConfig
+    from lily_py.testing import REAL_TEXT_CONFIG
+    return ModelConfig.from_dict({"model_type": "qwen3_5_moe", "text_config": dict(REAL_TEXT_CONFIG)})
+
+
+@pytest.mark.parametrize("position", [255, 4095, 32767])
+def test_bytes_touched_real_config_against_the_floor(position):
+    """bytes_touched of a real 35B decode step (routed experts only, KV rows up to the position,
+    DeltaNet state read and written) against the floor derived from the config: at least the
+    floor (it is a lower bound), within 1.03x of it at 256 context (activations, logits and the
+    split-K partials are the difference)."""
+    from lily_py.backends.engine import count_kernels, decode_floor_bytes
+    cfg = _real_cfg()
+    st, ks = count_kernels(cfg, position=position)
+    floor = decode_floor_bytes(cfg, position=position)["total"]
+    print(f"decode at {position}: bytes_touched {st['bytes_touched']}, floor {floor}, "
+          f"ratio {st['bytes_touched'] / floor:.4f}, bytes_bound {st['bytes_bound']}")
+    assert floor <= st["bytes_touched"] <= 1.03 * floor
+    assert st["bytes_touched"] == sum(k["bytes_touched"] for k in ks.values())
+    assert sum(k["dispatches"] for k in ks.values()) == st["dispatches"]
+    # The KV part of the floor is exact: K and V rows [0, position] of every attention layer.
+    attn = [v for n, v in ks.items() if n.startswith("attn_decode")]
+    kv_read = 2 * cfg.num_key_value_heads * cfg.head_dim * 2 * (position + 1)
+    attn_layers = sum(cfg.is_full_attention(i) for i in range(cfg.num_hidden_layers))
+    assert sum(v["bytes_touched"] for v in attn) >= attn_layers * kv_read
+
+
+def test_bytes_touched_counts_routed_experts_and_touched_rows(attn_ckpt):
+    """Exact per-kernel bytes on a small config: the embedding reads one row, the expert
+    gathers k of E experts, the DeltaNet step its state twice."""
+    from lily_py.backends.engine import checkpoint_quant, count_kernels
+    m = lily_py.load(attn_ckpt, backend="reference")
+    cfg, quant = m.config, checkpoint_quant(m.weights)
+    st, ks = count_kernels(cfg, position=5, quant=quant)
+    H, E, k, I = cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
+    gs = quant["experts_q"]["group_size"]
+    emb = [v for n, v in ks.items() if n.startswith("embedding")][0]
+    assert emb["bytes_touched"] == 4 + H // 2 + 2 * 2 * (H // quant["embed"]["group_size"]) + 4 * H
+    expert = I * H // 2 + 2 * 2 * I * (H // gs)                      # one [I, H] 4-bit matrix
+    shared = cfg.shared_expert_intermediate_size
+    gate_up = [v for n, v in ks.items() if n.startswith("moe_gate_up")][0]
+    L = cfg.num_hidden_layers
+    sh = shared * H // 2 + 2 * 2 * shared * (H // gs)
+    x, ids, h = 4 * H, 4 * k, 4 * (k + 1) * max(I, shared)
+    assert gate_up["bytes_touched"] == L * (2 * k * expert + 2 * sh + x + ids + h)
+    dn = [v for n, v in ks.items() if n.startswith("gated_delta_x")][0]
+    Hv, Dv, Dk = cfg.linear_num_value_heads, cfg.linear_value_head_dim, cfg.linear_key_head_dim
+    state = Hv * Dv * Dk * 4
+    assert dn["bytes_touched"] > 2 * state * dn["dispatches"] > 0
 
 
 def test_engine_refuses_unsupported_checkpoints(tiny_hf):

@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "gpu/dtype.h"
@@ -80,7 +81,7 @@ class RecordingEncoder final : public Encoder {
   explicit RecordingEncoder(Encoder& inner) : inner_(inner) {}
   void commit() override { ++commits; inner_.commit(); }
   void wait() override { ++waits; inner_.wait(); }
-  std::vector<std::string> kernels;
+  std::vector<std::string_view> kernels;  // kernel names (static storage), in dispatch order
   uint64_t commits = 0, waits = 0;
 
  protected:
