@@ -464,6 +464,188 @@ template <typename T>  // T: logits type of the call (unused here)
     sample_write_error_or(ids, chosen_logit, args.slot + row, state[row].status, p.id, p.logit);
 }
 
+// ---------------------------------------------------------------------------------------------
+// The small-k route (0 < top_k <= kSampleSmallK): every filter keeps a prefix of the top-k set in
+// the sorted order (value descending, id ascending), so the whole choice is made from each
+// threadgroup's own top-k candidates, merged once:
+//   sample_max_partial -> sample_max_final -> sample_topk_partial -> sample_topk_merge.
+// Candidates are (s, id) pairs, s = (l - max) * inv_temperature, as two uint32 words.
+
+// (s, id) is after (b, bid) in the sorted order: smaller s, or equal s and a larger id.
+inline bool sample_after(float s, uint32_t id, float b, uint32_t bid) {
+  return s < b || (s == b && id > bid);
+}
+
+// The best (s, id) of a simdgroup (sample_better order), by an xor butterfly.
+inline void sample_simd_best(thread float& s, thread uint32_t& id) {
+  for (uint32_t d = 16; d >= 1; d >>= 1) {
+    const float os = simd_shuffle_xor(s, ushort(d));
+    const uint32_t oid = simd_shuffle_xor(id, ushort(d));
+    if (sample_better(os, oid, s, id)) {
+      s = os;
+      id = oid;
+    }
+  }
+}
+
+// sample_topk_partial: per (row, group) the top_k entries of the group's 2048 in the sorted
+// order, best first (kSampleNoId past the group's valid entries). grid (G, R) x 64. Simdgroup q
+// reads entries [g*2048 + q*1024, +1024) with lane l at offset 32 r + l (coalesced: 128 bytes per
+// simdgroup load); each thread keeps its 32 scaled values in registers. top_k rounds: every
+// thread offers its best entry after the last one chosen, the threadgroup takes the best offer.
+template <typename T>
+[[kernel]] void sample_topk_partial(constant SampleArgs& args [[buffer(0)]],
+                                    const device T* logits [[buffer(1)]],
+                                    const device SampleState* state [[buffer(2)]],
+                                    device uint32_t* cand [[buffer(3)]],
+                                    LILY_KERNEL_TAIL) {
+  LILY_TG_ARRAY(float, offer_s, [2][kSampleThreads / 32]);
+  LILY_TG_ARRAY(uint32_t, offer_id, [2][kSampleThreads / 32]);
+  const uint32_t row = group_pos.y, g = group_pos.x;
+  const device SampleState& st = state[row];
+  const uint32_t end = sample_valid_end(args, st);
+  const uint32_t base = g * kSampleChunk + simd_id * (kSampleChunk / 2) + lane;
+  const device T* lr = logits + ulong(row) * args.stride;
+  float v[kSampleStrip];
+  for (uint32_t r = 0; r < kSampleStrip; ++r) {
+    const uint32_t i = base + 32 * r;
+    v[r] = i < end ? sample_scaled(float(lr[i]), st.max_logit, args.inv_temperature) : 0.0f;
+  }
+  device uint32_t* out = cand + (ulong(row) * args.groups + g) * (2 * kSampleSmallK);
+  float last_s = as_type<float>(0x7F800000u);  // +inf: nothing chosen yet
+  uint32_t last_id = 0;
+  for (uint32_t j = 0; j < args.top_k; ++j) {
+    float s = 0.0f;
+    uint32_t id = kSampleNoId;
+    for (uint32_t r = 0; r < kSampleStrip; ++r) {
+      const uint32_t i = base + 32 * r;
+      if (i < end && sample_after(v[r], i, last_s, last_id) && sample_better(v[r], i, s, id)) {
+        s = v[r];
+        id = i;
+      }
+    }
+    sample_simd_best(s, id);
+    if (lane == 0) {
+      offer_s[j & 1][simd_id] = s;
+      offer_id[j & 1][simd_id] = id;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    for (uint32_t q = 0; q < kSampleThreads / 32; ++q) {  // the same order in every thread
+      const float os = offer_s[j & 1][q];
+      const uint32_t oid = offer_id[j & 1][q];
+      if (q == 0 || sample_better(os, oid, s, id)) {
+        s = os;
+        id = oid;
+      }
+    }
+    if (thread_pos.x == 0) {
+      out[2 * j] = as_type<uint32_t>(s);
+      out[2 * j + 1] = id;
+    }
+    if (id == kSampleNoId) {  // the group is exhausted (the same in every thread)
+      for (uint32_t k = j + 1 + thread_pos.x; k < args.top_k; k += group_size.x) out[2 * k + 1] = kSampleNoId;
+      break;
+    }
+    last_s = s;
+    last_id = id;
+  }
+}
+
+// sample_topk_merge: the row's top_k entries from the G x top_k candidates (top_k rounds of the
+// same offer-and-take, kSampleMergeThreads threads), then on thread 0, in the sorted order:
+// k_eff = min(top_k, max(1, #(s >= min_p_log))), the top-k set's mass Z, P = top_p_limit(Z), entry
+// j kept iff j < k_eff and the mass before it < P (entry 0 always), and the kept entry with the
+// largest z = s + gumbel (ties to the lowest id) into ids[slot + row] and its raw logit into
+// chosen_logit[slot + row]. grid (1, R) x kSampleMergeThreads.
+template <typename T>
+[[kernel]] void sample_topk_merge(constant SampleArgs& args [[buffer(0)]],
+                                  const device T* logits [[buffer(1)]],
+                                  const device SampleState* state [[buffer(2)]],
+                                  const device uint32_t* cand [[buffer(3)]],
+                                  device uint32_t* ids [[buffer(4)]],
+                                  device float* chosen_logit [[buffer(5)]],
+                                  LILY_KERNEL_TAIL) {
+  LILY_TG_ARRAY(float, offer_s, [2][kSampleMergeThreads / 32]);
+  LILY_TG_ARRAY(uint32_t, offer_id, [2][kSampleMergeThreads / 32]);
+  LILY_TG_ARRAY(float, top_s, [kSampleSmallK]);
+  LILY_TG_ARRAY(uint32_t, top_id, [kSampleSmallK]);
+  const uint32_t row = group_pos.y;
+  const device SampleState& st = state[row];
+  const uint32_t n = st.status ? 0u : args.groups * args.top_k;  // candidates (error: none)
+  const device uint32_t* c = cand + ulong(row) * args.groups * (2 * kSampleSmallK);
+  const uint32_t simds = group_size.x / 32;
+  float last_s = as_type<float>(0x7F800000u);
+  uint32_t last_id = 0;
+  uint32_t found = 0;
+  for (uint32_t j = 0; j < args.top_k; ++j) {
+    float s = 0.0f;
+    uint32_t id = kSampleNoId;
+    for (uint32_t e = thread_pos.x; e < n; e += group_size.x) {
+      const uint32_t at = (e / args.top_k) * (2 * kSampleSmallK) + 2 * (e % args.top_k);
+      const float cs = as_type<float>(c[at]);
+      const uint32_t cid = c[at + 1];
+      if (cid != kSampleNoId && sample_after(cs, cid, last_s, last_id) && sample_better(cs, cid, s, id)) {
+        s = cs;
+        id = cid;
+      }
+    }
+    sample_simd_best(s, id);
+    if (lane == 0) {
+      offer_s[j & 1][simd_id] = s;
+      offer_id[j & 1][simd_id] = id;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    for (uint32_t q = 0; q < simds; ++q) {
+      const float os = offer_s[j & 1][q];
+      const uint32_t oid = offer_id[j & 1][q];
+      if (q == 0 || sample_better(os, oid, s, id)) {
+        s = os;
+        id = oid;
+      }
+    }
+    if (id == kSampleNoId) break;  // fewer valid entries than top_k (the same in every thread)
+    if (thread_pos.x == 0) {
+      top_s[j] = s;
+      top_id[j] = id;
+    }
+    found = j + 1;
+    last_s = s;
+    last_id = id;
+  }
+  if (thread_pos.x != 0) return;
+  if (st.status != 0 || found == 0) {
+    sample_write_error_or(ids, chosen_logit, args.slot + row, st.status | kSampleStatusNoFinite, 0, 0.0f);
+    return;
+  }
+  uint32_t k_eff = found;
+  if (!isinf(args.min_p_log)) {
+    uint32_t count = 0;
+    for (uint32_t j = 0; j < found; ++j) count += top_s[j] >= args.min_p_log ? 1u : 0u;
+    k_eff = min(k_eff, max(count, 1u));
+  }
+  ulong limit = ~ulong(0);
+  if (args.top_p != 0) {
+    ulong Z = 0;
+    for (uint32_t j = 0; j < found; ++j) Z += lily_mass(top_s[j]);
+    limit = lily_top_p_limit(Z, args.top_p);
+  }
+  const uint32_t key = lily_sample_key(args.seed_lo, args.seed_hi, args.step);
+  float best = 0.0f;
+  uint32_t best_id = kSampleNoId;
+  ulong before = 0;
+  for (uint32_t j = 0; j < k_eff; ++j) {
+    if (j > 0 && !(before < limit)) break;
+    const float z = top_s[j] + lily_gumbel(key, top_id[j]);
+    if (sample_better(z, top_id[j], best, best_id)) {
+      best = z;
+      best_id = top_id[j];
+    }
+    before += lily_mass(top_s[j]);
+  }
+  const device T* lr = logits + ulong(row) * args.stride;
+  sample_write_error_or(ids, chosen_logit, args.slot + row, 0u, best_id, float(lr[best_id]));
+}
+
 // sample_noise: the Gumbel noise itself, out[i] = gumbel(seed, step, i) for i < valid_vocab (tests
 // compare it bit for bit with lily_py.sampling.gumbel). grid (ceil(valid_vocab / 2048), 1) x 64.
 template <typename T>  // T: logits type of the call (unused here)
@@ -484,6 +666,8 @@ LILY_INSTANTIATE("sample_hist_partial_f32", sample_hist_partial<float>)
 LILY_INSTANTIATE("sample_select", sample_select<float>)
 LILY_INSTANTIATE("sample_gumbel_partial_f32", sample_gumbel_partial<float>)
 LILY_INSTANTIATE("sample_gumbel_final", sample_gumbel_final<float>)
+LILY_INSTANTIATE("sample_topk_partial_f32", sample_topk_partial<float>)
+LILY_INSTANTIATE("sample_topk_merge_f32", sample_topk_merge<float>)
 LILY_INSTANTIATE("sample_noise", sample_noise<float>)
 
 }  // namespace lily
