@@ -275,6 +275,23 @@ void init_engine(nb::module_& m) {
             return out;
           },
           "Per-kernel totals of the last count(): name -> dict(dispatches, bytes_touched, threads, groups).")
+      .def(
+          "count_dispatches",
+          [](const core::Engine& e) {
+            nb::list out;  // every dispatch of the last count(), in order
+            for (const auto& r : e.counted_dispatches()) {
+              nb::dict d;
+              d["kernel"] = std::string(gpu::kernel_info(r.kernel).name);
+              d["groups"] = nb::make_tuple(r.groups.x, r.groups.y, r.groups.z);
+              d["threads"] = nb::make_tuple(r.threads.x, r.threads.y, r.threads.z);
+              d["bytes_touched"] = r.bytes_touched;
+              d["bytes_bound"] = r.bytes_bound;
+              d["level"] = r.level;
+              out.append(d);
+            }
+            return out;
+          },
+          "Every dispatch of the last count(): kernel, groups, threads, bytes_touched, bytes_bound, level.")
       .def("last_stats", [](const core::Engine& e) { return stats_dict(e.last_stats()); })
       .def("reset", &core::Engine::reset)
       .def("snapshot", &core::Engine::snapshot)

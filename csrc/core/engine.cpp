@@ -354,6 +354,10 @@ Engine::InFlight Engine::encode(uint32_t T, uint32_t position, bool all_logits, 
   InFlight f;
   const auto t0 = std::chrono::steady_clock::now();
   f.enc = device_->new_encoder();
+  if (recording_) {
+    counted_dispatches_.clear();
+    f.enc->record = &counted_dispatches_;
+  }
   gpu::ops::RecordingEncoder rec(*f.enc);  // counts commit()/wait() asked for while encoding
   gpu::encode_prefill_chunk(rec, spec_, m_, p);
   f.st.encode_ns = uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -479,7 +483,16 @@ StepStats Engine::count(uint32_t T, uint32_t position, bool all_logits, const St
                         bool want_logits) {
   if (!std::string_view(device_->name()).starts_with("count"))
     fail("count() runs on the counting device only (device 'count' or 'count_host')");
-  InFlight f = encode(T, position, all_logits, sampling, want_logits);
+  recording_ = true;
+  InFlight f;
+  try {
+    f = encode(T, position, all_logits, sampling, want_logits);
+  } catch (...) {
+    recording_ = false;
+    throw;
+  }
+  recording_ = false;
+  f.enc->record = nullptr;
   const gpu::Counters& c = f.enc->counters();
   counted_kernels_.assign(std::begin(c.kernels), std::end(c.kernels));
   last_ = f.st;

@@ -105,6 +105,8 @@ class Engine {
                   bool want_logits = true);
   // Per-kernel totals of the last count() (indexed by KernelId).
   const std::vector<gpu::KernelCounters>& counted_kernels() const { return counted_kernels_; }
+  // Every dispatch of the last count(), in order.
+  const std::vector<gpu::DispatchRecord>& counted_dispatches() const { return counted_dispatches_; }
 
   void reset();
   Snapshot snapshot() const;
@@ -152,6 +154,8 @@ class Engine {
   uint32_t last_rows_ = 0, last_slot_ = 0;  // logits rows / slot of the last completed step
   mutable uint64_t logit_bytes_copied_ = 0;
   std::vector<gpu::KernelCounters> counted_kernels_;
+  std::vector<gpu::DispatchRecord> counted_dispatches_;
+  bool recording_ = false;
 };
 
 std::unique_ptr<gpu::Device> make_device(const std::string& name);

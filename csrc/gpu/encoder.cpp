@@ -89,6 +89,11 @@ void Encoder::dispatch(Size3 groups, Size3 threads) {
     touched += pending_.touched[i];
   }
   counters_.bytes_touched += touched;
+  if (record) [[unlikely]] {
+    uint64_t bound = 0;
+    for (uint32_t i = 1; i <= pending_.num_buffers; ++i) bound += pending_.buffers[i].bytes;
+    record->push_back({pending_.kernel, groups, threads, touched, bound, counters_.barriers});
+  }
   KernelCounters& k = counters_.kernels[static_cast<size_t>(pending_.kernel)];
   k.dispatches += 1;
   k.bytes_touched += touched;

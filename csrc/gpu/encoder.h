@@ -11,6 +11,7 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "gpu/kernel_ids.h"
 
@@ -68,6 +69,14 @@ struct Counters {
   KernelCounters kernels[kNumKernels];
 };
 
+// One dispatch as counted (Encoder::record, for tables of a step's kernels).
+struct DispatchRecord {
+  KernelId kernel{};
+  Size3 groups, threads;
+  uint64_t bytes_touched = 0, bytes_bound = 0;
+  uint64_t level = 0;  // barriers encoded before it (dispatches with the same level may overlap)
+};
+
 // Raised for host-side encoding mistakes (unbound buffer, wrong args struct, empty grid...).
 class EncodeError : public std::logic_error {
  public:
@@ -100,6 +109,7 @@ class Encoder {
   virtual void wait() = 0;    // block until the submitted work finished (errors surface here)
 
   const Counters& counters() const { return counters_; }
+  std::vector<DispatchRecord>* record = nullptr;  // when set, every dispatch is appended
 
  protected:
   virtual void encode_dispatch(const Dispatch& d) = 0;
