@@ -121,7 +121,7 @@ void init_ops_moe(nb::module_& m) {
         const gpu::Counters& c = rec.counters();
         nb::dict stats;
         nb::list kernels;
-        for (const auto& k : rec.kernels) kernels.append(k);
+        for (const auto& k : rec.kernels) kernels.append(std::string(k));
         stats["kernels"] = kernels;
         stats["route"] = std::string(gpu::ops::moe_route_name(gpu::ops::moe_route(op.tokens, op.top_k)));
         stats["dispatches"] = c.dispatches;

@@ -566,6 +566,10 @@ Engine::InFlight Engine::encode(uint32_t T, uint32_t position, bool all_logits, 
     if (!enc) fail("skip_barrier needs a device that checks plans (the emulator, device 'emu')");
   }
   f.enc = enc ? std::move(enc) : device_->new_encoder();
+  if (recording_) {
+    counted_dispatches_.clear();
+    f.enc->record = &counted_dispatches_;
+  }
   gpu::ops::RecordingEncoder rec(*f.enc);  // counts commit()/wait() asked for while encoding
   gpu::encode_prefill_chunk(rec, spec_, m_, p);
   f.st.encode_ns = uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -580,6 +584,7 @@ Engine::InFlight Engine::encode(uint32_t T, uint32_t position, bool all_logits, 
   f.st.dispatches = c.dispatches;
   f.st.barriers = c.barriers;
   f.st.bytes_bound = c.bytes_bound;
+  f.st.bytes_touched = c.bytes_touched;
   f.st.threads = c.threads;
   f.st.flops_executed = c.flops_executed;
   f.st.flops_useful = c.flops_useful;
@@ -644,8 +649,10 @@ StepStats Engine::complete(float* logits) {
   st.host_waits = st.waits_in_step + 1;
   const size_t V = spec_.vocab;
   const char* src = static_cast<const char*>(m_.s.logits.buffer->contents());
-  if (logits && src && f.rows)
+  if (logits && src && f.rows) {
     std::memcpy(logits, src + (f.rows == 1 ? f.slot : 0) * V * 4, f.rows * V * 4);
+    logit_bytes_copied_ += f.rows * V * 4;
+  }
   last_rows_ = f.rows;
   last_slot_ = f.slot;
   if (inflight_.empty() && !failed_) valid_ = true;
@@ -676,6 +683,7 @@ void Engine::last_logits(float* out) const {
   if (src == nullptr) fail("last_logits: device '" + std::string(device_->name()) + "' keeps no logits");
   const size_t row = last_rows_ == 1 ? last_slot_ : last_rows_ - 1;
   std::memcpy(out, src + row * V * 4, V * 4);
+  logit_bytes_copied_ += V * 4;
 }
 
 StepStats Engine::forward(const uint32_t* ids, uint32_t T, bool all_logits, float* logits,
@@ -689,9 +697,20 @@ StepStats Engine::count(uint32_t T, uint32_t position, bool all_logits, const St
                         bool want_logits) {
   if (!std::string_view(device_->name()).starts_with("count"))
     fail("count() runs on the counting device only (device 'count' or 'count_host')");
-  StepStats st = encode(T, position, all_logits, sampling, want_logits).st;
-  last_ = st;
-  return st;
+  recording_ = true;
+  InFlight f;
+  try {
+    f = encode(T, position, all_logits, sampling, want_logits);
+  } catch (...) {
+    recording_ = false;
+    throw;
+  }
+  recording_ = false;
+  f.enc->record = nullptr;
+  const gpu::Counters& c = f.enc->counters();
+  counted_kernels_.assign(std::begin(c.kernels), std::end(c.kernels));
+  last_ = f.st;
+  return f.st;
 }
 
 StepStats Engine::check(uint32_t T, uint32_t position, bool all_logits, const StepSampling& sampling,

@@ -118,6 +118,8 @@
   X(sample_select,             SampleArgs, 2) /* hist, state */               \
   X(sample_gumbel_partial_f32, SampleArgs, 4) /* logits, state, hist, partials */ \
   X(sample_gumbel_final,       SampleArgs, 4) /* partials, state, ids, chosen_logit */ \
+  X(sample_topk_partial_f32,  SampleArgs, 3) /* logits, state, candidates */ \
+  X(sample_topk_merge_f32,    SampleArgs, 5) /* logits, state, candidates, ids, chosen_logit */ \
   X(sample_noise,              SampleArgs, 1) /* out */
 // clang-format on
 

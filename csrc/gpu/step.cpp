@@ -31,10 +31,7 @@ class SerialEncoder final : public Encoder {
  protected:
   void encode_dispatch(const Dispatch& d) override {
     if (dispatched_since_barrier_) inner_.barrier();
-    inner_.set_kernel(d.kernel);
-    inner_.set_args_bytes(d.args, d.args_size);
-    for (uint32_t i = 1; i <= d.num_buffers; ++i) inner_.set_buffer(i, d.buffers[i]);
-    inner_.dispatch(d.groups, d.threads);
+    forward_dispatch(inner_, d);
     dispatched_since_barrier_ = true;
   }
   void encode_barrier() override {

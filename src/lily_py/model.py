@@ -155,7 +155,8 @@ class Model:
 
     def stats(self) -> dict | None:
         """Counters of the backend's last step (engine backends: dispatches, barriers,
-        bytes_bound, threads, commits, waits_in_step, host_waits, tokens); None for the
+        bytes_bound, bytes_touched (what the kernels read plus write: routed experts only),
+        threads, commits, waits_in_step, host_waits, tokens, encode_ns); None for the
         reference backend or before the first step."""
         return getattr(self._backend, "last_stats", None)
 

@@ -204,7 +204,8 @@ def test_step_counters(attn_ckpt, rng, tokens):
     counted = count_step(m.config, tokens=tokens, position=m.position - tokens,
                          quant=checkpoint_quant(m.weights), prefill_chunk=m.prefill_chunk,
                          context_length=m.context_length)
-    for k in ("dispatches", "barriers", "bytes_bound", "threads", "waits_in_step", "flops_executed", "flops_useful"):
+    for k in ("dispatches", "barriers", "bytes_bound", "bytes_touched", "threads", "waits_in_step",
+              "flops_executed", "flops_useful"):
         assert counted[k] == st[k], k
     # A prefill chunk that is not the last skips the final norm and lm_head (and their barriers).
     assert m._backend.forward(np.array([1] * tokens), all_logits=False, logits=False) is None
@@ -253,6 +254,58 @@ def test_real_config_counters(tokens, position):
         assert st["flops_executed"] == st["flops_useful"] + _attention_decode_padding_flops(cfg, position)
     else:
         assert st["flops_useful"] < st["flops_executed"] < 1.5 * st["flops_useful"]
+
+
+def _real_cfg():
+    from lily_py.config import ModelConfig
+    from lily_py.testing import REAL_TEXT_CONFIG
+    return ModelConfig.from_dict({"model_type": "qwen3_5_moe", "text_config": dict(REAL_TEXT_CONFIG)})
+
+
+@pytest.mark.parametrize("position", [255, 4095, 32767])
+def test_bytes_touched_real_config_against_the_floor(position):
+    """bytes_touched of a real 35B decode step (routed experts only, KV rows up to the position,
+    DeltaNet state read and written) against the floor derived from the config: at least the
+    floor (it is a lower bound), within 1.03x of it at 256 context (activations, logits and the
+    split-K partials are the difference)."""
+    from lily_py.backends.engine import count_kernels, decode_floor_bytes
+    cfg = _real_cfg()
+    st, ks = count_kernels(cfg, position=position)
+    floor = decode_floor_bytes(cfg, position=position)["total"]
+    print(f"decode at {position}: bytes_touched {st['bytes_touched']}, floor {floor}, "
+          f"ratio {st['bytes_touched'] / floor:.4f}, bytes_bound {st['bytes_bound']}")
+    assert floor <= st["bytes_touched"] <= 1.03 * floor
+    assert st["bytes_touched"] == sum(k["bytes_touched"] for k in ks.values())
+    assert sum(k["dispatches"] for k in ks.values()) == st["dispatches"]
+    # The KV part of the floor is exact: K and V rows [0, position] of every attention layer.
+    attn = [v for n, v in ks.items() if n.startswith("attn_decode")]
+    kv_read = 2 * cfg.num_key_value_heads * cfg.head_dim * 2 * (position + 1)
+    attn_layers = sum(cfg.is_full_attention(i) for i in range(cfg.num_hidden_layers))
+    assert sum(v["bytes_touched"] for v in attn) >= attn_layers * kv_read
+
+
+def test_bytes_touched_counts_routed_experts_and_touched_rows(attn_ckpt):
+    """Exact per-kernel bytes on a small config: the embedding reads one row, the expert
+    gathers k of E experts, the DeltaNet step its state twice."""
+    from lily_py.backends.engine import checkpoint_quant, count_kernels
+    m = lily_py.load(attn_ckpt, backend="reference")
+    cfg, quant = m.config, checkpoint_quant(m.weights)
+    st, ks = count_kernels(cfg, position=5, quant=quant)
+    H, E, k, I = cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
+    gs = quant["experts_q"]["group_size"]
+    emb = [v for n, v in ks.items() if n.startswith("embedding")][0]
+    assert emb["bytes_touched"] == 4 + H // 2 + 2 * 2 * (H // quant["embed"]["group_size"]) + 4 * H
+    expert = I * H // 2 + 2 * 2 * I * (H // gs)                      # one [I, H] 4-bit matrix
+    shared = cfg.shared_expert_intermediate_size
+    gate_up = [v for n, v in ks.items() if n.startswith("moe_gate_up")][0]
+    L = cfg.num_hidden_layers
+    sh = shared * H // 2 + 2 * 2 * shared * (H // gs)
+    x, ids, h = 4 * H, 4 * k, 4 * (k + 1) * max(I, shared)
+    assert gate_up["bytes_touched"] == L * (2 * k * expert + 2 * sh + x + ids + h)
+    dn = [v for n, v in ks.items() if n.startswith("gated_delta_x")][0]
+    Hv, Dv, Dk = cfg.linear_num_value_heads, cfg.linear_value_head_dim, cfg.linear_key_head_dim
+    state = Hv * Dv * Dk * 4
+    assert dn["bytes_touched"] > 2 * state * dn["dispatches"] > 0
 
 
 def test_engine_refuses_unsupported_checkpoints(tiny_hf):
@@ -482,3 +535,86 @@ def test_greedy_after_chunked_prefill(real_dims_ckpt, which, chunk):
     routes = {gated_delta_route(min(chunk, n - s), cfg.linear_key_head_dim, cfg.linear_value_head_dim)
               for s in range(0, n, chunk)}
     assert routes == ({"scan"} if chunk == 1 else {"chunked", "scan"} if chunk == 64 else {"chunked"})
+
+
+@pytest.mark.parametrize("opts", SAMPLING, ids=["greedy", "temperature", "filters"])
+def test_first_token_sampled_on_device_in_the_prefill_step(dn_ckpt, opts):
+    """The first token is sampled on the device, in the command buffer of the prompt's last
+    prefill step (also when the prompt takes several chunks), and equals the reference's choice.
+    During generation no logits row is copied to the host except the one the conversation
+    snapshot keeps (one row per generate call, however many tokens)."""
+    emu = lily_py.load(dn_ckpt, backend="emu", context_length=64, prefill_chunk=4)
+    ref = lily_py.load(dn_ckpt, backend="reference", context_length=64, prefill_chunk=4)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]          # three chunks of at most 4
+    eng = emu._backend.engine
+    V = emu.config.vocab_size
+    copied = eng.logit_bytes_copied
+    opts = dict(opts, seed=opts.get("seed", 5))
+    g = emu.generate(prompt, max_tokens=12, **opts)
+    first = next(g)
+    st = emu.stats()
+    assert st["tokens"] == 2 and st["token"] == first.token     # the last chunk (2 tokens) sampled it
+    assert st["commits"] == 1 and st["waits_in_step"] == 0
+    rest = [c.token for c in g]
+    want = ref.generate_text(prompt, max_tokens=12, **opts).tokens
+    assert [first.token] + rest == want
+    assert eng.logit_bytes_copied - copied == V * 4             # the snapshot's row only
+    copied = eng.logit_bytes_copied
+    emu.generate_text(prompt + want + [7], max_tokens=20, **opts)
+    assert eng.logit_bytes_copied - copied == V * 4
+
+
+def test_prompt_without_new_tokens_samples_on_the_host_from_the_device_logits(dn_ckpt):
+    """The other side of the first-token switch: a prompt equal to the state (nothing to
+    prefill) samples its first token on the host, from the last step's logits fetched from the
+    device on demand; the tokens equal the reference's."""
+    emu, ref = _pair(dn_ckpt)
+    prompt = [9, 8, 7, 6]
+    kw = dict(max_tokens=3, temperature=0.9, seed=3)
+    a1, b1 = emu.generate_text(prompt, **kw), ref.generate_text(prompt, **kw)
+    assert a1.tokens == b1.tokens
+    state = prompt + a1.tokens[:2]                 # the last token was sampled, never fed
+    assert list(emu.tokens) == list(ref.tokens) == state
+    eng = emu._backend.engine
+    copied = eng.logit_bytes_copied
+    a2 = emu.generate_text(state, max_tokens=6, temperature=0.9, seed=4)
+    b2 = ref.generate_text(state, max_tokens=6, temperature=0.9, seed=4)
+    assert a2.stats.reused_tokens == len(state) and a2.stats.prefilled_tokens == 0
+    assert a2.tokens == b2.tokens
+    assert eng.logit_bytes_copied - copied == emu.config.vocab_size * 4   # fetched once, on demand
+
+
+def test_decode_returns_logits_and_last_logits_on_demand(dn_ckpt, rng):
+    """decode()/prefill() hand back the logits (one copy from the device, the caller owns it);
+    the engine's last_logits() copies the last step's row again and refuses when there is none."""
+    emu, ref = _pair(dn_ckpt)
+    eng = emu._backend.engine
+    ids = rng.integers(0, emu.config.vocab_size, size=5).tolist()
+    a = emu.prefill(ids)
+    _close(a, ref.prefill(ids), "prefill")
+    copied = eng.logit_bytes_copied
+    b = emu.decode(3)
+    assert eng.logit_bytes_copied - copied == emu.config.vocab_size * 4
+    _close(b, ref.decode(3), "decode")
+    b[:] = 0                                                  # the caller's array: edits are free
+    np.testing.assert_array_equal(eng.last_logits(), emu._backend.last_logits())
+    assert np.abs(eng.last_logits()).max() > 0
+    eng.forward(np.array([1, 2], np.uint32), logits=False)   # a chunk without lm_head
+    assert not eng.has_last_logits
+    with pytest.raises(ValueError, match="computed no logits"):
+        eng.last_logits()
+    emu.reset()
+    with pytest.raises(ValueError, match="computed no logits"):
+        eng.last_logits()
+
+
+def test_count_host_device_generates_without_running_anything(tmp_path):
+    """The counting device with host memory backs a Model (benchmarks/host_overhead.py): every
+    step is encoded and counted, nothing runs, every sampled token is 0."""
+    path = make_checkpoint(tmp_path, _dn_config(), fmt="mlx", seed=1)
+    m = lily_py.load(path, backend="count_host", context_length=64, prefill_chunk=8)
+    out = m.generate_text([5, 6, 7], max_tokens=10, temperature=0.7, top_p=0.9, seed=1)
+    assert out.tokens == [0] * 10 and out.finish_reason == "length"
+    st = m.stats()
+    assert st["dispatches"] > 0 and st["encode_ns"] > 0 and st["ids_from_slot"]
+    assert lily_py.load(path, backend="count_host").backend == "count_host"

@@ -96,6 +96,8 @@ void encode_qk_norm_rope(Encoder& enc, const QkNormRopeOperands& op) {
   enc.set_buffer(7, need(fn, op.q_out, uint64_t(op.tokens) * op.q_heads * D * xs, "q_out"));
   enc.set_buffer(8, need(fn, op.k_cache, cache_bytes, "k_cache"));
   enc.set_buffer(9, need(fn, op.v_cache, cache_bytes, "v_cache"));
+  enc.set_touched(8, uint64_t(op.tokens) * op.kv_heads * D * 2);  // written: the new rows only
+  enc.set_touched(9, uint64_t(op.tokens) * op.kv_heads * D * 2);
   enc.dispatch({op.q_heads + op.kv_heads, op.tokens, 1}, {kRopeThreads, 1, 1});
 }
 
@@ -175,6 +177,13 @@ uint64_t attention_decode_executed_flops(const AttentionOperands& op) {
   return 4ull * op.head_dim * op.q_heads * keys;
 }
 
+// Buffers 2 and 3 (K and V caches, bound whole): rows [0, length) of every KV head are read.
+void touch_cache_rows(Encoder& enc, const AttentionOperands& op, uint64_t length) {
+  const uint64_t bytes = length * op.kv_heads * op.head_dim * 2;
+  enc.set_touched(2, bytes);
+  enc.set_touched(3, bytes);
+}
+
 }  // namespace
 
 void encode_attention_decode(Encoder& enc, const AttentionOperands& op) {
@@ -193,6 +202,7 @@ void encode_attention_decode(Encoder& enc, const AttentionOperands& op) {
     enc.set_buffer(3, c.v);
     enc.set_buffer(4, c.gate);
     enc.set_buffer(5, c.out);
+    touch_cache_rows(enc, op, length);
     enc.dispatch({op.kv_heads, 1, 1}, {32 * group, 1, 1});
     enc.add_flops(attention_decode_executed_flops(op), attention_useful_flops(op));
     return;
@@ -211,6 +221,7 @@ void encode_attention_decode(Encoder& enc, const AttentionOperands& op) {
   enc.set_buffer(3, c.v);
   enc.set_buffer(4, partial_o);
   enc.set_buffer(5, partial_ml);
+  touch_cache_rows(enc, op, length);
   enc.dispatch({op.kv_heads, 1, route.splits}, {32 * group, 1, 1});
   enc.barrier();  // partials -> combine
   enc.set_kernel(bf ? KernelId::attn_combine_bf16 : KernelId::attn_combine_f32);
@@ -241,6 +252,7 @@ void encode_attention_prefill(Encoder& enc, const AttentionOperands& op) {
     enc.set_buffer(3, c.v);
     enc.set_buffer(4, c.gate);
     enc.set_buffer(5, c.out);
+    touch_cache_rows(enc, op, uint64_t(op.position) + op.tokens);  // each row counted once
     enc.dispatch({op.kv_heads, (op.tokens + qt - 1) / qt, 1}, {kAttnMmaThreads, 1, 1});
     // Each threadgroup runs 32 rows (qt * group live) against every 32-key block up to its last
     // token's keys: S = Q K^T and O += P V, 2 * 32 * 32 * head_dim multiply-adds per block.
@@ -259,6 +271,7 @@ void encode_attention_prefill(Encoder& enc, const AttentionOperands& op) {
   enc.set_buffer(3, c.v);
   enc.set_buffer(4, c.gate);
   enc.set_buffer(5, c.out);
+  touch_cache_rows(enc, op, uint64_t(op.position) + op.tokens);  // each row counted once
   enc.dispatch({op.kv_heads, (op.tokens + kAttnPrefillTokens - 1) / kAttnPrefillTokens, 1}, {32 * group, 1, 1});
   // Each threadgroup runs kAttnPrefillTokens query tokens (the last clamped) x group heads against
   // whole 32-key blocks up to its last token's keys (masked keys are computed, then dropped).

@@ -34,10 +34,17 @@ QuantBytes quant_bytes(uint64_t count, uint64_t N, uint64_t K, uint32_t bits, ui
   return {count * N * K * bits / 8, count * N * (K / gs) * dtype_size(st)};
 }
 
-void bind_quant(Encoder& enc, uint32_t first, const QuantMatrix& m, QuantBytes b, const char* what) {
+// `used` of the stack's `count` matrices are read (the routed experts; all of them by default).
+void bind_quant(Encoder& enc, uint32_t first, const QuantMatrix& m, QuantBytes b, const char* what,
+                uint64_t used = 0, uint64_t count = 1) {
   enc.set_buffer(first, range(m.w, b.w, what, ".w"));
   enc.set_buffer(first + 1, range(m.scales, b.s, what, ".scales"));
   enc.set_buffer(first + 2, range(m.biases, b.s, what, ".biases"));
+  if (used != 0 && used < count) {
+    enc.set_touched(first, b.w / count * used);
+    enc.set_touched(first + 1, b.s / count * used);
+    enc.set_touched(first + 2, b.s / count * used);
+  }
 }
 
 MoeArgs make_args(const MoeOperands& op, MoeRoute route) {
@@ -173,6 +180,9 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
   };
   const Binding residual = range(op.residual.buffer ? op.residual : op.x, act, "residual");
   const MoeFlops flops = moe_expert_flops(T, k, E, H, I, Is);
+  // Experts the gathers read: top_k distinct per token, so exactly k at T = 1; for T > 1 the
+  // host does not know the routes and counts min(E, T k), an upper bound.
+  const uint64_t used = std::min<uint64_t>(E, uint64_t(T) * k);
 
   // 1. router + shared-gate logits [T, E + 1] (qmv for T <= 8, else qmm)
   QmmOperands r;
@@ -206,8 +216,8 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
     enc.set_args(a);
     enc.set_buffer(1, range(op.x, act, "x"));
     enc.set_buffer(2, range(op.scratch.ids, sb.ids, "scratch.ids"));
-    bind_quant(enc, 3, op.gate, q(E, I, H), "gate");
-    bind_quant(enc, 6, op.up, q(E, I, H), "up");
+    bind_quant(enc, 3, op.gate, q(E, I, H), "gate", used, E);
+    bind_quant(enc, 6, op.up, q(E, I, H), "up", used, E);
     bind_quant(enc, 9, op.shared_gate, q(1, Is, H), "shared_gate");
     bind_quant(enc, 12, op.shared_up, q(1, Is, H), "shared_up");
     enc.set_buffer(15, range(op.scratch.h, sb.h, "scratch.h"));
@@ -220,7 +230,7 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
     enc.set_buffer(1, range(op.scratch.ids, sb.ids, "scratch.ids"));
     enc.set_buffer(2, range(op.scratch.weights, sb.weights, "scratch.weights"));
     enc.set_buffer(3, range(op.scratch.h, sb.h, "scratch.h"));
-    bind_quant(enc, 4, op.down, q(E, H, I), "down");
+    bind_quant(enc, 4, op.down, q(E, H, I), "down", used, E);
     bind_quant(enc, 7, op.shared_down, q(1, H, Is), "shared_down");
     enc.set_buffer(10, residual);
     enc.set_buffer(11, range(op.out, act, "out"));
@@ -244,8 +254,8 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
   enc.set_args(a);
   enc.set_buffer(1, range(op.x, act, "x"));
   enc.set_buffer(2, range(op.scratch.plan, sb.plan, "scratch.plan"));
-  bind_quant(enc, 3, op.gate, q(E, I, H), "gate");
-  bind_quant(enc, 6, op.up, q(E, I, H), "up");
+  bind_quant(enc, 3, op.gate, q(E, I, H), "gate", used, E);
+  bind_quant(enc, 6, op.up, q(E, I, H), "up", used, E);
   bind_quant(enc, 9, op.shared_gate, q(1, Is, H), "shared_gate");
   bind_quant(enc, 12, op.shared_up, q(1, Is, H), "shared_up");
   enc.set_buffer(15, range(op.scratch.h, sb.h, "scratch.h"));
@@ -257,7 +267,7 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
   enc.set_buffer(1, range(op.scratch.plan, sb.plan, "scratch.plan"));
   enc.set_buffer(2, range(op.scratch.row_weight, sb.row_weight, "scratch.row_weight"));
   enc.set_buffer(3, range(op.scratch.h, sb.h, "scratch.h"));
-  bind_quant(enc, 4, op.down, q(E, H, I), "down");
+  bind_quant(enc, 4, op.down, q(E, H, I), "down", used, E);
   bind_quant(enc, 7, op.shared_down, q(1, H, Is), "shared_down");
   enc.set_buffer(10, range(op.scratch.y, sb.y, "scratch.y"));
   enc.dispatch({ceil_div(H, kMoeTileN), a.max_tiles, 1}, {32 * kMoeTileSimds, 1, 1});
@@ -275,10 +285,7 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
 
 void RecordingEncoder::encode_dispatch(const Dispatch& d) {
   kernels.emplace_back(kernel_info(d.kernel).name);
-  inner_.set_kernel(d.kernel);
-  inner_.set_args_bytes(d.args, d.args_size);
-  for (uint32_t i = 1; i <= d.num_buffers; ++i) inner_.set_buffer(i, d.buffers[i]);
-  inner_.dispatch(d.groups, d.threads);
+  forward_dispatch(inner_, d);
 }
 
 }  // namespace lily::gpu::ops

@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "gpu/dtype.h"
@@ -91,6 +92,7 @@ class RecordingEncoder final : public Encoder {
   void wait() override { ++waits; inner_.wait(); }
   uint32_t thread_limit(KernelId k) const override { return inner_.thread_limit(k); }
   std::vector<std::string> kernels;
+  std::vector<std::string_view> kernels;  // kernel names (static storage), in dispatch order
   uint64_t commits = 0, waits = 0;
 
  protected:
