@@ -42,7 +42,8 @@ void init_ops_moe(nb::module_& m) {
     return std::string(gpu::ops::moe_route_name(gpu::ops::moe_route(tokens, top_k)));
   }, "tokens"_a, "top_k"_a, "Route the MoE block takes: 'mv', 'mm32' or 'mm64'.");
   m.attr("MOE_MV_MAX_TOKENS") = static_cast<uint32_t>(kMoeMvMaxTokens);
-  m.attr("MOE_TILE64_MIN_ROWS") = static_cast<uint32_t>(kMoeTile64MinRows);
+  m.attr("MOE_FEW_MAX_ROWS") = static_cast<uint32_t>(kMoeFewMaxRows);
+  m.attr("MOE_TILE32_MAX_ROWS") = static_cast<uint32_t>(kMoeTile32MaxRows);
   m.attr("MOE_MAX_EXPERTS") = static_cast<uint32_t>(kMoeMaxExperts);
   m.attr("MOE_MAX_TOP_K") = static_cast<uint32_t>(kMoeMaxTopK);
 
@@ -134,6 +135,15 @@ void init_ops_moe(nb::module_& m) {
         stats["flops_executed"] = c.flops_executed;
         stats["flops_useful"] = c.flops_useful;
         stats["host_syncs"] = syncs;
+        if (op.scratch.plan.bytes) {  // the tiled route's plan: tiles made in each list (read after the wait)
+          const auto* plan = reinterpret_cast<const uint32_t*>(static_cast<const char*>(op.scratch.plan.buffer->contents()) +
+                                                               op.scratch.plan.offset);
+          nb::dict tiles;
+          tiles["64"] = plan[0];
+          tiles["32"] = plan[1];
+          tiles["few"] = plan[2];
+          stats["tiles"] = tiles;
+        }
         const uint32_t T = op.tokens, k = op.top_k;
         return nb::make_tuple(copy_out<float>(op.out, {T, op.hidden}), copy_out<uint32_t>(op.scratch.ids, {T, k}),
                               copy_out<float>(op.scratch.weights, {T, k + 1}), stats);

@@ -87,6 +87,8 @@
   X(moe_gate_up_mm64_b4_xf32_sbf16,  MoeArgs, 15)                             \
   X(moe_down_mm32_b4_sbf16,          MoeArgs, 10)                             \
   X(moe_down_mm64_b4_sbf16,          MoeArgs, 10)                             \
+  X(moe_gate_up_few_b4_xf32_sbf16,   MoeArgs, 15)                             \
+  X(moe_down_few_b4_sbf16,           MoeArgs, 10)                             \
   X(moe_combine_xf32,                MoeArgs, 4)                              \
   /* attention (shaders/attention.metal): rope: x, inv_freq, y */             \
   X(rope_f32,  RopeArgs, 3)                                                   \
