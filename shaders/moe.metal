@@ -110,7 +110,9 @@ template <typename L>
 //             (3) the same stream again: each thread gives its experts' entries consecutive rows
 //             in token order (a stable permutation, no atomics), writes row -> token, the
 //             per-row routing weight and slot -> row; the shared group's rows are offset[E] + t.
-//   outputs:  the plan buffer (layout in common/args_moe.h) and row_weight [R] fp32.
+//   outputs:  the plan buffer (layout in common/args_moe.h), row_weight [R] fp32, and tile_stats
+//             uint32 [4] = tiles in the 64-row, 32-row and few-row lists and the rows in few-row
+//             tiles (the host reads it after the step to count the FLOPs the tiles executed).
 //   cost:     every thread reads all T * k ids twice from threadgroup memory (T = 4096, k = 8:
 //             64K reads per thread); a one-pass atomic version would be faster on the GPU but
 //             gives a run-dependent row order.
@@ -120,6 +122,7 @@ template <typename W>
                          const device W* weights [[buffer(2)]],
                          device uint32_t* plan [[buffer(3)]],
                          device float* row_weight [[buffer(4)]],
+                         device uint32_t* tile_stats [[buffer(5)]],
                          LILY_KERNEL_TAIL) {
   constexpr uint32_t CHUNK = kMoePlanThreads * 4;
   constexpr uint32_t OWN = (kMoeMaxExperts + kMoePlanThreads - 1) / kMoePlanThreads;
@@ -151,7 +154,7 @@ template <typename W>
   threadgroup_barrier(mem_flags::mem_threadgroup);
 
   if (tid == 0) {  // (2) E + 1 <= 513 additions: cheaper serial than a scan's extra barriers
-    uint32_t off = 0, n64 = 0, n32 = 0, nfew = 0;
+    uint32_t off = 0, n64 = 0, n32 = 0, nfew = 0, few_rows = 0;
     for (uint32_t g = 0; g < groups; ++g) {
       const uint32_t c = g < E ? offsets[g] : T;
       const uint32_t rem = c % 64;
@@ -163,11 +166,16 @@ template <typename W>
       n64 += c / 64 + (rem > kMoeTile32MaxRows ? 1u : 0u);
       n32 += rem > kMoeFewMaxRows && rem <= kMoeTile32MaxRows ? 1u : 0u;
       nfew += rem > 0 && rem <= kMoeFewMaxRows ? 1u : 0u;
+      few_rows += rem <= kMoeFewMaxRows ? rem : 0u;
     }
     offsets[groups] = off;
     plan[0] = n64;
     plan[1] = n32;
     plan[2] = nfew;
+    tile_stats[0] = n64;  // read by the host after the step (exact executed FLOPs)
+    tile_stats[1] = n32;
+    tile_stats[2] = nfew;
+    tile_stats[3] = few_rows;
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
 

@@ -108,6 +108,7 @@ void init_ops_moe(nb::module_& m) {
         op.scratch.row_weight = output(sb.row_weight);
         op.scratch.h = output(sb.h);
         op.scratch.y = output(sb.y);
+        op.scratch.tile_stats = output(sb.tile_stats);
         gpu::ops::validate(op);
 
         auto enc = dev->new_encoder();
@@ -135,14 +136,20 @@ void init_ops_moe(nb::module_& m) {
         stats["flops_executed"] = c.flops_executed;
         stats["flops_useful"] = c.flops_useful;
         stats["host_syncs"] = syncs;
-        if (op.scratch.plan.bytes) {  // the tiled route's plan: tiles made in each list (read after the wait)
-          const auto* plan = reinterpret_cast<const uint32_t*>(static_cast<const char*>(op.scratch.plan.buffer->contents()) +
-                                                               op.scratch.plan.offset);
+        if (op.scratch.tile_stats.bytes) {  // the tiled route: what the plan made (read after the wait)
+          const auto* ts = reinterpret_cast<const uint32_t*>(
+              static_cast<const char*>(op.scratch.tile_stats.buffer->contents()) + op.scratch.tile_stats.offset);
           nb::dict tiles;
-          tiles["64"] = plan[0];
-          tiles["32"] = plan[1];
-          tiles["few"] = plan[2];
+          tiles["64"] = ts[0];
+          tiles["32"] = ts[1];
+          tiles["few"] = ts[2];
+          tiles["few_rows"] = ts[3];
           stats["tiles"] = tiles;
+          // The encoder counted the bound over every routing; the plan says what ran.
+          const auto bound = gpu::ops::moe_expert_flops(op.tokens, op.top_k, op.experts, op.hidden, op.inter, op.shared_inter);
+          stats["flops_executed"] = c.flops_executed - bound.executed +
+                                    gpu::ops::moe_expert_flops_from_tiles(op.tokens, op.top_k, op.hidden, op.inter,
+                                                                          op.shared_inter, ts);
         }
         const uint32_t T = op.tokens, k = op.top_k;
         return nb::make_tuple(copy_out<float>(op.out, {T, op.hidden}), copy_out<uint32_t>(op.scratch.ids, {T, k}),

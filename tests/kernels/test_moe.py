@@ -135,13 +135,29 @@ def expected_tiles(ids, E):
     few-row tile (r <= 8), a 32-row tile (r <= 32) or one more 64-row tile."""
     T = ids.shape[0]
     counts = list(np.bincount(ids.ravel(), minlength=E)) + [T]
-    tiles = {"64": 0, "32": 0, "few": 0}
+    tiles = {"64": 0, "32": 0, "few": 0, "few_rows": 0}
     for c in counts:
         rem = c % 64
         tiles["64"] += c // 64 + (rem > TILE32_MAX_ROWS)
         tiles["32"] += FEW_MAX_ROWS < rem <= TILE32_MAX_ROWS
         tiles["few"] += 0 < rem <= FEW_MAX_ROWS
+        tiles["few_rows"] += rem if rem <= FEW_MAX_ROWS else 0
     return tiles
+
+
+def expected_executed(ids, E, *, H, I, Is, router_rows):
+    """FLOPs the tiles execute (H, I, Is multiples of 32: no column padding): 64- and 32-row
+    tiles compute every row of the tile, few-row tiles only their rows; 6 H N per row (gate, up,
+    down); plus the router (qmm: T and E + 1 padded to 32)."""
+    T = ids.shape[0]
+    total = 0
+    for g, c in enumerate(list(np.bincount(ids.ravel(), minlength=E)) + [T]):
+        N = Is if g == E else I
+        rem = c % 64
+        rows = 64 * (c // 64) + (64 if rem > TILE32_MAX_ROWS else 32 if rem > FEW_MAX_ROWS else rem)
+        total += 6 * H * N * rows
+    pad = lambda n: -(-n // 32) * 32  # noqa: E731
+    return total + 2 * pad(T) * pad(router_rows) * H
 
 
 # Token counts of the issue, both sides of the mv | tiled switch (8 | 9); 7 experts (not a power of
@@ -201,6 +217,7 @@ def test_tiles_sized_by_load(rng, device, T):
     _, ids, stats = check(rng, W, x_of(T), 2, route="tiled", device=device)
     assert (ids[:, 0] == 0).all()
     assert stats["tiles"] == expected_tiles(ids, E), (T, np.bincount(ids.ravel(), minlength=E))
+    assert stats["flops_executed"] == expected_executed(ids, E, H=64, I=32, Is=32, router_rows=E + 1)
 
 
 def test_tiles_uniform_load_small_experts(rng):

@@ -96,6 +96,21 @@ MoeFlops moe_expert_flops(uint32_t tokens, uint32_t top_k, uint32_t experts, uin
   return {executed, useful};
 }
 
+uint64_t moe_expert_flops_from_tiles(uint32_t tokens, uint32_t top_k, uint32_t H, uint32_t I, uint32_t Is,
+                                     const uint32_t st[4]) {
+  const uint64_t bn = kMoeTileN;
+  auto pad = [bn](uint64_t n) { return (n + bn - 1) / bn * bn; };
+  auto tile_row = [&](uint64_t N) { return 2 * (2 * pad(N) * H + pad(H) * N); };  // mm tiles: whole column tiles
+  auto few_row = [&](uint64_t N) { return 6 * N * H; };                            // matvec: no padding
+  // The shared group (every token, T rows) is cut by the same rule; the rest of each list is routed.
+  const uint32_t rem = tokens % 64;
+  const uint64_t s64 = tokens / 64 + (rem > kMoeTile32MaxRows), s32 = rem > kMoeFewMaxRows && rem <= kMoeTile32MaxRows;
+  const uint64_t sfew_rows = rem <= kMoeFewMaxRows ? rem : 0;
+  (void)top_k;
+  return 64 * ((st[0] - s64) * tile_row(I) + s64 * tile_row(Is)) + 32 * ((st[1] - s32) * tile_row(I) + s32 * tile_row(Is)) +
+         (st[3] - sfew_rows) * few_row(I) + sfew_rows * few_row(Is);
+}
+
 MoeScratchBytes moe_scratch_bytes(const MoeOperands& op) {
   const MoeRoute route = moe_route(op.tokens, op.top_k);
   const uint64_t T = op.tokens, k = op.top_k, R = T * (k + 1);
@@ -109,6 +124,7 @@ MoeScratchBytes moe_scratch_bytes(const MoeOperands& op) {
     b.plan = (kMoePlanTiles + 3 * tiles + 2 * R) * 4;
     b.row_weight = R * 4;
     b.y = R * op.hidden * 4;
+    b.tile_stats = 4 * 4;
   }
   return b;
 }
@@ -143,6 +159,7 @@ void validate(const MoeOperands& op) {
     range(op.scratch.plan, sb.plan, "scratch.plan");
     range(op.scratch.row_weight, sb.row_weight, "scratch.row_weight");
     range(op.scratch.y, sb.y, "scratch.y");
+    range(op.scratch.tile_stats, sb.tile_stats, "scratch.tile_stats");
   }
   const uint32_t E = op.experts, H = op.hidden, I = op.inter, Is = op.shared_inter;
   auto check = [&](const QuantMatrix& m, QuantBytes b, const char* what) {
@@ -240,6 +257,7 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
   enc.set_buffer(2, range(op.scratch.weights, sb.weights, "scratch.weights"));
   enc.set_buffer(3, range(op.scratch.plan, sb.plan, "scratch.plan"));
   enc.set_buffer(4, range(op.scratch.row_weight, sb.row_weight, "scratch.row_weight"));
+  enc.set_buffer(5, range(op.scratch.tile_stats, sb.tile_stats, "scratch.tile_stats"));
   enc.dispatch({1, 1, 1}, {kMoePlanThreads, 1, 1});
   enc.barrier();  // plan -> grouped gate/up
   // 4. grouped gate + up + SwiGLU (gather fused into the x loads): the 64-row, 32-row and

@@ -44,6 +44,10 @@ struct MoeFlops {
   uint64_t executed = 0, useful = 0;
 };
 MoeFlops moe_expert_flops(uint32_t tokens, uint32_t top_k, uint32_t experts, uint32_t H, uint32_t I, uint32_t Is);
+// The tiled route's executed FLOPs exactly, from the tile_stats the plan wrote (after the step):
+// 64- and 32-row tiles run whole (zero rows past the group), few-row tiles only their rows.
+uint64_t moe_expert_flops_from_tiles(uint32_t tokens, uint32_t top_k, uint32_t H, uint32_t I, uint32_t Is,
+                                     const uint32_t tile_stats[4]);
 
 // An MLX affine-quantized matrix (or stack of matrices).
 struct QuantMatrix {
@@ -61,10 +65,12 @@ struct MoeScratch {
   Binding row_weight;  // float32 [R]             (tiled routes) R = T * (k + 1)
   Binding h;           // float32 [R, max(I, Is)] SwiGLU intermediate
   Binding y;           // float32 [R, H]          (tiled routes) weighted expert outputs
+  Binding tile_stats;  // uint32  [4]             (tiled route) tiles the plan made: 64-row, 32-row,
+                       //                         few-row, rows in few-row tiles (read after the step)
 };
 
 struct MoeScratchBytes {
-  size_t logits = 0, ids = 0, weights = 0, plan = 0, row_weight = 0, h = 0, y = 0;
+  size_t logits = 0, ids = 0, weights = 0, plan = 0, row_weight = 0, h = 0, y = 0, tile_stats = 0;
 };
 
 struct MoeOperands {
