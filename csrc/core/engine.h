@@ -174,6 +174,8 @@ class Engine {
   };
   InFlight encode(uint32_t T, uint32_t position, bool all_logits, const StepSampling& sampling, bool want_logits,
                   std::unique_ptr<gpu::Encoder> enc = nullptr);
+  // After the wait: the MoE tiled route's flops_executed from the tiles each plan made.
+  void correct_moe_flops(StepStats& st, uint32_t slot) const;
   void require_idle(const char* what) const;
 
   ModelSpec spec_;

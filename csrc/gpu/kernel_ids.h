@@ -80,13 +80,15 @@
   X(gd_chunk_norm_xf32_wbf16, GdChunkArgs, 4)                                 \
   /* mixture of experts (shaders/moe.metal; buffers listed in the shader) */  \
   X(moe_route,                       MoeArgs, 3)                              \
-  X(moe_plan,                        MoeArgs, 4)                              \
+  X(moe_plan,                        MoeArgs, 5)                              \
   X(moe_gate_up_mv_b4_xf32_sbf16,    MoeArgs, 15)                             \
   X(moe_down_mv_b4_xf32_sbf16,       MoeArgs, 11)                             \
   X(moe_gate_up_mm32_b4_xf32_sbf16,  MoeArgs, 15)                             \
   X(moe_gate_up_mm64_b4_xf32_sbf16,  MoeArgs, 15)                             \
   X(moe_down_mm32_b4_sbf16,          MoeArgs, 10)                             \
   X(moe_down_mm64_b4_sbf16,          MoeArgs, 10)                             \
+  X(moe_gate_up_few_b4_xf32_sbf16,   MoeArgs, 15)                             \
+  X(moe_down_few_b4_sbf16,           MoeArgs, 10)                             \
   X(moe_combine_xf32,                MoeArgs, 4)                              \
   /* attention (shaders/attention.metal): rope: x, inv_freq, y */             \
   X(rope_f32,  RopeArgs, 3)                                                   \
