@@ -55,6 +55,16 @@ def test_an_assistant_turn_with_only_tool_calls_is_fine(demo):
     text = demo.tokenizer.decode(demo.prompt_ids(msgs))
     assert "<tool_call>\n<function=f>\n<parameter=x>\n1\n</parameter>" in text
     assert "<tool_response>\nsunny\n</tool_response>" in text
+    # OpenAI clients send the arguments as JSON text: same rendering, caller's list untouched
+    openai_msgs = [dict(m) for m in msgs]
+    openai_msgs[1] = dict(msgs[1], tool_calls=[
+        {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}])
+    assert demo.tokenizer.decode(demo.prompt_ids(openai_msgs)) == text
+    assert openai_msgs[1]["tool_calls"][0]["function"]["arguments"] == '{"x": 1}'
+    bad = [msgs[0], dict(openai_msgs[1], tool_calls=[
+        {"type": "function", "function": {"name": "f", "arguments": "{oops"}}]), msgs[2]]
+    with pytest.raises(ValueError, match="arguments are not valid JSON"):
+        demo.generate(bad)
 
 
 def test_config_bits_contradicting_the_tensors_is_an_error(tmp_path):
