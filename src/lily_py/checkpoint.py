@@ -324,7 +324,7 @@ class _Loader:
             # A contradiction is an error rather than a silent guess: the config would report a
             # bit width the model does not have.
             raise CheckpointError(
-                f"{self.index[module + '.weight'][1].file}: {module}: config.json's quantization "
+                f"{self.index[module + '.weight'][1].file}: {module}: the config's quantization "
                 f"{which} says {spec.bits}-bit group {spec.group_size}, but the packed weight "
                 f"{list(w.shape)} and scales {list(scales.shape)} do not fit in-dim {in_dim}"
                 f"{implied}; fix 'quantization' in config.json (or add a per-module entry)")

@@ -78,7 +78,7 @@ def test_config_bits_contradicting_the_tensors_is_an_error(tmp_path):
     if "quantization_config" in cfg:
         cfg["quantization_config"]["bits"] = 8
     json.dump(cfg, open(cfg_file, "w"))
-    with pytest.raises(CheckpointError, match=r"quantization default says 8-bit group 64, but "
+    with pytest.raises(CheckpointError, match=r"the config.s quantization default says 8-bit group 64, but "
                        r".*shapes imply 4-bit group 64\); fix 'quantization' in config.json"):
         lily_py.load(p, backend="reference")
 
