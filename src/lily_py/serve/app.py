@@ -30,6 +30,8 @@ from .scheduler import CHUNK, DONE, ERROR, START, Job, QueueFull, Scheduler
 log = logging.getLogger("lily_py.serve")
 
 MAX_BODY_BYTES = 32 << 20
+SHUTTING_DOWN = APIError(503, "the server is shutting down; the request was stopped",
+                         code="server_shutdown")
 
 
 class ClientGone(Exception):
@@ -224,6 +226,9 @@ class Server:
             return JSONResponse({}, status_code=499)      # nobody reads it
         except APIError as e:
             return error_response(e)
+        except asyncio.CancelledError:
+            # uvicorn's shutdown timeout ran out: answer instead of dying with a traceback
+            return error_response(SHUTTING_DOWN)
         finally:
             if not handed_over:
                 job.cancel()
@@ -321,6 +326,12 @@ class _SSE:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except (ClientGone, OSError):
             pass        # the client left: nothing more to send
+        except asyncio.CancelledError:
+            # uvicorn's shutdown timeout ran out: end the stream with an error event
+            with contextlib.suppress(Exception):
+                await send({"type": "http.response.body", "more_body": False, "body":
+                            f"data: {json.dumps(SHUTTING_DOWN.body())}\n\ndata: [DONE]\n\n"
+                            .encode()})
         finally:
             self.job.cancel()
             self.watcher.cancel()
