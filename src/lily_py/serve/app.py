@@ -25,7 +25,7 @@ from starlette.routing import Route
 from .. import __version__
 from . import protocol
 from .protocol import APIError
-from .scheduler import CHUNK, DONE, ERROR, START, Job, QueueFull, Scheduler
+from .scheduler import CHUNK, DONE, ERROR, Job, QueueFull, Scheduler, ShuttingDown
 
 log = logging.getLogger("lily_py.serve")
 
@@ -50,6 +50,8 @@ def api_error(e: BaseException, param: str | None = None) -> APIError:
         return e
     if isinstance(e, ContextLengthError):
         return APIError(400, str(e), param=param, code="context_length_exceeded")
+    if isinstance(e, ShuttingDown):
+        return APIError(503, str(e), code="server_shutdown")
     if isinstance(e, QueueFull):
         return APIError(503, str(e), code="queue_full")
     if isinstance(e, BusyError):
