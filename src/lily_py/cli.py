@@ -1,4 +1,4 @@
-"""Command line: ``lily-py generate``, ``lily-py chat``, ``lily-py info``, ``lily-py serve``.
+"""Command line: ``lily-py generate``, ``chat``, ``info``, ``serve``, ``doctor``, ``bench``.
 
 Without ``--model`` every command uses the small demo checkpoint shipped with lily_py, so
 ``lily-py generate --prompt "..."`` works on a fresh machine with no download.
@@ -126,6 +126,24 @@ def cmd_info(a) -> int:
     return 0
 
 
+def _add_tool_commands(sub) -> None:
+    """``doctor`` and ``bench`` (lily_py/tools/)."""
+    d = sub.add_parser("doctor", help="check this build on this machine: device, pipelines, "
+                       "every kernel family and the demo model against the NumPy reference")
+    d.add_argument("--device", choices=["metal", "emu"], default=None,
+                   help="device to check (default: metal where usable, else emu)")
+    d.add_argument("--quick", action="store_true", help="smaller model-sized cases (emulator)")
+    d.add_argument("--seed", type=int, default=None, help="replay a run's random inputs")
+    d.add_argument("--json", dest="json_path", default=None, help="also write the results here")
+    d.set_defaults(func=lambda a: __import__("lily_py").doctor(
+        a.device, quick=a.quick, json_path=a.json_path, seed=a.seed))
+
+    b = sub.add_parser("bench", help="prefill / decode tokens/s, counters per token, time to first "
+                       "token and peak memory at Lily's and MLX's context lengths")
+    from .tools.bench import add_arguments
+    add_arguments(b)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="lily-py", description=__doc__.splitlines()[0])
     ap.add_argument("--version", action="version", version=f"lily_py {__version__}")
@@ -153,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from .serve.cli import add_parser as add_serve_parser
     add_serve_parser(sub, _add_model_args)
+    _add_tool_commands(sub)
 
     a = ap.parse_args(argv)
     from .errors import LilyError
