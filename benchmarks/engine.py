@@ -11,6 +11,11 @@
    nothing allocated): decode at several context lengths and a 4096-token prefill chunk, next to
    Lily's published ~600 dispatches per token.
 
+GFLOP executed / useful: the matrix work of the step (2 FLOPs per multiply-add of projections,
+router, experts, attention and the delta rule) as the dispatched tiles run it (padding included;
+the MoE tiled routes' bound over every routing) and as the math needs it (no padding, routed rows
+only). The ratio is the waste of the kernels' tiling, not a timing.
+
 bytes_bound is the sum of the byte ranges bound to every dispatch: the MoE kernels bind each
 layer's whole expert stacks (they read only the routed experts' rows), so it is an upper bound of
 the weight traffic, not the bytes read.
@@ -34,7 +39,9 @@ LILY_DISPATCHES_PER_TOKEN = 600  # published (Perplexity's Lily, M5 Max)
 def fmt(st: dict) -> str:
     return (f"dispatches {st['dispatches']:>4}  barriers {st['barriers']:>4}  "
             f"bytes_bound {st['bytes_bound'] / 2**20:>10.1f} MiB  host waits in step "
-            f"{st['waits_in_step']}  commits {st['commits']}")
+            f"{st['waits_in_step']}  commits {st['commits']}\n"
+            f"      GFLOP executed {st['flops_executed'] / 1e9:>10.3f}  useful {st['flops_useful'] / 1e9:>10.3f}"
+            f"  (executed / useful {st['flops_executed'] / max(st['flops_useful'], 1):.3f})")
 
 
 def run_model(label: str, model, prompt: list[int], n_decode: int) -> None:
@@ -82,7 +89,10 @@ def main() -> None:
           "dispatches per token):")
     for pos in (0, 4096, 32768):
         print(f"  decode at position {pos:>6}: {fmt(count_step(cfg, tokens=1, position=pos))}")
-    print(f"  prefill chunk of 4096:     {fmt(count_step(cfg, tokens=4096, position=0))}")
+    for n in (256, 4096):
+        print(f"  prefill chunk of {n:>4}:     {fmt(count_step(cfg, tokens=n, position=0))}")
+    print(f"  prefill chunk of 4096 at position 28672 (the last chunk of a 32K prompt): "
+          f"{fmt(count_step(cfg, tokens=4096, position=28672))}")
 
 
 if __name__ == "__main__":

@@ -89,8 +89,9 @@ template <typename T, typename W>
 //              3 a [T, ab_stride] T, 4 b [T, ab_stride] T, 5 A_log [Hv] float, 6 dt_bias [Hv] W,
 //              7 norm_weight [Dv] W, 8 state [Hv, Dv, Dk] float (in place), 9 y [T, Hv * Dv] T
 // Gates: decay = exp(-exp(A_log) * softplus(a + dt_bias)), beta = sigmoid(b), in fp32.
+// 1024 threads at Dv = 128 (the model): declared, so Apple's compiler allocates registers for it.
 template <typename T, typename W>
-[[kernel]] void gated_delta(constant GatedDeltaArgs& args [[buffer(0)]],
+[[kernel, max_total_threads_per_threadgroup(1024)]] void gated_delta(constant GatedDeltaArgs& args [[buffer(0)]],
                             const device T* qkv [[buffer(1)]],
                             const device T* z [[buffer(2)]],
                             const device T* a [[buffer(3)]],

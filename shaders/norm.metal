@@ -2,7 +2,9 @@
 // Reference: lily_py.reference.kernels.rms_norm / rms_norm_residual.
 //
 //   grid:      one threadgroup per row (rows threadgroups); threads: the host picks
-//              min(1024, max(32, round_up(ceil(D / 8), 32)))
+//              min(1024, max(32, round_up(ceil(D / 8), 32))), lowered to the pipeline's
+//              maxTotalThreadsPerThreadgroup (any multiple of 32 works: threads stride the row);
+//              declared max_total_threads_per_threadgroup(1024)
 //   thread:    elements c = thread_pos.x, + threads, ... of the row (coalesced)
 //   weight:    y = h * rsqrt(mean(h^2) + eps) * (weight + weight_offset). Checkpoints in MLX format
 //              store the multiplier (weight_offset = 0); Hugging Face's zero-centred RMSNorm
@@ -18,7 +20,7 @@
 namespace lily {
 
 template <typename T, typename W>
-[[kernel]] void rms_norm(constant RmsNormArgs& args [[buffer(0)]],
+[[kernel, max_total_threads_per_threadgroup(1024)]] void rms_norm(constant RmsNormArgs& args [[buffer(0)]],
                          const device T* x [[buffer(1)]],
                          const device W* weight [[buffer(2)]],
                          device T* y [[buffer(3)]],
@@ -39,7 +41,7 @@ template <typename T, typename W>
 }
 
 template <typename T, typename W>
-[[kernel]] void rms_norm_residual(constant RmsNormArgs& args [[buffer(0)]],
+[[kernel, max_total_threads_per_threadgroup(1024)]] void rms_norm_residual(constant RmsNormArgs& args [[buffer(0)]],
                                   const device T* x [[buffer(1)]],
                                   const device T* residual [[buffer(2)]],
                                   const device W* weight [[buffer(3)]],

@@ -436,7 +436,9 @@ template <typename T>
       else kept = k > st.cut_key;
     }
     if (!kept) continue;
-    const float z = s + lily_gumbel(key, i);
+    // z = (l - max) * inv_t + gumbel with ONE rounding, written as the fma it is: a compiler
+    // that contracts s + g (s a product) into an fma cannot change it (sampling.py: fma32).
+    const float z = fma(l - st.max_logit, args.inv_temperature, lily_gumbel(key, i));
     if (sample_better(z, i, p.value, p.id)) {
       p.value = z;
       p.logit = l;

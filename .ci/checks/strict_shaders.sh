@@ -2,8 +2,10 @@
 # Strict shader pass: every shaders/*.metal (and the emulator's self-test kernels) compiled by
 # clang -fsyntax-only under csrc/emu/metal_strict.h, where `device`, `constant` and `threadgroup`
 # are distinct address spaces: a device pointer passed where a thread or threadgroup pointer is
-# expected fails here as it fails in Apple's Metal compiler. Needs clang >= 17 (arithmetic __bf16);
-# installs Debian's clang-19 when no suitable clang is on PATH.
+# expected fails here as it fails in Apple's Metal compiler. C++14, the language MSL 3.x is based
+# on; a threadgroup array outside a kernel's own scope fails too (csrc/emu/metal_strict.h); the
+# pass first checks that it rejects both. Needs clang >= 17 (arithmetic __bf16); installs
+# Debian's clang-19 when no suitable clang is on PATH.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -30,12 +32,32 @@ echo "strict_shaders: $($CLANG --version | head -1)"
 
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
+FLAGS=(-std=c++14 -fsyntax-only -Wall -Werror -Wno-unknown-attributes -Icsrc -Ishaders)
+
+# The pass must reject what Apple's compiler rejects: these two must fail to compile.
+must_fail() {  # name, kernel source
+  printf '#include "emu/metal_strict.h"\n#include "common/lily_metal.h"\nnamespace lily {\n%s\n}\n' "$2" > "$tmp/neg.cpp"
+  if "$CLANG" "${FLAGS[@]}" "$tmp/neg.cpp" >/dev/null 2>&1; then
+    echo "  FAIL strict pass accepts $1"
+    exit 1
+  fi
+  echo "  ok   rejects $1"
+}
+must_fail "a threadgroup array in a helper function" '
+inline float helper(uint lane) { LILY_TG_ARRAY(float, t, [32]); t[lane] = 1.0f; return t[0]; }
+template <typename T>
+[[kernel]] void k(constant uint& n [[buffer(0)]], device T* y [[buffer(1)]], LILY_KERNEL_TAIL) { y[lane] = T(helper(lane)); }
+LILY_INSTANTIATE("k", k<float>)'
+must_fail "C++17 (if constexpr)" '
+template <typename T>
+[[kernel]] void k(constant uint& n [[buffer(0)]], device T* y [[buffer(1)]], LILY_KERNEL_TAIL) { if constexpr (sizeof(T) == 4) y[lane] = T(1.0f); }
+LILY_INSTANTIATE("k", k<float>)'
+
 status=0
 for src in shaders/*.metal csrc/emu/selftest.metal; do
   tu="$tmp/$(basename "$src").cpp"
   printf '#include "emu/metal_strict.h"\n#include "%s"\n' "$PWD/$src" > "$tu"
-  if "$CLANG" -std=c++20 -fsyntax-only -Wall -Werror -Wno-unknown-attributes \
-      -Icsrc -Ishaders "$tu"; then
+  if "$CLANG" "${FLAGS[@]}" "$tu"; then
     echo "  ok   $src"
   else
     echo "  FAIL $src"

@@ -43,4 +43,11 @@ inline void require(bool ok, const std::string& msg) {
   if (!ok) throw std::invalid_argument(msg);
 }
 
+// require() whose message is built only when the check fails (prefer it: a std::string argument
+// to require() is constructed on every call).
+#define LILY_REQUIRE(ok, ...)                                         \
+  do {                                                                \
+    if (!(ok)) [[unlikely]] throw std::invalid_argument(__VA_ARGS__); \
+  } while (0)
+
 }  // namespace lily::bindings

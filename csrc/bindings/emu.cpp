@@ -14,10 +14,8 @@
 
 #include "bindings/arrays.h"
 #include "bindings/device.h"
+#include "core/device_registry.h"
 #include "emu/emulator.h"
-#if defined(LILY_HAVE_METAL)
-#include "metal/metal_device.h"
-#endif
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -33,22 +31,13 @@ emu::Order parse_order(const std::string& s) {
 
 std::unique_ptr<gpu::Device> make_device(const std::string& name, const std::string& order,
                                          uint64_t seed, bool fp_traps) {
-  if (name == "emu") {
-    emu::RunOptions o;
-    o.order = parse_order(order);
-    o.seed = seed;
-    o.fp_traps = fp_traps;
-    return std::make_unique<emu::EmuDevice>(o);
-  }
-  if (name == "metal") {
-#if defined(LILY_HAVE_METAL)
-    return metal::create_device();
-#else
-    throw std::invalid_argument("device 'metal' is not available in this build (built without "
-                                "LILY_METAL: not macOS); use device='emu'");
-#endif
-  }
-  throw std::invalid_argument("unknown device '" + name + "' (expected 'emu' or 'metal')");
+  if (name == "count") throw std::invalid_argument("ops run on 'emu' or 'metal', not 'count'");
+  devices::Options o;
+  o.order = order;
+  o.seed = seed;
+  o.fp_traps = fp_traps;
+  parse_order(order);  // validate even for devices that ignore it
+  return devices::create(name, o);
 }
 
 void init_emu(nb::module_& parent) {
@@ -89,7 +78,7 @@ void init_emu(nb::module_& parent) {
          std::tuple<uint32_t, uint32_t, uint32_t> groups, std::tuple<uint32_t, uint32_t, uint32_t> threads,
          const std::string& order, uint64_t seed, bool fp_traps) {
         const emu::KernelEntry* k = emu::find_kernel(name);
-        require(k != nullptr, "emu.dispatch: no kernel named '" + name + "' in the emulator registry");
+        LILY_REQUIRE(k != nullptr, "emu.dispatch: no kernel named '" + name + "' in the emulator registry");
         emu::RunOptions opt;
         opt.order = parse_order(order);
         opt.seed = seed;
@@ -102,7 +91,7 @@ void init_emu(nb::module_& parent) {
         L.args = a.data();
         L.args_size = a.size();
         for (size_t i = 0; i < buffers.size(); ++i) {
-          require(buffers[i].nbytes() > 0, "emu.dispatch: buffer " + std::to_string(i + 1) + " is empty");
+          LILY_REQUIRE(buffers[i].nbytes() > 0, "emu.dispatch: buffer " + std::to_string(i + 1) + " is empty");
           bufs.push_back(upload(dev, buffers[i].data(), buffers[i].nbytes()));
           L.buffers.push_back({bufs.back().get(), 0, bufs.back()->size()});
         }
@@ -120,6 +109,83 @@ void init_emu(nb::module_& parent) {
       "Run one registered kernel on copies of `buffers` ([[buffer(1)]], ...; C-contiguous, writable) "
       "with `args` as the [[buffer(0)]] bytes; results of non-const buffers are copied back. Raises "
       "EmulatorError for kernel faults.");
+
+  m.def(
+      "encode",
+      [](std::vector<InOutArray> arrays, nb::list commands, bool execute, int64_t skip_barrier,
+         const std::string& order, uint64_t seed) {
+        emu::RunOptions opt;
+        opt.order = parse_order(order);
+        opt.seed = seed;
+        opt.execute = execute;
+        opt.skip_barrier = skip_barrier;
+        emu::EmuDevice dev(opt);
+        std::vector<std::unique_ptr<gpu::Buffer>> bufs;
+        for (size_t i = 0; i < arrays.size(); ++i) {
+          require(arrays[i].nbytes() > 0, "emu.encode: array " + std::to_string(i) + " is empty");
+          bufs.push_back(upload(dev, arrays[i].data(), arrays[i].nbytes()));
+        }
+        auto enc = dev.new_encoder();
+        struct Cmd {
+          bool barrier = false;
+          gpu::KernelId kernel{};
+          std::string args;
+          std::vector<gpu::Binding> bindings;
+          gpu::Size3 groups, threads;
+        };
+        std::vector<Cmd> cmds;
+        for (nb::handle h : commands) {
+          Cmd c;
+          if (nb::isinstance<nb::str>(h)) {
+            require(nb::cast<std::string>(h) == "barrier", "emu.encode: a string command must be 'barrier'");
+            c.barrier = true;
+          } else {
+            auto t = nb::cast<std::tuple<std::string, nb::bytes, std::vector<std::tuple<size_t, size_t, size_t>>,
+                                         std::tuple<uint32_t, uint32_t, uint32_t>,
+                                         std::tuple<uint32_t, uint32_t, uint32_t>>>(h);
+            auto id = gpu::find_kernel(std::get<0>(t));
+            require(id.has_value(), "emu.encode: no kernel named '" + std::get<0>(t) + "' in the kernel table");
+            c.kernel = *id;
+            c.args.assign(std::get<1>(t).c_str(), std::get<1>(t).size());
+            for (auto [i, off, bytes] : std::get<2>(t)) {
+              require(i < bufs.size(), "emu.encode: binding names array " + std::to_string(i));
+              c.bindings.push_back({bufs[i].get(), off, bytes ? bytes : bufs[i]->size() - off});
+            }
+            auto [gx, gy, gz] = std::get<3>(t);
+            auto [tx, ty, tz] = std::get<4>(t);
+            c.groups = {gx, gy, gz};
+            c.threads = {tx, ty, tz};
+          }
+          cmds.push_back(std::move(c));
+        }
+        {
+          nb::gil_scoped_release release;
+          for (const Cmd& c : cmds) {
+            if (c.barrier) {
+              enc->barrier();
+              continue;
+            }
+            enc->set_kernel(c.kernel);
+            enc->set_args_bytes(c.args.data(), c.args.size());
+            for (size_t i = 0; i < c.bindings.size(); ++i) enc->set_buffer(uint32_t(i + 1), c.bindings[i]);
+            enc->dispatch(c.groups, c.threads);
+          }
+          enc->commit();
+          enc->wait();
+        }
+        for (size_t i = 0; i < arrays.size(); ++i) std::memcpy(arrays[i].data(), bufs[i]->contents(), arrays[i].nbytes());
+        const gpu::Counters& k = enc->counters();
+        nb::dict d;
+        d["dispatches"] = k.dispatches;
+        d["barriers"] = k.barriers;
+        return d;
+      },
+      "arrays"_a, "commands"_a, nb::kw_only(), "execute"_a = true, "skip_barrier"_a = -1, "order"_a = "shuffle",
+      "seed"_a = 0,
+      "Encode `commands` on one emulator encoder over copies of `arrays` (copied back after): each "
+      "command is 'barrier' or (kernel table name, args bytes, [(array index, offset, bytes or 0 = "
+      "to the end), ...] for [[buffer(1)]].., groups, threads). Dispatch hazards raise EmulatorError; "
+      "execute=False only checks; skip_barrier ignores that barrier. Returns the counters.");
 }
 
 }  // namespace lily::bindings

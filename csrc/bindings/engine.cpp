@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "bindings/arrays.h"
+#include "core/device_registry.h"
 #include "core/engine.h"
 
 namespace nb = nanobind;
@@ -75,11 +76,14 @@ nb::dict stats_dict(const core::StepStats& s) {
   d["barriers"] = s.barriers;
   d["bytes_bound"] = s.bytes_bound;
   d["threads"] = s.threads;
+  d["flops_executed"] = s.flops_executed;
+  d["flops_useful"] = s.flops_useful;
   d["commits"] = s.commits;
   d["waits_in_step"] = s.waits_in_step;
   d["host_waits"] = s.host_waits;
   d["ids_from_slot"] = s.ids_from_slot;
   d["in_flight"] = s.in_flight;
+  d["encode_ns"] = s.encode_ns;
   if (s.token != 0xFFFFFFFFu) d["token"] = s.token;
   return d;
 }
@@ -108,20 +112,86 @@ core::StepSampling sampling_from(nb::object sample, bool from_slot) {
 
 void init_engine(nb::module_& m) {
   nb::exception<core::SampleError>(m, "SampleError", PyExc_FloatingPointError);
+  nb::exception<core::DeviceMemoryError>(m, "DeviceMemoryError", PyExc_MemoryError);
+  nb::exception<core::DeviceLimitError>(m, "DeviceLimitError", PyExc_RuntimeError);
+  nb::class_<core::StepSampling>(m, "Sampling",
+                                 "Sampling parameters parsed once (Engine.submit_slot takes them per token).")
+      .def("__init__",
+           [](core::StepSampling* self, nb::dict sample) {
+             new (self) core::StepSampling(sampling_from(nb::object(sample), false));
+           },
+           "sample"_a, "dict(temperature, top_k, top_p, min_p, seed, step, valid_vocab)");
   nb::class_<core::Snapshot>(m, "EngineSnapshot", "A host copy of an Engine's conversation state.")
-      .def_ro("position", &core::Snapshot::position);
+      .def_ro("position", &core::Snapshot::position)
+      .def_prop_ro("nbytes",
+                   [](const core::Snapshot& s) {
+                     size_t n = 0;
+                     for (const auto& b : s.buffers) n += b.size();
+                     return n;
+                   },
+                   "Bytes of state held (KV rows up to the position, recurrent and conv state).")
+      .def("to_bytes",
+           [](const core::Snapshot& s) {
+             std::string out;
+             for (const auto& b : s.buffers) out.append(b.data(), b.size());
+             return nb::bytes(out.data(), out.size());
+           },
+           "Every state buffer, concatenated (for comparing two states bit for bit).");
 
   nb::class_<core::Engine>(m, "Engine",
                            "One model on one device ('emu', 'metal', or 'count': counters only, no memory).")
       .def("__init__",
            [](core::Engine* self, nb::dict spec, const std::string& device) {
-             new (self) core::Engine(spec_from(spec), core::make_device(device));
+             core::ModelSpec s = spec_from(spec);
+             std::unique_ptr<gpu::Device> dev = devices::create(device);
+             {
+               nb::gil_scoped_release release;  // creating pipelines can take a while on Metal
+               new (self) core::Engine(std::move(s), std::move(dev));
+             }
+             // Above ~85% of the device's working set: one Python warning (an error under -W error).
+             if (!self->memory_warning().empty() &&
+                 PyErr_WarnEx(PyExc_RuntimeWarning, self->memory_warning().c_str(), 1) != 0) {
+               self->~Engine();
+               throw nb::python_error();
+             }
            },
-           "spec"_a, "device"_a)
+           "spec"_a, "device"_a,
+           "Checks the memory the model needs against the device first (DeviceMemoryError, a MemoryError; "
+           "RuntimeWarning above 85% of the working set), then creates and checks every pipeline a step "
+           "uses (DeviceLimitError).")
+      .def_prop_ro("memory", [](const core::Engine& e) {
+        const core::MemoryPlan& p = e.memory();
+        nb::dict d;
+        d["weight_bytes"] = p.weight_bytes;
+        d["state_bytes"] = p.state_bytes;
+        d["scratch_bytes"] = p.scratch_bytes;
+        d["total_bytes"] = p.total();
+        d["largest_buffer_bytes"] = p.largest_buffer_bytes;
+        d["largest_buffer"] = p.largest_buffer;
+        d["working_set_bytes"] = p.working_set_bytes ? nb::cast(p.working_set_bytes) : nb::none();
+        d["max_buffer_bytes"] = p.max_buffer_bytes ? nb::cast(p.max_buffer_bytes) : nb::none();
+        d["warning"] = e.memory_warning().empty() ? nb::none() : nb::cast(e.memory_warning());
+        return d;
+      }, "Device memory planned at load (bytes) and the device's limits (None: unlimited).")
+      .def_prop_ro("pipelines", [](const core::Engine& e) {
+        nb::list out;
+        for (const core::PlannedKernel& k : e.pipelines()) {
+          nb::dict d;
+          d["kernel"] = std::string(gpu::kernel_info(k.kernel).name);
+          d["threads"] = k.threads;
+          d["max_threads"] = k.pipeline.max_threads;
+          d["static_threadgroup_bytes"] = k.pipeline.static_threadgroup_bytes < 0 ? nb::none() : nb::cast(k.pipeline.static_threadgroup_bytes);
+          out.append(d);
+        }
+        return out;
+      }, "Every kernel the engine's steps use, checked at load: kernel, threads (most per threadgroup "
+         "dispatched), max_threads, static_threadgroup_bytes (None: unknown).")
       .def_prop_ro("device", [](const core::Engine& e) { return std::string(e.device_name()); })
       .def_prop_ro("position", &core::Engine::position)
       .def_prop_ro("valid", &core::Engine::valid)
       .def_rw("serialize", &core::Engine::serialize, "Barrier between every two dispatches (debugging).")
+      .def_rw("skip_barrier", &core::Engine::skip_barrier,
+              "Emulator, debugging: every step ignores its barrier #skip_barrier (-1: none).")
       .def("summary", [](const core::Engine& e) { return e.spec().summary(); })
       .def("weight_list", &core::Engine::weight_list, "Every weight the engine expects: (name, bytes).")
       .def(
@@ -139,25 +209,32 @@ void init_engine(nb::module_& m) {
       .def_prop_ro("scratch_bytes", &core::Engine::scratch_bytes)
       .def(
           "forward",
-          [](core::Engine& e, IdArray ids, bool all_logits, nb::object sample, bool from_slot, bool logits) {
+          [](core::Engine& e, IdArray ids, bool all_logits, nb::object sample, bool from_slot, bool logits,
+             bool fetch) -> nb::tuple {
             const core::StepSampling sampling = sampling_from(sample, from_slot);
             const uint32_t T = uint32_t(ids.shape(0));
-            const size_t rows = !logits ? 0 : all_logits ? T : 1, V = e.spec().vocab;
-            float* out = new float[rows * V + 1];
-            nb::capsule owner(out, [](void* p) noexcept { delete[] static_cast<float*>(p); });
+            const size_t rows = !logits || !fetch ? 0 : all_logits ? T : 1, V = e.spec().vocab;
+            float* out = fetch ? new float[rows * V + 1] : nullptr;
             core::StepStats st;
-            {
+            try {
               nb::gil_scoped_release release;
               st = e.forward(ids.data(), T, all_logits, out, sampling, logits);
+            } catch (...) {
+              delete[] out;
+              throw;
             }
+            if (!fetch) return nb::make_tuple(nb::none(), stats_dict(st));
+            nb::capsule owner(out, [](void* p) noexcept { delete[] static_cast<float*>(p); });
             size_t shape[2] = {rows, V};
             return nb::make_tuple(nb::ndarray<nb::numpy, float>(out, 2, shape, owner), stats_dict(st));
           },
           "ids"_a, "all_logits"_a = false, "sample"_a = nb::none(), "from_slot"_a = false, "logits"_a = true,
+          "fetch"_a = true,
           "`logits=False`: a prefill chunk that is not the last (no final norm / lm_head; [0, V] returned). Feed uint32 ids [T] (one step, one command buffer); returns (float32 logits [T or 1, V], stats). "
           "`sample`: dict(temperature, top_k, top_p, min_p, seed, step, valid_vocab) samples the last "
           "position on the device into the token slot (stats['token']); `from_slot`: feed that slot "
-          "(the previous step's sample) instead of `ids` (which must then hold one placeholder id).")
+          "(the previous step's sample) instead of `ids` (which must then hold one placeholder id). "
+          "`fetch=False`: the logits stay on the device (None returned; last_logits() copies them later).")
       .def(
           "submit",
           [](core::Engine& e, IdArray ids, nb::object sample, bool from_slot) {
@@ -186,6 +263,50 @@ void init_engine(nb::module_& m) {
             return nb::make_tuple(nb::ndarray<nb::numpy, float>(out, 1, shape, owner), stats_dict(st));
           },
           "Wait for the oldest step in flight: (float32 logits [V], stats with 'token').")
+      .def(
+          "submit_slot",
+          [](core::Engine& e, const core::StepSampling& sampling, uint32_t step) {
+            // The per-token call of generation: no arrays, no dicts.
+            core::StepSampling s = sampling;
+            s.params.step = step;
+            s.ids_from_slot = true;
+            const uint32_t placeholder = 0;
+            nb::gil_scoped_release release;
+            e.submit(&placeholder, 1, false, s, true);
+          },
+          "sampling"_a, "step"_a,
+          "Commit a one-token step fed from the device slot (the previous step's sample) that samples "
+          "with `sampling` at `step`, without waiting; stats via last_stats() after complete_token().")
+      .def(
+          "complete_token",
+          [](core::Engine& e) -> nb::object {
+            core::StepStats st;
+            {
+              nb::gil_scoped_release release;
+              st = e.complete(nullptr);
+            }
+            if (st.token == 0xFFFFFFFFu) return nb::none();
+            return nb::int_(st.token);
+          },
+          "Wait for the oldest step in flight; its sampled token (None if it did not sample). The "
+          "logits stay on the device (last_logits()); stats via last_stats().")
+      .def(
+          "last_logits",
+          [](const core::Engine& e) {
+            const size_t V = e.spec().vocab;
+            float* out = new float[V];
+            try {
+              e.last_logits(out);
+            } catch (...) {
+              delete[] out;
+              throw;
+            }
+            nb::capsule owner(out, [](void* p) noexcept { delete[] static_cast<float*>(p); });
+            size_t shape[1] = {V};
+            return nb::ndarray<nb::numpy, float>(out, 1, shape, owner);
+          },
+          "float32 logits [V] of the last position of the last completed step (copied from the device).")
+      .def_prop_ro("has_last_logits", &core::Engine::has_last_logits)
       .def_prop_ro("in_flight", &core::Engine::in_flight)
       .def(
           "count",
@@ -196,6 +317,17 @@ void init_engine(nb::module_& m) {
           "tokens"_a, "position"_a = 0, "all_logits"_a = false, "sample"_a = nb::none(), "from_slot"_a = false,
           "logits"_a = true,
           "Counters of one step encoded on the counting device (nothing runs).")
+      .def(
+          "check",
+          [](core::Engine& e, uint32_t T, uint32_t position, bool all_logits, nb::object sample, bool from_slot,
+             bool logits, int64_t skip_barrier) {
+            return stats_dict(e.check(T, position, all_logits, sampling_from(sample, from_slot), logits, skip_barrier));
+          },
+          "tokens"_a, "position"_a = 0, "all_logits"_a = false, "sample"_a = nb::none(), "from_slot"_a = false,
+          "logits"_a = true, "skip_barrier"_a = -1,
+          "Emulator only: encode one step at `position` on an encoder that runs nothing and checks "
+          "hazards between dispatches (EmulatorError names them), ignoring barrier #skip_barrier "
+          "(-1: none). The state is untouched; returns the counters.")
       .def("last_stats", [](const core::Engine& e) { return stats_dict(e.last_stats()); })
       .def("reset", &core::Engine::reset)
       .def("snapshot", &core::Engine::snapshot)

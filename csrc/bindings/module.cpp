@@ -12,6 +12,7 @@ namespace nb = nanobind;
 namespace lily::bindings {
 void init_ops(nb::module_& m);  // ops.cpp: lily_py._core.ops, .emu, kernel_table, EmulatorError
 void init_engine(nb::module_& m);  // engine.cpp: lily_py._core.Engine (the whole model on a device)
+void init_devices(nb::module_& m);  // devices.cpp: lily_py._core.registry (the device registry)
 }
 
 #ifndef LILY_VERSION
@@ -49,4 +50,5 @@ NB_MODULE(_core, m) {
 #endif
   lily::bindings::init_ops(m);
   lily::bindings::init_engine(m);
+  lily::bindings::init_devices(m);
 }

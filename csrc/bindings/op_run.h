@@ -67,6 +67,8 @@ struct OpRun {
     d["barriers"] = c.barriers;
     d["bytes_bound"] = c.bytes_bound;
     d["threads"] = c.threads;
+    d["flops_executed"] = c.flops_executed;
+    d["flops_useful"] = c.flops_useful;
     return d;
   }
   // counters() plus the names of the kernels noted.

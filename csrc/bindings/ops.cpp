@@ -17,6 +17,7 @@
 #include "bindings/op_run.h"
 #include "bindings/device.h"
 #include "emu/emulator.h"
+#include "gpu/counting_device.h"
 #include "gpu/dtype.h"
 #include "gpu/kernel_ids.h"
 #include "gpu/ops/elementwise.h"
@@ -43,9 +44,9 @@ using Run = OpRun;
 size_t elem_bits(gpu::DType t) { return gpu::dtype_size(t) * 8; }
 
 void check_array(const InArray& a, const char* fn, const char* what, size_t ndim, size_t bits) {
-  require(a.ndim() == ndim, std::string(fn) + ": " + what + " must be " + std::to_string(ndim) + "-D, got " +
+  LILY_REQUIRE(a.ndim() == ndim, std::string(fn) + ": " + what + " must be " + std::to_string(ndim) + "-D, got " +
                                 std::to_string(a.ndim()) + "-D");
-  require(a.dtype().bits == bits, std::string(fn) + ": " + what + " has " + std::to_string(a.dtype().bits) +
+  LILY_REQUIRE(a.dtype().bits == bits, std::string(fn) + ": " + what + " has " + std::to_string(a.dtype().bits) +
                                       "-bit elements, expected " + std::to_string(bits));
 }
 
@@ -68,18 +69,71 @@ void init_ops(nb::module_& parent) {
     return out;
   }, "The host kernel table (csrc/gpu/kernel_ids.h): name, args struct, args_size, num_buffers.");
 
+  parent.def(
+      "encoder_error",
+      [](const std::string& which) -> std::string {
+        // One bad encoding on the counting device; returns the EncodeError message ("" if none).
+        gpu::CountingDevice dev;
+        auto buf = dev.new_buffer(64);
+        auto enc = dev.new_encoder();
+        const gpu::KernelId k = gpu::KernelId::sample_noise;  // 1 buffer, SampleArgs
+        ::lily::SampleArgs args{};
+        try {
+          if (which == "dispatch_without_kernel") enc->dispatch({1, 1, 1}, {1, 1, 1});
+          enc->set_kernel(k);
+          if (which == "buffer_before_args") enc->set_buffer(1, *buf);  // allowed: order is free
+          if (which != "no_args") enc->set_args(args);
+          if (which == "index") enc->set_buffer(2, *buf);
+          if (which == "null") enc->set_buffer(1, gpu::Binding{nullptr, 0, 4});
+          if (which == "empty") enc->set_buffer(1, gpu::Binding{buf.get(), 0, 0});
+          if (which == "range") enc->set_buffer(1, *buf, 32, 64);
+          if (which != "unbound") enc->set_buffer(1, *buf);
+          enc->dispatch(which == "grid" ? gpu::Size3{0, 1, 1} : gpu::Size3{1, 1, 1},
+                        which == "threads" ? gpu::Size3{1025, 1, 1} : gpu::Size3{64, 1, 1});
+        } catch (const gpu::EncodeError& e) {
+          return e.what();
+        }
+        return "";
+      },
+      "which"_a, "Test hook: the EncodeError message of one bad encoding ('' when it encodes).");
+
 #if defined(LILY_HAVE_METAL)
   nb::module_ mm = parent.def_submodule("metal", "The Metal device (macOS builds).");
   mm.def("available", &metal::available, "A Metal GPU that can run the kernels (family apple7 or newer) exists on this machine.");
+  mm.def("unavailable_reason", &metal::unavailable_reason, "'' when the kernels can run here; else why not.");
   mm.def("info", [] {
-    metal::Info i = metal::info();
+    const gpu::DeviceInfo i = metal::info();
     nb::dict d;
-    d["name"] = i.name;
-    d["family"] = i.family;
-    d["library"] = i.library;
+    d["name"] = i.device_name;
+    d["family"] = i.gpu_family;
+    d["library"] = i.library_path;
+    d["library_source"] = i.library_source;
+    d["metallib_error"] = i.metallib_error;
+    d["metallib_built"] = i.metallib_built;
+    d["working_set_bytes"] = i.working_set_bytes;
+    d["max_buffer_bytes"] = i.max_buffer_bytes;
+    d["build_target"] = i.build_target;
+    d["build_sdk"] = i.build_sdk;
+    d["math_mode"] = i.math_mode;
     return d;
-  }, "Device name, GPU family and the library in use.");
+  }, "Any Metal device (also one that cannot run the kernels): name, family, library in use, its "
+     "source ('metallib' / 'source'), metallib_error, metallib_built, working set, max buffer length, "
+     "build target and SDK, math mode.");
   mm.def("library_functions", &metal::library_functions, "Kernel names in the loaded Metal library.");
+  mm.def("pipeline_report", [] {
+    nb::list out;
+    for (const metal::PipelineReport& r : metal::pipeline_report()) {
+      nb::dict d;
+      d["kernel"] = r.kernel;
+      d["max_threads"] = r.info.max_threads;
+      d["static_threadgroup_bytes"] = r.info.static_threadgroup_bytes;
+      d["simd_width"] = r.info.simd_width;
+      d["error"] = r.error;
+      out.append(d);
+    }
+    return out;
+  }, "Every kernel's pipeline on any Metal device (also one that cannot run the kernels): kernel, "
+     "max_threads, static_threadgroup_bytes, simd_width, error ('' when created).");
 #endif
 
   nb::module_ m = parent.def_submodule("ops", "Kernels over NumPy arrays (wrapped by lily_py.ops).");
@@ -104,12 +158,12 @@ void init_ops(nb::module_& parent) {
         check_array(biases, fn, "biases", 2, elem_bits(st));
         const uint32_t M = static_cast<uint32_t>(x.shape(0)), K = static_cast<uint32_t>(x.shape(1));
         const uint32_t N = static_cast<uint32_t>(w.shape(0));
-        require(bits == 4 || bits == 8, "quantized_matmul: bits must be 4 or 8, got " + std::to_string(bits));
-        require(w.shape(1) * 32 == size_t(K) * bits,
+        LILY_REQUIRE(bits == 4 || bits == 8, "quantized_matmul: bits must be 4 or 8, got " + std::to_string(bits));
+        LILY_REQUIRE(w.shape(1) * 32 == size_t(K) * bits,
                 "quantized_matmul: w has " + std::to_string(w.shape(1)) + " words per row, K=" +
                     std::to_string(K) + " at " + std::to_string(bits) + " bits needs " +
                     std::to_string(size_t(K) * bits / 32));
-        require(group_size != 0 && K % group_size == 0 && scales.shape(0) == N &&
+        LILY_REQUIRE(group_size != 0 && K % group_size == 0 && scales.shape(0) == N &&
                     scales.shape(1) == K / group_size && biases.shape(0) == N && biases.shape(1) == K / group_size,
                 "quantized_matmul: scales/biases must be [N, K/group_size] = [" + std::to_string(N) + ", " +
                     std::to_string(group_size ? K / group_size : 0) + "]");
@@ -151,7 +205,7 @@ void init_ops(nb::module_& parent) {
         check_array(weight, fn, "weight", 1, elem_bits(op.w_dtype));
         op.rows = static_cast<uint32_t>(x.shape(0));
         op.D = static_cast<uint32_t>(x.shape(1));
-        require(weight.shape(0) == op.D, "rms_norm: weight has " + std::to_string(weight.shape(0)) +
+        LILY_REQUIRE(weight.shape(0) == op.D, "rms_norm: weight has " + std::to_string(weight.shape(0)) +
                                              " elements, rows of x have " + std::to_string(op.D));
         op.eps = eps;
         op.weight_offset = weight_offset;
@@ -161,7 +215,7 @@ void init_ops(nb::module_& parent) {
         const size_t bytes = x.nbytes();
         if (residual) {
           check_array(*residual, fn, "residual", 2, elem_bits(op.x_dtype));
-          require(residual->shape(0) == op.rows && residual->shape(1) == op.D, "rms_norm: residual must have the shape of x");
+          LILY_REQUIRE(residual->shape(0) == op.rows && residual->shape(1) == op.D, "rms_norm: residual must have the shape of x");
           op.residual = run.input(*residual);
           op.h_out = run.output(bytes);
         }
@@ -194,9 +248,9 @@ void init_ops(nb::module_& parent) {
         op.vocab = static_cast<uint32_t>(table.shape(0));
         op.bits = bits;
         op.group_size = group_size;
-        require(bits == 4 || bits == 8, "embedding: bits must be 4 or 8");
+        LILY_REQUIRE(bits == 4 || bits == 8, "embedding: bits must be 4 or 8");
         op.D = static_cast<uint32_t>(table.shape(1) * 32 / bits);
-        require(group_size != 0 && op.D % group_size == 0 && scales.shape(0) == op.vocab &&
+        LILY_REQUIRE(group_size != 0 && op.D % group_size == 0 && scales.shape(0) == op.vocab &&
                     scales.shape(1) == op.D / group_size && biases.shape(0) == op.vocab &&
                     biases.shape(1) == op.D / group_size,
                 "embedding: scales/biases must be [vocab, D/group_size]");
@@ -229,7 +283,7 @@ void init_ops(nb::module_& parent) {
         op.rows = static_cast<uint32_t>(a.shape(0));
         op.cols = static_cast<uint32_t>(a.shape(1));
         op.b_per_row = b_per_row;
-        require(b.shape(0) == op.rows && b.shape(1) == (b_per_row ? 1 : op.cols),
+        LILY_REQUIRE(b.shape(0) == op.rows && b.shape(1) == (b_per_row ? 1 : op.cols),
                 std::string(fn) + ": b has the wrong shape");
         Run run(device, order, seed, fp_traps);
         op.a = run.input(a);

@@ -20,9 +20,6 @@
 #include "gpu/dtype.h"
 #include "gpu/ops/attention.h"
 #include "gpu/ops/qmm.h"
-#if defined(LILY_HAVE_METAL)
-#include "metal/metal_device.h"
-#endif
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -40,7 +37,7 @@ void check_dims(const InArray& a, const char* fn, const char* what, std::vector<
   want += "]";
   bool ok = a.ndim() == shape.size() && a.dtype().bits == bits;
   for (size_t i = 0; ok && i < shape.size(); ++i) ok = a.shape(i) == shape[i];
-  require(ok, std::string(fn) + ": " + what + " must be " + want + " of " + std::to_string(bits) + "-bit elements");
+  LILY_REQUIRE(ok, std::string(fn) + ": " + what + " must be " + want + " of " + std::to_string(bits) + "-bit elements");
 }
 
 uint32_t u32(size_t v) { return static_cast<uint32_t>(v); }
@@ -94,7 +91,7 @@ void init_ops_attention(nb::module_& parent) {
         const char* fn = "rope";
         gpu::ops::RopeOperands op;
         op.dtype = gpu::parse_dtype(dtype, "rope: x");
-        require(x.ndim() == 3, "rope: x must be [tokens, heads, head_dim]");
+        LILY_REQUIRE(x.ndim() == 3, "rope: x must be [tokens, heads, head_dim]");
         check_dims(x, fn, "x", {x.shape(0), x.shape(1), x.shape(2)}, gpu::dtype_size(op.dtype) * 8);
         op.tokens = u32(x.shape(0));
         op.heads = u32(x.shape(1));
@@ -124,7 +121,7 @@ void init_ops_attention(nb::module_& parent) {
         op.x_dtype = gpu::parse_dtype(x_dtype, "qk_norm_rope: qg");
         op.w_dtype = gpu::parse_dtype(w_dtype, "qk_norm_rope: q_norm");
         const size_t xb = gpu::dtype_size(op.x_dtype) * 8, wb = gpu::dtype_size(op.w_dtype) * 8;
-        require(qg.ndim() == 3 && k.ndim() == 3 && k_cache.ndim() == 3, "qk_norm_rope: qg, k and caches must be 3-D");
+        LILY_REQUIRE(qg.ndim() == 3 && k.ndim() == 3 && k_cache.ndim() == 3, "qk_norm_rope: qg, k and caches must be 3-D");
         const size_t T = qg.shape(0), Hq = qg.shape(1), D = qg.shape(2) / 2, Hkv = k.shape(1), cap = k_cache.shape(1);
         check_dims(qg, fn, "qg", {T, Hq, 2 * D}, xb);
         check_dims(k, fn, "k", {T, Hkv, D}, xb);
@@ -173,7 +170,7 @@ void init_ops_attention(nb::module_& parent) {
         gpu::ops::AttentionOperands op;
         op.dtype = gpu::parse_dtype(dtype, std::string(fn) + ": q");
         const size_t xb = gpu::dtype_size(op.dtype) * 8;
-        require(q.ndim() == 3 && k_cache.ndim() == 3, std::string(fn) + ": q and caches must be 3-D");
+        LILY_REQUIRE(q.ndim() == 3 && k_cache.ndim() == 3, std::string(fn) + ": q and caches must be 3-D");
         const size_t T = q.shape(0), Hq = q.shape(1), D = q.shape(2), Hkv = k_cache.shape(0), cap = k_cache.shape(1);
         check_dims(q, fn, "q", {T, Hq, D}, xb);
         check_dims(k_cache, fn, "k_cache", {Hkv, cap, D}, 16);
@@ -233,10 +230,10 @@ void init_ops_attention(nb::module_& parent) {
         op.dtype = gpu::parse_dtype(dtype, "attention_mixer: x");
         op.w_dtype = gpu::parse_dtype(w_dtype, "attention_mixer: q_norm");
         const gpu::DType st = gpu::parse_dtype(scale_dtype, "attention_mixer: scales");
-        require(proj.size() == 12 || proj.size() == 6,
+        LILY_REQUIRE(proj.size() == 12 || proj.size() == 6,
                 "attention_mixer: proj must be 12 arrays (w, scales, biases) x (q, k, v, o) or 6 (qkv, o)");
         const bool fused = proj.size() == 6;
-        require(x.ndim() == 2 && k_cache.ndim() == 3, "attention_mixer: x must be 2-D and caches 3-D");
+        LILY_REQUIRE(x.ndim() == 2 && k_cache.ndim() == 3, "attention_mixer: x must be 2-D and caches 3-D");
         const size_t T = x.shape(0), H = x.shape(1), Hkv = k_cache.shape(0), cap = k_cache.shape(1), D = k_cache.shape(2);
         check_dims(x, fn, "x", {T, H}, gpu::dtype_size(op.dtype) * 8);
         check_dims(v_cache, fn, "v_cache", {Hkv, cap, D}, 16);

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <algorithm>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -20,9 +21,6 @@
 #include "gpu/kernel_ids.h"
 #include "gpu/ops/gated_delta.h"
 #include "gpu/ops/qmm.h"
-#if defined(LILY_HAVE_METAL)
-#include "metal/metal_device.h"
-#endif
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -53,10 +51,10 @@ std::vector<uint32_t> chunks_of(const std::vector<uint32_t>& chunks, uint32_t T,
   if (chunks.empty()) return {T};
   uint64_t sum = 0;
   for (uint32_t c : chunks) {
-    require(c > 0, std::string(fn) + ": chunk sizes must be > 0");
+    LILY_REQUIRE(c > 0, std::string(fn) + ": chunk sizes must be > 0");
     sum += c;
   }
-  require(sum == T, std::string(fn) + ": chunk sizes sum to " + std::to_string(sum) + ", T is " + std::to_string(T));
+  LILY_REQUIRE(sum == T, std::string(fn) + ": chunk sizes sum to " + std::to_string(sum) + ", T is " + std::to_string(T));
   return chunks;
 }
 
@@ -67,6 +65,9 @@ gpu::Binding rows_from(const gpu::Binding& b, size_t offset_bytes) {
 }  // namespace
 
 void init_ops_gated_delta(nb::module_& m) {
+  m.def("gated_delta_route", [](uint32_t T, uint32_t Dk, uint32_t Dv) {
+    return std::string(gpu::ops::gated_delta_route_name(gpu::ops::gated_delta_route(T, Dk, Dv)));
+  }, "T"_a, "Dk"_a, "Dv"_a, "The delta rule's route for T tokens: 'scan' or 'chunked'.");
   m.def(
       "conv1d",
       [](InArray x, InArray weight, InArray state, std::vector<uint32_t> chunks, const std::string& x_dtype,
@@ -74,11 +75,11 @@ void init_ops_gated_delta(nb::module_& m) {
          bool fp_traps) {
         const char* fn = "conv1d";
         const gpu::DType xt = gpu::parse_dtype(x_dtype, "conv1d: x"), wt = gpu::parse_dtype(w_dtype, "conv1d: weight");
-        require(x.ndim() == 2 && weight.ndim() == 2, "conv1d: x must be [T, C] and weight [C, K]");
+        LILY_REQUIRE(x.ndim() == 2 && weight.ndim() == 2, "conv1d: x must be [T, C] and weight [C, K]");
         const uint32_t T = uint32_t(x.shape(0)), C = uint32_t(x.shape(1)), K = uint32_t(weight.shape(1));
         check(x, fn, "x", {T, C}, elem_bits(xt));
         check(weight, fn, "weight", {C, K}, elem_bits(wt));
-        require(K >= 2, "conv1d: kernel size must be >= 2");
+        LILY_REQUIRE(K >= 2, "conv1d: kernel size must be >= 2");
         check(state, fn, "state", {K - 1, C}, elem_bits(xt));
         const std::vector<uint32_t> parts = chunks_of(chunks, T, fn);
         GdRun run(device, order, seed, fp_traps);
@@ -119,12 +120,14 @@ void init_ops_gated_delta(nb::module_& m) {
       "gated_delta",
       [](InArray qkv, InArray z, InArray a, InArray b, InArray A_log, InArray dt_bias, InArray norm_weight,
          InArray state, uint32_t Hk, uint32_t Hv, uint32_t Dk, uint32_t Dv, float eps, std::vector<uint32_t> chunks,
-         const std::string& x_dtype, const std::string& w_dtype, const std::string& device, const std::string& order,
-         uint64_t seed, bool fp_traps) {
+         const std::string& route, const std::string& x_dtype, const std::string& w_dtype, const std::string& device,
+         const std::string& order, uint64_t seed, bool fp_traps) {
         const char* fn = "gated_delta";
+        require(route == "scan" || route == "chunked" || route == "auto",
+                "gated_delta: route must be 'scan', 'chunked' or 'auto', got '" + route + "'");
         const gpu::DType xt = gpu::parse_dtype(x_dtype, "gated_delta: activations");
         const gpu::DType wt = gpu::parse_dtype(w_dtype, "gated_delta: dt_bias / norm_weight");
-        require(qkv.ndim() == 2, "gated_delta: qkv must be [T, C]");
+        LILY_REQUIRE(qkv.ndim() == 2, "gated_delta: qkv must be [T, C]");
         const uint32_t T = uint32_t(qkv.shape(0)), C = 2 * Hk * Dk + Hv * Dv;
         check(qkv, fn, "qkv", {T, C}, elem_bits(xt));
         check(z, fn, "z", {T, Hv * Dv}, elem_bits(xt));
@@ -141,6 +144,12 @@ void init_ops_gated_delta(nb::module_& m) {
         const gpu::Binding sb = run.input(state);
         const size_t xe = gpu::dtype_size(xt);
         const gpu::Binding y = run.output(size_t(T) * Hv * Dv * xe);
+        auto chunked = [&](uint32_t n) {
+          return route == "chunked" || (route == "auto" && gpu::ops::gated_delta_route(n, Dk, Dv) == gpu::ops::GdRoute::chunked);
+        };
+        uint32_t most = 0;
+        for (uint32_t n : parts) most = std::max(most, n);
+        const gpu::Binding scratch = run.output(gpu::ops::gated_delta_chunk_scratch_bytes(most, Hk, Hv, Dk, Dv));
         run.run([&](gpu::Encoder& e) {
           uint32_t t0 = 0;
           for (size_t i = 0; i < parts.size(); ++i) {
@@ -163,19 +172,35 @@ void init_ops_gated_delta(nb::module_& m) {
             op.Dk = Dk;
             op.Dv = Dv;
             op.eps = eps;
-            gpu::ops::encode_gated_delta(e, op);
+            if (chunked(parts[i])) {
+              op.chunk_scratch = scratch;
+              gpu::ops::encode_gated_delta_chunked(e, op);
+            } else {
+              gpu::ops::encode_gated_delta(e, op);
+            }
             t0 += parts[i];
           }
         });
-        for (size_t i = 0; i < parts.size(); ++i) run.note(gpu::ops::gated_delta_kernel(xt, wt));
+        for (size_t i = 0; i < parts.size(); ++i) {
+          if (chunked(parts[i])) {
+            const bool wb = wt == gpu::DType::bf16;
+            for (gpu::KernelId k : {wb ? gpu::KernelId::gd_chunk_prep_xf32_wbf16 : gpu::KernelId::gd_chunk_prep_xf32_wf32,
+                                    gpu::KernelId::gd_chunk_wy_f32, gpu::KernelId::gd_chunk_state_f32,
+                                    wb ? gpu::KernelId::gd_chunk_norm_xf32_wbf16 : gpu::KernelId::gd_chunk_norm_xf32_wf32})
+              run.note(k);
+          } else {
+            run.note(gpu::ops::gated_delta_kernel(xt, wt));
+          }
+        }
         return nb::make_tuple(run.download(y, xt, {T, Hv * Dv}), run.download(sb, gpu::DType::f32, {Hv, Dv, Dk}),
                               run.stats());
       },
       "qkv"_a, "z"_a, "a"_a, "b"_a, "A_log"_a, "dt_bias"_a, "norm_weight"_a, "state"_a, nb::kw_only(), "Hk"_a,
-      "Hv"_a, "Dk"_a, "Dv"_a, "eps"_a, "chunks"_a = std::vector<uint32_t>{}, "x_dtype"_a, "w_dtype"_a,
-      "device"_a = "emu", "order"_a = "shuffle", "seed"_a = 0, "fp_traps"_a = true,
-      "Fused gated delta rule + gated RMSNorm; state float32 [Hv, Dv, Dk] (device layout); one dispatch "
-      "per chunk; returns (y, new_state, stats). Use lily_py.ops.gated_delta.");
+      "Hv"_a, "Dk"_a, "Dv"_a, "eps"_a, "chunks"_a = std::vector<uint32_t>{}, "route"_a = "scan", "x_dtype"_a,
+      "w_dtype"_a, "device"_a = "emu", "order"_a = "shuffle", "seed"_a = 0, "fp_traps"_a = true,
+      "Fused gated delta rule + gated RMSNorm; state float32 [Hv, Dv, Dk] (device layout); per chunk of "
+      "tokens one scan dispatch, or (route 'chunked', or 'auto' past the engine's switch) the 4 dispatches "
+      "of the WY form; returns (y, new_state, stats). Use lily_py.ops.gated_delta.");
 
   m.def(
       "gated_delta_mixer",
@@ -189,13 +214,13 @@ void init_ops_gated_delta(nb::module_& m) {
         op.x_dtype = gpu::parse_dtype(x_dtype, "gated_delta_mixer: x");
         op.w_dtype = gpu::parse_dtype(w_dtype, "gated_delta_mixer: conv/norm weights");
         const gpu::DType st = gpu::parse_dtype(scale_dtype, "gated_delta_mixer: scales");
-        require(x.ndim() == 2 && conv_weight.ndim() == 2, "gated_delta_mixer: x must be [T, hidden], conv_weight [C, K]");
-        require(bits == 4 || bits == 8, "gated_delta_mixer: bits must be 4 or 8");
-        require(group_size == 32 || group_size == 64 || group_size == 128, "gated_delta_mixer: group_size must be 32, 64 or 128");
+        LILY_REQUIRE(x.ndim() == 2 && conv_weight.ndim() == 2, "gated_delta_mixer: x must be [T, hidden], conv_weight [C, K]");
+        LILY_REQUIRE(bits == 4 || bits == 8, "gated_delta_mixer: bits must be 4 or 8");
+        LILY_REQUIRE(group_size == 32 || group_size == 64 || group_size == 128, "gated_delta_mixer: group_size must be 32, 64 or 128");
         const uint32_t T = uint32_t(x.shape(0)), H = uint32_t(x.shape(1));
         const uint32_t C = 2 * Hk * Dk + Hv * Dv, VD = Hv * Dv, K = uint32_t(conv_weight.shape(1));
         const uint32_t P = gpu::ops::gated_delta_mixer_proj_rows(Hk, Hv, Dk, Dv);
-        require(H % group_size == 0 && VD % group_size == 0, "gated_delta_mixer: hidden and Hv*Dv must be multiples of group_size");
+        LILY_REQUIRE(H % group_size == 0 && VD % group_size == 0, "gated_delta_mixer: hidden and Hv*Dv must be multiples of group_size");
         const size_t xb = elem_bits(op.x_dtype), sbits = elem_bits(st);
         check(x, fn, "x", {T, H}, xb);
         check(in_w, fn, "in_proj weight", {P, H * bits / 32}, 32);
@@ -205,7 +230,7 @@ void init_ops_gated_delta(nb::module_& m) {
         check(out_s, fn, "out_proj scales", {H, VD / group_size}, sbits);
         check(out_b, fn, "out_proj biases", {H, VD / group_size}, sbits);
         check(conv_weight, fn, "conv_weight", {C, K}, elem_bits(op.w_dtype));
-        require(K >= 2, "gated_delta_mixer: conv kernel size must be >= 2");
+        LILY_REQUIRE(K >= 2, "gated_delta_mixer: conv kernel size must be >= 2");
         check(A_log, fn, "A_log", {Hv}, 32);
         check(dt_bias, fn, "dt_bias", {Hv}, elem_bits(op.w_dtype));
         check(norm_weight, fn, "norm_weight", {Dv}, elem_bits(op.w_dtype));

@@ -18,9 +18,6 @@
 #include "emu/emulator.h"
 #include "gpu/dtype.h"
 #include "gpu/ops/moe.h"
-#if defined(LILY_HAVE_METAL)
-#include "metal/metal_device.h"
-#endif
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -52,13 +49,13 @@ void init_ops_moe(nb::module_& m) {
          uint32_t group_size, uint32_t router_bits, uint32_t router_group_size, const std::string& router_scale_dtype,
          const std::string& device, const std::string& order, uint64_t seed, bool fp_traps) {
         // mats: router (w, s, b) [E + 1, H], gate, up, down (stacked), shared gate, up, down.
-        require(mats.size() == 21, "moe: expected 21 quantized arrays (7 matrices x (w, scales, biases))");
-        require(x.ndim() == 2 && x.dtype().bits == 32, "moe: x must be a 2-D float32 array");
+        LILY_REQUIRE(mats.size() == 21, "moe: expected 21 quantized arrays (7 matrices x (w, scales, biases))");
+        LILY_REQUIRE(x.ndim() == 2 && x.dtype().bits == 32, "moe: x must be a 2-D float32 array");
         for (size_t i = 0; i < 21; ++i) {
           const bool packed = i % 3 == 0;
           const size_t nd = (i >= 3 && i < 12) ? 3 : 2;
-          require(mats[i].ndim() == nd, "moe: array " + std::to_string(i) + " must be " + std::to_string(nd) + "-D");
-          require(mats[i].dtype().bits == (packed ? 32u : (i < 3 ? (router_scale_dtype == "float32" ? 32u : 16u) : 16u)),
+          LILY_REQUIRE(mats[i].ndim() == nd, "moe: array " + std::to_string(i) + " must be " + std::to_string(nd) + "-D");
+          LILY_REQUIRE(mats[i].dtype().bits == (packed ? 32u : (i < 3 ? (router_scale_dtype == "float32" ? 32u : 16u) : 16u)),
                   "moe: array " + std::to_string(i) + " has the wrong element size");
         }
         gpu::ops::MoeOperands op;
@@ -72,7 +69,7 @@ void init_ops_moe(nb::module_& m) {
         op.router_bits = router_bits;
         op.router_group_size = router_group_size;
         op.router_scale_dtype = gpu::parse_dtype(router_scale_dtype, "moe: router scales");
-        require(mats[3].shape(0) == op.experts && mats[6].shape(0) == op.experts && mats[9].shape(0) == op.experts,
+        LILY_REQUIRE(mats[3].shape(0) == op.experts && mats[6].shape(0) == op.experts && mats[9].shape(0) == op.experts,
                 "moe: expert stacks must have E = router rows - 1 = " + std::to_string(op.experts) + " experts");
         auto dev = make_device(device, order, seed, fp_traps);
         std::vector<std::unique_ptr<gpu::Buffer>> bufs;
@@ -87,7 +84,7 @@ void init_ops_moe(nb::module_& m) {
         };
         op.x = input(x);
         if (residual) {
-          require(residual->ndim() == 2 && residual->shape(0) == op.tokens && residual->shape(1) == op.hidden &&
+          LILY_REQUIRE(residual->ndim() == 2 && residual->shape(0) == op.tokens && residual->shape(1) == op.hidden &&
                       residual->dtype().bits == 32, "moe: residual must be float32 with the shape of x");
           op.residual = input(*residual);
         }
@@ -131,6 +128,8 @@ void init_ops_moe(nb::module_& m) {
         stats["barriers"] = c.barriers;
         stats["bytes_bound"] = c.bytes_bound;
         stats["threads"] = c.threads;
+        stats["flops_executed"] = c.flops_executed;
+        stats["flops_useful"] = c.flops_useful;
         stats["host_syncs"] = syncs;
         const uint32_t T = op.tokens, k = op.top_k;
         return nb::make_tuple(copy_out<float>(op.out, {T, op.hidden}), copy_out<uint32_t>(op.scratch.ids, {T, k}),

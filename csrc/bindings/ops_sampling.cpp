@@ -14,9 +14,6 @@
 #include "emu/emulator.h"
 #include "gpu/kernel_ids.h"
 #include "gpu/ops/sampling.h"
-#if defined(LILY_HAVE_METAL)
-#include "metal/metal_device.h"
-#endif
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -56,7 +53,7 @@ void init_ops_sampling(nb::module_& m) {
       [](InArray logits, uint32_t valid_vocab, bool greedy, double temperature, uint32_t top_k, double top_p,
          double min_p, uint64_t seed, uint32_t step, uint32_t slot, const std::string& device,
          const std::string& order, uint64_t emu_seed, bool fp_traps) {
-        require(logits.ndim() == 2 && logits.dtype() == nb::dtype<float>(), "sample: logits must be a 2-D float32 array");
+        LILY_REQUIRE(logits.ndim() == 2 && logits.dtype() == nb::dtype<float>(), "sample: logits must be a 2-D float32 array");
         gpu::ops::SampleOperands op;
         op.rows = static_cast<uint32_t>(logits.shape(0));
         op.stride = static_cast<uint32_t>(logits.shape(1));

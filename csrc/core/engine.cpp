@@ -1,19 +1,16 @@
 #include "core/engine.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
+#include <map>
 #include <sstream>
 #include <stdexcept>
 
-#include "emu/emulator.h"
-#include "gpu/counting_device.h"
 #include "gpu/ops/attention.h"
 #include "gpu/ops/gated_delta.h"
 #include "gpu/ops/moe.h"
 #include "gpu/ops/sampling.h"
-#if defined(LILY_HAVE_METAL)
-#include "metal/metal_device.h"
-#endif
 
 namespace lily::core {
 
@@ -70,112 +67,97 @@ std::string ModelSpec::summary() const {
   return o.str();
 }
 
-std::unique_ptr<gpu::Device> make_device(const std::string& name) {
-  if (name == "emu") return std::make_unique<emu::EmuDevice>();
-  if (name == "count") return std::make_unique<gpu::CountingDevice>();
-  if (name == "metal") {
-#if defined(LILY_HAVE_METAL)
-    return metal::create_device();
-#else
-    throw std::invalid_argument("device 'metal' is not available in this build (not macOS); use 'emu'");
-#endif
-  }
-  throw std::invalid_argument("unknown device '" + name + "' (expected 'emu', 'metal' or 'count')");
-}
+// Where build_buffers() puts each buffer: the engine's device (Engine), or nowhere, only adding
+// up the sizes (MemoryPlan: the memory check before anything is allocated).
+class Allocator {
+ public:
+  virtual ~Allocator() = default;
+  virtual gpu::Binding weight(const std::string& name, uint64_t bytes) = 0;
+  virtual gpu::Binding state(uint64_t bytes, bool kv_cache) = 0;
+  virtual gpu::Binding scratch(uint64_t bytes) = 0;
+};
 
-gpu::Binding Engine::alloc_weight(const std::string& name, size_t bytes) {
-  auto buf = device_->new_buffer(bytes);
-  gpu::Binding b{buf.get(), 0, bytes};
-  weights_[name] = Weight{std::move(buf), false};
-  weight_order_.push_back(name);
-  return b;
-}
+namespace {
 
-gpu::Binding Engine::alloc(std::vector<std::unique_ptr<gpu::Buffer>>& pool, size_t bytes) {
-  pool.push_back(device_->new_buffer(std::max<size_t>(bytes, 4)));
-  return gpu::Binding{pool.back().get(), 0, bytes};
-}
-
-gpu::QuantWeight Engine::alloc_quant(const std::string& name, uint64_t rows, uint64_t cols, const QuantSpec& q,
-                                     uint64_t count) {
+gpu::QuantWeight alloc_quant(Allocator& a, const std::string& name, uint64_t rows, uint64_t cols, const QuantSpec& q,
+                             uint64_t count = 1) {
   if (cols % q.group_size) fail(name + ": in-features " + num(cols) + " not a multiple of group_size " + num(q.group_size));
   const uint64_t w = count * rows * cols * q.bits / 8;
   const uint64_t s = count * rows * (cols / q.group_size) * gpu::dtype_size(q.scale_dtype);
-  return gpu::QuantWeight{alloc_weight(name + ".weight", w), alloc_weight(name + ".scales", s),
-                          alloc_weight(name + ".biases", s)};
+  return gpu::QuantWeight{a.weight(name + ".weight", w), a.weight(name + ".scales", s), a.weight(name + ".biases", s)};
 }
 
-Engine::Engine(ModelSpec spec, std::unique_ptr<gpu::Device> device) : spec_(std::move(spec)), device_(std::move(device)) {
-  const ModelSpec& s = spec_;
-  s.validate();
+// Every buffer of the engine for spec `s`: weights in checkpoint order, the conversation state
+// (KV caches, DeltaNet state and conv windows) and the scratch of one prefill_chunk step.
+void build_buffers(const ModelSpec& s, Allocator& a, gpu::ModelBuffers& m_) {
   const uint64_t H = s.hidden, V = s.vocab, E = s.experts, I = s.moe_inter, Is = s.shared_inter;
   const uint64_t C = s.conv_dim(), VD = s.value_dim(), Hv = s.lin_v_heads, K = s.conv_kernel;
   const uint64_t P = gpu::ops::gated_delta_mixer_proj_rows(s.lin_k_heads, s.lin_v_heads, s.lin_k_dim, s.lin_v_dim);
 
   // Weights, in checkpoint order.
-  m_.embed = alloc_quant("embed", V, H, s.embed);
+  m_.embed = alloc_quant(a, "embed", V, H, s.embed);
   for (uint32_t i = 0; i < s.layers; ++i) {
     const std::string p = "layers." + num(i) + ".";
     gpu::Layer L;
     L.attention = s.full_attention[i] != 0;
-    L.input_norm = alloc_weight(p + "input_norm", H * 4);
-    L.post_norm = alloc_weight(p + "post_norm", H * 4);
+    L.input_norm = a.weight(p + "input_norm", H * 4);
+    L.post_norm = a.weight(p + "post_norm", H * 4);
     if (L.attention) {
       const uint64_t D = s.head_dim, kv = uint64_t(s.kv_heads) * s.context_length * D * 2;  // bf16
-      L.at.qkv_proj = alloc_quant(p + "qkv_proj", s.attn_qkv_rows(), H, s.mixer);
-      L.at.o_proj = alloc_quant(p + "o_proj", H, uint64_t(s.q_heads) * D, s.mixer);
-      L.at.q_norm = alloc_weight(p + "q_norm", D * 4);
-      L.at.k_norm = alloc_weight(p + "k_norm", D * 4);
-      L.at.k_cache = alloc(state_, kv);
-      kv_cache_.push_back(state_.size() - 1);
-      L.at.v_cache = alloc(state_, kv);
-      kv_cache_.push_back(state_.size() - 1);
+      L.at.qkv_proj = alloc_quant(a, p + "qkv_proj", s.attn_qkv_rows(), H, s.mixer);
+      L.at.o_proj = alloc_quant(a, p + "o_proj", H, uint64_t(s.q_heads) * D, s.mixer);
+      L.at.q_norm = a.weight(p + "q_norm", D * 4);
+      L.at.k_norm = a.weight(p + "k_norm", D * 4);
+      L.at.k_cache = a.state(kv, true);
+      L.at.v_cache = a.state(kv, true);
     } else {
-    L.dn.in_proj = alloc_quant(p + "in_proj", P, H, s.mixer);
-    L.dn.out_proj = alloc_quant(p + "out_proj", H, VD, s.mixer);
-    L.dn.conv = alloc_weight(p + "conv1d", C * K * 4);
-    L.dn.A_log = alloc_weight(p + "A_log", Hv * 4);
-    L.dn.dt_bias = alloc_weight(p + "dt_bias", Hv * 4);
-    L.dn.norm = alloc_weight(p + "gated_norm", uint64_t(s.lin_v_dim) * 4);
-    L.dn.conv_state[0] = alloc(state_, (K - 1) * C * 4);
-    L.dn.conv_state[1] = alloc(state_, (K - 1) * C * 4);
-    L.dn.state = alloc(state_, Hv * s.lin_v_dim * s.lin_k_dim * 4);
+    L.dn.in_proj = alloc_quant(a, p + "in_proj", P, H, s.mixer);
+    L.dn.out_proj = alloc_quant(a, p + "out_proj", H, VD, s.mixer);
+    L.dn.conv = a.weight(p + "conv1d", C * K * 4);
+    L.dn.A_log = a.weight(p + "A_log", Hv * 4);
+    L.dn.dt_bias = a.weight(p + "dt_bias", Hv * 4);
+    L.dn.norm = a.weight(p + "gated_norm", uint64_t(s.lin_v_dim) * 4);
+    L.dn.conv_state[0] = a.state((K - 1) * C * 4, false);
+    L.dn.conv_state[1] = a.state((K - 1) * C * 4, false);
+    L.dn.state = a.state(Hv * s.lin_v_dim * s.lin_k_dim * 4, false);
     }
-    L.moe.router = alloc_quant(p + "router", E + 1, H, s.router);
-    L.moe.gate = alloc_quant(p + "experts.gate", I, H, s.experts_q, E);
-    L.moe.up = alloc_quant(p + "experts.up", I, H, s.experts_q, E);
-    L.moe.down = alloc_quant(p + "experts.down", H, I, s.experts_q, E);
-    L.moe.shared_gate = alloc_quant(p + "shared.gate", Is, H, s.experts_q);
-    L.moe.shared_up = alloc_quant(p + "shared.up", Is, H, s.experts_q);
-    L.moe.shared_down = alloc_quant(p + "shared.down", H, Is, s.experts_q);
+    L.moe.router = alloc_quant(a, p + "router", E + 1, H, s.router);
+    L.moe.gate = alloc_quant(a, p + "experts.gate", I, H, s.experts_q, E);
+    L.moe.up = alloc_quant(a, p + "experts.up", I, H, s.experts_q, E);
+    L.moe.down = alloc_quant(a, p + "experts.down", H, I, s.experts_q, E);
+    L.moe.shared_gate = alloc_quant(a, p + "shared.gate", Is, H, s.experts_q);
+    L.moe.shared_up = alloc_quant(a, p + "shared.up", Is, H, s.experts_q);
+    L.moe.shared_down = alloc_quant(a, p + "shared.down", H, Is, s.experts_q);
     m_.layers.push_back(L);
   }
-  m_.norm = alloc_weight("norm", H * 4);
-  m_.lm_head = alloc_quant("lm_head", V, H, s.lm_head);
+  m_.norm = a.weight("norm", H * 4);
+  m_.lm_head = alloc_quant(a, "lm_head", V, H, s.lm_head);
 
   // Scratch for prefill_chunk tokens.
   const uint64_t T = s.prefill_chunk;
   gpu::StepScratch& t = m_.s;
-  t.ids = alloc(scratch_, T * 4);
-  t.x = alloc(scratch_, T * H * 4);
-  t.h = alloc(scratch_, T * H * 4);
-  t.xn = alloc(scratch_, T * H * 4);
-  t.mix = alloc(scratch_, T * H * 4);
-  t.proj = alloc(scratch_, T * P * 4);
-  t.conv_out = alloc(scratch_, T * C * 4);
-  t.o = alloc(scratch_, T * VD * 4);
+  t.ids = a.scratch(T * 4);
+  t.x = a.scratch(T * H * 4);
+  t.h = a.scratch(T * H * 4);
+  t.xn = a.scratch(T * H * 4);
+  t.mix = a.scratch(T * H * 4);
+  t.proj = a.scratch(T * P * 4);
+  t.conv_out = a.scratch(T * C * 4);
+  t.o = a.scratch(T * VD * 4);
+  const bool any_deltanet = std::find(s.full_attention.begin(), s.full_attention.end(), 0) != s.full_attention.end();
+  if (any_deltanet && gpu::ops::gated_delta_route(uint32_t(T), s.lin_k_dim, s.lin_v_dim) == gpu::ops::GdRoute::chunked)
+    t.gd_chunk = a.scratch(gpu::ops::gated_delta_chunk_scratch_bytes(uint32_t(T), s.lin_k_heads, s.lin_v_heads,
+                                                                           s.lin_k_dim, s.lin_v_dim));
   if (std::find(s.full_attention.begin(), s.full_attention.end(), 1) != s.full_attention.end()) {
     const uint64_t qd = uint64_t(s.q_heads) * s.head_dim;
-    t.qkv = alloc(scratch_, T * s.attn_qkv_rows() * 4);
-    t.q = alloc(scratch_, T * qd * 4);
-    t.attn = alloc(scratch_, T * qd * 4);
+    t.qkv = a.scratch(T * s.attn_qkv_rows() * 4);
+    t.q = a.scratch(T * qd * 4);
+    t.attn = a.scratch(T * qd * 4);
     uint64_t partials = 0;  // the split-K partials for the longest context
     for (uint32_t len : {s.context_length, std::min<uint32_t>(s.context_length, 257u)})
       partials = std::max(partials, gpu::ops::attention_scratch_bytes(s.q_heads, s.head_dim, len));
-    t.attn_partials = alloc(scratch_, partials);
-    const std::vector<float> f = gpu::ops::rope_inv_freq(s.rotary_dim, s.rope_theta);
-    m_.inv_freq = alloc(scratch_, f.size() * 4);
-    if (void* dst = m_.inv_freq.buffer->contents()) std::memcpy(dst, f.data(), f.size() * 4);
+    t.attn_partials = a.scratch(partials);
+    m_.inv_freq = a.scratch(uint64_t(s.rotary_dim / 2) * 4);  // filled by the Engine
   }
   gpu::ops::MoeScratchBytes mb;  // the largest over every chunk size (routes differ)
   for (uint32_t n = 1; n <= s.prefill_chunk; ++n) {
@@ -188,22 +170,250 @@ Engine::Engine(ModelSpec spec, std::unique_ptr<gpu::Device> device) : spec_(std:
     mb.h = std::max(mb.h, b.h);
     mb.y = std::max(mb.y, b.y);
   }
-  t.moe_logits = alloc(scratch_, mb.logits);
-  t.moe_ids = alloc(scratch_, mb.ids);
-  t.moe_weights = alloc(scratch_, mb.weights);
-  t.moe_plan = alloc(scratch_, mb.plan);
-  t.moe_row_weight = alloc(scratch_, mb.row_weight);
-  t.moe_h = alloc(scratch_, mb.h);
-  t.moe_y = alloc(scratch_, mb.y);
-  t.logits = alloc(scratch_, uint64_t(std::max(s.logit_rows, 2u)) * V * 4);
-  t.token_slot = alloc(scratch_, 2 * 4);  // two slots: two steps in flight
-  t.chosen_logit = alloc(scratch_, 2 * 4);
-  t.sample_state = alloc(scratch_, 2 * gpu::ops::sample_state_bytes(1));
-  t.sample_partials = alloc(scratch_, gpu::ops::sample_partials_bytes(1, uint32_t(V)));
-  t.sample_hist = alloc(scratch_, gpu::ops::sample_hist_bytes(1, uint32_t(V)));
+  t.moe_logits = a.scratch(mb.logits);
+  t.moe_ids = a.scratch(mb.ids);
+  t.moe_weights = a.scratch(mb.weights);
+  t.moe_plan = a.scratch(mb.plan);
+  t.moe_row_weight = a.scratch(mb.row_weight);
+  t.moe_h = a.scratch(mb.h);
+  t.moe_y = a.scratch(mb.y);
+  t.logits = a.scratch(uint64_t(std::max(s.logit_rows, 2u)) * V * 4);
+  t.token_slot = a.scratch(2 * 4);  // two slots: two steps in flight
+  t.chosen_logit = a.scratch(2 * 4);
+  t.sample_state = a.scratch(2 * gpu::ops::sample_state_bytes(1));
+  t.sample_partials = a.scratch(gpu::ops::sample_partials_bytes(1, uint32_t(V)));
+  t.sample_hist = a.scratch(gpu::ops::sample_hist_bytes(1, uint32_t(V)));
+}
+
+// Sizes only: nothing is allocated.
+class Planner final : public Allocator {
+ public:
+  MemoryPlan plan;
+  gpu::Binding weight(const std::string& name, uint64_t bytes) override {
+    plan.weight_bytes += bytes;
+    largest(name, bytes);
+    return gpu::Binding{nullptr, 0, bytes};
+  }
+  gpu::Binding state(uint64_t bytes, bool kv) override {
+    bytes = std::max<uint64_t>(bytes, 4);
+    plan.state_bytes += bytes;
+    largest(kv ? "a KV cache" : "DeltaNet state", bytes);
+    return gpu::Binding{nullptr, 0, bytes};
+  }
+  gpu::Binding scratch(uint64_t bytes) override {
+    const uint64_t b = std::max<uint64_t>(bytes, 4);
+    plan.scratch_bytes += b;
+    largest("scratch", b);
+    return gpu::Binding{nullptr, 0, bytes};
+  }
+
+ private:
+  void largest(const std::string& what, uint64_t bytes) {
+    if (bytes > plan.largest_buffer_bytes) {
+      plan.largest_buffer_bytes = bytes;
+      plan.largest_buffer = what;
+    }
+  }
+};
+
+std::string gib(uint64_t bytes) {
+  std::ostringstream o;
+  o.setf(std::ios::fixed);
+  o.precision(2);
+  o << double(bytes) / double(1ull << 30) << " GiB";
+  return o.str();
+}
+
+}  // namespace
+
+MemoryPlan plan_memory(const ModelSpec& spec) {
+  gpu::ModelBuffers m;
+  Planner p;
+  build_buffers(spec, p, m);
+  return p.plan;
+}
+
+// The engine's own buffers on its device.
+class Engine::DeviceAllocator final : public Allocator {
+ public:
+  explicit DeviceAllocator(Engine& e) : e_(e) {}
+  gpu::Binding weight(const std::string& name, uint64_t bytes) override {
+    auto buf = e_.device_->new_buffer(bytes);
+    gpu::Binding b{buf.get(), 0, bytes};
+    e_.weights_[name] = Weight{std::move(buf), false};
+    e_.weight_order_.push_back(name);
+    return b;
+  }
+  gpu::Binding state(uint64_t bytes, bool kv) override {
+    gpu::Binding b = alloc(e_.state_, bytes);
+    if (kv) e_.kv_cache_.push_back(e_.state_.size() - 1);
+    return b;
+  }
+  gpu::Binding scratch(uint64_t bytes) override { return alloc(e_.scratch_, bytes); }
+
+ private:
+  gpu::Binding alloc(std::vector<std::unique_ptr<gpu::Buffer>>& pool, uint64_t bytes) {
+    pool.push_back(e_.device_->new_buffer(std::max<size_t>(bytes, 4)));
+    return gpu::Binding{pool.back().get(), 0, bytes};
+  }
+  Engine& e_;
+};
+
+Engine::Engine(ModelSpec spec, std::unique_ptr<gpu::Device> device) : spec_(std::move(spec)), device_(std::move(device)) {
+  const ModelSpec& s = spec_;
+  s.validate();
+  check_memory(plan_memory(s));  // before anything is allocated
+  DeviceAllocator a(*this);
+  build_buffers(s, a, m_);
+  if (m_.inv_freq.buffer) {
+    const std::vector<float> f = gpu::ops::rope_inv_freq(s.rotary_dim, s.rope_theta);
+    if (void* dst = m_.inv_freq.buffer->contents()) std::memcpy(dst, f.data(), f.size() * 4);
+  }
   for (const auto& b : state_)
     if (b->contents()) std::memset(b->contents(), 0, b->size());
+  std::vector<gpu::Buffer*> resident;  // weights and state: the GPU keeps them resident (Metal, macOS 15+)
+  for (const auto& [name, w] : weights_) resident.push_back(w.buffer.get());
+  for (const auto& b : state_) resident.push_back(b.get());
+  device_->make_resident(resident);
+  check_pipelines();  // every pipeline a step uses, created and checked now rather than at the first step
   reset();
+}
+
+void Engine::check_memory(const MemoryPlan& p) {
+  memory_ = p;
+  const gpu::DeviceInfo di = device_->info();
+  memory_.working_set_bytes = di.working_set_bytes;
+  memory_.max_buffer_bytes = di.max_buffer_bytes;
+  const std::string dev = "device '" + std::string(device_->name()) + "' (" + di.device_name + ")";
+  if (di.max_buffer_bytes && p.largest_buffer_bytes > di.max_buffer_bytes)
+    throw DeviceMemoryError("engine: " + p.largest_buffer + " needs one buffer of " + num(p.largest_buffer_bytes) +
+                            " bytes (" + gib(p.largest_buffer_bytes) + "), more than " + dev +
+                            " allows in one buffer (maxBufferLength " + num(di.max_buffer_bytes) + " bytes, " +
+                            gib(di.max_buffer_bytes) + ")");
+  if (di.working_set_bytes == 0) return;
+  const uint64_t need = p.total(), avail = di.working_set_bytes;
+  const std::string parts = " (weights " + gib(p.weight_bytes) + ", KV cache and state " + gib(p.state_bytes) +
+                            ", scratch " + gib(p.scratch_bytes) + ")";
+  if (need > avail) {
+    // The largest context_length whose buffers fit (KV caches and attention scratch grow with it).
+    auto total_at = [&](uint32_t ctx, uint32_t chunk) {
+      ModelSpec t = spec_;
+      t.context_length = ctx;
+      t.prefill_chunk = std::min(chunk, ctx);
+      t.logit_rows = std::min(t.logit_rows, t.prefill_chunk);
+      return plan_memory(t).total();
+    };
+    // The largest x in [1, hi) with fits(x), 0 if none (fits is monotone: more is bigger).
+    auto largest = [&](uint32_t hi, auto fits) {
+      if (hi <= 1 || !fits(1u)) return 0u;
+      uint32_t lo = 1;  // fits(lo), !fits(hi)
+      while (hi - lo > 1) {
+        const uint32_t mid = lo + (hi - lo) / 2;
+        (fits(mid) ? lo : hi) = mid;
+      }
+      return lo;
+    };
+    const uint32_t chunk = spec_.prefill_chunk;
+    // KV caches and attention scratch grow with context_length, the step's scratch with prefill_chunk.
+    const uint32_t ctx_fit = largest(spec_.context_length, [&](uint32_t c) { return total_at(c, chunk) <= avail; });
+    const uint32_t chunk_fit = largest(chunk, [&](uint32_t k) { return total_at(spec_.context_length, k) <= avail; });
+    std::string fit;
+    if (ctx_fit > 0)
+      fit = "context_length=" + num(ctx_fit) + (ctx_fit < chunk ? " (prefill_chunk " + num(ctx_fit) + ")" : "") +
+            " would fit (this load asked for " + num(spec_.context_length) + ")";
+    if (chunk_fit > 0)
+      fit += (fit.empty() ? "" : ", or ") + std::string("prefill_chunk=") + num(chunk_fit) + " at context_length " +
+             num(spec_.context_length);
+    if (fit.empty()) {
+      const uint32_t both = largest(spec_.context_length, [&](uint32_t c) { return total_at(c, 1) <= avail; });
+      fit = both > 0 ? "context_length=" + num(both) + " with prefill_chunk=1 would fit"
+                     : "no context_length fits: the weights alone need " + gib(p.weight_bytes);
+    }
+    throw DeviceMemoryError("engine: the model needs " + num(need) + " bytes (" + gib(need) + ") of device memory" + parts +
+                            ", but " + dev + " has " + num(avail) + " bytes (" + gib(avail) +
+                            ") available (recommendedMaxWorkingSetSize); " + fit);
+  }
+  if (double(need) > 0.85 * double(avail))
+    memory_warning_ = "engine: the model uses " + gib(need) + parts + " of the " + gib(avail) + " " + dev +
+                      " recommends (recommendedMaxWorkingSetSize): " + num(uint64_t(100.0 * double(need) / double(avail))) +
+                      "%, above 85%; other programs' GPU memory may push it out (a smaller context_length uses less)";
+}
+
+namespace {
+
+// Records what a step would dispatch (kernel, threads per threadgroup) without running anything;
+// host code that fits its threads to a pipeline (rms_norm) sees the device's limits.
+class PlanEncoder final : public gpu::Encoder {
+ public:
+  explicit PlanEncoder(gpu::Device& dev) : dev_(dev) {}
+  void commit() override {}
+  void wait() override {}
+  uint32_t thread_limit(gpu::KernelId k) const override { return pipeline(k).max_threads; }
+  const gpu::PipelineInfo& pipeline(gpu::KernelId k) const {
+    auto it = pipelines_.find(k);
+    if (it == pipelines_.end()) it = pipelines_.emplace(k, dev_.pipeline_info(k)).first;
+    return it->second;
+  }
+  std::map<gpu::KernelId, uint64_t> threads;  // most threads per threadgroup dispatched, per kernel
+
+ protected:
+  void encode_dispatch(const gpu::Dispatch& d) override {
+    pipeline(d.kernel);
+    uint64_t& t = threads[d.kernel];
+    t = std::max(t, d.threads.count());
+  }
+  void encode_barrier() override {}
+
+ private:
+  gpu::Device& dev_;
+  mutable std::map<gpu::KernelId, gpu::PipelineInfo> pipelines_;
+};
+
+}  // namespace
+
+void Engine::check_pipelines() {
+  PlanEncoder plan(*device_);
+  const ModelSpec& s = spec_;
+  const uint32_t chunk = s.prefill_chunk, ctx = s.context_length;
+  auto step = [&](uint32_t T, uint32_t position, bool all_logits, bool logits, int sample) {
+    gpu::StepParams p;
+    p.tokens = T;
+    p.position = position;
+    p.all_logits = all_logits;
+    p.logits = logits;
+    p.sample = sample > 0;
+    p.sample_params.greedy = sample == 1;
+    if (sample == 2) {  // every sampler stage: temperature, top-k, top-p, min-p
+      p.sample_params.temperature = 0.7;
+      p.sample_params.top_k = 20;
+      p.sample_params.top_p = 0.9;
+      p.sample_params.min_p = 0.05;
+    }
+    gpu::encode_prefill_chunk(plan, s, m_, p);
+  };
+  // The routes a conversation takes: decode at the start and the end of the context (attention's
+  // split-K switch), small / medium / full prefill chunks (qmv / qmm, MoE matvec / tiled), all logits.
+  step(1, 0, false, true, 1);
+  step(1, ctx - 1, false, true, 2);
+  step(std::min(chunk, 9u), 0, false, true, 0);
+  step(chunk, 0, false, false, 0);
+  step(chunk, ctx - chunk, false, true, 0);
+  step(s.logit_rows, 0, true, true, 0);
+  const gpu::DeviceInfo di = device_->info();
+  const std::string dev = "device '" + std::string(device_->name()) + "' (" + di.device_name + ")";
+  for (const auto& [k, threads] : plan.threads) {
+    const gpu::PipelineInfo& pi = plan.pipeline(k);
+    const std::string name(gpu::kernel_info(k).name);
+    if (threads > pi.max_threads)
+      throw DeviceLimitError("engine: kernel '" + name + "' dispatches " + num(threads) +
+                             " threads per threadgroup for this model, but its pipeline on " + dev + " allows at most " +
+                             num(pi.max_threads) + " (maxTotalThreadsPerThreadgroup); no route of this kernel fits");
+    if (pi.static_threadgroup_bytes > int64_t(gpu::kMaxThreadgroupMemory))
+      throw DeviceLimitError("engine: kernel '" + name + "' uses " + num(uint64_t(pi.static_threadgroup_bytes)) +
+                             " bytes of threadgroup memory on " + dev + ", more than the " + num(gpu::kMaxThreadgroupMemory) +
+                             " bytes a threadgroup has");
+    plan_.push_back(PlannedKernel{k, uint32_t(threads), pi});
+  }
 }
 
 std::vector<std::pair<std::string, size_t>> Engine::weight_list() const {
@@ -285,6 +495,7 @@ void Engine::reset() {
   valid_ = true;
   failed_ = false;
   have_token_ = false;
+  last_rows_ = 0;
 }
 
 Snapshot Engine::snapshot() const {
@@ -331,10 +542,11 @@ void Engine::restore(const Snapshot& s) {
   valid_ = true;
   failed_ = false;
   have_token_ = false;
+  last_rows_ = 0;
 }
 
 Engine::InFlight Engine::encode(uint32_t T, uint32_t position, bool all_logits, const StepSampling& sampling,
-                                bool want_logits) {
+                                bool want_logits, std::unique_ptr<gpu::Encoder> enc) {
   gpu::StepParams p;
   p.logits = want_logits;
   p.sample = sampling.enabled;
@@ -348,9 +560,16 @@ Engine::InFlight Engine::encode(uint32_t T, uint32_t position, bool all_logits, 
   p.conv_parity = conv_parity_;
   p.serialize = serialize;
   InFlight f;
-  f.enc = device_->new_encoder();
+  const auto t0 = std::chrono::steady_clock::now();
+  if (!enc && skip_barrier >= 0) {
+    enc = device_->new_checking_encoder(skip_barrier, true);
+    if (!enc) fail("skip_barrier needs a device that checks plans (the emulator, device 'emu')");
+  }
+  f.enc = enc ? std::move(enc) : device_->new_encoder();
   gpu::ops::RecordingEncoder rec(*f.enc);  // counts commit()/wait() asked for while encoding
   gpu::encode_prefill_chunk(rec, spec_, m_, p);
+  f.st.encode_ns = uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                std::chrono::steady_clock::now() - t0).count());
   f.st.tokens = T;
   f.st.ids_from_slot = sampling.ids_from_slot;
   f.st.waits_in_step = rec.waits;
@@ -362,6 +581,8 @@ Engine::InFlight Engine::encode(uint32_t T, uint32_t position, bool all_logits, 
   f.st.barriers = c.barriers;
   f.st.bytes_bound = c.bytes_bound;
   f.st.threads = c.threads;
+  f.st.flops_executed = c.flops_executed;
+  f.st.flops_useful = c.flops_useful;
   f.slot = p.slot;
   f.rows = !want_logits ? 0 : all_logits ? T : 1;
   f.sampled = sampling.enabled;
@@ -390,6 +611,7 @@ StepStats Engine::submit(const uint32_t* ids, uint32_t T, bool all_logits, const
   if (id_dst && !sampling.ids_from_slot) std::memcpy(id_dst, ids, size_t(T) * 4);
   valid_ = false;  // until every step in flight finished: a device error leaves a half-updated state
   have_token_ = false;
+  last_rows_ = 0;  // the new step will overwrite the logits rows
   InFlight f;
   try {
     f = encode(T, position_, all_logits, sampling, want_logits);
@@ -424,6 +646,8 @@ StepStats Engine::complete(float* logits) {
   const char* src = static_cast<const char*>(m_.s.logits.buffer->contents());
   if (logits && src && f.rows)
     std::memcpy(logits, src + (f.rows == 1 ? f.slot : 0) * V * 4, f.rows * V * 4);
+  last_rows_ = f.rows;
+  last_slot_ = f.slot;
   if (inflight_.empty() && !failed_) valid_ = true;
   last_ = st;
   if (f.sampled) {
@@ -444,6 +668,16 @@ StepStats Engine::complete(float* logits) {
   return st;
 }
 
+void Engine::last_logits(float* out) const {
+  require_idle("last_logits");
+  if (last_rows_ == 0) fail("last_logits: the last step computed no logits (or the state was reset / restored)");
+  const size_t V = spec_.vocab;
+  const char* src = static_cast<const char*>(m_.s.logits.buffer->contents());
+  if (src == nullptr) fail("last_logits: device '" + std::string(device_->name()) + "' keeps no logits");
+  const size_t row = last_rows_ == 1 ? last_slot_ : last_rows_ - 1;
+  std::memcpy(out, src + row * V * 4, V * 4);
+}
+
 StepStats Engine::forward(const uint32_t* ids, uint32_t T, bool all_logits, float* logits,
                           const StepSampling& sampling, bool want_logits) {
   if (!inflight_.empty()) fail("forward: steps are in flight; complete() them first");
@@ -453,10 +687,18 @@ StepStats Engine::forward(const uint32_t* ids, uint32_t T, bool all_logits, floa
 
 StepStats Engine::count(uint32_t T, uint32_t position, bool all_logits, const StepSampling& sampling,
                         bool want_logits) {
-  if (std::string_view(device_->name()) != "count") fail("count() runs on the counting device only (device 'count')");
+  if (!std::string_view(device_->name()).starts_with("count"))
+    fail("count() runs on the counting device only (device 'count' or 'count_host')");
   StepStats st = encode(T, position, all_logits, sampling, want_logits).st;
   last_ = st;
   return st;
+}
+
+StepStats Engine::check(uint32_t T, uint32_t position, bool all_logits, const StepSampling& sampling,
+                        bool want_logits, int64_t skip_barrier) {
+  auto enc = device_->new_checking_encoder(skip_barrier, false);
+  if (!enc) fail("check() needs a device that checks plans (the emulator, device 'emu')");
+  return encode(T, position, all_logits, sampling, want_logits, std::move(enc)).st;
 }
 
 }  // namespace lily::core

@@ -25,11 +25,13 @@ namespace lily::core {
 struct StepStats {
   uint64_t tokens = 0;
   uint64_t dispatches = 0, barriers = 0, bytes_bound = 0, threads = 0;
+  uint64_t flops_executed = 0, flops_useful = 0;  // matrix work (gpu::Counters)
   uint64_t commits = 0;         // command buffers submitted
   uint64_t waits_in_step = 0;   // host waits requested while the step was encoded (must be 0)
   uint64_t host_waits = 0;      // host waits for the whole forward (1: to read the logits)
   bool ids_from_slot = false;   // the embedding read the previous step's sampled token on the device
   uint32_t in_flight = 0;       // steps already in flight when this one was submitted (1: overlapped)
+  uint64_t encode_ns = 0;       // host time spent encoding the step (steady clock; a timing, not a counter)
   uint32_t token = 0xFFFFFFFFu; // the sampled token (sampling steps), read from the device slot
   float token_logit = 0.0f;
 };
@@ -48,6 +50,35 @@ struct StepSampling {
   bool ids_from_slot = false;  // feed the previous step's sampled token (device slot), not `ids`
 };
 
+// Device memory the engine needs for a spec (computed before anything is allocated).
+struct MemoryPlan {
+  uint64_t weight_bytes = 0, state_bytes = 0, scratch_bytes = 0;  // state: KV caches, DeltaNet state, conv windows
+  uint64_t largest_buffer_bytes = 0;
+  std::string largest_buffer;     // what the largest buffer holds
+  uint64_t working_set_bytes = 0;  // the device's recommendedMaxWorkingSetSize (0: unlimited)
+  uint64_t max_buffer_bytes = 0;   // the device's maxBufferLength (0: unlimited)
+  uint64_t total() const { return weight_bytes + state_bytes + scratch_bytes; }
+};
+MemoryPlan plan_memory(const ModelSpec& spec);
+
+// The model does not fit the device's memory (Python: MemoryError).
+class DeviceMemoryError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+// A kernel's pipeline on this device cannot take what the engine dispatches (Python: RuntimeError).
+class DeviceLimitError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// One kernel the engine's steps use, checked at load.
+struct PlannedKernel {
+  gpu::KernelId kernel;
+  uint32_t threads = 0;  // most threads per threadgroup any step dispatches
+  gpu::PipelineInfo pipeline;
+};
+
 // A copy of the conversation state (host memory), for Model's multi-turn rollback.
 struct Snapshot {
   uint32_t position = 0, conv_parity = 0;
@@ -56,6 +87,8 @@ struct Snapshot {
 
 class Engine {
  public:
+  // Checks the memory the spec needs against the device (DeviceMemoryError) before allocating;
+  // after allocating, creates every pipeline a step uses and checks its limits (DeviceLimitError).
   Engine(ModelSpec spec, std::unique_ptr<gpu::Device> device);
 
   const ModelSpec& spec() const { return spec_; }
@@ -88,11 +121,21 @@ class Engine {
   StepStats submit(const uint32_t* ids, uint32_t T, bool all_logits, const StepSampling& sampling = {},
                    bool want_logits = true);
   StepStats complete(float* logits);
+  // Copies the last position's float32 logits [vocab] of the last completed step (the device
+  // buffer keeps them until the next step is submitted); needs no step in flight and a last step
+  // that computed logits. Generation never copies logits per token: this is the "asked for" path.
+  void last_logits(float* out) const;
+  bool has_last_logits() const { return inflight_.empty() && last_rows_ != 0; }
   size_t in_flight() const { return inflight_.size(); }
   // Encodes a step at `position` without touching state or reading results (the counting
   // device: counters for any config without weights).
   StepStats count(uint32_t T, uint32_t position, bool all_logits, const StepSampling& sampling = {},
                   bool want_logits = true);
+  // Emulator only: encodes a step at `position` on an encoder that runs nothing and checks the
+  // plan for hazards between dispatches (throws emu::KernelError naming them), ignoring barrier
+  // number `skip_barrier` (-1: none). The state is untouched. Counters as for count().
+  StepStats check(uint32_t T, uint32_t position, bool all_logits, const StepSampling& sampling = {},
+                  bool want_logits = true, int64_t skip_barrier = -1);
 
   void reset();
   Snapshot snapshot() const;
@@ -100,13 +143,19 @@ class Engine {
   uint32_t position() const { return position_; }
   bool valid() const { return valid_; }
   bool serialize = false;  // barrier between every two dispatches
+  // Emulator, debugging / tests: every step's encoder ignores its barrier #skip_barrier (-1: none),
+  // so the emulator's hazard check reports what that barrier ordered.
+  int64_t skip_barrier = -1;
   const StepStats& last_stats() const { return last_; }
+  const MemoryPlan& memory() const { return memory_; }
+  const std::string& memory_warning() const { return memory_warning_; }  // above ~85% of the working set
+  const std::vector<PlannedKernel>& pipelines() const { return plan_; }
+  gpu::DeviceInfo device_info() const { return device_->info(); }
 
  private:
-  gpu::Binding alloc_weight(const std::string& name, size_t bytes);
-  gpu::Binding alloc(std::vector<std::unique_ptr<gpu::Buffer>>& pool, size_t bytes);
-  gpu::QuantWeight alloc_quant(const std::string& name, uint64_t rows, uint64_t cols, const QuantSpec& q,
-                               uint64_t count = 1);
+  class DeviceAllocator;
+  void check_memory(const MemoryPlan& p);
+  void check_pipelines();
   std::vector<gpu::Binding> state_buffers() const;
   bool is_kv(size_t state_index) const;
   struct InFlight {
@@ -115,7 +164,8 @@ class Engine {
     uint32_t slot = 0, rows = 0;
     bool sampled = false;
   };
-  InFlight encode(uint32_t T, uint32_t position, bool all_logits, const StepSampling& sampling, bool want_logits);
+  InFlight encode(uint32_t T, uint32_t position, bool all_logits, const StepSampling& sampling, bool want_logits,
+                  std::unique_ptr<gpu::Encoder> enc = nullptr);
   void require_idle(const char* what) const;
 
   ModelSpec spec_;
@@ -137,8 +187,10 @@ class Engine {
   uint32_t next_slot_ = 0;
   std::deque<InFlight> inflight_;
   StepStats last_;
+  MemoryPlan memory_;
+  std::string memory_warning_;
+  std::vector<PlannedKernel> plan_;
+  uint32_t last_rows_ = 0, last_slot_ = 0;  // logits rows / slot of the last completed step
 };
-
-std::unique_ptr<gpu::Device> make_device(const std::string& name);
 
 }  // namespace lily::core

@@ -22,6 +22,14 @@ struct RunOptions {
   uint64_t seed = 0;
   bool fp_traps = true;              // trap arithmetic on NaN (poison) where supported
   size_t stack_bytes = 128 * 1024;   // per GPU thread
+  // Encoders of the device: report two dispatches that no barrier orders and whose byte ranges
+  // overlap with a write on either side (DispatchHazards). On by default.
+  bool hazards = true;
+  // Debugging / tests: the encoder ignores its barrier number `skip_barrier` (0-based, -1: none),
+  // as if the host code had not encoded it; with hazards on, a needed barrier is then reported.
+  int64_t skip_barrier = -1;
+  // false: the encoder validates and checks hazards but runs nothing (plans checked fast).
+  bool execute = true;
 };
 
 // A buffer whose bytes end flush against an inaccessible region of kGuardBytes (and start
@@ -81,6 +89,45 @@ struct Features {
 };
 Features features();
 
+// Hazards between dispatches of a concurrent encoder. On the GPU (csrc/metal: a concurrent
+// compute encoder) dispatches with no barrier between them run in any order or at once; the
+// emulator runs them one after another, so a missing barrier would go unseen. This records, for
+// every dispatch since the last barrier, what it may read (the byte range of every binding; bounds
+// at the binding are enforced by run()) and what it wrote: the bytes it changed when it ran
+// (`written`), else the range of every `device` (non-const) binding. A dispatch that writes bytes
+// another one of the same stretch reads or writes is a KernelError naming both dispatches (kernel,
+// index in the encoder, buffer index), the buffer, the bytes and the barrier they follow. Without
+// `written` the check is conservative: no report means no order of the stretch changes a result.
+class DispatchHazards {
+ public:
+  using Intervals = std::vector<std::pair<uint64_t, uint64_t>>;  // sorted, disjoint [lo, hi)
+
+  explicit DispatchHazards(int64_t skip_barrier = -1) : skip_(skip_barrier) {}
+  // written[i]: bytes of the buffer bound at [[buffer(i + 1)]] the dispatch changed (absolute
+  // offsets); null: every writable binding counts as written.
+  void dispatch(const gpu::Dispatch& d, const KernelEntry& k, const std::vector<Intervals>* written = nullptr);
+  void barrier();
+  uint64_t dispatches() const { return seq_; }
+  uint64_t barriers() const { return barriers_; }
+
+ private:
+  struct Use {
+    const gpu::Buffer* buffer;
+    uint64_t lo, hi;  // the binding: may be read
+    uint32_t index;   // [[buffer(index)]]
+    Intervals writes;
+  };
+  struct Rec {
+    const char* kernel;
+    uint64_t seq;
+    std::vector<Use> uses;
+  };
+  std::vector<Rec> stretch_;
+  int64_t skip_;
+  int64_t stretch_barrier_ = -1;  // the barrier the stretch follows (-1: none)
+  uint64_t seq_ = 0, barriers_ = 0;
+};
+
 // gpu::Device for the emulator: dispatches execute immediately, in encoding order.
 class EmuDevice final : public gpu::Device {
  public:
@@ -88,6 +135,15 @@ class EmuDevice final : public gpu::Device {
   std::string_view name() const override { return "emu"; }
   std::unique_ptr<gpu::Buffer> new_buffer(size_t bytes) override;
   std::unique_ptr<gpu::Encoder> new_encoder() override;
+  gpu::DeviceInfo info() const override;
+  // The kernel's registry entry must exist; limits are Apple's (tests simulate lower ones through
+  // the device registry). Static threadgroup memory is unknown before a run (-1): the emulator
+  // checks each threadgroup's allocations against kThreadgroupMemory as it runs.
+  gpu::PipelineInfo pipeline_info(gpu::KernelId kernel) override;
+  // An encoder with these options instead of the device's (e.g. execute = false, skip_barrier).
+  std::unique_ptr<gpu::Encoder> new_encoder(const RunOptions& options);
+  std::unique_ptr<gpu::Encoder> new_checking_encoder(int64_t skip_barrier, bool execute) override;
+  const RunOptions& options() const { return options_; }
 
  private:
   RunOptions options_;

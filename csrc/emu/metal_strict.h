@@ -151,6 +151,13 @@ void simdgroup_multiply(thread simdgroup_matrix<T, 8, 8>&, thread const simdgrou
 #define LILY_STRICT_CAT(a, b) LILY_STRICT_CAT_(a, b)
 #define LILY_INSTANTIATE(name, ...) \
   [[maybe_unused]] static auto LILY_STRICT_CAT(lily_strict_kernel_, __COUNTER__) = &__VA_ARGS__;
-#define LILY_TG_ARRAY(T, name, dims) static threadgroup T name dims
+// Apple's compiler accepts threadgroup variables only in a kernel's own scope: the kernel tail
+// declares a marker parameter, and a threadgroup array anywhere else (a helper function) names
+// an undeclared identifier here.
+struct LilyKernelScope {};
+#define LILY_TG_ARRAY(T, name, dims)                                                                   \
+  static_assert(sizeof(lily_kernel_scope_only) > 0, "threadgroup arrays only in a kernel's own scope"); \
+  static threadgroup T name dims
 #define LILY_KERNEL_TAIL \
-  uint3 group_pos, uint3 thread_pos, uint3 group_size, uint3 grid_pos, uint lane, uint simd_id
+  uint3 group_pos, uint3 thread_pos, uint3 group_size, uint3 grid_pos, uint lane, uint simd_id, \
+  LilyKernelScope lily_kernel_scope_only

@@ -23,6 +23,7 @@
 #include "elementwise.metal"
 #include "embedding.metal"
 #include "gated_delta.metal"
+#include "gated_delta_chunk.metal"
 #include "moe.metal"
 #include "norm.metal"
 #include "qmm.metal"

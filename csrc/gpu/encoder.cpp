@@ -18,7 +18,7 @@ void Encoder::set_kernel(KernelId id) {
 void Encoder::set_args_bytes(const void* data, size_t size) {
   if (!have_kernel_) throw EncodeError("set_args before set_kernel");
   const KernelInfo& k = kernel_info(pending_.kernel);
-  if (size != k.args_size)
+  if (size != k.args_size) [[unlikely]]
     throw EncodeError("set_args for " + kname(pending_.kernel) + ": got " + std::to_string(size) +
                       " bytes, kernel expects " + std::string(k.args) + " (" +
                       std::to_string(k.args_size) + " bytes)");
@@ -37,31 +37,30 @@ void Encoder::set_buffer(uint32_t index, Buffer& buffer, size_t offset, size_t b
 
 void Encoder::set_buffer(uint32_t index, const Binding& b) {
   if (!have_kernel_) throw EncodeError("set_buffer before set_kernel");
+  // The checks are plain comparisons; the message is built only when one fails.
+  const bool bad_index = index == 0 || index > pending_.num_buffers;
+  if (bad_index || b.buffer == nullptr || b.bytes == 0 || b.offset > b.buffer->size() ||
+      b.bytes > b.buffer->size() - b.offset)
+    bad_binding(index, b);
+  pending_.buffers[index] = b;
+  bound_mask_ |= 1u << index;
+}
+
+void Encoder::bad_binding(uint32_t index, const Binding& b) const {
   const std::string where = kname(pending_.kernel) + " buffer(" + std::to_string(index) + ")";
   if (index == 0 || index > pending_.num_buffers)
     throw EncodeError(where + ": index out of range 1.." + std::to_string(pending_.num_buffers));
   if (b.buffer == nullptr) throw EncodeError(where + ": null buffer");
   if (b.bytes == 0) throw EncodeError(where + ": empty range");
-  if (b.offset > b.buffer->size() || b.bytes > b.buffer->size() - b.offset)
-    throw EncodeError(where + ": range [" + std::to_string(b.offset) + ", +" +
-                      std::to_string(b.bytes) + ") exceeds buffer of " +
-                      std::to_string(b.buffer->size()) + " bytes");
-  pending_.buffers[index] = b;
-  bound_mask_ |= 1u << index;
+  throw EncodeError(where + ": range [" + std::to_string(b.offset) + ", +" + std::to_string(b.bytes) +
+                    ") exceeds buffer of " + std::to_string(b.buffer->size()) + " bytes");
 }
 
 void Encoder::dispatch(Size3 groups, Size3 threads) {
-  if (!have_kernel_) throw EncodeError("dispatch without a kernel");
-  const std::string name = kname(pending_.kernel);
-  if (!have_args_) throw EncodeError("dispatch " + name + ": args struct not set");
-  for (uint32_t i = 1; i <= pending_.num_buffers; ++i)
-    if (!(bound_mask_ & (1u << i)))
-      throw EncodeError("dispatch " + name + ": buffer(" + std::to_string(i) + ") not bound");
-  if (groups.count() == 0 || threads.count() == 0)
-    throw EncodeError("dispatch " + name + ": empty grid");
-  if (threads.count() > 1024)
-    throw EncodeError("dispatch " + name + ": " + std::to_string(threads.count()) +
-                      " threads per threadgroup exceeds 1024");
+  const uint32_t all = ((2u << pending_.num_buffers) - 1u) & ~1u;  // bits 1..num_buffers (<= 15)
+  if (!have_kernel_ || !have_args_ || (bound_mask_ & all) != all || groups.count() == 0 ||
+      threads.count() == 0 || threads.count() > 1024)
+    bad_dispatch(groups, threads);
   pending_.groups = groups;
   pending_.threads = threads;
   encode_dispatch(pending_);
@@ -74,9 +73,33 @@ void Encoder::dispatch(Size3 groups, Size3 threads) {
   have_kernel_ = false;
 }
 
+void Encoder::bad_dispatch(Size3 groups, Size3 threads) const {
+  if (!have_kernel_) throw EncodeError("dispatch without a kernel");
+  const std::string name = kname(pending_.kernel);
+  if (!have_args_) throw EncodeError("dispatch " + name + ": args struct not set");
+  for (uint32_t i = 1; i <= pending_.num_buffers; ++i)
+    if (!(bound_mask_ & (1u << i)))
+      throw EncodeError("dispatch " + name + ": buffer(" + std::to_string(i) + ") not bound");
+  if (groups.count() == 0 || threads.count() == 0) throw EncodeError("dispatch " + name + ": empty grid");
+  throw EncodeError("dispatch " + name + ": " + std::to_string(threads.count()) +
+                    " threads per threadgroup exceeds 1024");
+}
+
+void Encoder::add_flops(uint64_t executed, uint64_t useful) {
+  counters_.flops_executed += executed;
+  counters_.flops_useful += useful;
+  forward_flops(executed, useful);
+}
+
 void Encoder::barrier() {
   encode_barrier();
   counters_.barriers += 1;
 }
+
+}  // namespace lily::gpu
+
+namespace lily::gpu {
+
+uint32_t Encoder::thread_limit(KernelId) const { return kMaxThreadsPerGroup; }
 
 }  // namespace lily::gpu

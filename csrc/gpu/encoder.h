@@ -11,6 +11,7 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "gpu/kernel_ids.h"
 
@@ -55,6 +56,12 @@ struct Counters {
   uint64_t barriers = 0;
   uint64_t bytes_bound = 0;  // sum over dispatches of the byte ranges bound
   uint64_t threads = 0;      // GPU threads launched
+  // Matrix work (2 FLOPs per multiply-add of the matmul-like products: projections, router,
+  // experts, attention scores and values, the delta rule; norms, gates, softmax, conv1d and
+  // elementwise ops are not counted). Added by the host ops (csrc/gpu/ops/*.cpp) with add_flops.
+  uint64_t flops_executed = 0;  // what the dispatched tiles compute, padding included (MoE tiled
+                                // routes: the grid's bound over every routing, see ops/moe.cpp)
+  uint64_t flops_useful = 0;    // what the math needs: no tile padding, routed rows only
 };
 
 // Raised for host-side encoding mistakes (unbound buffer, wrong args struct, empty grid...).
@@ -81,22 +88,61 @@ class Encoder {
   void dispatch(Size3 groups, Size3 threads_per_group);
   // Orders every later dispatch after every earlier one (buffer memory).
   void barrier();
+  // Counts the matrix work of the dispatch(es) just encoded (see Counters); forwarding encoders
+  // pass it on to the encoder they wrap.
+  void add_flops(uint64_t executed, uint64_t useful);
 
   virtual void commit() = 0;  // submit what was encoded
   virtual void wait() = 0;    // block until the submitted work finished (errors surface here)
 
   const Counters& counters() const { return counters_; }
 
+  // Most threads per threadgroup `kernel`'s pipeline takes on this encoder's device (Metal:
+  // maxTotalThreadsPerThreadgroup). Host code with a flexible thread count (rms_norm) fits it;
+  // wrapping encoders forward it to the encoder they wrap.
+  virtual uint32_t thread_limit(KernelId kernel) const;
+
  protected:
   virtual void encode_dispatch(const Dispatch& d) = 0;
   virtual void encode_barrier() = 0;
+  virtual void forward_flops(uint64_t /*executed*/, uint64_t /*useful*/) {}
 
  private:
+  [[noreturn]] void bad_binding(uint32_t index, const Binding& b) const;  // throws the EncodeError
+  [[noreturn]] void bad_dispatch(Size3 groups, Size3 threads) const;
   Dispatch pending_;
   bool have_kernel_ = false;
   bool have_args_ = false;
   uint32_t bound_mask_ = 0;
   Counters counters_;
+};
+
+inline constexpr uint32_t kMaxThreadsPerGroup = 1024;        // Apple GPUs' largest threadgroup
+inline constexpr uint64_t kMaxThreadgroupMemory = 32 * 1024;  // bytes, Apple7+ (and the emulator)
+
+// One kernel's compiled pipeline on a device (Metal: MTLComputePipelineState).
+struct PipelineInfo {
+  uint32_t max_threads = kMaxThreadsPerGroup;  // maxTotalThreadsPerThreadgroup
+  int64_t static_threadgroup_bytes = -1;       // staticThreadgroupMemoryLength; -1: unknown
+  uint32_t simd_width = 32;                    // threadExecutionWidth
+};
+
+// What a device is and what it allows (doctor, the engine's load checks). 0 = unlimited/unknown.
+struct DeviceInfo {
+  std::string name;            // registry name: "metal", "emu", "count"
+  std::string device_name;     // "Apple M3 Max", "CPU emulator", ...
+  std::string gpu_family;      // "apple9" ("" where not a GPU)
+  uint64_t working_set_bytes = 0;  // recommendedMaxWorkingSetSize
+  uint64_t max_buffer_bytes = 0;   // maxBufferLength
+  std::string library_path;    // metallib or run-time-compiled source in use
+  std::string library_source;  // "metallib" | "source" | ""
+  std::string metallib_error;  // why an installed lily.metallib was not used ("" if it was / none)
+  bool metallib_built = false; // a lily.metallib is installed next to the module
+  std::string build_target;    // OS the core was built for, e.g. "macOS 14.0", "linux"
+  std::string build_sdk;       // SDK it was compiled against, e.g. "macOS SDK 14.2"
+  std::string math_mode;       // how the library's math was compiled
+  bool residency_set = false;  // weights and state in an MTLResidencySet
+  bool simulated = false;      // limits set by a test (emu / count)
 };
 
 class Device {
@@ -105,6 +151,18 @@ class Device {
   virtual std::string_view name() const = 0;
   virtual std::unique_ptr<Buffer> new_buffer(size_t bytes) = 0;
   virtual std::unique_ptr<Encoder> new_encoder() = 0;
+
+  virtual DeviceInfo info() const = 0;
+  // Creates `kernel`'s pipeline if needed and reports its limits; throws std::runtime_error when
+  // the pipeline cannot be created.
+  virtual PipelineInfo pipeline_info(KernelId kernel) = 0;
+  // Buffers the GPU should keep resident (weights, state): Metal on macOS 15+ adds them to an
+  // MTLResidencySet attached to the queue; elsewhere a no-op.
+  virtual void make_resident(const std::vector<Buffer*>& buffers) {}
+  // Devices that can check a plan (the emulator): an encoder that checks hazards between
+  // dispatches, ignores its barrier number `skip_barrier` (-1: none) and runs the dispatches only
+  // when `execute`. nullptr where the device cannot (Metal, counting).
+  virtual std::unique_ptr<Encoder> new_checking_encoder(int64_t skip_barrier, bool execute) { return nullptr; }
 };
 
 }  // namespace lily::gpu

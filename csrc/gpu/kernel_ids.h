@@ -71,6 +71,13 @@
   X(gated_delta_xf32_wbf16,  GatedDeltaArgs, 9)                               \
   X(gated_delta_xbf16_wf32,  GatedDeltaArgs, 9)                               \
   X(gated_delta_xbf16_wbf16, GatedDeltaArgs, 9)                               \
+  /* chunked (WY) delta rule prefill (shaders/gated_delta_chunk.metal; buffers listed there) */ \
+  X(gd_chunk_prep_xf32_wf32,  GdChunkArgs, 10)                                \
+  X(gd_chunk_prep_xf32_wbf16, GdChunkArgs, 10)                                \
+  X(gd_chunk_wy_f32,          GdChunkArgs, 8)                                 \
+  X(gd_chunk_state_f32,       GdChunkArgs, 8)                                 \
+  X(gd_chunk_norm_xf32_wf32,  GdChunkArgs, 4)                                 \
+  X(gd_chunk_norm_xf32_wbf16, GdChunkArgs, 4)                                 \
   /* mixture of experts (shaders/moe.metal; buffers listed in the shader) */  \
   X(moe_route,                       MoeArgs, 3)                              \
   X(moe_plan,                        MoeArgs, 4)                              \

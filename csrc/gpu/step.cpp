@@ -26,6 +26,7 @@ class SerialEncoder final : public Encoder {
   explicit SerialEncoder(Encoder& inner) : inner_(inner) {}
   void commit() override { inner_.commit(); }
   void wait() override { inner_.wait(); }
+  uint32_t thread_limit(KernelId k) const override { return inner_.thread_limit(k); }
 
  protected:
   void encode_dispatch(const Dispatch& d) override {
@@ -40,6 +41,7 @@ class SerialEncoder final : public Encoder {
     if (dispatched_since_barrier_) inner_.barrier();
     dispatched_since_barrier_ = false;
   }
+  void forward_flops(uint64_t executed, uint64_t useful) override { inner_.add_flops(executed, useful); }
 
  private:
   Encoder& inner_;
@@ -76,6 +78,7 @@ void encode_deltanet(Encoder& enc, const core::ModelSpec& spec, const Layer& L, 
   g.proj = s.proj;
   g.conv_out = s.conv_out;
   g.o = s.o;
+  g.chunk_scratch = s.gd_chunk;
   g.out = s.mix;
   g.x_dtype = DType::f32;
   g.w_dtype = DType::f32;

@@ -63,6 +63,7 @@ struct StepScratch {
   Binding ids;                  // uint32 [chunk]
   Binding x, h, xn, mix;        // [chunk, H]
   Binding proj, conv_out, o;    // DeltaNet: [chunk, P], [chunk, C], [chunk, Hv * Dv]
+  Binding gd_chunk;             // DeltaNet chunked (WY) route scratch for chunk tokens (unbound: scan only)
   Binding qkv, q, attn;         // attention: [chunk, 2 Hq D + 2 Hkv D], [chunk, Hq D] x2
   Binding attn_partials;        // attention decode split-K partials (for context_length keys)
   Binding moe_logits, moe_ids, moe_weights, moe_plan, moe_row_weight, moe_h, moe_y;

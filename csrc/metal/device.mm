@@ -27,6 +27,15 @@
 #error "csrc/metal/device.mm must be compiled with -fobjc-arc (see CMakeLists.txt)"
 #endif
 
+// APIs newer than the oldest SDK the project builds with (macOS 14.2): compiled only when the SDK
+// declares them (its Availability.h defines __MAC_15_0), used only where @available says the OS
+// has them.
+#if defined(__MAC_15_0) && __MAC_OS_X_VERSION_MAX_ALLOWED >= __MAC_15_0
+#define LILY_SDK_MACOS15 1
+#else
+#define LILY_SDK_MACOS15 0
+#endif
+
 namespace lily::metal {
 
 namespace {
@@ -65,6 +74,10 @@ id<MTLDevice> system_device() {
 
 // Highest Apple GPU family N the device supports (0: none). Probed with raw enum values
 // (MTLGPUFamilyApple1 + N - 1) so families newer than the SDK's enum are reported too.
+std::string macos_version(long v) {  // 140200 -> "14.2"
+  return std::to_string(v / 10000) + "." + std::to_string((v / 100) % 100);
+}
+
 int apple_family(id<MTLDevice> d) {
   for (int n = 20; n >= 1; --n)
     if ([d supportsFamily:static_cast<MTLGPUFamily>(static_cast<NSInteger>(MTLGPUFamilyApple1) + n - 1)]) return n;
@@ -83,28 +96,38 @@ class Context {
 
   id<MTLDevice> device() const { return device_; }
   id<MTLCommandQueue> queue() const { return queue_; }
-  const Info& info() const { return info_; }
+  const gpu::DeviceInfo& info() const { return info_; }
   id<MTLLibrary> library() const { return library_; }
 
+  // "" when the kernels can run here: an Apple7+ GPU and a loaded library.
+  std::string unsupported_reason() const {
+    if (!supported_)
+      return "Metal device '" + info_.device_name + "' (GPU family " + info_.gpu_family +
+             ") cannot run lily_py's kernels: they need simdgroup matrices, GPU family apple" +
+             std::to_string(kMinAppleFamily) +
+             " (M1) or newer (virtual machines expose an 'Apple Paravirtual device' without them)";
+    if (library_ == nil) return "Metal library: " + library_error_;
+    return "";
+  }
   // Throws (std::runtime_error) when the device cannot run the kernels.
   void require_supported() const {
-    if (info_.supported) return;
-    throw std::runtime_error("Metal device '" + info_.name + "' (GPU family " + info_.family +
-                             ") cannot run lily_py's kernels: they need simdgroup matrices, GPU family apple" +
-                             std::to_string(kMinAppleFamily) +
-                             " (M1) or newer (virtual machines expose an 'Apple Paravirtual device' without them)");
+    const std::string why = unsupported_reason();
+    if (!why.empty()) throw std::runtime_error(why);
   }
 
-  id<MTLComputePipelineState> pipeline(gpu::KernelId id) {
+  // (The parameter must not be called `id`: that would hide Objective-C's `id` type below.)
+  id<MTLComputePipelineState> pipeline(gpu::KernelId kernel) {
     std::lock_guard<std::mutex> lock(mu_);
-    const size_t i = static_cast<size_t>(id);
+    const size_t i = static_cast<size_t>(kernel);
     if (pipelines_[i] != nil) return pipelines_[i];
-    const std::string name(gpu::kernel_info(id).name);
+    const std::string name(gpu::kernel_info(kernel).name);
     std::string error;
     @autoreleasepool {
       id<MTLFunction> fn = [library_ newFunctionWithName:[NSString stringWithUTF8String:name.c_str()]];
-      if (fn == nil) {
-        error = "Metal library " + info_.library + " has no kernel '" + name + "'";
+      if (library_ == nil) {
+        error = "no Metal library: " + library_error_;
+      } else if (fn == nil) {
+        error = "Metal library " + info_.library_path + " has no kernel '" + name + "'";
       } else {
         NSError* err = nil;
         id<MTLComputePipelineState> pso = [device_ newComputePipelineStateWithFunction:fn error:&err];
@@ -125,35 +148,49 @@ class Context {
         error = "no Metal device on this machine";
       } else {
         queue_ = [device_ newCommandQueue];
-        info_.name = utf8([device_ name]);
+        info_.name = "metal";
+        info_.device_name = utf8([device_ name]);
         const int fam = apple_family(device_);
-        info_.family = fam > 0 ? "apple" + std::to_string(fam) : std::string("none (not an Apple GPU)");
-        info_.supported = fam >= kMinAppleFamily;
-        if (queue_ == nil) error = "Metal device " + info_.name + ": newCommandQueue failed";
-        else error = load_library();
+        info_.gpu_family = fam > 0 ? "apple" + std::to_string(fam) : std::string("none (not an Apple GPU)");
+        supported_ = fam >= kMinAppleFamily;
+        info_.working_set_bytes = [device_ recommendedMaxWorkingSetSize];
+        info_.max_buffer_bytes = [device_ maxBufferLength];
+        info_.build_target = "macOS " + macos_version(__MAC_OS_X_VERSION_MIN_REQUIRED);
+        info_.build_sdk = "macOS SDK " + macos_version(__MAC_OS_X_VERSION_MAX_ALLOWED);
+        if (queue_ == nil) error = "Metal device " + info_.device_name + ": newCommandQueue failed";
+        else library_error_ = load_library();  // kept: info() and unsupported_reason() report it
       }
     }
     if (!error.empty()) throw std::runtime_error(error);
   }
 
   // Returns "" or the error. Prefers lily.metallib; falls back to compiling the shipped source
-  // when the metallib is missing or cannot be loaded (e.g. built for a newer macOS).
+  // when the metallib is missing or cannot be loaded (e.g. built for a newer macOS). The
+  // metallib's load error is kept in info_.metallib_error either way.
   std::string load_library() {
     const std::string dir = module_dir();
     const std::string lib = dir + "/lily.metallib";
     std::string lib_error;
     NSURL* url = [NSURL fileURLWithPath:[NSString stringWithUTF8String:lib.c_str()]];
     if ([[NSFileManager defaultManager] fileExistsAtPath:[url path]]) {
+      info_.metallib_built = true;
       NSError* err = nil;
       library_ = [device_ newLibraryWithURL:url error:&err];
       if (library_ != nil) {
-        info_.library = lib;
+        info_.library_path = lib;
+        info_.library_source = "metallib";
+#if defined(LILY_METALLIB_FLAGS)
+        info_.math_mode = "metallib compiled with: " LILY_METALLIB_FLAGS;
+#else
+        info_.math_mode = "metallib (compile flags not recorded)";
+#endif
         return "";
       }
-      lib_error = "cannot load " + lib + ": " + describe(err) + "; ";
+      info_.metallib_error = "cannot load " + lib + ": " + describe(err);
+      lib_error = info_.metallib_error + "; ";
     }
-    // Compile the amalgamated sources at run time: fast math off (precise exp/log/rsqrt, no
-    // reassociation), MSL 3.1 for bfloat (macOS 14).
+    // Compile the amalgamated sources at run time, math mode explicit (precise exp/log/rsqrt, no
+    // reassociation or contraction), MSL 3.1 for bfloat (macOS 14).
     const std::string src_path = dir + "/lily_shaders.metal";
     std::ifstream in(src_path);
     if (!in) return lib_error + "neither " + lib + " nor " + src_path + " is usable";
@@ -162,19 +199,42 @@ class Context {
     NSString* source = [NSString stringWithUTF8String:ss.str().c_str()];
     if (source == nil) return lib_error + src_path + " is not UTF-8";
     MTLCompileOptions* opts = [[MTLCompileOptions alloc] init];
-    opts.fastMathEnabled = NO;  // documented: NO sets mathMode = safe (macOS 15 renamed the property)
+    set_math_mode(opts);
     opts.languageVersion = MTLLanguageVersion3_1;
     NSError* err = nil;
     library_ = [device_ newLibraryWithSource:source options:opts error:&err];
     if (library_ == nil) return lib_error + "compiling " + src_path + ": " + describe(err);
-    info_.library = src_path;
+    info_.library_path = src_path;
+    info_.library_source = "source";
     return "";
+  }
+
+  // macOS 15+: mathMode = safe and precise math functions (the properties that replaced
+  // fastMathEnabled); before that fastMathEnabled = NO (documented to mean the same safe mode).
+  void set_math_mode(MTLCompileOptions* opts) {
+#if LILY_SDK_MACOS15
+    if (@available(macOS 15.0, *)) {
+      opts.mathMode = MTLMathModeSafe;
+      opts.mathFloatingPointFunctions = MTLMathFloatingPointFunctionsPrecise;
+      info_.math_mode = "mathMode=safe, mathFloatingPointFunctions=precise";
+      return;
+    }
+#pragma clang diagnostic push
+#pragma clang diagnostic ignored "-Wdeprecated-declarations"
+#endif
+    opts.fastMathEnabled = NO;
+#if LILY_SDK_MACOS15
+#pragma clang diagnostic pop
+#endif
+    info_.math_mode = "fastMathEnabled=NO";
   }
 
   id<MTLDevice> device_ = nil;
   id<MTLCommandQueue> queue_ = nil;
   id<MTLLibrary> library_ = nil;
-  Info info_;
+  gpu::DeviceInfo info_;
+  bool supported_ = false;
+  std::string library_error_;  // why no library loaded ("" when one did)
   std::mutex mu_;
   std::array<id<MTLComputePipelineState>, gpu::kNumKernels> pipelines_{};
 };
@@ -227,6 +287,9 @@ class MetalEncoder final : public gpu::Encoder {
     }
     if (!error.empty()) throw std::runtime_error(error);
   }
+  uint32_t thread_limit(gpu::KernelId kernel) const override {
+    return static_cast<uint32_t>([ctx_.pipeline(kernel) maxTotalThreadsPerThreadgroup]);
+  }
 
  protected:
   void encode_dispatch(const gpu::Dispatch& d) override {
@@ -277,8 +340,13 @@ class MetalEncoder final : public gpu::Encoder {
 class MetalDevice final : public gpu::Device {
  public:
   explicit MetalDevice(Context& ctx) : ctx_(ctx) {}
+  ~MetalDevice() override { release_residency(); }
   std::string_view name() const override { return "metal"; }
   std::unique_ptr<gpu::Buffer> new_buffer(size_t bytes) override {
+    const uint64_t max_len = ctx_.info().max_buffer_bytes;
+    if (max_len && bytes > max_len)
+      throw std::runtime_error("Metal: a buffer of " + std::to_string(bytes) + " bytes exceeds this device's maxBufferLength (" +
+                               std::to_string(max_len) + " bytes)");
     id<MTLBuffer> b = nil;
     @autoreleasepool {
       b = [ctx_.device() newBufferWithLength:(bytes ? bytes : 1) options:MTLResourceStorageModeShared];
@@ -288,8 +356,70 @@ class MetalDevice final : public gpu::Device {
   }
   std::unique_ptr<gpu::Encoder> new_encoder() override { return std::make_unique<MetalEncoder>(ctx_); }
 
+  gpu::DeviceInfo info() const override {
+    gpu::DeviceInfo i = ctx_.info();
+    i.residency_set = resident_;
+    return i;
+  }
+
+  gpu::PipelineInfo pipeline_info(gpu::KernelId kernel) override {
+    id<MTLComputePipelineState> pso = ctx_.pipeline(kernel);  // creates it (throws on failure)
+    gpu::PipelineInfo p;
+    p.max_threads = static_cast<uint32_t>([pso maxTotalThreadsPerThreadgroup]);
+    p.static_threadgroup_bytes = static_cast<int64_t>([pso staticThreadgroupMemoryLength]);
+    p.simd_width = static_cast<uint32_t>([pso threadExecutionWidth]);
+    return p;
+  }
+
+  // macOS 15+: one MTLResidencySet holding `buffers`, attached to the queue, so the GPU keeps them
+  // resident across command buffers. Compiled only against an SDK that declares residency sets.
+  void make_resident(const std::vector<gpu::Buffer*>& buffers) override {
+#if LILY_SDK_MACOS15
+    if (@available(macOS 15.0, *)) {
+      release_residency();
+      @autoreleasepool {
+        MTLResidencySetDescriptor* desc = [[MTLResidencySetDescriptor alloc] init];
+        desc.label = @"lily_py weights and state";
+        desc.initialCapacity = buffers.size();
+        NSError* err = nil;
+        id<MTLResidencySet> set = [ctx_.device() newResidencySetWithDescriptor:desc error:&err];
+        if (set == nil) return;  // an optimisation only: buffers stay usable without it
+        for (gpu::Buffer* b : buffers)
+          if (auto* mb = dynamic_cast<MetalBuffer*>(b)) [set addAllocation:mb->handle()];
+        [set commit];
+        [set requestResidency];
+        [ctx_.queue() addResidencySet:set];
+        residency_ = set;
+        resident_ = true;
+      }
+    }
+#else
+    (void)buffers;
+#endif
+  }
+
  private:
+  void release_residency() {
+#if LILY_SDK_MACOS15
+    if (@available(macOS 15.0, *)) {
+      if (residency_ != nil) {
+        @autoreleasepool {
+          id<MTLResidencySet> set = residency_;
+          [ctx_.queue() removeResidencySet:set];
+          [set endResidency];
+        }
+        residency_ = nil;
+        resident_ = false;
+      }
+    }
+#endif
+  }
+
   Context& ctx_;
+  bool resident_ = false;
+#if LILY_SDK_MACOS15
+  id residency_ = nil;  // id<MTLResidencySet> (a plain id: the protocol is macOS 15+)
+#endif
 };
 
 }  // namespace
@@ -301,7 +431,15 @@ bool available() {
   }
 }
 
-Info info() { return Context::get().info(); }
+std::string unavailable_reason() {
+  try {
+    return Context::get().unsupported_reason();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+}
+
+gpu::DeviceInfo info() { return Context::get().info(); }
 
 std::unique_ptr<gpu::Device> create_device() {
   Context& ctx = Context::get();
@@ -312,8 +450,28 @@ std::unique_ptr<gpu::Device> create_device() {
 std::vector<std::string> library_functions() {
   Context& ctx = Context::get();
   std::vector<std::string> out;
+  if (ctx.library() == nil) return out;
   @autoreleasepool {
     for (NSString* n in [ctx.library() functionNames]) out.push_back(utf8(n));
+  }
+  return out;
+}
+
+std::vector<PipelineReport> pipeline_report() {
+  Context& ctx = Context::get();
+  std::vector<PipelineReport> out;
+  for (const gpu::KernelInfo& k : gpu::kKernelTable) {
+    PipelineReport r;
+    r.kernel = std::string(k.name);
+    try {
+      id<MTLComputePipelineState> pso = ctx.pipeline(k.id);
+      r.info.max_threads = static_cast<uint32_t>([pso maxTotalThreadsPerThreadgroup]);
+      r.info.static_threadgroup_bytes = static_cast<int64_t>([pso staticThreadgroupMemoryLength]);
+      r.info.simd_width = static_cast<uint32_t>([pso threadExecutionWidth]);
+    } catch (const std::exception& e) {
+      r.error = e.what();
+    }
+    out.push_back(std::move(r));
   }
   return out;
 }

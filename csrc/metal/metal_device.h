@@ -2,9 +2,13 @@
 // lives in device.mm, nothing else in the project sees a Metal type.
 //
 // Library: lily.metallib next to the extension module (built from shaders/ by CMake with
-// `xcrun metal -fno-fast-math`); where it is missing (no Metal toolchain at build time) or fails
-// to load, the shipped amalgamated source lily_shaders.metal is compiled at run time (fast math
-// off).
+// `xcrun metal -fno-fast-math -mmacosx-version-min=<deployment target>`); where it is missing (no
+// Metal toolchain at build time) or fails to load, the shipped amalgamated source
+// lily_shaders.metal is compiled at run time (math mode safe / precise functions on macOS 15+,
+// fastMathEnabled = NO before). A metallib's load error is kept (info().metallib_error).
+// Limits: info() reports recommendedMaxWorkingSetSize and maxBufferLength; new_buffer refuses a
+// buffer over maxBufferLength; pipeline_info() creates a pipeline and reports its limits.
+// Residency: make_resident() puts buffers in an MTLResidencySet on the queue (macOS 15+ SDK and OS).
 // Pipelines are cached per kernel id. The MTLDevice comes from MTLCreateSystemDefaultDevice (needs
 // CoreGraphics linked), MTLCopyAllDevices as fallback. Buffers use shared storage (CPU and GPU
 // see the same memory, no copies). Every encoder is one command buffer with one compute encoder.
@@ -17,17 +21,20 @@
 
 namespace lily::metal {
 
-struct Info {
-  std::string name;        // MTLDevice name, e.g. "Apple M3 Max"
-  std::string family;      // highest supported "apple7" (M1) / "apple8" (M2) / "apple9" (M3, M4) ...
-  std::string library;     // path of the metallib or of the source compiled at run time
-  bool supported = false;  // family >= apple7: the kernels can run (not e.g. a VM's paravirtual GPU)
-};
-
 bool available();                              // a Metal device that can run the kernels (apple7+) exists
-Info info();                                   // any Metal device; throws std::runtime_error when none
+std::string unavailable_reason();              // "" when create_device() works: apple7+ GPU, library loaded
+gpu::DeviceInfo info();                        // any Metal device; throws std::runtime_error when none
 std::unique_ptr<gpu::Device> create_device();  // shares one MTLDevice / queue / library / cache;
-                                               // throws std::runtime_error unless available()
+                                               // throws std::runtime_error unless unavailable_reason() is ""
 std::vector<std::string> library_functions();  // function names in the loaded library (any device)
+
+// Every kernel's pipeline on any Metal device (also one that cannot run the kernels, e.g. a VM's
+// paravirtual GPU): its limits, or the error creating it. For CI logs and doctor.
+struct PipelineReport {
+  std::string kernel;
+  gpu::PipelineInfo info;
+  std::string error;  // "" when the pipeline was created
+};
+std::vector<PipelineReport> pipeline_report();
 
 }  // namespace lily::metal

@@ -48,3 +48,36 @@ struct GatedDeltaArgs {
 };
 
 }  // namespace lily
+
+namespace lily {
+
+// ---- chunked (WY) prefill of the gated delta rule (shaders/gated_delta_chunk.metal) ----------
+enum : uint32_t {
+  kGdChunk = 64,              // tokens per chunk
+  kGdChunkMinTokens = 64,     // route: T >= this (and Dk, Dv multiples of 8) -> chunked, else the scan
+  kGdChunkWyThreads = 256,    // gd_chunk_wy: 8 simdgroups per (chunk, value head)
+  kGdChunkStateCols = 8,      // gd_chunk_state: value columns per threadgroup (one simdgroup)
+  kGdChunkMaxTiles = 16,      // Dk / 8 and Dv / 8 at most (head dims <= 128)
+};
+
+// Scratch (float32, sections of one buffer, rows padded to Tp = ceil(T / 64) * 64 with zeros;
+// offsets in elements from gd_chunk_offsets on the host):
+//   qn [Hk, Tp, Dk]  l2-normalised q * Dk^-1/2          kn [Hk, Tp, Dk]  l2-normalised k
+//   vo [Hv, Tp, Dv]  v (prep) then the raw outputs o (state pass)
+//   g  [Hv, Tp]      log decay (prep) then its within-chunk cumulative sum G (wy)
+//   beta [Hv, Tp]
+//   wn [Hv, Tp, Dk]  -W = -T diag(beta e^G) K per chunk      u [Hv, Tp, Dv]  T diag(beta) V
+//   p  [Hv, Tp, 64]  (Q K^T) o exp(G_i - G_j), lower triangle (j <= i) of each chunk
+struct GdChunkArgs {
+  uint32_t T;           // tokens
+  uint32_t Tp;          // T rounded up to a multiple of kGdChunk
+  uint32_t Hk, Hv, Dk, Dv;
+  uint32_t qkv_stride;  // prep: elements between token rows of qkv
+  uint32_t ab_stride;   // prep: elements between token rows of a and b
+  uint32_t z_stride;    // norm: elements between token rows of z
+  float q_scale;        // Dk^-1/2 rounded to float32 (as GatedDeltaArgs)
+  float eps;            // gated RMSNorm epsilon
+  uint32_t pad;
+};
+
+}  // namespace lily

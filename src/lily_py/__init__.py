@@ -5,11 +5,14 @@
     for chunk in model.generate([{"role": "user", "content": "Hello"}], max_tokens=64):
         print(chunk.text, end="", flush=True)
 """
+from ._devices import DeviceStatus, auto_backend, device_info, devices, pipeline_limits
 from .config import ModelConfig
 from .errors import (BackendError, BusyError, CheckpointError, ConfigError, ContextLengthError,
-                     LilyError)
+                     DeviceMemoryError, LilyError)
 from .generation import GenerationChunk, GenerationStats
-from .model import GenerationResult, Model, load
+from .model import DEFAULT_CONTEXT, DEFAULT_MAX_TOKENS, GenerationResult, Model, load
+from .parsing import ToolCall, ToolCallError
+from .prompt_cache import DEFAULT_PROMPT_CACHE_BYTES, PromptCache
 from .resources import demo_path
 from .chat_template import ChatTemplateError
 from .sampling import SamplingParams
@@ -21,6 +24,9 @@ __all__ = [
     "load", "Model", "ModelConfig", "GenerationChunk", "GenerationStats", "GenerationResult",
     "SamplingParams", "demo_path", "LilyError", "ConfigError", "CheckpointError",
     "ContextLengthError", "BackendError", "BusyError", "ChatTemplateError", "doctor", "__version__",
+    "DeviceMemoryError", "DeviceStatus", "devices", "device_info", "pipeline_limits", "auto_backend",
+    "ToolCall", "ToolCallError", "PromptCache", "DEFAULT_CONTEXT", "DEFAULT_MAX_TOKENS",
+    "DEFAULT_PROMPT_CACHE_BYTES",
 ]
 
 

@@ -1,4 +1,4 @@
-"""Command line: ``lily-py generate``, ``lily-py chat``, ``lily-py info``, ``lily-py doctor``, ``lily-py bench``.
+"""Command line: ``lily-py generate``, ``chat``, ``info``, ``serve``, ``doctor``, ``bench``.
 
 Without ``--model`` every command uses the small demo checkpoint shipped with lily_py, so
 ``lily-py generate --prompt "..."`` works on a fresh machine with no download.
@@ -169,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     i.add_argument("--model", "-m", default=None)
     i.set_defaults(func=cmd_info)
 
+    from .serve.cli import add_parser as add_serve_parser
+    add_serve_parser(sub, _add_model_args)
     _add_tool_commands(sub)
 
     a = ap.parse_args(argv)

@@ -24,3 +24,8 @@ class BackendError(LilyError, RuntimeError):
 
 class BusyError(LilyError, RuntimeError):
     """The model is already generating; one model runs one generation at a time."""
+
+
+class DeviceMemoryError(LilyError, MemoryError):
+    """The model (weights, KV cache, state, scratch) does not fit the device's memory: the message
+    says how much it needs, how much the device has, and which context_length would fit."""

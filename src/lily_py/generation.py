@@ -1,19 +1,22 @@
 """Streaming generation objects: what ``Model.generate`` yields, and stop-string matching."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from .parsing import ToolCall, ToolCallError
 
 
 @dataclass
 class GenerationStats:
     """Timing and token counts of one ``generate`` call (on the last chunk)."""
     prompt_tokens: int          # tokens in the rendered prompt
-    reused_tokens: int          # of those, already in the model's state (not prefilled again)
+    reused_tokens: int          # of those, not prefilled again (live state or prompt cache)
     prefilled_tokens: int       # prompt tokens actually run through prefill
     generated_tokens: int       # tokens sampled (including a final stop/EOS token)
     prefill_seconds: float
     decode_seconds: float
     backend: str
+    cached_tokens: int = 0      # of reused_tokens, restored from a prompt-cache snapshot
 
     @property
     def prefill_tokens_per_second(self) -> float:
@@ -26,7 +29,8 @@ class GenerationStats:
         return n / self.decode_seconds if self.decode_seconds > 0 else 0.0
 
     def __str__(self) -> str:
-        return (f"prompt {self.prompt_tokens} tokens ({self.reused_tokens} reused, "
+        cached = f", {self.cached_tokens} from the prompt cache" if self.cached_tokens else ""
+        return (f"prompt {self.prompt_tokens} tokens ({self.reused_tokens} reused{cached}, "
                 f"{self.prefilled_tokens} prefilled at {self.prefill_tokens_per_second:.1f} tok/s), "
                 f"generated {self.generated_tokens} tokens at "
                 f"{self.decode_tokens_per_second:.1f} tok/s [{self.backend}]")
@@ -36,15 +40,24 @@ class GenerationStats:
 class GenerationChunk:
     """One streamed piece of a generation.
 
-    ``text`` is the new text (may be empty while a multi-byte character or a possible stop
-    string is pending), ``token`` the token id sampled at this step (None on a final flush),
-    ``finish_reason`` is None until the last chunk, then "stop" (EOS token or stop string) or
-    "length" (max_tokens reached); the last chunk also carries ``stats``.
+    ``text`` is the new answer text (may be empty while a multi-byte character, a possible stop
+    string or a possible tag is pending), ``reasoning`` the new reasoning text (inside
+    ``<think>...</think>``; only when the output is parsed, as for chat prompts), ``tool_calls``
+    the tool calls completed at this chunk and ``tool_call_errors`` the malformed ones.
+    ``token`` is the token id sampled at this step (None when nothing was sampled).
+    ``finish_reason`` is None until the last chunk, then "stop" (EOS token or stop string),
+    "tool_calls" (stopped after calling tools), "length" (max_tokens reached),
+    "context_length" (the context is full) or "cancelled" (``Model.cancel()``); the last chunk
+    also carries ``stats``. ``raw`` is this step's text before parsing.
     """
     text: str
     token: int | None
     finish_reason: str | None = None
     stats: GenerationStats | None = None
+    reasoning: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    tool_call_errors: list[ToolCallError] = field(default_factory=list)
+    raw: str = ""
 
 
 class StopMatcher:

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
+import numbers
 import os
 import secrets
 import threading
 import time
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -21,27 +24,42 @@ from .checkpoint import ModelWeights, load_weights
 from .config import ModelConfig
 from .errors import BusyError, ContextLengthError
 from .generation import GenerationChunk, GenerationStats, StopMatcher
+from .parsing import OutputParser, ToolCall, ToolCallError, prompt_opens_reasoning
+from .prompt_cache import DEFAULT_PROMPT_CACHE_BYTES, PromptCache
 from .progress import ProgressCallback  # noqa: F401  (annotations)
 from .sampling import SamplingParams, sample
-from .backends import BACKENDS, auto_backend, make_backend  # noqa: F401  (BACKENDS: public name)
+from .backends import BACKENDS, auto_backend, built_with_metal, make_backend, resolve_auto  # noqa: F401  (BACKENDS, auto_backend: public names)
 
 log = logging.getLogger("lily_py")
 
 DEFAULT_PREFILL_CHUNK = 4096
-DEFAULT_ENGINE_CONTEXT = 32768
+DEFAULT_CONTEXT = 32768        # default context_length on every backend (capped by the model's)
+DEFAULT_ENGINE_CONTEXT = DEFAULT_CONTEXT      # old name
+DEFAULT_MAX_TOKENS = 256       # generate()'s and the CLI's --max-tokens default
+# A system prompt / tool list at least this long gets its own prompt-cache snapshot.
+SYSTEM_SNAPSHOT_MIN_TOKENS = 128
+_ROLES = ("system", "user", "assistant", "tool")
+
+
+class _Cancelled(Exception):
+    """model.cancel() was called while generate() was prefilling."""
 
 
 def load(path_or_repo_id: str | os.PathLike | None = None, *, backend: str = "auto",
          context_length: int | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-         revision: str | None = None, verbose: bool | None = None) -> "Model":
+         revision: str | None = None, verbose: bool | None = None,
+         prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES) -> "Model":
     """Load a qwen3_5_moe checkpoint.
 
     ``path_or_repo_id``: a local folder, a Hugging Face repo id (``org/name``, downloaded through
     huggingface_hub, text weights only), or None for the small demo model shipped with lily_py.
-    ``context_length``: maximum tokens in the conversation state (default: the config's
-    ``max_position_embeddings``). ``prefill_chunk``: long prompts are prefilled in chunks of
-    this many tokens. ``verbose``: show progress (bytes and shards) on stderr while engine
-    backends read and upload the weights; None (default) = only when stderr is a terminal.
+    ``context_length``: maximum tokens in the conversation state, on every backend (default
+    32768, or the config's ``max_position_embeddings`` when that is smaller; engine backends
+    allocate the KV cache for all of it up front). ``prefill_chunk``: long prompts are
+    prefilled in chunks of this many tokens. ``prompt_cache_bytes``: budget of the prompt cache
+    (state snapshots reused across ``generate`` calls, default 1 GiB; 0 turns it off).
+    ``verbose``: show progress (bytes and shards) on stderr while engine backends read and upload
+    the weights; None (default) = only when stderr is a terminal.
     """
     from . import hub
     from .resources import demo_path
@@ -55,16 +73,23 @@ def load(path_or_repo_id: str | os.PathLike | None = None, *, backend: str = "au
     if tok is None:
         log.warning("lily_py: %s has no tokenizer.json; only token-id prompts work", folder)
     return Model(folder, cfg, weights, tok, backend=backend, context_length=context_length,
-                 prefill_chunk=prefill_chunk, verbose=verbose)
+                 prefill_chunk=prefill_chunk, prompt_cache_bytes=prompt_cache_bytes, verbose=verbose)
 
 
 @dataclass
 class GenerationResult:
-    """What ``Model.generate_text`` returns."""
+    """What ``Model.generate_text`` returns: the answer ``text`` (without reasoning and tool
+    calls when the output is parsed), the sampled ``tokens``, ``finish_reason``, ``stats``, the
+    ``reasoning``, the parsed ``tool_calls`` and malformed ones (``tool_call_errors``), and
+    ``raw_text``, the model's whole text before parsing (stop strings removed)."""
     text: str
     tokens: list[int]
     finish_reason: str
     stats: GenerationStats
+    reasoning: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    tool_call_errors: list[ToolCallError] = field(default_factory=list)
+    raw_text: str = ""
 
 
 class Model:
@@ -73,15 +98,19 @@ class Model:
 
     def __init__(self, path: str, config: ModelConfig, weights: ModelWeights, tokenizer, *,
                  backend: str = "auto", context_length: int | None = None,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, verbose: bool | None = None):
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+                 prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES, verbose: bool | None = None):
         if backend == "auto":
-            backend = auto_backend()
+            backend, why = resolve_auto()
             log.info("lily_py: backend 'auto' selected %r", backend)
+            if why is not None and built_with_metal():
+                # A Mac build whose GPU path is unusable: say so once, then run on the reference.
+                warnings.warn(f"lily_py: backend='auto' runs on 'reference' (slow): the Metal device "
+                              f"is not usable: {why}", RuntimeWarning, stacklevel=3)
         if context_length is None:
-            # Engine backends allocate the KV cache for the whole context up front (5.4 GB of
-            # bf16 at the real model's 262,144): default to 32K there; pass more when needed.
-            context_length = config.max_position_embeddings if backend == "reference" else \
-                min(config.max_position_embeddings, DEFAULT_ENGINE_CONTEXT)
+            # One default for every backend. Engine backends allocate the KV cache for the whole
+            # context up front (5.4 GB of bf16 at the real model's 262,144): pass more when needed.
+            context_length = min(config.max_position_embeddings, DEFAULT_CONTEXT)
         if not isinstance(context_length, int) or not 1 <= context_length <= \
                 config.max_position_embeddings:
             raise ValueError(f"context_length must be an integer in [1, "
@@ -96,13 +125,15 @@ class Model:
         self.tokenizer = tokenizer
         self.context_length = context_length
         self.prefill_chunk = prefill_chunk
+        self.prompt_cache = PromptCache(prompt_cache_bytes)
         self._backend = make_backend(backend, config, weights, context_length=context_length,
                                       prefill_chunk=prefill_chunk, verbose=verbose)
         self._history: list[int] = []
         self._last_logits: np.ndarray | None = None
-        # (prompt ids, backend state, logits) saved right after the last generate() prefill, so
-        # the next turn can roll back to it when the reply re-tokenizes differently.
-        self._snapshot: tuple[list[int], object, np.ndarray] | None = None
+        # Engine backends: the last step's logits are still on the device (fetched on demand by
+        # _current_logits(); generation never copies them per token).
+        self._logits_on_device = False
+        self._cancel = threading.Event()
         self._lock = threading.Lock()
         self._step_lock = threading.Lock()   # one explicit prefill/decode/reset at a time
         self._generating = False
@@ -171,80 +202,180 @@ class Model:
             self._step_lock.release()
 
     # ---- generation ---------------------------------------------------------------------------
-    def generate(self, prompt, *, max_tokens: int = 256, temperature: float = 0.0,
+    def generate(self, prompt, *, max_tokens: int = DEFAULT_MAX_TOKENS, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int | None = None,
                  stop: Sequence[str] | str | None = None, enable_thinking: bool | None = None,
-                 tools: list | None = None, prefill_progress: "ProgressCallback | None" = None
-                 ) -> Iterator[GenerationChunk]:
+                 tools: list | None = None, chat_template_kwargs: dict | None = None,
+                 parse_output: bool | None = None,
+                 prefill_progress: "ProgressCallback | None" = None) -> Iterator[GenerationChunk]:
         """Stream a completion as ``GenerationChunk`` objects.
 
         ``prompt``: a string (fed as raw text), a list of chat messages
         (``[{"role": "user", "content": "..."}]``, rendered with the checkpoint's chat template
-        and a generation prompt; ``enable_thinking`` and ``tools`` go to the template), or a list
-        of token ids. If the prompt extends the tokens already in the state, only the new ones
-        are prefilled. Generation ends at an EOS token, a ``stop`` string (not included in the
-        text) or ``max_tokens``. Closing the generator early leaves the model usable.
+        and a generation prompt; ``enable_thinking``, ``tools`` and every key of
+        ``chat_template_kwargs`` go to the template unchanged), or a list of token ids.
+
+        The output of a chat prompt is parsed (``parse_output=None``; True/False forces it):
+        ``chunk.reasoning`` carries the text inside ``<think>...</think>``, ``chunk.text`` the
+        answer, and ``chunk.tool_calls`` the tool calls (``ToolCall``, arguments as JSON typed
+        by the ``tools`` schemas) on the chunk that completes them; malformed calls arrive as
+        ``chunk.tool_call_errors``. Unparsed, everything is in ``chunk.text``.
+
+        The longest prefix of the prompt already in the state or in the prompt cache is not
+        prefilled again (``chunk.stats.reused_tokens``, ``cached_tokens``). Generation ends at an
+        EOS token or a ``stop`` string (not included in the text; finish_reason "stop", or
+        "tool_calls" after a tool call), ``max_tokens`` ("length"), a full context
+        ("context_length") or ``cancel()`` ("cancelled"). Closing the generator early leaves the
+        model usable.
         ``prefill_progress(done_tokens, total_tokens)``: called after each chunk of the prompt's
-        prefill (tokens reused from the state are not counted), as ``Model.prefill``'s ``progress``.
+        prefill (tokens reused from the state or the prompt cache are not counted), as
+        ``Model.prefill``'s ``progress``.
         """
-        params = SamplingParams(float(temperature), top_k, float(top_p), float(min_p), seed)
-        if not isinstance(max_tokens, int) or max_tokens < 1:
+        params = SamplingParams(_real("temperature", temperature), top_k, _real("top_p", top_p),
+                                _real("min_p", min_p), seed)
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        if not all(isinstance(s, str) for s in stops):
+        if isinstance(stop, str):
+            stops = [stop]
+        elif stop is None:
+            stops = []
+        elif isinstance(stop, (list, tuple)) and all(isinstance(s, str) for s in stop):
+            stops = list(stop)
+        else:
             raise TypeError(f"stop must be a string or a list of strings, got {stop!r}")
-        ids, boundary = self._prompt_ids(prompt, enable_thinking=enable_thinking, tools=tools)
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            raise TypeError("chat_template_kwargs must be a dict of template variables, got "
+                            f"{type(chat_template_kwargs).__name__}")
+        ids, points, text = self._prompt(prompt, enable_thinking=enable_thinking, tools=tools,
+                                         chat_template_kwargs=chat_template_kwargs)
+        chat = text is not None and not isinstance(prompt, str)
+        parser = None
+        if parse_output or (parse_output is None and chat):
+            if text is None:
+                text = self._require_tokenizer().decode(ids[-16:])
+            parser = OutputParser(reasoning=prompt_opens_reasoning(text), tools=tools)
         with self._lock:
             if self._generating:
                 raise BusyError("this model is already generating; finish or close the other "
                                 "generator first (g.close(), or `with model.generate(...) as g:`); "
                                 "one model runs one generation at a time")
             self._generating = True
+            self._cancel.clear()
         try:
-            gen = self._generate(ids, boundary, params, max_tokens, stops, prefill_progress)
+            gen = self._generate(ids, points, params, max_tokens, stops, parser, prefill_progress)
         except BaseException:
             self._generating = False
             raise
         return _Guarded(gen, self)
 
+    def cancel(self) -> None:
+        """Stop the running generation from any thread: it ends at the next token (or between
+        prefill chunks) with a last chunk whose finish_reason is "cancelled". No effect when
+        nothing is generating."""
+        with self._lock:
+            if self._generating:
+                self._cancel.set()
+
+    def prompt_ids(self, prompt, *, enable_thinking: bool | None = None, tools: list | None = None,
+                   chat_template_kwargs: dict | None = None) -> list[int]:
+        """The token ids ``generate`` feeds for ``prompt`` (rendered with the chat template for a
+        list of messages). Raises like ``generate`` (ContextLengthError, ChatTemplateError...)."""
+        return self._prompt(prompt, enable_thinking=enable_thinking, tools=tools,
+                            chat_template_kwargs=chat_template_kwargs)[0]
+
     def generate_text(self, prompt, **kwargs) -> GenerationResult:
-        """Non-streaming ``generate``: the whole text, sampled tokens, finish reason, stats."""
-        parts, tokens, last = [], [], None
+        """Non-streaming ``generate``: the answer text, sampled tokens, finish reason, stats,
+        reasoning, tool calls (see ``GenerationResult``)."""
+        parts, reasoning, raw, tokens, calls, errors, last = [], [], [], [], [], [], None
         for chunk in self.generate(prompt, **kwargs):
             parts.append(chunk.text)
+            reasoning.append(chunk.reasoning)
+            raw.append(chunk.raw)
+            calls += chunk.tool_calls
+            errors += chunk.tool_call_errors
             if chunk.token is not None:
                 tokens.append(chunk.token)
             last = chunk
-        return GenerationResult("".join(parts), tokens, last.finish_reason, last.stats)
+        return GenerationResult("".join(parts), tokens, last.finish_reason, last.stats,
+                                "".join(reasoning), calls, errors, "".join(raw))
 
-    def _generate(self, ids: list[int], boundary: int, params: SamplingParams, max_tokens: int,
-                  stops: list[str], progress=None) -> Iterator[GenerationChunk]:
+    def _generate(self, ids: list[int], points: list[int], params: SamplingParams,
+                  max_tokens: int, stops: list[str], parser: OutputParser | None,
+                  progress=None) -> Iterator[GenerationChunk]:
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         t0 = time.perf_counter()
+        cache = self.prompt_cache if self.prompt_cache.max_bytes > 0 else None
         reuse = self._reusable_prefix(ids)
-        snap = self._snapshot
-        if reuse == 0 and snap is not None and ids[:len(snap[0])] == snap[0]:
-            # The prompt extends an earlier conversation but not the tokens generated after it
-            # (the next chat turn renders or tokenizes the reply differently): roll back.
-            self._restore_snapshot()
-            reuse = len(self._history)
-        elif reuse == 0 and self._history:
-            self._reset()
-        # Keep a snapshot at the end of the conversation proper (before the generation prompt
-        # of a chat; the whole prompt otherwise): the next turn starts with exactly these tokens.
+        entry = cache.lookup(ids, count=False) if cache is not None else None
+        cached = 0
+        if entry is not None and len(entry.tokens) > reuse:
+            # A snapshot covers more of the prompt than the live state: restore it. (Hybrid
+            # state cannot be rolled back, so this is how an earlier conversation, a shared
+            # system prompt, or the previous turn before its reply is picked up again.)
+            self._backend.restore(entry.state)
+            self._history = list(entry.tokens)
+            self._last_logits, self._logits_on_device = entry.logits, False
+            reuse = cached = len(entry.tokens)
+            cache.hits += 1
+        else:
+            if cache is not None:
+                cache.misses += 1
+            if reuse == 0 and self._history:
+                self._reset()
+        # The embedding/lm_head may have more rows than the tokenizer has ids (padding): those
+        # ids can never be sampled.
+        n_ids = self.tokenizer.vocab_size if self.tokenizer is not None else self.config.vocab_size
+        on_device = getattr(self._backend, "samples_on_device", False)
+
+        def sample_args(step: int) -> dict:
+            return dict(temperature=params.temperature,
+                        top_k=min(int(params.top_k), self.config.vocab_size), top_p=params.top_p,
+                        min_p=params.min_p, seed=int(seed) & 0xFFFFFFFFFFFFFFFF, step=step,
+                        valid_vocab=min(n_ids, self.config.vocab_size))
+
+        # Engine backends sample the first token on the device, in the command buffer of the
+        # prompt's last prefill step (its logits stay on the device).
+        first = sample_args(0) if on_device else None
+        first_tok = None
+        # prefill_progress: one count over every prefill call below (tokens reused from the
+        # state or the prompt cache are not counted).
         start, total = len(self._history), len(ids) - len(self._history)
-        if progress is not None:   # one count over both prefill calls below
+        if progress is not None:
             user_cb = progress
             progress = lambda done, _n: user_cb(len(self._history) - start, total)  # noqa: E731
-        if len(self._history) < boundary:
-            self._prefill(ids[len(self._history):boundary], all_logits=False, progress=progress)
-        if len(self._history) == boundary and not (snap is not None and snap[0] == ids[:boundary]
-                                                   and self._snapshot is snap):
-            self._snapshot = (list(self._history), self._backend.snapshot(), self._last_logits)
-        if len(self._history) == len(ids):
-            logits = self._last_logits
-        else:
-            logits = self._prefill(ids[len(self._history):], all_logits=False, progress=progress)
+        try:
+            # Prefill up to each snapshot point in turn and snapshot there (the end of a long
+            # system prompt / tool list, the end of the conversation before the generation
+            # prompt), then the rest.
+            for p in points:
+                if len(self._history) < p:
+                    whole = p == len(ids)
+                    self._prefill(ids[len(self._history):p], all_logits=False, cancellable=True,
+                                  sample=first if whole else None, progress=progress)
+                    if whole and first is not None:
+                        first_tok = self._backend.last_token
+                if cache is not None and len(self._history) == p and tuple(ids[:p]) not in cache:
+                    snap = self._backend.snapshot()
+                    cache.insert(ids[:p], snap, self._current_logits(),
+                                 self._backend.snapshot_nbytes(snap))
+            if first_tok is not None:
+                logits = None
+            elif len(self._history) == len(ids):
+                logits = self._current_logits()
+            elif first is not None:
+                self._prefill(ids[len(self._history):], all_logits=False, cancellable=True,
+                              sample=first, progress=progress)
+                logits, first_tok = None, self._backend.last_token
+            else:
+                logits = self._prefill(ids[len(self._history):], all_logits=False,
+                                       cancellable=True, progress=progress)
+            if self._cancel.is_set():
+                raise _Cancelled
+        except _Cancelled:
+            yield GenerationChunk("", None, "cancelled", GenerationStats(
+                len(ids), reuse, len(ids) - reuse, 0, time.perf_counter() - t0, 0.0,
+                self.backend, cached))
+            return
         t_prefill = time.perf_counter() - t0
         eos = self._eos_ids()
         detok = self.tokenizer.detokenizer() if self.tokenizer is not None else None
@@ -253,34 +384,42 @@ class Model:
 
         def stats(n: int) -> GenerationStats:
             return GenerationStats(len(ids), reuse, len(ids) - reuse, n, t_prefill,
-                                   time.perf_counter() - t1, self.backend)
+                                   time.perf_counter() - t1, self.backend, cached)
 
-        # The embedding/lm_head may have more rows than the tokenizer has ids (padding): those
-        # ids can never be sampled.
-        n_ids = self.tokenizer.vocab_size if self.tokenizer is not None else self.config.vocab_size
+        def chunk(text: str, tok: int | None, finish: str | None = None,
+                  n: int | None = None) -> GenerationChunk:
+            """The chunk for the raw ``text``: split by the parser; on the last chunk
+            (``finish``), the parser is flushed and the finish reason becomes "tool_calls" when
+            an EOS / stop string ended a generation that called tools."""
+            if parser is None:
+                return GenerationChunk(text, tok, finish, None if finish is None else stats(n),
+                                       raw=text)
+            d = parser.push(text)
+            if finish is not None:
+                d += parser.finish()
+                if finish == "stop" and parser.n_tool_calls:
+                    finish = "tool_calls"
+            return GenerationChunk(d.text, tok, finish, None if finish is None else stats(n),
+                                   d.reasoning, d.tool_calls, d.errors, raw=text)
+
         # Engine backends sample decode steps on the device, inside the step's command buffer
         # (bit-identical to lily_py.sampling.sample), and keep two steps in flight: the step that
         # feeds token n (read from the device slot) is committed before the host waits for the
-        # step that samples token n. The first token comes from the prompt's logits on the host.
-        # A token after which generation stops (EOS, stop string) has then already been fed: it
-        # is in `tokens`, unlike with the reference backend.
-        on_device = getattr(self._backend, "samples_on_device", False)
+        # step that samples token n. The first token is sampled on the device too, in the prompt's
+        # last prefill step (on the host only when the prompt added no token to the state).
+        # Per token the host copies no logits and builds no array.
+        # A token after which generation stops (EOS, stop string) has then usually already been
+        # fed; feed_last() feeds it where it was not, so every backend ends with it in `tokens`.
         in_flight = 0          # engine steps submitted and not completed (each feeds `tok`)
         tok = None
-
-        def sample_args(step: int) -> dict:
-            return dict(temperature=params.temperature,
-                        top_k=min(int(params.top_k), self.config.vocab_size), top_p=params.top_p,
-                        min_p=params.min_p, seed=int(seed) & 0xFFFFFFFFFFFFFFFF, step=step,
-                        valid_vocab=min(n_ids, self.config.vocab_size))
+        sampling = self._backend.sampling(sample_args(0)) if on_device else None
 
         def complete(fed: int) -> int | None:
             nonlocal in_flight
             in_flight -= 1
             self._history.append(fed)
-            out, token = self._backend.complete()
-            self._last_logits = out.copy()
-            return token
+            self._last_logits, self._logits_on_device = None, True
+            return self._backend.complete_token()
 
         def drain() -> None:
             # The engine's own count: a KeyboardInterrupt can land between a submit() and our
@@ -292,48 +431,67 @@ class Model:
                 fed = complete(fed)
             in_flight = 0
 
+        base = len(self._history)
+
+        def feed_last(n: int) -> None:
+            # Generation stopped at token n (EOS / stop string): make it part of the state on
+            # every backend (the engine's pipelined step usually fed it already).
+            if len(self._history) == base + n and self.position < self.context_length:
+                self._feed([tok], all_logits=False)
+
         try:
             for n in range(max_tokens):
-                if n == 0 or not on_device:
+                if n == 0 and first_tok is not None:
+                    tok = first_tok
+                elif n == 0 or not on_device:
                     if n_ids < logits.shape[-1]:
                         logits = logits.copy()
                         logits[n_ids:] = -np.inf
                     tok = sample(logits, params, n, seed)
                 else:
                     if n < max_tokens - 1 and self.position + in_flight + 1 <= self.context_length:
-                        self._backend.submit(None, sample_args(n + 1))   # feeds token n
+                        self._backend.submit_next(sampling, n + 1)   # feeds token n
                         in_flight += 1
                     tok = complete(tok)
                 if tok in eos:
                     drain()
+                    feed_last(n)
                     rest = (detok.finalize() if detok else "")
                     text, _ = matcher.push(rest)
-                    yield GenerationChunk(text + matcher.flush(), tok, "stop", stats(n + 1))
+                    yield chunk(text + matcher.flush(), tok, "stop", n + 1)
                     return
                 piece = detok.add(tok) if detok else ""
                 text, stopped = matcher.push(piece)
                 if stopped:
                     drain()
-                    yield GenerationChunk(text, tok, "stop", stats(n + 1))
+                    feed_last(n)
+                    yield chunk(text, tok, "stop", n + 1)
                     return
-                if n == max_tokens - 1 or self.position >= self.context_length:
+                cancelled = self._cancel.is_set()
+                if n == max_tokens - 1 or self.position >= self.context_length or cancelled:
                     drain()
                     rest = detok.finalize() if detok else ""
                     more, stopped = matcher.push(rest)
                     text += more
                     if not stopped:
                         text += matcher.flush()
-                    yield GenerationChunk(text, tok, "stop" if stopped else "length", stats(n + 1))
+                    why = "stop" if stopped else "cancelled" if cancelled else \
+                        "length" if n == max_tokens - 1 else "context_length"
+                    yield chunk(text, tok, why, n + 1)
                     return
-                yield GenerationChunk(text, tok)
+                yield chunk(text, tok)
                 if on_device and n == 0:
                     self._check_room(1)
-                    self._backend.submit(tok, sample_args(1))   # feeds token 0 from the host
+                    if first_tok is not None:
+                        self._backend.submit_next(sampling, 1)      # feeds token 0 from the slot
+                    else:
+                        self._backend.submit(tok, sample_args(1))   # feeds token 0 from the host
                     in_flight += 1
                 elif not on_device:
                     logits = self._feed([tok], all_logits=False)
         finally:
             drain()     # closed mid-stream or failed: finish the steps in flight
+            self._cancel.clear()
             if not getattr(self._backend, "valid", True):
                 self._reset()       # a device error mid-generation: start clean next time
 
@@ -347,13 +505,14 @@ class Model:
         self._backend.reset()
         self._history.clear()
         self._last_logits = None
-        self._snapshot = None
+        self._logits_on_device = False
 
-    def _restore_snapshot(self) -> None:
-        history, state, logits = self._snapshot
-        self._backend.restore(state)
-        self._history = list(history)
-        self._last_logits = logits
+    def _current_logits(self) -> np.ndarray | None:
+        """Logits of the last fed position (from the device when the last step left them there)."""
+        if self._last_logits is None and self._logits_on_device:
+            self._logits_on_device = False
+            self._last_logits = self._backend.last_logits()
+        return self._last_logits
 
     def _eos_ids(self) -> frozenset[int]:
         if self.tokenizer is not None and self.tokenizer.eos_token_ids:
@@ -363,24 +522,44 @@ class Model:
     def _reusable_prefix(self, ids: list[int]) -> int:
         h = self._history
         if h and len(ids) >= len(h) and ids[:len(h)] == h:
-            if len(ids) > len(h) or self._last_logits is not None:
+            if len(ids) > len(h) or self._last_logits is not None or self._logits_on_device:
                 return len(h)
         return 0
 
-    def _prompt_ids(self, prompt, *, enable_thinking, tools) -> tuple[list[int], int]:
-        """Token ids of the prompt, and where the conversation proper ends in them (before the
-        generation prompt of a chat; the whole prompt otherwise)."""
-        boundary = None
+    def _prompt(self, prompt, *, enable_thinking, tools, chat_template_kwargs=None
+                ) -> tuple[list[int], list[int], str | None]:
+        """Token ids of the prompt, the positions where generate() snapshots the state into the
+        prompt cache, and the prompt's text (None for token ids).
+
+        Snapshot points: for a chat, the end of the system message / tool list when it is at
+        least SYSTEM_SNAPSHOT_MIN_TOKENS long, and the end of the conversation before the
+        generation prompt (every later turn starts with it); otherwise the whole prompt."""
+        points: list[int] = []
+        text = None
         if isinstance(prompt, str):
+            text = prompt
             ids = self._require_tokenizer().encode(prompt)
         elif isinstance(prompt, (list, tuple)) and prompt and not isinstance(
                 prompt[0], (int, float, np.number, list, tuple, np.ndarray)):
             tok = self._require_tokenizer()
-            kw = dict(enable_thinking=enable_thinking, tools=tools)
-            ids = tok.encode(tok.apply_chat_template(list(prompt), add_generation_prompt=True, **kw))
-            head = tok.encode(tok.apply_chat_template(list(prompt), add_generation_prompt=False, **kw))
+            _check_messages(prompt)
+            kw = dict(chat_template_kwargs or {})
+            clash = {"tools", "messages", "documents", "add_generation_prompt"} & set(kw)
+            if clash:
+                raise TypeError(f"chat_template_kwargs cannot set {sorted(clash)}: pass tools= "
+                                "to generate(); generate() sets the others")
+            if enable_thinking is not None:
+                kw["enable_thinking"] = enable_thinking
+            text = tok.apply_chat_template(list(prompt), add_generation_prompt=True, tools=tools,
+                                           **kw)
+            ids = tok.encode(text)
+            head = tok.encode(tok.apply_chat_template(list(prompt), add_generation_prompt=False,
+                                                      tools=tools, **kw))
             if head == ids[:len(head)]:
-                boundary = len(head)
+                sys_end = self._system_end(prompt, ids, tools)
+                if SYSTEM_SNAPSHOT_MIN_TOKENS <= sys_end < len(head):
+                    points.append(sys_end)
+                points.append(len(head))
         elif isinstance(prompt, (list, tuple, np.ndarray)):
             ids = self._validate_ids(prompt) if len(prompt) else []
         else:
@@ -392,7 +571,22 @@ class Model:
         if len(ids) > self.context_length:
             raise ContextLengthError(f"the prompt has {len(ids)} tokens; the context length is "
                                      f"{self.context_length}")
-        return ids, len(ids) if boundary is None else boundary
+        return ids, points or [len(ids)], text
+
+    def _system_end(self, messages, ids: list[int], tools) -> int:
+        """Where the system turn (the system message and/or the tool list) ends in ``ids``:
+        after its end-of-turn token and the newline that follows; 0 when there is none."""
+        first = messages[0]
+        role = first.get("role") if isinstance(first, dict) else getattr(first, "role", None)
+        if role != "system" and not tools:
+            return 0
+        end = self.tokenizer.token_to_id("<|im_end|>")
+        if end is None or end not in ids:
+            return 0
+        i = ids.index(end) + 1
+        if i < len(ids) and self.tokenizer.decode([ids[i]]) == "\n":
+            i += 1
+        return i
 
     def _require_tokenizer(self):
         if self.tokenizer is None:
@@ -414,16 +608,20 @@ class Model:
                              f"[0, {self.config.vocab_size})")
         return [int(t) for t in arr]
 
-    def _prefill(self, token_ids, *, all_logits: bool, progress=None) -> np.ndarray:
+    def _prefill(self, token_ids, *, all_logits: bool, sample: dict | None = None,
+                 cancellable: bool = False, progress=None) -> np.ndarray | None:
         ids = self._validate_ids(token_ids)
         if not ids:
             raise ValueError("prefill needs at least one token id")
         self._check_room(len(ids))
         out = []
         for s in range(0, len(ids), self.prefill_chunk):
+            if cancellable and self._cancel.is_set():
+                raise _Cancelled
             chunk = ids[s:s + self.prefill_chunk]
             last = s + self.prefill_chunk >= len(ids)
-            logits = self._feed(chunk, all_logits=all_logits, logits=last or all_logits)
+            logits = self._feed(chunk, all_logits=all_logits, logits=last or all_logits,
+                                sample=sample if last else None)
             if all_logits:
                 out.append(logits)
             elif last:
@@ -461,22 +659,67 @@ class Model:
     def _feed(self, ids: list[int], *, all_logits: bool, sample: dict | None = None,
               logits: bool = True) -> np.ndarray | None:
         """Feed ids to the backend. ``logits=False`` (a prefill chunk that is not the last) lets
-        engine backends skip the final norm and lm_head; returns None then."""
+        engine backends skip the final norm and lm_head; returns None then. ``sample`` (engine
+        backends): also sample the last position on the device (``backend.last_token``); the
+        logits stay on the device and None is returned."""
         self._check_room(len(ids))
         arr = np.asarray(ids, dtype=np.int64)
         kw = {}
         if sample is not None:
             kw["sample"] = sample
+            kw["fetch"] = False
         if not logits and getattr(self._backend, "skips_logits", False):
             kw["logits"] = False
         logits = self._feed_guarded(
             lambda: self._backend.forward(arr, all_logits=all_logits, **kw), ids)
         if logits is None:
             self._last_logits = None
+            self._logits_on_device = sample is not None
             return None
+        self._logits_on_device = False
+        if getattr(self._backend, "keeps_logits", False):
+            # Engine backends: `logits` is a fresh array the caller owns; the device still holds
+            # the last row (_current_logits() copies it when needed).
+            self._last_logits, self._logits_on_device = None, True
+            return logits
         # Our own copy: callers may edit what they get back (e.g. a repetition penalty).
         self._last_logits = (logits[-1] if all_logits else logits).copy()
         return logits
+
+
+def _real(name: str, value) -> float:
+    """A sampling parameter as a float: a real number (not a string, not a bool), finite."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return value
+
+
+def _check_messages(messages) -> None:
+    """Clear errors for what the chat template would reject confusingly (or not at all)."""
+    for i, m in enumerate(messages):
+        if isinstance(m, dict):
+            role, content = m.get("role"), m.get("content")
+            tool_calls = m.get("tool_calls")
+        else:
+            role = getattr(m, "role", None)
+            content, tool_calls = getattr(m, "content", None), getattr(m, "tool_calls", None)
+        if role is None and not isinstance(m, dict) and not hasattr(m, "role"):
+            continue            # not a message-like object: the template layer explains
+        if not isinstance(role, str):
+            raise ValueError(f"messages[{i}] needs a string 'role' (one of {', '.join(_ROLES)}), "
+                             f"got {role!r}")
+        if role not in _ROLES:
+            raise ValueError(f"messages[{i}] has role {role!r}; the chat template takes "
+                             f"{', '.join(repr(r) for r in _ROLES)}")
+        if content is None and not (role == "assistant" and tool_calls):
+            raise ValueError(f"messages[{i}] (role {role!r}) has no 'content'"
+                             + ("" if role != "assistant" else " and no 'tool_calls'"))
+        if content is not None and not isinstance(content, (str, list, tuple)):
+            raise TypeError(f"messages[{i}]['content'] must be a string or a list of content "
+                            f"parts, got {type(content).__name__}")
 
 
 class _Guarded:

@@ -6,7 +6,7 @@ generator state). A device kernel computes the same function per entry, so the r
 reproduce a device's choice exactly for the same seed, and a run is reproducible regardless of
 how it was interrupted or resumed.
 
-    choice = argmax_i over kept entries of  (logits[i] - max) * (1/temperature) + gumbel(uniform(seed, n, i))
+    choice = argmax_i over kept entries of  fma(logits[i] - max, 1/temperature, gumbel(uniform(seed, n, i)))
 
 which draws from softmax(logits / temperature) restricted to the kept entries. Everything that
 decides the choice is exactly specified float32 or integer arithmetic (``log32``, ``exp32``,
@@ -265,4 +265,9 @@ def sample(logits: np.ndarray, params: SamplingParams, step: int, seed: int) -> 
         scaled = (logits - logits.max()) * inv_t
     scaled = np.where(np.isneginf(logits), np.float32(-np.inf), scaled).astype(np.float32)
     mask = keep_mask(scaled, params.top_k, params.top_p, params.min_p)
-    return int(np.argmax(np.where(mask, scaled + gumbel(seed, step, logits.shape[0]), -np.inf)))
+    # z = (l - max) * inv_t + gumbel in one rounding (fma), as the device computes it: an explicit
+    # fma, so no compiler contraction of a product feeding an add can change the choice.
+    with np.errstate(over="ignore", invalid="ignore"):
+        z = fma32(logits - logits.max(), inv_t, gumbel(seed, step, logits.shape[0]))
+    z = np.where(np.isneginf(logits), np.float32(-np.inf), z)
+    return int(np.argmax(np.where(mask, z, -np.inf)))

@@ -210,3 +210,4 @@ def _write_safetensors(folder, tensors, shards, metadata):
             total += tensors[k].nbytes
     with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+from ._devices import simulated_device  # noqa: E402,F401  (simulated Mac limits for tests)

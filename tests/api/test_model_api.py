@@ -182,7 +182,7 @@ def test_context_length(ckpt):
         m.prefill(list(range(1, 12)))
     assert m.position == 0
     r = m.generate_text(list(range(1, 8)), max_tokens=50)
-    assert r.finish_reason == "length" and m.position == 10 and len(r.tokens) == 4
+    assert r.finish_reason == "context_length" and m.position == 10 and len(r.tokens) == 4
 
 
 @pytest.mark.parametrize("call, exc, msg", [
@@ -220,10 +220,11 @@ def test_auto_picks_metal_only_where_a_capable_gpu_exists(monkeypatch):
     import types
     import lily_py._core as core
     from lily_py.model import auto_backend
-    assert auto_backend() == ("metal" if "metal" in core.devices() and core.metal.available()
-                              else "reference")
-    monkeypatch.setattr(core, "devices", lambda: ["emu", "metal"])
-    monkeypatch.setattr(core, "metal", types.SimpleNamespace(available=lambda: True), raising=False)
+    assert auto_backend() == ("metal" if core.registry.check_usable("metal") == "" else "reference")
+    # The device registry decides (device, library and every pipeline usable: "" = no reason).
+    monkeypatch.setattr(core, "registry", types.SimpleNamespace(check_usable=lambda name: ""))
     assert auto_backend() == "metal"
-    monkeypatch.setattr(core, "metal", types.SimpleNamespace(available=lambda: False), raising=False)
+    monkeypatch.setattr(core, "registry", types.SimpleNamespace(
+        check_usable=lambda name: "Metal library: cannot load lily.metallib"))
     assert auto_backend() == "reference"
+    assert lily_py.auto_backend() == ("reference", "Metal library: cannot load lily.metallib")

@@ -16,8 +16,9 @@ import pytest
 
 import lily_py._core as core  # a missing extension must fail loudly, not skip
 
-# Devices every kernel test runs on: the emulator always, the GPU on macOS builds with a Metal device.
-DEVICES = ["emu"] + (["metal"] if "metal" in core.devices() and core.metal.available() else [])
+# Devices every kernel test runs on: the emulator always, the GPU where the device registry says
+# Metal is usable (device apple7+, library loaded, every kernel's pipeline created).
+DEVICES = ["emu"] + (["metal"] if core.registry.check_usable("metal") == "" else [])
 
 F32_EPS = 2.0 ** -24   # unit roundoff of float32 (round to nearest)
 BF16_EPS = 2.0 ** -9   # unit roundoff of bfloat16

@@ -58,13 +58,14 @@ def test_kernel_signatures_bind_buffers_in_order():
     seen = 0
     for path in sources:
         text = path.read_text()
-        for name, params in re.findall(r"\[\[kernel\]\]\s+void\s+(\w+)\s*\((.*?)LILY_KERNEL_TAIL\s*\)", text, re.S):
+        for name, params in re.findall(r"\[\[kernel(?:,[^\]]*)?\]\]\s+void\s+(\w+)\s*\((.*?)LILY_KERNEL_TAIL\s*\)", text, re.S):
             seen += 1
             idx = [int(i) for i in re.findall(r"\[\[buffer\((\d+)\)\]\]", params)]
             assert idx == list(range(len(idx))), f"{path.name}:{name} buffer indices {idx}"
             first = params.strip().split(",")[0]
             assert re.match(r"constant\s+\w+Args&\s+args\s+\[\[buffer\(0\)\]\]", first), f"{path.name}:{name}: {first}"
     assert seen >= 2
+    assert seen == len(set(re.findall(r'LILY_INSTANTIATE\("\w+", (\w+)<', "\n".join(p.read_text() for p in sources))))
 
 
 @pytest.mark.skipif("metal" not in core.devices(), reason="this build has no Metal device (built without LILY_METAL: not macOS)")
@@ -74,3 +75,24 @@ def test_every_kernel_id_is_in_the_metal_library():
     functions = set(core.metal.library_functions())
     missing = [k["name"] for k in core.kernel_table() if k["name"] not in functions]
     assert not missing, f"kernel ids missing from {core.metal.info()['library']}: {missing}"
+
+
+@pytest.mark.parametrize("which, message", [
+    ("ok", ""),
+    ("buffer_before_args", ""),
+    ("dispatch_without_kernel", "dispatch without a kernel"),
+    ("no_args", "dispatch sample_noise: args struct not set"),
+    ("index", "sample_noise buffer(2): index out of range 1..1"),
+    ("null", "sample_noise buffer(1): null buffer"),
+    ("empty", "sample_noise buffer(1): empty range"),
+    ("range", "sample_noise buffer(1): range [32, +64) exceeds buffer of 64 bytes"),
+    ("unbound", "dispatch sample_noise: buffer(1) not bound"),
+    ("grid", "dispatch sample_noise: empty grid"),
+    ("threads", "dispatch sample_noise: 1025 threads per threadgroup exceeds 1024"),
+])
+def test_encoder_errors_name_the_kernel_and_buffer(which, message):
+    """The encoder validates every binding and dispatch with plain comparisons and builds its
+    message only on failure (encoding a decode step builds no strings): every message still
+    names the kernel, the buffer index and the numbers."""
+    from lily_py import _core
+    assert _core.encoder_error(which) == message

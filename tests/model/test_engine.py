@@ -132,19 +132,56 @@ def test_snapshot_restore_reset(dn_ckpt, rng):
 def _expected_counts(cfg, tokens: int, position: int = 0) -> tuple[int, int]:
     """(dispatches, barriers) of one step, from the engine's encoding plan (csrc/gpu/step.h):
     embedding | per layer: input norm, mixer, fused residual + post norm, MoE, one barrier after
-    each | final norm | lm_head. Mixers: DeltaNet 4 dispatches / 3 barriers inside; attention 4 / 3
-    (decode beyond kAttnSplitKeys = 256 keys: split-K + combine, 5 / 4). MoE: mv route
-    (tokens <= 8) 4 / 3, tiled 6 / 5. `cfg` is a ModelConfig."""
-    from lily_py.ops import moe_route
+    each | final norm | lm_head. Mixers: DeltaNet 4 dispatches / 3 barriers inside (the chunked
+    delta rule: 3 more of each); attention 4 / 3 (decode beyond kAttnSplitKeys = 256 keys: split-K +
+    combine, 5 / 4). MoE: mv route (tokens <= 8) 4 / 3, tiled 6 / 5. `cfg` is a ModelConfig."""
+    from lily_py.ops import gated_delta_route, moe_route
     moe = 4 if moe_route(tokens, cfg.num_experts_per_tok) == "mv" else 6
+    chunked = gated_delta_route(tokens, cfg.linear_key_head_dim, cfg.linear_value_head_dim) == "chunked"
     dispatches = barriers = 1
     for i in range(cfg.num_hidden_layers):
         mixer = 4
         if cfg.is_full_attention(i) and tokens == 1 and position + 1 > 256:
             mixer = 5
+        if not cfg.is_full_attention(i) and chunked:
+            mixer = 7
         dispatches += 1 + mixer + 1 + moe
         barriers += 1 + (mixer - 1) + 1 + 1 + (moe - 1) + 1
     return dispatches + 2, barriers + 1
+
+
+def _expected_useful_flops(cfg, tokens: int, position: int = 0, logit_rows: int = 1) -> int:
+    """FLOPs the math of one step needs (2 per multiply-add of the matrix products; norms, gates,
+    softmax, conv1d and elementwise ops are not counted), from the config alone: projections,
+    the delta rule (S^T k, k u^T, S^T q per token and value head), attention over the visible
+    keys, router (E + 1 rows with the shared gate), the routed rows of the experts and the
+    shared expert, lm_head over the logit rows."""
+    T, H = tokens, cfg.hidden_size
+    Hk, Hv, Dk, Dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                      cfg.linear_value_head_dim)
+    Hq, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    E, k, I, Is = (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
+                   cfg.shared_expert_intermediate_size)
+    total = 0
+    for i in range(cfg.num_hidden_layers):
+        if cfg.is_full_attention(i):
+            total += 2 * T * H * (2 * Hq * D + 2 * Hkv * D)          # q|gate, k, v projection
+            total += 4 * D * Hq * (T * position + T * (T + 1) // 2)  # q.k and p.v, causal
+            total += 2 * T * Hq * D * H                              # o_proj
+        else:
+            total += 2 * T * H * (2 * Hk * Dk + 2 * Hv * Dv + 2 * Hv)  # in_proj (qkv | z | b | a)
+            total += 6 * T * Hv * Dk * Dv                            # the delta rule
+            total += 2 * T * Hv * Dv * H                             # out_proj
+        total += 2 * T * H * (E + 1) + 6 * H * (T * k * I + T * Is)  # router + experts
+    return total + 2 * logit_rows * cfg.vocab_size * H
+
+
+def _attention_decode_padding_flops(cfg, position: int) -> int:
+    """Decode attention scores whole 32-key blocks: the flops past the visible keys."""
+    keys = position + 1
+    pad = (keys + 31) // 32 * 32 - keys
+    layers = sum(cfg.is_full_attention(i) for i in range(cfg.num_hidden_layers))
+    return layers * 4 * cfg.head_dim * cfg.num_attention_heads * pad
 
 
 @pytest.mark.parametrize("tokens", [1, 11])
@@ -157,12 +194,17 @@ def test_step_counters(attn_ckpt, rng, tokens):
     assert (st["dispatches"], st["barriers"]) == (d, b)
     assert st["waits_in_step"] == 0 and st["commits"] == 1 and st["host_waits"] == 1
     assert st["tokens"] == tokens
+    assert st["flops_useful"] == _expected_useful_flops(m.config, tokens)
+    if tokens == 1:  # qmv, the MoE matvecs and the scan execute exactly the useful work
+        assert st["flops_executed"] == st["flops_useful"] + _attention_decode_padding_flops(m.config, 0)
+    else:            # tiles padded to 32 rows / columns
+        assert st["flops_executed"] > st["flops_useful"]
     # The counting device encodes the same plan without weights: identical counters.
     from lily_py.backends.engine import checkpoint_quant, count_step
     counted = count_step(m.config, tokens=tokens, position=m.position - tokens,
                          quant=checkpoint_quant(m.weights), prefill_chunk=m.prefill_chunk,
                          context_length=m.context_length)
-    for k in ("dispatches", "barriers", "bytes_bound", "threads", "waits_in_step"):
+    for k in ("dispatches", "barriers", "bytes_bound", "threads", "waits_in_step", "flops_executed", "flops_useful"):
         assert counted[k] == st[k], k
     # A prefill chunk that is not the last skips the final norm and lm_head (and their barriers).
     assert m._backend.forward(np.array([1] * tokens), all_logits=False, logits=False) is None
@@ -206,6 +248,11 @@ def test_real_config_counters(tokens, position):
     print(f"real config, {tokens} token(s) at position {position}:", st)
     assert (st["dispatches"], st["barriers"]) == _expected_counts(cfg, tokens, position)
     assert st["waits_in_step"] == 0 and st["commits"] == 1
+    assert st["flops_useful"] == _expected_useful_flops(cfg, tokens, position)
+    if tokens == 1:
+        assert st["flops_executed"] == st["flops_useful"] + _attention_decode_padding_flops(cfg, position)
+    else:
+        assert st["flops_useful"] < st["flops_executed"] < 1.5 * st["flops_useful"]
 
 
 def test_engine_refuses_unsupported_checkpoints(tiny_hf):
@@ -360,8 +407,9 @@ def test_generate_pipelined_state(tmp_path):
     a = emu.generate_text(prompt, max_tokens=20, stop=" the")
     b = ref.generate_text(prompt, max_tokens=20, stop=" the")
     assert a.tokens == b.tokens and a.text == b.text and a.finish_reason == "stop"
-    assert list(emu.tokens) == prompt + a.tokens           # the stop token was fed (in flight)
-    assert list(ref.tokens) == prompt + b.tokens[:-1]
+    # the stop token was fed on both backends (in flight on the engine, after the stop on the
+    # reference): the states agree
+    assert list(emu.tokens) == prompt + a.tokens == list(ref.tokens)
     assert emu.stats()["in_flight"] == 1                   # the last step overlapped its predecessor
     more = prompt + a.tokens + emu.tokenizer.encode(" and")
     c = emu.generate_text(more, max_tokens=6)
@@ -392,3 +440,45 @@ def test_huge_seed_and_top_k_are_accepted_like_the_reference(dn_ckpt):
     emu = lily_py.load(dn_ckpt, backend="emu", context_length=32).generate_text([1, 2], **kw)
     ref = lily_py.load(dn_ckpt, backend="reference").generate_text([1, 2], **kw)
     assert emu.tokens == ref.tokens
+
+
+_GREEDY_REF: dict = {}
+
+
+def _real_head_dims_config():
+    return dict(TINY_TEXT_CONFIG, hidden_size=256, vocab_size=512, head_dim=256,
+                num_attention_heads=4, num_key_value_heads=2, linear_key_head_dim=128,
+                linear_value_head_dim=128, linear_num_key_heads=2, linear_num_value_heads=4,
+                num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128,
+                shared_expert_intermediate_size=128)
+
+
+@pytest.fixture(scope="module")
+def real_dims_ckpt(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("engine_real_dims"), _real_head_dims_config(), fmt="mlx",
+                           seed=9, std=0.06)
+
+
+@pytest.mark.parametrize("chunk", [1, 64, 4096])
+@pytest.mark.parametrize("which", ["demo", "real_head_dims"])
+def test_greedy_after_chunked_prefill(real_dims_ckpt, which, chunk):
+    """Greedy tokens identical to the reference for 32 steps after a prompt prefilled in chunks of
+    1 (the scan), 64 and 4096 (the chunked DeltaNet route for every chunk of >= 64 tokens: a
+    partial last chunk inside the prompt, and the scan for a short tail)."""
+    from lily_py.ops import gated_delta_route
+    path, n = (None, 100) if which == "demo" else (real_dims_ckpt, 80)
+    load = (lambda **kw: lily_py.load(**kw)) if path is None else (lambda **kw: lily_py.load(path, **kw))
+    probe = load(backend="reference", context_length=256)
+    prompt = (list(range(3, 40)) * 8)[:n] if path else \
+        probe.tokenizer.encode("In the beginning God created the heaven and the earth. " * 20)[:n]
+    assert len(prompt) == n
+    key = (which, n)
+    if key not in _GREEDY_REF:
+        _GREEDY_REF[key] = probe.generate_text(prompt, max_tokens=32).tokens
+    emu = load(backend="emu", context_length=256, prefill_chunk=chunk)
+    got = emu.generate_text(prompt, max_tokens=32)
+    assert got.tokens == _GREEDY_REF[key]
+    cfg = emu.config
+    routes = {gated_delta_route(min(chunk, n - s), cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+              for s in range(0, n, chunk)}
+    assert routes == ({"scan"} if chunk == 1 else {"chunked", "scan"} if chunk == 64 else {"chunked"})

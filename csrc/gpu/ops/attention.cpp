@@ -162,6 +162,19 @@ Checked check_attention(const char* fn, const AttentionOperands& op) {
   return c;
 }
 
+// 2 FLOPs per multiply-add of q.k and p.v for every (token, query head) and its visible keys.
+uint64_t attention_useful_flops(const AttentionOperands& op) {
+  const uint64_t T = op.tokens, keys = T * op.position + T * (T + 1) / 2;
+  return 4ull * op.head_dim * op.q_heads * keys;
+}
+
+// Decode (one token): every lane scores one key of each whole 32-key block (split ranges are
+// multiples of 32 keys), then accumulates p v over the block.
+uint64_t attention_decode_executed_flops(const AttentionOperands& op) {
+  const uint64_t keys = (uint64_t(op.position) + 1 + kAttnBlockKeys - 1) / kAttnBlockKeys * kAttnBlockKeys;
+  return 4ull * op.head_dim * op.q_heads * keys;
+}
+
 }  // namespace
 
 void encode_attention_decode(Encoder& enc, const AttentionOperands& op) {
@@ -181,6 +194,7 @@ void encode_attention_decode(Encoder& enc, const AttentionOperands& op) {
     enc.set_buffer(4, c.gate);
     enc.set_buffer(5, c.out);
     enc.dispatch({op.kv_heads, 1, 1}, {32 * group, 1, 1});
+    enc.add_flops(attention_decode_executed_flops(op), attention_useful_flops(op));
     return;
   }
   c.args.splits = route.splits;
@@ -206,6 +220,7 @@ void encode_attention_decode(Encoder& enc, const AttentionOperands& op) {
   enc.set_buffer(3, c.gate);
   enc.set_buffer(4, c.out);
   enc.dispatch({op.q_heads, 1, 1}, {32, 1, 1});
+  enc.add_flops(attention_decode_executed_flops(op), attention_useful_flops(op));
 }
 
 bool attention_prefill_uses_mma(uint32_t head_dim) {
@@ -227,6 +242,14 @@ void encode_attention_prefill(Encoder& enc, const AttentionOperands& op) {
     enc.set_buffer(4, c.gate);
     enc.set_buffer(5, c.out);
     enc.dispatch({op.kv_heads, (op.tokens + qt - 1) / qt, 1}, {kAttnMmaThreads, 1, 1});
+    // Each threadgroup runs 32 rows (qt * group live) against every 32-key block up to its last
+    // token's keys: S = Q K^T and O += P V, 2 * 32 * 32 * head_dim multiply-adds per block.
+    uint64_t executed = 0;
+    for (uint32_t t0 = 0; t0 < op.tokens; t0 += qt) {
+      const uint64_t key_end = uint64_t(op.position) + std::min(t0 + qt, op.tokens);
+      executed += (key_end + kAttnBlockKeys - 1) / kAttnBlockKeys * 4ull * kAttnMmaRows * kAttnBlockKeys * op.head_dim;
+    }
+    enc.add_flops(executed * op.kv_heads, attention_useful_flops(op));
     return;
   }
   enc.set_kernel(bf ? KernelId::attn_prefill_bf16 : KernelId::attn_prefill_f32);
@@ -237,6 +260,15 @@ void encode_attention_prefill(Encoder& enc, const AttentionOperands& op) {
   enc.set_buffer(4, c.gate);
   enc.set_buffer(5, c.out);
   enc.dispatch({op.kv_heads, (op.tokens + kAttnPrefillTokens - 1) / kAttnPrefillTokens, 1}, {32 * group, 1, 1});
+  // Each threadgroup runs kAttnPrefillTokens query tokens (the last clamped) x group heads against
+  // whole 32-key blocks up to its last token's keys (masked keys are computed, then dropped).
+  uint64_t executed = 0;
+  for (uint32_t t0 = 0; t0 < op.tokens; t0 += kAttnPrefillTokens) {
+    const uint64_t key_end = uint64_t(op.position) + std::min(t0 + kAttnPrefillTokens, op.tokens);
+    executed += (key_end + kAttnBlockKeys - 1) / kAttnBlockKeys * 4ull * kAttnPrefillTokens * group *
+                kAttnBlockKeys * op.head_dim;
+  }
+  enc.add_flops(executed * op.kv_heads, attention_useful_flops(op));
 }
 
 void encode_attention_mixer(Encoder& enc, const AttentionMixerOperands& op) {

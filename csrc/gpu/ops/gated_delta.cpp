@@ -99,6 +99,134 @@ void encode_gated_delta(Encoder& enc, const GatedDeltaOperands& op) {
   enc.set_buffer(8, need(fn, op.state, uint64_t(op.Hv) * op.Dv * op.Dk * 4, "state"));
   enc.set_buffer(9, need(fn, op.y, uint64_t(op.T) * VD * dtype_size(xt), "y"));
   enc.dispatch({op.Hv, 1, 1}, {gated_delta_threads(op.Dv), 1, 1});
+  const uint64_t f = gated_delta_useful_flops(op.T, op.Hv, op.Dk, op.Dv);
+  enc.add_flops(f, f);  // the scan does exactly the rule's products, token by token
+}
+
+uint64_t gated_delta_useful_flops(uint32_t T, uint32_t Hv, uint32_t Dk, uint32_t Dv) {
+  return 6ull * T * Hv * Dk * Dv;  // S^T k, k u^T and S^T q per token and value head
+}
+
+GdRoute gated_delta_route(uint32_t T, uint32_t Dk, uint32_t Dv) {
+  const bool dims = Dk % 8 == 0 && Dv % 8 == 0 && Dk <= 8 * kGdChunkMaxTiles && Dv <= 8 * kGdChunkMaxTiles;
+  return T >= kGdChunkMinTokens && dims ? GdRoute::chunked : GdRoute::scan;
+}
+
+const char* gated_delta_route_name(GdRoute r) { return r == GdRoute::scan ? "scan" : "chunked"; }
+
+namespace {
+
+// Element offsets of the chunked route's scratch sections (common/args_gated_delta.h).
+struct ChunkLayout {
+  uint64_t qn, kn, vo, g, beta, wn, u, p, total;
+};
+
+ChunkLayout chunk_layout(uint32_t T, uint32_t Hk, uint32_t Hv, uint32_t Dk, uint32_t Dv) {
+  const uint64_t Tp = uint64_t(ceil_div(T, kGdChunk)) * kGdChunk;
+  ChunkLayout l{};
+  l.qn = 0;
+  l.kn = l.qn + Hk * Tp * Dk;
+  l.vo = l.kn + Hk * Tp * Dk;
+  l.g = l.vo + Hv * Tp * Dv;
+  l.beta = l.g + Hv * Tp;
+  l.wn = l.beta + Hv * Tp;
+  l.u = l.wn + Hv * Tp * Dk;
+  l.p = l.u + Hv * Tp * Dv;
+  l.total = l.p + Hv * Tp * kGdChunk;
+  return l;
+}
+
+}  // namespace
+
+uint64_t gated_delta_chunk_scratch_bytes(uint32_t T, uint32_t Hk, uint32_t Hv, uint32_t Dk, uint32_t Dv) {
+  return chunk_layout(T, Hk, Hv, Dk, Dv).total * 4;
+}
+
+uint64_t gated_delta_chunk_flops(uint32_t T, uint32_t Hv, uint32_t Dk, uint32_t Dv) {
+  constexpr uint64_t tile = 2 * 8 * 8 * 8;        // one 8x8x8 simdgroup multiply-accumulate
+  constexpr uint64_t CT = kGdChunk / 8, lower = CT * (CT + 1) / 2;  // 36 lower-triangle tiles
+  const uint64_t nk = Dk / 8, nv = Dv / 8;
+  uint64_t subst = 0;  // forward substitution: T[i, c] needs i - c - 1 multiply-adds
+  for (uint64_t c = 0; c < kGdChunk; ++c)
+    for (uint64_t i = c + 1; i < kGdChunk; ++i) subst += 2 * (i - c - 1);
+  const uint64_t wy = (lower * nk /* K K^T */ + nv * lower /* u */ + nk * lower /* wn */ + lower * nk /* Q K^T */) * tile + subst;
+  const uint64_t state = nv * (CT * nk /* U */ + CT * nk + CT + lower /* O */ + CT /* tail */ + nk + nk * CT /* S */) * tile;
+  return uint64_t(ceil_div(T, kGdChunk)) * Hv * (wy + state);
+}
+
+void encode_gated_delta_chunked(Encoder& enc, const GatedDeltaOperands& op) {
+  const char* fn = "gated_delta_chunked";
+  auto fail = [&](const std::string& m) { throw std::invalid_argument(std::string(fn) + ": " + m); };
+  if (op.T == 0 || op.Hk == 0 || op.Hv == 0 || op.Dk == 0 || op.Dv == 0) fail("empty shape");
+  if (op.Hv % op.Hk) fail("value heads Hv=" + std::to_string(op.Hv) + " must be a multiple of key heads Hk=" + std::to_string(op.Hk));
+  if (op.Dk % 8 || op.Dv % 8 || op.Dk > 8 * kGdChunkMaxTiles || op.Dv > 8 * kGdChunkMaxTiles)
+    fail("head dims Dk=" + std::to_string(op.Dk) + ", Dv=" + std::to_string(op.Dv) + " must be multiples of 8 <= 128");
+  if (!(op.eps > 0.0f)) fail("eps must be > 0");
+  if (op.x_dtype != DType::f32) fail("activations must be float32 (bfloat16 is not instantiated)");
+  const uint32_t C = 2 * op.Hk * op.Dk + op.Hv * op.Dv, VD = op.Hv * op.Dv;
+  const uint32_t qs = op.qkv_stride ? op.qkv_stride : C, zs = op.z_stride ? op.z_stride : VD;
+  const uint32_t abs_ = op.ab_stride ? op.ab_stride : op.Hv;
+  if (qs < C || zs < VD || abs_ < op.Hv) fail("row strides smaller than the rows");
+  const ChunkLayout l = chunk_layout(op.T, op.Hk, op.Hv, op.Dk, op.Dv);
+  const Binding scratch = need(fn, op.chunk_scratch, l.total * 4, "chunk_scratch");
+  auto sec = [&](uint64_t begin, uint64_t end) { return Binding{scratch.buffer, scratch.offset + begin * 4, (end - begin) * 4}; };
+  const Binding qn = sec(l.qn, l.kn), kn = sec(l.kn, l.vo), vo = sec(l.vo, l.g), g = sec(l.g, l.beta);
+  const Binding beta = sec(l.beta, l.wn), wn = sec(l.wn, l.u), u = sec(l.u, l.p), p = sec(l.p, l.total);
+  const uint32_t Tp = ceil_div(op.T, kGdChunk) * kGdChunk;
+  GdChunkArgs args{op.T, Tp, op.Hk, op.Hv, op.Dk, op.Dv, qs, abs_, zs,
+                   static_cast<float>(1.0 / std::sqrt(double(op.Dk))), op.eps, 0};
+  const DType xt = op.x_dtype, wt = op.w_dtype;
+  const bool wb = wt == DType::bf16;
+
+  enc.set_kernel(wb ? KernelId::gd_chunk_prep_xf32_wbf16 : KernelId::gd_chunk_prep_xf32_wf32);
+  enc.set_args(args);
+  enc.set_buffer(1, need(fn, op.qkv, rows_bytes(op.T, qs, C, xt), "qkv"));
+  enc.set_buffer(2, need(fn, op.a, rows_bytes(op.T, abs_, op.Hv, xt), "a"));
+  enc.set_buffer(3, need(fn, op.b, rows_bytes(op.T, abs_, op.Hv, xt), "b"));
+  enc.set_buffer(4, need(fn, op.A_log, uint64_t(op.Hv) * 4, "A_log"));
+  enc.set_buffer(5, need(fn, op.dt_bias, uint64_t(op.Hv) * dtype_size(wt), "dt_bias"));
+  enc.set_buffer(6, qn);
+  enc.set_buffer(7, kn);
+  enc.set_buffer(8, vo);
+  enc.set_buffer(9, g);
+  enc.set_buffer(10, beta);
+  enc.dispatch({Tp, op.Hv, 1}, {32, 1, 1});
+  enc.barrier();  // qn, kn, vo, g, beta -> wy
+
+  enc.set_kernel(KernelId::gd_chunk_wy_f32);
+  enc.set_args(args);
+  enc.set_buffer(1, qn);
+  enc.set_buffer(2, kn);
+  enc.set_buffer(3, vo);
+  enc.set_buffer(4, g);
+  enc.set_buffer(5, beta);
+  enc.set_buffer(6, wn);
+  enc.set_buffer(7, u);
+  enc.set_buffer(8, p);
+  enc.dispatch({Tp / kGdChunk, op.Hv, 1}, {kGdChunkWyThreads, 1, 1});
+  enc.barrier();  // G, wn, u, p -> state pass
+
+  enc.set_kernel(KernelId::gd_chunk_state_f32);
+  enc.set_args(args);
+  enc.set_buffer(1, qn);
+  enc.set_buffer(2, kn);
+  enc.set_buffer(3, g);
+  enc.set_buffer(4, wn);
+  enc.set_buffer(5, u);
+  enc.set_buffer(6, p);
+  enc.set_buffer(7, need(fn, op.state, uint64_t(op.Hv) * op.Dv * op.Dk * 4, "state"));
+  enc.set_buffer(8, vo);
+  enc.dispatch({op.Dv / kGdChunkStateCols, op.Hv, 1}, {32, 1, 1});
+  enc.barrier();  // o (in vo) -> gated norm
+
+  enc.set_kernel(wb ? KernelId::gd_chunk_norm_xf32_wbf16 : KernelId::gd_chunk_norm_xf32_wf32);
+  enc.set_args(args);
+  enc.set_buffer(1, vo);
+  enc.set_buffer(2, need(fn, op.z, rows_bytes(op.T, zs, VD, xt), "z"));
+  enc.set_buffer(3, need(fn, op.norm_weight, uint64_t(op.Dv) * dtype_size(wt), "norm_weight"));
+  enc.set_buffer(4, need(fn, op.y, uint64_t(op.T) * VD * dtype_size(xt), "y"));
+  enc.dispatch({op.T, op.Hv, 1}, {32, 1, 1});
+  enc.add_flops(gated_delta_chunk_flops(op.T, op.Hv, op.Dk, op.Dv), gated_delta_useful_flops(op.T, op.Hv, op.Dk, op.Dv));
 }
 
 uint32_t gated_delta_mixer_proj_rows(uint32_t Hk, uint32_t Hv, uint32_t Dk, uint32_t Dv) {
@@ -165,7 +293,11 @@ void encode_gated_delta_mixer(Encoder& enc, const GatedDeltaMixerOperands& op) {
   gd.z_stride = P;
   gd.ab_stride = P;
   gd.eps = op.eps;
-  encode_gated_delta(enc, gd);
+  gd.chunk_scratch = op.chunk_scratch;
+  if (op.chunk_scratch.buffer && gated_delta_route(op.T, op.Dk, op.Dv) == GdRoute::chunked)
+    encode_gated_delta_chunked(enc, gd);
+  else
+    encode_gated_delta(enc, gd);
   enc.barrier();  // o written -> read by out_proj
 
   QmmOperands out;

@@ -40,9 +40,28 @@ struct GatedDeltaOperands {
   uint32_t T = 0, Hk = 0, Hv = 0, Dk = 0, Dv = 0;
   uint32_t qkv_stride = 0, z_stride = 0, ab_stride = 0;  // 0 means packed
   float eps = 1e-6f;
+  Binding chunk_scratch;  // chunked route only: gated_delta_chunk_scratch_bytes() bytes (float32)
 };
 
+// Two routes for the delta rule over T tokens:
+//   scan     one dispatch, a threadgroup per value head walks the tokens in order (decode, short)
+//   chunked  T >= kGdChunkMinTokens and Dk, Dv multiples of 8: the WY form over chunks of 64
+//            tokens on simdgroup matrices (shaders/gated_delta_chunk.metal), 4 dispatches
+enum class GdRoute : uint8_t { scan, chunked };
+GdRoute gated_delta_route(uint32_t T, uint32_t Dk, uint32_t Dv);
+const char* gated_delta_route_name(GdRoute r);
+// Bytes of the chunked route's float32 scratch (layout in common/args_gated_delta.h).
+uint64_t gated_delta_chunk_scratch_bytes(uint32_t T, uint32_t Hk, uint32_t Hv, uint32_t Dk, uint32_t Dv);
+// FLOPs (2 per multiply-add) the chunked route's matrix products execute.
+uint64_t gated_delta_chunk_flops(uint32_t T, uint32_t Hv, uint32_t Dk, uint32_t Dv);
+// The chunked route: prep, barrier, wy, barrier, state, barrier, norm (4 dispatches, 3 barriers).
+// Needs op.chunk_scratch. Throws std::invalid_argument.
+void encode_gated_delta_chunked(Encoder& enc, const GatedDeltaOperands& op);
+
 KernelId gated_delta_kernel(DType x_dtype, DType w_dtype);
+// FLOPs the delta rule needs for T tokens: 3 products of Dk x Dv per token and value head
+// (S^T k, k u^T, S^T q), 2 FLOPs per multiply-add (the decay scaling is not counted).
+uint64_t gated_delta_useful_flops(uint32_t T, uint32_t Hv, uint32_t Dk, uint32_t Dv);
 uint32_t gated_delta_threads(uint32_t Dv);  // threads per threadgroup (one threadgroup per value head)
 // One dispatch, Hv threadgroups; no barrier. Throws std::invalid_argument.
 void encode_gated_delta(Encoder& enc, const GatedDeltaOperands& op);
@@ -62,6 +81,8 @@ struct QuantLinear {
 //   o    = gated_delta(qkv, z, a, b, ...)   recurrent state updated in place
 //   out  = o @ out_proj^T
 // Dispatches: 4 (in_proj, conv1d, gated_delta, out_proj); barriers: 3, one before each consumer.
+// On the chunked route (gated_delta_route, chunk_scratch bound) the delta rule takes 4 dispatches
+// instead of 1: 7 dispatches, 6 barriers.
 struct GatedDeltaMixerOperands {
   Binding x;               // [T, hidden] of x_dtype
   QuantLinear in_proj;     // [C + Hv*Dv + 2*Hv, hidden]
@@ -74,6 +95,7 @@ struct GatedDeltaMixerOperands {
   Binding proj;            // scratch [T, C + Hv*Dv + 2*Hv] of x_dtype
   Binding conv_out;        // scratch [T, C] of x_dtype
   Binding o;               // scratch [T, Hv*Dv] of x_dtype
+  Binding chunk_scratch;   // scratch of the chunked route (unbound: always the scan)
   Binding out;             // [T, hidden] of x_dtype
   DType x_dtype = DType::f32;
   DType w_dtype = DType::f32;

@@ -15,10 +15,11 @@ uint32_t ceil_div(uint32_t a, uint32_t b) { return (a + b - 1) / b; }
 [[noreturn]] void fail(const std::string& m) { throw std::invalid_argument("moe: " + m); }
 
 // The exact byte range a kernel reads or writes; fails when the caller's binding is smaller.
-Binding range(const Binding& b, uint64_t bytes, const char* what) {
-  if (b.buffer == nullptr) fail(std::string(what) + " not bound");
+// `what` + `part` names the operand (the message is built only on failure).
+Binding range(const Binding& b, uint64_t bytes, const char* what, const char* part = "") {
+  if (b.buffer == nullptr) fail(std::string(what) + part + " not bound");
   if (b.bytes < bytes)
-    fail(std::string(what) + " range has " + std::to_string(b.bytes) + " bytes, needs " + std::to_string(bytes));
+    fail(std::string(what) + part + " range has " + std::to_string(b.bytes) + " bytes, needs " + std::to_string(bytes));
   Binding r = b;
   r.bytes = bytes;
   return r;
@@ -34,10 +35,9 @@ QuantBytes quant_bytes(uint64_t count, uint64_t N, uint64_t K, uint32_t bits, ui
 }
 
 void bind_quant(Encoder& enc, uint32_t first, const QuantMatrix& m, QuantBytes b, const char* what) {
-  const std::string n(what);
-  enc.set_buffer(first, range(m.w, b.w, (n + ".w").c_str()));
-  enc.set_buffer(first + 1, range(m.scales, b.s, (n + ".scales").c_str()));
-  enc.set_buffer(first + 2, range(m.biases, b.s, (n + ".biases").c_str()));
+  enc.set_buffer(first, range(m.w, b.w, what, ".w"));
+  enc.set_buffer(first + 1, range(m.scales, b.s, what, ".scales"));
+  enc.set_buffer(first + 2, range(m.biases, b.s, what, ".biases"));
 }
 
 MoeArgs make_args(const MoeOperands& op, MoeRoute route) {
@@ -76,6 +76,22 @@ uint32_t moe_max_tiles(uint32_t tokens, uint32_t top_k, uint32_t experts, uint32
   const uint64_t routed = uint64_t(tokens) * top_k;
   const uint64_t nonempty = std::min<uint64_t>(experts, routed);
   return uint32_t((routed + nonempty * (bm - 1)) / bm + ceil_div(tokens, bm));
+}
+
+MoeFlops moe_expert_flops(uint32_t tokens, uint32_t top_k, uint32_t experts, uint32_t H, uint32_t I, uint32_t Is) {
+  // Per row: gate and up (2 x N x H multiply-adds) and down (H x N): 3 H N, 2 FLOPs each.
+  const uint64_t T = tokens, useful = 6ull * H * (T * top_k * I + T * Is);
+  const MoeRoute route = moe_route(tokens, top_k);
+  if (route == MoeRoute::mv) return {useful, useful};  // one matvec per (token, slot): no padding
+  const uint64_t bm = moe_tile_rows(route), bn = kMoeTileN;
+  auto pad = [bn](uint64_t n) { return (n + bn - 1) / bn * bn; };
+  // The plan decides on the device which tiles run; the host knows only the grid's bound
+  // (moe_max_tiles): shared tiles ceil(T / BM), the rest routed. Each runs BM rows x whole
+  // 32-wide column tiles; gate/up tiles past N and tiles past the plan's count exit at once.
+  const uint64_t shared_tiles = ceil_div(tokens, uint32_t(bm));
+  const uint64_t routed_tiles = moe_max_tiles(tokens, top_k, experts, uint32_t(bm)) - shared_tiles;
+  auto per_tile = [&](uint64_t N) { return 2 * bm * (2 * pad(N) * H + pad(H) * N); };
+  return {routed_tiles * per_tile(I) + shared_tiles * per_tile(Is), useful};
 }
 
 MoeScratchBytes moe_scratch_bytes(const MoeOperands& op) {
@@ -128,10 +144,9 @@ void validate(const MoeOperands& op) {
   }
   const uint32_t E = op.experts, H = op.hidden, I = op.inter, Is = op.shared_inter;
   auto check = [&](const QuantMatrix& m, QuantBytes b, const char* what) {
-    const std::string n(what);
-    range(m.w, b.w, (n + ".w").c_str());
-    range(m.scales, b.s, (n + ".scales").c_str());
-    range(m.biases, b.s, (n + ".biases").c_str());
+    range(m.w, b.w, what, ".w");
+    range(m.scales, b.s, what, ".scales");
+    range(m.biases, b.s, what, ".biases");
   };
   const auto q = [&](uint64_t c, uint64_t N, uint64_t K) {
     return quant_bytes(c, N, K, op.bits, op.group_size, op.scale_dtype);
@@ -157,6 +172,7 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
     return quant_bytes(c, N, K, op.bits, op.group_size, op.scale_dtype);
   };
   const Binding residual = range(op.residual.buffer ? op.residual : op.x, act, "residual");
+  const MoeFlops flops = moe_expert_flops(T, k, E, H, I, Is);
 
   // 1. router + shared-gate logits [T, E + 1] (qmv for T <= 8, else qmm)
   QmmOperands r;
@@ -209,6 +225,7 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
     enc.set_buffer(10, residual);
     enc.set_buffer(11, range(op.out, act, "out"));
     enc.dispatch({ceil_div(H, kMoeMvRowsPerSimd * kMoeMvSimdsPerGroup), T, 1}, {32 * kMoeMvSimdsPerGroup, 1, 1});
+    enc.add_flops(flops.executed, flops.useful);
     return;
   }
 
@@ -253,6 +270,7 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
   enc.set_buffer(3, residual);
   enc.set_buffer(4, range(op.out, act, "out"));
   enc.dispatch({ceil_div(H, kMoeCombineThreads), T, 1}, {kMoeCombineThreads, 1, 1});
+  enc.add_flops(flops.executed, flops.useful);
 }
 
 void RecordingEncoder::encode_dispatch(const Dispatch& d) {

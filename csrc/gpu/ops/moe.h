@@ -26,6 +26,15 @@ uint32_t moe_tile_rows(MoeRoute r);  // 0 for mv
 // Tiles the tiled grids cover: an upper bound of the plan's tile count for any routing.
 uint32_t moe_max_tiles(uint32_t tokens, uint32_t top_k, uint32_t experts, uint32_t tile_rows);
 
+// FLOPs of the expert matmuls (gate, up, down of the routed and shared experts; the router goes
+// through quantized_matmul and counts there). useful: T k rows of the routed experts and T of the
+// shared one. executed: the route's tiles; on the tiled routes the plan (on the device) decides
+// how many run, so this is the bound the grid covers (moe_max_tiles), exact on the mv route.
+struct MoeFlops {
+  uint64_t executed = 0, useful = 0;
+};
+MoeFlops moe_expert_flops(uint32_t tokens, uint32_t top_k, uint32_t experts, uint32_t H, uint32_t I, uint32_t Is);
+
 // An MLX affine-quantized matrix (or stack of matrices).
 struct QuantMatrix {
   Binding w;       // uint32 [..., N, K * bits / 32]
@@ -80,12 +89,14 @@ class RecordingEncoder final : public Encoder {
   explicit RecordingEncoder(Encoder& inner) : inner_(inner) {}
   void commit() override { ++commits; inner_.commit(); }
   void wait() override { ++waits; inner_.wait(); }
+  uint32_t thread_limit(KernelId k) const override { return inner_.thread_limit(k); }
   std::vector<std::string> kernels;
   uint64_t commits = 0, waits = 0;
 
  protected:
   void encode_dispatch(const Dispatch& d) override;
   void encode_barrier() override { inner_.barrier(); }
+  void forward_flops(uint64_t executed, uint64_t useful) override { inner_.add_flops(executed, useful); }
 
  private:
   Encoder& inner_;

@@ -35,7 +35,12 @@ void encode_rms_norm(Encoder& enc, const RmsNormOperands& op) {
     return r;
   };
   RmsNormArgs args{op.rows, op.D, op.eps, op.weight_offset};
-  enc.set_kernel(rms_norm_kernel(fused, op.x_dtype, op.w_dtype));
+  const KernelId kernel = rms_norm_kernel(fused, op.x_dtype, op.w_dtype);
+  // Any multiple of 32 threads works (the kernel strides over the row): fit the pipeline's limit.
+  const uint32_t limit = enc.thread_limit(kernel) / 32 * 32;
+  if (limit == 0) fail("the pipeline's limit of " + std::to_string(enc.thread_limit(kernel)) + " threads is below one simdgroup");
+  const uint32_t threads = std::min(rms_norm_threads(op.D), limit);
+  enc.set_kernel(kernel);
   enc.set_args(args);
   uint32_t i = 1;
   enc.set_buffer(i++, need(op.x, act, "x"));
@@ -43,7 +48,7 @@ void encode_rms_norm(Encoder& enc, const RmsNormOperands& op) {
   enc.set_buffer(i++, need(op.weight, uint64_t(op.D) * dtype_size(op.w_dtype), "weight"));
   if (fused) enc.set_buffer(i++, need(op.h_out, act, "h_out"));
   enc.set_buffer(i++, need(op.y, act, "y"));
-  enc.dispatch({op.rows, 1, 1}, {rms_norm_threads(op.D), 1, 1});
+  enc.dispatch({op.rows, 1, 1}, {threads, 1, 1});
 }
 
 }  // namespace lily::gpu::ops

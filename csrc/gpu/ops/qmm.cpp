@@ -22,6 +22,14 @@ QmmRoute qmm_route(uint32_t M) { return M <= kQmvMaxRows ? QmmRoute::qmv : QmmRo
 
 const char* qmm_route_name(QmmRoute r) { return r == QmmRoute::qmv ? "qmv" : "qmm"; }
 
+QmmFlops qmm_flops(uint32_t M, uint32_t N, uint32_t K) {
+  const uint64_t useful = 2ull * M * N * K;
+  if (qmm_route(M) == QmmRoute::qmv) return {useful, useful};  // rows past N are skipped, not padded
+  // Every threadgroup multiplies a whole 32 x 32 tile over K (zeros past M and N).
+  const uint64_t Mp = uint64_t(ceil_div(M, kQmmTileM)) * kQmmTileM, Np = uint64_t(ceil_div(N, kQmmTileN)) * kQmmTileN;
+  return {2 * Mp * Np * K, useful};
+}
+
 KernelId qmm_kernel(QmmRoute route, uint32_t bits, DType x, DType s) {
   // Index into the kernel list order: route, bits, x dtype, scale dtype (see kernel_ids.h).
   if (bits != 4 && bits != 8)
@@ -78,6 +86,7 @@ void encode_quantized_matmul(Encoder& enc, const QmmOperands& op) {
   enc.set_buffer(3, range(op.scales, uint64_t(op.N) * groups * se));
   enc.set_buffer(4, range(op.biases, uint64_t(op.N) * groups * se));
   enc.set_buffer(5, range(op.y, ((uint64_t(op.M) - 1) * args.y_stride + op.N) * xe));
+  const QmmFlops f = qmm_flops(op.M, op.N, op.K);
   if (route == QmmRoute::qmv) {
     enc.dispatch({ceil_div(op.N, kQmvRowsPerSimd * kQmvSimdsPerGroup), 1, 1},
                  {32 * kQmvSimdsPerGroup, 1, 1});
@@ -85,6 +94,7 @@ void encode_quantized_matmul(Encoder& enc, const QmmOperands& op) {
     enc.dispatch({ceil_div(op.N, kQmmTileN), ceil_div(op.M, kQmmTileM), 1},
                  {32 * kQmmSimdsPerGroup, 1, 1});
   }
+  enc.add_flops(f.executed, f.useful);
 }
 
 }  // namespace lily::gpu::ops

@@ -16,6 +16,13 @@ enum class QmmRoute : uint8_t {
 QmmRoute qmm_route(uint32_t M);
 const char* qmm_route_name(QmmRoute r);
 
+// FLOPs (2 per multiply-add) of y = x @ w^T: useful 2 M N K; executed includes the tile padding
+// of the route (encode_quantized_matmul adds both to the encoder's counters).
+struct QmmFlops {
+  uint64_t executed = 0, useful = 0;
+};
+QmmFlops qmm_flops(uint32_t M, uint32_t N, uint32_t K);
+
 struct QmmOperands {
   Binding x;        // [M, x_stride] of x_dtype
   Binding w;        // uint32 [N, K * bits / 32]

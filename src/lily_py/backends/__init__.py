@@ -7,15 +7,18 @@ from ..checkpoint import ModelWeights
 from ..config import ModelConfig
 
 BACKENDS = ("auto", "reference", "emu", "metal")
+# Not for users: the engine on the counting device with host memory (nothing runs, every sampled
+# token is 0), so benchmarks can time the host side of generation (benchmarks/host_overhead.py).
+TIMING_BACKENDS = ("count_host",)
 
 
 def make_backend(name: str, cfg: ModelConfig, weights: ModelWeights, *, context_length: int,
-                  prefill_chunk: int, verbose: bool | None = None):
+                 prefill_chunk: int, verbose: bool | None = None):
     """The backend for a resolved name ("auto" is resolved by Model first). ``verbose``: load
     progress on a terminal (engine backends upload the weights; None: when stderr is a TTY)."""
-    if name not in BACKENDS:
+    if name not in BACKENDS and name not in TIMING_BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
-    if name in ("emu", "metal"):
+    if name in ("emu", "metal") + TIMING_BACKENDS:
         # The C++ engine on a device (lily_py/backends/engine.py); "emu" runs the Metal kernels on the CPU.
         from .engine import EngineBackend
         return EngineBackend(name, cfg, weights, context_length=context_length,
@@ -25,15 +28,23 @@ def make_backend(name: str, cfg: ModelConfig, weights: ModelWeights, *, context_
 
 
 def auto_backend() -> str:
-    """What ``backend="auto"`` picks: "metal" where this build has the Metal device and the
-    machine has a GPU that can run the kernels (Apple silicon, family apple7+); otherwise
-    "reference". The emulator ("emu") runs the engine's kernels at ~1e6 GPU threads/s, far slower
-    than the NumPy reference on a CPU, so it is never picked automatically
-    (docs/architecture.md, engine section)."""
+    """What ``backend="auto"`` picks: "metal" where this build has the Metal device and its
+    library and every kernel's pipeline are usable on this machine (Apple silicon, family
+    apple7+); otherwise "reference". The emulator ("emu") runs the engine's kernels at ~1e6 GPU
+    threads/s, far slower than the NumPy reference on a CPU, so it is never picked automatically
+    (docs/architecture.md, engine section). ``lily_py.auto_backend()`` also says why."""
+    return resolve_auto()[0]
+
+
+def resolve_auto() -> tuple[str, str | None]:
+    """("metal" or "reference", why Metal is not usable or None), from the device registry."""
+    from .._devices import auto_backend as pick
+    return pick()
+
+
+def built_with_metal() -> bool:
     try:
         from .. import _core
     except ImportError:
-        return "reference"
-    if "metal" in _core.devices() and _core.metal.available():
-        return "metal"
-    return "reference"
+        return False
+    return bool(_core.has_metal)

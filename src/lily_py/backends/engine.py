@@ -14,7 +14,7 @@ import ml_dtypes
 
 from ..checkpoint import AttentionWeights, ModelWeights
 from ..config import ModelConfig
-from ..errors import BackendError
+from ..errors import BackendError, DeviceMemoryError
 from ..weights import QuantLinear
 
 # All-logits steps write at most this many rows of logits (the logits buffer is [rows, vocab]).
@@ -176,35 +176,56 @@ class EngineBackend:
 
     def __init__(self, device: str, cfg: ModelConfig, weights: ModelWeights, *, context_length: int,
                  prefill_chunk: int, verbose: bool | None = None):
-        if device not in _core().devices() and device != "count":
-            raise BackendError(f"device {device!r} is not available in this build "
-                               f"(available: {_core().devices()})")
+        status = {d["name"]: d for d in _core().registry.list()}
+        if device not in status or not status[device]["available"]:
+            why = status[device]["reason"] if device in status else "unknown device"
+            raise BackendError(f"device {device!r} is not available in this build or on this "
+                               f"machine: {why}")
         self.name = device
         self.cfg = cfg
         quant = checkpoint_quant(weights)
+        core = _core()
         try:
-            self.engine = _core().Engine(engine_spec(cfg, quant, context_length=context_length,
-                                                     prefill_chunk=prefill_chunk), device)
-        except ValueError as e:
+            self.engine = core.Engine(engine_spec(cfg, quant, context_length=context_length,
+                                                  prefill_chunk=prefill_chunk), device)
+        except core.DeviceMemoryError as e:
+            raise DeviceMemoryError(str(e)) from None
+        except (ValueError, core.DeviceLimitError) as e:
             raise BackendError(str(e)) from None
         upload_weights(self.engine, cfg, weights, quant, verbose=verbose)
         self.prefill_chunk = prefill_chunk
         self._context = context_length
         self.logit_rows = min(prefill_chunk, LOGIT_ROWS)
-        self.last_stats: dict | None = None
+        self._last_stats: dict | None = None
+        self._stats_pending = False          # last_stats not fetched since the last complete_token()
         self.last_token: int | None = None   # the device sampler's token of the last step
 
     # Model.generate samples decode steps with the device sampler (fused into the step), and
     # Model.prefill skips the final norm and lm_head of every chunk but the last.
     samples_on_device = True
     skips_logits = True
+    keeps_logits = True   # the last step's logits stay on the device: last_logits() copies them
+
+    @property
+    def last_stats(self) -> dict | None:
+        """Counters of the last step (fetched from the engine on demand)."""
+        if self._stats_pending:
+            self._last_stats = self.engine.last_stats()
+            self._stats_pending = False
+        return self._last_stats
+
+    @last_stats.setter
+    def last_stats(self, st: dict | None) -> None:
+        self._last_stats = st
+        self._stats_pending = False
 
     def forward(self, ids: np.ndarray, *, all_logits: bool, sample: dict | None = None,
-                logits: bool = True) -> np.ndarray | None:
+                logits: bool = True, fetch: bool = True) -> np.ndarray | None:
         """Logits of the last position (or all with ``all_logits``). ``sample``: dict(temperature,
         top_k, top_p, min_p, seed, step, valid_vocab) also samples the last position on the device
         (``self.last_token``); when ``ids`` is that token, the step reads it from the device slot.
-        ``logits=False`` (a prefill chunk that is not the last): no final norm / lm_head, None."""
+        ``logits=False`` (a prefill chunk that is not the last): no final norm / lm_head, None.
+        ``fetch=False``: the logits stay on the device (None; ``last_logits()`` copies them)."""
         ids = np.ascontiguousarray(ids, dtype=np.uint32).reshape(-1)
         if self.engine.position + len(ids) > self._context:
             raise ValueError("engine: the step would exceed the engine's context length")
@@ -214,9 +235,9 @@ class EngineBackend:
         self.last_token = None
         want = logits or all_logits or sample is not None
         if len(ids) <= step:
-            out, self.last_stats = self.engine.forward(ids, all_logits, sample, from_slot, want)
+            out, self.last_stats = self.engine.forward(ids, all_logits, sample, from_slot, want, fetch)
             self.last_token = self.last_stats.get("token")
-            return None if not want else out if all_logits else out[0]
+            return None if not want or not fetch else out if all_logits else out[0]
         if sample is not None or not want:
             raise ValueError("engine: sampling and logits=False steps feed at most one chunk")
         # Several steps: keep them all-or-nothing with a snapshot.
@@ -237,6 +258,30 @@ class EngineBackend:
         slot. At most two steps are in flight; ``complete()`` returns the oldest."""
         ids = np.array([0 if token is None else token], dtype=np.uint32)
         self.last_stats = self.engine.submit(ids, sample, token is None)
+
+    def sampling(self, sample: dict):
+        """Sampling parameters parsed once, for ``submit_next``."""
+        return _core().Sampling(sample)
+
+    def submit_next(self, sampling, step: int) -> None:
+        """The per-token call of generation: commit a one-token step fed from the device slot
+        (the token the previous step sampled) that samples at ``step``, without waiting."""
+        self.engine.submit_slot(sampling, step)
+        self._stats_pending = True
+
+    def complete_token(self) -> int:
+        """Wait for the oldest step in flight; its sampled token. The logits stay on the device."""
+        self.last_token = self.engine.complete_token()
+        self._stats_pending = True
+        return self.last_token
+
+    def last_logits(self) -> np.ndarray:
+        """float32 logits [V] of the last position of the last completed step (a copy)."""
+        return self.engine.last_logits()
+
+    @property
+    def has_last_logits(self) -> bool:
+        return self.engine.has_last_logits
 
     def complete(self) -> tuple[np.ndarray, int]:
         """Wait for the oldest step in flight: (float32 logits [V], its sampled token)."""
@@ -271,6 +316,14 @@ class EngineBackend:
     def restore(self, snap) -> None:
         self.engine.restore(snap)
         self.last_token = None
+
+    @staticmethod
+    def snapshot_nbytes(snap) -> int:
+        return int(snap.nbytes)
+
+    @staticmethod
+    def snapshot_bytes(snap) -> bytes:
+        return snap.to_bytes()
 
 
 def count_step(cfg: ModelConfig, *, tokens: int = 1, position: int = 0, all_logits: bool = False,

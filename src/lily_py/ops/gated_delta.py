@@ -19,7 +19,7 @@ import numpy as np
 
 from ._common import _check_device, _core, _float_array, _from_core
 
-__all__ = ["causal_conv1d", "gated_delta_scan", "gated_delta_step", "gated_delta_mixer"]
+__all__ = ["causal_conv1d", "gated_delta_scan", "gated_delta_step", "gated_delta_mixer", "gated_delta_route"]
 
 _MAX_HEAD_DIM = 128  # kGdMaxDk / kGdMaxDv (shaders/common/args_gated_delta.h)
 
@@ -104,6 +104,13 @@ def gated_delta_scan(q, k, v, z, a, b, A_log, dt_bias, norm_weight, state, *, ep
     return y, st
 
 
+def gated_delta_route(tokens: int, head_k_dim: int, head_v_dim: int) -> str:
+    """The engine's route for the delta rule over ``tokens`` tokens: ``"scan"`` (one dispatch,
+    token by token) or ``"chunked"`` (the WY form over 64-token chunks, 4 dispatches; from 64
+    tokens when both head dims are multiples of 8, at most 128)."""
+    return str(_core().ops.gated_delta_route(int(tokens), int(head_k_dim), int(head_v_dim)))
+
+
 def gated_delta_step(q, k, v, z, a, b, A_log, dt_bias, norm_weight, state, *, eps: float = 1e-6,
                      device: str = "emu"):
     """One decode step of :func:`gated_delta_scan`: ``q``, ``k`` ``[Hk, Dk]``, ``v``, ``z``
@@ -114,9 +121,11 @@ def gated_delta_step(q, k, v, z, a, b, A_log, dt_bias, norm_weight, state, *, ep
 
 
 def _gated_delta(q, k, v, z, a, b, A_log, dt_bias, norm_weight, state, *, eps=1e-6, chunks=None,
-                 device="emu", order="shuffle", seed=0, fp_traps=True):
+                 route="scan", device="emu", order="shuffle", seed=0, fp_traps=True):
     """:func:`gated_delta_scan` with the run's stats; ``chunks`` splits T into one dispatch per chunk
-    (``[1] * T`` = T decode steps; the state stays on the device between them)."""
+    (``[1] * T`` = T decode steps; the state stays on the device between them). ``route``: "scan"
+    (the token-by-token kernel), "chunked" (the WY form over 64-token chunks, 4 dispatches per
+    part; head dims multiples of 8) or "auto" (the engine's switch, ``ops.gated_delta_route``)."""
     fn = "gated_delta"
     qc, x_name = _float_array(q, "q", fn)
     if qc.ndim != 3 or 0 in qc.shape:
@@ -152,7 +161,7 @@ def _gated_delta(q, k, v, z, a, b, A_log, dt_bias, norm_weight, state, *, eps=1e
     qkv = np.concatenate([qc.reshape(T, -1), kc.reshape(T, -1), vc.reshape(T, -1)], axis=1)
     y, st, stats = _core().ops.gated_delta(
         qkv, zc.reshape(T, -1), ac, bc, al, dc, nc, st, Hk=Hk, Hv=Hv, Dk=Dk, Dv=Dv, eps=float(eps),
-        chunks=list(chunks or []), x_dtype=x_name, w_dtype=w_name, device=device, order=order, seed=seed,
+        chunks=list(chunks or []), route=route, x_dtype=x_name, w_dtype=w_name, device=device, order=order, seed=seed,
         fp_traps=fp_traps)
     return _from_core(y, x_name).reshape(T, Hv, Dv), st.transpose(0, 2, 1).copy(), stats
 

@@ -1,0 +1,111 @@
+"""Host overhead of decoding (not a test): what the host spends per token when the device costs
+nothing.
+
+    python benchmarks/host_overhead.py [--tokens 2000] [--repeat 200]
+
+Runs on the counting device, which encodes every step and runs nothing:
+
+1. Encoding one decode step of the real 35B config (40 layers, 256 experts, context 256; greedy
+   and with the full sampler): the engine's own steady-clock time around the encode
+   (stats['encode_ns']), median over --repeat steps.
+2. Python overhead per streamed token: Model.generate on "count_host" (the counting device with
+   host memory: the engine's host-side reads work, every sampled token is 0) with a one-layer
+   random checkpoint that has the real vocabulary (248,320 logits: a logits row is 1 MB) and
+   the demo tokenizer. Per token: wall time of the generator loop, minus the engine's encode
+   time of the same steps (stats['encode_ns'] of each step, summed) = the Python side.
+3. Time to first token of the same model, host work only (prefill of 16 tokens + first sample),
+   greedy and with temperature / top-k / top-p.
+
+Timings depend on the machine and its load: they are measurements of this machine, not of a Mac.
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import tempfile
+import time
+
+import lily_py
+from lily_py.backends.engine import REAL_QUANT, engine_spec
+from lily_py.config import ModelConfig
+from lily_py.resources import demo_path
+from lily_py.testing import REAL_TEXT_CONFIG, TINY_TEXT_CONFIG, make_checkpoint
+
+FULL = dict(temperature=0.7, top_k=20, top_p=0.95, min_p=0.05)
+
+
+def encode_times(repeat: int, position: int = 256) -> None:
+    from lily_py import _core
+    cfg = ModelConfig.from_dict({"model_type": "qwen3_5_moe", "text_config": dict(REAL_TEXT_CONFIG)})
+    spec = engine_spec(cfg, REAL_QUANT, context_length=position + 1, prefill_chunk=1)
+    eng = _core.Engine(spec, "count")
+    sample = dict(FULL, seed=1, step=1, valid_vocab=cfg.vocab_size)
+    for label, kw in (("greedy", {}), ("full sampler", dict(sample=sample, from_slot=False))):
+        ns = [eng.count(1, position, False, **kw)["encode_ns"] for _ in range(repeat)]
+        st = eng.count(1, position, False, **kw)
+        print(f"encode one decode step, real 35B config, context {position}, {label}: "
+              f"median {statistics.median(ns) / 1e3:7.1f} us  (min {min(ns) / 1e3:.1f} us; "
+              f"{st['dispatches']} dispatches, {st['barriers']} barriers)")
+
+
+def tiny_real_vocab(folder: str) -> str:
+    cfg = dict(TINY_TEXT_CONFIG, vocab_size=REAL_TEXT_CONFIG["vocab_size"], num_hidden_layers=1,
+               layer_types=["linear_attention"])
+    cfg.pop("full_attention_interval")
+    make_checkpoint(folder, cfg, fmt="mlx", seed=0)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{demo_path()}/{f}", folder)
+    return folder
+
+
+def python_overhead(path: str, n: int) -> None:
+    m = lily_py.load(path, backend="count_host", context_length=n + 64, prefill_chunk=16)
+    prompt = list(range(100, 116))
+    for label, opts in (("greedy", dict(temperature=0.0)), ("temperature+top-k+top-p+min-p", FULL)):
+        for rep in range(2):  # the first run warms up
+            m.reset()
+            g = m.generate(prompt, max_tokens=n, seed=1, **opts)
+            next(g)                      # prefill + first token
+            enc = 0
+            t0 = time.perf_counter()
+            k = 0
+            for _ in g:
+                k += 1
+                enc += m.stats().get("encode_ns", 0)
+            wall = time.perf_counter() - t0
+        per = wall / k * 1e6
+        print(f"streamed tokens on count_host, {label}: {k} tokens, {per:7.1f} us/token wall, "
+              f"engine encode {enc / k / 1e3:6.1f} us/token, Python overhead {per - enc / k / 1e3:7.1f} us/token")
+
+
+def first_token(path: str) -> None:
+    m = lily_py.load(path, backend="count_host", context_length=64, prefill_chunk=16)
+    prompt = list(range(100, 116))
+    for label, opts in (("greedy", dict(temperature=0.0)), ("temperature+top-k+top-p+min-p", FULL)):
+        ts = []
+        for _ in range(5):
+            m.reset()
+            t0 = time.perf_counter()
+            g = m.generate(prompt, max_tokens=2, seed=1, **opts)
+            next(g)
+            ts.append(time.perf_counter() - t0)
+            g.close()
+        print(f"time to first token on count_host (host work only), {label}: "
+              f"median {statistics.median(ts) * 1e3:8.2f} ms")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=2000)
+    ap.add_argument("--repeat", type=int, default=200)
+    a = ap.parse_args()
+    encode_times(a.repeat)
+    with tempfile.TemporaryDirectory() as d:
+        path = tiny_real_vocab(d)
+        python_overhead(path, a.tokens)
+        first_token(path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,364 @@
+// Gated DeltaNet prefill in the chunked (WY / UT-transform) form: the per-token recurrence of
+// shaders/gated_delta.metal rewritten, per chunk of kGdChunk = 64 tokens, as matrix products on
+// 8x8 simdgroup matrices. Host: csrc/gpu/ops/gated_delta.cpp (route, scratch, dispatches).
+// Reference: lily_py.reference.gated_delta.chunked_gated_delta (the same algebra in NumPy).
+//
+// Per value head h (key head h / (Hv/Hk)), a chunk of tokens 1..C with incoming state S0
+// [Dk, Dv], log decays g_i, G_i = g_1 + ... + g_i (within the chunk), betas b_i:
+//   A    = strictly lower, A_ij = b_i exp(G_i - G_j) (k_i . k_j)          [C, C]
+//   T    = (I + A)^-1 (unit lower triangular; forward substitution)
+//   Ut   = T diag(b) V,  W = T diag(b e^G) K                                (the WY form)
+//   U    = Ut - W S0                                  (the chunk's delta-rule updates u_i)
+//   O    = diag(e^G) Q S0 + P U,  P_ij = (q_i . k_j) exp(G_i - G_j) for j <= i, else 0
+//   S_C  = e^{G_C} S0 + K^T diag(exp(G_C - G_j)) U
+// Every exponent is <= 0 (G decreases): nothing overflows. Four kernels, one dispatch each:
+//   gd_chunk_prep   (parallel over tokens)  q/k L2 norms, decay, beta; head-major padded scratch
+//   gd_chunk_wy     (parallel over chunks)  G, A, T, Ut, -W, P of every (chunk, value head)
+//   gd_chunk_state  (sequential over chunks, parallel over heads x 8 value columns) U, O, S
+//   gd_chunk_norm   (parallel over tokens)  y = rmsnorm(o) * norm_weight * silu(z)
+// Scratch layout and the args: common/args_gated_delta.h (GdChunkArgs). Padded rows (t >= T) hold
+// q = k = v = 0, g = 0, beta = 0, so they contribute nothing and need no masks.
+//
+// Precision: fp32 everywhere (inputs widened once in the prep); products accumulate in fp32 in
+// the simdgroup matrices; exp / rsqrt precise (-fno-fast-math). The state is fp32 and only
+// touches device memory before the first chunk and after the last. It differs from the scan by
+// rounding only (different association of the same sums); tests/kernels/test_gated_delta.py
+// derives the tolerance.
+//
+// Activation type T is a template parameter of the kernels that read or write activations
+// (prep, norm), so bf16 activations need only new instantiations.
+#include "common/lily_metal.h"
+#include "common/reduce.h"
+
+namespace lily {
+
+inline float gdc_sigmoid(float x) {  // same formula as gd_sigmoid (gated_delta.metal)
+  const float e = exp(-abs(x));
+  return x >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+}
+
+inline float gdc_softplus(float x) {  // same formula as gd_softplus (gated_delta.metal)
+  const float e = exp(-abs(x));
+  const float u = 1.0f + e;
+  const float log1p_e = u == 1.0f ? e : log(u) * (e / (u - 1.0f));
+  return max(x, 0.0f) + log1p_e;
+}
+
+// ---------------------------------------------------------------------------------------------
+// gd_chunk_prep: per token t < Tp and value head h (one simdgroup each).
+//   grid:    (Tp, Hv) threadgroups of 32 threads
+//   writes:  vo[h, t, :] = v; g[h, t] = -exp(A_log) softplus(a + dt_bias); beta[h, t] = sigmoid(b);
+//            the first value head of each key head also writes qn / kn (L2-normalised over Dk
+//            with one simd_sum(float2), eps 1e-6, q times q_scale). Rows t >= T: zeros.
+//   buffers: 1 qkv [T, qkv_stride] T, 2 a [T, ab_stride] T, 3 b [T, ab_stride] T, 4 A_log [Hv]
+//            float, 5 dt_bias [Hv] W, 6 qn, 7 kn, 8 vo, 9 g, 10 beta (float scratch)
+template <typename T, typename W>
+[[kernel]] void gd_chunk_prep(constant GdChunkArgs& args [[buffer(0)]],
+                              const device T* qkv [[buffer(1)]],
+                              const device T* a [[buffer(2)]],
+                              const device T* b [[buffer(3)]],
+                              const device float* A_log [[buffer(4)]],
+                              const device W* dt_bias [[buffer(5)]],
+                              device float* qn [[buffer(6)]],
+                              device float* kn [[buffer(7)]],
+                              device float* vo [[buffer(8)]],
+                              device float* g [[buffer(9)]],
+                              device float* beta [[buffer(10)]],
+                              LILY_KERNEL_TAIL) {
+  const uint32_t t = group_pos.x, h = group_pos.y;
+  const uint32_t Dk = args.Dk, Dv = args.Dv, ratio = args.Hv / args.Hk, kh = h / ratio;
+  const bool live = t < args.T;  // uniform over the threadgroup
+  const device T* row = qkv + uint64_t(live ? t : 0) * args.qkv_stride;
+  const uint64_t vrow = (uint64_t(h) * args.Tp + t) * Dv;
+  for (uint32_t d = lane; d < Dv; d += 32)
+    vo[vrow + d] = live ? float(row[2 * args.Hk * Dk + h * Dv + d]) : 0.0f;
+  if (lane == 0) {
+    const uint64_t ab = uint64_t(live ? t : 0) * args.ab_stride + h;
+    g[uint64_t(h) * args.Tp + t] = live ? -exp(A_log[h]) * gdc_softplus(float(a[ab]) + float(dt_bias[h])) : 0.0f;
+    beta[uint64_t(h) * args.Tp + t] = live ? gdc_sigmoid(float(b[ab])) : 0.0f;
+  }
+  if (h % ratio == 0) {  // uniform: one value head per key head writes q and k
+    float qr[kGdRowsPerLane], kr[kGdRowsPerLane];
+    float2 ss = float2(0.0f);
+    for (uint32_t r = 0; r < kGdRowsPerLane; ++r) {
+      const uint32_t i = lane + 32 * r;
+      qr[r] = live && i < Dk ? float(row[kh * Dk + i]) : 0.0f;
+      kr[r] = live && i < Dk ? float(row[args.Hk * Dk + kh * Dk + i]) : 0.0f;
+      ss.x += qr[r] * qr[r];
+      ss.y += kr[r] * kr[r];
+    }
+    ss = simd_sum(ss);
+    const float q_norm = rsqrt(ss.x + 1e-6f) * args.q_scale;
+    const float k_norm = rsqrt(ss.y + 1e-6f);
+    const uint64_t krow = (uint64_t(kh) * args.Tp + t) * Dk;
+    for (uint32_t r = 0; r < kGdRowsPerLane; ++r) {
+      const uint32_t i = lane + 32 * r;
+      if (i < Dk) {
+        qn[krow + i] = qr[r] * q_norm;
+        kn[krow + i] = kr[r] * k_norm;
+      }
+    }
+  }
+}
+
+// C = A B over one chunk, A [64, 64] lower triangular in threadgroup memory (leading dim 64),
+// B [64, ncols] rows `ldb` apart in device memory, C to device memory (leading dim ldb); simdgroup
+// s of `simds` computes the 8-wide column tiles s, s + simds, ... (tile row i needs k tiles <= i).
+inline void gdc_lower_times(const threadgroup float* A, const device float* B, device float* C, uint32_t ldb,
+                            uint32_t col_tiles, uint32_t simd_id, uint32_t simds) {
+  for (uint32_t ct = simd_id; ct < col_tiles; ct += simds) {
+    for (uint32_t i = 0; i < kGdChunk / 8; ++i) {
+      simdgroup_float8x8 acc = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+      for (uint32_t j = 0; j <= i; ++j) {
+        simdgroup_float8x8 at;
+        simdgroup_float8x8 bt;
+        simdgroup_load(at, A + (8 * i) * kGdChunk + 8 * j, ulong(kGdChunk), ulong2(0), false);
+        simdgroup_load(bt, B + uint64_t(8 * j) * ldb + 8 * ct, ulong(ldb), ulong2(0), false);
+        simdgroup_multiply_accumulate(acc, at, bt, acc);
+      }
+      simdgroup_store(acc, C + uint64_t(8 * i) * ldb + 8 * ct, ulong(ldb), ulong2(0), false);
+    }
+  }
+}
+
+// M[i, j] = X_i . Y_j for the 36 lower-triangle 8x8 tiles (j <= i) of a chunk; X, Y [64, Dk] rows
+// Dk apart in device memory; M [64, 64] in threadgroup memory. Upper tiles are left untouched.
+inline void gdc_lower_gram(const device float* X, const device float* Y, threadgroup float* M, uint32_t Dk,
+                           uint32_t simd_id, uint32_t simds) {
+  for (uint32_t tile = simd_id; tile < 36; tile += simds) {
+    uint32_t i = 0;  // tile -> (i, j), j <= i, row by row
+    while ((i + 1) * (i + 2) / 2 <= tile) ++i;
+    const uint32_t j = tile - i * (i + 1) / 2;
+    simdgroup_float8x8 acc = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+    for (uint32_t r = 0; r < Dk / 8; ++r) {
+      simdgroup_float8x8 xt;
+      simdgroup_float8x8 yt;
+      simdgroup_load(xt, X + uint64_t(8 * i) * Dk + 8 * r, ulong(Dk), ulong2(0), false);
+      simdgroup_load(yt, Y + uint64_t(8 * j) * Dk + 8 * r, ulong(Dk), ulong2(0), true);
+      simdgroup_multiply_accumulate(acc, xt, yt, acc);
+    }
+    simdgroup_store(acc, M + (8 * i) * kGdChunk + 8 * j, ulong(kGdChunk), ulong2(0), false);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// gd_chunk_wy: everything of one (chunk, value head) that does not depend on the state.
+//   grid:    (Tp / 64, Hv) threadgroups of kGdChunkWyThreads = 256 threads (8 simdgroups)
+//   steps (threadgroup barrier between each):
+//     1 G = cumsum(g) of the chunk (one thread, in token order), written back over g
+//     2 M = K K^T (lower tiles, simdgroups round-robin)        3 M_ij *= b_i exp(G_i - G_j), j < i
+//     4 T by forward substitution: thread c < 64 owns column c of T and stores T[i, c] (i > c) at
+//       M[c, i] (the upper triangle), reading A[i, j] = M[i, j] (j < i) and its own T[j, c] only:
+//       no thread reads what another writes
+//     5 M = T diag(b) (lower, the upper zeroed)                  6 u = M V -> device
+//     7 M = M diag(-e^G)                                         8 wn = M K -> device
+//     9 M = Q K^T (lower tiles)                                 10 p = M o exp(G_i - G_j) (j <= i)
+//   threadgroup memory: M 64 x 64 floats (16 KiB), G and b of the chunk.
+//   buffers: 1 qn, 2 kn, 3 vo, 4 g (in: g, out: G), 5 beta, 6 wn, 7 u, 8 p (float scratch)
+template <typename F>
+[[kernel]] void gd_chunk_wy(constant GdChunkArgs& args [[buffer(0)]],
+                            const device F* qn [[buffer(1)]],
+                            const device F* kn [[buffer(2)]],
+                            const device F* vo [[buffer(3)]],
+                            device F* g [[buffer(4)]],
+                            const device F* beta [[buffer(5)]],
+                            device F* wn [[buffer(6)]],
+                            device F* u [[buffer(7)]],
+                            device F* p [[buffer(8)]],
+                            LILY_KERNEL_TAIL) {
+  constexpr uint32_t C = kGdChunk;
+  constexpr uint32_t simds = kGdChunkWyThreads / 32;
+  LILY_TG_ARRAY(float, M, [C * C]);
+  LILY_TG_ARRAY(float, Gs, [C]);
+  LILY_TG_ARRAY(float, bs, [C]);
+  const uint32_t chunk = group_pos.x, h = group_pos.y, tid = thread_pos.x;
+  const uint32_t Dk = args.Dk, Dv = args.Dv, kh = h / (args.Hv / args.Hk);
+  const uint64_t t0 = uint64_t(chunk) * C;
+  const device F* Kc = kn + (uint64_t(kh) * args.Tp + t0) * Dk;
+  const device F* Qc = qn + (uint64_t(kh) * args.Tp + t0) * Dk;
+  const uint64_t gh = uint64_t(h) * args.Tp + t0;
+
+  if (tid == 0) {  // 1
+    float acc = 0.0f;
+    for (uint32_t i = 0; i < C; ++i) {
+      acc += float(g[gh + i]);
+      Gs[i] = acc;
+    }
+  }
+  if (tid < C) bs[tid] = float(beta[gh + tid]);
+  gdc_lower_gram(Kc, Kc, M, Dk, simd_id, simds);  // 2
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (tid < C) g[gh + tid] = F(Gs[tid]);
+  for (uint32_t e = tid; e < C * C; e += kGdChunkWyThreads) {  // 3
+    const uint32_t i = e / C, j = e % C;
+    if (j < i) M[e] = bs[i] * exp(Gs[i] - Gs[j]) * M[e];
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (tid < C) {  // 4
+    const uint32_t c = tid;
+    for (uint32_t i = c + 1; i < C; ++i) {
+      float acc = -M[i * C + c];
+      for (uint32_t j = c + 1; j < i; ++j) acc -= M[i * C + j] * M[c * C + j];
+      M[c * C + i] = acc;
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (uint32_t e = tid; e < C * C; e += kGdChunkWyThreads) {  // 5 (each pair i > j by one thread)
+    const uint32_t i = e / C, j = e % C;
+    if (i > j) {
+      const float tij = M[j * C + i];
+      M[i * C + j] = tij * bs[j];
+      M[j * C + i] = 0.0f;
+    } else if (i == j) {
+      M[e] = bs[i];
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  gdc_lower_times(M, vo + (uint64_t(h) * args.Tp + t0) * Dv, u + (uint64_t(h) * args.Tp + t0) * Dv, Dv, Dv / 8,
+                  simd_id, simds);  // 6
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (uint32_t e = tid; e < C * C; e += kGdChunkWyThreads) M[e] *= -exp(Gs[e % C]);  // 7
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  gdc_lower_times(M, Kc, wn + (uint64_t(h) * args.Tp + t0) * Dk, Dk, Dk / 8, simd_id, simds);  // 8
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  gdc_lower_gram(Qc, Kc, M, Dk, simd_id, simds);  // 9
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (uint32_t e = tid; e < C * C; e += kGdChunkWyThreads) {  // 10
+    const uint32_t i = e / C, j = e % C;
+    p[gh * C + e] = F(j <= i ? exp(Gs[i] - Gs[j]) * M[e] : 0.0f);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// gd_chunk_state: the chunks of one value head in order, for kGdChunkStateCols = 8 value columns
+// (one simdgroup; columns of S evolve independently).
+//   grid:      (Dv / 8, Hv) threadgroups of 32 threads
+//   registers: S [Dk, 8] as Dk / 8 tiles (fp32), the chunk's U [64, 8] as 8 tiles
+//   per chunk: diagonals e^{G_i} and exp(G_C - G_j) -> threadgroup memory (two copies alternate
+//              by chunk parity: one barrier per chunk); U_i = u_i + sum_r wn[i, r] S_r;
+//              O_i = diag(e^G)_i (sum_r Q[i, r] S_r) + sum_{j <= i} p[i, j] U_j -> vo;
+//              U_j = diag(exp(G_C - G_j)) U_j; S_r = e^{G_C} S_r + sum_j K[j, r]^T U_j
+//   state:     device layout [Hv, Dv, Dk] (row = value column): tiles load and store transposed
+//   buffers:   1 qn, 2 kn, 3 g (G), 4 wn, 5 u, 6 p, 7 state [Hv, Dv, Dk] float (in place), 8 vo (o)
+template <typename F>
+[[kernel]] void gd_chunk_state(constant GdChunkArgs& args [[buffer(0)]],
+                               const device F* qn [[buffer(1)]],
+                               const device F* kn [[buffer(2)]],
+                               const device F* G [[buffer(3)]],
+                               const device F* wn [[buffer(4)]],
+                               const device F* u [[buffer(5)]],
+                               const device F* p [[buffer(6)]],
+                               device float* state [[buffer(7)]],
+                               device F* vo [[buffer(8)]],
+                               LILY_KERNEL_TAIL) {
+  constexpr uint32_t C = kGdChunk, CT = kGdChunk / 8, MT = kGdChunkMaxTiles;
+  LILY_TG_ARRAY(float, diag, [2][2 * CT][64]);  // [parity][e^G tiles | tail tiles][8 x 8]
+  const uint32_t h = group_pos.y, j0 = group_pos.x * kGdChunkStateCols;
+  const uint32_t Dk = args.Dk, Dv = args.Dv, kh = h / (args.Hv / args.Hk), nk = Dk / 8;
+  device float* st = state + uint64_t(h) * Dv * Dk + uint64_t(j0) * Dk;
+
+  for (uint32_t e = lane; e < 2 * 2 * CT * 64; e += 32) diag[e / (2 * CT * 64)][(e / 64) % (2 * CT)][e % 64] = 0.0f;
+  threadgroup_barrier(mem_flags::mem_threadgroup);  // zeros -> the diagonals written per chunk
+
+  simdgroup_float8x8 S[MT];
+  for (uint32_t r = 0; r < MT; ++r) {
+    S[r] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+    if (r < nk) simdgroup_load(S[r], st + 8 * r, ulong(Dk), ulong2(0), true);  // S[8r.., j0..] = state^T
+  }
+
+  for (uint32_t c = 0; c * C < args.T; ++c) {
+    const uint32_t par = c & 1;
+    const uint64_t t0 = uint64_t(c) * C;
+    const uint64_t gh = uint64_t(h) * args.Tp + t0;
+    const float G_last = float(G[gh + C - 1]);
+    for (uint32_t i = lane; i < C; i += 32) {
+      const float Gi = float(G[gh + i]);
+      diag[par][i / 8][(i % 8) * 9] = exp(Gi);
+      diag[par][CT + i / 8][(i % 8) * 9] = exp(G_last - Gi);
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    const device F* Qc = qn + (uint64_t(kh) * args.Tp + t0) * Dk;
+    const device F* Kc = kn + (uint64_t(kh) * args.Tp + t0) * Dk;
+    const device F* Wc = wn + gh * Dk;
+    const device F* Pc = p + gh * C;
+
+    simdgroup_float8x8 U[CT];
+    for (uint32_t i = 0; i < CT; ++i) {
+      simdgroup_load(U[i], u + gh * Dv + uint64_t(8 * i) * Dv + j0, ulong(Dv), ulong2(0), false);
+      for (uint32_t r = 0; r < MT; ++r) {
+        if (r >= nk) break;
+        simdgroup_float8x8 wt;
+        simdgroup_load(wt, Wc + uint64_t(8 * i) * Dk + 8 * r, ulong(Dk), ulong2(0), false);
+        simdgroup_multiply_accumulate(U[i], wt, S[r], U[i]);
+      }
+    }
+    for (uint32_t i = 0; i < CT; ++i) {
+      simdgroup_float8x8 o = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+      for (uint32_t r = 0; r < MT; ++r) {
+        if (r >= nk) break;
+        simdgroup_float8x8 qt;
+        simdgroup_load(qt, Qc + uint64_t(8 * i) * Dk + 8 * r, ulong(Dk), ulong2(0), false);
+        simdgroup_multiply_accumulate(o, qt, S[r], o);
+      }
+      simdgroup_float8x8 d;
+      simdgroup_load(d, &diag[par][i][0], ulong(8), ulong2(0), false);
+      simdgroup_multiply(o, d, o);
+      for (uint32_t j = 0; j <= i; ++j) {
+        simdgroup_float8x8 pt;
+        simdgroup_load(pt, Pc + (8 * i) * C + 8 * j, ulong(C), ulong2(0), false);
+        simdgroup_multiply_accumulate(o, pt, U[j], o);
+      }
+      simdgroup_store(o, vo + gh * Dv + uint64_t(8 * i) * Dv + j0, ulong(Dv), ulong2(0), false);
+    }
+    for (uint32_t j = 0; j < CT; ++j) {
+      simdgroup_float8x8 d;
+      simdgroup_load(d, &diag[par][CT + j][0], ulong(8), ulong2(0), false);
+      simdgroup_multiply(U[j], d, U[j]);
+    }
+    simdgroup_float8x8 decay(exp(G_last));
+    for (uint32_t r = 0; r < MT; ++r) {
+      if (r >= nk) break;
+      simdgroup_multiply(S[r], decay, S[r]);
+      for (uint32_t j = 0; j < CT; ++j) {
+        simdgroup_float8x8 kt;
+        simdgroup_load(kt, Kc + uint64_t(8 * j) * Dk + 8 * r, ulong(Dk), ulong2(0), true);
+        simdgroup_multiply_accumulate(S[r], kt, U[j], S[r]);
+      }
+    }
+  }
+
+  for (uint32_t r = 0; r < MT; ++r)
+    if (r < nk) simdgroup_store(S[r], st + 8 * r, ulong(Dk), ulong2(0), true);
+}
+
+// ---------------------------------------------------------------------------------------------
+// gd_chunk_norm: y[t, h, :] = rmsnorm(o[h, t, :]) * norm_weight * silu(z[t, h, :]) (as the scan's
+// epilogue). grid (T, Hv) threadgroups of 32 threads; lanes own columns lane + 32 r.
+//   buffers: 1 vo (o) float, 2 z [T, z_stride] T, 3 norm_weight [Dv] W, 4 y [T, Hv * Dv] T
+template <typename T, typename W>
+[[kernel]] void gd_chunk_norm(constant GdChunkArgs& args [[buffer(0)]],
+                              const device float* vo [[buffer(1)]],
+                              const device T* z [[buffer(2)]],
+                              const device W* norm_weight [[buffer(3)]],
+                              device T* y [[buffer(4)]],
+                              LILY_KERNEL_TAIL) {
+  const uint32_t t = group_pos.x, h = group_pos.y, Dv = args.Dv;
+  const device float* o = vo + (uint64_t(h) * args.Tp + t) * Dv;
+  float ss = 0.0f;
+  for (uint32_t d = lane; d < Dv; d += 32) ss += o[d] * o[d];
+  ss = simd_sum(ss);
+  const float inv_rms = rsqrt(ss / float(Dv) + args.eps);
+  for (uint32_t d = lane; d < Dv; d += 32) {
+    const float zz = float(z[uint64_t(t) * args.z_stride + h * Dv + d]);
+    y[uint64_t(t) * args.Hv * Dv + h * Dv + d] = T(o[d] * inv_rms * float(norm_weight[d]) * (zz * gdc_sigmoid(zz)));
+  }
+}
+
+LILY_INSTANTIATE("gd_chunk_prep_xf32_wf32", gd_chunk_prep<float, float>)
+LILY_INSTANTIATE("gd_chunk_prep_xf32_wbf16", gd_chunk_prep<float, bfloat>)
+LILY_INSTANTIATE("gd_chunk_wy_f32", gd_chunk_wy<float>)
+LILY_INSTANTIATE("gd_chunk_state_f32", gd_chunk_state<float>)
+LILY_INSTANTIATE("gd_chunk_norm_xf32_wf32", gd_chunk_norm<float, float>)
+LILY_INSTANTIATE("gd_chunk_norm_xf32_wbf16", gd_chunk_norm<float, bfloat>)
+
+}  // namespace lily

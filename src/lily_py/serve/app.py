@@ -1,0 +1,332 @@
+"""The ASGI application of ``lily-py serve`` (Starlette): routes, auth, streaming, disconnects.
+
+    app = build_app(model, model_id="lily-py-demo")      # any ASGI server runs it; see cli.py
+
+Every generation goes through the ``Scheduler`` (one at a time per model, bounded FIFO queue).
+Each request watches its connection: when the client goes away, its job is cancelled (taken out
+of the queue, or stopped at the next token, the generator closed and the model freed).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import inspect
+import json
+import logging
+import time
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from .. import __version__
+from . import protocol
+from .protocol import APIError
+from .scheduler import CHUNK, DONE, ERROR, START, Job, QueueFull, Scheduler
+
+log = logging.getLogger("lily_py.serve")
+
+MAX_BODY_BYTES = 32 << 20
+
+
+class ClientGone(Exception):
+    """The client closed the connection."""
+
+
+def error_response(e: APIError) -> JSONResponse:
+    headers = {"Retry-After": "1"} if e.status == 503 else None
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+def api_error(e: BaseException, param: str | None = None) -> APIError:
+    """A lily_py exception raised by ``generate`` -> the OpenAI error answered for it."""
+    from ..errors import BusyError, ContextLengthError
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, ContextLengthError):
+        return APIError(400, str(e), param=param, code="context_length_exceeded")
+    if isinstance(e, QueueFull):
+        return APIError(503, str(e), code="queue_full")
+    if isinstance(e, BusyError):
+        return APIError(503, str(e), code="busy")
+    if isinstance(e, (ValueError, TypeError)):     # also ChatTemplateError
+        return APIError(400, str(e), param=param, code="invalid_request")
+    return APIError(500, f"internal error: {type(e).__name__}: {e}", code="internal_error")
+
+
+async def _disconnected(receive) -> None:
+    """Returns when the client has closed the connection (the request body is already read)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _next_event(job: Job, watcher: asyncio.Task):
+    if watcher.done():
+        raise ClientGone()
+    get = asyncio.ensure_future(job.events.get())
+    await asyncio.wait({get, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    if get.done():
+        return get.result()
+    get.cancel()
+    raise ClientGone()
+
+
+class Server:
+    """State of one served model; ``app`` is its Starlette application."""
+
+    def __init__(self, model, *, model_id: str, api_key: str | None = None, max_queue: int = 16,
+                 default_max_tokens: int | None = None):
+        self.model, self.model_id, self.api_key = model, model_id, api_key
+        self.default_max_tokens = default_max_tokens
+        self.created = int(time.time())
+        self.scheduler = Scheduler(model, max_queue)
+        params = inspect.signature(model.generate).parameters
+        self._accepts = set(params) if not any(
+            p.kind == p.VAR_KEYWORD for p in params.values()) else None
+        self.app = Starlette(
+            routes=[Route("/health", self.health),
+                    Route("/v1/models", self.models),
+                    Route("/v1/models/{model_id:path}", self.model_info),
+                    Route("/v1/chat/completions", self.chat, methods=["POST"]),
+                    Route("/v1/completions", self.completions, methods=["POST"])],
+            exception_handlers={HTTPException: self._http_error, Exception: self._internal},
+            lifespan=self._lifespan)
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app):
+        yield
+        self.shutdown()
+
+    # ---- plumbing ---------------------------------------------------------------------------
+    async def _http_error(self, request, exc: HTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        msg = (f"no route {request.method} {request.url.path}" if exc.status_code in (404, 405)
+               else exc.detail)
+        return error_response(APIError(exc.status_code, msg, code=code,
+                                       type="invalid_request_error"))
+
+    async def _internal(self, request, exc: Exception):
+        log.exception("unhandled error")
+        return error_response(api_error(exc))
+
+    def shutdown(self) -> None:
+        self.scheduler.stop()
+
+    def _auth(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        got = request.headers.get("authorization", "")
+        scheme, _, token = got.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
+                                                                 self.api_key.encode()):
+            raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' "
+                           "with the key given to lily-py serve --api-key",
+                           code="invalid_api_key")
+
+    async def _json(self, request: Request):
+        raw = await request.body()
+        if len(raw) > MAX_BODY_BYTES:
+            raise APIError(413, f"the request body is {len(raw)} bytes; the limit is "
+                           f"{MAX_BODY_BYTES}", code="body_too_large")
+        try:
+            return json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise APIError(400, f"the request body is not valid JSON: {e}",
+                           code="invalid_json") from None
+
+    # ---- small routes -----------------------------------------------------------------------
+    async def health(self, request: Request):
+        return JSONResponse({"status": "ok", "model": self.model_id,
+                             "backend": getattr(self.model, "backend", None),
+                             "context_length": getattr(self.model, "context_length", None),
+                             **self.scheduler.status()})
+
+    def _model_card(self) -> dict:
+        return {"id": self.model_id, "object": "model", "created": self.created,
+                "owned_by": "lily-py"}
+
+    async def models(self, request: Request):
+        try:
+            self._auth(request)
+        except APIError as e:
+            return error_response(e)
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model_info(self, request: Request):
+        try:
+            self._auth(request)
+            if request.path_params["model_id"] != self.model_id:
+                raise self._no_model(request.path_params["model_id"])
+        except APIError as e:
+            return error_response(e)
+        return JSONResponse(self._model_card())
+
+    def _no_model(self, name: str) -> APIError:
+        return APIError(404, f"the model {name!r} is not served here; this server serves "
+                        f"{self.model_id!r} (GET /v1/models)", param="model",
+                        code="model_not_found")
+
+    # ---- generation -------------------------------------------------------------------------
+    async def chat(self, request: Request):
+        return await self._generate(request, protocol.parse_chat)
+
+    async def completions(self, request: Request):
+        return await self._generate(request, protocol.parse_completion)
+
+    def _kwargs(self, req: protocol.GenRequest) -> dict:
+        max_tokens = req.max_tokens or self.default_max_tokens or self.model.context_length
+        kw = dict(max_tokens=max_tokens, **req.sampling)
+        if req.kind == "chat":
+            ctk = dict(req.chat_template_kwargs)
+            kw["enable_thinking"] = ctk.pop("enable_thinking", None)
+            kw["tools"] = req.tools
+            if ctk:
+                kw["chat_template_kwargs"] = ctk
+        if self._accepts is not None:
+            unsupported = [k for k, v in kw.items() if k not in self._accepts and v is not None]
+            if unsupported:
+                raise protocol.bad(f"this lily_py build does not support "
+                                   f"{', '.join(unsupported)}", unsupported[0], "unsupported_value")
+            kw = {k: v for k, v in kw.items() if k in self._accepts}
+        return kw
+
+    async def _generate(self, request: Request, parse):
+        try:
+            self._auth(request)
+            req = parse(await self._json(request))
+            if req.model != self.model_id:
+                raise self._no_model(req.model)
+            if req.kind == "chat" and getattr(self.model.tokenizer, "chat_template", None) is None:
+                raise protocol.bad("this model has no chat template; use /v1/completions",
+                                   "messages", "no_chat_template")
+            job = Job(req.prompt, self._kwargs(req), asyncio.get_running_loop())
+            self.scheduler.submit(job)
+        except (APIError, QueueFull) as e:
+            return error_response(api_error(e))
+
+        watcher = asyncio.ensure_future(_disconnected(request.receive))
+        param = "messages" if req.kind == "chat" else "prompt"
+        handed_over = False
+        try:
+            kind, value = await _next_event(job, watcher)     # START or ERROR
+            if kind == ERROR:
+                return error_response(api_error(value, param))
+            if req.stream:
+                handed_over = True
+                return _SSE(self._sse_events(req, job, watcher), job, watcher)
+            return JSONResponse(await self._collect(req, job, watcher))
+        except ClientGone:
+            return JSONResponse({}, status_code=499)      # nobody reads it
+        except APIError as e:
+            return error_response(e)
+        finally:
+            if not handed_over:
+                job.cancel()
+                watcher.cancel()
+
+    async def _collect(self, req, job, watcher) -> dict:
+        message: dict = {"role": "assistant", "content": None}
+        text, reason, stats, saw_calls = [], None, None, False
+        while True:
+            kind, value = await _next_event(job, watcher)
+            if kind == DONE:
+                break
+            if kind == ERROR:
+                raise api_error(value)
+            if kind == CHUNK:
+                if req.kind == "chat":
+                    d = protocol.chunk_delta(value)
+                    saw_calls |= "tool_calls" in d
+                    protocol.merge_delta(message, d)
+                else:
+                    text.append(value.text)
+                if value.finish_reason is not None:
+                    reason, stats = value.finish_reason, value.stats
+        head = {"id": protocol.new_id(req.kind), "created": protocol.created(),
+                "model": self.model_id, "system_fingerprint": self._fingerprint()}
+        fr = protocol.finish_reason(reason, saw_calls)
+        if req.kind == "chat":
+            if message["content"] is None and not saw_calls:
+                message["content"] = ""
+            choice = {"index": 0, "message": message, "finish_reason": fr, "logprobs": None}
+            return {**head, "object": "chat.completion", "choices": [choice],
+                    "usage": protocol.usage(stats)}
+        choice = {"index": 0, "text": "".join(text), "finish_reason": fr, "logprobs": None}
+        return {**head, "object": "text_completion", "choices": [choice],
+                "usage": protocol.usage(stats)}
+
+    def _fingerprint(self) -> str:
+        return f"lily-py-{__version__}-{getattr(self.model, 'backend', '?')}"
+
+    async def _sse_events(self, req, job, watcher):
+        """The data lines of a streamed answer (dicts, then "[DONE]")."""
+        chat = req.kind == "chat"
+        head = {"id": protocol.new_id(req.kind), "object": "chat.completion.chunk" if chat
+                else "text_completion", "created": protocol.created(), "model": self.model_id,
+                "system_fingerprint": self._fingerprint()}
+
+        def choice(d=None, text=None, fr=None):
+            c = {"index": 0, "delta": d} if chat else {"index": 0, "text": text}
+            return {**head, "choices": [{**c, "finish_reason": fr, "logprobs": None}]}
+
+        if chat:
+            yield choice({"role": "assistant", "content": ""})
+        reason, stats, saw_calls = None, None, False
+        while True:
+            kind, value = await _next_event(job, watcher)
+            if kind == DONE:
+                break
+            if kind == ERROR:
+                yield api_error(value).body()
+                yield "[DONE]"
+                return
+            if value.finish_reason is not None:
+                reason, stats = value.finish_reason, value.stats
+            if chat:
+                d = protocol.chunk_delta(value)
+                saw_calls |= "tool_calls" in d
+                if d:
+                    yield choice(d)
+            elif value.text:
+                yield choice(text=value.text)
+        fr = protocol.finish_reason(reason, saw_calls)
+        yield choice({}, fr=fr) if chat else choice(text="", fr=fr)
+        if req.include_usage:
+            yield {**head, "choices": [], "usage": protocol.usage(stats)}
+        yield "[DONE]"
+
+
+class _SSE:
+    """A server-sent-events answer; cancels its job when the client goes away or when the
+    response ends in any way."""
+
+    def __init__(self, events, job: Job, watcher: asyncio.Task):
+        self.events, self.job, self.watcher = events, job, watcher
+
+    async def __call__(self, scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
+                                (b"cache-control", b"no-cache"),
+                                (b"x-accel-buffering", b"no")]})
+        try:
+            async for data in self.events:
+                line = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+                await send({"type": "http.response.body",
+                            "body": f"data: {line}\n\n".encode(), "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except (ClientGone, OSError):
+            pass        # the client left: nothing more to send
+        finally:
+            self.job.cancel()
+            self.watcher.cancel()
+            await self.events.aclose()
+
+
+def build_app(model, **kwargs):
+    """The Starlette application serving ``model`` (see ``Server`` for the options)."""
+    return Server(model, **kwargs).app
