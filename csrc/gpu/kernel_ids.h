@@ -111,6 +111,20 @@
   /* partial_o, partial_ml, gate, out */                                      \
   X(attn_combine_f32,  AttnArgs, 4)                                           \
   X(attn_combine_bf16, AttnArgs, 4)                                          \
+  /* vec decode (head_dim 32 E): q, k_cache, v_cache, partial_o, partial_ml */ \
+  X(attn_decode_vec_e2_f32, AttnArgs, 5)                                  \
+  X(attn_decode_vec_e2_bf16, AttnArgs, 5)                                  \
+  X(attn_decode_vec_e4_f32, AttnArgs, 5)                                  \
+  X(attn_decode_vec_e4_bf16, AttnArgs, 5)                                  \
+  X(attn_decode_vec_e8_f32, AttnArgs, 5)                                  \
+  X(attn_decode_vec_e8_bf16, AttnArgs, 5)                                  \
+  /* vec combine: partial_o, partial_ml, gate, out */                          \
+  X(attn_vec_combine_e2_f32, AttnArgs, 4)                                \
+  X(attn_vec_combine_e2_bf16, AttnArgs, 4)                                \
+  X(attn_vec_combine_e4_f32, AttnArgs, 4)                                \
+  X(attn_vec_combine_e4_bf16, AttnArgs, 4)                                \
+  X(attn_vec_combine_e8_f32, AttnArgs, 4)                                \
+  X(attn_vec_combine_e8_bf16, AttnArgs, 4)                                \
   /* argmax / sampling (shaders/sampling.metal; host csrc/gpu/ops/sampling.cpp) */ \
   X(sample_max_partial_f32,    SampleArgs, 2) /* logits, partials */          \
   X(sample_max_final,          SampleArgs, 4) /* partials, state, ids, chosen_logit */ \

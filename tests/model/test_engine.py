@@ -133,16 +133,18 @@ def _expected_counts(cfg, tokens: int, position: int = 0) -> tuple[int, int]:
     """(dispatches, barriers) of one step, from the engine's encoding plan (csrc/gpu/step.h):
     embedding | per layer: input norm, mixer, fused residual + post norm, MoE, one barrier after
     each | final norm | lm_head. Mixers: DeltaNet 4 dispatches / 3 barriers inside (the chunked
-    delta rule: 3 more of each); attention 4 / 3 (decode beyond kAttnSplitKeys = 256 keys: split-K +
-    combine, 5 / 4). MoE: mv route (tokens <= 8) 4 / 3, tiled 10 / 5. `cfg` is a ModelConfig."""
-    from lily_py.ops import gated_delta_route, moe_route
-    # MoE: (dispatches, barriers inside): mv 4 / 3; tiled 10 / 5 (the three tile kinds of a stage side by side)
+    delta rule: 3 more of each); attention 4 / 3, plus one dispatch and one barrier when decode
+    attention takes two passes (the vec route of head_dim 64 / 128 / 256 at every length; other
+    head dims beyond 256 keys). MoE: mv route (tokens <= 8) 4 / 3, tiled 10 / 5 (the three tile
+    kinds of a stage side by side). `cfg` is a ModelConfig."""
+    from lily_py.ops import attention_decode_route, gated_delta_route, moe_route
     moe, moe_barriers = (4, 3) if moe_route(tokens, cfg.num_experts_per_tok) == "mv" else (10, 5)
     chunked = gated_delta_route(tokens, cfg.linear_key_head_dim, cfg.linear_value_head_dim) == "chunked"
+    two_pass = tokens == 1 and attention_decode_route(position + 1, cfg.head_dim)["route"] != "single"
     dispatches = barriers = 1
     for i in range(cfg.num_hidden_layers):
         mixer = 4
-        if cfg.is_full_attention(i) and tokens == 1 and position + 1 > 256:
+        if cfg.is_full_attention(i) and two_pass:
             mixer = 5
         if not cfg.is_full_attention(i) and chunked:
             mixer = 7
@@ -219,8 +221,9 @@ def test_step_counters(attn_ckpt, rng, tokens):
 
 
 def test_decode_split_route_counters(attn_ckpt, rng):
-    """Both sides of the attention decode route switch (256 keys): one more dispatch and barrier
-    per attention layer beyond it, logits still equal to the reference's."""
+    """Decode on both sides of 256 keys (the single/split switch of head dims off the vec route;
+    the vec route takes two passes at every length): counters as planned, logits equal to the
+    reference's."""
     emu, ref = _pair(attn_ckpt)
     ids = rng.integers(0, 320, size=255).tolist()
     emu.prefill(ids), ref.prefill(ids)

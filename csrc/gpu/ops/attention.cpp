@@ -101,8 +101,18 @@ void encode_qk_norm_rope(Encoder& enc, const QkNormRopeOperands& op) {
   enc.dispatch({op.q_heads + op.kv_heads, op.tokens, 1}, {kRopeThreads, 1, 1});
 }
 
-AttnRoute attention_decode_route(uint32_t length) {
+bool attention_decode_uses_vec(uint32_t head_dim) { return head_dim == 64 || head_dim == 128 || head_dim == 256; }
+
+AttnRoute attention_decode_route(uint32_t length, uint32_t head_dim) {
   AttnRoute r;
+  if (length == 0) return r;
+  if (attention_decode_uses_vec(head_dim)) {
+    r.split = r.vec = true;
+    const uint32_t want = std::min<uint32_t>(kAttnVecMaxBlocks, (length + kAttnVecSimds - 1) / kAttnVecSimds);
+    r.split_keys = (length + want - 1) / want;
+    r.splits = (length + r.split_keys - 1) / r.split_keys;  // every block non-empty
+    return r;
+  }
   if (length <= kAttnSplitKeys) return r;
   r.split = true;
   const uint32_t want = std::min<uint32_t>(kAttnMaxSplits, (length + kAttnSplitKeys - 1) / kAttnSplitKeys);
@@ -113,9 +123,11 @@ AttnRoute attention_decode_route(uint32_t length) {
 }
 
 uint64_t attention_scratch_bytes(uint32_t q_heads, uint32_t head_dim, uint32_t length) {
-  const AttnRoute r = attention_decode_route(length);
-  if (!r.split) return 0;
-  return uint64_t(q_heads) * r.splits * (uint64_t(head_dim) + 2) * 4;
+  // splits never exceed the number of blocks wanted, which grows with length.
+  uint32_t splits = 0;
+  if (attention_decode_uses_vec(head_dim)) splits = std::min<uint32_t>(kAttnVecMaxBlocks, (length + kAttnVecSimds - 1) / kAttnVecSimds);
+  else if (length > kAttnSplitKeys) splits = std::min<uint32_t>(kAttnMaxSplits, (length + kAttnSplitKeys - 1) / kAttnSplitKeys);
+  return uint64_t(q_heads) * splits * (uint64_t(head_dim) + 2) * 4;
 }
 
 namespace {
@@ -192,7 +204,7 @@ void encode_attention_decode(Encoder& enc, const AttentionOperands& op) {
   Checked c = check_attention(fn, op);
   const uint32_t group = op.q_heads / op.kv_heads;
   const uint32_t length = op.position + 1;
-  const AttnRoute route = attention_decode_route(length);
+  const AttnRoute route = attention_decode_route(length, op.head_dim);
   const bool bf = op.dtype == DType::bf16;
   if (!route.split) {
     enc.set_kernel(bf ? KernelId::attn_decode_bf16 : KernelId::attn_decode_f32);
@@ -214,6 +226,32 @@ void encode_attention_decode(Encoder& enc, const AttentionOperands& op) {
   const Binding scratch = need(fn, op.scratch, o_bytes + ml_bytes, "scratch");
   const Binding partial_o{scratch.buffer, scratch.offset, o_bytes};
   const Binding partial_ml{scratch.buffer, scratch.offset + o_bytes, ml_bytes};
+  if (route.vec) {
+    const uint32_t e = op.head_dim / 32;  // 2, 4 or 8
+    const KernelId pass1 = e == 2   ? (bf ? KernelId::attn_decode_vec_e2_bf16 : KernelId::attn_decode_vec_e2_f32)
+                           : e == 4 ? (bf ? KernelId::attn_decode_vec_e4_bf16 : KernelId::attn_decode_vec_e4_f32)
+                                    : (bf ? KernelId::attn_decode_vec_e8_bf16 : KernelId::attn_decode_vec_e8_f32);
+    const KernelId pass2 = e == 2   ? (bf ? KernelId::attn_vec_combine_e2_bf16 : KernelId::attn_vec_combine_e2_f32)
+                           : e == 4 ? (bf ? KernelId::attn_vec_combine_e4_bf16 : KernelId::attn_vec_combine_e4_f32)
+                                    : (bf ? KernelId::attn_vec_combine_e8_bf16 : KernelId::attn_vec_combine_e8_f32);
+    enc.set_kernel(pass1);
+    enc.set_args(c.args);
+    enc.set_buffer(1, c.q);
+    enc.set_buffer(2, c.k);
+    enc.set_buffer(3, c.v);
+    enc.set_buffer(4, partial_o);
+    enc.set_buffer(5, partial_ml);
+    enc.dispatch({op.kv_heads, route.splits, 1}, {32 * kAttnVecSimds, 1, 1});
+    enc.barrier();  // partial_o, partial_ml -> combine
+    enc.set_kernel(pass2);
+    enc.set_args(c.args);
+    enc.set_buffer(1, partial_o);
+    enc.set_buffer(2, partial_ml);
+    enc.set_buffer(3, c.gate);
+    enc.set_buffer(4, c.out);
+    enc.dispatch({op.q_heads, 1, 1}, {32, 1, 1});
+    return;
+  }
   enc.set_kernel(bf ? KernelId::attn_decode_split_bf16 : KernelId::attn_decode_split_f32);
   enc.set_args(c.args);
   enc.set_buffer(1, c.q);
@@ -223,7 +261,7 @@ void encode_attention_decode(Encoder& enc, const AttentionOperands& op) {
   enc.set_buffer(5, partial_ml);
   touch_cache_rows(enc, op, length);
   enc.dispatch({op.kv_heads, 1, route.splits}, {32 * group, 1, 1});
-  enc.barrier();  // partials -> combine
+  enc.barrier();  // partial_o, partial_ml -> combine
   enc.set_kernel(bf ? KernelId::attn_combine_bf16 : KernelId::attn_combine_f32);
   enc.set_args(c.args);
   enc.set_buffer(1, partial_o);
