@@ -331,6 +331,7 @@ void init_engine(nb::module_& m) {
           "Emulator only: encode one step at `position` on an encoder that runs nothing and checks "
           "hazards between dispatches (EmulatorError names them), ignoring barrier #skip_barrier "
           "(-1: none). The state is untouched; returns the counters.")
+      .def(
           "count_kernels",
           [](const core::Engine& e) {
             nb::dict out;  // kernel name -> dict(dispatches, bytes_touched, threads, groups)

@@ -107,7 +107,6 @@ class RecordingEncoder final : public Encoder {
   void commit() override { ++commits; inner_.commit(); }
   void wait() override { ++waits; inner_.wait(); }
   uint32_t thread_limit(KernelId k) const override { return inner_.thread_limit(k); }
-  std::vector<std::string> kernels;
   std::vector<std::string_view> kernels;  // kernel names (static storage), in dispatch order
   uint64_t commits = 0, waits = 0;
 
