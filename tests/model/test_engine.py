@@ -626,3 +626,29 @@ def test_count_host_device_generates_without_running_anything(tmp_path):
     st = m.stats()
     assert st["dispatches"] > 0 and st["encode_ns"] > 0 and st["ids_from_slot"]
     assert lily_py.load(path, backend="count_host").backend == "count_host"
+
+
+def test_streamed_tokens_allocate_no_logits_arrays(tmp_path):
+    """With the real vocabulary (a logits row is 1 MB), streaming tokens from the engine builds no
+    array per token: the traced peak over 40 tokens stays far below one logits row (before, each
+    token allocated two 1 MB rows). On count_host nothing runs, so only the host path is measured."""
+    import tracemalloc
+    cfg = dict(_dn_config(), vocab_size=248320, num_hidden_layers=1, layer_types=["linear_attention"])
+    path = make_checkpoint(tmp_path, cfg, fmt="mlx", seed=2)
+    m = lily_py.load(path, backend="count_host", context_length=128, prefill_chunk=8)
+    for opts in (dict(temperature=0.0), dict(temperature=0.8, top_k=20, top_p=0.9, seed=1)):
+        m.reset()
+        g = m.generate([5, 6, 7], max_tokens=60, **opts)
+        for _ in range(5):
+            next(g)
+        tracemalloc.start()
+        try:
+            tracemalloc.reset_peak()
+            base = tracemalloc.get_traced_memory()[0]
+            for _ in range(40):
+                next(g)
+            peak = tracemalloc.get_traced_memory()[1] - base
+        finally:
+            tracemalloc.stop()
+        g.close()
+        assert peak < 64 * 1024, f"{opts}: {peak} bytes traced while streaming 40 tokens"
