@@ -19,7 +19,7 @@
 #include <mutex>
 #include <random>
 #include <string>
-#include <unordered_set>
+#include <unordered_map>
 #include <vector>
 
 #include "emu/emulator.h"
@@ -147,7 +147,9 @@ struct Worker {
   std::vector<unsigned char> slot_store;
   alignas(64) unsigned char arena[kArenaBytes];
   bool races = false;
-  std::unordered_set<uintptr_t> atomics;  // words accessed atomically in this launch (races)
+  // Words accessed atomically in this launch (races). A map used as a set: <unordered_set> is
+  // not in the macOS SDK header subset the Apple build check compiles against.
+  std::unordered_map<uintptr_t, bool> atomics;
   Group* group = nullptr;
   Thread* running = nullptr;
   const BoundBuffer* bound = nullptr;
@@ -260,7 +262,7 @@ void* threadgroup_alloc(size_t bytes, size_t align, const char* file, int line) 
 
 void note_atomic(const void* addr) {
   Worker* w = t_worker;
-  if (w && w->races) w->atomics.insert(reinterpret_cast<uintptr_t>(addr) & ~uintptr_t(3));
+  if (w && w->races) w->atomics.emplace(reinterpret_cast<uintptr_t>(addr) & ~uintptr_t(3), true);
 }
 
 void kernel_fail(const std::string& what, const char* file, int line) {
