@@ -22,7 +22,8 @@ emu::Order parse_order(const std::string& s) {
   if (s == "forward") return emu::Order::forward;
   if (s == "reverse") return emu::Order::reverse;
   if (s == "shuffle") return emu::Order::shuffle;
-  throw std::invalid_argument("order must be 'forward', 'reverse' or 'shuffle', got '" + s + "'");
+  if (s == "ahead") return emu::Order::ahead;
+  throw std::invalid_argument("order must be 'forward', 'reverse', 'shuffle' or 'ahead', got '" + s + "'");
 }
 
 std::string kernel_name(gpu::KernelId k) { return std::string(gpu::kernel_info(k).name); }

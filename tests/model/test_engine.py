@@ -135,10 +135,10 @@ def _expected_counts(cfg, tokens: int, position: int = 0) -> tuple[int, int]:
     each | final norm | lm_head. Mixers: DeltaNet 4 dispatches / 3 barriers inside (the chunked
     delta rule: 3 more of each); attention 4 / 3, plus one dispatch and one barrier when decode
     attention takes two passes (the vec route of head_dim 64 / 128 / 256 at every length; other
-    head dims beyond 256 keys). MoE: mv route (tokens <= 8) 4 / 3, tiled 10 / 5 (the three tile
-    kinds of a stage side by side). `cfg` is a ModelConfig."""
+    head dims beyond 256 keys). MoE: mv route (tokens <= 8) 4 / 3, tiled 10 / 9 (the three tile
+    kinds of a stage one after another). `cfg` is a ModelConfig."""
     from lily_py.ops import attention_decode_route, gated_delta_route, moe_route
-    moe, moe_barriers = (4, 3) if moe_route(tokens, cfg.num_experts_per_tok) == "mv" else (10, 5)
+    moe, moe_barriers = (4, 3) if moe_route(tokens, cfg.num_experts_per_tok) == "mv" else (10, 9)
     chunked = gated_delta_route(tokens, cfg.linear_key_head_dim, cfg.linear_value_head_dim) == "chunked"
     two_pass = tokens == 1 and attention_decode_route(position + 1, cfg.head_dim)["route"] != "single"
     dispatches = barriers = 1

@@ -270,7 +270,11 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
   enc.dispatch({1, 1, 1}, {kMoePlanThreads, 1, 1});
   enc.barrier();  // plan -> grouped gate/up
   // 4. grouped gate + up + SwiGLU (gather fused into the x loads): the 64-row, 32-row and
-  //    few-row tiles side by side (disjoint rows of h: no barrier between them)
+  //    few-row tiles, one dispatch each. They write disjoint rows of h, but which rows is decided
+  //    on the device, so each binds the whole of h (and of y in step 5): the emulator's hazard
+  //    check (docs/testing.md) cannot tell the rows apart and counts every writable binding as
+  //    read too. A barrier between the kinds keeps the plan provably free of hazards; it costs
+  //    two dependency levels per stage on prefill only (the decode route is "mv").
   const struct {
     KernelId gate_up, down;
     uint32_t bound, cols;  // tiles in the list; output features per threadgroup
@@ -282,6 +286,7 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
   // the kinds split the experts between them on the device).
   for (const auto& kd : kinds) {
     const bool few = kd.gate_up == KernelId::moe_gate_up_few_b4_xf32_sbf16;
+    if (&kd != &kinds[0]) enc.barrier();  // h rows of the previous kind (see above)
     enc.set_kernel(kd.gate_up);
     enc.set_args(a);
     enc.set_buffer(1, range(op.x, act, "x"));
@@ -295,9 +300,10 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
                  {32 * (few ? kMoeMvSimdsPerGroup : kMoeTileSimds), 1, 1});
   }
   enc.barrier();  // h -> grouped down
-  // 5. grouped down projection x routing weight per row, the three tile kinds side by side
+  // 5. grouped down projection x routing weight per row, the three tile kinds in turn
   for (const auto& kd : kinds) {
     const bool few = kd.down == KernelId::moe_down_few_b4_sbf16;
+    if (&kd != &kinds[0]) enc.barrier();  // y rows of the previous kind (see step 4)
     enc.set_kernel(kd.down);
     enc.set_args(a);
     enc.set_buffer(1, range(op.scratch.plan, sb.plan, "scratch.plan"));
