@@ -19,7 +19,6 @@
 #include <mutex>
 #include <random>
 #include <string>
-#include <unordered_map>
 #include <vector>
 
 #include "emu/emulator.h"
@@ -147,9 +146,8 @@ struct Worker {
   std::vector<unsigned char> slot_store;
   alignas(64) unsigned char arena[kArenaBytes];
   bool races = false;
-  // Words accessed atomically in this launch (races). A map used as a set: <unordered_set> is
-  // not in the macOS SDK header subset the Apple build check compiles against.
-  std::unordered_map<uintptr_t, bool> atomics;
+  std::vector<uintptr_t> atomics;  // words accessed atomically in this launch (races; few)
+  bool atomic_word(uintptr_t a) const { return std::find(atomics.begin(), atomics.end(), a) != atomics.end(); }
   Group* group = nullptr;
   Thread* running = nullptr;
   const BoundBuffer* bound = nullptr;
@@ -262,7 +260,10 @@ void* threadgroup_alloc(size_t bytes, size_t align, const char* file, int line) 
 
 void note_atomic(const void* addr) {
   Worker* w = t_worker;
-  if (w && w->races) w->atomics.emplace(reinterpret_cast<uintptr_t>(addr) & ~uintptr_t(3), true);
+  if (w && w->races) {
+    const uintptr_t a = reinterpret_cast<uintptr_t>(addr) & ~uintptr_t(3);
+    if (!w->atomic_word(a)) w->atomics.push_back(a);
+  }
 }
 
 void kernel_fail(const std::string& what, const char* file, int line) {
@@ -565,7 +566,7 @@ void tg_record_writes(Group& g, const Thread& t, size_t used_before) {
     TgWrite& s = g.tg_writes[off / 2];
     const uintptr_t addr = reinterpret_cast<uintptr_t>(now) & ~uintptr_t(3);
     if (s.writer && s.writer - 1 != t.index && s.epoch == g.epoch &&
-        !t_worker->atomics.count(addr)) {
+        !t_worker->atomic_word(addr)) {
       const Thread& o = g.threads[s.writer - 1];
       const bool ordered = o.ids.simd_id == t.ids.simd_id && s.simd_seq != t.view.simd_seq;
       if (!ordered) {
@@ -821,7 +822,7 @@ void run(const Launch& L, const RunOptions& opt) {
           uint64_t& wr = d.writer[off / 2];
           const uintptr_t addr = reinterpret_cast<uintptr_t>(d.data + off) & ~uintptr_t(3);
           if (wr && wr != gi + 1 &&
-              !w.atomics.count(addr)) {
+              !w.atomic_word(addr)) {
             const uint64_t og = wr - 1;
             const uint32_t op[3] = {uint32_t(og % L.groups.x), uint32_t((og / L.groups.x) % L.groups.y),
                                     uint32_t(og / (uint64_t(L.groups.x) * L.groups.y))};

@@ -106,8 +106,13 @@ def test_every_barrier_is_needed_when_run(checkpoints, which, tokens):
     assert m.stats()["barriers"] == barriers
 
 
-def test_check_needs_the_emulator(checkpoints):
-    from lily_py.backends.engine import count_step  # noqa: F401  (the counting device has no hazards check)
-    m = lily_py.load(checkpoints["deltanet"], backend="emu", context_length=64)
-    st = m._backend.engine.check(1, 0)
-    assert st["dispatches"] == st["barriers"] + 1 or st["dispatches"] > st["barriers"]
+def test_check_encodes_what_a_step_encodes(checkpoints):
+    m = lily_py.load(checkpoints["attention"], backend="emu", context_length=64)
+    m.prefill([1, 2, 3])
+    st = m.stats()
+    e = m._backend.engine
+    for skip in (-1, st["barriers"]):  # a barrier number past the last skips nothing
+        c = e.check(3, 0, skip_barrier=skip)
+        assert (c["dispatches"], c["barriers"], c["bytes_bound"]) == (st["dispatches"], st["barriers"],
+                                                                      st["bytes_bound"])
+    assert e.position == 3

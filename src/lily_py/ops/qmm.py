@@ -29,7 +29,7 @@ def quantized_matmul(x: np.ndarray, w: np.ndarray, scales: np.ndarray, biases: n
 def _quantized_matmul(x, w, scales, biases, *, bits, group_size, device="emu", order="shuffle",
                       seed=0, fp_traps=True):
     """:func:`quantized_matmul` plus the run's stats (kernels, dispatches, bytes bound, threads)
-    and the emulator's scheduling knobs (``order``: forward/reverse/shuffle, ``seed``,
+    and the emulator's scheduling knobs (``order``: forward/reverse/shuffle/ahead, ``seed``,
     ``fp_traps``)."""
     fn = "quantized_matmul"
     if bits not in _BITS:
