@@ -85,11 +85,17 @@ def test_unusable_device_fails_with_the_reason():
 def test_pipeline_limits_table_and_missing_api(monkeypatch):
     out = io.StringIO()
     names = [k["name"] for k in lily_py._core.kernel_table()]
-    if not hasattr(lily_py, "pipeline_limits"):
-        rep = D.run("emu", families=[], model=False, out=out)
-        assert "pipeline limits: not reported by this build" in out.getvalue() and rep.exit_status == 0
-    limits = [{"kernel": n, "max_threads": 1024, "static_threadgroup_bytes": 4096, "simd_width": 32}
-              for n in names]
+    monkeypatch.delattr(lily_py, "pipeline_limits", raising=False)    # a build without the API
+    rep = D.run("emu", families=[], model=False, out=out)
+    assert "pipeline limits: not reported by this build" in out.getvalue() and rep.exit_status == 0
+    same = [{"kernel": n, "max_threads": 1024, "static_threadgroup_bytes": None, "simd_width": 32} for n in names]
+    monkeypatch.setattr(lily_py, "pipeline_limits", lambda dev: same, raising=False)
+    out = io.StringIO()
+    assert D.run("emu", families=[], model=False, out=out).exit_status == 0
+    assert ("every kernel id: max threads per threadgroup 1024, static threadgroup memory not known before a "
+            "run, SIMD width 32") in out.getvalue()
+    limits = [{"kernel": n, "max_threads": 1024 if i % 2 else 896, "static_threadgroup_bytes": 4096,
+               "simd_width": 32} for i, n in enumerate(names)]
     monkeypatch.setattr(lily_py, "pipeline_limits", lambda dev: limits, raising=False)
     out = io.StringIO()
     rep = D.run("emu", families=[], model=False, out=out)

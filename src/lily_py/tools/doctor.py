@@ -570,11 +570,18 @@ def _pipelines(rep: Report, p, device: str) -> None:
         p("  pipeline limits: not reported by this build")
         rep.checks.append(Check("pipelines", "limits", detail="not reported by this build"))
         return
-    p(f"  {'kernel':<34}{'max threads':>12}{'threadgroup mem':>17}{'simd':>6}")
-    for d in rep.limits:
-        tg = d.get("static_threadgroup_bytes")
-        p(f"  {d.get('kernel', '?'):<34}{d.get('max_threads', '-')!s:>12}"
-          f"{'-' if tg is None else _fmt_bytes(tg):>17}{d.get('simd_width', '-')!s:>6}")
+    shape = lambda d: (d.get("max_threads"), d.get("static_threadgroup_bytes"), d.get("simd_width"))  # noqa: E731
+    if rep.limits and len({shape(d) for d in rep.limits}) == 1:
+        # e.g. the emulator: one line instead of a table of identical rows (--json has them all)
+        mt, tg, sw = shape(rep.limits[0])
+        p(f"  every kernel id: max threads per threadgroup {mt}, static threadgroup memory "
+          f"{'not known before a run' if tg is None else _fmt_bytes(tg)}, SIMD width {sw}")
+    else:
+        p(f"  {'kernel':<34}{'max threads':>12}{'threadgroup mem':>17}{'simd':>6}")
+        for d in rep.limits:
+            tg = d.get("static_threadgroup_bytes")
+            p(f"  {d.get('kernel', '?'):<34}{d.get('max_threads', '-')!s:>12}"
+              f"{'-' if tg is None else _fmt_bytes(tg):>17}{d.get('simd_width', '-')!s:>6}")
     over = [d["kernel"] for d in rep.limits if (d.get("static_threadgroup_bytes") or 0) > 32 * 1024]
     listed = {d.get("kernel") for d in rep.limits}
     unlisted = [n for n in table if n not in listed]
