@@ -129,24 +129,29 @@ def test_snapshot_restore_reset(dn_ckpt, rng):
     np.testing.assert_array_equal(m.prefill(ids[3:]), first)   # same steps from a reset state
 
 
-def _expected_counts(cfg, tokens: int, position: int = 0) -> tuple[int, int]:
+def _expected_counts(cfg, tokens: int, position: int = 0, logits: bool = True,
+                     all_logits: bool = False) -> tuple[int, int]:
     """(dispatches, barriers) of one step, from the engine's encoding plan (csrc/gpu/step.h):
     embedding | per layer: input norm, mixer, fused residual + post norm, MoE, one barrier after
-    each | final norm | lm_head. Mixers: DeltaNet 4 dispatches / 3 barriers inside; attention 4 / 3,
-    plus one dispatch and one barrier when decode attention takes two passes (the vec route of
-    head_dim 64 / 128 / 256 at every length; other head dims beyond 256 keys). MoE: mv route
-    (tokens <= 8) 4 / 3, tiled 6 / 5. `cfg` is a ModelConfig."""
+    each | final norm | lm_head. Decode (one token) fuses the input norm into the mixer's first
+    projection and the post norm into the router (two dispatches and barriers fewer per layer);
+    with one row of logits the final norm is fused into lm_head. Mixers: DeltaNet 4 dispatches /
+    3 barriers inside; attention 4 / 3, plus one dispatch and one barrier when decode attention
+    takes two passes (the vec route of head_dim 64 / 128 / 256 at every length; other head dims
+    beyond 256 keys). MoE: mv route (tokens <= 8) 4 / 3, tiled 6 / 5. `cfg` is a ModelConfig."""
     from lily_py.ops import attention_decode_route, moe_route
     moe = 4 if moe_route(tokens, cfg.num_experts_per_tok) == "mv" else 6
     two_pass = tokens == 1 and attention_decode_route(position + 1, cfg.head_dim)["route"] != "single"
+    norms = 0 if tokens == 1 else 2  # separate norm dispatches per layer
     dispatches = barriers = 1
     for i in range(cfg.num_hidden_layers):
-        mixer = 4
-        if cfg.is_full_attention(i) and two_pass:
-            mixer = 5
-        dispatches += 1 + mixer + 1 + moe
-        barriers += 1 + (mixer - 1) + 1 + 1 + (moe - 1) + 1
-    return dispatches + 2, barriers + 1
+        mixer = 5 if cfg.is_full_attention(i) and two_pass else 4
+        dispatches += norms + mixer + moe
+        barriers += norms + (mixer - 1) + 1 + (moe - 1) + 1
+    if not logits:
+        return dispatches, barriers - 1
+    head = 1 if (tokens == 1 or not all_logits) else 2  # lm_head (+ a separate final norm)
+    return dispatches + head, barriers + head - 1
 
 
 @pytest.mark.parametrize("tokens", [1, 11])
@@ -166,10 +171,11 @@ def test_step_counters(attn_ckpt, rng, tokens):
                          context_length=m.context_length)
     for k in ("dispatches", "barriers", "bytes_bound", "threads", "waits_in_step"):
         assert counted[k] == st[k], k
-    # A prefill chunk that is not the last skips the final norm and lm_head (and their barriers).
+    # A prefill chunk that is not the last skips the head (lm_head, with the final norm fused in).
     assert m._backend.forward(np.array([1] * tokens), all_logits=False, logits=False) is None
     st = m.stats()
-    assert (st["dispatches"], st["barriers"]) == (d - 2, b - 2)
+    assert (st["dispatches"], st["barriers"]) == _expected_counts(m.config, tokens, logits=False)
+    assert (st["dispatches"], st["barriers"]) == (d - 1, b - 1)
 
 
 def test_decode_split_route_counters(attn_ckpt, rng):
