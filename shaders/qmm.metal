@@ -74,6 +74,137 @@ template <typename T, typename S, int bits>
 }
 
 // ---------------------------------------------------------------------------------------------
+// qmv1: the single-token route (M = 1: every decode projection), after MLX's qmv_fast.
+//   grid:      ceil(N / kQmv1Rows) threadgroups of 32 * splits threads, splits = min(4, ceil(K / B))
+//   block:     B = 32 lanes x V codes (V = 128 / bits: one 16-byte load of w per lane and row);
+//              simdgroup s walks K blocks s, s + splits, ...
+//   per block: the lane's V values of x are loaded once (with the residual added and the norm
+//              weight applied when fused), pre-scaled for 4-bit codes (x * 16^-(i % 4): a nibble
+//              is then masked in place, never shifted; exact: a power-of-two scale), summed once
+//              for the bias term, and reused by the kQmv1Rows rows: four independent 16-byte
+//              loads per lane in flight. The group index is a shift (group_shift), no division.
+//   rows:      rows past N load row N - 1 (loads never wait on a branch); only the store is guarded
+//   reduction: per lane acc[kQmv1Rows] (compile-time indexed: registers) and the sum of squares
+//              of h; simd_sum, then over the splits through threadgroup memory in order.
+//   norm:      y = rsqrt(sum(h^2) / K + eps) * (w . (h * norm_w)); threadgroup 0 writes the side
+//              outputs h_out and xn_out = T(h * rsqrt(...) * norm_w) when asked (kQmv1Side).
+//   buffers:   1 x [K] T, 2 w, 3 scales, 4 biases, 5 y [N] T, 6 residual [K] T, 7 norm_w [K] float,
+//              8 h_out [K] T, 9 xn_out [K] T (6..9 read or written only when their flag is set).
+template <int bits>
+struct Qmv1Codes;
+template <>
+struct Qmv1Codes<4> {
+  static constexpr uint32_t V = 32;
+  static float scale_of(uint32_t i) { return i % 4 == 0 ? 1.0f : i % 4 == 1 ? 0.0625f : i % 4 == 2 ? 0.00390625f : 0.000244140625f; }
+  // sum_i xs[i] * (code i masked in place): the 8 nibbles of a word, low half then high half.
+  static float dot(uint4 wv, thread const float* xs) {
+    float d = 0.0f;
+    for (uint32_t j = 0; j < 4; ++j) {
+      const uint32_t w = wv[j];
+      const uint32_t lo = w & 0xffffu, hi = w >> 16;
+      d += xs[8 * j + 0] * float(lo & 0x000fu) + xs[8 * j + 1] * float(lo & 0x00f0u) +
+           xs[8 * j + 2] * float(lo & 0x0f00u) + xs[8 * j + 3] * float(lo & 0xf000u) +
+           xs[8 * j + 4] * float(hi & 0x000fu) + xs[8 * j + 5] * float(hi & 0x00f0u) +
+           xs[8 * j + 6] * float(hi & 0x0f00u) + xs[8 * j + 7] * float(hi & 0xf000u);
+    }
+    return d;
+  }
+};
+template <>
+struct Qmv1Codes<8> {
+  static constexpr uint32_t V = 16;
+  static float scale_of(uint32_t i) { return i % 2 == 0 ? 1.0f : 0.00390625f; }
+  static float dot(uint4 wv, thread const float* xs) {
+    float d = 0.0f;
+    for (uint32_t j = 0; j < 4; ++j) {
+      const uint32_t w = wv[j];
+      const uint32_t lo = w & 0xffffu, hi = w >> 16;
+      d += xs[4 * j + 0] * float(lo & 0x00ffu) + xs[4 * j + 1] * float(lo & 0xff00u) +
+           xs[4 * j + 2] * float(hi & 0x00ffu) + xs[4 * j + 3] * float(hi & 0xff00u);
+    }
+    return d;
+  }
+};
+
+template <typename T, typename S, int bits>
+[[kernel]] void qmv1(constant Qmv1Args& args [[buffer(0)]],
+                     const device T* x [[buffer(1)]],
+                     const device uint32_t* w [[buffer(2)]],
+                     const device S* scales [[buffer(3)]],
+                     const device S* biases [[buffer(4)]],
+                     device T* y [[buffer(5)]],
+                     const device T* residual [[buffer(6)]],
+                     const device float* norm_w [[buffer(7)]],
+                     device T* h_out [[buffer(8)]],
+                     device T* xn_out [[buffer(9)]],
+                     LILY_KERNEL_TAIL) {
+  constexpr uint32_t R = kQmv1Rows;
+  constexpr uint32_t V = Qmv1Codes<bits>::V;
+  constexpr uint32_t B = 32 * V;
+  LILY_TG_ARRAY(float, red, [kQmv1MaxSplits * (kQmv1Rows + 1)]);
+  const uint32_t K = args.K;
+  const uint32_t splits = group_size.x / 32;
+  const uint32_t words_per_row = K * bits / 32;
+  const uint32_t groups_per_row = K >> args.group_shift;
+  const bool has_norm = (args.flags & kQmv1Norm) != 0;
+  const bool has_res = (args.flags & kQmv1Residual) != 0;
+  const uint32_t n0 = group_pos.x * R;
+
+  uint32_t row[R];  // row r loads row min(n0 + r, N - 1): the loads never wait on a branch
+  for (uint32_t r = 0; r < R; ++r) row[r] = min(n0 + r, args.N - 1);
+
+  float acc[R];
+  for (uint32_t r = 0; r < R; ++r) acc[r] = 0.0f;
+  float ss = 0.0f;
+  for (uint32_t k0 = simd_id * B; k0 < K; k0 += splits * B) {
+    const uint32_t k = k0 + lane * V;
+    if (k < K) {  // only a last, partial block diverges (K is a multiple of 32 >= V)
+      float xs[V];
+      float xsum = 0.0f;
+      for (uint32_t i = 0; i < V; ++i) {
+        float h = float(x[k + i]);
+        if (has_res) h = float(T(h + float(residual[k + i])));
+        ss += h * h;
+        const float xv = has_norm ? h * norm_w[k + i] : h;
+        xsum += xv;
+        xs[i] = xv * Qmv1Codes<bits>::scale_of(i);
+      }
+      const uint32_t g = k >> args.group_shift;
+      for (uint32_t r = 0; r < R; ++r) {
+        const uint4 wv = *reinterpret_cast<const device uint4*>(w + row[r] * words_per_row + k * bits / 32);
+        const float sc = float(scales[row[r] * groups_per_row + g]);
+        const float bi = float(biases[row[r] * groups_per_row + g]);
+        acc[r] += sc * Qmv1Codes<bits>::dot(wv, xs) + bi * xsum;
+      }
+    }
+  }
+
+  for (uint32_t r = 0; r < R; ++r) acc[r] = simd_sum(acc[r]);
+  ss = simd_sum(ss);
+  if (lane == 0) {
+    for (uint32_t r = 0; r < R; ++r) red[simd_id * (R + 1) + r] = acc[r];
+    red[simd_id * (R + 1) + R] = ss;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  float total_ss = 0.0f;
+  for (uint32_t s = 0; s < splits; ++s) total_ss += red[s * (R + 1) + R];
+  const float inv_rms = has_norm ? rsqrt(total_ss / float(K) + args.eps) : 1.0f;
+  if (thread_pos.x < R && n0 + thread_pos.x < args.N) {
+    float total = 0.0f;
+    for (uint32_t s = 0; s < splits; ++s) total += red[s * (R + 1) + thread_pos.x];
+    y[n0 + thread_pos.x] = T(total * inv_rms);
+  }
+  if ((args.flags & kQmv1Side) != 0 && group_pos.x == 0) {
+    for (uint32_t c = thread_pos.x; c < K; c += group_size.x) {
+      float h = float(x[c]);
+      if (has_res) h = float(T(h + float(residual[c])));
+      h_out[c] = T(h);
+      xn_out[c] = T(h * inv_rms * norm_w[c]);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // qmm: the tiled route (M > kQmvMaxRows; prefill).
 //   grid:        (ceil(N / 32), ceil(M / 32)) threadgroups of 128 threads (4 simdgroups)
 //   tile:        32 rows of x by 32 output features; K walked in steps of kQmmTileK = 32
@@ -157,6 +288,14 @@ LILY_INSTANTIATE("qmv_b8_xf32_sf32", qmv<float, float, 8>)
 LILY_INSTANTIATE("qmv_b8_xf32_sbf16", qmv<float, bfloat, 8>)
 LILY_INSTANTIATE("qmv_b8_xbf16_sf32", qmv<bfloat, float, 8>)
 LILY_INSTANTIATE("qmv_b8_xbf16_sbf16", qmv<bfloat, bfloat, 8>)
+LILY_INSTANTIATE("qmv1_b4_xf32_sf32", qmv1<float, float, 4>)
+LILY_INSTANTIATE("qmv1_b4_xf32_sbf16", qmv1<float, bfloat, 4>)
+LILY_INSTANTIATE("qmv1_b4_xbf16_sf32", qmv1<bfloat, float, 4>)
+LILY_INSTANTIATE("qmv1_b4_xbf16_sbf16", qmv1<bfloat, bfloat, 4>)
+LILY_INSTANTIATE("qmv1_b8_xf32_sf32", qmv1<float, float, 8>)
+LILY_INSTANTIATE("qmv1_b8_xf32_sbf16", qmv1<float, bfloat, 8>)
+LILY_INSTANTIATE("qmv1_b8_xbf16_sf32", qmv1<bfloat, float, 8>)
+LILY_INSTANTIATE("qmv1_b8_xbf16_sbf16", qmv1<bfloat, bfloat, 8>)
 LILY_INSTANTIATE("qmm_b4_xf32_sf32", qmm<float, float, 4>)
 LILY_INSTANTIATE("qmm_b4_xf32_sbf16", qmm<float, bfloat, 4>)
 LILY_INSTANTIATE("qmm_b4_xbf16_sf32", qmm<bfloat, float, 4>)

@@ -141,7 +141,7 @@ void init_ops(nb::module_& parent) {
   init_ops_moe(m);
 
   m.def("qmm_route", [](uint32_t M) { return std::string(gpu::ops::qmm_route_name(gpu::ops::qmm_route(M))); },
-        "M"_a, "Route quantized_matmul takes for M rows of x: 'qmv' or 'qmm'.");
+        "M"_a, "Route quantized_matmul takes for M rows of x: 'qmv1' (M = 1), 'qmv' or 'qmm'.");
   m.attr("QMV_MAX_ROWS") = static_cast<uint32_t>(kQmvMaxRows);
 
   m.def(
@@ -191,6 +191,67 @@ void init_ops(nb::module_& parent) {
       "scale_dtype"_a, "device"_a = "emu", "order"_a = "shuffle", "seed"_a = 0, "fp_traps"_a = true,
       "y = x @ dequant(w).T on a device; returns (y, stats). bfloat16 arrays travel as uint16 "
       "(x_dtype / scale_dtype say which). Use lily_py.ops.quantized_matmul.");
+
+  m.def(
+      "quantized_matmul_norm",
+      [](InArray x, InArray w, InArray scales, InArray biases, InArray norm_weight, std::optional<InArray> residual,
+         bool side, uint32_t bits, uint32_t group_size, float eps, const std::string& x_dtype,
+         const std::string& scale_dtype, const std::string& device, const std::string& order, uint64_t seed,
+         bool fp_traps) {
+        const gpu::DType xt = gpu::parse_dtype(x_dtype, "quantized_matmul_norm: x");
+        const gpu::DType st = gpu::parse_dtype(scale_dtype, "quantized_matmul_norm: scales");
+        const char* fn = "quantized_matmul_norm";
+        check_array(x, fn, "x", 1, elem_bits(xt));
+        check_array(w, fn, "w", 2, 32);
+        check_array(scales, fn, "scales", 2, elem_bits(st));
+        check_array(biases, fn, "biases", 2, elem_bits(st));
+        check_array(norm_weight, fn, "norm_weight", 1, 32);
+        const uint32_t K = static_cast<uint32_t>(x.shape(0)), N = static_cast<uint32_t>(w.shape(0));
+        require(w.shape(1) * 32 == size_t(K) * bits && norm_weight.shape(0) == K && group_size != 0 &&
+                    K % group_size == 0 && scales.shape(0) == N && scales.shape(1) == K / group_size &&
+                    biases.shape(0) == N && biases.shape(1) == K / group_size,
+                "quantized_matmul_norm: shapes of w / scales / biases / norm_weight do not match K=" + std::to_string(K));
+        gpu::ops::QmmOperands op;
+        op.x_dtype = xt;
+        op.scale_dtype = st;
+        op.M = 1;
+        op.N = N;
+        op.K = K;
+        op.bits = bits;
+        op.group_size = group_size;
+        op.eps = eps;
+        Run run(device, order, seed, fp_traps);
+        op.x = run.input(x);
+        op.w = run.input(w);
+        op.scales = run.input(scales);
+        op.biases = run.input(biases);
+        op.norm_weight = run.input(norm_weight);
+        if (residual) {
+          check_array(*residual, fn, "residual", 1, elem_bits(xt));
+          require(residual->shape(0) == K, "quantized_matmul_norm: residual must have K elements");
+          op.residual = run.input(*residual);
+        }
+        op.y = run.output(size_t(N) * gpu::dtype_size(xt));
+        if (side) {
+          op.h_out = run.output(size_t(K) * gpu::dtype_size(xt));
+          op.xn_out = run.output(size_t(K) * gpu::dtype_size(xt));
+        }
+        gpu::ops::validate(op);
+        run.encode(gpu::ops::qmm_kernel(gpu::ops::QmmRoute::qmv1, bits, xt, st),
+                   [&](gpu::Encoder& e) { gpu::ops::encode_quantized_matmul(e, op); });
+        nb::object h = nb::none(), xn = nb::none();
+        if (side) {
+          h = run.download(op.h_out, xt, {K});
+          xn = run.download(op.xn_out, xt, {K});
+        }
+        return nb::make_tuple(run.download(op.y, xt, {N}), h, xn, run.stats());
+      },
+      "x"_a, "w"_a, "scales"_a, "biases"_a, "norm_weight"_a, "residual"_a = nb::none(), nb::kw_only(), "side"_a,
+      "bits"_a, "group_size"_a, "eps"_a, "x_dtype"_a, "scale_dtype"_a, "device"_a = "emu", "order"_a = "shuffle",
+      "seed"_a = 0, "fp_traps"_a = true,
+      "One token through the qmv1 route with an RMSNorm fused in front: y = dequant(w) @ (rmsnorm(h) * "
+      "norm_weight), h = x (+ residual); returns (y, h, xn, stats) (h, xn: None unless side). Use "
+      "lily_py.ops.quantized_matmul_norm.");
 
   m.def(
       "rms_norm",

@@ -28,6 +28,15 @@
   X(qmv_b8_xf32_sbf16,  QmmArgs, 5)                                           \
   X(qmv_b8_xbf16_sf32,  QmmArgs, 5)                                           \
   X(qmv_b8_xbf16_sbf16, QmmArgs, 5)                                           \
+  /* single-token qmv (shaders/qmm.metal): x, w, scales, biases, y, residual, norm_w, h_out, xn_out */ \
+  X(qmv1_b4_xf32_sf32, Qmv1Args, 9)                                       \
+  X(qmv1_b4_xf32_sbf16, Qmv1Args, 9)                                       \
+  X(qmv1_b4_xbf16_sf32, Qmv1Args, 9)                                       \
+  X(qmv1_b4_xbf16_sbf16, Qmv1Args, 9)                                       \
+  X(qmv1_b8_xf32_sf32, Qmv1Args, 9)                                       \
+  X(qmv1_b8_xf32_sbf16, Qmv1Args, 9)                                       \
+  X(qmv1_b8_xbf16_sf32, Qmv1Args, 9)                                       \
+  X(qmv1_b8_xbf16_sbf16, Qmv1Args, 9)                                       \
   /* quantized matrix-matrix, tiled (shaders/qmm.metal): x, w, scales, biases, out */ \
   X(qmm_b4_xf32_sf32,   QmmArgs, 5)                                           \
   X(qmm_b4_xf32_sbf16,  QmmArgs, 5)                                           \

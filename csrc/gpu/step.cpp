@@ -58,11 +58,17 @@ ops::QuantLinear quant_linear(const QuantWeight& w, const core::QuantSpec& q) {
 
 ops::QuantMatrix quant_matrix(const QuantWeight& w) { return ops::QuantMatrix{w.w, w.scales, w.biases}; }
 
+// fold_norm: the layer's input norm is fused into the mixer's first projection (decode), which
+// then reads x (not xn).
 void encode_deltanet(Encoder& enc, const core::ModelSpec& spec, const Layer& L, const StepScratch& s,
-                     const StepParams& p) {
+                     const StepParams& p, bool fold_norm) {
   const uint32_t T = p.tokens;
   ops::GatedDeltaMixerOperands g;
-  g.x = s.xn;
+  g.x = fold_norm ? s.x : s.xn;
+  if (fold_norm) {
+    g.in_norm = L.input_norm;
+    g.in_norm_eps = spec.eps;
+  }
   g.in_proj = quant_linear(L.dn.in_proj, spec.mixer);
   g.out_proj = quant_linear(L.dn.out_proj, spec.mixer);
   g.conv_weight = L.dn.conv;
@@ -91,7 +97,7 @@ void encode_deltanet(Encoder& enc, const core::ModelSpec& spec, const Layer& L, 
 }
 
 void encode_attention(Encoder& enc, const core::ModelSpec& spec, const ModelBuffers& m, const Layer& L,
-                      const StepScratch& s, const StepParams& p) {
+                      const StepScratch& s, const StepParams& p, bool fold_norm) {
   auto weights = [&](const QuantWeight& w) {
     ops::QmmOperands q;
     q.w = w.w;
@@ -103,7 +109,11 @@ void encode_attention(Encoder& enc, const core::ModelSpec& spec, const ModelBuff
     return q;
   };
   ops::AttentionMixerOperands a;
-  a.x = s.xn;
+  a.x = fold_norm ? s.x : s.xn;
+  if (fold_norm) {
+    a.in_norm = L.input_norm;
+    a.in_norm_eps = spec.eps;
+  }
   a.qkv_proj = weights(L.at.qkv_proj);
   a.o_proj = weights(L.at.o_proj);
   a.qkv = s.qkv;
@@ -130,9 +140,17 @@ void encode_attention(Encoder& enc, const core::ModelSpec& spec, const ModelBuff
   ops::encode_attention_mixer(enc, a);
 }
 
+// fold_norm: the post norm (h = x + mix; xn = rms_norm(h)) is fused into the router, which writes
+// h and xn for the expert kernels.
 void encode_moe_block(Encoder& enc, const core::ModelSpec& spec, const Layer& L, const StepScratch& s,
                       const StepParams& p, uint32_t layer) {
   ops::MoeOperands m;
+  if (fold_norm) {
+    m.norm_weight = L.post_norm;
+    m.norm_x = s.mix;
+    m.norm_residual = s.x;
+    m.norm_eps = spec.eps;
+  }
   m.x = s.xn;
   m.residual = s.h;
   m.out = s.x;
@@ -208,54 +226,70 @@ void encode_step(Encoder& enc, const core::ModelSpec& spec, const ModelBuffers& 
 
   if (!p.logits && (p.sample || p.all_logits))
     throw std::invalid_argument("engine step: sampling / all_logits need the logits");
+  // Decode (one token): every RMSNorm is fused into the matvec that consumes it (qmv1 route):
+  // the input norm into the mixer's first projection, the post norm into the router, the final
+  // norm into lm_head: two levels fewer per layer and one at the head. A chunk of several
+  // tokens keeps separate norm dispatches (tiled matmuls).
+  const bool fold = T == 1;
   for (size_t li = 0; li < m.layers.size(); ++li) {
     const Layer& L = m.layers[li];
-    ops::RmsNormOperands in;
-    in.x = t.x;
-    in.weight = L.input_norm;
-    in.y = t.xn;
-    in.rows = T;
-    in.D = H;
-    in.eps = spec.eps;
-    ops::encode_rms_norm(enc, in);
-    enc.barrier();  // xn -> mixer projections
+    if (!fold) {
+      ops::RmsNormOperands in;
+      in.x = t.x;
+      in.weight = L.input_norm;
+      in.y = t.xn;
+      in.rows = T;
+      in.D = H;
+      in.eps = spec.eps;
+      ops::encode_rms_norm(enc, in);
+      enc.barrier();  // xn -> mixer projections
+    }
 
-    if (L.attention) encode_attention(enc, spec, m, L, t, p);
-    else encode_deltanet(enc, spec, L, t, p);
-    enc.barrier();  // mix (out_proj) -> residual + post norm
+    if (L.attention) encode_attention(enc, spec, m, L, t, p, fold);
+    else encode_deltanet(enc, spec, L, t, p, fold);
+    enc.barrier();  // mix (out_proj) -> residual + post norm (fold: -> router, which reads mix and x)
 
-    ops::RmsNormOperands post;
-    post.x = t.mix;
-    post.residual = t.x;
-    post.h_out = t.h;
-    post.weight = L.post_norm;
-    post.y = t.xn;
-    post.rows = T;
-    post.D = H;
-    post.eps = spec.eps;
-    ops::encode_rms_norm(enc, post);
-    enc.barrier();  // h, xn -> MoE (router reads xn; combine reads h)
+    if (!fold) {
+      ops::RmsNormOperands post;
+      post.x = t.mix;
+      post.residual = t.x;
+      post.h_out = t.h;
+      post.weight = L.post_norm;
+      post.y = t.xn;
+      post.rows = T;
+      post.D = H;
+      post.eps = spec.eps;
+      ops::encode_rms_norm(enc, post);
+      enc.barrier();  // h, xn -> MoE (router reads xn; combine reads h)
+    }
 
     encode_moe_block(enc, spec, L, t, p, uint32_t(li));
     if (li + 1 == m.layers.size() && !p.logits) return;  // the state is complete: no head
-    enc.barrier();  // x (h + moe) -> next layer's input norm / the final norm
+    enc.barrier();  // x (h + moe) -> next layer's input norm (fold: its first projection) / the final norm
   }
 
   const uint32_t out_rows = p.all_logits ? T : 1;
   const uint32_t first = T - out_rows;
   const uint32_t logits_row = out_rows == 1 ? p.slot : 0;  // one row: alternate between steps
-  ops::RmsNormOperands fin;
-  fin.x = rows(s.x, first, out_rows, row);
-  fin.weight = m.norm;
-  fin.y = rows(s.xn, 0, out_rows, row);
-  fin.rows = out_rows;
-  fin.D = H;
-  fin.eps = spec.eps;
-  ops::encode_rms_norm(enc, fin);
-  enc.barrier();  // xn (final norm) -> lm_head
-
+  // One output row: the final norm is fused into lm_head (qmv1 route). Several: rms_norm, lm_head.
+  const bool fold_final = out_rows == 1;
   ops::QmmOperands head;
-  head.x = fin.y;
+  if (fold_final) {
+    head.x = rows(s.x, first, 1, row);
+    head.norm_weight = m.norm;
+    head.eps = spec.eps;
+  } else {
+    ops::RmsNormOperands fin;
+    fin.x = rows(s.x, first, out_rows, row);
+    fin.weight = m.norm;
+    fin.y = rows(s.xn, 0, out_rows, row);
+    fin.rows = out_rows;
+    fin.D = H;
+    fin.eps = spec.eps;
+    ops::encode_rms_norm(enc, fin);
+    enc.barrier();  // xn (final norm) -> lm_head
+    head.x = fin.y;
+  }
   head.w = m.lm_head.w;
   head.scales = m.lm_head.scales;
   head.biases = m.lm_head.biases;

@@ -11,6 +11,12 @@
 //   logits[rows, V] = xn @ lm_head^T
 //   (sampling on) token_slot[0] = sample(logits[last row])   the next step's embedding can read it
 //
+// Decode (T = 1) fuses every RMSNorm into the single-token matvec that consumes it (qmv1 route):
+// the input norm into the mixer's first projection (which reads x), the post norm into the MoE
+// router (which reads mix and x and writes h and xn for the experts), the final norm into
+// lm_head. Chunks of several tokens keep the separate norm dispatches above (one row of logits:
+// the final norm is fused there too).
+//
 // Barriers: one before every consumer of the previous dispatch's output, named below by the
 // tensors they order; the ops (gated_delta, moe) place their internal ones the same way.
 // `serialize` puts a barrier between every two dispatches (debugging switch).

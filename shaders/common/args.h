@@ -21,6 +21,25 @@ enum : uint32_t {
   kQmmSimdsPerGroup = 4,  // qmm threadgroup = 4 simdgroups (2 x 2 over the 32 x 32 tile)
 };
 
+// qmv1 (single token, shaders/qmm.metal): y[N] = dequant(w)[N, K] @ f(x), with f(x) = x, or an
+// RMSNorm fused in front: f(x) = rmsnorm(h) * norm_w, h = x (+ residual). Threadgroup = kQmv1Rows
+// rows x `splits` simdgroups that split K into 16-byte-per-lane blocks.
+enum : uint32_t {
+  kQmv1Rows = 4,       // output rows per threadgroup (every simdgroup works on all of them)
+  kQmv1MaxSplits = 4,  // simdgroups per threadgroup (K split): min(this, K / block)
+  kQmv1Norm = 1u,      // flags: RMSNorm in front (norm_w, eps); y = rsqrt(mean(h^2) + eps) * (w . (h * norm_w))
+  kQmv1Residual = 2u,  // flags: h = round_T(x + residual)
+  kQmv1Side = 4u,      // flags: threadgroup 0 also writes h_out = h and xn_out = rmsnorm(h) * norm_w
+};
+
+struct Qmv1Args {
+  uint32_t N;           // rows of w / outputs
+  uint32_t K;           // multiple of group_size
+  uint32_t group_shift; // log2(group_size): 5, 6 or 7
+  uint32_t flags;       // kQmv1Norm | kQmv1Residual | kQmv1Side
+  float eps;            // RMSNorm epsilon (flags & kQmv1Norm)
+};
+
 // y[M, N] = x[M, K] @ dequant(w)[N, K]^T ; w uint32 [N, K*bits/32], scales/biases [N, K/group_size]
 struct QmmArgs {
   uint32_t M;           // rows of x / y

@@ -53,16 +53,19 @@ def check(rng, x, w, scales, biases, *, bits, group_size, device="emu", **kw):
 def test_route_boundary_constant_matches_extension():
     import lily_py._core as core
     assert core.ops.QMV_MAX_ROWS == QMV_MAX_ROWS
+    assert ops.quantized_matmul_route(1) == "qmv1"
+    assert ops.quantized_matmul_route(2) == "qmv"
     assert ops.quantized_matmul_route(QMV_MAX_ROWS) == "qmv"
     assert ops.quantized_matmul_route(QMV_MAX_ROWS + 1) == "qmm"
 
 
-# Both sides of the qmv / qmm route switch (M = 8 | 9), every bits x group x dtype combination,
+# Both sides of the qmv1 / qmv (M = 1 | 2) and qmv / qmm (M = 8 | 9) route switches, every bits x
+# group x dtype combination,
 # odd N (not a multiple of the 8-row qmv threadgroup nor of the 32-wide qmm tile) and odd K.
 COMBOS = list(itertools.product([4, 8], [32, 64, 128], [np.float32, BF16], [np.float32, BF16]))
 
 
-@pytest.mark.parametrize("m", [1, 3, QMV_MAX_ROWS, QMV_MAX_ROWS + 1, 45])
+@pytest.mark.parametrize("m", [1, 2, 3, QMV_MAX_ROWS, QMV_MAX_ROWS + 1, 45])
 @pytest.mark.parametrize("bits,group_size,x_dtype,scale_dtype", COMBOS,
                          ids=[f"b{b}-g{g}-x{np.dtype(x).name}-s{np.dtype(s).name}" for b, g, x, s in COMBOS])
 def test_quantized_matmul_matches_reference(rng, device, m, bits, group_size, x_dtype, scale_dtype):
@@ -71,7 +74,7 @@ def test_quantized_matmul_matches_reference(rng, device, m, bits, group_size, x_
     x, w, s, b = make_case(rng, m, n, k, bits=bits, group_size=group_size, x_dtype=x_dtype,
                            scale_dtype=scale_dtype)
     _, stats = check(rng, x, w, s, b, bits=bits, group_size=group_size, device=device)
-    route = "qmv" if m <= QMV_MAX_ROWS else "qmm"
+    route = "qmv1" if m == 1 else "qmv" if m <= QMV_MAX_ROWS else "qmm"
     xs = "bf16" if np.dtype(x_dtype) == BF16 else "f32"
     ss = "bf16" if np.dtype(scale_dtype) == BF16 else "f32"
     assert stats["kernels"] == [f"{route}_b{bits}_x{xs}_s{ss}"]
@@ -103,7 +106,7 @@ def test_leading_dims_and_1d_x(rng, device):
     np.testing.assert_array_equal(y1, y1b)
 
 
-@pytest.mark.parametrize("m", [2, 40])
+@pytest.mark.parametrize("m", [1, 2, 40])
 def test_result_independent_of_thread_order(rng, m):
     # No races: forward, reverse, shuffled and 'ahead' scheduling give bit-identical results.
     x, w, s, b = make_case(rng, m, 40, 256, bits=4, group_size=64, x_dtype=np.float32, scale_dtype=BF16)
@@ -120,6 +123,78 @@ def test_counters_report_exact_bytes(rng):
     assert stats["dispatches"] == 1 and stats["barriers"] == 0
     assert stats["bytes_bound"] == x.nbytes + w.nbytes + s.nbytes + b.nbytes + m * n * 2
     assert stats["threads"] == -(-n // 8) * 64  # qmv: 8 rows per 64-thread threadgroup
+
+
+# ------------------------------------------------------------------------------ qmv1
+# The single-token route: rows in threadgroups of 4 (N = 1, 5, 37: partial last threadgroup),
+# K split over min(4, ceil(K / block)) simdgroups (block = 1024 codes at 4 bits, 512 at 8): K = 64
+# (one partial block, most lanes idle), 1088 (a full and a partial block, 2 simdgroups), 2048 and
+# 4096 + 128 (4 simdgroups, several blocks each, a partial last one).
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("n,k,group_size", [(1, 64, 64), (5, 1088, 64), (37, 2048, 32), (6, 4224, 128)])
+def test_qmv1_shapes_and_splits(rng, device, bits, n, k, group_size):
+    x, w, s, b = make_case(rng, 1, n, k, bits=bits, group_size=group_size, x_dtype=np.float32, scale_dtype=BF16)
+    _, stats = check(rng, x, w, s, b, bits=bits, group_size=group_size, device=device)
+    block = 32 * 128 // bits
+    assert stats["kernels"] == [f"qmv1_b{bits}_xf32_sbf16"]
+    assert stats["threads"] == -(-n // 4) * 32 * min(4, -(-k // block))
+
+
+def norm_case(rng, n, k, *, bits, group_size, x_dtype, residual):
+    x, w, s, b = make_case(rng, 1, n, k, bits=bits, group_size=group_size, x_dtype=x_dtype, scale_dtype=BF16)
+    nw = (1.0 + 0.3 * rng.standard_normal(k)).astype(np.float32)
+    res = rng.standard_normal(k).astype(np.float32).astype(x_dtype) if residual else None
+    return x[0], w, s, b, nw, res
+
+
+# The fused RMSNorm in front of qmv1 (decode's input, post and final norms): against
+# rms_norm -> quantized_matmul in float64. Error: the norm factor carries (4 sqrt(K) + 8) u (as the
+# rms_norm kernel), the dot product 8 sqrt(K) u mag with mag taken over the normalized row; the
+# side outputs h (exact in float32, one rounding in bf16) and xn (the rms_norm kernel's bound).
+@pytest.mark.parametrize("x_dtype", [np.float32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("residual,side", [(False, False), (True, True), (False, True)])
+@pytest.mark.parametrize("n,k", [(7, 192), (13, 2048)])
+def test_qmv1_fused_norm(rng, device, x_dtype, bits, residual, side, n, k):
+    gs = 64
+    x, w, s, b, nw, res = norm_case(rng, n, k, bits=bits, group_size=gs, x_dtype=x_dtype, residual=residual)
+    y, h, xn, stats = ops._quantized_matmul_norm(x, w, s, b, nw, bits=bits, group_size=gs, eps=1e-6,
+                                                 residual=res, side=side, device=device, seed=rng.seed)
+    h_ref = ref_kernels.residual_add(x, res) if residual else x
+    xn_ref = ref_kernels.rms_norm(h_ref[None], nw, eps=1e-6)
+    y_ref = ref_kernels.quantized_matmul(xn_ref, w, s, b, bits=bits, group_size=gs)[0]
+    mag = ref_kernels.quantized_matmul_error_scale(xn_ref, w, s, b, bits=bits, group_size=gs)[0]
+    rtol = 2 * BF16_EPS if np.dtype(x_dtype) == BF16 else 0.0
+    norm_err = (4 * np.sqrt(k) + 8) * F32_EPS
+    assert_close(y, y_ref, atol=(8 * np.sqrt(k) * F32_EPS + norm_err) * mag, rtol=rtol,
+                 what=f"qmv1 fused norm {stats['kernels']}", seed=rng.seed)
+    assert stats["kernels"] == [f"qmv1_b{bits}_x{'bf16' if np.dtype(x_dtype) == BF16 else 'f32'}_sbf16"]
+    assert stats["dispatches"] == 1
+    if side:
+        np.testing.assert_array_equal(h, h_ref)
+        assert_close(xn, xn_ref[0], atol=norm_err * np.abs(xn_ref[0]) + 1e-30, rtol=rtol,
+                     what="qmv1 side output xn", seed=rng.seed)
+    else:
+        assert h is None and xn is None
+
+
+def test_qmv1_fused_norm_independent_of_thread_order(rng):
+    x, w, s, b, nw, res = norm_case(rng, 9, 1088, bits=4, group_size=64, x_dtype=np.float32, residual=True)
+    runs = [ops._quantized_matmul_norm(x, w, s, b, nw, bits=4, group_size=64, residual=res, side=True,
+                                       order=o, seed=rng.seed)[:3] for o in ("forward", "reverse", "shuffle")]
+    for r in runs[1:]:
+        for a, c in zip(runs[0], r):
+            np.testing.assert_array_equal(a, c)
+
+
+def test_qmv1_fused_norm_bad_input(rng):
+    x, w, s, b, nw, _ = norm_case(rng, 4, 128, bits=4, group_size=64, x_dtype=np.float32, residual=False)
+    with pytest.raises(ValueError, match="norm_weight must be float32"):
+        ops.quantized_matmul_norm(x, w, s, b, nw.astype(np.float64), bits=4, group_size=64)
+    with pytest.raises(ValueError, match="residual must be"):
+        ops.quantized_matmul_norm(x, w, s, b, nw, bits=4, group_size=64, residual=x[:64])
+    with pytest.raises(ValueError, match="eps must be > 0"):
+        ops.quantized_matmul_norm(x, w, s, b, nw, bits=4, group_size=64, eps=0.0)
 
 
 # ------------------------------------------------------------------------------ bad input

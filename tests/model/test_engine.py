@@ -129,18 +129,22 @@ def test_snapshot_restore_reset(dn_ckpt, rng):
     np.testing.assert_array_equal(m.prefill(ids[3:]), first)   # same steps from a reset state
 
 
-def _expected_counts(cfg, tokens: int, position: int = 0) -> tuple[int, int]:
+def _expected_counts(cfg, tokens: int, position: int = 0, logits: bool = True,
+                     all_logits: bool = False) -> tuple[int, int]:
     """(dispatches, barriers) of one step, from the engine's encoding plan (csrc/gpu/step.h):
     embedding | per layer: input norm, mixer, fused residual + post norm, MoE, one barrier after
-    each | final norm | lm_head. Mixers: DeltaNet 4 dispatches / 3 barriers inside (the chunked
-    delta rule: 3 more of each); attention 4 / 3, plus one dispatch and one barrier when decode
-    attention takes two passes (the vec route of head_dim 64 / 128 / 256 at every length; other
-    head dims beyond 256 keys). MoE: mv route (tokens <= 8) 4 / 3, tiled 10 / 9 (the three tile
-    kinds of a stage one after another). `cfg` is a ModelConfig."""
+    each | final norm | lm_head. Decode (one token) fuses the input norm into the mixer's first
+    projection and the post norm into the router (two dispatches and barriers fewer per layer);
+    with one row of logits the final norm is fused into lm_head. Mixers: DeltaNet 4 dispatches /
+    3 barriers inside (the chunked delta rule: 3 more of each); attention 4 / 3, plus one dispatch
+    and one barrier when decode attention takes two passes (the vec route of head_dim 64 / 128 /
+    256 at every length; other head dims beyond 256 keys). MoE: mv route (tokens <= 8) 4 / 3,
+    tiled 10 / 9 (the three tile kinds of a stage one after another). `cfg` is a ModelConfig."""
     from lily_py.ops import attention_decode_route, gated_delta_route, moe_route
     moe, moe_barriers = (4, 3) if moe_route(tokens, cfg.num_experts_per_tok) == "mv" else (10, 9)
     chunked = gated_delta_route(tokens, cfg.linear_key_head_dim, cfg.linear_value_head_dim) == "chunked"
     two_pass = tokens == 1 and attention_decode_route(position + 1, cfg.head_dim)["route"] != "single"
+    norms = 0 if tokens == 1 else 2  # separate norm dispatches per layer
     dispatches = barriers = 1
     for i in range(cfg.num_hidden_layers):
         mixer = 4
@@ -148,9 +152,12 @@ def _expected_counts(cfg, tokens: int, position: int = 0) -> tuple[int, int]:
             mixer = 5
         if not cfg.is_full_attention(i) and chunked:
             mixer = 7
-        dispatches += 1 + mixer + 1 + moe
-        barriers += 1 + (mixer - 1) + 1 + 1 + moe_barriers + 1
-    return dispatches + 2, barriers + 1
+        dispatches += norms + mixer + moe
+        barriers += norms + (mixer - 1) + 1 + moe_barriers + 1
+    if not logits:
+        return dispatches, barriers - 1
+    head = 1 if (tokens == 1 or not all_logits) else 2  # lm_head (+ a separate final norm)
+    return dispatches + head, barriers + head - 1
 
 
 def _expected_useful_flops(cfg, tokens: int, position: int = 0, logit_rows: int = 1) -> int:
@@ -214,10 +221,11 @@ def test_step_counters(attn_ckpt, rng, tokens):
     # counting device runs nothing and keeps the bound over every routing.
     assert counted["flops_executed"] >= st["flops_executed"]
     assert (counted["flops_executed"] == st["flops_executed"]) == (tokens <= 8)
-    # A prefill chunk that is not the last skips the final norm and lm_head (and their barriers).
+    # A prefill chunk that is not the last skips the head (lm_head, with the final norm fused in).
     assert m._backend.forward(np.array([1] * tokens), all_logits=False, logits=False) is None
     st = m.stats()
-    assert (st["dispatches"], st["barriers"]) == (d - 2, b - 2)
+    assert (st["dispatches"], st["barriers"]) == _expected_counts(m.config, tokens, logits=False)
+    assert (st["dispatches"], st["barriers"]) == (d - 1, b - 1)
 
 
 def test_decode_split_route_counters(attn_ckpt, rng):

@@ -327,8 +327,13 @@ void encode_attention_mixer(Encoder& enc, const AttentionMixerOperands& op) {
   if (op.tokens == 0 || op.hidden == 0) fail(fn, "empty shape");
   const uint32_t T = op.tokens, D = op.head_dim;
   const uint64_t xs = dtype_size(op.dtype);
-  auto proj = [&](QmmOperands p, const Binding& x, const Binding& y, uint32_t K, uint32_t N, const char* what) {
+  auto proj = [&](QmmOperands p, const Binding& x, const Binding& y, uint32_t K, uint32_t N, const char* what,
+                  bool first = false) {
     p.x = x;
+    if (first) {
+      p.norm_weight = op.in_norm;
+      p.eps = op.in_norm_eps;
+    }
     p.y = y;
     p.x_dtype = op.dtype;
     p.M = T;
@@ -349,7 +354,7 @@ void encode_attention_mixer(Encoder& enc, const AttentionMixerOperands& op) {
   uint32_t qg_stride = 0, kv_stride = 0;
   if (fused) {
     const uint32_t ntot = nq + 2 * nkv;
-    proj(op.qkv_proj, op.x, op.qkv, op.hidden, ntot, "qkv_proj");
+    proj(op.qkv_proj, op.x, op.qkv, op.hidden, ntot, "qkv_proj", true);
     auto part = [&](uint64_t col) {  // the qkv temporary from column col on
       if (op.qkv.bytes < col * xs) fail(fn, "qkv temporary too small");
       return Binding{op.qkv.buffer, op.qkv.offset + col * xs, op.qkv.bytes - col * xs};
@@ -359,9 +364,9 @@ void encode_attention_mixer(Encoder& enc, const AttentionMixerOperands& op) {
     v = part(uint64_t(nq) + nkv);
     qg_stride = kv_stride = ntot;
   } else {
-    proj(op.q_proj, op.x, op.qg, op.hidden, nq, "q_proj");
-    proj(op.k_proj, op.x, op.k, op.hidden, nkv, "k_proj");
-    proj(op.v_proj, op.x, op.v, op.hidden, nkv, "v_proj");
+    proj(op.q_proj, op.x, op.qg, op.hidden, nq, "q_proj", true);
+    proj(op.k_proj, op.x, op.k, op.hidden, nkv, "k_proj", true);
+    proj(op.v_proj, op.x, op.v, op.hidden, nkv, "v_proj", true);
   }
   enc.barrier();  // qg, k, v -> qk_norm_rope
 

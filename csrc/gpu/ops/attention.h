@@ -107,6 +107,9 @@ struct AttentionMixerOperands {
                                    // [tokens, q_heads * D] x2, all of dtype
   Binding scratch;                 // split-route partials (attention_scratch_bytes), decode only
   Binding out;                     // [tokens, hidden] of dtype
+  Binding in_norm;                 // optional float32 [hidden] (tokens == 1 only): the projections
+                                   // normalize x themselves (RMSNorm fused in front, qmv1 route)
+  float in_norm_eps = 1e-6f;
   DType dtype = DType::f32;
   DType w_dtype = DType::f32;
   uint32_t tokens = 0, hidden = 0, q_heads = 0, kv_heads = 0, head_dim = 0, rotary_dim = 0;

@@ -255,6 +255,8 @@ void encode_gated_delta_mixer(Encoder& enc, const GatedDeltaMixerOperands& op) {
   in.K = op.hidden;
   in.bits = op.in_proj.bits;
   in.group_size = op.in_proj.group_size;
+  in.norm_weight = op.in_norm;
+  in.eps = op.in_norm_eps;
   validate(in);
   encode_quantized_matmul(enc, in);
   enc.barrier();  // proj written -> read by conv1d (qkv columns) and gated_delta (z, b, a columns)

@@ -97,6 +97,9 @@ struct GatedDeltaMixerOperands {
   Binding o;               // scratch [T, Hv*Dv] of x_dtype
   Binding chunk_scratch;   // scratch of the chunked route (unbound: always the scan)
   Binding out;             // [T, hidden] of x_dtype
+  Binding in_norm;         // optional float32 [hidden] (T == 1 only): in_proj normalizes x itself
+                           // (RMSNorm with this weight and in_norm_eps fused in front, qmv1 route)
+  float in_norm_eps = 1e-6f;
   DType x_dtype = DType::f32;
   DType w_dtype = DType::f32;
   uint32_t T = 0, hidden = 0, Hk = 0, Hv = 0, Dk = 0, Dv = 0, K = 4;

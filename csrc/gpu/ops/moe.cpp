@@ -217,8 +217,18 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
   r.K = H;
   r.bits = op.router_bits;
   r.group_size = op.router_group_size;
+  if (op.norm_weight.buffer) {
+    if (T != 1) fail("the folded post norm needs tokens == 1");
+    if (op.residual.buffer == nullptr) fail("the folded post norm writes h to `residual`: bind it");
+    r.x = range(op.norm_x, act, "norm_x");
+    r.residual = range(op.norm_residual, act, "norm_residual");
+    r.norm_weight = op.norm_weight;
+    r.eps = op.norm_eps;
+    r.h_out = residual;
+    r.xn_out = range(op.x, act, "x");
+  }
   encode_quantized_matmul(enc, r);
-  enc.barrier();  // logits -> route
+  enc.barrier();  // logits -> route (folded norm: also h -> down's residual, xn -> expert kernels)
 
   // 2. softmax, top-k, renormalise, shared gate
   enc.set_kernel(KernelId::moe_route);

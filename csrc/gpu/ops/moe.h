@@ -88,6 +88,12 @@ struct MoeOperands {
   uint32_t tokens = 0, hidden = 0, experts = 0, top_k = 0, inter = 0, shared_inter = 0;
   uint32_t bits = 4, group_size = 64;               // every expert matrix
   uint32_t router_bits = 8, router_group_size = 64;
+  // Optional (tokens == 1): the post-mixer norm folded into the router. The router then reads
+  // norm_x and norm_residual, normalizes h = norm_x + norm_residual with norm_weight (float32 [H])
+  // itself, and its first threadgroup writes h to `residual` and the normalized row to `x` for the
+  // expert kernels (one level fewer: no separate rms_norm_residual dispatch).
+  Binding norm_weight, norm_x, norm_residual;
+  float norm_eps = 1e-6f;
 };
 
 MoeScratchBytes moe_scratch_bytes(const MoeOperands& op);

@@ -1,5 +1,6 @@
 #include "gpu/ops/qmm.h"
 
+#include <algorithm>
 #include <stdexcept>
 #include <string>
 
@@ -18,9 +19,16 @@ void need_bytes(const Binding& b, uint64_t bytes, const char* what) {
 
 }  // namespace
 
-QmmRoute qmm_route(uint32_t M) { return M <= kQmvMaxRows ? QmmRoute::qmv : QmmRoute::qmm; }
+QmmRoute qmm_route(uint32_t M) {
+  return M == 1 ? QmmRoute::qmv1 : M <= kQmvMaxRows ? QmmRoute::qmv : QmmRoute::qmm;
+}
 
-const char* qmm_route_name(QmmRoute r) { return r == QmmRoute::qmv ? "qmv" : "qmm"; }
+const char* qmm_route_name(QmmRoute r) { return r == QmmRoute::qmv1 ? "qmv1" : r == QmmRoute::qmv ? "qmv" : "qmm"; }
+
+uint32_t qmv1_splits(uint32_t K, uint32_t bits) {
+  const uint32_t block = 32 * 128 / bits;  // codes per simdgroup per 16-byte-per-lane step
+  return std::min<uint32_t>(kQmv1MaxSplits, (K + block - 1) / block);
+}
 
 QmmFlops qmm_flops(uint32_t M, uint32_t N, uint32_t K) {
   const uint64_t useful = 2ull * M * N * K;
@@ -35,6 +43,13 @@ KernelId qmm_kernel(QmmRoute route, uint32_t bits, DType x, DType s) {
   if (bits != 4 && bits != 8)
     throw std::invalid_argument("quantized_matmul: bits=" + std::to_string(bits) + " unsupported (4 or 8)");
   const bool xb = x == DType::bf16, sb = s == DType::bf16;
+  if (route == QmmRoute::qmv1) {
+    if (bits == 4)
+      return xb ? (sb ? KernelId::qmv1_b4_xbf16_sbf16 : KernelId::qmv1_b4_xbf16_sf32)
+                : (sb ? KernelId::qmv1_b4_xf32_sbf16 : KernelId::qmv1_b4_xf32_sf32);
+    return xb ? (sb ? KernelId::qmv1_b8_xbf16_sbf16 : KernelId::qmv1_b8_xbf16_sf32)
+              : (sb ? KernelId::qmv1_b8_xf32_sbf16 : KernelId::qmv1_b8_xf32_sf32);
+  }
   if (route == QmmRoute::qmv) {
     if (bits == 4)
       return xb ? (sb ? KernelId::qmv_b4_xbf16_sbf16 : KernelId::qmv_b4_xbf16_sf32)
@@ -68,19 +83,57 @@ void validate(const QmmOperands& op) {
   need_bytes(op.scales, uint64_t(op.N) * (op.K / op.group_size) * se, "scales");
   need_bytes(op.biases, uint64_t(op.N) * (op.K / op.group_size) * se, "biases");
   need_bytes(op.y, ((uint64_t(op.M) - 1) * ys + op.N) * xe, "y");
+  const bool norm = op.norm_weight.buffer != nullptr;
+  if ((op.residual.buffer || op.h_out.buffer || op.xn_out.buffer) && !norm)
+    fail("residual / h_out / xn_out need the fused norm (norm_weight)");
+  if (norm) {
+    if (op.M != 1) fail("the fused RMSNorm needs M == 1 (qmv1 route), got M=" + std::to_string(op.M));
+    if (!(op.eps > 0.0f)) fail("eps must be > 0");
+    need_bytes(op.norm_weight, uint64_t(op.K) * 4, "norm_weight");
+    if (op.residual.buffer) need_bytes(op.residual, uint64_t(op.K) * xe, "residual");
+    if ((op.h_out.buffer == nullptr) != (op.xn_out.buffer == nullptr)) fail("h_out and xn_out go together");
+    if (op.h_out.buffer) {
+      need_bytes(op.h_out, uint64_t(op.K) * xe, "h_out");
+      need_bytes(op.xn_out, uint64_t(op.K) * xe, "xn_out");
+    }
+  }
 }
 
 void encode_quantized_matmul(Encoder& enc, const QmmOperands& op) {
   validate(op);
   const QmmRoute route = qmm_route(op.M);
+  const uint64_t xe = dtype_size(op.x_dtype), se = dtype_size(op.scale_dtype);
+  const uint64_t groups = op.K / op.group_size;
+  auto range = [](Binding b, uint64_t bytes) { b.bytes = bytes; return b; };
+  if (route == QmmRoute::qmv1) {
+    uint32_t flags = 0;
+    if (op.norm_weight.buffer) flags |= kQmv1Norm;
+    if (op.residual.buffer) flags |= kQmv1Residual;
+    if (op.h_out.buffer) flags |= kQmv1Side;
+    uint32_t shift = 0;
+    while ((1u << shift) < op.group_size) ++shift;
+    Qmv1Args a{op.N, op.K, shift, flags, op.eps};
+    enc.set_kernel(qmm_kernel(route, op.bits, op.x_dtype, op.scale_dtype));
+    enc.set_args(a);
+    const Binding x = range(op.x, op.K * xe);
+    enc.set_buffer(1, x);
+    enc.set_buffer(2, range(op.w, uint64_t(op.N) * op.K * op.bits / 8));
+    enc.set_buffer(3, range(op.scales, uint64_t(op.N) * groups * se));
+    enc.set_buffer(4, range(op.biases, uint64_t(op.N) * groups * se));
+    enc.set_buffer(5, range(op.y, op.N * xe));
+    // Unused slots (flag clear) are bound to x (never read or written there).
+    enc.set_buffer(6, op.residual.buffer ? range(op.residual, op.K * xe) : x);
+    enc.set_buffer(7, op.norm_weight.buffer ? range(op.norm_weight, uint64_t(op.K) * 4) : x);
+    enc.set_buffer(8, op.h_out.buffer ? range(op.h_out, op.K * xe) : x);
+    enc.set_buffer(9, op.xn_out.buffer ? range(op.xn_out, op.K * xe) : x);
+    enc.dispatch({ceil_div(op.N, kQmv1Rows), 1, 1}, {32 * qmv1_splits(op.K, op.bits), 1, 1});
+    return;
+  }
   QmmArgs args{op.M, op.N, op.K, op.group_size, op.x_stride ? op.x_stride : op.K,
                op.y_stride ? op.y_stride : op.N};
   enc.set_kernel(qmm_kernel(route, op.bits, op.x_dtype, op.scale_dtype));
   enc.set_args(args);
   // Bind exactly the bytes the kernel reads, so counters report true weight traffic.
-  const uint64_t xe = dtype_size(op.x_dtype), se = dtype_size(op.scale_dtype);
-  const uint64_t groups = op.K / op.group_size;
-  auto range = [](Binding b, uint64_t bytes) { b.bytes = bytes; return b; };
   enc.set_buffer(1, range(op.x, ((uint64_t(op.M) - 1) * args.x_stride + op.K) * xe));
   enc.set_buffer(2, range(op.w, uint64_t(op.N) * op.K * op.bits / 8));
   enc.set_buffer(3, range(op.scales, uint64_t(op.N) * groups * se));

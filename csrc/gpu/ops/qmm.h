@@ -9,11 +9,14 @@
 namespace lily::gpu::ops {
 
 enum class QmmRoute : uint8_t {
-  qmv,  // M <= kQmvMaxRows: matrix-vector, every weight byte read once for all M rows
+  qmv1, // M == 1: single-token matrix-vector (optionally with an RMSNorm fused in front)
+  qmv,  // 2 <= M <= kQmvMaxRows: matrix-vector, every weight byte read once for all M rows
   qmm,  // M >  kQmvMaxRows: 32x32 output tiles, weights dequantized per tile into threadgroup memory
 };
 
 QmmRoute qmm_route(uint32_t M);
+// Simdgroups per threadgroup of the qmv1 route (they split K): min(kQmv1MaxSplits, ceil(K / block)).
+uint32_t qmv1_splits(uint32_t K, uint32_t bits);
 const char* qmm_route_name(QmmRoute r);
 
 // FLOPs (2 per multiply-add) of y = x @ w^T: useful 2 M N K; executed includes the tile padding
@@ -34,6 +37,12 @@ struct QmmOperands {
   uint32_t M = 0, N = 0, K = 0;
   uint32_t bits = 4, group_size = 64;
   uint32_t x_stride = 0, y_stride = 0;  // 0 means packed (K, N)
+  // RMSNorm fused in front (qmv1 route only, M == 1): y = w . (rmsnorm(h) * norm_weight) with
+  // h = x (+ residual); optionally h and the normalized row are also written (h_out, xn_out).
+  Binding norm_weight;  // float32 [K]; unbound: no norm
+  Binding residual;     // [K] of x_dtype; unbound: h = x
+  Binding h_out, xn_out;  // [K] of x_dtype; both bound or both unbound
+  float eps = 1e-6f;
 };
 
 // The kernel a route uses for these bits / dtypes; throws std::invalid_argument when unsupported.

@@ -5,10 +5,11 @@ import numpy as np
 
 from ._common import _BITS, _GROUP_SIZES, BFLOAT16, _check_device, _core, _float_array
 
-__all__ = ['quantized_matmul', 'quantized_matmul_route']
+__all__ = ['quantized_matmul', 'quantized_matmul_norm', 'quantized_matmul_route']
 
 def quantized_matmul_route(m: int) -> str:
-    """The route :func:`quantized_matmul` takes for ``m`` rows of ``x``: ``"qmv"`` or ``"qmm"``."""
+    """The route :func:`quantized_matmul` takes for ``m`` rows of ``x``: ``"qmv1"`` (one row),
+    ``"qmv"`` (2..8 rows) or ``"qmm"``."""
     return str(_core().ops.qmm_route(int(m)))
 
 
@@ -71,3 +72,55 @@ def _quantized_matmul(x, w, scales, biases, *, bits, group_size, device="emu", o
     if x_dtype == "bfloat16":
         y = y.view(BFLOAT16)
     return y.reshape(*lead, n), stats
+
+
+def quantized_matmul_norm(x, w, scales, biases, norm_weight, *, bits: int, group_size: int, eps: float = 1e-6,
+                          residual=None, side: bool = False, device: str = "emu"):
+    """One token through the single-token route with an RMSNorm fused in front (the decode step's
+    input, post and final norms): ``h = x (+ residual)``, ``xn = rmsnorm(h) * norm_weight``,
+    ``y = xn @ dequant(w).T``. Returns ``(y, h, xn)`` (``h``, ``xn`` are ``None`` unless
+    ``side``: then the kernel's first threadgroup also writes them). ``x``, ``residual``: ``[K]``
+    float32 or bfloat16; ``norm_weight``: float32 ``[K]``."""
+    y, h, xn, _ = _quantized_matmul_norm(x, w, scales, biases, norm_weight, bits=bits, group_size=group_size,
+                                         eps=eps, residual=residual, side=side, device=device)
+    return y, h, xn
+
+
+def _quantized_matmul_norm(x, w, scales, biases, norm_weight, *, bits, group_size, eps=1e-6, residual=None,
+                           side=False, device="emu", order="shuffle", seed=0, fp_traps=True):
+    fn = "quantized_matmul_norm"
+    if bits not in _BITS:
+        raise ValueError(f"{fn}: bits must be one of {_BITS}, got {bits!r}")
+    if group_size not in _GROUP_SIZES:
+        raise ValueError(f"{fn}: group_size must be one of {_GROUP_SIZES}, got {group_size!r}")
+    xc, x_dtype = _float_array(x, "x", fn)
+    if xc.ndim != 1 or xc.shape[0] == 0 or xc.shape[0] % group_size:
+        raise ValueError(f"{fn}: x must be [K] with K a multiple of group_size={group_size}, got {list(x.shape)}")
+    k = xc.shape[0]
+    if not isinstance(w, np.ndarray) or w.dtype != np.uint32 or w.ndim != 2 or w.shape[1] * 32 != k * bits:
+        raise ValueError(f"{fn}: w must be uint32 [N, {k * bits // 32}], got {getattr(w, 'dtype', '?')} "
+                         f"{list(getattr(w, 'shape', []))}")
+    sc, s_dtype = _float_array(scales, "scales", fn)
+    bc, b_dtype = _float_array(biases, "biases", fn)
+    if s_dtype != b_dtype or sc.shape != (w.shape[0], k // group_size) or bc.shape != sc.shape:
+        raise ValueError(f"{fn}: scales and biases must be [N, K/group_size] of one dtype")
+    nw = np.asarray(norm_weight)
+    if nw.dtype != np.float32 or nw.shape != (k,):
+        raise ValueError(f"{fn}: norm_weight must be float32 [{k}], got {nw.dtype} {list(nw.shape)}")
+    res = None
+    if residual is not None:
+        res, r_dtype = _float_array(residual, "residual", fn)
+        if r_dtype != x_dtype or res.shape != (k,):
+            raise ValueError(f"{fn}: residual must be [{k}] of x's dtype")
+    if not float(eps) > 0:
+        raise ValueError(f"{fn}: eps must be > 0, got {eps!r}")
+    _check_device(device, fn)
+    y, h, xn, stats = _core().ops.quantized_matmul_norm(
+        xc, np.ascontiguousarray(w), sc, bc, np.ascontiguousarray(nw), res, side=bool(side), bits=bits,
+        group_size=group_size, eps=float(eps), x_dtype=x_dtype, scale_dtype=s_dtype, device=device, order=order,
+        seed=seed, fp_traps=fp_traps)
+    if x_dtype == "bfloat16":
+        y = y.view(BFLOAT16)
+        h = None if h is None else h.view(BFLOAT16)
+        xn = None if xn is None else xn.view(BFLOAT16)
+    return y, h, xn, stats
