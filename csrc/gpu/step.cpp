@@ -143,7 +143,7 @@ void encode_attention(Encoder& enc, const core::ModelSpec& spec, const ModelBuff
 // fold_norm: the post norm (h = x + mix; xn = rms_norm(h)) is fused into the router, which writes
 // h and xn for the expert kernels.
 void encode_moe_block(Encoder& enc, const core::ModelSpec& spec, const Layer& L, const StepScratch& s,
-                      const StepParams& p, uint32_t layer) {
+                      const StepParams& p, uint32_t layer, bool fold_norm) {
   ops::MoeOperands m;
   if (fold_norm) {
     m.norm_weight = L.post_norm;
@@ -263,7 +263,7 @@ void encode_step(Encoder& enc, const core::ModelSpec& spec, const ModelBuffers& 
       enc.barrier();  // h, xn -> MoE (router reads xn; combine reads h)
     }
 
-    encode_moe_block(enc, spec, L, t, p, uint32_t(li));
+    encode_moe_block(enc, spec, L, t, p, uint32_t(li), fold);
     if (li + 1 == m.layers.size() && !p.logits) return;  // the state is complete: no head
     enc.barrier();  // x (h + moe) -> next layer's input norm (fold: its first projection) / the final norm
   }
