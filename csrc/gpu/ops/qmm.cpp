@@ -32,7 +32,7 @@ uint32_t qmv1_splits(uint32_t K, uint32_t bits) {
 
 QmmFlops qmm_flops(uint32_t M, uint32_t N, uint32_t K) {
   const uint64_t useful = 2ull * M * N * K;
-  if (qmm_route(M) == QmmRoute::qmv) return {useful, useful};  // rows past N are skipped, not padded
+  if (qmm_route(M) != QmmRoute::qmm) return {useful, useful};  // qmv / qmv1: rows past N are skipped, not padded
   // Every threadgroup multiplies a whole 32 x 32 tile over K (zeros past M and N).
   const uint64_t Mp = uint64_t(ceil_div(M, kQmmTileM)) * kQmmTileM, Np = uint64_t(ceil_div(N, kQmmTileN)) * kQmmTileN;
   return {2 * Mp * Np * K, useful};
@@ -127,6 +127,8 @@ void encode_quantized_matmul(Encoder& enc, const QmmOperands& op) {
     enc.set_buffer(8, op.h_out.buffer ? range(op.h_out, op.K * xe) : x);
     enc.set_buffer(9, op.xn_out.buffer ? range(op.xn_out, op.K * xe) : x);
     enc.dispatch({ceil_div(op.N, kQmv1Rows), 1, 1}, {32 * qmv1_splits(op.K, op.bits), 1, 1});
+    const QmmFlops f = qmm_flops(1, op.N, op.K);
+    enc.add_flops(f.executed, f.useful);
     return;
   }
   QmmArgs args{op.M, op.N, op.K, op.group_size, op.x_stride ? op.x_stride : op.K,
