@@ -321,7 +321,7 @@ def test_gated_delta_mixer(rng, device, T, x_dtype):
     out, cs, S, stats = _gated_delta_mixer(*m.values(), **dims, eps=1e-6, device=device, seed=rng.seed)
     # Per DeltaNet layer: fused in_proj, conv1d, gated_delta, out_proj; a barrier before each consumer.
     assert stats["dispatches"] == 4 and stats["barriers"] == 3
-    route = "qmv" if T <= 8 else "qmm"
+    route = "qmv1" if T == 1 else "qmv" if T <= 8 else "qmm"
     xs, ss = dname(x_dtype), dname(s_dtype)
     assert stats["kernels"] == [f"{route}_b4_x{xs}_s{ss}", f"conv1d_x{xs}_w{ss}", f"gated_delta_x{xs}_w{ss}",
                                 f"{route}_b4_x{xs}_s{ss}"]
