@@ -358,8 +358,8 @@ def test_gated_delta_mixer_real_dims_decode(rng):
     dims = dict(num_key_heads=16, num_value_heads=32, head_k_dim=128, head_v_dim=128)
     out, cs, S, stats = _gated_delta_mixer(*m.values(), **dims, seed=rng.seed)
     assert stats["dispatches"] == 4 and stats["barriers"] == 3
-    assert stats["kernels"] == ["qmv_b4_xbf16_sbf16", "conv1d_xbf16_wbf16", "gated_delta_xbf16_wbf16",
-                                "qmv_b4_xbf16_sbf16"]
+    assert stats["kernels"] == ["qmv1_b4_xbf16_sbf16", "conv1d_xbf16_wbf16", "gated_delta_xbf16_wbf16",
+                                "qmv1_b4_xbf16_sbf16"]
     in_proj = tuple(np.concatenate([m[n][i] for n in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")])
                     for i in range(3))
     outr, _, Sr = ref.gated_delta_mixer(

@@ -187,7 +187,11 @@ def _expected_useful_flops(cfg, tokens: int, position: int = 0, logit_rows: int 
 
 
 def _attention_decode_padding_flops(cfg, position: int) -> int:
-    """Decode attention scores whole 32-key blocks: the flops past the visible keys."""
+    """Decode attention off the vec route scores whole 32-key blocks: the flops past the visible
+    keys. The vec route (head_dim 64 / 128 / 256) scores exactly the visible keys."""
+    from lily_py.ops import attention_decode_route
+    if attention_decode_route(position + 1, cfg.head_dim)["route"] == "vec":
+        return 0
     keys = position + 1
     pad = (keys + 31) // 32 * 32 - keys
     layers = sum(cfg.is_full_attention(i) for i in range(cfg.num_hidden_layers))

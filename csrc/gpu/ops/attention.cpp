@@ -241,7 +241,10 @@ void encode_attention_decode(Encoder& enc, const AttentionOperands& op) {
     enc.set_buffer(3, c.v);
     enc.set_buffer(4, partial_o);
     enc.set_buffer(5, partial_ml);
+    touch_cache_rows(enc, op, length);
     enc.dispatch({op.kv_heads, route.splits, 1}, {32 * kAttnVecSimds, 1, 1});
+    // Every simdgroup scores exactly the keys of its block: no padding.
+    enc.add_flops(attention_useful_flops(op), attention_useful_flops(op));
     enc.barrier();  // partial_o, partial_ml -> combine
     enc.set_kernel(pass2);
     enc.set_args(c.args);

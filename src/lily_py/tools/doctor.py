@@ -374,7 +374,7 @@ def fam_attention(rng, device, *, quick):
         q, g = _rand(rng, (1, Hq, D), BF16, 1.5), _rand(rng, (1, Hq, D), BF16, 2.0)
         out = ops.attention_decode(q[0], kc, vc, length=L, gate=g[0], device=device)
         r, atol = bound(q, kc, vc, g, L - 1)
-        route = ops.attention_decode_route(L)
+        route = ops.attention_decode_route(L, D)
         yield (f"decode ({route['route']}) Hq={Hq} Hkv={Hkv} D={D} L={L} bf16",
                *measure(out[None], r, atol=atol, rtol=_out_rtol(BF16)), "")
         q, g = _rand(rng, (T, Hq, D), BF16, 1.5), _rand(rng, (T, Hq, D), BF16, 2.0)
