@@ -188,9 +188,14 @@ void simd_sync(const char* op, const char* file, int line) {
   t->view.simd_seq += 1;
 }
 
-void threadgroup_sync(const char* file, int line) {
+void threadgroup_sync(const char* file, int line) { threadgroup_collective("threadgroup_barrier", file, line); }
+
+uint32_t thread_index_in_group() { return t_worker->running->index; }
+uint32_t threads_in_group() { return t_worker->running->group->n; }
+
+void threadgroup_collective(const char* op, const char* file, int line) {
   Thread* t = t_worker->running;
-  t->op = "threadgroup_barrier";
+  t->op = op;
   t->file = file;
   t->line = line;
   t->state = St::at_barrier;

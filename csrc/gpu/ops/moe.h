@@ -90,6 +90,7 @@ class RecordingEncoder final : public Encoder {
   void commit() override { ++commits; inner_.commit(); }
   void wait() override { ++waits; inner_.wait(); }
   uint32_t thread_limit(KernelId k) const override { return inner_.thread_limit(k); }
+  bool tensor_ops() const override { return inner_.tensor_ops(); }
   std::vector<std::string> kernels;
   uint64_t commits = 0, waits = 0;
 

@@ -18,15 +18,28 @@ void need_bytes(const Binding& b, uint64_t bytes, const char* what) {
 
 }  // namespace
 
-QmmRoute qmm_route(uint32_t M) { return M <= kQmvMaxRows ? QmmRoute::qmv : QmmRoute::qmm; }
+QmmRoute qmm_route(uint32_t M, uint32_t bits, bool tensor_ops) {
+  if (M <= kQmvMaxRows) return QmmRoute::qmv;
+  return tensor_ops && bits == 4 ? QmmRoute::qmm_m5 : QmmRoute::qmm;
+}
 
-const char* qmm_route_name(QmmRoute r) { return r == QmmRoute::qmv ? "qmv" : "qmm"; }
+const char* qmm_route_name(QmmRoute r) {
+  switch (r) {
+    case QmmRoute::qmv: return "qmv";
+    case QmmRoute::qmm: return "qmm";
+    case QmmRoute::qmm_m5: return "qmm_m5";
+  }
+  return "?";
+}
 
-QmmFlops qmm_flops(uint32_t M, uint32_t N, uint32_t K) {
+QmmFlops qmm_flops(uint32_t M, uint32_t N, uint32_t K, uint32_t bits, bool tensor_ops) {
   const uint64_t useful = 2ull * M * N * K;
-  if (qmm_route(M) == QmmRoute::qmv) return {useful, useful};  // rows past N are skipped, not padded
-  // Every threadgroup multiplies a whole 32 x 32 tile over K (zeros past M and N).
-  const uint64_t Mp = uint64_t(ceil_div(M, kQmmTileM)) * kQmmTileM, Np = uint64_t(ceil_div(N, kQmmTileN)) * kQmmTileN;
+  const QmmRoute route = qmm_route(M, bits, tensor_ops);
+  if (route == QmmRoute::qmv) return {useful, useful};  // rows past N are skipped, not padded
+  // Every threadgroup multiplies a whole tile over K (zeros past M and N): 32 x 32, or 64 x 64 (M5).
+  const uint32_t tm = route == QmmRoute::qmm_m5 ? kQmmM5TileM : kQmmTileM;
+  const uint32_t tn = route == QmmRoute::qmm_m5 ? kQmmM5TileN : kQmmTileN;
+  const uint64_t Mp = uint64_t(ceil_div(M, tm)) * tm, Np = uint64_t(ceil_div(N, tn)) * tn;
   return {2 * Mp * Np * K, useful};
 }
 
@@ -35,6 +48,11 @@ KernelId qmm_kernel(QmmRoute route, uint32_t bits, DType x, DType s) {
   if (bits != 4 && bits != 8)
     throw std::invalid_argument("quantized_matmul: bits=" + std::to_string(bits) + " unsupported (4 or 8)");
   const bool xb = x == DType::bf16, sb = s == DType::bf16;
+  if (route == QmmRoute::qmm_m5) {
+    if (bits != 4) throw std::invalid_argument("quantized_matmul: the qmm_m5 route takes 4-bit weights only");
+    return xb ? (sb ? KernelId::qmm_m5_b4_xbf16_sbf16 : KernelId::qmm_m5_b4_xbf16_sf32)
+              : (sb ? KernelId::qmm_m5_b4_xf32_sbf16 : KernelId::qmm_m5_b4_xf32_sf32);
+  }
   if (route == QmmRoute::qmv) {
     if (bits == 4)
       return xb ? (sb ? KernelId::qmv_b4_xbf16_sbf16 : KernelId::qmv_b4_xbf16_sf32)
@@ -72,7 +90,7 @@ void validate(const QmmOperands& op) {
 
 void encode_quantized_matmul(Encoder& enc, const QmmOperands& op) {
   validate(op);
-  const QmmRoute route = qmm_route(op.M);
+  const QmmRoute route = qmm_route(op.M, op.bits, enc.tensor_ops());
   QmmArgs args{op.M, op.N, op.K, op.group_size, op.x_stride ? op.x_stride : op.K,
                op.y_stride ? op.y_stride : op.N};
   enc.set_kernel(qmm_kernel(route, op.bits, op.x_dtype, op.scale_dtype));
@@ -86,10 +104,13 @@ void encode_quantized_matmul(Encoder& enc, const QmmOperands& op) {
   enc.set_buffer(3, range(op.scales, uint64_t(op.N) * groups * se));
   enc.set_buffer(4, range(op.biases, uint64_t(op.N) * groups * se));
   enc.set_buffer(5, range(op.y, ((uint64_t(op.M) - 1) * args.y_stride + op.N) * xe));
-  const QmmFlops f = qmm_flops(op.M, op.N, op.K);
+  const QmmFlops f = qmm_flops(op.M, op.N, op.K, op.bits, enc.tensor_ops());
   if (route == QmmRoute::qmv) {
     enc.dispatch({ceil_div(op.N, kQmvRowsPerSimd * kQmvSimdsPerGroup), 1, 1},
                  {32 * kQmvSimdsPerGroup, 1, 1});
+  } else if (route == QmmRoute::qmm_m5) {
+    enc.dispatch({ceil_div(op.N, kQmmM5TileN), ceil_div(op.M, kQmmM5TileM), 1},
+                 {32 * kQmmM5SimdsPerGroup, 1, 1});
   } else {
     enc.dispatch({ceil_div(op.N, kQmmTileN), ceil_div(op.M, kQmmTileM), 1},
                  {32 * kQmmSimdsPerGroup, 1, 1});

@@ -11,9 +11,11 @@ namespace lily::gpu::ops {
 enum class QmmRoute : uint8_t {
   qmv,  // M <= kQmvMaxRows: matrix-vector, every weight byte read once for all M rows
   qmm,  // M >  kQmvMaxRows: 32x32 output tiles, weights dequantized per tile into threadgroup memory
+  qmm_m5,  // M > kQmvMaxRows, 4-bit, on a device with Metal 4 tensor ops: 64x64 tiles, matmul2d
 };
 
-QmmRoute qmm_route(uint32_t M);
+// tensor_ops: the encoder's device runs the M5 kernels (Encoder::tensor_ops()).
+QmmRoute qmm_route(uint32_t M, uint32_t bits = 4, bool tensor_ops = false);
 const char* qmm_route_name(QmmRoute r);
 
 // FLOPs (2 per multiply-add) of y = x @ w^T: useful 2 M N K; executed includes the tile padding
@@ -21,7 +23,7 @@ const char* qmm_route_name(QmmRoute r);
 struct QmmFlops {
   uint64_t executed = 0, useful = 0;
 };
-QmmFlops qmm_flops(uint32_t M, uint32_t N, uint32_t K);
+QmmFlops qmm_flops(uint32_t M, uint32_t N, uint32_t K, uint32_t bits = 4, bool tensor_ops = false);
 
 struct QmmOperands {
   Binding x;        // [M, x_stride] of x_dtype
