@@ -18,7 +18,10 @@ only). The ratio is the waste of the kernels' tiling, not a timing.
 
 bytes_bound is the sum of the byte ranges bound to every dispatch: the MoE kernels bind each
 layer's whole expert stacks (they read only the routed experts' rows), so it is an upper bound of
-the weight traffic, not the bytes read.
+the weight traffic, not the bytes read. bytes_touched is what the kernels read plus write (each
+op's host code says so per dispatch: routed experts only, KV rows up to the position, a state
+read and written counts twice). `--kernels` prints it per kernel for the real config with the
+floor derived from the config (lily_py.backends.engine.decode_floor_bytes).
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ import time
 import numpy as np
 
 import lily_py
-from lily_py.backends.engine import count_step
+from lily_py.backends.engine import count_kernels, count_step, decode_floor_bytes
 from lily_py.config import ModelConfig
 from lily_py.testing import REAL_TEXT_CONFIG, make_checkpoint
 
@@ -38,10 +41,26 @@ LILY_DISPATCHES_PER_TOKEN = 600  # published (Perplexity's Lily, M5 Max)
 
 def fmt(st: dict) -> str:
     return (f"dispatches {st['dispatches']:>4}  barriers {st['barriers']:>4}  "
-            f"bytes_bound {st['bytes_bound'] / 2**20:>10.1f} MiB  host waits in step "
+            f"bytes_bound {st['bytes_bound'] / 2**20:>10.1f} MiB  bytes_touched "
+            f"{st['bytes_touched'] / 2**20:>9.1f} MiB  host waits in step "
             f"{st['waits_in_step']}  commits {st['commits']}\n"
             f"      GFLOP executed {st['flops_executed'] / 1e9:>10.3f}  useful {st['flops_useful'] / 1e9:>10.3f}"
             f"  (executed / useful {st['flops_executed'] / max(st['flops_useful'], 1):.3f})")
+
+
+def kernel_table(cfg: ModelConfig, position: int, sample: dict | None) -> None:
+    """Per-kernel totals of one decode step (counting device) and the floor from the config."""
+    st, ks = count_kernels(cfg, position=position, sample=sample)
+    floor = decode_floor_bytes(cfg, position=position)
+    print(f"  per kernel, decode at position {position} ({'sampler ' + str(sample) if sample else 'greedy'}):")
+    print(f"    {'kernel':<34} {'dispatches':>10} {'MB touched':>11} {'threadgroups':>12} {'threads':>10}")
+    for name, d in sorted(ks.items(), key=lambda kv: -kv[1]["bytes_touched"]):
+        print(f"    {name:<34} {d['dispatches']:>10} {d['bytes_touched'] / 1e6:>11.3f} {d['groups']:>12} "
+              f"{d['threads']:>10}")
+    print(f"    {'total':<34} {st['dispatches']:>10} {st['bytes_touched'] / 1e6:>11.3f}   "
+          f"barriers {st['barriers']}")
+    print("    floor from the config: " + ", ".join(f"{k} {v / 1e6:.3f} MB" for k, v in floor.items()))
+    print(f"    bytes_touched / floor = {st['bytes_touched'] / floor['total']:.4f}")
 
 
 def run_model(label: str, model, prompt: list[int], n_decode: int) -> None:
@@ -67,7 +86,18 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--decode", type=int, default=32)
     ap.add_argument("--real-layers", type=int, default=0)
+    ap.add_argument("--kernels", action="store_true",
+                    help="per-kernel table of the real config's decode step at 256, 4K and 32K "
+                         "(counting device only: skips the demo run)")
     a = ap.parse_args()
+    if a.kernels:
+        cfg = ModelConfig.from_dict({"model_type": "qwen3_5_moe", "text_config": dict(REAL_TEXT_CONFIG)})
+        full = dict(temperature=0.7, top_k=20, top_p=0.95, min_p=0.05, seed=1, step=1,
+                    valid_vocab=cfg.vocab_size)
+        for pos in (255, 4095, 32767):
+            kernel_table(cfg, pos, None)
+        kernel_table(cfg, 255, full)
+        return
 
     demo = lily_py.load(backend=a.device, context_length=a.prompt + a.decode + 1)
     prompt = (demo.tokenizer.encode("The quick brown fox jumps over the lazy dog. ") * a.prompt)[:a.prompt]

@@ -11,8 +11,9 @@ Runs on the counting device, which encodes every step and runs nothing:
 2. Python overhead per streamed token: Model.generate on "count_host" (the counting device with
    host memory: the engine's host-side reads work, every sampled token is 0) with a one-layer
    random checkpoint that has the real vocabulary (248,320 logits: a logits row is 1 MB) and
-   the demo tokenizer. Per token: wall time of the generator loop, minus the engine's encode
-   time of the same steps (stats['encode_ns'] of each step, summed) = the Python side.
+   the demo tokenizer. Per token: wall time of one next() of the generator, minus the engine's
+   encode time of that step (stats['encode_ns']) = the Python side; median (robust against
+   other processes taking the CPU) and mean.
 3. Time to first token of the same model, host work only (prefill of 16 tokens + first sample),
    greedy and with temperature / top-k / top-p.
 
@@ -67,16 +68,24 @@ def python_overhead(path: str, n: int) -> None:
             m.reset()
             g = m.generate(prompt, max_tokens=n, seed=1, **opts)
             next(g)                      # prefill + first token
-            enc = 0
-            t0 = time.perf_counter()
-            k = 0
-            for _ in g:
-                k += 1
-                enc += m.stats().get("encode_ns", 0)
-            wall = time.perf_counter() - t0
-        per = wall / k * 1e6
-        print(f"streamed tokens on count_host, {label}: {k} tokens, {per:7.1f} us/token wall, "
-              f"engine encode {enc / k / 1e3:6.1f} us/token, Python overhead {per - enc / k / 1e3:7.1f} us/token")
+            walls, encs = [], []
+            t_all = time.perf_counter()
+            while True:
+                t0 = time.perf_counter()
+                try:
+                    next(g)
+                except StopIteration:
+                    break
+                walls.append(time.perf_counter() - t0)
+                encs.append(m.stats().get("encode_ns", 0) * 1e-9)   # outside the timed part
+            t_all = time.perf_counter() - t_all
+        k = len(walls)
+        over = sorted(w - e for w, e in zip(walls, encs))
+        mean_over = (sum(walls) - sum(encs)) / k
+        print(f"streamed tokens on count_host, {label}: {k} tokens; per token: wall median "
+              f"{statistics.median(walls) * 1e6:6.1f} us, engine encode median "
+              f"{statistics.median(encs) * 1e6:6.1f} us, Python overhead (wall - encode) median "
+              f"{over[k // 2] * 1e6:6.1f} us, mean {mean_over * 1e6:6.1f} us")
 
 
 def first_token(path: str) -> None:

@@ -313,6 +313,202 @@ template <typename T>
 }
 
 // ---------------------------------------------------------------------------------------------
+// Decode, vec route (head_dim = 32 * E, E = 2, 4 or 8), after MLX's sdpa_vector and Lily's decode
+// attention: no threadgroup staging of K/V, every lane holds E consecutive dims of the head.
+// Wide loads of E bf16 (E = 8: one 16-byte load; 4: 8 bytes; 2: 4 bytes) and of E floats.
+template <uint32_t E>
+struct VecRow;
+template <>
+struct VecRow<2> {
+  static void bf16(const device bfloat* p, thread float* out) {
+    const uint32_t u = *reinterpret_cast<const device uint32_t*>(p);
+    out[0] = as_type<float>(u << 16);
+    out[1] = as_type<float>(u & 0xffff0000u);
+  }
+  static void f32(const device float* p, thread float* out) {
+    const float2 v = *reinterpret_cast<const device float2*>(p);
+    out[0] = v.x;
+    out[1] = v.y;
+  }
+};
+template <>
+struct VecRow<4> {
+  static void bf16(const device bfloat* p, thread float* out) {
+    const uint2 u = *reinterpret_cast<const device uint2*>(p);
+    out[0] = as_type<float>(u.x << 16);
+    out[1] = as_type<float>(u.x & 0xffff0000u);
+    out[2] = as_type<float>(u.y << 16);
+    out[3] = as_type<float>(u.y & 0xffff0000u);
+  }
+  static void f32(const device float* p, thread float* out) {
+    const float4 v = *reinterpret_cast<const device float4*>(p);
+    out[0] = v.x;
+    out[1] = v.y;
+    out[2] = v.z;
+    out[3] = v.w;
+  }
+};
+template <>
+struct VecRow<8> {
+  static void bf16(const device bfloat* p, thread float* out) {
+    const uint4 u = *reinterpret_cast<const device uint4*>(p);
+    out[0] = as_type<float>(u.x << 16);
+    out[1] = as_type<float>(u.x & 0xffff0000u);
+    out[2] = as_type<float>(u.y << 16);
+    out[3] = as_type<float>(u.y & 0xffff0000u);
+    out[4] = as_type<float>(u.z << 16);
+    out[5] = as_type<float>(u.z & 0xffff0000u);
+    out[6] = as_type<float>(u.w << 16);
+    out[7] = as_type<float>(u.w & 0xffff0000u);
+  }
+  static void f32(const device float* p, thread float* out) {
+    VecRow<4>::f32(p, out);
+    VecRow<4>::f32(p + 4, out + 4);
+  }
+};
+
+// attention_vec: first pass. Threadgroup (kv head, block) covers keys
+// [block * split_keys, min((block + 1) * split_keys, position + 1)) (never empty: the host sizes
+// the blocks); simdgroup s walks keys begin + s, begin + s + 8, ... (8 simdgroups read 8 adjacent
+// cache rows at a time). Lane j holds dims [E j, E j + E) of the query of every head of the KV
+// head's group (pre-scaled by the softmax scale, in registers), of one K row and one V row, and of
+// the group's running outputs. Per key and head: E products, one simd_sum, the online-softmax
+// update (running max m and sum l per head, identical on all lanes). Unrolled over
+// kAttnMaxGroup heads with a uniform guard (h < group), so no private array is indexed at run time.
+// Then the 8 simdgroups' (m, l, o) are merged through threadgroup memory (one head at a time) and
+// written as the block's unnormalized partial.
+//   grid:    (kv_heads, blocks) threadgroups of kAttnVecSimds * 32 = 256 threads
+//   buffers: q [q_heads, D] T, k_cache, v_cache bf16 [kv_heads, capacity, D];
+//            partial_o float [q_heads, blocks, D]; partial_ml float [q_heads, blocks, 2]
+//   registers per lane: q and o 2 x 8 x E floats, m and l 2 x 8, one K and one V slice (E each)
+//   threadgroup memory: 8 x D floats (o) + 8 x 8 x 2 floats (m, l)
+// No integer division or modulo inside the key loop.
+template <typename T, uint32_t E>
+[[kernel]] void attention_vec(constant AttnArgs& args [[buffer(0)]],
+                              const device T* q [[buffer(1)]],
+                              const device bfloat* k_cache [[buffer(2)]],
+                              const device bfloat* v_cache [[buffer(3)]],
+                              device float* partial_o [[buffer(4)]],
+                              device float* partial_ml [[buffer(5)]],
+                              LILY_KERNEL_TAIL) {
+  constexpr uint32_t G = kAttnMaxGroup;
+  constexpr uint32_t NS = kAttnVecSimds;
+  constexpr uint32_t D = 32 * E;
+  LILY_TG_ARRAY(float, o_s, [kAttnVecSimds * kAttnMaxHeadDim]);
+  LILY_TG_ARRAY(float, ml_s, [kAttnVecSimds * kAttnMaxGroup * 2]);
+  const uint32_t group = args.q_heads / args.kv_heads;
+  const uint32_t kvh = group_pos.x;
+  const uint32_t block = group_pos.y;
+  const uint32_t key_begin = block * args.split_keys;
+  const uint32_t key_end = min(key_begin + args.split_keys, args.position + 1);
+  const uint32_t d0 = lane * E;
+
+  float qr[G][E];
+  float o[G][E];
+  float m[G];
+  float l[G];
+  for (uint32_t g = 0; g < G; ++g) {
+    const uint32_t h = kvh * group + min(g, group - 1);  // heads past the group: never used
+    for (uint32_t e = 0; e < E; ++e) {
+      qr[g][e] = float(q[h * D + d0 + e]) * args.scale;
+      o[g][e] = 0.0f;
+    }
+    m[g] = neg_inf();
+    l[g] = 0.0f;
+  }
+
+  const device bfloat* k_row = k_cache + kvh * args.capacity * D + d0;
+  const device bfloat* v_row = v_cache + kvh * args.capacity * D + d0;
+  for (uint32_t key = key_begin + simd_id; key < key_end; key += NS) {
+    float kv[E];
+    float vv[E];
+    VecRow<E>::bf16(k_row + key * D, kv);
+    VecRow<E>::bf16(v_row + key * D, vv);
+    for (uint32_t g = 0; g < G; ++g) {
+      if (g < group) {  // uniform over the threadgroup: every lane makes the same simd_sum calls
+        float dot = 0.0f;
+        for (uint32_t e = 0; e < E; ++e) dot += qr[g][e] * kv[e];
+        const float s = simd_sum(dot);
+        const float m_new = max(m[g], s);
+        const float corr = m[g] == m_new ? 1.0f : exp(m[g] - m_new);  // first key: exp(-inf) = 0
+        const float p = exp(s - m_new);
+        l[g] = l[g] * corr + p;
+        m[g] = m_new;
+        for (uint32_t e = 0; e < E; ++e) o[g][e] = o[g][e] * corr + p * vv[e];
+      }
+    }
+  }
+
+  // Merge the 8 simdgroups. A simdgroup that saw no key has m = -inf, l = 0, o = 0: weight 0.
+  if (lane == 0) {
+    for (uint32_t g = 0; g < G; ++g) {
+      ml_s[(simd_id * G + g) * 2] = m[g];
+      ml_s[(simd_id * G + g) * 2 + 1] = l[g];
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (uint32_t g = 0; g < G; ++g) {
+    if (g < group) {  // uniform: every thread reaches the barriers below
+      float m_blk = neg_inf();
+      for (uint32_t s = 0; s < NS; ++s) m_blk = max(m_blk, ml_s[(s * G + g) * 2]);  // finite: block non-empty
+      const float f = exp(m[g] - m_blk);
+      for (uint32_t e = 0; e < E; ++e) o_s[simd_id * D + d0 + e] = o[g][e] * f;
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+      const uint32_t slot = (kvh * group + g) * args.splits + block;
+      for (uint32_t d = thread_pos.x; d < D; d += NS * 32) {
+        float acc = 0.0f;
+        for (uint32_t s = 0; s < NS; ++s) acc += o_s[s * D + d];
+        partial_o[slot * D + d] = acc;
+      }
+      if (thread_pos.x == 0) {
+        float l_blk = 0.0f;
+        for (uint32_t s = 0; s < NS; ++s) l_blk += exp(ml_s[(s * G + g) * 2] - m_blk) * ml_s[(s * G + g) * 2 + 1];
+        partial_ml[slot * 2] = m_blk;
+        partial_ml[slot * 2 + 1] = l_blk;
+      }
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+    }
+  }
+}
+
+// attention_vec_combine: second pass. out[h] = sum_b e_b o_b / sum_b e_b l_b * sigmoid(gate),
+// e_b = exp(m_b - max_b m_b), blocks summed in order. One simdgroup per query head; lane j owns
+// dims [E j, E j + E) (float loads of E values: 8, 16 or 32 bytes); the block maxima are read
+// by all lanes in strips then simd_max.
+//   grid: q_heads threadgroups of 32 threads
+template <typename T, uint32_t E>
+[[kernel]] void attention_vec_combine(constant AttnArgs& args [[buffer(0)]],
+                                      const device float* partial_o [[buffer(1)]],
+                                      const device float* partial_ml [[buffer(2)]],
+                                      const device T* gate [[buffer(3)]],
+                                      device T* out [[buffer(4)]],
+                                      LILY_KERNEL_TAIL) {
+  constexpr uint32_t D = 32 * E;
+  const uint32_t h = group_pos.x;
+  const uint32_t base = h * args.splits;
+  const uint32_t d0 = lane * E;
+  float m_max = neg_inf();
+  for (uint32_t b = lane; b < args.splits; b += 32) m_max = max(m_max, partial_ml[(base + b) * 2]);
+  m_max = simd_max(m_max);
+  float acc[E];
+  for (uint32_t e = 0; e < E; ++e) acc[e] = 0.0f;
+  float l_sum = 0.0f;
+  for (uint32_t b = 0; b < args.splits; ++b) {
+    float ob[E];
+    VecRow<E>::f32(partial_o + (base + b) * D + d0, ob);
+    const float w = exp(partial_ml[(base + b) * 2] - m_max);
+    l_sum += w * partial_ml[(base + b) * 2 + 1];
+    for (uint32_t e = 0; e < E; ++e) acc[e] += w * ob[e];
+  }
+  const float inv_l = 1.0f / l_sum;
+  for (uint32_t e = 0; e < E; ++e) {
+    float y = acc[e] * inv_l;
+    if (args.use_gate != 0) y *= attn_sigmoid(float(gate[h * args.gate_head_stride + d0 + e]));
+    out[h * D + d0 + e] = T(y);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // attention_prefill_mma: the prefill route for head_dim % 32 == 0 (and % 64 == 0 above 128), with
 // 8x8 simdgroup matrices (common/mma.h). One threadgroup = one KV head x qt = 32 / group query
 // tokens: its 32 rows are (token, head) pairs, row = token_in_block * group + head_in_group (rows
@@ -470,6 +666,18 @@ LILY_INSTANTIATE("attn_decode_split_f32", attention_split<float>)
 LILY_INSTANTIATE("attn_decode_split_bf16", attention_split<bfloat>)
 LILY_INSTANTIATE("attn_combine_f32", attention_combine<float>)
 LILY_INSTANTIATE("attn_combine_bf16", attention_combine<bfloat>)
+LILY_INSTANTIATE("attn_decode_vec_e2_f32", attention_vec<float, 2>)
+LILY_INSTANTIATE("attn_decode_vec_e2_bf16", attention_vec<bfloat, 2>)
+LILY_INSTANTIATE("attn_decode_vec_e4_f32", attention_vec<float, 4>)
+LILY_INSTANTIATE("attn_decode_vec_e4_bf16", attention_vec<bfloat, 4>)
+LILY_INSTANTIATE("attn_decode_vec_e8_f32", attention_vec<float, 8>)
+LILY_INSTANTIATE("attn_decode_vec_e8_bf16", attention_vec<bfloat, 8>)
+LILY_INSTANTIATE("attn_vec_combine_e2_f32", attention_vec_combine<float, 2>)
+LILY_INSTANTIATE("attn_vec_combine_e2_bf16", attention_vec_combine<bfloat, 2>)
+LILY_INSTANTIATE("attn_vec_combine_e4_f32", attention_vec_combine<float, 4>)
+LILY_INSTANTIATE("attn_vec_combine_e4_bf16", attention_vec_combine<bfloat, 4>)
+LILY_INSTANTIATE("attn_vec_combine_e8_f32", attention_vec_combine<float, 8>)
+LILY_INSTANTIATE("attn_vec_combine_e8_bf16", attention_vec_combine<bfloat, 8>)
 LILY_INSTANTIATE("attn_prefill_f32", attention<float, kAttnPrefillTokens>)
 LILY_INSTANTIATE("attn_prefill_bf16", attention<bfloat, kAttnPrefillTokens>)
 LILY_INSTANTIATE("attn_prefill_mma_f32", attention_prefill_mma<float>)

@@ -5,8 +5,11 @@
 // The block, per route (T tokens, k of E experts, args MoeArgs in common/args_moe.h):
 //   matvec (T <= kMoeMvMaxTokens):  router logits (qmv, qmm.metal) -> moe_route ->
 //                                   moe_gate_up_mv -> moe_down_mv               (4 dispatches)
-//   tiled (32- or 64-row tiles):     router logits (qmm) -> moe_route -> moe_plan ->
-//                                   moe_gate_up_mm -> moe_down_mm -> moe_combine (6 dispatches)
+//   tiled (T > kMoeMvMaxTokens):     router logits (qmm) -> moe_route -> moe_plan ->
+//                                   moe_gate_up_{mm64, mm32, few} -> moe_down_{mm64, mm32, few}
+//                                   -> moe_combine (10 dispatches, 5 barriers: the three tile
+//                                   kinds of one stage write disjoint rows, no barrier between)
+//                                   Tiles are sized per group by its load (moe_plan).
 // The router weight is [E + 1, H]: rows 0..E-1 the router, row E the shared-expert gate, so one
 // matmul yields every logit. The shared expert is one more "group" (index E) that every token
 // uses with weight sigmoid(logit E): no separate shared-expert dispatches.
@@ -102,11 +105,14 @@ template <typename L>
 //   steps:    (1) count rows per expert: the routed ids stream through threadgroup memory in
 //             chunks of kMoePlanThreads * 4 and every thread counts its experts' entries;
 //             (2) exclusive prefix sum over the E + 1 groups (the shared group E holds all T
-//             tokens) -> offsets, tiles of tile_rows rows per group -> block map;
+//             tokens) -> offsets; each group's rows cut by its load into 64-row tiles and one
+//             remainder tile (few-row, 32-row or 64-row: common/args_moe.h) -> three block maps;
 //             (3) the same stream again: each thread gives its experts' entries consecutive rows
 //             in token order (a stable permutation, no atomics), writes row -> token, the
 //             per-row routing weight and slot -> row; the shared group's rows are offset[E] + t.
-//   outputs:  the plan buffer (layout in common/args_moe.h) and row_weight [R] fp32.
+//   outputs:  the plan buffer (layout in common/args_moe.h), row_weight [R] fp32, and tile_stats
+//             uint32 [4] = tiles in the 64-row, 32-row and few-row lists and the rows in few-row
+//             tiles (the host reads it after the step to count the FLOPs the tiles executed).
 //   cost:     every thread reads all T * k ids twice from threadgroup memory (T = 4096, k = 8:
 //             64K reads per thread); a one-pass atomic version would be faster on the GPU but
 //             gives a run-dependent row order.
@@ -116,13 +122,16 @@ template <typename W>
                          const device W* weights [[buffer(2)]],
                          device uint32_t* plan [[buffer(3)]],
                          device float* row_weight [[buffer(4)]],
+                         device uint32_t* tile_stats [[buffer(5)]],
                          LILY_KERNEL_TAIL) {
   constexpr uint32_t CHUNK = kMoePlanThreads * 4;
   constexpr uint32_t OWN = (kMoeMaxExperts + kMoePlanThreads - 1) / kMoePlanThreads;
   LILY_TG_ARRAY(uint32_t, chunk, [CHUNK]);
   LILY_TG_ARRAY(uint32_t, offsets, [kMoeMaxExperts + 2]);
-  LILY_TG_ARRAY(uint32_t, tile_base, [kMoeMaxExperts + 2]);
-  const uint32_t E = args.experts, k = args.top_k, T = args.tokens, BM = args.tile_rows;
+  LILY_TG_ARRAY(uint32_t, base64, [kMoeMaxExperts + 2]);   // first entry of group g in each list
+  LILY_TG_ARRAY(uint32_t, base32, [kMoeMaxExperts + 2]);
+  LILY_TG_ARRAY(uint32_t, base_few, [kMoeMaxExperts + 2]);
+  const uint32_t E = args.experts, k = args.top_k, T = args.tokens;
   const uint32_t groups = E + 1;
   const uint32_t tid = thread_pos.x, nt = group_size.x;  // nt == kMoePlanThreads
   const uint32_t row_token = moe_plan_row_token(args.max_tiles);
@@ -145,27 +154,47 @@ template <typename W>
   threadgroup_barrier(mem_flags::mem_threadgroup);
 
   if (tid == 0) {  // (2) E + 1 <= 513 additions: cheaper serial than a scan's extra barriers
-    uint32_t off = 0, tiles = 0;
+    uint32_t off = 0, n64 = 0, n32 = 0, nfew = 0, few_rows = 0;
     for (uint32_t g = 0; g < groups; ++g) {
       const uint32_t c = g < E ? offsets[g] : T;
+      const uint32_t rem = c % 64;
       offsets[g] = off;
-      tile_base[g] = tiles;
+      base64[g] = n64;
+      base32[g] = n32;
+      base_few[g] = nfew;
       off += c;
-      tiles += (c + BM - 1) / BM;
+      n64 += c / 64 + (rem > kMoeTile32MaxRows ? 1u : 0u);
+      n32 += rem > kMoeFewMaxRows && rem <= kMoeTile32MaxRows ? 1u : 0u;
+      nfew += rem > 0 && rem <= kMoeFewMaxRows ? 1u : 0u;
+      few_rows += rem <= kMoeFewMaxRows ? rem : 0u;
     }
     offsets[groups] = off;
-    tile_base[groups] = tiles;
-    plan[0] = tiles;
+    plan[0] = n64;
+    plan[1] = n32;
+    plan[2] = nfew;
+    tile_stats[0] = n64;  // read by the host after the step (exact executed FLOPs)
+    tile_stats[1] = n32;
+    tile_stats[2] = nfew;
+    tile_stats[3] = few_rows;
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
 
-  for (uint32_t g = tid; g < groups; g += nt) {  // block map: tiles of group g
+  const uint32_t list32 = moe_plan_list32(args.max_tiles, args.max_tiles32, args.max_few);
+  const uint32_t list_few = moe_plan_list_few(args.max_tiles, args.max_few);
+  for (uint32_t g = tid; g < groups; g += nt) {  // block map: tiles of group g, sized by its load
     const uint32_t lo = offsets[g], hi = offsets[g + 1];
-    for (uint32_t m = 0; lo + m * BM < hi; ++m) {
-      const uint32_t ti = kMoePlanTiles + 3 * (tile_base[g] + m);
+    const uint32_t full = (hi - lo) / 64, rem = (hi - lo) % 64;
+    for (uint32_t m = 0; m < full + (rem > kMoeTile32MaxRows ? 1u : 0u); ++m) {
+      const uint32_t ti = moe_plan_list64() + 3 * (base64[g] + m);
       plan[ti] = g;
-      plan[ti + 1] = lo + m * BM;
-      plan[ti + 2] = min(lo + (m + 1) * BM, hi);
+      plan[ti + 1] = lo + m * 64;
+      plan[ti + 2] = min(lo + (m + 1) * 64, hi);
+    }
+    if (rem > 0 && rem <= kMoeTile32MaxRows) {
+      const uint32_t ti = rem <= kMoeFewMaxRows ? list_few + 3 * base_few[g] : list32 + 3 * base32[g];
+      plan[ti] = g;
+      plan[ti + 1] = lo + full * 64;
+      plan[ti + 2] = hi;
     }
   }
   for (uint32_t t = tid; t < T; t += nt) {  // the shared group: row offsets[E] + t
@@ -343,8 +372,9 @@ template <typename T, typename S, int bits>
 // moe_gate_up_mm: tiled routes. For each tile of the block map (rows [r0, r1) of group g) and
 // 32 output features: h[row, n] = silu(x_tok(row) . gate_g[n]) * (x_tok(row) . up_g[n]).
 // The gather is fused: x rows are read through the plan's row -> token map.
-//   grid:    (ceil(max(I, Is) / 32), max_tiles) threadgroups of 128 threads (4 simdgroups);
-//            tiles >= the plan's tile count (host bound > actual) do no work (uniformly)
+//   grid:    (ceil(max(I, Is) / 32), list bound) threadgroups of 128 threads (4 simdgroups): BM =
+//            64 runs the 64-row list, BM = 32 the 32-row list; tiles >= the plan's count for the
+//            list (host bound > actual) do no work (uniformly)
 //   tile:    BM rows x 32 features, K = H walked in steps of 32: thread t loads BM/32 rows of x
 //            (row t/4 + 32 i, 8 values) and dequantizes 8 gate and 8 up weights of feature t/4
 //            into threadgroup memory (fp32, zeros past the tile), barrier; simdgroup s
@@ -378,10 +408,11 @@ template <typename T, typename S, int bits, int BM>
   LILY_TG_ARRAY(float, ys, [BM * LD]);   // gate accumulators
 
   const uint32_t tile = group_pos.y;
-  const bool active = tile < plan[0];  // uniform over the threadgroup
-  const uint32_t g = active ? plan[kMoePlanTiles + 3 * tile] : 0u;
-  const uint32_t r0 = active ? plan[kMoePlanTiles + 3 * tile + 1] : 0u;
-  const uint32_t r1 = active ? plan[kMoePlanTiles + 3 * tile + 2] : 0u;
+  const uint32_t list = BM == 64 ? moe_plan_list64() : moe_plan_list32(args.max_tiles, args.max_tiles32, args.max_few);
+  const bool active = tile < plan[BM == 64 ? 0 : 1];  // uniform over the threadgroup
+  const uint32_t g = active ? plan[list + 3 * tile] : 0u;
+  const uint32_t r0 = active ? plan[list + 3 * tile + 1] : 0u;
+  const uint32_t r1 = active ? plan[list + 3 * tile + 2] : 0u;
   const bool shared = g == args.experts;
   const uint32_t N = shared ? args.shared_inter : args.inter;
   const uint32_t n0 = group_pos.x * BN;
@@ -460,7 +491,7 @@ template <typename T, typename S, int bits, int BM>
 // ---------------------------------------------------------------------------------------------
 // moe_down_mm: tiled routes. y[row, n] = row_weight[row] * (h[row] . down_g[n]) for each tile of
 // the block map and 32 of the H output features (y in permuted row order, fp32).
-//   grid:    (ceil(H / 32), max_tiles) threadgroups of 128 threads (4 simdgroups)
+//   grid:    (ceil(H / 32), list bound) threadgroups of 128 threads (4 simdgroups), lists as above
 //   tile:    as moe_gate_up_mm with one matrix: K = I (Is for the shared group), the rows of h
 //            are contiguous [r0, r1); epilogue through threadgroup memory, scaled by the row's
 //            routing weight (the sigmoid gate for shared rows), masked write.
@@ -485,10 +516,11 @@ template <typename S, int bits, int BM>
   LILY_TG_ARRAY(float, ys, [BM * LD]);
 
   const uint32_t tile = group_pos.y;
-  const bool active = tile < plan[0];
-  const uint32_t g = active ? plan[kMoePlanTiles + 3 * tile] : 0u;
-  const uint32_t r0 = active ? plan[kMoePlanTiles + 3 * tile + 1] : 0u;
-  const uint32_t r1 = active ? plan[kMoePlanTiles + 3 * tile + 2] : 0u;
+  const uint32_t list = BM == 64 ? moe_plan_list64() : moe_plan_list32(args.max_tiles, args.max_tiles32, args.max_few);
+  const bool active = tile < plan[BM == 64 ? 0 : 1];  // uniform over the threadgroup
+  const uint32_t g = active ? plan[list + 3 * tile] : 0u;
+  const uint32_t r0 = active ? plan[list + 3 * tile + 1] : 0u;
+  const uint32_t r1 = active ? plan[list + 3 * tile + 2] : 0u;
   const bool shared = g == args.experts;
   const uint32_t H = args.hidden;
   const uint32_t K = shared ? args.shared_inter : args.inter;
@@ -544,6 +576,167 @@ template <typename S, int bits, int BM>
 }
 
 // ---------------------------------------------------------------------------------------------
+// moe_gate_up_few: tiled route, the few-row tiles (a group's remainder of <= kMoeFewMaxRows = 8
+// rows, e.g. an expert that received few tokens): matvec-style, like qmv (qmm.metal), every
+// weight row read once for all the tile's rows and nothing computed for absent rows.
+//   grid:       (ceil(max(I, Is) / 8), max_few) threadgroups of 64 threads (2 simdgroups);
+//               tiles >= the plan's few-row count do no work (uniformly)
+//   simdgroup:  4 consecutive features n0..n0+3 of gate and up for the tile's rows (<= 8)
+//   lane:       strips of 64 / bits codes per step; per (feature, row): s * dot(x, q) + b * sum(x);
+//               one simd_sum(float4) per row and matrix; lane 0 writes h = silu(gate) * up
+//   buffers:    as moe_gate_up_mm (x rows gathered through the plan's row -> token map)
+template <typename T, typename S, int bits>
+[[kernel]] void moe_gate_up_few(constant MoeArgs& args [[buffer(0)]],
+                                const device T* x [[buffer(1)]],
+                                const device uint32_t* plan [[buffer(2)]],
+                                const device uint32_t* gate_w [[buffer(3)]],
+                                const device S* gate_s [[buffer(4)]],
+                                const device S* gate_b [[buffer(5)]],
+                                const device uint32_t* up_w [[buffer(6)]],
+                                const device S* up_s [[buffer(7)]],
+                                const device S* up_b [[buffer(8)]],
+                                const device uint32_t* sh_gate_w [[buffer(9)]],
+                                const device S* sh_gate_s [[buffer(10)]],
+                                const device S* sh_gate_b [[buffer(11)]],
+                                const device uint32_t* sh_up_w [[buffer(12)]],
+                                const device S* sh_up_s [[buffer(13)]],
+                                const device S* sh_up_b [[buffer(14)]],
+                                device float* h [[buffer(15)]],
+                                LILY_KERNEL_TAIL) {
+  constexpr uint32_t V = 64 / bits, step = 32 * V, FEW = kMoeFewMaxRows;
+  const uint32_t tile = group_pos.y;
+  const uint32_t list = moe_plan_list_few(args.max_tiles, args.max_few);
+  const bool active = tile < plan[2];  // uniform over the threadgroup
+  const uint32_t g = active ? plan[list + 3 * tile] : 0u;
+  const uint32_t r0 = active ? plan[list + 3 * tile + 1] : 0u;
+  const uint32_t rows = active ? plan[list + 3 * tile + 2] - r0 : 0u;  // <= FEW
+  const bool shared = g == args.experts;
+  const uint32_t N = shared ? args.shared_inter : args.inter;
+  const uint32_t H = args.hidden, wpr = H * bits / 32, gpr = H / args.group_size;
+  const device uint32_t* wg = shared ? sh_gate_w : gate_w + g * N * wpr;
+  const device S* sg = shared ? sh_gate_s : gate_s + g * N * gpr;
+  const device S* bg = shared ? sh_gate_b : gate_b + g * N * gpr;
+  const device uint32_t* wu = shared ? sh_up_w : up_w + g * N * wpr;
+  const device S* su = shared ? sh_up_s : up_s + g * N * gpr;
+  const device S* bu = shared ? sh_up_b : up_b + g * N * gpr;
+  const uint32_t row_token = moe_plan_row_token(args.max_tiles);
+  uint32_t tok[FEW];
+  for (uint32_t m = 0; m < FEW; ++m) tok[m] = m < rows ? plan[row_token + r0 + m] : 0u;
+  const uint32_t n0 = (group_pos.x * kMoeMvSimdsPerGroup + simd_id) * kMoeMvRowsPerSimd;
+  const uint32_t K_end = rows > 0 && n0 < N ? H : 0u;  // uniform per simdgroup (no collectives in the loop)
+
+  float4 ag[FEW];
+  float4 au[FEW];
+  for (uint32_t m = 0; m < FEW; ++m) {
+    ag[m] = float4(0.0f);
+    au[m] = float4(0.0f);
+  }
+  for (uint32_t kk = lane * V; kk < K_end; kk += step) {
+    const uint32_t grp = kk / args.group_size;  // the strip lies inside one group
+    for (uint32_t r = 0; r < kMoeMvRowsPerSimd; ++r) {
+      const uint32_t n = n0 + r;
+      if (n >= N) break;
+      float qg[V];
+      float qu[V];
+      unpack_codes<bits, V>(wg + n * wpr + kk * bits / 32, qg);
+      unpack_codes<bits, V>(wu + n * wpr + kk * bits / 32, qu);
+      const float s1 = float(sg[n * gpr + grp]), b1 = float(bg[n * gpr + grp]);
+      const float s2 = float(su[n * gpr + grp]), b2 = float(bu[n * gpr + grp]);
+      for (uint32_t m = 0; m < FEW; ++m) {
+        if (m >= rows) break;
+        const device T* xm = x + tok[m] * H + kk;
+        float dg = 0.0f, du = 0.0f, xsum = 0.0f;
+        for (uint32_t i = 0; i < V; ++i) {
+          const float xv = float(xm[i]);
+          dg += xv * qg[i];
+          du += xv * qu[i];
+          xsum += xv;
+        }
+        ag[m][r] += s1 * dg + b1 * xsum;
+        au[m][r] += s2 * du + b2 * xsum;
+      }
+    }
+  }
+  for (uint32_t m = 0; m < FEW; ++m) {  // rows is uniform: every lane makes the same collectives
+    if (m >= rows) break;
+    const float4 G = simd_sum(ag[m]);
+    const float4 U = simd_sum(au[m]);
+    if (lane == 0) {
+      for (uint32_t r = 0; r < kMoeMvRowsPerSimd; ++r)
+        if (n0 + r < N) h[(r0 + m) * args.h_stride + n0 + r] = moe_silu(G[r]) * U[r];
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// moe_down_few: tiled route, the few-row tiles of the down projection. y[row, n] =
+// row_weight[row] * (h[row] . down_g[n]) for the tile's rows (<= 8), matvec-style as above.
+//   grid:       (ceil(H / 8), max_few) threadgroups of 64 threads (2 simdgroups x 4 features)
+//   buffers:    as moe_down_mm
+template <typename S, int bits>
+[[kernel]] void moe_down_few(constant MoeArgs& args [[buffer(0)]],
+                             const device uint32_t* plan [[buffer(1)]],
+                             const device float* row_weight [[buffer(2)]],
+                             const device float* h [[buffer(3)]],
+                             const device uint32_t* down_w [[buffer(4)]],
+                             const device S* down_s [[buffer(5)]],
+                             const device S* down_b [[buffer(6)]],
+                             const device uint32_t* sh_down_w [[buffer(7)]],
+                             const device S* sh_down_s [[buffer(8)]],
+                             const device S* sh_down_b [[buffer(9)]],
+                             device float* y [[buffer(10)]],
+                             LILY_KERNEL_TAIL) {
+  constexpr uint32_t V = 64 / bits, step = 32 * V, FEW = kMoeFewMaxRows;
+  const uint32_t tile = group_pos.y;
+  const uint32_t list = moe_plan_list_few(args.max_tiles, args.max_few);
+  const bool active = tile < plan[2];
+  const uint32_t g = active ? plan[list + 3 * tile] : 0u;
+  const uint32_t r0 = active ? plan[list + 3 * tile + 1] : 0u;
+  const uint32_t rows = active ? plan[list + 3 * tile + 2] - r0 : 0u;
+  const bool shared = g == args.experts;
+  const uint32_t H = args.hidden;
+  const uint32_t K = shared ? args.shared_inter : args.inter;
+  const uint32_t wpr = K * bits / 32, gpr = K / args.group_size;
+  const device uint32_t* w = shared ? sh_down_w : down_w + g * H * wpr;
+  const device S* sc = shared ? sh_down_s : down_s + g * H * gpr;
+  const device S* bi = shared ? sh_down_b : down_b + g * H * gpr;
+  const uint32_t n0 = (group_pos.x * kMoeMvSimdsPerGroup + simd_id) * kMoeMvRowsPerSimd;
+  const uint32_t K_end = rows > 0 && n0 < H ? K : 0u;
+
+  float4 acc[FEW];
+  for (uint32_t m = 0; m < FEW; ++m) acc[m] = float4(0.0f);
+  for (uint32_t kk = lane * V; kk < K_end; kk += step) {
+    const uint32_t grp = kk / args.group_size;
+    for (uint32_t r = 0; r < kMoeMvRowsPerSimd; ++r) {
+      const uint32_t n = n0 + r;
+      if (n >= H) break;
+      float q[V];
+      unpack_codes<bits, V>(w + n * wpr + kk * bits / 32, q);
+      const float s = float(sc[n * gpr + grp]), b = float(bi[n * gpr + grp]);
+      for (uint32_t m = 0; m < FEW; ++m) {
+        if (m >= rows) break;
+        const device float* hm = h + (r0 + m) * args.h_stride + kk;
+        float dot = 0.0f, hsum = 0.0f;
+        for (uint32_t i = 0; i < V; ++i) {
+          dot += hm[i] * q[i];
+          hsum += hm[i];
+        }
+        acc[m][r] += s * dot + b * hsum;
+      }
+    }
+  }
+  for (uint32_t m = 0; m < FEW; ++m) {  // rows is uniform
+    if (m >= rows) break;
+    const float4 total = simd_sum(acc[m]);
+    if (lane == 0) {
+      const float wr = row_weight[r0 + m];
+      for (uint32_t r = 0; r < kMoeMvRowsPerSimd; ++r)
+        if (n0 + r < H) y[(r0 + m) * H + n0 + r] = wr * total[r];
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // moe_combine: tiled routes. out[t, n] = sum_j y[pos(t, j), n] (routed slots in order, then the
 // shared slot; already weighted) (+ residual[t, n]), rounded to T once.
 //   grid:    (ceil(H / 256), T) threadgroups of 256 threads, one output element per thread
@@ -575,6 +768,8 @@ LILY_INSTANTIATE("moe_gate_up_mm32_b4_xf32_sbf16", moe_gate_up_mm<float, bfloat,
 LILY_INSTANTIATE("moe_gate_up_mm64_b4_xf32_sbf16", moe_gate_up_mm<float, bfloat, 4, 64>)
 LILY_INSTANTIATE("moe_down_mm32_b4_sbf16", moe_down_mm<bfloat, 4, 32>)
 LILY_INSTANTIATE("moe_down_mm64_b4_sbf16", moe_down_mm<bfloat, 4, 64>)
+LILY_INSTANTIATE("moe_gate_up_few_b4_xf32_sbf16", moe_gate_up_few<float, bfloat, 4>)
+LILY_INSTANTIATE("moe_down_few_b4_sbf16", moe_down_few<bfloat, 4>)
 LILY_INSTANTIATE("moe_combine_xf32", moe_combine<float>)
 
 }  // namespace lily

@@ -5,8 +5,11 @@
 //
 // Shapes: logits float32 [R, stride], entries 0 .. valid_vocab-1 of each row are read; ids uint32
 // and chosen_logit float32 [>= slot + R]. Partial kernels: grid (G, R), G = ceil(valid_vocab /
-// 2048), 64 threads; thread t owns the 32 consecutive entries g*2048 + 32t .. +32 (id order is
-// thread order, which the tie ranking relies on). Final / select kernels: grid (1, R), 32 threads.
+// 2048), 64 threads (two simdgroups); simdgroup q owns the 1024 entries g*2048 + 1024q .. +1024
+// and reads them in 32 rounds, lane l taking entry 32r + l of round r (sample_entry): every load
+// instruction of a simdgroup covers 128 consecutive bytes. Id order is (simdgroup, round, lane)
+// order, which the Gumbel pass's tie ranking relies on. Final / select kernels: grid (1, R), 32
+// threads.
 //
 // Precision: no reassociated float math. Maxima and argmaxes are exact (ties to the lowest id);
 // s = (l - max) * inv_temperature is one float32 subtract and one multiply; masses are integers
@@ -29,6 +32,11 @@ inline bool sample_better(float v, uint32_t id, float best, uint32_t best_id) {
 }
 
 inline float sample_nan() { return as_type<float>(0x7FC00000u); }
+
+// Entry of round r for this thread in group g (kSampleThreads = 2 simdgroups of 32 lanes).
+inline uint32_t sample_entry(uint32_t g, uint32_t simd_id, uint32_t lane, uint32_t r) {
+  return g * kSampleChunk + simd_id * (kSampleChunk / 2) + 32 * r + lane;
+}
 
 // Records cross address spaces field by field (the strict pass has no struct copy between address
 // spaces); a threadgroup record is kSampleRecordWords uint32 words.
@@ -127,11 +135,11 @@ template <typename T>
                                    LILY_KERNEL_TAIL) {
   LILY_TG_ARRAY(uint32_t, recs, [kSampleThreads * kSampleRecordWords]);
   const uint32_t row = group_pos.y, g = group_pos.x;
-  const uint32_t begin = g * kSampleChunk + thread_pos.x * kSampleStrip;
-  const uint32_t end = min(begin + kSampleStrip, args.valid_vocab);
   const device T* lr = logits + ulong(row) * args.stride;
   SamplePartial p = sample_empty();
-  for (uint32_t i = begin; i < end; ++i) {
+  for (uint32_t r = 0; r < kSampleStrip; ++r) {
+    const uint32_t i = sample_entry(g, simd_id, lane, r);
+    if (i >= args.valid_vocab) break;
     const float l = float(lr[i]);
     if (isnan(l) || (isinf(l) && l > 0.0f)) {
       p.status |= isnan(l) ? uint32_t(kSampleStatusNaN) : uint32_t(kSampleStatusPosInf);
@@ -221,12 +229,13 @@ template <typename T>
   LILY_TG_ARRAY(uint32_t, recs, [kSampleThreads * kSampleRecordWords]);
   const uint32_t row = group_pos.y, g = group_pos.x;
   const device SampleState& st = state[row];
-  const uint32_t begin = g * kSampleChunk + thread_pos.x * kSampleStrip;
-  const uint32_t end = min(begin + kSampleStrip, sample_valid_end(args, st));
+  const uint32_t end = sample_valid_end(args, st);
   const device T* lr = logits + ulong(row) * args.stride;
   SamplePartial p = sample_empty();
   ulong mass = 0;
-  for (uint32_t i = begin; i < end; ++i) {
+  for (uint32_t r = 0; r < kSampleStrip; ++r) {
+    const uint32_t i = sample_entry(g, simd_id, lane, r);
+    if (i >= end) break;
     const float s = sample_scaled(float(lr[i]), st.max_logit, args.inv_temperature);
     p.count += s >= args.min_p_log ? 1u : 0u;
     mass += lily_mass(s);
@@ -268,50 +277,57 @@ template <typename T>  // T: logits type of the call (unused here)
 // the 16 bins from the top with the running count/mass above them and keeps the lowest non-empty
 // bin whose top entry is still kept (count above < bound and mass above < P).
 
-// sample_hist_partial: grid (G, R) x 64; per thread 16 private bins, summed per bin by 16 threads.
+// sample_hist_partial: grid (G, R) x 64. Each thread counts into its own row of 16 bins in
+// threadgroup memory (rows padded to 17 words against bank conflicts): the count and the mass's
+// two 20-bit halves (integer sums, exact in any order); then thread d < 16 sums bin d over rows.
+constant constexpr uint32_t kSampleBinRow = kSampleBins + 1;
+
 template <typename T>
 [[kernel]] void sample_hist_partial(constant SampleArgs& args [[buffer(0)]],
                                     const device T* logits [[buffer(1)]],
                                     const device SampleState* state [[buffer(2)]],
                                     device SampleBin* hist [[buffer(3)]],
                                     LILY_KERNEL_TAIL) {
-  LILY_TG_ARRAY(uint32_t, counts, [kSampleThreads * kSampleBins]);
-  LILY_TG_ARRAY(ulong, masses, [kSampleThreads * kSampleBins]);
+  LILY_TG_ARRAY(uint32_t, counts, [kSampleThreads * kSampleBinRow]);
+  LILY_TG_ARRAY(uint32_t, mass_hi, [kSampleThreads * kSampleBinRow]);  // sum of mass >> 20
+  LILY_TG_ARRAY(uint32_t, mass_lo, [kSampleThreads * kSampleBinRow]);  // sum of mass & (2^20 - 1)
   const uint32_t row = group_pos.y, g = group_pos.x;
   const device SampleState& st = state[row];
-  const uint32_t begin = g * kSampleChunk + thread_pos.x * kSampleStrip;
-  const uint32_t end = min(begin + kSampleStrip, sample_valid_end(args, st));
+  const uint32_t end = sample_valid_end(args, st);
   const device T* lr = logits + ulong(row) * args.stride;
   const uint32_t shift = args.shift;
   const bool first = shift + kSampleDigitBits >= 32;
-  uint32_t c[kSampleBins];
-  ulong m[kSampleBins];
+  const uint32_t mine = thread_pos.x * kSampleBinRow;
   for (uint32_t d = 0; d < kSampleBins; ++d) {
-    c[d] = 0;
-    m[d] = 0;
+    counts[mine + d] = 0;
+    mass_hi[mine + d] = 0;
+    mass_lo[mine + d] = 0;
   }
-  for (uint32_t i = begin; i < end; ++i) {
+  for (uint32_t r = 0; r < kSampleStrip; ++r) {
+    const uint32_t i = sample_entry(g, simd_id, lane, r);
+    if (i >= end) break;
     const float s = sample_scaled(float(lr[i]), st.max_logit, args.inv_temperature);
     const uint32_t key = lily_order_key(s);
     if (first || (key >> (shift + kSampleDigitBits)) == (st.prefix >> (shift + kSampleDigitBits))) {
       const uint32_t d = (key >> shift) & (kSampleBins - 1);
-      c[d] += 1;
-      m[d] += lily_mass(s);
+      const ulong m = lily_mass(s);  // <= 2^40: halves <= 2^20, their sums over 2048 entries < 2^32
+      counts[mine + d] += 1;
+      mass_hi[mine + d] += uint32_t(m >> 20);
+      mass_lo[mine + d] += uint32_t(m & 0xFFFFFu);
     }
-  }
-  for (uint32_t d = 0; d < kSampleBins; ++d) {
-    counts[thread_pos.x * kSampleBins + d] = c[d];
-    masses[thread_pos.x * kSampleBins + d] = m[d];
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
   if (thread_pos.x < kSampleBins) {
+    const uint32_t d = thread_pos.x;
     uint32_t count = 0;
-    ulong mass = 0;
+    ulong hi = 0, lo = 0;
     for (uint32_t t = 0; t < group_size.x; ++t) {
-      count += counts[t * kSampleBins + thread_pos.x];
-      mass += masses[t * kSampleBins + thread_pos.x];
+      count += counts[t * kSampleBinRow + d];
+      hi += mass_hi[t * kSampleBinRow + d];
+      lo += mass_lo[t * kSampleBinRow + d];
     }
-    device SampleBin& b = hist[(row * args.groups + g) * kSampleBins + thread_pos.x];
+    const ulong mass = (hi << 20) + lo;
+    device SampleBin& b = hist[(row * args.groups + g) * kSampleBins + d];
     b.count = count;
     b.mass_lo = uint32_t(mass);
     b.mass_hi = uint32_t(mass >> 32);
@@ -393,8 +409,8 @@ template <typename T>  // T: logits type of the call (unused here)
 // ---------------------------------------------------------------------------------------------
 // sample_gumbel_partial: per (row, group) the kept entry with the largest z = s + gumbel(seed,
 // step, id) (ties to the lowest id). A tie on the cut key is kept when its rank among the ties
-// (ties in earlier groups, from the last search round's histogram, + earlier threads, + earlier
-// entries of the strip) is < keep_ties. grid (G, R) x 64.
+// (ties in earlier groups, from the last search round's histogram, + the earlier simdgroup's,
+// + earlier rounds', + earlier lanes' of this round) is < keep_ties. grid (G, R) x 64.
 template <typename T>
 [[kernel]] void sample_gumbel_partial(constant SampleArgs& args [[buffer(0)]],
                                       const device T* logits [[buffer(1)]],
@@ -406,35 +422,42 @@ template <typename T>
   LILY_TG_ARRAY(uint32_t, simd_ties, [kSampleThreads / 32]);
   const uint32_t row = group_pos.y, g = group_pos.x;
   const device SampleState& st = state[row];
-  const uint32_t begin = g * kSampleChunk + thread_pos.x * kSampleStrip;
-  const uint32_t end = min(begin + kSampleStrip, sample_valid_end(args, st));
+  const uint32_t end = sample_valid_end(args, st);
   const device T* lr = logits + ulong(row) * args.stride;
   const bool filtered = st.filtered != 0;
 
-  uint32_t rank = 0;  // ties on the cut key before this thread's strip
-  uint32_t mine = 0;
+  // Ties on the cut key before this thread's next entry, in id order: earlier groups (the last
+  // search round's histogram), the earlier simdgroup of this group, earlier rounds, earlier lanes.
+  uint32_t rank = 0;
   if (filtered) {
     for (uint32_t h = 0; h < g; ++h) rank += hist[(row * args.groups + h) * kSampleBins + st.tie_digit].count;
-    for (uint32_t i = begin; i < end; ++i)
+    uint32_t mine = 0;
+    for (uint32_t r = 0; r < kSampleStrip; ++r) {
+      const uint32_t i = sample_entry(g, simd_id, lane, r);
+      if (i >= end) break;
       mine += lily_order_key(sample_scaled(float(lr[i]), st.max_logit, args.inv_temperature)) == st.cut_key ? 1u : 0u;
+    }
+    const uint32_t total = simd_sum(mine);
+    if (lane == 0) simd_ties[simd_id] = total;
   }
-  const uint32_t before = simd_prefix_exclusive_sum(mine);
-  if (lane == 31) simd_ties[simd_id] = before + mine;
   threadgroup_barrier(mem_flags::mem_threadgroup);
-  for (uint32_t s = 0; s < simd_id; ++s) rank += simd_ties[s];
-  rank += before;
+  if (filtered)
+    for (uint32_t q = 0; q < simd_id; ++q) rank += simd_ties[q];
 
   const uint32_t key = lily_sample_key(args.seed_lo, args.seed_hi, args.step);
   SamplePartial p = sample_empty();
-  for (uint32_t i = begin; i < end; ++i) {
-    const float l = float(lr[i]);
-    const float s = sample_scaled(l, st.max_logit, args.inv_temperature);
-    bool kept = true;
-    if (filtered) {
-      const uint32_t k = lily_order_key(s);
-      if (k == st.cut_key) kept = rank++ < st.keep_ties;
-      else kept = k > st.cut_key;
-    }
+  for (uint32_t r = 0; r < kSampleStrip; ++r) {
+    const uint32_t i = sample_entry(g, simd_id, lane, r);
+    const bool valid = i < end;
+    const float l = valid ? float(lr[i]) : 0.0f;
+    const float s = valid ? sample_scaled(l, st.max_logit, args.inv_temperature) : 0.0f;
+    const uint32_t k = lily_order_key(s);
+    const uint32_t tie = (valid && filtered && k == st.cut_key) ? 1u : 0u;
+    const uint32_t before = simd_prefix_exclusive_sum(tie);  // every lane takes part
+    const uint32_t round_ties = simd_sum(tie);
+    bool kept = valid;
+    if (valid && filtered) kept = tie ? (rank + before < st.keep_ties) : k > st.cut_key;
+    rank += round_ties;
     if (!kept) continue;
     // z = (l - max) * inv_t + gumbel with ONE rounding, written as the fma it is: a compiler
     // that contracts s + g (s a product) into an fma cannot change it (sampling.py: fma32).
@@ -466,6 +489,188 @@ template <typename T>  // T: logits type of the call (unused here)
     sample_write_error_or(ids, chosen_logit, args.slot + row, state[row].status, p.id, p.logit);
 }
 
+// ---------------------------------------------------------------------------------------------
+// The small-k route (0 < top_k <= kSampleSmallK): every filter keeps a prefix of the top-k set in
+// the sorted order (value descending, id ascending), so the whole choice is made from each
+// threadgroup's own top-k candidates, merged once:
+//   sample_max_partial -> sample_max_final -> sample_topk_partial -> sample_topk_merge.
+// Candidates are (s, id) pairs, s = (l - max) * inv_temperature, as two uint32 words.
+
+// (s, id) is after (b, bid) in the sorted order: smaller s, or equal s and a larger id.
+inline bool sample_after(float s, uint32_t id, float b, uint32_t bid) {
+  return s < b || (s == b && id > bid);
+}
+
+// The best (s, id) of a simdgroup (sample_better order), by an xor butterfly.
+inline void sample_simd_best(thread float& s, thread uint32_t& id) {
+  for (uint32_t d = 16; d >= 1; d >>= 1) {
+    const float os = simd_shuffle_xor(s, ushort(d));
+    const uint32_t oid = simd_shuffle_xor(id, ushort(d));
+    if (sample_better(os, oid, s, id)) {
+      s = os;
+      id = oid;
+    }
+  }
+}
+
+// sample_topk_partial: per (row, group) the top_k entries of the group's 2048 in the sorted
+// order, best first (kSampleNoId past the group's valid entries). grid (G, R) x 64. Simdgroup q
+// reads entries [g*2048 + q*1024, +1024) with lane l at offset 32 r + l (coalesced: 128 bytes per
+// simdgroup load); each thread keeps its 32 scaled values in registers. top_k rounds: every
+// thread offers its best entry after the last one chosen, the threadgroup takes the best offer.
+template <typename T>
+[[kernel]] void sample_topk_partial(constant SampleArgs& args [[buffer(0)]],
+                                    const device T* logits [[buffer(1)]],
+                                    const device SampleState* state [[buffer(2)]],
+                                    device uint32_t* cand [[buffer(3)]],
+                                    LILY_KERNEL_TAIL) {
+  LILY_TG_ARRAY(float, offer_s, [2][kSampleThreads / 32]);
+  LILY_TG_ARRAY(uint32_t, offer_id, [2][kSampleThreads / 32]);
+  const uint32_t row = group_pos.y, g = group_pos.x;
+  const device SampleState& st = state[row];
+  const uint32_t end = sample_valid_end(args, st);
+  const uint32_t base = g * kSampleChunk + simd_id * (kSampleChunk / 2) + lane;
+  const device T* lr = logits + ulong(row) * args.stride;
+  float v[kSampleStrip];
+  for (uint32_t r = 0; r < kSampleStrip; ++r) {
+    const uint32_t i = base + 32 * r;
+    v[r] = i < end ? sample_scaled(float(lr[i]), st.max_logit, args.inv_temperature) : 0.0f;
+  }
+  device uint32_t* out = cand + (ulong(row) * args.groups + g) * (2 * kSampleSmallK);
+  float last_s = as_type<float>(0x7F800000u);  // +inf: nothing chosen yet
+  uint32_t last_id = 0;
+  for (uint32_t j = 0; j < args.top_k; ++j) {
+    float s = 0.0f;
+    uint32_t id = kSampleNoId;
+    for (uint32_t r = 0; r < kSampleStrip; ++r) {
+      const uint32_t i = base + 32 * r;
+      if (i < end && sample_after(v[r], i, last_s, last_id) && sample_better(v[r], i, s, id)) {
+        s = v[r];
+        id = i;
+      }
+    }
+    sample_simd_best(s, id);
+    if (lane == 0) {
+      offer_s[j & 1][simd_id] = s;
+      offer_id[j & 1][simd_id] = id;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    for (uint32_t q = 0; q < kSampleThreads / 32; ++q) {  // the same order in every thread
+      const float os = offer_s[j & 1][q];
+      const uint32_t oid = offer_id[j & 1][q];
+      if (q == 0 || sample_better(os, oid, s, id)) {
+        s = os;
+        id = oid;
+      }
+    }
+    if (thread_pos.x == 0) {
+      out[2 * j] = as_type<uint32_t>(s);
+      out[2 * j + 1] = id;
+    }
+    if (id == kSampleNoId) {  // the group is exhausted (the same in every thread)
+      for (uint32_t k = j + 1 + thread_pos.x; k < args.top_k; k += group_size.x) out[2 * k + 1] = kSampleNoId;
+      break;
+    }
+    last_s = s;
+    last_id = id;
+  }
+}
+
+// sample_topk_merge: the row's top_k entries from the G x top_k candidates (top_k rounds of the
+// same offer-and-take, kSampleMergeThreads threads), then on thread 0, in the sorted order:
+// k_eff = min(top_k, max(1, #(s >= min_p_log))), the top-k set's mass Z, P = top_p_limit(Z), entry
+// j kept iff j < k_eff and the mass before it < P (entry 0 always), and the kept entry with the
+// largest z = s + gumbel (ties to the lowest id) into ids[slot + row] and its raw logit into
+// chosen_logit[slot + row]. grid (1, R) x kSampleMergeThreads.
+template <typename T>
+[[kernel]] void sample_topk_merge(constant SampleArgs& args [[buffer(0)]],
+                                  const device T* logits [[buffer(1)]],
+                                  const device SampleState* state [[buffer(2)]],
+                                  const device uint32_t* cand [[buffer(3)]],
+                                  device uint32_t* ids [[buffer(4)]],
+                                  device float* chosen_logit [[buffer(5)]],
+                                  LILY_KERNEL_TAIL) {
+  LILY_TG_ARRAY(float, offer_s, [2][kSampleMergeThreads / 32]);
+  LILY_TG_ARRAY(uint32_t, offer_id, [2][kSampleMergeThreads / 32]);
+  LILY_TG_ARRAY(float, top_s, [kSampleSmallK]);
+  LILY_TG_ARRAY(uint32_t, top_id, [kSampleSmallK]);
+  const uint32_t row = group_pos.y;
+  const device SampleState& st = state[row];
+  const uint32_t n = st.status ? 0u : args.groups * args.top_k;  // candidates (error: none)
+  const device uint32_t* c = cand + ulong(row) * args.groups * (2 * kSampleSmallK);
+  const uint32_t simds = group_size.x / 32;
+  float last_s = as_type<float>(0x7F800000u);
+  uint32_t last_id = 0;
+  uint32_t found = 0;
+  for (uint32_t j = 0; j < args.top_k; ++j) {
+    float s = 0.0f;
+    uint32_t id = kSampleNoId;
+    for (uint32_t e = thread_pos.x; e < n; e += group_size.x) {
+      const uint32_t at = (e / args.top_k) * (2 * kSampleSmallK) + 2 * (e % args.top_k);
+      const float cs = as_type<float>(c[at]);
+      const uint32_t cid = c[at + 1];
+      if (cid != kSampleNoId && sample_after(cs, cid, last_s, last_id) && sample_better(cs, cid, s, id)) {
+        s = cs;
+        id = cid;
+      }
+    }
+    sample_simd_best(s, id);
+    if (lane == 0) {
+      offer_s[j & 1][simd_id] = s;
+      offer_id[j & 1][simd_id] = id;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    for (uint32_t q = 0; q < simds; ++q) {
+      const float os = offer_s[j & 1][q];
+      const uint32_t oid = offer_id[j & 1][q];
+      if (q == 0 || sample_better(os, oid, s, id)) {
+        s = os;
+        id = oid;
+      }
+    }
+    if (id == kSampleNoId) break;  // fewer valid entries than top_k (the same in every thread)
+    if (thread_pos.x == 0) {
+      top_s[j] = s;
+      top_id[j] = id;
+    }
+    found = j + 1;
+    last_s = s;
+    last_id = id;
+  }
+  if (thread_pos.x != 0) return;
+  if (st.status != 0 || found == 0) {
+    sample_write_error_or(ids, chosen_logit, args.slot + row, st.status | kSampleStatusNoFinite, 0, 0.0f);
+    return;
+  }
+  uint32_t k_eff = found;
+  if (!isinf(args.min_p_log)) {
+    uint32_t count = 0;
+    for (uint32_t j = 0; j < found; ++j) count += top_s[j] >= args.min_p_log ? 1u : 0u;
+    k_eff = min(k_eff, max(count, 1u));
+  }
+  ulong limit = ~ulong(0);
+  if (args.top_p != 0) {
+    ulong Z = 0;
+    for (uint32_t j = 0; j < found; ++j) Z += lily_mass(top_s[j]);
+    limit = lily_top_p_limit(Z, args.top_p);
+  }
+  const uint32_t key = lily_sample_key(args.seed_lo, args.seed_hi, args.step);
+  float best = 0.0f;
+  uint32_t best_id = kSampleNoId;
+  ulong before = 0;
+  for (uint32_t j = 0; j < k_eff; ++j) {
+    if (j > 0 && !(before < limit)) break;
+    const float z = top_s[j] + lily_gumbel(key, top_id[j]);
+    if (sample_better(z, top_id[j], best, best_id)) {
+      best = z;
+      best_id = top_id[j];
+    }
+    before += lily_mass(top_s[j]);
+  }
+  const device T* lr = logits + ulong(row) * args.stride;
+  sample_write_error_or(ids, chosen_logit, args.slot + row, 0u, best_id, float(lr[best_id]));
+}
+
 // sample_noise: the Gumbel noise itself, out[i] = gumbel(seed, step, i) for i < valid_vocab (tests
 // compare it bit for bit with lily_py.sampling.gumbel). grid (ceil(valid_vocab / 2048), 1) x 64.
 template <typename T>  // T: logits type of the call (unused here)
@@ -473,9 +678,10 @@ template <typename T>  // T: logits type of the call (unused here)
                              device float* out [[buffer(1)]],
                              LILY_KERNEL_TAIL) {
   const uint32_t key = lily_sample_key(args.seed_lo, args.seed_hi, args.step);
-  const uint32_t begin = group_pos.x * kSampleChunk + thread_pos.x * kSampleStrip;
-  const uint32_t end = min(begin + kSampleStrip, args.valid_vocab);
-  for (uint32_t i = begin; i < end; ++i) out[i] = lily_gumbel(key, i);
+  for (uint32_t r = 0; r < kSampleStrip; ++r) {
+    const uint32_t i = sample_entry(group_pos.x, simd_id, lane, r);
+    if (i < args.valid_vocab) out[i] = lily_gumbel(key, i);
+  }
 }
 
 LILY_INSTANTIATE("sample_max_partial_f32", sample_max_partial<float>)
@@ -486,6 +692,8 @@ LILY_INSTANTIATE("sample_hist_partial_f32", sample_hist_partial<float>)
 LILY_INSTANTIATE("sample_select", sample_select<float>)
 LILY_INSTANTIATE("sample_gumbel_partial_f32", sample_gumbel_partial<float>)
 LILY_INSTANTIATE("sample_gumbel_final", sample_gumbel_final<float>)
+LILY_INSTANTIATE("sample_topk_partial_f32", sample_topk_partial<float>)
+LILY_INSTANTIATE("sample_topk_merge_f32", sample_topk_merge<float>)
 LILY_INSTANTIATE("sample_noise", sample_noise<float>)
 
 }  // namespace lily

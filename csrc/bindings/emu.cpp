@@ -26,7 +26,8 @@ emu::Order parse_order(const std::string& s) {
   if (s == "forward") return emu::Order::forward;
   if (s == "reverse") return emu::Order::reverse;
   if (s == "shuffle") return emu::Order::shuffle;
-  throw std::invalid_argument("order must be 'forward', 'reverse' or 'shuffle', got '" + s + "'");
+  if (s == "ahead") return emu::Order::ahead;
+  throw std::invalid_argument("order must be 'forward', 'reverse', 'shuffle' or 'ahead', got '" + s + "'");
 }
 
 std::unique_ptr<gpu::Device> make_device(const std::string& name, const std::string& order,
@@ -76,15 +77,18 @@ void init_emu(nb::module_& parent) {
       "dispatch",
       [](const std::string& name, nb::bytes args, std::vector<InOutArray> buffers,
          std::tuple<uint32_t, uint32_t, uint32_t> groups, std::tuple<uint32_t, uint32_t, uint32_t> threads,
-         const std::string& order, uint64_t seed, bool fp_traps) {
+         const std::string& order, uint64_t seed, bool fp_traps, std::vector<std::tuple<size_t, size_t>> ranges,
+         bool races) {
         const emu::KernelEntry* k = emu::find_kernel(name);
         LILY_REQUIRE(k != nullptr, "emu.dispatch: no kernel named '" + name + "' in the emulator registry");
         emu::RunOptions opt;
         opt.order = parse_order(order);
         opt.seed = seed;
         opt.fp_traps = fp_traps;
+        opt.races = races;
         emu::EmuDevice dev(opt);
         std::vector<std::unique_ptr<gpu::Buffer>> bufs;
+        require(ranges.empty() || ranges.size() == buffers.size(), "emu.dispatch: one range per buffer");
         emu::Launch L;
         L.kernel = k;
         std::string a(args.c_str(), args.size());
@@ -93,7 +97,13 @@ void init_emu(nb::module_& parent) {
         for (size_t i = 0; i < buffers.size(); ++i) {
           LILY_REQUIRE(buffers[i].nbytes() > 0, "emu.dispatch: buffer " + std::to_string(i + 1) + " is empty");
           bufs.push_back(upload(dev, buffers[i].data(), buffers[i].nbytes()));
-          L.buffers.push_back({bufs.back().get(), 0, bufs.back()->size()});
+          size_t off = 0, bytes = bufs.back()->size();
+          if (!ranges.empty()) {
+            off = std::get<0>(ranges[i]);
+            bytes = std::get<1>(ranges[i]) ? std::get<1>(ranges[i]) : bytes - std::min(off, bytes);
+            require(off + bytes <= bufs.back()->size() && bytes > 0, "emu.dispatch: range " + std::to_string(i) + " outside its array");
+          }
+          L.buffers.push_back({bufs.back().get(), off, bytes});
         }
         L.groups = {std::get<0>(groups), std::get<1>(groups), std::get<2>(groups)};
         L.threads = {std::get<0>(threads), std::get<1>(threads), std::get<2>(threads)};
@@ -105,10 +115,12 @@ void init_emu(nb::module_& parent) {
           if (!k->buffers[i].read_only) std::memcpy(buffers[i].data(), bufs[i]->contents(), buffers[i].nbytes());
       },
       "kernel"_a, "args"_a, "buffers"_a, "groups"_a, "threads"_a, nb::kw_only(), "order"_a = "shuffle",
-      "seed"_a = 0, "fp_traps"_a = true,
+      "seed"_a = 0, "fp_traps"_a = true, "ranges"_a = std::vector<std::tuple<size_t, size_t>>{},
+      "races"_a = true,
       "Run one registered kernel on copies of `buffers` ([[buffer(1)]], ...; C-contiguous, writable) "
-      "with `args` as the [[buffer(0)]] bytes; results of non-const buffers are copied back. Raises "
-      "EmulatorError for kernel faults.");
+      "with `args` as the [[buffer(0)]] bytes; results of non-const buffers are copied back. "
+      "`ranges`: (offset, bytes or 0 = to the end) bound of each buffer (default: all of it). "
+      "`races`: the write-race detector (RunOptions::races). Raises EmulatorError for kernel faults.");
 
   m.def(
       "encode",

@@ -75,6 +75,7 @@ nb::dict stats_dict(const core::StepStats& s) {
   d["dispatches"] = s.dispatches;
   d["barriers"] = s.barriers;
   d["bytes_bound"] = s.bytes_bound;
+  d["bytes_touched"] = s.bytes_touched;
   d["threads"] = s.threads;
   d["flops_executed"] = s.flops_executed;
   d["flops_useful"] = s.flops_useful;
@@ -307,6 +308,8 @@ void init_engine(nb::module_& m) {
           },
           "float32 logits [V] of the last position of the last completed step (copied from the device).")
       .def_prop_ro("has_last_logits", &core::Engine::has_last_logits)
+      .def_prop_ro("logit_bytes_copied", &core::Engine::logit_bytes_copied,
+                   "Bytes of logits copied from the device to the host since construction.")
       .def_prop_ro("in_flight", &core::Engine::in_flight)
       .def(
           "count",
@@ -328,6 +331,40 @@ void init_engine(nb::module_& m) {
           "Emulator only: encode one step at `position` on an encoder that runs nothing and checks "
           "hazards between dispatches (EmulatorError names them), ignoring barrier #skip_barrier "
           "(-1: none). The state is untouched; returns the counters.")
+      .def(
+          "count_kernels",
+          [](const core::Engine& e) {
+            nb::dict out;  // kernel name -> dict(dispatches, bytes_touched, threads, groups)
+            const auto& ks = e.counted_kernels();
+            for (size_t i = 0; i < ks.size(); ++i) {
+              if (ks[i].dispatches == 0) continue;
+              nb::dict d;
+              d["dispatches"] = ks[i].dispatches;
+              d["bytes_touched"] = ks[i].bytes_touched;
+              d["threads"] = ks[i].threads;
+              d["groups"] = ks[i].groups;
+              out[std::string(gpu::kKernelTable[i].name).c_str()] = d;
+            }
+            return out;
+          },
+          "Per-kernel totals of the last count(): name -> dict(dispatches, bytes_touched, threads, groups).")
+      .def(
+          "count_dispatches",
+          [](const core::Engine& e) {
+            nb::list out;  // every dispatch of the last count(), in order
+            for (const auto& r : e.counted_dispatches()) {
+              nb::dict d;
+              d["kernel"] = std::string(gpu::kernel_info(r.kernel).name);
+              d["groups"] = nb::make_tuple(r.groups.x, r.groups.y, r.groups.z);
+              d["threads"] = nb::make_tuple(r.threads.x, r.threads.y, r.threads.z);
+              d["bytes_touched"] = r.bytes_touched;
+              d["bytes_bound"] = r.bytes_bound;
+              d["level"] = r.level;
+              out.append(d);
+            }
+            return out;
+          },
+          "Every dispatch of the last count(): kernel, groups, threads, bytes_touched, bytes_bound, level.")
       .def("last_stats", [](const core::Engine& e) { return stats_dict(e.last_stats()); })
       .def("reset", &core::Engine::reset)
       .def("snapshot", &core::Engine::snapshot)

@@ -61,6 +61,8 @@ void init_ops_attention(nb::module_& parent) {
 
   m.attr("ATTN_SPLIT_KEYS") = static_cast<uint32_t>(kAttnSplitKeys);
   m.attr("ATTN_MAX_SPLITS") = static_cast<uint32_t>(kAttnMaxSplits);
+  m.attr("ATTN_VEC_SIMDS") = static_cast<uint32_t>(kAttnVecSimds);
+  m.attr("ATTN_VEC_MAX_BLOCKS") = static_cast<uint32_t>(kAttnVecMaxBlocks);
   m.attr("ATTN_BLOCK_KEYS") = static_cast<uint32_t>(kAttnBlockKeys);
   m.attr("ATTN_PREFILL_TOKENS") = static_cast<uint32_t>(kAttnPrefillTokens);
   m.attr("ATTN_MAX_HEAD_DIM") = static_cast<uint32_t>(kAttnMaxHeadDim);
@@ -75,14 +77,15 @@ void init_ops_attention(nb::module_& parent) {
     return std::string(gpu::ops::attention_prefill_uses_mma(head_dim) ? "mma" : "simd");
   }, "head_dim"_a, "Prefill attention route for this head_dim: 'mma' (simdgroup matrices) or 'simd'.");
 
-  m.def("attention_decode_route", [](uint32_t length) {
-    const gpu::ops::AttnRoute r = gpu::ops::attention_decode_route(length);
+  m.def("attention_decode_route", [](uint32_t length, uint32_t head_dim) {
+    const gpu::ops::AttnRoute r = gpu::ops::attention_decode_route(length, head_dim);
     nb::dict d;
-    d["route"] = r.split ? "split" : "single";
+    d["route"] = r.vec ? "vec" : r.split ? "split" : "single";
     d["splits"] = r.splits;
     d["split_keys"] = r.split_keys;
     return d;
-  }, "length"_a, "Decode attention route for a context of `length` keys: {route, splits, split_keys}.");
+  }, "length"_a, "head_dim"_a,
+     "Decode attention route for a context of `length` keys and head_dim: {route, splits, split_keys}.");
 
   m.def(
       "rope",
@@ -193,11 +196,12 @@ void init_ops_attention(nb::module_& parent) {
         nb::list kernels;
         const bool bf = op.dtype == gpu::DType::bf16;
         if (decode) {
-          const gpu::ops::AttnRoute route = gpu::ops::attention_decode_route(position + 1);
+          const gpu::ops::AttnRoute route = gpu::ops::attention_decode_route(position + 1, op.head_dim);
           if (route.split) {
             op.scratch = r.output(gpu::ops::attention_scratch_bytes(op.q_heads, op.head_dim, position + 1));
-            kernels.append(bf ? "attn_decode_split_bf16" : "attn_decode_split_f32");
-            kernels.append(bf ? "attn_combine_bf16" : "attn_combine_f32");
+            const std::string sfx = bf ? "bf16" : "f32", e = std::to_string(op.head_dim / 32);
+            kernels.append(route.vec ? "attn_decode_vec_e" + e + "_" + sfx : "attn_decode_split_" + sfx);
+            kernels.append(route.vec ? "attn_vec_combine_e" + e + "_" + sfx : "attn_combine_" + sfx);
           } else {
             kernels.append(bf ? "attn_decode_bf16" : "attn_decode_f32");
           }

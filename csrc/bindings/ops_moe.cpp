@@ -39,7 +39,8 @@ void init_ops_moe(nb::module_& m) {
     return std::string(gpu::ops::moe_route_name(gpu::ops::moe_route(tokens, top_k)));
   }, "tokens"_a, "top_k"_a, "Route the MoE block takes: 'mv', 'mm32' or 'mm64'.");
   m.attr("MOE_MV_MAX_TOKENS") = static_cast<uint32_t>(kMoeMvMaxTokens);
-  m.attr("MOE_TILE64_MIN_ROWS") = static_cast<uint32_t>(kMoeTile64MinRows);
+  m.attr("MOE_FEW_MAX_ROWS") = static_cast<uint32_t>(kMoeFewMaxRows);
+  m.attr("MOE_TILE32_MAX_ROWS") = static_cast<uint32_t>(kMoeTile32MaxRows);
   m.attr("MOE_MAX_EXPERTS") = static_cast<uint32_t>(kMoeMaxExperts);
   m.attr("MOE_MAX_TOP_K") = static_cast<uint32_t>(kMoeMaxTopK);
 
@@ -104,6 +105,7 @@ void init_ops_moe(nb::module_& m) {
         op.scratch.row_weight = output(sb.row_weight);
         op.scratch.h = output(sb.h);
         op.scratch.y = output(sb.y);
+        op.scratch.tile_stats = output(sb.tile_stats);
         gpu::ops::validate(op);
 
         auto enc = dev->new_encoder();
@@ -121,7 +123,7 @@ void init_ops_moe(nb::module_& m) {
         const gpu::Counters& c = rec.counters();
         nb::dict stats;
         nb::list kernels;
-        for (const auto& k : rec.kernels) kernels.append(k);
+        for (const auto& k : rec.kernels) kernels.append(std::string(k));
         stats["kernels"] = kernels;
         stats["route"] = std::string(gpu::ops::moe_route_name(gpu::ops::moe_route(op.tokens, op.top_k)));
         stats["dispatches"] = c.dispatches;
@@ -131,6 +133,21 @@ void init_ops_moe(nb::module_& m) {
         stats["flops_executed"] = c.flops_executed;
         stats["flops_useful"] = c.flops_useful;
         stats["host_syncs"] = syncs;
+        if (op.scratch.tile_stats.bytes) {  // the tiled route: what the plan made (read after the wait)
+          const auto* ts = reinterpret_cast<const uint32_t*>(
+              static_cast<const char*>(op.scratch.tile_stats.buffer->contents()) + op.scratch.tile_stats.offset);
+          nb::dict tiles;
+          tiles["64"] = ts[0];
+          tiles["32"] = ts[1];
+          tiles["few"] = ts[2];
+          tiles["few_rows"] = ts[3];
+          stats["tiles"] = tiles;
+          // The encoder counted the bound over every routing; the plan says what ran.
+          const auto bound = gpu::ops::moe_expert_flops(op.tokens, op.top_k, op.experts, op.hidden, op.inter, op.shared_inter);
+          stats["flops_executed"] = c.flops_executed - bound.executed +
+                                    gpu::ops::moe_expert_flops_from_tiles(op.tokens, op.top_k, op.hidden, op.inter,
+                                                                          op.shared_inter, ts);
+        }
         const uint32_t T = op.tokens, k = op.top_k;
         return nb::make_tuple(copy_out<float>(op.out, {T, op.hidden}), copy_out<uint32_t>(op.scratch.ids, {T, k}),
                               copy_out<float>(op.scratch.weights, {T, k + 1}), stats);

@@ -29,6 +29,11 @@ nb::list kernel_names(const gpu::ops::SamplePlan& plan) {
   add(gpu::KernelId::sample_max_partial_f32);
   add(gpu::KernelId::sample_max_final);
   if (plan.greedy) return k;
+  if (plan.small_k) {
+    add(gpu::KernelId::sample_topk_partial_f32);
+    add(gpu::KernelId::sample_topk_merge_f32);
+    return k;
+  }
   if (plan.stats) {
     add(gpu::KernelId::sample_stats_partial_f32);
     add(gpu::KernelId::sample_stats_final);

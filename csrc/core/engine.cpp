@@ -177,6 +177,7 @@ void build_buffers(const ModelSpec& s, Allocator& a, gpu::ModelBuffers& m_) {
   t.moe_row_weight = a.scratch(mb.row_weight);
   t.moe_h = a.scratch(mb.h);
   t.moe_y = a.scratch(mb.y);
+  t.moe_tile_stats = a.scratch(2ull * s.layers * 4 * 4);
   t.logits = a.scratch(uint64_t(std::max(s.logit_rows, 2u)) * V * 4);
   t.token_slot = a.scratch(2 * 4);  // two slots: two steps in flight
   t.chosen_logit = a.scratch(2 * 4);
@@ -568,6 +569,10 @@ Engine::InFlight Engine::encode(uint32_t T, uint32_t position, bool all_logits, 
     if (!enc) fail("skip_barrier needs a device that checks plans (the emulator, device 'emu')");
   }
   f.enc = enc ? std::move(enc) : device_->new_encoder();
+  if (recording_) {
+    counted_dispatches_.clear();
+    f.enc->record = &counted_dispatches_;
+  }
   gpu::ops::RecordingEncoder rec(*f.enc);  // counts commit()/wait() asked for while encoding
   gpu::encode_prefill_chunk(rec, spec_, m_, p);
   f.st.encode_ns = uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -582,6 +587,7 @@ Engine::InFlight Engine::encode(uint32_t T, uint32_t position, bool all_logits, 
   f.st.dispatches = c.dispatches;
   f.st.barriers = c.barriers;
   f.st.bytes_bound = c.bytes_bound;
+  f.st.bytes_touched = c.bytes_touched;
   f.st.threads = c.threads;
   f.st.flops_executed = c.flops_executed;
   f.st.flops_useful = c.flops_useful;
@@ -644,10 +650,13 @@ StepStats Engine::complete(float* logits) {
   }
   StepStats st = f.st;
   st.host_waits = st.waits_in_step + 1;
+  correct_moe_flops(st, f.slot);
   const size_t V = spec_.vocab;
   const char* src = static_cast<const char*>(m_.s.logits.buffer->contents());
-  if (logits && src && f.rows)
+  if (logits && src && f.rows) {
     std::memcpy(logits, src + (f.rows == 1 ? f.slot : 0) * V * 4, f.rows * V * 4);
+    logit_bytes_copied_ += f.rows * V * 4;
+  }
   last_rows_ = f.rows;
   last_slot_ = f.slot;
   if (inflight_.empty() && !failed_) valid_ = true;
@@ -678,6 +687,22 @@ void Engine::last_logits(float* out) const {
   if (src == nullptr) fail("last_logits: device '" + std::string(device_->name()) + "' keeps no logits");
   const size_t row = last_rows_ == 1 ? last_slot_ : last_rows_ - 1;
   std::memcpy(out, src + row * V * 4, V * 4);
+  logit_bytes_copied_ += V * 4;
+}
+
+void Engine::correct_moe_flops(StepStats& st, uint32_t slot) const {
+  // The encoder counted the MoE tiled route's bound over every routing; each layer's plan wrote
+  // the tiles it made (device memory, complete after the wait): count what ran instead.
+  const ModelSpec& s = spec_;
+  const uint32_t T = uint32_t(st.tokens);
+  if (gpu::ops::moe_route(T, s.top_k) != gpu::ops::MoeRoute::tiled) return;
+  const char* base = static_cast<const char*>(m_.s.moe_tile_stats.buffer->contents());
+  if (!base) return;  // the counting device has no memory: the bound stays
+  const auto bound = gpu::ops::moe_expert_flops(T, s.top_k, s.experts, s.hidden, s.moe_inter, s.shared_inter);
+  const auto* stats = reinterpret_cast<const uint32_t*>(base + m_.s.moe_tile_stats.offset) + uint64_t(slot) * s.layers * 4;
+  for (uint32_t li = 0; li < s.layers; ++li)
+    st.flops_executed = st.flops_executed - bound.executed +
+                        gpu::ops::moe_expert_flops_from_tiles(T, s.top_k, s.hidden, s.moe_inter, s.shared_inter, stats + 4 * li);
 }
 
 StepStats Engine::forward(const uint32_t* ids, uint32_t T, bool all_logits, float* logits,
@@ -691,9 +716,20 @@ StepStats Engine::count(uint32_t T, uint32_t position, bool all_logits, const St
                         bool want_logits) {
   if (!std::string_view(device_->name()).starts_with("count"))
     fail("count() runs on the counting device only (device 'count' or 'count_host')");
-  StepStats st = encode(T, position, all_logits, sampling, want_logits).st;
-  last_ = st;
-  return st;
+  recording_ = true;
+  InFlight f;
+  try {
+    f = encode(T, position, all_logits, sampling, want_logits);
+  } catch (...) {
+    recording_ = false;
+    throw;
+  }
+  recording_ = false;
+  f.enc->record = nullptr;
+  const gpu::Counters& c = f.enc->counters();
+  counted_kernels_.assign(std::begin(c.kernels), std::end(c.kernels));
+  last_ = f.st;
+  return f.st;
 }
 
 StepStats Engine::check(uint32_t T, uint32_t position, bool all_logits, const StepSampling& sampling,

@@ -26,6 +26,7 @@ struct StepStats {
   uint64_t tokens = 0;
   uint64_t dispatches = 0, barriers = 0, bytes_bound = 0, threads = 0;
   uint64_t flops_executed = 0, flops_useful = 0;  // matrix work (gpu::Counters)
+  uint64_t bytes_touched = 0;   // bytes the kernels read plus write (routed experts only, KV up to the position)
   uint64_t commits = 0;         // command buffers submitted
   uint64_t waits_in_step = 0;   // host waits requested while the step was encoded (must be 0)
   uint64_t host_waits = 0;      // host waits for the whole forward (1: to read the logits)
@@ -126,6 +127,9 @@ class Engine {
   // that computed logits. Generation never copies logits per token: this is the "asked for" path.
   void last_logits(float* out) const;
   bool has_last_logits() const { return inflight_.empty() && last_rows_ != 0; }
+  // Bytes of logits copied from the device to the host since construction (complete(logits)
+  // and last_logits()): what "logits leave the device only when asked for" is tested with.
+  uint64_t logit_bytes_copied() const { return logit_bytes_copied_; }
   size_t in_flight() const { return inflight_.size(); }
   // Encodes a step at `position` without touching state or reading results (the counting
   // device: counters for any config without weights).
@@ -136,6 +140,10 @@ class Engine {
   // number `skip_barrier` (-1: none). The state is untouched. Counters as for count().
   StepStats check(uint32_t T, uint32_t position, bool all_logits, const StepSampling& sampling = {},
                   bool want_logits = true, int64_t skip_barrier = -1);
+  // Per-kernel totals of the last count() (indexed by KernelId).
+  const std::vector<gpu::KernelCounters>& counted_kernels() const { return counted_kernels_; }
+  // Every dispatch of the last count(), in order.
+  const std::vector<gpu::DispatchRecord>& counted_dispatches() const { return counted_dispatches_; }
 
   void reset();
   Snapshot snapshot() const;
@@ -166,6 +174,8 @@ class Engine {
   };
   InFlight encode(uint32_t T, uint32_t position, bool all_logits, const StepSampling& sampling, bool want_logits,
                   std::unique_ptr<gpu::Encoder> enc = nullptr);
+  // After the wait: the MoE tiled route's flops_executed from the tiles each plan made.
+  void correct_moe_flops(StepStats& st, uint32_t slot) const;
   void require_idle(const char* what) const;
 
   ModelSpec spec_;
@@ -191,6 +201,10 @@ class Engine {
   std::string memory_warning_;
   std::vector<PlannedKernel> plan_;
   uint32_t last_rows_ = 0, last_slot_ = 0;  // logits rows / slot of the last completed step
+  mutable uint64_t logit_bytes_copied_ = 0;
+  std::vector<gpu::KernelCounters> counted_kernels_;
+  std::vector<gpu::DispatchRecord> counted_dispatches_;
+  bool recording_ = false;
 };
 
 }  // namespace lily::core

@@ -15,13 +15,29 @@ enum class Order : uint8_t {
   forward,  // threads (and threadgroups) resumed in index order
   reverse,  // reverse index order
   shuffle,  // a fresh random order every scheduling round, from `seed` (default)
+  // Adversarial: one simdgroup at a time runs ahead to its next threadgroup barrier (its simd
+  // collectives resolved as its lanes arrive) before the next simdgroup starts, in a fresh random
+  // simdgroup order for every barrier phase; threadgroups shuffled. What lockstep hides shows up:
+  // a simdgroup that overwrites shared memory another one still has to read (a barrier missing
+  // at the end of a loop) corrupts the slower simdgroup's reads.
+  ahead,
 };
+
+// LILY_EMU_RACES=1 in the environment: the race detector is on by default.
+bool races_default();
 
 struct RunOptions {
   Order order = Order::shuffle;
   uint64_t seed = 0;
   bool fp_traps = true;              // trap arithmetic on NaN (poison) where supported
   size_t stack_bytes = 128 * 1024;   // per GPU thread
+  // Race detector (own instrumentation, see docs/testing.md): the threadgroup-memory words each
+  // thread changes between two of its sync points, and the device words each threadgroup
+  // changes; two writers that no barrier (or atomic) orders are a KernelError. Costly: on for the
+  // emulator's self-tests and where LILY_EMU_RACES=1 (the .ci/checks/emu_races.sh job).
+  bool races = races_default();
+  // Bounds at the binding: a binding narrower than its buffer runs on a guarded copy of its range.
+  bool binding_bounds = true;
   // Encoders of the device: report two dispatches that no barrier orders and whose byte ranges
   // overlap with a write on either side (DispatchHazards). On by default.
   bool hazards = true;

@@ -504,17 +504,20 @@ using atomic_float = atomic<float>;
 
 template <class T, class U>
 inline void atomic_store_explicit(volatile atomic<T>* a, U v, memory_order) {
+  ::lily::emu::note_atomic(const_cast<const T*>(&a->value));
   T t = static_cast<T>(v);
   __atomic_store(&a->value, &t, __ATOMIC_SEQ_CST);
 }
 template <class T>
 inline T atomic_load_explicit(volatile atomic<T>* a, memory_order) {
+  ::lily::emu::note_atomic(const_cast<const T*>(&a->value));
   T t;
   __atomic_load(&a->value, &t, __ATOMIC_SEQ_CST);
   return t;
 }
 template <class T, class U>
 inline T atomic_exchange_explicit(volatile atomic<T>* a, U v, memory_order) {
+  ::lily::emu::note_atomic(const_cast<const T*>(&a->value));
   T t = static_cast<T>(v), old;
   __atomic_exchange(&a->value, &t, &old, __ATOMIC_SEQ_CST);
   return old;
@@ -522,12 +525,14 @@ inline T atomic_exchange_explicit(volatile atomic<T>* a, U v, memory_order) {
 template <class T, class U>
 inline bool atomic_compare_exchange_weak_explicit(volatile atomic<T>* a, T* expected, U desired,
                                                   memory_order, memory_order) {
+  ::lily::emu::note_atomic(const_cast<const T*>(&a->value));
   T d = static_cast<T>(desired);
   return __atomic_compare_exchange(&a->value, expected, &d, true, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
 }
 namespace detail {
 template <class T, class F>
 inline T atomic_update(volatile atomic<T>* a, F f) {
+  ::lily::emu::note_atomic(const_cast<const T*>(&a->value));
   T old;
   __atomic_load(&a->value, &old, __ATOMIC_SEQ_CST);
   T next = f(old);

@@ -19,6 +19,7 @@
 #include <mutex>
 #include <random>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "emu/emulator.h"
@@ -87,6 +88,18 @@ struct Alloc {
   int line;
 };
 
+// Race detector (RunOptions::races), threadgroup memory: per 2-byte unit (bfloat is the smallest store), the last thread that
+// changed it and when (threadgroup barrier epoch, its simdgroup's collective count, the sync
+// point its code ran after).
+struct TgWrite {
+  uint32_t writer = 0;  // thread index + 1; 0: not written in this threadgroup
+  uint32_t epoch = 0;
+  uint32_t simd_seq = 0;
+  const char* op = nullptr;
+  const char* file = nullptr;
+  int line = 0;
+};
+
 struct Group {
   const KernelEntry* kernel = nullptr;
   const void* args = nullptr;
@@ -97,7 +110,12 @@ struct Group {
   unsigned char* slots = nullptr;
   unsigned char* arena = nullptr;
   std::vector<Alloc> allocs;
-  size_t arena_used = 0;
+  size_t arena_used = 0;  // in the emulator's arena (red zones included)
+  size_t metal_used = 0;  // as Metal lays the arrays out (the limit applies to this)
+  uint32_t epoch = 0;     // threadgroup barriers passed
+  bool races = false;
+  std::vector<TgWrite> tg_writes;       // per arena word (races)
+  std::vector<unsigned char> tg_snap;   // arena before the running fiber's segment (races)
   std::string error;  // first error; non-empty aborts the threadgroup
   void fail(const std::string& e) {
     if (error.empty()) error = e;
@@ -106,16 +124,32 @@ struct Group {
 
 // What a fault handler needs to classify an address (set per launch, read in the handler).
 struct BoundBuffer {
-  GuardedBuffer* buffer;
+  GuardedBuffer* buffer;  // what the kernel sees: the buffer, or a shadow of the bound range
   uint32_t index;
   bool read_only;
+  GuardedBuffer* original = nullptr;  // shadowed: the buffer the range belongs to
+  size_t offset = 0, bytes = 0;       // shadowed: the bound range [offset, offset + bytes)
+
+  std::string name() const {
+    std::string s = "buffer(" + std::to_string(index) + ")";
+    if (original)
+      s += " (bound to bytes [" + std::to_string(offset) + ", " + std::to_string(offset + bytes) + ") of a " +
+           std::to_string(original->size()) + "-byte buffer)";
+    else
+      s += " of " + std::to_string(buffer->size()) + " bytes";
+    return s;
+  }
 };
 
 struct Worker {
   std::vector<std::unique_ptr<Fiber>> fibers;
   size_t stack_bytes = 0;
   std::vector<unsigned char> slot_store;
-  alignas(64) unsigned char arena[kThreadgroupMemory];
+  alignas(64) unsigned char arena[kArenaBytes];
+  bool races = false;
+  // Words accessed atomically in this launch (races). A map used as a set: <unordered_set> is
+  // not in the macOS SDK header subset the Apple build check compiles against.
+  std::unordered_map<uintptr_t, bool> atomics;
   Group* group = nullptr;
   Thread* running = nullptr;
   const BoundBuffer* bound = nullptr;
@@ -217,14 +251,23 @@ void* threadgroup_alloc(size_t bytes, size_t align, const char* file, int line) 
     return g->arena + a.offset;
   }
   if (align < 16) align = 16;
-  const size_t off = (g->arena_used + align - 1) / align * align;
-  if (off + bytes > kThreadgroupMemory)
+  const size_t metal_off = (g->metal_used + align - 1) / align * align;
+  if (metal_off + bytes > kThreadgroupMemory)
     kernel_fail("threadgroup memory exceeds Metal's " + std::to_string(kThreadgroupMemory) +
-                    "-byte limit (" + std::to_string(off + bytes) + " bytes requested)",
+                    "-byte limit (" + std::to_string(metal_off + bytes) + " bytes requested)",
                 file, line);
+  g->metal_used = metal_off + bytes;
+  // In the emulator every array follows a red zone of poison (checked after the threadgroup ran).
+  const size_t off = (g->arena_used + kRedZoneBytes + align - 1) / align * align;
+  if (off + bytes + kRedZoneBytes > kArenaBytes) kernel_fail("emulator threadgroup arena exhausted", file, line);
   g->allocs.push_back({off, bytes, file, line});
   g->arena_used = off + bytes;
   return g->arena + off;
+}
+
+void note_atomic(const void* addr) {
+  Worker* w = t_worker;
+  if (w && w->races) w->atomics.emplace(reinterpret_cast<uintptr_t>(addr) & ~uintptr_t(3), true);
 }
 
 void kernel_fail(const std::string& what, const char* file, int line) {
@@ -318,14 +361,15 @@ std::string describe_fault(Worker& w, const Thread& t) {
     const char* rw = w.fault_write == 1 ? "write" : w.fault_write == 0 ? "read" : "access";
     s = std::string("out-of-bounds ") + rw + " at address " +
         std::to_string(reinterpret_cast<uintptr_t>(a)) + " (not within " +
-        std::to_string(GuardedBuffer::kGuardBytes) + " bytes of any bound buffer)";
+        std::to_string(GuardedBuffer::kGuardBytes) + " bytes of any bound buffer; an index read from "
+        "never-written memory? poison reads as 0xFFA0FFA0 = 4288741280 as a uint)";
     for (size_t i = 0; i < w.n_bound; ++i) {
       const BoundBuffer& b = w.bound[i];
       auto where = b.buffer->classify(a);
       if (where == GuardedBuffer::Where::outside) continue;
-      const std::string buf = "buffer(" + std::to_string(b.index) + ") of " +
-                              std::to_string(b.buffer->size()) + " bytes";
-      const std::string off = "byte offset " + std::to_string(b.buffer->offset_of(a));
+      const std::string buf = b.name();
+      const std::string off = "byte offset " + std::to_string(b.buffer->offset_of(a)) +
+                              (b.original ? " of the bound range" : "");
       if (where == GuardedBuffer::Where::guard_after || where == GuardedBuffer::Where::slack_after)
         s = std::string("out-of-bounds ") + rw + " past the end of " + buf + " at " + off;
       else if (where == GuardedBuffer::Where::guard_before || where == GuardedBuffer::Where::slack_before)
@@ -459,18 +503,146 @@ void release_barrier(Group& g) {
       return;
     }
   for (Thread& t : g.threads) t.state = St::runnable;
+  g.epoch += 1;
+}
+
+bool is_poison(const unsigned char* p) { return *p == ((reinterpret_cast<uintptr_t>(p) & 1) ? 0xFF : 0xA0); }
+
+// Where arena byte `off` lies: "array #k (declared at file:line, N bytes) element byte b", or the
+// red zone before array #k, or past the last array.
+std::string arena_place(const Group& g, size_t off) {
+  for (size_t k = 0; k < g.allocs.size(); ++k) {
+    const Alloc& a = g.allocs[k];
+    const std::string decl = "threadgroup array #" + std::to_string(k) + " (" + short_file(a.file) + ":" +
+                             std::to_string(a.line) + ", " + std::to_string(a.bytes) + " bytes)";
+    if (off < a.offset)
+      return "the red zone before " + decl + (k ? ", past the end of the array before it" : "");
+    if (off < a.offset + a.bytes) return decl + " at byte " + std::to_string(off - a.offset);
+  }
+  if (g.allocs.empty()) return "threadgroup memory no array was declared in";
+  const Alloc& a = g.allocs.back();
+  return "unallocated threadgroup memory " + std::to_string(off - a.offset - a.bytes) +
+         " bytes past the end of the last threadgroup array #" + std::to_string(g.allocs.size() - 1) + " (" +
+         short_file(a.file) + ":" + std::to_string(a.line) + ", " + std::to_string(a.bytes) + " bytes)";
+}
+
+bool in_array(const Group& g, size_t off) {
+  for (const Alloc& a : g.allocs)
+    if (off >= a.offset && off < a.offset + a.bytes) return true;
+  return false;
+}
+
+// Bytes after the arena in use that the race detector and the red-zone check look at.
+constexpr size_t kSpareChecked = 1024;
+
+// Red zones and the spare arena must still hold poison after the threadgroup ran.
+void check_red_zones(Group& g) {
+  const size_t end = std::min(kArenaBytes, g.arena_used + kSpareChecked);
+  for (size_t off = 0; off < end; ++off)
+    if (!in_array(g, off) && !is_poison(g.arena + off)) {
+      g.fail("threadgroup memory overflow: a write landed in " + arena_place(g, off) +
+             " (red zones of poison surround every threadgroup array in the emulator; an index past "
+             "the end of an array overwrote the next array or the spare memory on the GPU)");
+      return;
+    }
+}
+
+// Race detector: the words the running thread changed in the segment it just ran.
+void tg_record_writes(Group& g, const Thread& t, size_t used_before) {
+  const size_t end = std::min(kArenaBytes, g.arena_used + kSpareChecked) / 2 * 2;
+  if (g.tg_writes.size() < end / 2) g.tg_writes.resize(kArenaBytes / 2);
+  for (size_t off = 0; off < end; off += 2) {
+    if (off % 64 == 0 && off + 64 <= used_before && std::memcmp(g.arena + off, g.tg_snap.data() + off, 64) == 0) {
+      off += 62;
+      continue;
+    }
+    const unsigned char* now = g.arena + off;
+    bool changed;
+    if (off + 2 <= used_before) changed = std::memcmp(now, g.tg_snap.data() + off, 2) != 0;
+    else if (off + 1 == used_before) changed = now[0] != g.tg_snap[off] || !is_poison(now + 1);
+    else changed = !(is_poison(now) && is_poison(now + 1));
+    if (!changed) continue;
+    if (!in_array(g, off) && !in_array(g, off + 1)) {
+      g.fail("threadgroup memory overflow: " + who(t) + " wrote " + arena_place(g, off) + " in its code after " +
+             (t.file ? site(t.op, t.file, t.line) : std::string("the kernel start")));
+      return;
+    }
+    TgWrite& s = g.tg_writes[off / 2];
+    const uintptr_t addr = reinterpret_cast<uintptr_t>(now) & ~uintptr_t(3);
+    if (s.writer && s.writer - 1 != t.index && s.epoch == g.epoch &&
+        !t_worker->atomics.count(addr)) {
+      const Thread& o = g.threads[s.writer - 1];
+      const bool ordered = o.ids.simd_id == t.ids.simd_id && s.simd_seq != t.view.simd_seq;
+      if (!ordered) {
+        auto code = [](const char* op, const char* file, int line) {
+          return file ? "in its code after " + site(op, file, line) : std::string("before its first sync point");
+        };
+        g.fail("threadgroup memory race: " + who(t) + " " + code(t.op, t.file, t.line) + " and " + who(o) + " " +
+               code(s.op, s.file, s.line) + " both wrote " + arena_place(g, off) +
+               " with no threadgroup_barrier between them" +
+               (o.ids.simd_id == t.ids.simd_id ? " (same simdgroup, no simd collective or simdgroup_barrier between)" : "") +
+               "; on a GPU one write is lost (a non-atomic read-modify-write such as += from several threads, "
+               "or two threads given one slot)");
+        return;
+      }
+    }
+    s = {t.index + 1, g.epoch, t.view.simd_seq, t.op, t.file, t.line};
+  }
+}
+
+// Runs one fiber to its next sync point (and, with the race detector, records its writes).
+void resume(Worker& w, Group& g, Thread& t) {
+  size_t used = 0;
+  if (g.races) {
+    used = g.arena_used;
+    if (used) std::memcpy(g.tg_snap.data(), g.arena, used);
+  }
+  w.running = &t;
+  t.fiber->resume();
+  w.running = nullptr;
+  if (g.races && g.error.empty()) tg_record_writes(g, t, used);
+}
+
+// Order::ahead: each simdgroup in turn runs until none of its lanes can move (all at a threadgroup
+// barrier, returned, or stuck at a divergent collective), then the barrier is released.
+void run_group_ahead(Worker& w, Group& g, std::mt19937_64& rng) {
+  std::vector<uint32_t> sorder(g.nsimd);
+  for (;;) {
+    fill_order(sorder, Order::shuffle, rng);
+    for (uint32_t s : sorder) {
+      const uint32_t lo = s * kSimdWidth, hi = std::min(g.n, lo + kSimdWidth);
+      for (bool ran = true; ran;) {
+        ran = false;
+        for (uint32_t i = lo; i < hi; ++i) {
+          Thread& t = g.threads[i];
+          if (t.state != St::runnable) continue;
+          resume(w, g, t);
+          ran = true;
+          if (!g.error.empty()) return;
+        }
+        release_simdgroups(g);
+        if (!g.error.empty()) return;
+      }
+    }
+    bool all_done = true;
+    for (const Thread& t : g.threads) all_done &= t.state == St::done;
+    if (all_done) return;
+    if (release_simdgroups(g)) continue;
+    if (!g.error.empty()) return;
+    release_barrier(g);
+    if (!g.error.empty()) return;
+  }
 }
 
 void run_group(Worker& w, Group& g, Order policy, std::mt19937_64& rng) {
+  if (policy == Order::ahead) return run_group_ahead(w, g, rng);
   std::vector<uint32_t> order(g.n);
   for (;;) {
     fill_order(order, policy, rng);
     for (uint32_t idx : order) {
       Thread& t = g.threads[idx];
       if (t.state != St::runnable) continue;
-      w.running = &t;
-      t.fiber->resume();
-      w.running = nullptr;
+      resume(w, g, t);
       if (!g.error.empty()) return;
     }
     bool all_done = true;
@@ -504,6 +676,7 @@ void run(const Launch& L, const RunOptions& opt) {
 
   // Buffers: pointers, read-only protection, fault classification table.
   std::vector<BoundBuffer> bound;
+  std::vector<std::unique_ptr<GuardedBuffer>> shadows;
   std::vector<void*> ptrs(k->num_buffers);
   for (uint32_t i = 0; i < k->num_buffers; ++i) {
     const gpu::Binding& b = L.buffers[i];
@@ -514,8 +687,26 @@ void run(const Launch& L, const RunOptions& opt) {
     if (k->buffers[i].elem_size && b.offset % k->buffers[i].elem_size)
       throw KernelError(kname + ": buffer(" + std::to_string(i + 1) + ") offset " + std::to_string(b.offset) +
                         " is not a multiple of its element size " + std::to_string(k->buffers[i].elem_size));
-    ptrs[i] = static_cast<char*>(gb->contents()) + b.offset;
-    bound.push_back({gb, i + 1, k->buffers[i].read_only});
+    // Bounds at the binding: a range narrower than its buffer is run on a guarded copy of just
+    // that range (copied back after), so an access outside [offset, offset + bytes) faults or
+    // damages poison like one outside a whole buffer. Not when another binding of the launch
+    // overlaps the range (the two must alias).
+    bool shadow = opt.binding_bounds && (b.offset != 0 || b.bytes != gb->size());
+    for (uint32_t j = 0; j < k->num_buffers && shadow; ++j) {
+      const gpu::Binding& o = L.buffers[j];
+      if (j != i && o.buffer == b.buffer && o.offset < b.offset + b.bytes && b.offset < o.offset + o.bytes)
+        shadow = false;
+    }
+    if (shadow) {
+      shadows.push_back(std::make_unique<GuardedBuffer>(b.bytes));
+      GuardedBuffer* sb = shadows.back().get();
+      std::memcpy(sb->contents(), static_cast<char*>(gb->contents()) + b.offset, b.bytes);
+      ptrs[i] = sb->contents();
+      bound.push_back({sb, i + 1, k->buffers[i].read_only, gb, b.offset, b.bytes});
+    } else {
+      ptrs[i] = static_cast<char*>(gb->contents()) + b.offset;
+      bound.push_back({gb, i + 1, k->buffers[i].read_only});
+    }
   }
   for (BoundBuffer& b : bound)  // a buffer also bound writable elsewhere stays writable
     for (const BoundBuffer& o : bound)
@@ -537,13 +728,32 @@ void run(const Launch& L, const RunOptions& opt) {
   g.slots = slots;
   g.arena = w.arena;
   g.threads.resize(n);
+  g.races = opt.races;
+  w.races = opt.races;
+  w.atomics.clear();
+  if (g.races) g.tg_snap.resize(kArenaBytes);
+
+  // Race detector, device memory: which threadgroup changed each word of a writable binding.
+  struct DeviceWrites {
+    const BoundBuffer* b;
+    unsigned char* data;
+    size_t bytes;
+    std::vector<unsigned char> snap;
+    std::vector<uint64_t> writer;  // per 2-byte unit (bfloat is the smallest store): threadgroup + 1
+  };
+  std::vector<DeviceWrites> dev_writes;
+  if (opt.races)
+    for (uint32_t i = 0; i < k->num_buffers; ++i)
+      if (!k->buffers[i].read_only)
+        dev_writes.push_back({&bound[i], static_cast<unsigned char*>(ptrs[i]), L.buffers[i].bytes, {}, {}});
+  for (DeviceWrites& d : dev_writes) d.writer.assign((d.bytes + 1) / 2, 0);
 
   // Threadgroup order.
   const uint64_t ngroups = L.groups.count();
   std::vector<uint64_t> gorder(ngroups);
   for (uint64_t i = 0; i < ngroups; ++i) gorder[i] = opt.order == Order::reverse ? ngroups - 1 - i : i;
   std::mt19937_64 rng(opt.seed * 0x9E3779B97F4A7C15ull + 1);
-  if (opt.order == Order::shuffle) std::shuffle(gorder.begin(), gorder.end(), rng);
+  if (opt.order == Order::shuffle || opt.order == Order::ahead) std::shuffle(gorder.begin(), gorder.end(), rng);
 
   // Enter the kernel environment (undone in every exit path below).
   w.bound = bound.data();
@@ -571,8 +781,12 @@ void run(const Launch& L, const RunOptions& opt) {
       g.group_pos[2] = static_cast<uint32_t>(gi / (uint64_t(L.groups.x) * L.groups.y));
       g.allocs.clear();
       g.arena_used = 0;
+      g.metal_used = 0;
+      g.epoch = 0;
       g.error.clear();
-      poison_bytes(w.arena, kThreadgroupMemory);
+      poison_bytes(w.arena, kArenaBytes);
+      if (g.races) std::fill(g.tg_writes.begin(), g.tg_writes.end(), TgWrite{});
+      for (DeviceWrites& d : dev_writes) d.snap.assign(d.data, d.data + d.bytes);
       for (uint32_t i = 0; i < n; ++i) {
         Thread& t = g.threads[i];
         t = Thread{};
@@ -599,6 +813,32 @@ void run(const Launch& L, const RunOptions& opt) {
       w.group = &g;
       run_group(w, g, opt.order, rng);
       w.group = nullptr;
+      if (g.error.empty()) check_red_zones(g);
+      for (DeviceWrites& d : dev_writes) {
+        if (!g.error.empty()) break;
+        for (size_t off = 0; off < d.bytes; off += 2) {
+          if (off % 64 == 0 && off + 64 <= d.bytes && std::memcmp(d.data + off, d.snap.data() + off, 64) == 0) {
+            off += 62;
+            continue;
+          }
+          const size_t len = std::min<size_t>(2, d.bytes - off);
+          if (std::memcmp(d.data + off, d.snap.data() + off, len) == 0) continue;
+          uint64_t& wr = d.writer[off / 2];
+          const uintptr_t addr = reinterpret_cast<uintptr_t>(d.data + off) & ~uintptr_t(3);
+          if (wr && wr != gi + 1 &&
+              !w.atomics.count(addr)) {
+            const uint64_t og = wr - 1;
+            const uint32_t op[3] = {uint32_t(og % L.groups.x), uint32_t((og / L.groups.x) % L.groups.y),
+                                    uint32_t(og / (uint64_t(L.groups.x) * L.groups.y))};
+            g.fail("device memory race: threadgroups " + xyz(op) + " and " + xyz(g.group_pos) +
+                   " both wrote byte offset " + std::to_string(off) + " of " + d.b->name() +
+                   " (threadgroups are not ordered: non-atomic writes to one word from two of them race - "
+                   "e.g. two tokens or heads sharing one scratch slot)");
+            break;
+          }
+          wr = gi + 1;
+        }
+      }
       if (!g.error.empty()) {
         error = g.error;
         std::memcpy(err_group, g.group_pos, sizeof err_group);
@@ -616,6 +856,9 @@ void run(const Launch& L, const RunOptions& opt) {
 #endif
   for (BoundBuffer& b : bound)
     if (b.read_only) b.buffer->set_read_only(false);
+  for (const BoundBuffer& b : bound)  // shadowed writable ranges back into their buffers
+    if (b.original && !b.read_only)
+      std::memcpy(static_cast<char*>(b.original->contents()) + b.offset, b.buffer->contents(), b.bytes);
   w.bound = nullptr;
   w.n_bound = 0;
   w.running = nullptr;
@@ -626,8 +869,17 @@ void run(const Launch& L, const RunOptions& opt) {
   for (const BoundBuffer& b : bound) {
     std::string damage = b.buffer->check_slack();
     if (!damage.empty())
-      throw KernelError(kname + ": out-of-bounds write to buffer(" + std::to_string(b.index) + "): " + damage);
+      throw KernelError(kname + ": out-of-bounds write to " + b.name() + ": " + damage +
+                        (b.original ? " (offsets relative to the bound range)" : ""));
   }
+}
+
+bool races_default() {
+  static const bool on = [] {
+    const char* v = std::getenv("LILY_EMU_RACES");
+    return v != nullptr && v[0] == '1';
+  }();
+  return on;
 }
 
 Features features() {

@@ -58,6 +58,8 @@ std::vector<const KernelEntry*> registered_kernels();
 inline constexpr uint32_t kSimdWidth = 32;
 inline constexpr size_t kSlotBytes = 64;           // largest value a simd_* collective exchanges
 inline constexpr size_t kThreadgroupMemory = 32768; // Metal's threadgroup memory limit
+inline constexpr size_t kRedZoneBytes = 64;         // poisoned gap before every threadgroup array
+inline constexpr size_t kArenaBytes = 2 * kThreadgroupMemory;  // the emulator's arena (red zones included)
 
 struct ThreadState;
 
@@ -84,6 +86,9 @@ uint32_t threads_in_group();
 // Storage for a threadgroup array declared with LILY_TG_ARRAY. Every thread of the group makes the
 // same sequence of calls and gets the same address; the memory starts poisoned (signalling NaN).
 void* threadgroup_alloc(size_t bytes, size_t align, const char* file, int line);
+// The race detector ignores words accessed through atomic_* functions (they may be updated by
+// several threads or threadgroups at once).
+void note_atomic(const void* addr);
 // Raises a KernelError from inside a GPU thread (bad shuffle lane, ...).
 [[noreturn]] void kernel_fail(const std::string& what, const char* file, int line);
 

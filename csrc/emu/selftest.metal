@@ -248,6 +248,91 @@ template <typename Dummy>
   out[i] = big[(i * 7919u + args.param) % 65536u];
 }
 
+// Write after read (issue 9): the barrier at the end of a K loop deleted. Each iteration stores a
+// tile slot per thread, then every lane reads a slot of the next simdgroup through a simd
+// collective (as qmm / the MoE grouped matmul read tiles through simdgroup_multiply_accumulate).
+// param = 1: the correct kernel; param = 0: the barrier before the next iteration's store is
+// missing, so a simdgroup that runs ahead overwrites slots the next one has not read yet. Lockstep
+// scheduling (forward, reverse, shuffle) hides it; Order::ahead gives wrong sums.
+template <typename Dummy>
+[[kernel]] void broken_war_loop(constant SelftestArgs& args [[buffer(0)]],
+                                const device float* x [[buffer(1)]],
+                                device float* out [[buffer(2)]],
+                                LILY_KERNEL_TAIL) {
+  LILY_TG_ARRAY(float, tile, [1024]);
+  const uint32_t i = thread_pos.x, n = group_size.x;
+  float acc = 0.0f;
+  for (uint32_t k = 0; k < args.n; ++k) {
+    tile[i] = x[k * n + i];
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    acc += simd_sum(tile[(i + 32) % n]);
+    if (args.param != 0) threadgroup_barrier(mem_flags::mem_threadgroup);  // BUG when param == 0
+  }
+  out[i] = acc;
+}
+
+// Lost update (issue 9): lane 0 of every simdgroup adds to one threadgroup word without an atomic.
+template <typename Dummy>
+[[kernel]] void broken_lost_update(constant SelftestArgs& args [[buffer(0)]],
+                                   const device float* x [[buffer(1)]],
+                                   device float* out [[buffer(2)]],
+                                   LILY_KERNEL_TAIL) {
+  LILY_TG_ARRAY(float, total, [4]);
+  const uint32_t i = thread_pos.x;
+  if (i == 0) total[0] = 0.0f;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (lane == 0) total[0] += x[simd_id];  // BUG: read-modify-write from several simdgroups
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  out[i] = total[0];
+}
+
+// Two tokens sharing one scratch buffer (issue 9): threadgroup g (token g) stages its row in
+// scratch slots every threadgroup uses (the fix: scratch[g * n + i]), then reads a neighbour slot.
+template <typename Dummy>
+[[kernel]] void broken_shared_scratch(constant SelftestArgs& args [[buffer(0)]],
+                                      const device float* x [[buffer(1)]],
+                                      device float* scratch [[buffer(2)]],
+                                      device float* out [[buffer(3)]],
+                                      LILY_KERNEL_TAIL) {
+  const uint32_t i = thread_pos.x, g = group_pos.x, n = group_size.x;
+  const uint32_t slot = args.param != 0 ? g * n + i : i;  // BUG when param == 0
+  scratch[slot] = 2.0f * x[g * n + i];
+  threadgroup_barrier(mem_flags::mem_device);
+  out[g * n + i] = scratch[slot - i + (i + 1) % n];
+}
+
+// Overflow of a threadgroup array (issue 9): param = 1 writes one element past `a` (into `b` on
+// a GPU), param = 2 one past `b` (into the spare threadgroup memory), 0: in bounds.
+template <typename Dummy>
+[[kernel]] void broken_tg_array_overflow(constant SelftestArgs& args [[buffer(0)]],
+                                         const device float* x [[buffer(1)]],
+                                         device float* out [[buffer(2)]],
+                                         LILY_KERNEL_TAIL) {
+  LILY_TG_ARRAY(float, a, [64]);
+  LILY_TG_ARRAY(float, b, [64]);
+  const uint32_t i = thread_pos.x, last = group_size.x - 1;
+  a[i] = x[i];
+  b[i] = 2.0f * x[i];
+  if (args.param == 1 && i == last) a[i + 1] = x[i];  // BUG when param == 1: a[64]
+  if (args.param == 2 && i == last) b[i + 1] = x[i];  // BUG when param == 2: b[64]
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  out[i] = a[i] + b[i];
+}
+
+// A never-written integer used as an index (issue 9: poison integers too): odd threads read an
+// index slot nobody wrote; the poison (0xFFA0FFA0) sends the read far outside every buffer.
+template <typename Dummy>
+[[kernel]] void broken_unwritten_index(constant SelftestArgs& args [[buffer(0)]],
+                                       const device float* x [[buffer(1)]],
+                                       device float* out [[buffer(2)]],
+                                       LILY_KERNEL_TAIL) {
+  LILY_TG_ARRAY(uint32_t, idx, [1024]);
+  const uint32_t i = thread_pos.x;
+  if (i % 2 == 0 || args.param != 0) idx[i] = (i + 1) % args.n;  // BUG when param == 0: odd slots never written
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  out[i] = x[idx[i]];
+}
+
 LILY_INSTANTIATE("selftest_simd_ops", simd_ops<void>)
 LILY_INSTANTIATE("selftest_thread_ids", thread_ids<void>)
 LILY_INSTANTIATE("selftest_tg_rotate", tg_rotate<void>)
@@ -264,5 +349,10 @@ LILY_INSTANTIATE("selftest_broken_write_const", broken_write_const<void>)
 LILY_INSTANTIATE("selftest_broken_nonuniform_shuffle", broken_nonuniform_shuffle<void>)
 LILY_INSTANTIATE("selftest_broken_tg_overflow", broken_tg_overflow<void>)
 LILY_INSTANTIATE("selftest_broken_stack_overflow", broken_stack_overflow<void>)
+LILY_INSTANTIATE("selftest_broken_war_loop", broken_war_loop<void>)
+LILY_INSTANTIATE("selftest_broken_lost_update", broken_lost_update<void>)
+LILY_INSTANTIATE("selftest_broken_shared_scratch", broken_shared_scratch<void>)
+LILY_INSTANTIATE("selftest_broken_tg_array_overflow", broken_tg_array_overflow<void>)
+LILY_INSTANTIATE("selftest_broken_unwritten_index", broken_unwritten_index<void>)
 
 }  // namespace lily_selftest

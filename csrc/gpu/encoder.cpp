@@ -43,7 +43,24 @@ void Encoder::set_buffer(uint32_t index, const Binding& b) {
       b.bytes > b.buffer->size() - b.offset)
     bad_binding(index, b);
   pending_.buffers[index] = b;
+  pending_.touched[index] = b.bytes;
   bound_mask_ |= 1u << index;
+}
+
+void Encoder::set_touched(uint32_t index, uint64_t bytes) {
+  if (!(bound_mask_ & (1u << index))) [[unlikely]]
+    throw EncodeError("set_touched: buffer(" + std::to_string(index) + ") not bound");
+  pending_.touched[index] = bytes;
+}
+
+void forward_dispatch(Encoder& inner, const Dispatch& d) {
+  inner.set_kernel(d.kernel);
+  inner.set_args_bytes(d.args, d.args_size);
+  for (uint32_t i = 1; i <= d.num_buffers; ++i) {
+    inner.set_buffer(i, d.buffers[i]);
+    inner.set_touched(i, d.touched[i]);
+  }
+  inner.dispatch(d.groups, d.threads);
 }
 
 void Encoder::bad_binding(uint32_t index, const Binding& b) const {
@@ -66,7 +83,22 @@ void Encoder::dispatch(Size3 groups, Size3 threads) {
   encode_dispatch(pending_);
   counters_.dispatches += 1;
   counters_.threads += groups.count() * threads.count();
-  for (uint32_t i = 1; i <= pending_.num_buffers; ++i) counters_.bytes_bound += pending_.buffers[i].bytes;
+  uint64_t touched = 0;
+  for (uint32_t i = 1; i <= pending_.num_buffers; ++i) {
+    counters_.bytes_bound += pending_.buffers[i].bytes;
+    touched += pending_.touched[i];
+  }
+  counters_.bytes_touched += touched;
+  if (record) [[unlikely]] {
+    uint64_t bound = 0;
+    for (uint32_t i = 1; i <= pending_.num_buffers; ++i) bound += pending_.buffers[i].bytes;
+    record->push_back({pending_.kernel, groups, threads, touched, bound, counters_.barriers});
+  }
+  KernelCounters& k = counters_.kernels[static_cast<size_t>(pending_.kernel)];
+  k.dispatches += 1;
+  k.bytes_touched += touched;
+  k.threads += groups.count() * threads.count();
+  k.groups += groups.count();
   for (auto& b : pending_.buffers) b = Binding{};
   bound_mask_ = 0;
   have_args_ = false;

@@ -43,6 +43,10 @@ inline constexpr size_t kMaxArgsBytes = 256;  // args structs go through setByte
 
 struct Dispatch {
   KernelId kernel{};
+  // Bytes the kernel reads plus bytes it writes through each buffer (set_buffer: the range bound;
+  // set_touched overrides it: a KV cache read up to the position, the routed experts of a stack,
+  // a state read and written in place).
+  uint64_t touched[kMaxBuffers + 1] = {};
   alignas(16) unsigned char args[kMaxArgsBytes] = {};
   size_t args_size = 0;
   Binding buffers[kMaxBuffers + 1];  // [0] unused: index 0 is the args struct
@@ -51,17 +55,32 @@ struct Dispatch {
   Size3 threads;                     // threads per threadgroup
 };
 
+// Per-kernel totals of one encoder (indexed by KernelId).
+struct KernelCounters {
+  uint64_t dispatches = 0, bytes_touched = 0, threads = 0, groups = 0;
+};
+
 struct Counters {
   uint64_t dispatches = 0;
   uint64_t barriers = 0;
-  uint64_t bytes_bound = 0;  // sum over dispatches of the byte ranges bound
-  uint64_t threads = 0;      // GPU threads launched
+  uint64_t bytes_bound = 0;    // sum over dispatches of the byte ranges bound
+  uint64_t bytes_touched = 0;  // sum over dispatches of the bytes the kernels read and write
+  uint64_t threads = 0;        // GPU threads launched
   // Matrix work (2 FLOPs per multiply-add of the matmul-like products: projections, router,
   // experts, attention scores and values, the delta rule; norms, gates, softmax, conv1d and
   // elementwise ops are not counted). Added by the host ops (csrc/gpu/ops/*.cpp) with add_flops.
   uint64_t flops_executed = 0;  // what the dispatched tiles compute, padding included (MoE tiled
                                 // routes: the grid's bound over every routing, see ops/moe.cpp)
   uint64_t flops_useful = 0;    // what the math needs: no tile padding, routed rows only
+  KernelCounters kernels[kNumKernels];
+};
+
+// One dispatch as counted (Encoder::record, for tables of a step's kernels).
+struct DispatchRecord {
+  KernelId kernel{};
+  Size3 groups, threads;
+  uint64_t bytes_touched = 0, bytes_bound = 0;
+  uint64_t level = 0;  // barriers encoded before it (dispatches with the same level may overlap)
 };
 
 // Raised for host-side encoding mistakes (unbound buffer, wrong args struct, empty grid...).
@@ -83,6 +102,9 @@ class Encoder {
   // Binds [offset, offset + bytes) of `buffer` at [[buffer(index)]]; bytes = 0 means "to the end".
   void set_buffer(uint32_t index, Buffer& buffer, size_t offset = 0, size_t bytes = 0);
   void set_buffer(uint32_t index, const Binding& binding);
+  // The bytes the pending kernel reads plus writes through buffer `index` (after set_buffer, which
+  // sets the bound range), when that differs from the range bound.
+  void set_touched(uint32_t index, uint64_t bytes);
   // Validates the pending kernel/args/buffers, hands the dispatch to the device, counts it and
   // clears the bindings (every dispatch binds all of its buffers: no stale bindings).
   void dispatch(Size3 groups, Size3 threads_per_group);
@@ -96,6 +118,7 @@ class Encoder {
   virtual void wait() = 0;    // block until the submitted work finished (errors surface here)
 
   const Counters& counters() const { return counters_; }
+  std::vector<DispatchRecord>* record = nullptr;  // when set, every dispatch is appended
 
   // Most threads per threadgroup `kernel`'s pipeline takes on this encoder's device (Metal:
   // maxTotalThreadsPerThreadgroup). Host code with a flexible thread count (rms_norm) fits it;
@@ -151,6 +174,8 @@ struct DeviceInfo {
   bool tensor_ops = false;
   std::string tensor_ops_reason;  // why not ("" when tensor_ops)
 };
+// Re-encodes a dispatch `d` (as a device received it) on `inner`: for encoders that wrap another.
+void forward_dispatch(Encoder& inner, const Dispatch& d);
 
 class Device {
  public:

@@ -86,13 +86,15 @@
   X(gd_chunk_norm_xf32_wbf16, GdChunkArgs, 4)                                 \
   /* mixture of experts (shaders/moe.metal; buffers listed in the shader) */  \
   X(moe_route,                       MoeArgs, 3)                              \
-  X(moe_plan,                        MoeArgs, 4)                              \
+  X(moe_plan,                        MoeArgs, 5)                              \
   X(moe_gate_up_mv_b4_xf32_sbf16,    MoeArgs, 15)                             \
   X(moe_down_mv_b4_xf32_sbf16,       MoeArgs, 11)                             \
   X(moe_gate_up_mm32_b4_xf32_sbf16,  MoeArgs, 15)                             \
   X(moe_gate_up_mm64_b4_xf32_sbf16,  MoeArgs, 15)                             \
   X(moe_down_mm32_b4_sbf16,          MoeArgs, 10)                             \
   X(moe_down_mm64_b4_sbf16,          MoeArgs, 10)                             \
+  X(moe_gate_up_few_b4_xf32_sbf16,   MoeArgs, 15)                             \
+  X(moe_down_few_b4_sbf16,           MoeArgs, 10)                             \
   X(moe_combine_xf32,                MoeArgs, 4)                              \
   /* attention (shaders/attention.metal): rope: x, inv_freq, y */             \
   X(rope_f32,  RopeArgs, 3)                                                   \
@@ -115,6 +117,20 @@
   /* partial_o, partial_ml, gate, out */                                      \
   X(attn_combine_f32,  AttnArgs, 4)                                           \
   X(attn_combine_bf16, AttnArgs, 4)                                          \
+  /* vec decode (head_dim 32 E): q, k_cache, v_cache, partial_o, partial_ml */ \
+  X(attn_decode_vec_e2_f32, AttnArgs, 5)                                  \
+  X(attn_decode_vec_e2_bf16, AttnArgs, 5)                                  \
+  X(attn_decode_vec_e4_f32, AttnArgs, 5)                                  \
+  X(attn_decode_vec_e4_bf16, AttnArgs, 5)                                  \
+  X(attn_decode_vec_e8_f32, AttnArgs, 5)                                  \
+  X(attn_decode_vec_e8_bf16, AttnArgs, 5)                                  \
+  /* vec combine: partial_o, partial_ml, gate, out */                          \
+  X(attn_vec_combine_e2_f32, AttnArgs, 4)                                \
+  X(attn_vec_combine_e2_bf16, AttnArgs, 4)                                \
+  X(attn_vec_combine_e4_f32, AttnArgs, 4)                                \
+  X(attn_vec_combine_e4_bf16, AttnArgs, 4)                                \
+  X(attn_vec_combine_e8_f32, AttnArgs, 4)                                \
+  X(attn_vec_combine_e8_bf16, AttnArgs, 4)                                \
   /* argmax / sampling (shaders/sampling.metal; host csrc/gpu/ops/sampling.cpp) */ \
   X(sample_max_partial_f32,    SampleArgs, 2) /* logits, partials */          \
   X(sample_max_final,          SampleArgs, 4) /* partials, state, ids, chosen_logit */ \
@@ -124,6 +140,8 @@
   X(sample_select,             SampleArgs, 2) /* hist, state */               \
   X(sample_gumbel_partial_f32, SampleArgs, 4) /* logits, state, hist, partials */ \
   X(sample_gumbel_final,       SampleArgs, 4) /* partials, state, ids, chosen_logit */ \
+  X(sample_topk_partial_f32,  SampleArgs, 3) /* logits, state, candidates */ \
+  X(sample_topk_merge_f32,    SampleArgs, 5) /* logits, state, candidates, ids, chosen_logit */ \
   X(sample_noise,              SampleArgs, 1) /* out */
 // clang-format on
 

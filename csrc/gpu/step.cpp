@@ -32,10 +32,7 @@ class SerialEncoder final : public Encoder {
  protected:
   void encode_dispatch(const Dispatch& d) override {
     if (dispatched_since_barrier_) inner_.barrier();
-    inner_.set_kernel(d.kernel);
-    inner_.set_args_bytes(d.args, d.args_size);
-    for (uint32_t i = 1; i <= d.num_buffers; ++i) inner_.set_buffer(i, d.buffers[i]);
-    inner_.dispatch(d.groups, d.threads);
+    forward_dispatch(inner_, d);
     dispatched_since_barrier_ = true;
   }
   void encode_barrier() override {
@@ -135,7 +132,7 @@ void encode_attention(Encoder& enc, const core::ModelSpec& spec, const ModelBuff
 }
 
 void encode_moe_block(Encoder& enc, const core::ModelSpec& spec, const Layer& L, const StepScratch& s,
-                      const StepParams& p) {
+                      const StepParams& p, uint32_t layer) {
   ops::MoeOperands m;
   m.x = s.xn;
   m.residual = s.h;
@@ -147,7 +144,8 @@ void encode_moe_block(Encoder& enc, const core::ModelSpec& spec, const Layer& L,
   m.shared_gate = quant_matrix(L.moe.shared_gate);
   m.shared_up = quant_matrix(L.moe.shared_up);
   m.shared_down = quant_matrix(L.moe.shared_down);
-  m.scratch = ops::MoeScratch{s.moe_logits, s.moe_ids, s.moe_weights, s.moe_plan, s.moe_row_weight, s.moe_h, s.moe_y};
+  m.scratch = ops::MoeScratch{s.moe_logits, s.moe_ids, s.moe_weights, s.moe_plan, s.moe_row_weight, s.moe_h, s.moe_y,
+                              rows(s.moe_tile_stats, uint64_t(p.slot) * spec.layers + layer, 1, 16)};
   m.x_dtype = DType::f32;
   m.scale_dtype = spec.experts_q.scale_dtype;
   m.router_scale_dtype = spec.router.scale_dtype;
@@ -239,7 +237,7 @@ void encode_step(Encoder& enc, const core::ModelSpec& spec, const ModelBuffers& 
     ops::encode_rms_norm(enc, post);
     enc.barrier();  // h, xn -> MoE (router reads xn; combine reads h)
 
-    encode_moe_block(enc, spec, L, t, p);
+    encode_moe_block(enc, spec, L, t, p, uint32_t(li));
     if (li + 1 == m.layers.size() && !p.logits) return;  // the state is complete: no head
     enc.barrier();  // x (h + moe) -> next layer's input norm / the final norm
   }

@@ -20,6 +20,10 @@ enum : uint32_t {
   kAttnMmaRows = 32,         // prefill (mma route): query rows (token, head) per threadgroup
   kAttnMmaThreads = 128,     // prefill (mma route): 4 simdgroups
   kAttnMmaMaxVCols = 128,    // prefill (mma route): V columns staged per pass (head_dim 256: 2 passes)
+  // decode, vec route (head_dim 64, 128 or 256: each lane holds head_dim / 32 dims):
+  kAttnVecSimds = 8,         // simdgroups per threadgroup (256 threads), each walks every 8th key
+  kAttnVecMaxBlocks = 80,    // key blocks per KV head: 2 KV heads x 80 x 8 = 1280 simdgroups = 32
+                             // per core on a 40-core GPU; a block holds >= kAttnVecSimds keys
 };
 
 // Partial rotary embedding (rotate-half pairing) of the first rotary_dim features of rows of x.
@@ -62,7 +66,8 @@ struct QkNormRopeArgs {
 //   at gate_stride between tokens and gate_head_stride between heads (the q_proj output);
 //   out [tokens, q_heads, head_dim] = softmax(q k^T * scale) v * (use_gate ? sigmoid(gate) : 1).
 // Split route (decode): threadgroup (kv head, split) covers keys [split * split_keys, ...) and
-// writes unnormalized partials; attn_combine merges them.
+// writes unnormalized partials; attn_combine merges them. The vec route (decode) uses the same
+// fields: splits = key blocks per KV head, split_keys = keys per block (any count, >= 1).
 struct AttnArgs {
   uint32_t tokens;
   uint32_t q_heads;

@@ -5,11 +5,16 @@
 //   slot    s = t * (top_k + 1) + j, j < top_k a routed expert, j == top_k the shared expert
 //           (decode/matvec route: h rows are slots)
 //   group   g < experts a routed expert, g == experts the shared expert ("group E")
-//   permuted row (tiled routes): rows of group g are [offset[g], offset[g + 1]); the shared
+//   permuted row (tiled route): rows of group g are [offset[g], offset[g + 1]); the shared
 //           group always holds every token, so R = tokens * (top_k + 1) rows exactly.
-// The plan buffer (uint32, tiled routes) holds, in order:
-//   [0]                          number of tiles actually used (<= max_tiles)
-//   [kMoePlanTiles + 3 i + 0..2] tile i: group, first row, one past the last row
+// The plan buffer (uint32, tiled route) holds, in order:
+//   [0], [1], [2]                tiles actually used in the 64-row, 32-row and few-row lists
+//   [kMoePlanTiles + 3 i + 0..2] tile i: group, first row, one past the last row; three lists
+//                                back to back: 64-row tiles (max_tiles - max_tiles32 - max_few
+//                                entries), 32-row tiles (max_tiles32), few-row tiles (max_few)
+// Tiles by load (moe_plan): each group's rows are cut into 64-row tiles; the remainder r of its
+// count goes to a few-row tile (r <= kMoeFewMaxRows: matvec-style, no padding), a 32-row tile
+// (r <= kMoeTile32MaxRows) or one more 64-row tile.
 //   [moe_plan_row_token(..) + r]  token of permuted row r                      (R entries)
 //   [moe_plan_pos(..) + s]        permuted row of slot s                       (R entries)
 #pragma once
@@ -23,7 +28,8 @@ enum : uint32_t {
   kMoeMaxExperts = 512,       // routed experts a block may have (router kernel registers)
   kMoeMaxTopK = 16,           // experts per token
   kMoeMvMaxTokens = 8,        // tokens <= this: matrix-vector route (decode)
-  kMoeTile64MinRows = 3072,   // routed rows tokens*top_k >= this: 64-row tiles, else 32
+  kMoeFewMaxRows = 8,         // tiled: a group's remainder of <= this many rows -> few-row tile
+  kMoeTile32MaxRows = 32,     // tiled: a remainder of <= this many rows -> 32-row tile, else 64
   kMoeMvRowsPerSimd = 4,      // matvec: output features per simdgroup
   kMoeMvSimdsPerGroup = 2,    // matvec: simdgroups per threadgroup
   kMoeTileN = 32,             // tiled: output features per tile
@@ -31,7 +37,7 @@ enum : uint32_t {
   kMoeTileSimds = 4,          // tiled: 4 simdgroups = 128 threads (2 x 2 over the tile)
   kMoePlanThreads = 256,      // plan: one threadgroup of this many threads
   kMoeCombineThreads = 256,   // combine: threads per threadgroup (one output element each)
-  kMoePlanTiles = 1,          // first tile entry in the plan buffer
+  kMoePlanTiles = 3,          // first tile entry in the plan buffer (after the three counts)
 };
 
 struct MoeArgs {
@@ -43,11 +49,22 @@ struct MoeArgs {
   uint32_t shared_inter;  // Is: shared expert intermediate size
   uint32_t h_stride;      // elements between rows of the intermediate h (max(I, Is))
   uint32_t group_size;    // quantization group of every expert matrix (32, 64 or 128)
-  uint32_t tile_rows;     // tiled routes: BM (32 or 64); 0 on the matvec route
-  uint32_t max_tiles;     // tiled routes: tiles the grid covers (host bound, >= tiles used)
+  uint32_t tile_rows;     // tiled route: 64 (the largest tile); 0 on the matvec route
+  uint32_t max_tiles;     // tiled route: entries of the three tile lists (host bounds, >= used)
   uint32_t has_residual;  // 1: out = residual + moe(x); 0: out = moe(x)
+  uint32_t max_tiles32;   // tiled route: entries of the 32-row list
+  uint32_t max_few;       // tiled route: entries of the few-row list
   uint32_t pad;
 };
+
+// First entry of each tile list in the plan buffer (rows <= 64 / <= 32 / <= kMoeFewMaxRows).
+inline uint32_t moe_plan_list64() { return kMoePlanTiles; }
+inline uint32_t moe_plan_list32(uint32_t max_tiles, uint32_t max_tiles32, uint32_t max_few) {
+  return kMoePlanTiles + 3 * (max_tiles - max_tiles32 - max_few);
+}
+inline uint32_t moe_plan_list_few(uint32_t max_tiles, uint32_t max_few) {
+  return kMoePlanTiles + 3 * (max_tiles - max_few);
+}
 
 // Section offsets of the plan buffer (plain scalars: shader structs stay plain).
 inline uint32_t moe_plan_row_token(uint32_t max_tiles) { return kMoePlanTiles + 3 * max_tiles; }

@@ -14,6 +14,8 @@ enum : uint32_t {
   kSampleBins = 16,                                // 2^kSampleDigitBits
   kSampleRounds = 8,                               // 32-bit keys / 4-bit digits
   kSampleRecordWords = 8,                          // a SamplePartial in threadgroup memory
+  kSampleSmallK = 64,                              // top_k <= this: the small-k route (candidates)
+  kSampleMergeThreads = 256,                       // the small-k merge kernel (one per row)
   kSampleNoId = 0xFFFFFFFFu,                       // "no token" / the error sentinel id
   kSampleStatusNaN = 1,                            // a NaN logit below valid_vocab
   kSampleStatusPosInf = 2,                         // a +inf logit below valid_vocab

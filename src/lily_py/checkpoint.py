@@ -316,12 +316,19 @@ class _Loader:
             spec = q.spec_for(module)
             if w.shape[-1] * 32 == in_dim * spec.bits and scales.shape[-1] * spec.group_size == in_dim:
                 return spec
-            if module in q.overrides:
-                raise CheckpointError(
-                    f"{self.index[module + '.weight'][1].file}: {module}: the config's quantization "
-                    f"override says {spec.bits}-bit group {spec.group_size}, but the packed weight "
-                    f"{list(w.shape)} and scales {list(scales.shape)} do not fit in-dim {in_dim}")
-        # Infer from shapes, as mlx-lm does for modules without an override.
+            which = "override" if module in q.overrides else "default"
+            implied = ""
+            if w.shape[-1] * 32 % in_dim == 0 and scales.shape[-1] and in_dim % scales.shape[-1] == 0:
+                implied = (f" (the shapes imply {w.shape[-1] * 32 // in_dim}-bit group "
+                           f"{in_dim // scales.shape[-1]})")
+            # A contradiction is an error rather than a silent guess: the config would report a
+            # bit width the model does not have.
+            raise CheckpointError(
+                f"{self.index[module + '.weight'][1].file}: {module}: the config's quantization "
+                f"{which} says {spec.bits}-bit group {spec.group_size}, but the packed weight "
+                f"{list(w.shape)} and scales {list(scales.shape)} do not fit in-dim {in_dim}"
+                f"{implied}; fix 'quantization' in config.json (or add a per-module entry)")
+        # No quantization in the config: infer from shapes.
         bits_num = w.shape[-1] * 32
         if bits_num % in_dim or scales.shape[-1] == 0 or in_dim % scales.shape[-1]:
             raise CheckpointError(

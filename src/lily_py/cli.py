@@ -6,36 +6,58 @@ Without ``--model`` every command uses the small demo checkpoint shipped with li
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import time
 
 from . import __version__
+
+DEFAULT_MAX_TOKENS = 256          # = lily_py.model.DEFAULT_MAX_TOKENS (no heavy import here)
+DEFAULT_CONTEXT = 32768           # = lily_py.model.DEFAULT_CONTEXT
+CHAT_HELP = ("Commands: /reset (clear the conversation), /quit or /exit (leave), /help. "
+             "Ctrl-C stops a reply; Ctrl-D leaves.")
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows every default (and leaves out "(default: None)" for optional values)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default == [] or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=None,
                    help="checkpoint folder or Hugging Face repo id (default: the bundled demo)")
     p.add_argument("--backend", default="auto", choices=["auto", "reference", "emu", "metal"],
-                   help="device that runs the model (default: auto)")
+                   help="device that runs the model")
     p.add_argument("--context", type=int, default=None,
-                   help="context length in tokens (default: the model's maximum)")
+                   help=f"context length in tokens (default: {DEFAULT_CONTEXT}, or the model's "
+                        "maximum when that is smaller; the same on every backend)")
     p.add_argument("--revision", default=None, help="hub revision (branch, tag or commit)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=200)
-    p.add_argument("--temperature", "--temp", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+                   help="most tokens to generate per reply")
+    p.add_argument("--temperature", "--temp", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--min-p", type=float, default=0.0, help="0 = off")
+    p.add_argument("--seed", type=int, default=None,
+                   help="sampling seed (default: random); in chat, turn N uses seed + N")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--thinking", dest="enable_thinking", action=argparse.BooleanOptionalAction,
-                   default=None, help="turn the model's thinking on/off (chat template)")
+                   default=None,
+                   help="turn the model's thinking on/off (chat template; default: the "
+                        "template's, on for Qwen3.6); reasoning is shown on stderr")
 
 
-def _sampling_kwargs(a) -> dict:
+def _sampling_kwargs(a, turn: int = 0) -> dict:
+    seed = None if a.seed is None else (a.seed + turn) % (1 << 63)
     return dict(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
-                min_p=a.min_p, seed=a.seed, stop=a.stop, enable_thinking=a.enable_thinking)
+                min_p=a.min_p, seed=seed, stop=a.stop, enable_thinking=a.enable_thinking)
 
 
 def _load(a):
@@ -43,30 +65,86 @@ def _load(a):
     return load(a.model, backend=a.backend, context_length=a.context, revision=a.revision)
 
 
-def _stream(model, prompt, a, out) -> str:
-    text = []
-    last = None
-    for chunk in model.generate(prompt, **_sampling_kwargs(a)):
-        out.write(chunk.text)
+class _CtrlC:
+    """While a reply streams, the first Ctrl-C asks the model to stop (``Model.cancel()``): the
+    reply ends at the next token with finish reason "cancelled" and its statistics. A second
+    Ctrl-C interrupts at once (KeyboardInterrupt)."""
+
+    def __init__(self, model):
+        self.model, self.hits, self.old = model, 0, None
+
+    def __enter__(self):
+        try:
+            self.old = signal.signal(signal.SIGINT, self._handler)
+        except ValueError:          # not the main thread: leave Ctrl-C alone
+            self.old = None
+        return self
+
+    def _handler(self, signum, frame):
+        self.hits += 1
+        if self.hits > 1:
+            raise KeyboardInterrupt
+        self.model.cancel()
+
+    def __exit__(self, *exc):
+        if self.old is not None:
+            signal.signal(signal.SIGINT, self.old)
+
+
+def _stream(model, prompt, a, out, turn: int = 0) -> tuple[str, str | None]:
+    """Stream one reply to ``out``; its reasoning, when there is any, goes to stderr between
+    <think> and </think> (not with -q), statistics too. Returns (answer text, finish reason)."""
+    text, last, n, t0 = [], None, 0, time.perf_counter()
+    show_reasoning = not getattr(a, "quiet", False)
+    in_reasoning = False
+    try:
+        with _CtrlC(model):
+            for chunk in model.generate(prompt, **_sampling_kwargs(a, turn)):
+                if chunk.reasoning and show_reasoning:
+                    if not in_reasoning:
+                        print("<think>", file=sys.stderr)
+                        in_reasoning = True
+                    print(chunk.reasoning, end="", file=sys.stderr, flush=True)
+                if in_reasoning and (chunk.text or chunk.finish_reason):
+                    print("\n</think>", file=sys.stderr, flush=True)
+                    in_reasoning = False
+                out.write(chunk.text)
+                for call in chunk.tool_calls:
+                    out.write(f"\n[tool call] {call.name}({call.arguments})")
+                for err in chunk.tool_call_errors:
+                    out.write(f"\n[malformed tool call: {err.message}] {err.raw}")
+                out.flush()
+                text.append(chunk.text)
+                n += chunk.token is not None
+                last = chunk
+    except KeyboardInterrupt:
+        out.write("\n")
         out.flush()
-        text.append(chunk.text)
-        last = chunk
+        print(f"[interrupted] generated {n} tokens in {time.perf_counter() - t0:.1f} s",
+              file=sys.stderr)
+        raise
     out.write("\n")
     if last is not None and last.stats is not None and not getattr(a, "quiet", False):
         print(f"[{last.finish_reason}] {last.stats}", file=sys.stderr)
-    return "".join(text)
+    return "".join(text), None if last is None else last.finish_reason
 
 
 def cmd_generate(a) -> int:
     model = _load(a)
     if a.prompt is None:
+        # A prompt piped on stdin: the newline that ends the last line is not part of it.
         a.prompt = sys.stdin.read()
+        if a.prompt.endswith("\n"):
+            a.prompt = a.prompt[:-2] if a.prompt.endswith("\r\n") else a.prompt[:-1]
     prompt = a.prompt if a.raw else [{"role": "user", "content": a.prompt}]
     if a.system and not a.raw:
         prompt.insert(0, {"role": "system", "content": a.system})
     if not a.raw and (model.tokenizer is None or model.tokenizer.chat_template is None):
         prompt = a.prompt
-    _stream(model, prompt, a, sys.stdout)
+    try:
+        _stream(model, prompt, a, sys.stdout)
+    except KeyboardInterrupt:
+        return 130
     return 0
 
 
@@ -74,8 +152,9 @@ def cmd_chat(a) -> int:
     from .errors import LilyError
     model = _load(a)
     messages = [{"role": "system", "content": a.system}] if a.system else []
-    print(f"lily_py chat — {model.config.summary()} [{model.backend}]. "
-          "Commands: /reset, /exit.", file=sys.stderr)
+    print(f"lily_py chat — {model.config.summary()} [{model.backend}]. {CHAT_HELP}",
+          file=sys.stderr)
+    turn = 0
     while True:
         try:
             line = input(">>> ")
@@ -84,16 +163,25 @@ def cmd_chat(a) -> int:
             return 0
         if not line.strip():
             continue
-        if line.strip() == "/exit":
+        cmd = line.strip()
+        if cmd in ("/exit", "/quit"):
             return 0
-        if line.strip() == "/reset":
+        if cmd == "/help":
+            print(CHAT_HELP, file=sys.stderr)
+            continue
+        if cmd == "/reset":
             messages = messages[:1] if a.system else []
             model.reset()
             print("(conversation cleared)", file=sys.stderr)
             continue
+        if cmd.startswith("/") and " " not in cmd:
+            print(f"unknown command {cmd}. {CHAT_HELP} (start a message with a space to send "
+                  "it as text)", file=sys.stderr)
+            continue
         messages.append({"role": "user", "content": line})
         try:
-            reply = _stream(model, messages, a, sys.stdout)
+            reply, why = _stream(model, messages, a, sys.stdout, turn)
+            turn += 1
         except KeyboardInterrupt:
             print("\n(interrupted)", file=sys.stderr)
             messages.pop()
@@ -103,6 +191,8 @@ def cmd_chat(a) -> int:
             print(f"\nlily-py: error: {e} (type /reset to start over)", file=sys.stderr)
             messages.pop()
             continue
+        if why == "cancelled":
+            print("(reply stopped; it stays in the conversation)", file=sys.stderr)
         messages.append({"role": "assistant", "content": reply})
 
 
@@ -145,11 +235,12 @@ def _add_tool_commands(sub) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="lily-py", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="lily-py", description=__doc__.splitlines()[0],
+                                 formatter_class=_Formatter)
     ap.add_argument("--version", action="version", version=f"lily_py {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
-    g = sub.add_parser("generate", help="stream a completion to stdout")
+    g = sub.add_parser("generate", help="stream a completion to stdout", formatter_class=_Formatter)
     _add_model_args(g)
     _add_sampling_args(g)
     g.add_argument("--prompt", "-p", default=None, help="prompt text (default: read stdin)")
@@ -159,13 +250,13 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--quiet", "-q", action="store_true", help="no statistics on stderr")
     g.set_defaults(func=cmd_generate)
 
-    c = sub.add_parser("chat", help="interactive multi-turn chat")
+    c = sub.add_parser("chat", help="interactive multi-turn chat", formatter_class=_Formatter)
     _add_model_args(c)
     _add_sampling_args(c)
     c.add_argument("--system", default=None, help="system prompt")
     c.set_defaults(func=cmd_chat)
 
-    i = sub.add_parser("info", help="describe a checkpoint and this build")
+    i = sub.add_parser("info", help="describe a checkpoint and this build", formatter_class=_Formatter)
     i.add_argument("--model", "-m", default=None)
     i.set_defaults(func=cmd_info)
 
@@ -177,11 +268,14 @@ def main(argv: list[str] | None = None) -> int:
     from .errors import LilyError
     try:
         return a.func(a)
-    except (LilyError, FileNotFoundError, ValueError) as e:
+    except (LilyError, FileNotFoundError, ValueError, TypeError) as e:
         print(f"lily-py: error: {e}", file=sys.stderr)
         return 2
     except BrokenPipeError:
         return 0
+    except KeyboardInterrupt:           # e.g. Ctrl-C while loading: no traceback
+        print("\nlily-py: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -23,6 +23,17 @@ def is_repo_id(s: str) -> bool:
     return bool(_REPO_ID.match(s)) and not s.startswith((".", "/", "~"))
 
 
+def looks_like_path(s: str) -> bool:
+    """A missing ``s`` that is meant as a local folder, not a repo id: it starts with ``.``,
+    ``/`` or ``~``, has more than one slash or a trailing one, uses the OS separator, or its
+    first component is an existing local folder (``models/qwen`` next to ``models/``)."""
+    if s.startswith((".", "/", "~")) or s.count("/") > 1 or s.endswith("/") or \
+            (os.sep != "/" and os.sep in s):
+        return True
+    head = s.split("/", 1)[0]
+    return "/" in s and os.path.isdir(head)
+
+
 def resolve(path_or_id: str | os.PathLike, *, revision: str | None = None) -> str:
     s = os.path.expanduser(os.fspath(path_or_id))
     if os.path.isdir(s):
@@ -30,6 +41,12 @@ def resolve(path_or_id: str | os.PathLike, *, revision: str | None = None) -> st
     if os.path.exists(s):
         raise CheckpointError(f"{s}: is a file; pass the checkpoint folder (with config.json "
                               "and *.safetensors)")
+    raw = os.fspath(path_or_id)
+    if looks_like_path(raw) or looks_like_path(s):
+        parent = os.path.dirname(os.path.abspath(s.rstrip("/")))
+        hint = "" if os.path.isdir(parent) else f"; its parent {parent} does not exist either"
+        raise CheckpointError(f"{s}: no such folder (read as a local path, not a Hugging Face "
+                              f"repo id{hint})")
     if not is_repo_id(s):
         raise CheckpointError(f"{s}: no such folder, and not a Hugging Face repo id (org/name)")
     try:

@@ -7,6 +7,7 @@ chat) only prefills the new tokens.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import numbers
@@ -155,7 +156,8 @@ class Model:
 
     def stats(self) -> dict | None:
         """Counters of the backend's last step (engine backends: dispatches, barriers,
-        bytes_bound, threads, commits, waits_in_step, host_waits, tokens); None for the
+        bytes_bound, bytes_touched (what the kernels read plus write: routed experts only),
+        threads, commits, waits_in_step, host_waits, tokens, encode_ns); None for the
         reference backend or before the first step."""
         return getattr(self._backend, "last_stats", None)
 
@@ -543,6 +545,7 @@ class Model:
                 prompt[0], (int, float, np.number, list, tuple, np.ndarray)):
             tok = self._require_tokenizer()
             _check_messages(prompt)
+            prompt = _json_tool_arguments(prompt)
             kw = dict(chat_template_kwargs or {})
             clash = {"tools", "messages", "documents", "add_generation_prompt"} & set(kw)
             if clash:
@@ -720,6 +723,30 @@ def _check_messages(messages) -> None:
         if content is not None and not isinstance(content, (str, list, tuple)):
             raise TypeError(f"messages[{i}]['content'] must be a string or a list of content "
                             f"parts, got {type(content).__name__}")
+
+
+def _json_tool_arguments(messages):
+    """OpenAI messages carry tool-call arguments as JSON text; the chat template iterates them as
+    a mapping. Parse such text into a dict (in a copy; other messages are passed as they are)."""
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls") if isinstance(m, dict) else None
+        if calls and isinstance(calls, (list, tuple)):
+            fixed = []
+            for c in calls:
+                fn = c.get("function") if isinstance(c, dict) else None
+                args = fn.get("arguments") if isinstance(fn, dict) else None
+                if isinstance(args, str):
+                    try:
+                        parsed = json.loads(args) if args.strip() else {}
+                    except ValueError:
+                        raise ValueError(f"tool call {fn.get('name')!r}: arguments are not valid "
+                                         f"JSON: {args[:80]!r}") from None
+                    c = {**c, "function": {**fn, "arguments": parsed}}
+                fixed.append(c)
+            m = {**m, "tool_calls": fixed}
+        out.append(m)
+    return out
 
 
 class _Guarded:

@@ -57,8 +57,8 @@ def test_lru_eviction_by_bytes():
         lily_py.load(prompt_cache_bytes=1.5)
 
 
-def conv(user, reply=None, more=None):
-    m = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
+def conv(user, reply=None, more=None, system=SYSTEM):
+    m = [{"role": "system", "content": system}, {"role": "user", "content": user}]
     if reply is not None:
         m += [{"role": "assistant", "content": reply}, {"role": "user", "content": more}]
     return m
@@ -121,19 +121,22 @@ def state_bytes(model):
 
 
 @pytest.mark.parametrize("backend", ["reference", "emu"])
-def test_state_after_a_hit_is_bit_identical(backend):
-    kw = dict(max_tokens=5, enable_thinking=False)
-    m = lily_py.load(backend=backend, context_length=1024)
-    a1 = conv("In the beginning")
+def test_state_after_a_hit_is_bit_identical(backend, monkeypatch):
+    # a short system prompt (the emulator is slow) that still gets its own snapshot
+    monkeypatch.setattr(lily_py.model, "SYSTEM_SNAPSHOT_MIN_TOKENS", 8)
+    kw = dict(max_tokens=3, enable_thinking=False)
+    m = lily_py.load(backend=backend, context_length=256)
+    a1 = conv("In the beginning", system="Answer in one verse of the Bible.")
     m.generate_text(a1, **kw)
-    m.generate_text(conv("And God said"), **kw)            # the live state is elsewhere now
-    a2 = conv("In the beginning", "God created", "Go on")
+    m.generate_text(conv("And God said", system=a1[0]["content"]), **kw)   # live state elsewhere
+    a2 = conv("In the beginning", "God created", "Go on", system=a1[0]["content"])
     ids = m.prompt_ids(a2, enable_thinking=False)
     sys_end, b1, b2 = m._system_end(a2, ids, None), head_len(m, a1), head_len(m, a2)
+    assert 8 <= sys_end < b1 < b2 < len(ids) and ids[:sys_end] in m.prompt_cache
     entry = m.prompt_cache.lookup(ids, count=False)
     assert len(entry.tokens) == b1
     # a fresh model without a cache, fed the same tokens in the same pieces
-    f = lily_py.load(backend=backend, context_length=1024, prompt_cache_bytes=0)
+    f = lily_py.load(backend=backend, context_length=256, prompt_cache_bytes=0)
     f.prefill(ids[:sys_end])
     f.prefill(ids[sys_end:b1])
     assert m._backend.snapshot_bytes(entry.state) == state_bytes(f)

@@ -1,5 +1,5 @@
 """Dispatches, barriers and bytes bound per attention-layer mixer step at the model's shapes (hidden
-2048, 16 / 2 heads of 256), decode at a short (single route) and a long (split route) context.
+2048, 16 / 2 heads of 256), decode at a short and a long context (vec route: attention + combine at both).
 Run: python tests/kernels/attention_counts.py (quoted in docs/kernels.md)."""
 import time
 import numpy as np, ml_dtypes
@@ -21,6 +21,6 @@ for label, weights in (("separate q/k/v", w), ("fused qkv", fused)):
         x = rng.standard_normal((1, H)).astype(BF16)
         t = time.perf_counter()
         _, _, _, s = A._attention_mixer(x, weights, kc, vc, position=ctx - 1, q_heads=Hq, rotary_dim=64, theta=1e7)
-        print(f"decode, {label:14s}, context {ctx:5d}: route {A.attention_decode_route(ctx)['route']:6s} "
+        print(f"decode, {label:14s}, context {ctx:5d}: route {A.attention_decode_route(ctx, D)['route']:6s} "
               f"dispatches {s['dispatches']} barriers {s['barriers']} bytes bound {s['bytes_bound']:,}  "
               f"({time.perf_counter() - t:.2f} s on the emulator)")

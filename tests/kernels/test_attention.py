@@ -59,21 +59,38 @@ def test_constants_match_extension():
     assert core.ops.ATTN_MAX_SPLITS == MAX_SPLITS
     assert core.ops.ATTN_BLOCK_KEYS == BLOCK_KEYS
     assert core.ops.ATTN_MAX_HEAD_DIM == 256 and core.ops.ATTN_MAX_GROUP == 8
+    assert core.ops.ATTN_VEC_SIMDS == VEC_SIMDS and core.ops.ATTN_VEC_MAX_BLOCKS == VEC_MAX_BLOCKS
+
+
+VEC_SIMDS = 8        # kAttnVecSimds
+VEC_MAX_BLOCKS = 80  # kAttnVecMaxBlocks
 
 
 def test_decode_route_rule():
-    assert ops.attention_decode_route(SPLIT_KEYS) == {"route": "single", "splits": 1, "split_keys": 0}
-    assert ops.attention_decode_route(SPLIT_KEYS + 1)["route"] == "split"
-    assert ops.attention_decode_route(MAX_SPLITS * SPLIT_KEYS) == {"route": "split", "splits": MAX_SPLITS,
-                                                                   "split_keys": SPLIT_KEYS}
+    # head_dims other than 64 / 128 / 256: single up to 256 keys, then split-K (both sides).
+    for D in (16, 40, 96, 255):
+        assert ops.attention_decode_route(SPLIT_KEYS, D) == {"route": "single", "splits": 1, "split_keys": 0}
+        assert ops.attention_decode_route(SPLIT_KEYS + 1, D)["route"] == "split"
+    assert ops.attention_decode_route(MAX_SPLITS * SPLIT_KEYS, 40) == {"route": "split", "splits": MAX_SPLITS,
+                                                                       "split_keys": SPLIT_KEYS}
     for n in list(range(1, 1200, 7)) + [8191, 8192, 8193, 100_000, 262_144]:
-        r = ops.attention_decode_route(n)
+        r = ops.attention_decode_route(n, 40)
         if n <= SPLIT_KEYS:
             assert r["route"] == "single"
             continue
         s, k = r["splits"], r["split_keys"]
         assert 2 <= s <= MAX_SPLITS and k % BLOCK_KEYS == 0, (n, r)
         assert (s - 1) * k < n <= s * k, (n, r)  # every split non-empty, all keys covered
+    # head_dim 64 / 128 / 256: the vec route at every length, blocks non-empty, at most
+    # min(80, ceil(n / 8)) per KV head.
+    for D in (64, 128, 256):
+        for n in list(range(1, 1200, 7)) + [8, 9, 639, 640, 641, 8192, 100_000, 262_144]:
+            r = ops.attention_decode_route(n, D)
+            s, k = r["splits"], r["split_keys"]
+            assert r["route"] == "vec" and 1 <= s <= VEC_MAX_BLOCKS, (n, r)
+            assert (s - 1) * k < n <= s * k, (n, r)
+            assert s <= min(VEC_MAX_BLOCKS, -(-n // VEC_SIMDS)), (n, r)  # ~8+ keys per block (one per simdgroup)
+        assert ops.attention_decode_route(80 * 8 * 4, D) == {"route": "vec", "splits": 80, "split_keys": 32}
 
 
 # ------------------------------------------------------------------------------ rope
@@ -188,21 +205,18 @@ def test_attention_decode_real_heads(rng, device, dtype, length):
     q, kc, vc, g = attn_case(rng, 1, Hq, Hkv, D, length + 5, dtype)
     out, stats = A._attention_decode(q[0], kc, vc, length=length, gate=g[0], device=device, seed=rng.seed)
     assert out.dtype == dtype and out.shape == (Hq, D)
-    route = ops.attention_decode_route(length)
-    if route["route"] == "single":
-        assert list(stats["kernels"]) == [f"attn_decode_{sfx(dtype)}"]
-        assert stats["dispatches"] == 1 and stats["barriers"] == 0
-        assert stats["threads"] == Hkv * 32 * (Hq // Hkv)  # one threadgroup per KV head
-    else:
-        assert list(stats["kernels"]) == [f"attn_decode_split_{sfx(dtype)}", f"attn_combine_{sfx(dtype)}"]
-        assert stats["dispatches"] == 2 and stats["barriers"] == 1
-        assert stats["threads"] == Hkv * route["splits"] * 32 * (Hq // Hkv) + Hq * 32
+    route = ops.attention_decode_route(length, D)
+    assert route["route"] == "vec"
+    assert list(stats["kernels"]) == [f"attn_decode_vec_e8_{sfx(dtype)}", f"attn_vec_combine_e8_{sfx(dtype)}"]
+    assert stats["dispatches"] == 2 and stats["barriers"] == 1
+    assert stats["threads"] == Hkv * route["splits"] * 256 + Hq * 32
     check_attention(rng, out[None], q, kc, vc, g, length - 1, f"decode L={length}")
 
 
-@pytest.mark.parametrize("Hq,Hkv,D", [(6, 2, 40), (3, 3, 24), (8, 1, 37), (5, 1, 256)],
-                         ids=["g3-D40", "g1-D24", "g8-D37", "g5-D256"])
-@pytest.mark.parametrize("length", [1, 33, 256, 257, 600])
+@pytest.mark.parametrize("Hq,Hkv,D", [(6, 2, 40), (3, 3, 24), (8, 1, 37), (5, 1, 256), (3, 1, 64), (7, 7, 128),
+                                       (12, 2, 64)],
+                         ids=["g3-D40", "g1-D24", "g8-D37", "g5-D256", "g3-D64", "g1-D128", "g6-D64"])
+@pytest.mark.parametrize("length", [1, 7, 33, 256, 257, 600, 641])
 def test_attention_decode_odd_shapes(rng, device, Hq, Hkv, D, length):
     q, kc, vc, g = attn_case(rng, 1, Hq, Hkv, D, length + 1, np.float32, gate=length % 2 == 1)
     out, _ = A._attention_decode(q[0], kc, vc, length=length, gate=None if g is None else g[0], device=device,
@@ -215,7 +229,7 @@ def test_attention_decode_split_cap(rng, device, length):
     # At 8192 keys 32 splits of 256; beyond, at most 32 splits of more keys each (rounded to blocks).
     q, kc, vc, g = attn_case(rng, 1, 2, 1, 32, length, np.float32)
     out, stats = A._attention_decode(q[0], kc, vc, length=length, gate=g[0], device=device, seed=rng.seed)
-    route = ops.attention_decode_route(length)
+    route = ops.attention_decode_route(length, 32)
     assert route["split_keys"] > SPLIT_KEYS or length == MAX_SPLITS * SPLIT_KEYS
     assert stats["threads"] == route["splits"] * 64 + 2 * 32
     check_attention(rng, out[None], q, kc, vc, g, length - 1, f"decode L={length}")
@@ -275,13 +289,14 @@ def test_prefill_equals_looped_decode_bitwise(rng):
         np.testing.assert_array_equal(pre[t], dec)
 
 
-@pytest.mark.parametrize("order", ["forward", "reverse"])
+@pytest.mark.parametrize("order", ["forward", "reverse", "ahead"])
 def test_attention_independent_of_thread_order(rng, order):
-    # No races: split decode and both prefill routes give bit-identical results in any order.
-    q, kc, vc, g = attn_case(rng, 1, 4, 2, 64, 700, np.float32)
-    a, _ = A._attention_decode(q[0], kc, vc, length=700, gate=g[0], order="shuffle", seed=rng.seed)
-    b, _ = A._attention_decode(q[0], kc, vc, length=700, gate=g[0], order=order)
-    np.testing.assert_array_equal(a, b)
+    # No races: vec and split decode and both prefill routes give bit-identical results in any order.
+    for D in (64, 40):  # vec, split
+        q, kc, vc, g = attn_case(rng, 1, 4, 2, D, 700, np.float32)
+        a, _ = A._attention_decode(q[0], kc, vc, length=700, gate=g[0], order="shuffle", seed=rng.seed)
+        b, _ = A._attention_decode(q[0], kc, vc, length=700, gate=g[0], order=order)
+        np.testing.assert_array_equal(a, b)
     for D in (64, 40):  # mma, simd
         q, kc, vc, g = attn_case(rng, 11, 4, 2, D, 80, np.float32)
         a, _ = A._attention_prefill(q, kc, vc, position=60, gate=g, order="shuffle", seed=rng.seed)
@@ -377,9 +392,9 @@ def run_mixer_chunks(rng, chunks, hidden, Hq, Hkv, D, rd, theta, offset=0.0):
 
 def test_mixer_chunked_prefill_then_decode(rng):
     # chunk 2 attends to chunk 1 through the cache (its projections take the tiled qmm route:
-    # 11 rows > 8), then decode steps
+    # 11 rows > 8), then decode steps (vec route at head_dim 64: attention + combine)
     stats = run_mixer_chunks(rng, [5, 11, 1, 1], hidden=128, Hq=4, Hkv=2, D=64, rd=16, theta=1e4, offset=1.0)
-    assert [s["dispatches"] for s in stats] == [6, 6, 6, 6]
+    assert [s["dispatches"] for s in stats] == [6, 6, 7, 7]
 
 
 def test_mixer_chunking_does_not_change_the_result(rng):
@@ -439,14 +454,14 @@ def test_mixer_fused_qkv_projection(rng, chunks):
         pos += n
     np.testing.assert_array_equal(kc_a, kc_b)
     np.testing.assert_array_equal(vc_a, vc_b)
-    split = chunks[-1] == 1 and ops.attention_decode_route(pos)["route"] == "split"
+    split = chunks[-1] == 1 and ops.attention_decode_route(pos, D)["route"] != "single"
     assert (sb["dispatches"], sb["barriers"]) == ((5, 4) if split else (4, 3))
 
 
 def test_mixer_real_shapes_decode(rng):
     # The model's attention layer: hidden 2048, 16 / 2 heads of 256, rotary 64, theta 1e7.
     stats = run_mixer_chunks(rng, [3, 1], hidden=2048, Hq=16, Hkv=2, D=256, rd=64, theta=1e7)
-    assert (stats[1]["dispatches"], stats[1]["barriers"]) == (6, 3)
+    assert (stats[1]["dispatches"], stats[1]["barriers"]) == (7, 4)  # vec route: attention + combine
 
 
 # ------------------------------------------------------------------------------ bad input

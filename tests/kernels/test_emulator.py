@@ -16,7 +16,7 @@ import lily_py._core as core
 from kernel_checks import F32_EPS, assert_close, rng  # noqa: F401  (fixture)
 
 FEATURES = core.emu.features()
-ORDERS = ("forward", "reverse", "shuffle")
+ORDERS = ("forward", "reverse", "shuffle", "ahead")
 POISON = np.uint32(0xFFA0FFA0)
 
 
@@ -269,3 +269,107 @@ def test_dispatch_rejects_bad_launches():
         core.emu.dispatch("selftest_tg_rotate", args(4), [x, x.copy()], (1, 1, 1), (2048, 1, 1))
     with pytest.raises(ValueError, match="order must be"):
         core.emu.dispatch("selftest_tg_rotate", args(4), [x, x.copy()], (1, 1, 1), (4, 1, 1), order="random")
+
+
+# ------------------------------------------------------------------------------ issue 9: races, bounds
+def test_write_after_read_in_a_loop_is_exposed_by_order_ahead(rng):
+    """The K-loop barrier of a tiled matmul deleted: lockstep orders hide it, 'ahead' does not."""
+    n, iters = 64, 3
+    x = rng.standard_normal(n * iters).astype(np.float32)
+    # out[i] = sum over iterations of the simd_sum of the other simdgroup's slots
+    other = x.reshape(iters, 2, 32)[:, ::-1].sum(axis=2)  # [iters, simdgroup]
+    want = np.repeat(other.sum(axis=0), 32).astype(np.float32)
+    for order in ORDERS:
+        for param in (0, 1) if order != "ahead" else (1,):
+            out = np.zeros(n, np.float32)
+            dispatch("broken_war_loop", iters, param, [x, out], (1, 1, 1), (n, 1, 1), order=order, seed=rng.seed)
+            np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5, err_msg=f"{order} param={param}")
+    for seed in range(4):  # the broken kernel under 'ahead': the slower simdgroup reads the next tile
+        out = np.zeros(n, np.float32)
+        dispatch("broken_war_loop", iters, 0, [x, out], (1, 1, 1), (n, 1, 1), order="ahead", seed=seed)
+        assert not np.allclose(out, want, rtol=1e-5, atol=1e-5), seed
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_lost_update_is_caught(order):
+    x = np.arange(1, 5, dtype=np.float32)
+    out = np.zeros(128, np.float32)
+    with pytest.raises(core.EmulatorError, match=r"threadgroup memory race: thread .* and thread .* both wrote "
+                                                 r"threadgroup array #0 \(csrc/emu/selftest\.metal:\d+, 16 bytes\) at "
+                                                 r"byte [0-3] with no threadgroup_barrier between them.*non-atomic"):
+        dispatch("broken_lost_update", 4, 0, [x, out], (1, 1, 1), (128, 1, 1), order=order)
+    run_good_kernel()
+
+
+def test_lost_update_without_the_detector_is_silent():
+    # What the emulator did before issue 9: the += never interleaves with another fiber.
+    x = np.arange(1, 5, dtype=np.float32)
+    out = np.zeros(128, np.float32)
+    dispatch("broken_lost_update", 4, 0, [x, out], (1, 1, 1), (128, 1, 1), races=False)
+    assert (out == 10).all()
+
+
+def test_tokens_sharing_one_scratch_slot_are_caught(rng):
+    n, groups = 64, 3
+    x = rng.standard_normal(n * groups).astype(np.float32)
+    scratch = np.zeros(n * groups, np.float32)
+    out = np.zeros(n * groups, np.float32)
+    want = 2 * np.concatenate([np.roll(x[g * n:(g + 1) * n], -1) for g in range(groups)])
+    dispatch("broken_shared_scratch", n, 1, [x, scratch, out], (groups, 1, 1),
+             (n, 1, 1), seed=rng.seed)  # the fixed kernel: one slot range per token
+    np.testing.assert_array_equal(out, want)
+    with pytest.raises(core.EmulatorError, match=r"device memory race: threadgroups \(\d,0,0\) and \(\d,0,0\) both "
+                                                 r"wrote byte offset \d+ of buffer\(2\)"):
+        dispatch("broken_shared_scratch", n, 0, [x, scratch, out], (groups, 1, 1), (n, 1, 1), seed=rng.seed)
+    # Without the detector the emulator (threadgroups one after another) computes the right answer.
+    out[:] = 0
+    dispatch("broken_shared_scratch", n, 0, [x, scratch, out], (groups, 1, 1), (n, 1, 1), races=False)
+    np.testing.assert_array_equal(out, want)
+
+
+@pytest.mark.parametrize("races", [True, False], ids=["detector", "red_zones_only"])
+def test_threadgroup_array_overflow_is_caught(rng, races):
+    x = rng.standard_normal(64).astype(np.float32)
+    out = np.zeros(64, np.float32)
+    dispatch("broken_tg_array_overflow", 64, 0, [x, out], (1, 1, 1), (64, 1, 1), races=races)
+    np.testing.assert_array_equal(out, 3 * x)
+    with pytest.raises(core.EmulatorError, match=r"threadgroup memory overflow: .*the red zone before threadgroup "
+                                                 r"array #1 .*past the end of the array before it"):
+        dispatch("broken_tg_array_overflow", 64, 1, [x, out], (1, 1, 1), (64, 1, 1), races=races)
+    with pytest.raises(core.EmulatorError, match=r"threadgroup memory overflow: .*unallocated threadgroup memory "
+                                                 r"0 bytes past the end of the last threadgroup array #1"):
+        dispatch("broken_tg_array_overflow", 64, 2, [x, out], (1, 1, 1), (64, 1, 1), races=races)
+    run_good_kernel()
+
+
+def test_access_outside_the_bound_range_is_caught():
+    # x is a 128-float array; only floats [16, 80) are bound. Reading one past the bound range is
+    # inside the allocation, and still an error.
+    n = 64
+    x = np.arange(128, dtype=np.float32)
+    out = np.zeros(n, np.float32)
+    dispatch("broken_oob_read", n, 0, [x, out], (1, 1, 1), (n, 1, 1), ranges=[(64, n * 4), (0, 0)])
+    np.testing.assert_array_equal(out, x[16:80])
+    if FEATURES["guard_pages"]:
+        with pytest.raises(core.EmulatorError, match=r"out-of-bounds read past the end of buffer\(1\) \(bound to bytes "
+                                                     r"\[64, 320\) of a 512-byte buffer\) at byte offset 256 of the bound range"):
+            dispatch("broken_oob_read", n, 1, [x, out], (1, 1, 1), (n, 1, 1), ranges=[(64, n * 4), (0, 0)])
+    big = np.zeros(2 * n, np.float32)
+    with pytest.raises(core.EmulatorError, match=r"out-of-bounds write.*buffer\(2\) \(bound to bytes \[0, 256\) of a "
+                                                 r"512-byte buffer\)"):
+        dispatch("broken_oob_write", n, 1, [x[:n].copy(), big], (1, 1, 1), (n, 1, 1), ranges=[(0, 0), (0, n * 4)])
+    assert (big[n:] == 0).all()  # the bytes past the bound range were never touched
+    run_good_kernel()
+
+
+def test_never_written_integer_index_is_caught():
+    n = 64
+    x = np.arange(n, dtype=np.float32)
+    out = np.zeros(n, np.float32)
+    dispatch("broken_unwritten_index", n, 1, [x, out], (1, 1, 1), (n, 1, 1))
+    np.testing.assert_array_equal(out, np.roll(x, -1))
+    if not FEATURES["guard_pages"]:
+        pytest.skip("needs the fault handler (Linux x86-64 builds)")
+    with pytest.raises(core.EmulatorError, match=r"out-of-bounds read .*never-written memory\? poison reads as 0xFFA0FFA0"):
+        dispatch("broken_unwritten_index", n, 0, [x, out], (1, 1, 1), (n, 1, 1))
+    run_good_kernel()

@@ -35,7 +35,8 @@ from lily_py.weights import QuantLinear
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 MV_MAX_TOKENS = 8          # must match kMoeMvMaxTokens (checked below)
-TILE64_MIN_ROWS = 3072     # must match kMoeTile64MinRows (checked below)
+FEW_MAX_ROWS = 8           # must match kMoeFewMaxRows (checked below)
+TILE32_MAX_ROWS = 32       # must match kMoeTile32MaxRows (checked below)
 TIE_MARGIN = 1e-5
 KEYS = ("router", "gate", "up", "down", "shared_gate_proj", "shared_up", "shared_down", "shared_gate")
 
@@ -117,19 +118,49 @@ def check(rng, W, x, top_k, *, residual=None, route=None, **kw):
 # ------------------------------------------------------------------------------ routes
 def test_route_constants_match_extension():
     assert core.ops.MOE_MV_MAX_TOKENS == MV_MAX_TOKENS
-    assert core.ops.MOE_TILE64_MIN_ROWS == TILE64_MIN_ROWS
+    assert core.ops.MOE_FEW_MAX_ROWS == FEW_MAX_ROWS
+    assert core.ops.MOE_TILE32_MAX_ROWS == TILE32_MAX_ROWS
     assert ops.moe_route(MV_MAX_TOKENS, 8) == "mv"
-    assert ops.moe_route(MV_MAX_TOKENS + 1, 8) == "mm32"
-    assert ops.moe_route(TILE64_MIN_ROWS // 8 - 1, 8) == "mm32"
-    assert ops.moe_route(TILE64_MIN_ROWS // 8, 8) == "mm64"
-    assert ops.moe_route(TILE64_MIN_ROWS // 2, 2) == "mm64"
+    assert ops.moe_route(MV_MAX_TOKENS + 1, 8) == "tiled"
+    assert ops.moe_route(4096, 8) == "tiled"
 
 
 def expected_route(T, k):
-    return "mv" if T <= MV_MAX_TOKENS else ("mm64" if T * k >= TILE64_MIN_ROWS else "mm32")
+    return "mv" if T <= MV_MAX_TOKENS else "tiled"
 
 
-# Token counts of the issue, both sides of the mv | mm32 switch (8 | 9); 7 experts (not a power of
+def expected_tiles(ids, E):
+    """The plan's tiles by load (shaders/moe.metal moe_plan), from the routing: per group (each
+    expert, and the shared group holding every token) 64-row tiles, and the remainder r in a
+    few-row tile (r <= 8), a 32-row tile (r <= 32) or one more 64-row tile."""
+    T = ids.shape[0]
+    counts = list(np.bincount(ids.ravel(), minlength=E)) + [T]
+    tiles = {"64": 0, "32": 0, "few": 0, "few_rows": 0}
+    for c in counts:
+        rem = c % 64
+        tiles["64"] += c // 64 + (rem > TILE32_MAX_ROWS)
+        tiles["32"] += FEW_MAX_ROWS < rem <= TILE32_MAX_ROWS
+        tiles["few"] += 0 < rem <= FEW_MAX_ROWS
+        tiles["few_rows"] += rem if rem <= FEW_MAX_ROWS else 0
+    return tiles
+
+
+def expected_executed(ids, E, *, H, I, Is, router_rows):
+    """FLOPs the tiles execute (H, I, Is multiples of 32: no column padding): 64- and 32-row
+    tiles compute every row of the tile, few-row tiles only their rows; 6 H N per row (gate, up,
+    down); plus the router (qmm: T and E + 1 padded to 32)."""
+    T = ids.shape[0]
+    total = 0
+    for g, c in enumerate(list(np.bincount(ids.ravel(), minlength=E)) + [T]):
+        N = Is if g == E else I
+        rem = c % 64
+        rows = 64 * (c // 64) + (64 if rem > TILE32_MAX_ROWS else 32 if rem > FEW_MAX_ROWS else rem)
+        total += 6 * H * N * rows
+    pad = lambda n: -(-n // 32) * 32  # noqa: E731
+    return total + 2 * pad(T) * pad(router_rows) * H
+
+
+# Token counts of the issue, both sides of the mv | tiled switch (8 | 9); 7 experts (not a power of
 # two), H = 64, I = 32, group 32.
 @pytest.mark.parametrize("T", [1, 2, 7, 8, 9, 33, 257, 300])
 def test_token_counts(rng, device, T):
@@ -175,11 +206,28 @@ def test_many_empty_experts(rng, T, top_k):
     assert set(np.unique(ids)) <= {0, 1, 2}  # >= 21 of 24 experts receive no token
 
 
-# Both sides of the mm32 | mm64 switch at k = 8: 383 * 8 = 3064 < 3072 <= 384 * 8 routed rows.
-@pytest.mark.parametrize("T", [TILE64_MIN_ROWS // 8 - 1, TILE64_MIN_ROWS // 8])
-def test_tile_switch(rng, device, T):
-    W, x_of = make_block(rng, E=9, H=64, I=32, gs=32)
-    check(rng, W, x_of(T), 8, route=expected_route(T, 8), device=device)
+# Tiles sized by each group's load, both sides of every switch: expert 0 (skewed load: every
+# token's first choice) and the shared group hold exactly T rows, so T = 9 | 8 + 64 = 72 | 73
+# (few | 32-row remainder), 32 | 33 and 96 | 97 (32-row | 64-row remainder), 64 and 65 (full
+# tiles, a one-row few tile); the other experts get the scattered small loads.
+@pytest.mark.parametrize("T", [9, 32, 33, 64, 65, 72, 73, 96, 97])
+def test_tiles_sized_by_load(rng, device, T):
+    E = 9
+    W, x_of = make_block(rng, E=E, H=64, I=32, gs=32, load="skewed")
+    _, ids, stats = check(rng, W, x_of(T), 2, route="tiled", device=device)
+    assert (ids[:, 0] == 0).all()
+    assert stats["tiles"] == expected_tiles(ids, E), (T, np.bincount(ids.ravel(), minlength=E))
+    assert stats["flops_executed"] == expected_executed(ids, E, H=64, I=32, Is=32, router_rows=E + 1)
+
+
+def test_tiles_uniform_load_small_experts(rng):
+    """256 experts, top-8, 33 tokens: most experts get 1..3 rows, all in few-row tiles (no
+    padding): only the shared group's 33 rows take a 64-row tile."""
+    E = 256
+    W, x_of = make_block(rng, E=E, H=64, I=32, gs=32)
+    _, ids, stats = check(rng, W, x_of(33), 8, route="tiled")
+    assert stats["tiles"] == expected_tiles(ids, E)
+    assert stats["tiles"]["32"] == 0 and stats["tiles"]["64"] == 1
 
 
 @pytest.mark.parametrize("T", [1, 17])
@@ -215,15 +263,25 @@ def test_exact_ties_go_to_the_lowest_index(rng, T):
 
 
 # ------------------------------------------------------------------------------ counters
-@pytest.mark.parametrize("T,route,dispatches", [(1, "mv", 4), (MV_MAX_TOKENS, "mv", 4), (257, "mm32", 6),
-                                                (TILE64_MIN_ROWS // 8, "mm64", 6)])
-def test_dispatches_per_block_and_no_host_sync(rng, T, route, dispatches):
+@pytest.mark.parametrize("T,route,dispatches,barriers", [(1, "mv", 4, 3), (MV_MAX_TOKENS, "mv", 4, 3),
+                                                         (MV_MAX_TOKENS + 1, "tiled", 10, 5), (257, "tiled", 10, 5)])
+def test_dispatches_per_block_and_no_host_sync(rng, T, route, dispatches, barriers):
     W, x_of = make_block(rng, E=9, H=64, I=32, gs=32)
     _, _, _, stats = ops._moe(x_of(T), *ops.moe_weights(W), top_k=8)
     print(f"\nMoE block T={T} k=8 route={route}: {stats['dispatches']} dispatches, {stats['barriers']} barriers, "
           f"{stats['host_syncs']} host syncs: {stats['kernels']}")
     assert stats["route"] == route
-    assert stats["dispatches"] == dispatches and stats["barriers"] == dispatches - 1
+    assert stats["dispatches"] == dispatches and stats["barriers"] == barriers
+    H, I = 64, 32  # FLOPs of the expert matmuls: 3 H I multiply-adds per routed and shared row,
+    router = 2 * T * H * (9 + 1)  # plus the router's E + 1 logits
+    assert stats["flops_useful"] == router + 6 * H * I * T * (8 + 1)
+    assert stats["flops_executed"] >= stats["flops_useful"]
+    if route == "mv":
+        assert stats["flops_executed"] == stats["flops_useful"]
+    else:
+        assert stats["kernels"][3:] == ["moe_gate_up_mm64_b4_xf32_sbf16", "moe_gate_up_mm32_b4_xf32_sbf16",
+                                        "moe_gate_up_few_b4_xf32_sbf16", "moe_down_mm64_b4_sbf16",
+                                        "moe_down_mm32_b4_sbf16", "moe_down_few_b4_sbf16", "moe_combine_xf32"]
     assert stats["host_syncs"] == 0  # no commit / wait inside the block: nothing read back
     assert stats["kernels"][0] == ("qmv_b8_xf32_sbf16" if route == "mv" else "qmm_b8_xf32_sbf16")
     assert stats["kernels"][1] == "moe_route"
@@ -233,10 +291,10 @@ def test_dispatches_per_block_and_no_host_sync(rng, T, route, dispatches):
 def test_result_independent_of_thread_order(rng, T):
     W, x_of = make_block(rng, E=7, H=64, I=32, gs=32)
     x = x_of(T)
-    runs = [ops._moe(x, *ops.moe_weights(W), top_k=2, order=o, seed=rng.seed) for o in ("forward", "reverse", "shuffle")]
-    for r in runs[1:]:
+    runs = [ops._moe(x, *ops.moe_weights(W), top_k=2, order=o, seed=rng.seed) for o in ("forward", "reverse", "shuffle", "ahead")]
+    for o, r in zip(("reverse", "shuffle", "ahead"), runs[1:]):
         for a, b in zip(runs[0][:3], r[:3]):
-            np.testing.assert_array_equal(a, b)
+            np.testing.assert_array_equal(a, b, err_msg=f"order {o!r} differs from 'forward': a race (missing barrier?)")
 
 
 def test_leading_dims(rng):

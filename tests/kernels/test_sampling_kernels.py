@@ -23,25 +23,35 @@ ODD_V = [1, 31, 33, 1000, 2049]           # 2048 entries per partial threadgroup
 NO_ID = 0xFFFFFFFF
 ROUNDS = 8                                # must match kSampleRounds (32-bit keys, 4-bit digits)
 
-# (params, dispatches): 2 max passes + [2 stats] + [16 per cutoff search] + 2 Gumbel passes.
+SMALL_K = 64                              # must match kSampleSmallK
+
+# (params, dispatches): 2 max passes + [2 stats] + [16 per cutoff search] + 2 Gumbel passes; or,
+# for 0 < top_k <= SMALL_K, the small-k route: 2 max passes + candidates + one merge.
 CONFIGS = [
     (dict(temperature=1.0), 4),
-    (dict(temperature=0.7, top_k=1), 4 + 2 * ROUNDS),
-    (dict(temperature=1.3, top_k=7), 4 + 2 * ROUNDS),
+    (dict(temperature=0.7, top_k=1), 4),
+    (dict(temperature=1.3, top_k=7), 4),
     (dict(temperature=1.0, top_p=0.9), 4 + 2 + 2 * ROUNDS),
     (dict(temperature=1.0, top_p=0.3), 4 + 2 + 2 * ROUNDS),
     (dict(temperature=1.0, min_p=0.05), 4 + 2 + 2 * ROUNDS),
-    (dict(temperature=0.9, top_k=20, top_p=0.8), 4 + 4 * ROUNDS),
+    (dict(temperature=0.9, top_k=20, top_p=0.8), 4),
     (dict(temperature=0.6, top_p=0.95, min_p=0.02), 4 + 2 + 2 * ROUNDS),
-    (dict(temperature=0.8, top_k=50, top_p=0.7, min_p=0.01), 4 + 2 + 4 * ROUNDS),
+    (dict(temperature=0.8, top_k=50, top_p=0.7, min_p=0.01), 4),
+    (dict(temperature=0.8, top_k=64, top_p=0.9, min_p=0.2), 4),              # the largest small k
+    (dict(temperature=0.8, top_k=65, top_p=0.7, min_p=0.01), 4 + 2 + 4 * ROUNDS),  # one past it
+    (dict(temperature=1.1, top_k=300), 4 + 2 * ROUNDS),
 ]
-IDS = ["plain", "k1", "k7", "p0.9", "p0.3", "minp", "k+p", "p+minp", "k+p+minp"]
+IDS = ["plain", "k1", "k7", "p0.9", "p0.3", "minp", "k+p", "p+minp", "k+p+minp", "k64+p+minp",
+       "k65+p+minp", "k300"]
 
 
 def expected_dispatches(params, v):
-    """The documented pass sequence (docs/kernels.md): max (2) [+ stats (2)] [+ top-k search]
-    [+ kept-set search] + Gumbel (2); a search is kSampleRounds x (histogram + select)."""
+    """The documented pass sequence (docs/kernels.md): max (2), then for 0 < top_k <= SMALL_K
+    (top_k < V) candidates + merge (2); otherwise [stats (2)] [+ top-k search] [+ kept-set
+    search] + Gumbel (2), a search being kSampleRounds x (histogram + select)."""
     top_k = 0 < params.get("top_k", 0) < v
+    if top_k and params["top_k"] <= SMALL_K:
+        return 4
     top_p = params.get("top_p", 1.0) < 1
     min_p = params.get("min_p", 0.0) > 0
     return (4 + 2 * (min_p or (top_p and not top_k)) + 2 * ROUNDS * (top_k and top_p)
@@ -139,6 +149,21 @@ def test_many_seed_step_pairs(rng, device):
             f"seed {seed} step {step} (rng {rng.seed})"
 
 
+def test_small_k_route_planted_ties_across_groups(rng, device):
+    """The small-k route with ties spread over several 2048-entry groups (and inside the
+    candidates of one group): the lowest ids are kept, the choice equals the reference's."""
+    v = 3 * 2048 + 77
+    x = np.full(v, -20.0, np.float32)
+    tied = rng.choice(v, size=40, replace=False)
+    x[tied] = 2.0
+    x[rng.choice(v, size=3, replace=False)] = 3.0
+    for params in (dict(temperature=1.0, top_k=10), dict(temperature=0.5, top_k=37, top_p=0.6),
+                   dict(temperature=2.0, top_k=64, min_p=0.5)):
+        for step in range(6):
+            got = ops.sample(x, seed=11, step=step, device=device, **params)
+            assert got == ref_sample(x, params, step, 11), (params, step, rng.seed)
+
+
 def test_top_k_tie_at_the_cutoff_keeps_lowest_ids(device):
     # Five entries tie for the last two top-k places: ids 3 and 10 are kept, 12, 20, 40 are not.
     x = np.full(50, -30.0, np.float32)
@@ -163,7 +188,8 @@ def test_top_p_tie_at_the_cutoff_keeps_lowest_ids(device):
     assert kept == {2, 5, 9}
 
 
-@pytest.mark.parametrize("params,dispatches", [CONFIGS[0], CONFIGS[4], CONFIGS[8]], ids=["plain", "p0.3", "k+p+minp"])
+@pytest.mark.parametrize("params,dispatches", [CONFIGS[0], CONFIGS[4], CONFIGS[8], CONFIGS[10]],
+                         ids=["plain", "p0.3", "k+p+minp", "k65+p+minp"])
 def test_full_vocabulary(rng, params, dispatches):
     x = random_logits(rng, FULL_V, scale=2.0)
     x[FULL_V - 100:] = -np.inf  # like the model's padding rows
@@ -192,7 +218,7 @@ def test_slot_write_and_batch(rng, device):
         assert ids[5 + r] == ref_sample(x[r], params, 2, 11)
         assert chosen[5 + r] == x[r, ids[5 + r]]
     np.testing.assert_array_equal(ops.sample(x, seed=11, step=2, device=device, **params), ids[5:])
-    assert stats["dispatches"] == 4 + 2 * ROUNDS  # one pass sequence for the whole batch
+    assert stats["dispatches"] == expected_dispatches(params, x.shape[1])  # one sequence for the batch
     ids, _, _, _, stats = ops._argmax(x, slot=2, device=device)
     np.testing.assert_array_equal(ids[2:], np.argmax(x, axis=1))
     assert stats["dispatches"] == 2 and stats["barriers"] == 1
@@ -227,11 +253,13 @@ def test_all_neg_inf_raises(device):
         ops.sample(x, temperature=1.0, seed=0, step=0, device=device)
 
 
-def test_result_independent_of_thread_order(rng):
+@pytest.mark.parametrize("top_k", [100, 30], ids=["search", "small-k"])
+def test_result_independent_of_thread_order(rng, top_k):
     x = random_logits(rng, 3000, ties=True)
-    p = dict(temperature=1.0, top_k=100, top_p=0.8, min_p=0.01, seed=5, step=9)
-    got = {int(ops._sample(x, order=o, emu_seed=rng.seed, **p)[0][0]) for o in ("forward", "reverse", "shuffle")}
-    assert len(got) == 1
+    p = dict(temperature=1.0, top_k=top_k, top_p=0.8, min_p=0.01, seed=5, step=9)
+    got = {int(ops._sample(x, order=o, emu_seed=rng.seed, **p)[0][0]) for o in ("forward", "reverse", "shuffle", "ahead")}
+    params = {k: v for k, v in p.items() if k not in ("seed", "step")}
+    assert len(got) == 1 and got == {ref_sample(x, params, 9, 5)}
 
 
 @pytest.mark.parametrize("kw,msg", [

@@ -133,20 +133,23 @@ def _expected_counts(cfg, tokens: int, position: int = 0) -> tuple[int, int]:
     """(dispatches, barriers) of one step, from the engine's encoding plan (csrc/gpu/step.h):
     embedding | per layer: input norm, mixer, fused residual + post norm, MoE, one barrier after
     each | final norm | lm_head. Mixers: DeltaNet 4 dispatches / 3 barriers inside (the chunked
-    delta rule: 3 more of each); attention 4 / 3 (decode beyond kAttnSplitKeys = 256 keys: split-K +
-    combine, 5 / 4). MoE: mv route (tokens <= 8) 4 / 3, tiled 6 / 5. `cfg` is a ModelConfig."""
-    from lily_py.ops import gated_delta_route, moe_route
-    moe = 4 if moe_route(tokens, cfg.num_experts_per_tok) == "mv" else 6
+    delta rule: 3 more of each); attention 4 / 3, plus one dispatch and one barrier when decode
+    attention takes two passes (the vec route of head_dim 64 / 128 / 256 at every length; other
+    head dims beyond 256 keys). MoE: mv route (tokens <= 8) 4 / 3, tiled 10 / 5 (the three tile
+    kinds of a stage side by side). `cfg` is a ModelConfig."""
+    from lily_py.ops import attention_decode_route, gated_delta_route, moe_route
+    moe, moe_barriers = (4, 3) if moe_route(tokens, cfg.num_experts_per_tok) == "mv" else (10, 5)
     chunked = gated_delta_route(tokens, cfg.linear_key_head_dim, cfg.linear_value_head_dim) == "chunked"
+    two_pass = tokens == 1 and attention_decode_route(position + 1, cfg.head_dim)["route"] != "single"
     dispatches = barriers = 1
     for i in range(cfg.num_hidden_layers):
         mixer = 4
-        if cfg.is_full_attention(i) and tokens == 1 and position + 1 > 256:
+        if cfg.is_full_attention(i) and two_pass:
             mixer = 5
         if not cfg.is_full_attention(i) and chunked:
             mixer = 7
         dispatches += 1 + mixer + 1 + moe
-        barriers += 1 + (mixer - 1) + 1 + 1 + (moe - 1) + 1
+        barriers += 1 + (mixer - 1) + 1 + 1 + moe_barriers + 1
     return dispatches + 2, barriers + 1
 
 
@@ -204,8 +207,13 @@ def test_step_counters(attn_ckpt, rng, tokens):
     counted = count_step(m.config, tokens=tokens, position=m.position - tokens,
                          quant=checkpoint_quant(m.weights), prefill_chunk=m.prefill_chunk,
                          context_length=m.context_length)
-    for k in ("dispatches", "barriers", "bytes_bound", "threads", "waits_in_step", "flops_executed", "flops_useful"):
+    for k in ("dispatches", "barriers", "bytes_bound", "bytes_touched", "threads", "waits_in_step",
+              "flops_useful"):
         assert counted[k] == st[k], k
+    # flops_executed: the emulator counts the MoE tiles each plan made (after the step); the
+    # counting device runs nothing and keeps the bound over every routing.
+    assert counted["flops_executed"] >= st["flops_executed"]
+    assert (counted["flops_executed"] == st["flops_executed"]) == (tokens <= 8)
     # A prefill chunk that is not the last skips the final norm and lm_head (and their barriers).
     assert m._backend.forward(np.array([1] * tokens), all_logits=False, logits=False) is None
     st = m.stats()
@@ -213,8 +221,9 @@ def test_step_counters(attn_ckpt, rng, tokens):
 
 
 def test_decode_split_route_counters(attn_ckpt, rng):
-    """Both sides of the attention decode route switch (256 keys): one more dispatch and barrier
-    per attention layer beyond it, logits still equal to the reference's."""
+    """Decode on both sides of 256 keys (the single/split switch of head dims off the vec route;
+    the vec route takes two passes at every length): counters as planned, logits equal to the
+    reference's."""
     emu, ref = _pair(attn_ckpt)
     ids = rng.integers(0, 320, size=255).tolist()
     emu.prefill(ids), ref.prefill(ids)
@@ -253,6 +262,58 @@ def test_real_config_counters(tokens, position):
         assert st["flops_executed"] == st["flops_useful"] + _attention_decode_padding_flops(cfg, position)
     else:
         assert st["flops_useful"] < st["flops_executed"] < 1.5 * st["flops_useful"]
+
+
+def _real_cfg():
+    from lily_py.config import ModelConfig
+    from lily_py.testing import REAL_TEXT_CONFIG
+    return ModelConfig.from_dict({"model_type": "qwen3_5_moe", "text_config": dict(REAL_TEXT_CONFIG)})
+
+
+@pytest.mark.parametrize("position", [255, 4095, 32767])
+def test_bytes_touched_real_config_against_the_floor(position):
+    """bytes_touched of a real 35B decode step (routed experts only, KV rows up to the position,
+    DeltaNet state read and written) against the floor derived from the config: at least the
+    floor (it is a lower bound), within 1.03x of it at 256 context (activations, logits and the
+    split-K partials are the difference)."""
+    from lily_py.backends.engine import count_kernels, decode_floor_bytes
+    cfg = _real_cfg()
+    st, ks = count_kernels(cfg, position=position)
+    floor = decode_floor_bytes(cfg, position=position)["total"]
+    print(f"decode at {position}: bytes_touched {st['bytes_touched']}, floor {floor}, "
+          f"ratio {st['bytes_touched'] / floor:.4f}, bytes_bound {st['bytes_bound']}")
+    assert floor <= st["bytes_touched"] <= 1.03 * floor
+    assert st["bytes_touched"] == sum(k["bytes_touched"] for k in ks.values())
+    assert sum(k["dispatches"] for k in ks.values()) == st["dispatches"]
+    # The KV part of the floor is exact: K and V rows [0, position] of every attention layer.
+    attn = [v for n, v in ks.items() if n.startswith("attn_decode")]
+    kv_read = 2 * cfg.num_key_value_heads * cfg.head_dim * 2 * (position + 1)
+    attn_layers = sum(cfg.is_full_attention(i) for i in range(cfg.num_hidden_layers))
+    assert sum(v["bytes_touched"] for v in attn) >= attn_layers * kv_read
+
+
+def test_bytes_touched_counts_routed_experts_and_touched_rows(attn_ckpt):
+    """Exact per-kernel bytes on a small config: the embedding reads one row, the expert
+    gathers k of E experts, the DeltaNet step its state twice."""
+    from lily_py.backends.engine import checkpoint_quant, count_kernels
+    m = lily_py.load(attn_ckpt, backend="reference")
+    cfg, quant = m.config, checkpoint_quant(m.weights)
+    st, ks = count_kernels(cfg, position=5, quant=quant)
+    H, E, k, I = cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
+    gs = quant["experts_q"]["group_size"]
+    emb = [v for n, v in ks.items() if n.startswith("embedding")][0]
+    assert emb["bytes_touched"] == 4 + H // 2 + 2 * 2 * (H // quant["embed"]["group_size"]) + 4 * H
+    expert = I * H // 2 + 2 * 2 * I * (H // gs)                      # one [I, H] 4-bit matrix
+    shared = cfg.shared_expert_intermediate_size
+    gate_up = [v for n, v in ks.items() if n.startswith("moe_gate_up")][0]
+    L = cfg.num_hidden_layers
+    sh = shared * H // 2 + 2 * 2 * shared * (H // gs)
+    x, ids, h = 4 * H, 4 * k, 4 * (k + 1) * max(I, shared)
+    assert gate_up["bytes_touched"] == L * (2 * k * expert + 2 * sh + x + ids + h)
+    dn = [v for n, v in ks.items() if n.startswith("gated_delta_x")][0]
+    Hv, Dv, Dk = cfg.linear_num_value_heads, cfg.linear_value_head_dim, cfg.linear_key_head_dim
+    state = Hv * Dv * Dk * 4
+    assert dn["bytes_touched"] > 2 * state * dn["dispatches"] > 0
 
 
 def test_engine_refuses_unsupported_checkpoints(tiny_hf):
@@ -482,3 +543,112 @@ def test_greedy_after_chunked_prefill(real_dims_ckpt, which, chunk):
     routes = {gated_delta_route(min(chunk, n - s), cfg.linear_key_head_dim, cfg.linear_value_head_dim)
               for s in range(0, n, chunk)}
     assert routes == ({"scan"} if chunk == 1 else {"chunked", "scan"} if chunk == 64 else {"chunked"})
+
+
+@pytest.mark.parametrize("opts", SAMPLING, ids=["greedy", "temperature", "filters"])
+def test_first_token_sampled_on_device_in_the_prefill_step(dn_ckpt, opts):
+    """The first token is sampled on the device, in the command buffer of the prompt's last
+    prefill step (also when the prompt takes several chunks), and equals the reference's choice.
+    During generation no logits row is copied to the host except the one the conversation
+    snapshot keeps (one row per generate call, however many tokens)."""
+    emu = lily_py.load(dn_ckpt, backend="emu", context_length=64, prefill_chunk=4)
+    ref = lily_py.load(dn_ckpt, backend="reference", context_length=64, prefill_chunk=4)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]          # three chunks of at most 4
+    eng = emu._backend.engine
+    V = emu.config.vocab_size
+    copied = eng.logit_bytes_copied
+    opts = dict(opts, seed=opts.get("seed", 5))
+    g = emu.generate(prompt, max_tokens=12, **opts)
+    first = next(g)
+    st = emu.stats()
+    assert st["tokens"] == 2 and st["token"] == first.token     # the last chunk (2 tokens) sampled it
+    assert st["commits"] == 1 and st["waits_in_step"] == 0
+    rest = [c.token for c in g]
+    want = ref.generate_text(prompt, max_tokens=12, **opts).tokens
+    assert [first.token] + rest == want
+    assert eng.logit_bytes_copied - copied == V * 4             # the snapshot's row only
+    copied = eng.logit_bytes_copied
+    emu.generate_text(prompt + want + [7], max_tokens=20, **opts)
+    assert eng.logit_bytes_copied - copied == V * 4
+
+
+def test_prompt_without_new_tokens_samples_on_the_host_from_the_device_logits(dn_ckpt):
+    """The other side of the first-token switch: a prompt equal to the state (nothing to
+    prefill) samples its first token on the host, from the last step's logits fetched from the
+    device on demand; the tokens equal the reference's."""
+    emu, ref = _pair(dn_ckpt)
+    prompt = [9, 8, 7, 6]
+    kw = dict(max_tokens=3, temperature=0.9, seed=3)
+    a1, b1 = emu.generate_text(prompt, **kw), ref.generate_text(prompt, **kw)
+    assert a1.tokens == b1.tokens
+    state = prompt + a1.tokens[:2]                 # the last token was sampled, never fed
+    assert list(emu.tokens) == list(ref.tokens) == state
+    eng = emu._backend.engine
+    copied = eng.logit_bytes_copied
+    a2 = emu.generate_text(state, max_tokens=6, temperature=0.9, seed=4)
+    b2 = ref.generate_text(state, max_tokens=6, temperature=0.9, seed=4)
+    assert a2.stats.reused_tokens == len(state) and a2.stats.prefilled_tokens == 0
+    assert a2.tokens == b2.tokens
+    assert eng.logit_bytes_copied - copied == emu.config.vocab_size * 4   # fetched once, on demand
+
+
+def test_decode_returns_logits_and_last_logits_on_demand(dn_ckpt, rng):
+    """decode()/prefill() hand back the logits (one copy from the device, the caller owns it);
+    the engine's last_logits() copies the last step's row again and refuses when there is none."""
+    emu, ref = _pair(dn_ckpt)
+    eng = emu._backend.engine
+    ids = rng.integers(0, emu.config.vocab_size, size=5).tolist()
+    a = emu.prefill(ids)
+    _close(a, ref.prefill(ids), "prefill")
+    copied = eng.logit_bytes_copied
+    b = emu.decode(3)
+    assert eng.logit_bytes_copied - copied == emu.config.vocab_size * 4
+    _close(b, ref.decode(3), "decode")
+    b[:] = 0                                                  # the caller's array: edits are free
+    np.testing.assert_array_equal(eng.last_logits(), emu._backend.last_logits())
+    assert np.abs(eng.last_logits()).max() > 0
+    eng.forward(np.array([1, 2], np.uint32), logits=False)   # a chunk without lm_head
+    assert not eng.has_last_logits
+    with pytest.raises(ValueError, match="computed no logits"):
+        eng.last_logits()
+    emu.reset()
+    with pytest.raises(ValueError, match="computed no logits"):
+        eng.last_logits()
+
+
+def test_count_host_device_generates_without_running_anything(tmp_path):
+    """The counting device with host memory backs a Model (benchmarks/host_overhead.py): every
+    step is encoded and counted, nothing runs, every sampled token is 0."""
+    path = make_checkpoint(tmp_path, _dn_config(), fmt="mlx", seed=1)
+    m = lily_py.load(path, backend="count_host", context_length=64, prefill_chunk=8)
+    out = m.generate_text([5, 6, 7], max_tokens=10, temperature=0.7, top_p=0.9, seed=1)
+    assert out.tokens == [0] * 10 and out.finish_reason == "length"
+    st = m.stats()
+    assert st["dispatches"] > 0 and st["encode_ns"] > 0 and st["ids_from_slot"]
+    assert lily_py.load(path, backend="count_host").backend == "count_host"
+
+
+def test_streamed_tokens_allocate_no_logits_arrays(tmp_path):
+    """With the real vocabulary (a logits row is 1 MB), streaming tokens from the engine builds no
+    array per token: the traced peak over 40 tokens stays far below one logits row (before, each
+    token allocated two 1 MB rows). On count_host nothing runs, so only the host path is measured."""
+    import tracemalloc
+    cfg = dict(_dn_config(), vocab_size=248320, num_hidden_layers=1, layer_types=["linear_attention"])
+    path = make_checkpoint(tmp_path, cfg, fmt="mlx", seed=2)
+    m = lily_py.load(path, backend="count_host", context_length=128, prefill_chunk=8)
+    for opts in (dict(temperature=0.0), dict(temperature=0.8, top_k=20, top_p=0.9, seed=1)):
+        m.reset()
+        g = m.generate([5, 6, 7], max_tokens=60, **opts)
+        for _ in range(5):
+            next(g)
+        tracemalloc.start()
+        try:
+            tracemalloc.reset_peak()
+            base = tracemalloc.get_traced_memory()[0]
+            for _ in range(40):
+                next(g)
+            peak = tracemalloc.get_traced_memory()[1] - base
+        finally:
+            tracemalloc.stop()
+        g.close()
+        assert peak < 64 * 1024, f"{opts}: {peak} bytes traced while streaming 40 tokens"

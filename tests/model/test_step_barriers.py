@@ -107,7 +107,7 @@ def test_every_barrier_is_needed_when_run(checkpoints, which, tokens):
 
 
 def test_check_needs_the_emulator(checkpoints):
-    from lily_py._engine import count_step  # noqa: F401  (the counting device has no hazards check)
+    from lily_py.backends.engine import count_step  # noqa: F401  (the counting device has no hazards check)
     m = lily_py.load(checkpoints["deltanet"], backend="emu", context_length=64)
     st = m._backend.engine.check(1, 0)
     assert st["dispatches"] == st["barriers"] + 1 or st["dispatches"] > st["barriers"]

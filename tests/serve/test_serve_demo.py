@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 import urllib.error
 import urllib.request
 
@@ -295,3 +294,18 @@ def test_api_key_and_graceful_shutdown(serve_factory):
     assert parts[-1].choices[0].finish_reason == "length"
     assert srv.proc.wait(60) == 0
     assert "lily-py serve: stopped" in srv.log()
+
+
+def test_shutdown_timeout_stops_a_long_stream_cleanly(serve_factory):
+    srv = serve_factory("--context", str(CONTEXT), "--shutdown-timeout", "0.5")
+    stream = srv.client().completions.create(model=DEMO, prompt="In the beginning",
+                                             max_tokens=CONTEXT, temperature=0, stream=True)
+    it = iter(stream)
+    next(it)
+    srv.proc.terminate()
+    with pytest.raises(openai.APIError, match="the server is shutting down"):
+        for _ in it:
+            pass
+    assert srv.proc.wait(60) == 0
+    log = srv.log()
+    assert "lily-py serve: stopped" in log and "Traceback" not in log

@@ -265,3 +265,34 @@ def wait_for(cond, timeout=30.0):
     while not cond():
         assert time.monotonic() < deadline, "condition not reached in time"
         time.sleep(0.01)
+
+
+def test_scheduler_stop_answers_what_waits():
+    import asyncio
+
+    from lily_py.serve.scheduler import CHUNK, DONE, ERROR, START, Job, Scheduler, ShuttingDown
+
+    async def main():
+        gate = threading.Event()
+        model = ScriptedModel([Chunk(text=str(i)) for i in range(1000)], gate=gate)
+        sched = Scheduler(model, max_queue=2)
+        loop = asyncio.get_running_loop()
+        running, waiting = Job("a", {}, loop), Job("b", {}, loop)
+        sched.submit(running)
+        sched.submit(waiting)
+        assert (await running.events.get())[0] == START
+        await asyncio.to_thread(wait_for, lambda: sched.status()["running"] == 1)
+        gate.set()
+        await asyncio.to_thread(sched.stop)
+        kind, err = await waiting.events.get()
+        assert kind == ERROR and isinstance(err, ShuttingDown)
+        kinds = []
+        while not kinds or kinds[-1] != DONE:
+            kinds.append((await running.events.get())[0])
+        assert set(kinds[:-1]) <= {CHUNK} and len(kinds) < 1000     # stopped, not finished
+        assert model.closed.is_set() and model.cancels == 1
+        with pytest.raises(ShuttingDown):
+            sched.submit(Job("c", {}, loop))
+        assert [c[0] for c in model.calls] == ["a"]
+
+    asyncio.run(main())

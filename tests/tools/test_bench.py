@@ -93,3 +93,19 @@ def test_bad_arguments_exit_2():
     p = subprocess.run([sys.executable, "-m", "lily_py.cli", "bench", "--random-weights", "--model", "x"],
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "not allowed with" in p.stderr
+
+
+def test_a_large_checkpoint_off_metal_is_counted_not_run(monkeypatch):
+    """A checkpoint too large for the emulator (here: any, by lowering the threshold) is not run;
+    its own config is counted, with the checkpoint's own quantization."""
+    import lily_py
+    monkeypatch.setattr(B, "EMU_RUN_MAX_BYTES", 1000)
+    out = io.StringIO()
+    res = B.bench(model=lily_py.demo_path(), backend="emu", contexts=[16, 64], decode_tokens=2, out=out)
+    measured, counted = res["tables"]
+    assert measured["rows"] == [] and "do not run in useful time on 'emu'" in out.getvalue()
+    assert "COUNTED - checkpoint " in out.getvalue() and "hidden 256, 16 experts top-4" in counted["subject"]
+    m = lily_py.load(lily_py.demo_path(), backend="emu", context_length=64 + 3, prefill_chunk=64)
+    m.prefill(list(range(64)))
+    m.generate_text(list(range(64)), max_tokens=2)
+    assert counted["rows"][1]["decode_dispatches"] == m.stats()["dispatches"]

@@ -96,11 +96,23 @@ void encode_qk_norm_rope(Encoder& enc, const QkNormRopeOperands& op) {
   enc.set_buffer(7, need(fn, op.q_out, uint64_t(op.tokens) * op.q_heads * D * xs, "q_out"));
   enc.set_buffer(8, need(fn, op.k_cache, cache_bytes, "k_cache"));
   enc.set_buffer(9, need(fn, op.v_cache, cache_bytes, "v_cache"));
+  enc.set_touched(8, uint64_t(op.tokens) * op.kv_heads * D * 2);  // written: the new rows only
+  enc.set_touched(9, uint64_t(op.tokens) * op.kv_heads * D * 2);
   enc.dispatch({op.q_heads + op.kv_heads, op.tokens, 1}, {kRopeThreads, 1, 1});
 }
 
-AttnRoute attention_decode_route(uint32_t length) {
+bool attention_decode_uses_vec(uint32_t head_dim) { return head_dim == 64 || head_dim == 128 || head_dim == 256; }
+
+AttnRoute attention_decode_route(uint32_t length, uint32_t head_dim) {
   AttnRoute r;
+  if (length == 0) return r;
+  if (attention_decode_uses_vec(head_dim)) {
+    r.split = r.vec = true;
+    const uint32_t want = std::min<uint32_t>(kAttnVecMaxBlocks, (length + kAttnVecSimds - 1) / kAttnVecSimds);
+    r.split_keys = (length + want - 1) / want;
+    r.splits = (length + r.split_keys - 1) / r.split_keys;  // every block non-empty
+    return r;
+  }
   if (length <= kAttnSplitKeys) return r;
   r.split = true;
   const uint32_t want = std::min<uint32_t>(kAttnMaxSplits, (length + kAttnSplitKeys - 1) / kAttnSplitKeys);
@@ -111,9 +123,11 @@ AttnRoute attention_decode_route(uint32_t length) {
 }
 
 uint64_t attention_scratch_bytes(uint32_t q_heads, uint32_t head_dim, uint32_t length) {
-  const AttnRoute r = attention_decode_route(length);
-  if (!r.split) return 0;
-  return uint64_t(q_heads) * r.splits * (uint64_t(head_dim) + 2) * 4;
+  // splits never exceed the number of blocks wanted, which grows with length.
+  uint32_t splits = 0;
+  if (attention_decode_uses_vec(head_dim)) splits = std::min<uint32_t>(kAttnVecMaxBlocks, (length + kAttnVecSimds - 1) / kAttnVecSimds);
+  else if (length > kAttnSplitKeys) splits = std::min<uint32_t>(kAttnMaxSplits, (length + kAttnSplitKeys - 1) / kAttnSplitKeys);
+  return uint64_t(q_heads) * splits * (uint64_t(head_dim) + 2) * 4;
 }
 
 namespace {
@@ -175,6 +189,13 @@ uint64_t attention_decode_executed_flops(const AttentionOperands& op) {
   return 4ull * op.head_dim * op.q_heads * keys;
 }
 
+// Buffers 2 and 3 (K and V caches, bound whole): rows [0, length) of every KV head are read.
+void touch_cache_rows(Encoder& enc, const AttentionOperands& op, uint64_t length) {
+  const uint64_t bytes = length * op.kv_heads * op.head_dim * 2;
+  enc.set_touched(2, bytes);
+  enc.set_touched(3, bytes);
+}
+
 }  // namespace
 
 void encode_attention_decode(Encoder& enc, const AttentionOperands& op) {
@@ -183,7 +204,7 @@ void encode_attention_decode(Encoder& enc, const AttentionOperands& op) {
   Checked c = check_attention(fn, op);
   const uint32_t group = op.q_heads / op.kv_heads;
   const uint32_t length = op.position + 1;
-  const AttnRoute route = attention_decode_route(length);
+  const AttnRoute route = attention_decode_route(length, op.head_dim);
   const bool bf = op.dtype == DType::bf16;
   if (!route.split) {
     enc.set_kernel(bf ? KernelId::attn_decode_bf16 : KernelId::attn_decode_f32);
@@ -193,6 +214,7 @@ void encode_attention_decode(Encoder& enc, const AttentionOperands& op) {
     enc.set_buffer(3, c.v);
     enc.set_buffer(4, c.gate);
     enc.set_buffer(5, c.out);
+    touch_cache_rows(enc, op, length);
     enc.dispatch({op.kv_heads, 1, 1}, {32 * group, 1, 1});
     enc.add_flops(attention_decode_executed_flops(op), attention_useful_flops(op));
     return;
@@ -204,6 +226,32 @@ void encode_attention_decode(Encoder& enc, const AttentionOperands& op) {
   const Binding scratch = need(fn, op.scratch, o_bytes + ml_bytes, "scratch");
   const Binding partial_o{scratch.buffer, scratch.offset, o_bytes};
   const Binding partial_ml{scratch.buffer, scratch.offset + o_bytes, ml_bytes};
+  if (route.vec) {
+    const uint32_t e = op.head_dim / 32;  // 2, 4 or 8
+    const KernelId pass1 = e == 2   ? (bf ? KernelId::attn_decode_vec_e2_bf16 : KernelId::attn_decode_vec_e2_f32)
+                           : e == 4 ? (bf ? KernelId::attn_decode_vec_e4_bf16 : KernelId::attn_decode_vec_e4_f32)
+                                    : (bf ? KernelId::attn_decode_vec_e8_bf16 : KernelId::attn_decode_vec_e8_f32);
+    const KernelId pass2 = e == 2   ? (bf ? KernelId::attn_vec_combine_e2_bf16 : KernelId::attn_vec_combine_e2_f32)
+                           : e == 4 ? (bf ? KernelId::attn_vec_combine_e4_bf16 : KernelId::attn_vec_combine_e4_f32)
+                                    : (bf ? KernelId::attn_vec_combine_e8_bf16 : KernelId::attn_vec_combine_e8_f32);
+    enc.set_kernel(pass1);
+    enc.set_args(c.args);
+    enc.set_buffer(1, c.q);
+    enc.set_buffer(2, c.k);
+    enc.set_buffer(3, c.v);
+    enc.set_buffer(4, partial_o);
+    enc.set_buffer(5, partial_ml);
+    enc.dispatch({op.kv_heads, route.splits, 1}, {32 * kAttnVecSimds, 1, 1});
+    enc.barrier();  // partial_o, partial_ml -> combine
+    enc.set_kernel(pass2);
+    enc.set_args(c.args);
+    enc.set_buffer(1, partial_o);
+    enc.set_buffer(2, partial_ml);
+    enc.set_buffer(3, c.gate);
+    enc.set_buffer(4, c.out);
+    enc.dispatch({op.q_heads, 1, 1}, {32, 1, 1});
+    return;
+  }
   enc.set_kernel(bf ? KernelId::attn_decode_split_bf16 : KernelId::attn_decode_split_f32);
   enc.set_args(c.args);
   enc.set_buffer(1, c.q);
@@ -211,8 +259,9 @@ void encode_attention_decode(Encoder& enc, const AttentionOperands& op) {
   enc.set_buffer(3, c.v);
   enc.set_buffer(4, partial_o);
   enc.set_buffer(5, partial_ml);
+  touch_cache_rows(enc, op, length);
   enc.dispatch({op.kv_heads, 1, route.splits}, {32 * group, 1, 1});
-  enc.barrier();  // partials -> combine
+  enc.barrier();  // partial_o, partial_ml -> combine
   enc.set_kernel(bf ? KernelId::attn_combine_bf16 : KernelId::attn_combine_f32);
   enc.set_args(c.args);
   enc.set_buffer(1, partial_o);
@@ -241,6 +290,7 @@ void encode_attention_prefill(Encoder& enc, const AttentionOperands& op) {
     enc.set_buffer(3, c.v);
     enc.set_buffer(4, c.gate);
     enc.set_buffer(5, c.out);
+    touch_cache_rows(enc, op, uint64_t(op.position) + op.tokens);  // each row counted once
     enc.dispatch({op.kv_heads, (op.tokens + qt - 1) / qt, 1}, {kAttnMmaThreads, 1, 1});
     // Each threadgroup runs 32 rows (qt * group live) against every 32-key block up to its last
     // token's keys: S = Q K^T and O += P V, 2 * 32 * 32 * head_dim multiply-adds per block.
@@ -259,6 +309,7 @@ void encode_attention_prefill(Encoder& enc, const AttentionOperands& op) {
   enc.set_buffer(3, c.v);
   enc.set_buffer(4, c.gate);
   enc.set_buffer(5, c.out);
+  touch_cache_rows(enc, op, uint64_t(op.position) + op.tokens);  // each row counted once
   enc.dispatch({op.kv_heads, (op.tokens + kAttnPrefillTokens - 1) / kAttnPrefillTokens, 1}, {32 * group, 1, 1});
   // Each threadgroup runs kAttnPrefillTokens query tokens (the last clamped) x group heads against
   // whole 32-key blocks up to its last token's keys (masked keys are computed, then dropped).

@@ -45,13 +45,20 @@ struct QkNormRopeOperands {
 KernelId qk_norm_rope_kernel(DType x_dtype, DType w_dtype);
 void encode_qk_norm_rope(Encoder& enc, const QkNormRopeOperands& op);
 
-// Decode route for a context of `length` keys (the new token's included).
+// Decode route for a context of `length` keys (the new token's included) and head_dim:
+//  vec    head_dim 64, 128 or 256 (32 E, E = 2, 4, 8), any length: attn_decode_vec_e<E> over
+//         `splits` key blocks of `split_keys` keys (min(kAttnVecMaxBlocks, ceil(length / 8))
+//         blocks wanted, none empty), barrier, attn_vec_combine_e<E>
+//  single other head_dims, length <= kAttnSplitKeys: one pass (attn_decode_*)
+//  split  other head_dims, longer: attn_decode_split_* + barrier + attn_combine_*
 struct AttnRoute {
-  bool split = false;       // false: one pass (attn_decode_*); true: attn_decode_split_* + attn_combine_*
-  uint32_t splits = 1;      // key ranges
-  uint32_t split_keys = 0;  // keys per range (multiple of kAttnBlockKeys); 0 on the single route
+  bool split = false;       // true: two passes (vec or split) with partials in the scratch
+  bool vec = false;         // the vec route
+  uint32_t splits = 1;      // key ranges (blocks)
+  uint32_t split_keys = 0;  // keys per range; 0 on the single route
 };
-AttnRoute attention_decode_route(uint32_t length);
+bool attention_decode_uses_vec(uint32_t head_dim);
+AttnRoute attention_decode_route(uint32_t length, uint32_t head_dim);
 
 struct AttentionOperands {
   Binding q;           // [tokens, q_heads, head_dim] of dtype, q_stride elements between tokens
@@ -68,9 +75,10 @@ struct AttentionOperands {
   uint32_t gate_stride = 0;       // 0: packed (q_heads * gate_head_stride)
   uint32_t gate_head_stride = 0;  // 0: head_dim
 };
-// Bytes of the split route's partials (o and (m, l) per query head and split).
+// Bytes of the two-pass routes' partials (o and (m, l) per query head and split); enough for
+// every context up to `length` keys.
 uint64_t attention_scratch_bytes(uint32_t q_heads, uint32_t head_dim, uint32_t length);
-// Decode (tokens == 1): one dispatch, or split + barrier + combine (route from position + 1).
+// Decode (tokens == 1): one dispatch, or two passes + barrier (route from position + 1, head_dim).
 void encode_attention_decode(Encoder& enc, const AttentionOperands& op);
 // Prefill route: "mma" (simdgroup matrices) when head_dim % 32 == 0 and, above 128, % 64 == 0
 // (64, 128, 256, ...); otherwise "simd" (scalar fp32, any head_dim <= 256).

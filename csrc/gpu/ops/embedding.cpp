@@ -38,6 +38,11 @@ void encode_embedding(Encoder& enc, const EmbeddingOperands& op) {
   enc.set_buffer(2, need(op.table, uint64_t(op.vocab) * op.D * op.bits / 8, "table"));
   enc.set_buffer(3, need(op.scales, groups * dtype_size(op.scale_dtype), "scales"));
   enc.set_buffer(4, need(op.biases, groups * dtype_size(op.scale_dtype), "biases"));
+  // Read: one row of codes, scales and biases per token (the table is bound whole).
+  const uint64_t row_groups = uint64_t(op.tokens) * (op.D / op.group_size);
+  enc.set_touched(2, uint64_t(op.tokens) * op.D * op.bits / 8);
+  enc.set_touched(3, row_groups * dtype_size(op.scale_dtype));
+  enc.set_touched(4, row_groups * dtype_size(op.scale_dtype));
   Binding out = need(op.out, uint64_t(op.tokens) * op.D * dtype_size(op.out_dtype), "out");
   out.bytes = uint64_t(op.tokens) * op.D * dtype_size(op.out_dtype);
   enc.set_buffer(5, out);

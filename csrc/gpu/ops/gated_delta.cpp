@@ -97,6 +97,7 @@ void encode_gated_delta(Encoder& enc, const GatedDeltaOperands& op) {
   enc.set_buffer(6, need(fn, op.dt_bias, uint64_t(op.Hv) * dtype_size(wt), "dt_bias"));
   enc.set_buffer(7, need(fn, op.norm_weight, uint64_t(op.Dv) * dtype_size(wt), "norm_weight"));
   enc.set_buffer(8, need(fn, op.state, uint64_t(op.Hv) * op.Dv * op.Dk * 4, "state"));
+  enc.set_touched(8, 2 * uint64_t(op.Hv) * op.Dv * op.Dk * 4);  // read and written in place
   enc.set_buffer(9, need(fn, op.y, uint64_t(op.T) * VD * dtype_size(xt), "y"));
   enc.dispatch({op.Hv, 1, 1}, {gated_delta_threads(op.Dv), 1, 1});
   const uint64_t f = gated_delta_useful_flops(op.T, op.Hv, op.Dk, op.Dv);

@@ -34,14 +34,22 @@ QuantBytes quant_bytes(uint64_t count, uint64_t N, uint64_t K, uint32_t bits, ui
   return {count * N * K * bits / 8, count * N * (K / gs) * dtype_size(st)};
 }
 
-void bind_quant(Encoder& enc, uint32_t first, const QuantMatrix& m, QuantBytes b, const char* what) {
+// `used` of the stack's `count` matrices are read (the routed experts; all of them by default).
+void bind_quant(Encoder& enc, uint32_t first, const QuantMatrix& m, QuantBytes b, const char* what,
+                uint64_t used = 0, uint64_t count = 1) {
   enc.set_buffer(first, range(m.w, b.w, what, ".w"));
   enc.set_buffer(first + 1, range(m.scales, b.s, what, ".scales"));
   enc.set_buffer(first + 2, range(m.biases, b.s, what, ".biases"));
+  if (used != 0 && used < count) {
+    enc.set_touched(first, b.w / count * used);
+    enc.set_touched(first + 1, b.s / count * used);
+    enc.set_touched(first + 2, b.s / count * used);
+  }
 }
 
 MoeArgs make_args(const MoeOperands& op, MoeRoute route) {
   const uint32_t bm = moe_tile_rows(route);
+  const MoeTileBounds tb = bm ? moe_tile_bounds(op.tokens, op.top_k, op.experts) : MoeTileBounds{};
   MoeArgs a{};
   a.tokens = op.tokens;
   a.hidden = op.hidden;
@@ -52,30 +60,30 @@ MoeArgs make_args(const MoeOperands& op, MoeRoute route) {
   a.h_stride = std::max(op.inter, op.shared_inter);
   a.group_size = op.group_size;
   a.tile_rows = bm;
-  a.max_tiles = bm ? moe_max_tiles(op.tokens, op.top_k, op.experts, bm) : 0;
+  a.max_tiles = tb.total();
   a.has_residual = op.residual.buffer != nullptr ? 1u : 0u;
+  a.max_tiles32 = tb.t32;
+  a.max_few = tb.few;
   return a;
 }
 
 }  // namespace
 
-MoeRoute moe_route(uint32_t tokens, uint32_t top_k) {
-  if (tokens <= kMoeMvMaxTokens) return MoeRoute::mv;
-  return uint64_t(tokens) * top_k >= kMoeTile64MinRows ? MoeRoute::mm64 : MoeRoute::mm32;
+MoeRoute moe_route(uint32_t tokens, uint32_t /*top_k*/) {
+  return tokens <= kMoeMvMaxTokens ? MoeRoute::mv : MoeRoute::tiled;
 }
 
-const char* moe_route_name(MoeRoute r) {
-  return r == MoeRoute::mv ? "mv" : r == MoeRoute::mm32 ? "mm32" : "mm64";
-}
+const char* moe_route_name(MoeRoute r) { return r == MoeRoute::mv ? "mv" : "tiled"; }
 
-uint32_t moe_tile_rows(MoeRoute r) { return r == MoeRoute::mv ? 0 : r == MoeRoute::mm32 ? 32 : 64; }
+uint32_t moe_tile_rows(MoeRoute r) { return r == MoeRoute::mv ? 0 : 64; }
 
-uint32_t moe_max_tiles(uint32_t tokens, uint32_t top_k, uint32_t experts, uint32_t bm) {
-  // sum over non-empty experts of ceil(count / bm) <= (rows + nonempty * (bm - 1)) / bm,
-  // plus the shared group's ceil(tokens / bm).
-  const uint64_t routed = uint64_t(tokens) * top_k;
-  const uint64_t nonempty = std::min<uint64_t>(experts, routed);
-  return uint32_t((routed + nonempty * (bm - 1)) / bm + ceil_div(tokens, bm));
+MoeTileBounds moe_tile_bounds(uint32_t tokens, uint32_t top_k, uint32_t experts) {
+  const uint64_t G = uint64_t(experts) + 1, R = uint64_t(tokens) * (top_k + 1);
+  MoeTileBounds b;
+  b.few = uint32_t(std::min(G, R));
+  b.t32 = uint32_t(std::min(G, R / (kMoeFewMaxRows + 1)));
+  b.t64 = uint32_t((R + 31 * std::min(G, R / (kMoeTile32MaxRows + 1))) / 64);
+  return b;
 }
 
 MoeFlops moe_expert_flops(uint32_t tokens, uint32_t top_k, uint32_t experts, uint32_t H, uint32_t I, uint32_t Is) {
@@ -83,15 +91,31 @@ MoeFlops moe_expert_flops(uint32_t tokens, uint32_t top_k, uint32_t experts, uin
   const uint64_t T = tokens, useful = 6ull * H * (T * top_k * I + T * Is);
   const MoeRoute route = moe_route(tokens, top_k);
   if (route == MoeRoute::mv) return {useful, useful};  // one matvec per (token, slot): no padding
-  const uint64_t bm = moe_tile_rows(route), bn = kMoeTileN;
+  const uint64_t bn = kMoeTileN;
   auto pad = [bn](uint64_t n) { return (n + bn - 1) / bn * bn; };
-  // The plan decides on the device which tiles run; the host knows only the grid's bound
-  // (moe_max_tiles): shared tiles ceil(T / BM), the rest routed. Each runs BM rows x whole
-  // 32-wide column tiles; gate/up tiles past N and tiles past the plan's count exit at once.
-  const uint64_t shared_tiles = ceil_div(tokens, uint32_t(bm));
-  const uint64_t routed_tiles = moe_max_tiles(tokens, top_k, experts, uint32_t(bm)) - shared_tiles;
-  auto per_tile = [&](uint64_t N) { return 2 * bm * (2 * pad(N) * H + pad(H) * N); };
-  return {routed_tiles * per_tile(I) + shared_tiles * per_tile(Is), useful};
+  // Every live row costs its group's products over whole 32-wide column tiles; on top, the
+  // padding rows of the 32- and 64-row tiles (bound: see moe_expert_flops in moe.h) at the larger
+  // of the two expert widths.
+  auto per_row = [&](uint64_t N) { return 2 * (2 * pad(N) * H + pad(H) * N); };
+  const uint64_t G = uint64_t(experts) + 1, R = T * (top_k + 1);
+  const uint64_t pad_rows = std::min(31 * G, 23 * R / 9);
+  const uint64_t executed = T * top_k * per_row(I) + T * per_row(Is) + pad_rows * per_row(std::max(I, Is));
+  return {executed, useful};
+}
+
+uint64_t moe_expert_flops_from_tiles(uint32_t tokens, uint32_t top_k, uint32_t H, uint32_t I, uint32_t Is,
+                                     const uint32_t st[4]) {
+  const uint64_t bn = kMoeTileN;
+  auto pad = [bn](uint64_t n) { return (n + bn - 1) / bn * bn; };
+  auto tile_row = [&](uint64_t N) { return 2 * (2 * pad(N) * H + pad(H) * N); };  // mm tiles: whole column tiles
+  auto few_row = [&](uint64_t N) { return 6 * N * H; };                            // matvec: no padding
+  // The shared group (every token, T rows) is cut by the same rule; the rest of each list is routed.
+  const uint32_t rem = tokens % 64;
+  const uint64_t s64 = tokens / 64 + (rem > kMoeTile32MaxRows), s32 = rem > kMoeFewMaxRows && rem <= kMoeTile32MaxRows;
+  const uint64_t sfew_rows = rem <= kMoeFewMaxRows ? rem : 0;
+  (void)top_k;
+  return 64 * ((st[0] - s64) * tile_row(I) + s64 * tile_row(Is)) + 32 * ((st[1] - s32) * tile_row(I) + s32 * tile_row(Is)) +
+         (st[3] - sfew_rows) * few_row(I) + sfew_rows * few_row(Is);
 }
 
 MoeScratchBytes moe_scratch_bytes(const MoeOperands& op) {
@@ -103,10 +127,11 @@ MoeScratchBytes moe_scratch_bytes(const MoeOperands& op) {
   b.weights = R * 4;
   b.h = R * std::max(op.inter, op.shared_inter) * 4;
   if (route != MoeRoute::mv) {
-    const uint64_t tiles = moe_max_tiles(op.tokens, op.top_k, op.experts, moe_tile_rows(route));
+    const uint64_t tiles = moe_tile_bounds(op.tokens, op.top_k, op.experts).total();
     b.plan = (kMoePlanTiles + 3 * tiles + 2 * R) * 4;
     b.row_weight = R * 4;
     b.y = R * op.hidden * 4;
+    b.tile_stats = 4 * 4;
   }
   return b;
 }
@@ -141,6 +166,7 @@ void validate(const MoeOperands& op) {
     range(op.scratch.plan, sb.plan, "scratch.plan");
     range(op.scratch.row_weight, sb.row_weight, "scratch.row_weight");
     range(op.scratch.y, sb.y, "scratch.y");
+    range(op.scratch.tile_stats, sb.tile_stats, "scratch.tile_stats");
   }
   const uint32_t E = op.experts, H = op.hidden, I = op.inter, Is = op.shared_inter;
   auto check = [&](const QuantMatrix& m, QuantBytes b, const char* what) {
@@ -173,6 +199,9 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
   };
   const Binding residual = range(op.residual.buffer ? op.residual : op.x, act, "residual");
   const MoeFlops flops = moe_expert_flops(T, k, E, H, I, Is);
+  // Experts the gathers read: top_k distinct per token, so exactly k at T = 1; for T > 1 the
+  // host does not know the routes and counts min(E, T k), an upper bound.
+  const uint64_t used = std::min<uint64_t>(E, uint64_t(T) * k);
 
   // 1. router + shared-gate logits [T, E + 1] (qmv for T <= 8, else qmm)
   QmmOperands r;
@@ -206,8 +235,8 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
     enc.set_args(a);
     enc.set_buffer(1, range(op.x, act, "x"));
     enc.set_buffer(2, range(op.scratch.ids, sb.ids, "scratch.ids"));
-    bind_quant(enc, 3, op.gate, q(E, I, H), "gate");
-    bind_quant(enc, 6, op.up, q(E, I, H), "up");
+    bind_quant(enc, 3, op.gate, q(E, I, H), "gate", used, E);
+    bind_quant(enc, 6, op.up, q(E, I, H), "up", used, E);
     bind_quant(enc, 9, op.shared_gate, q(1, Is, H), "shared_gate");
     bind_quant(enc, 12, op.shared_up, q(1, Is, H), "shared_up");
     enc.set_buffer(15, range(op.scratch.h, sb.h, "scratch.h"));
@@ -220,7 +249,7 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
     enc.set_buffer(1, range(op.scratch.ids, sb.ids, "scratch.ids"));
     enc.set_buffer(2, range(op.scratch.weights, sb.weights, "scratch.weights"));
     enc.set_buffer(3, range(op.scratch.h, sb.h, "scratch.h"));
-    bind_quant(enc, 4, op.down, q(E, H, I), "down");
+    bind_quant(enc, 4, op.down, q(E, H, I), "down", used, E);
     bind_quant(enc, 7, op.shared_down, q(1, H, Is), "shared_down");
     enc.set_buffer(10, residual);
     enc.set_buffer(11, range(op.out, act, "out"));
@@ -229,38 +258,57 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
     return;
   }
 
-  const bool t64 = route == MoeRoute::mm64;
-  // 3. plan: counts, offsets, block map, permutation (one threadgroup)
+  const MoeTileBounds tb = moe_tile_bounds(T, k, E);
+  // 3. plan: counts, offsets, tiles by load, permutation (one threadgroup)
   enc.set_kernel(KernelId::moe_plan);
   enc.set_args(a);
   enc.set_buffer(1, range(op.scratch.ids, sb.ids, "scratch.ids"));
   enc.set_buffer(2, range(op.scratch.weights, sb.weights, "scratch.weights"));
   enc.set_buffer(3, range(op.scratch.plan, sb.plan, "scratch.plan"));
   enc.set_buffer(4, range(op.scratch.row_weight, sb.row_weight, "scratch.row_weight"));
+  enc.set_buffer(5, range(op.scratch.tile_stats, sb.tile_stats, "scratch.tile_stats"));
   enc.dispatch({1, 1, 1}, {kMoePlanThreads, 1, 1});
   enc.barrier();  // plan -> grouped gate/up
-  // 4. grouped gate + up + SwiGLU (gather fused into the x loads)
-  enc.set_kernel(t64 ? KernelId::moe_gate_up_mm64_b4_xf32_sbf16 : KernelId::moe_gate_up_mm32_b4_xf32_sbf16);
-  enc.set_args(a);
-  enc.set_buffer(1, range(op.x, act, "x"));
-  enc.set_buffer(2, range(op.scratch.plan, sb.plan, "scratch.plan"));
-  bind_quant(enc, 3, op.gate, q(E, I, H), "gate");
-  bind_quant(enc, 6, op.up, q(E, I, H), "up");
-  bind_quant(enc, 9, op.shared_gate, q(1, Is, H), "shared_gate");
-  bind_quant(enc, 12, op.shared_up, q(1, Is, H), "shared_up");
-  enc.set_buffer(15, range(op.scratch.h, sb.h, "scratch.h"));
-  enc.dispatch({ceil_div(a.h_stride, kMoeTileN), a.max_tiles, 1}, {32 * kMoeTileSimds, 1, 1});
+  // 4. grouped gate + up + SwiGLU (gather fused into the x loads): the 64-row, 32-row and
+  //    few-row tiles side by side (disjoint rows of h: no barrier between them)
+  const struct {
+    KernelId gate_up, down;
+    uint32_t bound, cols;  // tiles in the list; output features per threadgroup
+  } kinds[3] = {{KernelId::moe_gate_up_mm64_b4_xf32_sbf16, KernelId::moe_down_mm64_b4_sbf16, tb.t64, kMoeTileN},
+                {KernelId::moe_gate_up_mm32_b4_xf32_sbf16, KernelId::moe_down_mm32_b4_sbf16, tb.t32, kMoeTileN},
+                {KernelId::moe_gate_up_few_b4_xf32_sbf16, KernelId::moe_down_few_b4_sbf16, tb.few,
+                 kMoeMvRowsPerSimd * kMoeMvSimdsPerGroup}};
+  // bytes_touched: each tile kind is counted as reading all `used` experts (an upper bound:
+  // the kinds split the experts between them on the device).
+  for (const auto& kd : kinds) {
+    const bool few = kd.gate_up == KernelId::moe_gate_up_few_b4_xf32_sbf16;
+    enc.set_kernel(kd.gate_up);
+    enc.set_args(a);
+    enc.set_buffer(1, range(op.x, act, "x"));
+    enc.set_buffer(2, range(op.scratch.plan, sb.plan, "scratch.plan"));
+    bind_quant(enc, 3, op.gate, q(E, I, H), "gate", used, E);
+    bind_quant(enc, 6, op.up, q(E, I, H), "up", used, E);
+    bind_quant(enc, 9, op.shared_gate, q(1, Is, H), "shared_gate");
+    bind_quant(enc, 12, op.shared_up, q(1, Is, H), "shared_up");
+    enc.set_buffer(15, range(op.scratch.h, sb.h, "scratch.h"));
+    enc.dispatch({ceil_div(a.h_stride, kd.cols), std::max(kd.bound, 1u), 1},
+                 {32 * (few ? kMoeMvSimdsPerGroup : kMoeTileSimds), 1, 1});
+  }
   enc.barrier();  // h -> grouped down
-  // 5. grouped down projection x routing weight per row
-  enc.set_kernel(t64 ? KernelId::moe_down_mm64_b4_sbf16 : KernelId::moe_down_mm32_b4_sbf16);
-  enc.set_args(a);
-  enc.set_buffer(1, range(op.scratch.plan, sb.plan, "scratch.plan"));
-  enc.set_buffer(2, range(op.scratch.row_weight, sb.row_weight, "scratch.row_weight"));
-  enc.set_buffer(3, range(op.scratch.h, sb.h, "scratch.h"));
-  bind_quant(enc, 4, op.down, q(E, H, I), "down");
-  bind_quant(enc, 7, op.shared_down, q(1, H, Is), "shared_down");
-  enc.set_buffer(10, range(op.scratch.y, sb.y, "scratch.y"));
-  enc.dispatch({ceil_div(H, kMoeTileN), a.max_tiles, 1}, {32 * kMoeTileSimds, 1, 1});
+  // 5. grouped down projection x routing weight per row, the three tile kinds side by side
+  for (const auto& kd : kinds) {
+    const bool few = kd.down == KernelId::moe_down_few_b4_sbf16;
+    enc.set_kernel(kd.down);
+    enc.set_args(a);
+    enc.set_buffer(1, range(op.scratch.plan, sb.plan, "scratch.plan"));
+    enc.set_buffer(2, range(op.scratch.row_weight, sb.row_weight, "scratch.row_weight"));
+    enc.set_buffer(3, range(op.scratch.h, sb.h, "scratch.h"));
+    bind_quant(enc, 4, op.down, q(E, H, I), "down", used, E);
+    bind_quant(enc, 7, op.shared_down, q(1, H, Is), "shared_down");
+    enc.set_buffer(10, range(op.scratch.y, sb.y, "scratch.y"));
+    enc.dispatch({ceil_div(H, kd.cols), std::max(kd.bound, 1u), 1},
+                 {32 * (few ? kMoeMvSimdsPerGroup : kMoeTileSimds), 1, 1});
+  }
   enc.barrier();  // y -> combine
   // 6. scatter back: sum of each token's k + 1 weighted rows (+ residual)
   enc.set_kernel(KernelId::moe_combine_xf32);
@@ -275,10 +323,7 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
 
 void RecordingEncoder::encode_dispatch(const Dispatch& d) {
   kernels.emplace_back(kernel_info(d.kernel).name);
-  inner_.set_kernel(d.kernel);
-  inner_.set_args_bytes(d.args, d.args_size);
-  for (uint32_t i = 1; i <= d.num_buffers; ++i) inner_.set_buffer(i, d.buffers[i]);
-  inner_.dispatch(d.groups, d.threads);
+  forward_dispatch(inner_, d);
 }
 
 }  // namespace lily::gpu::ops

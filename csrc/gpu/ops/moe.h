@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "gpu/dtype.h"
@@ -15,25 +16,39 @@
 namespace lily::gpu::ops {
 
 enum class MoeRoute : uint8_t {
-  mv,    // tokens <= kMoeMvMaxTokens: gather matvec per (token, slot), fused down + combine
-  mm32,  // tiled grouped matmul, 32-row tiles (routed rows tokens * top_k < kMoeTile64MinRows)
-  mm64,  // tiled grouped matmul, 64-row tiles
+  mv,     // tokens <= kMoeMvMaxTokens: gather matvec per (token, slot), fused down + combine
+  tiled,  // grouped matmul with tiles sized by each expert's load on the device: 64-row tiles,
+          // and for the remainder a 32-row tile or (<= kMoeFewMaxRows rows) a matvec-style tile
 };
 
 MoeRoute moe_route(uint32_t tokens, uint32_t top_k);
 const char* moe_route_name(MoeRoute r);
-uint32_t moe_tile_rows(MoeRoute r);  // 0 for mv
-// Tiles the tiled grids cover: an upper bound of the plan's tile count for any routing.
-uint32_t moe_max_tiles(uint32_t tokens, uint32_t top_k, uint32_t experts, uint32_t tile_rows);
+uint32_t moe_tile_rows(MoeRoute r);  // the largest tile: 0 for mv, 64 for tiled
+
+// Entries of the three tile lists the tiled grids cover: upper bounds, for any routing, of the
+// tiles the plan makes (G = E + 1 groups, R = T (k + 1) rows): few-row tiles <= min(G, R), 32-row
+// tiles <= min(G, R / 9) (a remainder of 9..32 rows each), 64-row tiles <= (R + 31 min(G, R / 33))
+// / 64 (a group of c rows takes <= (c + 31) / 64 of them, and only if c >= 33).
+struct MoeTileBounds {
+  uint32_t t64 = 0, t32 = 0, few = 0;
+  uint32_t total() const { return t64 + t32 + few; }
+};
+MoeTileBounds moe_tile_bounds(uint32_t tokens, uint32_t top_k, uint32_t experts);
 
 // FLOPs of the expert matmuls (gate, up, down of the routed and shared experts; the router goes
 // through quantized_matmul and counts there). useful: T k rows of the routed experts and T of the
-// shared one. executed: the route's tiles; on the tiled routes the plan (on the device) decides
-// how many run, so this is the bound the grid covers (moe_max_tiles), exact on the mv route.
+// shared one. executed: the route's tiles; on the tiled route the plan (on the device) decides
+// how many run and how much they pad, so this is a bound over every routing (exact on the mv
+// route): a group's remainder pads at most 31 rows (33 in a 64-row tile) and at most 23 / 9 of its
+// rows (9 in a 32-row tile); few-row tiles and full 64-row tiles pad none.
 struct MoeFlops {
   uint64_t executed = 0, useful = 0;
 };
 MoeFlops moe_expert_flops(uint32_t tokens, uint32_t top_k, uint32_t experts, uint32_t H, uint32_t I, uint32_t Is);
+// The tiled route's executed FLOPs exactly, from the tile_stats the plan wrote (after the step):
+// 64- and 32-row tiles run whole (zero rows past the group), few-row tiles only their rows.
+uint64_t moe_expert_flops_from_tiles(uint32_t tokens, uint32_t top_k, uint32_t H, uint32_t I, uint32_t Is,
+                                     const uint32_t tile_stats[4]);
 
 // An MLX affine-quantized matrix (or stack of matrices).
 struct QuantMatrix {
@@ -51,10 +66,12 @@ struct MoeScratch {
   Binding row_weight;  // float32 [R]             (tiled routes) R = T * (k + 1)
   Binding h;           // float32 [R, max(I, Is)] SwiGLU intermediate
   Binding y;           // float32 [R, H]          (tiled routes) weighted expert outputs
+  Binding tile_stats;  // uint32  [4]             (tiled route) tiles the plan made: 64-row, 32-row,
+                       //                         few-row, rows in few-row tiles (read after the step)
 };
 
 struct MoeScratchBytes {
-  size_t logits = 0, ids = 0, weights = 0, plan = 0, row_weight = 0, h = 0, y = 0;
+  size_t logits = 0, ids = 0, weights = 0, plan = 0, row_weight = 0, h = 0, y = 0, tile_stats = 0;
 };
 
 struct MoeOperands {
@@ -78,8 +95,8 @@ MoeScratchBytes moe_scratch_bytes(const MoeOperands& op);
 // Throws std::invalid_argument naming the bad operand.
 void validate(const MoeOperands& op);
 
-// Encodes the whole block (4 dispatches on the mv route, 6 on the tiled routes, barriers
-// between them). Never commits, waits or reads device memory.
+// Encodes the whole block (4 dispatches and 3 barriers on the mv route; 10 and 5 on the tiled
+// route: the 64-row, 32-row and few-row kernels of one stage run side by side). Never commits, waits or reads device memory.
 void encode_moe(Encoder& enc, const MoeOperands& op);
 
 // An encoder that forwards everything to another one and records what a block encoded: the
@@ -91,7 +108,7 @@ class RecordingEncoder final : public Encoder {
   void wait() override { ++waits; inner_.wait(); }
   uint32_t thread_limit(KernelId k) const override { return inner_.thread_limit(k); }
   bool tensor_ops() const override { return inner_.tensor_ops(); }
-  std::vector<std::string> kernels;
+  std::vector<std::string_view> kernels;  // kernel names (static storage), in dispatch order
   uint64_t commits = 0, waits = 0;
 
  protected:

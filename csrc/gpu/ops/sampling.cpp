@@ -1,5 +1,6 @@
 #include "gpu/ops/sampling.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <stdexcept>
@@ -33,6 +34,7 @@ uint32_t sample_groups(uint32_t valid_vocab) { return ceil_div(valid_vocab, kSam
 
 uint32_t SamplePlan::dispatches() const {
   if (greedy) return 2;
+  if (small_k) return 4;
   return 2 + (stats ? 2 : 0) + (search_top_k ? 2 * kSampleRounds : 0) + (search_keep ? 2 * kSampleRounds : 0) + 2;
 }
 
@@ -46,6 +48,10 @@ SamplePlan sample_plan(const SampleOperands& op) {
   const bool top_k = s.top_k != 0 && s.top_k < op.valid_vocab;
   const bool top_p = s.top_p < 1.0;
   const bool min_p = s.min_p > 0.0;
+  if (top_k && s.top_k <= kSampleSmallK) {
+    p.small_k = true;
+    return p;
+  }
   p.stats = min_p || (top_p && !top_k);
   p.search_top_k = top_k && top_p;
   p.search_keep = top_k || top_p || min_p;
@@ -55,7 +61,9 @@ SamplePlan sample_plan(const SampleOperands& op) {
 size_t sample_state_bytes(uint32_t rows) { return size_t(rows) * sizeof(SampleState); }
 size_t sample_partials_bytes(uint32_t rows, uint32_t v) { return size_t(rows) * sample_groups(v) * sizeof(SamplePartial); }
 size_t sample_hist_bytes(uint32_t rows, uint32_t v) {
-  return size_t(rows) * sample_groups(v) * kSampleBins * sizeof(SampleBin);
+  // The cutoff search's histograms, or the small-k route's candidates (2 words x kSampleSmallK).
+  const size_t per_group = std::max<size_t>(kSampleBins * sizeof(SampleBin), 2 * kSampleSmallK * 4);
+  return size_t(rows) * sample_groups(v) * per_group;
 }
 
 void validate(const SampleOperands& op) {
@@ -125,6 +133,26 @@ void encode_sample(Encoder& enc, const SampleOperands& op) {
   enc.set_buffer(4, chosen);
   enc.dispatch(final_grid, final_threads);
   if (plan.greedy) return;
+
+  if (plan.small_k) {
+    const uint64_t cand = uint64_t(op.rows) * G * a.top_k * 8;  // (s, id) per candidate
+    begin(KernelId::sample_topk_partial_f32);
+    enc.set_buffer(1, logits);
+    enc.set_buffer(2, state);
+    enc.set_buffer(3, hist);
+    enc.set_touched(3, cand);
+    enc.dispatch(partial_grid, partial_threads);
+    begin(KernelId::sample_topk_merge_f32);
+    enc.set_buffer(1, logits);
+    enc.set_buffer(2, state);
+    enc.set_buffer(3, hist);
+    enc.set_buffer(4, ids);
+    enc.set_buffer(5, chosen);
+    enc.set_touched(1, uint64_t(op.rows) * 4);  // reads the chosen entry's logit only
+    enc.set_touched(3, cand);
+    enc.dispatch(final_grid, Size3{kSampleMergeThreads, 1, 1});
+    return;
+  }
 
   if (plan.stats) {
     begin(KernelId::sample_stats_partial_f32);

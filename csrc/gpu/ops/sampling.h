@@ -35,6 +35,7 @@ struct SamplePlan {
   bool stats = false;        // min-p count / total mass pass (min_p > 0, or top-p without top-k)
   bool search_top_k = false; // a cutoff search for the top-k set's mass (top-k and top-p both on)
   bool search_keep = false;  // the cutoff search for the kept set (any filter on)
+  bool small_k = false;      // 0 < top_k <= kSampleSmallK: per-group candidates + one merge (no search)
   uint32_t dispatches() const;
 };
 

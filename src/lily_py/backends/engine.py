@@ -337,3 +337,56 @@ def count_step(cfg: ModelConfig, *, tokens: int = 1, position: int = 0, all_logi
                        prefill_chunk=chunk)
     eng = _core().Engine(spec, "count")
     return eng.count(tokens, position, all_logits)
+
+
+def _qbytes(rows: int, cols: int, q: dict) -> int:
+    """Bytes of an MLX affine-quantized [rows, cols] matrix: codes plus scales and biases."""
+    s = 2 if q["scale_dtype"] == "bfloat16" else 4
+    return rows * cols * q["bits"] // 8 + 2 * rows * (cols // q["group_size"]) * s
+
+
+def decode_floor_bytes(cfg: ModelConfig, *, position: int, quant: dict | None = None) -> dict:
+    """The bytes one decode token cannot avoid moving, derived from the config alone
+    (docs/performance.md): every weight it uses read once (one embedding row; every layer's
+    norms and mixer; the router, the top-k routed experts and the shared expert; the final norm
+    and lm_head), each DeltaNet layer's recurrent state and conv window read and written once,
+    and each attention layer's KV cache read for ``position + 1`` rows and one row written.
+    Activations (a few KB per kernel, the 1 MB logits row) are not in the floor."""
+    q = quant or REAL_QUANT
+    H, V = cfg.hidden_size, cfg.vocab_size
+    E, k, I, Is = (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
+                   cfg.shared_expert_intermediate_size)
+    Hk, Hv, Dk, Dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads,
+                      cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+    C, K = 2 * Hk * Dk + Hv * Dv, cfg.linear_conv_kernel_dim
+    D, kv, hq = cfg.head_dim, cfg.num_key_value_heads, cfg.num_attention_heads
+    parts = {"embedding row": _qbytes(1, H, q["embed"]), "lm_head": _qbytes(V, H, q["lm_head"]),
+             "norms": 4 * H * (2 * cfg.num_hidden_layers + 1)}
+    mixer = state = kv_bytes = moe = 0
+    for i in range(cfg.num_hidden_layers):
+        if cfg.is_full_attention(i):
+            mixer += _qbytes(2 * hq * D + 2 * kv * D, H, q["mixer"]) + _qbytes(H, hq * D, q["mixer"])
+            mixer += 2 * 4 * D                                            # q_norm, k_norm
+            kv_bytes += 2 * kv * D * 2 * (position + 1) + 2 * kv * D * 2  # K, V read; new row written
+        else:
+            P = 2 * Hk * Dk + 2 * Hv * Dv + 2 * Hv
+            mixer += _qbytes(P, H, q["mixer"]) + _qbytes(H, Hv * Dv, q["mixer"])
+            mixer += C * K * 4 + 2 * Hv * 4 + Dv * 4                      # conv1d, A_log, dt_bias, norm
+            state += 2 * (Hv * Dv * Dk * 4) + 2 * ((K - 1) * C * 4)       # state and conv window, r + w
+        moe += _qbytes(E + 1, H, q["router"])
+        moe += k * (2 * _qbytes(I, H, q["experts_q"]) + _qbytes(H, I, q["experts_q"]))
+        moe += 2 * _qbytes(Is, H, q["experts_q"]) + _qbytes(H, Is, q["experts_q"])
+    parts.update({"mixers": mixer, "moe (router, routed + shared experts)": moe,
+                  "deltanet state r+w": state, "kv cache": kv_bytes})
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def count_kernels(cfg: ModelConfig, *, position: int, sample: dict | None = None,
+                  quant: dict | None = None) -> tuple[dict, dict]:
+    """(step counters, per-kernel totals) of one decode step at ``position`` for ``cfg`` on the
+    counting device: kernel name -> dispatches, bytes_touched, threads, groups."""
+    spec = engine_spec(cfg, quant or REAL_QUANT, context_length=position + 1, prefill_chunk=1)
+    eng = _core().Engine(spec, "count")
+    st = eng.count(1, position, False, sample, False)
+    return st, eng.count_kernels()

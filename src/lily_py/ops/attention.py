@@ -121,11 +121,14 @@ def _qk_norm_rope_append(qg, k, v, q_norm, k_norm, k_cache, v_cache, *, position
     return _from_core(q, dt), kco.view(BFLOAT16), vco.view(BFLOAT16), stats
 
 
-def attention_decode_route(length: int) -> dict:
-    """How :func:`attention_decode` runs for ``length`` keys: ``{"route": "single" | "split",
-    "splits", "split_keys"}``. Up to 256 keys one pass; longer contexts split the keys into at
-    most 32 ranges (multiples of 32 keys) and combine the partial softmaxes."""
-    return dict(_core().ops.attention_decode_route(_uint(length, "length", "attention_decode_route")))
+def attention_decode_route(length: int, head_dim: int) -> dict:
+    """How :func:`attention_decode` runs for ``length`` keys and ``head_dim``: ``{"route": "vec" |
+    "single" | "split", "splits", "split_keys"}``. head_dim 64, 128 or 256: the "vec" route (lanes
+    split the head dim, min(80, ceil(length / 8)) key blocks per KV head, then a combine pass).
+    Other head dims: up to 256 keys one pass; longer contexts split the keys into at most 32 ranges
+    (multiples of 32 keys) and combine the partial softmaxes."""
+    fn = "attention_decode_route"
+    return dict(_core().ops.attention_decode_route(_uint(length, "length", fn), _uint(head_dim, "head_dim", fn)))
 
 
 def attention_prefill_route(head_dim: int) -> str:

@@ -36,8 +36,9 @@ def _core():
 
 
 def moe_route(tokens: int, top_k: int) -> str:
-    """The route the block takes: ``"mv"`` (tokens <= 8: gather matvec), ``"mm32"`` (32-row
-    tiles) or ``"mm64"`` (64-row tiles, from ``tokens * top_k >= 3072`` routed rows)."""
+    """The route the block takes: ``"mv"`` (tokens <= 8: gather matvec) or ``"tiled"`` (grouped
+    matmul; the device plan sizes each expert's tiles by its load: 64-row tiles, and for the
+    remainder a 32-row tile or, for <= 8 rows, a matvec-style tile)."""
     return str(_core().ops.moe_route(int(tokens), int(top_k)))
 
 

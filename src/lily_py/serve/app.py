@@ -25,11 +25,13 @@ from starlette.routing import Route
 from .. import __version__
 from . import protocol
 from .protocol import APIError
-from .scheduler import CHUNK, DONE, ERROR, START, Job, QueueFull, Scheduler
+from .scheduler import CHUNK, DONE, ERROR, Job, QueueFull, Scheduler, ShuttingDown
 
 log = logging.getLogger("lily_py.serve")
 
 MAX_BODY_BYTES = 32 << 20
+SHUTTING_DOWN = APIError(503, "the server is shutting down; the request was stopped",
+                         code="server_shutdown")
 
 
 class ClientGone(Exception):
@@ -48,6 +50,8 @@ def api_error(e: BaseException, param: str | None = None) -> APIError:
         return e
     if isinstance(e, ContextLengthError):
         return APIError(400, str(e), param=param, code="context_length_exceeded")
+    if isinstance(e, ShuttingDown):
+        return APIError(503, str(e), code="server_shutdown")
     if isinstance(e, QueueFull):
         return APIError(503, str(e), code="queue_full")
     if isinstance(e, BusyError):
@@ -224,6 +228,9 @@ class Server:
             return JSONResponse({}, status_code=499)      # nobody reads it
         except APIError as e:
             return error_response(e)
+        except asyncio.CancelledError:
+            # uvicorn's shutdown timeout ran out: answer instead of dying with a traceback
+            return error_response(SHUTTING_DOWN)
         finally:
             if not handed_over:
                 job.cancel()
@@ -321,6 +328,12 @@ class _SSE:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except (ClientGone, OSError):
             pass        # the client left: nothing more to send
+        except asyncio.CancelledError:
+            # uvicorn's shutdown timeout ran out: end the stream with an error event
+            with contextlib.suppress(Exception):
+                await send({"type": "http.response.body", "more_body": False, "body":
+                            f"data: {json.dumps(SHUTTING_DOWN.body())}\n\ndata: [DONE]\n\n"
+                            .encode()})
         finally:
             self.job.cancel()
             self.watcher.cancel()

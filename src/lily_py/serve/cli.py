@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import signal
 import socket
@@ -72,6 +73,9 @@ def cmd_serve(a) -> int:
     print(f"lily-py serve: model {model_id!r} ({model.config.summary()}; backend {model.backend}, "
           f"context {model.context_length}) at http://{shown}:{port}/v1"
           f"{' (API key required)' if api_key else ''}", file=sys.stderr, flush=True)
+    if not api_key and not ipaddress.ip_address(host).is_loopback:
+        print(f"lily-py serve: warning: listening on {host}, beyond this machine, without "
+              "--api-key", file=sys.stderr, flush=True)
     config = uvicorn.Config(server.app, log_level=a.log_level,
                             timeout_graceful_shutdown=a.shutdown_timeout, lifespan="on")
     # uvicorn handles SIGINT/SIGTERM (stop accepting, let running requests finish, then the

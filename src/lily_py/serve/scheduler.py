@@ -24,6 +24,10 @@ class QueueFull(Exception):
     pass
 
 
+class ShuttingDown(QueueFull):
+    pass
+
+
 class Job:
     def __init__(self, prompt: Any, kwargs: dict, loop: asyncio.AbstractEventLoop):
         self.prompt, self.kwargs, self.loop = prompt, kwargs, loop
@@ -65,7 +69,7 @@ class Scheduler:
     def submit(self, job: Job) -> None:
         with self._cond:
             if self._stopping:
-                raise QueueFull("the server is shutting down")
+                raise ShuttingDown("the server is shutting down")
             # An idle model takes the next job at once: it does not count against the queue.
             if len(self._waiting) >= self.max_queue + (self._running is None):
                 self.counts["rejected"] += 1
@@ -89,7 +93,7 @@ class Scheduler:
             self._cond.notify_all()
         for job in waiting:
             job.cancelled.set()
-            job.post(ERROR, QueueFull("the server is shutting down"))
+            job.post(ERROR, ShuttingDown("the server is shutting down"))
         if running is not None:
             running.cancel()
         self._thread.join(timeout)

@@ -35,6 +35,7 @@ import numpy as np
 
 CONTEXTS = (256, 4096, 32768, 131072)          # Lily's and MLX's published prompt lengths
 EMU_RUN_MAX_CONTEXT = 256                      # the emulator runs ~10-100 tokens/s on small configs
+EMU_RUN_MAX_BYTES = 1 << 30                    # larger checkpoints are only counted off Metal
 
 
 def parse_contexts(text: str) -> list[int]:
@@ -286,6 +287,7 @@ def bench(*, model: str | None = None, random_weights: bool = False, config: str
     device = default_device() if backend == "auto" else backend
     if config is None:
         config = "real" if device == "metal" else "tiny"
+    forced = run_max_context is not None
     if run_max_context is None:
         run_max_context = 1 << 62 if device == "metal" else EMU_RUN_MAX_CONTEXT
     contexts = sorted(set(int(c) for c in contexts))
@@ -307,8 +309,14 @@ def bench(*, model: str | None = None, random_weights: bool = False, config: str
             path = demo_path() if model is None else hub.resolve(model)
             subject = "bundled demo checkpoint" if model is None else f"checkpoint {model}"
         from ..checkpoint import load_weights
-        cfg, _ = load_weights(path)
+        cfg, weights = load_weights(path)
         run_ctx = [c for c in contexts if c <= run_max_context and c + decode_tokens + 1 <= cfg.max_position_embeddings]
+        why = (f"above --run-max-context {run_max_context} on '{device}'" if device != "metal"
+               else "beyond the config's max_position_embeddings")
+        if device != "metal" and not forced and weights.nbytes() > EMU_RUN_MAX_BYTES:
+            run_ctx = []
+            why = (f"{weights.nbytes() / 1e9:.1f} GB of weights do not run in useful time on '{device}'; "
+                   "--run-max-context N forces it")
         skipped = [c for c in contexts if c not in run_ctx]
 
         say(f"lily-py bench: lily_py {__version__}, {result['machine']}, device '{device}'")
@@ -348,8 +356,6 @@ def bench(*, model: str | None = None, random_weights: bool = False, config: str
         else:
             say("  (nothing run)")
         if skipped:
-            why = (f"above --run-max-context {run_max_context} on '{device}'" if device != "metal"
-                   else "beyond the config's max_position_embeddings")
             say(f"  not run: {', '.join(_k(c) for c in skipped)} ({why}; see the counted rows)")
         if compare == "mlx-lm" and measured.rows:
             say()
@@ -367,7 +373,7 @@ def bench(*, model: str | None = None, random_weights: bool = False, config: str
         if model is not None:
             from ..backends.engine import checkpoint_quant
             try:
-                quant = checkpoint_quant(load_weights(path)[1])
+                quant = checkpoint_quant(weights)
             except Exception:  # noqa: BLE001 - not engine-quantized: count with the real quantization
                 quant = None
         label = "Qwen3.6-35B-A3B real config" if real is not cfg else subject

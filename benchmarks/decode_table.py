@@ -1,0 +1,212 @@
+"""Per-kernel table of one decode step of the real 35B config, and a roofline + latency estimate of
+tok/s on Apple M5 / M5 Max (not a test; not a measurement: nothing runs).
+
+    python benchmarks/decode_table.py [--positions 255 4095 32767] [--markdown]
+
+Every number about the step comes from the counting device (lily_py._core.Engine(..., "count")
+.count() and .count_dispatches()): each dispatch's kernel, grid, threads, bytes it reads plus
+writes (bytes_touched, computed by the op host code) and its dependency level (barriers before it).
+Dispatches are grouped by role (their place in the layer pattern) and grid.
+
+The estimate is a model with stated assumptions, printed with it:
+  t_step = sum over levels of max(level bytes / (eta * BW * occupancy), t_min) + levels * t_level
+  occupancy = min(1, simdgroups per core of the level / sat)   (too few simdgroups in flight
+              cannot keep the memory system busy: Little's law with a bounded number of loads
+              in flight per simdgroup)
+  attention decode bytes count `attn_factor` times (the current kernel is instruction-bound)
+and tok/s = 1 / t_step. Change the assumptions with the flags; --ideal drops the occupancy and
+attention penalties (what the issue-10 kernel designs aim at, with the same level count).
+"""
+from __future__ import annotations
+
+import argparse
+from collections import OrderedDict
+
+from lily_py import _core
+from lily_py.backends.engine import REAL_QUANT, decode_floor_bytes, engine_spec
+from lily_py.config import ModelConfig
+from lily_py.testing import REAL_TEXT_CONFIG
+
+GPUS = {"M5 Max (40 cores, 614 GB/s)": (40, 614e9), "M5 (10 cores, 153 GB/s)": (10, 153e9)}
+FULL = dict(temperature=0.7, top_k=20, top_p=0.95, min_p=0.05, seed=1, step=1)
+
+# Facts read off the shaders (shaders/*.metal, as of this branch): bytes per load instruction
+# per lane, what runs serially, the design. Kernels the `decode` helper rewrites (issue 10) are
+# described as they are here.
+FACTS = {
+    "embedding": ("4 B codes", "-", "one row gather"),
+    "rms_norm": ("4 B", "one threadgroup: whole row, threadgroup_sum", "single threadgroup"),
+    "rms_norm_residual": ("4 B", "one threadgroup", "single threadgroup, residual fused"),
+    "qmv_b4": ("8 B codes (2 words), 4 B x", "4 rows per simdgroup in a loop with `break` guard; "
+               "x re-read per row", "MLX-like qmv, not qmv_fast"),
+    "qmv_b8": ("8 B codes, 4 B x", "as qmv; 33 threadgroups for 257 rows", "qmv"),
+    "conv1d": ("4 B", "-", "one thread per channel"),
+    "gated_delta": ("4 B q/k/v, 16 B state (float4)", "tokens in order; 1 barrier per token",
+                    "one threadgroup (1024 threads) per value head"),
+    "moe_route": ("4 B", "one simdgroup per token; top-k as k rounds of simd_max", "single simdgroup"),
+    "moe_gate_up_mv": ("8 B codes, 4 B x", "like qmv", "gather_qmv-like (routed + shared slots)"),
+    "moe_down_mv": ("8 B codes, 4 B h", "k + 1 slots summed per output row", "gather_qmv-like"),
+    "qk_norm_rope": ("4 B", "-", "one simdgroup per head"),
+    "attn_decode": ("2 B (bf16 K/V staged through threadgroup memory)", "each lane a whole "
+                    "256-long dot product; 3 barriers per 32-key block", "blocked, staged"),
+    "attn_decode_split": ("2 B (staged)", "as attn_decode, per key range", "split-K + combine"),
+    "attn_combine": ("4 B", "-", "split-K combine"),
+    "sample_max_partial": ("4 B (128 B per simdgroup load)", "-", "partial argmax"),
+    "sample_max_final": ("4 B", "one simdgroup over G partials", "merge"),
+    "sample_topk_partial": ("4 B (128 B per simdgroup load)", "top_k rounds, 1 barrier each",
+                            "per-threadgroup candidates"),
+    "sample_topk_merge": ("4 B", "top_k rounds over G*k candidates; filters + Gumbel on thread 0 "
+                          "(k entries)", "one merge"),
+    "sample_stats_partial": ("4 B (128 B per simdgroup load)", "-", "partial sums"),
+    "sample_stats_final": ("4 B", "one simdgroup", "merge"),
+    "sample_hist_partial": ("4 B (128 B per simdgroup load)", "-", "radix histogram (tg memory)"),
+    "sample_select": ("4 B", "one simdgroup, 16 bins", "radix select digit"),
+    "sample_gumbel_partial": ("4 B (128 B per simdgroup load)", "-", "Gumbel-max partial"),
+    "sample_gumbel_final": ("4 B", "one simdgroup", "merge"),
+}
+
+
+def facts(kernel: str):
+    for k in sorted(FACTS, key=len, reverse=True):
+        if kernel.startswith(k):
+            return FACTS[k]
+    return ("?", "?", "?")
+
+
+def roles(dispatches: list[dict], cfg: ModelConfig) -> list[str]:
+    """A role name per dispatch, from its place in the layer pattern (csrc/gpu/step.cpp)."""
+    out, layer, in_mixer = [], -1, False
+    for i, d in enumerate(dispatches):
+        k = d["kernel"]
+        if k.startswith("embedding"):
+            r = "embedding"
+        elif k.startswith("rms_norm_residual"):
+            r, in_mixer = "post-mixer residual + norm", False
+        elif k.startswith("rms_norm"):
+            nxt = dispatches[i + 1]["kernel"] if i + 1 < len(dispatches) else ""
+            last = i + 1 < len(dispatches) and dispatches[i + 1]["groups"][0] * 8 >= cfg.vocab_size
+            if last or not nxt:
+                r = "final norm"
+            else:
+                layer += 1
+                r, in_mixer = "input norm", True
+        elif k.startswith("qmv_b8"):
+            r = "router + shared gate (8-bit)"
+        elif k.startswith("moe_route"):
+            r = "route (softmax, top-k)"
+        elif k.startswith("moe_gate_up"):
+            r = "experts gate/up + SwiGLU (8 routed + shared)"
+        elif k.startswith("moe_down"):
+            r = "experts down (+ residual)"
+        elif k.startswith("qmv") and d["groups"][0] * 8 >= cfg.vocab_size:
+            r = "lm_head"
+        elif k.startswith("qmv") and in_mixer:
+            attn = cfg.is_full_attention(layer)
+            prev = dispatches[i - 1]["kernel"]
+            first = prev.startswith("rms_norm")
+            r = ("attn qkv_proj" if first else "attn o_proj") if attn else \
+                ("DeltaNet in_proj (qkv, z, b, a)" if first else "DeltaNet out_proj")
+        elif k.startswith("gated_delta"):
+            r = "DeltaNet recurrent step"
+        elif k.startswith("conv1d"):
+            r = "DeltaNet conv1d"
+        elif k.startswith("qk_norm_rope"):
+            r = "attn q/k norm + RoPE + KV write"
+        elif k.startswith("attn_"):
+            r = "attention " + k.split("_")[1] + ("" if "split" not in k else " (split-K)")
+        elif k.startswith("sample"):
+            r = "sampler " + k[len("sample_"):].replace("_f32", "")
+        else:
+            r = k
+        out.append(r)
+    return out
+
+
+def step(cfg: ModelConfig, position: int, sample: dict | None):
+    spec = engine_spec(cfg, REAL_QUANT, context_length=position + 1, prefill_chunk=1)
+    eng = _core.Engine(spec, "count")
+    st = eng.count(1, position, False, None if sample is None else dict(sample, valid_vocab=cfg.vocab_size), False)
+    return st, eng.count_dispatches()
+
+
+def table(cfg, position, sample, markdown: bool) -> None:
+    st, ds = step(cfg, position, sample)
+    rows: OrderedDict = OrderedDict()
+    for r, d in zip(roles(ds, cfg), ds):
+        key = (r, d["kernel"], d["groups"], d["threads"], d["bytes_touched"])
+        rows.setdefault(key, 0)
+        rows[key] += 1
+    levels = len({d["level"] for d in ds})
+    print(f"\n### decode at position {position} ({'full sampler ' + str(FULL) if sample else 'greedy'}): "
+          f"{st['dispatches']} dispatches, {levels} dependent levels, bytes_touched "
+          f"{st['bytes_touched'] / 1e6:.1f} MB (floor {decode_floor_bytes(cfg, position=position)['total'] / 1e6:.1f} MB)\n")
+    hdr = ["role", "kernel", "n", "MB r+w / token", "grid x threads", "simdgroups/core 40c", "10c",
+           "bytes per load (lane)", "serial part", "design", "roofline us 614", "153"]
+    sep = " | " if markdown else "  "
+    if markdown:
+        print("| " + " | ".join(hdr) + " |")
+        print("|" + "---|" * len(hdr))
+    else:
+        print(sep.join(hdr))
+    for (r, k, g, t, b), n in rows.items():
+        simds = g[0] * g[1] * g[2] * ((t[0] * t[1] * t[2] + 31) // 32)
+        load, serial, design = facts(k)
+        mb = n * b / 1e6
+        cells = [r, k, str(n), f"{mb:.3f}", f"{g[0]}x{g[1]}x{g[2]} x {t[0]}", f"{simds / 40:.1f}",
+                 f"{simds / 10:.1f}", load, serial, design, f"{n * b / 614e9 * 1e6:.2f}", f"{n * b / 153e9 * 1e6:.2f}"]
+        print(("| " + " | ".join(cells) + " |") if markdown else sep.join(cells))
+
+
+def estimate(cfg, positions, sample, eta: float, t_level: float, t_min: float, attn_factor: float,
+             sat: float) -> None:
+    print(f"\n### estimate (a model, not a measurement): eta = {eta} of peak bandwidth, occupancy "
+          f"min(1, simdgroups per core / {sat:g}), t_level = {t_level * 1e6:.1f} us per dependent "
+          f"level (dispatch + barrier drain), a level never shorter than t_min = {t_min * 1e6:.1f} us, "
+          f"attention decode bytes x {attn_factor:g}; sampler "
+          f"{'full ' + str(FULL) if sample else 'greedy'}\n")
+    print("| GPU | context | levels | MB touched | bandwidth part ms | level part ms | est. tok/s |")
+    print("|---|---|---|---|---|---|---|")
+    for gpu, (cores, bw) in GPUS.items():
+        for pos in positions:
+            st, ds = step(cfg, pos, sample)
+            by_level: dict = {}
+            for d in ds:
+                b = d["bytes_touched"] * (attn_factor if d["kernel"].startswith("attn_decode") else 1)
+                g, t = d["groups"], d["threads"]
+                simds = g[0] * g[1] * g[2] * ((t[0] * t[1] * t[2] + 31) // 32) / cores
+                lb, ls = by_level.get(d["level"], (0, 0.0))
+                by_level[d["level"]] = (lb + b, ls + simds)
+            bw_part = sum(max(b / (eta * bw * (min(1.0, sp / sat) if sat > 0 else 1.0)), t_min)
+                          for b, sp in by_level.values())
+            lvl_part = len(by_level) * t_level
+            tok = 1.0 / (bw_part + lvl_part)
+            print(f"| {gpu} | {pos + 1} | {len(by_level)} | {st['bytes_touched'] / 1e6:.0f} | "
+                  f"{bw_part * 1e3:.2f} | {lvl_part * 1e3:.2f} | {tok:.0f} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--positions", type=int, nargs="*", default=[255, 4095, 32767])
+    ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--eta", type=float, default=0.8)
+    ap.add_argument("--t-level-us", type=float, default=2.0)
+    ap.add_argument("--t-min-us", type=float, default=2.0)
+    ap.add_argument("--attn-factor", type=float, default=4.0)
+    ap.add_argument("--sat", type=float, default=32.0,
+                    help="simdgroups per core a level needs to reach eta of the bandwidth")
+    ap.add_argument("--ideal", action="store_true",
+                    help="no occupancy penalty (sat 0) and attention at its roofline (factor 1)")
+    ap.add_argument("--no-table", action="store_true")
+    a = ap.parse_args()
+    cfg = ModelConfig.from_dict({"model_type": "qwen3_5_moe", "text_config": dict(REAL_TEXT_CONFIG)})
+    if not a.no_table:
+        for pos in a.positions:
+            table(cfg, pos, None, a.markdown)
+        table(cfg, a.positions[0], FULL, a.markdown)
+    sat, attn = (0.0, 1.0) if a.ideal else (a.sat, a.attn_factor)
+    for sample in (None, FULL):
+        estimate(cfg, a.positions, sample, a.eta, a.t_level_us * 1e-6, a.t_min_us * 1e-6, attn, sat)
+
+
+if __name__ == "__main__":
+    main()
