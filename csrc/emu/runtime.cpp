@@ -503,7 +503,10 @@ void release_barrier(Group& g) {
       return;
     }
   for (Thread& t : g.threads) t.state = St::runnable;
-  g.epoch += 1;
+  // Only a barrier orders threadgroup memory: the rendezvous of a threadgroup-wide tensor op
+  // (threadgroup_collective, e.g. matmul2d::run) checks uniformity but is not a barrier on a GPU,
+  // so writes on either side of it stay in one race-detector epoch.
+  if (std::strcmp(first->op, "threadgroup_barrier") == 0) g.epoch += 1;
 }
 
 bool is_poison(const unsigned char* p) { return *p == ((reinterpret_cast<uintptr_t>(p) & 1) ? 0xFF : 0xA0); }
