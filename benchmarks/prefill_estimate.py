@@ -46,6 +46,22 @@ def per_token(cfg, L: int) -> tuple[float, float]:
     return useful / L, executed / L
 
 
+def qmm_flops_per_token(cfg) -> float:
+    """Useful FLOPs per token of the dense 4-bit projections (the qmm family, the one family with
+    a tensor-op kernel today: shaders/m5/qmm_m5.metal), from the config's shapes: DeltaNet in
+    (q, k, v, z, b, a) and out projections, attention q (with its gate), k, v and o. The router
+    (8-bit in MLX conversions) and the experts (MoE kernels) are not qmm."""
+    d, h = cfg.hidden_size, cfg.num_attention_heads
+    dn_in = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + \
+        2 * cfg.linear_num_value_heads * cfg.linear_value_head_dim + 2 * cfg.linear_num_value_heads
+    dn_out = cfg.linear_num_value_heads * cfg.linear_value_head_dim
+    attn_in = 2 * h * cfg.head_dim + 2 * cfg.num_key_value_heads * cfg.head_dim
+    attn_out = h * cfg.head_dim
+    n_attn = sum(1 for t in cfg.layer_types if t == "full_attention")
+    n_dn = cfg.num_hidden_layers - n_attn
+    return 2.0 * (n_dn * (d * dn_in + dn_out * d) + n_attn * (d * attn_in + attn_out * d))
+
+
 def moe_rows_executed(T: int, E: int = 256, k: int = 8, seed: int = 0) -> dict:
     """Expert rows the tiles compute for T tokens under uniform random routing (simulated: each
     token picks k distinct experts uniformly; the shared group holds all T), per tile scheme:
@@ -85,6 +101,15 @@ def main() -> None:
                 tps = min(eff * peak / flops, bw)
                 cells.append(f"{path}: {tps:>7,.0f}")
             print(f"  {gpu:<7} (weight-bandwidth bound {bw:>8,.0f} tok/s)  " + " | ".join(cells))
+            # As built (issue 11 item 3, first family): only qmm on tensor ops; the rest of the
+            # useful FLOPs on today's fp32 tiles, or on the M1-M4 bf16 tiles once item 2 lands.
+            q = qmm_flops_per_token(cfg)
+            t_qmm = q * a["future_padding"] / (a["efficiency"]["Metal 4 tensor ops (M5 path)"] * a["tensor_tflops"][gpu] * 1e12)
+            rest_today = (executed - q) / (a["efficiency"]["fp32 32x32 tiles (today)"] * a["alu_tflops"][gpu] * 1e12)
+            rest_m14 = (useful - q) * a["future_padding"] / (
+                a["efficiency"]["bf16 64x64 simdgroup tiles (M1-M4 path)"] * a["alu_tflops"][gpu] * 1e12)
+            print(f"  {'':<7}  qmm only on tensor ops ({q / useful:.0%} of useful FLOPs): rest on today's tiles "
+                  f"{min(1 / (t_qmm + rest_today), bw):>7,.0f} | rest on the M1-M4 tiles {min(1 / (t_qmm + rest_m14), bw):>7,.0f}")
     print(f"target: 1.3 x MLX-LM's published {MLX_LM_4K_M5_MAX} tok/s at 4K on M5 Max = "
           f"{1.3 * MLX_LM_4K_M5_MAX:,.0f} tok/s")
 

@@ -6,6 +6,9 @@
 # on; a threadgroup array outside a kernel's own scope fails too (csrc/emu/metal_strict.h); the
 # pass first checks that it rejects both. Needs clang >= 17 (arithmetic __bf16); installs
 # Debian's clang-19 when no suitable clang is on PATH.
+# The M5 shaders (shaders/m5/*.metal, Metal 4 tensor ops) compile against
+# csrc/emu/tensor_ops_strict.h as C++20: Metal 4 is C++17 based, and Apple's matmul2d takes its
+# descriptor as a class-type template parameter, which clang accepts from C++20 only.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -53,11 +56,26 @@ template <typename T>
 [[kernel]] void k(constant uint& n [[buffer(0)]], device T* y [[buffer(1)]], LILY_KERNEL_TAIL) { if constexpr (sizeof(T) == 4) y[lane] = T(1.0f); }
 LILY_INSTANTIATE("k", k<float>)'
 
+M5_FLAGS=(-std=c++20 "${FLAGS[@]:1}")
+printf '#include "emu/metal_strict.h"\n#include "common/tensor_ops.h"\nnamespace lily {\n%s\n}\n' '
+[[kernel]] void k(constant uint& n [[buffer(0)]], device half* y [[buffer(1)]], LILY_KERNEL_TAIL) {
+  auto t = tensor<threadgroup half, dextents<int32_t, 2>, tensor_inline>(y, dextents<int32_t, 2>(8, 8));
+  (void)t;
+}
+LILY_INSTANTIATE("k", k)' > "$tmp/neg_m5.cpp"
+if "$CLANG" "${M5_FLAGS[@]}" "$tmp/neg_m5.cpp" >/dev/null 2>&1; then
+  echo "  FAIL strict pass accepts a device pointer in a threadgroup tensor"
+  exit 1
+fi
+echo "  ok   rejects a device pointer in a threadgroup tensor (M5 declarations)"
+
 status=0
-for src in shaders/*.metal csrc/emu/selftest.metal; do
+for src in shaders/*.metal csrc/emu/selftest.metal shaders/m5/*.metal csrc/emu/selftest_m5.metal; do
   tu="$tmp/$(basename "$src").cpp"
   printf '#include "emu/metal_strict.h"\n#include "%s"\n' "$PWD/$src" > "$tu"
-  if "$CLANG" "${FLAGS[@]}" "$tu"; then
+  flags=("${FLAGS[@]}")
+  case "$src" in shaders/m5/* | *_m5.metal) flags=("${M5_FLAGS[@]}") ;; esac
+  if "$CLANG" "${flags[@]}" "$tu"; then
     echo "  ok   $src"
   else
     echo "  FAIL $src"

@@ -76,13 +76,17 @@ void init_devices(nb::module_& parent) {
     d["math_mode"] = opt_str(i.math_mode);
     d["residency_set"] = i.residency_set;
     d["simulated"] = i.simulated;
+    d["tensor_ops"] = i.tensor_ops;
+    d["tensor_ops_reason"] = opt_str(i.tensor_ops_reason);
     return d;
   }, "name"_a, "Device facts (see docs/metal.md); raises ValueError when the device is unavailable.");
 
   m.def("pipeline_limits", [](const std::string& name) {
     std::unique_ptr<gpu::Device> dev = devices::create(name);
+    const bool tensor_ops = dev->info().tensor_ops;
     nb::list out;
     for (const gpu::KernelInfo& k : gpu::kKernelTable) {
+      if (gpu::kernel_needs_tensor_ops(k.id) && !tensor_ops) continue;  // not in this device's libraries
       const gpu::PipelineInfo p = dev->pipeline_info(k.id);
       nb::dict d;
       d["kernel"] = std::string(k.name);
@@ -97,7 +101,8 @@ void init_devices(nb::module_& parent) {
 
   m.def("set_simulation",
         [](uint32_t default_max_threads, std::map<std::string, uint32_t> max_threads,
-           std::map<std::string, int64_t> threadgroup_bytes, uint64_t working_set_bytes, uint64_t max_buffer_bytes) {
+           std::map<std::string, int64_t> threadgroup_bytes, uint64_t working_set_bytes, uint64_t max_buffer_bytes,
+           bool tensor_ops) {
           for (const auto& [k, v] : max_threads)
             if (!gpu::find_kernel(k)) throw std::invalid_argument("set_simulation: no kernel named '" + k + "'");
           for (const auto& [k, v] : threadgroup_bytes)
@@ -109,11 +114,14 @@ void init_devices(nb::module_& parent) {
           s.threadgroup_bytes = std::move(threadgroup_bytes);
           s.working_set_bytes = working_set_bytes;
           s.max_buffer_bytes = max_buffer_bytes;
+          s.tensor_ops = tensor_ops;
           devices::set_simulation(s);
         },
         "default_max_threads"_a = 0, "max_threads"_a = std::map<std::string, uint32_t>{},
         "threadgroup_bytes"_a = std::map<std::string, int64_t>{}, "working_set_bytes"_a = 0, "max_buffer_bytes"_a = 0,
-        "Simulate a Mac's limits on the emu and count devices made afterwards (0 = unlimited / the default).");
+        "tensor_ops"_a = false,
+        "Simulate a Mac's limits on the emu and count devices made afterwards (0 = unlimited / the default); "
+        "tensor_ops: the devices report Metal 4 tensor ops (host ops take their M5 routes).");
   m.def("clear_simulation", [] { devices::set_simulation(devices::Simulation{}); });
   m.def("simulation_active", [] { return devices::simulation().active; });
 }

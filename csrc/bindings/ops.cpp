@@ -64,10 +64,12 @@ void init_ops(nb::module_& parent) {
       d["args"] = std::string(k.args);
       d["args_size"] = k.args_size;
       d["num_buffers"] = k.num_buffers;
+      d["tensor_ops"] = gpu::kernel_needs_tensor_ops(k.id);
       out.append(d);
     }
     return out;
-  }, "The host kernel table (csrc/gpu/kernel_ids.h): name, args struct, args_size, num_buffers.");
+  }, "The host kernel table (csrc/gpu/kernel_ids.h): name, args struct, args_size, num_buffers, "
+     "tensor_ops (built into lily_m5.metallib, run only where the device reports tensor ops).");
 
   parent.def(
       "encoder_error",
@@ -115,6 +117,8 @@ void init_ops(nb::module_& parent) {
     d["build_target"] = i.build_target;
     d["build_sdk"] = i.build_sdk;
     d["math_mode"] = i.math_mode;
+    d["tensor_ops"] = i.tensor_ops;
+    d["tensor_ops_reason"] = i.tensor_ops_reason;
     return d;
   }, "Any Metal device (also one that cannot run the kernels): name, family, library in use, its "
      "source ('metallib' / 'source'), metallib_error, metallib_built, working set, max buffer length, "
@@ -140,8 +144,13 @@ void init_ops(nb::module_& parent) {
 
   init_ops_moe(m);
 
-  m.def("qmm_route", [](uint32_t M) { return std::string(gpu::ops::qmm_route_name(gpu::ops::qmm_route(M))); },
-        "M"_a, "Route quantized_matmul takes for M rows of x: 'qmv1' (M = 1), 'qmv' or 'qmm'.");
+  m.def("qmm_route",
+        [](uint32_t M, uint32_t bits, bool tensor_ops) {
+          return std::string(gpu::ops::qmm_route_name(gpu::ops::qmm_route(M, bits, tensor_ops)));
+        },
+        "M"_a, "bits"_a = 4, "tensor_ops"_a = false,
+        "Route quantized_matmul takes for M rows of x: 'qmv1' (M = 1), 'qmv', 'qmm', or 'qmm_m5' (4-bit, on a device "
+        "with Metal 4 tensor ops).");
   m.attr("QMV_MAX_ROWS") = static_cast<uint32_t>(kQmvMaxRows);
 
   m.def(
@@ -183,7 +192,7 @@ void init_ops(nb::module_& parent) {
         op.biases = run.input(biases);
         op.y = run.output(size_t(M) * N * gpu::dtype_size(xt));
         gpu::ops::validate(op);
-        run.encode(gpu::ops::qmm_kernel(gpu::ops::qmm_route(M), bits, xt, st),
+        run.encode(gpu::ops::qmm_kernel(gpu::ops::qmm_route(M, bits, run.enc->tensor_ops()), bits, xt, st),
                    [&](gpu::Encoder& e) { gpu::ops::encode_quantized_matmul(e, op); });
         return nb::make_tuple(run.download(op.y, xt, {M, N}), run.stats());
       },

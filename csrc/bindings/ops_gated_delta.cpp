@@ -261,7 +261,7 @@ void init_ops_gated_delta(nb::module_& m) {
         op.K = K;
         op.eps = eps;
         run.run([&](gpu::Encoder& e) { gpu::ops::encode_gated_delta_mixer(e, op); });
-        const auto route = gpu::ops::qmm_route(T);
+        const auto route = gpu::ops::qmm_route(T, bits, run.enc->tensor_ops());
         run.note(gpu::ops::qmm_kernel(route, bits, op.x_dtype, st));
         run.note(gpu::ops::conv1d_kernel(op.x_dtype, op.w_dtype));
         run.note(gpu::ops::gated_delta_kernel(op.x_dtype, op.w_dtype));

@@ -44,6 +44,9 @@ class SimulatedDevice final : public gpu::Device {
     i.working_set_bytes = sim_.working_set_bytes;
     i.max_buffer_bytes = sim_.max_buffer_bytes;
     i.simulated = true;
+    i.tensor_ops = sim_.tensor_ops;
+    i.tensor_ops_reason = sim_.tensor_ops ? "" : "the simulation does not ask for tensor ops";
+    if (sim_.tensor_ops) i.device_name += " and tensor ops";
     return i;
   }
   gpu::PipelineInfo pipeline_info(gpu::KernelId k) override {
@@ -54,6 +57,11 @@ class SimulatedDevice final : public gpu::Device {
     return p;
   }
   void make_resident(const std::vector<gpu::Buffer*>& b) override { inner_->make_resident(b); }
+  std::unique_ptr<gpu::Encoder> new_checking_encoder(int64_t skip_barrier, bool execute) override {
+    std::unique_ptr<gpu::Encoder> e = inner_->new_checking_encoder(skip_barrier, execute);
+    if (!e) return nullptr;
+    return std::make_unique<LimitEncoder>(std::move(e), *this);
+  }
 
   uint32_t limit(gpu::KernelId k) const {
     auto it = sim_.max_threads.find(kernel_name(k));
@@ -68,6 +76,7 @@ class SimulatedDevice final : public gpu::Device {
     void commit() override { inner_->commit(); }
     void wait() override { inner_->wait(); }
     uint32_t thread_limit(gpu::KernelId k) const override { return dev_.limit(k); }
+    bool tensor_ops() const override { return dev_.sim_.tensor_ops; }
 
    protected:
     void encode_dispatch(const gpu::Dispatch& d) override {
@@ -179,7 +188,9 @@ std::string check_usable(const std::string& name) {
   if (!s.available) return s.reason;
   try {
     std::unique_ptr<gpu::Device> d = create(name);
+    const bool tensor_ops = d->info().tensor_ops;
     for (const gpu::KernelInfo& k : gpu::kKernelTable) {
+      if (gpu::kernel_needs_tensor_ops(k.id) && !tensor_ops) continue;
       try {
         d->pipeline_info(k.id);
       } catch (const std::exception& ex) {

@@ -8,7 +8,8 @@
 //
 // Simulation (tests): limits a Mac would impose, applied to the emu and count devices: per-kernel
 // maxTotalThreadsPerThreadgroup (enforced at dispatch, as Metal refuses such a dispatch), static
-// threadgroup memory, recommendedMaxWorkingSetSize and maxBufferLength.
+// threadgroup memory, recommendedMaxWorkingSetSize and maxBufferLength; and, on request, Metal 4
+// tensor ops (an M5), so the emulator runs and checks the M5 kernels.
 #pragma once
 #include <cstdint>
 #include <map>
@@ -50,6 +51,7 @@ struct Simulation {
   std::map<std::string, int64_t> threadgroup_bytes;   // kernel name -> static threadgroup bytes
   uint64_t working_set_bytes = 0;                     // 0: unlimited
   uint64_t max_buffer_bytes = 0;                      // 0: unlimited
+  bool tensor_ops = false;  // report Metal 4 tensor ops: host ops take their M5 routes (emu runs them)
 };
 void set_simulation(const Simulation& s);  // applies to emu / count devices created afterwards
 Simulation simulation();

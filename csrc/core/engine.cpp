@@ -346,10 +346,11 @@ namespace {
 // host code that fits its threads to a pipeline (rms_norm) sees the device's limits.
 class PlanEncoder final : public gpu::Encoder {
  public:
-  explicit PlanEncoder(gpu::Device& dev) : dev_(dev) {}
+  explicit PlanEncoder(gpu::Device& dev) : dev_(dev), tensor_ops_(dev.info().tensor_ops) {}
   void commit() override {}
   void wait() override {}
   uint32_t thread_limit(gpu::KernelId k) const override { return pipeline(k).max_threads; }
+  bool tensor_ops() const override { return tensor_ops_; }
   const gpu::PipelineInfo& pipeline(gpu::KernelId k) const {
     auto it = pipelines_.find(k);
     if (it == pipelines_.end()) it = pipelines_.emplace(k, dev_.pipeline_info(k)).first;
@@ -367,6 +368,7 @@ class PlanEncoder final : public gpu::Encoder {
 
  private:
   gpu::Device& dev_;
+  bool tensor_ops_;
   mutable std::map<gpu::KernelId, gpu::PipelineInfo> pipelines_;
 };
 

@@ -17,6 +17,8 @@
 //   matrices   simdgroup_matrix<T,8,8> (float/half/bfloat), distributed over the lanes:
 //              make_filled_simdgroup_matrix, diagonal constructor, simdgroup_load/store
 //              (matrix_origin must be 0), simdgroup_multiply(_accumulate)
+//   tensors    Metal 4 tensor_inline tensors, cooperative tensors and mpp::tensor_ops::matmul2d
+//              (csrc/emu/tensor_ops_emu.h: semantics, scope checks and rounding stated there)
 //   kernels    LILY_INSTANTIATE registers a kernel under its host name; LILY_TG_ARRAY declares a
 //              threadgroup array (shared by the threadgroup, poisoned with signalling NaN);
 //              LILY_KERNEL_TAIL is the fixed list of built-in thread-position parameters.
@@ -650,6 +652,9 @@ inline void simdgroup_multiply(simdgroup_matrix<T, 8, 8>& d, const simdgroup_mat
 }
 
 }  // namespace metal
+
+// Metal 4 tensors and mpp::tensor_ops::matmul2d (M5 kernels, through shaders/common/tensor_ops.h).
+#include "emu/tensor_ops_emu.h"  // NOLINT(build/include_order): needs metal::half above
 
 // ---------------------------------------------------------------------------- kernel registration
 namespace lily::emu::shim {

@@ -220,9 +220,14 @@ void simd_sync(const char* op, const char* file, int line) {
   t->view.simd_seq += 1;
 }
 
-void threadgroup_sync(const char* file, int line) {
+void threadgroup_sync(const char* file, int line) { threadgroup_collective("threadgroup_barrier", file, line); }
+
+uint32_t thread_index_in_group() { return t_worker->running->index; }
+uint32_t threads_in_group() { return t_worker->running->group->n; }
+
+void threadgroup_collective(const char* op, const char* file, int line) {
   Thread* t = t_worker->running;
-  t->op = "threadgroup_barrier";
+  t->op = op;
   t->file = file;
   t->line = line;
   t->state = St::at_barrier;
@@ -499,7 +504,10 @@ void release_barrier(Group& g) {
       return;
     }
   for (Thread& t : g.threads) t.state = St::runnable;
-  g.epoch += 1;
+  // Only a barrier orders threadgroup memory: the rendezvous of a threadgroup-wide tensor op
+  // (threadgroup_collective, e.g. matmul2d::run) checks uniformity but is not a barrier on a GPU,
+  // so writes on either side of it stay in one race-detector epoch.
+  if (std::strcmp(first->op, "threadgroup_barrier") == 0) g.epoch += 1;
 }
 
 bool is_poison(const unsigned char* p) { return *p == ((reinterpret_cast<uintptr_t>(p) & 1) ? 0xFF : 0xA0); }

@@ -77,6 +77,12 @@ LaneView& lane_view();
 void simd_sync(const char* op, const char* file, int line);
 // threadgroup_barrier: returns when every thread of the threadgroup reached the same barrier.
 void threadgroup_sync(const char* file, int line);
+// A threadgroup-wide collective other than a barrier (a tensor op whose execution scope is every
+// simdgroup of the threadgroup): the same rendezvous and checks as threadgroup_sync, reported as `op`.
+void threadgroup_collective(const char* op, const char* file, int line);
+// The calling GPU thread's linear index in its threadgroup, and the threadgroup's thread count.
+uint32_t thread_index_in_group();
+uint32_t threads_in_group();
 // Storage for a threadgroup array declared with LILY_TG_ARRAY. Every thread of the group makes the
 // same sequence of calls and gets the same address; the memory starts poisoned (signalling NaN).
 void* threadgroup_alloc(size_t bytes, size_t align, const char* file, int line);

@@ -27,6 +27,8 @@
 #include "moe.metal"
 #include "norm.metal"
 #include "qmm.metal"
+#include "m5/qmm_m5.metal"
 #include "sampling.metal"
 #include "emu/selftest.metal"
+#include "emu/selftest_m5.metal"
 // clang-format on

@@ -124,6 +124,9 @@ class Encoder {
   // maxTotalThreadsPerThreadgroup). Host code with a flexible thread count (rms_norm) fits it;
   // wrapping encoders forward it to the encoder they wrap.
   virtual uint32_t thread_limit(KernelId kernel) const;
+  // Whether this encoder's device runs the Metal 4 tensor-op kernels (DeviceInfo::tensor_ops;
+  // kernel_needs_tensor_ops): host ops pick their M5 routes on it. Wrapping encoders forward it.
+  virtual bool tensor_ops() const { return false; }
 
  protected:
   virtual void encode_dispatch(const Dispatch& d) = 0;
@@ -166,6 +169,10 @@ struct DeviceInfo {
   std::string math_mode;       // how the library's math was compiled
   bool residency_set = false;  // weights and state in an MTLResidencySet
   bool simulated = false;      // limits set by a test (emu / count)
+  // Metal 4 tensor ops (mpp::tensor_ops::matmul2d): Metal reports it for an Apple GPU family 10+
+  // device on macOS 26+ with lily_m5.metallib loaded; emu / count when a simulation asks for it.
+  bool tensor_ops = false;
+  std::string tensor_ops_reason;  // why not ("" when tensor_ops)
 };
 // Re-encodes a dispatch `d` (as a device received it) on `inner`: for encoders that wrap another.
 void forward_dispatch(Encoder& inner, const Dispatch& d);

@@ -46,6 +46,12 @@
   X(qmm_b8_xf32_sbf16,  QmmArgs, 5)                                           \
   X(qmm_b8_xbf16_sf32,  QmmArgs, 5)                                           \
   X(qmm_b8_xbf16_sbf16, QmmArgs, 5)                                           \
+  /* quantized matmul on Metal 4 tensor ops, M5 (shaders/m5/qmm_m5.metal, lily_m5.metallib; */ \
+  /* only on devices that report tensor_ops, see kernel_needs_tensor_ops): same buffers as qmm */ \
+  X(qmm_m5_b4_xf32_sf32,   QmmArgs, 5)                                        \
+  X(qmm_m5_b4_xf32_sbf16,  QmmArgs, 5)                                        \
+  X(qmm_m5_b4_xbf16_sf32,  QmmArgs, 5)                                        \
+  X(qmm_m5_b4_xbf16_sbf16, QmmArgs, 5)                                        \
   /* RMSNorm (shaders/norm.metal): x, weight, y */                            \
   X(rms_norm_xf32_wf32,   RmsNormArgs, 3)                                     \
   X(rms_norm_xf32_wbf16,  RmsNormArgs, 3)                                     \
@@ -178,5 +184,13 @@ constexpr const KernelInfo& kernel_info(KernelId id) {
 }
 
 std::optional<KernelId> find_kernel(std::string_view name);
+
+// Kernels built from shaders/m5/ (Metal 4 tensor ops, lily_m5.metallib): a device has their
+// pipelines only when its DeviceInfo::tensor_ops is true; loops over kKernelTable skip them
+// elsewhere.
+constexpr bool kernel_needs_tensor_ops(KernelId id) {
+  return id == KernelId::qmm_m5_b4_xf32_sf32 || id == KernelId::qmm_m5_b4_xf32_sbf16 ||
+         id == KernelId::qmm_m5_b4_xbf16_sf32 || id == KernelId::qmm_m5_b4_xbf16_sbf16;
+}
 
 }  // namespace lily::gpu

@@ -27,6 +27,7 @@ class SerialEncoder final : public Encoder {
   void commit() override { inner_.commit(); }
   void wait() override { inner_.wait(); }
   uint32_t thread_limit(KernelId k) const override { return inner_.thread_limit(k); }
+  bool tensor_ops() const override { return inner_.tensor_ops(); }
 
  protected:
   void encode_dispatch(const Dispatch& d) override {

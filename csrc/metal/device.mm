@@ -35,6 +35,14 @@
 #else
 #define LILY_SDK_MACOS15 0
 #endif
+// Metal 4 (macOS 26 SDK): lily_m5.metallib, the tensor-op kernels (shaders/m5/), is built only by
+// such an SDK's toolchain (CMakeLists.txt), and loaded only where @available says macOS 26. (A
+// binary built with an older SDK sees macOS 26 as 16.0 and has no lily_m5.metallib anyway.)
+#if defined(__MAC_26_0) && __MAC_OS_X_VERSION_MAX_ALLOWED >= __MAC_26_0
+#define LILY_SDK_MACOS26 1
+#else
+#define LILY_SDK_MACOS26 0
+#endif
 
 namespace lily::metal {
 
@@ -43,6 +51,10 @@ namespace {
 // Oldest Apple GPU family the kernels run on: simdgroup matrices (common/mma.h) and simd
 // reductions need Apple7 (A14 / M1) or newer.
 constexpr int kMinAppleFamily = 7;
+// The M5 routes (Metal 4 tensor ops, mpp::tensor_ops::matmul2d) are taken from Apple GPU family
+// 10 (M5: neural accelerators in every GPU core). Older families would run the same tensor ops
+// without those accelerators, where the simdgroup-matrix kernels are the measured path.
+constexpr int kTensorOpsAppleFamily = 10;
 
 std::string module_dir() {
   Dl_info dl{};
@@ -98,6 +110,7 @@ class Context {
   id<MTLCommandQueue> queue() const { return queue_; }
   const gpu::DeviceInfo& info() const { return info_; }
   id<MTLLibrary> library() const { return library_; }
+  id<MTLLibrary> library_m5() const { return library_m5_; }
 
   // "" when the kernels can run here: an Apple7+ GPU and a loaded library.
   std::string unsupported_reason() const {
@@ -122,12 +135,16 @@ class Context {
     if (pipelines_[i] != nil) return pipelines_[i];
     const std::string name(gpu::kernel_info(kernel).name);
     std::string error;
+    const bool m5 = gpu::kernel_needs_tensor_ops(kernel);
+    id<MTLLibrary> lib = m5 ? library_m5_ : library_;
     @autoreleasepool {
-      id<MTLFunction> fn = [library_ newFunctionWithName:[NSString stringWithUTF8String:name.c_str()]];
-      if (library_ == nil) {
+      id<MTLFunction> fn = [lib newFunctionWithName:[NSString stringWithUTF8String:name.c_str()]];
+      if (m5 && lib == nil) {
+        error = "kernel '" + name + "' needs Metal 4 tensor ops: " + info_.tensor_ops_reason;
+      } else if (lib == nil) {
         error = "no Metal library: " + library_error_;
       } else if (fn == nil) {
-        error = "Metal library " + info_.library_path + " has no kernel '" + name + "'";
+        error = "Metal library " + (m5 ? m5_path_ : info_.library_path) + " has no kernel '" + name + "'";
       } else {
         NSError* err = nil;
         id<MTLComputePipelineState> pso = [device_ newComputePipelineStateWithFunction:fn error:&err];
@@ -159,6 +176,7 @@ class Context {
         info_.build_sdk = "macOS SDK " + macos_version(__MAC_OS_X_VERSION_MAX_ALLOWED);
         if (queue_ == nil) error = "Metal device " + info_.device_name + ": newCommandQueue failed";
         else library_error_ = load_library();  // kept: info() and unsupported_reason() report it
+        if (library_ != nil) load_library_m5(fam);
       }
     }
     if (!error.empty()) throw std::runtime_error(error);
@@ -209,6 +227,39 @@ class Context {
     return "";
   }
 
+  // The tensor-op kernels: lily_m5.metallib (Metal 4) on an Apple10+ GPU under macOS 26+. Sets
+  // info_.tensor_ops, or info_.tensor_ops_reason to why not.
+  void load_library_m5(int fam) {
+    const std::string lib = module_dir() + "/lily_m5.metallib";
+    m5_path_ = lib;
+    if (fam < kTensorOpsAppleFamily) {
+      info_.tensor_ops_reason = "GPU family apple" + std::to_string(fam) + " < apple" +
+                                std::to_string(kTensorOpsAppleFamily) + " (M5): the simdgroup-matrix kernels are used";
+      return;
+    }
+#if LILY_SDK_MACOS26
+    if (@available(macOS 26.0, *)) {
+      NSURL* url = [NSURL fileURLWithPath:[NSString stringWithUTF8String:lib.c_str()]];
+      if (![[NSFileManager defaultManager] fileExistsAtPath:[url path]]) {
+        info_.tensor_ops_reason = lib + " is not installed (the build's Metal toolchain has no Metal 4)";
+        return;
+      }
+      NSError* err = nil;
+      library_m5_ = [device_ newLibraryWithURL:url error:&err];
+      if (library_m5_ == nil) {
+        info_.tensor_ops_reason = "cannot load " + lib + ": " + describe(err);
+        return;
+      }
+      info_.tensor_ops = true;
+      info_.library_path += " + " + lib;
+      return;
+    }
+    info_.tensor_ops_reason = "Metal 4 tensor ops need macOS 26";
+#else
+    info_.tensor_ops_reason = "built with " + info_.build_sdk + ", which has no Metal 4 (macOS 26 SDK)";
+#endif
+  }
+
   // macOS 15+: mathMode = safe and precise math functions (the properties that replaced
   // fastMathEnabled); before that fastMathEnabled = NO (documented to mean the same safe mode).
   void set_math_mode(MTLCompileOptions* opts) {
@@ -232,6 +283,8 @@ class Context {
   id<MTLDevice> device_ = nil;
   id<MTLCommandQueue> queue_ = nil;
   id<MTLLibrary> library_ = nil;
+  id<MTLLibrary> library_m5_ = nil;  // lily_m5.metallib (tensor ops), when info_.tensor_ops
+  std::string m5_path_;
   gpu::DeviceInfo info_;
   bool supported_ = false;
   std::string library_error_;  // why no library loaded ("" when one did)
@@ -290,6 +343,7 @@ class MetalEncoder final : public gpu::Encoder {
   uint32_t thread_limit(gpu::KernelId kernel) const override {
     return static_cast<uint32_t>([ctx_.pipeline(kernel) maxTotalThreadsPerThreadgroup]);
   }
+  bool tensor_ops() const override { return ctx_.info().tensor_ops; }
 
  protected:
   void encode_dispatch(const gpu::Dispatch& d) override {
@@ -453,6 +507,8 @@ std::vector<std::string> library_functions() {
   if (ctx.library() == nil) return out;
   @autoreleasepool {
     for (NSString* n in [ctx.library() functionNames]) out.push_back(utf8(n));
+    if (ctx.library_m5() != nil)
+      for (NSString* n in [ctx.library_m5() functionNames]) out.push_back(utf8(n));
   }
   return out;
 }
@@ -461,6 +517,7 @@ std::vector<PipelineReport> pipeline_report() {
   Context& ctx = Context::get();
   std::vector<PipelineReport> out;
   for (const gpu::KernelInfo& k : gpu::kKernelTable) {
+    if (gpu::kernel_needs_tensor_ops(k.id) && !ctx.info().tensor_ops) continue;  // not in a loaded library
     PipelineReport r;
     r.kernel = std::string(k.name);
     try {

@@ -26,7 +26,7 @@ std::string unavailable_reason();              // "" when create_device() works:
 gpu::DeviceInfo info();                        // any Metal device; throws std::runtime_error when none
 std::unique_ptr<gpu::Device> create_device();  // shares one MTLDevice / queue / library / cache;
                                                // throws std::runtime_error unless unavailable_reason() is ""
-std::vector<std::string> library_functions();  // function names in the loaded library (any device)
+std::vector<std::string> library_functions();  // function names in the loaded libraries (any device)
 
 // Every kernel's pipeline on any Metal device (also one that cannot run the kernels, e.g. a VM's
 // paravirtual GPU): its limits, or the error creating it. For CI logs and doctor.

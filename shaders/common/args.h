@@ -19,6 +19,11 @@ enum : uint32_t {
   kQmmTileN = 32,         // qmm output tile: output features
   kQmmTileK = 32,         // qmm K step (must divide every supported group size)
   kQmmSimdsPerGroup = 4,  // qmm threadgroup = 4 simdgroups (2 x 2 over the 32 x 32 tile)
+  // qmm_m5 (shaders/m5/qmm_m5.metal, Metal 4 tensor ops): 4-bit weights only
+  kQmmM5TileM = 64,         // output tile: rows of x
+  kQmmM5TileN = 64,         // output tile: output features
+  kQmmM5TileK = 32,         // K step (must divide every supported group size)
+  kQmmM5SimdsPerGroup = 4,  // matmul2d execution_simdgroups<4>: 128 threads per threadgroup
 };
 
 // qmv1 (single token, shaders/qmm.metal): y[N] = dequant(w)[N, K] @ f(x), with f(x) = x, or an

@@ -51,7 +51,8 @@ def device_info(name: str) -> dict:
     """Facts about device ``name`` (see docs/metal.md): device_name, gpu_family,
     working_set_bytes, max_buffer_bytes (None: unlimited), library_path, library_source
     ("metallib" | "source" | "emulator" | None), metallib_error, metallib_built, build_target,
-    build_sdk, math_mode, residency_set, simulated. Raises BackendError when unavailable."""
+    build_sdk, math_mode, residency_set, simulated, tensor_ops (Metal 4 tensor ops: the M5
+    routes), tensor_ops_reason (why not, None when tensor_ops). Raises BackendError when unavailable."""
     _require(name)
     try:
         return dict(_core().registry.info(name))
@@ -85,17 +86,21 @@ def auto_backend() -> tuple[str, str | None]:
 @contextlib.contextmanager
 def simulated_device(*, max_threads: dict[str, int] | None = None, default_max_threads: int = 0,
                      threadgroup_bytes: dict[str, int] | None = None,
-                     working_set_bytes: int = 0, max_buffer_bytes: int = 0) -> Iterator[None]:
+                     working_set_bytes: int = 0, max_buffer_bytes: int = 0,
+                     tensor_ops: bool = False) -> Iterator[None]:
     """Within the block, the "emu" and "count" devices made afterwards report and enforce a
     Mac's limits: per-kernel maxTotalThreadsPerThreadgroup (``max_threads`` by kernel name,
     ``default_max_threads`` for the others; a dispatch above it fails as on Metal), static
-    threadgroup memory, recommendedMaxWorkingSetSize and maxBufferLength (0: unlimited)."""
+    threadgroup memory, recommendedMaxWorkingSetSize and maxBufferLength (0: unlimited).
+    ``tensor_ops=True`` makes them report Metal 4 tensor ops, as an M5 does: host ops take their
+    M5 routes (qmm_m5) and the emulator runs those kernels."""
     reg = _core().registry
     if reg.simulation_active():
         raise RuntimeError("simulated_device blocks do not nest")
     reg.set_simulation(default_max_threads=default_max_threads, max_threads=dict(max_threads or {}),
                        threadgroup_bytes=dict(threadgroup_bytes or {}),
-                       working_set_bytes=working_set_bytes, max_buffer_bytes=max_buffer_bytes)
+                       working_set_bytes=working_set_bytes, max_buffer_bytes=max_buffer_bytes,
+                       tensor_ops=tensor_ops)
     try:
         yield
     finally:

@@ -36,7 +36,8 @@ def test_every_emulator_kernel_has_an_id_or_is_a_selftest():
     assert all(name.startswith("selftest_") for name in extra), extra
     for k in core.emu.kernels():
         if k["name"].startswith("selftest_"):
-            assert k["file"].endswith("csrc/emu/selftest.metal"), k  # never in shaders/
+            # never in shaders/ (selftest_m5.metal: the Metal 4 tensor-op self-tests)
+            assert k["file"].endswith(("csrc/emu/selftest.metal", "csrc/emu/selftest_m5.metal")), k
 
 
 def test_names_are_unique():
@@ -46,7 +47,8 @@ def test_names_are_unique():
 
 
 def test_shader_instantiations_are_exactly_the_kernel_ids():
-    text = "\n".join(p.read_text() for p in sorted((ROOT / "shaders").glob("*.metal")))
+    text = "\n".join(p.read_text() for p in sorted((ROOT / "shaders").glob("*.metal")) +
+                     sorted((ROOT / "shaders" / "m5").glob("*.metal")))
     names = re.findall(r'^\s*LILY_INSTANTIATE\("([^"]+)"', text, flags=re.M)
     assert Counter(names) == Counter(k["name"] for k in core.kernel_table())
 
@@ -54,7 +56,8 @@ def test_shader_instantiations_are_exactly_the_kernel_ids():
 def test_kernel_signatures_bind_buffers_in_order():
     # [[buffer(0)]] is the args struct, then device buffers 1, 2, ... in parameter order: the host
     # binds by index and the emulator by position, so the two must agree.
-    sources = sorted((ROOT / "shaders").glob("*.metal")) + [ROOT / "csrc/emu/selftest.metal"]
+    sources = (sorted((ROOT / "shaders").glob("*.metal")) + sorted((ROOT / "shaders" / "m5").glob("*.metal")) +
+               [ROOT / "csrc/emu/selftest.metal"])
     seen = 0
     for path in sources:
         text = path.read_text()
@@ -72,8 +75,11 @@ def test_kernel_signatures_bind_buffers_in_order():
 def test_every_kernel_id_is_in_the_metal_library():
     # library_functions() loads the library on any Metal GPU, including the paravirtual GPU of
     # hosted macOS CI runners that cannot run the kernels (core.metal.available() is False there).
+    # The tensor-op kernels are in lily_m5.metallib, loaded only where the device reports them.
     functions = set(core.metal.library_functions())
-    missing = [k["name"] for k in core.kernel_table() if k["name"] not in functions]
+    tensor_ops = bool(core.metal.info().get("tensor_ops"))
+    missing = [k["name"] for k in core.kernel_table()
+               if k["name"] not in functions and (tensor_ops or not k["tensor_ops"])]
     assert not missing, f"kernel ids missing from {core.metal.info()['library']}: {missing}"
 
 

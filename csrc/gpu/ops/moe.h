@@ -113,6 +113,7 @@ class RecordingEncoder final : public Encoder {
   void commit() override { ++commits; inner_.commit(); }
   void wait() override { ++waits; inner_.wait(); }
   uint32_t thread_limit(KernelId k) const override { return inner_.thread_limit(k); }
+  bool tensor_ops() const override { return inner_.tensor_ops(); }
   std::vector<std::string_view> kernels;  // kernel names (static storage), in dispatch order
   uint64_t commits = 0, waits = 0;
 

@@ -19,22 +19,35 @@ void need_bytes(const Binding& b, uint64_t bytes, const char* what) {
 
 }  // namespace
 
-QmmRoute qmm_route(uint32_t M) {
-  return M == 1 ? QmmRoute::qmv1 : M <= kQmvMaxRows ? QmmRoute::qmv : QmmRoute::qmm;
+QmmRoute qmm_route(uint32_t M, uint32_t bits, bool tensor_ops) {
+  if (M == 1) return QmmRoute::qmv1;
+  if (M <= kQmvMaxRows) return QmmRoute::qmv;
+  return tensor_ops && bits == 4 ? QmmRoute::qmm_m5 : QmmRoute::qmm;
 }
 
-const char* qmm_route_name(QmmRoute r) { return r == QmmRoute::qmv1 ? "qmv1" : r == QmmRoute::qmv ? "qmv" : "qmm"; }
+const char* qmm_route_name(QmmRoute r) {
+  switch (r) {
+    case QmmRoute::qmv1: return "qmv1";
+    case QmmRoute::qmv: return "qmv";
+    case QmmRoute::qmm: return "qmm";
+    case QmmRoute::qmm_m5: return "qmm_m5";
+  }
+  return "?";
+}
 
 uint32_t qmv1_splits(uint32_t K, uint32_t bits) {
   const uint32_t block = 32 * 128 / bits;  // codes per simdgroup per 16-byte-per-lane step
   return std::min<uint32_t>(kQmv1MaxSplits, (K + block - 1) / block);
 }
 
-QmmFlops qmm_flops(uint32_t M, uint32_t N, uint32_t K) {
+QmmFlops qmm_flops(uint32_t M, uint32_t N, uint32_t K, uint32_t bits, bool tensor_ops) {
   const uint64_t useful = 2ull * M * N * K;
-  if (qmm_route(M) != QmmRoute::qmm) return {useful, useful};  // qmv / qmv1: rows past N are skipped, not padded
-  // Every threadgroup multiplies a whole 32 x 32 tile over K (zeros past M and N).
-  const uint64_t Mp = uint64_t(ceil_div(M, kQmmTileM)) * kQmmTileM, Np = uint64_t(ceil_div(N, kQmmTileN)) * kQmmTileN;
+  const QmmRoute route = qmm_route(M, bits, tensor_ops);
+  if (route == QmmRoute::qmv || route == QmmRoute::qmv1) return {useful, useful};  // rows past N are skipped, not padded
+  // Every threadgroup multiplies a whole tile over K (zeros past M and N): 32 x 32, or 64 x 64 (M5).
+  const uint32_t tm = route == QmmRoute::qmm_m5 ? kQmmM5TileM : kQmmTileM;
+  const uint32_t tn = route == QmmRoute::qmm_m5 ? kQmmM5TileN : kQmmTileN;
+  const uint64_t Mp = uint64_t(ceil_div(M, tm)) * tm, Np = uint64_t(ceil_div(N, tn)) * tn;
   return {2 * Mp * Np * K, useful};
 }
 
@@ -49,6 +62,10 @@ KernelId qmm_kernel(QmmRoute route, uint32_t bits, DType x, DType s) {
                 : (sb ? KernelId::qmv1_b4_xf32_sbf16 : KernelId::qmv1_b4_xf32_sf32);
     return xb ? (sb ? KernelId::qmv1_b8_xbf16_sbf16 : KernelId::qmv1_b8_xbf16_sf32)
               : (sb ? KernelId::qmv1_b8_xf32_sbf16 : KernelId::qmv1_b8_xf32_sf32);
+  if (route == QmmRoute::qmm_m5) {
+    if (bits != 4) throw std::invalid_argument("quantized_matmul: the qmm_m5 route takes 4-bit weights only");
+    return xb ? (sb ? KernelId::qmm_m5_b4_xbf16_sbf16 : KernelId::qmm_m5_b4_xbf16_sf32)
+              : (sb ? KernelId::qmm_m5_b4_xf32_sbf16 : KernelId::qmm_m5_b4_xf32_sf32);
   }
   if (route == QmmRoute::qmv) {
     if (bits == 4)
@@ -101,7 +118,7 @@ void validate(const QmmOperands& op) {
 
 void encode_quantized_matmul(Encoder& enc, const QmmOperands& op) {
   validate(op);
-  const QmmRoute route = qmm_route(op.M);
+  const QmmRoute route = qmm_route(op.M, op.bits, enc.tensor_ops());
   const uint64_t xe = dtype_size(op.x_dtype), se = dtype_size(op.scale_dtype);
   const uint64_t groups = op.K / op.group_size;
   auto range = [](Binding b, uint64_t bytes) { b.bytes = bytes; return b; };
@@ -127,7 +144,7 @@ void encode_quantized_matmul(Encoder& enc, const QmmOperands& op) {
     enc.set_buffer(8, op.h_out.buffer ? range(op.h_out, op.K * xe) : x);
     enc.set_buffer(9, op.xn_out.buffer ? range(op.xn_out, op.K * xe) : x);
     enc.dispatch({ceil_div(op.N, kQmv1Rows), 1, 1}, {32 * qmv1_splits(op.K, op.bits), 1, 1});
-    const QmmFlops f = qmm_flops(1, op.N, op.K);
+    const QmmFlops f = qmm_flops(1, op.N, op.K, op.bits, enc.tensor_ops());
     enc.add_flops(f.executed, f.useful);
     return;
   }
@@ -141,10 +158,13 @@ void encode_quantized_matmul(Encoder& enc, const QmmOperands& op) {
   enc.set_buffer(3, range(op.scales, uint64_t(op.N) * groups * se));
   enc.set_buffer(4, range(op.biases, uint64_t(op.N) * groups * se));
   enc.set_buffer(5, range(op.y, ((uint64_t(op.M) - 1) * args.y_stride + op.N) * xe));
-  const QmmFlops f = qmm_flops(op.M, op.N, op.K);
+  const QmmFlops f = qmm_flops(op.M, op.N, op.K, op.bits, enc.tensor_ops());
   if (route == QmmRoute::qmv) {
     enc.dispatch({ceil_div(op.N, kQmvRowsPerSimd * kQmvSimdsPerGroup), 1, 1},
                  {32 * kQmvSimdsPerGroup, 1, 1});
+  } else if (route == QmmRoute::qmm_m5) {
+    enc.dispatch({ceil_div(op.N, kQmmM5TileN), ceil_div(op.M, kQmmM5TileM), 1},
+                 {32 * kQmmM5SimdsPerGroup, 1, 1});
   } else {
     enc.dispatch({ceil_div(op.N, kQmmTileN), ceil_div(op.M, kQmmTileM), 1},
                  {32 * kQmmSimdsPerGroup, 1, 1});

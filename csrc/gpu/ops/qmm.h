@@ -12,9 +12,11 @@ enum class QmmRoute : uint8_t {
   qmv1, // M == 1: single-token matrix-vector (optionally with an RMSNorm fused in front)
   qmv,  // 2 <= M <= kQmvMaxRows: matrix-vector, every weight byte read once for all M rows
   qmm,  // M >  kQmvMaxRows: 32x32 output tiles, weights dequantized per tile into threadgroup memory
+  qmm_m5,  // M > kQmvMaxRows, 4-bit, on a device with Metal 4 tensor ops: 64x64 tiles, matmul2d
 };
 
-QmmRoute qmm_route(uint32_t M);
+// tensor_ops: the encoder's device runs the M5 kernels (Encoder::tensor_ops()).
+QmmRoute qmm_route(uint32_t M, uint32_t bits = 4, bool tensor_ops = false);
 // Simdgroups per threadgroup of the qmv1 route (they split K): min(kQmv1MaxSplits, ceil(K / block)).
 uint32_t qmv1_splits(uint32_t K, uint32_t bits);
 const char* qmm_route_name(QmmRoute r);
@@ -24,7 +26,7 @@ const char* qmm_route_name(QmmRoute r);
 struct QmmFlops {
   uint64_t executed = 0, useful = 0;
 };
-QmmFlops qmm_flops(uint32_t M, uint32_t N, uint32_t K);
+QmmFlops qmm_flops(uint32_t M, uint32_t N, uint32_t K, uint32_t bits = 4, bool tensor_ops = false);
 
 struct QmmOperands {
   Binding x;        // [M, x_stride] of x_dtype

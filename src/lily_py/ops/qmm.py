@@ -7,10 +7,12 @@ from ._common import _BITS, _GROUP_SIZES, BFLOAT16, _check_device, _core, _float
 
 __all__ = ['quantized_matmul', 'quantized_matmul_norm', 'quantized_matmul_route']
 
-def quantized_matmul_route(m: int) -> str:
-    """The route :func:`quantized_matmul` takes for ``m`` rows of ``x``: ``"qmv1"`` (one row),
-    ``"qmv"`` (2..8 rows) or ``"qmm"``."""
-    return str(_core().ops.qmm_route(int(m)))
+def quantized_matmul_route(m: int, *, bits: int = 4, tensor_ops: bool = False) -> str:
+    """The route :func:`quantized_matmul` takes for ``m`` rows of ``x``: ``"qmv1"`` (one row), ``"qmv"`` (2..8 rows),
+    ``"qmm"``, or
+    ``"qmm_m5"`` (4-bit weights on a device with Metal 4 tensor ops, ``tensor_ops=True``: an M5,
+    or the emulator under ``lily_py.testing.simulated_device(tensor_ops=True)``)."""
+    return str(_core().ops.qmm_route(int(m), int(bits), bool(tensor_ops)))
 
 
 def quantized_matmul(x: np.ndarray, w: np.ndarray, scales: np.ndarray, biases: np.ndarray, *,
@@ -21,7 +23,9 @@ def quantized_matmul(x: np.ndarray, w: np.ndarray, scales: np.ndarray, biases: n
     layout, ``32 // bits`` codes per word, least significant first). ``scales``, ``biases``:
     ``[N, K / group_size]``, float32 or bfloat16 (the same dtype). ``bits`` is 4 or 8,
     ``group_size`` 32, 64 or 128. Returns ``[..., N]`` in the dtype of ``x``; accumulation is fp32.
-    Rows ``M <= 8`` take the matrix-vector route (``qmv``), larger ``M`` the tiled one (``qmm``).
+    Rows ``M <= 8`` take the matrix-vector route (``qmv``), larger ``M`` the tiled one (``qmm``;
+    ``qmm_m5`` with 4-bit weights where the device reports Metal 4 tensor ops: x and the
+    dequantized weights rounded to half, fp32 accumulation).
     """
     y, _ = _quantized_matmul(x, w, scales, biases, bits=bits, group_size=group_size, device=device)
     return y

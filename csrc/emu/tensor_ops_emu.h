@@ -1,0 +1,266 @@
+// Metal 4 tensors and MetalPerformancePrimitives' matmul2d, emulated: the subset the M5 kernels use
+// (shaders/common/tensor_ops.h includes this in the emulator; csrc/emu/tensor_ops_strict.h has
+// the same declarations for the strict pass). Included by csrc/emu/metal_emu.h before its
+// address-space macros. Sources for the API and its semantics: docs/metal.md, "Metal 4 tensor
+// ops (M5)".
+//
+//   metal::dextents<I, 2>(e0, e1)       extents, e0 the innermost (contiguous) dimension
+//   metal::tensor_inline                a tensor over a pointer it does not own
+//   metal::tensor<E, dextents<I,2>, tensor_inline>(ptr, extents)   packed: element (i0, i1) at
+//                                       ptr[i1 * e0 + i0]; E may be a device or threadgroup type
+//   metal::execution_simdgroups<N>, metal::execution_simdgroup      execution scopes
+//   metal::cooperative_tensor<...>      get_capacity, is_valid_element, get_multidimensional_index,
+//                                       operator[] (the destination of a matmul2d, kept per thread)
+//   mpp::tensor_ops::matmul2d_descriptor(m, n, k, transpose_left, transpose_right,
+//                                        relaxed_precision, mode)
+//   mpp::tensor_ops::matmul2d<Descriptor, Scope>::run(left, right, destination)
+//   ::get_destination_cooperative_tensor<Left, Right, ElementType>()
+//
+// Semantics (Apple's MPPTensorOpsMatMul2d.h): destination[m x n] = left[m x k] * right[k x n]
+// (mode::multiply) or += (mode::multiply_accumulate). Left is stored m x k (extents (k, m)) or,
+// with transpose_left, k x m (extents (m, k)); right is stored k x n (extents (n, k)) or, with
+// transpose_right, n x k (extents (k, n)). Operand elements outside their tensor's extents read
+// as 0 and destination elements outside its extents are not written (the header's edge checking).
+// Types: the header's rows (half, half) -> float or half; the int8 rows are not emulated.
+// Precision (the emulator's choice, stated): each output is sum_k float(a) * float(b) in fp32,
+// k = 0.. in order (half x half products are exact in fp32), then added to the destination in
+// fp32 and rounded to its type. relaxed_precision = true (documented only as "allow the
+// implementation to sacrifice accuracy for performance") is modelled as that sum rounded to half
+// before it is added.
+// Execution scope: all threads of the scope must call run at the same call site ("execution scope
+// uniform"); execution_simdgroups<N> needs exactly N simdgroups in the threadgroup (documented:
+// undefined behaviour otherwise). Both are checked: a threadgroup-wide collective
+// (execution_simdgroups<N>) or a simd collective (execution_simdgroup). Each thread computes its
+// own destination elements from the operands both before and after that rendezvous and fails
+// when they differ: an operand written by another thread without a threadgroup_barrier between
+// the write and the run (before or after it) is reported instead of being hidden by the
+// rendezvous.
+// Cooperative destination layout (implementation defined on the GPU): element e = row * n + col
+// of the m x n tile is held by thread (e % T) of the scope as its element e / T (T = threads of
+// the scope); get_multidimensional_index(i) = {col, row}. A fresh cooperative tensor is poisoned
+// (NaN) until written, like uninitialised simdgroup matrices.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <type_traits>
+
+#include "emu/runtime.h"
+
+namespace metal {
+
+inline constexpr size_t dynamic_extent = static_cast<size_t>(-1);
+
+template <class IndexType, size_t Rank>
+struct dextents {
+  static_assert(Rank == 2, "the emulator implements rank-2 tensors");
+  using index_type = IndexType;
+  IndexType e[Rank];
+  constexpr dextents(IndexType e0, IndexType e1) : e{e0, e1} {}
+  static constexpr size_t rank() { return Rank; }
+  constexpr IndexType extent(size_t r) const { return e[r]; }
+};
+
+struct tensor_inline {};
+
+template <class ElementType, class Extents, class DescriptorType = tensor_inline>
+class tensor {
+  static_assert(std::is_same_v<DescriptorType, tensor_inline>, "the emulator implements tensor_inline tensors");
+
+ public:
+  using element_type = ElementType;
+  using extents_type = Extents;
+  using index_type = typename Extents::index_type;
+  tensor(ElementType* data, Extents ext) : data_(data), ext_(ext) {}
+  ElementType* data() const { return data_; }
+  constexpr Extents extents() const { return ext_; }
+  index_type get_extent(size_t r) const { return ext_.extent(r); }
+  // Element (i0, i1): 0 outside the extents (edge checking).
+  float at(long i0, long i1) const {
+    if (i0 < 0 || i1 < 0 || i0 >= long(ext_.extent(0)) || i1 >= long(ext_.extent(1))) return 0.0f;
+    return static_cast<float>(data_[i1 * long(ext_.extent(0)) + i0]);
+  }
+
+ private:
+  ElementType* data_;
+  Extents ext_;
+};
+
+template <int N>
+struct execution_simdgroups {
+  static_assert(N >= 1, "execution_simdgroups<N> needs N >= 1");
+  static constexpr int simdgroups = N;
+};
+struct execution_simdgroup {
+  static constexpr int simdgroups = 1;
+};
+
+template <class T, int Rank>
+struct tensor_index {  // what get_multidimensional_index returns: index[0], index[1]
+  T v[Rank];
+  constexpr T operator[](int r) const { return v[r]; }
+};
+
+// A matmul2d destination held in the threads of the op's scope (layout: see the header comment).
+template <class ElementType, int M, int N, int Threads>
+class cooperative_tensor {
+ public:
+  using element_type = ElementType;
+  static constexpr int kCapacity = (M * N + Threads - 1) / Threads;
+  cooperative_tensor() : owner_(::lily::emu::thread_index_in_group() % Threads) {
+    std::memset(static_cast<void*>(e_), 0xFF, sizeof e_);  // NaN until written
+  }
+  static constexpr uint16_t get_capacity() { return uint16_t(kCapacity); }
+  bool is_valid_element(uint16_t i) const { return i < kCapacity && flat(i) < M * N; }
+  tensor_index<int, 2> get_multidimensional_index(uint16_t i) const {
+    const int f = flat(i);
+    return {{f % N, f / N}};
+  }
+  ElementType& operator[](uint16_t i) { return e_[i]; }
+  const ElementType& operator[](uint16_t i) const { return e_[i]; }
+  int owner() const { return owner_; }
+  int flat(uint16_t i) const { return int(i) * Threads + owner_; }
+
+ private:
+  ElementType e_[kCapacity];
+  int owner_;
+};
+
+}  // namespace metal
+
+namespace mpp::tensor_ops {
+
+struct matmul2d_descriptor {
+  enum class mode { multiply, multiply_accumulate };
+  int m, n, k;
+  bool transpose_left, transpose_right;
+  bool relaxed_precision;
+  mode matmul_mode;
+  constexpr matmul2d_descriptor(int m_, int n_, int k_ = -1, bool transpose_left_ = false,
+                                bool transpose_right_ = false, bool relaxed_precision_ = false,
+                                mode matmul_mode_ = mode::multiply)
+      : m(m_), n(n_), k(k_), transpose_left(transpose_left_), transpose_right(transpose_right_),
+        relaxed_precision(relaxed_precision_), matmul_mode(matmul_mode_) {}
+};
+
+namespace detail {
+template <class T>
+inline constexpr bool is_half = std::is_same_v<std::remove_cv_t<T>, metal::half>;
+template <class T>
+struct is_coop : std::false_type {};
+template <class E, int M, int N, int Th>
+struct is_coop<metal::cooperative_tensor<E, M, N, Th>> : std::true_type {};
+}  // namespace detail
+
+template <matmul2d_descriptor D, class Scope>
+class matmul2d {
+  static_assert(D.m > 0 && D.n > 0, "matmul2d_descriptor: m and n must be positive");
+  static constexpr int kThreads = Scope::simdgroups * int(::lily::emu::kSimdWidth);
+
+ public:
+  static constexpr matmul2d_descriptor descriptor = D;
+  using scope = Scope;
+
+  template <class Left, class Right, class ElementType>
+  using destination_t = metal::cooperative_tensor<ElementType, D.m, D.n, kThreads>;
+
+  template <class Left, class Right, class ElementType>
+  destination_t<Left, Right, ElementType> get_destination_cooperative_tensor() const {
+    return destination_t<Left, Right, ElementType>();
+  }
+
+  template <class Left, class Right, class Dest>
+  void run(Left& left, Right& right, Dest& dest, const char* file = __builtin_FILE(),
+           int line = __builtin_LINE()) const {
+    static_assert(detail::is_half<typename Left::element_type> && detail::is_half<typename Right::element_type>,
+                  "matmul2d (emulated): left and right must be half tensors (the int8 rows are not emulated)");
+    using DE = std::remove_cv_t<typename Dest::element_type>;
+    static_assert(std::is_same_v<DE, float> || std::is_same_v<DE, metal::half>,
+                  "matmul2d (emulated): the destination must be float or half");
+    check_scope(file, line);
+    const int K = inner(left, right, file, line);
+    const uint32_t me = ::lily::emu::thread_index_in_group() % uint32_t(kThreads);
+    if constexpr (detail::is_coop<Dest>::value) {
+      if (uint32_t(dest.owner()) != me)
+        ::lily::emu::kernel_fail("matmul2d::run: a cooperative tensor used by a thread that did not create it", file, line);
+    }
+    // Each thread's elements: before the rendezvous ...
+    constexpr int kMine = (D.m * D.n + kThreads - 1) / kThreads;
+    float before[kMine], after[kMine];
+    compute(left, right, K, me, before);
+    rendezvous(file, line);
+    // ... and after it: an operand that changed in between was written without a barrier.
+    compute(left, right, K, me, after);
+    if (std::memcmp(before, after, sizeof before) != 0)
+      ::lily::emu::kernel_fail(
+          "matmul2d::run: an operand changed while the threads of the execution scope entered run "
+          "(another thread wrote it without a threadgroup_barrier between the write and the run)", file, line);
+    for (int i = 0; i < kMine; ++i) {
+      const int f = i * kThreads + int(me);
+      if (f >= D.m * D.n) break;
+      float s = after[i];
+      if (D.relaxed_precision) s = float(metal::half(s));
+      if constexpr (detail::is_coop<Dest>::value) {
+        DE& d = dest[uint16_t(i)];
+        d = DE(D.matmul_mode == matmul2d_descriptor::mode::multiply_accumulate ? float(d) + s : s);
+      } else {
+        const long col = f % D.n, row = f / D.n;
+        if (col >= long(dest.get_extent(0)) || row >= long(dest.get_extent(1))) continue;
+        auto& d = dest.data()[row * long(dest.get_extent(0)) + col];
+        d = DE(D.matmul_mode == matmul2d_descriptor::mode::multiply_accumulate ? float(d) + s : s);
+      }
+    }
+  }
+
+ private:
+  static void check_scope(const char* file, int line) {
+    if constexpr (!std::is_same_v<Scope, metal::execution_simdgroup>) {
+      const uint32_t have = ::lily::emu::threads_in_group();
+      if (have != uint32_t(kThreads))
+        ::lily::emu::kernel_fail("matmul2d::run: execution_simdgroups<" + std::to_string(Scope::simdgroups) +
+                                     "> needs exactly " + std::to_string(kThreads) +
+                                     " threads in the threadgroup, the dispatch has " + std::to_string(have),
+                                 file, line);
+    } else if (::lily::emu::lane_view().simd_width != ::lily::emu::kSimdWidth) {
+      ::lily::emu::kernel_fail("matmul2d::run: execution_simdgroup needs a full simdgroup", file, line);
+    }
+  }
+  static void rendezvous(const char* file, int line) {
+    if constexpr (std::is_same_v<Scope, metal::execution_simdgroup>)
+      ::lily::emu::simd_sync("matmul2d::run", file, line);
+    else
+      ::lily::emu::threadgroup_collective("matmul2d::run", file, line);
+  }
+  // K of the product: the descriptor's, or (k < 0: dynamic) the left operand's.
+  template <class Left, class Right>
+  static int inner(const Left& l, const Right& r, const char* file, int line) {
+    const int lk = int(D.transpose_left ? l.get_extent(1) : l.get_extent(0));
+    const int rk = int(D.transpose_right ? r.get_extent(0) : r.get_extent(1));
+    if (D.k < 0 && lk != rk)
+      ::lily::emu::kernel_fail("matmul2d::run: dynamic k, but the operands' k extents differ (" + std::to_string(lk) +
+                                   " vs " + std::to_string(rk) + ")", file, line);
+    return D.k < 0 ? lk : D.k;
+  }
+  template <class Left, class Right>
+  static void compute(const Left& l, const Right& r, int K, uint32_t me, float* out) {
+    constexpr int kMine = (D.m * D.n + kThreads - 1) / kThreads;
+    for (int i = 0; i < kMine; ++i) {
+      const int f = i * kThreads + int(me);
+      if (f >= D.m * D.n) {
+        out[i] = 0.0f;
+        continue;
+      }
+      const long col = f % D.n, row = f / D.n;
+      float s = 0.0f;
+      for (long k = 0; k < K; ++k) {
+        const float a = D.transpose_left ? l.at(row, k) : l.at(k, row);
+        const float b = D.transpose_right ? r.at(k, col) : r.at(col, k);
+        s += a * b;
+      }
+      out[i] = s;
+    }
+  }
+};
+
+}  // namespace mpp::tensor_ops

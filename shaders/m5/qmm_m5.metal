@@ -1,0 +1,106 @@
+// Quantized matmul y[M, N] = x[M, K] @ dequant(w)[N, K]^T on Metal 4 tensor ops (M5 path).
+// Same buffers, args and MLX affine layout as shaders/qmm.metal (4-bit weights only); host:
+// csrc/gpu/ops/qmm.cpp (route qmm_m5, taken when the device reports tensor ops). Compiled with
+// -std=metal4.0 into lily_m5.metallib (CMakeLists.txt), by the emulator, and by the strict pass
+// against csrc/emu/tensor_ops_strict.h. Reference: lily_py.reference.kernels.
+//
+//   grid:      (ceil(N / 64), ceil(M / 64)) threadgroups of 128 threads (4 simdgroups)
+//   tile:      64 rows of x by 64 output features, K walked in steps of kQmmM5TileK = 32
+//   staging:   thread t rounds x[m0 + t/2, k0 + 16*(t%2) .. +16] to half and dequantizes the same
+//              coordinates of w (fp32 s * q + b, rounded to half) into threadgroup memory; zeros
+//              past M / N. Two stages: step s+1 is staged while matmul2d multiplies step s, one
+//              threadgroup barrier per step.
+//   multiply:  matmul2d_descriptor(64, 64, 32, transpose_left = false, transpose_right = true,
+//              relaxed_precision = false, multiply_accumulate) on execution_simdgroups<4>: the x
+//              tile is left (extents (32, 64)), the w tile [n][k] is right transposed (extents
+//              (32, 64)); the 64 x 64 fp32 accumulator is a cooperative tensor.
+//   epilogue:  each thread writes its cooperative-tensor elements, masked to M x N, rounded to T.
+// Precision: operands are half (the half x half -> float row of Apple's matmul2d types): x and
+// the dequantized weights are rounded to half once; products and accumulation are fp32.
+#include "common/lily_metal.h"
+#include "common/quant.h"
+#include "common/tensor_ops.h"
+
+namespace lily {
+
+// Stages K step k0 of the x and w tiles (thread t: one row, 16 consecutive columns).
+template <typename T, typename S>
+inline void qmm_m5_stage(constant QmmArgs& args, const device T* x, const device uint32_t* w,
+                         const device S* scales, const device S* biases, uint32_t m0, uint32_t n0,
+                         uint32_t k0, uint32_t t, threadgroup half* xs, threadgroup half* ws) {
+  constexpr uint32_t BK = kQmmM5TileK;
+  const uint32_t row = t / 2;
+  const uint32_t col = (t % 2) * 16;
+  const uint32_t m = m0 + row;
+  for (uint32_t i = 0; i < 16; ++i)
+    xs[row * BK + col + i] = m < args.M ? half(float(x[m * args.x_stride + k0 + col + i])) : half(0.0f);
+  const uint32_t n = n0 + row;
+  if (n < args.N) {
+    float q[16];
+    unpack_codes<4, 16>(w + n * (args.K / 8) + (k0 + col) / 8, q);
+    const uint32_t g = n * (args.K / args.group_size) + (k0 + col) / args.group_size;
+    const float s = float(scales[g]);
+    const float b = float(biases[g]);
+    for (uint32_t i = 0; i < 16; ++i) ws[row * BK + col + i] = half(s * q[i] + b);
+  } else {
+    for (uint32_t i = 0; i < 16; ++i) ws[row * BK + col + i] = half(0.0f);
+  }
+}
+
+template <typename T, typename S>
+[[kernel]] void qmm_m5(constant QmmArgs& args [[buffer(0)]],
+                       const device T* x [[buffer(1)]],
+                       const device uint32_t* w [[buffer(2)]],
+                       const device S* scales [[buffer(3)]],
+                       const device S* biases [[buffer(4)]],
+                       device T* y [[buffer(5)]],
+                       LILY_KERNEL_TAIL) {
+  constexpr uint32_t BM = kQmmM5TileM, BN = kQmmM5TileN, BK = kQmmM5TileK;
+  static_assert(BM == 64 && BN == 64 && BK == 32 && kQmmM5SimdsPerGroup == 4,
+                "the staging map and descriptor below assume 64x64x32 tiles and 128 threads");
+  LILY_TG_ARRAY(half, xs, [2 * BM * BK]);  // two stages of the x tile [64][32]
+  LILY_TG_ARRAY(half, ws, [2 * BN * BK]);  // two stages of the w tile [64][32]
+
+  const uint32_t t = thread_pos.x;
+  const uint32_t m0 = group_pos.y * BM;
+  const uint32_t n0 = group_pos.x * BN;
+
+  constexpr auto desc = matmul2d_descriptor(int(BM), int(BN), int(BK), false, true, false,
+                                            matmul2d_descriptor::mode::multiply_accumulate);
+  matmul2d<desc, execution_simdgroups<4>> op;
+  auto x0 = tensor<threadgroup half, dextents<int32_t, 2>, tensor_inline>(xs, dextents<int32_t, 2>(int(BK), int(BM)));
+  auto x1 = tensor<threadgroup half, dextents<int32_t, 2>, tensor_inline>(xs + BM * BK, dextents<int32_t, 2>(int(BK), int(BM)));
+  auto w0 = tensor<threadgroup half, dextents<int32_t, 2>, tensor_inline>(ws, dextents<int32_t, 2>(int(BK), int(BN)));
+  auto w1 = tensor<threadgroup half, dextents<int32_t, 2>, tensor_inline>(ws + BN * BK, dextents<int32_t, 2>(int(BK), int(BN)));
+  auto acc = op.template get_destination_cooperative_tensor<decltype(x0), decltype(w0), float>();
+  for (uint16_t i = 0; i < acc.get_capacity(); ++i)
+    if (acc.is_valid_element(i)) acc[i] = 0.0f;
+
+  const uint32_t steps = args.K / BK;
+  qmm_m5_stage(args, x, w, scales, biases, m0, n0, 0, t, xs, ws);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (uint32_t s = 0; s < steps; ++s) {
+    const uint32_t next = (s + 1) & 1;
+    if (s + 1 < steps)  // stage s+1 into the buffers the previous step's run read (barrier between)
+      qmm_m5_stage(args, x, w, scales, biases, m0, n0, (s + 1) * BK, t, xs + next * BM * BK, ws + next * BN * BK);
+    if ((s & 1) == 0) op.run(x0, w0, acc);
+    else op.run(x1, w1, acc);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+
+  for (uint16_t i = 0; i < acc.get_capacity(); ++i) {
+    if (!acc.is_valid_element(i)) continue;
+    const auto idx = acc.get_multidimensional_index(i);
+    const uint32_t n = n0 + uint32_t(idx[0]);
+    const uint32_t m = m0 + uint32_t(idx[1]);
+    if (m < args.M && n < args.N) y[m * args.y_stride + n] = T(acc[i]);
+  }
+}
+
+// Instantiations: exactly the qmm_m5 rows of csrc/gpu/kernel_ids.h (x dtype, scale dtype; 4-bit).
+LILY_INSTANTIATE("qmm_m5_b4_xf32_sf32", qmm_m5<float, float>)
+LILY_INSTANTIATE("qmm_m5_b4_xf32_sbf16", qmm_m5<float, bfloat>)
+LILY_INSTANTIATE("qmm_m5_b4_xbf16_sf32", qmm_m5<bfloat, float>)
+LILY_INSTANTIATE("qmm_m5_b4_xbf16_sbf16", qmm_m5<bfloat, bfloat>)
+
+}  // namespace lily

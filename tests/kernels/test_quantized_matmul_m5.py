@@ -1,0 +1,139 @@
+"""The M5 route of lily_py.ops.quantized_matmul (qmm_m5: Metal 4 tensor ops, shaders/m5/qmm_m5.metal)
+on the emulator, under lily_py.testing.simulated_device(tensor_ops=True), vs the reference.
+
+Two tolerances:
+* exact semantics: the kernel rounds x and the dequantized weights (fp32 s*q + b, as the kernel
+  computes it) to half once and matmul2d sums the exact half x half products in fp32. Given those
+  rounded operands, a float64 reference differs only by the fp32 sum: 8 sqrt(K) u mag with
+  u = 2^-24 and mag = sum_k |x_k w_k| (as in test_quantized_matmul.py). This bound is far below
+  what the half rounding itself changes (~2^-11 mag / sqrt(K)), so it also shows the rounding
+  happens where stated.
+* against the fp32 reference (no half rounding): each operand's rounding is <= 2^-11 relative,
+  so each product errs by <= (2 * 2^-11 + 2^-22) |x_k w_k|: the worst case 2.001 * 2^-11 mag plus
+  the fp32 term. A bfloat16 output adds its final rounding (rtol 2^-8).
+Both sides of the route switch: M = 8 takes qmv on an M5 too, M = 9 qmm_m5; 8-bit weights keep
+the simdgroup qmm; without tensor ops M = 9 takes qmm.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kernel_checks import BF16_EPS, F32_EPS, assert_close, rng  # noqa: F401  (fixture)
+from lily_py import device_info, ops
+from lily_py.reference import kernels as ref_kernels
+from lily_py.reference import quant
+from lily_py.testing import simulated_device
+from test_quantized_matmul import BF16, QMV_MAX_ROWS, make_case
+
+HALF_EPS = 2.0 ** -11
+TILE = 64  # kQmmM5TileM = kQmmM5TileN (shaders/common/args.h)
+
+
+def half_operands(x, w, s, b, *, bits, group_size):
+    """x and the dequantized weights as the M5 kernel stages them (float64 copies of halves)."""
+    k = x.shape[-1]
+    q = quant.unpack(w, bits).astype(np.float32).reshape(w.shape[0], k // group_size, group_size)
+    wd = (q * np.asarray(s).astype(np.float32)[..., None] + np.asarray(b).astype(np.float32)[..., None])
+    wh = wd.reshape(w.shape[0], k).astype(np.float16).astype(np.float64)
+    xh = np.asarray(x).astype(np.float32).astype(np.float16).astype(np.float64)
+    return xh, wh
+
+
+def run_m5(rng, x, w, s, b, *, bits=4, group_size=64, **kw):
+    with simulated_device(tensor_ops=True):
+        return ops._quantized_matmul(x, w, s, b, bits=bits, group_size=group_size, seed=rng.seed, **kw)
+
+
+def check_m5(rng, x, w, s, b, *, bits=4, group_size=64):
+    y, stats = run_m5(rng, x, w, s, b, bits=bits, group_size=group_size)
+    k = x.shape[-1]
+    rtol = 2 * BF16_EPS if x.dtype == BF16 else 0.0
+    ref = ref_kernels.quantized_matmul(x, w, s, b, bits=bits, group_size=group_size)
+    mag = ref_kernels.quantized_matmul_error_scale(x, w, s, b, bits=bits, group_size=group_size)
+    if not stats["kernels"][0].startswith("qmm_m5"):  # qmv (M <= 8): fp32 operands, the fp32 bound
+        assert_close(y, ref, atol=8 * np.sqrt(k) * F32_EPS * mag, rtol=rtol,
+                     what=f"{stats['kernels']} x{x.shape}", seed=rng.seed)
+        return y, stats
+    xh, wh = half_operands(x, w, s, b, bits=bits, group_size=group_size)
+    exact = xh @ wh.T
+    mag_h = np.abs(xh) @ np.abs(wh).T
+    assert_close(y, exact, atol=8 * np.sqrt(k) * F32_EPS * mag_h, rtol=rtol,
+                 what=f"qmm_m5 (half operands) {stats['kernels']} x{x.shape}", seed=rng.seed)
+    assert_close(y, ref, atol=(2.001 * HALF_EPS + 8 * np.sqrt(k) * F32_EPS) * mag, rtol=rtol,
+                 what=f"qmm_m5 vs fp32 reference x{x.shape}", seed=rng.seed)
+    return y, stats
+
+
+def test_route_switch():
+    assert ops.quantized_matmul_route(QMV_MAX_ROWS, tensor_ops=True) == "qmv"
+    assert ops.quantized_matmul_route(QMV_MAX_ROWS + 1, tensor_ops=True) == "qmm_m5"
+    assert ops.quantized_matmul_route(QMV_MAX_ROWS + 1, bits=8, tensor_ops=True) == "qmm"
+    assert ops.quantized_matmul_route(QMV_MAX_ROWS + 1) == "qmm"
+
+
+def test_simulation_reports_tensor_ops():
+    assert device_info("emu")["tensor_ops"] is False
+    with simulated_device(tensor_ops=True):
+        info = device_info("emu")
+        assert info["tensor_ops"] is True and info["tensor_ops_reason"] is None
+    assert device_info("emu")["tensor_ops"] is False
+
+
+@pytest.mark.parametrize("m", [QMV_MAX_ROWS, QMV_MAX_ROWS + 1, 70])
+@pytest.mark.parametrize("x_dtype,scale_dtype", [(np.float32, np.float32), (np.float32, BF16),
+                                                 (BF16, np.float32), (BF16, BF16)])
+def test_m5_route_matches_reference(rng, m, x_dtype, scale_dtype):
+    n, k = 101, 192  # N: not a multiple of the 64-wide tile; K: 6 steps of 32 (3 groups of 64)
+    x, w, s, b = make_case(rng, m, n, k, bits=4, group_size=64, x_dtype=x_dtype, scale_dtype=scale_dtype)
+    _, stats = check_m5(rng, x, w, s, b)
+    xs = "bf16" if np.dtype(x_dtype) == BF16 else "f32"
+    ss = "bf16" if np.dtype(scale_dtype) == BF16 else "f32"
+    want = f"qmv_b4_x{xs}_s{ss}" if m <= QMV_MAX_ROWS else f"qmm_m5_b4_x{xs}_s{ss}"
+    assert stats["kernels"] == [want]
+
+
+@pytest.mark.parametrize("m,n,k,group_size", [(9, 1, 32, 32), (65, 63, 96, 32), (130, 129, 256, 128),
+                                              (64, 64, 64, 64)])
+def test_m5_odd_shapes(rng, m, n, k, group_size):
+    # Tile edges on both sides (M, N = 63 | 64 | 65, 129, 130) and K of 1 step (32), 2, 3 and 8.
+    x, w, s, b = make_case(rng, m, n, k, bits=4, group_size=group_size, x_dtype=BF16, scale_dtype=BF16)
+    _, stats = check_m5(rng, x, w, s, b, group_size=group_size)
+    assert stats["kernels"] == ["qmm_m5_b4_xbf16_sbf16"]
+
+
+def test_m5_without_tensor_ops_and_8_bit_take_the_simdgroup_path(rng):
+    x, w, s, b = make_case(rng, 20, 40, 128, bits=8, group_size=64, x_dtype=BF16, scale_dtype=BF16)
+    _, stats = run_m5(rng, x, w, s, b, bits=8)
+    assert stats["kernels"] == ["qmm_b8_xbf16_sbf16"]
+    x, w, s, b = make_case(rng, 20, 40, 128, bits=4, group_size=64, x_dtype=BF16, scale_dtype=BF16)
+    _, stats = ops._quantized_matmul(x, w, s, b, bits=4, group_size=64)
+    assert stats["kernels"] == ["qmm_b4_xbf16_sbf16"]
+
+
+def test_m5_counters(rng):
+    m, n, k = 70, 101, 192
+    x, w, s, b = make_case(rng, m, n, k, bits=4, group_size=64, x_dtype=BF16, scale_dtype=BF16)
+    _, stats = run_m5(rng, x, w, s, b)
+    groups = -(-m // TILE) * -(-n // TILE)
+    assert stats["dispatches"] == 1 and stats["barriers"] == 0
+    assert stats["threads"] == groups * 128
+    assert stats["bytes_bound"] == x.nbytes + w.nbytes + s.nbytes + b.nbytes + m * n * 2
+    assert stats["flops_useful"] == 2 * m * n * k
+    assert stats["flops_executed"] == 2 * (-(-m // TILE) * TILE) * (-(-n // TILE) * TILE) * k
+
+
+@pytest.mark.parametrize("order", ["forward", "reverse", "shuffle"])
+def test_m5_result_independent_of_thread_order(rng, order):
+    # The double-buffered staging has one barrier per K step: any schedule gives the same bits
+    # (and the emulator's matmul2d fails if a stage is written while a run reads it).
+    x, w, s, b = make_case(rng, 40, 70, 256, bits=4, group_size=64, x_dtype=np.float32, scale_dtype=BF16)
+    y0, _ = run_m5(rng, x, w, s, b, order="forward")
+    y1, _ = run_m5(rng, x, w, s, b, order=order)
+    np.testing.assert_array_equal(y0, y1)
+
+
+def test_m5_model_shape_slice(rng):
+    # The real model's 4-bit / group-64 / bf16 configuration at K = hidden size 2048.
+    x, w, s, b = make_case(rng, 9, 70, 2048, bits=4, group_size=64, x_dtype=BF16, scale_dtype=BF16)
+    check_m5(rng, x, w, s, b)
