@@ -62,6 +62,7 @@ KernelId qmm_kernel(QmmRoute route, uint32_t bits, DType x, DType s) {
                 : (sb ? KernelId::qmv1_b4_xf32_sbf16 : KernelId::qmv1_b4_xf32_sf32);
     return xb ? (sb ? KernelId::qmv1_b8_xbf16_sbf16 : KernelId::qmv1_b8_xbf16_sf32)
               : (sb ? KernelId::qmv1_b8_xf32_sbf16 : KernelId::qmv1_b8_xf32_sf32);
+  }
   if (route == QmmRoute::qmm_m5) {
     if (bits != 4) throw std::invalid_argument("quantized_matmul: the qmm_m5 route takes 4-bit weights only");
     return xb ? (sb ? KernelId::qmm_m5_b4_xbf16_sbf16 : KernelId::qmm_m5_b4_xbf16_sf32)
