@@ -239,17 +239,23 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
   enc.dispatch({T, 1, 1}, {32, 1, 1});
   enc.barrier();  // ids, weights -> experts (mv) / plan (tiled)
 
+  // Buffers 3..15 of every gate + up kernel (mv and the tiled kinds): the routed and shared
+  // gate / up weights, and h.
+  auto bind_gate_up = [&] {
+    bind_quant(enc, 3, op.gate, q(E, I, H), "gate", used, E);
+    bind_quant(enc, 6, op.up, q(E, I, H), "up", used, E);
+    bind_quant(enc, 9, op.shared_gate, q(1, Is, H), "shared_gate");
+    bind_quant(enc, 12, op.shared_up, q(1, Is, H), "shared_up");
+    enc.set_buffer(15, range(op.scratch.h, sb.h, "scratch.h"));
+  };
+
   if (route == MoeRoute::mv) {
     // 3. gate + up + SwiGLU of the selected experts and the shared expert, per slot
     enc.set_kernel(KernelId::moe_gate_up_mv_b4_xf32_sbf16);
     enc.set_args(a);
     enc.set_buffer(1, range(op.x, act, "x"));
     enc.set_buffer(2, range(op.scratch.ids, sb.ids, "scratch.ids"));
-    bind_quant(enc, 3, op.gate, q(E, I, H), "gate", used, E);
-    bind_quant(enc, 6, op.up, q(E, I, H), "up", used, E);
-    bind_quant(enc, 9, op.shared_gate, q(1, Is, H), "shared_gate");
-    bind_quant(enc, 12, op.shared_up, q(1, Is, H), "shared_up");
-    enc.set_buffer(15, range(op.scratch.h, sb.h, "scratch.h"));
+    bind_gate_up();
     enc.dispatch({ceil_div(a.h_stride, kMoeMvRowsPerSimd * kMoeMvSimdsPerGroup), T * (k + 1), 1},
                  {32 * kMoeMvSimdsPerGroup, 1, 1});
     enc.barrier();  // h -> down
@@ -301,11 +307,7 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
     enc.set_args(a);
     enc.set_buffer(1, range(op.x, act, "x"));
     enc.set_buffer(2, range(op.scratch.plan, sb.plan, "scratch.plan"));
-    bind_quant(enc, 3, op.gate, q(E, I, H), "gate", used, E);
-    bind_quant(enc, 6, op.up, q(E, I, H), "up", used, E);
-    bind_quant(enc, 9, op.shared_gate, q(1, Is, H), "shared_gate");
-    bind_quant(enc, 12, op.shared_up, q(1, Is, H), "shared_up");
-    enc.set_buffer(15, range(op.scratch.h, sb.h, "scratch.h"));
+    bind_gate_up();
     enc.dispatch({ceil_div(a.h_stride, kd.cols), std::max(kd.bound, 1u), 1},
                  {32 * (few ? kMoeMvSimdsPerGroup : kMoeTileSimds), 1, 1});
   }
