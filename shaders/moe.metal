@@ -3,8 +3,9 @@
 // Reference: lily_py.reference.kernels.moe_route / moe (which match lily_py.reference.moe).
 //
 // The block, per route (T tokens, k of E experts, args MoeArgs in common/args_moe.h):
-//   matvec (T <= kMoeMvMaxTokens):  router logits (qmv, qmm.metal) -> moe_route ->
-//                                   moe_gate_up_mv -> moe_down_mv               (4 dispatches)
+//   matvec (T <= kMoeMvMaxTokens):  router logits (qmv1 / qmv, qmm.metal) -> moe_gate_up_mv ->
+//                                   moe_down_mv (3 dispatches; both select the experts from the
+//                                   logits themselves, moe_select, no moe_route level)
 //   tiled (T > kMoeMvMaxTokens):     router logits (qmm) -> moe_route -> moe_plan ->
 //                                   moe_gate_up_{mm64, mm32, few} -> moe_down_{mm64, mm32, few}
 //                                   -> moe_combine (10 dispatches, 5 barriers: the three tile
@@ -39,16 +40,17 @@ inline float moe_silu(float v) { return v / (1.0f + exp(-v)); }
 //   outputs:  ids[t, j] (descending probability), weights[t, j] = p_j / sum_j p_j (sum in slot
 //             order), weights[t, k] = sigmoid(logit E) (the shared expert's weight)
 //   logits:   [T, E + 1] fp32 (row E of the router matrix is the shared-expert gate)
+// moe_select: the selection of one token, by one whole simdgroup (every lane calls; k uniform):
+// softmax of row[0 .. E) in fp32, k rounds of (simd_max, simd_min of the index), renormalised in
+// slot order. Lane 0 writes sel[j] (expert of slot j), w[j] = p_j / sum p (j < k) and
+// w[k] = sigmoid(row[E]) to threadgroup memory. Shared by moe_route and the matvec kernels,
+// which select for themselves (identical results: the same code on the same logits).
 template <typename L>
-[[kernel]] void moe_route(constant MoeArgs& args [[buffer(0)]],
-                          const device L* logits [[buffer(1)]],
-                          device uint32_t* ids [[buffer(2)]],
-                          device float* weights [[buffer(3)]],
-                          LILY_KERNEL_TAIL) {
+inline void moe_select(constant MoeArgs& args, const device L* row, uint32_t lane, threadgroup uint32_t* sel,
+                       threadgroup float* w) {
   constexpr uint32_t PER_LANE = kMoeMaxExperts / 32;
   constexpr float kTaken = -1.0f;  // below every probability
-  const uint32_t E = args.experts, k = args.top_k, t = group_pos.x;
-  const device L* row = logits + t * (E + 1);
+  const uint32_t E = args.experts, k = args.top_k;
 
   float p[PER_LANE];
   float m = -3.0e38f;
@@ -69,8 +71,7 @@ template <typename L>
   for (uint32_t i = 0; i < PER_LANE; ++i)
     if (lane + 32 * i < E) p[i] = p[i] / sum;
 
-  uint32_t sel[kMoeMaxTopK];
-  float selp[kMoeMaxTopK];
+  float wsum = 0.0f;
   for (uint32_t j = 0; j < k; ++j) {  // k is uniform: every lane makes the same collectives
     float best = kTaken;
     uint32_t best_e = 0xFFFFFFFFu;
@@ -85,17 +86,34 @@ template <typename L>
     const uint32_t top_e = simd_min(best == top ? best_e : 0xFFFFFFFFu);
     for (uint32_t i = 0; i < PER_LANE; ++i)
       if (lane + 32 * i == top_e) p[i] = kTaken;
-    sel[j] = top_e;
-    selp[j] = top;
-  }
-  float wsum = 0.0f;
-  for (uint32_t j = 0; j < k; ++j) wsum += selp[j];
-  if (lane == 0) {
-    for (uint32_t j = 0; j < k; ++j) {
-      ids[t * k + j] = sel[j];
-      weights[t * (k + 1) + j] = selp[j] / wsum;
+    if (lane == 0) {
+      sel[j] = top_e;
+      w[j] = top;
     }
-    weights[t * (k + 1) + k] = 1.0f / (1.0f + exp(-float(row[E])));
+    wsum += top;
+  }
+  if (lane == 0) {
+    for (uint32_t j = 0; j < k; ++j) w[j] = w[j] / wsum;
+    w[k] = 1.0f / (1.0f + exp(-float(row[E])));
+  }
+}
+
+template <typename L>
+[[kernel]] void moe_route(constant MoeArgs& args [[buffer(0)]],
+                          const device L* logits [[buffer(1)]],
+                          device uint32_t* ids [[buffer(2)]],
+                          device float* weights [[buffer(3)]],
+                          LILY_KERNEL_TAIL) {
+  LILY_TG_ARRAY(uint32_t, sel_s, [kMoeMaxTopK]);
+  LILY_TG_ARRAY(float, w_s, [kMoeMaxTopK + 1]);
+  const uint32_t k = args.top_k, t = group_pos.x;
+  moe_select<L>(args, logits + t * (args.experts + 1), lane, sel_s, w_s);
+  if (lane == 0) {  // lane 0 reads back what it wrote
+    for (uint32_t j = 0; j < k; ++j) {
+      ids[t * k + j] = sel_s[j];
+      weights[t * (k + 1) + j] = w_s[j];
+    }
+    weights[t * (k + 1) + k] = w_s[k];
   }
 }
 
@@ -231,10 +249,12 @@ template <typename W>
 //   simdgroup:  4 consecutive output features of one slot; gate and up rows both
 //   lane:       strips of 64 / bits codes (8 bytes) per row per step, like qmv (qmm.metal):
 //               per group-strip s * dot(x, q) + b * sum(x); one simd_sum(float4) per matrix
+//   routing:    simdgroup 0 selects the token's experts from the router logits [T, E + 1]
+//               (moe_select, the code moe_route runs) into threadgroup memory; barrier
 template <typename T, typename S, int bits>
 [[kernel]] void moe_gate_up_mv(constant MoeArgs& args [[buffer(0)]],
                                const device T* x [[buffer(1)]],
-                               const device uint32_t* ids [[buffer(2)]],
+                               const device float* logits [[buffer(2)]],
                                const device uint32_t* gate_w [[buffer(3)]],
                                const device S* gate_s [[buffer(4)]],
                                const device S* gate_b [[buffer(5)]],
@@ -251,10 +271,14 @@ template <typename T, typename S, int bits>
                                LILY_KERNEL_TAIL) {
   constexpr uint32_t V = 64 / bits;
   constexpr uint32_t step = 32 * V;
+  LILY_TG_ARRAY(uint32_t, sel_s, [kMoeMaxTopK]);
+  LILY_TG_ARRAY(float, w_s, [kMoeMaxTopK + 1]);
   const uint32_t k = args.top_k, H = args.hidden;
   const uint32_t slot = group_pos.y, t = slot / (k + 1), j = slot % (k + 1);
   const bool shared = j == k;
-  const uint32_t g = shared ? 0u : ids[t * k + j];
+  if (simd_id == 0) moe_select<float>(args, logits + t * (args.experts + 1), lane, sel_s, w_s);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  const uint32_t g = shared ? 0u : sel_s[j];
   const uint32_t N = shared ? args.shared_inter : args.inter;
   const uint32_t wpr = H * bits / 32, gpr = H / args.group_size;
   const device uint32_t* wg = shared ? sh_gate_w : gate_w + g * N * wpr;
@@ -305,30 +329,44 @@ template <typename T, typename S, int bits>
 //   grid:       (ceil(H / 8), T) threadgroups of 64 threads (2 simdgroups)
 //   simdgroup:  4 consecutive output features; for each of the k + 1 slots a strip walk over
 //               K = I (Is for the shared slot) as in moe_gate_up_mv, simd_sum, weighted add
+//   routing:    as moe_gate_up_mv (moe_select into threadgroup memory; the same experts and
+//               weights); threadgroup (0, t) also writes ids [T, k] and weights [T, k + 1]
 template <typename T, typename S, int bits>
 [[kernel]] void moe_down_mv(constant MoeArgs& args [[buffer(0)]],
-                            const device uint32_t* ids [[buffer(1)]],
-                            const device float* weights [[buffer(2)]],
-                            const device float* h [[buffer(3)]],
-                            const device uint32_t* down_w [[buffer(4)]],
-                            const device S* down_s [[buffer(5)]],
-                            const device S* down_b [[buffer(6)]],
-                            const device uint32_t* sh_down_w [[buffer(7)]],
-                            const device S* sh_down_s [[buffer(8)]],
-                            const device S* sh_down_b [[buffer(9)]],
-                            const device T* residual [[buffer(10)]],
-                            device T* out [[buffer(11)]],
+                            const device float* logits [[buffer(1)]],
+                            device uint32_t* ids [[buffer(2)]],
+                            device float* weights [[buffer(3)]],
+                            const device float* h [[buffer(4)]],
+                            const device uint32_t* down_w [[buffer(5)]],
+                            const device S* down_s [[buffer(6)]],
+                            const device S* down_b [[buffer(7)]],
+                            const device uint32_t* sh_down_w [[buffer(8)]],
+                            const device S* sh_down_s [[buffer(9)]],
+                            const device S* sh_down_b [[buffer(10)]],
+                            const device T* residual [[buffer(11)]],
+                            device T* out [[buffer(12)]],
                             LILY_KERNEL_TAIL) {
   constexpr uint32_t V = 64 / bits;
   constexpr uint32_t step = 32 * V;
+  LILY_TG_ARRAY(uint32_t, sel_s, [kMoeMaxTopK]);
+  LILY_TG_ARRAY(float, w_s, [kMoeMaxTopK + 1]);
   const uint32_t k = args.top_k, H = args.hidden, t = group_pos.y;
+  if (simd_id == 0) moe_select<float>(args, logits + t * (args.experts + 1), lane, sel_s, w_s);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (group_pos.x == 0 && thread_pos.x == 0) {  // the routing, for callers and tests
+    for (uint32_t j = 0; j < k; ++j) {
+      ids[t * k + j] = sel_s[j];
+      weights[t * (k + 1) + j] = w_s[j];
+    }
+    weights[t * (k + 1) + k] = w_s[k];
+  }
   const uint32_t n0 = (group_pos.x * kMoeMvSimdsPerGroup + simd_id) * kMoeMvRowsPerSimd;
   float total[kMoeMvRowsPerSimd] = {0.0f, 0.0f, 0.0f, 0.0f};
 
   for (uint32_t j = 0; j <= k; ++j) {  // uniform loop: same collectives in every lane
     const uint32_t slot = t * (k + 1) + j;
     const bool shared = j == k;
-    const uint32_t g = shared ? 0u : ids[t * k + j];
+    const uint32_t g = shared ? 0u : sel_s[j];
     const uint32_t K = shared ? args.shared_inter : args.inter;
     const uint32_t wpr = K * bits / 32, gpr = K / args.group_size;
     const device uint32_t* w = shared ? sh_down_w : down_w + g * H * wpr;
@@ -355,7 +393,7 @@ template <typename T, typename S, int bits>
       }
     }
     const float4 y = simd_sum(acc);
-    const float wj = weights[slot];
+    const float wj = w_s[j];
     for (uint32_t r = 0; r < kMoeMvRowsPerSimd; ++r) total[r] += wj * y[r];
   }
   if (lane == 0) {

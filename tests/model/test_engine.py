@@ -138,10 +138,10 @@ def _expected_counts(cfg, tokens: int, position: int = 0, logits: bool = True,
     with one row of logits the final norm is fused into lm_head. Mixers: DeltaNet 4 dispatches /
     3 barriers inside (the chunked delta rule: 3 more of each); attention 4 / 3, plus one dispatch
     and one barrier when decode attention takes two passes (the vec route of head_dim 64 / 128 /
-    256 at every length; other head dims beyond 256 keys). MoE: mv route (tokens <= 8) 4 / 3,
-    tiled 10 / 9 (the three tile kinds of a stage one after another). `cfg` is a ModelConfig."""
+    256 at every length; other head dims beyond 256 keys). MoE: mv route (tokens <= 8; the expert
+    kernels select the experts themselves, no route dispatch) 3 / 2, tiled 10 / 9 (the three tile kinds of a stage one after another). `cfg` is a ModelConfig."""
     from lily_py.ops import attention_decode_route, gated_delta_route, moe_route
-    moe, moe_barriers = (4, 3) if moe_route(tokens, cfg.num_experts_per_tok) == "mv" else (10, 9)
+    moe, moe_barriers = (3, 2) if moe_route(tokens, cfg.num_experts_per_tok) == "mv" else (10, 9)
     chunked = gated_delta_route(tokens, cfg.linear_key_head_dim, cfg.linear_value_head_dim) == "chunked"
     two_pass = tokens == 1 and attention_decode_route(position + 1, cfg.head_dim)["route"] != "single"
     norms = 0 if tokens == 1 else 2  # separate norm dispatches per layer
@@ -320,8 +320,9 @@ def test_bytes_touched_counts_routed_experts_and_touched_rows(attn_ckpt):
     gate_up = [v for n, v in ks.items() if n.startswith("moe_gate_up")][0]
     L = cfg.num_hidden_layers
     sh = shared * H // 2 + 2 * 2 * shared * (H // gs)
-    x, ids, h = 4 * H, 4 * k, 4 * (k + 1) * max(I, shared)
-    assert gate_up["bytes_touched"] == L * (2 * k * expert + 2 * sh + x + ids + h)
+    # x, the router logits (each threadgroup selects the experts itself), h
+    x, logits, h = 4 * H, 4 * (E + 1), 4 * (k + 1) * max(I, shared)
+    assert gate_up["bytes_touched"] == L * (2 * k * expert + 2 * sh + x + logits + h)
     dn = [v for n, v in ks.items() if n.startswith("gated_delta_x")][0]
     Hv, Dv, Dk = cfg.linear_num_value_heads, cfg.linear_value_head_dim, cfg.linear_key_head_dim
     state = Hv * Dv * Dk * 4

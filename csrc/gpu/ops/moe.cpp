@@ -228,16 +228,9 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
     r.xn_out = range(op.x, act, "x");
   }
   encode_quantized_matmul(enc, r);
-  enc.barrier();  // logits -> route (folded norm: also h -> down's residual, xn -> expert kernels)
-
-  // 2. softmax, top-k, renormalise, shared gate
-  enc.set_kernel(KernelId::moe_route);
-  enc.set_args(a);
-  enc.set_buffer(1, range(op.scratch.logits, sb.logits, "scratch.logits"));
-  enc.set_buffer(2, range(op.scratch.ids, sb.ids, "scratch.ids"));
-  enc.set_buffer(3, range(op.scratch.weights, sb.weights, "scratch.weights"));
-  enc.dispatch({T, 1, 1}, {32, 1, 1});
-  enc.barrier();  // ids, weights -> experts (mv) / plan (tiled)
+  // logits -> the expert kernels (mv) / route (tiled); folded norm: also h -> down's residual,
+  // xn -> the expert kernels
+  enc.barrier();
 
   // Buffers 3..15 of every gate + up kernel (mv and the tiled kinds): the routed and shared
   // gate / up weights, and h.
@@ -250,29 +243,41 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
   };
 
   if (route == MoeRoute::mv) {
-    // 3. gate + up + SwiGLU of the selected experts and the shared expert, per slot
+    // 2. gate + up + SwiGLU of the selected experts and the shared expert, per slot; every
+    // threadgroup selects its token's experts from the logits itself (no route level)
     enc.set_kernel(KernelId::moe_gate_up_mv_b4_xf32_sbf16);
     enc.set_args(a);
     enc.set_buffer(1, range(op.x, act, "x"));
-    enc.set_buffer(2, range(op.scratch.ids, sb.ids, "scratch.ids"));
+    enc.set_buffer(2, range(op.scratch.logits, sb.logits, "scratch.logits"));
     bind_gate_up();
     enc.dispatch({ceil_div(a.h_stride, kMoeMvRowsPerSimd * kMoeMvSimdsPerGroup), T * (k + 1), 1},
                  {32 * kMoeMvSimdsPerGroup, 1, 1});
     enc.barrier();  // h -> down
-    // 4. down projection x routing weights, shared expert x gate, residual add
+    // 3. down projection x routing weights, shared expert x gate, residual add (selects the
+    // experts from the logits again; writes ids and weights)
     enc.set_kernel(KernelId::moe_down_mv_b4_xf32_sbf16);
     enc.set_args(a);
-    enc.set_buffer(1, range(op.scratch.ids, sb.ids, "scratch.ids"));
-    enc.set_buffer(2, range(op.scratch.weights, sb.weights, "scratch.weights"));
-    enc.set_buffer(3, range(op.scratch.h, sb.h, "scratch.h"));
-    bind_quant(enc, 4, op.down, q(E, H, I), "down", used, E);
-    bind_quant(enc, 7, op.shared_down, q(1, H, Is), "shared_down");
-    enc.set_buffer(10, residual);
-    enc.set_buffer(11, range(op.out, act, "out"));
+    enc.set_buffer(1, range(op.scratch.logits, sb.logits, "scratch.logits"));
+    enc.set_buffer(2, range(op.scratch.ids, sb.ids, "scratch.ids"));
+    enc.set_buffer(3, range(op.scratch.weights, sb.weights, "scratch.weights"));
+    enc.set_buffer(4, range(op.scratch.h, sb.h, "scratch.h"));
+    bind_quant(enc, 5, op.down, q(E, H, I), "down", used, E);
+    bind_quant(enc, 8, op.shared_down, q(1, H, Is), "shared_down");
+    enc.set_buffer(11, residual);
+    enc.set_buffer(12, range(op.out, act, "out"));
     enc.dispatch({ceil_div(H, kMoeMvRowsPerSimd * kMoeMvSimdsPerGroup), T, 1}, {32 * kMoeMvSimdsPerGroup, 1, 1});
     enc.add_flops(flops.executed, flops.useful);
     return;
   }
+
+  // 2. softmax, top-k, renormalise, shared gate
+  enc.set_kernel(KernelId::moe_route);
+  enc.set_args(a);
+  enc.set_buffer(1, range(op.scratch.logits, sb.logits, "scratch.logits"));
+  enc.set_buffer(2, range(op.scratch.ids, sb.ids, "scratch.ids"));
+  enc.set_buffer(3, range(op.scratch.weights, sb.weights, "scratch.weights"));
+  enc.dispatch({T, 1, 1}, {32, 1, 1});
+  enc.barrier();  // ids, weights -> plan
 
   const MoeTileBounds tb = moe_tile_bounds(T, k, E);
   // 3. plan: counts, offsets, tiles by load, permutation (one threadgroup)

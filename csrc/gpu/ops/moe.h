@@ -101,7 +101,7 @@ MoeScratchBytes moe_scratch_bytes(const MoeOperands& op);
 // Throws std::invalid_argument naming the bad operand.
 void validate(const MoeOperands& op);
 
-// Encodes the whole block (4 dispatches and 3 barriers on the mv route; 10 and 9 on the tiled
+// Encodes the whole block (3 dispatches and 2 barriers on the mv route; 10 and 9 on the tiled
 // route: the 64-row, 32-row and few-row kernels of one stage run side by side). Never commits, waits or reads device memory.
 void encode_moe(Encoder& enc, const MoeOperands& op);
 
