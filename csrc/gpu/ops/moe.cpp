@@ -64,6 +64,7 @@ MoeArgs make_args(const MoeOperands& op, MoeRoute route) {
   a.has_residual = op.residual.buffer != nullptr ? 1u : 0u;
   a.max_tiles32 = tb.t32;
   a.max_few = tb.few;
+  while ((1u << a.group_shift) < op.group_size) ++a.group_shift;  // 32, 64 or 128 (validated)
   return a;
 }
 
@@ -71,6 +72,14 @@ MoeArgs make_args(const MoeOperands& op, MoeRoute route) {
 
 MoeRoute moe_route(uint32_t tokens, uint32_t /*top_k*/) {
   return tokens <= kMoeMvMaxTokens ? MoeRoute::mv : MoeRoute::tiled;
+}
+
+MoeMvShape moe_mv_shape(uint32_t H, uint32_t top_k, uint32_t I, uint32_t Is, uint32_t bits) {
+  const uint32_t V = 128 / bits;  // codes per lane and row: one 16-byte load
+  MoeMvShape s;
+  s.gate_up_splits = std::max(1u, std::min<uint32_t>(kMoeGateUpMaxSplits, ceil_div(H, 32 * V)));
+  s.down_splits = std::max(1u, std::min<uint32_t>(kMoeDownMaxSplits, ceil_div(top_k * (I / V) + Is / V, 32)));
+  return s;
 }
 
 const char* moe_route_name(MoeRoute r) { return r == MoeRoute::mv ? "mv" : "tiled"; }
@@ -250,8 +259,8 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
     enc.set_buffer(1, range(op.x, act, "x"));
     enc.set_buffer(2, range(op.scratch.logits, sb.logits, "scratch.logits"));
     bind_gate_up();
-    enc.dispatch({ceil_div(a.h_stride, kMoeMvRowsPerSimd * kMoeMvSimdsPerGroup), T * (k + 1), 1},
-                 {32 * kMoeMvSimdsPerGroup, 1, 1});
+    const MoeMvShape sh = moe_mv_shape(H, k, I, Is, op.bits);
+    enc.dispatch({ceil_div(a.h_stride, kMoeMvRows), T * (k + 1), 1}, {32 * sh.gate_up_splits, 1, 1});
     enc.barrier();  // h -> down
     // 3. down projection x routing weights, shared expert x gate, residual add (selects the
     // experts from the logits again; writes ids and weights)
@@ -265,7 +274,7 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
     bind_quant(enc, 8, op.shared_down, q(1, H, Is), "shared_down");
     enc.set_buffer(11, residual);
     enc.set_buffer(12, range(op.out, act, "out"));
-    enc.dispatch({ceil_div(H, kMoeMvRowsPerSimd * kMoeMvSimdsPerGroup), T, 1}, {32 * kMoeMvSimdsPerGroup, 1, 1});
+    enc.dispatch({ceil_div(H, kMoeMvRows), T, 1}, {32 * sh.down_splits, 1, 1});
     enc.add_flops(flops.executed, flops.useful);
     return;
   }
@@ -346,6 +355,8 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
 
 void RecordingEncoder::encode_dispatch(const Dispatch& d) {
   kernels.emplace_back(kernel_info(d.kernel).name);
+  groups.push_back(d.groups);
+  threads.push_back(d.threads);
   forward_dispatch(inner_, d);
 }
 
