@@ -48,8 +48,10 @@ FACTS = {
     "gated_delta": ("4 B q/k/v, 16 B state (float4)", "tokens in order; 1 barrier per token",
                     "one threadgroup (1024 threads) per value head"),
     "moe_route": ("4 B", "one simdgroup per token; top-k as k rounds of simd_max", "single simdgroup"),
-    "moe_gate_up_mv": ("8 B codes, 4 B x", "like qmv", "gather_qmv-like (routed + shared slots)"),
-    "moe_down_mv": ("8 B codes, 4 B h", "k + 1 slots summed per output row", "gather_qmv-like"),
+    "moe_gate_up_mv": ("16 B codes, 16 B x", "top-k select (simdgroup 0) + barrier; one 1024-code "
+                       "block x 4 rows x 2 matrices per lane", "gather_qmv_fast / mul_mv_id (routed + shared slots)"),
+    "moe_down_mv": ("16 B codes, 16 B h", "top-k select + barrier; one 32-code chunk of the k + 1 slots' "
+                    "K' x 4 rows per lane; splits summed in tg memory", "gather_qmv_fast, split-K over slots"),
     "qk_norm_rope": ("4 B", "-", "one simdgroup per head"),
     "qmv1_b4": ("16 B codes (uint4), 2 B scales/biases, 4 B x", "4 rows per threadgroup; K split over "
                 "<= 4 simdgroups, summed through threadgroup memory", "MLX qmv_fast (single token; norm fused)"),

@@ -3,8 +3,9 @@
 // Reference: lily_py.reference.kernels.moe_route / moe (which match lily_py.reference.moe).
 //
 // The block, per route (T tokens, k of E experts, args MoeArgs in common/args_moe.h):
-//   matvec (T <= kMoeMvMaxTokens):  router logits (qmv, qmm.metal) -> moe_route ->
-//                                   moe_gate_up_mv -> moe_down_mv               (4 dispatches)
+//   matvec (T <= kMoeMvMaxTokens):  router logits (qmv1 / qmv, qmm.metal) -> moe_gate_up_mv ->
+//                                   moe_down_mv (3 dispatches; both select the experts from the
+//                                   logits themselves, moe_select, no moe_route level)
 //   tiled (T > kMoeMvMaxTokens):     router logits (qmm) -> moe_route -> moe_plan ->
 //                                   moe_gate_up_{mm64, mm32, few} -> moe_down_{mm64, mm32, few}
 //                                   -> moe_combine (10 dispatches, 5 barriers: the three tile
@@ -39,16 +40,17 @@ inline float moe_silu(float v) { return v / (1.0f + exp(-v)); }
 //   outputs:  ids[t, j] (descending probability), weights[t, j] = p_j / sum_j p_j (sum in slot
 //             order), weights[t, k] = sigmoid(logit E) (the shared expert's weight)
 //   logits:   [T, E + 1] fp32 (row E of the router matrix is the shared-expert gate)
+// moe_select: the selection of one token, by one whole simdgroup (every lane calls; k uniform):
+// softmax of row[0 .. E) in fp32, k rounds of (simd_max, simd_min of the index), renormalised in
+// slot order. Lane 0 writes sel[j] (expert of slot j), w[j] = p_j / sum p (j < k) and
+// w[k] = sigmoid(row[E]) to threadgroup memory. Shared by moe_route and the matvec kernels,
+// which select for themselves (identical results: the same code on the same logits).
 template <typename L>
-[[kernel]] void moe_route(constant MoeArgs& args [[buffer(0)]],
-                          const device L* logits [[buffer(1)]],
-                          device uint32_t* ids [[buffer(2)]],
-                          device float* weights [[buffer(3)]],
-                          LILY_KERNEL_TAIL) {
+inline void moe_select(constant MoeArgs& args, const device L* row, uint32_t lane, threadgroup uint32_t* sel,
+                       threadgroup float* w) {
   constexpr uint32_t PER_LANE = kMoeMaxExperts / 32;
   constexpr float kTaken = -1.0f;  // below every probability
-  const uint32_t E = args.experts, k = args.top_k, t = group_pos.x;
-  const device L* row = logits + t * (E + 1);
+  const uint32_t E = args.experts, k = args.top_k;
 
   float p[PER_LANE];
   float m = -3.0e38f;
@@ -69,8 +71,7 @@ template <typename L>
   for (uint32_t i = 0; i < PER_LANE; ++i)
     if (lane + 32 * i < E) p[i] = p[i] / sum;
 
-  uint32_t sel[kMoeMaxTopK];
-  float selp[kMoeMaxTopK];
+  float wsum = 0.0f;
   for (uint32_t j = 0; j < k; ++j) {  // k is uniform: every lane makes the same collectives
     float best = kTaken;
     uint32_t best_e = 0xFFFFFFFFu;
@@ -85,17 +86,34 @@ template <typename L>
     const uint32_t top_e = simd_min(best == top ? best_e : 0xFFFFFFFFu);
     for (uint32_t i = 0; i < PER_LANE; ++i)
       if (lane + 32 * i == top_e) p[i] = kTaken;
-    sel[j] = top_e;
-    selp[j] = top;
-  }
-  float wsum = 0.0f;
-  for (uint32_t j = 0; j < k; ++j) wsum += selp[j];
-  if (lane == 0) {
-    for (uint32_t j = 0; j < k; ++j) {
-      ids[t * k + j] = sel[j];
-      weights[t * (k + 1) + j] = selp[j] / wsum;
+    if (lane == 0) {
+      sel[j] = top_e;
+      w[j] = top;
     }
-    weights[t * (k + 1) + k] = 1.0f / (1.0f + exp(-float(row[E])));
+    wsum += top;
+  }
+  if (lane == 0) {
+    for (uint32_t j = 0; j < k; ++j) w[j] = w[j] / wsum;
+    w[k] = 1.0f / (1.0f + exp(-float(row[E])));
+  }
+}
+
+template <typename L>
+[[kernel]] void moe_route(constant MoeArgs& args [[buffer(0)]],
+                          const device L* logits [[buffer(1)]],
+                          device uint32_t* ids [[buffer(2)]],
+                          device float* weights [[buffer(3)]],
+                          LILY_KERNEL_TAIL) {
+  LILY_TG_ARRAY(uint32_t, sel_s, [kMoeMaxTopK]);
+  LILY_TG_ARRAY(float, w_s, [kMoeMaxTopK + 1]);
+  const uint32_t k = args.top_k, t = group_pos.x;
+  moe_select<L>(args, logits + t * (args.experts + 1), lane, sel_s, w_s);
+  if (lane == 0) {  // lane 0 reads back what it wrote
+    for (uint32_t j = 0; j < k; ++j) {
+      ids[t * k + j] = sel_s[j];
+      weights[t * (k + 1) + j] = w_s[j];
+    }
+    weights[t * (k + 1) + k] = w_s[k];
   }
 }
 
@@ -225,16 +243,43 @@ template <typename W>
 }
 
 // ---------------------------------------------------------------------------------------------
+// Matvec route helpers. Activations enter the 16-byte-load dot product of Qmv1Codes
+// (common/quant.h) pre-scaled, so 4-bit codes are masked in place (MLX qmv_fast's trick).
+// V values of x at p (16-byte aligned: p is a row start plus a multiple of 32 elements).
+template <uint32_t V, typename T>
+inline void moe_load_act(const device T* p, thread float* o) {
+  for (uint32_t i = 0; i < V; ++i) o[i] = float(p[i]);
+}
+template <uint32_t V>
+inline void moe_load_act(const device float* p, thread float* o) {  // float4 (16-byte) loads
+  for (uint32_t i = 0; i < V / 4; ++i) {
+    const float4 v = *reinterpret_cast<const device float4*>(p + 4 * i);
+    for (uint32_t c = 0; c < 4; ++c) o[4 * i + c] = v[c];
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // moe_gate_up_mv: decode / matvec route. h[slot, n] = silu(gate_g[n] . x_t) * (up_g[n] . x_t)
 // for the k selected experts and the shared expert of every token; reads only those experts.
-//   grid:       (ceil(max(I, Is) / 8), T * (k + 1)) threadgroups of 64 threads (2 simdgroups)
-//   simdgroup:  4 consecutive output features of one slot; gate and up rows both
-//   lane:       strips of 64 / bits codes (8 bytes) per row per step, like qmv (qmm.metal):
-//               per group-strip s * dot(x, q) + b * sum(x); one simd_sum(float4) per matrix
+// Design: MLX gather_qmv_fast / llama.cpp kernel_mul_mv_id (a dense single-row matvec per
+// (token, slot) whose matrix is looked up from the routing), on qmv1's qmv_fast layout.
+//   grid:       (ceil(max(I, Is) / kMoeMvRows), T * (k + 1)) threadgroups of 32 * splits threads,
+//               splits = min(kMoeGateUpMaxSplits, ceil(H / B)) (host: moe_mv_splits)
+//   routing:    simdgroup 0 selects the token's experts from the router logits [T, E + 1]
+//               (moe_select, the code moe_route runs) into threadgroup memory; barrier
+//   block:      B = 32 lanes x V codes (V = 128 / bits: one 16-byte load per lane and row);
+//               simdgroup s walks the K = H blocks s, s + splits, ...; per block the lane's V
+//               values of x are loaded once (float4 loads), summed once for the bias term,
+//               pre-scaled (Qmv1Codes::scale_of) and reused by the kMoeMvRows gate rows and
+//               kMoeMvRows up rows: 8 independent 16-byte weight loads per lane in flight
+//   rows:       rows past N load row N - 1 (no branch before a load); only the store is
+//               guarded. Threadgroups wholly past N (the narrower of I and Is) load nothing.
+//   reduction:  ag[R], au[R] (compile-time indexed: registers), simd_sum, then over the splits
+//               through threadgroup memory in order; thread r < R applies SwiGLU, writes h
 template <typename T, typename S, int bits>
 [[kernel]] void moe_gate_up_mv(constant MoeArgs& args [[buffer(0)]],
                                const device T* x [[buffer(1)]],
-                               const device uint32_t* ids [[buffer(2)]],
+                               const device float* logits [[buffer(2)]],
                                const device uint32_t* gate_w [[buffer(3)]],
                                const device S* gate_s [[buffer(4)]],
                                const device S* gate_b [[buffer(5)]],
@@ -249,14 +294,21 @@ template <typename T, typename S, int bits>
                                const device S* sh_up_b [[buffer(14)]],
                                device float* h [[buffer(15)]],
                                LILY_KERNEL_TAIL) {
-  constexpr uint32_t V = 64 / bits;
-  constexpr uint32_t step = 32 * V;
+  constexpr uint32_t R = kMoeMvRows;
+  constexpr uint32_t V = Qmv1Codes<bits>::V;
+  constexpr uint32_t B = 32 * V;
+  LILY_TG_ARRAY(uint32_t, sel_s, [kMoeMaxTopK]);
+  LILY_TG_ARRAY(float, w_s, [kMoeMaxTopK + 1]);
+  LILY_TG_ARRAY(float, red, [kMoeGateUpMaxSplits * 2 * kMoeMvRows]);
   const uint32_t k = args.top_k, H = args.hidden;
-  const uint32_t slot = group_pos.y, t = slot / (k + 1), j = slot % (k + 1);
+  const uint32_t splits = group_size.x / 32;
+  const uint32_t slot = group_pos.y, t = slot / (k + 1), j = slot - t * (k + 1);
   const bool shared = j == k;
-  const uint32_t g = shared ? 0u : ids[t * k + j];
+  if (simd_id == 0) moe_select<float>(args, logits + t * (args.experts + 1), lane, sel_s, w_s);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  const uint32_t g = shared ? 0u : sel_s[j];
   const uint32_t N = shared ? args.shared_inter : args.inter;
-  const uint32_t wpr = H * bits / 32, gpr = H / args.group_size;
+  const uint32_t wpr = H * bits / 32, gpr = H >> args.group_shift;
   const device uint32_t* wg = shared ? sh_gate_w : gate_w + g * N * wpr;
   const device S* sg = shared ? sh_gate_s : gate_s + g * N * gpr;
   const device S* bg = shared ? sh_gate_b : gate_b + g * N * gpr;
@@ -264,37 +316,55 @@ template <typename T, typename S, int bits>
   const device S* su = shared ? sh_up_s : up_s + g * N * gpr;
   const device S* bu = shared ? sh_up_b : up_b + g * N * gpr;
   const device T* xt = x + t * H;
-  const uint32_t n0 = (group_pos.x * kMoeMvSimdsPerGroup + simd_id) * kMoeMvRowsPerSimd;
+  const uint32_t n0 = group_pos.x * R;
+  const uint32_t K_end = n0 < N ? H : 0u;  // uniform over the threadgroup
 
-  float4 ag = float4(0.0f);
-  float4 au = float4(0.0f);
-  for (uint32_t kk = lane * V; kk < H; kk += step) {
-    const uint32_t grp = kk / args.group_size;  // the strip lies inside one group
-    float xv[V];
-    float xsum = 0.0f;
-    for (uint32_t i = 0; i < V; ++i) {
-      xv[i] = float(xt[kk + i]);
-      xsum += xv[i];
-    }
-    for (uint32_t r = 0; r < kMoeMvRowsPerSimd; ++r) {
-      const uint32_t n = n0 + r;
-      if (n >= N) break;
-      float q[V];
-      float dot = 0.0f;
-      unpack_codes<bits, V>(wg + n * wpr + kk * bits / 32, q);
-      for (uint32_t i = 0; i < V; ++i) dot += xv[i] * q[i];
-      ag[r] += float(sg[n * gpr + grp]) * dot + float(bg[n * gpr + grp]) * xsum;
-      dot = 0.0f;
-      unpack_codes<bits, V>(wu + n * wpr + kk * bits / 32, q);
-      for (uint32_t i = 0; i < V; ++i) dot += xv[i] * q[i];
-      au[r] += float(su[n * gpr + grp]) * dot + float(bu[n * gpr + grp]) * xsum;
+  uint32_t row[R];
+  for (uint32_t r = 0; r < R; ++r) row[r] = min(n0 + r, N - 1);
+  float ag[R], au[R];
+  for (uint32_t r = 0; r < R; ++r) {
+    ag[r] = 0.0f;
+    au[r] = 0.0f;
+  }
+  for (uint32_t k0 = simd_id * B; k0 < K_end; k0 += splits * B) {
+    const uint32_t kk = k0 + lane * V;
+    if (kk < H) {  // only a last, partial block diverges (H is a multiple of 32)
+      float xv[V];
+      moe_load_act<V>(xt + kk, xv);
+      float xs[V];
+      float xsum = 0.0f;
+      for (uint32_t i = 0; i < V; ++i) {
+        xsum += xv[i];
+        xs[i] = xv[i] * Qmv1Codes<bits>::scale_of(i);
+      }
+      const uint32_t gi = kk >> args.group_shift;
+      const uint32_t wo = kk * bits / 32;
+      for (uint32_t r = 0; r < R; ++r) {
+        const uint4 qg = *reinterpret_cast<const device uint4*>(wg + row[r] * wpr + wo);
+        const uint4 qu = *reinterpret_cast<const device uint4*>(wu + row[r] * wpr + wo);
+        ag[r] += float(sg[row[r] * gpr + gi]) * Qmv1Codes<bits>::dot(qg, xs) + float(bg[row[r] * gpr + gi]) * xsum;
+        au[r] += float(su[row[r] * gpr + gi]) * Qmv1Codes<bits>::dot(qu, xs) + float(bu[row[r] * gpr + gi]) * xsum;
+      }
     }
   }
-  const float4 G = simd_sum(ag);
-  const float4 U = simd_sum(au);
+  for (uint32_t r = 0; r < R; ++r) {
+    ag[r] = simd_sum(ag[r]);
+    au[r] = simd_sum(au[r]);
+  }
   if (lane == 0) {
-    for (uint32_t r = 0; r < kMoeMvRowsPerSimd; ++r)
-      if (n0 + r < N) h[slot * args.h_stride + n0 + r] = moe_silu(G[r]) * U[r];
+    for (uint32_t r = 0; r < R; ++r) {
+      red[simd_id * 2 * R + r] = ag[r];
+      red[simd_id * 2 * R + R + r] = au[r];
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (thread_pos.x < R && n0 + thread_pos.x < N) {
+    float G = 0.0f, U = 0.0f;
+    for (uint32_t s = 0; s < splits; ++s) {
+      G += red[s * 2 * R + thread_pos.x];
+      U += red[s * 2 * R + R + thread_pos.x];
+    }
+    h[slot * args.h_stride + n0 + thread_pos.x] = moe_silu(G) * U;
   }
 }
 
@@ -302,69 +372,98 @@ template <typename T, typename S, int bits>
 // moe_down_mv: decode / matvec route. out[t, n] = (residual[t, n]) + sum_j w_j (down_g[n] . h_slot)
 // over the k routed slots then the shared slot (w_k = sigmoid gate): down projection, routing
 // weights, shared expert and residual add in one dispatch.
-//   grid:       (ceil(H / 8), T) threadgroups of 64 threads (2 simdgroups)
-//   simdgroup:  4 consecutive output features; for each of the k + 1 slots a strip walk over
-//               K = I (Is for the shared slot) as in moe_gate_up_mv, simd_sum, weighted add
+// Design: as moe_gate_up_mv; the k + 1 products of a row are one dot product over the
+// concatenated K' = k I + Is (every slot's h pre-multiplied by its routing weight), split over
+// the threadgroup's simdgroups.
+//   grid:       (ceil(H / kMoeMvRows), T) threadgroups of 32 * splits threads,
+//               splits = min(kMoeDownMaxSplits, ceil(C / 32)), C = K' / V chunks (host)
+//   routing:    as moe_gate_up_mv (moe_select into threadgroup memory; the same experts and
+//               weights); threadgroup (0, t) also writes ids [T, k] and weights [T, k + 1]
+//   chunk:      V codes (one 16-byte load per row) of one slot: chunk c < k I / V is slot
+//               c / (I / V) (one division per chunk, outside the row loop), the rest the shared
+//               slot. Lane l of simdgroup s takes chunks s * 32 + l, + 32 splits, ...: every lane
+//               of the threadgroup busy while chunks last (real config: 144 chunks, 160 lanes)
+//   per chunk:  the V values of h (float4 loads) times w_j, summed once, pre-scaled; kMoeMvRows
+//               rows of that slot's expert: 4 independent 16-byte weight loads in flight
+//   rows:       rows past H load row H - 1; only the store is guarded
+//   reduction:  acc[R] in registers, simd_sum, over the splits through threadgroup memory in
+//               order, + residual, rounded to T once
 template <typename T, typename S, int bits>
 [[kernel]] void moe_down_mv(constant MoeArgs& args [[buffer(0)]],
-                            const device uint32_t* ids [[buffer(1)]],
-                            const device float* weights [[buffer(2)]],
-                            const device float* h [[buffer(3)]],
-                            const device uint32_t* down_w [[buffer(4)]],
-                            const device S* down_s [[buffer(5)]],
-                            const device S* down_b [[buffer(6)]],
-                            const device uint32_t* sh_down_w [[buffer(7)]],
-                            const device S* sh_down_s [[buffer(8)]],
-                            const device S* sh_down_b [[buffer(9)]],
-                            const device T* residual [[buffer(10)]],
-                            device T* out [[buffer(11)]],
+                            const device float* logits [[buffer(1)]],
+                            device uint32_t* ids [[buffer(2)]],
+                            device float* weights [[buffer(3)]],
+                            const device float* h [[buffer(4)]],
+                            const device uint32_t* down_w [[buffer(5)]],
+                            const device S* down_s [[buffer(6)]],
+                            const device S* down_b [[buffer(7)]],
+                            const device uint32_t* sh_down_w [[buffer(8)]],
+                            const device S* sh_down_s [[buffer(9)]],
+                            const device S* sh_down_b [[buffer(10)]],
+                            const device T* residual [[buffer(11)]],
+                            device T* out [[buffer(12)]],
                             LILY_KERNEL_TAIL) {
-  constexpr uint32_t V = 64 / bits;
-  constexpr uint32_t step = 32 * V;
+  constexpr uint32_t R = kMoeMvRows;
+  constexpr uint32_t V = Qmv1Codes<bits>::V;
+  LILY_TG_ARRAY(uint32_t, sel_s, [kMoeMaxTopK]);
+  LILY_TG_ARRAY(float, w_s, [kMoeMaxTopK + 1]);
+  LILY_TG_ARRAY(float, red, [kMoeDownMaxSplits * kMoeMvRows]);
   const uint32_t k = args.top_k, H = args.hidden, t = group_pos.y;
-  const uint32_t n0 = (group_pos.x * kMoeMvSimdsPerGroup + simd_id) * kMoeMvRowsPerSimd;
-  float total[kMoeMvRowsPerSimd] = {0.0f, 0.0f, 0.0f, 0.0f};
-
-  for (uint32_t j = 0; j <= k; ++j) {  // uniform loop: same collectives in every lane
-    const uint32_t slot = t * (k + 1) + j;
-    const bool shared = j == k;
-    const uint32_t g = shared ? 0u : ids[t * k + j];
-    const uint32_t K = shared ? args.shared_inter : args.inter;
-    const uint32_t wpr = K * bits / 32, gpr = K / args.group_size;
-    const device uint32_t* w = shared ? sh_down_w : down_w + g * H * wpr;
-    const device S* sc = shared ? sh_down_s : down_s + g * H * gpr;
-    const device S* bi = shared ? sh_down_b : down_b + g * H * gpr;
-    const device float* hs = h + slot * args.h_stride;
-    float4 acc = float4(0.0f);
-    for (uint32_t kk = lane * V; kk < K; kk += step) {
-      const uint32_t grp = kk / args.group_size;
-      float hv[V];
-      float hsum = 0.0f;
-      for (uint32_t i = 0; i < V; ++i) {
-        hv[i] = hs[kk + i];
-        hsum += hv[i];
-      }
-      for (uint32_t r = 0; r < kMoeMvRowsPerSimd; ++r) {
-        const uint32_t n = n0 + r;
-        if (n >= H) break;
-        float q[V];
-        unpack_codes<bits, V>(w + n * wpr + kk * bits / 32, q);
-        float dot = 0.0f;
-        for (uint32_t i = 0; i < V; ++i) dot += hv[i] * q[i];
-        acc[r] += float(sc[n * gpr + grp]) * dot + float(bi[n * gpr + grp]) * hsum;
-      }
+  const uint32_t splits = group_size.x / 32;
+  if (simd_id == 0) moe_select<float>(args, logits + t * (args.experts + 1), lane, sel_s, w_s);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (group_pos.x == 0 && thread_pos.x == 0) {  // the routing, for callers and tests
+    for (uint32_t j = 0; j < k; ++j) {
+      ids[t * k + j] = sel_s[j];
+      weights[t * (k + 1) + j] = w_s[j];
     }
-    const float4 y = simd_sum(acc);
-    const float wj = weights[slot];
-    for (uint32_t r = 0; r < kMoeMvRowsPerSimd; ++r) total[r] += wj * y[r];
+    weights[t * (k + 1) + k] = w_s[k];
   }
-  if (lane == 0) {
-    for (uint32_t r = 0; r < kMoeMvRowsPerSimd; ++r) {
-      const uint32_t n = n0 + r;
-      if (n >= H) continue;
-      const float v = args.has_residual ? total[r] + float(residual[t * H + n]) : total[r];
-      out[t * H + n] = T(v);
+  const uint32_t cI = args.inter / V, routed = k * cI, C = routed + args.shared_inter / V;
+  const uint32_t wpI = args.inter * bits / 32, gpI = args.inter >> args.group_shift;
+  const uint32_t wpS = args.shared_inter * bits / 32, gpS = args.shared_inter >> args.group_shift;
+  const uint32_t n0 = group_pos.x * R;
+
+  uint32_t row[R];
+  for (uint32_t r = 0; r < R; ++r) row[r] = min(n0 + r, H - 1);
+  float acc[R];
+  for (uint32_t r = 0; r < R; ++r) acc[r] = 0.0f;
+  for (uint32_t c = simd_id * 32 + lane; c < C; c += splits * 32) {
+    const bool shared = c >= routed;
+    const uint32_t j = shared ? k : c / cI;
+    const uint32_t kk = (shared ? c - routed : c - j * cI) * V;  // first code in the slot's K
+    const uint32_t g = shared ? 0u : sel_s[j];
+    const float wj = w_s[j];
+    const uint32_t wpr = shared ? wpS : wpI, gpr = shared ? gpS : gpI;
+    const device uint32_t* w = shared ? sh_down_w : down_w + g * H * wpI;
+    const device S* sc = shared ? sh_down_s : down_s + g * H * gpI;
+    const device S* bi = shared ? sh_down_b : down_b + g * H * gpI;
+    float hv[V];
+    moe_load_act<V>(h + (t * (k + 1) + j) * args.h_stride + kk, hv);
+    float xs[V];
+    float hsum = 0.0f;
+    for (uint32_t i = 0; i < V; ++i) {
+      const float v = wj * hv[i];
+      hsum += v;
+      xs[i] = v * Qmv1Codes<bits>::scale_of(i);
     }
+    const uint32_t gi = kk >> args.group_shift;
+    const uint32_t wo = kk * bits / 32;
+    for (uint32_t r = 0; r < R; ++r) {
+      const uint4 q = *reinterpret_cast<const device uint4*>(w + row[r] * wpr + wo);
+      acc[r] += float(sc[row[r] * gpr + gi]) * Qmv1Codes<bits>::dot(q, xs) + float(bi[row[r] * gpr + gi]) * hsum;
+    }
+  }
+  for (uint32_t r = 0; r < R; ++r) acc[r] = simd_sum(acc[r]);
+  if (lane == 0)
+    for (uint32_t r = 0; r < R; ++r) red[simd_id * R + r] = acc[r];
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  const uint32_t n = n0 + thread_pos.x;
+  if (thread_pos.x < R && n < H) {
+    float total = 0.0f;
+    for (uint32_t s = 0; s < splits; ++s) total += red[s * R + thread_pos.x];
+    const float v = args.has_residual ? total + float(residual[t * H + n]) : total;
+    out[t * H + n] = T(v);
   }
 }
 

@@ -90,42 +90,7 @@ template <typename T, typename S, int bits>
 //              outputs h_out and xn_out = T(h * rsqrt(...) * norm_w) when asked (kQmv1Side).
 //   buffers:   1 x [K] T, 2 w, 3 scales, 4 biases, 5 y [N] T, 6 residual [K] T, 7 norm_w [K] float,
 //              8 h_out [K] T, 9 xn_out [K] T (6..9 read or written only when their flag is set).
-template <int bits>
-struct Qmv1Codes;
-template <>
-struct Qmv1Codes<4> {
-  static constexpr uint32_t V = 32;
-  static float scale_of(uint32_t i) { return i % 4 == 0 ? 1.0f : i % 4 == 1 ? 0.0625f : i % 4 == 2 ? 0.00390625f : 0.000244140625f; }
-  // sum_i xs[i] * (code i masked in place): the 8 nibbles of a word, low half then high half.
-  static float dot(uint4 wv, thread const float* xs) {
-    float d = 0.0f;
-    for (uint32_t j = 0; j < 4; ++j) {
-      const uint32_t w = wv[j];
-      const uint32_t lo = w & 0xffffu, hi = w >> 16;
-      d += xs[8 * j + 0] * float(lo & 0x000fu) + xs[8 * j + 1] * float(lo & 0x00f0u) +
-           xs[8 * j + 2] * float(lo & 0x0f00u) + xs[8 * j + 3] * float(lo & 0xf000u) +
-           xs[8 * j + 4] * float(hi & 0x000fu) + xs[8 * j + 5] * float(hi & 0x00f0u) +
-           xs[8 * j + 6] * float(hi & 0x0f00u) + xs[8 * j + 7] * float(hi & 0xf000u);
-    }
-    return d;
-  }
-};
-template <>
-struct Qmv1Codes<8> {
-  static constexpr uint32_t V = 16;
-  static float scale_of(uint32_t i) { return i % 2 == 0 ? 1.0f : 0.00390625f; }
-  static float dot(uint4 wv, thread const float* xs) {
-    float d = 0.0f;
-    for (uint32_t j = 0; j < 4; ++j) {
-      const uint32_t w = wv[j];
-      const uint32_t lo = w & 0xffffu, hi = w >> 16;
-      d += xs[4 * j + 0] * float(lo & 0x00ffu) + xs[4 * j + 1] * float(lo & 0xff00u) +
-           xs[4 * j + 2] * float(hi & 0x00ffu) + xs[4 * j + 3] * float(hi & 0xff00u);
-    }
-    return d;
-  }
-};
-
+// Qmv1Codes (the 16-byte code dot products): common/quant.h, shared with the MoE matvecs.
 template <typename T, typename S, int bits>
 [[kernel]] void qmv1(constant Qmv1Args& args [[buffer(0)]],
                      const device T* x [[buffer(1)]],

@@ -43,6 +43,9 @@ void init_ops_moe(nb::module_& m) {
   m.attr("MOE_TILE32_MAX_ROWS") = static_cast<uint32_t>(kMoeTile32MaxRows);
   m.attr("MOE_MAX_EXPERTS") = static_cast<uint32_t>(kMoeMaxExperts);
   m.attr("MOE_MAX_TOP_K") = static_cast<uint32_t>(kMoeMaxTopK);
+  m.attr("MOE_MV_ROWS") = static_cast<uint32_t>(kMoeMvRows);
+  m.attr("MOE_GATE_UP_MAX_SPLITS") = static_cast<uint32_t>(kMoeGateUpMaxSplits);
+  m.attr("MOE_DOWN_MAX_SPLITS") = static_cast<uint32_t>(kMoeDownMaxSplits);
 
   m.def(
       "moe",
@@ -125,6 +128,11 @@ void init_ops_moe(nb::module_& m) {
         nb::list kernels;
         for (const auto& k : rec.kernels) kernels.append(std::string(k));
         stats["kernels"] = kernels;
+        nb::list shapes;  // per dispatch: (grid x, grid y, grid z, threads per threadgroup)
+        for (size_t i = 0; i < rec.groups.size(); ++i)
+          shapes.append(nb::make_tuple(rec.groups[i].x, rec.groups[i].y, rec.groups[i].z,
+                                       rec.threads[i].x * rec.threads[i].y * rec.threads[i].z));
+        stats["shapes"] = shapes;
         stats["route"] = std::string(gpu::ops::moe_route_name(gpu::ops::moe_route(op.tokens, op.top_k)));
         stats["dispatches"] = c.dispatches;
         stats["barriers"] = c.barriers;

@@ -97,7 +97,7 @@
   X(moe_route,                       MoeArgs, 3)                              \
   X(moe_plan,                        MoeArgs, 5)                              \
   X(moe_gate_up_mv_b4_xf32_sbf16,    MoeArgs, 15)                             \
-  X(moe_down_mv_b4_xf32_sbf16,       MoeArgs, 11)                             \
+  X(moe_down_mv_b4_xf32_sbf16,       MoeArgs, 12)                             \
   X(moe_gate_up_mm32_b4_xf32_sbf16,  MoeArgs, 15)                             \
   X(moe_gate_up_mm64_b4_xf32_sbf16,  MoeArgs, 15)                             \
   X(moe_down_mm32_b4_sbf16,          MoeArgs, 10)                             \

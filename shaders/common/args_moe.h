@@ -30,8 +30,11 @@ enum : uint32_t {
   kMoeMvMaxTokens = 8,        // tokens <= this: matrix-vector route (decode)
   kMoeFewMaxRows = 8,         // tiled: a group's remainder of <= this many rows -> few-row tile
   kMoeTile32MaxRows = 32,     // tiled: a remainder of <= this many rows -> 32-row tile, else 64
-  kMoeMvRowsPerSimd = 4,      // matvec: output features per simdgroup
-  kMoeMvSimdsPerGroup = 2,    // matvec: simdgroups per threadgroup
+  kMoeMvRowsPerSimd = 4,      // few-row tiles (moe_*_few): output features per simdgroup
+  kMoeMvSimdsPerGroup = 2,    // few-row tiles (moe_*_few): simdgroups per threadgroup
+  kMoeMvRows = 4,             // decode matvecs (moe_*_mv): output rows per threadgroup
+  kMoeGateUpMaxSplits = 4,    // moe_gate_up_mv: simdgroups splitting K = H (min(this, H / block))
+  kMoeDownMaxSplits = 8,      // moe_down_mv: simdgroups splitting K' = k I + Is (min(this, chunks / 32))
   kMoeTileN = 32,             // tiled: output features per tile
   kMoeTileK = 32,             // tiled: K step (divides every supported group size)
   kMoeTileSimds = 4,          // tiled: 4 simdgroups = 128 threads (2 x 2 over the tile)
@@ -54,7 +57,7 @@ struct MoeArgs {
   uint32_t has_residual;  // 1: out = residual + moe(x); 0: out = moe(x)
   uint32_t max_tiles32;   // tiled route: entries of the 32-row list
   uint32_t max_few;       // tiled route: entries of the few-row list
-  uint32_t pad;
+  uint32_t group_shift;   // log2(group_size)
 };
 
 // First entry of each tile list in the plan buffer (rows <= 64 / <= 32 / <= kMoeFewMaxRows).

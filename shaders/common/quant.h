@@ -19,4 +19,44 @@ inline void unpack_codes(const device uint32_t* words, thread float* q) {
     q[i] = float((words[i / per_word] >> ((i % per_word) * bits)) & mask);
 }
 
+// Single-token matvec codes (qmv1 in qmm.metal, moe_gate_up_mv / moe_down_mv in moe.metal), after
+// MLX's qmv_fast: a lane holds V = 128 / bits codes of a row = one 16-byte (uint4) load. The V
+// activations are pre-scaled by scale_of(i) (16^-(i % 4) at 4 bits, 256^-(i % 2) at 8 bits; exact:
+// powers of two) so that code i is masked in place, never shifted: dot(wv, xs) = sum_i x_i q_i.
+template <int bits>
+struct Qmv1Codes;
+template <>
+struct Qmv1Codes<4> {
+  static constexpr uint32_t V = 32;
+  static float scale_of(uint32_t i) { return i % 4 == 0 ? 1.0f : i % 4 == 1 ? 0.0625f : i % 4 == 2 ? 0.00390625f : 0.000244140625f; }
+  // sum_i xs[i] * (code i masked in place): the 8 nibbles of a word, low half then high half.
+  static float dot(uint4 wv, thread const float* xs) {
+    float d = 0.0f;
+    for (uint32_t j = 0; j < 4; ++j) {
+      const uint32_t w = wv[j];
+      const uint32_t lo = w & 0xffffu, hi = w >> 16;
+      d += xs[8 * j + 0] * float(lo & 0x000fu) + xs[8 * j + 1] * float(lo & 0x00f0u) +
+           xs[8 * j + 2] * float(lo & 0x0f00u) + xs[8 * j + 3] * float(lo & 0xf000u) +
+           xs[8 * j + 4] * float(hi & 0x000fu) + xs[8 * j + 5] * float(hi & 0x00f0u) +
+           xs[8 * j + 6] * float(hi & 0x0f00u) + xs[8 * j + 7] * float(hi & 0xf000u);
+    }
+    return d;
+  }
+};
+template <>
+struct Qmv1Codes<8> {
+  static constexpr uint32_t V = 16;
+  static float scale_of(uint32_t i) { return i % 2 == 0 ? 1.0f : 0.00390625f; }
+  static float dot(uint4 wv, thread const float* xs) {
+    float d = 0.0f;
+    for (uint32_t j = 0; j < 4; ++j) {
+      const uint32_t w = wv[j];
+      const uint32_t lo = w & 0xffffu, hi = w >> 16;
+      d += xs[4 * j + 0] * float(lo & 0x00ffu) + xs[4 * j + 1] * float(lo & 0xff00u) +
+           xs[4 * j + 2] * float(hi & 0x00ffu) + xs[4 * j + 3] * float(hi & 0xff00u);
+    }
+    return d;
+  }
+};
+
 }  // namespace lily

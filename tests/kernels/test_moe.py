@@ -37,6 +37,10 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 MV_MAX_TOKENS = 8          # must match kMoeMvMaxTokens (checked below)
 FEW_MAX_ROWS = 8           # must match kMoeFewMaxRows (checked below)
 TILE32_MAX_ROWS = 32       # must match kMoeTile32MaxRows (checked below)
+MV_ROWS = 4                # kMoeMvRows: output rows per threadgroup of the decode matvecs
+GATE_UP_MAX_SPLITS = 4     # kMoeGateUpMaxSplits
+DOWN_MAX_SPLITS = 8        # kMoeDownMaxSplits
+CODES = 32                 # 4-bit codes per lane and row in the decode matvecs: one 16-byte load
 TIE_MARGIN = 1e-5
 KEYS = ("router", "gate", "up", "down", "shared_gate_proj", "shared_up", "shared_down", "shared_gate")
 
@@ -120,6 +124,9 @@ def test_route_constants_match_extension():
     assert core.ops.MOE_MV_MAX_TOKENS == MV_MAX_TOKENS
     assert core.ops.MOE_FEW_MAX_ROWS == FEW_MAX_ROWS
     assert core.ops.MOE_TILE32_MAX_ROWS == TILE32_MAX_ROWS
+    assert core.ops.MOE_MV_ROWS == MV_ROWS
+    assert core.ops.MOE_GATE_UP_MAX_SPLITS == GATE_UP_MAX_SPLITS
+    assert core.ops.MOE_DOWN_MAX_SPLITS == DOWN_MAX_SPLITS
     assert ops.moe_route(MV_MAX_TOKENS, 8) == "mv"
     assert ops.moe_route(MV_MAX_TOKENS + 1, 8) == "tiled"
     assert ops.moe_route(4096, 8) == "tiled"
@@ -262,8 +269,134 @@ def test_exact_ties_go_to_the_lowest_index(rng, T):
     np.testing.assert_array_equal(ids[:, :2], rids[:, :2])
 
 
+# ------------------------------------------------------------------------------ decode matvecs
+def mv_shapes(T, *, H, k, I, Is):
+    """(grid x, grid y, grid z, threads) of moe_gate_up_mv and moe_down_mv, as docs/kernels.md
+    states them: gate_up splits K = H over min(4, ceil(H / 1024)) simdgroups (a block = 32 lanes x
+    32 codes), rows in fours, one grid row per (token, slot); down splits the concatenated
+    K' = k I + Is (chunks of 32 codes) over min(8, ceil(chunks / 32)) simdgroups."""
+    gu = max(1, min(GATE_UP_MAX_SPLITS, -(-H // (32 * CODES))))
+    dn = max(1, min(DOWN_MAX_SPLITS, -(-(k * (I // CODES) + Is // CODES) // 32)))
+    return [(-(-max(I, Is) // MV_ROWS), T * (k + 1), 1, 32 * gu), (-(-H // MV_ROWS), T, 1, 32 * dn)]
+
+
+# Both sides of every shape switch of the decode matvecs (odd expert counts, T = 1 and a few tokens):
+#   gate_up splits: H = 1024 (1 block, 1 split) | 1088 (2 splits, the second block partial: 2 of 32
+#     lanes) | 4160 (5 blocks > 4 splits: simdgroup 0 walks blocks 0 and 4, the last partial);
+#   down splits: chunks 32 (1 split) | 33 (2 splits, one lane of the second) | 258 > 8 x 32 (8
+#     splits, lanes 0 and 1 of simdgroup 0 take a second chunk);
+#   Is > I (routed slots' threadgroups past I load nothing) and Is < I (the shared slot's do), the
+#     shared slot's chunks of another width than the routed ones; group sizes 32, 64, 128.
+MV_CASES = {
+    "H1024-1split": dict(E=5, H=1024, I=64, Is=64, k=2, gs=64),
+    "H1088-2splits-partial": dict(E=5, H=1088, I=64, Is=64, k=2, gs=64),
+    "H4160-capped-4splits": dict(E=3, H=4160, I=32, Is=32, k=1, gs=32),
+    "chunks32-1split": dict(E=9, H=64, I=128, Is=128, k=7, gs=32),
+    "chunks33-2splits": dict(E=9, H=64, I=128, Is=32, k=8, gs=32),
+    "chunks258-8splits-loop": dict(E=17, H=64, I=512, Is=64, k=16, gs=64),
+    "Is-wider": dict(E=7, H=128, I=32, Is=160, k=3, gs=32),
+    "Is-narrower-gs128": dict(E=7, H=256, I=384, Is=128, k=3, gs=128),
+}
+
+
+@pytest.mark.parametrize("T", [1, 3])
+@pytest.mark.parametrize("case", list(MV_CASES))
+def test_decode_matvec_shapes(rng, case, T):
+    c = MV_CASES[case]
+    W, x_of = make_block(rng, E=c["E"], H=c["H"], I=c["I"], Is=c["Is"], gs=c["gs"])
+    res = rng.standard_normal((T, c["H"])).astype(np.float32)
+    _, ids, stats = check(rng, W, x_of(T), c["k"], residual=res, route="mv")
+    assert stats["kernels"][1:] == ["moe_gate_up_mv_b4_xf32_sbf16", "moe_down_mv_b4_xf32_sbf16"]
+    assert stats["shapes"][1:] == mv_shapes(T, H=c["H"], k=c["k"], I=c["I"], Is=c["Is"]), case
+
+
+@pytest.mark.parametrize("case", ["H1088-2splits-partial", "chunks258-8splits-loop", "Is-narrower-gs128"])
+def test_decode_matvec_thread_order(rng, case):
+    """Split-K partial sums meet in threadgroup memory: every scheduling order (the adversarial
+    'ahead' one included) gives bit-identical results."""
+    c = MV_CASES[case]
+    W, x_of = make_block(rng, E=c["E"], H=c["H"], I=c["I"], Is=c["Is"], gs=c["gs"])
+    x = x_of(2)
+    runs = [ops._moe(x, *ops.moe_weights(W), top_k=c["k"], order=o, seed=rng.seed)
+            for o in ("forward", "reverse", "shuffle", "ahead")]
+    assert runs[0][3]["route"] == "mv"
+    for o, r in zip(("reverse", "shuffle", "ahead"), runs[1:]):
+        for a, b in zip(runs[0][:3], r[:3]):
+            np.testing.assert_array_equal(a, b, err_msg=f"{case}: order {o!r} differs from 'forward'")
+
+
+class _LazyStack:
+    """``stack[e]``: expert e of a stacked QuantLinear, dequantized (or its magnitude) on demand:
+    the real model's 256 experts are never expanded to float64 at once."""
+
+    def __init__(self, m, magnitude=False):
+        self.m, self.magnitude, self.cache = m, magnitude, {}
+
+    def __getitem__(self, e):
+        if e not in self.cache:
+            q = self.m.expert(int(e))
+            self.cache[e] = (ref.dequantized_magnitude(q.w, q.scales, q.biases, bits=q.bits, group_size=q.group_size)
+                             if self.magnitude else q.dense())
+        return self.cache[e]
+
+
+def _random_quant(rng, shape, gs):
+    """A 4-bit [.., N, K] stack from random codes (cheap at the real sizes: no float weights made):
+    scales 0.004..0.012, biases centring the codes (-7.5 s) plus noise."""
+    *lead, N, K = shape
+    w = rng.integers(0, 2 ** 32, size=(*lead, N, K // 8), dtype=np.uint32)
+    s = (rng.random((*lead, N, K // gs)) * 0.008 + 0.004).astype(np.float32)
+    b = (-7.5 * s + rng.standard_normal(s.shape).astype(np.float32) * 0.002).astype(np.float32)
+    return QuantLinear(w, s.astype(BF16), b.astype(BF16), 4, gs)
+
+
+@pytest.mark.parametrize("T", [1, 2])
+def test_decode_matvecs_real_shapes(rng, T):
+    """The real model's MoE block (hidden 2048, 256 experts of intermediate 512, top-8, shared
+    expert 512, group 64): routing, output and weights against the float64 reference (only the
+    selected experts are dequantized); the decode grids as documented."""
+    E, H, I, Is, k, gs = 256, 2048, 512, 512, 8, 64
+    W = SimpleNamespace(
+        router=quantized(rng, (E, H), 8, gs, scale=0.05), shared_expert_gate=quantized(rng, (1, H), 8, gs, scale=0.05),
+        gate_proj=_random_quant(rng, (E, I, H), gs), up_proj=_random_quant(rng, (E, I, H), gs),
+        down_proj=_random_quant(rng, (E, H, I), gs), shared_gate_proj=_random_quant(rng, (Is, H), gs),
+        shared_up_proj=_random_quant(rng, (Is, H), gs), shared_down_proj=_random_quant(rng, (H, Is), gs))
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    res = rng.standard_normal((T, H)).astype(np.float32)
+    out, ids, weights, stats = ops._moe(x, *ops.moe_weights(W), top_k=k, residual=res, seed=rng.seed)
+    assert stats["route"] == "mv" and stats["host_syncs"] == 0
+    assert stats["shapes"][1:] == mv_shapes(T, H=H, k=k, I=I, Is=Is)
+    assert stats["shapes"][1:] == [(128, T * 9, 1, 64), (512, T, 1, 160)]  # 2 and 5 simdgroups
+    dense = {"router": W.router.dense(), "shared_gate": W.shared_expert_gate.dense(),
+             "gate": _LazyStack(W.gate_proj), "up": _LazyStack(W.up_proj), "down": _LazyStack(W.down_proj),
+             "shared_gate_proj": W.shared_gate_proj.dense(), "shared_up": W.shared_up_proj.dense(),
+             "shared_down": W.shared_down_proj.dense()}
+    mags = {"router": ref.dequantized_magnitude(W.router.w, W.router.scales, W.router.biases, bits=8, group_size=gs),
+            "shared_gate": ref.dequantized_magnitude(W.shared_expert_gate.w, W.shared_expert_gate.scales,
+                                                     W.shared_expert_gate.biases, bits=8, group_size=gs),
+            "gate": _LazyStack(W.gate_proj, True), "up": _LazyStack(W.up_proj, True),
+            "down": _LazyStack(W.down_proj, True)}
+    for key, m in (("shared_gate_proj", W.shared_gate_proj), ("shared_up", W.shared_up_proj),
+                   ("shared_down", W.shared_down_proj)):
+        mags[key] = ref.dequantized_magnitude(m.w, m.scales, m.biases, bits=4, group_size=gs)
+    assert not near_ties(dense, x, k).any(), f"near-tie in the routing (seed {rng.seed}): pick another"
+    want, rids, rweights = ref.moe(x, *(dense[key] for key in KEYS), top_k=k, residual=res)
+    np.testing.assert_array_equal(ids, rids, err_msg=f"routing differs (seed {rng.seed})")
+    assert_close(weights[:, :k], rweights, atol=np.abs(rweights) * 1e-5, rtol=0, what="weights", seed=rng.seed)
+    bound = ref.moe_error_bound(x, mags, dense, top_k=k, residual=res)
+    assert_close(out, want, atol=bound, rtol=0, what="moe real shapes", seed=rng.seed)
+    rms = np.sqrt(np.mean((out - want) ** 2)) / np.sqrt(np.mean(bound ** 2))
+    assert rms <= 1 / 64, f"RMS error {rms:.3g} of the RMS bound (seed {rng.seed})"
+    err, y = np.abs(out - want), want - res
+    print(f"\nreal shapes T={T}: max|err| {err.max():.3g}, RMS err / RMS bound {rms:.3g}, "
+          f"RMS err / RMS block output {np.sqrt(np.mean(err ** 2) / np.mean(y ** 2)):.3g}")
+    # The magnitude bound is loose at these sizes (|b| ~ 7.5 s in every term): the RMS error must
+    # also stay at fp32 level against the block's own output (one bfloat16 rounding is 2^-9 relative).
+    assert np.sqrt(np.mean(err ** 2) / np.mean(y ** 2)) < 1e-5
+
+
 # ------------------------------------------------------------------------------ counters
-@pytest.mark.parametrize("T,route,dispatches,barriers", [(1, "mv", 4, 3), (MV_MAX_TOKENS, "mv", 4, 3),
+@pytest.mark.parametrize("T,route,dispatches,barriers", [(1, "mv", 3, 2), (MV_MAX_TOKENS, "mv", 3, 2),
                                                          (MV_MAX_TOKENS + 1, "tiled", 10, 9), (257, "tiled", 10, 9)])
 def test_dispatches_per_block_and_no_host_sync(rng, T, route, dispatches, barriers):
     W, x_of = make_block(rng, E=9, H=64, I=32, gs=32)
@@ -285,7 +418,10 @@ def test_dispatches_per_block_and_no_host_sync(rng, T, route, dispatches, barrie
     assert stats["host_syncs"] == 0  # no commit / wait inside the block: nothing read back
     assert stats["kernels"][0] == ("qmv1_b8_xf32_sbf16" if T == 1 else "qmv_b8_xf32_sbf16" if route == "mv"
                                    else "qmm_b8_xf32_sbf16")
-    assert stats["kernels"][1] == "moe_route"
+    # mv: the expert kernels select the experts from the logits themselves (no moe_route level)
+    assert stats["kernels"][1] == ("moe_gate_up_mv_b4_xf32_sbf16" if route == "mv" else "moe_route")
+    if route == "mv":
+        assert stats["kernels"][1:] == ["moe_gate_up_mv_b4_xf32_sbf16", "moe_down_mv_b4_xf32_sbf16"]
 
 
 @pytest.mark.parametrize("T", [3, 40])

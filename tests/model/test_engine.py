@@ -138,10 +138,10 @@ def _expected_counts(cfg, tokens: int, position: int = 0, logits: bool = True,
     with one row of logits the final norm is fused into lm_head. Mixers: DeltaNet 4 dispatches /
     3 barriers inside (the chunked delta rule: 3 more of each); attention 4 / 3, plus one dispatch
     and one barrier when decode attention takes two passes (the vec route of head_dim 64 / 128 /
-    256 at every length; other head dims beyond 256 keys). MoE: mv route (tokens <= 8) 4 / 3,
-    tiled 10 / 9 (the three tile kinds of a stage one after another). `cfg` is a ModelConfig."""
+    256 at every length; other head dims beyond 256 keys). MoE: mv route (tokens <= 8; the expert
+    kernels select the experts themselves, no route dispatch) 3 / 2, tiled 10 / 9 (the three tile kinds of a stage one after another). `cfg` is a ModelConfig."""
     from lily_py.ops import attention_decode_route, gated_delta_route, moe_route
-    moe, moe_barriers = (4, 3) if moe_route(tokens, cfg.num_experts_per_tok) == "mv" else (10, 9)
+    moe, moe_barriers = (3, 2) if moe_route(tokens, cfg.num_experts_per_tok) == "mv" else (10, 9)
     chunked = gated_delta_route(tokens, cfg.linear_key_head_dim, cfg.linear_value_head_dim) == "chunked"
     two_pass = tokens == 1 and attention_decode_route(position + 1, cfg.head_dim)["route"] != "single"
     norms = 0 if tokens == 1 else 2  # separate norm dispatches per layer
@@ -282,6 +282,34 @@ def _real_cfg():
     return ModelConfig.from_dict({"model_type": "qwen3_5_moe", "text_config": dict(REAL_TEXT_CONFIG)})
 
 
+@pytest.mark.parametrize("position", [0, 255, 32767])
+def test_moe_decode_grids_real_config(position):
+    """The MoE decode matvecs of the real 35B config on the counting device, every dispatch:
+    grids and threads as docs/kernels.md states them (4 rows per threadgroup; gate_up: one grid
+    row per slot, K = H = 2048 split over 2 simdgroups; down: the 8 x 512 + 512 concatenated K'
+    in 144 chunks of 32 codes over 5 simdgroups), >= 32 simdgroups per core on a 40-core GPU,
+    no moe_route level; 3 dispatches per MoE block, each after a barrier."""
+    from lily_py.backends.engine import REAL_QUANT, _core, engine_spec
+    cfg = _real_cfg()
+    eng = _core().Engine(engine_spec(cfg, REAL_QUANT, context_length=position + 1, prefill_chunk=1), "count")
+    eng.count(1, position, False)
+    ds = eng.count_dispatches()
+    names = [d["kernel"] for d in ds]
+    L = cfg.num_hidden_layers
+    assert not any(n.startswith("moe_route") for n in names)
+    gu = [d for d in ds if d["kernel"] == "moe_gate_up_mv_b4_xf32_sbf16"]
+    dn = [d for d in ds if d["kernel"] == "moe_down_mv_b4_xf32_sbf16"]
+    assert len(gu) == len(dn) == L
+    assert {(d["groups"], d["threads"]) for d in gu} == {((128, 9, 1), (64, 1, 1))}
+    assert {(d["groups"], d["threads"]) for d in dn} == {((512, 1, 1), (160, 1, 1))}
+    simds = lambda d: d["groups"][0] * d["groups"][1] * d["threads"][0] // 32  # noqa: E731
+    assert simds(gu[0]) / 40 == 57.6 and simds(dn[0]) / 40 == 64.0
+    for g, d in zip(gu, dn):  # router -> gate_up -> down, one level each
+        i = ds.index(g)
+        assert names[i - 1] == "qmv1_b8_xf32_sbf16" and names[i + 1] == "moe_down_mv_b4_xf32_sbf16"
+        assert ds[i - 1]["level"] + 1 == g["level"] == ds[i + 1]["level"] - 1
+
+
 @pytest.mark.parametrize("position", [255, 4095, 32767])
 def test_bytes_touched_real_config_against_the_floor(position):
     """bytes_touched of a real 35B decode step (routed experts only, KV rows up to the position,
@@ -320,8 +348,9 @@ def test_bytes_touched_counts_routed_experts_and_touched_rows(attn_ckpt):
     gate_up = [v for n, v in ks.items() if n.startswith("moe_gate_up")][0]
     L = cfg.num_hidden_layers
     sh = shared * H // 2 + 2 * 2 * shared * (H // gs)
-    x, ids, h = 4 * H, 4 * k, 4 * (k + 1) * max(I, shared)
-    assert gate_up["bytes_touched"] == L * (2 * k * expert + 2 * sh + x + ids + h)
+    # x, the router logits (each threadgroup selects the experts itself), h
+    x, logits, h = 4 * H, 4 * (E + 1), 4 * (k + 1) * max(I, shared)
+    assert gate_up["bytes_touched"] == L * (2 * k * expert + 2 * sh + x + logits + h)
     dn = [v for n, v in ks.items() if n.startswith("gated_delta_x")][0]
     Hv, Dv, Dk = cfg.linear_num_value_heads, cfg.linear_value_head_dim, cfg.linear_key_head_dim
     state = Hv * Dv * Dk * 4

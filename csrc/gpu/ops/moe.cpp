@@ -64,6 +64,7 @@ MoeArgs make_args(const MoeOperands& op, MoeRoute route) {
   a.has_residual = op.residual.buffer != nullptr ? 1u : 0u;
   a.max_tiles32 = tb.t32;
   a.max_few = tb.few;
+  while ((1u << a.group_shift) < op.group_size) ++a.group_shift;  // 32, 64 or 128 (validated)
   return a;
 }
 
@@ -71,6 +72,14 @@ MoeArgs make_args(const MoeOperands& op, MoeRoute route) {
 
 MoeRoute moe_route(uint32_t tokens, uint32_t /*top_k*/) {
   return tokens <= kMoeMvMaxTokens ? MoeRoute::mv : MoeRoute::tiled;
+}
+
+MoeMvShape moe_mv_shape(uint32_t H, uint32_t top_k, uint32_t I, uint32_t Is, uint32_t bits) {
+  const uint32_t V = 128 / bits;  // codes per lane and row: one 16-byte load
+  MoeMvShape s;
+  s.gate_up_splits = std::max(1u, std::min<uint32_t>(kMoeGateUpMaxSplits, ceil_div(H, 32 * V)));
+  s.down_splits = std::max(1u, std::min<uint32_t>(kMoeDownMaxSplits, ceil_div(top_k * (I / V) + Is / V, 32)));
+  return s;
 }
 
 const char* moe_route_name(MoeRoute r) { return r == MoeRoute::mv ? "mv" : "tiled"; }
@@ -228,16 +237,9 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
     r.xn_out = range(op.x, act, "x");
   }
   encode_quantized_matmul(enc, r);
-  enc.barrier();  // logits -> route (folded norm: also h -> down's residual, xn -> expert kernels)
-
-  // 2. softmax, top-k, renormalise, shared gate
-  enc.set_kernel(KernelId::moe_route);
-  enc.set_args(a);
-  enc.set_buffer(1, range(op.scratch.logits, sb.logits, "scratch.logits"));
-  enc.set_buffer(2, range(op.scratch.ids, sb.ids, "scratch.ids"));
-  enc.set_buffer(3, range(op.scratch.weights, sb.weights, "scratch.weights"));
-  enc.dispatch({T, 1, 1}, {32, 1, 1});
-  enc.barrier();  // ids, weights -> experts (mv) / plan (tiled)
+  // logits -> the expert kernels (mv) / route (tiled); folded norm: also h -> down's residual,
+  // xn -> the expert kernels
+  enc.barrier();
 
   // Buffers 3..15 of every gate + up kernel (mv and the tiled kinds): the routed and shared
   // gate / up weights, and h.
@@ -250,29 +252,41 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
   };
 
   if (route == MoeRoute::mv) {
-    // 3. gate + up + SwiGLU of the selected experts and the shared expert, per slot
+    // 2. gate + up + SwiGLU of the selected experts and the shared expert, per slot; every
+    // threadgroup selects its token's experts from the logits itself (no route level)
     enc.set_kernel(KernelId::moe_gate_up_mv_b4_xf32_sbf16);
     enc.set_args(a);
     enc.set_buffer(1, range(op.x, act, "x"));
-    enc.set_buffer(2, range(op.scratch.ids, sb.ids, "scratch.ids"));
+    enc.set_buffer(2, range(op.scratch.logits, sb.logits, "scratch.logits"));
     bind_gate_up();
-    enc.dispatch({ceil_div(a.h_stride, kMoeMvRowsPerSimd * kMoeMvSimdsPerGroup), T * (k + 1), 1},
-                 {32 * kMoeMvSimdsPerGroup, 1, 1});
+    const MoeMvShape sh = moe_mv_shape(H, k, I, Is, op.bits);
+    enc.dispatch({ceil_div(a.h_stride, kMoeMvRows), T * (k + 1), 1}, {32 * sh.gate_up_splits, 1, 1});
     enc.barrier();  // h -> down
-    // 4. down projection x routing weights, shared expert x gate, residual add
+    // 3. down projection x routing weights, shared expert x gate, residual add (selects the
+    // experts from the logits again; writes ids and weights)
     enc.set_kernel(KernelId::moe_down_mv_b4_xf32_sbf16);
     enc.set_args(a);
-    enc.set_buffer(1, range(op.scratch.ids, sb.ids, "scratch.ids"));
-    enc.set_buffer(2, range(op.scratch.weights, sb.weights, "scratch.weights"));
-    enc.set_buffer(3, range(op.scratch.h, sb.h, "scratch.h"));
-    bind_quant(enc, 4, op.down, q(E, H, I), "down", used, E);
-    bind_quant(enc, 7, op.shared_down, q(1, H, Is), "shared_down");
-    enc.set_buffer(10, residual);
-    enc.set_buffer(11, range(op.out, act, "out"));
-    enc.dispatch({ceil_div(H, kMoeMvRowsPerSimd * kMoeMvSimdsPerGroup), T, 1}, {32 * kMoeMvSimdsPerGroup, 1, 1});
+    enc.set_buffer(1, range(op.scratch.logits, sb.logits, "scratch.logits"));
+    enc.set_buffer(2, range(op.scratch.ids, sb.ids, "scratch.ids"));
+    enc.set_buffer(3, range(op.scratch.weights, sb.weights, "scratch.weights"));
+    enc.set_buffer(4, range(op.scratch.h, sb.h, "scratch.h"));
+    bind_quant(enc, 5, op.down, q(E, H, I), "down", used, E);
+    bind_quant(enc, 8, op.shared_down, q(1, H, Is), "shared_down");
+    enc.set_buffer(11, residual);
+    enc.set_buffer(12, range(op.out, act, "out"));
+    enc.dispatch({ceil_div(H, kMoeMvRows), T, 1}, {32 * sh.down_splits, 1, 1});
     enc.add_flops(flops.executed, flops.useful);
     return;
   }
+
+  // 2. softmax, top-k, renormalise, shared gate
+  enc.set_kernel(KernelId::moe_route);
+  enc.set_args(a);
+  enc.set_buffer(1, range(op.scratch.logits, sb.logits, "scratch.logits"));
+  enc.set_buffer(2, range(op.scratch.ids, sb.ids, "scratch.ids"));
+  enc.set_buffer(3, range(op.scratch.weights, sb.weights, "scratch.weights"));
+  enc.dispatch({T, 1, 1}, {32, 1, 1});
+  enc.barrier();  // ids, weights -> plan
 
   const MoeTileBounds tb = moe_tile_bounds(T, k, E);
   // 3. plan: counts, offsets, tiles by load, permutation (one threadgroup)
@@ -341,6 +355,8 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
 
 void RecordingEncoder::encode_dispatch(const Dispatch& d) {
   kernels.emplace_back(kernel_info(d.kernel).name);
+  groups.push_back(d.groups);
+  threads.push_back(d.threads);
   forward_dispatch(inner_, d);
 }
 

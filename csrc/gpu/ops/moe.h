@@ -22,6 +22,16 @@ enum class MoeRoute : uint8_t {
 };
 
 MoeRoute moe_route(uint32_t tokens, uint32_t top_k);
+
+// Threadgroup shapes of the decode matvecs (mv route): moe_gate_up_mv runs 32 * gate_up_splits
+// threads (K = H split over min(kMoeGateUpMaxSplits, ceil(H / B)) simdgroups, B = 32 lanes x
+// 128 / bits codes); moe_down_mv runs 32 * down_splits threads (the k + 1 slots' concatenated
+// K' = k I + Is, in chunks of 128 / bits codes, over min(kMoeDownMaxSplits, ceil(chunks / 32))
+// simdgroups). Both: kMoeMvRows output rows per threadgroup.
+struct MoeMvShape {
+  uint32_t gate_up_splits = 1, down_splits = 1;
+};
+MoeMvShape moe_mv_shape(uint32_t H, uint32_t top_k, uint32_t I, uint32_t Is, uint32_t bits);
 const char* moe_route_name(MoeRoute r);
 uint32_t moe_tile_rows(MoeRoute r);  // the largest tile: 0 for mv, 64 for tiled
 
@@ -101,7 +111,7 @@ MoeScratchBytes moe_scratch_bytes(const MoeOperands& op);
 // Throws std::invalid_argument naming the bad operand.
 void validate(const MoeOperands& op);
 
-// Encodes the whole block (4 dispatches and 3 barriers on the mv route; 10 and 9 on the tiled
+// Encodes the whole block (3 dispatches and 2 barriers on the mv route; 10 and 9 on the tiled
 // route: the 64-row, 32-row and few-row kernels of one stage run side by side). Never commits, waits or reads device memory.
 void encode_moe(Encoder& enc, const MoeOperands& op);
 
@@ -115,6 +125,7 @@ class RecordingEncoder final : public Encoder {
   uint32_t thread_limit(KernelId k) const override { return inner_.thread_limit(k); }
   bool tensor_ops() const override { return inner_.tensor_ops(); }
   std::vector<std::string_view> kernels;  // kernel names (static storage), in dispatch order
+  std::vector<Size3> groups, threads;      // grid and threadgroup of every dispatch, same order
   uint64_t commits = 0, waits = 0;
 
  protected:
