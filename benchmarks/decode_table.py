@@ -47,6 +47,10 @@ FACTS = {
     "conv1d": ("4 B", "-", "one thread per channel"),
     "gated_delta": ("4 B q/k/v, 16 B state (float4)", "tokens in order; 1 barrier per token",
                     "one threadgroup (1024 threads) per value head"),
+    "gated_delta_decode": ("16 B state (float4 load + store), 4 B conv window / input / weights",
+                           "conv taps + 1 barrier; 3 simd_sums; the last threadgroup of a head "
+                           "(atomic ticket) applies the gated norm over Dv",
+                           "conv1d fused; each value head split by value columns (2 per simdgroup)"),
     "moe_route": ("4 B", "one simdgroup per token; top-k as k rounds of simd_max", "single simdgroup"),
     "moe_gate_up_mv": ("16 B codes, 16 B x", "top-k select (simdgroup 0) + barrier; one 1024-code "
                        "block x 4 rows x 2 matrices per lane", "gather_qmv_fast / mul_mv_id (routed + shared slots)"),
@@ -120,6 +124,8 @@ def roles(dispatches: list[dict], cfg: ModelConfig) -> list[str]:
             first = prev.startswith("rms_norm")
             r = ("attn qkv_proj" if first else "attn o_proj") if attn else \
                 ("DeltaNet in_proj (qkv, z, b, a)" if first else "DeltaNet out_proj")
+        elif k.startswith("gated_delta_decode"):
+            r = "DeltaNet conv + recurrent step"
         elif k.startswith("gated_delta"):
             r = "DeltaNet recurrent step"
         elif k.startswith("conv1d"):

@@ -185,6 +185,190 @@ template <typename T, typename W>
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// gated_delta_decode: one decode token of a DeltaNet layer, conv1d fused into the delta rule, each
+// value head split over col_blocks threadgroups by value columns (the columns of S [Dk, Dv] are
+// independent given the shared q, k, beta, decay).
+//   grid:      (col_blocks, Hv) threadgroups of n threads (n = 32 * simdgroups, <= 256: the host
+//              takes min(256, the pipeline's limit, what Dv needs)); threadgroup (blk, h) owns
+//              value columns [blk * cols, blk * cols + cols) of head h, cols = 2 * simdgroups;
+//              simdgroup g owns columns blk * cols + 2 g + c (c < 2)
+//   1. conv:   the threads of the threadgroup compute the 2 Dk q/k channels of key head h / (Hv/Hk)
+//              and the cols v channels of its columns: taps over concat(conv_in, x) in fp32, SiLU,
+//              rounded to T (what conv1d writes), into threadgroup memory; one barrier. Exactly
+//              one threadgroup writes each channel's new window into conv_out (the q/k channels:
+//              blk 0 of the first value head of the key head; the v channels: their column's
+//              threadgroup); conv_in is only read, so no threadgroup reads a slot another writes.
+//   2. rule:   lane l holds S[i, j] for key rows i = 4 l + r (r < 4) of its 2 columns: two float4,
+//              read with one 16-byte load per column when args.vec4 (device layout [Hv, Dv, Dk]);
+//              every simdgroup L2-normalises q, k from threadgroup memory (one simd_sum), decay and
+//              beta are recomputed per thread; S *= decay, kv = simd_sum(S^T k) (float2),
+//              u = beta (v - kv), S += k u^T, o = simd_sum(S^T q); S written back; lanes 0, 1
+//              write o (fp32) of their column to o_raw.
+//   3. norm:   the gated RMSNorm needs |o|^2 over the head: after a device-memory barrier thread 0
+//              takes a ticket (atomic add on tickets[h]); the threadgroup that draws the last
+//              ticket reads the head's Dv raw outputs (its own and the others'), sums o^2 in a
+//              fixed order (threadgroup_sum), writes y = o rsqrt(sum/Dv + eps) norm_w silu(z) and
+//              resets tickets[h] to 0 for the next dispatch.
+//   buffers:   1 x [>= C] T (the token's conv input q | k | v), 2 z [Hv * Dv] T, 3 a [Hv] T,
+//              4 b [Hv] T, 5 conv weight [C, K] W, 6 conv_in [K-1, C] T, 7 conv_out [K-1, C] T,
+//              8 A_log [Hv] float, 9 dt_bias [Hv] W, 10 norm_weight [Dv] W,
+//              11 state [Hv, Dv, Dk] float (in place), 12 o_raw [Hv * Dv] float (scratch),
+//              13 tickets [Hv] atomic_uint (0 before and after), 14 y [Hv * Dv] T
+// Metal 3.1 has no device-scope fence: threadgroup_barrier(mem_device) orders the threadgroup's
+// o_raw stores before its ticket (and the last group's reads after it), the idiom Apple GPUs
+// run; with MSL 3.2 atomic_thread_fence(mem_device, seq_cst, thread_scope_device) is added.
+template <typename T, typename W>
+[[kernel, max_total_threads_per_threadgroup(256)]] void gated_delta_decode(
+    constant GdDecodeArgs& args [[buffer(0)]],
+    const device T* x [[buffer(1)]],
+    const device T* z [[buffer(2)]],
+    const device T* a [[buffer(3)]],
+    const device T* b [[buffer(4)]],
+    const device W* conv_w [[buffer(5)]],
+    const device T* conv_in [[buffer(6)]],
+    device T* conv_out [[buffer(7)]],
+    const device float* A_log [[buffer(8)]],
+    const device W* dt_bias [[buffer(9)]],
+    const device W* norm_weight [[buffer(10)]],
+    device float* state [[buffer(11)]],
+    device float* o_raw [[buffer(12)]],
+    device atomic_uint* tickets [[buffer(13)]],
+    device T* y [[buffer(14)]],
+    LILY_KERNEL_TAIL) {
+  LILY_TG_ARRAY(float, qk, [2 * kGdMaxDk]);
+  LILY_TG_ARRAY(float, vin, [kGdDecodeMaxCols]);
+  LILY_TG_ARRAY(float, partials, [32]);
+  LILY_TG_ARRAY(uint32_t, last, [1]);
+  const uint32_t Dk = args.Dk, Dv = args.Dv, C = args.C, K = args.K, hist = args.K - 1;
+  const uint32_t blk = group_pos.x, h = group_pos.y;
+  const uint32_t ratio = args.Hv / args.Hk, kh = h / ratio;
+  const uint32_t n = group_size.x, tid = thread_pos.x;
+  const uint32_t c0 = blk * args.cols;
+  const bool qk_writer = blk == 0 && h % ratio == 0;
+
+  // 1. conv of the channels this threadgroup needs (q, k of key head kh; v of its columns).
+  const uint32_t nqk = 2 * Dk;
+  for (uint32_t e = tid; e < nqk + args.cols; e += n) {
+    uint32_t ch = 0;
+    bool valid = true, write = qk_writer;
+    if (e < Dk) {
+      ch = kh * Dk + e;
+    } else if (e < nqk) {
+      ch = args.Hk * Dk + kh * Dk + (e - Dk);
+    } else {
+      const uint32_t j = c0 + (e - nqk);
+      valid = j < Dv;
+      ch = 2 * args.Hk * Dk + h * Dv + j;
+      write = true;
+    }
+    float out = 0.0f;
+    if (valid) {
+      float acc = 0.0f;
+      for (uint32_t j = 0; j < K; ++j) {
+        const float v = j < hist ? float(conv_in[j * C + ch]) : float(x[ch]);
+        acc += float(conv_w[ch * K + j]) * v;
+      }
+      out = float(T(gd_silu(acc)));
+      if (write)
+        for (uint32_t r = 0; r < hist; ++r) conv_out[r * C + ch] = r + 1 < hist ? conv_in[(r + 1) * C + ch] : x[ch];
+    }
+    if (e < nqk) qk[e] = out;
+    else vin[e - nqk] = out;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+
+  // 2. the delta rule on this simdgroup's two columns.
+  const uint32_t jl = simd_id * kGdDecodeColsPerSimd;
+  const uint32_t j0 = c0 + jl;
+  float4 qr = float4(0.0f), kr = float4(0.0f);
+  for (uint32_t r = 0; r < 4; ++r) {
+    const uint32_t i = 4 * lane + r;
+    if (i < Dk) {
+      qr[r] = qk[i];
+      kr[r] = qk[Dk + i];
+    }
+  }
+  float2 ss = float2(0.0f);
+  for (uint32_t r = 0; r < 4; ++r) {
+    ss.x += qr[r] * qr[r];
+    ss.y += kr[r] * kr[r];
+  }
+  ss = simd_sum(ss);
+  qr *= rsqrt(ss.x + 1e-6f) * args.q_scale;
+  kr *= rsqrt(ss.y + 1e-6f);
+  const float decay = exp(-exp(A_log[h]) * gd_softplus(float(a[h]) + float(dt_bias[h])));
+  const float beta = gd_sigmoid(float(b[h]));
+
+  float4 s[kGdDecodeColsPerSimd];
+  float2 vv = float2(0.0f);
+  for (uint32_t c = 0; c < kGdDecodeColsPerSimd; ++c) {
+    s[c] = float4(0.0f);
+    const uint32_t j = j0 + c;
+    if (j < Dv) {
+      vv[c] = vin[jl + c];
+      const uint64_t base = (uint64_t(h) * Dv + j) * Dk;
+      if (args.vec4 != 0) {
+        if (4 * lane < Dk) s[c] = *reinterpret_cast<const device float4*>(state + base + 4 * lane);
+      } else {
+        for (uint32_t r = 0; r < 4; ++r)
+          if (4 * lane + r < Dk) s[c][r] = state[base + 4 * lane + r];
+      }
+    }
+  }
+  float2 kv = float2(0.0f);
+  for (uint32_t c = 0; c < kGdDecodeColsPerSimd; ++c) {
+    s[c] *= decay;
+    for (uint32_t r = 0; r < 4; ++r) kv[c] += s[c][r] * kr[r];
+  }
+  kv = simd_sum(kv);
+  const float2 u = (vv - kv) * beta;
+  float2 o = float2(0.0f);
+  for (uint32_t c = 0; c < kGdDecodeColsPerSimd; ++c) {
+    s[c] += kr * u[c];
+    for (uint32_t r = 0; r < 4; ++r) o[c] += s[c][r] * qr[r];
+  }
+  o = simd_sum(o);
+  for (uint32_t c = 0; c < kGdDecodeColsPerSimd; ++c) {
+    const uint32_t j = j0 + c;
+    if (j < Dv) {
+      const uint64_t base = (uint64_t(h) * Dv + j) * Dk;
+      if (args.vec4 != 0) {
+        if (4 * lane < Dk) *reinterpret_cast<device float4*>(state + base + 4 * lane) = s[c];
+      } else {
+        for (uint32_t r = 0; r < 4; ++r)
+          if (4 * lane + r < Dk) state[base + 4 * lane + r] = s[c][r];
+      }
+    }
+  }
+  if (lane < kGdDecodeColsPerSimd && j0 + lane < Dv) o_raw[uint64_t(h) * Dv + j0 + lane] = o[lane];
+
+  // 3. the last threadgroup of the head to finish applies the gated RMSNorm to all Dv columns.
+  threadgroup_barrier(mem_flags::mem_device);
+#if defined(__METAL_VERSION__) && __METAL_VERSION__ >= 320
+  atomic_thread_fence(mem_flags::mem_device, memory_order_seq_cst, thread_scope_device);
+#endif
+  if (tid == 0)
+    last[0] = atomic_fetch_add_explicit(&tickets[h], 1u, memory_order_relaxed) + 1 == args.col_blocks ? 1u : 0u;
+  threadgroup_barrier(mem_flags::mem_device | mem_flags::mem_threadgroup);
+  if (last[0] != 0) {  // the same for every thread of the threadgroup
+#if defined(__METAL_VERSION__) && __METAL_VERSION__ >= 320
+    atomic_thread_fence(mem_flags::mem_device, memory_order_seq_cst, thread_scope_device);
+#endif
+    const uint64_t row = uint64_t(h) * Dv;
+    float part = 0.0f;
+    for (uint32_t j = tid; j < Dv; j += n) {
+      const float v = o_raw[row + j];
+      part += v * v;
+    }
+    const float total = threadgroup_sum(part, partials, lane, simd_id, n);
+    const float inv_rms = rsqrt(total / float(Dv) + args.eps);
+    for (uint32_t j = tid; j < Dv; j += n)
+      y[row + j] = T(o_raw[row + j] * inv_rms * float(norm_weight[j]) * gd_silu(float(z[row + j])));
+    if (tid == 0) atomic_store_explicit(&tickets[h], 0u, memory_order_relaxed);
+  }
+}
+
 LILY_INSTANTIATE("conv1d_xf32_wf32", conv1d<float, float>)
 LILY_INSTANTIATE("conv1d_xf32_wbf16", conv1d<float, bfloat>)
 LILY_INSTANTIATE("conv1d_xbf16_wf32", conv1d<bfloat, float>)
@@ -193,5 +377,9 @@ LILY_INSTANTIATE("gated_delta_xf32_wf32", gated_delta<float, float>)
 LILY_INSTANTIATE("gated_delta_xf32_wbf16", gated_delta<float, bfloat>)
 LILY_INSTANTIATE("gated_delta_xbf16_wf32", gated_delta<bfloat, float>)
 LILY_INSTANTIATE("gated_delta_xbf16_wbf16", gated_delta<bfloat, bfloat>)
+LILY_INSTANTIATE("gated_delta_decode_xf32_wf32", gated_delta_decode<float, float>)
+LILY_INSTANTIATE("gated_delta_decode_xf32_wbf16", gated_delta_decode<float, bfloat>)
+LILY_INSTANTIATE("gated_delta_decode_xbf16_wf32", gated_delta_decode<bfloat, float>)
+LILY_INSTANTIATE("gated_delta_decode_xbf16_wbf16", gated_delta_decode<bfloat, bfloat>)
 
 }  // namespace lily

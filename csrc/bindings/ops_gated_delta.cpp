@@ -203,6 +203,66 @@ void init_ops_gated_delta(nb::module_& m) {
       "of the WY form; returns (y, new_state, stats). Use lily_py.ops.gated_delta.");
 
   m.def(
+      "gated_delta_decode",
+      [](InArray x, InArray z, InArray a, InArray b, InArray conv_weight, InArray conv_state, InArray A_log,
+         InArray dt_bias, InArray norm_weight, InArray state, uint32_t Hk, uint32_t Hv, uint32_t Dk, uint32_t Dv,
+         float eps, const std::string& x_dtype, const std::string& w_dtype, const std::string& device,
+         const std::string& order, uint64_t seed, bool fp_traps) {
+        const char* fn = "gated_delta_decode";
+        gpu::ops::GdDecodeOperands op;
+        op.x_dtype = gpu::parse_dtype(x_dtype, "gated_delta_decode: activations");
+        op.w_dtype = gpu::parse_dtype(w_dtype, "gated_delta_decode: weights");
+        LILY_REQUIRE(conv_weight.ndim() == 2, "gated_delta_decode: conv_weight must be [C, K]");
+        const uint32_t C = 2 * Hk * Dk + Hv * Dv, VD = Hv * Dv, K = uint32_t(conv_weight.shape(1));
+        LILY_REQUIRE(K >= 2, "gated_delta_decode: conv kernel size must be >= 2");
+        const size_t xb = elem_bits(op.x_dtype), wb = elem_bits(op.w_dtype);
+        check(x, fn, "x", {C}, xb);
+        check(z, fn, "z", {VD}, xb);
+        check(a, fn, "a", {Hv}, xb);
+        check(b, fn, "b", {Hv}, xb);
+        check(conv_weight, fn, "conv_weight", {C, K}, wb);
+        check(conv_state, fn, "conv_state", {K - 1, C}, xb);
+        check(A_log, fn, "A_log", {Hv}, 32);
+        check(dt_bias, fn, "dt_bias", {Hv}, wb);
+        check(norm_weight, fn, "norm_weight", {Dv}, wb);
+        check(state, fn, "state", {Hv, Dv, Dk}, 32);
+        GdRun run(device, order, seed, fp_traps);
+        op.x = run.input(x);
+        op.z = run.input(z);
+        op.a = run.input(a);
+        op.b = run.input(b);
+        op.conv_weight = run.input(conv_weight);
+        op.conv_in = run.input(conv_state);
+        op.conv_out = run.output(conv_state.nbytes());
+        op.A_log = run.input(A_log);
+        op.dt_bias = run.input(dt_bias);
+        op.norm_weight = run.input(norm_weight);
+        op.state = run.input(state);
+        op.o_raw = run.output(size_t(VD) * 4);
+        op.tickets = run.input(std::vector<float>(Hv, 0.0f));  // zero bits
+        op.y = run.output(size_t(VD) * gpu::dtype_size(op.x_dtype));
+        op.Hk = Hk;
+        op.Hv = Hv;
+        op.Dk = Dk;
+        op.Dv = Dv;
+        op.K = K;
+        op.eps = eps;
+        run.run([&](gpu::Encoder& e) { gpu::ops::encode_gated_delta_decode(e, op); });
+        run.note(gpu::ops::gated_delta_decode_kernel(op.x_dtype, op.w_dtype));
+        return nb::make_tuple(run.download(op.y, op.x_dtype, {VD}),
+                              run.download(op.conv_out, op.x_dtype, {K - 1, C}),
+                              run.download(op.state, gpu::DType::f32, {Hv, Dv, Dk}),
+                              run.download(op.tickets, gpu::DType::f32, {Hv}), run.stats());
+      },
+      "x"_a, "z"_a, "a"_a, "b"_a, "conv_weight"_a, "conv_state"_a, "A_log"_a, "dt_bias"_a, "norm_weight"_a,
+      "state"_a, nb::kw_only(), "Hk"_a, "Hv"_a, "Dk"_a, "Dv"_a, "eps"_a, "x_dtype"_a, "w_dtype"_a,
+      "device"_a = "emu", "order"_a = "shuffle", "seed"_a = 0, "fp_traps"_a = true,
+      "One decode token: conv1d (window conv_state [K-1, C]) fused into the gated delta rule + gated "
+      "RMSNorm, value heads split over threadgroups by columns; returns (y [Hv*Dv], new conv_state, "
+      "state [Hv, Dv, Dk], tickets (float32 bits of the uint32 tickets, zero), stats). Use "
+      "lily_py.ops.gated_delta_decode.");
+
+  m.def(
       "gated_delta_mixer",
       [](InArray x, InArray in_w, InArray in_s, InArray in_b, InArray out_w, InArray out_s, InArray out_b,
          InArray conv_weight, InArray A_log, InArray dt_bias, InArray norm_weight, InArray conv_state, InArray state,
@@ -251,6 +311,8 @@ void init_ops_gated_delta(nb::module_& m) {
         op.proj = run.output(size_t(T) * P * xe);
         op.conv_out = run.output(size_t(T) * C * xe);
         op.o = run.output(size_t(T) * VD * xe);
+        op.gd_o_raw = run.output(size_t(VD) * 4);
+        op.gd_tickets = run.input(std::vector<float>(Hv, 0.0f));  // zero bits
         op.out = run.output(size_t(T) * H * xe);
         op.T = T;
         op.hidden = H;
@@ -263,8 +325,12 @@ void init_ops_gated_delta(nb::module_& m) {
         run.run([&](gpu::Encoder& e) { gpu::ops::encode_gated_delta_mixer(e, op); });
         const auto route = gpu::ops::qmm_route(T, bits, run.enc->tensor_ops());
         run.note(gpu::ops::qmm_kernel(route, bits, op.x_dtype, st));
-        run.note(gpu::ops::conv1d_kernel(op.x_dtype, op.w_dtype));
-        run.note(gpu::ops::gated_delta_kernel(op.x_dtype, op.w_dtype));
+        if (T == 1) {
+          run.note(gpu::ops::gated_delta_decode_kernel(op.x_dtype, op.w_dtype));
+        } else {
+          run.note(gpu::ops::conv1d_kernel(op.x_dtype, op.w_dtype));
+          run.note(gpu::ops::gated_delta_kernel(op.x_dtype, op.w_dtype));
+        }
         run.note(gpu::ops::qmm_kernel(route, bits, op.x_dtype, st));
         return nb::make_tuple(run.download(op.out, op.x_dtype, {T, H}),
                               run.download(op.conv_state_out, op.x_dtype, {K - 1, C}),

@@ -83,6 +83,8 @@ void encode_deltanet(Encoder& enc, const core::ModelSpec& spec, const Layer& L, 
   g.conv_out = s.conv_out;
   g.o = s.o;
   g.chunk_scratch = s.gd_chunk;
+  g.gd_o_raw = s.gd_o_raw;
+  g.gd_tickets = s.gd_tickets;
   g.out = s.mix;
   g.x_dtype = DType::f32;
   g.w_dtype = DType::f32;

@@ -14,6 +14,11 @@ enum : uint32_t {
   kGdRowsPerLane = 4,     // gated_delta: key rows (Dk) one lane owns, rows lane + 32 r
   kGdMaxDk = 32 * kGdRowsPerLane,  // 128: largest key head dim
   kGdMaxDv = 32 * kGdColsPerSimd,  // 128: largest value head dim (32 simdgroups = 1024 threads)
+  // gated_delta_decode (one token, conv fused, a value head split over threadgroups by columns):
+  kGdDecodeColsPerSimd = 2,   // value columns one simdgroup owns (lane: 4 key rows x 2 columns)
+  kGdDecodeThreads = 256,     // preferred threads per threadgroup (declared to the compiler; the
+                              // host takes fewer, a multiple of 32, under a lower pipeline limit)
+  kGdDecodeMaxCols = (kGdDecodeThreads / 32) * kGdDecodeColsPerSimd,  // 16 columns per threadgroup
 };
 
 // Depthwise causal conv + SiLU with a rolling state of the last K-1 inputs:
@@ -45,6 +50,24 @@ struct GatedDeltaArgs {
   uint32_t ab_stride;  // elements between token rows of a and of b (>= Hv)
   float q_scale;       // Dk^-1/2 rounded to float32 by the host (the reference's np.float32(Dk ** -0.5))
   float eps;           // gated RMSNorm epsilon (rms_norm_eps)
+};
+
+// One decode token of the whole DeltaNet core, conv1d fused (gated_delta_decode):
+//   xx = concat(conv_in [K-1, C], x [C]);  qkv[c] = silu(sum_j w[c, j] xx[j, c]) (rounded to T)
+//   conv_out = xx[1 .. K-1]  (a different buffer from conv_in: the engine's parity pair)
+//   then the rule of GatedDeltaArgs on q | k | v = qkv and the gated RMSNorm; o in fp32 scratch,
+//   y written by the last threadgroup of each value head to finish (ticket per head, reset to 0).
+// Grid (col_blocks, Hv): threadgroup (blk, h) owns value columns [blk * cols, blk * cols + cols).
+struct GdDecodeArgs {
+  uint32_t Hk, Hv, Dk, Dv;
+  uint32_t C;           // conv channels 2 Hk Dk + Hv Dv (row length of the conv state)
+  uint32_t K;           // conv kernel size, <= kConvMaxKernel
+  uint32_t cols;        // value columns per threadgroup = simdgroups * kGdDecodeColsPerSimd
+  uint32_t col_blocks;  // threadgroups per value head = ceil(Dv / cols)
+  uint32_t vec4;        // 1: state columns are 16-byte aligned rows of Dk % 4 == 0 floats (float4 loads)
+  float q_scale;        // Dk^-1/2 rounded to float32
+  float eps;            // gated RMSNorm epsilon
+  uint32_t pad;
 };
 
 }  // namespace lily

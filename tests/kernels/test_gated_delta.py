@@ -27,7 +27,8 @@ import pytest
 
 from kernel_checks import BF16_EPS, F32_EPS, assert_close, device, rng  # noqa: F401  (fixtures)
 from lily_py import ops
-from lily_py.ops.gated_delta import _causal_conv1d, _gated_delta, _gated_delta_mixer
+from lily_py.ops.gated_delta import _causal_conv1d, _gated_delta, _gated_delta_decode, _gated_delta_mixer
+from lily_py.testing import simulated_device
 from lily_py.reference import gated_delta as ref_gd
 from lily_py.reference import kernels as ref
 from lily_py.reference import ops as ref_ops
@@ -304,8 +305,9 @@ def make_mixer(rng, T, hidden, Hk, Hv, Dk, Dv, x_dtype, s_dtype, *, bits=4, gs=6
         conv_state=rand(rng, (K - 1, C), x_dtype), state=rand(rng, (Hv, Dk, Dv), F32, 0.3))
 
 
-# T = 1 (decode, qmv route) and T = 8 | 9 (both sides of the qmv/qmm switch, kQmvMaxRows = 8).
-@pytest.mark.parametrize("T", [1, 8, 9])
+# T = 1 (decode: qmv1, the conv fused into gated_delta_decode) | 2 (conv1d + the scan: both sides
+# of the decode switch) and T = 8 | 9 (both sides of the qmv/qmm switch, kQmvMaxRows = 8).
+@pytest.mark.parametrize("T", [1, 2, 8, 9])
 @pytest.mark.parametrize("x_dtype", DTYPES, ids=["xf32", "xbf16"])
 def test_gated_delta_mixer(rng, device, T, x_dtype):
     """The whole mixer against the float64 reference composed of the kernel references, with the
@@ -320,11 +322,17 @@ def test_gated_delta_mixer(rng, device, T, x_dtype):
     dims = dict(num_key_heads=Hk, num_value_heads=Hv, head_k_dim=Dk, head_v_dim=Dv)
     out, cs, S, stats = _gated_delta_mixer(*m.values(), **dims, eps=1e-6, device=device, seed=rng.seed)
     # Per DeltaNet layer: fused in_proj, conv1d, gated_delta, out_proj; a barrier before each consumer.
-    assert stats["dispatches"] == 4 and stats["barriers"] == 3
+    # One token: the conv runs inside gated_delta_decode (3 dispatches, 2 barriers).
     route = "qmv1" if T == 1 else "qmv" if T <= 8 else "qmm"
     xs, ss = dname(x_dtype), dname(s_dtype)
-    assert stats["kernels"] == [f"{route}_b4_x{xs}_s{ss}", f"conv1d_x{xs}_w{ss}", f"gated_delta_x{xs}_w{ss}",
-                                f"{route}_b4_x{xs}_s{ss}"]
+    if T == 1:
+        assert stats["dispatches"] == 3 and stats["barriers"] == 2
+        assert stats["kernels"] == [f"{route}_b4_x{xs}_s{ss}", f"gated_delta_decode_x{xs}_w{ss}",
+                                    f"{route}_b4_x{xs}_s{ss}"]
+    else:
+        assert stats["dispatches"] == 4 and stats["barriers"] == 3
+        assert stats["kernels"] == [f"{route}_b4_x{xs}_s{ss}", f"conv1d_x{xs}_w{ss}", f"gated_delta_x{xs}_w{ss}",
+                                    f"{route}_b4_x{xs}_s{ss}"]
     in_proj = tuple(np.concatenate([m[n][i] for n in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")])
                     for i in range(3))
     outr, csr, Sr = ref.gated_delta_mixer(
@@ -353,13 +361,12 @@ def test_gated_delta_mixer_bad_input(rng):
 
 def test_gated_delta_mixer_real_dims_decode(rng):
     """One decode step of a real DeltaNet layer (hidden 2048, Hk 16, Hv 32, Dk = Dv = 128, bf16):
-    exactly 4 dispatches and 3 barriers (the numbers docs/kernels.md quotes)."""
+    exactly 3 dispatches and 2 barriers (the numbers docs/kernels.md quotes): the conv is fused."""
     m = make_mixer(rng, 1, 2048, 16, 32, 128, 128, BF16, BF16)
     dims = dict(num_key_heads=16, num_value_heads=32, head_k_dim=128, head_v_dim=128)
     out, cs, S, stats = _gated_delta_mixer(*m.values(), **dims, seed=rng.seed)
-    assert stats["dispatches"] == 4 and stats["barriers"] == 3
-    assert stats["kernels"] == ["qmv1_b4_xbf16_sbf16", "conv1d_xbf16_wbf16", "gated_delta_xbf16_wbf16",
-                                "qmv1_b4_xbf16_sbf16"]
+    assert stats["dispatches"] == 3 and stats["barriers"] == 2
+    assert stats["kernels"] == ["qmv1_b4_xbf16_sbf16", "gated_delta_decode_xbf16_wbf16", "qmv1_b4_xbf16_sbf16"]
     in_proj = tuple(np.concatenate([m[n][i] for n in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")])
                     for i in range(3))
     outr, _, Sr = ref.gated_delta_mixer(
@@ -387,3 +394,154 @@ def test_gated_delta_is_order_independent(rng):
     for c in convs[1:]:
         np.testing.assert_array_equal(convs[0][0], c[0])
         np.testing.assert_array_equal(convs[0][1], c[1])
+
+
+# ------------------------------------------------------------------------- gated_delta_decode
+DEC_THREADS, DEC_COLS_PER_SIMD = 256, 2  # kGdDecodeThreads, kGdDecodeColsPerSimd
+
+
+def dec_grid(Dv, limit=1024):
+    """(threads per threadgroup, threadgroups per value head) the host picks (gated_delta.cpp)."""
+    threads = min(DEC_THREADS, limit // 32 * 32, -(-Dv // DEC_COLS_PER_SIMD) * 32)
+    return threads, -(-Dv // (threads // 32 * DEC_COLS_PER_SIMD))
+
+
+def make_dec(rng, Hk, Hv, Dk, Dv, x_dtype=F32, w_dtype=F32, K=4):
+    """One token's conv inputs (q, k, v before the conv), gates, conv weight and window, state."""
+    C = 2 * Hk * Dk + Hv * Dv
+    q, k, v = rand(rng, (Hk, Dk), x_dtype), rand(rng, (Hk, Dk), x_dtype), rand(rng, (Hv, Dv), x_dtype)
+    z = rand(rng, (Hv, Dv), x_dtype)
+    a, b = rand(rng, (Hv,), x_dtype), rand(rng, (Hv,), x_dtype, 2.0)
+    w = rand(rng, (C, K), w_dtype, 0.5)
+    cs = rand(rng, (K - 1, C), x_dtype, 2.0)
+    A_log = rng.uniform(-3, 0.5, Hv).astype(np.float32)
+    dt_bias = rand(rng, (Hv,), w_dtype)
+    norm_w = (1 + rand(rng, (Dv,), F32, 0.2)).astype(w_dtype)
+    S = rand(rng, (Hv, Dk, Dv), F32, 0.3)
+    return q, k, v, z, a, b, w, cs, A_log, dt_bias, norm_w, S
+
+
+def check_dec(rng, d, y, cs, S, tickets, *, what):
+    """The fused step == conv1d (the device kernel: the fused conv sums the same fp32 taps in the
+    same order and rounds the same way, so it is compared bit for bit through the rule's inputs)
+    then the rule, against the float64 reference with check_gd's bounds; the new window is an
+    exact copy; the tickets are back to 0."""
+    q, k, v, z, a, b, w, cs0, A_log, dt_bias, norm_w, S0 = d
+    Hk, Dk = q.shape
+    Hv, Dv = v.shape
+    x = np.concatenate([q.reshape(-1), k.reshape(-1), v.reshape(-1)])[None]
+    qkv, cs_dev = ops.causal_conv1d(x, w, cs0)
+    _, cs_ref = ref.causal_conv1d(x, w, cs0)
+    np.testing.assert_array_equal(cs.view(np.uint8), cs_ref.view(np.uint8), err_msg=f"{what}: conv window")
+    np.testing.assert_array_equal(cs.view(np.uint8), cs_dev.view(np.uint8), err_msg=f"{what}: conv window")
+    qc = qkv[:, :Hk * Dk].reshape(1, Hk, Dk)
+    kc = qkv[:, Hk * Dk:2 * Hk * Dk].reshape(1, Hk, Dk)
+    vc = qkv[:, 2 * Hk * Dk:].reshape(1, Hv, Dv)
+    check_gd(rng, (qc, kc, vc, z[None], a[None], b[None], A_log, dt_bias, norm_w, S0), y[None], S, what=what)
+    np.testing.assert_array_equal(tickets, np.zeros(Hv, np.uint32), err_msg=f"{what}: tickets not reset")
+
+
+DEC_SHAPES = GD_SHAPES + [
+    (2, 4, 32, 40),     # Dv = 40: 20 simdgroups -> 256 threads, 3 threadgroups per head (last partial)
+    (1, 2, 128, 128),   # real head dims: 8 threadgroups of 256 threads per head, float4 state loads
+]
+
+
+@pytest.mark.parametrize("shape", DEC_SHAPES, ids=lambda s: "hk%d_hv%d_dk%d_dv%d" % s)
+@pytest.mark.parametrize("x_dtype", DTYPES, ids=["xf32", "xbf16"])
+@pytest.mark.parametrize("w_dtype", DTYPES, ids=["wf32", "wbf16"])
+def test_gated_delta_decode(rng, device, shape, x_dtype, w_dtype):
+    Hk, Hv, Dk, Dv = shape
+    d = make_dec(rng, Hk, Hv, Dk, Dv, x_dtype, w_dtype)
+    y, cs, S, tickets, stats = _gated_delta_decode(*d, device=device, seed=rng.seed)
+    assert y.dtype == x_dtype and cs.dtype == x_dtype and S.shape == (Hv, Dk, Dv)
+    assert stats["kernels"] == [f"gated_delta_decode_x{dname(x_dtype)}_w{dname(w_dtype)}"]
+    threads, blocks = dec_grid(Dv)
+    assert stats["dispatches"] == 1 and stats["barriers"] == 0 and stats["threads"] == Hv * blocks * threads
+    check_dec(rng, d, y, cs, S, tickets, what=f"gated_delta_decode {shape}")
+
+
+@pytest.mark.parametrize("K", [2, 5])
+def test_gated_delta_decode_kernel_sizes(rng, K):
+    d = make_dec(rng, 2, 4, 32, 16, K=K)
+    y, cs, S, tickets, _ = _gated_delta_decode(*d, seed=rng.seed)
+    check_dec(rng, d, y, cs, S, tickets, what=f"gated_delta_decode K={K}")
+
+
+def test_gated_delta_decode_real_model_dims(rng):
+    """The real layer: Hk 16, Hv 32, Dk = Dv = 128 (GQA: value heads 2h, 2h+1 share key head h),
+    bf16: 8 threadgroups of 256 threads per value head = 256 threadgroups, 2048 simdgroups."""
+    d = make_dec(rng, 16, 32, 128, 128, BF16, BF16)
+    y, cs, S, tickets, stats = _gated_delta_decode(*d, seed=rng.seed)
+    assert stats["threads"] == 32 * 8 * 256
+    check_dec(rng, d, y, cs, S, tickets, what="gated_delta_decode real dims")
+
+
+def test_gated_delta_decode_matches_the_unfused_kernels(rng):
+    """Fused step vs conv1d + gated_delta_step on the device, over 12 decode steps carrying the
+    conv window and the state: the windows are identical; y and the state agree within the
+    scan's own bound (the two kernels map key rows to lanes differently: not bit for bit)."""
+    Hk, Hv, Dk, Dv, steps = 2, 4, 32, 20, 12
+    d = list(make_dec(rng, Hk, Hv, Dk, Dv, BF16, BF16))
+    cs_f, S_f, cs_u, S_u = d[7], d[11], d[7], d[11]
+    for t in range(steps):
+        q, k, v = rand(rng, (Hk, Dk), BF16), rand(rng, (Hk, Dk), BF16), rand(rng, (Hv, Dv), BF16)
+        z, a, b = rand(rng, (Hv, Dv), BF16), rand(rng, (Hv,), BF16), rand(rng, (Hv,), BF16, 2.0)
+        y_f, cs_f, S_f, tickets, _ = _gated_delta_decode(q, k, v, z, a, b, d[6], cs_f, *d[8:11], S_f, seed=rng.seed)
+        x = np.concatenate([q.reshape(-1), k.reshape(-1), v.reshape(-1)])[None]
+        qkv, cs_u = ops.causal_conv1d(x, d[6], cs_u)
+        y_u, S_u = ops.gated_delta_step(qkv[0, :Hk * Dk].reshape(Hk, Dk), qkv[0, Hk * Dk:2 * Hk * Dk].reshape(Hk, Dk),
+                                        qkv[0, 2 * Hk * Dk:].reshape(Hv, Dv), z, a, b, *d[8:11], S_u)
+        np.testing.assert_array_equal(cs_f.view(np.uint16), cs_u.view(np.uint16), err_msg=f"step {t}")
+        np.testing.assert_array_equal(tickets, 0, err_msg=f"step {t}")
+        rel = 16 * np.sqrt((t + 2) * Dk) * F32_EPS
+        assert_close(S_f, S_u, atol=rel * np.abs(S_u).max(), rtol=0, what=f"state step {t}", seed=rng.seed)
+        assert_close(y_f, y_u, atol=2 * BF16_EPS * np.abs(y_u.astype(np.float32)).max(), rtol=2 * BF16_EPS,
+                     what=f"y step {t}", seed=rng.seed)
+
+
+@pytest.mark.parametrize("limit", [32, 96, 128])
+def test_gated_delta_decode_fits_a_lower_pipeline_limit(rng, limit):
+    """The grid comes from the pipeline's thread limit: under 32 / 96 / 128 threads the head is
+    split over more threadgroups (Dv = 128: 64 / 22 / 16 per head) with the same results."""
+    d = make_dec(rng, 1, 2, 128, 128)
+    y0, cs0, S0, _, st0 = _gated_delta_decode(*d, seed=rng.seed)
+    with simulated_device(max_threads={"gated_delta_decode_xf32_wf32": limit}):
+        y, cs, S, tickets, stats = _gated_delta_decode(*d, seed=rng.seed)
+    threads, blocks = dec_grid(128, limit)
+    assert (threads, blocks) == {32: (32, 64), 96: (96, 22), 128: (128, 16)}[limit]
+    assert stats["threads"] == 2 * blocks * threads and st0["threads"] == 2 * 8 * 256
+    check_dec(rng, d, y, cs, S, tickets, what=f"gated_delta_decode under a {limit}-thread limit")
+    np.testing.assert_array_equal(cs, cs0)
+    with simulated_device(max_threads={"gated_delta_decode_xf32_wf32": 16}):
+        with pytest.raises(ValueError, match="below one simdgroup"):
+            _gated_delta_decode(*d)
+
+
+def test_gated_delta_decode_is_order_independent(rng):
+    """No races between the threadgroups of a head (whichever finishes last writes y): forward,
+    reverse, shuffled and 'ahead' orders give the same bits."""
+    d = make_dec(rng, 2, 4, 40, 36)
+    runs = [_gated_delta_decode(*d, order=o, seed=rng.seed)[:4] for o in ("forward", "reverse", "shuffle", "ahead")]
+    for r in runs[1:]:
+        for got, want in zip(r, runs[0]):
+            np.testing.assert_array_equal(got, want)
+
+
+def test_gated_delta_decode_bad_input(rng):
+    d = list(make_dec(rng, 2, 4, 16, 8))
+    bad = list(d)
+    bad[2] = rand(rng, (3, 8))
+    with pytest.raises(ValueError, match="multiple of key heads"):
+        ops.gated_delta_decode(*bad)
+    bad = list(d)
+    bad[7] = d[7][:2]
+    with pytest.raises(ValueError, match=r"conv_state must be \[K-1, C\]"):
+        ops.gated_delta_decode(*bad)
+    bad = list(d)
+    bad[3] = d[3].astype(BF16)
+    with pytest.raises(ValueError, match="z must have the dtype of q"):
+        ops.gated_delta_decode(*bad)
+    big = list(make_dec(rng, 1, 1, 130, 8))
+    with pytest.raises(ValueError, match="<= 128"):
+        ops.gated_delta_decode(*big)

@@ -116,6 +116,29 @@ def test_load_picks_the_fitting_rms_norm_route(wide_ckpt):
     assert_close(out, ref, atol=2.0 ** -7 * scale, rtol=0, what="logits, rms_norm at 32 threads")
 
 
+def test_deltanet_decode_fits_a_lower_pipeline_limit(wide_ckpt):
+    """gated_delta_decode sizes its grid from the pipeline's limit: value heads of 32 take 2
+    threadgroups of 256 threads by default, 8 of 64 under a 64-thread limit; the logits of three
+    decode steps stay within rounding of the unrestricted engine's (and of the reference's)."""
+    ids, steps = [3, 17, 250, 9], [5, 77, 41]
+    ref = lily_py.load(wide_ckpt, backend="reference")
+    want = [ref.prefill(ids)] + [ref.decode(t) for t in steps]
+    plain = lily_py.load(wide_ckpt, backend="emu", context_length=64, prefill_chunk=16)
+    by_kernel = {p["kernel"]: p for p in plain._backend.engine.pipelines}
+    assert by_kernel["gated_delta_decode_xf32_wf32"]["threads"] == 256
+    got = [plain.prefill(ids)] + [plain.decode(t) for t in steps]
+    with simulated_device(max_threads={"gated_delta_decode_xf32_wf32": 64}):
+        m = lily_py.load(wide_ckpt, backend="emu", context_length=64, prefill_chunk=16)
+        by_kernel = {p["kernel"]: p for p in m._backend.engine.pipelines}
+        assert by_kernel["gated_delta_decode_xf32_wf32"]["threads"] == 64
+        low = [m.prefill(ids)] + [m.decode(t) for t in steps]
+    np.testing.assert_array_equal(low[0], got[0])          # prefill does not use the kernel
+    for i, (a, b, r) in enumerate(zip(low, got, want)):
+        scale = float(np.abs(r).max())
+        assert_close(a, b, atol=1e-5 * scale, rtol=0, what=f"step {i}: 64 vs 256 threads")
+        assert_close(a, r, atol=2.0 ** -7 * scale, rtol=0, what=f"step {i}: vs the reference")
+
+
 def test_load_fails_naming_kernel_numbers_and_device(wide_ckpt):
     with simulated_device(max_threads={"gated_delta_xf32_wf32": 128}):
         with pytest.raises(lily_py.BackendError) as ei:

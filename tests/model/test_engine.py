@@ -136,7 +136,8 @@ def _expected_counts(cfg, tokens: int, position: int = 0, logits: bool = True,
     each | final norm | lm_head. Decode (one token) fuses the input norm into the mixer's first
     projection and the post norm into the router (two dispatches and barriers fewer per layer);
     with one row of logits the final norm is fused into lm_head. Mixers: DeltaNet 4 dispatches /
-    3 barriers inside (the chunked delta rule: 3 more of each); attention 4 / 3, plus one dispatch
+    3 barriers inside (the chunked delta rule: 3 more of each; one token: 3 / 2, the conv fused
+    into gated_delta_decode); attention 4 / 3, plus one dispatch
     and one barrier when decode attention takes two passes (the vec route of head_dim 64 / 128 /
     256 at every length; other head dims beyond 256 keys). MoE: mv route (tokens <= 8; the expert
     kernels select the experts themselves, no route dispatch) 3 / 2, tiled 10 / 9 (the three tile kinds of a stage one after another). `cfg` is a ModelConfig."""
@@ -152,6 +153,8 @@ def _expected_counts(cfg, tokens: int, position: int = 0, logits: bool = True,
             mixer = 5
         if not cfg.is_full_attention(i) and chunked:
             mixer = 7
+        if not cfg.is_full_attention(i) and tokens == 1:
+            mixer = 3
         dispatches += norms + mixer + moe
         barriers += norms + (mixer - 1) + 1 + moe_barriers + 1
     if not logits:
@@ -351,10 +354,11 @@ def test_bytes_touched_counts_routed_experts_and_touched_rows(attn_ckpt):
     # x, the router logits (each threadgroup selects the experts itself), h
     x, logits, h = 4 * H, 4 * (E + 1), 4 * (k + 1) * max(I, shared)
     assert gate_up["bytes_touched"] == L * (2 * k * expert + 2 * sh + x + logits + h)
-    dn = [v for n, v in ks.items() if n.startswith("gated_delta_x")][0]
+    dn = [v for n, v in ks.items() if n.startswith("gated_delta_decode_x")][0]
     Hv, Dv, Dk = cfg.linear_num_value_heads, cfg.linear_value_head_dim, cfg.linear_key_head_dim
     state = Hv * Dv * Dk * 4
     assert dn["bytes_touched"] > 2 * state * dn["dispatches"] > 0
+    assert not [n for n in ks if n.startswith(("conv1d", "gated_delta_x"))]   # decode: the conv is fused
 
 
 def test_engine_refuses_unsupported_checkpoints(tiny_hf):

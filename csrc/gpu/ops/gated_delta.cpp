@@ -1,5 +1,6 @@
 #include "gpu/ops/gated_delta.h"
 
+#include <algorithm>
 #include <cmath>
 #include <stdexcept>
 #include <string>
@@ -47,6 +48,68 @@ KernelId gated_delta_kernel(DType x, DType w) {
 }
 
 uint32_t gated_delta_threads(uint32_t Dv) { return ceil_div(Dv, kGdColsPerSimd) * 32; }
+
+KernelId gated_delta_decode_kernel(DType x, DType w) {
+  const bool xb = x == DType::bf16, wb = w == DType::bf16;
+  return xb ? (wb ? KernelId::gated_delta_decode_xbf16_wbf16 : KernelId::gated_delta_decode_xbf16_wf32)
+            : (wb ? KernelId::gated_delta_decode_xf32_wbf16 : KernelId::gated_delta_decode_xf32_wf32);
+}
+
+uint32_t gated_delta_decode_threads(uint32_t Dv, uint32_t limit) {
+  const uint32_t want = ceil_div(Dv, kGdDecodeColsPerSimd) * 32;
+  return std::min({uint32_t(kGdDecodeThreads), limit / 32 * 32, want});
+}
+
+uint32_t gated_delta_decode_blocks(uint32_t Dv, uint32_t threads) {
+  return ceil_div(Dv, threads / 32 * kGdDecodeColsPerSimd);
+}
+
+void encode_gated_delta_decode(Encoder& enc, const GdDecodeOperands& op) {
+  const char* fn = "gated_delta_decode";
+  auto fail = [&](const std::string& m) { throw std::invalid_argument(std::string(fn) + ": " + m); };
+  if (op.Hk == 0 || op.Hv == 0 || op.Dk == 0 || op.Dv == 0) fail("empty shape");
+  if (op.Hv % op.Hk) fail("value heads Hv=" + std::to_string(op.Hv) + " must be a multiple of key heads Hk=" + std::to_string(op.Hk));
+  if (op.Dk > kGdMaxDk) fail("key head dim Dk=" + std::to_string(op.Dk) + " > " + std::to_string(kGdMaxDk));
+  if (op.Dv > kGdMaxDv) fail("value head dim Dv=" + std::to_string(op.Dv) + " > " + std::to_string(kGdMaxDv));
+  if (op.K < 2 || op.K > kConvMaxKernel) fail("kernel size K=" + std::to_string(op.K) + " outside [2, 8]");
+  if (!(op.eps > 0.0f)) fail("eps must be > 0");
+  const KernelId kernel = gated_delta_decode_kernel(op.x_dtype, op.w_dtype);
+  const uint32_t limit = enc.thread_limit(kernel);
+  if (limit < 32) fail("the pipeline's limit of " + std::to_string(limit) + " threads is below one simdgroup");
+  const uint32_t threads = gated_delta_decode_threads(op.Dv, limit);
+  const uint32_t cols = threads / 32 * kGdDecodeColsPerSimd, blocks = gated_delta_decode_blocks(op.Dv, threads);
+  const uint32_t C = 2 * op.Hk * op.Dk + op.Hv * op.Dv, VD = op.Hv * op.Dv;
+  const DType xt = op.x_dtype, wt = op.w_dtype;
+  const size_t xe = dtype_size(xt);
+  const uint64_t win = uint64_t(op.K - 1) * C * xe;
+  const Binding cin = need(fn, op.conv_in, win, "conv_in"), cout = need(fn, op.conv_out, win, "conv_out");
+  if (overlap(cin, cout))
+    fail("conv_out must not overlap conv_in (threadgroups read the window of channels another one rewrites)");
+  const Binding st = need(fn, op.state, uint64_t(VD) * op.Dk * 4, "state");
+  const uint32_t vec4 = op.Dk % 4 == 0 && st.offset % 16 == 0 ? 1 : 0;
+  GdDecodeArgs args{op.Hk, op.Hv, op.Dk, op.Dv, C, op.K, cols, blocks, vec4,
+                    static_cast<float>(1.0 / std::sqrt(double(op.Dk))), op.eps, 0};
+  enc.set_kernel(kernel);
+  enc.set_args(args);
+  enc.set_buffer(1, need(fn, op.x, uint64_t(C) * xe, "x"));
+  enc.set_buffer(2, need(fn, op.z, uint64_t(VD) * xe, "z"));
+  enc.set_buffer(3, need(fn, op.a, uint64_t(op.Hv) * xe, "a"));
+  enc.set_buffer(4, need(fn, op.b, uint64_t(op.Hv) * xe, "b"));
+  enc.set_buffer(5, need(fn, op.conv_weight, uint64_t(C) * op.K * dtype_size(wt), "conv_weight"));
+  enc.set_buffer(6, cin);
+  enc.set_buffer(7, cout);
+  enc.set_buffer(8, need(fn, op.A_log, uint64_t(op.Hv) * 4, "A_log"));
+  enc.set_buffer(9, need(fn, op.dt_bias, uint64_t(op.Hv) * dtype_size(wt), "dt_bias"));
+  enc.set_buffer(10, need(fn, op.norm_weight, uint64_t(op.Dv) * dtype_size(wt), "norm_weight"));
+  enc.set_buffer(11, st);
+  enc.set_touched(11, 2 * uint64_t(VD) * op.Dk * 4);  // read and written in place
+  enc.set_buffer(12, need(fn, op.o_raw, uint64_t(VD) * 4, "o_raw"));
+  enc.set_buffer(13, need(fn, op.tickets, uint64_t(op.Hv) * 4, "tickets"));
+  enc.set_buffer(14, need(fn, op.y, uint64_t(VD) * xe, "y"));
+  enc.dispatch({blocks, op.Hv, 1}, {threads, 1, 1});
+  const uint64_t f = gated_delta_useful_flops(1, op.Hv, op.Dk, op.Dv);
+  enc.add_flops(f, f);
+}
 
 void encode_conv1d(Encoder& enc, const Conv1dOperands& op) {
   const char* fn = "conv1d";
@@ -259,48 +322,77 @@ void encode_gated_delta_mixer(Encoder& enc, const GatedDeltaMixerOperands& op) {
   in.eps = op.in_norm_eps;
   validate(in);
   encode_quantized_matmul(enc, in);
-  enc.barrier();  // proj written -> read by conv1d (qkv columns) and gated_delta (z, b, a columns)
+  enc.barrier();  // proj written -> read by conv1d / gated_delta_decode (qkv columns) and the rule (z, b, a)
 
-  Conv1dOperands cv;
-  cv.x = op.proj;
-  cv.weight = op.conv_weight;
-  cv.state_in = op.conv_state_in;
-  cv.state_out = op.conv_state_out;
-  cv.y = op.conv_out;
-  cv.x_dtype = op.x_dtype;
-  cv.w_dtype = op.w_dtype;
-  cv.T = op.T;
-  cv.C = C;
-  cv.K = op.K;
-  cv.x_stride = P;
-  encode_conv1d(enc, cv);
-  enc.barrier();  // conv_out written -> read by gated_delta
+  if (op.T == 1) {  // decode: the conv fused into the rule, heads split by value columns
+    if (op.gd_o_raw.buffer == nullptr || op.gd_tickets.buffer == nullptr)
+      throw std::invalid_argument("gated_delta_mixer: one token needs gd_o_raw and gd_tickets bound");
+    GdDecodeOperands dd;
+    dd.x = op.proj;
+    dd.z = at(op.proj, C);
+    dd.b = at(op.proj, C + VD);
+    dd.a = at(op.proj, C + VD + op.Hv);
+    dd.conv_weight = op.conv_weight;
+    dd.conv_in = op.conv_state_in;
+    dd.conv_out = op.conv_state_out;
+    dd.A_log = op.A_log;
+    dd.dt_bias = op.dt_bias;
+    dd.norm_weight = op.norm_weight;
+    dd.state = op.state;
+    dd.o_raw = op.gd_o_raw;
+    dd.tickets = op.gd_tickets;
+    dd.y = op.o;
+    dd.x_dtype = op.x_dtype;
+    dd.w_dtype = op.w_dtype;
+    dd.Hk = op.Hk;
+    dd.Hv = op.Hv;
+    dd.Dk = op.Dk;
+    dd.Dv = op.Dv;
+    dd.K = op.K;
+    dd.eps = op.eps;
+    encode_gated_delta_decode(enc, dd);
+  } else {
+    Conv1dOperands cv;
+    cv.x = op.proj;
+    cv.weight = op.conv_weight;
+    cv.state_in = op.conv_state_in;
+    cv.state_out = op.conv_state_out;
+    cv.y = op.conv_out;
+    cv.x_dtype = op.x_dtype;
+    cv.w_dtype = op.w_dtype;
+    cv.T = op.T;
+    cv.C = C;
+    cv.K = op.K;
+    cv.x_stride = P;
+    encode_conv1d(enc, cv);
+    enc.barrier();  // conv_out written -> read by gated_delta
 
-  GatedDeltaOperands gd;
-  gd.qkv = op.conv_out;
-  gd.z = at(op.proj, C);
-  gd.b = at(op.proj, C + VD);
-  gd.a = at(op.proj, C + VD + op.Hv);
-  gd.A_log = op.A_log;
-  gd.dt_bias = op.dt_bias;
-  gd.norm_weight = op.norm_weight;
-  gd.state = op.state;
-  gd.y = op.o;
-  gd.x_dtype = op.x_dtype;
-  gd.w_dtype = op.w_dtype;
-  gd.T = op.T;
-  gd.Hk = op.Hk;
-  gd.Hv = op.Hv;
-  gd.Dk = op.Dk;
-  gd.Dv = op.Dv;
-  gd.z_stride = P;
-  gd.ab_stride = P;
-  gd.eps = op.eps;
-  gd.chunk_scratch = op.chunk_scratch;
-  if (op.chunk_scratch.buffer && gated_delta_route(op.T, op.Dk, op.Dv) == GdRoute::chunked)
-    encode_gated_delta_chunked(enc, gd);
-  else
-    encode_gated_delta(enc, gd);
+    GatedDeltaOperands gd;
+    gd.qkv = op.conv_out;
+    gd.z = at(op.proj, C);
+    gd.b = at(op.proj, C + VD);
+    gd.a = at(op.proj, C + VD + op.Hv);
+    gd.A_log = op.A_log;
+    gd.dt_bias = op.dt_bias;
+    gd.norm_weight = op.norm_weight;
+    gd.state = op.state;
+    gd.y = op.o;
+    gd.x_dtype = op.x_dtype;
+    gd.w_dtype = op.w_dtype;
+    gd.T = op.T;
+    gd.Hk = op.Hk;
+    gd.Hv = op.Hv;
+    gd.Dk = op.Dk;
+    gd.Dv = op.Dv;
+    gd.z_stride = P;
+    gd.ab_stride = P;
+    gd.eps = op.eps;
+    gd.chunk_scratch = op.chunk_scratch;
+    if (op.chunk_scratch.buffer && gated_delta_route(op.T, op.Dk, op.Dv) == GdRoute::chunked)
+      encode_gated_delta_chunked(enc, gd);
+    else
+      encode_gated_delta(enc, gd);
+  }
   enc.barrier();  // o written -> read by out_proj
 
   QmmOperands out;

@@ -66,6 +66,36 @@ uint32_t gated_delta_threads(uint32_t Dv);  // threads per threadgroup (one thre
 // One dispatch, Hv threadgroups; no barrier. Throws std::invalid_argument.
 void encode_gated_delta(Encoder& enc, const GatedDeltaOperands& op);
 
+// One decode token of the DeltaNet core with conv1d fused (shaders/gated_delta.metal
+// `gated_delta_decode`): conv of the token's q | k | v against the window conv_in, new window to
+// conv_out, the gated delta rule and the gated RMSNorm; each value head split over
+// gated_delta_decode_blocks() threadgroups by value columns.
+struct GdDecodeOperands {
+  Binding x;            // [>= C] of x_dtype: the token's conv input q | k | v (before the conv)
+  Binding z, a, b;      // [Hv*Dv], [Hv], [Hv] of x_dtype
+  Binding conv_weight;  // [C, K] of w_dtype
+  Binding conv_in;      // [K-1, C] of x_dtype: the window (read only)
+  Binding conv_out;     // [K-1, C] of x_dtype: the new window; must not overlap conv_in
+  Binding A_log, dt_bias, norm_weight;  // as in GatedDeltaOperands
+  Binding state;        // [Hv, Dv, Dk] float32, in place
+  Binding o_raw;        // scratch float32 [Hv*Dv]
+  Binding tickets;      // uint32 [Hv], zero before the dispatch (and left zero after it)
+  Binding y;            // [Hv*Dv] of x_dtype
+  DType x_dtype = DType::f32;
+  DType w_dtype = DType::f32;
+  uint32_t Hk = 0, Hv = 0, Dk = 0, Dv = 0, K = 4;
+  float eps = 1e-6f;
+};
+
+KernelId gated_delta_decode_kernel(DType x_dtype, DType w_dtype);
+// Threads per threadgroup of gated_delta_decode for value head dim Dv under a pipeline limit of
+// `limit` threads: min(kGdDecodeThreads, limit rounded down to 32, 32 * ceil(Dv / 2)).
+uint32_t gated_delta_decode_threads(uint32_t Dv, uint32_t limit);
+// Threadgroups per value head (grid x) for `threads` threads per threadgroup.
+uint32_t gated_delta_decode_blocks(uint32_t Dv, uint32_t threads);
+// One dispatch, grid (blocks, Hv), sized from enc.thread_limit(); no barrier. Throws std::invalid_argument.
+void encode_gated_delta_decode(Encoder& enc, const GdDecodeOperands& op);
+
 // A quantized linear layer (MLX affine layout), as bound for the quantized matmul.
 struct QuantLinear {
   Binding w, scales, biases;
@@ -80,9 +110,10 @@ struct QuantLinear {
 //   qkv  = conv1d(proj[:, :C])  conv state rolled from conv_state_in to conv_state_out
 //   o    = gated_delta(qkv, z, a, b, ...)   recurrent state updated in place
 //   out  = o @ out_proj^T
-// Dispatches: 4 (in_proj, conv1d, gated_delta, out_proj); barriers: 3, one before each consumer.
-// On the chunked route (gated_delta_route, chunk_scratch bound) the delta rule takes 4 dispatches
-// instead of 1: 7 dispatches, 6 barriers.
+// Dispatches: T = 1 (decode): 3 (in_proj, gated_delta_decode with the conv fused, out_proj),
+// 2 barriers; needs gd_o_raw and gd_tickets. T > 1: 4 (in_proj, conv1d, gated_delta, out_proj),
+// 3 barriers, one before each consumer; on the chunked route (gated_delta_route, chunk_scratch
+// bound) the delta rule takes 4 dispatches instead of 1: 7 dispatches, 6 barriers.
 struct GatedDeltaMixerOperands {
   Binding x;               // [T, hidden] of x_dtype
   QuantLinear in_proj;     // [C + Hv*Dv + 2*Hv, hidden]
@@ -96,6 +127,8 @@ struct GatedDeltaMixerOperands {
   Binding conv_out;        // scratch [T, C] of x_dtype
   Binding o;               // scratch [T, Hv*Dv] of x_dtype
   Binding chunk_scratch;   // scratch of the chunked route (unbound: always the scan)
+  Binding gd_o_raw;        // T = 1: scratch float32 [Hv*Dv] (raw outputs before the gated norm)
+  Binding gd_tickets;      // T = 1: uint32 [Hv], zero (state: the kernel leaves it zero)
   Binding out;             // [T, hidden] of x_dtype
   Binding in_norm;         // optional float32 [hidden] (T == 1 only): in_proj normalizes x itself
                            // (RMSNorm with this weight and in_norm_eps fused in front, qmv1 route)

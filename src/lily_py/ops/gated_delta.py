@@ -5,8 +5,12 @@
 * :func:`gated_delta_scan` / :func:`gated_delta_step` - the fused gated delta rule over T tokens
   (one token): L2-normed q/k, decay and beta gates, the fp32 state update with the state in
   registers, the output and the gated RMSNorm - one dispatch.
+* :func:`gated_delta_decode` - one decode token with the conv fused into the rule (the engine's
+  decode kernel): conv window in, new window out, each value head split over threadgroups by
+  value columns - one dispatch.
 * :func:`gated_delta_mixer` - the whole DeltaNet token mixer of a layer: fused input projection
-  (quantized matmul), conv1d, gated delta, output projection - 4 dispatches.
+  (quantized matmul), conv1d, gated delta, output projection - 4 dispatches (one token: 3, the
+  conv fused into the rule).
 
 States use the reference layout (``lily_py.reference.gated_delta``): recurrent state float32
 ``[Hv, Dk, Dv]``, conv state ``[K-1, C]``; the device keeps the recurrent state as
@@ -19,7 +23,8 @@ import numpy as np
 
 from ._common import _check_device, _core, _float_array, _from_core
 
-__all__ = ["causal_conv1d", "gated_delta_scan", "gated_delta_step", "gated_delta_mixer", "gated_delta_route"]
+__all__ = ["causal_conv1d", "gated_delta_scan", "gated_delta_step", "gated_delta_decode", "gated_delta_mixer",
+           "gated_delta_route"]
 
 _MAX_HEAD_DIM = 128  # kGdMaxDk / kGdMaxDv (shaders/common/args_gated_delta.h)
 
@@ -118,6 +123,67 @@ def gated_delta_step(q, k, v, z, a, b, A_log, dt_bias, norm_weight, state, *, ep
     y, st = gated_delta_scan(*(np.asarray(t)[None] for t in (q, k, v, z, a, b)), A_log, dt_bias,
                              norm_weight, state, eps=eps, device=device)
     return y[0], st
+
+
+def gated_delta_decode(q, k, v, z, a, b, conv_weight, conv_state, A_log, dt_bias, norm_weight, state, *,
+                       eps: float = 1e-6, device: str = "emu"):
+    """One decode token of the DeltaNet core with the conv fused: returns
+    ``(y [Hv, Dv], new_conv_state [K-1, C], new_state [Hv, Dk, Dv])``.
+
+    ``q``, ``k``: ``[Hk, Dk]`` and ``v``: ``[Hv, Dv]`` are the token's conv *inputs* (the q | k | v
+    columns of the projection); the kernel applies the causal conv + SiLU against ``conv_state``
+    (``[K-1, C]``, C = 2 Hk Dk + Hv Dv, x's dtype; weight ``[C, K]`` as :func:`causal_conv1d`),
+    rounds the conv output to the activation dtype, then runs :func:`gated_delta_step` on it.
+    The same result as ``causal_conv1d`` followed by ``gated_delta_step``, in one dispatch whose
+    value heads are split over threadgroups by value columns."""
+    y, cs, st, _, _ = _gated_delta_decode(q, k, v, z, a, b, conv_weight, conv_state, A_log, dt_bias,
+                                          norm_weight, state, eps=eps, device=device)
+    return y, cs, st
+
+
+def _gated_delta_decode(q, k, v, z, a, b, conv_weight, conv_state, A_log, dt_bias, norm_weight, state, *,
+                        eps=1e-6, device="emu", order="shuffle", seed=0, fp_traps=True):
+    """:func:`gated_delta_decode` plus the tickets after the run (uint32 [Hv], must be 0) and the stats."""
+    fn = "gated_delta_decode"
+    qc, x_name = _float_array(q, "q", fn)
+    vc, v_name = _float_array(v, "v", fn)
+    if qc.ndim != 2 or vc.ndim != 2 or 0 in qc.shape or 0 in vc.shape:
+        raise ValueError(f"{fn}: q must be [Hk, Dk] and v [Hv, Dv], got {list(q.shape)} and {list(v.shape)}")
+    (Hk, Dk), (Hv, Dv) = qc.shape, vc.shape
+    if Hv % Hk:
+        raise ValueError(f"{fn}: value heads Hv={Hv} must be a multiple of key heads Hk={Hk}")
+    if Dk > _MAX_HEAD_DIM or Dv > _MAX_HEAD_DIM:
+        raise ValueError(f"{fn}: head dims Dk={Dk}, Dv={Dv} must be <= {_MAX_HEAD_DIM}")
+    kc, k_name = _float_array(k, "k", fn)
+    zc, z_name = _float_array(z, "z", fn)
+    ac, a_name = _float_array(a, "a", fn)
+    bc, b_name = _float_array(b, "b", fn)
+    _same("q", x_name, [("k", (kc, k_name)), ("v", (vc, v_name)), ("z", (zc, z_name)), ("a", (ac, a_name)),
+                        ("b", (bc, b_name))], fn)
+    for what, arr, shape in (("k", kc, (Hk, Dk)), ("z", zc, (Hv, Dv)), ("a", ac, (Hv,)), ("b", bc, (Hv,))):
+        if arr.shape != shape:
+            raise ValueError(f"{fn}: {what} must be {list(shape)}, got {list(arr.shape)}")
+    C = 2 * Hk * Dk + Hv * Dv
+    wc, w_name = _conv_weight(conv_weight, C, fn)
+    K = wc.shape[1]
+    csc, cs_name = _float_array(conv_state, "conv_state", fn)
+    if csc.shape != (K - 1, C) or cs_name != x_name:
+        raise ValueError(f"{fn}: conv_state must be [K-1, C] = {[K - 1, C]} of q's dtype ({x_name})")
+    al = _f32_vector(A_log, "A_log", Hv, fn)
+    dc, d_name = _float_array(dt_bias, "dt_bias", fn)
+    nc, n_name = _float_array(norm_weight, "norm_weight", fn)
+    if dc.shape != (Hv,) or nc.shape != (Dv,) or d_name != w_name or n_name != w_name:
+        raise ValueError(f"{fn}: dt_bias [Hv={Hv}] and norm_weight [Dv={Dv}] must have conv_weight's dtype ({w_name})")
+    st = _state_f32(state, (Hv, Dk, Dv), fn)
+    if not float(eps) > 0:
+        raise ValueError(f"{fn}: eps must be > 0, got {eps!r}")
+    _check_device(device, fn)
+    x = np.concatenate([qc.reshape(-1), kc.reshape(-1), vc.reshape(-1)])
+    y, cs, st, tickets, stats = _core().ops.gated_delta_decode(
+        x, zc.reshape(-1), ac, bc, wc, csc, al, dc, nc, st, Hk=Hk, Hv=Hv, Dk=Dk, Dv=Dv, eps=float(eps),
+        x_dtype=x_name, w_dtype=w_name, device=device, order=order, seed=seed, fp_traps=fp_traps)
+    return (_from_core(y, x_name).reshape(Hv, Dv), _from_core(cs, x_name), st.transpose(0, 2, 1).copy(),
+            np.asarray(tickets).view(np.uint32), stats)
 
 
 def _gated_delta(q, k, v, z, a, b, A_log, dt_bias, norm_weight, state, *, eps=1e-6, chunks=None,
