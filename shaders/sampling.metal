@@ -515,6 +515,7 @@ inline ulong sample_mass_join(uint32_t w2, uint32_t w1, uint32_t w0) {
 }
 
 inline device atomic_uint* sample_atomic(device uint32_t* p) { return (device atomic_uint*)p; }
+inline threadgroup atomic_uint* sample_tg_atomic(threadgroup uint32_t* p) { return (threadgroup atomic_uint*)p; }
 
 // Row pointers into the hist scratch: buckets (count, w2, w1, w0), cumulative buckets (count,
 // mass lo, mass hi, pad: inclusive, from bucket 0), candidates (s bits, id).
@@ -530,14 +531,14 @@ template <typename T>
                                     device SampleState* state [[buffer(2)]],
                                     device uint32_t* hist [[buffer(3)]],
                                     LILY_KERNEL_TAIL) {
-  LILY_TG_ARRAY(atomic_uint, bins, [kSampleHistBins * kSampleBinWords]);
+  LILY_TG_ARRAY(uint32_t, bins, [kSampleHistBins * kSampleBinWords]);  // updated through atomics
   const uint32_t row = group_pos.y, g = group_pos.x;
   device SampleState& st = state[row];
   const uint32_t end = sample_valid_end(args, st);
   const float max_logit = st.max_logit;
   const device T* lr = logits + ulong(row) * args.stride;
   for (uint32_t i = thread_pos.x; i < kSampleHistBins * kSampleBinWords; i += group_size.x)
-    atomic_store_explicit(&bins[i], 0u, memory_order_relaxed);
+    bins[i] = 0;
   threadgroup_barrier(mem_flags::mem_threadgroup);
   uint32_t above_min_p = 0;
   for (uint32_t r = 0; r < kSampleStrip; ++r) {
@@ -546,11 +547,11 @@ template <typename T>
     const float s = sample_scaled(float(lr[i]), max_logit, args.inv_temperature);
     const uint32_t b = sample_bin(s, args.bin_scale) * kSampleBinWords;
     const ulong m = lily_mass(s);
-    atomic_fetch_add_explicit(&bins[b], 1u, memory_order_relaxed);
+    atomic_fetch_add_explicit(sample_tg_atomic(&bins[b]), 1u, memory_order_relaxed);
     if (m != 0) {
-      atomic_fetch_add_explicit(&bins[b + 1], uint32_t(m >> 27), memory_order_relaxed);
-      atomic_fetch_add_explicit(&bins[b + 2], uint32_t(m >> 13) & 0x3FFFu, memory_order_relaxed);
-      atomic_fetch_add_explicit(&bins[b + 3], uint32_t(m) & 0x1FFFu, memory_order_relaxed);
+      atomic_fetch_add_explicit(sample_tg_atomic(&bins[b + 1]), uint32_t(m >> 27), memory_order_relaxed);
+      atomic_fetch_add_explicit(sample_tg_atomic(&bins[b + 2]), uint32_t(m >> 13) & 0x3FFFu, memory_order_relaxed);
+      atomic_fetch_add_explicit(sample_tg_atomic(&bins[b + 3]), uint32_t(m) & 0x1FFFu, memory_order_relaxed);
     }
     above_min_p += s >= args.min_p_log ? 1u : 0u;
   }
@@ -560,7 +561,7 @@ template <typename T>
   device uint32_t* h = hist + sample_row_base(row);
   for (uint32_t b = thread_pos.x; b < kSampleHistBins; b += group_size.x) {
     for (uint32_t w = 0; w < kSampleBinWords; ++w) {
-      const uint32_t v = atomic_load_explicit(&bins[b * kSampleBinWords + w], memory_order_relaxed);
+      const uint32_t v = bins[b * kSampleBinWords + w];  // the barrier above ordered every add
       if (v != 0) atomic_fetch_add_explicit(sample_atomic(h + b * kSampleBinWords + w), v, memory_order_relaxed);
     }
   }
