@@ -75,12 +75,15 @@ FACTS = {
                             "per-threadgroup candidates"),
     "sample_topk_merge": ("4 B", "top_k rounds over G*k candidates; filters + Gumbel on thread 0 "
                           "(k entries)", "one merge"),
-    "sample_stats_partial": ("4 B (128 B per simdgroup load)", "-", "partial sums"),
-    "sample_stats_final": ("4 B", "one simdgroup", "merge"),
-    "sample_hist_partial": ("4 B (128 B per simdgroup load)", "-", "radix histogram (tg memory)"),
-    "sample_select": ("4 B", "one simdgroup, 16 bins", "radix select digit"),
     "sample_gumbel_partial": ("4 B (128 B per simdgroup load)", "-", "Gumbel-max partial"),
     "sample_gumbel_final": ("4 B", "one simdgroup", "merge"),
+    "sample_hist_partial": ("4 B (128 B per simdgroup load)", "-", "bucket histogram (tg atomics, "
+                            "device atomics for non-empty buckets)"),
+    "sample_select": ("4 B", "one threadgroup: scan of 1024 buckets, thread 0 picks them",
+                      "bucket select"),
+    "sample_collect": ("4 B (128 B per simdgroup load)", "-", "candidate append + Gumbel partial"),
+    "sample_resolve": ("4 B", "one threadgroup: up to 3 x 64 search rounds over the candidates",
+                       "exact cutoff + Gumbel merge"),
 }
 
 

@@ -27,24 +27,19 @@ nb::list kernel_names(const gpu::ops::SamplePlan& plan) {
   nb::list k;
   auto add = [&](gpu::KernelId id) { k.append(std::string(gpu::kernel_info(id).name)); };
   add(gpu::KernelId::sample_max_partial_f32);
-  add(gpu::KernelId::sample_max_final);
-  if (plan.greedy) return k;
+  add(plan.buckets ? gpu::KernelId::sample_max_final_buckets : gpu::KernelId::sample_max_final);
   if (plan.small_k) {
     add(gpu::KernelId::sample_topk_partial_f32);
     add(gpu::KernelId::sample_topk_merge_f32);
-    return k;
+  } else if (plan.plain) {
+    add(gpu::KernelId::sample_gumbel_partial_f32);
+    add(gpu::KernelId::sample_gumbel_final);
+  } else if (plan.buckets) {
+    add(gpu::KernelId::sample_hist_partial_f32);
+    add(gpu::KernelId::sample_select);
+    add(gpu::KernelId::sample_collect_f32);
+    add(gpu::KernelId::sample_resolve_f32);
   }
-  if (plan.stats) {
-    add(gpu::KernelId::sample_stats_partial_f32);
-    add(gpu::KernelId::sample_stats_final);
-  }
-  for (int s = 0; s < int(plan.search_top_k) + int(plan.search_keep); ++s)
-    for (uint32_t r = 0; r < kSampleRounds; ++r) {
-      add(gpu::KernelId::sample_hist_partial_f32);
-      add(gpu::KernelId::sample_select);
-    }
-  add(gpu::KernelId::sample_gumbel_partial_f32);
-  add(gpu::KernelId::sample_gumbel_final);
   return k;
 }
 
@@ -57,7 +52,7 @@ void init_ops_sampling(nb::module_& m) {
       "sample",
       [](InArray logits, uint32_t valid_vocab, bool greedy, double temperature, uint32_t top_k, double top_p,
          double min_p, uint64_t seed, uint32_t step, uint32_t slot, const std::string& device,
-         const std::string& order, uint64_t emu_seed, bool fp_traps) {
+         const std::string& order, uint64_t emu_seed, bool fp_traps, uint32_t candidate_cap) {
         LILY_REQUIRE(logits.ndim() == 2 && logits.dtype() == nb::dtype<float>(), "sample: logits must be a 2-D float32 array");
         gpu::ops::SampleOperands op;
         op.rows = static_cast<uint32_t>(logits.shape(0));
@@ -65,6 +60,7 @@ void init_ops_sampling(nb::module_& m) {
         op.valid_vocab = valid_vocab;
         op.slot = slot;
         op.params = {greedy, temperature, top_k, top_p, min_p, seed, step};
+        op.candidate_cap = candidate_cap;
         auto dev = make_device(device, order, emu_seed, fp_traps);
         std::vector<std::unique_ptr<gpu::Buffer>> bufs;
         auto buffer = [&](size_t bytes, int fill) {
@@ -90,10 +86,16 @@ void init_ops_sampling(nb::module_& m) {
           enc->wait();
         }
         std::vector<uint32_t> status(op.rows), bad(op.rows);
+        nb::list fallback, collected, split_k;
         const auto* st = static_cast<const SampleState*>(op.state.buffer->contents());
         for (uint32_t r = 0; r < op.rows; ++r) {
           status[r] = st[r].status;
           bad[r] = st[r].bad_id;
+          if (plan.buckets) {  // the bucket route's per-row resolve mode and candidate count
+            fallback.append(st[r].fallback != 0);
+            collected.append(st[r].collected);
+            split_k.append(st[r].bin_k != kSampleNoId);  // Z searched inside the top-k entry's bucket
+          }
         }
         const gpu::Counters& c = enc->counters();
         nb::dict stats;
@@ -103,6 +105,9 @@ void init_ops_sampling(nb::module_& m) {
         stats["bytes_bound"] = c.bytes_bound;
         stats["threads"] = c.threads;
         stats["planned_dispatches"] = plan.dispatches();
+        stats["fallback"] = fallback;
+        stats["collected"] = collected;
+        stats["split_k"] = split_k;
         return nb::make_tuple(download<uint32_t>(op.ids.buffer->contents(), {out_n}),
                               download<float>(op.chosen_logit.buffer->contents(), {out_n}),
                               download<uint32_t>(status.data(), {op.rows}), download<uint32_t>(bad.data(), {op.rows}),
@@ -110,6 +115,7 @@ void init_ops_sampling(nb::module_& m) {
       },
       "logits"_a, nb::kw_only(), "valid_vocab"_a, "greedy"_a, "temperature"_a, "top_k"_a, "top_p"_a, "min_p"_a,
       "seed"_a, "step"_a, "slot"_a, "device"_a = "emu", "order"_a = "shuffle", "emu_seed"_a = 0, "fp_traps"_a = true,
+      "candidate_cap"_a = static_cast<uint32_t>(kSampleCandidates),
       "Argmax / sampling of each row of logits [R, V]; returns (ids [slot + R], chosen_logit [slot + R], status [R], "
       "bad_id [R], stats). Use lily_py.ops.argmax / lily_py.ops.sample.");
   m.def(

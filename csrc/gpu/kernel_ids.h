@@ -149,14 +149,15 @@
   /* argmax / sampling (shaders/sampling.metal; host csrc/gpu/ops/sampling.cpp) */ \
   X(sample_max_partial_f32,    SampleArgs, 2) /* logits, partials */          \
   X(sample_max_final,          SampleArgs, 4) /* partials, state, ids, chosen_logit */ \
-  X(sample_stats_partial_f32,  SampleArgs, 3) /* logits, state, partials */   \
-  X(sample_stats_final,        SampleArgs, 2) /* partials, state */           \
-  X(sample_hist_partial_f32,   SampleArgs, 3) /* logits, state, hist */       \
-  X(sample_select,             SampleArgs, 2) /* hist, state */               \
-  X(sample_gumbel_partial_f32, SampleArgs, 4) /* logits, state, hist, partials */ \
+  X(sample_max_final_buckets,  SampleArgs, 3) /* partials, state, hist (zeroed) */ \
+  X(sample_gumbel_partial_f32, SampleArgs, 3) /* logits, state, partials */   \
   X(sample_gumbel_final,       SampleArgs, 4) /* partials, state, ids, chosen_logit */ \
   X(sample_topk_partial_f32,  SampleArgs, 3) /* logits, state, candidates */ \
   X(sample_topk_merge_f32,    SampleArgs, 5) /* logits, state, candidates, ids, chosen_logit */ \
+  X(sample_hist_partial_f32,   SampleArgs, 3) /* logits, state, hist */       \
+  X(sample_select,             SampleArgs, 2) /* state, hist */               \
+  X(sample_collect_f32,        SampleArgs, 4) /* logits, state, hist, partials */ \
+  X(sample_resolve_f32,        SampleArgs, 6) /* logits, state, hist, partials, ids, chosen_logit */ \
   X(sample_noise,              SampleArgs, 1) /* out */
 // clang-format on
 

@@ -6,16 +6,27 @@
 namespace lily {
 
 enum : uint32_t {
-  kSampleThreads = 64,                             // threads per threadgroup, every kernel
+  kSampleThreads = 64,                             // threads per threadgroup, every partial kernel
   kSampleStrip = 32,                               // consecutive entries per thread (partials)
   kSampleChunk = kSampleThreads * kSampleStrip,    // entries per threadgroup (partials) = 2048
-  kSampleFinalThreads = 32,                        // the per-row final / select kernels
-  kSampleDigitBits = 4,                            // radix of the cutoff search
-  kSampleBins = 16,                                // 2^kSampleDigitBits
-  kSampleRounds = 8,                               // 32-bit keys / 4-bit digits
+  kSampleFinalThreads = 32,                        // the per-row final kernels
   kSampleRecordWords = 8,                          // a SamplePartial in threadgroup memory
   kSampleSmallK = 64,                              // top_k <= this: the small-k route (candidates)
   kSampleMergeThreads = 256,                       // the small-k merge kernel (one per row)
+  // The bucket route (any other filter): a histogram of the scaled logits over kSampleHistBins
+  // monotone buckets, the cutoff buckets found from it, their entries collected, the cutoff
+  // resolved exactly among them (shaders/sampling.metal, "The bucket route").
+  kSampleHistBins = 1024,                          // buckets (bin 0: the largest s)
+  kSampleTailBin = 1022,                           // finite s beyond the last tier
+  kSampleInfBin = 1023,                            // s = -inf
+  kSampleMaxVocab = 1u << 18,                      // bucket masses: 14-bit pieces summed in uint32
+  kSampleCandidates = 4096,                        // collected entries per row (more: fallback)
+  kSampleSelectThreads = 256,                      // sample_select (4 bins per thread)
+  kSampleResolveThreads = 256,                     // sample_resolve
+  kSampleBinWords = 4,                             // global bucket: count, mass pieces w2, w1, w0
+  kSampleCumWords = 4,                             // cumulative bucket: count, mass lo, hi, pad
+  // Per-row words of the hist scratch (bucket route): buckets, cumulative buckets, candidates.
+  kSampleRowWords = kSampleHistBins * (kSampleBinWords + kSampleCumWords) + 2 * kSampleCandidates,
   kSampleNoId = 0xFFFFFFFFu,                       // "no token" / the error sentinel id
   kSampleStatusNaN = 1,                            // a NaN logit below valid_vocab
   kSampleStatusPosInf = 2,                         // a +inf logit below valid_vocab
@@ -35,28 +46,21 @@ struct SampleArgs {
   uint32_t seed_lo, seed_hi; // the 64-bit seed
   uint32_t step;             // generation step
   uint32_t slot;             // row r writes ids[slot + r] (and chosen_logit[slot + r])
-  uint32_t shift;            // hist / select: digit position 28, 24, ..., 0
-  uint32_t search;           // hist / select: 0 = the top-k set (its mass Z), 1 = the kept set
+  float bin_scale;           // bucket route: bucket of s from x = -s * bin_scale (any > 0 is exact)
+  uint32_t cap;              // bucket route: candidates collected at most (<= kSampleCandidates)
   uint32_t greedy;           // max_final: 1 = write the argmax as the chosen token
-  uint32_t pad;
+  uint32_t buckets;          // max_final: 1 = zero the bucket histogram of the row (bucket route)
 };
 
-// Per-(row, threadgroup) result of a partial kernel (max, stats, gumbel).
+// Per-(row, threadgroup) result of a partial kernel (max, gumbel).
 struct SamplePartial {
   float value;      // max logit / best perturbed score
   float logit;      // the raw logit of `id`
   uint32_t id;      // its token id (kSampleNoId: none)
   uint32_t status;  // kSampleStatus* bits
   uint32_t bad_id;  // lowest id with a NaN / +inf logit (kSampleNoId: none)
-  uint32_t count;   // stats: entries with s >= min_p_log
-  uint32_t mass_lo, mass_hi;  // stats: sum of the fixed-point masses
-};
-
-// Per-(row, threadgroup, digit) histogram of the cutoff search.
-struct SampleBin {
-  uint32_t count;
-  uint32_t mass_lo, mass_hi;
-  uint32_t pad;
+  uint32_t count;   // unused
+  uint32_t mass_lo, mass_hi;  // unused
 };
 
 // Per-row state the kernels of one sampling call hand to each other (device memory).
@@ -65,17 +69,17 @@ struct SampleState {
   uint32_t max_id;
   uint32_t status;
   uint32_t bad_id;
-  uint32_t k_eff;                 // count bound: min(top_k, #entries with s >= min_p_log)
-  uint32_t limit_lo, limit_hi;    // top-p mass limit P (all ones: off)
-  uint32_t total_lo, total_hi;    // Z over all valid entries (stats)
-  uint32_t prefix;                // search: key digits fixed so far
-  uint32_t above_count;           // search: entries above the current key bucket
-  uint32_t above_lo, above_hi;    // search: their mass
-  uint32_t cut_key;               // result: key of the last kept entry
-  uint32_t keep_ties;             // result: entries with key == cut_key kept (lowest ids first)
-  uint32_t tie_digit;             // result: the last digit (its histogram counts the ties)
-  uint32_t filtered;              // 0: every valid entry is kept
-  uint32_t pad[2];
+  uint32_t min_p_count;           // bucket route (atomic): entries with s >= min_p_log
+  uint32_t cand_count;            // bucket route (atomic): entries offered to the candidate list
+  uint32_t k_eff;                 // select: c = max(1, min(top_k or V, min_p_count))
+  uint32_t lo, hi;                // select: collected buckets lo..hi (every bucket < lo is kept)
+  uint32_t extra;                 // select: one more collected bucket (top-k's, for Z), or none
+  uint32_t bin_k;                 // select: bucket of the top_k-th entry when Z needs it, else none
+  uint32_t z_lo, z_hi;            // select: Z (top-k set's mass) when known exactly
+  uint32_t fallback;              // select: 1 = too many candidates, resolve scans the row
+  uint32_t collected;             // select: entries in the collected buckets
+  uint32_t use_p;                 // select: 1 = top-p can end the kept set before k_eff
+  uint32_t pad;
 };
 
 }  // namespace lily

@@ -21,41 +21,46 @@ from lily_py import sampling as S
 FULL_V = 248_320
 ODD_V = [1, 31, 33, 1000, 2049]           # 2048 entries per partial threadgroup: 2049 spans two
 NO_ID = 0xFFFFFFFF
-ROUNDS = 8                                # must match kSampleRounds (32-bit keys, 4-bit digits)
 
 SMALL_K = 64                              # must match kSampleSmallK
+CANDIDATES = 4096                         # must match kSampleCandidates
 
-# (params, dispatches): 2 max passes + [2 stats] + [16 per cutoff search] + 2 Gumbel passes; or,
-# for 0 < top_k <= SMALL_K, the small-k route: 2 max passes + candidates + one merge.
+# (params, dispatches = dependent levels): greedy 2 (max partial + final); temperature only 4
+# (+ Gumbel partial + final); 0 < top_k <= SMALL_K: 4 (+ per-group candidates + one merge); any
+# other filter: the bucket route, 6 (+ histogram, select, collect, resolve).
 CONFIGS = [
     (dict(temperature=1.0), 4),
     (dict(temperature=0.7, top_k=1), 4),
     (dict(temperature=1.3, top_k=7), 4),
-    (dict(temperature=1.0, top_p=0.9), 4 + 2 + 2 * ROUNDS),
-    (dict(temperature=1.0, top_p=0.3), 4 + 2 + 2 * ROUNDS),
-    (dict(temperature=1.0, min_p=0.05), 4 + 2 + 2 * ROUNDS),
+    (dict(temperature=1.0, top_p=0.9), 6),
+    (dict(temperature=1.0, top_p=0.3), 6),
+    (dict(temperature=1.0, min_p=0.05), 6),
     (dict(temperature=0.9, top_k=20, top_p=0.8), 4),
-    (dict(temperature=0.6, top_p=0.95, min_p=0.02), 4 + 2 + 2 * ROUNDS),
+    (dict(temperature=0.6, top_p=0.95, min_p=0.02), 6),
     (dict(temperature=0.8, top_k=50, top_p=0.7, min_p=0.01), 4),
     (dict(temperature=0.8, top_k=64, top_p=0.9, min_p=0.2), 4),              # the largest small k
-    (dict(temperature=0.8, top_k=65, top_p=0.7, min_p=0.01), 4 + 2 + 4 * ROUNDS),  # one past it
-    (dict(temperature=1.1, top_k=300), 4 + 2 * ROUNDS),
+    (dict(temperature=0.8, top_k=65, top_p=0.7, min_p=0.01), 6),             # one past it
+    (dict(temperature=1.1, top_k=300), 6),
+    (dict(temperature=0.9, top_k=200, top_p=0.99), 6),                      # Z split inside a bucket
+    (dict(temperature=1.0, top_p=1e-9), 6),                                 # top-p near 0: one entry
+    (dict(temperature=1.0, top_p=0.999999), 6),                             # top-p near 1
+    (dict(temperature=1.0, min_p=1.0), 6),                                  # only the max (and ties)
 ]
 IDS = ["plain", "k1", "k7", "p0.9", "p0.3", "minp", "k+p", "p+minp", "k+p+minp", "k64+p+minp",
-       "k65+p+minp", "k300"]
+       "k65+p+minp", "k300", "k200+p0.99", "p1e-9", "p0.999999", "minp1"]
 
 
 def expected_dispatches(params, v):
-    """The documented pass sequence (docs/kernels.md): max (2), then for 0 < top_k <= SMALL_K
-    (top_k < V) candidates + merge (2); otherwise [stats (2)] [+ top-k search] [+ kept-set
-    search] + Gumbel (2), a search being kSampleRounds x (histogram + select)."""
+    """The documented route (docs/kernels.md): 2 for greedy, 4 for temperature only or
+    0 < top_k <= SMALL_K (top_k < V), 6 for every other filter (the bucket route)."""
+    if params.get("temperature", 1.0) == 0:
+        return 2
     top_k = 0 < params.get("top_k", 0) < v
     if top_k and params["top_k"] <= SMALL_K:
         return 4
-    top_p = params.get("top_p", 1.0) < 1
-    min_p = params.get("min_p", 0.0) > 0
-    return (4 + 2 * (min_p or (top_p and not top_k)) + 2 * ROUNDS * (top_k and top_p)
-            + 2 * ROUNDS * (top_k or top_p or min_p))
+    if top_k or params.get("top_p", 1.0) < 1 or params.get("min_p", 0.0) > 0:
+        return 6
+    return 4
 
 
 def ref_sample(logits, params, step, seed, valid=None):
@@ -253,11 +258,13 @@ def test_all_neg_inf_raises(device):
         ops.sample(x, temperature=1.0, seed=0, step=0, device=device)
 
 
-@pytest.mark.parametrize("top_k", [100, 30], ids=["search", "small-k"])
-def test_result_independent_of_thread_order(rng, top_k):
+@pytest.mark.parametrize("top_k,cap", [(100, None), (0, None), (100, 0), (30, None)],
+                         ids=["buckets", "buckets-top-p", "buckets-fallback", "small-k"])
+def test_result_independent_of_thread_order(rng, top_k, cap):
     x = random_logits(rng, 3000, ties=True)
     p = dict(temperature=1.0, top_k=top_k, top_p=0.8, min_p=0.01, seed=5, step=9)
-    got = {int(ops._sample(x, order=o, emu_seed=rng.seed, **p)[0][0]) for o in ("forward", "reverse", "shuffle", "ahead")}
+    got = {int(ops._sample(x, order=o, emu_seed=rng.seed, candidate_cap=cap, **p)[0][0])
+           for o in ("forward", "reverse", "shuffle", "ahead")}
     params = {k: v for k, v in p.items() if k not in ("seed", "step")}
     assert len(got) == 1 and got == {ref_sample(x, params, 9, 5)}
 
@@ -274,3 +281,84 @@ def test_bad_input_raises_value_error(kw, msg):
     args.update(kw)
     with pytest.raises(ValueError, match=msg):
         ops.sample(args.pop("logits"), **args)
+
+
+BUCKET_CONFIGS = [(p, d) for p, d in CONFIGS if d == 6]
+BUCKET_IDS = [i for i, (p, d) in zip(IDS, CONFIGS) if d == 6]
+
+
+@pytest.mark.parametrize("params,dispatches", BUCKET_CONFIGS, ids=BUCKET_IDS)
+@pytest.mark.parametrize("v", [33, 2049, 5000])
+def test_bucket_route_fallback_matches_reference(rng, params, dispatches, v):
+    """candidate_cap=0: resolve scans the whole row in one threadgroup (the path pathological
+    inputs take) and must choose exactly what the candidate path and the reference choose."""
+    for trial in range(3):
+        x = random_logits(rng, v, ties=trial == 1, neg_inf=trial == 2)
+        seed, step = int(rng.integers(0, 2**64, dtype=np.uint64)), int(rng.integers(0, 1000))
+        want = ref_sample(x, params, step, seed)
+        ids, _, _, _, st = ops._sample(x, seed=seed, step=step, candidate_cap=0, **params)
+        assert ids[0] == want, f"fallback v={v} {params} seed={seed} step={step} (rng {rng.seed})"
+        assert st["dispatches"] == expected_dispatches(params, v)
+        if st["dispatches"] == 6:  # top_k >= v is off: k300 at v = 33 is the plain route
+            assert st["fallback"] == [st["collected"][0] > 0]
+        ids, _, _, _, st = ops._sample(x, seed=seed, step=step, **params)
+        assert ids[0] == want and st["fallback"] == ([False] if st["dispatches"] == 6 else [])
+
+
+def test_bucket_route_many_random_rows(rng):
+    """Seeded equality on many random rows: odd sizes, random temperatures, filters on both sides
+    of the small-k switch, top_k up to the vocabulary, ties and -inf, a batch of rows at once."""
+    for trial in range(24):
+        v = int(rng.integers(2, 7000))
+        r = int(rng.integers(1, 4))
+        x = np.stack([random_logits(rng, v, ties=trial % 3 == 1, neg_inf=trial % 3 == 2,
+                                    scale=float(rng.uniform(0.2, 8))) for _ in range(r)])
+        params = dict(temperature=float(rng.uniform(0.1, 3.0)))
+        if rng.random() < 0.6:
+            params["top_k"] = int(rng.choice([int(rng.integers(1, v + 1)), v, v - 1, 65]))
+        if rng.random() < 0.6:
+            params["top_p"] = float(rng.choice([rng.uniform(0.01, 1.0), 1e-6, 0.999]))
+        if rng.random() < 0.5:
+            params["min_p"] = float(rng.uniform(0, 0.5))
+        seed, step = int(rng.integers(0, 2**63)), int(rng.integers(0, 10**6))
+        ids, _, status, _, st = ops._sample(x, seed=seed, step=step, **params)
+        assert st["dispatches"] == expected_dispatches(params, v) <= 6
+        for row in range(r):
+            assert ids[row] == ref_sample(x[row], params, step, seed), \
+                f"trial {trial} row {row} v={v} {params} seed={seed} step={step} (rng {rng.seed})"
+
+
+@pytest.mark.parametrize("params", [dict(temperature=1.0, top_k=5000), dict(temperature=0.7, top_p=0.5),
+                                    dict(temperature=1.0, top_k=3000, top_p=0.4, min_p=0.5)],
+                         ids=["k5000", "p0.5", "k+p+minp"])
+def test_bucket_route_many_ties_in_one_bucket_fall_back(rng, params):
+    """More than kSampleCandidates entries tie in the cutoff bucket: the row falls back to the
+    one-threadgroup scan and still keeps exactly the reference's set (ties to the lowest ids)."""
+    v = 9001
+    x = np.full(v, 1.5, np.float32)
+    x[rng.choice(v, size=7, replace=False)] = 4.0
+    x[rng.choice(v, size=100, replace=False)] = -np.inf
+    for step in range(3):
+        ids, _, _, _, st = ops._sample(x, seed=7, step=step, **params)
+        assert st["fallback"] == [True] and st["collected"][0] > CANDIDATES
+        assert ids[0] == ref_sample(x, params, step, 7), (params, step, rng.seed)
+
+
+def test_bucket_route_splits_the_top_k_bucket(rng):
+    """top-k and top-p with the top_k-th entry inside a bucket: Z is searched among the candidates
+    (both sides: split and whole-bucket Z), equal to the reference."""
+    seen = set()
+    for trial in range(8):
+        x = random_logits(rng, 4000, scale=1.0)
+        params = dict(temperature=1.0, top_k=int(rng.integers(100, 2000)), top_p=float(rng.uniform(0.5, 0.999)))
+        seed, step = int(rng.integers(0, 2**63)), trial
+        ids, _, _, _, st = ops._sample(x, seed=seed, step=step, **params)
+        seen.add(st["split_k"][0])
+        assert ids[0] == ref_sample(x, params, step, seed), (params, seed, rng.seed)
+    x = np.zeros(300, np.float32)  # every entry in bucket 0: top_k = 150 splits it, Z = 150 entries
+    ids, _, _, _, st = ops._sample(x, seed=1, step=2, temperature=1.0, top_k=150, top_p=0.5)
+    assert st["split_k"] == [True] and ids[0] == ref_sample(x, dict(temperature=1.0, top_k=150, top_p=0.5), 2, 1)
+    x = np.arange(300, dtype=np.float32)  # one entry per bucket: Z is known from whole buckets
+    ids, _, _, _, st = ops._sample(x, seed=1, step=2, temperature=1.0, top_k=150, top_p=0.5)
+    assert st["split_k"] == [False] and ids[0] == ref_sample(x, dict(temperature=1.0, top_k=150, top_p=0.5), 2, 1)
+    assert True in seen

@@ -697,3 +697,37 @@ def test_streamed_tokens_allocate_no_logits_arrays(tmp_path):
             tracemalloc.stop()
         g.close()
         assert peak < 64 * 1024, f"{opts}: {peak} bytes traced while streaming 40 tokens"
+
+
+# (sampling parameters, dependent levels the sampler adds to a decode step): greedy 2, temperature
+# only 4, small-k (0 < top_k <= 64) 4, the bucket route 6 (docs/kernels.md, sampling section).
+SAMPLER_ROUTES = [
+    (dict(temperature=0.0), 2),
+    (dict(temperature=0.8), 4),
+    (dict(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05), 4),
+    (dict(temperature=0.8, top_p=0.9), 6),
+    (dict(temperature=0.8, min_p=0.05), 6),
+    (dict(temperature=0.8, top_p=0.95, min_p=0.02), 6),
+    (dict(temperature=0.8, top_k=65), 6),
+    (dict(temperature=0.8, top_k=1000, top_p=0.9, min_p=0.05), 6),
+    (dict(temperature=0.8, top_k=248_000, top_p=0.999), 6),
+]
+
+
+@pytest.mark.parametrize("position", [0, 4095])
+def test_real_config_sampler_levels(position):
+    """Issue 10: the full sampler adds at most 6 dependent levels to a decode step of the real
+    config (a chain: each level one dispatch after a barrier), counted exactly per route."""
+    from lily_py.backends.engine import REAL_QUANT, engine_spec
+    cfg = _real_cfg()
+    import lily_py._core as core
+    eng = core.Engine(engine_spec(cfg, REAL_QUANT, context_length=position + 1, prefill_chunk=1), "count")
+    base = eng.count(1, position)
+    for params, levels in SAMPLER_ROUTES:
+        sample = dict(dict(top_k=0, top_p=1.0, min_p=0.0), **params, seed=3, step=1, valid_vocab=0)
+        st = eng.count(1, position, sample=sample)
+        added = (st["dispatches"] - base["dispatches"], st["barriers"] - base["barriers"])
+        print(f"real config, decode at {position}, sampler {params}: +{added[0]} dispatches, "
+              f"+{added[1]} barriers, levels {st['dispatches']}")
+        assert added == (levels, levels) and levels <= 6
+        assert st["barriers"] == st["dispatches"] - 1

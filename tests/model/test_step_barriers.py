@@ -48,7 +48,9 @@ PLAN_CASES = [
     (1, 5, {}),                                        # decode, attention single route, MoE mv
     (1, 300, {}),                                      # decode, attention split-K route
     (1, 5, dict(sample=GREEDY)),                       # decode + greedy sampler
-    (1, 5, dict(sample=SAMPLE, from_slot=True)),       # decode fed from the slot + full sampler
+    (1, 5, dict(sample=SAMPLE, from_slot=True)),       # decode fed from the slot + small-k sampler
+    (1, 5, dict(sample=dict(SAMPLE, top_k=0))),        # decode + bucket-route sampler (top-p, min-p)
+    (1, 5, dict(sample=dict(SAMPLE, top_k=0, top_p=1.0, min_p=0.0))),  # decode + temperature-only sampler
     (4, 0, {}),                                        # chunk, qmv, MoE mv
     (11, 3, {}),                                       # chunk, qmm, MoE mm32
     (11, 3, dict(all_logits=True)),

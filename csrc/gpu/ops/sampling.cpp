@@ -34,8 +34,8 @@ uint32_t sample_groups(uint32_t valid_vocab) { return ceil_div(valid_vocab, kSam
 
 uint32_t SamplePlan::dispatches() const {
   if (greedy) return 2;
-  if (small_k) return 4;
-  return 2 + (stats ? 2 : 0) + (search_top_k ? 2 * kSampleRounds : 0) + (search_keep ? 2 * kSampleRounds : 0) + 2;
+  if (buckets) return 6;
+  return 4;  // plain, small_k
 }
 
 SamplePlan sample_plan(const SampleOperands& op) {
@@ -48,22 +48,25 @@ SamplePlan sample_plan(const SampleOperands& op) {
   const bool top_k = s.top_k != 0 && s.top_k < op.valid_vocab;
   const bool top_p = s.top_p < 1.0;
   const bool min_p = s.min_p > 0.0;
-  if (top_k && s.top_k <= kSampleSmallK) {
-    p.small_k = true;
-    return p;
-  }
-  p.stats = min_p || (top_p && !top_k);
-  p.search_top_k = top_k && top_p;
-  p.search_keep = top_k || top_p || min_p;
+  if (top_k && s.top_k <= kSampleSmallK) p.small_k = true;
+  else if (top_k || top_p || min_p) p.buckets = true;
+  else p.plain = true;
   return p;
+}
+
+float sample_bin_scale(double temperature) {
+  // x = -s * 64 T ~ -64 (l - max l): 1/64-logit buckets near the top whatever the temperature.
+  const double c = 64.0 * temperature;
+  return static_cast<float>(std::min(std::max(c, 0x1p-60), 0x1p60));
 }
 
 size_t sample_state_bytes(uint32_t rows) { return size_t(rows) * sizeof(SampleState); }
 size_t sample_partials_bytes(uint32_t rows, uint32_t v) { return size_t(rows) * sample_groups(v) * sizeof(SamplePartial); }
 size_t sample_hist_bytes(uint32_t rows, uint32_t v) {
-  // The cutoff search's histograms, or the small-k route's candidates (2 words x kSampleSmallK).
-  const size_t per_group = std::max<size_t>(kSampleBins * sizeof(SampleBin), 2 * kSampleSmallK * 4);
-  return size_t(rows) * sample_groups(v) * per_group;
+  // The small-k route's candidates (2 words x kSampleSmallK per group), or the bucket route's
+  // buckets, cumulative buckets and candidates (kSampleRowWords per row).
+  const size_t small_k = size_t(sample_groups(v)) * 2 * kSampleSmallK * 4;
+  return size_t(rows) * std::max<size_t>(small_k, size_t(kSampleRowWords) * 4);
 }
 
 void validate(const SampleOperands& op) {
@@ -74,6 +77,9 @@ void validate(const SampleOperands& op) {
   if (!s.greedy && !(s.temperature > 0)) fail("temperature must be > 0 when sampling");
   if (!(s.top_p > 0 && s.top_p <= 1)) fail("top_p must be in (0, 1]");
   if (!(s.min_p >= 0 && s.min_p <= 1)) fail("min_p must be in [0, 1]");
+  if (op.candidate_cap > kSampleCandidates) fail("candidate_cap must be <= " + std::to_string(kSampleCandidates));
+  if (sample_plan(op).buckets && op.valid_vocab > kSampleMaxVocab)
+    fail("valid_vocab " + std::to_string(op.valid_vocab) + " > " + std::to_string(kSampleMaxVocab) + " (bucket masses)");
   auto need = [&](const Binding& b, uint64_t bytes, const char* what) {
     if (b.buffer == nullptr) fail(std::string(what) + " not bound");
     if (b.bytes < bytes) fail(std::string(what) + " range has " + std::to_string(b.bytes) + " bytes, needs " + std::to_string(bytes));
@@ -83,7 +89,7 @@ void validate(const SampleOperands& op) {
   need(op.chosen_logit, (uint64_t(op.slot) + op.rows) * 4, "chosen_logit");
   need(op.state, sample_state_bytes(op.rows), "state");
   need(op.partials, sample_partials_bytes(op.rows, op.valid_vocab), "partials");
-  if (!sample_plan(op).greedy) need(op.hist, sample_hist_bytes(op.rows, op.valid_vocab), "hist");
+  if (sample_plan(op).small_k || sample_plan(op).buckets) need(op.hist, sample_hist_bytes(op.rows, op.valid_vocab), "hist");
 }
 
 void encode_sample(Encoder& enc, const SampleOperands& op) {
@@ -105,13 +111,17 @@ void encode_sample(Encoder& enc, const SampleOperands& op) {
   a.step = s.step;
   a.slot = op.slot;
   a.greedy = plan.greedy ? 1 : 0;
+  a.buckets = plan.buckets ? 1 : 0;
+  a.bin_scale = plan.buckets ? sample_bin_scale(s.temperature) : 1.0f;
+  a.cap = op.candidate_cap;
 
   const Binding logits = range(op.logits, ((uint64_t(op.rows) - 1) * op.stride + op.valid_vocab) * 4);
   const Binding ids = range(op.ids, (uint64_t(op.slot) + op.rows) * 4);
   const Binding chosen = range(op.chosen_logit, (uint64_t(op.slot) + op.rows) * 4);
   const Binding state = range(op.state, sample_state_bytes(op.rows));
   const Binding parts = range(op.partials, sample_partials_bytes(op.rows, op.valid_vocab));
-  const Binding hist = plan.greedy ? Binding{} : range(op.hist, sample_hist_bytes(op.rows, op.valid_vocab));
+  const Binding hist = plan.greedy || plan.plain ? Binding{} : range(op.hist, sample_hist_bytes(op.rows, op.valid_vocab));
+  const uint64_t bins_bytes = uint64_t(op.rows) * kSampleHistBins * kSampleBinWords * 4;
   const Size3 partial_grid{G, op.rows, 1}, final_grid{1, op.rows, 1};
   const Size3 partial_threads{kSampleThreads, 1, 1}, final_threads{kSampleFinalThreads, 1, 1};
   bool first = true;
@@ -126,12 +136,21 @@ void encode_sample(Encoder& enc, const SampleOperands& op) {
   enc.set_buffer(1, logits);
   enc.set_buffer(2, parts);
   enc.dispatch(partial_grid, partial_threads);
-  begin(KernelId::sample_max_final);
-  enc.set_buffer(1, parts);
-  enc.set_buffer(2, state);
-  enc.set_buffer(3, ids);
-  enc.set_buffer(4, chosen);
-  enc.dispatch(final_grid, final_threads);
+  if (plan.buckets) {
+    begin(KernelId::sample_max_final_buckets);
+    enc.set_buffer(1, parts);
+    enc.set_buffer(2, state);
+    enc.set_buffer(3, hist);
+    enc.set_touched(3, bins_bytes);
+    enc.dispatch(final_grid, final_threads);
+  } else {
+    begin(KernelId::sample_max_final);
+    enc.set_buffer(1, parts);
+    enc.set_buffer(2, state);
+    enc.set_buffer(3, ids);
+    enc.set_buffer(4, chosen);
+    enc.dispatch(final_grid, final_threads);
+  }
   if (plan.greedy) return;
 
   if (plan.small_k) {
@@ -154,47 +173,53 @@ void encode_sample(Encoder& enc, const SampleOperands& op) {
     return;
   }
 
-  if (plan.stats) {
-    begin(KernelId::sample_stats_partial_f32);
+  if (plan.plain) {
+    begin(KernelId::sample_gumbel_partial_f32);
     enc.set_buffer(1, logits);
     enc.set_buffer(2, state);
     enc.set_buffer(3, parts);
     enc.dispatch(partial_grid, partial_threads);
-    begin(KernelId::sample_stats_final);
+    begin(KernelId::sample_gumbel_final);
     enc.set_buffer(1, parts);
     enc.set_buffer(2, state);
+    enc.set_buffer(3, ids);
+    enc.set_buffer(4, chosen);
     enc.dispatch(final_grid, final_threads);
+    return;
   }
-  auto search = [&](uint32_t which) {
-    a.search = which;
-    for (int round = kSampleRounds - 1; round >= 0; --round) {
-      a.shift = uint32_t(round) * kSampleDigitBits;
-      begin(KernelId::sample_hist_partial_f32);
-      enc.set_buffer(1, logits);
-      enc.set_buffer(2, state);
-      enc.set_buffer(3, hist);
-      enc.dispatch(partial_grid, partial_threads);
-      begin(KernelId::sample_select);
-      enc.set_buffer(1, hist);
-      enc.set_buffer(2, state);
-      enc.dispatch(final_grid, final_threads);
-    }
-  };
-  if (plan.search_top_k) search(0);
-  if (plan.search_keep) search(1);
 
-  begin(KernelId::sample_gumbel_partial_f32);
+  // The bucket route. Touched bytes: the buckets, the cumulative buckets, and at most cap
+  // candidates (the fallback re-reads the row instead; not counted).
+  const uint64_t cum_bytes = uint64_t(op.rows) * kSampleHistBins * kSampleCumWords * 4;
+  const uint64_t cand_bytes = uint64_t(op.rows) * a.cap * 8;
+  begin(KernelId::sample_hist_partial_f32);
+  enc.set_buffer(1, logits);
+  enc.set_buffer(2, state);
+  enc.set_buffer(3, hist);
+  enc.set_touched(3, bins_bytes);
+  enc.dispatch(partial_grid, partial_threads);
+  begin(KernelId::sample_select);
+  enc.set_buffer(1, state);
+  enc.set_buffer(2, hist);
+  enc.set_touched(2, bins_bytes + cum_bytes);
+  enc.dispatch(final_grid, Size3{kSampleSelectThreads, 1, 1});
+  begin(KernelId::sample_collect_f32);
   enc.set_buffer(1, logits);
   enc.set_buffer(2, state);
   enc.set_buffer(3, hist);
   enc.set_buffer(4, parts);
+  enc.set_touched(3, cand_bytes);
   enc.dispatch(partial_grid, partial_threads);
-  begin(KernelId::sample_gumbel_final);
-  enc.set_buffer(1, parts);
+  begin(KernelId::sample_resolve_f32);
+  enc.set_buffer(1, logits);
   enc.set_buffer(2, state);
-  enc.set_buffer(3, ids);
-  enc.set_buffer(4, chosen);
-  enc.dispatch(final_grid, final_threads);
+  enc.set_buffer(3, hist);
+  enc.set_buffer(4, parts);
+  enc.set_buffer(5, ids);
+  enc.set_buffer(6, chosen);
+  enc.set_touched(1, cand_bytes / 2);  // the candidates' logits
+  enc.set_touched(3, cum_bytes + cand_bytes);
+  enc.dispatch(final_grid, Size3{kSampleResolveThreads, 1, 1});
 }
 
 void encode_sample_noise(Encoder& enc, const Binding& out, uint32_t n, uint64_t seed, uint32_t step) {

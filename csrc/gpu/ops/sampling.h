@@ -24,18 +24,20 @@ struct SampleOperands {
   Binding chosen_logit;  // float32 [>= slot + rows]: its raw logit
   Binding state;         // scratch: SampleState [rows] (status / bad_id readable after the call)
   Binding partials;      // scratch: SamplePartial [rows * groups]
-  Binding hist;          // scratch: SampleBin [rows * groups * kSampleBins] (sampling only)
+  Binding hist;          // scratch (sampling only): small-k candidates / bucket route words
   uint32_t rows = 0, stride = 0, valid_vocab = 0, slot = 0;
   SampleParams params;
+  // Bucket route: candidates collected at most before resolve scans the row instead (tests lower
+  // it to run the fallback on every input); <= kSampleCandidates.
+  uint32_t candidate_cap = kSampleCandidates;
 };
 
 // Which passes a call encodes (decided from the parameters alone, never from the data).
 struct SamplePlan {
-  bool greedy = false;       // max partial + final only
-  bool stats = false;        // min-p count / total mass pass (min_p > 0, or top-p without top-k)
-  bool search_top_k = false; // a cutoff search for the top-k set's mass (top-k and top-p both on)
-  bool search_keep = false;  // the cutoff search for the kept set (any filter on)
-  bool small_k = false;      // 0 < top_k <= kSampleSmallK: per-group candidates + one merge (no search)
+  bool greedy = false;       // max partial + final only (2 levels)
+  bool plain = false;        // temperature only: + Gumbel partial + final (4 levels)
+  bool small_k = false;      // 0 < top_k <= kSampleSmallK: + per-group candidates + one merge (4 levels)
+  bool buckets = false;      // any other filter: + histogram, select, collect, resolve (6 levels)
   uint32_t dispatches() const;
 };
 
@@ -47,6 +49,8 @@ size_t sample_partials_bytes(uint32_t rows, uint32_t valid_vocab);
 size_t sample_hist_bytes(uint32_t rows, uint32_t valid_vocab);
 // Throws std::invalid_argument naming the bad operand or parameter.
 void validate(const SampleOperands& op);
+// Bucket route: the bucket scale of a temperature (x = -s * scale; any positive value is exact).
+float sample_bin_scale(double temperature);
 // Encodes the plan's dispatches with a barrier between consecutive ones (each reads what the
 // previous wrote); no barrier after the last one.
 void encode_sample(Encoder& enc, const SampleOperands& op);

@@ -36,7 +36,7 @@ def _int(v, what: str, fn: str, lo: int, hi: int | None = None) -> int:
 
 
 def _run(fn, logits, *, valid_vocab, greedy, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=0,
-         step=0, slot=0, device="emu", order="shuffle", emu_seed=0, fp_traps=True):
+         step=0, slot=0, device="emu", order="shuffle", emu_seed=0, fp_traps=True, candidate_cap=None):
     x = _logits_2d(logits, fn)
     v = x.shape[1]
     valid = v if valid_vocab is None else _int(valid_vocab, "valid_vocab", fn, 1, v)
@@ -46,7 +46,7 @@ def _run(fn, logits, *, valid_vocab, greedy, temperature=1.0, top_k=0, top_p=1.0
     ids, chosen, status, bad, stats = _core().ops.sample(
         x, valid_vocab=valid, greedy=greedy, temperature=float(temperature), top_k=top_k, top_p=float(top_p),
         min_p=float(min_p), seed=seed, step=step, slot=slot, device=device, order=order, emu_seed=emu_seed,
-        fp_traps=fp_traps)
+        fp_traps=fp_traps, **({} if candidate_cap is None else {"candidate_cap": candidate_cap}))
     return ids, chosen, status, bad, stats
 
 
@@ -105,8 +105,10 @@ def sample(logits: np.ndarray, *, temperature: float, top_k: int = 0, top_p: flo
 
 
 def _sample(logits, *, temperature, top_k=0, top_p=1.0, min_p=0.0, seed, step, valid_vocab=None, slot=0,
-            device="emu", order="shuffle", emu_seed=0, fp_traps=True):
-    """sample without the error check: (ids [slot + R], chosen [slot + R], status, bad_id, stats)."""
+            device="emu", order="shuffle", emu_seed=0, fp_traps=True, candidate_cap=None):
+    """sample without the error check: (ids [slot + R], chosen [slot + R], status, bad_id, stats).
+    ``candidate_cap`` (tests): the bucket route's candidate limit; 0 runs its fallback (resolve
+    scans the row) on every input."""
     fn = "sample"
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float, np.floating)) \
             or not np.isfinite(temperature) or temperature < 0:
@@ -120,4 +122,4 @@ def _sample(logits, *, temperature, top_k=0, top_p=1.0, min_p=0.0, seed, step, v
     step = _int(step, "step", fn, 0, 2 ** 32 - 1)
     return _run(fn, logits, valid_vocab=valid_vocab, greedy=temperature == 0, temperature=temperature or 1.0,
                 top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, step=step, slot=slot, device=device,
-                order=order, emu_seed=emu_seed, fp_traps=fp_traps)
+                order=order, emu_seed=emu_seed, fp_traps=fp_traps, candidate_cap=candidate_cap)
