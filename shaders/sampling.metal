@@ -754,6 +754,11 @@ template <typename T>
 
 // ---- sample_resolve helpers (all threads of the threadgroup call them, in uniform control flow)
 
+// Probes per search round (one 4-bit digit of the 64-bit rank key) and the words a simdgroup
+// writes to the reduction scratch per round (three pieces per probe).
+constant constexpr uint32_t kSampleProbes = 15;
+constant constexpr uint32_t kSampleRedWords = kSampleProbes * 3;  // per simdgroup and buffer
+
 // Sum of one 64-bit value per thread over the threadgroup, returned to every thread: three
 // 21/21/22-bit pieces by simd_sum (exact), per-simdgroup sums in red[parity] (alternating buffers:
 // the barrier of the next call orders this call's reads before the one after it writes).
@@ -762,7 +767,7 @@ inline ulong sample_tg_sum(ulong v, threadgroup uint32_t* red, thread uint32_t& 
   const uint32_t p0 = simd_sum(uint32_t(v) & 0x1FFFFFu);
   const uint32_t p1 = simd_sum(uint32_t(v >> 21) & 0x1FFFFFu);
   const uint32_t p2 = simd_sum(uint32_t(v >> 42));
-  threadgroup uint32_t* buf = red + parity * (kSampleResolveThreads / 32) * 3;
+  threadgroup uint32_t* buf = red + parity * (kSampleResolveThreads / 32) * kSampleRedWords;
   parity ^= 1u;
   if (lane == 0) {
     buf[simd_id * 3] = p0;
@@ -810,17 +815,60 @@ inline ulong sample_domain_sum(constant SampleArgs& args, const device SampleSta
 
 // Largest rank key x with base + (count or mass of bucket b's entries with rank key >= x) >=
 // target: the rank key of the entry where the cumulative count / mass reaches target (b is the
-// first bucket whose cumulative value reaches it, so the answer is an entry of b). 64 rounds.
+// first bucket whose cumulative value reaches it, so the answer is an entry of b). 16 rounds of
+// one 4-bit digit each: every thread sums its entries above the 15 probes x | d << shift
+// (d = 1..15; compile-time indexed accumulators), one threadgroup reduction of the 15 sums (three
+// 21/21/22-bit pieces each by simd_sum, per-simdgroup pieces in red[parity]; alternating buffers:
+// the barrier of the next round orders this round's reads before the round after writes), and
+// the largest d whose sum still reaches target is the digit.
+
 template <bool kMass, typename T>
 inline ulong sample_search(constant SampleArgs& args, const device SampleState& st, const device T* lr,
                            const device uint32_t* cand, bool fallback, uint32_t n, uint32_t b, ulong base,
                            ulong target, threadgroup uint32_t* red, thread uint32_t& parity, uint32_t t,
                            uint32_t threads, uint32_t simd_id, uint32_t lane) {
+  const uint32_t simds = threads / 32;
   ulong x = 0;
-  for (int bit = 63; bit >= 0; --bit) {
-    const ulong probe = x | (ulong(1) << bit);
-    const ulong acc = sample_domain_sum<kMass>(args, st, lr, cand, fallback, n, b, probe, t, threads);
-    if (base + sample_tg_sum(acc, red, parity, simd_id, lane, threads / 32) >= target) x = probe;
+  for (int shift = 60; shift >= 0; shift -= 4) {
+    ulong acc[kSampleProbes];
+    for (uint32_t d = 0; d < kSampleProbes; ++d) acc[d] = 0;
+    for (uint32_t e = t; e < n; e += threads) {
+      float s;
+      uint32_t id;
+      if (sample_domain_entry(args, st, lr, cand, fallback, e, s, id) != b) continue;
+      const ulong key = sample_rank_key(s, id);
+      // Probes d << shift (d = 1..15) above x: the entry is at or above probe d iff its digits
+      // above this one exceed x's (every probe), or equal them and its digit is >= d.
+      const ulong high = shift == 60 ? ulong(0) : (key >> (shift + 4));
+      const ulong xhigh = shift == 60 ? ulong(0) : (x >> (shift + 4));
+      const uint32_t digit = uint32_t(key >> shift) & 15u;
+      const uint32_t above = high > xhigh ? 15u : (high == xhigh ? digit : 0u);
+      const ulong w = kMass ? lily_mass(s) : ulong(1);
+      for (uint32_t d = 0; d < kSampleProbes; ++d) acc[d] += d < above ? w : ulong(0);
+    }
+    threadgroup uint32_t* buf = red + parity * (kSampleResolveThreads / 32) * kSampleRedWords;
+    parity ^= 1u;
+    for (uint32_t d = 0; d < kSampleProbes; ++d) {
+      const uint32_t p0 = simd_sum(uint32_t(acc[d]) & 0x1FFFFFu);
+      const uint32_t p1 = simd_sum(uint32_t(acc[d] >> 21) & 0x1FFFFFu);
+      const uint32_t p2 = simd_sum(uint32_t(acc[d] >> 42));
+      if (lane == 0) {
+        buf[simd_id * kSampleRedWords + 3 * d] = p0;
+        buf[simd_id * kSampleRedWords + 3 * d + 1] = p1;
+        buf[simd_id * kSampleRedWords + 3 * d + 2] = p2;
+      }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    uint32_t digit = 0;
+    for (uint32_t d = 0; d < kSampleProbes; ++d) {  // sums fall with d: the last one that reaches target
+      ulong total = 0;
+      for (uint32_t q = 0; q < simds; ++q) {
+        const threadgroup uint32_t* r = buf + q * kSampleRedWords + 3 * d;
+        total += ulong(r[0]) + (ulong(r[1]) << 21) + (ulong(r[2]) << 42);
+      }
+      if (base + total >= target) digit = d + 1;
+    }
+    x |= ulong(digit) << shift;
   }
   return x;
 }
@@ -864,7 +912,7 @@ template <typename T>
                                device uint32_t* ids [[buffer(5)]],
                                device float* chosen_logit [[buffer(6)]],
                                LILY_KERNEL_TAIL) {
-  LILY_TG_ARRAY(uint32_t, red, [2 * (kSampleResolveThreads / 32) * 3]);
+  LILY_TG_ARRAY(uint32_t, red, [2 * (kSampleResolveThreads / 32) * kSampleRedWords]);
   LILY_TG_ARRAY(uint32_t, recs, [kSampleResolveThreads * kSampleRecordWords]);
   const uint32_t row = group_pos.y, t = thread_pos.x, threads = group_size.x;
   const device SampleState& st = state[row];
