@@ -73,9 +73,13 @@ void init_ops_attention(nb::module_& parent) {
     return bindings::download<float>(f.data(), {f.size()});
   }, "rotary_dim"_a, "theta"_a, "float32 [rotary_dim / 2] inverse frequencies the RoPE kernels use.");
 
-  m.def("attention_prefill_route", [](uint32_t head_dim) {
-    return std::string(gpu::ops::attention_prefill_uses_mma(head_dim) ? "mma" : "simd");
-  }, "head_dim"_a, "Prefill attention route for this head_dim: 'mma' (simdgroup matrices) or 'simd'.");
+  m.def("attention_prefill_route", [](uint32_t head_dim, bool tensor_ops) {
+    return std::string(gpu::ops::attention_prefill_uses_m5(head_dim, tensor_ops) ? "m5"
+                       : gpu::ops::attention_prefill_uses_mma(head_dim)          ? "mma"
+                                                                                 : "simd");
+  }, "head_dim"_a, "tensor_ops"_a = false,
+     "Prefill attention route for this head_dim: 'm5' (Metal 4 tensor ops: head_dim 64, 128 or 256 on a device "
+     "with tensor ops), 'mma' (simdgroup matrices) or 'simd'.");
 
   m.def("attention_decode_route", [](uint32_t length, uint32_t head_dim) {
     const gpu::ops::AttnRoute r = gpu::ops::attention_decode_route(length, head_dim);
@@ -205,14 +209,20 @@ void init_ops_attention(nb::module_& parent) {
           } else {
             kernels.append(bf ? "attn_decode_bf16" : "attn_decode_f32");
           }
-        } else if (gpu::ops::attention_prefill_uses_mma(op.head_dim)) {
-          kernels.append(bf ? "attn_prefill_mma_bf16" : "attn_prefill_mma_f32");
-        } else {
-          kernels.append(bf ? "attn_prefill_bf16" : "attn_prefill_f32");
         }
         nb::dict stats = r.run([&](gpu::Encoder& e) {
-          if (decode) gpu::ops::encode_attention_decode(e, op);
-          else gpu::ops::encode_attention_prefill(e, op);
+          if (decode) {
+            gpu::ops::encode_attention_decode(e, op);
+            return;
+          }
+          const std::string sfx = bf ? "bf16" : "f32";
+          if (gpu::ops::attention_prefill_uses_m5(op.head_dim, e.tensor_ops()))
+            kernels.append("attn_prefill_m5_d" + std::to_string(op.head_dim) + "_" + sfx);
+          else if (gpu::ops::attention_prefill_uses_mma(op.head_dim))
+            kernels.append("attn_prefill_mma_" + sfx);
+          else
+            kernels.append("attn_prefill_" + sfx);
+          gpu::ops::encode_attention_prefill(e, op);
         });
         stats["kernels"] = kernels;
         return nb::make_tuple(r.download(op.out, op.dtype, {T, Hq, D}), stats);

@@ -151,6 +151,12 @@ template <class T>
 struct is_coop : std::false_type {};
 template <class E, int M, int N, int Th>
 struct is_coop<metal::cooperative_tensor<E, M, N, Th>> : std::true_type {};
+template <class T>
+struct coop_shape;
+template <class E, int M, int N, int Th>
+struct coop_shape<metal::cooperative_tensor<E, M, N, Th>> {
+  static constexpr int m = M, n = N, threads = Th;
+};
 }  // namespace detail
 
 template <matmul2d_descriptor D, class Scope>
@@ -182,6 +188,10 @@ class matmul2d {
     const int K = inner(left, right, file, line);
     const uint32_t me = ::lily::emu::thread_index_in_group() % uint32_t(kThreads);
     if constexpr (detail::is_coop<Dest>::value) {
+      static_assert(detail::coop_shape<Dest>::m == D.m && detail::coop_shape<Dest>::n == D.n &&
+                        detail::coop_shape<Dest>::threads == kThreads,
+                    "matmul2d::run (emulated): a cooperative destination must come from an op with this "
+                    "descriptor's m x n and scope (its layout depends on the op: Apple's header)");
       if (uint32_t(dest.owner()) != me)
         ::lily::emu::kernel_fail("matmul2d::run: a cooperative tensor used by a thread that did not create it", file, line);
     }

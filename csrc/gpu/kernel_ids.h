@@ -52,6 +52,20 @@
   X(qmm_m5_b4_xf32_sbf16,  QmmArgs, 5)                                        \
   X(qmm_m5_b4_xbf16_sf32,  QmmArgs, 5)                                        \
   X(qmm_m5_b4_xbf16_sbf16, QmmArgs, 5)                                        \
+  /* MoE grouped 64- and 32-row tiles on tensor ops, M5 (shaders/m5/moe_m5.metal): same  */ \
+  /* buffers as moe_gate_up_mm / moe_down_mm */                               \
+  X(moe_gate_up_m5_64_b4_xf32_sbf16, MoeArgs, 15)                             \
+  X(moe_gate_up_m5_32_b4_xf32_sbf16, MoeArgs, 15)                             \
+  X(moe_down_m5_64_b4_sbf16,         MoeArgs, 10)                             \
+  X(moe_down_m5_32_b4_sbf16,         MoeArgs, 10)                             \
+  /* causal prefill attention on tensor ops, M5 (shaders/m5/attention_m5.metal): same */ \
+  /* buffers as attn_prefill_mma; one id per head_dim */                      \
+  X(attn_prefill_m5_d64_f32,   AttnArgs, 5)                                   \
+  X(attn_prefill_m5_d64_bf16,  AttnArgs, 5)                                   \
+  X(attn_prefill_m5_d128_f32,  AttnArgs, 5)                                   \
+  X(attn_prefill_m5_d128_bf16, AttnArgs, 5)                                   \
+  X(attn_prefill_m5_d256_f32,  AttnArgs, 5)                                   \
+  X(attn_prefill_m5_d256_bf16, AttnArgs, 5)                                   \
   /* RMSNorm (shaders/norm.metal): x, weight, y */                            \
   X(rms_norm_xf32_wf32,   RmsNormArgs, 3)                                     \
   X(rms_norm_xf32_wbf16,  RmsNormArgs, 3)                                     \
@@ -197,7 +211,12 @@ std::optional<KernelId> find_kernel(std::string_view name);
 // elsewhere.
 constexpr bool kernel_needs_tensor_ops(KernelId id) {
   return id == KernelId::qmm_m5_b4_xf32_sf32 || id == KernelId::qmm_m5_b4_xf32_sbf16 ||
-         id == KernelId::qmm_m5_b4_xbf16_sf32 || id == KernelId::qmm_m5_b4_xbf16_sbf16;
+         id == KernelId::qmm_m5_b4_xbf16_sf32 || id == KernelId::qmm_m5_b4_xbf16_sbf16 ||
+         id == KernelId::moe_gate_up_m5_64_b4_xf32_sbf16 || id == KernelId::moe_gate_up_m5_32_b4_xf32_sbf16 ||
+         id == KernelId::moe_down_m5_64_b4_sbf16 || id == KernelId::moe_down_m5_32_b4_sbf16 ||
+         id == KernelId::attn_prefill_m5_d64_f32 || id == KernelId::attn_prefill_m5_d64_bf16 ||
+         id == KernelId::attn_prefill_m5_d128_f32 || id == KernelId::attn_prefill_m5_d128_bf16 ||
+         id == KernelId::attn_prefill_m5_d256_f32 || id == KernelId::attn_prefill_m5_d256_bf16;
 }
 
 }  // namespace lily::gpu

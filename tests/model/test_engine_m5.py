@@ -1,6 +1,8 @@
 """The engine on the M5 path: the emulator reporting Metal 4 tensor ops
 (lily_py.testing.simulated_device(tensor_ops=True)), so every 4-bit quantized matmul of more than
-8 rows takes qmm_m5 (matmul2d, half operands, fp32 accumulation) instead of the simdgroup qmm.
+8 rows takes qmm_m5 (matmul2d, half operands, fp32 accumulation) instead of the simdgroup qmm, the
+MoE's 64- and 32-row tiles take moe_*_m5 and prefill attention (head_dim 64 / 128 / 256) takes
+attn_prefill_m5 (shaders/m5/).
 
 Greedy tokens on the bundled demo must equal the reference's for 32 steps after a prompt of 100
 tokens prefilled in chunks of 64 and 4096 (qmm_m5 in every prefill step, qmv in decode). The
@@ -47,6 +49,10 @@ def test_demo_greedy_on_the_m5_path(chunk):
     kernels = {p["kernel"] for p in emu._backend.engine.pipelines}
     assert any(k.startswith("qmm_m5_") for k in kernels), sorted(kernels)
     assert not any(k.startswith("qmm_b4_") for k in kernels), sorted(kernels)  # every 4-bit qmm on M5
+    assert any(k.startswith("attn_prefill_m5_d64_") for k in kernels), sorted(kernels)
+    assert not any(k.startswith("attn_prefill_mma_") for k in kernels), sorted(kernels)
+    assert {"moe_gate_up_m5_64_b4_xf32_sbf16", "moe_down_m5_32_b4_sbf16"} <= kernels, sorted(kernels)
+    assert not any(k.startswith(("moe_gate_up_mm", "moe_down_mm")) for k in kernels), sorted(kernels)
     logits = emu.prefill(ref["prompt"])
     assert_close(logits, ref["logits"], atol=2.0 ** -7 * float(np.abs(ref["logits"]).max()), rtol=0,
                  what=f"demo prefill logits on the M5 path (chunks of {chunk})")
@@ -58,5 +64,75 @@ def test_demo_greedy_on_the_m5_path(chunk):
 def test_without_tensor_ops_the_engine_keeps_the_simdgroup_qmm():
     emu = lily_py.load(backend="emu", context_length=256, prefill_chunk=64)
     kernels = {p["kernel"] for p in emu._backend.engine.pipelines}
-    assert not any(k.startswith("qmm_m5_") for k in kernels)
+    assert not any(k.startswith(("qmm_m5_", "attn_prefill_m5_", "moe_gate_up_m5_", "moe_down_m5_")) for k in kernels)
     assert any(k.startswith("qmm_b4_") for k in kernels)
+    assert any(k.startswith("attn_prefill_mma_") for k in kernels)
+
+
+_GREEDY: dict = {}
+
+
+@pytest.fixture(scope="module")
+def real_dims_ckpt(tmp_path_factory):
+    from lily_py.testing import make_checkpoint
+    from test_engine import _real_head_dims_config
+    return make_checkpoint(tmp_path_factory.mktemp("m5_real_dims"), _real_head_dims_config(), fmt="mlx",
+                           seed=9, std=0.06)
+
+
+@pytest.mark.parametrize("chunk", [1, 64, 4096])
+@pytest.mark.parametrize("which", ["demo", "real_head_dims"])
+def test_greedy_after_chunked_prefill_on_the_m5_path(real_dims_ckpt, which, chunk):
+    """Greedy tokens identical to the reference for 32 steps after a prompt prefilled in chunks of
+    1, 64 and 4096 on the M5 path, on the demo (head_dim 64) and on a random-weight checkpoint with
+    the real head dimensions (head_dim 256, 2 KV heads: attn_prefill_m5_d256)."""
+    path, n = (None, 100) if which == "demo" else (real_dims_ckpt, 80)
+    load = (lambda **kw: lily_py.load(**kw)) if path is None else (lambda **kw: lily_py.load(path, **kw))
+    if which not in _GREEDY:
+        probe = load(backend="reference", context_length=256)
+        prompt = (list(range(3, 40)) * 8)[:n] if path else \
+            probe.tokenizer.encode("In the beginning God created the heaven and the earth. " * 20)[:n]
+        _GREEDY[which] = (prompt, probe.generate_text(prompt, max_tokens=32).tokens)
+    prompt, want = _GREEDY[which]
+    with simulated_device(tensor_ops=True):
+        emu = load(backend="emu", context_length=256, prefill_chunk=chunk)
+    kernels = {p["kernel"] for p in emu._backend.engine.pipelines}
+    D = emu.config.head_dim
+    assert (f"attn_prefill_m5_d{D}_f32" in kernels or f"attn_prefill_m5_d{D}_bf16" in kernels) == (chunk > 1), \
+        sorted(kernels)
+    got = emu.generate_text(prompt, max_tokens=32)
+    assert got.tokens == want
+
+
+def _attn_prefill_executed(cfg, T, route):
+    """Executed attention FLOPs of a prefill of T tokens at position 0 (every attention layer):
+    each threadgroup's 32 rows (32 / group tokens) against whole key blocks (32 keys: mma, 16: m5)
+    up to its last token; S and P V."""
+    Hq, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    qt, block = 32 // (Hq // Hkv), (32 if route == "mma" else 16)
+    per_layer = sum(-(-min(t0 + qt, T) // block) * 4 * 32 * block * D for t0 in range(0, T, qt)) * Hkv
+    return per_layer * sum(cfg.is_full_attention(i) for i in range(cfg.num_hidden_layers))
+
+
+def test_real_config_prefill_4096_flops_with_tensor_ops():
+    """The real 35B config, one prefill chunk of 4096 tokens, on the counting device with and
+    without tensor ops. Useful FLOPs are the same; executed FLOPs differ exactly by the attention
+    route (32-key blocks -> 16-key blocks): every 4-bit projection has M = 4096 and N a multiple
+    of 64 (q|gate 8192, k and v 512, o 2048, DeltaNet in_proj 12352 and out_proj 2048), so the
+    64 x 64 qmm_m5 tiles pad nothing, like the simdgroup tiles; the MoE tiles are the same on both
+    routes; the router (8-bit) and the DeltaNet kernels do not change."""
+    from lily_py.backends.engine import count_step
+    from lily_py.config import ModelConfig
+    from lily_py.testing import REAL_TEXT_CONFIG
+    cfg = ModelConfig.from_dict({"model_type": "qwen3_5_moe", "text_config": dict(REAL_TEXT_CONFIG)})
+    off = count_step(cfg, tokens=4096)
+    with simulated_device(tensor_ops=True):
+        m5 = count_step(cfg, tokens=4096)
+    print(f"real config, prefill 4096: without tensor ops flops_executed {off['flops_executed']} "
+          f"flops_useful {off['flops_useful']}; M5 flops_executed {m5['flops_executed']} "
+          f"flops_useful {m5['flops_useful']} (executed / useful {m5['flops_executed'] / m5['flops_useful']:.4f})")
+    assert m5["flops_useful"] == off["flops_useful"]
+    mma, m5_attn = _attn_prefill_executed(cfg, 4096, "mma"), _attn_prefill_executed(cfg, 4096, "m5")
+    assert m5["flops_executed"] == off["flops_executed"] - mma + m5_attn
+    assert m5_attn < mma  # 16-key blocks waste less past the causal diagonal
+    assert (m5["dispatches"], m5["barriers"]) == (off["dispatches"], off["barriers"])

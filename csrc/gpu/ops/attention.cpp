@@ -279,11 +279,41 @@ bool attention_prefill_uses_mma(uint32_t head_dim) {
   return head_dim % 32 == 0 && head_dim <= 2 * kAttnMmaMaxVCols && (head_dim <= kAttnMmaMaxVCols || head_dim % 64 == 0);
 }
 
+bool attention_prefill_uses_m5(uint32_t head_dim, bool tensor_ops) {
+  return tensor_ops && (head_dim == 64 || head_dim == 128 || head_dim == 256);
+}
+
 void encode_attention_prefill(Encoder& enc, const AttentionOperands& op) {
   const char* fn = "attention_prefill";
   Checked c = check_attention(fn, op);
   const uint32_t group = op.q_heads / op.kv_heads;
   const bool bf = op.dtype == DType::bf16;
+  if (attention_prefill_uses_m5(op.head_dim, enc.tensor_ops())) {
+    // M5 (Metal 4 tensor ops, shaders/m5/attention_m5.metal): 32 rows x 16-key blocks.
+    const uint32_t qt = kAttnM5Rows / group;
+    const uint32_t D = op.head_dim;
+    const KernelId id = D == 64    ? (bf ? KernelId::attn_prefill_m5_d64_bf16 : KernelId::attn_prefill_m5_d64_f32)
+                        : D == 128 ? (bf ? KernelId::attn_prefill_m5_d128_bf16 : KernelId::attn_prefill_m5_d128_f32)
+                                   : (bf ? KernelId::attn_prefill_m5_d256_bf16 : KernelId::attn_prefill_m5_d256_f32);
+    enc.set_kernel(id);
+    enc.set_args(c.args);
+    enc.set_buffer(1, c.q);
+    enc.set_buffer(2, c.k);
+    enc.set_buffer(3, c.v);
+    enc.set_buffer(4, c.gate);
+    enc.set_buffer(5, c.out);
+    touch_cache_rows(enc, op, uint64_t(op.position) + op.tokens);  // each row counted once
+    enc.dispatch({op.kv_heads, (op.tokens + qt - 1) / qt, 1}, {kAttnM5Threads, 1, 1});
+    // Each threadgroup runs 32 rows against every 16-key block up to its last token's keys:
+    // S = Q K^T and O += P V, 2 * 32 * 16 * head_dim multiply-adds per block.
+    uint64_t executed = 0;
+    for (uint32_t t0 = 0; t0 < op.tokens; t0 += qt) {
+      const uint64_t key_end = uint64_t(op.position) + std::min(t0 + qt, op.tokens);
+      executed += (key_end + kAttnM5BlockKeys - 1) / kAttnM5BlockKeys * 4ull * kAttnM5Rows * kAttnM5BlockKeys * D;
+    }
+    enc.add_flops(executed * op.kv_heads, attention_useful_flops(op));
+    return;
+  }
   if (attention_prefill_uses_mma(op.head_dim)) {
     const uint32_t qt = kAttnMmaRows / group;
     enc.set_kernel(bf ? KernelId::attn_prefill_mma_bf16 : KernelId::attn_prefill_mma_f32);

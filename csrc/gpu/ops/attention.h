@@ -83,6 +83,9 @@ void encode_attention_decode(Encoder& enc, const AttentionOperands& op);
 // Prefill route: "mma" (simdgroup matrices) when head_dim % 32 == 0 and, above 128, % 64 == 0
 // (64, 128, 256, ...); otherwise "simd" (scalar fp32, any head_dim <= 256).
 bool attention_prefill_uses_mma(uint32_t head_dim);
+// M5 route (Metal 4 tensor ops, shaders/m5/attention_m5.metal): on a device with tensor ops for
+// head_dim 64, 128 or 256: (kv_heads, ceil(tokens / (32 / group))) x 128 threads; before mma.
+bool attention_prefill_uses_m5(uint32_t head_dim, bool tensor_ops);
 // Prefill: one dispatch. mma: (kv_heads, ceil(tokens / (32 / group))) x 128 threads;
 // simd: (kv_heads, ceil(tokens / kAttnPrefillTokens)) x 32 * group threads.
 void encode_attention_prefill(Encoder& enc, const AttentionOperands& op);

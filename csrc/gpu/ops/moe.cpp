@@ -305,11 +305,16 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
   //    check (docs/testing.md) cannot tell the rows apart and counts every writable binding as
   //    read too. A barrier between the kinds keeps the plan provably free of hazards; it costs
   //    two dependency levels per stage on prefill only (the decode route is "mv").
+  // M5 (the device reports Metal 4 tensor ops): the 64- and 32-row kinds run shaders/m5/moe_m5.metal
+  // (matmul2d; same buffers, grid, tiles and FLOPs), the few-row kind keeps its matvec kernels.
+  const bool m5 = enc.tensor_ops();
   const struct {
     KernelId gate_up, down;
     uint32_t bound, cols;  // tiles in the list; output features per threadgroup
-  } kinds[3] = {{KernelId::moe_gate_up_mm64_b4_xf32_sbf16, KernelId::moe_down_mm64_b4_sbf16, tb.t64, kMoeTileN},
-                {KernelId::moe_gate_up_mm32_b4_xf32_sbf16, KernelId::moe_down_mm32_b4_sbf16, tb.t32, kMoeTileN},
+  } kinds[3] = {{m5 ? KernelId::moe_gate_up_m5_64_b4_xf32_sbf16 : KernelId::moe_gate_up_mm64_b4_xf32_sbf16,
+                 m5 ? KernelId::moe_down_m5_64_b4_sbf16 : KernelId::moe_down_mm64_b4_sbf16, tb.t64, kMoeTileN},
+                {m5 ? KernelId::moe_gate_up_m5_32_b4_xf32_sbf16 : KernelId::moe_gate_up_mm32_b4_xf32_sbf16,
+                 m5 ? KernelId::moe_down_m5_32_b4_sbf16 : KernelId::moe_down_mm32_b4_sbf16, tb.t32, kMoeTileN},
                 {KernelId::moe_gate_up_few_b4_xf32_sbf16, KernelId::moe_down_few_b4_sbf16, tb.few,
                  kMoeMvRowsPerSimd * kMoeMvSimdsPerGroup}};
   // bytes_touched: each tile kind is counted as reading all `used` experts (an upper bound:

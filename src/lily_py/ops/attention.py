@@ -131,10 +131,13 @@ def attention_decode_route(length: int, head_dim: int) -> dict:
     return dict(_core().ops.attention_decode_route(_uint(length, "length", fn), _uint(head_dim, "head_dim", fn)))
 
 
-def attention_prefill_route(head_dim: int) -> str:
-    """How :func:`attention_prefill` runs for ``head_dim``: ``"mma"`` (8x8 simdgroup matrices;
-    head_dim a multiple of 32, and of 64 above 128: 64, 128, 256, ...) or ``"simd"`` (scalar fp32)."""
-    return str(_core().ops.attention_prefill_route(_uint(head_dim, "head_dim", "attention_prefill_route")))
+def attention_prefill_route(head_dim: int, *, tensor_ops: bool = False) -> str:
+    """How :func:`attention_prefill` runs for ``head_dim``: ``"m5"`` (Metal 4 tensor ops,
+    shaders/m5/attention_m5.metal: head_dim 64, 128 or 256 on a device with tensor ops, an M5),
+    ``"mma"`` (8x8 simdgroup matrices; head_dim a multiple of 32, and of 64 above 128: 64, 128,
+    256, ...) or ``"simd"`` (scalar fp32)."""
+    return str(_core().ops.attention_prefill_route(_uint(head_dim, "head_dim", "attention_prefill_route"),
+                                                   bool(tensor_ops)))
 
 
 def _check_attention(q, k_cache, v_cache, gate, fn, tokens_axis: bool):

@@ -1,0 +1,170 @@
+// Causal prefill attention on Metal 4 tensor ops (M5 path): S = Q K^T and O += P V as matmul2d over
+// the bf16 KV cache, online softmax per row, GQA heads packed, sigmoid gate. Same buffers and args
+// (AttnArgs) as attention_prefill_mma (shaders/attention.metal); host: csrc/gpu/ops/attention.cpp
+// (taken for prefill when the device reports tensor ops and head_dim is 64, 128 or 256). Compiled
+// with -std=metal4.0 into lily_m5.metallib, by the emulator, and by the strict pass against
+// csrc/emu/tensor_ops_strict.h. Reference: lily_py.reference.kernels.attention. The structure
+// follows the flash-attention form of MLX's steel attention and Lily's prefill attention (a query
+// block in threadgroup memory, key blocks streamed, running max and sum per row); the code is ours.
+//
+//   grid:      (kv_heads, ceil(tokens / qt)) threadgroups of 128 threads (4 simdgroups), qt = 32 /
+//              group query tokens: the R = 32 rows are (token, head) pairs, row = token_in_block *
+//              group + head_in_group (rows past qt * group repeat a live row's keys, not written)
+//   once:      the Q block [32][D] rounded to half into threadgroup memory (thread t: row t / 4,
+//              D / 4 columns)
+//   per block of BK = 16 keys, up to the block's last token's causal end:
+//     1. K rows [16][D] (bf16 -> half, zeros past the end) -> threadgroup; barrier
+//     2. S = Q K^T: matmul2d_descriptor(32, 16, D, false, transpose_right = true, false, multiply)
+//        on execution_simdgroups<4> into a threadgroup float tensor [32][16]; barrier
+//     3. softmax (thread t: row t / 4, 4 keys): scale, causal mask, block max over the row's 4
+//        threads (simd_shuffle_xor 1, 2), running max m and sum l in registers, p = exp(s - m)
+//        rounded to half -> P [32][16], the row's rescale factor -> threadgroup; the V rows of
+//        the block -> the K buffer (its run is done); barrier
+//     4. O (fp32 cooperative tensor [32][D]) elements scaled by their row's factor
+//        (get_multidimensional_index), O += P V: matmul2d_descriptor(32, D, 16, false, false,
+//        false, multiply_accumulate); barrier (the next block overwrites the K/V buffer)
+//   epilogue:  l per row -> threadgroup; barrier; each thread writes its O elements / l, times
+//              sigmoid(gate), for live rows
+//   threadgroup memory (D = 256): Q 16,384 + K/V 8,192 + S 2,048 + P 1,024 + 2 x 128 = 27,904 B
+// Precision: Q, K, V and P are half operands (the half x half -> float row of Apple's matmul2d
+// types): bf16 K/V values are exact in half within its normal range (|v| in [2^-14, 65504]); Q and
+// P are rounded once (2^-11 relative); S, the softmax, l and O are fp32.
+#include "common/lily_metal.h"
+#include "common/tensor_ops.h"
+
+namespace lily {
+
+inline float attn_m5_neg_inf() { return as_type<float>(0xff800000u); }
+inline float attn_m5_sigmoid(float v) { return 1.0f / (1.0f + exp(-v)); }
+
+// Rounds keys kb .. kb + 16 of one KV head (bf16, [capacity][D] rows) to half into kvs[16][D]:
+// thread t copies row t / 8, D / 8 columns; zeros past nkeys.
+template <uint32_t D>
+inline void attn_m5_stage_kv(const device bfloat* cache, uint32_t nkeys, uint32_t t, threadgroup half* kvs) {
+  constexpr uint32_t PER = D / 8;
+  const uint32_t j = t / 8, c0 = (t % 8) * PER;
+  const device bfloat* src = cache + j * D + c0;
+  for (uint32_t c = 0; c < PER; ++c) kvs[j * D + c0 + c] = j < nkeys ? half(float(src[c])) : half(0.0f);
+}
+
+template <typename T, uint32_t D>
+[[kernel]] void attention_prefill_m5(constant AttnArgs& args [[buffer(0)]],
+                                     const device T* q [[buffer(1)]],
+                                     const device bfloat* k_cache [[buffer(2)]],
+                                     const device bfloat* v_cache [[buffer(3)]],
+                                     const device T* gate [[buffer(4)]],
+                                     device T* out [[buffer(5)]],
+                                     LILY_KERNEL_TAIL) {
+  constexpr uint32_t R = kAttnM5Rows, BK = kAttnM5BlockKeys;
+  static_assert(R == 32 && BK == 16 && kAttnM5Threads == 128 && D % 32 == 0 && D <= kAttnMaxHeadDim,
+                "the staging maps below assume 32 rows, 16 keys, 128 threads");
+  LILY_TG_ARRAY(half, qs, [R * D]);     // Q block [row][d]
+  LILY_TG_ARRAY(half, kvs, [BK * D]);   // K block, then V block [key][d]
+  LILY_TG_ARRAY(float, ss, [R * BK]);   // S [row][key]
+  LILY_TG_ARRAY(half, ps, [R * BK]);    // P [row][key]
+  LILY_TG_ARRAY(float, corr_s, [R]);    // per row: rescale factor of the block, then 1 / l
+
+  const uint32_t group = args.q_heads / args.kv_heads;
+  const uint32_t qt = R / group;     // query tokens per threadgroup
+  const uint32_t rows = qt * group;  // live rows (padding rows past them)
+  const uint32_t kvh = group_pos.x;
+  const uint32_t t0 = group_pos.y * qt;
+  const uint32_t t_last = min(t0 + qt, args.tokens) - 1;
+  const uint32_t key_end = args.position + t_last + 1;
+  const uint32_t cache_base = kvh * args.capacity * D;
+  const uint32_t t = thread_pos.x;
+  const uint32_t row = t / 4;  // the row this thread stages and runs the softmax of
+  const bool row_live = row < rows && t0 + row / group < args.tokens;
+  const uint32_t row_tok = min(t0 + min(row, rows - 1) / group, args.tokens - 1);
+  const uint32_t row_head = kvh * group + min(row, rows - 1) % group;
+  const uint32_t visible_end = args.position + row_tok + 1;  // the row sees keys < visible_end
+
+  {
+    constexpr uint32_t PER = D / 4;
+    const uint32_t c0 = (t % 4) * PER;
+    const device T* qr = q + row_tok * args.q_stride + row_head * D + c0;
+    for (uint32_t c = 0; c < PER; ++c) qs[row * D + c0 + c] = row_live ? half(float(qr[c])) : half(0.0f);
+  }
+
+  constexpr auto desc_s = matmul2d_descriptor(int(R), int(BK), int(D), false, true, false,
+                                              matmul2d_descriptor::mode::multiply);
+  constexpr auto desc_o = matmul2d_descriptor(int(R), int(D), int(BK), false, false, false,
+                                              matmul2d_descriptor::mode::multiply_accumulate);
+  matmul2d<desc_s, execution_simdgroups<4>> op_s;
+  matmul2d<desc_o, execution_simdgroups<4>> op_o;
+  auto q_t = tensor<threadgroup half, dextents<int32_t, 2>, tensor_inline>(qs, dextents<int32_t, 2>(int(D), int(R)));
+  auto kv_t = tensor<threadgroup half, dextents<int32_t, 2>, tensor_inline>(kvs, dextents<int32_t, 2>(int(D), int(BK)));
+  auto s_t = tensor<threadgroup float, dextents<int32_t, 2>, tensor_inline>(ss, dextents<int32_t, 2>(int(BK), int(R)));
+  auto p_t = tensor<threadgroup half, dextents<int32_t, 2>, tensor_inline>(ps, dextents<int32_t, 2>(int(BK), int(R)));
+  auto o = op_o.template get_destination_cooperative_tensor<decltype(p_t), decltype(kv_t), float>();
+  for (uint16_t i = 0; i < o.get_capacity(); ++i)
+    if (o.is_valid_element(i)) o[i] = 0.0f;
+
+  float m = attn_m5_neg_inf();
+  float l = 0.0f;
+  const uint32_t c0 = (t % 4) * 4;  // this thread's 4 keys of the block
+  for (uint32_t kb = 0; kb < key_end; kb += BK) {
+    const uint32_t nkeys = min(BK, key_end - kb);
+    attn_m5_stage_kv<D>(k_cache + cache_base + kb * D, nkeys, t, kvs);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    op_s.run(q_t, kv_t, s_t);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+
+    float sv[4];
+    float block_max = attn_m5_neg_inf();
+    for (uint32_t i = 0; i < 4; ++i) {
+      sv[i] = ss[row * BK + c0 + i] * args.scale;
+      if (kb + c0 + i < visible_end) block_max = max(block_max, sv[i]);
+    }
+    block_max = max(block_max, simd_shuffle_xor(block_max, 1));
+    block_max = max(block_max, simd_shuffle_xor(block_max, 2));
+    const float m_new = max(m, block_max);
+    const float corr = m == m_new ? 1.0f : exp(m - m_new);  // never (-inf) - (-inf)
+    float psum = 0.0f;
+    for (uint32_t i = 0; i < 4; ++i) {
+      const float p = kb + c0 + i < visible_end ? exp(sv[i] - m_new) : 0.0f;
+      ps[row * BK + c0 + i] = half(p);
+      psum += p;
+    }
+    psum += simd_shuffle_xor(psum, 1);
+    psum += simd_shuffle_xor(psum, 2);
+    l = l * corr + psum;
+    m = m_new;
+    if (t % 4 == 0) corr_s[row] = corr;
+    attn_m5_stage_kv<D>(v_cache + cache_base + kb * D, nkeys, t, kvs);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+
+    for (uint16_t i = 0; i < o.get_capacity(); ++i) {
+      if (!o.is_valid_element(i)) continue;
+      const auto idx = o.get_multidimensional_index(i);
+      o[i] *= corr_s[idx[1]];
+    }
+    op_o.run(p_t, kv_t, o);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+
+  if (t % 4 == 0) corr_s[row] = 1.0f / l;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (uint16_t i = 0; i < o.get_capacity(); ++i) {
+    if (!o.is_valid_element(i)) continue;
+    const auto idx = o.get_multidimensional_index(i);
+    const uint32_t d = uint32_t(idx[0]);
+    const uint32_t r = uint32_t(idx[1]);
+    const uint32_t tok = t0 + r / group;
+    if (r >= rows || tok >= args.tokens) continue;
+    const uint32_t head = kvh * group + r % group;
+    float y = o[i] * corr_s[r];
+    if (args.use_gate != 0) y *= attn_m5_sigmoid(float(gate[tok * args.gate_stride + head * args.gate_head_stride + d]));
+    out[(tok * args.q_heads + head) * D + d] = T(y);
+  }
+}
+
+// Instantiations: exactly the attn_prefill_m5 rows of csrc/gpu/kernel_ids.h.
+LILY_INSTANTIATE("attn_prefill_m5_d64_f32", attention_prefill_m5<float, 64>)
+LILY_INSTANTIATE("attn_prefill_m5_d64_bf16", attention_prefill_m5<bfloat, 64>)
+LILY_INSTANTIATE("attn_prefill_m5_d128_f32", attention_prefill_m5<float, 128>)
+LILY_INSTANTIATE("attn_prefill_m5_d128_bf16", attention_prefill_m5<bfloat, 128>)
+LILY_INSTANTIATE("attn_prefill_m5_d256_f32", attention_prefill_m5<float, 256>)
+LILY_INSTANTIATE("attn_prefill_m5_d256_bf16", attention_prefill_m5<bfloat, 256>)
+
+}  // namespace lily

@@ -1,0 +1,259 @@
+// MoE grouped expert matmuls on Metal 4 tensor ops (M5 path): the 64- and 32-row tiles of the
+// tiled route (shaders/moe.metal, moe_gate_up_mm / moe_down_mm) with matmul2d instead of 8x8
+// simdgroup matrices. Same buffers, args (MoeArgs), grid, plan lists and outputs as those kernels;
+// host: csrc/gpu/ops/moe.cpp (taken for the 64- and 32-row kinds when the device reports tensor
+// ops; the few-row kind keeps its matvec kernels). Compiled with -std=metal4.0 into
+// lily_m5.metallib (CMakeLists.txt), by the emulator, and by the strict pass against
+// csrc/emu/tensor_ops_strict.h. Reference: lily_py.reference.kernels.moe.
+//
+//   grid:      (ceil(max(I, Is) / 32) | ceil(H / 32), list bound) threadgroups of 128 threads
+//              (4 simdgroups); tiles >= the plan's count for the list do no work (uniformly: no
+//              thread calls run, no thread waits at a barrier)
+//   tile:      BM (64 or 32) rows of the group x 32 output features, K walked in steps of 32
+//   staging:   thread t rounds x (gathered through the plan's row -> token map; h for down) of row
+//              t / (128 / BM), BM / 4 consecutive columns, to half, and dequantizes 8 consecutive
+//              weights of feature t / 4 (gate and up, or down: fp32 s * q + b, rounded to half)
+//              into threadgroup memory; zeros past the tile's rows and features. Two stages: step
+//              s+1 is staged while matmul2d multiplies step s, one threadgroup barrier per step.
+//   multiply:  matmul2d_descriptor(BM, 32, 32, transpose_left = false, transpose_right = true,
+//              relaxed_precision = false, multiply_accumulate) on execution_simdgroups<4>; the x
+//              tile [row][k] is left (extents (32, BM)), a weight tile [n][k] is right transposed
+//              (extents (32, 32)); fp32 cooperative accumulators (gate and up: two runs per step
+//              into two accumulators of the same type, hence the same layout: Apple's header
+//              pairs element i of two such destinations, its bias example `cT[i] += biasT[i]`).
+//   epilogue:  gate/up: h[row, n] = silu(gate) * up (fp32); down: y[row, n] = row_weight[row] *
+//              acc (fp32); each thread writes its cooperative-tensor elements, masked to the
+//              tile's rows and the group's features.
+// Precision: operands half (the half x half -> float row of Apple's matmul2d types): x, h and the
+// dequantized weights are rounded to half once; products and accumulation fp32; SwiGLU and the
+// routing weight in fp32 as in moe.metal.
+#include "common/lily_metal.h"
+#include "common/quant.h"
+#include "common/tensor_ops.h"
+
+namespace lily {
+
+inline float moe_m5_silu(float v) { return v / (1.0f + exp(-v)); }
+
+// Rounds BM / 4 values of one row of the left operand to half (zeros for an absent row).
+template <typename T, uint32_t BM>
+inline void moe_m5_stage_rows(const device T* src, bool valid, uint32_t t, threadgroup half* xs) {
+  constexpr uint32_t BK = kMoeTileK, PER = BM / 4, CPR = BK / PER;
+  const uint32_t row = t / CPR, col = (t % CPR) * PER;
+  for (uint32_t c = 0; c < PER; ++c) xs[row * BK + col + c] = valid ? half(float(src[c])) : half(0.0f);
+}
+
+// Dequantizes 8 weights (columns k0 + col .. + 8) of feature n of one matrix into ws[t / 4][col..]
+// (rounded to half; zeros for n >= N).
+template <typename S, int bits>
+inline void moe_m5_stage_w(const device uint32_t* w, const device S* sc, const device S* bi, uint32_t n,
+                           uint32_t N, uint32_t k0, uint32_t wpr, uint32_t gpr, uint32_t group_size, uint32_t t,
+                           threadgroup half* ws) {
+  constexpr uint32_t BK = kMoeTileK;
+  const uint32_t col = (t % 4) * 8;
+  if (n < N) {
+    float q[8];
+    unpack_codes<bits, 8>(w + n * wpr + (k0 + col) * bits / 32, q);
+    const uint32_t gi = n * gpr + (k0 + col) / group_size;
+    const float s = float(sc[gi]), b = float(bi[gi]);
+    for (uint32_t c = 0; c < 8; ++c) ws[(t / 4) * BK + col + c] = half(s * q[c] + b);
+  } else {
+    for (uint32_t c = 0; c < 8; ++c) ws[(t / 4) * BK + col + c] = half(0.0f);
+  }
+}
+
+// gate + up + SwiGLU of one tile (rows [r0, r1) of group g, features n0 .. n0 + 32).
+template <typename T, typename S, int bits, int BM>
+[[kernel]] void moe_gate_up_m5(constant MoeArgs& args [[buffer(0)]],
+                               const device T* x [[buffer(1)]],
+                               const device uint32_t* plan [[buffer(2)]],
+                               const device uint32_t* gate_w [[buffer(3)]],
+                               const device S* gate_s [[buffer(4)]],
+                               const device S* gate_b [[buffer(5)]],
+                               const device uint32_t* up_w [[buffer(6)]],
+                               const device S* up_s [[buffer(7)]],
+                               const device S* up_b [[buffer(8)]],
+                               const device uint32_t* sh_gate_w [[buffer(9)]],
+                               const device S* sh_gate_s [[buffer(10)]],
+                               const device S* sh_gate_b [[buffer(11)]],
+                               const device uint32_t* sh_up_w [[buffer(12)]],
+                               const device S* sh_up_s [[buffer(13)]],
+                               const device S* sh_up_b [[buffer(14)]],
+                               device float* h [[buffer(15)]],
+                               LILY_KERNEL_TAIL) {
+  constexpr uint32_t BN = kMoeTileN, BK = kMoeTileK;
+  static_assert(BN == 32 && BK == 32 && kMoeTileSimds == 4 && (BM == 32 || BM == 64),
+                "the staging map and descriptor below assume 32-wide tiles, 128 threads, BM 32 or 64");
+  LILY_TG_ARRAY(half, xs, [2 * BM * BK]);  // two stages of the x tile [BM][32]
+  LILY_TG_ARRAY(half, gs, [2 * BN * BK]);  // two stages of the gate tile [32][32]
+  LILY_TG_ARRAY(half, us, [2 * BN * BK]);  // two stages of the up tile [32][32]
+
+  const uint32_t tile = group_pos.y;
+  const uint32_t list = BM == 64 ? moe_plan_list64() : moe_plan_list32(args.max_tiles, args.max_tiles32, args.max_few);
+  const bool active = tile < plan[BM == 64 ? 0 : 1];  // uniform over the threadgroup
+  const uint32_t g = active ? plan[list + 3 * tile] : 0u;
+  const uint32_t r0 = active ? plan[list + 3 * tile + 1] : 0u;
+  const uint32_t r1 = active ? plan[list + 3 * tile + 2] : 0u;
+  const bool shared = g == args.experts;
+  const uint32_t N = shared ? args.shared_inter : args.inter;
+  const uint32_t n0 = group_pos.x * BN;
+  const uint32_t H = args.hidden;
+  const uint32_t steps = (active && n0 < N) ? H / BK : 0u;  // uniform: no work, no run, no barrier
+  const uint32_t wpr = H * bits / 32, gpr = H / args.group_size;
+  const device uint32_t* wg = shared ? sh_gate_w : gate_w + g * N * wpr;
+  const device S* sg = shared ? sh_gate_s : gate_s + g * N * gpr;
+  const device S* bg = shared ? sh_gate_b : gate_b + g * N * gpr;
+  const device uint32_t* wu = shared ? sh_up_w : up_w + g * N * wpr;
+  const device S* su = shared ? sh_up_s : up_s + g * N * gpr;
+  const device S* bu = shared ? sh_up_b : up_b + g * N * gpr;
+
+  const uint32_t t = thread_pos.x;
+  constexpr uint32_t PER = BM / 4, CPR = BK / PER;
+  const uint32_t my_row = r0 + t / CPR;  // the row this thread stages
+  const bool my_valid = my_row < r1;
+  const uint32_t my_tok = my_valid ? plan[moe_plan_row_token(args.max_tiles) + my_row] : 0u;
+  const device T* xr = x + my_tok * H + (t % CPR) * PER;
+  const uint32_t n_st = n0 + t / 4;  // the feature whose weights this thread stages
+
+  constexpr auto desc = matmul2d_descriptor(int(BM), int(BN), int(BK), false, true, false,
+                                            matmul2d_descriptor::mode::multiply_accumulate);
+  matmul2d<desc, execution_simdgroups<4>> op;
+  auto x0 = tensor<threadgroup half, dextents<int32_t, 2>, tensor_inline>(xs, dextents<int32_t, 2>(int(BK), int(BM)));
+  auto x1 = tensor<threadgroup half, dextents<int32_t, 2>, tensor_inline>(xs + BM * BK, dextents<int32_t, 2>(int(BK), int(BM)));
+  auto g0 = tensor<threadgroup half, dextents<int32_t, 2>, tensor_inline>(gs, dextents<int32_t, 2>(int(BK), int(BN)));
+  auto g1 = tensor<threadgroup half, dextents<int32_t, 2>, tensor_inline>(gs + BN * BK, dextents<int32_t, 2>(int(BK), int(BN)));
+  auto u0 = tensor<threadgroup half, dextents<int32_t, 2>, tensor_inline>(us, dextents<int32_t, 2>(int(BK), int(BN)));
+  auto u1 = tensor<threadgroup half, dextents<int32_t, 2>, tensor_inline>(us + BN * BK, dextents<int32_t, 2>(int(BK), int(BN)));
+  auto acc_g = op.template get_destination_cooperative_tensor<decltype(x0), decltype(g0), float>();
+  auto acc_u = op.template get_destination_cooperative_tensor<decltype(x0), decltype(u0), float>();
+  for (uint16_t i = 0; i < acc_g.get_capacity(); ++i) {
+    if (!acc_g.is_valid_element(i)) continue;
+    acc_g[i] = 0.0f;
+    acc_u[i] = 0.0f;
+  }
+
+  if (steps != 0u) {
+    moe_m5_stage_rows<T, BM>(xr, my_valid, t, xs);
+    moe_m5_stage_w<S, bits>(wg, sg, bg, n_st, N, 0, wpr, gpr, args.group_size, t, gs);
+    moe_m5_stage_w<S, bits>(wu, su, bu, n_st, N, 0, wpr, gpr, args.group_size, t, us);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+  for (uint32_t s = 0; s < steps; ++s) {
+    const uint32_t nx = (s + 1) & 1;
+    if (s + 1 < steps) {  // stage s+1 into the buffers the previous step's runs read (barrier between)
+      const uint32_t k1 = (s + 1) * BK;
+      moe_m5_stage_rows<T, BM>(xr + k1, my_valid, t, xs + nx * BM * BK);
+      moe_m5_stage_w<S, bits>(wg, sg, bg, n_st, N, k1, wpr, gpr, args.group_size, t, gs + nx * BN * BK);
+      moe_m5_stage_w<S, bits>(wu, su, bu, n_st, N, k1, wpr, gpr, args.group_size, t, us + nx * BN * BK);
+    }
+    if ((s & 1) == 0) {
+      op.run(x0, g0, acc_g);
+      op.run(x0, u0, acc_u);
+    } else {
+      op.run(x1, g1, acc_g);
+      op.run(x1, u1, acc_u);
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+
+  if (steps != 0u) {
+    for (uint16_t i = 0; i < acc_g.get_capacity(); ++i) {
+      if (!acc_g.is_valid_element(i)) continue;
+      const auto idx = acc_g.get_multidimensional_index(i);
+      const uint32_t n = n0 + uint32_t(idx[0]);
+      const uint32_t r = r0 + uint32_t(idx[1]);
+      if (r < r1 && n < N) h[r * args.h_stride + n] = moe_m5_silu(acc_g[i]) * acc_u[i];
+    }
+  }
+}
+
+// down projection x routing weight of one tile (rows [r0, r1) of group g, features n0 .. n0 + 32).
+template <typename S, int bits, int BM>
+[[kernel]] void moe_down_m5(constant MoeArgs& args [[buffer(0)]],
+                            const device uint32_t* plan [[buffer(1)]],
+                            const device float* row_weight [[buffer(2)]],
+                            const device float* h [[buffer(3)]],
+                            const device uint32_t* down_w [[buffer(4)]],
+                            const device S* down_s [[buffer(5)]],
+                            const device S* down_b [[buffer(6)]],
+                            const device uint32_t* sh_down_w [[buffer(7)]],
+                            const device S* sh_down_s [[buffer(8)]],
+                            const device S* sh_down_b [[buffer(9)]],
+                            device float* y [[buffer(10)]],
+                            LILY_KERNEL_TAIL) {
+  constexpr uint32_t BN = kMoeTileN, BK = kMoeTileK;
+  static_assert(BN == 32 && BK == 32 && kMoeTileSimds == 4 && (BM == 32 || BM == 64),
+                "the staging map and descriptor below assume 32-wide tiles, 128 threads, BM 32 or 64");
+  LILY_TG_ARRAY(half, xs, [2 * BM * BK]);  // two stages of the h tile [BM][32]
+  LILY_TG_ARRAY(half, ws, [2 * BN * BK]);  // two stages of the down tile [32][32]
+
+  const uint32_t tile = group_pos.y;
+  const uint32_t list = BM == 64 ? moe_plan_list64() : moe_plan_list32(args.max_tiles, args.max_tiles32, args.max_few);
+  const bool active = tile < plan[BM == 64 ? 0 : 1];  // uniform over the threadgroup
+  const uint32_t g = active ? plan[list + 3 * tile] : 0u;
+  const uint32_t r0 = active ? plan[list + 3 * tile + 1] : 0u;
+  const uint32_t r1 = active ? plan[list + 3 * tile + 2] : 0u;
+  const bool shared = g == args.experts;
+  const uint32_t H = args.hidden;
+  const uint32_t K = shared ? args.shared_inter : args.inter;
+  const uint32_t n0 = group_pos.x * BN;
+  const uint32_t steps = active ? K / BK : 0u;  // uniform
+  const uint32_t wpr = K * bits / 32, gpr = K / args.group_size;
+  const device uint32_t* w = shared ? sh_down_w : down_w + g * H * wpr;
+  const device S* sc = shared ? sh_down_s : down_s + g * H * gpr;
+  const device S* bi = shared ? sh_down_b : down_b + g * H * gpr;
+
+  const uint32_t t = thread_pos.x;
+  constexpr uint32_t PER = BM / 4, CPR = BK / PER;
+  const uint32_t my_row = r0 + t / CPR;
+  const bool my_valid = my_row < r1;
+  const device float* hr = h + (my_valid ? my_row : 0u) * args.h_stride + (t % CPR) * PER;
+  const uint32_t n_st = n0 + t / 4;
+
+  constexpr auto desc = matmul2d_descriptor(int(BM), int(BN), int(BK), false, true, false,
+                                            matmul2d_descriptor::mode::multiply_accumulate);
+  matmul2d<desc, execution_simdgroups<4>> op;
+  auto x0 = tensor<threadgroup half, dextents<int32_t, 2>, tensor_inline>(xs, dextents<int32_t, 2>(int(BK), int(BM)));
+  auto x1 = tensor<threadgroup half, dextents<int32_t, 2>, tensor_inline>(xs + BM * BK, dextents<int32_t, 2>(int(BK), int(BM)));
+  auto w0 = tensor<threadgroup half, dextents<int32_t, 2>, tensor_inline>(ws, dextents<int32_t, 2>(int(BK), int(BN)));
+  auto w1 = tensor<threadgroup half, dextents<int32_t, 2>, tensor_inline>(ws + BN * BK, dextents<int32_t, 2>(int(BK), int(BN)));
+  auto acc = op.template get_destination_cooperative_tensor<decltype(x0), decltype(w0), float>();
+  for (uint16_t i = 0; i < acc.get_capacity(); ++i)
+    if (acc.is_valid_element(i)) acc[i] = 0.0f;
+
+  if (steps != 0u) {
+    moe_m5_stage_rows<float, BM>(hr, my_valid, t, xs);
+    moe_m5_stage_w<S, bits>(w, sc, bi, n_st, H, 0, wpr, gpr, args.group_size, t, ws);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+  for (uint32_t s = 0; s < steps; ++s) {
+    const uint32_t nx = (s + 1) & 1;
+    if (s + 1 < steps) {
+      const uint32_t k1 = (s + 1) * BK;
+      moe_m5_stage_rows<float, BM>(hr + k1, my_valid, t, xs + nx * BM * BK);
+      moe_m5_stage_w<S, bits>(w, sc, bi, n_st, H, k1, wpr, gpr, args.group_size, t, ws + nx * BN * BK);
+    }
+    if ((s & 1) == 0) op.run(x0, w0, acc);
+    else op.run(x1, w1, acc);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+
+  if (steps != 0u) {
+    for (uint16_t i = 0; i < acc.get_capacity(); ++i) {
+      if (!acc.is_valid_element(i)) continue;
+      const auto idx = acc.get_multidimensional_index(i);
+      const uint32_t n = n0 + uint32_t(idx[0]);
+      const uint32_t r = r0 + uint32_t(idx[1]);
+      if (r < r1 && n < H) y[r * H + n] = row_weight[r] * acc[i];
+    }
+  }
+}
+
+// Instantiations: exactly the moe *_m5 rows of csrc/gpu/kernel_ids.h (activations fp32, scales
+// bf16, 4-bit experts, as the simdgroup kernels of moe.metal).
+LILY_INSTANTIATE("moe_gate_up_m5_64_b4_xf32_sbf16", moe_gate_up_m5<float, bfloat, 4, 64>)
+LILY_INSTANTIATE("moe_gate_up_m5_32_b4_xf32_sbf16", moe_gate_up_m5<float, bfloat, 4, 32>)
+LILY_INSTANTIATE("moe_down_m5_64_b4_sbf16", moe_down_m5<bfloat, 4, 64>)
+LILY_INSTANTIATE("moe_down_m5_32_b4_sbf16", moe_down_m5<bfloat, 4, 32>)
+
+}  // namespace lily
