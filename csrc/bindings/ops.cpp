@@ -149,8 +149,9 @@ void init_ops(nb::module_& parent) {
           return std::string(gpu::ops::qmm_route_name(gpu::ops::qmm_route(M, bits, tensor_ops)));
         },
         "M"_a, "bits"_a = 4, "tensor_ops"_a = false,
-        "Route quantized_matmul takes for M rows of x: 'qmv1' (M = 1), 'qmv', 'qmm', or 'qmm_m5' (4-bit, on a device "
-        "with Metal 4 tensor ops).");
+        "Route quantized_matmul takes for M rows of x: 'qmv1' (M = 1), 'qmv', 'qmm', 'qmm_bf16' (M >= "
+        "QMM_BF16_MIN_ROWS without tensor ops, or 8-bit), or 'qmm_m5' (4-bit, on a device with Metal 4 tensor ops).");
+  m.attr("QMM_BF16_MIN_ROWS") = static_cast<uint32_t>(kQmmBf16MinRows);
   m.attr("QMV_MAX_ROWS") = static_cast<uint32_t>(kQmvMaxRows);
 
   m.def(
@@ -192,7 +193,8 @@ void init_ops(nb::module_& parent) {
         op.biases = run.input(biases);
         op.y = run.output(size_t(M) * N * gpu::dtype_size(xt));
         gpu::ops::validate(op);
-        run.encode(gpu::ops::qmm_kernel(gpu::ops::qmm_route(M, bits, run.enc->tensor_ops()), bits, xt, st),
+        run.encode(gpu::ops::qmm_kernel(gpu::ops::qmm_route(M, bits, run.enc->tensor_ops(), gpu::ops::qmm_aligned16(op)),
+                                        bits, xt, st),
                    [&](gpu::Encoder& e) { gpu::ops::encode_quantized_matmul(e, op); });
         return nb::make_tuple(run.download(op.y, xt, {M, N}), run.stats());
       },

@@ -13,10 +13,12 @@ enum class QmmRoute : uint8_t {
   qmv,  // 2 <= M <= kQmvMaxRows: matrix-vector, every weight byte read once for all M rows
   qmm,  // M >  kQmvMaxRows: 32x32 output tiles, weights dequantized per tile into threadgroup memory
   qmm_m5,  // M > kQmvMaxRows, 4-bit, on a device with Metal 4 tensor ops: 64x64 tiles, matmul2d
+  qmm_bf16,  // M >= kQmmBf16MinRows otherwise (M1-M4 prefill): 64x64 bf16 simdgroup tiles
 };
 
-// tensor_ops: the encoder's device runs the M5 kernels (Encoder::tensor_ops()).
-QmmRoute qmm_route(uint32_t M, uint32_t bits = 4, bool tensor_ops = false);
+// tensor_ops: the encoder's device runs the M5 kernels (Encoder::tensor_ops()). aligned16: x's rows
+// and the w binding start on 16-byte boundaries (qmm_bf16 loads 16 bytes at a time; else qmm).
+QmmRoute qmm_route(uint32_t M, uint32_t bits = 4, bool tensor_ops = false, bool aligned16 = true);
 // Simdgroups per threadgroup of the qmv1 route (they split K): min(kQmv1MaxSplits, ceil(K / block)).
 uint32_t qmv1_splits(uint32_t K, uint32_t bits);
 const char* qmm_route_name(QmmRoute r);
@@ -26,7 +28,8 @@ const char* qmm_route_name(QmmRoute r);
 struct QmmFlops {
   uint64_t executed = 0, useful = 0;
 };
-QmmFlops qmm_flops(uint32_t M, uint32_t N, uint32_t K, uint32_t bits = 4, bool tensor_ops = false);
+QmmFlops qmm_flops(uint32_t M, uint32_t N, uint32_t K, uint32_t bits = 4, bool tensor_ops = false,
+                   bool aligned16 = true);
 
 struct QmmOperands {
   Binding x;        // [M, x_stride] of x_dtype
@@ -49,6 +52,9 @@ struct QmmOperands {
 
 // The kernel a route uses for these bits / dtypes; throws std::invalid_argument when unsupported.
 KernelId qmm_kernel(QmmRoute route, uint32_t bits, DType x_dtype, DType scale_dtype);
+
+// x's rows and the w binding start on 16-byte boundaries (qmm_route's aligned16).
+bool qmm_aligned16(const QmmOperands& op);
 
 // Throws std::invalid_argument naming the bad operand (shape, size, group, bits).
 void validate(const QmmOperands& op);
