@@ -145,12 +145,13 @@ void init_ops(nb::module_& parent) {
   init_ops_moe(m);
 
   m.def("qmm_route",
-        [](uint32_t M, uint32_t bits, bool tensor_ops) {
-          return std::string(gpu::ops::qmm_route_name(gpu::ops::qmm_route(M, bits, tensor_ops)));
+        [](uint32_t M, uint32_t bits, bool tensor_ops, bool aligned16) {
+          return std::string(gpu::ops::qmm_route_name(gpu::ops::qmm_route(M, bits, tensor_ops, aligned16)));
         },
-        "M"_a, "bits"_a = 4, "tensor_ops"_a = false,
+        "M"_a, "bits"_a = 4, "tensor_ops"_a = false, "aligned16"_a = true,
         "Route quantized_matmul takes for M rows of x: 'qmv1' (M = 1), 'qmv', 'qmm', 'qmm_bf16' (M >= "
-        "QMM_BF16_MIN_ROWS without tensor ops, or 8-bit), or 'qmm_m5' (4-bit, on a device with Metal 4 tensor ops).");
+        "QMM_BF16_MIN_ROWS without tensor ops, or 8-bit, when x's rows and w start on 16-byte boundaries: "
+        "aligned16), or 'qmm_m5' (4-bit, on a device with Metal 4 tensor ops).");
   m.attr("QMM_BF16_MIN_ROWS") = static_cast<uint32_t>(kQmmBf16MinRows);
   m.attr("QMV_MAX_ROWS") = static_cast<uint32_t>(kQmvMaxRows);
 
