@@ -87,6 +87,7 @@ def test_route_boundary_constant_matches_extension():
     assert ops.quantized_matmul_route(QMM_BF16_MIN_ROWS - 1) == "qmm"
     assert ops.quantized_matmul_route(QMM_BF16_MIN_ROWS) == "qmm_bf16"
     assert ops.quantized_matmul_route(4096, bits=8) == "qmm_bf16"
+    assert ops.quantized_matmul_route(4096, bf16_tiles=False) == "qmm"
 
 
 # Both sides of the qmv1 / qmv (M = 1 | 2) and qmv / qmm (M = 8 | 9) route switches, every bits x
@@ -95,9 +96,10 @@ def test_route_boundary_constant_matches_extension():
 COMBOS = list(itertools.product([4, 8], [32, 64, 128], [np.float32, BF16], [np.float32, BF16]))
 
 
-def route_of(m):
-    return ("qmv1" if m == 1 else "qmv" if m <= QMV_MAX_ROWS else "qmm" if m < QMM_BF16_MIN_ROWS
-            else "qmm_bf16")
+def route_of(m, x_dtype):
+    # qmm_bf16 rounds the operands to bf16: bf16 x takes it; fp32 x only when asked (f32_x_bf16_tiles)
+    return ("qmv1" if m == 1 else "qmv" if m <= QMV_MAX_ROWS else
+            "qmm_bf16" if m >= QMM_BF16_MIN_ROWS and np.dtype(x_dtype) == BF16 else "qmm")
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, QMV_MAX_ROWS, QMV_MAX_ROWS + 1, QMM_BF16_MIN_ROWS - 1,
@@ -110,7 +112,7 @@ def test_quantized_matmul_matches_reference(rng, device, m, bits, group_size, x_
     x, w, s, b = make_case(rng, m, n, k, bits=bits, group_size=group_size, x_dtype=x_dtype,
                            scale_dtype=scale_dtype)
     _, stats = check(rng, x, w, s, b, bits=bits, group_size=group_size, device=device)
-    route = route_of(m)
+    route = route_of(m, x_dtype)
     xs = "bf16" if np.dtype(x_dtype) == BF16 else "f32"
     ss = "bf16" if np.dtype(scale_dtype) == BF16 else "f32"
     assert stats["kernels"] == [f"{route}_b{bits}_x{xs}_s{ss}"]
@@ -146,7 +148,8 @@ def test_leading_dims_and_1d_x(rng, device):
 def test_result_independent_of_thread_order(rng, m):
     # No races: forward, reverse, shuffled and 'ahead' scheduling give bit-identical results.
     x, w, s, b = make_case(rng, m, 40, 256, bits=4, group_size=64, x_dtype=np.float32, scale_dtype=BF16)
-    runs = [ops._quantized_matmul(x, w, s, b, bits=4, group_size=64, order=o, seed=rng.seed)[0]
+    kw = {"f32_x_bf16_tiles": True} if m >= QMM_BF16_MIN_ROWS else {}  # m = 40: qmm_bf16
+    runs = [ops._quantized_matmul(x, w, s, b, bits=4, group_size=64, order=o, seed=rng.seed, **kw)[0]
             for o in ("forward", "reverse", "shuffle", "ahead")]
     for o, r in zip(("reverse", "shuffle", "ahead"), runs[1:]):
         np.testing.assert_array_equal(runs[0], r, err_msg=f"order {o!r} differs from 'forward': a race (missing barrier?)")
@@ -176,7 +179,7 @@ BF16_SHAPES = [(33, 1, 32, 32, 4), (64, 64, 64, 64, 8), (65, 63, 96, 32, 4), (13
 def test_qmm_bf16_odd_shapes(rng, m, n, k, group_size, bits, x_dtype, scale_dtype):
     x, w, s, b = make_case(rng, m, n, k, bits=bits, group_size=group_size, x_dtype=x_dtype,
                            scale_dtype=scale_dtype)
-    _, stats = check(rng, x, w, s, b, bits=bits, group_size=group_size)
+    _, stats = check(rng, x, w, s, b, bits=bits, group_size=group_size, f32_x_bf16_tiles=True)
     xs = "bf16" if np.dtype(x_dtype) == BF16 else "f32"
     ss = "bf16" if np.dtype(scale_dtype) == BF16 else "f32"
     assert stats["kernels"] == [f"qmm_bf16_b{bits}_x{xs}_s{ss}"]
@@ -207,18 +210,25 @@ def test_qmm_bf16_counters(rng, m, n, k, bits):
     assert stats["flops_executed"] == 2 * (tiles_m * 64) * (tiles_n * 64) * k
 
 
-def test_qmm_bf16_route_needs_16_byte_alignment():
+def test_qmm_bf16_route_needs_bf16_operands_allowed(rng):
+    # bf16_tiles: bf16 x (or fp32 x with f32_x_bf16_tiles), 16-byte aligned x rows and w, and no
+    # fp32_operands request (the MoE router); otherwise qmm. fp32 x keeps fp32 operands by default.
     import lily_py._core as core
-    assert core.ops.qmm_route(64, aligned16=True) == "qmm_bf16"
-    assert core.ops.qmm_route(64, aligned16=False) == "qmm"
-    assert core.ops.qmm_route(64, bits=4, tensor_ops=True, aligned16=False) == "qmm_m5"
+    assert core.ops.qmm_route(64, bf16_tiles=True) == "qmm_bf16"
+    assert core.ops.qmm_route(64, bf16_tiles=False) == "qmm"
+    assert core.ops.qmm_route(64, bits=4, tensor_ops=True, bf16_tiles=False) == "qmm_m5"
+    x, w, s, b = make_case(rng, 64, 40, 128, bits=4, group_size=64, x_dtype=np.float32, scale_dtype=BF16)
+    _, stats = check(rng, x, w, s, b, bits=4, group_size=64)
+    assert stats["kernels"] == ["qmm_b4_xf32_sbf16"]
+    _, stats = check(rng, x, w, s, b, bits=4, group_size=64, f32_x_bf16_tiles=True)
+    assert stats["kernels"] == ["qmm_bf16_b4_xf32_sbf16"]
 
 
 def test_qmm_bf16_rounds_operands_where_stated(rng):
     # The fp32 reference with bf16-rounded operands is matched to the fp32 sum's precision, and the
     # result is measurably not the unrounded fp32 product (the rounding happens, once, in staging).
     x, w, s, b = make_case(rng, 64, 64, 512, bits=4, group_size=64, x_dtype=np.float32, scale_dtype=np.float32)
-    y, _ = check(rng, x, w, s, b, bits=4, group_size=64)
+    y, _ = check(rng, x, w, s, b, bits=4, group_size=64, f32_x_bf16_tiles=True)
     ref = ref_kernels.quantized_matmul(x, w, s, b, bits=4, group_size=64)
     mag = ref_kernels.quantized_matmul_error_scale(x, w, s, b, bits=4, group_size=64)
     assert np.max(np.abs(y - ref) / mag) > 8 * np.sqrt(512) * F32_EPS

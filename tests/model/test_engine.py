@@ -667,10 +667,11 @@ def test_streamed_tokens_allocate_no_logits_arrays(tmp_path):
 
 
 def test_real_config_prefill_qmm_tiles():
-    """The 4096-token chunk of the real 35B config on the counting device: every projection and
-    the router take the 64 x 64 bf16 tiles (qmm_bf16), one threadgroup of 128 threads per tile;
-    their executed FLOPs are 2 * 64 * 64 * K per tile, exactly: the padding is the router's
-    E + 1 = 257 rows rounded up to 320."""
+    """The 4096-token chunk of the real 35B config on the counting device: every projection takes
+    the tiled route (qmm_bf16's 64 x 64 tiles with bf16 activations, qmm's 32 x 32 with fp32 ones:
+    fp32 x keeps fp32 operands), the router qmm (fp32 operands: its logits choose the experts);
+    one threadgroup of 128 threads per tile; executed FLOPs 2 * tile_m * tile_n * K per tile,
+    exactly: the only padding is the router's E + 1 = 257 rows rounded up to the tile."""
     from lily_py.backends.engine import REAL_QUANT, _core, engine_spec
     cfg, T = _real_cfg(), 4096
     eng = _core().Engine(engine_spec(cfg, REAL_QUANT, context_length=T, prefill_chunk=T), "count")
@@ -679,22 +680,24 @@ def test_real_config_prefill_qmm_tiles():
     Hk, Hv, Dk, Dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                       cfg.linear_value_head_dim)
     Hq, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    got = [d for d in eng.count_dispatches() if d["kernel"].startswith(("qmm", "qmv"))][:-1]  # - lm_head
+    tiles = "qmm_bf16" if "_xbf16_" in got[0]["kernel"] else "qmm"  # the engine's activation dtype
     want = []  # (kernel, N, K) of every matmul-family dispatch, in order
     for i in range(cfg.num_hidden_layers):
         if cfg.is_full_attention(i):
-            want += [("qmm_bf16_b4", 2 * Hq * D + 2 * Hkv * D, H), ("qmm_bf16_b4", H, Hq * D)]
+            want += [(f"{tiles}_b4", 2 * Hq * D + 2 * Hkv * D, H), (f"{tiles}_b4", H, Hq * D)]
         else:
-            want += [("qmm_bf16_b4", 2 * Hk * Dk + 2 * Hv * Dv + 2 * Hv, H), ("qmm_bf16_b4", H, Hv * Dv)]
-        want.append(("qmm_bf16_b8", E + 1, H))  # router + shared-expert gate (8-bit)
-    got = [d for d in eng.count_dispatches() if d["kernel"].startswith(("qmm", "qmv"))][:-1]  # - lm_head
+            want += [(f"{tiles}_b4", 2 * Hk * Dk + 2 * Hv * Dv + 2 * Hv, H), (f"{tiles}_b4", H, Hv * Dv)]
+        want.append(("qmm_b8", E + 1, H))  # router + shared-expert gate (8-bit, fp32 operands)
     assert [d["kernel"].rsplit("_x", 1)[0] for d in got] == [k for k, _, _ in want]
     executed = useful = 0
-    for d, (_, n, k) in zip(got, want):
-        assert d["groups"] == (-(-n // 64), T // 64, 1) and d["threads"] == (128, 1, 1)
-        executed += 2 * (d["groups"][0] * 64) * (d["groups"][1] * 64) * k
+    for d, (kern, n, k) in zip(got, want):
+        t = 64 if kern.startswith("qmm_bf16") else 32
+        assert d["groups"] == (-(-n // t), T // t, 1) and d["threads"] == (128, 1, 1)
+        executed += 2 * (d["groups"][0] * t) * (d["groups"][1] * t) * k
         useful += 2 * T * n * k
-    layers = cfg.num_hidden_layers
-    assert executed - useful == layers * 2 * T * (320 - (E + 1)) * H
-    print(f"real config, 4096-token chunk: qmm_bf16 executed {executed / 1e9:.1f} GFLOP, useful "
-          f"{useful / 1e9:.1f}; step executed {st['flops_executed'] / 1e9:.1f}, useful {st['flops_useful'] / 1e9:.1f}")
+    assert executed - useful == cfg.num_hidden_layers * 2 * T * (-(-(E + 1) // 32) * 32 - (E + 1)) * H
+    print(f"real config, 4096-token chunk, {tiles} tiles: projections + router executed {executed / 1e9:.1f} "
+          f"GFLOP, useful {useful / 1e9:.1f}; step executed {st['flops_executed'] / 1e9:.1f}, "
+          f"useful {st['flops_useful'] / 1e9:.1f}")
     assert st["flops_executed"] - st["flops_useful"] >= executed - useful

@@ -19,11 +19,11 @@ void need_bytes(const Binding& b, uint64_t bytes, const char* what) {
 
 }  // namespace
 
-QmmRoute qmm_route(uint32_t M, uint32_t bits, bool tensor_ops, bool aligned16) {
+QmmRoute qmm_route(uint32_t M, uint32_t bits, bool tensor_ops, bool bf16_tiles) {
   if (M == 1) return QmmRoute::qmv1;
   if (M <= kQmvMaxRows) return QmmRoute::qmv;
   if (tensor_ops && bits == 4) return QmmRoute::qmm_m5;
-  return M >= kQmmBf16MinRows && aligned16 ? QmmRoute::qmm_bf16 : QmmRoute::qmm;
+  return M >= kQmmBf16MinRows && bf16_tiles ? QmmRoute::qmm_bf16 : QmmRoute::qmm;
 }
 
 const char* qmm_route_name(QmmRoute r) {
@@ -42,9 +42,9 @@ uint32_t qmv1_splits(uint32_t K, uint32_t bits) {
   return std::min<uint32_t>(kQmv1MaxSplits, (K + block - 1) / block);
 }
 
-QmmFlops qmm_flops(uint32_t M, uint32_t N, uint32_t K, uint32_t bits, bool tensor_ops, bool aligned16) {
+QmmFlops qmm_flops(uint32_t M, uint32_t N, uint32_t K, uint32_t bits, bool tensor_ops, bool bf16_tiles) {
   const uint64_t useful = 2ull * M * N * K;
-  const QmmRoute route = qmm_route(M, bits, tensor_ops, aligned16);
+  const QmmRoute route = qmm_route(M, bits, tensor_ops, bf16_tiles);
   if (route == QmmRoute::qmv || route == QmmRoute::qmv1) return {useful, useful};  // rows past N are skipped, not padded
   // Every threadgroup multiplies a whole tile over K (zeros or repeated rows past M and N):
   // 32 x 32 (qmm), or 64 x 64 (qmm_m5, qmm_bf16).
@@ -127,16 +127,17 @@ void validate(const QmmOperands& op) {
   }
 }
 
-bool qmm_aligned16(const QmmOperands& op) {
+bool qmm_bf16_allowed(const QmmOperands& op) {
   const uint64_t xe = dtype_size(op.x_dtype);
   const uint64_t xs = op.x_stride ? op.x_stride : op.K;
-  return op.x.offset % 16 == 0 && (xs * xe) % 16 == 0 && op.w.offset % 16 == 0;
+  const bool aligned = op.x.offset % 16 == 0 && (xs * xe) % 16 == 0 && op.w.offset % 16 == 0;
+  return aligned && !op.fp32_operands && (op.x_dtype == DType::bf16 || op.f32_x_bf16_tiles);
 }
 
 void encode_quantized_matmul(Encoder& enc, const QmmOperands& op) {
   validate(op);
-  const bool aligned16 = qmm_aligned16(op);
-  const QmmRoute route = qmm_route(op.M, op.bits, enc.tensor_ops(), aligned16);
+  const bool bf16_tiles = qmm_bf16_allowed(op);
+  const QmmRoute route = qmm_route(op.M, op.bits, enc.tensor_ops(), bf16_tiles);
   const uint64_t xe = dtype_size(op.x_dtype), se = dtype_size(op.scale_dtype);
   const uint64_t groups = op.K / op.group_size;
   auto range = [](Binding b, uint64_t bytes) { b.bytes = bytes; return b; };
@@ -176,7 +177,7 @@ void encode_quantized_matmul(Encoder& enc, const QmmOperands& op) {
   enc.set_buffer(3, range(op.scales, uint64_t(op.N) * groups * se));
   enc.set_buffer(4, range(op.biases, uint64_t(op.N) * groups * se));
   enc.set_buffer(5, range(op.y, ((uint64_t(op.M) - 1) * args.y_stride + op.N) * xe));
-  const QmmFlops f = qmm_flops(op.M, op.N, op.K, op.bits, enc.tensor_ops(), aligned16);
+  const QmmFlops f = qmm_flops(op.M, op.N, op.K, op.bits, enc.tensor_ops(), bf16_tiles);
   if (route == QmmRoute::qmv) {
     enc.dispatch({ceil_div(op.N, kQmvRowsPerSimd * kQmvSimdsPerGroup), 1, 1},
                  {32 * kQmvSimdsPerGroup, 1, 1});
