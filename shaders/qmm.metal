@@ -244,6 +244,209 @@ template <typename T, typename S, int bits>
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// qmm_bf16: the M1-M4 prefill route (M >= kQmmBf16MinRows; learned from MLX's steel GEMM and
+// llama.cpp's kernel_mul_mm, written for this layout).
+//   grid:        (ceil(N / 64), ceil(M / 64)) threadgroups of 128 threads (4 simdgroups)
+//   tile:        64 rows of x by 64 output features, fp32 accumulators: simdgroup s owns the 32 x 32
+//                quarter (rows 32*(s/2), cols 32*(s%2)) as 4 x 4 simdgroup_float8x8; K walked in
+//                steps of kQmmBf16TileK = 16 (inside one quantization group)
+//   staging:     simdgroups 0-1 stage w, 2-3 stage x (uniform per simdgroup): thread t owns tile row
+//                t % 64 and its 16 columns of the step. w: one 16-byte load (128 / bits codes) per
+//                row every 128 / bits / 16 steps (4-bit: every other step, the second half stays in
+//                registers), dequantized s * q + b in fp32 and rounded to bf16. x: two 16-byte loads
+//                (bf16, copied as is) or four (fp32, rounded to bf16). Both land in threadgroup memory
+//                as two 16-byte stores per thread. Rows past M / N load row M - 1 / N - 1 (loads never
+//                wait on a branch); their outputs are not stored.
+//   K loop:      two stages; step s: global loads for step s + 1 into registers, the 2 x (4 + 4)
+//                simdgroup loads and 2 x 16 multiply-accumulates of step s (bf16 x bf16 -> fp32),
+//                then the registers into the other stage, one threadgroup barrier. The stage written
+//                in step s was last read in step s - 1, before that step's barrier.
+//   epilogue:    per 8 x 8 accumulator: simdgroup_store into the simdgroup's own 8 x 8 fp32 slot of
+//                threadgroup memory, simdgroup barrier, each lane writes 2 outputs (masked to M x N,
+//                rounded to T), simdgroup barrier.
+//   threadgroup memory: 2 stages x (64 + 64) rows x 24 bf16 (16 + 8 padding: 48-byte rows, 16-byte
+//                aligned) = 12288 bytes, plus 4 x 64 fp32 = 1024: 13312 bytes.
+// Precision: x and the dequantized weights are rounded to bf16 once (relative error <= 2^-9 each);
+// their products are exact in fp32 and summed in fp32; y is rounded to T once at the end.
+// Alignment (checked by the host, which otherwise takes qmm): x rows and the w binding start on
+// 16-byte boundaries.
+
+// Two floats rounded to bf16 (to nearest even), packed low first.
+inline uint32_t qmm_pack_bf16(float a, float b) {
+  return uint32_t(as_type<ushort>(bfloat(a))) | (uint32_t(as_type<ushort>(bfloat(b))) << 16);
+}
+
+// Registers that carry one thread's 16 values of a row of x from the global load to the store.
+template <typename T>
+struct QmmXRegs;
+template <>
+struct QmmXRegs<bfloat> {
+  uint4 v[2];
+  void load(const device bfloat* src) {
+    v[0] = reinterpret_cast<const device uint4*>(src)[0];
+    v[1] = reinterpret_cast<const device uint4*>(src)[1];
+  }
+  void store(threadgroup bfloat* dst) const {
+    reinterpret_cast<threadgroup uint4*>(dst)[0] = v[0];
+    reinterpret_cast<threadgroup uint4*>(dst)[1] = v[1];
+  }
+};
+template <>
+struct QmmXRegs<float> {
+  float4 v[4];
+  void load(const device float* src) {
+    for (uint32_t i = 0; i < 4; ++i) v[i] = reinterpret_cast<const device float4*>(src)[i];
+  }
+  void store(threadgroup bfloat* dst) const {  // rounded to bf16
+    for (uint32_t i = 0; i < 2; ++i) {
+      uint4 p;
+      p.x = qmm_pack_bf16(v[2 * i].x, v[2 * i].y);
+      p.y = qmm_pack_bf16(v[2 * i].z, v[2 * i].w);
+      p.z = qmm_pack_bf16(v[2 * i + 1].x, v[2 * i + 1].y);
+      p.w = qmm_pack_bf16(v[2 * i + 1].z, v[2 * i + 1].w);
+      reinterpret_cast<threadgroup uint4*>(dst)[i] = p;
+    }
+  }
+};
+
+// Codes j and j + 1 of word `wd` (bits 4 or 8), dequantized in fp32 and packed as two bf16.
+template <int bits>
+inline uint32_t qmm_bf16_dq2(uint32_t wd, uint32_t j, float s, float b) {
+  constexpr uint32_t mask = (1u << bits) - 1u;
+  return qmm_pack_bf16(s * float((wd >> (j * bits)) & mask) + b, s * float((wd >> ((j + 1) * bits)) & mask) + b);
+}
+
+// 16 consecutive codes in words w0, w1 (4-bit: 8 codes each) or w0..w3 (8-bit: 4 each), as 16 bf16.
+template <int bits>
+inline uint4 qmm_bf16_dq8(uint32_t w0, uint32_t w1, float s, float b) {  // 8 codes
+  uint4 p;
+  if (bits == 4) {
+    p.x = qmm_bf16_dq2<bits>(w0, 0, s, b);
+    p.y = qmm_bf16_dq2<bits>(w0, 2, s, b);
+    p.z = qmm_bf16_dq2<bits>(w0, 4, s, b);
+    p.w = qmm_bf16_dq2<bits>(w0, 6, s, b);
+  } else {
+    p.x = qmm_bf16_dq2<bits>(w0, 0, s, b);
+    p.y = qmm_bf16_dq2<bits>(w0, 2, s, b);
+    p.z = qmm_bf16_dq2<bits>(w1, 0, s, b);
+    p.w = qmm_bf16_dq2<bits>(w1, 2, s, b);
+  }
+  return p;
+}
+
+// The 16 codes of the current step from the 16-byte register wq (4-bit: half `sub` of it; 8-bit:
+// all of it) into one row of the w stage: two 16-byte stores.
+template <int bits>
+inline void qmm_bf16_store_w(uint4 wq, uint32_t sub, float s, float b, threadgroup bfloat* dst) {
+  uint4 lo, hi;
+  if (bits == 4) {
+    lo = qmm_bf16_dq8<bits>(sub != 0 ? wq.z : wq.x, 0u, s, b);
+    hi = qmm_bf16_dq8<bits>(sub != 0 ? wq.w : wq.y, 0u, s, b);
+  } else {
+    lo = qmm_bf16_dq8<bits>(wq.x, wq.y, s, b);
+    hi = qmm_bf16_dq8<bits>(wq.z, wq.w, s, b);
+  }
+  reinterpret_cast<threadgroup uint4*>(dst)[0] = lo;
+  reinterpret_cast<threadgroup uint4*>(dst)[1] = hi;
+}
+
+// Global loads of K step k0 into registers: w (a new 16-byte word block when k0 starts one, and
+// the group's scale and bias) for the w-staging simdgroups, 16 values of x for the others.
+template <int bits, typename T, typename S>
+inline void qmm_bf16_load(bool stages_w, uint32_t k0, uint32_t gshift, const device T* xrow,
+                          const device uint32_t* wrow, const device S* srow, const device S* brow,
+                          thread QmmXRegs<T>& xr, thread uint4& wq, thread float& sc, thread float& bi) {
+  constexpr uint32_t CPL = 128 / bits;  // codes per 16-byte load of w
+  if (stages_w) {
+    if (k0 % CPL == 0) wq = *reinterpret_cast<const device uint4*>(wrow + k0 * bits / 32);
+    sc = float(srow[k0 >> gshift]);
+    bi = float(brow[k0 >> gshift]);
+  } else {
+    xr.load(xrow + k0);
+  }
+}
+
+// The registers of step k0 into this thread's row of a stage (xd / wd: the row in the x / w stage).
+template <int bits, typename T>
+inline void qmm_bf16_store(bool stages_w, uint32_t k0, thread const QmmXRegs<T>& xr, uint4 wq, float sc,
+                           float bi, threadgroup bfloat* xd, threadgroup bfloat* wd) {
+  constexpr uint32_t CPL = 128 / bits;
+  if (stages_w) qmm_bf16_store_w<bits>(wq, (k0 % CPL) / kQmmBf16TileK, sc, bi, wd);
+  else xr.store(xd);
+}
+
+template <typename T, typename S, int bits>
+[[kernel]] void qmm_bf16(constant QmmArgs& args [[buffer(0)]],
+                         const device T* x [[buffer(1)]],
+                         const device uint32_t* w [[buffer(2)]],
+                         const device S* scales [[buffer(3)]],
+                         const device S* biases [[buffer(4)]],
+                         device T* y [[buffer(5)]],
+                         LILY_KERNEL_TAIL) {
+  constexpr uint32_t BM = kQmmBf16TileM, BN = kQmmBf16TileN, BK = kQmmBf16TileK;
+  constexpr uint32_t LD = BK + 8;         // padded rows of the stages (48 bytes)
+  constexpr uint32_t STAGE = BM * LD;     // elements of one stage of one operand
+  static_assert(BM == 64 && BN == 64 && BK == 16 && kQmmBf16SimdsPerGroup == 4,
+                "the staging map below assumes 64x64x16 tiles and 128 threads");
+  // Stages declared as uint4 (16-byte aligned, for the 16-byte stores), used as bfloat.
+  LILY_TG_ARRAY(uint4, xs16, [2 * BM * LD / 8]);
+  LILY_TG_ARRAY(uint4, ws16, [2 * BN * LD / 8]);
+  LILY_TG_ARRAY(float, cs, [kQmmBf16SimdsPerGroup * 64]);
+  threadgroup bfloat* xs = reinterpret_cast<threadgroup bfloat*>(xs16);
+  threadgroup bfloat* ws = reinterpret_cast<threadgroup bfloat*>(ws16);
+
+  const uint32_t t = thread_pos.x;
+  const bool stages_w = simd_id < 2;  // uniform per simdgroup
+  const uint32_t row = t % 64;        // the tile row this thread stages
+  const uint32_t m0 = group_pos.y * BM;
+  const uint32_t n0 = group_pos.x * BN;
+  const uint32_t groups_per_row = args.K / args.group_size;
+  const uint32_t n = min(n0 + row, args.N - 1);
+  const device T* xrow = x + min(m0 + row, args.M - 1) * args.x_stride;
+  const device uint32_t* wrow = w + n * (args.K * bits / 32);
+  const device S* srow = scales + n * groups_per_row;
+  const device S* brow = biases + n * groups_per_row;
+  const uint32_t sm = (simd_id / 2) * 32;  // this simdgroup's quarter of the tile
+  const uint32_t sn = (simd_id % 2) * 32;
+
+  const uint32_t gshift = args.group_size == 32 ? 5u : args.group_size == 64 ? 6u : 7u;
+  QmmXRegs<T> xr;
+  uint4 wq = uint4(0u);
+  float sc = 0.0f, bi = 0.0f;
+  MmaTile<4, 4> acc;
+  mma_zero(acc);
+  const uint32_t steps = args.K / BK;
+  qmm_bf16_load<bits>(stages_w, 0, gshift, xrow, wrow, srow, brow, xr, wq, sc, bi);
+  qmm_bf16_store<bits>(stages_w, 0, xr, wq, sc, bi, xs + row * LD, ws + row * LD);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (uint32_t s = 0; s < steps; ++s) {
+    const uint32_t cur = (s % 2) * STAGE, next = STAGE - cur;
+    const uint32_t k1 = (s + 1) * BK;
+    const bool more = s + 1 < steps;
+    if (more) qmm_bf16_load<bits>(stages_w, k1, gshift, xrow, wrow, srow, brow, xr, wq, sc, bi);
+    for (uint32_t kk = 0; kk < BK; kk += 8)
+      mma_step(acc, xs + cur + sm * LD + kk, LD, ws + cur + sn * LD + kk, LD);
+    if (more) qmm_bf16_store<bits>(stages_w, k1, xr, wq, sc, bi, xs + next + row * LD, ws + next + row * LD);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+
+  const uint32_t r = lane / 4, c = 2 * (lane % 4);  // the 2 outputs this lane writes per 8 x 8
+  for (uint32_t i = 0; i < 4; ++i) {
+    for (uint32_t j = 0; j < 4; ++j) {
+      simdgroup_store(acc.c[i][j], cs + simd_id * 64, ulong(8), ulong2(0), false);
+      simdgroup_barrier(mem_flags::mem_threadgroup);
+      const uint32_t m = m0 + sm + 8 * i + r;
+      const uint32_t nc = n0 + sn + 8 * j + c;
+      if (m < args.M) {
+        if (nc < args.N) y[m * args.y_stride + nc] = T(cs[simd_id * 64 + r * 8 + c]);
+        if (nc + 1 < args.N) y[m * args.y_stride + nc + 1] = T(cs[simd_id * 64 + r * 8 + c + 1]);
+      }
+      simdgroup_barrier(mem_flags::mem_threadgroup);
+    }
+  }
+}
+
 // Instantiations: exactly the rows of csrc/gpu/kernel_ids.h (x dtype, scale dtype, bits).
 LILY_INSTANTIATE("qmv_b4_xf32_sf32", qmv<float, float, 4>)
 LILY_INSTANTIATE("qmv_b4_xf32_sbf16", qmv<float, bfloat, 4>)
@@ -269,5 +472,14 @@ LILY_INSTANTIATE("qmm_b8_xf32_sf32", qmm<float, float, 8>)
 LILY_INSTANTIATE("qmm_b8_xf32_sbf16", qmm<float, bfloat, 8>)
 LILY_INSTANTIATE("qmm_b8_xbf16_sf32", qmm<bfloat, float, 8>)
 LILY_INSTANTIATE("qmm_b8_xbf16_sbf16", qmm<bfloat, bfloat, 8>)
+
+LILY_INSTANTIATE("qmm_bf16_b4_xf32_sf32", qmm_bf16<float, float, 4>)
+LILY_INSTANTIATE("qmm_bf16_b4_xf32_sbf16", qmm_bf16<float, bfloat, 4>)
+LILY_INSTANTIATE("qmm_bf16_b4_xbf16_sf32", qmm_bf16<bfloat, float, 4>)
+LILY_INSTANTIATE("qmm_bf16_b4_xbf16_sbf16", qmm_bf16<bfloat, bfloat, 4>)
+LILY_INSTANTIATE("qmm_bf16_b8_xf32_sf32", qmm_bf16<float, float, 8>)
+LILY_INSTANTIATE("qmm_bf16_b8_xf32_sbf16", qmm_bf16<float, bfloat, 8>)
+LILY_INSTANTIATE("qmm_bf16_b8_xbf16_sf32", qmm_bf16<bfloat, float, 8>)
+LILY_INSTANTIATE("qmm_bf16_b8_xbf16_sbf16", qmm_bf16<bfloat, bfloat, 8>)
 
 }  // namespace lily

@@ -56,6 +56,15 @@ template <typename T>
 [[kernel]] void k(constant uint& n [[buffer(0)]], device T* y [[buffer(1)]], LILY_KERNEL_TAIL) { if constexpr (sizeof(T) == 4) y[lane] = T(1.0f); }
 LILY_INSTANTIATE("k", k<float>)'
 
+must_fail "bfloat operands into a half accumulator (simdgroup_multiply_accumulate)" '
+[[kernel]] void k(constant uint& n [[buffer(0)]], device half* y [[buffer(1)]], LILY_KERNEL_TAIL) {
+  simdgroup_bfloat8x8 a = make_filled_simdgroup_matrix<bfloat, 8, 8>(bfloat(1.0f));
+  simdgroup_half8x8 c = make_filled_simdgroup_matrix<half, 8, 8>(half(0.0f));
+  simdgroup_multiply_accumulate(c, a, a, c);
+  simdgroup_store(c, y, 8);
+}
+LILY_INSTANTIATE("k", k)'
+
 M5_FLAGS=(-std=c++20 "${FLAGS[@]:1}")
 printf '#include "emu/metal_strict.h"\n#include "common/tensor_ops.h"\nnamespace lily {\n%s\n}\n' '
 [[kernel]] void k(constant uint& n [[buffer(0)]], device half* y [[buffer(1)]], LILY_KERNEL_TAIL) {

@@ -145,19 +145,21 @@ void init_ops(nb::module_& parent) {
   init_ops_moe(m);
 
   m.def("qmm_route",
-        [](uint32_t M, uint32_t bits, bool tensor_ops) {
-          return std::string(gpu::ops::qmm_route_name(gpu::ops::qmm_route(M, bits, tensor_ops)));
+        [](uint32_t M, uint32_t bits, bool tensor_ops, bool bf16_tiles) {
+          return std::string(gpu::ops::qmm_route_name(gpu::ops::qmm_route(M, bits, tensor_ops, bf16_tiles)));
         },
-        "M"_a, "bits"_a = 4, "tensor_ops"_a = false,
-        "Route quantized_matmul takes for M rows of x: 'qmv1' (M = 1), 'qmv', 'qmm', or 'qmm_m5' (4-bit, on a device "
-        "with Metal 4 tensor ops).");
+        "M"_a, "bits"_a = 4, "tensor_ops"_a = false, "bf16_tiles"_a = true,
+        "Route quantized_matmul takes for M rows of x: 'qmv1' (M = 1), 'qmv', 'qmm', 'qmm_bf16' (M >= "
+        "QMM_BF16_MIN_ROWS without tensor ops, or 8-bit, where the operands may be rounded to bf16: "
+        "bf16_tiles), or 'qmm_m5' (4-bit, on a device with Metal 4 tensor ops).");
+  m.attr("QMM_BF16_MIN_ROWS") = static_cast<uint32_t>(kQmmBf16MinRows);
   m.attr("QMV_MAX_ROWS") = static_cast<uint32_t>(kQmvMaxRows);
 
   m.def(
       "quantized_matmul",
       [](InArray x, InArray w, InArray scales, InArray biases, uint32_t bits, uint32_t group_size,
          const std::string& x_dtype, const std::string& scale_dtype, const std::string& device,
-         const std::string& order, uint64_t seed, bool fp_traps) {
+         const std::string& order, uint64_t seed, bool fp_traps, bool f32_x_bf16_tiles) {
         const gpu::DType xt = gpu::parse_dtype(x_dtype, "quantized_matmul: x");
         const gpu::DType st = gpu::parse_dtype(scale_dtype, "quantized_matmul: scales");
         const char* fn = "quantized_matmul";
@@ -185,6 +187,7 @@ void init_ops(nb::module_& parent) {
         op.K = K;
         op.bits = bits;
         op.group_size = group_size;
+        op.f32_x_bf16_tiles = f32_x_bf16_tiles;
         Run run(device, order, seed, fp_traps);
         op.x = run.input(x);
         op.w = run.input(w);
@@ -192,12 +195,14 @@ void init_ops(nb::module_& parent) {
         op.biases = run.input(biases);
         op.y = run.output(size_t(M) * N * gpu::dtype_size(xt));
         gpu::ops::validate(op);
-        run.encode(gpu::ops::qmm_kernel(gpu::ops::qmm_route(M, bits, run.enc->tensor_ops()), bits, xt, st),
+        run.encode(gpu::ops::qmm_kernel(gpu::ops::qmm_route(M, bits, run.enc->tensor_ops(), gpu::ops::qmm_bf16_allowed(op)),
+                                        bits, xt, st),
                    [&](gpu::Encoder& e) { gpu::ops::encode_quantized_matmul(e, op); });
         return nb::make_tuple(run.download(op.y, xt, {M, N}), run.stats());
       },
       "x"_a, "w"_a, "scales"_a, "biases"_a, nb::kw_only(), "bits"_a, "group_size"_a, "x_dtype"_a,
       "scale_dtype"_a, "device"_a = "emu", "order"_a = "shuffle", "seed"_a = 0, "fp_traps"_a = true,
+      "f32_x_bf16_tiles"_a = false,
       "y = x @ dequant(w).T on a device; returns (y, stats). bfloat16 arrays travel as uint16 "
       "(x_dtype / scale_dtype say which). Use lily_py.ops.quantized_matmul.");
 

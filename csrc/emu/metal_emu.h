@@ -16,7 +16,8 @@
 //              atomic_fetch_{add,sub,min,max}_explicit, atomic_compare_exchange_weak_explicit
 //   matrices   simdgroup_matrix<T,8,8> (float/half/bfloat), distributed over the lanes:
 //              make_filled_simdgroup_matrix, diagonal constructor, simdgroup_load/store
-//              (matrix_origin must be 0), simdgroup_multiply(_accumulate)
+//              (matrix_origin must be 0), simdgroup_multiply(_accumulate) (bfloat / half operands
+//              into float accumulators too)
 //   tensors    Metal 4 tensor_inline tensors, cooperative tensors and mpp::tensor_ops::matmul2d
 //              (csrc/emu/tensor_ops_emu.h: semantics, scope checks and rounding stated there)
 //   kernels    LILY_INSTANTIATE registers a kernel under its host name; LILY_TG_ARRAY declares a
@@ -617,29 +618,50 @@ inline void simdgroup_store(const simdgroup_matrix<T, Cols, Rows>& m, T* dst, ul
 }
 
 namespace detail {
-template <class T>
+template <class TA, class TB, class TC>
 struct MmaOperands {
-  T a[2], b[2], c[2];
+  TA a[2];
+  TB b[2];
+  TC c[2];
 };
+template <class T>
+inline constexpr bool is_low_precision_elem = std::is_same_v<T, bfloat>
+#if defined(__FLT16_MAX__)
+                                       || std::is_same_v<T, _Float16>
+#endif
+    ;
 }  // namespace detail
 
-// d = a * b + c (all 8x8).
-template <class T>
-inline void simdgroup_multiply_accumulate(simdgroup_matrix<T, 8, 8>& d, const simdgroup_matrix<T, 8, 8>& a,
-                                          const simdgroup_matrix<T, 8, 8>& b, const simdgroup_matrix<T, 8, 8>& c,
+// d = a * b + c (all 8x8). Operand types as Apple's compiler takes them: all four of one element
+// type, or a and b of half / bfloat (each its own) with c and d float. The mixed form is
+// not in the MSL specification's table (which lists one T); it is what Apple's headers accept:
+// llama.cpp's kernel_mul_mm multiplies simdgroup_bfloat8x8 (and simdgroup_half8x8) operands into
+// simdgroup_float8x8 accumulators in kernels shipped for macOS. Semantics here: each product
+// float(a) * float(b) in fp32 (exact for half and bfloat operands: at most 22 significant bits),
+// summed into float(c) for k = 0..7 in order with fp32 rounding after each add; then d is rounded
+// to its type.
+template <class TD, class TA, class TB, class TC>
+inline void simdgroup_multiply_accumulate(simdgroup_matrix<TD, 8, 8>& d, const simdgroup_matrix<TA, 8, 8>& a,
+                                          const simdgroup_matrix<TB, 8, 8>& b, const simdgroup_matrix<TC, 8, 8>& c,
                                           const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
-  const detail::MmaOperands<T> mine{{a.e[0], a.e[1]}, {b.e[0], b.e[1]}, {c.e[0], c.e[1]}};
+  static_assert(std::is_same_v<TD, TC>, "simdgroup_multiply_accumulate: c and d must have the same type");
+  static_assert((std::is_same_v<TA, TD> && std::is_same_v<TB, TD>) ||
+                    (std::is_same_v<TD, float> && detail::is_low_precision_elem<TA> &&
+                     detail::is_low_precision_elem<TB>),
+                "simdgroup_multiply_accumulate: a, b, c and d of one type, or float c and d with half / bfloat "
+                "a and b");
+  const detail::MmaOperands<TA, TB, TC> mine{{a.e[0], a.e[1]}, {b.e[0], b.e[1]}, {c.e[0], c.e[1]}};
   auto ex = detail::exchange(mine, "simdgroup_multiply_accumulate", file, line);
   if (ex.width != ::lily::emu::kSimdWidth)
     ::lily::emu::kernel_fail("simdgroup_multiply_accumulate needs a full simdgroup of 32 lanes", file, line);
   const uint32_t r = ex.lane / 4, c0 = 2 * (ex.lane % 4);
-  T out[2];
+  TD out[2];
   for (uint32_t i = 0; i < 2; ++i) {
     const uint32_t col = c0 + i;
     float s = static_cast<float>(mine.c[i]);
     for (uint32_t k = 0; k < 8; ++k)
       s += static_cast<float>(ex.at(4 * r + k / 2).a[k % 2]) * static_cast<float>(ex.at(4 * k + col / 2).b[col % 2]);
-    out[i] = static_cast<T>(s);
+    out[i] = static_cast<TD>(s);
   }
   d.e[0] = out[0];
   d.e[1] = out[1];

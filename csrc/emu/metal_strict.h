@@ -140,6 +140,16 @@ LILY_STRICT_MATRIX_IO(threadgroup)
 template <class T>
 void simdgroup_multiply_accumulate(thread simdgroup_matrix<T, 8, 8>&, thread const simdgroup_matrix<T, 8, 8>&,
                                    thread const simdgroup_matrix<T, 8, 8>&, thread const simdgroup_matrix<T, 8, 8>&);
+// float accumulators with half / bfloat operands, as Apple's headers take them (llama.cpp's
+// kernel_mul_mm: bfloat x bfloat and half x half into float). Any other mix (a half accumulator,
+// c and d of different types) matches no declaration.
+template <class T> struct lily_strict_mma_operand {};
+template <> struct lily_strict_mma_operand<half> { using type = void; };
+template <> struct lily_strict_mma_operand<bfloat> { using type = void; };
+template <class TA, class TB, class = typename lily_strict_mma_operand<TA>::type,
+          class = typename lily_strict_mma_operand<TB>::type>
+void simdgroup_multiply_accumulate(thread simdgroup_matrix<float, 8, 8>&, thread const simdgroup_matrix<TA, 8, 8>&,
+                                   thread const simdgroup_matrix<TB, 8, 8>&, thread const simdgroup_matrix<float, 8, 8>&);
 template <class T>
 void simdgroup_multiply(thread simdgroup_matrix<T, 8, 8>&, thread const simdgroup_matrix<T, 8, 8>&,
                         thread const simdgroup_matrix<T, 8, 8>&);

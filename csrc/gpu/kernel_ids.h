@@ -46,6 +46,15 @@
   X(qmm_b8_xf32_sbf16,  QmmArgs, 5)                                           \
   X(qmm_b8_xbf16_sf32,  QmmArgs, 5)                                           \
   X(qmm_b8_xbf16_sbf16, QmmArgs, 5)                                           \
+  /* quantized matrix-matrix, bf16 simdgroup tiles, M1-M4 prefill (shaders/qmm.metal): same buffers */ \
+  X(qmm_bf16_b4_xf32_sf32,   QmmArgs, 5)                                      \
+  X(qmm_bf16_b4_xf32_sbf16,  QmmArgs, 5)                                      \
+  X(qmm_bf16_b4_xbf16_sf32,  QmmArgs, 5)                                      \
+  X(qmm_bf16_b4_xbf16_sbf16, QmmArgs, 5)                                      \
+  X(qmm_bf16_b8_xf32_sf32,   QmmArgs, 5)                                      \
+  X(qmm_bf16_b8_xf32_sbf16,  QmmArgs, 5)                                      \
+  X(qmm_bf16_b8_xbf16_sf32,  QmmArgs, 5)                                      \
+  X(qmm_bf16_b8_xbf16_sbf16, QmmArgs, 5)                                      \
   /* quantized matmul on Metal 4 tensor ops, M5 (shaders/m5/qmm_m5.metal, lily_m5.metallib; */ \
   /* only on devices that report tensor_ops, see kernel_needs_tensor_ops): same buffers as qmm */ \
   X(qmm_m5_b4_xf32_sf32,   QmmArgs, 5)                                        \

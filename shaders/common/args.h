@@ -19,6 +19,12 @@ enum : uint32_t {
   kQmmTileN = 32,         // qmm output tile: output features
   kQmmTileK = 32,         // qmm K step (must divide every supported group size)
   kQmmSimdsPerGroup = 4,  // qmm threadgroup = 4 simdgroups (2 x 2 over the 32 x 32 tile)
+  // qmm_bf16 (shaders/qmm.metal, M1-M4 prefill): bf16 simdgroup-matrix tiles, fp32 accumulators
+  kQmmBf16MinRows = 33,       // M >= this takes qmm_bf16 (below: qmm's 32-row tiles pad less)
+  kQmmBf16TileM = 64,         // output tile: rows of x
+  kQmmBf16TileN = 64,         // output tile: output features
+  kQmmBf16TileK = 16,         // K step (divides every supported group size)
+  kQmmBf16SimdsPerGroup = 4,  // 2 x 2 simdgroups, each a 32 x 32 quarter of the tile
   // qmm_m5 (shaders/m5/qmm_m5.metal, Metal 4 tensor ops): 4-bit weights only
   kQmmM5TileM = 64,         // output tile: rows of x
   kQmmM5TileN = 64,         // output tile: output features

@@ -1,4 +1,5 @@
-// The only shader header that uses simdgroup_matrix (8x8 fp32 tiles, Apple GPU family 7+ / M1+).
+// The only shader header that uses simdgroup_matrix (8x8 tiles, Apple GPU family 7+ / M1+: fp32
+// accumulators, fp32 or bf16 operands; bfloat needs MSL 3.1).
 // The emulator implements these MSL calls in csrc/emu/metal_emu.h; Metal 4 tensor ops (M5) will
 // get a header of their own.
 #pragma once
@@ -20,12 +21,13 @@ inline void mma_zero(thread MmaTile<TM, TN>& t) {
 
 // t += A[8*TM x 8] * B[8 x 8*TN] for one 8-wide k slice. A is row-major with leading dimension
 // lda; B is given transposed (bt: row n holds B[:, n], leading dimension ldb), which is how a
-// weight tile [n][k] is stored.
-template <int TM, int TN>
-inline void mma_step(thread MmaTile<TM, TN>& t, const threadgroup float* a, uint32_t lda,
-                     const threadgroup float* bt, uint32_t ldb) {
-  simdgroup_float8x8 af[TM];
-  simdgroup_float8x8 bf[TN];
+// weight tile [n][k] is stored. E: the operands' element type in threadgroup memory, float or
+// bfloat (bfloat x bfloat products accumulate into the fp32 tile: see metal_emu.h).
+template <int TM, int TN, typename E>
+inline void mma_step(thread MmaTile<TM, TN>& t, const threadgroup E* a, uint32_t lda,
+                     const threadgroup E* bt, uint32_t ldb) {
+  simdgroup_matrix<E, 8, 8> af[TM];
+  simdgroup_matrix<E, 8, 8> bf[TN];
   for (int i = 0; i < TM; ++i) simdgroup_load(af[i], a + uint32_t(8 * i) * lda, ulong(lda), ulong2(0), false);
   for (int j = 0; j < TN; ++j) simdgroup_load(bf[j], bt + uint32_t(8 * j) * ldb, ulong(ldb), ulong2(0), true);
   for (int i = 0; i < TM; ++i)

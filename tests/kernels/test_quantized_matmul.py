@@ -27,6 +27,8 @@ from lily_py.reference import quant
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 QMV_MAX_ROWS = 8  # must match kQmvMaxRows in shaders/common/args.h (checked below)
+QMM_BF16_MIN_ROWS = 33  # kQmmBf16MinRows: M >= this takes the 64 x 64 bf16 tiles (checked below)
+BF16_U = 2.0 ** -8  # bfloat16's unit roundoff (8 significant bits, round to nearest even)
 
 
 def make_case(rng, m, n, k, *, bits, group_size, x_dtype, scale_dtype, lead=None):
@@ -37,6 +39,17 @@ def make_case(rng, m, n, k, *, bits, group_size, x_dtype, scale_dtype, lead=None
     return x, w, scales, biases
 
 
+def bf16_operands(x, w, s, b, *, bits, group_size):
+    """x and the dequantized weights as qmm_bf16 stages them (float64 copies of bfloat16 values):
+    w dequantized in fp32 (s * q, rounded, + b, rounded), then both rounded to bf16."""
+    k = x.shape[-1]
+    q = quant.unpack(w, bits).astype(np.float32).reshape(w.shape[0], k // group_size, group_size)
+    wd = q * np.asarray(s).astype(np.float32)[..., None] + np.asarray(b).astype(np.float32)[..., None]
+    wb = wd.reshape(w.shape[0], k).astype(BF16).astype(np.float64)
+    xb = np.asarray(x).astype(np.float32).astype(BF16).astype(np.float64)
+    return xb, wb
+
+
 def check(rng, x, w, scales, biases, *, bits, group_size, device="emu", **kw):
     y, stats = ops._quantized_matmul(x, w, scales, biases, bits=bits, group_size=group_size, device=device,
                                      seed=rng.seed, **kw)
@@ -45,8 +58,21 @@ def check(rng, x, w, scales, biases, *, bits, group_size, device="emu", **kw):
     k = x.shape[-1]
     assert y.dtype == x.dtype and y.shape == ref.shape
     rtol = 2 * BF16_EPS if x.dtype == BF16 else 0.0
-    assert_close(y, ref, atol=8 * np.sqrt(k) * F32_EPS * mag, rtol=rtol,
-                 what=f"quantized_matmul {stats['kernels']} x{x.shape} w{w.shape}", seed=rng.seed)
+    what = f"quantized_matmul {stats['kernels']} x{x.shape} w{w.shape}"
+    if stats["kernels"][0].startswith("qmm_bf16"):
+        # Exact semantics: given the bf16 operands the kernel stages, only the fp32 sum errs.
+        xb, wb = bf16_operands(x.reshape(-1, k), w, scales, biases, bits=bits, group_size=group_size)
+        exact = (xb @ wb.T).reshape(ref.shape)
+        mag_b = (np.abs(xb) @ np.abs(wb).T).reshape(ref.shape)
+        assert_close(y, exact, atol=8 * np.sqrt(k) * F32_EPS * mag_b, rtol=rtol, what=what + " (bf16 operands)",
+                     seed=rng.seed)
+        # Against the fp32 reference: each operand's bf16 rounding is <= BF16_U relative, the fp32
+        # dequantization 2 F32_EPS of |s q| + |b|: per product <= (2 BF16_U + BF16_U^2 + 3 F32_EPS)
+        # |x_k| (|s q_k| + |b|), plus the fp32 sum.
+        assert_close(y, ref, atol=(2.01 * BF16_U + 8 * np.sqrt(k) * F32_EPS) * mag, rtol=rtol,
+                     what=what + " vs fp32 reference", seed=rng.seed)
+        return y, stats
+    assert_close(y, ref, atol=8 * np.sqrt(k) * F32_EPS * mag, rtol=rtol, what=what, seed=rng.seed)
     return y, stats
 
 
@@ -57,6 +83,11 @@ def test_route_boundary_constant_matches_extension():
     assert ops.quantized_matmul_route(2) == "qmv"
     assert ops.quantized_matmul_route(QMV_MAX_ROWS) == "qmv"
     assert ops.quantized_matmul_route(QMV_MAX_ROWS + 1) == "qmm"
+    assert core.ops.QMM_BF16_MIN_ROWS == QMM_BF16_MIN_ROWS
+    assert ops.quantized_matmul_route(QMM_BF16_MIN_ROWS - 1) == "qmm"
+    assert ops.quantized_matmul_route(QMM_BF16_MIN_ROWS) == "qmm_bf16"
+    assert ops.quantized_matmul_route(4096, bits=8) == "qmm_bf16"
+    assert ops.quantized_matmul_route(4096, bf16_tiles=False) == "qmm"
 
 
 # Both sides of the qmv1 / qmv (M = 1 | 2) and qmv / qmm (M = 8 | 9) route switches, every bits x
@@ -65,7 +96,14 @@ def test_route_boundary_constant_matches_extension():
 COMBOS = list(itertools.product([4, 8], [32, 64, 128], [np.float32, BF16], [np.float32, BF16]))
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, QMV_MAX_ROWS, QMV_MAX_ROWS + 1, 45])
+def route_of(m, x_dtype):
+    # qmm_bf16 rounds the operands to bf16: bf16 x takes it; fp32 x only when asked (f32_x_bf16_tiles)
+    return ("qmv1" if m == 1 else "qmv" if m <= QMV_MAX_ROWS else
+            "qmm_bf16" if m >= QMM_BF16_MIN_ROWS and np.dtype(x_dtype) == BF16 else "qmm")
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, QMV_MAX_ROWS, QMV_MAX_ROWS + 1, QMM_BF16_MIN_ROWS - 1,
+                               QMM_BF16_MIN_ROWS, 45])
 @pytest.mark.parametrize("bits,group_size,x_dtype,scale_dtype", COMBOS,
                          ids=[f"b{b}-g{g}-x{np.dtype(x).name}-s{np.dtype(s).name}" for b, g, x, s in COMBOS])
 def test_quantized_matmul_matches_reference(rng, device, m, bits, group_size, x_dtype, scale_dtype):
@@ -74,7 +112,7 @@ def test_quantized_matmul_matches_reference(rng, device, m, bits, group_size, x_
     x, w, s, b = make_case(rng, m, n, k, bits=bits, group_size=group_size, x_dtype=x_dtype,
                            scale_dtype=scale_dtype)
     _, stats = check(rng, x, w, s, b, bits=bits, group_size=group_size, device=device)
-    route = "qmv1" if m == 1 else "qmv" if m <= QMV_MAX_ROWS else "qmm"
+    route = route_of(m, x_dtype)
     xs = "bf16" if np.dtype(x_dtype) == BF16 else "f32"
     ss = "bf16" if np.dtype(scale_dtype) == BF16 else "f32"
     assert stats["kernels"] == [f"{route}_b{bits}_x{xs}_s{ss}"]
@@ -106,11 +144,12 @@ def test_leading_dims_and_1d_x(rng, device):
     np.testing.assert_array_equal(y1, y1b)
 
 
-@pytest.mark.parametrize("m", [1, 2, 40])
+@pytest.mark.parametrize("m", [1, 2, 20, 40])
 def test_result_independent_of_thread_order(rng, m):
     # No races: forward, reverse, shuffled and 'ahead' scheduling give bit-identical results.
     x, w, s, b = make_case(rng, m, 40, 256, bits=4, group_size=64, x_dtype=np.float32, scale_dtype=BF16)
-    runs = [ops._quantized_matmul(x, w, s, b, bits=4, group_size=64, order=o, seed=rng.seed)[0]
+    kw = {"f32_x_bf16_tiles": True} if m >= QMM_BF16_MIN_ROWS else {}  # m = 40: qmm_bf16
+    runs = [ops._quantized_matmul(x, w, s, b, bits=4, group_size=64, order=o, seed=rng.seed, **kw)[0]
             for o in ("forward", "reverse", "shuffle", "ahead")]
     for o, r in zip(("reverse", "shuffle", "ahead"), runs[1:]):
         np.testing.assert_array_equal(runs[0], r, err_msg=f"order {o!r} differs from 'forward': a race (missing barrier?)")
@@ -123,6 +162,76 @@ def test_counters_report_exact_bytes(rng):
     assert stats["dispatches"] == 1 and stats["barriers"] == 0
     assert stats["bytes_bound"] == x.nbytes + w.nbytes + s.nbytes + b.nbytes + m * n * 2
     assert stats["threads"] == -(-n // 8) * 64  # qmv: 8 rows per 64-thread threadgroup
+
+
+# ------------------------------------------------------------------------------ qmm_bf16
+# The M1-M4 prefill tiles (64 x 64 outputs, K steps of 16, bf16 operands, fp32 accumulators).
+# Tile edges on both sides (M, N = 63 | 64 | 65, 1, 129, 130), K of one step pair (32: gs 32) up to
+# odd step counts (K = 96, 160: the 4-bit register's second half at the last step), both bits,
+# both x dtypes (fp32 x rounded to bf16 at the tile load), both scale dtypes.
+BF16_SHAPES = [(33, 1, 32, 32, 4), (64, 64, 64, 64, 8), (65, 63, 96, 32, 4), (130, 129, 320, 64, 8),
+               (97, 200, 160, 32, 4), (40, 70, 384, 128, 4)]
+
+
+@pytest.mark.parametrize("x_dtype,scale_dtype", [(np.float32, np.float32), (BF16, BF16), (np.float32, BF16)],
+                         ids=["xf32-sf32", "xbf16-sbf16", "xf32-sbf16"])
+@pytest.mark.parametrize("m,n,k,group_size,bits", BF16_SHAPES)
+def test_qmm_bf16_odd_shapes(rng, m, n, k, group_size, bits, x_dtype, scale_dtype):
+    x, w, s, b = make_case(rng, m, n, k, bits=bits, group_size=group_size, x_dtype=x_dtype,
+                           scale_dtype=scale_dtype)
+    _, stats = check(rng, x, w, s, b, bits=bits, group_size=group_size, f32_x_bf16_tiles=True)
+    xs = "bf16" if np.dtype(x_dtype) == BF16 else "f32"
+    ss = "bf16" if np.dtype(scale_dtype) == BF16 else "f32"
+    assert stats["kernels"] == [f"qmm_bf16_b{bits}_x{xs}_s{ss}"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("m,n,k", [(33, 193, 2048), (40, 2048, 4096)], ids=["in_proj_slice", "out_proj"])
+def test_qmm_bf16_real_shapes(rng, m, n, k):
+    # The real model's linear-attention out_proj (2048 x 4096) whole, and in_proj (qkv|z|b|a:
+    # 12352 x 2048) at its real K on 193 of its rows (the whole matrix is 193 column tiles x 128 K
+    # steps: ~60 s on the emulator, for no path this slice does not take), 4-bit / group 64 / bf16,
+    # on a few rows of x.
+    x, w, s, b = make_case(rng, m, n, k, bits=4, group_size=64, x_dtype=BF16, scale_dtype=BF16)
+    _, stats = check(rng, x, w, s, b, bits=4, group_size=64)
+    assert stats["kernels"] == ["qmm_bf16_b4_xbf16_sbf16"]
+
+
+@pytest.mark.parametrize("m,n,k,bits", [(33, 37, 192, 4), (130, 129, 128, 8), (64, 64, 64, 4)])
+def test_qmm_bf16_counters(rng, m, n, k, bits):
+    x, w, s, b = make_case(rng, m, n, k, bits=bits, group_size=64, x_dtype=BF16, scale_dtype=BF16)
+    _, stats = ops._quantized_matmul(x, w, s, b, bits=bits, group_size=64)
+    tiles_m, tiles_n = -(-m // 64), -(-n // 64)
+    assert stats["kernels"] == [f"qmm_bf16_b{bits}_xbf16_sbf16"]
+    assert stats["dispatches"] == 1 and stats["barriers"] == 0
+    assert stats["threads"] == tiles_m * tiles_n * 128
+    assert stats["bytes_bound"] == x.nbytes + w.nbytes + s.nbytes + b.nbytes + m * n * 2
+    assert stats["flops_useful"] == 2 * m * n * k
+    assert stats["flops_executed"] == 2 * (tiles_m * 64) * (tiles_n * 64) * k
+
+
+def test_qmm_bf16_route_needs_bf16_operands_allowed(rng):
+    # bf16_tiles: bf16 x (or fp32 x with f32_x_bf16_tiles), 16-byte aligned x rows and w, and no
+    # fp32_operands request (the MoE router); otherwise qmm. fp32 x keeps fp32 operands by default.
+    import lily_py._core as core
+    assert core.ops.qmm_route(64, bf16_tiles=True) == "qmm_bf16"
+    assert core.ops.qmm_route(64, bf16_tiles=False) == "qmm"
+    assert core.ops.qmm_route(64, bits=4, tensor_ops=True, bf16_tiles=False) == "qmm_m5"
+    x, w, s, b = make_case(rng, 64, 40, 128, bits=4, group_size=64, x_dtype=np.float32, scale_dtype=BF16)
+    _, stats = check(rng, x, w, s, b, bits=4, group_size=64)
+    assert stats["kernels"] == ["qmm_b4_xf32_sbf16"]
+    _, stats = check(rng, x, w, s, b, bits=4, group_size=64, f32_x_bf16_tiles=True)
+    assert stats["kernels"] == ["qmm_bf16_b4_xf32_sbf16"]
+
+
+def test_qmm_bf16_rounds_operands_where_stated(rng):
+    # The fp32 reference with bf16-rounded operands is matched to the fp32 sum's precision, and the
+    # result is measurably not the unrounded fp32 product (the rounding happens, once, in staging).
+    x, w, s, b = make_case(rng, 64, 64, 512, bits=4, group_size=64, x_dtype=np.float32, scale_dtype=np.float32)
+    y, _ = check(rng, x, w, s, b, bits=4, group_size=64, f32_x_bf16_tiles=True)
+    ref = ref_kernels.quantized_matmul(x, w, s, b, bits=4, group_size=64)
+    mag = ref_kernels.quantized_matmul_error_scale(x, w, s, b, bits=4, group_size=64)
+    assert np.max(np.abs(y - ref) / mag) > 8 * np.sqrt(512) * F32_EPS
 
 
 # ------------------------------------------------------------------------------ qmv1

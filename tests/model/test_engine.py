@@ -731,3 +731,40 @@ def test_real_config_sampler_levels(position):
               f"+{added[1]} barriers, levels {st['dispatches']}")
         assert added == (levels, levels) and levels <= 6
         assert st["barriers"] == st["dispatches"] - 1
+
+
+def test_real_config_prefill_qmm_tiles():
+    """The 4096-token chunk of the real 35B config on the counting device: every projection takes
+    the tiled route (qmm_bf16's 64 x 64 tiles with bf16 activations, qmm's 32 x 32 with fp32 ones:
+    fp32 x keeps fp32 operands), the router qmm (fp32 operands: its logits choose the experts);
+    one threadgroup of 128 threads per tile; executed FLOPs 2 * tile_m * tile_n * K per tile,
+    exactly: the only padding is the router's E + 1 = 257 rows rounded up to the tile."""
+    from lily_py.backends.engine import REAL_QUANT, _core, engine_spec
+    cfg, T = _real_cfg(), 4096
+    eng = _core().Engine(engine_spec(cfg, REAL_QUANT, context_length=T, prefill_chunk=T), "count")
+    st = eng.count(T, 0, False)
+    H, E = cfg.hidden_size, cfg.num_experts
+    Hk, Hv, Dk, Dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                      cfg.linear_value_head_dim)
+    Hq, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    got = [d for d in eng.count_dispatches() if d["kernel"].startswith(("qmm", "qmv"))][:-1]  # - lm_head
+    tiles = "qmm_bf16" if "_xbf16_" in got[0]["kernel"] else "qmm"  # the engine's activation dtype
+    want = []  # (kernel, N, K) of every matmul-family dispatch, in order
+    for i in range(cfg.num_hidden_layers):
+        if cfg.is_full_attention(i):
+            want += [(f"{tiles}_b4", 2 * Hq * D + 2 * Hkv * D, H), (f"{tiles}_b4", H, Hq * D)]
+        else:
+            want += [(f"{tiles}_b4", 2 * Hk * Dk + 2 * Hv * Dv + 2 * Hv, H), (f"{tiles}_b4", H, Hv * Dv)]
+        want.append(("qmm_b8", E + 1, H))  # router + shared-expert gate (8-bit, fp32 operands)
+    assert [d["kernel"].rsplit("_x", 1)[0] for d in got] == [k for k, _, _ in want]
+    executed = useful = 0
+    for d, (kern, n, k) in zip(got, want):
+        t = 64 if kern.startswith("qmm_bf16") else 32
+        assert d["groups"] == (-(-n // t), T // t, 1) and d["threads"] == (128, 1, 1)
+        executed += 2 * (d["groups"][0] * t) * (d["groups"][1] * t) * k
+        useful += 2 * T * n * k
+    assert executed - useful == cfg.num_hidden_layers * 2 * T * (-(-(E + 1) // 32) * 32 - (E + 1)) * H
+    print(f"real config, 4096-token chunk, {tiles} tiles: projections + router executed {executed / 1e9:.1f} "
+          f"GFLOP, useful {useful / 1e9:.1f}; step executed {st['flops_executed'] / 1e9:.1f}, "
+          f"useful {st['flops_useful'] / 1e9:.1f}")
+    assert st["flops_executed"] - st["flops_useful"] >= executed - useful

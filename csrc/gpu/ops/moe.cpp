@@ -212,7 +212,7 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
   // host does not know the routes and counts min(E, T k), an upper bound.
   const uint64_t used = std::min<uint64_t>(E, uint64_t(T) * k);
 
-  // 1. router + shared-gate logits [T, E + 1] (qmv for T <= 8, else qmm)
+  // 1. router + shared-gate logits [T, E + 1] (qmv for T <= 8, else qmm with fp32 operands)
   QmmOperands r;
   r.x = op.x;
   r.w = op.router.w;
@@ -226,6 +226,7 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
   r.K = H;
   r.bits = op.router_bits;
   r.group_size = op.router_group_size;
+  r.fp32_operands = true;  // the logits choose the experts: no bf16 operand rounding (qmm, not qmm_bf16)
   if (op.norm_weight.buffer) {
     if (T != 1) fail("the folded post norm needs tokens == 1");
     if (op.residual.buffer == nullptr) fail("the folded post norm writes h to `residual`: bind it");

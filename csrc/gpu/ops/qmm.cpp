@@ -19,10 +19,11 @@ void need_bytes(const Binding& b, uint64_t bytes, const char* what) {
 
 }  // namespace
 
-QmmRoute qmm_route(uint32_t M, uint32_t bits, bool tensor_ops) {
+QmmRoute qmm_route(uint32_t M, uint32_t bits, bool tensor_ops, bool bf16_tiles) {
   if (M == 1) return QmmRoute::qmv1;
   if (M <= kQmvMaxRows) return QmmRoute::qmv;
-  return tensor_ops && bits == 4 ? QmmRoute::qmm_m5 : QmmRoute::qmm;
+  if (tensor_ops && bits == 4) return QmmRoute::qmm_m5;
+  return M >= kQmmBf16MinRows && bf16_tiles ? QmmRoute::qmm_bf16 : QmmRoute::qmm;
 }
 
 const char* qmm_route_name(QmmRoute r) {
@@ -31,6 +32,7 @@ const char* qmm_route_name(QmmRoute r) {
     case QmmRoute::qmv: return "qmv";
     case QmmRoute::qmm: return "qmm";
     case QmmRoute::qmm_m5: return "qmm_m5";
+    case QmmRoute::qmm_bf16: return "qmm_bf16";
   }
   return "?";
 }
@@ -40,13 +42,14 @@ uint32_t qmv1_splits(uint32_t K, uint32_t bits) {
   return std::min<uint32_t>(kQmv1MaxSplits, (K + block - 1) / block);
 }
 
-QmmFlops qmm_flops(uint32_t M, uint32_t N, uint32_t K, uint32_t bits, bool tensor_ops) {
+QmmFlops qmm_flops(uint32_t M, uint32_t N, uint32_t K, uint32_t bits, bool tensor_ops, bool bf16_tiles) {
   const uint64_t useful = 2ull * M * N * K;
-  const QmmRoute route = qmm_route(M, bits, tensor_ops);
+  const QmmRoute route = qmm_route(M, bits, tensor_ops, bf16_tiles);
   if (route == QmmRoute::qmv || route == QmmRoute::qmv1) return {useful, useful};  // rows past N are skipped, not padded
-  // Every threadgroup multiplies a whole tile over K (zeros past M and N): 32 x 32, or 64 x 64 (M5).
-  const uint32_t tm = route == QmmRoute::qmm_m5 ? kQmmM5TileM : kQmmTileM;
-  const uint32_t tn = route == QmmRoute::qmm_m5 ? kQmmM5TileN : kQmmTileN;
+  // Every threadgroup multiplies a whole tile over K (zeros or repeated rows past M and N):
+  // 32 x 32 (qmm), or 64 x 64 (qmm_m5, qmm_bf16).
+  const uint32_t tm = route == QmmRoute::qmm_m5 ? kQmmM5TileM : route == QmmRoute::qmm_bf16 ? kQmmBf16TileM : kQmmTileM;
+  const uint32_t tn = route == QmmRoute::qmm_m5 ? kQmmM5TileN : route == QmmRoute::qmm_bf16 ? kQmmBf16TileN : kQmmTileN;
   const uint64_t Mp = uint64_t(ceil_div(M, tm)) * tm, Np = uint64_t(ceil_div(N, tn)) * tn;
   return {2 * Mp * Np * K, useful};
 }
@@ -67,6 +70,13 @@ KernelId qmm_kernel(QmmRoute route, uint32_t bits, DType x, DType s) {
     if (bits != 4) throw std::invalid_argument("quantized_matmul: the qmm_m5 route takes 4-bit weights only");
     return xb ? (sb ? KernelId::qmm_m5_b4_xbf16_sbf16 : KernelId::qmm_m5_b4_xbf16_sf32)
               : (sb ? KernelId::qmm_m5_b4_xf32_sbf16 : KernelId::qmm_m5_b4_xf32_sf32);
+  }
+  if (route == QmmRoute::qmm_bf16) {
+    if (bits == 4)
+      return xb ? (sb ? KernelId::qmm_bf16_b4_xbf16_sbf16 : KernelId::qmm_bf16_b4_xbf16_sf32)
+                : (sb ? KernelId::qmm_bf16_b4_xf32_sbf16 : KernelId::qmm_bf16_b4_xf32_sf32);
+    return xb ? (sb ? KernelId::qmm_bf16_b8_xbf16_sbf16 : KernelId::qmm_bf16_b8_xbf16_sf32)
+              : (sb ? KernelId::qmm_bf16_b8_xf32_sbf16 : KernelId::qmm_bf16_b8_xf32_sf32);
   }
   if (route == QmmRoute::qmv) {
     if (bits == 4)
@@ -117,9 +127,17 @@ void validate(const QmmOperands& op) {
   }
 }
 
+bool qmm_bf16_allowed(const QmmOperands& op) {
+  const uint64_t xe = dtype_size(op.x_dtype);
+  const uint64_t xs = op.x_stride ? op.x_stride : op.K;
+  const bool aligned = op.x.offset % 16 == 0 && (xs * xe) % 16 == 0 && op.w.offset % 16 == 0;
+  return aligned && !op.fp32_operands && (op.x_dtype == DType::bf16 || op.f32_x_bf16_tiles);
+}
+
 void encode_quantized_matmul(Encoder& enc, const QmmOperands& op) {
   validate(op);
-  const QmmRoute route = qmm_route(op.M, op.bits, enc.tensor_ops());
+  const bool bf16_tiles = qmm_bf16_allowed(op);
+  const QmmRoute route = qmm_route(op.M, op.bits, enc.tensor_ops(), bf16_tiles);
   const uint64_t xe = dtype_size(op.x_dtype), se = dtype_size(op.scale_dtype);
   const uint64_t groups = op.K / op.group_size;
   auto range = [](Binding b, uint64_t bytes) { b.bytes = bytes; return b; };
@@ -159,10 +177,13 @@ void encode_quantized_matmul(Encoder& enc, const QmmOperands& op) {
   enc.set_buffer(3, range(op.scales, uint64_t(op.N) * groups * se));
   enc.set_buffer(4, range(op.biases, uint64_t(op.N) * groups * se));
   enc.set_buffer(5, range(op.y, ((uint64_t(op.M) - 1) * args.y_stride + op.N) * xe));
-  const QmmFlops f = qmm_flops(op.M, op.N, op.K, op.bits, enc.tensor_ops());
+  const QmmFlops f = qmm_flops(op.M, op.N, op.K, op.bits, enc.tensor_ops(), bf16_tiles);
   if (route == QmmRoute::qmv) {
     enc.dispatch({ceil_div(op.N, kQmvRowsPerSimd * kQmvSimdsPerGroup), 1, 1},
                  {32 * kQmvSimdsPerGroup, 1, 1});
+  } else if (route == QmmRoute::qmm_bf16) {
+    enc.dispatch({ceil_div(op.N, kQmmBf16TileN), ceil_div(op.M, kQmmBf16TileM), 1},
+                 {32 * kQmmBf16SimdsPerGroup, 1, 1});
   } else if (route == QmmRoute::qmm_m5) {
     enc.dispatch({ceil_div(op.N, kQmmM5TileN), ceil_div(op.M, kQmmM5TileM), 1},
                  {32 * kQmmM5SimdsPerGroup, 1, 1});

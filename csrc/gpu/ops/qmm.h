@@ -13,10 +13,14 @@ enum class QmmRoute : uint8_t {
   qmv,  // 2 <= M <= kQmvMaxRows: matrix-vector, every weight byte read once for all M rows
   qmm,  // M >  kQmvMaxRows: 32x32 output tiles, weights dequantized per tile into threadgroup memory
   qmm_m5,  // M > kQmvMaxRows, 4-bit, on a device with Metal 4 tensor ops: 64x64 tiles, matmul2d
+  qmm_bf16,  // M >= kQmmBf16MinRows otherwise (M1-M4 prefill): 64x64 bf16 simdgroup tiles
 };
 
-// tensor_ops: the encoder's device runs the M5 kernels (Encoder::tensor_ops()).
-QmmRoute qmm_route(uint32_t M, uint32_t bits = 4, bool tensor_ops = false);
+// tensor_ops: the encoder's device runs the M5 kernels (Encoder::tensor_ops()). bf16_tiles: the
+// operands may be rounded to bf16 - x is bf16 (or the caller allows rounding fp32 x), x's rows and
+// the w binding start on 16-byte boundaries (qmm_bf16 loads 16 bytes at a time) and the caller
+// did not ask for fp32 operands (qmm_bf16_allowed); else qmm.
+QmmRoute qmm_route(uint32_t M, uint32_t bits = 4, bool tensor_ops = false, bool bf16_tiles = true);
 // Simdgroups per threadgroup of the qmv1 route (they split K): min(kQmv1MaxSplits, ceil(K / block)).
 uint32_t qmv1_splits(uint32_t K, uint32_t bits);
 const char* qmm_route_name(QmmRoute r);
@@ -26,7 +30,8 @@ const char* qmm_route_name(QmmRoute r);
 struct QmmFlops {
   uint64_t executed = 0, useful = 0;
 };
-QmmFlops qmm_flops(uint32_t M, uint32_t N, uint32_t K, uint32_t bits = 4, bool tensor_ops = false);
+QmmFlops qmm_flops(uint32_t M, uint32_t N, uint32_t K, uint32_t bits = 4, bool tensor_ops = false,
+                   bool bf16_tiles = true);
 
 struct QmmOperands {
   Binding x;        // [M, x_stride] of x_dtype
@@ -39,6 +44,13 @@ struct QmmOperands {
   uint32_t M = 0, N = 0, K = 0;
   uint32_t bits = 4, group_size = 64;
   uint32_t x_stride = 0, y_stride = 0;  // 0 means packed (K, N)
+  // Keep fp32 operands (qmm, never qmm_bf16): the MoE router, whose logits choose the experts
+  // (a bf16-rounded operand moves near-tied logits, so the chosen experts would differ from the
+  // fp32 reference's; the router is ~1.5% of a prefill chunk's projection FLOPs).
+  bool fp32_operands = false;
+  // fp32 x may take qmm_bf16 (x rounded to bf16 at the tile load). Off by default: the fp32
+  // engine's precision policy keeps fp32 operands (docs/kernels.md, qmm_bf16); bf16 x always may.
+  bool f32_x_bf16_tiles = false;
   // RMSNorm fused in front (qmv1 route only, M == 1): y = w . (rmsnorm(h) * norm_weight) with
   // h = x (+ residual); optionally h and the normalized row are also written (h_out, xn_out).
   Binding norm_weight;  // float32 [K]; unbound: no norm
@@ -49,6 +61,10 @@ struct QmmOperands {
 
 // The kernel a route uses for these bits / dtypes; throws std::invalid_argument when unsupported.
 KernelId qmm_kernel(QmmRoute route, uint32_t bits, DType x_dtype, DType scale_dtype);
+
+// qmm_route's bf16_tiles for these operands: x bf16 (or f32_x_bf16_tiles), !fp32_operands, x's
+// rows and the w binding on 16-byte boundaries.
+bool qmm_bf16_allowed(const QmmOperands& op);
 
 // Throws std::invalid_argument naming the bad operand (shape, size, group, bits).
 void validate(const QmmOperands& op);

@@ -7,12 +7,13 @@ from ._common import _BITS, _GROUP_SIZES, BFLOAT16, _check_device, _core, _float
 
 __all__ = ['quantized_matmul', 'quantized_matmul_norm', 'quantized_matmul_route']
 
-def quantized_matmul_route(m: int, *, bits: int = 4, tensor_ops: bool = False) -> str:
+def quantized_matmul_route(m: int, *, bits: int = 4, tensor_ops: bool = False, bf16_tiles: bool = True) -> str:
     """The route :func:`quantized_matmul` takes for ``m`` rows of ``x``: ``"qmv1"`` (one row), ``"qmv"`` (2..8 rows),
-    ``"qmm"``, or
+    ``"qmm"``, ``"qmm_bf16"`` (``m >= 33`` where the operands may be rounded to bf16,
+    ``bf16_tiles``: bfloat16 ``x``, or float32 ``x`` with ``f32_x_bf16_tiles=True``), or
     ``"qmm_m5"`` (4-bit weights on a device with Metal 4 tensor ops, ``tensor_ops=True``: an M5,
     or the emulator under ``lily_py.testing.simulated_device(tensor_ops=True)``)."""
-    return str(_core().ops.qmm_route(int(m), int(bits), bool(tensor_ops)))
+    return str(_core().ops.qmm_route(int(m), int(bits), bool(tensor_ops), bool(bf16_tiles)))
 
 
 def quantized_matmul(x: np.ndarray, w: np.ndarray, scales: np.ndarray, biases: np.ndarray, *,
@@ -24,18 +25,20 @@ def quantized_matmul(x: np.ndarray, w: np.ndarray, scales: np.ndarray, biases: n
     ``[N, K / group_size]``, float32 or bfloat16 (the same dtype). ``bits`` is 4 or 8,
     ``group_size`` 32, 64 or 128. Returns ``[..., N]`` in the dtype of ``x``; accumulation is fp32.
     Rows ``M <= 8`` take the matrix-vector route (``qmv``), larger ``M`` the tiled one (``qmm``;
-    ``qmm_m5`` with 4-bit weights where the device reports Metal 4 tensor ops: x and the
-    dequantized weights rounded to half, fp32 accumulation).
+    ``qmm_bf16`` for ``M >= 33`` with bfloat16 ``x``: the dequantized weights rounded to bf16,
+    fp32 accumulation; ``qmm_m5`` with 4-bit weights where the device reports Metal 4 tensor ops:
+    x and the dequantized weights rounded to half, fp32 accumulation).
     """
     y, _ = _quantized_matmul(x, w, scales, biases, bits=bits, group_size=group_size, device=device)
     return y
 
 
 def _quantized_matmul(x, w, scales, biases, *, bits, group_size, device="emu", order="shuffle",
-                      seed=0, fp_traps=True):
+                      seed=0, fp_traps=True, f32_x_bf16_tiles=False):
     """:func:`quantized_matmul` plus the run's stats (kernels, dispatches, bytes bound, threads)
     and the emulator's scheduling knobs (``order``: forward/reverse/shuffle/ahead, ``seed``,
-    ``fp_traps``)."""
+    ``fp_traps``). ``f32_x_bf16_tiles``: float32 ``x`` may take ``qmm_bf16`` (rounded to bf16 at
+    the tile load; bfloat16 ``x`` always may)."""
     fn = "quantized_matmul"
     if bits not in _BITS:
         raise ValueError(f"{fn}: bits must be one of {_BITS}, got {bits!r}")
@@ -72,7 +75,8 @@ def _quantized_matmul(x, w, scales, biases, *, bits, group_size, device="emu", o
     x2 = xc.reshape(m, k)
     y, stats = _core().ops.quantized_matmul(
         x2, np.ascontiguousarray(w), sc, bc, bits=bits, group_size=group_size, x_dtype=x_dtype,
-        scale_dtype=s_dtype, device=device, order=order, seed=seed, fp_traps=fp_traps)
+        scale_dtype=s_dtype, device=device, order=order, seed=seed, fp_traps=fp_traps,
+        f32_x_bf16_tiles=bool(f32_x_bf16_tiles))
     if x_dtype == "bfloat16":
         y = y.view(BFLOAT16)
     return y.reshape(*lead, n), stats
