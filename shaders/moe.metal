@@ -771,5 +771,13 @@ LILY_INSTANTIATE("moe_down_mm64_b4_sbf16", moe_down_mm<bfloat, 4, 64>)
 LILY_INSTANTIATE("moe_gate_up_few_b4_xf32_sbf16", moe_gate_up_few<float, bfloat, 4>)
 LILY_INSTANTIATE("moe_down_few_b4_sbf16", moe_down_few<bfloat, 4>)
 LILY_INSTANTIATE("moe_combine_xf32", moe_combine<float>)
+// bfloat16 activations (x, router logits, residual and out; h and y stay fp32 scratch).
+LILY_INSTANTIATE("moe_route_xbf16", moe_route<bfloat>)
+LILY_INSTANTIATE("moe_gate_up_mv_b4_xbf16_sbf16", moe_gate_up_mv<bfloat, bfloat, 4>)
+LILY_INSTANTIATE("moe_down_mv_b4_xbf16_sbf16", moe_down_mv<bfloat, bfloat, 4>)
+LILY_INSTANTIATE("moe_gate_up_mm32_b4_xbf16_sbf16", moe_gate_up_mm<bfloat, bfloat, 4, 32>)
+LILY_INSTANTIATE("moe_gate_up_mm64_b4_xbf16_sbf16", moe_gate_up_mm<bfloat, bfloat, 4, 64>)
+LILY_INSTANTIATE("moe_gate_up_few_b4_xbf16_sbf16", moe_gate_up_few<bfloat, bfloat, 4>)
+LILY_INSTANTIATE("moe_combine_xbf16", moe_combine<bfloat>)
 
 }  // namespace lily

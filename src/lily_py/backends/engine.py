@@ -54,8 +54,21 @@ REAL_QUANT = {
 }
 
 
-def engine_spec(cfg: ModelConfig, quant: dict, *, context_length: int, prefill_chunk: int) -> dict:
+ACTIVATIONS = ("bfloat16", "float32")
+
+
+def checkpoint_activations(quant: dict) -> str:
+    """The activation dtype MLX computes a checkpoint in: the dtype of its embedding's scales
+    (the embedding's output, hence the residual stream, has it): bfloat16 for the real bf16
+    checkpoints, float32 for a float32 conversion."""
+    return quant["embed"]["scale_dtype"]
+
+
+def engine_spec(cfg: ModelConfig, quant: dict, *, context_length: int, prefill_chunk: int,
+                activations: str = "float32") -> dict:
     """The dict ``lily_py._core.Engine`` takes (csrc/core/model_spec.h)."""
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
     return {
         "vocab": cfg.vocab_size, "hidden": cfg.hidden_size,
         "full_attention": [1 if cfg.is_full_attention(i) else 0 for i in range(cfg.num_hidden_layers)],
@@ -68,7 +81,7 @@ def engine_spec(cfg: ModelConfig, quant: dict, *, context_length: int, prefill_c
         "shared_inter": cfg.shared_expert_intermediate_size, "eps": float(cfg.rms_norm_eps),
         **quant,
         "context_length": int(context_length), "prefill_chunk": int(prefill_chunk),
-        "logit_rows": int(min(prefill_chunk, LOGIT_ROWS)),
+        "logit_rows": int(min(prefill_chunk, LOGIT_ROWS)), "activations": activations,
     }
 
 
@@ -175,7 +188,7 @@ class EngineBackend:
     """The C++ engine as a Model backend (same interface as ReferenceBackend)."""
 
     def __init__(self, device: str, cfg: ModelConfig, weights: ModelWeights, *, context_length: int,
-                 prefill_chunk: int, verbose: bool | None = None):
+                 prefill_chunk: int, verbose: bool | None = None, activations: str | None = None):
         status = {d["name"]: d for d in _core().registry.list()}
         if device not in status or not status[device]["available"]:
             why = status[device]["reason"] if device in status else "unknown device"
@@ -184,10 +197,12 @@ class EngineBackend:
         self.name = device
         self.cfg = cfg
         quant = checkpoint_quant(weights)
+        self.activations = activations or checkpoint_activations(quant)
         core = _core()
         try:
             self.engine = core.Engine(engine_spec(cfg, quant, context_length=context_length,
-                                                  prefill_chunk=prefill_chunk), device)
+                                                  prefill_chunk=prefill_chunk, activations=self.activations),
+                                      device)
         except core.DeviceMemoryError as e:
             raise DeviceMemoryError(str(e)) from None
         except (ValueError, core.DeviceLimitError) as e:
@@ -328,13 +343,15 @@ class EngineBackend:
 
 def count_step(cfg: ModelConfig, *, tokens: int = 1, position: int = 0, all_logits: bool = False,
                quant: dict | None = None, prefill_chunk: int | None = None,
-               context_length: int | None = None) -> dict:
+               context_length: int | None = None, activations: str | None = None) -> dict:
     """Counters of one step for ``cfg`` on the counting device (no weights, nothing runs):
     dispatches, barriers, bytes_bound, threads, commits, waits_in_step. The KV caches are bound
-    whole (bytes_bound grows with ``context_length``, default position + tokens)."""
+    whole (bytes_bound grows with ``context_length``, default position + tokens). ``activations``:
+    default the quantization's (bfloat16 for the real checkpoint's)."""
     chunk = prefill_chunk or max(tokens, 1)
-    spec = engine_spec(cfg, quant or REAL_QUANT, context_length=context_length or position + tokens,
-                       prefill_chunk=chunk)
+    q = quant or REAL_QUANT
+    spec = engine_spec(cfg, q, context_length=context_length or position + tokens,
+                       prefill_chunk=chunk, activations=activations or checkpoint_activations(q))
     eng = _core().Engine(spec, "count")
     return eng.count(tokens, position, all_logits)
 
@@ -383,10 +400,12 @@ def decode_floor_bytes(cfg: ModelConfig, *, position: int, quant: dict | None = 
 
 
 def count_kernels(cfg: ModelConfig, *, position: int, sample: dict | None = None,
-                  quant: dict | None = None) -> tuple[dict, dict]:
+                  quant: dict | None = None, activations: str | None = None) -> tuple[dict, dict]:
     """(step counters, per-kernel totals) of one decode step at ``position`` for ``cfg`` on the
     counting device: kernel name -> dispatches, bytes_touched, threads, groups."""
-    spec = engine_spec(cfg, quant or REAL_QUANT, context_length=position + 1, prefill_chunk=1)
+    q = quant or REAL_QUANT
+    spec = engine_spec(cfg, q, context_length=position + 1, prefill_chunk=1,
+                       activations=activations or checkpoint_activations(q))
     eng = _core().Engine(spec, "count")
     st = eng.count(1, position, False, sample, False)
     return st, eng.count_kernels()
