@@ -362,14 +362,17 @@ def _qbytes(rows: int, cols: int, q: dict) -> int:
     return rows * cols * q["bits"] // 8 + 2 * rows * (cols // q["group_size"]) * s
 
 
-def decode_floor_bytes(cfg: ModelConfig, *, position: int, quant: dict | None = None) -> dict:
+def decode_floor_bytes(cfg: ModelConfig, *, position: int, quant: dict | None = None,
+                       activations: str | None = None) -> dict:
     """The bytes one decode token cannot avoid moving, derived from the config alone
     (docs/performance.md): every weight it uses read once (one embedding row; every layer's
     norms and mixer; the router, the top-k routed experts and the shared expert; the final norm
     and lm_head), each DeltaNet layer's recurrent state and conv window read and written once,
     and each attention layer's KV cache read for ``position + 1`` rows and one row written.
-    Activations (a few KB per kernel, the 1 MB logits row) are not in the floor."""
+    Activations (a few KB per kernel, the 1 MB logits row) are not in the floor; the conv window
+    has the activation dtype (``activations``, default the quantization's: bf16 for the real one)."""
     q = quant or REAL_QUANT
+    xe = 2 if (activations or checkpoint_activations(q)) == "bfloat16" else 4
     H, V = cfg.hidden_size, cfg.vocab_size
     E, k, I, Is = (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
                    cfg.shared_expert_intermediate_size)
@@ -389,7 +392,7 @@ def decode_floor_bytes(cfg: ModelConfig, *, position: int, quant: dict | None = 
             P = 2 * Hk * Dk + 2 * Hv * Dv + 2 * Hv
             mixer += _qbytes(P, H, q["mixer"]) + _qbytes(H, Hv * Dv, q["mixer"])
             mixer += C * K * 4 + 2 * Hv * 4 + Dv * 4                      # conv1d, A_log, dt_bias, norm
-            state += 2 * (Hv * Dv * Dk * 4) + 2 * ((K - 1) * C * 4)       # state and conv window, r + w
+            state += 2 * (Hv * Dv * Dk * 4) + 2 * ((K - 1) * C * xe)      # state and conv window, r + w
         moe += _qbytes(E + 1, H, q["router"])
         moe += k * (2 * _qbytes(I, H, q["experts_q"]) + _qbytes(H, I, q["experts_q"]))
         moe += 2 * _qbytes(Is, H, q["experts_q"]) + _qbytes(H, Is, q["experts_q"])
