@@ -500,7 +500,7 @@ def test_generate_pipelined_state(tmp_path):
 def test_reset_discards_steps_in_flight_and_model_recovers_from_interrupts(dn_ckpt):
     """A KeyboardInterrupt can land between a submit() and the host's bookkeeping: reset()
     must wait out and drop steps in flight, and Model.tokens must follow the engine."""
-    m = lily_py.load(dn_ckpt, backend="emu", context_length=32)
+    m = lily_py.load(dn_ckpt, backend="emu", context_length=32, **FP32)
     m.prefill([1, 2, 3])
     eng = m._backend.engine
     sample = dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=1, step=1,
