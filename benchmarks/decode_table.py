@@ -13,7 +13,11 @@ The estimate is a model with stated assumptions, printed with it:
   occupancy = min(1, simdgroups per core of the level / sat)   (too few simdgroups in flight
               cannot keep the memory system busy: Little's law with a bounded number of loads
               in flight per simdgroup)
-  attention decode bytes count `attn_factor` times (the current kernel is instruction-bound)
+  the vec attention decode level takes max(its bandwidth time, its instruction time): simd
+              instructions per key and KV head counted from the kernel's inner loop (instr_per_key),
+              issued at alu_eff x cores x 4 schedulers x clock
+  the old staged attention decode kernel (head dims other than 64/128/256) counts its bytes
+              `attn_factor` times (instruction-bound, issue 10's analysis)
 and tok/s = 1 / t_step. Change the assumptions with the flags; --ideal drops the occupancy and
 attention penalties (what the issue-10 kernel designs aim at, with the same level count).
 """
@@ -47,6 +51,14 @@ FACTS = {
     "moe_gate_up_mv": ("8 B codes, 4 B x", "like qmv", "gather_qmv-like (routed + shared slots)"),
     "moe_down_mv": ("8 B codes, 4 B h", "k + 1 slots summed per output row", "gather_qmv-like"),
     "qk_norm_rope": ("4 B", "-", "one simdgroup per head"),
+    "qmv1_b4": ("16 B codes (uint4), 2 B scales/biases, 4 B x", "4 rows per threadgroup; K split over "
+                "<= 4 simdgroups, summed through threadgroup memory", "MLX qmv_fast (single token; norm fused)"),
+    "qmv1_b8": ("16 B codes (uint4), 2 B scales/biases, 4 B x", "as qmv1_b4", "MLX qmv_fast, 8-bit"),
+    "attn_decode_vec": ("16 B (uint4 = 8 bf16 of K and of V per lane per key)", "keys of a block in order, "
+                        "ceil(keys / 8) per simdgroup; 8 simdgroups merged in threadgroup memory",
+                        "MLX sdpa_vector 2-pass / Lily: GQA query in registers, online softmax"),
+    "attn_vec_combine": ("4 B (128 B per simdgroup and block)", "blocks s, s + 8, ... per simdgroup; 8 sums "
+                         "through threadgroup memory", "2-pass combine, gate fused"),
     "attn_decode": ("2 B (bf16 K/V staged through threadgroup memory)", "each lane a whole "
                     "256-long dot product; 3 barriers per 32-key block", "blocked, staged"),
     "attn_decode_split": ("2 B (staged)", "as attn_decode, per key range", "split-K + combine"),
@@ -157,12 +169,23 @@ def table(cfg, position, sample, markdown: bool) -> None:
         print(("| " + " | ".join(cells) + " |") if markdown else sep.join(cells))
 
 
+def instr_per_key(group: int, e: int) -> int:
+    """Simd instructions per key per KV head in attention_vec's key loop (shaders/attention.metal),
+    counted from the source, per simdgroup: 2 uint4 loads, 2E bf16 -> f32 widenings, and per query
+    head of the group E FMAs for the dot, simd_sum (5 shuffles + 5 adds), the online-softmax update
+    (max, compare, select, 2 exp at ~4 instructions each, l update: ~12) and 2E for o = o*corr + p*v;
+    ~4 of loop overhead. Real config (group 8, E 8): 390."""
+    return 2 + 2 * e + group * (e + 10 + 12 + 2 * e) + 4
+
+
 def estimate(cfg, positions, sample, eta: float, t_level: float, t_min: float, attn_factor: float,
-             sat: float) -> None:
+             sat: float, clock: float = 1.6e9, alu_eff: float = 0.7) -> None:
     print(f"\n### estimate (a model, not a measurement): eta = {eta} of peak bandwidth, occupancy "
           f"min(1, simdgroups per core / {sat:g}), t_level = {t_level * 1e6:.1f} us per dependent "
           f"level (dispatch + barrier drain), a level never shorter than t_min = {t_min * 1e6:.1f} us, "
-          f"attention decode bytes x {attn_factor:g}; sampler "
+          f"vec attention: max(bandwidth, {instr_per_key(cfg.num_attention_heads // cfg.num_key_value_heads, cfg.head_dim // 32)} "
+          f"instructions per key and KV head at {alu_eff:g} x cores x 4 x {clock / 1e9:g} GHz), staged attention "
+          f"bytes x {attn_factor:g}; sampler "
           f"{'full ' + str(FULL) if sample else 'greedy'}\n")
     print("| GPU | context | levels | MB touched | bandwidth part ms | level part ms | est. tok/s |")
     print("|---|---|---|---|---|---|---|")
@@ -170,14 +193,19 @@ def estimate(cfg, positions, sample, eta: float, t_level: float, t_min: float, a
         for pos in positions:
             st, ds = step(cfg, pos, sample)
             by_level: dict = {}
+            issue = alu_eff * cores * 4 * clock  # simd instructions per second
+            ipk = instr_per_key(cfg.num_attention_heads // cfg.num_key_value_heads, cfg.head_dim // 32)
             for d in ds:
-                b = d["bytes_touched"] * (attn_factor if d["kernel"].startswith("attn_decode") else 1)
+                k = d["kernel"]
+                staged = k.startswith("attn_decode") and not k.startswith("attn_decode_vec")
+                b = d["bytes_touched"] * (attn_factor if staged else 1)
+                ti = cfg.num_key_value_heads * (pos + 1) * ipk / issue if k.startswith("attn_decode_vec") else 0.0
                 g, t = d["groups"], d["threads"]
                 simds = g[0] * g[1] * g[2] * ((t[0] * t[1] * t[2] + 31) // 32) / cores
-                lb, ls = by_level.get(d["level"], (0, 0.0))
-                by_level[d["level"]] = (lb + b, ls + simds)
-            bw_part = sum(max(b / (eta * bw * (min(1.0, sp / sat) if sat > 0 else 1.0)), t_min)
-                          for b, sp in by_level.values())
+                lb, ls, li = by_level.get(d["level"], (0, 0.0, 0.0))
+                by_level[d["level"]] = (lb + b, ls + simds, li + ti)
+            bw_part = sum(max(b / (eta * bw * (min(1.0, sp / sat) if sat > 0 else 1.0)), ti, t_min)
+                          for b, sp, ti in by_level.values())
             lvl_part = len(by_level) * t_level
             tok = 1.0 / (bw_part + lvl_part)
             print(f"| {gpu} | {pos + 1} | {len(by_level)} | {st['bytes_touched'] / 1e6:.0f} | "
@@ -194,8 +222,10 @@ def main() -> None:
     ap.add_argument("--attn-factor", type=float, default=4.0)
     ap.add_argument("--sat", type=float, default=32.0,
                     help="simdgroups per core a level needs to reach eta of the bandwidth")
+    ap.add_argument("--clock-ghz", type=float, default=1.6, help="GPU clock assumed for instruction time")
+    ap.add_argument("--alu-eff", type=float, default=0.7, help="fraction of the issue rate a kernel reaches")
     ap.add_argument("--ideal", action="store_true",
-                    help="no occupancy penalty (sat 0) and attention at its roofline (factor 1)")
+                    help="no occupancy penalty (sat 0) and staged attention at its roofline (factor 1)")
     ap.add_argument("--no-table", action="store_true")
     a = ap.parse_args()
     cfg = ModelConfig.from_dict({"model_type": "qwen3_5_moe", "text_config": dict(REAL_TEXT_CONFIG)})
@@ -205,7 +235,8 @@ def main() -> None:
         table(cfg, a.positions[0], FULL, a.markdown)
     sat, attn = (0.0, 1.0) if a.ideal else (a.sat, a.attn_factor)
     for sample in (None, FULL):
-        estimate(cfg, a.positions, sample, a.eta, a.t_level_us * 1e-6, a.t_min_us * 1e-6, attn, sat)
+        estimate(cfg, a.positions, sample, a.eta, a.t_level_us * 1e-6, a.t_min_us * 1e-6, attn, sat,
+                 a.clock_ghz * 1e9, a.alu_eff)
 
 
 if __name__ == "__main__":

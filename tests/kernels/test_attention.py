@@ -209,7 +209,7 @@ def test_attention_decode_real_heads(rng, device, dtype, length):
     assert route["route"] == "vec"
     assert list(stats["kernels"]) == [f"attn_decode_vec_e8_{sfx(dtype)}", f"attn_vec_combine_e8_{sfx(dtype)}"]
     assert stats["dispatches"] == 2 and stats["barriers"] == 1
-    assert stats["threads"] == Hkv * route["splits"] * 256 + Hq * 32
+    assert stats["threads"] == Hkv * route["splits"] * 256 + Hq * (D // 32) * 256  # combine: (head, 32-dim chunk)
     check_attention(rng, out[None], q, kc, vc, g, length - 1, f"decode L={length}")
 
 

@@ -252,7 +252,7 @@ void encode_attention_decode(Encoder& enc, const AttentionOperands& op) {
     enc.set_buffer(2, partial_ml);
     enc.set_buffer(3, c.gate);
     enc.set_buffer(4, c.out);
-    enc.dispatch({op.q_heads, 1, 1}, {32, 1, 1});
+    enc.dispatch({op.q_heads, e, 1}, {32 * kAttnVecSimds, 1, 1});
     return;
   }
   enc.set_kernel(bf ? KernelId::attn_decode_split_bf16 : KernelId::attn_decode_split_f32);
