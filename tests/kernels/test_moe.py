@@ -311,14 +311,14 @@ def test_leading_dims(rng):
 
 # ------------------------------------------------------------------------------ bad input
 @pytest.mark.parametrize("mutate,match", [
-    (lambda a: {**a, "x": a["x"].astype(np.float64)}, "x must be a float32 array"),
+    (lambda a: {**a, "x": a["x"].astype(np.float64)}, "x must be a float32 or bfloat16 array"),
     (lambda a: {**a, "top_k": 0}, r"top_k must be in \[1, min\(E=5, 16\)\], got 0"),
     (lambda a: {**a, "top_k": 6}, r"top_k must be in \[1, min\(E=5, 16\)\], got 6"),
     (lambda a: {**a, "experts": {k: v for k, v in a["experts"].items() if k != "up_proj"}}, "experts lacks"),
     (lambda a: {**a, "x": a["x"][:, :32]}, r"x has H=32 features but experts\['down_proj'\] is \[5, 64, 4\]"),
     (lambda a: {**a, "router": (a["router"].w.astype(np.int32), a["router"].scales, a["router"].biases)},
      "router w must be uint32"),
-    (lambda a: {**a, "residual": a["x"][:1]}, "residual must be float32 with x's shape"),
+    (lambda a: {**a, "residual": a["x"][:1]}, "residual must have x's dtype .* and shape"),
     (lambda a: {**a, "device": "cuda"}, "device must be 'emu' or 'metal'"),
 ], ids=["x-float64", "k-0", "k-too-big", "missing-up", "H-mismatch", "router-int32", "residual", "device"])
 def test_bad_input_raises_clear_error(rng, mutate, match):

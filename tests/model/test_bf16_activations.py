@@ -51,7 +51,7 @@ def _cases():
         meta = json.loads(fx.read_text())
         for sub, ck in sorted(meta["checkpoints"].items()):
             tag = "" if sub == "mlx4" else sub[len("mlx4"):]
-            if sub.startswith("mlx4") and ck.get("dtype") == "bfloat16" and f"mlxbf16{tag}" in ck["oracles"]:
+            if sub.startswith("mlx4") and ck.get("dtype") == "bfloat16" and f"mlxbf16{tag}" in ck.get("bf16_oracles", {}):
                 out.append((fx.parent.name, sub, tag))
     return out
 
