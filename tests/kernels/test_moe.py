@@ -398,3 +398,6 @@ def test_bf16_activations(rng, T):
     assert_close(out[ok].astype(np.float64), want[ok], atol=bound[ok], rtol=BF16_U,
                  what=f"bf16 moe T={T}", seed=rng.seed)
     assert stats["host_syncs"] == 0
+    for order in ("forward", "reverse"):  # no race in the bf16 kernels: any thread order, same bits
+        o2 = ops._moe(x, *ops.moe_weights(W), top_k=k, residual=res, order=order, seed=rng.seed)[0]
+        np.testing.assert_array_equal(o2.view(np.uint16), out.view(np.uint16), err_msg=f"order {order!r}")
