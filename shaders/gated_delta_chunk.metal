@@ -360,5 +360,9 @@ LILY_INSTANTIATE("gd_chunk_wy_f32", gd_chunk_wy<float>)
 LILY_INSTANTIATE("gd_chunk_state_f32", gd_chunk_state<float>)
 LILY_INSTANTIATE("gd_chunk_norm_xf32_wf32", gd_chunk_norm<float, float>)
 LILY_INSTANTIATE("gd_chunk_norm_xf32_wbf16", gd_chunk_norm<float, bfloat>)
+LILY_INSTANTIATE("gd_chunk_prep_xbf16_wf32", gd_chunk_prep<bfloat, float>)
+LILY_INSTANTIATE("gd_chunk_prep_xbf16_wbf16", gd_chunk_prep<bfloat, bfloat>)
+LILY_INSTANTIATE("gd_chunk_norm_xbf16_wf32", gd_chunk_norm<bfloat, float>)
+LILY_INSTANTIATE("gd_chunk_norm_xbf16_wbf16", gd_chunk_norm<bfloat, bfloat>)
 
 }  // namespace lily

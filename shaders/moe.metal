@@ -39,7 +39,7 @@ inline float moe_silu(float v) { return v / (1.0f + exp(-v)); }
 //             ties go to the lowest expert index, as in lily_py.reference.moe.route (stable sort)
 //   outputs:  ids[t, j] (descending probability), weights[t, j] = p_j / sum_j p_j (sum in slot
 //             order), weights[t, k] = sigmoid(logit E) (the shared expert's weight)
-//   logits:   [T, E + 1] fp32 (row E of the router matrix is the shared-expert gate)
+//   logits:   [T, E + 1] in the activation dtype (row E of the router matrix is the shared-expert gate)
 // moe_select: the selection of one token, by one whole simdgroup (every lane calls; k uniform):
 // softmax of row[0 .. E) in fp32, k rounds of (simd_max, simd_min of the index), renormalised in
 // slot order. Lane 0 writes sel[j] (expert of slot j), w[j] = p_j / sum p (j < k) and
@@ -279,7 +279,7 @@ inline void moe_load_act(const device float* p, thread float* o) {  // float4 (1
 template <typename T, typename S, int bits>
 [[kernel]] void moe_gate_up_mv(constant MoeArgs& args [[buffer(0)]],
                                const device T* x [[buffer(1)]],
-                               const device float* logits [[buffer(2)]],
+                               const device T* logits [[buffer(2)]],
                                const device uint32_t* gate_w [[buffer(3)]],
                                const device S* gate_s [[buffer(4)]],
                                const device S* gate_b [[buffer(5)]],
@@ -304,7 +304,7 @@ template <typename T, typename S, int bits>
   const uint32_t splits = group_size.x / 32;
   const uint32_t slot = group_pos.y, t = slot / (k + 1), j = slot - t * (k + 1);
   const bool shared = j == k;
-  if (simd_id == 0) moe_select<float>(args, logits + t * (args.experts + 1), lane, sel_s, w_s);
+  if (simd_id == 0) moe_select<T>(args, logits + t * (args.experts + 1), lane, sel_s, w_s);
   threadgroup_barrier(mem_flags::mem_threadgroup);
   const uint32_t g = shared ? 0u : sel_s[j];
   const uint32_t N = shared ? args.shared_inter : args.inter;
@@ -390,7 +390,7 @@ template <typename T, typename S, int bits>
 //               order, + residual, rounded to T once
 template <typename T, typename S, int bits>
 [[kernel]] void moe_down_mv(constant MoeArgs& args [[buffer(0)]],
-                            const device float* logits [[buffer(1)]],
+                            const device T* logits [[buffer(1)]],
                             device uint32_t* ids [[buffer(2)]],
                             device float* weights [[buffer(3)]],
                             const device float* h [[buffer(4)]],
@@ -410,7 +410,7 @@ template <typename T, typename S, int bits>
   LILY_TG_ARRAY(float, red, [kMoeDownMaxSplits * kMoeMvRows]);
   const uint32_t k = args.top_k, H = args.hidden, t = group_pos.y;
   const uint32_t splits = group_size.x / 32;
-  if (simd_id == 0) moe_select<float>(args, logits + t * (args.experts + 1), lane, sel_s, w_s);
+  if (simd_id == 0) moe_select<T>(args, logits + t * (args.experts + 1), lane, sel_s, w_s);
   threadgroup_barrier(mem_flags::mem_threadgroup);
   if (group_pos.x == 0 && thread_pos.x == 0) {  // the routing, for callers and tests
     for (uint32_t j = 0; j < k; ++j) {
@@ -870,5 +870,13 @@ LILY_INSTANTIATE("moe_down_mm64_b4_sbf16", moe_down_mm<bfloat, 4, 64>)
 LILY_INSTANTIATE("moe_gate_up_few_b4_xf32_sbf16", moe_gate_up_few<float, bfloat, 4>)
 LILY_INSTANTIATE("moe_down_few_b4_sbf16", moe_down_few<bfloat, 4>)
 LILY_INSTANTIATE("moe_combine_xf32", moe_combine<float>)
+// bfloat16 activations (x, router logits, residual and out; h and y stay fp32 scratch).
+LILY_INSTANTIATE("moe_route_xbf16", moe_route<bfloat>)
+LILY_INSTANTIATE("moe_gate_up_mv_b4_xbf16_sbf16", moe_gate_up_mv<bfloat, bfloat, 4>)
+LILY_INSTANTIATE("moe_down_mv_b4_xbf16_sbf16", moe_down_mv<bfloat, bfloat, 4>)
+LILY_INSTANTIATE("moe_gate_up_mm32_b4_xbf16_sbf16", moe_gate_up_mm<bfloat, bfloat, 4, 32>)
+LILY_INSTANTIATE("moe_gate_up_mm64_b4_xbf16_sbf16", moe_gate_up_mm<bfloat, bfloat, 4, 64>)
+LILY_INSTANTIATE("moe_gate_up_few_b4_xbf16_sbf16", moe_gate_up_few<bfloat, bfloat, 4>)
+LILY_INSTANTIATE("moe_combine_xbf16", moe_combine<bfloat>)
 
 }  // namespace lily

@@ -23,13 +23,13 @@ namespace lily {
 //   reduction:   per group-strip s * dot(x, q) + b * sum(x), accumulated per lane, then one
 //                simd_sum(float4) per row of x; lane 0 writes the 4 outputs.
 // Every weight byte is read once per dispatch whatever M is.
-template <typename T, typename S, int bits>
+template <typename T, typename S, int bits, typename Y = T>
 [[kernel]] void qmv(constant QmmArgs& args [[buffer(0)]],
                     const device T* x [[buffer(1)]],
                     const device uint32_t* w [[buffer(2)]],
                     const device S* scales [[buffer(3)]],
                     const device S* biases [[buffer(4)]],
-                    device T* y [[buffer(5)]],
+                    device Y* y [[buffer(5)]],
                     LILY_KERNEL_TAIL) {
   constexpr uint32_t V = 64 / bits;         // codes per lane per step (two uint32 words)
   constexpr uint32_t step = 32 * V;         // codes per simdgroup per step
@@ -68,7 +68,7 @@ template <typename T, typename S, int bits>
     const float4 total = simd_sum(acc[m]);
     if (lane == 0) {
       for (uint32_t r = 0; r < kQmvRowsPerSimd; ++r)
-        if (n0 + r < args.N) y[m * args.y_stride + n0 + r] = T(total[r]);
+        if (n0 + r < args.N) y[m * args.y_stride + n0 + r] = Y(total[r]);
     }
   }
 }
@@ -91,13 +91,13 @@ template <typename T, typename S, int bits>
 //   buffers:   1 x [K] T, 2 w, 3 scales, 4 biases, 5 y [N] T, 6 residual [K] T, 7 norm_w [K] float,
 //              8 h_out [K] T, 9 xn_out [K] T (6..9 read or written only when their flag is set).
 // Qmv1Codes (the 16-byte code dot products): common/quant.h, shared with the MoE matvecs.
-template <typename T, typename S, int bits>
+template <typename T, typename S, int bits, typename Y = T>
 [[kernel]] void qmv1(constant Qmv1Args& args [[buffer(0)]],
                      const device T* x [[buffer(1)]],
                      const device uint32_t* w [[buffer(2)]],
                      const device S* scales [[buffer(3)]],
                      const device S* biases [[buffer(4)]],
-                     device T* y [[buffer(5)]],
+                     device Y* y [[buffer(5)]],
                      const device T* residual [[buffer(6)]],
                      const device float* norm_w [[buffer(7)]],
                      device T* h_out [[buffer(8)]],
@@ -157,7 +157,7 @@ template <typename T, typename S, int bits>
   if (thread_pos.x < R && n0 + thread_pos.x < args.N) {
     float total = 0.0f;
     for (uint32_t s = 0; s < splits; ++s) total += red[s * (R + 1) + thread_pos.x];
-    y[n0 + thread_pos.x] = T(total * inv_rms);
+    y[n0 + thread_pos.x] = Y(total * inv_rms);
   }
   if ((args.flags & kQmv1Side) != 0 && group_pos.x == 0) {
     for (uint32_t c = thread_pos.x; c < K; c += group_size.x) {
@@ -180,13 +180,13 @@ template <typename T, typename S, int bits>
 //   epilogue:    accumulators go through threadgroup memory; thread t writes row t/4,
 //                columns 8*(t%4) .. +8 of the tile, masked to M x N.
 // A 32-wide K step lies inside one quantization group (group sizes are multiples of 32).
-template <typename T, typename S, int bits>
+template <typename T, typename S, int bits, typename Y = T>
 [[kernel]] void qmm(constant QmmArgs& args [[buffer(0)]],
                     const device T* x [[buffer(1)]],
                     const device uint32_t* w [[buffer(2)]],
                     const device S* scales [[buffer(3)]],
                     const device S* biases [[buffer(4)]],
-                    device T* y [[buffer(5)]],
+                    device Y* y [[buffer(5)]],
                     LILY_KERNEL_TAIL) {
   constexpr uint32_t BM = kQmmTileM, BN = kQmmTileN, BK = kQmmTileK;
   constexpr uint32_t LD = BK + 4;   // padded rows of the x and w tiles
@@ -239,7 +239,7 @@ template <typename T, typename S, int bits>
   if (m < args.M) {
     for (uint32_t i = 0; i < 8; ++i) {
       const uint32_t n = n0 + col + i;
-      if (n < args.N) y[m * args.y_stride + n] = T(ys[row * LDY + col + i]);
+      if (n < args.N) y[m * args.y_stride + n] = Y(ys[row * LDY + col + i]);
     }
   }
 }
@@ -481,5 +481,18 @@ LILY_INSTANTIATE("qmm_bf16_b8_xf32_sf32", qmm_bf16<float, float, 8>)
 LILY_INSTANTIATE("qmm_bf16_b8_xf32_sbf16", qmm_bf16<float, bfloat, 8>)
 LILY_INSTANTIATE("qmm_bf16_b8_xbf16_sf32", qmm_bf16<bfloat, float, 8>)
 LILY_INSTANTIATE("qmm_bf16_b8_xbf16_sbf16", qmm_bf16<bfloat, bfloat, 8>)
+// bfloat16 activations, float32 outputs (lm_head: fp32 logits from a bf16 residual stream).
+LILY_INSTANTIATE("qmv_b4_xbf16_sf32_yf32", qmv<bfloat, float, 4, float>)
+LILY_INSTANTIATE("qmv_b4_xbf16_sbf16_yf32", qmv<bfloat, bfloat, 4, float>)
+LILY_INSTANTIATE("qmv_b8_xbf16_sf32_yf32", qmv<bfloat, float, 8, float>)
+LILY_INSTANTIATE("qmv_b8_xbf16_sbf16_yf32", qmv<bfloat, bfloat, 8, float>)
+LILY_INSTANTIATE("qmv1_b4_xbf16_sf32_yf32", qmv1<bfloat, float, 4, float>)
+LILY_INSTANTIATE("qmv1_b4_xbf16_sbf16_yf32", qmv1<bfloat, bfloat, 4, float>)
+LILY_INSTANTIATE("qmv1_b8_xbf16_sf32_yf32", qmv1<bfloat, float, 8, float>)
+LILY_INSTANTIATE("qmv1_b8_xbf16_sbf16_yf32", qmv1<bfloat, bfloat, 8, float>)
+LILY_INSTANTIATE("qmm_b4_xbf16_sf32_yf32", qmm<bfloat, float, 4, float>)
+LILY_INSTANTIATE("qmm_b4_xbf16_sbf16_yf32", qmm<bfloat, bfloat, 4, float>)
+LILY_INSTANTIATE("qmm_b8_xbf16_sf32_yf32", qmm<bfloat, float, 8, float>)
+LILY_INSTANTIATE("qmm_b8_xbf16_sbf16_yf32", qmm<bfloat, bfloat, 8, float>)
 
 }  // namespace lily

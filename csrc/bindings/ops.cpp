@@ -158,7 +158,7 @@ void init_ops(nb::module_& parent) {
   m.def(
       "quantized_matmul",
       [](InArray x, InArray w, InArray scales, InArray biases, uint32_t bits, uint32_t group_size,
-         const std::string& x_dtype, const std::string& scale_dtype, const std::string& device,
+         const std::string& x_dtype, const std::string& scale_dtype, bool y_f32, const std::string& device,
          const std::string& order, uint64_t seed, bool fp_traps, bool f32_x_bf16_tiles) {
         const gpu::DType xt = gpu::parse_dtype(x_dtype, "quantized_matmul: x");
         const gpu::DType st = gpu::parse_dtype(scale_dtype, "quantized_matmul: scales");
@@ -193,15 +193,18 @@ void init_ops(nb::module_& parent) {
         op.w = run.input(w);
         op.scales = run.input(scales);
         op.biases = run.input(biases);
-        op.y = run.output(size_t(M) * N * gpu::dtype_size(xt));
+        op.y_f32 = y_f32;
+        const gpu::DType yt = y_f32 ? gpu::DType::f32 : xt;
+        op.y = run.output(size_t(M) * N * gpu::dtype_size(yt));
         gpu::ops::validate(op);
-        run.encode(gpu::ops::qmm_kernel(gpu::ops::qmm_route(M, bits, run.enc->tensor_ops(), gpu::ops::qmm_bf16_allowed(op)),
-                                        bits, xt, st),
+        const bool tensor_ops = run.enc->tensor_ops() && !(y_f32 && xt == gpu::DType::bf16);
+        run.encode(gpu::ops::qmm_kernel(gpu::ops::qmm_route(M, bits, tensor_ops, gpu::ops::qmm_bf16_allowed(op)),
+                                        bits, xt, st, y_f32),
                    [&](gpu::Encoder& e) { gpu::ops::encode_quantized_matmul(e, op); });
-        return nb::make_tuple(run.download(op.y, xt, {M, N}), run.stats());
+        return nb::make_tuple(run.download(op.y, yt, {M, N}), run.stats());
       },
       "x"_a, "w"_a, "scales"_a, "biases"_a, nb::kw_only(), "bits"_a, "group_size"_a, "x_dtype"_a,
-      "scale_dtype"_a, "device"_a = "emu", "order"_a = "shuffle", "seed"_a = 0, "fp_traps"_a = true,
+      "scale_dtype"_a, "y_f32"_a = false, "device"_a = "emu", "order"_a = "shuffle", "seed"_a = 0, "fp_traps"_a = true,
       "f32_x_bf16_tiles"_a = false,
       "y = x @ dequant(w).T on a device; returns (y, stats). bfloat16 arrays travel as uint16 "
       "(x_dtype / scale_dtype say which). Use lily_py.ops.quantized_matmul.");
@@ -210,7 +213,7 @@ void init_ops(nb::module_& parent) {
       "quantized_matmul_norm",
       [](InArray x, InArray w, InArray scales, InArray biases, InArray norm_weight, std::optional<InArray> residual,
          bool side, uint32_t bits, uint32_t group_size, float eps, const std::string& x_dtype,
-         const std::string& scale_dtype, const std::string& device, const std::string& order, uint64_t seed,
+         const std::string& scale_dtype, bool y_f32, const std::string& device, const std::string& order, uint64_t seed,
          bool fp_traps) {
         const gpu::DType xt = gpu::parse_dtype(x_dtype, "quantized_matmul_norm: x");
         const gpu::DType st = gpu::parse_dtype(scale_dtype, "quantized_matmul_norm: scales");
@@ -245,23 +248,25 @@ void init_ops(nb::module_& parent) {
           require(residual->shape(0) == K, "quantized_matmul_norm: residual must have K elements");
           op.residual = run.input(*residual);
         }
-        op.y = run.output(size_t(N) * gpu::dtype_size(xt));
+        op.y_f32 = y_f32;
+        const gpu::DType yt = y_f32 ? gpu::DType::f32 : xt;
+        op.y = run.output(size_t(N) * gpu::dtype_size(yt));
         if (side) {
           op.h_out = run.output(size_t(K) * gpu::dtype_size(xt));
           op.xn_out = run.output(size_t(K) * gpu::dtype_size(xt));
         }
         gpu::ops::validate(op);
-        run.encode(gpu::ops::qmm_kernel(gpu::ops::QmmRoute::qmv1, bits, xt, st),
+        run.encode(gpu::ops::qmm_kernel(gpu::ops::QmmRoute::qmv1, bits, xt, st, y_f32),
                    [&](gpu::Encoder& e) { gpu::ops::encode_quantized_matmul(e, op); });
         nb::object h = nb::none(), xn = nb::none();
         if (side) {
           h = run.download(op.h_out, xt, {K});
           xn = run.download(op.xn_out, xt, {K});
         }
-        return nb::make_tuple(run.download(op.y, xt, {N}), h, xn, run.stats());
+        return nb::make_tuple(run.download(op.y, yt, {N}), h, xn, run.stats());
       },
       "x"_a, "w"_a, "scales"_a, "biases"_a, "norm_weight"_a, "residual"_a = nb::none(), nb::kw_only(), "side"_a,
-      "bits"_a, "group_size"_a, "eps"_a, "x_dtype"_a, "scale_dtype"_a, "device"_a = "emu", "order"_a = "shuffle",
+      "bits"_a, "group_size"_a, "eps"_a, "x_dtype"_a, "scale_dtype"_a, "y_f32"_a = false, "device"_a = "emu", "order"_a = "shuffle",
       "seed"_a = 0, "fp_traps"_a = true,
       "One token through the qmv1 route with an RMSNorm fused in front: y = dequant(w) @ (rmsnorm(h) * "
       "norm_weight), h = x (+ residual); returns (y, h, xn, stats) (h, xn: None unless side). Use "

@@ -183,10 +183,13 @@ void init_ops_gated_delta(nb::module_& m) {
         });
         for (size_t i = 0; i < parts.size(); ++i) {
           if (chunked(parts[i])) {
-            const bool wb = wt == gpu::DType::bf16;
-            for (gpu::KernelId k : {wb ? gpu::KernelId::gd_chunk_prep_xf32_wbf16 : gpu::KernelId::gd_chunk_prep_xf32_wf32,
-                                    gpu::KernelId::gd_chunk_wy_f32, gpu::KernelId::gd_chunk_state_f32,
-                                    wb ? gpu::KernelId::gd_chunk_norm_xf32_wbf16 : gpu::KernelId::gd_chunk_norm_xf32_wf32})
+            using K = gpu::KernelId;
+            const bool wb = wt == gpu::DType::bf16, xb = xt == gpu::DType::bf16;
+            const K prep = xb ? (wb ? K::gd_chunk_prep_xbf16_wbf16 : K::gd_chunk_prep_xbf16_wf32)
+                              : (wb ? K::gd_chunk_prep_xf32_wbf16 : K::gd_chunk_prep_xf32_wf32);
+            const K norm = xb ? (wb ? K::gd_chunk_norm_xbf16_wbf16 : K::gd_chunk_norm_xbf16_wf32)
+                              : (wb ? K::gd_chunk_norm_xf32_wbf16 : K::gd_chunk_norm_xf32_wf32);
+            for (K k : {prep, K::gd_chunk_wy_f32, K::gd_chunk_state_f32, norm})
               run.note(k);
           } else {
             run.note(gpu::ops::gated_delta_kernel(xt, wt));

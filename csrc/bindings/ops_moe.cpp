@@ -51,10 +51,13 @@ void init_ops_moe(nb::module_& m) {
       "moe",
       [](InArray x, std::vector<InArray> mats, std::optional<InArray> residual, uint32_t top_k,
          uint32_t group_size, uint32_t router_bits, uint32_t router_group_size, const std::string& router_scale_dtype,
-         const std::string& device, const std::string& order, uint64_t seed, bool fp_traps) {
+         const std::string& x_dtype, const std::string& device, const std::string& order, uint64_t seed,
+         bool fp_traps) {
         // mats: router (w, s, b) [E + 1, H], gate, up, down (stacked), shared gate, up, down.
         LILY_REQUIRE(mats.size() == 21, "moe: expected 21 quantized arrays (7 matrices x (w, scales, biases))");
-        LILY_REQUIRE(x.ndim() == 2 && x.dtype().bits == 32, "moe: x must be a 2-D float32 array");
+        const gpu::DType xt = gpu::parse_dtype(x_dtype, "moe: x");
+        const size_t xbits = gpu::dtype_size(xt) * 8;
+        LILY_REQUIRE(x.ndim() == 2 && x.dtype().bits == xbits, "moe: x must be a 2-D " + x_dtype + " array");
         for (size_t i = 0; i < 21; ++i) {
           const bool packed = i % 3 == 0;
           const size_t nd = (i >= 3 && i < 12) ? 3 : 2;
@@ -72,6 +75,7 @@ void init_ops_moe(nb::module_& m) {
         op.group_size = group_size;
         op.router_bits = router_bits;
         op.router_group_size = router_group_size;
+        op.x_dtype = xt;
         op.router_scale_dtype = gpu::parse_dtype(router_scale_dtype, "moe: router scales");
         LILY_REQUIRE(mats[3].shape(0) == op.experts && mats[6].shape(0) == op.experts && mats[9].shape(0) == op.experts,
                 "moe: expert stacks must have E = router rows - 1 = " + std::to_string(op.experts) + " experts");
@@ -89,7 +93,7 @@ void init_ops_moe(nb::module_& m) {
         op.x = input(x);
         if (residual) {
           LILY_REQUIRE(residual->ndim() == 2 && residual->shape(0) == op.tokens && residual->shape(1) == op.hidden &&
-                      residual->dtype().bits == 32, "moe: residual must be float32 with the shape of x");
+                      residual->dtype().bits == xbits, "moe: residual must have x's dtype and shape");
           op.residual = input(*residual);
         }
         gpu::ops::QuantMatrix* qm[7] = {&op.router, &op.gate, &op.up, &op.down, &op.shared_gate, &op.shared_up,
@@ -100,7 +104,7 @@ void init_ops_moe(nb::module_& m) {
           qm[i]->biases = input(mats[3 * i + 2]);
         }
         const gpu::ops::MoeScratchBytes sb = gpu::ops::moe_scratch_bytes(op);
-        op.out = output(size_t(op.tokens) * op.hidden * 4);
+        op.out = output(size_t(op.tokens) * op.hidden * gpu::dtype_size(xt));
         op.scratch.logits = output(sb.logits);
         op.scratch.ids = output(sb.ids);
         op.scratch.weights = output(sb.weights);
@@ -157,13 +161,15 @@ void init_ops_moe(nb::module_& m) {
                                                                           op.shared_inter, ts);
         }
         const uint32_t T = op.tokens, k = op.top_k;
-        return nb::make_tuple(copy_out<float>(op.out, {T, op.hidden}), copy_out<uint32_t>(op.scratch.ids, {T, k}),
+        nb::object out = xt == gpu::DType::bf16 ? copy_out<uint16_t>(op.out, {T, op.hidden})
+                                                : copy_out<float>(op.out, {T, op.hidden});
+        return nb::make_tuple(out, copy_out<uint32_t>(op.scratch.ids, {T, k}),
                               copy_out<float>(op.scratch.weights, {T, k + 1}), stats);
       },
       "x"_a, "mats"_a, "residual"_a.none(), nb::kw_only(), "top_k"_a, "group_size"_a, "router_bits"_a,
-      "router_group_size"_a, "router_scale_dtype"_a, "device"_a = "emu", "order"_a = "shuffle", "seed"_a = 0,
+      "router_group_size"_a, "router_scale_dtype"_a, "x_dtype"_a = "float32", "device"_a = "emu", "order"_a = "shuffle", "seed"_a = 0,
       "fp_traps"_a = true,
-      "The MoE block on a device; returns (out, ids, weights, stats). bfloat16 scales travel as uint16. "
+      "The MoE block on a device; returns (out, ids, weights, stats). bfloat16 scales and activations travel as uint16. "
       "Use lily_py.ops.moe.");
 }
 

@@ -35,7 +35,7 @@ gpu::ops::MoeScratchBytes moe_bytes(const ModelSpec& s, uint32_t T) {
   op.top_k = s.top_k;
   op.inter = s.moe_inter;
   op.shared_inter = s.shared_inter;
-  op.x_dtype = gpu::DType::f32;
+  op.x_dtype = s.activations;
   return gpu::ops::moe_scratch_bytes(op);
 }
 
@@ -93,6 +93,7 @@ void build_buffers(const ModelSpec& s, Allocator& a, gpu::ModelBuffers& m_) {
   const uint64_t H = s.hidden, V = s.vocab, E = s.experts, I = s.moe_inter, Is = s.shared_inter;
   const uint64_t C = s.conv_dim(), VD = s.value_dim(), Hv = s.lin_v_heads, K = s.conv_kernel;
   const uint64_t P = gpu::ops::gated_delta_mixer_proj_rows(s.lin_k_heads, s.lin_v_heads, s.lin_k_dim, s.lin_v_dim);
+  const uint64_t xe = gpu::dtype_size(s.activations);  // bytes per activation element
 
   // Weights, in checkpoint order.
   m_.embed = alloc_quant(a, "embed", V, H, s.embed);
@@ -117,8 +118,8 @@ void build_buffers(const ModelSpec& s, Allocator& a, gpu::ModelBuffers& m_) {
     L.dn.A_log = a.weight(p + "A_log", Hv * 4);
     L.dn.dt_bias = a.weight(p + "dt_bias", Hv * 4);
     L.dn.norm = a.weight(p + "gated_norm", uint64_t(s.lin_v_dim) * 4);
-    L.dn.conv_state[0] = a.state((K - 1) * C * 4, false);
-    L.dn.conv_state[1] = a.state((K - 1) * C * 4, false);
+    L.dn.conv_state[0] = a.state((K - 1) * C * xe, false);
+    L.dn.conv_state[1] = a.state((K - 1) * C * xe, false);
     L.dn.state = a.state(Hv * s.lin_v_dim * s.lin_k_dim * 4, false);
     }
     L.moe.router = alloc_quant(a, p + "router", E + 1, H, s.router);
@@ -137,13 +138,13 @@ void build_buffers(const ModelSpec& s, Allocator& a, gpu::ModelBuffers& m_) {
   const uint64_t T = s.prefill_chunk;
   gpu::StepScratch& t = m_.s;
   t.ids = a.scratch(T * 4);
-  t.x = a.scratch(T * H * 4);
-  t.h = a.scratch(T * H * 4);
-  t.xn = a.scratch(T * H * 4);
-  t.mix = a.scratch(T * H * 4);
-  t.proj = a.scratch(T * P * 4);
-  t.conv_out = a.scratch(T * C * 4);
-  t.o = a.scratch(T * VD * 4);
+  t.x = a.scratch(T * H * xe);
+  t.h = a.scratch(T * H * xe);
+  t.xn = a.scratch(T * H * xe);
+  t.mix = a.scratch(T * H * xe);
+  t.proj = a.scratch(T * P * xe);
+  t.conv_out = a.scratch(T * C * xe);
+  t.o = a.scratch(T * VD * xe);
   const bool any_deltanet = std::find(s.full_attention.begin(), s.full_attention.end(), 0) != s.full_attention.end();
   if (any_deltanet) {  // the one-token route (gated_delta_decode): raw outputs and per-head tickets
     t.gd_o_raw = a.scratch(VD * 4);
@@ -154,9 +155,9 @@ void build_buffers(const ModelSpec& s, Allocator& a, gpu::ModelBuffers& m_) {
                                                                            s.lin_k_dim, s.lin_v_dim));
   if (std::find(s.full_attention.begin(), s.full_attention.end(), 1) != s.full_attention.end()) {
     const uint64_t qd = uint64_t(s.q_heads) * s.head_dim;
-    t.qkv = a.scratch(T * s.attn_qkv_rows() * 4);
-    t.q = a.scratch(T * qd * 4);
-    t.attn = a.scratch(T * qd * 4);
+    t.qkv = a.scratch(T * s.attn_qkv_rows() * xe);
+    t.q = a.scratch(T * qd * xe);
+    t.attn = a.scratch(T * qd * xe);
     uint64_t partials = 0;  // the split-K partials for the longest context
     for (uint32_t len : {s.context_length, std::min<uint32_t>(s.context_length, 257u)})
       partials = std::max(partials, gpu::ops::attention_scratch_bytes(s.q_heads, s.head_dim, len));

@@ -29,6 +29,10 @@ struct ModelSpec {
   float eps = 1e-6f;
   // quantization per weight class (lily_py checks every tensor matches its class at load)
   QuantSpec embed, lm_head, mixer, experts_q, router;
+  // Element type of the activations between kernels (residual stream, norm outputs, projection
+  // inputs and outputs, conv window, MoE x / logits): bfloat16 as MLX computes a bf16 checkpoint,
+  // or float32. Accumulation, the DeltaNet state, MoE intermediates and the logits stay fp32.
+  gpu::DType activations = gpu::DType::f32;
   // run-time sizes
   uint32_t context_length = 0;  // KV cache rows per attention layer
   uint32_t prefill_chunk = 0;   // most tokens one step encodes (scratch is sized for it)

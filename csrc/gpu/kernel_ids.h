@@ -28,6 +28,11 @@
   X(qmv_b8_xf32_sbf16,  QmmArgs, 5)                                           \
   X(qmv_b8_xbf16_sf32,  QmmArgs, 5)                                           \
   X(qmv_b8_xbf16_sbf16, QmmArgs, 5)                                           \
+  /* the same with float32 y (lm_head: fp32 logits from bf16 activations) */ \
+  X(qmv_b4_xbf16_sf32_yf32, QmmArgs, 5) \
+  X(qmv_b4_xbf16_sbf16_yf32, QmmArgs, 5) \
+  X(qmv_b8_xbf16_sf32_yf32, QmmArgs, 5) \
+  X(qmv_b8_xbf16_sbf16_yf32, QmmArgs, 5) \
   /* single-token qmv (shaders/qmm.metal): x, w, scales, biases, y, residual, norm_w, h_out, xn_out */ \
   X(qmv1_b4_xf32_sf32, Qmv1Args, 9)                                       \
   X(qmv1_b4_xf32_sbf16, Qmv1Args, 9)                                       \
@@ -37,6 +42,10 @@
   X(qmv1_b8_xf32_sbf16, Qmv1Args, 9)                                       \
   X(qmv1_b8_xbf16_sf32, Qmv1Args, 9)                                       \
   X(qmv1_b8_xbf16_sbf16, Qmv1Args, 9)                                       \
+  X(qmv1_b4_xbf16_sf32_yf32, Qmv1Args, 9) \
+  X(qmv1_b4_xbf16_sbf16_yf32, Qmv1Args, 9) \
+  X(qmv1_b8_xbf16_sf32_yf32, Qmv1Args, 9) \
+  X(qmv1_b8_xbf16_sbf16_yf32, Qmv1Args, 9) \
   /* quantized matrix-matrix, tiled (shaders/qmm.metal): x, w, scales, biases, out */ \
   X(qmm_b4_xf32_sf32,   QmmArgs, 5)                                           \
   X(qmm_b4_xf32_sbf16,  QmmArgs, 5)                                           \
@@ -46,6 +55,10 @@
   X(qmm_b8_xf32_sbf16,  QmmArgs, 5)                                           \
   X(qmm_b8_xbf16_sf32,  QmmArgs, 5)                                           \
   X(qmm_b8_xbf16_sbf16, QmmArgs, 5)                                           \
+  X(qmm_b4_xbf16_sf32_yf32, QmmArgs, 5) \
+  X(qmm_b4_xbf16_sbf16_yf32, QmmArgs, 5) \
+  X(qmm_b8_xbf16_sf32_yf32, QmmArgs, 5) \
+  X(qmm_b8_xbf16_sbf16_yf32, QmmArgs, 5) \
   /* quantized matrix-matrix, bf16 simdgroup tiles, M1-M4 prefill (shaders/qmm.metal): same buffers */ \
   X(qmm_bf16_b4_xf32_sf32,   QmmArgs, 5)                                      \
   X(qmm_bf16_b4_xf32_sbf16,  QmmArgs, 5)                                      \
@@ -65,6 +78,8 @@
   /* buffers as moe_gate_up_mm / moe_down_mm */                               \
   X(moe_gate_up_m5_64_b4_xf32_sbf16, MoeArgs, 15)                             \
   X(moe_gate_up_m5_32_b4_xf32_sbf16, MoeArgs, 15)                             \
+  X(moe_gate_up_m5_64_b4_xbf16_sbf16, MoeArgs, 15)                            \
+  X(moe_gate_up_m5_32_b4_xbf16_sbf16, MoeArgs, 15)                            \
   X(moe_down_m5_64_b4_sbf16,         MoeArgs, 10)                             \
   X(moe_down_m5_32_b4_sbf16,         MoeArgs, 10)                             \
   /* causal prefill attention on tensor ops, M5 (shaders/m5/attention_m5.metal): same */ \
@@ -118,10 +133,14 @@
   /* chunked (WY) delta rule prefill (shaders/gated_delta_chunk.metal; buffers listed there) */ \
   X(gd_chunk_prep_xf32_wf32,  GdChunkArgs, 10)                                \
   X(gd_chunk_prep_xf32_wbf16, GdChunkArgs, 10)                                \
+  X(gd_chunk_prep_xbf16_wf32, GdChunkArgs, 10) \
+  X(gd_chunk_prep_xbf16_wbf16, GdChunkArgs, 10) \
   X(gd_chunk_wy_f32,          GdChunkArgs, 8)                                 \
   X(gd_chunk_state_f32,       GdChunkArgs, 8)                                 \
   X(gd_chunk_norm_xf32_wf32,  GdChunkArgs, 4)                                 \
   X(gd_chunk_norm_xf32_wbf16, GdChunkArgs, 4)                                 \
+  X(gd_chunk_norm_xbf16_wf32, GdChunkArgs, 4) \
+  X(gd_chunk_norm_xbf16_wbf16, GdChunkArgs, 4) \
   /* mixture of experts (shaders/moe.metal; buffers listed in the shader) */  \
   X(moe_route,                       MoeArgs, 3)                              \
   X(moe_plan,                        MoeArgs, 5)                              \
@@ -134,6 +153,13 @@
   X(moe_gate_up_few_b4_xf32_sbf16,   MoeArgs, 15)                             \
   X(moe_down_few_b4_sbf16,           MoeArgs, 10)                             \
   X(moe_combine_xf32,                MoeArgs, 4)                              \
+  X(moe_route_xbf16, MoeArgs, 3) \
+  X(moe_gate_up_mv_b4_xbf16_sbf16, MoeArgs, 15) \
+  X(moe_down_mv_b4_xbf16_sbf16, MoeArgs, 12) \
+  X(moe_gate_up_mm32_b4_xbf16_sbf16, MoeArgs, 15) \
+  X(moe_gate_up_mm64_b4_xbf16_sbf16, MoeArgs, 15) \
+  X(moe_gate_up_few_b4_xbf16_sbf16, MoeArgs, 15) \
+  X(moe_combine_xbf16, MoeArgs, 4) \
   /* attention (shaders/attention.metal): rope: x, inv_freq, y */             \
   X(rope_f32,  RopeArgs, 3)                                                   \
   X(rope_bf16, RopeArgs, 3)                                                   \
@@ -222,6 +248,7 @@ constexpr bool kernel_needs_tensor_ops(KernelId id) {
   return id == KernelId::qmm_m5_b4_xf32_sf32 || id == KernelId::qmm_m5_b4_xf32_sbf16 ||
          id == KernelId::qmm_m5_b4_xbf16_sf32 || id == KernelId::qmm_m5_b4_xbf16_sbf16 ||
          id == KernelId::moe_gate_up_m5_64_b4_xf32_sbf16 || id == KernelId::moe_gate_up_m5_32_b4_xf32_sbf16 ||
+         id == KernelId::moe_gate_up_m5_64_b4_xbf16_sbf16 || id == KernelId::moe_gate_up_m5_32_b4_xbf16_sbf16 ||
          id == KernelId::moe_down_m5_64_b4_sbf16 || id == KernelId::moe_down_m5_32_b4_sbf16 ||
          id == KernelId::attn_prefill_m5_d64_f32 || id == KernelId::attn_prefill_m5_d64_bf16 ||
          id == KernelId::attn_prefill_m5_d128_f32 || id == KernelId::attn_prefill_m5_d128_bf16 ||

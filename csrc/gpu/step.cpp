@@ -86,7 +86,7 @@ void encode_deltanet(Encoder& enc, const core::ModelSpec& spec, const Layer& L, 
   g.gd_o_raw = s.gd_o_raw;
   g.gd_tickets = s.gd_tickets;
   g.out = s.mix;
-  g.x_dtype = DType::f32;
+  g.x_dtype = spec.activations;
   g.w_dtype = DType::f32;
   g.T = T;
   g.hidden = spec.hidden;
@@ -129,7 +129,7 @@ void encode_attention(Encoder& enc, const core::ModelSpec& spec, const ModelBuff
   a.attn = s.attn;
   a.scratch = s.attn_partials;
   a.out = s.mix;
-  a.dtype = DType::f32;
+  a.dtype = spec.activations;
   a.w_dtype = DType::f32;
   a.tokens = p.tokens;
   a.hidden = spec.hidden;
@@ -166,7 +166,7 @@ void encode_moe_block(Encoder& enc, const core::ModelSpec& spec, const Layer& L,
   m.shared_down = quant_matrix(L.moe.shared_down);
   m.scratch = ops::MoeScratch{s.moe_logits, s.moe_ids, s.moe_weights, s.moe_plan, s.moe_row_weight, s.moe_h, s.moe_y,
                               rows(s.moe_tile_stats, uint64_t(p.slot) * spec.layers + layer, 1, 16)};
-  m.x_dtype = DType::f32;
+  m.x_dtype = spec.activations;
   m.scale_dtype = spec.experts_q.scale_dtype;
   m.router_scale_dtype = spec.router.scale_dtype;
   m.tokens = p.tokens;
@@ -194,7 +194,9 @@ void encode_step(Encoder& enc, const core::ModelSpec& spec, const ModelBuffers& 
     throw std::invalid_argument("engine step: position " + std::to_string(p.position) + " + " + std::to_string(T) +
                                 " tokens exceeds context_length " + std::to_string(spec.context_length));
   const StepScratch& s = m.s;
-  const uint64_t row = uint64_t(H) * 4;
+  const DType act = spec.activations;
+  const uint64_t xe = dtype_size(act);
+  const uint64_t row = uint64_t(H) * xe;
   StepScratch t = s;  // the activations narrowed to T rows (ops bind exactly what they touch)
   if (p.ids_from_slot && T != 1) throw std::invalid_argument("engine step: ids_from_slot needs exactly one token");
   if (p.slot > 1) throw std::invalid_argument("engine step: slot must be 0 or 1");
@@ -204,7 +206,7 @@ void encode_step(Encoder& enc, const core::ModelSpec& spec, const ModelBuffers& 
   t.h = rows(s.h, 0, T, row);
   t.xn = rows(s.xn, 0, T, row);
   t.mix = rows(s.mix, 0, T, row);
-  const uint64_t qkv_row = uint64_t(spec.attn_qkv_rows()) * 4, q_row = uint64_t(spec.q_heads) * spec.head_dim * 4;
+  const uint64_t qkv_row = uint64_t(spec.attn_qkv_rows()) * xe, q_row = uint64_t(spec.q_heads) * spec.head_dim * xe;
   if (s.qkv.buffer) {
     t.qkv = rows(s.qkv, 0, T, qkv_row);
     t.q = rows(s.q, 0, T, q_row);
@@ -217,7 +219,7 @@ void encode_step(Encoder& enc, const core::ModelSpec& spec, const ModelBuffers& 
   e.scales = m.embed.scales;
   e.biases = m.embed.biases;
   e.out = t.x;
-  e.out_dtype = DType::f32;
+  e.out_dtype = act;
   e.scale_dtype = spec.embed.scale_dtype;
   e.tokens = T;
   e.vocab = spec.vocab;
@@ -241,6 +243,7 @@ void encode_step(Encoder& enc, const core::ModelSpec& spec, const ModelBuffers& 
       in.x = t.x;
       in.weight = L.input_norm;
       in.y = t.xn;
+      in.x_dtype = act;
       in.rows = T;
       in.D = H;
       in.eps = spec.eps;
@@ -259,6 +262,7 @@ void encode_step(Encoder& enc, const core::ModelSpec& spec, const ModelBuffers& 
       post.h_out = t.h;
       post.weight = L.post_norm;
       post.y = t.xn;
+      post.x_dtype = act;
       post.rows = T;
       post.D = H;
       post.eps = spec.eps;
@@ -286,6 +290,7 @@ void encode_step(Encoder& enc, const core::ModelSpec& spec, const ModelBuffers& 
     fin.x = rows(s.x, first, out_rows, row);
     fin.weight = m.norm;
     fin.y = rows(s.xn, 0, out_rows, row);
+    fin.x_dtype = act;
     fin.rows = out_rows;
     fin.D = H;
     fin.eps = spec.eps;
@@ -297,7 +302,8 @@ void encode_step(Encoder& enc, const core::ModelSpec& spec, const ModelBuffers& 
   head.scales = m.lm_head.scales;
   head.biases = m.lm_head.biases;
   head.y = rows(s.logits, logits_row, out_rows, uint64_t(spec.vocab) * 4);
-  head.x_dtype = DType::f32;
+  head.x_dtype = act;
+  head.y_f32 = true;  // fp32 logits whatever the activations
   head.scale_dtype = spec.lm_head.scale_dtype;
   head.M = out_rows;
   head.N = spec.vocab;

@@ -253,6 +253,8 @@ template <typename S, int bits, int BM>
 // bf16, 4-bit experts, as the simdgroup kernels of moe.metal).
 LILY_INSTANTIATE("moe_gate_up_m5_64_b4_xf32_sbf16", moe_gate_up_m5<float, bfloat, 4, 64>)
 LILY_INSTANTIATE("moe_gate_up_m5_32_b4_xf32_sbf16", moe_gate_up_m5<float, bfloat, 4, 32>)
+LILY_INSTANTIATE("moe_gate_up_m5_64_b4_xbf16_sbf16", moe_gate_up_m5<bfloat, bfloat, 4, 64>)
+LILY_INSTANTIATE("moe_gate_up_m5_32_b4_xbf16_sbf16", moe_gate_up_m5<bfloat, bfloat, 4, 32>)
 LILY_INSTANTIATE("moe_down_m5_64_b4_sbf16", moe_down_m5<bfloat, 4, 64>)
 LILY_INSTANTIATE("moe_down_m5_32_b4_sbf16", moe_down_m5<bfloat, 4, 32>)
 

@@ -49,7 +49,7 @@ class _Cancelled(Exception):
 def load(path_or_repo_id: str | os.PathLike | None = None, *, backend: str = "auto",
          context_length: int | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
          revision: str | None = None, verbose: bool | None = None,
-         prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES) -> "Model":
+         prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES, activations: str | None = None) -> "Model":
     """Load a qwen3_5_moe checkpoint.
 
     ``path_or_repo_id``: a local folder, a Hugging Face repo id (``org/name``, downloaded through
@@ -60,7 +60,10 @@ def load(path_or_repo_id: str | os.PathLike | None = None, *, backend: str = "au
     prefilled in chunks of this many tokens. ``prompt_cache_bytes``: budget of the prompt cache
     (state snapshots reused across ``generate`` calls, default 1 GiB; 0 turns it off).
     ``verbose``: show progress (bytes and shards) on stderr while engine backends read and upload
-    the weights; None (default) = only when stderr is a terminal.
+    the weights; None (default) = only when stderr is a terminal. ``activations``: the engine
+    backends' activation dtype, ``"bfloat16"`` or ``"float32"``; None (default): the checkpoint's
+    (its scales' dtype), as MLX computes it. Accumulation, the DeltaNet state and the logits are
+    float32 either way (docs/kernels.md, activation dtypes).
     """
     from . import hub
     from .resources import demo_path
@@ -74,7 +77,8 @@ def load(path_or_repo_id: str | os.PathLike | None = None, *, backend: str = "au
     if tok is None:
         log.warning("lily_py: %s has no tokenizer.json; only token-id prompts work", folder)
     return Model(folder, cfg, weights, tok, backend=backend, context_length=context_length,
-                 prefill_chunk=prefill_chunk, prompt_cache_bytes=prompt_cache_bytes, verbose=verbose)
+                 prefill_chunk=prefill_chunk, prompt_cache_bytes=prompt_cache_bytes, verbose=verbose,
+                 activations=activations)
 
 
 @dataclass
@@ -100,7 +104,8 @@ class Model:
     def __init__(self, path: str, config: ModelConfig, weights: ModelWeights, tokenizer, *,
                  backend: str = "auto", context_length: int | None = None,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-                 prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES, verbose: bool | None = None):
+                 prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES, verbose: bool | None = None,
+                 activations: str | None = None):
         if backend == "auto":
             backend, why = resolve_auto()
             log.info("lily_py: backend 'auto' selected %r", backend)
@@ -128,7 +133,7 @@ class Model:
         self.prefill_chunk = prefill_chunk
         self.prompt_cache = PromptCache(prompt_cache_bytes)
         self._backend = make_backend(backend, config, weights, context_length=context_length,
-                                      prefill_chunk=prefill_chunk, verbose=verbose)
+                                      prefill_chunk=prefill_chunk, verbose=verbose, activations=activations)
         self._history: list[int] = []
         self._last_logits: np.ndarray | None = None
         # Engine backends: the last step's logits are still on the device (fetched on demand by

@@ -447,14 +447,14 @@ def test_leading_dims(rng):
 
 # ------------------------------------------------------------------------------ bad input
 @pytest.mark.parametrize("mutate,match", [
-    (lambda a: {**a, "x": a["x"].astype(np.float64)}, "x must be a float32 array"),
+    (lambda a: {**a, "x": a["x"].astype(np.float64)}, "x must be a float32 or bfloat16 array"),
     (lambda a: {**a, "top_k": 0}, r"top_k must be in \[1, min\(E=5, 16\)\], got 0"),
     (lambda a: {**a, "top_k": 6}, r"top_k must be in \[1, min\(E=5, 16\)\], got 6"),
     (lambda a: {**a, "experts": {k: v for k, v in a["experts"].items() if k != "up_proj"}}, "experts lacks"),
     (lambda a: {**a, "x": a["x"][:, :32]}, r"x has H=32 features but experts\['down_proj'\] is \[5, 64, 4\]"),
     (lambda a: {**a, "router": (a["router"].w.astype(np.int32), a["router"].scales, a["router"].biases)},
      "router w must be uint32"),
-    (lambda a: {**a, "residual": a["x"][:1]}, "residual must be float32 with x's shape"),
+    (lambda a: {**a, "residual": a["x"][:1]}, "residual must have x's dtype .* and shape"),
     (lambda a: {**a, "device": "cuda"}, "device must be 'emu' or 'metal'"),
 ], ids=["x-float64", "k-0", "k-too-big", "missing-up", "H-mismatch", "router-int32", "residual", "device"])
 def test_bad_input_raises_clear_error(rng, mutate, match):
@@ -472,3 +472,68 @@ def test_8bit_experts_rejected(rng):
     W.up_proj = quantized(rng, (5, 32, 64), 8, 32)
     with pytest.raises(ValueError, match=r"experts\['up_proj'\] is 8-bit; the expert kernels are 4-bit"):
         ops.moe(x_of(1), *ops.moe_weights(W), top_k=2)
+
+
+# ------------------------------------------------------------------------------ bf16 activations
+BF16_U = 2.0 ** -8  # bfloat16 unit roundoff (8 significand bits: relative 2^-8 after rounding)
+
+
+@pytest.mark.parametrize("T", [1, 7, 9, 33, 130])
+def test_bf16_activations(rng, T):
+    """bfloat16 x / residual / out (the engine's bf16 residual stream): the *_xbf16 kernels, both
+    routes (mv: T <= 8; tiled: 64-, 32- and few-row tiles). The router logits are written in
+    bf16 (as MLX's bf16 model writes them), the expert intermediates and the sum stay fp32, the
+    output is rounded to bf16 once.
+
+    Reference: reference.kernels.moe's float64 math on the exact bf16 inputs, with the router
+    logits rounded to bf16 before the fp32 softmax, as the kernels do. Bound per token: the fp32
+    bound (moe_error_bound, doubled as against the model reference), plus a routing-weight error
+    from a logit the kernel's fp32 rounding pushed to the neighbouring bf16 value (one bf16 ulp
+    <= 2^-8 |l|; softmax + renormalisation amplify a logit error by <= 4, see moe_error_bound)
+    times sum_j w_j |y_j| + g |y_shared|, plus the output's own rounding, rtol 2^-8. Routing must
+    equal the reference's except at bf16-level near-ties (probabilities within 4 ulp of a logit)."""
+    E, H, I, k = 7, 64, 32, 2
+    W, x_of = make_block(rng, E=E, H=H, I=I, gs=32)
+    x = x_of(T).astype(BF16)
+    res = rng.standard_normal((T, H)).astype(np.float32).astype(BF16)
+    out, ids, weights, stats = ops._moe(x, *ops.moe_weights(W), top_k=k, residual=res, seed=rng.seed)
+    assert out.dtype == BF16 and out.shape == (T, H)
+    want_kernels = {"moe_route_xbf16"} | ({"moe_gate_up_mv_b4_xbf16_sbf16", "moe_down_mv_b4_xbf16_sbf16"} if T <= 8 else
+                                          {"moe_gate_up_mm64_b4_xbf16_sbf16", "moe_gate_up_mm32_b4_xbf16_sbf16",
+                                           "moe_gate_up_few_b4_xbf16_sbf16", "moe_combine_xbf16"})
+    assert want_kernels <= set(stats["kernels"]), stats["kernels"]
+    assert stats["kernels"][0].endswith("_xbf16_sbf16")  # the router's qmv/qmm reads bf16 x
+    dense, mags = parts(W)
+    x64, r64 = x.astype(np.float64), res.astype(np.float64)
+    logits = ref.moe_logits(x64, dense["router"], dense["shared_gate"]).astype(np.float32).astype(BF16)
+    logits = logits.astype(np.float64)
+    rids, rw, sgate = ref.moe_route(logits, k)
+    want = r64.copy()
+    mag = np.zeros_like(want)
+    for t in range(T):
+        for j in range(k):
+            e = rids[t, j]
+            y = dense["down"][e].astype(np.float64) @ ref.swiglu(dense["gate"][e] @ x64[t], dense["up"][e] @ x64[t])
+            want[t] += float(rw[t, j]) * y
+            mag[t] += float(rw[t, j]) * np.abs(y)
+    hs = ref.swiglu(x64 @ dense["shared_gate_proj"].astype(np.float64).T, x64 @ dense["shared_up"].astype(np.float64).T)
+    ys = hs @ dense["shared_down"].astype(np.float64).T
+    want += sgate[:, None] * ys
+    mag += sgate[:, None] * np.abs(ys)
+    lmax = np.abs(logits).max(axis=1, keepdims=True)
+    # bf16-level near-ties: the k-th and (k+1)-th logits within 4 bf16 ulps of each other
+    top = -np.sort(-logits[:, :-1], axis=1)[:, :k + 1]
+    tie = (top[:, k - 1] - top[:, k]) < 4 * BF16_U * lmax[:, 0]
+    ok = ~tie
+    assert tie.sum() <= max(1, T // 10), f"too many bf16 near-ties ({tie.sum()}) for a meaningful test"
+    np.testing.assert_array_equal(ids[ok], rids[ok], err_msg=f"bf16 moe T={T}: routing differs (seed {rng.seed})")
+    wtol = 4 * BF16_U * lmax
+    assert_close(weights[ok, :k], rw[ok], atol=wtol[ok] * np.abs(rw[ok]) + 1e-5 * np.abs(rw[ok]), rtol=0,
+                 what=f"bf16 moe T={T} weights", seed=rng.seed)
+    bound = 2 * ref.moe_error_bound(x64, mags, dense, top_k=k, residual=r64) + wtol * mag
+    assert_close(out[ok].astype(np.float64), want[ok], atol=bound[ok], rtol=BF16_U,
+                 what=f"bf16 moe T={T}", seed=rng.seed)
+    assert stats["host_syncs"] == 0
+    for order in ("forward", "reverse"):  # no race in the bf16 kernels: any thread order, same bits
+        o2 = ops._moe(x, *ops.moe_weights(W), top_k=k, residual=res, order=order, seed=rng.seed)[0]
+        np.testing.assert_array_equal(o2.view(np.uint16), out.view(np.uint16), err_msg=f"order {order!r}")

@@ -56,8 +56,9 @@ def check(rng, x, w, scales, biases, *, bits, group_size, device="emu", **kw):
     ref = ref_kernels.quantized_matmul(x, w, scales, biases, bits=bits, group_size=group_size)
     mag = ref_kernels.quantized_matmul_error_scale(x, w, scales, biases, bits=bits, group_size=group_size)
     k = x.shape[-1]
-    assert y.dtype == x.dtype and y.shape == ref.shape
-    rtol = 2 * BF16_EPS if x.dtype == BF16 else 0.0
+    y_f32 = kw.get("y_f32", False)
+    assert y.dtype == (np.float32 if y_f32 else x.dtype) and y.shape == ref.shape
+    rtol = 2 * BF16_EPS if y.dtype == BF16 else 0.0
     what = f"quantized_matmul {stats['kernels']} x{x.shape} w{w.shape}"
     if stats["kernels"][0].startswith("qmm_bf16"):
         # Exact semantics: given the bf16 operands the kernel stages, only the fp32 sum errs.
@@ -260,6 +261,47 @@ def norm_case(rng, n, k, *, bits, group_size, x_dtype, residual):
 # rms_norm -> quantized_matmul in float64. Error: the norm factor carries (4 sqrt(K) + 8) u (as the
 # rms_norm kernel), the dot product 8 sqrt(K) u mag with mag taken over the normalized row; the
 # side outputs h (exact in float32, one rounding in bf16) and xn (the rms_norm kernel's bound).
+# bf16 x, fp32 y (the engine's lm_head: fp32 logits from the bf16 residual stream): the *_yf32
+# kernels of every route, both sides of each switch; y gets no bf16 rounding, so rtol is 0 and
+# only the fp32 arithmetic bound remains (a y rounded to bf16 errs by ~2^-9 |y|, far outside it).
+YF32 = list(itertools.product([4, 8], [np.float32, BF16]))
+
+
+@pytest.mark.parametrize("m", [1, 2, QMV_MAX_ROWS, QMV_MAX_ROWS + 1, 45])
+@pytest.mark.parametrize("bits,scale_dtype", YF32, ids=[f"b{b}-s{np.dtype(s).name}" for b, s in YF32])
+def test_bf16_x_fp32_y(rng, device, m, bits, scale_dtype):
+    n, k, gs = 37, 3 * 64, 64
+    x, w, s, b = make_case(rng, m, n, k, bits=bits, group_size=gs, x_dtype=BF16, scale_dtype=scale_dtype)
+    _, stats = check(rng, x, w, s, b, bits=bits, group_size=gs, device=device, y_f32=True)
+    route = "qmv1" if m == 1 else "qmv" if m <= QMV_MAX_ROWS else "qmm"
+    ss = "bf16" if np.dtype(scale_dtype) == BF16 else "f32"
+    assert stats["kernels"] == [f"{route}_b{bits}_xbf16_s{ss}_yf32"]
+    # float32 x with y_f32 is the plain float32 kernel
+    xf = x.astype(np.float32)
+    _, stats = check(rng, xf, w, s, b, bits=bits, group_size=gs, device=device, y_f32=True)
+    assert stats["kernels"] == [f"{route}_b{bits}_xf32_s{ss}"]
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("n,k", [(7, 192), (13, 2048)])
+def test_qmv1_fused_norm_bf16_x_fp32_y(rng, device, bits, n, k):
+    """The decode lm_head: the final norm fused into qmv1 on the bf16 residual stream, fp32
+    logits: the bound of test_qmv1_fused_norm without the output's bf16 rounding."""
+    gs = 64
+    x, w, s, b, nw, res = norm_case(rng, n, k, bits=bits, group_size=gs, x_dtype=BF16, residual=True)
+    y, _, _, stats = ops._quantized_matmul_norm(x, w, s, b, nw, bits=bits, group_size=gs, eps=1e-6,
+                                                residual=res, device=device, seed=rng.seed, y_f32=True)
+    h_ref = ref_kernels.residual_add(x, res)
+    xn_ref = ref_kernels.rms_norm(h_ref[None], nw, eps=1e-6)
+    y_ref = ref_kernels.quantized_matmul(xn_ref, w, s, b, bits=bits, group_size=gs)[0]
+    mag = ref_kernels.quantized_matmul_error_scale(xn_ref, w, s, b, bits=bits, group_size=gs)[0]
+    norm_err = (4 * np.sqrt(k) + 8) * F32_EPS
+    assert y.dtype == np.float32
+    assert_close(y, y_ref, atol=(8 * np.sqrt(k) * F32_EPS + norm_err) * mag, rtol=0,
+                 what=f"qmv1 fused norm {stats['kernels']}", seed=rng.seed)
+    assert stats["kernels"] == [f"qmv1_b{bits}_xbf16_sbf16_yf32"]
+
+
 @pytest.mark.parametrize("x_dtype", [np.float32, BF16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("residual,side", [(False, False), (True, True), (False, True)])

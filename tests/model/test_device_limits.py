@@ -101,12 +101,12 @@ def wide_ckpt(tmp_path_factory):
 def test_load_picks_the_fitting_rms_norm_route(wide_ckpt):
     ids = [3, 17, 250, 9, 41, 77, 5]
     ref = lily_py.load(wide_ckpt, backend="reference").prefill(ids)
-    plain = lily_py.load(wide_ckpt, backend="emu", context_length=64, prefill_chunk=16)
+    plain = lily_py.load(wide_ckpt, backend="emu", context_length=64, prefill_chunk=16, activations="float32")
     by_kernel = {p["kernel"]: p for p in plain._backend.engine.pipelines}
     assert by_kernel["rms_norm_xf32_wf32"]["threads"] == 64
     assert by_kernel["gated_delta_xf32_wf32"]["threads"] == 256
     with simulated_device(max_threads={"rms_norm_xf32_wf32": 32, "rms_norm_residual_xf32_wf32": 32}):
-        m = lily_py.load(wide_ckpt, backend="emu", context_length=64, prefill_chunk=16)
+        m = lily_py.load(wide_ckpt, backend="emu", context_length=64, prefill_chunk=16, activations="float32")
         by_kernel = {p["kernel"]: p for p in m._backend.engine.pipelines}
         assert by_kernel["rms_norm_xf32_wf32"] == {"kernel": "rms_norm_xf32_wf32", "threads": 32,
                                                   "max_threads": 32, "static_threadgroup_bytes": None}
@@ -140,18 +140,18 @@ def test_deltanet_decode_fits_a_lower_pipeline_limit(wide_ckpt):
 
 
 def test_load_fails_naming_kernel_numbers_and_device(wide_ckpt):
-    with simulated_device(max_threads={"gated_delta_xf32_wf32": 128}):
+    with simulated_device(max_threads={"gated_delta_xbf16_wf32": 128}):  # the default: bf16 activations
         with pytest.raises(lily_py.BackendError) as ei:
             lily_py.load(wide_ckpt, backend="emu", context_length=64, prefill_chunk=16)
     msg = str(ei.value)
-    assert "kernel 'gated_delta_xf32_wf32' dispatches 256 threads per threadgroup" in msg
+    assert "kernel 'gated_delta_xbf16_wf32' dispatches 256 threads per threadgroup" in msg
     assert "allows at most 128 (maxTotalThreadsPerThreadgroup)" in msg
     assert "device 'emu' (CPU emulator" in msg and "simulated limits" in msg
 
 
 def test_load_checks_static_threadgroup_memory(wide_ckpt):
-    with simulated_device(threadgroup_bytes={"moe_route": 40000}):
-        with pytest.raises(lily_py.BackendError, match=r"kernel 'moe_route' uses 40000 bytes of "
+    with simulated_device(threadgroup_bytes={"moe_route_xbf16": 40000}):
+        with pytest.raises(lily_py.BackendError, match=r"kernel 'moe_route_xbf16' uses 40000 bytes of "
                                                       r"threadgroup memory .* more than the 32768"):
             lily_py.load(wide_ckpt, backend="emu", context_length=64, prefill_chunk=16)
 

@@ -226,7 +226,6 @@ void encode_gated_delta_chunked(Encoder& enc, const GatedDeltaOperands& op) {
   if (op.Dk % 8 || op.Dv % 8 || op.Dk > 8 * kGdChunkMaxTiles || op.Dv > 8 * kGdChunkMaxTiles)
     fail("head dims Dk=" + std::to_string(op.Dk) + ", Dv=" + std::to_string(op.Dv) + " must be multiples of 8 <= 128");
   if (!(op.eps > 0.0f)) fail("eps must be > 0");
-  if (op.x_dtype != DType::f32) fail("activations must be float32 (bfloat16 is not instantiated)");
   const uint32_t C = 2 * op.Hk * op.Dk + op.Hv * op.Dv, VD = op.Hv * op.Dv;
   const uint32_t qs = op.qkv_stride ? op.qkv_stride : C, zs = op.z_stride ? op.z_stride : VD;
   const uint32_t abs_ = op.ab_stride ? op.ab_stride : op.Hv;
@@ -240,9 +239,10 @@ void encode_gated_delta_chunked(Encoder& enc, const GatedDeltaOperands& op) {
   GdChunkArgs args{op.T, Tp, op.Hk, op.Hv, op.Dk, op.Dv, qs, abs_, zs,
                    static_cast<float>(1.0 / std::sqrt(double(op.Dk))), op.eps, 0};
   const DType xt = op.x_dtype, wt = op.w_dtype;
-  const bool wb = wt == DType::bf16;
+  const bool wb = wt == DType::bf16, xb = xt == DType::bf16;
 
-  enc.set_kernel(wb ? KernelId::gd_chunk_prep_xf32_wbf16 : KernelId::gd_chunk_prep_xf32_wf32);
+  enc.set_kernel(xb ? (wb ? KernelId::gd_chunk_prep_xbf16_wbf16 : KernelId::gd_chunk_prep_xbf16_wf32)
+                    : (wb ? KernelId::gd_chunk_prep_xf32_wbf16 : KernelId::gd_chunk_prep_xf32_wf32));
   enc.set_args(args);
   enc.set_buffer(1, need(fn, op.qkv, rows_bytes(op.T, qs, C, xt), "qkv"));
   enc.set_buffer(2, need(fn, op.a, rows_bytes(op.T, abs_, op.Hv, xt), "a"));
@@ -283,7 +283,8 @@ void encode_gated_delta_chunked(Encoder& enc, const GatedDeltaOperands& op) {
   enc.dispatch({op.Dv / kGdChunkStateCols, op.Hv, 1}, {32, 1, 1});
   enc.barrier();  // o (in vo) -> gated norm
 
-  enc.set_kernel(wb ? KernelId::gd_chunk_norm_xf32_wbf16 : KernelId::gd_chunk_norm_xf32_wf32);
+  enc.set_kernel(xb ? (wb ? KernelId::gd_chunk_norm_xbf16_wbf16 : KernelId::gd_chunk_norm_xbf16_wf32)
+                    : (wb ? KernelId::gd_chunk_norm_xf32_wbf16 : KernelId::gd_chunk_norm_xf32_wf32));
   enc.set_args(args);
   enc.set_buffer(1, vo);
   enc.set_buffer(2, need(fn, op.z, rows_bytes(op.T, zs, VD, xt), "z"));

@@ -154,7 +154,6 @@ void validate(const MoeOperands& op) {
   if (op.top_k == 0 || op.top_k > op.experts || op.top_k > kMoeMaxTopK)
     fail("top_k=" + num(op.top_k) + " must be in [1, min(experts, " + num(kMoeMaxTopK) + ")]");
   if (op.bits != 4) fail("expert bits=" + num(op.bits) + " unsupported (4)");
-  if (op.x_dtype != DType::f32) fail("x must be float32 (bfloat16 activations are not instantiated)");
   if (op.scale_dtype != DType::bf16) fail("expert scales/biases must be bfloat16");
   if (op.group_size != 32 && op.group_size != 64 && op.group_size != 128)
     fail("group_size=" + num(op.group_size) + " unsupported (32, 64 or 128)");
@@ -203,6 +202,7 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
   const uint32_t T = op.tokens, H = op.hidden, E = op.experts, k = op.top_k;
   const uint32_t I = op.inter, Is = op.shared_inter;
   const uint64_t act = uint64_t(T) * H * dtype_size(op.x_dtype);
+  const bool xb = op.x_dtype == DType::bf16;  // activations (x, logits, residual, out); h and y are fp32
   const auto q = [&](uint64_t c, uint64_t N, uint64_t K) {
     return quant_bytes(c, N, K, op.bits, op.group_size, op.scale_dtype);
   };
@@ -255,7 +255,7 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
   if (route == MoeRoute::mv) {
     // 2. gate + up + SwiGLU of the selected experts and the shared expert, per slot; every
     // threadgroup selects its token's experts from the logits itself (no route level)
-    enc.set_kernel(KernelId::moe_gate_up_mv_b4_xf32_sbf16);
+    enc.set_kernel(xb ? KernelId::moe_gate_up_mv_b4_xbf16_sbf16 : KernelId::moe_gate_up_mv_b4_xf32_sbf16);
     enc.set_args(a);
     enc.set_buffer(1, range(op.x, act, "x"));
     enc.set_buffer(2, range(op.scratch.logits, sb.logits, "scratch.logits"));
@@ -265,7 +265,7 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
     enc.barrier();  // h -> down
     // 3. down projection x routing weights, shared expert x gate, residual add (selects the
     // experts from the logits again; writes ids and weights)
-    enc.set_kernel(KernelId::moe_down_mv_b4_xf32_sbf16);
+    enc.set_kernel(xb ? KernelId::moe_down_mv_b4_xbf16_sbf16 : KernelId::moe_down_mv_b4_xf32_sbf16);
     enc.set_args(a);
     enc.set_buffer(1, range(op.scratch.logits, sb.logits, "scratch.logits"));
     enc.set_buffer(2, range(op.scratch.ids, sb.ids, "scratch.ids"));
@@ -281,7 +281,7 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
   }
 
   // 2. softmax, top-k, renormalise, shared gate
-  enc.set_kernel(KernelId::moe_route);
+  enc.set_kernel(xb ? KernelId::moe_route_xbf16 : KernelId::moe_route);
   enc.set_args(a);
   enc.set_buffer(1, range(op.scratch.logits, sb.logits, "scratch.logits"));
   enc.set_buffer(2, range(op.scratch.ids, sb.ids, "scratch.ids"));
@@ -312,16 +312,19 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
   const struct {
     KernelId gate_up, down;
     uint32_t bound, cols;  // tiles in the list; output features per threadgroup
-  } kinds[3] = {{m5 ? KernelId::moe_gate_up_m5_64_b4_xf32_sbf16 : KernelId::moe_gate_up_mm64_b4_xf32_sbf16,
-                 m5 ? KernelId::moe_down_m5_64_b4_sbf16 : KernelId::moe_down_mm64_b4_sbf16, tb.t64, kMoeTileN},
-                {m5 ? KernelId::moe_gate_up_m5_32_b4_xf32_sbf16 : KernelId::moe_gate_up_mm32_b4_xf32_sbf16,
-                 m5 ? KernelId::moe_down_m5_32_b4_sbf16 : KernelId::moe_down_mm32_b4_sbf16, tb.t32, kMoeTileN},
-                {KernelId::moe_gate_up_few_b4_xf32_sbf16, KernelId::moe_down_few_b4_sbf16, tb.few,
-                 kMoeMvRowsPerSimd * kMoeMvSimdsPerGroup}};
+    bool few;
+  } kinds[3] = {{m5 ? (xb ? KernelId::moe_gate_up_m5_64_b4_xbf16_sbf16 : KernelId::moe_gate_up_m5_64_b4_xf32_sbf16)
+                    : (xb ? KernelId::moe_gate_up_mm64_b4_xbf16_sbf16 : KernelId::moe_gate_up_mm64_b4_xf32_sbf16),
+                 m5 ? KernelId::moe_down_m5_64_b4_sbf16 : KernelId::moe_down_mm64_b4_sbf16, tb.t64, kMoeTileN, false},
+                {m5 ? (xb ? KernelId::moe_gate_up_m5_32_b4_xbf16_sbf16 : KernelId::moe_gate_up_m5_32_b4_xf32_sbf16)
+                    : (xb ? KernelId::moe_gate_up_mm32_b4_xbf16_sbf16 : KernelId::moe_gate_up_mm32_b4_xf32_sbf16),
+                 m5 ? KernelId::moe_down_m5_32_b4_sbf16 : KernelId::moe_down_mm32_b4_sbf16, tb.t32, kMoeTileN, false},
+                {xb ? KernelId::moe_gate_up_few_b4_xbf16_sbf16 : KernelId::moe_gate_up_few_b4_xf32_sbf16,
+                 KernelId::moe_down_few_b4_sbf16, tb.few, kMoeMvRowsPerSimd * kMoeMvSimdsPerGroup, true}};
   // bytes_touched: each tile kind is counted as reading all `used` experts (an upper bound:
   // the kinds split the experts between them on the device).
   for (const auto& kd : kinds) {
-    const bool few = kd.gate_up == KernelId::moe_gate_up_few_b4_xf32_sbf16;
+    const bool few = kd.few;
     if (&kd != &kinds[0]) enc.barrier();  // h rows of the previous kind (see above)
     enc.set_kernel(kd.gate_up);
     enc.set_args(a);
@@ -334,7 +337,7 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
   enc.barrier();  // h -> grouped down
   // 5. grouped down projection x routing weight per row, the three tile kinds in turn
   for (const auto& kd : kinds) {
-    const bool few = kd.down == KernelId::moe_down_few_b4_sbf16;
+    const bool few = kd.few;
     if (&kd != &kinds[0]) enc.barrier();  // y rows of the previous kind (see step 4)
     enc.set_kernel(kd.down);
     enc.set_args(a);
@@ -349,7 +352,7 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
   }
   enc.barrier();  // y -> combine
   // 6. scatter back: sum of each token's k + 1 weighted rows (+ residual)
-  enc.set_kernel(KernelId::moe_combine_xf32);
+  enc.set_kernel(xb ? KernelId::moe_combine_xbf16 : KernelId::moe_combine_xf32);
   enc.set_args(a);
   enc.set_buffer(1, range(op.scratch.plan, sb.plan, "scratch.plan"));
   enc.set_buffer(2, range(op.scratch.y, sb.y, "scratch.y"));

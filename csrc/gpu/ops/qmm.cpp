@@ -54,11 +54,24 @@ QmmFlops qmm_flops(uint32_t M, uint32_t N, uint32_t K, uint32_t bits, bool tenso
   return {2 * Mp * Np * K, useful};
 }
 
-KernelId qmm_kernel(QmmRoute route, uint32_t bits, DType x, DType s) {
+KernelId qmm_kernel(QmmRoute route, uint32_t bits, DType x, DType s, bool y_f32) {
   // Index into the kernel list order: route, bits, x dtype, scale dtype (see kernel_ids.h).
   if (bits != 4 && bits != 8)
     throw std::invalid_argument("quantized_matmul: bits=" + std::to_string(bits) + " unsupported (4 or 8)");
   const bool xb = x == DType::bf16, sb = s == DType::bf16;
+  if (xb && y_f32) {  // bf16 x, fp32 y: kernel_ids.h's *_yf32 rows
+    if (route == QmmRoute::qmm_m5)
+      throw std::invalid_argument("quantized_matmul: the qmm_m5 route has no float32-output variant for bfloat16 x");
+    using K = KernelId;
+    if (route == QmmRoute::qmv1)
+      return bits == 4 ? (sb ? K::qmv1_b4_xbf16_sbf16_yf32 : K::qmv1_b4_xbf16_sf32_yf32)
+                       : (sb ? K::qmv1_b8_xbf16_sbf16_yf32 : K::qmv1_b8_xbf16_sf32_yf32);
+    if (route == QmmRoute::qmv)
+      return bits == 4 ? (sb ? K::qmv_b4_xbf16_sbf16_yf32 : K::qmv_b4_xbf16_sf32_yf32)
+                       : (sb ? K::qmv_b8_xbf16_sbf16_yf32 : K::qmv_b8_xbf16_sf32_yf32);
+    return bits == 4 ? (sb ? K::qmm_b4_xbf16_sbf16_yf32 : K::qmm_b4_xbf16_sf32_yf32)
+                     : (sb ? K::qmm_b8_xbf16_sbf16_yf32 : K::qmm_b8_xbf16_sf32_yf32);
+  }
   if (route == QmmRoute::qmv1) {
     if (bits == 4)
       return xb ? (sb ? KernelId::qmv1_b4_xbf16_sbf16 : KernelId::qmv1_b4_xbf16_sf32)
@@ -110,7 +123,7 @@ void validate(const QmmOperands& op) {
   need_bytes(op.w, uint64_t(op.N) * op.K * op.bits / 8, "w");
   need_bytes(op.scales, uint64_t(op.N) * (op.K / op.group_size) * se, "scales");
   need_bytes(op.biases, uint64_t(op.N) * (op.K / op.group_size) * se, "biases");
-  need_bytes(op.y, ((uint64_t(op.M) - 1) * ys + op.N) * xe, "y");
+  need_bytes(op.y, ((uint64_t(op.M) - 1) * ys + op.N) * (op.y_f32 ? 4 : xe), "y");
   const bool norm = op.norm_weight.buffer != nullptr;
   if ((op.residual.buffer || op.h_out.buffer || op.xn_out.buffer) && !norm)
     fail("residual / h_out / xn_out need the fused norm (norm_weight)");
@@ -131,14 +144,18 @@ bool qmm_bf16_allowed(const QmmOperands& op) {
   const uint64_t xe = dtype_size(op.x_dtype);
   const uint64_t xs = op.x_stride ? op.x_stride : op.K;
   const bool aligned = op.x.offset % 16 == 0 && (xs * xe) % 16 == 0 && op.w.offset % 16 == 0;
-  return aligned && !op.fp32_operands && (op.x_dtype == DType::bf16 || op.f32_x_bf16_tiles);
+  // no qmm_bf16 variant writes fp32 y (lm_head's logits from bf16 x take qmm's *_yf32)
+  return aligned && !op.fp32_operands && !op.y_f32 && (op.x_dtype == DType::bf16 || op.f32_x_bf16_tiles);
 }
 
 void encode_quantized_matmul(Encoder& enc, const QmmOperands& op) {
   validate(op);
   const bool bf16_tiles = qmm_bf16_allowed(op);
-  const QmmRoute route = qmm_route(op.M, op.bits, enc.tensor_ops(), bf16_tiles);
+  // A bf16-x, fp32-y product has no qmm_m5 variant: such a device takes the qmm route for it.
+  const bool tensor_ops = enc.tensor_ops() && !(op.y_f32 && op.x_dtype == DType::bf16);
+  const QmmRoute route = qmm_route(op.M, op.bits, tensor_ops, bf16_tiles);
   const uint64_t xe = dtype_size(op.x_dtype), se = dtype_size(op.scale_dtype);
+  const uint64_t ye = op.y_f32 ? 4 : xe;
   const uint64_t groups = op.K / op.group_size;
   auto range = [](Binding b, uint64_t bytes) { b.bytes = bytes; return b; };
   if (route == QmmRoute::qmv1) {
@@ -149,35 +166,35 @@ void encode_quantized_matmul(Encoder& enc, const QmmOperands& op) {
     uint32_t shift = 0;
     while ((1u << shift) < op.group_size) ++shift;
     Qmv1Args a{op.N, op.K, shift, flags, op.eps};
-    enc.set_kernel(qmm_kernel(route, op.bits, op.x_dtype, op.scale_dtype));
+    enc.set_kernel(qmm_kernel(route, op.bits, op.x_dtype, op.scale_dtype, op.y_f32));
     enc.set_args(a);
     const Binding x = range(op.x, op.K * xe);
     enc.set_buffer(1, x);
     enc.set_buffer(2, range(op.w, uint64_t(op.N) * op.K * op.bits / 8));
     enc.set_buffer(3, range(op.scales, uint64_t(op.N) * groups * se));
     enc.set_buffer(4, range(op.biases, uint64_t(op.N) * groups * se));
-    enc.set_buffer(5, range(op.y, op.N * xe));
+    enc.set_buffer(5, range(op.y, op.N * ye));
     // Unused slots (flag clear) are bound to x (never read or written there).
     enc.set_buffer(6, op.residual.buffer ? range(op.residual, op.K * xe) : x);
     enc.set_buffer(7, op.norm_weight.buffer ? range(op.norm_weight, uint64_t(op.K) * 4) : x);
     enc.set_buffer(8, op.h_out.buffer ? range(op.h_out, op.K * xe) : x);
     enc.set_buffer(9, op.xn_out.buffer ? range(op.xn_out, op.K * xe) : x);
     enc.dispatch({ceil_div(op.N, kQmv1Rows), 1, 1}, {32 * qmv1_splits(op.K, op.bits), 1, 1});
-    const QmmFlops f = qmm_flops(1, op.N, op.K, op.bits, enc.tensor_ops());
+    const QmmFlops f = qmm_flops(1, op.N, op.K, op.bits, tensor_ops);
     enc.add_flops(f.executed, f.useful);
     return;
   }
   QmmArgs args{op.M, op.N, op.K, op.group_size, op.x_stride ? op.x_stride : op.K,
                op.y_stride ? op.y_stride : op.N};
-  enc.set_kernel(qmm_kernel(route, op.bits, op.x_dtype, op.scale_dtype));
+  enc.set_kernel(qmm_kernel(route, op.bits, op.x_dtype, op.scale_dtype, op.y_f32));
   enc.set_args(args);
   // Bind exactly the bytes the kernel reads, so counters report true weight traffic.
   enc.set_buffer(1, range(op.x, ((uint64_t(op.M) - 1) * args.x_stride + op.K) * xe));
   enc.set_buffer(2, range(op.w, uint64_t(op.N) * op.K * op.bits / 8));
   enc.set_buffer(3, range(op.scales, uint64_t(op.N) * groups * se));
   enc.set_buffer(4, range(op.biases, uint64_t(op.N) * groups * se));
-  enc.set_buffer(5, range(op.y, ((uint64_t(op.M) - 1) * args.y_stride + op.N) * xe));
-  const QmmFlops f = qmm_flops(op.M, op.N, op.K, op.bits, enc.tensor_ops(), bf16_tiles);
+  enc.set_buffer(5, range(op.y, ((uint64_t(op.M) - 1) * args.y_stride + op.N) * ye));
+  const QmmFlops f = qmm_flops(op.M, op.N, op.K, op.bits, tensor_ops, bf16_tiles);
   if (route == QmmRoute::qmv) {
     enc.dispatch({ceil_div(op.N, kQmvRowsPerSimd * kQmvSimdsPerGroup), 1, 1},
                  {32 * kQmvSimdsPerGroup, 1, 1});

@@ -38,8 +38,10 @@ struct QmmOperands {
   Binding w;        // uint32 [N, K * bits / 32]
   Binding scales;   // [N, K / group_size] of scale_dtype
   Binding biases;   // [N, K / group_size] of scale_dtype
-  Binding y;        // [M, y_stride] of x_dtype
+  Binding y;        // [M, y_stride] of x_dtype (float32 with y_f32)
   DType x_dtype = DType::f32;
+  bool y_f32 = false;  // y in float32 whatever x_dtype (lm_head: fp32 logits from bf16 activations;
+                       // qmv1 / qmv / qmm routes only: a tensor-ops device takes the qmm route)
   DType scale_dtype = DType::f32;
   uint32_t M = 0, N = 0, K = 0;
   uint32_t bits = 4, group_size = 64;
@@ -60,7 +62,7 @@ struct QmmOperands {
 };
 
 // The kernel a route uses for these bits / dtypes; throws std::invalid_argument when unsupported.
-KernelId qmm_kernel(QmmRoute route, uint32_t bits, DType x_dtype, DType scale_dtype);
+KernelId qmm_kernel(QmmRoute route, uint32_t bits, DType x_dtype, DType scale_dtype, bool y_f32 = false);
 
 // qmm_route's bf16_tiles for these operands: x bf16 (or f32_x_bf16_tiles), !fp32_operands, x's
 // rows and the w binding on 16-byte boundaries.

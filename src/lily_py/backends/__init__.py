@@ -13,16 +13,20 @@ TIMING_BACKENDS = ("count_host",)
 
 
 def make_backend(name: str, cfg: ModelConfig, weights: ModelWeights, *, context_length: int,
-                 prefill_chunk: int, verbose: bool | None = None):
+                 prefill_chunk: int, verbose: bool | None = None, activations: str | None = None):
     """The backend for a resolved name ("auto" is resolved by Model first). ``verbose``: load
-    progress on a terminal (engine backends upload the weights; None: when stderr is a TTY)."""
+    progress on a terminal (engine backends upload the weights; None: when stderr is a TTY).
+    ``activations``: the engine's activation dtype ("bfloat16" / "float32"; None: the
+    checkpoint's, as MLX computes it); the reference backend computes in float64/float32 NumPy."""
+    if activations not in (None, "bfloat16", "float32"):
+        raise ValueError(f"activations must be 'bfloat16', 'float32' or None, got {activations!r}")
     if name not in BACKENDS and name not in TIMING_BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
     if name in ("emu", "metal") + TIMING_BACKENDS:
         # The C++ engine on a device (lily_py/backends/engine.py); "emu" runs the Metal kernels on the CPU.
         from .engine import EngineBackend
         return EngineBackend(name, cfg, weights, context_length=context_length,
-                             prefill_chunk=prefill_chunk, verbose=verbose)
+                             prefill_chunk=prefill_chunk, verbose=verbose, activations=activations)
     from .reference import ReferenceBackend
     return ReferenceBackend(cfg, weights)
 

@@ -54,8 +54,21 @@ REAL_QUANT = {
 }
 
 
-def engine_spec(cfg: ModelConfig, quant: dict, *, context_length: int, prefill_chunk: int) -> dict:
+ACTIVATIONS = ("bfloat16", "float32")
+
+
+def checkpoint_activations(quant: dict) -> str:
+    """The activation dtype MLX computes a checkpoint in: the dtype of its embedding's scales
+    (the embedding's output, hence the residual stream, has it): bfloat16 for the real bf16
+    checkpoints, float32 for a float32 conversion."""
+    return quant["embed"]["scale_dtype"]
+
+
+def engine_spec(cfg: ModelConfig, quant: dict, *, context_length: int, prefill_chunk: int,
+                activations: str = "float32") -> dict:
     """The dict ``lily_py._core.Engine`` takes (csrc/core/model_spec.h)."""
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
     return {
         "vocab": cfg.vocab_size, "hidden": cfg.hidden_size,
         "full_attention": [1 if cfg.is_full_attention(i) else 0 for i in range(cfg.num_hidden_layers)],
@@ -68,7 +81,7 @@ def engine_spec(cfg: ModelConfig, quant: dict, *, context_length: int, prefill_c
         "shared_inter": cfg.shared_expert_intermediate_size, "eps": float(cfg.rms_norm_eps),
         **quant,
         "context_length": int(context_length), "prefill_chunk": int(prefill_chunk),
-        "logit_rows": int(min(prefill_chunk, LOGIT_ROWS)),
+        "logit_rows": int(min(prefill_chunk, LOGIT_ROWS)), "activations": activations,
     }
 
 
@@ -175,7 +188,7 @@ class EngineBackend:
     """The C++ engine as a Model backend (same interface as ReferenceBackend)."""
 
     def __init__(self, device: str, cfg: ModelConfig, weights: ModelWeights, *, context_length: int,
-                 prefill_chunk: int, verbose: bool | None = None):
+                 prefill_chunk: int, verbose: bool | None = None, activations: str | None = None):
         status = {d["name"]: d for d in _core().registry.list()}
         if device not in status or not status[device]["available"]:
             why = status[device]["reason"] if device in status else "unknown device"
@@ -184,10 +197,12 @@ class EngineBackend:
         self.name = device
         self.cfg = cfg
         quant = checkpoint_quant(weights)
+        self.activations = activations or checkpoint_activations(quant)
         core = _core()
         try:
             self.engine = core.Engine(engine_spec(cfg, quant, context_length=context_length,
-                                                  prefill_chunk=prefill_chunk), device)
+                                                  prefill_chunk=prefill_chunk, activations=self.activations),
+                                      device)
         except core.DeviceMemoryError as e:
             raise DeviceMemoryError(str(e)) from None
         except (ValueError, core.DeviceLimitError) as e:
@@ -328,13 +343,15 @@ class EngineBackend:
 
 def count_step(cfg: ModelConfig, *, tokens: int = 1, position: int = 0, all_logits: bool = False,
                quant: dict | None = None, prefill_chunk: int | None = None,
-               context_length: int | None = None) -> dict:
+               context_length: int | None = None, activations: str | None = None) -> dict:
     """Counters of one step for ``cfg`` on the counting device (no weights, nothing runs):
     dispatches, barriers, bytes_bound, threads, commits, waits_in_step. The KV caches are bound
-    whole (bytes_bound grows with ``context_length``, default position + tokens)."""
+    whole (bytes_bound grows with ``context_length``, default position + tokens). ``activations``:
+    default the quantization's (bfloat16 for the real checkpoint's)."""
     chunk = prefill_chunk or max(tokens, 1)
-    spec = engine_spec(cfg, quant or REAL_QUANT, context_length=context_length or position + tokens,
-                       prefill_chunk=chunk)
+    q = quant or REAL_QUANT
+    spec = engine_spec(cfg, q, context_length=context_length or position + tokens,
+                       prefill_chunk=chunk, activations=activations or checkpoint_activations(q))
     eng = _core().Engine(spec, "count")
     return eng.count(tokens, position, all_logits)
 
@@ -345,14 +362,17 @@ def _qbytes(rows: int, cols: int, q: dict) -> int:
     return rows * cols * q["bits"] // 8 + 2 * rows * (cols // q["group_size"]) * s
 
 
-def decode_floor_bytes(cfg: ModelConfig, *, position: int, quant: dict | None = None) -> dict:
+def decode_floor_bytes(cfg: ModelConfig, *, position: int, quant: dict | None = None,
+                       activations: str | None = None) -> dict:
     """The bytes one decode token cannot avoid moving, derived from the config alone
     (docs/performance.md): every weight it uses read once (one embedding row; every layer's
     norms and mixer; the router, the top-k routed experts and the shared expert; the final norm
     and lm_head), each DeltaNet layer's recurrent state and conv window read and written once,
     and each attention layer's KV cache read for ``position + 1`` rows and one row written.
-    Activations (a few KB per kernel, the 1 MB logits row) are not in the floor."""
+    Activations (a few KB per kernel, the 1 MB logits row) are not in the floor; the conv window
+    has the activation dtype (``activations``, default the quantization's: bf16 for the real one)."""
     q = quant or REAL_QUANT
+    xe = 2 if (activations or checkpoint_activations(q)) == "bfloat16" else 4
     H, V = cfg.hidden_size, cfg.vocab_size
     E, k, I, Is = (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
                    cfg.shared_expert_intermediate_size)
@@ -372,7 +392,7 @@ def decode_floor_bytes(cfg: ModelConfig, *, position: int, quant: dict | None = 
             P = 2 * Hk * Dk + 2 * Hv * Dv + 2 * Hv
             mixer += _qbytes(P, H, q["mixer"]) + _qbytes(H, Hv * Dv, q["mixer"])
             mixer += C * K * 4 + 2 * Hv * 4 + Dv * 4                      # conv1d, A_log, dt_bias, norm
-            state += 2 * (Hv * Dv * Dk * 4) + 2 * ((K - 1) * C * 4)       # state and conv window, r + w
+            state += 2 * (Hv * Dv * Dk * 4) + 2 * ((K - 1) * C * xe)      # state and conv window, r + w
         moe += _qbytes(E + 1, H, q["router"])
         moe += k * (2 * _qbytes(I, H, q["experts_q"]) + _qbytes(H, I, q["experts_q"]))
         moe += 2 * _qbytes(Is, H, q["experts_q"]) + _qbytes(H, Is, q["experts_q"])
@@ -383,10 +403,12 @@ def decode_floor_bytes(cfg: ModelConfig, *, position: int, quant: dict | None = 
 
 
 def count_kernels(cfg: ModelConfig, *, position: int, sample: dict | None = None,
-                  quant: dict | None = None) -> tuple[dict, dict]:
+                  quant: dict | None = None, activations: str | None = None) -> tuple[dict, dict]:
     """(step counters, per-kernel totals) of one decode step at ``position`` for ``cfg`` on the
     counting device: kernel name -> dispatches, bytes_touched, threads, groups."""
-    spec = engine_spec(cfg, quant or REAL_QUANT, context_length=position + 1, prefill_chunk=1)
+    q = quant or REAL_QUANT
+    spec = engine_spec(cfg, q, context_length=position + 1, prefill_chunk=1,
+                       activations=activations or checkpoint_activations(q))
     eng = _core().Engine(spec, "count")
     st = eng.count(1, position, False, sample, False)
     return st, eng.count_kernels()

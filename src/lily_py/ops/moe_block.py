@@ -86,8 +86,10 @@ def moe(x: np.ndarray, router, experts: Mapping, shared_expert: Mapping, *, top_
     Router softmax over all experts in float32, top-``top_k`` (ties to the lowest expert index),
     renormalised; SwiGLU experts; the shared expert scaled by its sigmoid gate - exactly
     ``lily_py.reference.moe.moe_block``, on the device, with no host round trip inside the block.
-    ``x``: ``[..., H]`` float32; ``residual`` (optional, x's shape): added in the last kernel.
-    Weight packing: see this module's docstring. Returns float32 ``[..., H]``.
+    ``x``: ``[..., H]`` float32 or bfloat16 (the activations' dtype: router logits, residual and
+    output follow it; the expert intermediates stay float32); ``residual`` (optional, x's shape and
+    dtype): added in the last kernel. Weight packing: see this module's docstring. Returns ``[..., H]``
+    of x's dtype.
     """
     return _moe(x, router, experts, shared_expert, top_k=top_k, residual=residual, device=device)[0]
 
@@ -97,8 +99,8 @@ def _moe(x, router, experts, shared_expert, *, top_k, residual=None, device="emu
     """:func:`moe` plus the routing (``ids [T, k]``, ``weights [T, k + 1]``: the renormalised
     routing weights, then the shared expert's sigmoid gate) and the run's stats (route, kernels,
     dispatches, barriers, bytes bound, threads, host_syncs)."""
-    if not isinstance(x, np.ndarray) or x.dtype != np.float32 or x.ndim < 1 or x.shape[-1] == 0:
-        raise ValueError(f"{FN}: x must be a float32 array [..., H] with H > 0, got "
+    if not isinstance(x, np.ndarray) or x.dtype not in (np.float32, BFLOAT16) or x.ndim < 1 or x.shape[-1] == 0:
+        raise ValueError(f"{FN}: x must be a float32 or bfloat16 array [..., H] with H > 0, got "
                          f"{getattr(x, 'dtype', type(x).__name__)} {getattr(x, 'shape', '')}")
     if device not in ("emu", "metal"):
         raise ValueError(f"{FN}: device must be 'emu' or 'metal', got {device!r}")
@@ -150,13 +152,14 @@ def _moe(x, router, experts, shared_expert, *, top_k, residual=None, device="emu
         raise ValueError(f"{FN}: at most 512 experts, got {E}")
     res = None
     if residual is not None:
-        if not isinstance(residual, np.ndarray) or residual.dtype != np.float32 or residual.shape != x.shape:
-            raise ValueError(f"{FN}: residual must be float32 with x's shape {list(x.shape)}")
+        if not isinstance(residual, np.ndarray) or residual.dtype != x.dtype or residual.shape != x.shape:
+            raise ValueError(f"{FN}: residual must have x's dtype ({x.dtype}) and shape {list(x.shape)}")
         res = np.ascontiguousarray(residual).reshape(-1, H)
+        res = res.view(np.uint16) if res.dtype == BFLOAT16 else res
     lead = x.shape[:-1]
     T = int(np.prod(lead, dtype=np.int64)) if lead else 1
     if T == 0:
-        empty = np.zeros(x.shape, np.float32)
+        empty = np.zeros(x.shape, x.dtype)
         return (empty if res is None else residual.copy(), np.zeros((0, top_k), np.uint32),
                 np.zeros((0, top_k + 1), np.float32), {"kernels": [], "dispatches": 0})
 
@@ -167,8 +170,11 @@ def _moe(x, router, experts, shared_expert, *, top_k, residual=None, device="emu
     # The shared-expert gate becomes row E of the router (done once at load in an engine).
     router_cat = [np.concatenate([r[i], gate[i]], axis=0) for i in range(3)]
     mats = [raw(a) for t in (router_cat, g, u, d, sg, su, sd) for a in t]
+    xb = x.dtype == BFLOAT16
     out, ids, weights, stats = _core().ops.moe(
-        np.ascontiguousarray(x).reshape(T, H), mats, res, top_k=top_k, group_size=layouts["experts['gate_proj']"][1],
-        router_bits=rb, router_group_size=rgs, router_scale_dtype=_SCALE_DTYPES[r[1].dtype], device=device,
-        order=order, seed=seed, fp_traps=fp_traps)
+        raw(x).reshape(T, H), mats, res, top_k=top_k, group_size=layouts["experts['gate_proj']"][1],
+        router_bits=rb, router_group_size=rgs, router_scale_dtype=_SCALE_DTYPES[r[1].dtype],
+        x_dtype="bfloat16" if xb else "float32", device=device, order=order, seed=seed, fp_traps=fp_traps)
+    if xb:
+        out = out.view(BFLOAT16)
     return out.reshape(x.shape), ids.reshape(*lead, top_k), weights.reshape(*lead, top_k + 1), stats

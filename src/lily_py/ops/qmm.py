@@ -34,11 +34,12 @@ def quantized_matmul(x: np.ndarray, w: np.ndarray, scales: np.ndarray, biases: n
 
 
 def _quantized_matmul(x, w, scales, biases, *, bits, group_size, device="emu", order="shuffle",
-                      seed=0, fp_traps=True, f32_x_bf16_tiles=False):
+                      seed=0, fp_traps=True, f32_x_bf16_tiles=False, y_f32=False):
     """:func:`quantized_matmul` plus the run's stats (kernels, dispatches, bytes bound, threads)
     and the emulator's scheduling knobs (``order``: forward/reverse/shuffle/ahead, ``seed``,
     ``fp_traps``). ``f32_x_bf16_tiles``: float32 ``x`` may take ``qmm_bf16`` (rounded to bf16 at
-    the tile load; bfloat16 ``x`` always may)."""
+    the tile load; bfloat16 ``x`` always may); ``y_f32``: y in float32 whatever x's dtype (the
+    engine's lm_head)."""
     fn = "quantized_matmul"
     if bits not in _BITS:
         raise ValueError(f"{fn}: bits must be one of {_BITS}, got {bits!r}")
@@ -75,9 +76,9 @@ def _quantized_matmul(x, w, scales, biases, *, bits, group_size, device="emu", o
     x2 = xc.reshape(m, k)
     y, stats = _core().ops.quantized_matmul(
         x2, np.ascontiguousarray(w), sc, bc, bits=bits, group_size=group_size, x_dtype=x_dtype,
-        scale_dtype=s_dtype, device=device, order=order, seed=seed, fp_traps=fp_traps,
+        scale_dtype=s_dtype, y_f32=bool(y_f32), device=device, order=order, seed=seed, fp_traps=fp_traps,
         f32_x_bf16_tiles=bool(f32_x_bf16_tiles))
-    if x_dtype == "bfloat16":
+    if x_dtype == "bfloat16" and not y_f32:
         y = y.view(BFLOAT16)
     return y.reshape(*lead, n), stats
 
@@ -95,7 +96,7 @@ def quantized_matmul_norm(x, w, scales, biases, norm_weight, *, bits: int, group
 
 
 def _quantized_matmul_norm(x, w, scales, biases, norm_weight, *, bits, group_size, eps=1e-6, residual=None,
-                           side=False, device="emu", order="shuffle", seed=0, fp_traps=True):
+                           side=False, device="emu", order="shuffle", seed=0, fp_traps=True, y_f32=False):
     fn = "quantized_matmul_norm"
     if bits not in _BITS:
         raise ValueError(f"{fn}: bits must be one of {_BITS}, got {bits!r}")
@@ -125,10 +126,10 @@ def _quantized_matmul_norm(x, w, scales, biases, norm_weight, *, bits, group_siz
     _check_device(device, fn)
     y, h, xn, stats = _core().ops.quantized_matmul_norm(
         xc, np.ascontiguousarray(w), sc, bc, np.ascontiguousarray(nw), res, side=bool(side), bits=bits,
-        group_size=group_size, eps=float(eps), x_dtype=x_dtype, scale_dtype=s_dtype, device=device, order=order,
-        seed=seed, fp_traps=fp_traps)
+        group_size=group_size, eps=float(eps), x_dtype=x_dtype, scale_dtype=s_dtype, y_f32=bool(y_f32), device=device,
+        order=order, seed=seed, fp_traps=fp_traps)
     if x_dtype == "bfloat16":
-        y = y.view(BFLOAT16)
+        y = y if y_f32 else y.view(BFLOAT16)
         h = None if h is None else h.view(BFLOAT16)
         xn = None if xn is None else xn.view(BFLOAT16)
     return y, h, xn, stats
