@@ -82,7 +82,7 @@ FACTS = {
     "sample_select": ("4 B", "one threadgroup: scan of 1024 buckets, thread 0 picks them",
                       "bucket select"),
     "sample_collect": ("4 B (128 B per simdgroup load)", "-", "candidate append + Gumbel partial"),
-    "sample_resolve": ("4 B", "one threadgroup: up to 3 x 64 search rounds over the candidates",
+    "sample_resolve": ("4 B", "one threadgroup: up to 3 x 16 search rounds over the candidates",
                        "exact cutoff + Gumbel merge"),
 }
 

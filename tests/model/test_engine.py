@@ -378,10 +378,11 @@ def test_engine_refuses_unsupported_checkpoints(tiny_hf):
 
 
 SAMPLING = [dict(temperature=0.0), dict(temperature=0.8, seed=7),
-            dict(temperature=0.7, top_k=20, top_p=0.9, min_p=0.05, seed=11)]
+            dict(temperature=0.7, top_k=20, top_p=0.9, min_p=0.05, seed=11),
+            dict(temperature=0.9, top_k=100, top_p=0.9, min_p=0.02, seed=5)]  # the bucket route
 
 
-@pytest.mark.parametrize("opts", SAMPLING, ids=["greedy", "temperature", "filters"])
+@pytest.mark.parametrize("opts", SAMPLING, ids=["greedy", "temperature", "filters", "buckets"])
 def test_device_sampling_reproduces_reference(dn_ckpt, opts):
     """Decode steps sample on the device (fused into the step, token written to the device slot
     and read by the next step's embedding): the same tokens as the reference's host sampler."""
@@ -394,7 +395,7 @@ def test_device_sampling_reproduces_reference(dn_ckpt, opts):
     assert st["ids_from_slot"] and st["token"] == a.tokens[-1] and st["waits_in_step"] == 0
 
 
-@pytest.mark.parametrize("opts", SAMPLING[1:], ids=["temperature", "filters"])
+@pytest.mark.parametrize("opts", SAMPLING[1:], ids=["temperature", "filters", "buckets"])
 def test_device_sampling_demo(opts):
     emu = lily_py.load(backend="emu", context_length=96)
     ref = lily_py.load(backend="reference", context_length=96)
@@ -601,7 +602,7 @@ def test_greedy_after_chunked_prefill(real_dims_ckpt, which, chunk):
     assert routes == ({"scan"} if chunk == 1 else {"chunked", "scan"} if chunk == 64 else {"chunked"})
 
 
-@pytest.mark.parametrize("opts", SAMPLING, ids=["greedy", "temperature", "filters"])
+@pytest.mark.parametrize("opts", SAMPLING, ids=["greedy", "temperature", "filters", "buckets"])
 def test_first_token_sampled_on_device_in_the_prefill_step(dn_ckpt, opts):
     """The first token is sampled on the device, in the command buffer of the prompt's last
     prefill step (also when the prompt takes several chunks), and equals the reference's choice.
