@@ -27,7 +27,7 @@ import argparse
 from collections import OrderedDict
 
 from lily_py import _core
-from lily_py.backends.engine import REAL_QUANT, decode_floor_bytes, engine_spec
+from lily_py.backends.engine import REAL_QUANT, checkpoint_activations, decode_floor_bytes, engine_spec
 from lily_py.config import ModelConfig
 from lily_py.testing import REAL_TEXT_CONFIG
 
@@ -146,7 +146,8 @@ def roles(dispatches: list[dict], cfg: ModelConfig) -> list[str]:
 
 
 def step(cfg: ModelConfig, position: int, sample: dict | None):
-    spec = engine_spec(cfg, REAL_QUANT, context_length=position + 1, prefill_chunk=1)
+    spec = engine_spec(cfg, REAL_QUANT, context_length=position + 1, prefill_chunk=1,
+                       activations=checkpoint_activations(REAL_QUANT))  # bf16, as load() runs it
     eng = _core.Engine(spec, "count")
     st = eng.count(1, position, False, None if sample is None else dict(sample, valid_vocab=cfg.vocab_size), False)
     return st, eng.count_dispatches()

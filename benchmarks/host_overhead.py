@@ -28,7 +28,7 @@ import tempfile
 import time
 
 import lily_py
-from lily_py.backends.engine import REAL_QUANT, engine_spec
+from lily_py.backends.engine import REAL_QUANT, checkpoint_activations, engine_spec
 from lily_py.config import ModelConfig
 from lily_py.resources import demo_path
 from lily_py.testing import REAL_TEXT_CONFIG, TINY_TEXT_CONFIG, make_checkpoint
@@ -39,7 +39,8 @@ FULL = dict(temperature=0.7, top_k=20, top_p=0.95, min_p=0.05)
 def encode_times(repeat: int, position: int = 256) -> None:
     from lily_py import _core
     cfg = ModelConfig.from_dict({"model_type": "qwen3_5_moe", "text_config": dict(REAL_TEXT_CONFIG)})
-    spec = engine_spec(cfg, REAL_QUANT, context_length=position + 1, prefill_chunk=1)
+    spec = engine_spec(cfg, REAL_QUANT, context_length=position + 1, prefill_chunk=1,
+                       activations=checkpoint_activations(REAL_QUANT))  # bf16, as load() runs it
     eng = _core.Engine(spec, "count")
     sample = dict(FULL, seed=1, step=1, valid_vocab=cfg.vocab_size)
     for label, kw in (("greedy", {}), ("full sampler", dict(sample=sample, from_slot=False))):
