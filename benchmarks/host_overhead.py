@@ -92,8 +92,8 @@ def python_overhead(path: str, n: int) -> None:
 def first_token(path: str) -> None:
     """Host time to the first token. A new prompt each time (prefill + first token sampled on the
     device in the same command buffer); then the same prompt again: the prompt cache restores
-    the whole prompt's snapshot, nothing is prefilled, and the first token is sampled on the host
-    from the cached logits row (lily_py.sampling, NumPy)."""
+    the whole prompt's snapshot, nothing is prefilled, and the device samples the cached logits
+    row with the sampler alone (Engine.sample_row; on count_host nothing runs)."""
     m = lily_py.load(path, backend="count_host", context_length=64, prefill_chunk=16)
     for j, (label, opts) in enumerate((("greedy", dict(temperature=0.0)), ("temperature+top-k+top-p+min-p", FULL))):
         for hit in (False, True):
@@ -106,7 +106,7 @@ def first_token(path: str) -> None:
                 next(g)
                 ts.append(time.perf_counter() - t0)
                 g.close()
-            what = "same prompt again (prompt-cache hit, sampled on the host)" if hit else "new prompt"
+            what = "same prompt again (prompt-cache hit: the cached row sampled by the sampler alone)" if hit else "new prompt"
             print(f"time to first token on count_host (host work only), {label}, {what}: "
                   f"median {statistics.median(ts) * 1e3:8.2f} ms")
 

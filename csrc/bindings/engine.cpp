@@ -308,6 +308,18 @@ void init_engine(nb::module_& m) {
             return nb::ndarray<nb::numpy, float>(out, 1, shape, owner);
           },
           "float32 logits [V] of the last position of the last completed step (copied from the device).")
+      .def(
+          "sample_row",
+          [](core::Engine& e, nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu> row,
+             const core::StepSampling& sampling) {
+            LILY_REQUIRE(row.shape(0) == e.spec().vocab,
+                         "sample_row: the row has " + std::to_string(row.shape(0)) + " logits, the model's vocab is " +
+                             std::to_string(e.spec().vocab));
+            return e.sample_row(row.data(), sampling);
+          },
+          "row"_a, "sampling"_a,
+          "Sample one token on the device from a float32 logits row [V] held by the host (the "
+          "sampler alone, one wait); the state is untouched.")
       .def_prop_ro("has_last_logits", &core::Engine::has_last_logits)
       .def_prop_ro("logit_bytes_copied", &core::Engine::logit_bytes_copied,
                    "Bytes of logits copied from the device to the host since construction.")

@@ -684,6 +684,46 @@ StepStats Engine::complete(float* logits) {
   return st;
 }
 
+uint32_t Engine::sample_row(const float* row, const StepSampling& sampling) {
+  require_idle("sample_row");
+  if (!sampling.enabled || sampling.ids_from_slot) fail("sample_row: needs sampling parameters (and no slot feed)");
+  if (!sampling.params.greedy && !(sampling.params.temperature > 0))
+    fail("sample_row: temperature must be > 0");
+  if (sampling.valid_vocab > spec_.vocab) fail("sample_row: valid_vocab " + num(sampling.valid_vocab) + " > vocab " + num(spec_.vocab));
+  const size_t V = spec_.vocab;
+  char* dst = static_cast<char*>(m_.s.logits.buffer->contents());
+  if (dst == nullptr) fail("sample_row: device '" + std::string(device_->name()) + "' keeps no logits");
+  std::memcpy(dst + m_.s.logits.offset, row, V * 4);
+  last_rows_ = 0;  // row 0 now holds the host's row, not the last step's
+  have_token_ = false;
+  gpu::ops::SampleOperands so;
+  so.logits = gpu::Binding{m_.s.logits.buffer, m_.s.logits.offset, uint64_t(V) * 4};
+  so.ids = m_.s.token_slot;
+  so.chosen_logit = m_.s.chosen_logit;
+  const uint64_t state_bytes = gpu::ops::sample_state_bytes(1);
+  so.state = gpu::Binding{m_.s.sample_state.buffer, m_.s.sample_state.offset, state_bytes};
+  so.partials = m_.s.sample_partials;
+  so.hist = m_.s.sample_hist;
+  so.rows = 1;
+  so.stride = uint32_t(V);
+  so.valid_vocab = sampling.valid_vocab ? sampling.valid_vocab : uint32_t(V);
+  so.slot = 0;
+  so.params = sampling.params;
+  gpu::ops::validate(so);
+  auto enc = device_->new_encoder();
+  gpu::ops::encode_sample(*enc, so);
+  enc->commit();
+  enc->wait();
+  const char* sp = static_cast<const char*>(m_.s.sample_state.buffer->contents());
+  const auto* state = reinterpret_cast<const ::lily::SampleState*>(sp + m_.s.sample_state.offset);
+  if (state->status != 0)
+    throw SampleError("engine: the sampler found a non-finite logit" +
+                      (state->bad_id != 0xFFFFFFFFu ? " at token id " + num(state->bad_id) : std::string(" (all -inf)")) +
+                      " in the row given to sample_row");
+  const auto* tok = static_cast<const uint32_t*>(m_.s.token_slot.buffer->contents());
+  return tok[m_.s.token_slot.offset / 4];
+}
+
 void Engine::last_logits(float* out) const {
   require_idle("last_logits");
   if (last_rows_ == 0) fail("last_logits: the last step computed no logits (or the state was reset / restored)");

@@ -127,6 +127,13 @@ class Engine {
   // that computed logits. Generation never copies logits per token: this is the "asked for" path.
   void last_logits(float* out) const;
   bool has_last_logits() const { return inflight_.empty() && last_rows_ != 0; }
+  // Samples one token on the device from a logits row the host holds (float32 [vocab]; the
+  // prompt cache's row when a whole prompt is restored and nothing is prefilled): copies it into
+  // the logits buffer and runs the sampler alone (one command buffer, one wait). Needs no step
+  // in flight and enabled sampling; the state is untouched; the device logits no longer hold the
+  // last step's row afterwards (has_last_logits() false). Throws SampleError on a non-finite
+  // logit, std::invalid_argument on bad parameters.
+  uint32_t sample_row(const float* logits, const StepSampling& sampling);
   // Bytes of logits copied from the device to the host since construction (complete(logits)
   // and last_logits()): what "logits leave the device only when asked for" is tested with.
   uint64_t logit_bytes_copied() const { return logit_bytes_copied_; }

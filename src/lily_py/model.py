@@ -413,7 +413,8 @@ class Model:
         # (bit-identical to lily_py.sampling.sample), and keep two steps in flight: the step that
         # feeds token n (read from the device slot) is committed before the host waits for the
         # step that samples token n. The first token is sampled on the device too, in the prompt's
-        # last prefill step (on the host only when the prompt added no token to the state).
+        # last prefill step (when the prompt added no token to the state, from the host's logits
+        # row by the sampler alone: sample_row).
         # Per token the host copies no logits and builds no array.
         # A token after which generation stops (EOS, stop string) has then usually already been
         # fed; feed_last() feeds it where it was not, so every backend ends with it in `tokens`.
@@ -450,6 +451,10 @@ class Model:
             for n in range(max_tokens):
                 if n == 0 and first_tok is not None:
                     tok = first_tok
+                elif n == 0 and on_device:
+                    # the prompt added no token (a prompt-cache hit or the state itself): the
+                    # logits row is on the host; the device samples it (the sampler alone)
+                    tok = self._backend.sample_row(logits, sample_args(0))
                 elif n == 0 or not on_device:
                     if n_ids < logits.shape[-1]:
                         logits = logits.copy()

@@ -631,24 +631,50 @@ def test_first_token_sampled_on_device_in_the_prefill_step(dn_ckpt, opts):
     assert eng.logit_bytes_copied - copied == V * 4
 
 
-def test_prompt_without_new_tokens_samples_on_the_host_from_the_device_logits(dn_ckpt):
-    """The other side of the first-token switch: a prompt equal to the state (nothing to
-    prefill) samples its first token on the host, from the last step's logits fetched from the
-    device on demand; the tokens equal the reference's."""
+@pytest.mark.parametrize("opts", [dict(temperature=0.9), dict(temperature=0.8, top_k=5, top_p=0.9, min_p=0.05),
+                                  dict(temperature=0.8, top_p=0.9)], ids=["temperature", "small-k", "bucket"])
+def test_prompt_without_new_tokens_samples_the_host_row_on_the_device(dn_ckpt, monkeypatch, opts):
+    """The other side of the first-token switch: a prompt that adds no token to the state (the
+    state itself, or a prompt-cache hit after reset) has its logits row on the host; the device
+    samples that row with the sampler alone (Engine.sample_row), never NumPy; the tokens equal
+    the reference's."""
+    import lily_py.model as model_mod
     emu, ref = _pair(dn_ckpt)
     prompt = [9, 8, 7, 6]
-    kw = dict(max_tokens=3, temperature=0.9, seed=3)
+    kw = dict(max_tokens=3, seed=3, **opts)
     a1, b1 = emu.generate_text(prompt, **kw), ref.generate_text(prompt, **kw)
     assert a1.tokens == b1.tokens
     state = prompt + a1.tokens[:2]                 # the last token was sampled, never fed
     assert list(emu.tokens) == list(ref.tokens) == state
     eng = emu._backend.engine
     copied = eng.logit_bytes_copied
-    a2 = emu.generate_text(state, max_tokens=6, temperature=0.9, seed=4)
-    b2 = ref.generate_text(state, max_tokens=6, temperature=0.9, seed=4)
+    b2 = ref.generate_text(state, max_tokens=6, seed=4, **opts)
+    host_calls = []
+    real_sample = model_mod.sample
+    monkeypatch.setattr(model_mod, "sample", lambda *a, **k: host_calls.append(1) or real_sample(*a, **k))
+    a2 = emu.generate_text(state, max_tokens=6, seed=4, **opts)
     assert a2.stats.reused_tokens == len(state) and a2.stats.prefilled_tokens == 0
-    assert a2.tokens == b2.tokens
+    assert a2.tokens == b2.tokens and host_calls == []
     assert eng.logit_bytes_copied - copied == emu.config.vocab_size * 4   # fetched once, on demand
+    # A prompt-cache hit after a reset: the whole prompt's snapshot and logits row come back.
+    emu.reset()
+    a3 = emu.generate_text(prompt, **kw)
+    assert a3.stats.cached_tokens == len(prompt) and a3.stats.prefilled_tokens == 0
+    assert a3.tokens == b1.tokens and host_calls == []
+
+
+def test_sample_row_checks_its_input(dn_ckpt):
+    emu = lily_py.load(dn_ckpt, backend="emu", context_length=64, prefill_chunk=4)
+    eng = emu._backend.engine
+    V = emu.config.vocab_size
+    from lily_py.backends.engine import _core
+    samp = _core().Sampling(dict(temperature=0.7, top_k=0, top_p=1.0, min_p=0.0, seed=1, step=0, valid_vocab=V))
+    with pytest.raises(ValueError, match="the row has 3 logits"):
+        eng.sample_row(np.zeros(3, np.float32), samp)
+    row = np.random.default_rng(5).standard_normal(V).astype(np.float32)
+    row[V // 3] = np.nan
+    with pytest.raises(FloatingPointError, match="non-finite logit at token id"):
+        eng.sample_row(row, samp)
 
 
 def test_decode_returns_logits_and_last_logits_on_demand(dn_ckpt, rng):

@@ -290,6 +290,13 @@ class EngineBackend:
         self._stats_pending = True
         return self.last_token
 
+    def sample_row(self, logits: np.ndarray, sample: dict) -> int:
+        """One token sampled on the device from a host logits row [V] (the sampler alone, one
+        wait): the first token when the prompt added nothing to the state."""
+        row = np.ascontiguousarray(logits, dtype=np.float32)
+        self.last_token = int(self.engine.sample_row(row, _core().Sampling(sample)))
+        return self.last_token
+
     def last_logits(self) -> np.ndarray:
         """float32 logits [V] of the last position of the last completed step (a copy)."""
         return self.engine.last_logits()
