@@ -416,7 +416,7 @@ def test_dispatches_per_block_and_no_host_sync(rng, T, route, dispatches, barrie
                                         "moe_gate_up_few_b4_xf32_sbf16", "moe_down_mm64_b4_sbf16",
                                         "moe_down_mm32_b4_sbf16", "moe_down_few_b4_sbf16", "moe_combine_xf32"]
     assert stats["host_syncs"] == 0  # no commit / wait inside the block: nothing read back
-    assert stats["kernels"][0] == ("qmv1_b8_xf32_sbf16" if T == 1 else "qmv_b8_xf32_sbf16" if route == "mv"
+    assert stats["kernels"][0] == ("qmv1_b8_xf32_sbf16_r1" if T == 1 else "qmv_b8_xf32_sbf16" if route == "mv"
                                    else "qmm_b8_xf32_sbf16")
     # mv: the expert kernels select the experts from the logits themselves (no moe_route level)
     assert stats["kernels"][1] == ("moe_gate_up_mv_b4_xf32_sbf16" if route == "mv" else "moe_route")

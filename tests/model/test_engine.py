@@ -316,7 +316,7 @@ def test_moe_decode_grids_real_config(position):
     assert simds(gu[0]) / 40 == 57.6 and simds(dn[0]) / 40 == 64.0
     for g, d in zip(gu, dn):  # router -> gate_up -> down, one level each
         i = ds.index(g)
-        assert names[i - 1] == "qmv1_b8_xf32_sbf16" and names[i + 1] == "moe_down_mv_b4_xf32_sbf16"
+        assert names[i - 1] == "qmv1_b8_xf32_sbf16_r1" and names[i + 1] == "moe_down_mv_b4_xf32_sbf16"
         assert ds[i - 1]["level"] + 1 == g["level"] == ds[i + 1]["level"] - 1
 
 
