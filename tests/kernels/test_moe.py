@@ -503,7 +503,9 @@ def test_bf16_activations(rng, T):
                     {"moe_route_xbf16", "moe_gate_up_mm64_b4_xbf16_sbf16", "moe_gate_up_mm32_b4_xbf16_sbf16",
                      "moe_gate_up_few_b4_xbf16_sbf16", "moe_combine_xbf16"})
     assert want_kernels <= set(stats["kernels"]), stats["kernels"]
-    assert stats["kernels"][0].endswith("_xbf16_sbf16")  # the router's qmv/qmm reads bf16 x
+    # the router's qmv/qmm reads bf16 x (T = 1: qmv1 with 1 row per threadgroup, E + 1 = 8 rows)
+    assert stats["kernels"][0] == ("qmv1_b8_xbf16_sbf16_r1" if T == 1 else
+                                   "qmv_b8_xbf16_sbf16" if T <= 8 else "qmm_b8_xbf16_sbf16"), stats["kernels"]
     dense, mags = parts(W)
     x64, r64 = x.astype(np.float64), res.astype(np.float64)
     logits = ref.moe_logits(x64, dense["router"], dense["shared_gate"]).astype(np.float32).astype(BF16)
