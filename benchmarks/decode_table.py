@@ -60,6 +60,11 @@ FACTS = {
     "qmv1_b4": ("16 B codes (uint4), 2 B scales/biases, 4 B x", "4 rows per threadgroup; K split over "
                 "<= 4 simdgroups, summed through threadgroup memory", "MLX qmv_fast (single token; norm fused)"),
     "qmv1_b8": ("16 B codes (uint4), 2 B scales/biases, 4 B x", "as qmv1_b4", "MLX qmv_fast, 8-bit"),
+    # the *_r1 kernels: 1 row per threadgroup where 4 rows would give < 1280 simdgroups (qmv1_rows)
+    "qmv1_b8_r1": ("16 B codes (uint4), 2 B scales/biases, 4 B x", "1 row per threadgroup (x, residual, "
+                   "norm_w re-read and the norm's sum of squares recomputed by each); K split over "
+                   "<= 4 simdgroups, summed through threadgroup memory", "MLX qmv_fast, 8-bit, 1 row"),
+    "qmv1_b4_r1": ("16 B codes (uint4), 2 B scales/biases, 4 B x", "as qmv1_b8_r1", "MLX qmv_fast, 1 row"),
     "attn_decode_vec": ("16 B (uint4 = 8 bf16 of K and of V per lane per key)", "keys of a block in order, "
                         "ceil(keys / 8) per simdgroup; 8 simdgroups merged in threadgroup memory",
                         "MLX sdpa_vector 2-pass / Lily: GQA query in registers, online softmax"),
@@ -88,6 +93,8 @@ FACTS = {
 
 
 def facts(kernel: str):
+    if kernel.startswith("qmv1_") and kernel.endswith("_r1"):
+        return FACTS[kernel[:7] + "_r1"]
     for k in sorted(FACTS, key=len, reverse=True):
         if kernel.startswith(k):
             return FACTS[k]

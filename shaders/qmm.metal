@@ -75,23 +75,26 @@ template <typename T, typename S, int bits, typename Y = T>
 
 // ---------------------------------------------------------------------------------------------
 // qmv1: the single-token route (M = 1: every decode projection), after MLX's qmv_fast.
-//   grid:      ceil(N / kQmv1Rows) threadgroups of 32 * splits threads, splits = min(4, ceil(K / B))
+//   grid:      ceil(N / R) threadgroups of 32 * splits threads, splits = min(4, ceil(K / B));
+//              R = kQmv1Rows = 4 rows per threadgroup, or R = 1 (the *_r1 kernels) where 4 would
+//              give fewer than kQmv1MinSimdgroups = 1280 simdgroups (the router: 257 rows)
 //   block:     B = 32 lanes x V codes (V = 128 / bits: one 16-byte load of w per lane and row);
 //              simdgroup s walks K blocks s, s + splits, ...
 //   per block: the lane's V values of x are loaded once (with the residual added and the norm
 //              weight applied when fused), pre-scaled for 4-bit codes (x * 16^-(i % 4): a nibble
 //              is then masked in place, never shifted; exact: a power-of-two scale), summed once
-//              for the bias term, and reused by the kQmv1Rows rows: four independent 16-byte
-//              loads per lane in flight. The group index is a shift (group_shift), no division.
+//              for the bias term, and reused by the R rows: R independent 16-byte loads per
+//              lane in flight. The group index is a shift (group_shift), no division.
 //   rows:      rows past N load row N - 1 (loads never wait on a branch); only the store is guarded
-//   reduction: per lane acc[kQmv1Rows] (compile-time indexed: registers) and the sum of squares
+//   reduction: per lane acc[R] (compile-time indexed: registers) and the sum of squares
 //              of h; simd_sum, then over the splits through threadgroup memory in order.
-//   norm:      y = rsqrt(sum(h^2) / K + eps) * (w . (h * norm_w)); threadgroup 0 writes the side
+//   norm:      y = rsqrt(sum(h^2) / K + eps) * (w . (h * norm_w)), sum(h^2) recomputed by every
+//              threadgroup (x, residual, norm_w re-read per threadgroup); threadgroup 0 writes the side
 //              outputs h_out and xn_out = T(h * rsqrt(...) * norm_w) when asked (kQmv1Side).
 //   buffers:   1 x [K] T, 2 w, 3 scales, 4 biases, 5 y [N] T, 6 residual [K] T, 7 norm_w [K] float,
 //              8 h_out [K] T, 9 xn_out [K] T (6..9 read or written only when their flag is set).
 // Qmv1Codes (the 16-byte code dot products): common/quant.h, shared with the MoE matvecs.
-template <typename T, typename S, int bits, typename Y = T>
+template <typename T, typename S, int bits, typename Y = T, uint32_t R = kQmv1Rows>
 [[kernel]] void qmv1(constant Qmv1Args& args [[buffer(0)]],
                      const device T* x [[buffer(1)]],
                      const device uint32_t* w [[buffer(2)]],
@@ -103,10 +106,10 @@ template <typename T, typename S, int bits, typename Y = T>
                      device T* h_out [[buffer(8)]],
                      device T* xn_out [[buffer(9)]],
                      LILY_KERNEL_TAIL) {
-  constexpr uint32_t R = kQmv1Rows;
+  static_assert(R == kQmv1Rows || R == 1, "qmv1 is instantiated for 4 or 1 rows per threadgroup");
   constexpr uint32_t V = Qmv1Codes<bits>::V;
   constexpr uint32_t B = 32 * V;
-  LILY_TG_ARRAY(float, red, [kQmv1MaxSplits * (kQmv1Rows + 1)]);
+  LILY_TG_ARRAY(float, red, [kQmv1MaxSplits * (R + 1)]);
   const uint32_t K = args.K;
   const uint32_t splits = group_size.x / 32;
   const uint32_t words_per_row = K * bits / 32;
@@ -494,5 +497,19 @@ LILY_INSTANTIATE("qmm_b4_xbf16_sf32_yf32", qmm<bfloat, float, 4, float>)
 LILY_INSTANTIATE("qmm_b4_xbf16_sbf16_yf32", qmm<bfloat, bfloat, 4, float>)
 LILY_INSTANTIATE("qmm_b8_xbf16_sf32_yf32", qmm<bfloat, float, 8, float>)
 LILY_INSTANTIATE("qmm_b8_xbf16_sbf16_yf32", qmm<bfloat, bfloat, 8, float>)
+
+// One row per threadgroup (qmv1_rows: dispatches that would have < kQmv1MinSimdgroups simdgroups).
+LILY_INSTANTIATE("qmv1_b4_xf32_sf32_r1", qmv1<float, float, 4, float, 1>)
+LILY_INSTANTIATE("qmv1_b4_xf32_sbf16_r1", qmv1<float, bfloat, 4, float, 1>)
+LILY_INSTANTIATE("qmv1_b4_xbf16_sf32_r1", qmv1<bfloat, float, 4, bfloat, 1>)
+LILY_INSTANTIATE("qmv1_b4_xbf16_sbf16_r1", qmv1<bfloat, bfloat, 4, bfloat, 1>)
+LILY_INSTANTIATE("qmv1_b8_xf32_sf32_r1", qmv1<float, float, 8, float, 1>)
+LILY_INSTANTIATE("qmv1_b8_xf32_sbf16_r1", qmv1<float, bfloat, 8, float, 1>)
+LILY_INSTANTIATE("qmv1_b8_xbf16_sf32_r1", qmv1<bfloat, float, 8, bfloat, 1>)
+LILY_INSTANTIATE("qmv1_b8_xbf16_sbf16_r1", qmv1<bfloat, bfloat, 8, bfloat, 1>)
+LILY_INSTANTIATE("qmv1_b4_xbf16_sf32_yf32_r1", qmv1<bfloat, float, 4, float, 1>)
+LILY_INSTANTIATE("qmv1_b4_xbf16_sbf16_yf32_r1", qmv1<bfloat, bfloat, 4, float, 1>)
+LILY_INSTANTIATE("qmv1_b8_xbf16_sf32_yf32_r1", qmv1<bfloat, float, 8, float, 1>)
+LILY_INSTANTIATE("qmv1_b8_xbf16_sbf16_yf32_r1", qmv1<bfloat, bfloat, 8, float, 1>)
 
 }  // namespace lily

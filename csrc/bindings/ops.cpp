@@ -152,6 +152,11 @@ void init_ops(nb::module_& parent) {
         "Route quantized_matmul takes for M rows of x: 'qmv1' (M = 1), 'qmv', 'qmm', 'qmm_bf16' (M >= "
         "QMM_BF16_MIN_ROWS without tensor ops, or 8-bit, where the operands may be rounded to bf16: "
         "bf16_tiles), or 'qmm_m5' (4-bit, on a device with Metal 4 tensor ops).");
+  m.def("qmv1_rows", [](uint32_t N, uint32_t K, uint32_t bits) { return gpu::ops::qmv1_rows(N, K, bits); },
+        "N"_a, "K"_a, "bits"_a,
+        "Rows per threadgroup of the qmv1 route (M = 1): 4, or 1 where ceil(N / 4) * splits simdgroups "
+        "would fall short of QMV1_MIN_SIMDGROUPS (the *_r1 kernels).");
+  m.attr("QMV1_MIN_SIMDGROUPS") = static_cast<uint32_t>(kQmv1MinSimdgroups);
   m.attr("QMM_BF16_MIN_ROWS") = static_cast<uint32_t>(kQmmBf16MinRows);
   m.attr("QMV_MAX_ROWS") = static_cast<uint32_t>(kQmvMaxRows);
 
@@ -199,7 +204,7 @@ void init_ops(nb::module_& parent) {
         gpu::ops::validate(op);
         const bool tensor_ops = run.enc->tensor_ops() && !(y_f32 && xt == gpu::DType::bf16);
         run.encode(gpu::ops::qmm_kernel(gpu::ops::qmm_route(M, bits, tensor_ops, gpu::ops::qmm_bf16_allowed(op)),
-                                        bits, xt, st, y_f32),
+                                        bits, xt, st, y_f32, gpu::ops::qmv1_rows(N, K, bits)),
                    [&](gpu::Encoder& e) { gpu::ops::encode_quantized_matmul(e, op); });
         return nb::make_tuple(run.download(op.y, yt, {M, N}), run.stats());
       },
@@ -256,7 +261,7 @@ void init_ops(nb::module_& parent) {
           op.xn_out = run.output(size_t(K) * gpu::dtype_size(xt));
         }
         gpu::ops::validate(op);
-        run.encode(gpu::ops::qmm_kernel(gpu::ops::QmmRoute::qmv1, bits, xt, st, y_f32),
+        run.encode(gpu::ops::qmm_kernel(gpu::ops::QmmRoute::qmv1, bits, xt, st, y_f32, gpu::ops::qmv1_rows(N, K, bits)),
                    [&](gpu::Encoder& e) { gpu::ops::encode_quantized_matmul(e, op); });
         nb::object h = nb::none(), xn = nb::none();
         if (side) {

@@ -327,14 +327,14 @@ void init_ops_gated_delta(nb::module_& m) {
         op.eps = eps;
         run.run([&](gpu::Encoder& e) { gpu::ops::encode_gated_delta_mixer(e, op); });
         const auto route = gpu::ops::qmm_route(T, bits, run.enc->tensor_ops());
-        run.note(gpu::ops::qmm_kernel(route, bits, op.x_dtype, st));
+        run.note(gpu::ops::qmm_kernel(route, bits, op.x_dtype, st, false, gpu::ops::qmv1_rows(P, H, bits)));
         if (T == 1) {
           run.note(gpu::ops::gated_delta_decode_kernel(op.x_dtype, op.w_dtype));
         } else {
           run.note(gpu::ops::conv1d_kernel(op.x_dtype, op.w_dtype));
           run.note(gpu::ops::gated_delta_kernel(op.x_dtype, op.w_dtype));
         }
-        run.note(gpu::ops::qmm_kernel(route, bits, op.x_dtype, st));
+        run.note(gpu::ops::qmm_kernel(route, bits, op.x_dtype, st, false, gpu::ops::qmv1_rows(H, VD, bits)));
         return nb::make_tuple(run.download(op.out, op.x_dtype, {T, H}),
                               run.download(op.conv_state_out, op.x_dtype, {K - 1, C}),
                               run.download(op.state, gpu::DType::f32, {Hv, Dv, Dk}), run.stats());

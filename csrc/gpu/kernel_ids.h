@@ -46,6 +46,19 @@
   X(qmv1_b4_xbf16_sbf16_yf32, Qmv1Args, 9) \
   X(qmv1_b8_xbf16_sf32_yf32, Qmv1Args, 9) \
   X(qmv1_b8_xbf16_sbf16_yf32, Qmv1Args, 9) \
+  /* the same with 1 row per threadgroup (qmv1_rows: small N, e.g. the router) */ \
+  X(qmv1_b4_xf32_sf32_r1, Qmv1Args, 9) \
+  X(qmv1_b4_xf32_sbf16_r1, Qmv1Args, 9) \
+  X(qmv1_b4_xbf16_sf32_r1, Qmv1Args, 9) \
+  X(qmv1_b4_xbf16_sbf16_r1, Qmv1Args, 9) \
+  X(qmv1_b8_xf32_sf32_r1, Qmv1Args, 9) \
+  X(qmv1_b8_xf32_sbf16_r1, Qmv1Args, 9) \
+  X(qmv1_b8_xbf16_sf32_r1, Qmv1Args, 9) \
+  X(qmv1_b8_xbf16_sbf16_r1, Qmv1Args, 9) \
+  X(qmv1_b4_xbf16_sf32_yf32_r1, Qmv1Args, 9) \
+  X(qmv1_b4_xbf16_sbf16_yf32_r1, Qmv1Args, 9) \
+  X(qmv1_b8_xbf16_sf32_yf32_r1, Qmv1Args, 9) \
+  X(qmv1_b8_xbf16_sbf16_yf32_r1, Qmv1Args, 9) \
   /* quantized matrix-matrix, tiled (shaders/qmm.metal): x, w, scales, biases, out */ \
   X(qmm_b4_xf32_sf32,   QmmArgs, 5)                                           \
   X(qmm_b4_xf32_sbf16,  QmmArgs, 5)                                           \

@@ -33,10 +33,13 @@ enum : uint32_t {
 };
 
 // qmv1 (single token, shaders/qmm.metal): y[N] = dequant(w)[N, K] @ f(x), with f(x) = x, or an
-// RMSNorm fused in front: f(x) = rmsnorm(h) * norm_w, h = x (+ residual). Threadgroup = kQmv1Rows
-// rows x `splits` simdgroups that split K into 16-byte-per-lane blocks.
+// RMSNorm fused in front: f(x) = rmsnorm(h) * norm_w, h = x (+ residual). Threadgroup = R rows x
+// `splits` simdgroups that split K into 16-byte-per-lane blocks. R (compile time: the accumulators
+// stay in registers) is kQmv1Rows, or 1 (the *_r1 kernels) when ceil(N / kQmv1Rows) * splits
+// simdgroups would fall short of kQmv1MinSimdgroups (qmv1_rows in csrc/gpu/ops/qmm.cpp).
 enum : uint32_t {
   kQmv1Rows = 4,       // output rows per threadgroup (every simdgroup works on all of them)
+  kQmv1MinSimdgroups = 1280,  // 32 simdgroups per core in flight on a 40-core GPU (issue 10)
   kQmv1MaxSplits = 4,  // simdgroups per threadgroup (K split): min(this, K / block)
   kQmv1Norm = 1u,      // flags: RMSNorm in front (norm_w, eps); y = rsqrt(mean(h^2) + eps) * (w . (h * norm_w))
   kQmv1Residual = 2u,  // flags: h = round_T(x + residual)

@@ -416,7 +416,7 @@ def test_dispatches_per_block_and_no_host_sync(rng, T, route, dispatches, barrie
                                         "moe_gate_up_few_b4_xf32_sbf16", "moe_down_mm64_b4_sbf16",
                                         "moe_down_mm32_b4_sbf16", "moe_down_few_b4_sbf16", "moe_combine_xf32"]
     assert stats["host_syncs"] == 0  # no commit / wait inside the block: nothing read back
-    assert stats["kernels"][0] == ("qmv1_b8_xf32_sbf16" if T == 1 else "qmv_b8_xf32_sbf16" if route == "mv"
+    assert stats["kernels"][0] == ("qmv1_b8_xf32_sbf16_r1" if T == 1 else "qmv_b8_xf32_sbf16" if route == "mv"
                                    else "qmm_b8_xf32_sbf16")
     # mv: the expert kernels select the experts from the logits themselves (no moe_route level)
     assert stats["kernels"][1] == ("moe_gate_up_mv_b4_xf32_sbf16" if route == "mv" else "moe_route")
@@ -518,7 +518,9 @@ def test_bf16_activations(rng, T):
                     {"moe_route_xbf16", "moe_gate_up_mm64_b4_xbf16_sbf16", "moe_gate_up_mm32_b4_xbf16_sbf16",
                      "moe_gate_up_few_b4_xbf16_sbf16", "moe_combine_xbf16"})
     assert want_kernels <= set(stats["kernels"]), stats["kernels"]
-    assert stats["kernels"][0].endswith("_xbf16_sbf16")  # the router's qmv/qmm reads bf16 x
+    # the router's qmv/qmm reads bf16 x (T = 1: qmv1 with 1 row per threadgroup, E + 1 = 8 rows)
+    assert stats["kernels"][0] == ("qmv1_b8_xbf16_sbf16_r1" if T == 1 else
+                                   "qmv_b8_xbf16_sbf16" if T <= 8 else "qmm_b8_xbf16_sbf16"), stats["kernels"]
     x64, r64 = x.astype(np.float64), res.astype(np.float64)
     logits = ref.moe_logits(x64, dense["router"], dense["shared_gate"]).astype(np.float32).astype(BF16)
     logits = logits.astype(np.float64)

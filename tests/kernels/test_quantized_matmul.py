@@ -116,7 +116,8 @@ def test_quantized_matmul_matches_reference(rng, device, m, bits, group_size, x_
     route = route_of(m, x_dtype)
     xs = "bf16" if np.dtype(x_dtype) == BF16 else "f32"
     ss = "bf16" if np.dtype(scale_dtype) == BF16 else "f32"
-    assert stats["kernels"] == [f"{route}_b{bits}_x{xs}_s{ss}"]
+    r1 = "_r1" if route == "qmv1" and qmv1_rows(n, k, bits) == 1 else ""  # N = 37: 1 row per threadgroup
+    assert stats["kernels"] == [f"{route}_b{bits}_x{xs}_s{ss}{r1}"]
 
 
 @pytest.mark.parametrize("m", [QMV_MAX_ROWS, QMV_MAX_ROWS + 1])
@@ -236,18 +237,57 @@ def test_qmm_bf16_rounds_operands_where_stated(rng):
 
 
 # ------------------------------------------------------------------------------ qmv1
-# The single-token route: rows in threadgroups of 4 (N = 1, 5, 37: partial last threadgroup),
-# K split over min(4, ceil(K / block)) simdgroups (block = 1024 codes at 4 bits, 512 at 8): K = 64
-# (one partial block, most lanes idle), 1088 (a full and a partial block, 2 simdgroups), 2048 and
-# 4096 + 128 (4 simdgroups, several blocks each, a partial last one).
+# The single-token route: K split over min(4, ceil(K / block)) simdgroups (block = 1024 codes at 4
+# bits, 512 at 8): K = 64 (one partial block, most lanes idle), 1088 (a full and a partial block,
+# 2 simdgroups), 2048 and 4096 + 128 (4 simdgroups, several blocks each, a partial last one).
+# Rows per threadgroup (qmv1_rows): 4 when ceil(N / 4) * splits >= QMV1_MIN_SIMDGROUPS (1280: 32
+# simdgroups per core on a 40-core GPU), else 1 (the *_r1 kernels). Small N (1, 5, 37) take 1 row;
+# the switch is tested from both sides at odd N (QMV1_SWITCH: the smallest N that keeps 4 rows).
+QMV1_MIN_SIMDGROUPS = 1280  # must match kQmv1MinSimdgroups (checked below)
+
+
+def qmv1_splits(k, bits):
+    return min(4, -(-k // (32 * 128 // bits)))
+
+
+def qmv1_rows(n, k, bits):
+    return 4 if -(-n // 4) * qmv1_splits(k, bits) >= QMV1_MIN_SIMDGROUPS else 1
+
+
+def qmv1_name(bits, xt, rows, yf32=False):
+    return f"qmv1_b{bits}_x{xt}_sbf16{'_yf32' if yf32 else ''}{'_r1' if rows == 1 else ''}"
+
+
+# K = 2048: 4 splits at 8 bits (4 rows from N = 1277 = 4 * 319 + 1), 2 at 4 bits (from N = 2557).
+QMV1_SWITCH = {8: 1277, 4: 2557}
+
+
+def test_qmv1_rows_rule_matches_extension():
+    import lily_py._core as core
+    assert core.ops.QMV1_MIN_SIMDGROUPS == QMV1_MIN_SIMDGROUPS
+    for bits in (4, 8):
+        for n in (1, 5, 257, 1275, 1276, 1277, 2555, 2557, 12352):
+            for k in (64, 1088, 2048, 4096):
+                assert core.ops.qmv1_rows(n, k, bits) == qmv1_rows(n, k, bits), (n, k, bits)
+        sw = QMV1_SWITCH[bits]
+        assert qmv1_rows(sw - 2, 2048, bits) == 1 and qmv1_rows(sw, 2048, bits) == 4
+    # the real config: the 8-bit router + shared gate takes 1 row (1028 simdgroups, not 260);
+    # every other decode projection keeps 4
+    assert qmv1_rows(257, 2048, 8) == 1 and -(-257 // 1) * qmv1_splits(2048, 8) == 1028
+    for n, k in [(12352, 2048), (2048, 4096), (9216, 2048), (248320, 2048)]:
+        assert qmv1_rows(n, k, 4) == 4
+
+
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("n,k,group_size", [(1, 64, 64), (5, 1088, 64), (37, 2048, 32), (6, 4224, 128)])
+@pytest.mark.parametrize("n,k,group_size", [(1, 64, 64), (5, 1088, 64), (37, 2048, 32), (6, 4224, 128),
+                                            ("below", 2048, 64), ("switch", 2048, 64)])
 def test_qmv1_shapes_and_splits(rng, device, bits, n, k, group_size):
+    n = {"below": QMV1_SWITCH[bits] - 2, "switch": QMV1_SWITCH[bits]}.get(n, n)
     x, w, s, b = make_case(rng, 1, n, k, bits=bits, group_size=group_size, x_dtype=np.float32, scale_dtype=BF16)
     _, stats = check(rng, x, w, s, b, bits=bits, group_size=group_size, device=device)
-    block = 32 * 128 // bits
-    assert stats["kernels"] == [f"qmv1_b{bits}_xf32_sbf16"]
-    assert stats["threads"] == -(-n // 4) * 32 * min(4, -(-k // block))
+    rows = qmv1_rows(n, k, bits)
+    assert stats["kernels"] == [qmv1_name(bits, "f32", rows)]
+    assert stats["threads"] == -(-n // rows) * 32 * qmv1_splits(k, bits)
 
 
 def norm_case(rng, n, k, *, bits, group_size, x_dtype, residual):
@@ -275,18 +315,20 @@ def test_bf16_x_fp32_y(rng, device, m, bits, scale_dtype):
     _, stats = check(rng, x, w, s, b, bits=bits, group_size=gs, device=device, y_f32=True)
     route = "qmv1" if m == 1 else "qmv" if m <= QMV_MAX_ROWS else "qmm"
     ss = "bf16" if np.dtype(scale_dtype) == BF16 else "f32"
-    assert stats["kernels"] == [f"{route}_b{bits}_xbf16_s{ss}_yf32"]
+    r1 = "_r1" if route == "qmv1" and qmv1_rows(n, k, bits) == 1 else ""  # N = 37: 1 row per threadgroup
+    assert stats["kernels"] == [f"{route}_b{bits}_xbf16_s{ss}_yf32{r1}"]
     # float32 x with y_f32 is the plain float32 kernel
     xf = x.astype(np.float32)
     _, stats = check(rng, xf, w, s, b, bits=bits, group_size=gs, device=device, y_f32=True)
-    assert stats["kernels"] == [f"{route}_b{bits}_xf32_s{ss}"]
+    assert stats["kernels"] == [f"{route}_b{bits}_xf32_s{ss}{r1}"]
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("n,k", [(7, 192), (13, 2048)])
+@pytest.mark.parametrize("n,k", [(7, 192), (13, 2048), ("below", 2048), ("switch", 2048)])
 def test_qmv1_fused_norm_bf16_x_fp32_y(rng, device, bits, n, k):
     """The decode lm_head: the final norm fused into qmv1 on the bf16 residual stream, fp32
     logits: the bound of test_qmv1_fused_norm without the output's bf16 rounding."""
+    n = {"below": QMV1_SWITCH[bits] - 2, "switch": QMV1_SWITCH[bits]}.get(n, n)
     gs = 64
     x, w, s, b, nw, res = norm_case(rng, n, k, bits=bits, group_size=gs, x_dtype=BF16, residual=True)
     y, _, _, stats = ops._quantized_matmul_norm(x, w, s, b, nw, bits=bits, group_size=gs, eps=1e-6,
@@ -299,14 +341,18 @@ def test_qmv1_fused_norm_bf16_x_fp32_y(rng, device, bits, n, k):
     assert y.dtype == np.float32
     assert_close(y, y_ref, atol=(8 * np.sqrt(k) * F32_EPS + norm_err) * mag, rtol=0,
                  what=f"qmv1 fused norm {stats['kernels']}", seed=rng.seed)
-    assert stats["kernels"] == [f"qmv1_b{bits}_xbf16_sbf16_yf32"]
+    assert stats["kernels"] == [qmv1_name(bits, "bf16", qmv1_rows(n, k, bits), yf32=True)]
 
 
 @pytest.mark.parametrize("x_dtype", [np.float32, BF16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("residual,side", [(False, False), (True, True), (False, True)])
-@pytest.mark.parametrize("n,k", [(7, 192), (13, 2048)])
+@pytest.mark.parametrize("n,k", [(7, 192), (13, 2048), (257, 2048), ("below", 2048), ("switch", 2048)])
 def test_qmv1_fused_norm(rng, device, x_dtype, bits, residual, side, n, k):
+    """Both sides of the rows switch; (257, 2048) is the router + shared gate's shape (1 row per
+    threadgroup: every threadgroup recomputes the sum of squares; threadgroup 0 alone writes the
+    side outputs h, xn)."""
+    n = {"below": QMV1_SWITCH[bits] - 2, "switch": QMV1_SWITCH[bits]}.get(n, n)
     gs = 64
     x, w, s, b, nw, res = norm_case(rng, n, k, bits=bits, group_size=gs, x_dtype=x_dtype, residual=residual)
     y, h, xn, stats = ops._quantized_matmul_norm(x, w, s, b, nw, bits=bits, group_size=gs, eps=1e-6,
@@ -319,8 +365,10 @@ def test_qmv1_fused_norm(rng, device, x_dtype, bits, residual, side, n, k):
     norm_err = (4 * np.sqrt(k) + 8) * F32_EPS
     assert_close(y, y_ref, atol=(8 * np.sqrt(k) * F32_EPS + norm_err) * mag, rtol=rtol,
                  what=f"qmv1 fused norm {stats['kernels']}", seed=rng.seed)
-    assert stats["kernels"] == [f"qmv1_b{bits}_x{'bf16' if np.dtype(x_dtype) == BF16 else 'f32'}_sbf16"]
+    rows = qmv1_rows(n, k, bits)
+    assert stats["kernels"] == [qmv1_name(bits, "bf16" if np.dtype(x_dtype) == BF16 else "f32", rows)]
     assert stats["dispatches"] == 1
+    assert stats["threads"] == -(-n // rows) * 32 * qmv1_splits(k, bits)
     if side:
         np.testing.assert_array_equal(h, h_ref)
         assert_close(xn, xn_ref[0], atol=norm_err * np.abs(xn_ref[0]) + 1e-30, rtol=rtol,
@@ -329,10 +377,12 @@ def test_qmv1_fused_norm(rng, device, x_dtype, bits, residual, side, n, k):
         assert h is None and xn is None
 
 
-def test_qmv1_fused_norm_independent_of_thread_order(rng):
-    x, w, s, b, nw, res = norm_case(rng, 9, 1088, bits=4, group_size=64, x_dtype=np.float32, residual=True)
-    runs = [ops._quantized_matmul_norm(x, w, s, b, nw, bits=4, group_size=64, residual=res, side=True,
-                                       order=o, seed=rng.seed)[:3] for o in ("forward", "reverse", "shuffle")]
+# 1 row per threadgroup (N = 9; the router's 257 x 2048 at 8 bits) and 4 (the 8-bit switch).
+@pytest.mark.parametrize("n,k,bits", [(9, 1088, 4), (257, 2048, 8), (QMV1_SWITCH[8], 2048, 8)])
+def test_qmv1_fused_norm_independent_of_thread_order(rng, n, k, bits):
+    x, w, s, b, nw, res = norm_case(rng, n, k, bits=bits, group_size=64, x_dtype=np.float32, residual=True)
+    runs = [ops._quantized_matmul_norm(x, w, s, b, nw, bits=bits, group_size=64, residual=res, side=True,
+                                       order=o, seed=rng.seed)[:3] for o in ("forward", "reverse", "shuffle", "ahead")]
     for r in runs[1:]:
         for a, c in zip(runs[0], r):
             np.testing.assert_array_equal(a, c)

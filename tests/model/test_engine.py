@@ -316,8 +316,34 @@ def test_moe_decode_grids_real_config(position):
     assert simds(gu[0]) / 40 == 57.6 and simds(dn[0]) / 40 == 64.0
     for g, d in zip(gu, dn):  # router -> gate_up -> down, one level each
         i = ds.index(g)
-        assert names[i - 1] == "qmv1_b8_xf32_sbf16" and names[i + 1] == "moe_down_mv_b4_xf32_sbf16"
+        assert names[i - 1] == "qmv1_b8_xf32_sbf16_r1" and names[i + 1] == "moe_down_mv_b4_xf32_sbf16"
         assert ds[i - 1]["level"] + 1 == g["level"] == ds[i + 1]["level"] - 1
+
+
+@pytest.mark.parametrize("position", [0, 255])
+def test_qmv1_decode_grids_real_config(position):
+    """Every qmv1 dispatch of a real 35B decode step on the counting device (docs/kernels.md qmv1):
+    4 rows per threadgroup where that gives >= 1280 simdgroups (32 per core on a 40-core GPU), 1
+    row otherwise: only the 8-bit router + shared gate (257 x 2048: 65 -> 257 threadgroups, 260 ->
+    1028 simdgroups) takes the 1-row kernel; K split over min(4, ceil(K / block)) simdgroups."""
+    import collections
+    from lily_py.backends.engine import REAL_QUANT, _core, engine_spec
+    cfg = _real_cfg()
+    eng = _core().Engine(engine_spec(cfg, REAL_QUANT, context_length=position + 1, prefill_chunk=1), "count")
+    eng.count(1, position, False)
+    got = collections.Counter((d["kernel"], d["groups"], d["threads"]) for d in eng.count_dispatches()
+                              if d["kernel"].startswith("qmv1"))
+    L = cfg.num_hidden_layers
+    n_full = sum(t == "full_attention" for t in cfg.layer_types)  # 10 attention, 30 DeltaNet layers
+    assert got == {
+        ("qmv1_b4_xf32_sbf16", (3088, 1, 1), (64, 1, 1)): L - n_full,    # DeltaNet in_proj 12352 x 2048
+        ("qmv1_b4_xf32_sbf16", (512, 1, 1), (128, 1, 1)): L,             # out_proj / o_proj 2048 x 4096
+        ("qmv1_b4_xf32_sbf16", (2304, 1, 1), (64, 1, 1)): n_full,        # attention qkv 9216 x 2048
+        ("qmv1_b4_xf32_sbf16", (62080, 1, 1), (64, 1, 1)): 1,            # lm_head 248320 x 2048
+        ("qmv1_b8_xf32_sbf16_r1", (257, 1, 1), (128, 1, 1)): L,          # router + shared gate 257 x 2048
+    }
+    for (_, g, t), _n in got.items():
+        assert g[0] * t[0] // 32 >= 1028  # router 1028 (25.7 per core at 40 cores); the others >= 2048
 
 
 @pytest.mark.parametrize("position", [255, 4095, 32767])

@@ -42,6 +42,44 @@ uint32_t qmv1_splits(uint32_t K, uint32_t bits) {
   return std::min<uint32_t>(kQmv1MaxSplits, (K + block - 1) / block);
 }
 
+uint32_t qmv1_rows(uint32_t N, uint32_t K, uint32_t bits) {
+  const uint64_t simdgroups = uint64_t(ceil_div(N, kQmv1Rows)) * qmv1_splits(K, bits);
+  return simdgroups >= kQmv1MinSimdgroups ? kQmv1Rows : 1;
+}
+
+namespace {
+
+// The one-row-per-threadgroup twin of a qmv1 kernel (kernel_ids.h: the *_r1 rows).
+KernelId qmv1_r1(KernelId k) {
+  using K = KernelId;
+  switch (k) {
+    case K::qmv1_b4_xf32_sf32: return K::qmv1_b4_xf32_sf32_r1;
+    case K::qmv1_b4_xf32_sbf16: return K::qmv1_b4_xf32_sbf16_r1;
+    case K::qmv1_b4_xbf16_sf32: return K::qmv1_b4_xbf16_sf32_r1;
+    case K::qmv1_b4_xbf16_sbf16: return K::qmv1_b4_xbf16_sbf16_r1;
+    case K::qmv1_b8_xf32_sf32: return K::qmv1_b8_xf32_sf32_r1;
+    case K::qmv1_b8_xf32_sbf16: return K::qmv1_b8_xf32_sbf16_r1;
+    case K::qmv1_b8_xbf16_sf32: return K::qmv1_b8_xbf16_sf32_r1;
+    case K::qmv1_b8_xbf16_sbf16: return K::qmv1_b8_xbf16_sbf16_r1;
+    case K::qmv1_b4_xbf16_sf32_yf32: return K::qmv1_b4_xbf16_sf32_yf32_r1;
+    case K::qmv1_b4_xbf16_sbf16_yf32: return K::qmv1_b4_xbf16_sbf16_yf32_r1;
+    case K::qmv1_b8_xbf16_sf32_yf32: return K::qmv1_b8_xbf16_sf32_yf32_r1;
+    case K::qmv1_b8_xbf16_sbf16_yf32: return K::qmv1_b8_xbf16_sbf16_yf32_r1;
+    default: throw std::logic_error("qmv1_r1: not a qmv1 kernel");
+  }
+}
+
+KernelId qmm_kernel4(QmmRoute route, uint32_t bits, DType x, DType s, bool y_f32);
+
+}  // namespace
+
+KernelId qmm_kernel(QmmRoute route, uint32_t bits, DType x, DType s, bool y_f32, uint32_t rows) {
+  const KernelId k = qmm_kernel4(route, bits, x, s, y_f32);
+  if (route != QmmRoute::qmv1 || rows == kQmv1Rows) return k;
+  if (rows != 1) throw std::invalid_argument("quantized_matmul: qmv1 rows per threadgroup must be 4 or 1");
+  return qmv1_r1(k);
+}
+
 QmmFlops qmm_flops(uint32_t M, uint32_t N, uint32_t K, uint32_t bits, bool tensor_ops, bool bf16_tiles) {
   const uint64_t useful = 2ull * M * N * K;
   const QmmRoute route = qmm_route(M, bits, tensor_ops, bf16_tiles);
@@ -54,7 +92,9 @@ QmmFlops qmm_flops(uint32_t M, uint32_t N, uint32_t K, uint32_t bits, bool tenso
   return {2 * Mp * Np * K, useful};
 }
 
-KernelId qmm_kernel(QmmRoute route, uint32_t bits, DType x, DType s, bool y_f32) {
+namespace {
+
+KernelId qmm_kernel4(QmmRoute route, uint32_t bits, DType x, DType s, bool y_f32) {
   // Index into the kernel list order: route, bits, x dtype, scale dtype (see kernel_ids.h).
   if (bits != 4 && bits != 8)
     throw std::invalid_argument("quantized_matmul: bits=" + std::to_string(bits) + " unsupported (4 or 8)");
@@ -104,6 +144,8 @@ KernelId qmm_kernel(QmmRoute route, uint32_t bits, DType x, DType s, bool y_f32)
   return xb ? (sb ? KernelId::qmm_b8_xbf16_sbf16 : KernelId::qmm_b8_xbf16_sf32)
             : (sb ? KernelId::qmm_b8_xf32_sbf16 : KernelId::qmm_b8_xf32_sf32);
 }
+
+}  // namespace
 
 void validate(const QmmOperands& op) {
   auto fail = [](const std::string& m) { throw std::invalid_argument("quantized_matmul: " + m); };
@@ -166,7 +208,8 @@ void encode_quantized_matmul(Encoder& enc, const QmmOperands& op) {
     uint32_t shift = 0;
     while ((1u << shift) < op.group_size) ++shift;
     Qmv1Args a{op.N, op.K, shift, flags, op.eps};
-    enc.set_kernel(qmm_kernel(route, op.bits, op.x_dtype, op.scale_dtype, op.y_f32));
+    const uint32_t rows = qmv1_rows(op.N, op.K, op.bits);
+    enc.set_kernel(qmm_kernel(route, op.bits, op.x_dtype, op.scale_dtype, op.y_f32, rows));
     enc.set_args(a);
     const Binding x = range(op.x, op.K * xe);
     enc.set_buffer(1, x);
@@ -179,7 +222,9 @@ void encode_quantized_matmul(Encoder& enc, const QmmOperands& op) {
     enc.set_buffer(7, op.norm_weight.buffer ? range(op.norm_weight, uint64_t(op.K) * 4) : x);
     enc.set_buffer(8, op.h_out.buffer ? range(op.h_out, op.K * xe) : x);
     enc.set_buffer(9, op.xn_out.buffer ? range(op.xn_out, op.K * xe) : x);
-    enc.dispatch({ceil_div(op.N, kQmv1Rows), 1, 1}, {32 * qmv1_splits(op.K, op.bits), 1, 1});
+    // bytes_touched counts x, residual and norm_w once (as for every kernel: per-threadgroup
+    // re-reads are cache hits; docs/kernels.md qmv1 gives the re-read volume of the 1-row kernels).
+    enc.dispatch({ceil_div(op.N, rows), 1, 1}, {32 * qmv1_splits(op.K, op.bits), 1, 1});
     const QmmFlops f = qmm_flops(1, op.N, op.K, op.bits, tensor_ops);
     enc.add_flops(f.executed, f.useful);
     return;

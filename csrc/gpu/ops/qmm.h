@@ -23,6 +23,12 @@ enum class QmmRoute : uint8_t {
 QmmRoute qmm_route(uint32_t M, uint32_t bits = 4, bool tensor_ops = false, bool bf16_tiles = true);
 // Simdgroups per threadgroup of the qmv1 route (they split K): min(kQmv1MaxSplits, ceil(K / block)).
 uint32_t qmv1_splits(uint32_t K, uint32_t bits);
+// Rows per threadgroup of the qmv1 route: kQmv1Rows (4) when ceil(N / 4) * qmv1_splits(K, bits)
+// >= kQmv1MinSimdgroups (32 simdgroups per core on a 40-core GPU), else 1 (the *_r1 kernels: 4x
+// the threadgroups; each re-reads x (+ residual, norm_w) and recomputes the norm's sum of squares).
+// Real config: every projection keeps 4 except the 8-bit router + shared gate (N = 257, K = 2048:
+// 65 x 4 = 260 simdgroups at 4 rows, 257 x 4 = 1028 at 1 row).
+uint32_t qmv1_rows(uint32_t N, uint32_t K, uint32_t bits);
 const char* qmm_route_name(QmmRoute r);
 
 // FLOPs (2 per multiply-add) of y = x @ w^T: useful 2 M N K; executed includes the tile padding
@@ -62,7 +68,9 @@ struct QmmOperands {
 };
 
 // The kernel a route uses for these bits / dtypes; throws std::invalid_argument when unsupported.
-KernelId qmm_kernel(QmmRoute route, uint32_t bits, DType x_dtype, DType scale_dtype, bool y_f32 = false);
+// rows: the qmv1 route's rows per threadgroup (qmv1_rows(N, K, bits); 4 or 1), ignored by the others.
+KernelId qmm_kernel(QmmRoute route, uint32_t bits, DType x_dtype, DType scale_dtype, bool y_f32 = false,
+                    uint32_t rows = kQmv1Rows);
 
 // qmm_route's bf16_tiles for these operands: x bf16 (or f32_x_bf16_tiles), !fp32_operands, x's
 // rows and the w binding on 16-byte boundaries.
