@@ -97,7 +97,7 @@ def tiles_ref(x, ids, wts, expert, shared, E):
     return out, b_exact, b_f32
 
 
-def run_and_check(rng, x, W, k, E, expert, shared, what, *, want_tiles):
+def run_and_check(rng, x, W, k, E, expert, shared, what, *, want_tiles, orders=("forward", "reverse")):
     out, ids, weights, stats = ops._moe(x, *ops.moe_weights(W), top_k=k, seed=rng.seed)
     assert stats["route"] == "tiled" and stats["host_syncs"] == 0
     kinds = ["moe_gate_up_bf16_64_b4_xbf16_sbf16", "moe_gate_up_bf16_32_b4_xbf16_sbf16",
@@ -120,7 +120,7 @@ def run_and_check(rng, x, W, k, E, expert, shared, what, *, want_tiles):
           f"{(np.abs(o - refs[True]) / (b_exact + UB * np.abs(refs[True]))).max():.3g}, vs fp32 "
           f"{(err / (b_f32 + UB * np.abs(refs[False]))).max():.3g}; RMS err vs fp32 ref / RMS out {rel:.3g}")
     assert split > 0 and miss <= split / 8, (what, miss, split)
-    for order in ("forward", "reverse"):  # every thread order, same bits
+    for order in orders:  # every thread order, same bits
         o2 = ops._moe(x, *ops.moe_weights(W), top_k=k, order=order, seed=rng.seed)[0]
         np.testing.assert_array_equal(o2.view(np.uint16), out.view(np.uint16), err_msg=f"{what} order {order!r}")
     return ids, stats
@@ -187,13 +187,23 @@ def test_bf16_tiles_real_shapes(rng, T, tiles):
     expert = lambda e: (W.gate_proj.expert(e).dense(), W.up_proj.expert(e).dense(),  # noqa: E731
                         W.down_proj.expert(e).dense())
     shared = (W.shared_gate_proj.dense(), W.shared_up_proj.dense(), W.shared_down_proj.dense())
-    ids, _ = run_and_check(rng, x, W, k, E, expert, shared, f"bf16 tiles real shapes T={T}", want_tiles=tiles)
+    ids, _ = run_and_check(rng, x, W, k, E, expert, shared, f"bf16 tiles real shapes T={T}", want_tiles=tiles,
+                            orders=())  # thread orders: the odd-size cases (minutes here)
     assert (ids[:, 0] == 0).all()
     # the router's choice is the reference's (logits of the bf16 x rounded to bf16, as the kernels do)
     logits = ref.moe_logits(x.astype(np.float64), W.router.dense(), W.shared_expert_gate.dense())
     rids, _, _ = ref.moe_route(logits.astype(np.float32).astype(BF16).astype(np.float64), k)
+    # The kernel's fp32 logits (within ~1e-6 relative of the float64 ones) round to the same bf16
+    # values except where a logit sits within 1e-5 relative of a rounding midpoint; only logits whose
+    # bf16 value is within 2 ulps of the k-th / (k+1)-th can move the choice: tokens with such a
+    # logit are left out (they must be rare).
     lg = logits[:, :-1]
-    top = -np.sort(-lg, axis=1)[:, :k + 1]
-    tie = (top[:, k - 1] - top[:, k]) < 4 * UB * np.abs(lg).max(axis=1)
+    lb = lg.astype(np.float32).astype(BF16).astype(np.float64)
+    srt = -np.sort(-lb, axis=1)
+    vk, vk1 = srt[:, k - 1:k], srt[:, k:k + 1]
+    near = (np.abs(lb - vk) <= 2 * UB * np.abs(vk)) | (np.abs(lb - vk1) <= 2 * UB * np.abs(vk1))
+    ulp = np.spacing(lb.astype(np.float32).astype(BF16)).astype(np.float64)
+    mid = np.abs(np.abs(lg - lb) - ulp / 2) < 1e-5 * np.abs(lg)
+    tie = (near & mid).any(axis=1)
     assert tie.sum() <= max(1, T // 10)
     np.testing.assert_array_equal(ids[~tie], rids[~tie], err_msg=f"routing differs (seed {rng.seed})")
