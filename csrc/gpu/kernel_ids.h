@@ -173,6 +173,11 @@
   X(moe_gate_up_mm64_b4_xbf16_sbf16, MoeArgs, 15) \
   X(moe_gate_up_few_b4_xbf16_sbf16, MoeArgs, 15) \
   X(moe_combine_xbf16, MoeArgs, 4) \
+  /* MoE 64- and 32-row tiles, M1-M4 bf16 simdgroup design (bf16 activations) */ \
+  X(moe_gate_up_bf16_64_b4_xbf16_sbf16, MoeArgs, 15)                          \
+  X(moe_gate_up_bf16_32_b4_xbf16_sbf16, MoeArgs, 15)                          \
+  X(moe_down_bf16_64_b4_sbf16,       MoeArgs, 10)                             \
+  X(moe_down_bf16_32_b4_sbf16,       MoeArgs, 10)                             \
   /* attention (shaders/attention.metal): rope: x, inv_freq, y */             \
   X(rope_f32,  RopeArgs, 3)                                                   \
   X(rope_bf16, RopeArgs, 3)                                                   \

@@ -515,8 +515,9 @@ def test_bf16_activations(rng, T):
     assert out.dtype == BF16 and out.shape == (T, H)
     # mv: the expert kernels select the experts from the bf16 logits themselves (no route dispatch)
     want_kernels = ({"moe_gate_up_mv_b4_xbf16_sbf16", "moe_down_mv_b4_xbf16_sbf16"} if T <= 8 else
-                    {"moe_route_xbf16", "moe_gate_up_mm64_b4_xbf16_sbf16", "moe_gate_up_mm32_b4_xbf16_sbf16",
-                     "moe_gate_up_few_b4_xbf16_sbf16", "moe_combine_xbf16"})
+                    {"moe_route_xbf16", "moe_gate_up_bf16_64_b4_xbf16_sbf16", "moe_gate_up_bf16_32_b4_xbf16_sbf16",
+                     "moe_gate_up_few_b4_xbf16_sbf16", "moe_down_bf16_64_b4_sbf16", "moe_down_bf16_32_b4_sbf16",
+                     "moe_combine_xbf16"})
     assert want_kernels <= set(stats["kernels"]), stats["kernels"]
     # the router's qmv/qmm reads bf16 x (T = 1: qmv1 with 1 row per threadgroup, E + 1 = 8 rows)
     assert stats["kernels"][0] == ("qmv1_b8_xbf16_sbf16_r1" if T == 1 else

@@ -194,6 +194,14 @@ void validate(const MoeOperands& op) {
   // The router goes through quantized_matmul, which validates bits / group size / bytes itself.
 }
 
+bool moe_bf16_tiles_allowed(const MoeOperands& op) {
+  if (op.x_dtype != DType::bf16) return false;
+  for (const Binding& b : {op.x, op.scratch.h, op.gate.w, op.up.w, op.down.w, op.shared_gate.w, op.shared_up.w,
+                           op.shared_down.w})
+    if (b.offset % 16 != 0) return false;
+  return true;
+}
+
 void encode_moe(Encoder& enc, const MoeOperands& op) {
   validate(op);
   const MoeRoute route = moe_route(op.tokens, op.top_k);
@@ -309,16 +317,30 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
   // M5 (the device reports Metal 4 tensor ops): the 64- and 32-row kinds run shaders/m5/moe_m5.metal
   // (matmul2d; same buffers, grid, tiles and FLOPs), the few-row kind keeps its matvec kernels.
   const bool m5 = enc.tensor_ops();
+  // M1-M4 with bf16 activations: the 64- and 32-row kinds take the bf16 simdgroup tiles
+  // (moe_gate_up_bf16 / moe_down_bf16: qmm_bf16's design, same plan, grid, tiles and FLOPs) when
+  // their 16-byte loads are aligned (x, h and every expert matrix binding; rows are multiples of
+  // 16 bytes because H, I and Is are multiples of the group size); fp32 activations keep the
+  // fp32 tiles.
+  const bool bt = !m5 && moe_bf16_tiles_allowed(op);
   const struct {
     KernelId gate_up, down;
     uint32_t bound, cols;  // tiles in the list; output features per threadgroup
     bool few;
   } kinds[3] = {{m5 ? (xb ? KernelId::moe_gate_up_m5_64_b4_xbf16_sbf16 : KernelId::moe_gate_up_m5_64_b4_xf32_sbf16)
+                : bt ? KernelId::moe_gate_up_bf16_64_b4_xbf16_sbf16
                     : (xb ? KernelId::moe_gate_up_mm64_b4_xbf16_sbf16 : KernelId::moe_gate_up_mm64_b4_xf32_sbf16),
-                 m5 ? KernelId::moe_down_m5_64_b4_sbf16 : KernelId::moe_down_mm64_b4_sbf16, tb.t64, kMoeTileN, false},
+                 m5   ? KernelId::moe_down_m5_64_b4_sbf16
+                 : bt ? KernelId::moe_down_bf16_64_b4_sbf16
+                      : KernelId::moe_down_mm64_b4_sbf16,
+                 tb.t64, kMoeTileN, false},
                 {m5 ? (xb ? KernelId::moe_gate_up_m5_32_b4_xbf16_sbf16 : KernelId::moe_gate_up_m5_32_b4_xf32_sbf16)
+                : bt ? KernelId::moe_gate_up_bf16_32_b4_xbf16_sbf16
                     : (xb ? KernelId::moe_gate_up_mm32_b4_xbf16_sbf16 : KernelId::moe_gate_up_mm32_b4_xf32_sbf16),
-                 m5 ? KernelId::moe_down_m5_32_b4_sbf16 : KernelId::moe_down_mm32_b4_sbf16, tb.t32, kMoeTileN, false},
+                 m5   ? KernelId::moe_down_m5_32_b4_sbf16
+                 : bt ? KernelId::moe_down_bf16_32_b4_sbf16
+                      : KernelId::moe_down_mm32_b4_sbf16,
+                 tb.t32, kMoeTileN, false},
                 {xb ? KernelId::moe_gate_up_few_b4_xbf16_sbf16 : KernelId::moe_gate_up_few_b4_xf32_sbf16,
                  KernelId::moe_down_few_b4_sbf16, tb.few, kMoeMvRowsPerSimd * kMoeMvSimdsPerGroup, true}};
   // bytes_touched: each tile kind is counted as reading all `used` experts (an upper bound:

@@ -113,6 +113,11 @@ void validate(const MoeOperands& op);
 
 // Encodes the whole block (3 dispatches and 2 barriers on the mv route; 10 and 9 on the tiled
 // route: the 64-row, 32-row and few-row kernels of one stage run side by side). Never commits, waits or reads device memory.
+// The tiled route's 64- and 32-row kinds take the M1-M4 bf16 simdgroup tiles (moe_gate_up_bf16 /
+// moe_down_bf16) when this holds and the device has no tensor ops: bf16 activations and 16-byte
+// aligned bindings of x, h and every expert matrix's codes.
+bool moe_bf16_tiles_allowed(const MoeOperands& op);
+
 void encode_moe(Encoder& enc, const MoeOperands& op);
 
 // An encoder that forwards everything to another one and records what a block encoded: the
