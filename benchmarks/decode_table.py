@@ -95,38 +95,40 @@ def facts(kernel: str):
 
 
 def roles(dispatches: list[dict], cfg: ModelConfig) -> list[str]:
-    """A role name per dispatch, from its place in the layer pattern (csrc/gpu/step.cpp)."""
-    out, layer, in_mixer = [], -1, False
+    """A role name per dispatch, from its place in the layer pattern (csrc/gpu/step.cpp): a
+    projection is named by the kernel after it (its consumer) or before it (its producer)."""
+    out = []
+    kern = [d["kernel"] for d in dispatches]
     for i, d in enumerate(dispatches):
-        k = d["kernel"]
+        k = kern[i]
+        nxt = kern[i + 1] if i + 1 < len(kern) else ""
+        prev = kern[i - 1] if i > 0 else ""
         if k.startswith("embedding"):
             r = "embedding"
         elif k.startswith("rms_norm_residual"):
-            r, in_mixer = "post-mixer residual + norm", False
+            r = "post-mixer residual + norm"
         elif k.startswith("rms_norm"):
-            nxt = dispatches[i + 1]["kernel"] if i + 1 < len(dispatches) else ""
-            last = i + 1 < len(dispatches) and dispatches[i + 1]["groups"][0] * 8 >= cfg.vocab_size
-            if last or not nxt:
-                r = "final norm"
-            else:
-                layer += 1
-                r, in_mixer = "input norm", True
-        elif k.startswith("qmv_b8"):
-            r = "router + shared gate (8-bit)"
+            r = "final norm" if nxt.startswith("qmv") and dispatches[i + 1]["groups"][0] * 8 >= cfg.vocab_size \
+                else "input norm"
+        elif k.startswith(("qmv_b8", "qmv1_b8", "qmm_b8")):
+            r = "router + shared gate (8-bit, post norm fused)"
         elif k.startswith("moe_route"):
             r = "route (softmax, top-k)"
         elif k.startswith("moe_gate_up"):
-            r = "experts gate/up + SwiGLU (8 routed + shared)"
+            r = "experts gate/up + SwiGLU (8 routed + shared; top-k selected in the kernel)"
         elif k.startswith("moe_down"):
             r = "experts down (+ residual)"
         elif k.startswith("qmv") and d["groups"][0] * 8 >= cfg.vocab_size:
-            r = "lm_head"
-        elif k.startswith("qmv") and in_mixer:
-            attn = cfg.is_full_attention(layer)
-            prev = dispatches[i - 1]["kernel"]
-            first = prev.startswith("rms_norm")
-            r = ("attn qkv_proj" if first else "attn o_proj") if attn else \
-                ("DeltaNet in_proj (qkv, z, b, a)" if first else "DeltaNet out_proj")
+            r = "lm_head (final norm fused)"
+        elif k.startswith("qmv"):
+            if nxt.startswith(("gated_delta", "conv1d")):
+                r = "DeltaNet in_proj (qkv, z, b, a; input norm fused)"
+            elif nxt.startswith("qk_norm_rope"):
+                r = "attn qkv_proj (input norm fused)"
+            elif prev.startswith("gated_delta"):
+                r = "DeltaNet out_proj"
+            else:
+                r = "attn o_proj"
         elif k.startswith("gated_delta_decode"):
             r = "DeltaNet conv + recurrent step"
         elif k.startswith("gated_delta"):
@@ -135,6 +137,10 @@ def roles(dispatches: list[dict], cfg: ModelConfig) -> list[str]:
             r = "DeltaNet conv1d"
         elif k.startswith("qk_norm_rope"):
             r = "attn q/k norm + RoPE + KV write"
+        elif k.startswith("attn_decode_vec"):
+            r = "attention decode (vec, pass 1)"
+        elif k.startswith("attn_vec_combine"):
+            r = "attention combine (vec, pass 2; gate)"
         elif k.startswith("attn_"):
             r = "attention " + k.split("_")[1] + ("" if "split" not in k else " (split-K)")
         elif k.startswith("sample"):

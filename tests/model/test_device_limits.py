@@ -119,16 +119,19 @@ def test_load_picks_the_fitting_rms_norm_route(wide_ckpt):
 def test_deltanet_decode_fits_a_lower_pipeline_limit(wide_ckpt):
     """gated_delta_decode sizes its grid from the pipeline's limit: value heads of 32 take 2
     threadgroups of 256 threads by default, 8 of 64 under a 64-thread limit; the logits of three
-    decode steps stay within rounding of the unrestricted engine's (and of the reference's)."""
+    decode steps stay within rounding of the unrestricted engine's (and of the reference's). On the
+    fp32 activation path, so that 64 vs 256 threads differ by fp32 summation order only."""
     ids, steps = [3, 17, 250, 9], [5, 77, 41]
     ref = lily_py.load(wide_ckpt, backend="reference")
     want = [ref.prefill(ids)] + [ref.decode(t) for t in steps]
-    plain = lily_py.load(wide_ckpt, backend="emu", context_length=64, prefill_chunk=16)
+    plain = lily_py.load(wide_ckpt, backend="emu", context_length=64, prefill_chunk=16,
+                             activations="float32")
     by_kernel = {p["kernel"]: p for p in plain._backend.engine.pipelines}
     assert by_kernel["gated_delta_decode_xf32_wf32"]["threads"] == 256
     got = [plain.prefill(ids)] + [plain.decode(t) for t in steps]
     with simulated_device(max_threads={"gated_delta_decode_xf32_wf32": 64}):
-        m = lily_py.load(wide_ckpt, backend="emu", context_length=64, prefill_chunk=16)
+        m = lily_py.load(wide_ckpt, backend="emu", context_length=64, prefill_chunk=16,
+                             activations="float32")
         by_kernel = {p["kernel"]: p for p in m._backend.engine.pipelines}
         assert by_kernel["gated_delta_decode_xf32_wf32"]["threads"] == 64
         low = [m.prefill(ids)] + [m.decode(t) for t in steps]

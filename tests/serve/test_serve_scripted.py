@@ -219,6 +219,8 @@ def test_queue_full_is_503_and_fifo(inproc):
     second.join(30)
     assert not errors and out["first"].text == out["second"].text == "ab"
     assert [c[0] for c in model.calls] == ["first", "second"]      # FIFO; "third" never ran
+    # the worker releases its slot just after the response's last byte: wait for it
+    wait_for(lambda: s.status()["running"] == 0)
     assert s.status() == {"running": 0, "queued": 0, "max_queue": 1, "completed": 2,
                           "cancelled": 0, "failed": 0, "rejected": 1}
 
