@@ -665,6 +665,205 @@ template <typename T>
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// attention_prefill_tiles: the M1-M4 prefill route for bf16 activations at head_dim D = 64, 128 or
+// 256 (learned from the flash form of MLX's steel attention; own code). bf16 operands in
+// threadgroup memory, fp32 simdgroup_float8x8 accumulators (simdgroup_multiply_accumulate with
+// simdgroup_bfloat8x8 operands). One threadgroup = one KV head x qt = 32 / group query tokens: 32
+// (token, head) rows as attention_prefill_mma (row = token_in_block * group + head_in_group,
+// padding rows repeat the last live row and are not written); simdgroup s owns rows 8s .. 8s + 7
+// whole, so the online softmax never leaves the simdgroup.
+//   Q:          staged once through threadgroup memory in 64-column chunks (16-byte loads, bf16 as
+//               is) and kept in registers: D / 8 simdgroup_bfloat8x8 per simdgroup
+//   key blocks: BK = 2048 / D keys (32, 16, 8): K and V rows of the block [BK][D + 8] bf16, two
+//               16-byte loads of each per thread (BK * D / 8 = 256 per operand), issued for block
+//               b + 1 into registers before block b's math
+//   per block:  registers -> K, V stages; barrier; S = Q K^T (BK / 8 tiles of 8x8, D / 8 k-steps)
+//               -> the simdgroup's fp32 scratch; simdgroup barrier; the row's 4 lanes: scale,
+//               causal mask, running max and sum (simd_shuffle_xor 1, 2), p -> bf16 P scratch,
+//               rescale factor -> the simdgroup's 8x8 diagonal; simdgroup barrier; O = diag * O
+//               (exact) and O += P V (BK / 8 k-steps x D / 8 tiles); barrier (the stages are
+//               rewritten next). 2 threadgroup barriers per block (attention_prefill_mma: 2 D / 32
+//               + 2 + 2 * passes per 32 keys).
+//   epilogue:   per O tile: simdgroup_store to the scratch, simdgroup barrier, each lane writes 2
+//               outputs of row lane / 4 (/ l, * sigmoid(gate), rounded to bf16), simdgroup barrier
+//   grid:       (kv_heads, ceil(tokens / qt)) x kAttnTilesThreads = 128 threads
+//   registers:  Q D / 8 bf16 8x8 (64 bf16 per lane at 256), O D / 8 fp32 8x8 (64 floats per lane at
+//               256), S BK / 8 fp32 8x8, the K / V prefetch 4 x uint4, m and l of one row
+//   threadgroup memory: K, V 2 x BK x (D + 8) bf16 + per simdgroup S 8 x BK fp32, P 8 x BK bf16,
+//               diag 8 x 8 fp32: 16,384 / 12,800 / 11,008 bytes at D = 64 / 128 / 256 (2 per core
+//               in a 32 KiB pool)
+// Precision: q, K, V are bf16 already (products exact in fp32, sums fp32); P is rounded to bf16 as
+// the operand of P V (relative error <= 2^-8 per weight; l sums the unrounded p), so
+// |O / l - exact| <= 2^-8 * sum_j w_j |v_j| <= 2^-8 max |v|; one rounding of the output to bf16.
+// Alignment (checked by the host, which otherwise takes attention_prefill_mma): q, k_cache and
+// v_cache bindings on 16-byte boundaries, q_stride a multiple of 8.
+template <uint32_t D>
+[[kernel]] void attention_prefill_tiles(constant AttnArgs& args [[buffer(0)]],
+                                        const device bfloat* q [[buffer(1)]],
+                                        const device bfloat* k_cache [[buffer(2)]],
+                                        const device bfloat* v_cache [[buffer(3)]],
+                                        const device bfloat* gate [[buffer(4)]],
+                                        device bfloat* out [[buffer(5)]],
+                                        LILY_KERNEL_TAIL) {
+  constexpr uint32_t R = kAttnMmaRows;
+  constexpr uint32_t BK = kAttnTilesKeyDims / D;  // keys per block
+  constexpr uint32_t LDK = D + 8;                 // padded stage rows (16-byte aligned)
+  constexpr uint32_t U = D / 8;                   // 16-byte units per K / V row
+  constexpr uint32_t QC = 64;                     // Q staging chunk (columns)
+  constexpr uint32_t LDQ = QC + 8;
+  constexpr uint32_t NT = kAttnTilesThreads;
+  constexpr uint32_t PER = BK * U / NT;           // 16-byte loads per thread per operand
+  static_assert(R == 32 && NT == 128 && PER == 2 && BK % 8 == 0 && BK >= 8, "the mapping below");
+  static_assert(2 * BK * LDK >= R * LDQ, "the Q chunk is staged through the K / V stages");
+  LILY_TG_ARRAY(uint4, kv16, [2 * BK * LDK / 8]);
+  LILY_TG_ARRAY(float, ss_all, [4 * 8 * BK]);
+  LILY_TG_ARRAY(bfloat, ps_all, [4 * 8 * BK]);
+  LILY_TG_ARRAY(float, diag_all, [4 * 64]);
+  threadgroup bfloat* ks = reinterpret_cast<threadgroup bfloat*>(kv16);
+  threadgroup bfloat* vs = ks + BK * LDK;
+  threadgroup float* ss = ss_all + simd_id * 8 * BK;
+  threadgroup bfloat* ps = ps_all + simd_id * 8 * BK;
+  threadgroup float* diag = diag_all + simd_id * 64;
+
+  const uint32_t group = args.q_heads / args.kv_heads;
+  const uint32_t qt = R / group;
+  const uint32_t rows = qt * group;
+  const uint32_t kvh = group_pos.x;
+  const uint32_t t0 = group_pos.y * qt;
+  const uint32_t t_last = min(t0 + qt, args.tokens) - 1;
+  const uint32_t key_end = args.position + t_last + 1;
+  const uint32_t cache_base = kvh * args.capacity * D;
+  const uint32_t t = thread_pos.x;
+  // The row (0 .. 31) this lane runs the softmax and the output of.
+  const uint32_t row = simd_id * 8 + lane / 4;
+  const uint32_t sub = lane % 4;
+  const bool row_live = row < rows && t0 + row / group < args.tokens;
+  const uint32_t row_tok = min(t0 + min(row, rows - 1) / group, args.tokens - 1);
+  const uint32_t row_head = kvh * group + min(row, rows - 1) % group;
+  const uint32_t visible_end = args.position + row_tok + 1;
+
+  // Q: 64-column chunks through the K / V stages into registers.
+  simdgroup_matrix<bfloat, 8, 8> qf[U];
+  for (uint32_t c0 = 0; c0 < D; c0 += QC) {
+    for (uint32_t u = t; u < R * QC / 8; u += NT) {
+      const uint32_t r = u / (QC / 8), c = (u % (QC / 8)) * 8;
+      const uint32_t rr = min(r, rows - 1);
+      const uint32_t tok = min(t0 + rr / group, args.tokens - 1);
+      const uint32_t hd = kvh * group + rr % group;
+      *reinterpret_cast<threadgroup uint4*>(ks + r * LDQ + c) =
+          *reinterpret_cast<const device uint4*>(q + tok * args.q_stride + hd * D + c0 + c);
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    for (uint32_t i = 0; i < QC / 8; ++i)
+      simdgroup_load(qf[c0 / 8 + i], ks + (simd_id * 8) * LDQ + 8 * i, ulong(LDQ), ulong2(0), false);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+
+  simdgroup_float8x8 o[U];
+  for (uint32_t i = 0; i < U; ++i) o[i] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+  float m = neg_inf();
+  float l = 0.0f;
+
+  // Thread t stages units t and t + NT of each operand: key row u / U, columns 8 (u % U) ...
+  uint4 kr[PER], vr[PER];
+  for (uint32_t i = 0; i < PER; ++i) {
+    const uint32_t u = t + i * NT;
+    const uint32_t key = min(u / U, key_end - 1);
+    kr[i] = *reinterpret_cast<const device uint4*>(k_cache + cache_base + key * D + (u % U) * 8);
+    vr[i] = *reinterpret_cast<const device uint4*>(v_cache + cache_base + key * D + (u % U) * 8);
+  }
+  for (uint32_t kb = 0; kb < key_end; kb += BK) {
+    for (uint32_t i = 0; i < PER; ++i) {
+      const uint32_t u = t + i * NT;
+      *reinterpret_cast<threadgroup uint4*>(ks + (u / U) * LDK + (u % U) * 8) = kr[i];
+      *reinterpret_cast<threadgroup uint4*>(vs + (u / U) * LDK + (u % U) * 8) = vr[i];
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    if (kb + BK < key_end) {  // the next block's loads, in flight during this block's math
+      for (uint32_t i = 0; i < PER; ++i) {
+        const uint32_t u = t + i * NT;
+        const uint32_t key = min(kb + BK + u / U, key_end - 1);
+        kr[i] = *reinterpret_cast<const device uint4*>(k_cache + cache_base + key * D + (u % U) * 8);
+        vr[i] = *reinterpret_cast<const device uint4*>(v_cache + cache_base + key * D + (u % U) * 8);
+      }
+    }
+
+    // S = Q K^T for this simdgroup's 8 rows x BK keys.
+    simdgroup_float8x8 sacc[BK / 8];
+    for (uint32_t j = 0; j < BK / 8; ++j) sacc[j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+    for (uint32_t d = 0; d < U; ++d) {
+      for (uint32_t j = 0; j < BK / 8; ++j) {
+        simdgroup_matrix<bfloat, 8, 8> kt;
+        simdgroup_load(kt, ks + (8 * j) * LDK + 8 * d, ulong(LDK), ulong2(0), true);
+        simdgroup_multiply_accumulate(sacc[j], qf[d], kt, sacc[j]);
+      }
+    }
+    for (uint32_t j = 0; j < BK / 8; ++j) simdgroup_store(sacc[j], ss + 8 * j, ulong(BK), ulong2(0), false);
+    simdgroup_barrier(mem_flags::mem_threadgroup);
+
+    // Online softmax: the row's 4 lanes own BK / 4 columns each.
+    constexpr uint32_t CW = BK / 4;
+    const uint32_t r8 = lane / 4;
+    float sv[CW];
+    float block_max = neg_inf();
+    for (uint32_t i = 0; i < CW; ++i) {
+      const uint32_t c = sub * CW + i;
+      sv[i] = ss[r8 * BK + c] * args.scale;
+      if (kb + c < visible_end) block_max = max(block_max, sv[i]);
+    }
+    block_max = max(block_max, simd_shuffle_xor(block_max, 1));
+    block_max = max(block_max, simd_shuffle_xor(block_max, 2));
+    const float m_new = max(m, block_max);
+    const float corr = m == m_new ? 1.0f : exp(m - m_new);  // never (-inf) - (-inf)
+    float psum = 0.0f;
+    for (uint32_t i = 0; i < CW; ++i) {
+      const uint32_t c = sub * CW + i;
+      const float p = kb + c < visible_end ? exp(sv[i] - m_new) : 0.0f;
+      ps[r8 * BK + c] = bfloat(p);
+      psum += p;
+    }
+    psum += simd_shuffle_xor(psum, 1);
+    psum += simd_shuffle_xor(psum, 2);
+    l = l * corr + psum;
+    m = m_new;
+    for (uint32_t c = sub * 2; c < sub * 2 + 2; ++c) diag[r8 * 8 + c] = c == r8 ? corr : 0.0f;
+    simdgroup_barrier(mem_flags::mem_threadgroup);
+
+    // O = diag(corr) O + P V.
+    simdgroup_float8x8 dg;
+    simdgroup_load(dg, diag, ulong(8), ulong2(0), false);
+    simdgroup_matrix<bfloat, 8, 8> pf[BK / 8];
+    for (uint32_t kk = 0; kk < BK / 8; ++kk) simdgroup_load(pf[kk], ps + 8 * kk, ulong(BK), ulong2(0), false);
+    for (uint32_t d = 0; d < U; ++d) {
+      simdgroup_multiply(o[d], dg, o[d]);
+      for (uint32_t kk = 0; kk < BK / 8; ++kk) {
+        simdgroup_matrix<bfloat, 8, 8> vf;
+        simdgroup_load(vf, vs + (8 * kk) * LDK + 8 * d, ulong(LDK), ulong2(0), false);
+        simdgroup_multiply_accumulate(o[d], pf[kk], vf, o[d]);
+      }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+
+  // Epilogue: each 8x8 O tile through the simdgroup's scratch; lane writes 2 outputs of its row.
+  const float inv_l = 1.0f / l;
+  for (uint32_t d = 0; d < U; ++d) {
+    simdgroup_store(o[d], ss, ulong(8), ulong2(0), false);
+    simdgroup_barrier(mem_flags::mem_threadgroup);
+    if (row_live) {
+      for (uint32_t i = 0; i < 2; ++i) {
+        const uint32_t c = 8 * d + 2 * sub + i;
+        float y = ss[(lane / 4) * 8 + 2 * sub + i] * inv_l;
+        if (args.use_gate != 0)
+          y *= attn_sigmoid(float(gate[row_tok * args.gate_stride + row_head * args.gate_head_stride + c]));
+        out[(row_tok * args.q_heads + row_head) * D + c] = bfloat(y);
+      }
+    }
+    simdgroup_barrier(mem_flags::mem_threadgroup);
+  }
+}
+
 LILY_INSTANTIATE("rope_f32", rope<float>)
 LILY_INSTANTIATE("rope_bf16", rope<bfloat>)
 LILY_INSTANTIATE("qk_norm_rope_xf32_wf32", qk_norm_rope<float, float>)
@@ -693,5 +892,8 @@ LILY_INSTANTIATE("attn_prefill_f32", attention<float, kAttnPrefillTokens>)
 LILY_INSTANTIATE("attn_prefill_bf16", attention<bfloat, kAttnPrefillTokens>)
 LILY_INSTANTIATE("attn_prefill_mma_f32", attention_prefill_mma<float>)
 LILY_INSTANTIATE("attn_prefill_mma_bf16", attention_prefill_mma<bfloat>)
+LILY_INSTANTIATE("attn_prefill_tiles_d64_bf16", attention_prefill_tiles<64>)
+LILY_INSTANTIATE("attn_prefill_tiles_d128_bf16", attention_prefill_tiles<128>)
+LILY_INSTANTIATE("attn_prefill_tiles_d256_bf16", attention_prefill_tiles<256>)
 
 }  // namespace lily

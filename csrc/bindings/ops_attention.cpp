@@ -73,13 +73,16 @@ void init_ops_attention(nb::module_& parent) {
     return bindings::download<float>(f.data(), {f.size()});
   }, "rotary_dim"_a, "theta"_a, "float32 [rotary_dim / 2] inverse frequencies the RoPE kernels use.");
 
-  m.def("attention_prefill_route", [](uint32_t head_dim, bool tensor_ops) {
-    return std::string(gpu::ops::attention_prefill_uses_m5(head_dim, tensor_ops) ? "m5"
-                       : gpu::ops::attention_prefill_uses_mma(head_dim)          ? "mma"
-                                                                                 : "simd");
-  }, "head_dim"_a, "tensor_ops"_a = false,
+  m.def("attention_prefill_route", [](uint32_t head_dim, bool tensor_ops, bool bf16) {
+    const gpu::DType dt = bf16 ? gpu::DType::bf16 : gpu::DType::f32;
+    return std::string(gpu::ops::attention_prefill_uses_m5(head_dim, tensor_ops)         ? "m5"
+                       : gpu::ops::attention_prefill_uses_tiles(head_dim, dt, tensor_ops) ? "tiles"
+                       : gpu::ops::attention_prefill_uses_mma(head_dim)                  ? "mma"
+                                                                                         : "simd");
+  }, "head_dim"_a, "tensor_ops"_a = false, "bf16"_a = false,
      "Prefill attention route for this head_dim: 'm5' (Metal 4 tensor ops: head_dim 64, 128 or 256 on a device "
-     "with tensor ops), 'mma' (simdgroup matrices) or 'simd'.");
+     "with tensor ops), 'tiles' (bf16 activations, head_dim 64, 128 or 256, no tensor ops), 'mma' (simdgroup "
+     "matrices) or 'simd'.");
 
   m.def("attention_decode_route", [](uint32_t length, uint32_t head_dim) {
     const gpu::ops::AttnRoute r = gpu::ops::attention_decode_route(length, head_dim);
@@ -218,6 +221,8 @@ void init_ops_attention(nb::module_& parent) {
           const std::string sfx = bf ? "bf16" : "f32";
           if (gpu::ops::attention_prefill_uses_m5(op.head_dim, e.tensor_ops()))
             kernels.append("attn_prefill_m5_d" + std::to_string(op.head_dim) + "_" + sfx);
+          else if (gpu::ops::attention_prefill_uses_tiles(op.head_dim, op.dtype, e.tensor_ops()))
+            kernels.append("attn_prefill_tiles_d" + std::to_string(op.head_dim) + "_" + sfx);
           else if (gpu::ops::attention_prefill_uses_mma(op.head_dim))
             kernels.append("attn_prefill_mma_" + sfx);
           else

@@ -193,6 +193,9 @@
   X(attn_prefill_bf16, AttnArgs, 5)                                           \
   X(attn_prefill_mma_f32,  AttnArgs, 5)                                       \
   X(attn_prefill_mma_bf16, AttnArgs, 5)                                       \
+  X(attn_prefill_tiles_d64_bf16,  AttnArgs, 5)                                \
+  X(attn_prefill_tiles_d128_bf16, AttnArgs, 5)                                \
+  X(attn_prefill_tiles_d256_bf16, AttnArgs, 5)                                \
   /* split-K decode: q, k_cache, v_cache, partial_o, partial_ml */            \
   X(attn_decode_split_f32,  AttnArgs, 5)                                      \
   X(attn_decode_split_bf16, AttnArgs, 5)                                      \

@@ -20,6 +20,8 @@ enum : uint32_t {
   kAttnMmaRows = 32,         // prefill (mma route): query rows (token, head) per threadgroup
   kAttnMmaThreads = 128,     // prefill (mma route): 4 simdgroups
   kAttnMmaMaxVCols = 128,    // prefill (mma route): V columns staged per pass (head_dim 256: 2 passes)
+  kAttnTilesThreads = 128,   // prefill (bf16 tiles route, M1-M4): 4 simdgroups, 8 rows each
+  kAttnTilesKeyDims = 2048,  // ... keys per block x head_dim (blocks of 32 / 16 / 8 keys at 64 / 128 / 256)
   kAttnM5Rows = 32,          // prefill (M5 tensor-op route, shaders/m5/attention_m5.metal): query rows
   kAttnM5BlockKeys = 16,     // ... keys per block (S = Q K^T and O += P V per block)
   kAttnM5Threads = 128,      // ... 4 simdgroups (matmul2d on execution_simdgroups<4>)

@@ -248,6 +248,9 @@ def test_prefill_route_rule():
     # mma: head_dim a multiple of 32 (of 64 above 128, so each of 2 passes stages a multiple of 32)
     assert [ops.attention_prefill_route(d) for d in (32, 64, 96, 128, 192, 256)] == ["mma"] * 6
     assert [ops.attention_prefill_route(d) for d in (16, 24, 40, 100, 160, 224)] == ["simd"] * 6
+    # bf16 activations at head_dim 64, 128, 256: the bf16 tiles (test_attention_tiles.py)
+    assert [ops.attention_prefill_route(d, dtype=BF16) for d in (32, 64, 96, 128, 192, 256)] == \
+        ["mma", "tiles", "mma", "tiles", "mma", "tiles"]
 
 
 # Both prefill routes (mma: head_dim 64, 96, 256; simd: 16, 24, 33, 40, 160), every group size
@@ -269,7 +272,14 @@ def test_attention_prefill(rng, device, dtype, T, position, Hq, Hkv, D):
     q, kc, vc, g = attn_case(rng, T, Hq, Hkv, D, position + T + 2, dtype, gate=T % 2 == 1)
     out, stats = A._attention_prefill(q, kc, vc, position=position, gate=g, device=device, seed=rng.seed)
     group = Hq // Hkv
-    if ops.attention_prefill_route(D) == "mma":
+    route = ops.attention_prefill_route(D, dtype=dtype)
+    if route == "tiles":  # bf16 at head_dim 64 / 256: checked with its P rounding bound
+        assert list(stats["kernels"]) == [f"attn_prefill_tiles_d{D}_bf16"]
+        from test_attention_tiles import bound
+        r, atol = bound(q, kc, vc, g, position)
+        assert_close(out, r, atol=atol, rtol=out_rtol(dtype), what=f"prefill tiles T={T} D={D}", seed=rng.seed)
+        return
+    if route == "mma":
         assert list(stats["kernels"]) == [f"attn_prefill_mma_{sfx(dtype)}"]
         assert stats["threads"] == Hkv * -(-T // (32 // group)) * 128
     else:

@@ -620,9 +620,13 @@ def test_greedy_after_chunked_prefill(real_dims_ckpt, which, chunk):
         _GREEDY_REF[key] = probe.generate_text(prompt, max_tokens=32).tokens
     emu = load(backend="emu", context_length=256, prefill_chunk=chunk)
     assert emu._backend.activations == "bfloat16"
+    cfg = emu.config
+    # bf16 prefill attention on M1-M4 (no tensor ops): the bf16 simdgroup tiles (chunks of 1 token
+    # take the decode kernels)
+    if chunk > 1:
+        assert f"attn_prefill_tiles_d{cfg.head_dim}_bf16" in {p["kernel"] for p in emu._backend.engine.pipelines}
     got = emu.generate_text(prompt, max_tokens=32)
     assert got.tokens == _GREEDY_REF[key]
-    cfg = emu.config
     routes = {gated_delta_route(min(chunk, n - s), cfg.linear_key_head_dim, cfg.linear_value_head_dim)
               for s in range(0, n, chunk)}
     assert routes == ({"scan"} if chunk == 1 else {"chunked", "scan"} if chunk == 64 else {"chunked"})

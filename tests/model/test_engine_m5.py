@@ -69,7 +69,8 @@ def test_without_tensor_ops_the_engine_keeps_the_simdgroup_qmm():
     kernels = {p["kernel"] for p in emu._backend.engine.pipelines}
     assert not any(k.startswith(("qmm_m5_", "attn_prefill_m5_", "moe_gate_up_m5_", "moe_down_m5_")) for k in kernels)
     assert any(k.startswith("qmm_b4_") for k in kernels)
-    assert any(k.startswith("attn_prefill_mma_") for k in kernels)
+    # bf16 activations at the demo's head_dim: the M1-M4 bf16 attention tiles, not the M5 kernel
+    assert any(k.startswith("attn_prefill_tiles_d") for k in kernels), sorted(kernels)
 
 
 _GREEDY: dict = {}
@@ -109,10 +110,10 @@ def test_greedy_after_chunked_prefill_on_the_m5_path(real_dims_ckpt, which, chun
 
 def _attn_prefill_executed(cfg, T, route):
     """Executed attention FLOPs of a prefill of T tokens at position 0 (every attention layer):
-    each threadgroup's 32 rows (32 / group tokens) against whole key blocks (32 keys: mma, 16: m5)
-    up to its last token; S and P V."""
+    each threadgroup's 32 rows (32 / group tokens) against whole key blocks (32 keys: mma, 16: m5,
+    2048 / head_dim: the bf16 tiles) up to its last token; S and P V."""
     Hq, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    qt, block = 32 // (Hq // Hkv), (32 if route == "mma" else 16)
+    qt, block = 32 // (Hq // Hkv), {"mma": 32, "m5": 16, "tiles": 2048 // D}[route]
     per_layer = sum(-(-min(t0 + qt, T) // block) * 4 * 32 * block * D for t0 in range(0, T, qt)) * Hkv
     return per_layer * sum(cfg.is_full_attention(i) for i in range(cfg.num_hidden_layers))
 
@@ -120,7 +121,7 @@ def _attn_prefill_executed(cfg, T, route):
 def test_real_config_prefill_4096_flops_with_tensor_ops():
     """The real 35B config, one prefill chunk of 4096 tokens, on the counting device with and
     without tensor ops. Useful FLOPs are the same; executed FLOPs differ exactly by the attention
-    route (32-key blocks -> 16-key blocks): every 4-bit projection has M = 4096 and N a multiple
+    route (bf16 tiles' 8-key blocks -> 16-key blocks): every 4-bit projection has M = 4096 and N a multiple
     of 64 (q|gate 8192, k and v 512, o 2048, DeltaNet in_proj 12352 and out_proj 2048), so the
     64 x 64 qmm_m5 tiles pad nothing, like the simdgroup tiles; the MoE tiles are the same on both
     routes; the router (8-bit) and the DeltaNet kernels do not change."""
@@ -135,7 +136,11 @@ def test_real_config_prefill_4096_flops_with_tensor_ops():
           f"flops_useful {off['flops_useful']}; M5 flops_executed {m5['flops_executed']} "
           f"flops_useful {m5['flops_useful']} (executed / useful {m5['flops_executed'] / m5['flops_useful']:.4f})")
     assert m5["flops_useful"] == off["flops_useful"]
-    mma, m5_attn = _attn_prefill_executed(cfg, 4096, "mma"), _attn_prefill_executed(cfg, 4096, "m5")
-    assert m5["flops_executed"] == off["flops_executed"] - mma + m5_attn
-    assert m5_attn < mma  # 16-key blocks waste less past the causal diagonal
+    # bf16 activations (the checkpoint's): the bf16 tiles (8-key blocks at head_dim 256) without
+    # tensor ops, m5 (16-key blocks) with them
+    tiles, m5_attn = _attn_prefill_executed(cfg, 4096, "tiles"), _attn_prefill_executed(cfg, 4096, "m5")
+    print(f"attention executed FLOPs at 4096: bf16 tiles {tiles}, m5 {m5_attn}, "
+          f"fp32 mma {_attn_prefill_executed(cfg, 4096, 'mma')}")
+    assert m5["flops_executed"] == off["flops_executed"] - tiles + m5_attn
+    assert tiles < m5_attn < _attn_prefill_executed(cfg, 4096, "mma")  # shorter blocks waste less
     assert (m5["dispatches"], m5["barriers"]) == (off["dispatches"], off["barriers"])

@@ -283,6 +283,10 @@ bool attention_prefill_uses_m5(uint32_t head_dim, bool tensor_ops) {
   return tensor_ops && (head_dim == 64 || head_dim == 128 || head_dim == 256);
 }
 
+bool attention_prefill_uses_tiles(uint32_t head_dim, DType dtype, bool tensor_ops) {
+  return !tensor_ops && dtype == DType::bf16 && (head_dim == 64 || head_dim == 128 || head_dim == 256);
+}
+
 void encode_attention_prefill(Encoder& enc, const AttentionOperands& op) {
   const char* fn = "attention_prefill";
   Checked c = check_attention(fn, op);
@@ -310,6 +314,33 @@ void encode_attention_prefill(Encoder& enc, const AttentionOperands& op) {
     for (uint32_t t0 = 0; t0 < op.tokens; t0 += qt) {
       const uint64_t key_end = uint64_t(op.position) + std::min(t0 + qt, op.tokens);
       executed += (key_end + kAttnM5BlockKeys - 1) / kAttnM5BlockKeys * 4ull * kAttnM5Rows * kAttnM5BlockKeys * D;
+    }
+    enc.add_flops(executed * op.kv_heads, attention_useful_flops(op));
+    return;
+  }
+  // bf16 tiles (M1-M4): 16-byte loads of q and of the caches need 16-byte aligned bindings and
+  // q rows (the engine's buffers always are); otherwise the mma route below.
+  if (attention_prefill_uses_tiles(op.head_dim, op.dtype, enc.tensor_ops()) && c.q.offset % 16 == 0 &&
+      c.k.offset % 16 == 0 && c.v.offset % 16 == 0 && c.args.q_stride % 8 == 0) {
+    const uint32_t qt = kAttnMmaRows / group;
+    const uint32_t D = op.head_dim;
+    const uint32_t bk = kAttnTilesKeyDims / D;
+    enc.set_kernel(D == 64 ? KernelId::attn_prefill_tiles_d64_bf16
+                   : D == 128 ? KernelId::attn_prefill_tiles_d128_bf16 : KernelId::attn_prefill_tiles_d256_bf16);
+    enc.set_args(c.args);
+    enc.set_buffer(1, c.q);
+    enc.set_buffer(2, c.k);
+    enc.set_buffer(3, c.v);
+    enc.set_buffer(4, c.gate);
+    enc.set_buffer(5, c.out);
+    touch_cache_rows(enc, op, uint64_t(op.position) + op.tokens);  // each row counted once
+    enc.dispatch({op.kv_heads, (op.tokens + qt - 1) / qt, 1}, {kAttnTilesThreads, 1, 1});
+    // Each threadgroup runs 32 rows against every bk-key block (2048 / head_dim keys) up to its
+    // last token's keys: S = Q K^T and O += P V, 2 * 32 * bk * head_dim multiply-adds per block.
+    uint64_t executed = 0;
+    for (uint32_t t0 = 0; t0 < op.tokens; t0 += qt) {
+      const uint64_t key_end = uint64_t(op.position) + std::min(t0 + qt, op.tokens);
+      executed += (key_end + bk - 1) / bk * 4ull * kAttnMmaRows * bk * D;
     }
     enc.add_flops(executed * op.kv_heads, attention_useful_flops(op));
     return;

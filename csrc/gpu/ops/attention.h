@@ -86,6 +86,10 @@ bool attention_prefill_uses_mma(uint32_t head_dim);
 // M5 route (Metal 4 tensor ops, shaders/m5/attention_m5.metal): on a device with tensor ops for
 // head_dim 64, 128 or 256: (kv_heads, ceil(tokens / (32 / group))) x 128 threads; before mma.
 bool attention_prefill_uses_m5(uint32_t head_dim, bool tensor_ops);
+// M1-M4 bf16 tiles route (shaders/attention.metal attention_prefill_tiles): bf16 activations at
+// head_dim 64, 128 or 256 on a device without tensor ops (and 16-byte aligned q / cache bindings,
+// q_stride % 8 == 0, checked at encode: otherwise mma); fp32 and other head dims keep mma / simd.
+bool attention_prefill_uses_tiles(uint32_t head_dim, DType dtype, bool tensor_ops);
 // Prefill: one dispatch. mma: (kv_heads, ceil(tokens / (32 / group))) x 128 threads;
 // simd: (kv_heads, ceil(tokens / kAttnPrefillTokens)) x 32 * group threads.
 void encode_attention_prefill(Encoder& enc, const AttentionOperands& op);

@@ -131,13 +131,22 @@ def attention_decode_route(length: int, head_dim: int) -> dict:
     return dict(_core().ops.attention_decode_route(_uint(length, "length", fn), _uint(head_dim, "head_dim", fn)))
 
 
-def attention_prefill_route(head_dim: int, *, tensor_ops: bool = False) -> str:
-    """How :func:`attention_prefill` runs for ``head_dim``: ``"m5"`` (Metal 4 tensor ops,
-    shaders/m5/attention_m5.metal: head_dim 64, 128 or 256 on a device with tensor ops, an M5),
-    ``"mma"`` (8x8 simdgroup matrices; head_dim a multiple of 32, and of 64 above 128: 64, 128,
-    256, ...) or ``"simd"`` (scalar fp32)."""
-    return str(_core().ops.attention_prefill_route(_uint(head_dim, "head_dim", "attention_prefill_route"),
-                                                   bool(tensor_ops)))
+def attention_prefill_route(head_dim: int, *, tensor_ops: bool = False, dtype="float32") -> str:
+    """How :func:`attention_prefill` runs for ``head_dim`` and activation ``dtype`` (float32 or
+    bfloat16): ``"m5"`` (Metal 4 tensor ops, shaders/m5/attention_m5.metal: head_dim 64, 128 or
+    256 on a device with tensor ops, an M5), ``"tiles"`` (bfloat16 activations at head_dim 64, 128
+    or 256 without tensor ops: bf16 simdgroup matrices, M1-M4), ``"mma"`` (8x8 fp32 simdgroup
+    matrices; head_dim a multiple of 32, and of 64 above 128: 64, 128, 256, ...) or ``"simd"``
+    (scalar fp32)."""
+    fn = "attention_prefill_route"
+    try:
+        name = np.dtype(dtype).name
+    except TypeError:
+        name = None
+    if name not in ("float32", "bfloat16"):
+        raise ValueError(f"{fn}: dtype must be float32 or bfloat16, got {dtype!r}")
+    return str(_core().ops.attention_prefill_route(_uint(head_dim, "head_dim", fn), bool(tensor_ops),
+                                                   name == "bfloat16"))
 
 
 def _check_attention(q, k_cache, v_cache, gate, fn, tokens_axis: bool):

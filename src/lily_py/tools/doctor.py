@@ -380,7 +380,10 @@ def fam_attention(rng, device, *, quick):
         q, g = _rand(rng, (T, Hq, D), BF16, 1.5), _rand(rng, (T, Hq, D), BF16, 2.0)
         out = ops.attention_prefill(q, kc, vc, position=pos, gate=g, device=device)
         r, atol = bound(q, kc, vc, g, pos)
-        yield (f"prefill ({ops.attention_prefill_route(D)}) Hq={Hq} Hkv={Hkv} D={D} T={T} at {pos} bf16",
+        route = ops.attention_prefill_route(D, dtype=BF16)
+        if route == "tiles":  # P rounded to bf16 as the operand of P V: + 2^-8 vmag (test_attention_tiles.py)
+            atol = atol + 2.0 ** -8 * ref.attention(q, kc, vc, position=pos, gate=g)[2]
+        yield (f"prefill ({route}) Hq={Hq} Hkv={Hkv} D={D} T={T} at {pos} bf16",
                *measure(out, r, atol=atol, rtol=_out_rtol(BF16)), "")
 
 
