@@ -287,6 +287,29 @@ bool attention_prefill_uses_tiles(uint32_t head_dim, DType dtype, bool tensor_op
   return !tensor_ops && dtype == DType::bf16 && (head_dim == 64 || head_dim == 128 || head_dim == 256);
 }
 
+// A prefill kernel whose threadgroup runs `rows` (token, head) rows (qt tokens) of one KV head
+// against every `block_keys`-key block up to its last token's keys (the M5 and bf16 tile
+// routes): binds q, k, v, gate, out, counts the cache rows once and the executed FLOPs
+// (S = Q K^T and O += P V: 2 * rows * block_keys * head_dim multiply-adds per block).
+static void encode_blocked_prefill(Encoder& enc, const AttentionOperands& op, const Checked& c, KernelId id, uint32_t qt,
+                                   uint32_t threads, uint32_t rows, uint32_t block_keys) {
+  enc.set_kernel(id);
+  enc.set_args(c.args);
+  enc.set_buffer(1, c.q);
+  enc.set_buffer(2, c.k);
+  enc.set_buffer(3, c.v);
+  enc.set_buffer(4, c.gate);
+  enc.set_buffer(5, c.out);
+  touch_cache_rows(enc, op, uint64_t(op.position) + op.tokens);  // each row counted once
+  enc.dispatch({op.kv_heads, (op.tokens + qt - 1) / qt, 1}, {threads, 1, 1});
+  uint64_t executed = 0;
+  for (uint32_t t0 = 0; t0 < op.tokens; t0 += qt) {
+    const uint64_t key_end = uint64_t(op.position) + std::min(t0 + qt, op.tokens);
+    executed += (key_end + block_keys - 1) / block_keys * 4ull * rows * block_keys * op.head_dim;
+  }
+  enc.add_flops(executed * op.kv_heads, attention_useful_flops(op));
+}
+
 void encode_attention_prefill(Encoder& enc, const AttentionOperands& op) {
   const char* fn = "attention_prefill";
   Checked c = check_attention(fn, op);
@@ -299,23 +322,7 @@ void encode_attention_prefill(Encoder& enc, const AttentionOperands& op) {
     const KernelId id = D == 64    ? (bf ? KernelId::attn_prefill_m5_d64_bf16 : KernelId::attn_prefill_m5_d64_f32)
                         : D == 128 ? (bf ? KernelId::attn_prefill_m5_d128_bf16 : KernelId::attn_prefill_m5_d128_f32)
                                    : (bf ? KernelId::attn_prefill_m5_d256_bf16 : KernelId::attn_prefill_m5_d256_f32);
-    enc.set_kernel(id);
-    enc.set_args(c.args);
-    enc.set_buffer(1, c.q);
-    enc.set_buffer(2, c.k);
-    enc.set_buffer(3, c.v);
-    enc.set_buffer(4, c.gate);
-    enc.set_buffer(5, c.out);
-    touch_cache_rows(enc, op, uint64_t(op.position) + op.tokens);  // each row counted once
-    enc.dispatch({op.kv_heads, (op.tokens + qt - 1) / qt, 1}, {kAttnM5Threads, 1, 1});
-    // Each threadgroup runs 32 rows against every 16-key block up to its last token's keys:
-    // S = Q K^T and O += P V, 2 * 32 * 16 * head_dim multiply-adds per block.
-    uint64_t executed = 0;
-    for (uint32_t t0 = 0; t0 < op.tokens; t0 += qt) {
-      const uint64_t key_end = uint64_t(op.position) + std::min(t0 + qt, op.tokens);
-      executed += (key_end + kAttnM5BlockKeys - 1) / kAttnM5BlockKeys * 4ull * kAttnM5Rows * kAttnM5BlockKeys * D;
-    }
-    enc.add_flops(executed * op.kv_heads, attention_useful_flops(op));
+    encode_blocked_prefill(enc, op, c, id, qt, kAttnM5Threads, kAttnM5Rows, kAttnM5BlockKeys);
     return;
   }
   // bf16 tiles (M1-M4): 16-byte loads of q and of the caches need 16-byte aligned bindings and
@@ -325,24 +332,11 @@ void encode_attention_prefill(Encoder& enc, const AttentionOperands& op) {
     const uint32_t qt = kAttnMmaRows / group;
     const uint32_t D = op.head_dim;
     const uint32_t bk = kAttnTilesKeyDims / D;
-    enc.set_kernel(D == 64 ? KernelId::attn_prefill_tiles_d64_bf16
-                   : D == 128 ? KernelId::attn_prefill_tiles_d128_bf16 : KernelId::attn_prefill_tiles_d256_bf16);
-    enc.set_args(c.args);
-    enc.set_buffer(1, c.q);
-    enc.set_buffer(2, c.k);
-    enc.set_buffer(3, c.v);
-    enc.set_buffer(4, c.gate);
-    enc.set_buffer(5, c.out);
-    touch_cache_rows(enc, op, uint64_t(op.position) + op.tokens);  // each row counted once
-    enc.dispatch({op.kv_heads, (op.tokens + qt - 1) / qt, 1}, {kAttnTilesThreads, 1, 1});
-    // Each threadgroup runs 32 rows against every bk-key block (2048 / head_dim keys) up to its
-    // last token's keys: S = Q K^T and O += P V, 2 * 32 * bk * head_dim multiply-adds per block.
-    uint64_t executed = 0;
-    for (uint32_t t0 = 0; t0 < op.tokens; t0 += qt) {
-      const uint64_t key_end = uint64_t(op.position) + std::min(t0 + qt, op.tokens);
-      executed += (key_end + bk - 1) / bk * 4ull * kAttnMmaRows * bk * D;
-    }
-    enc.add_flops(executed * op.kv_heads, attention_useful_flops(op));
+    encode_blocked_prefill(enc, op, c,
+                           D == 64    ? KernelId::attn_prefill_tiles_d64_bf16
+                           : D == 128 ? KernelId::attn_prefill_tiles_d128_bf16
+                                      : KernelId::attn_prefill_tiles_d256_bf16,
+                           qt, kAttnTilesThreads, kAttnMmaRows, bk);
     return;
   }
   if (attention_prefill_uses_mma(op.head_dim)) {
