@@ -60,7 +60,8 @@ CASES = _cases()
 
 
 def test_there_are_checkpoints_to_compare():
-    assert ("std4_nested_fused", "mlx4_bf16", "_bf16") in CASES, CASES
+    for name in ("std4_nested_fused", "bf16_flat_mha_top3", "bf16_h128_gqa3_top2"):
+        assert (name, "mlx4_bf16", "_bf16") in CASES, CASES
 
 
 @pytest.mark.parametrize("name,sub,tag", CASES, ids=[f"{n}-{s}" for n, s, _ in CASES])
@@ -101,21 +102,27 @@ def test_engine_bf16_error_no_larger_than_mlx_lm_bf16(name, sub, tag, record_pro
     np.testing.assert_array_equal(steps.argmax(axis=1), tokens)
 
 
-def test_float32_option_keeps_the_fp32_path(record_property):
+@pytest.mark.parametrize("name,sub,tag", CASES, ids=[f"{n}-{s}" for n, s, _ in CASES])
+def test_float32_option_keeps_the_fp32_path(name, sub, tag, record_property):
     """activations="float32" on the same bf16 checkpoint: the fp32 path, within the fp32
     comparison tolerance of tests/model/test_engine.py's attention checkpoints (2^-7 of max|ref|;
-    the KV cache stays bf16), and far closer than the bf16 path."""
-    name, sub, tag = "std4_nested_fused", "mlx4_bf16", "_bf16"
+    the KV cache stays bf16) on the prompt's logits, and the fp32 oracle's 32 greedy tokens
+    (free-running: each step is fed the engine's own argmax)."""
     exp = np.load(ORACLES / name / "expected.npz")
     ref = exp[f"mlx{tag}_logits"]
-    m = lily_py.load(str(ORACLES / name / sub), backend="emu", context_length=64, activations="float32")
+    m = lily_py.load(str(ORACLES / name / sub), backend="emu", context_length=128, activations="float32")
     assert m._backend.activations == "float32"
     got = m._backend.forward(exp["prompt"].astype(np.uint32), all_logits=True)
     e = logit_errors(got, ref)
+    print(f"{name}/{sub} engine fp32 prefill: max_rel {e['max_rel']:.4e} nmse {e['nmse']:.4e}")
     record_property("fp32_prefill", e)
     assert e["max_rel"] <= 2.0 ** -7, e
     counters = m._backend.last_stats
-    mb = lily_py.load(str(ORACLES / name / sub), backend="emu", context_length=64)
+    own = [int(np.argmax(got[-1]))]
+    for _ in range(len(exp[f"mlx{tag}_greedy"]) - 1):
+        own.append(int(np.argmax(m._backend.forward(np.array([own[-1]], np.uint32), all_logits=False))))
+    np.testing.assert_array_equal(own, exp[f"mlx{tag}_greedy"])
+    mb = lily_py.load(str(ORACLES / name / sub), backend="emu", context_length=128)
     mb._backend.forward(exp["prompt"].astype(np.uint32), all_logits=True)
     # half the activation bytes: the bf16 step touches fewer bytes than the fp32 one
     assert mb._backend.last_stats["bytes_touched"] < counters["bytes_touched"]
