@@ -60,7 +60,7 @@ CASES = _cases()
 
 
 def test_there_are_checkpoints_to_compare():
-    for name in ("std4_nested_fused", "bf16_flat_mha_top3", "bf16_h128_gqa3_top2"):
+    for name in ("std4_nested_fused", "bf16_flat_mha_top3", "bf16_h128_gqa3_top2", "bf16_top1_gqa4"):
         assert (name, "mlx4_bf16", "_bf16") in CASES, CASES
 
 
