@@ -29,6 +29,7 @@
 // (prep, norm), so bf16 activations need only new instantiations.
 #include "common/lily_metal.h"
 #include "common/reduce.h"
+#include "common/gated_delta_chunk.h"
 
 namespace lily {
 
@@ -101,46 +102,6 @@ template <typename T, typename W>
   }
 }
 
-// C = A B over one chunk, A [64, 64] lower triangular in threadgroup memory (leading dim 64),
-// B [64, ncols] rows `ldb` apart in device memory, C to device memory (leading dim ldb); simdgroup
-// s of `simds` computes the 8-wide column tiles s, s + simds, ... (tile row i needs k tiles <= i).
-inline void gdc_lower_times(const threadgroup float* A, const device float* B, device float* C, uint32_t ldb,
-                            uint32_t col_tiles, uint32_t simd_id, uint32_t simds) {
-  for (uint32_t ct = simd_id; ct < col_tiles; ct += simds) {
-    for (uint32_t i = 0; i < kGdChunk / 8; ++i) {
-      simdgroup_float8x8 acc = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
-      for (uint32_t j = 0; j <= i; ++j) {
-        simdgroup_float8x8 at;
-        simdgroup_float8x8 bt;
-        simdgroup_load(at, A + (8 * i) * kGdChunk + 8 * j, ulong(kGdChunk), ulong2(0), false);
-        simdgroup_load(bt, B + uint64_t(8 * j) * ldb + 8 * ct, ulong(ldb), ulong2(0), false);
-        simdgroup_multiply_accumulate(acc, at, bt, acc);
-      }
-      simdgroup_store(acc, C + uint64_t(8 * i) * ldb + 8 * ct, ulong(ldb), ulong2(0), false);
-    }
-  }
-}
-
-// M[i, j] = X_i . Y_j for the 36 lower-triangle 8x8 tiles (j <= i) of a chunk; X, Y [64, Dk] rows
-// Dk apart in device memory; M [64, 64] in threadgroup memory. Upper tiles are left untouched.
-inline void gdc_lower_gram(const device float* X, const device float* Y, threadgroup float* M, uint32_t Dk,
-                           uint32_t simd_id, uint32_t simds) {
-  for (uint32_t tile = simd_id; tile < 36; tile += simds) {
-    uint32_t i = 0;  // tile -> (i, j), j <= i, row by row
-    while ((i + 1) * (i + 2) / 2 <= tile) ++i;
-    const uint32_t j = tile - i * (i + 1) / 2;
-    simdgroup_float8x8 acc = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
-    for (uint32_t r = 0; r < Dk / 8; ++r) {
-      simdgroup_float8x8 xt;
-      simdgroup_float8x8 yt;
-      simdgroup_load(xt, X + uint64_t(8 * i) * Dk + 8 * r, ulong(Dk), ulong2(0), false);
-      simdgroup_load(yt, Y + uint64_t(8 * j) * Dk + 8 * r, ulong(Dk), ulong2(0), true);
-      simdgroup_multiply_accumulate(acc, xt, yt, acc);
-    }
-    simdgroup_store(acc, M + (8 * i) * kGdChunk + 8 * j, ulong(kGdChunk), ulong2(0), false);
-  }
-}
-
 // ---------------------------------------------------------------------------------------------
 // gd_chunk_wy: everything of one (chunk, value head) that does not depend on the state.
 //   grid:    (Tp / 64, Hv) threadgroups of kGdChunkWyThreads = 256 threads (8 simdgroups)
@@ -194,32 +155,8 @@ template <typename F>
     if (j < i) M[e] = bs[i] * exp(Gs[i] - Gs[j]) * M[e];
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
-  if (tid < C) {  // 4
-    const uint32_t c = tid;
-    for (uint32_t i = c + 1; i < C; ++i) {
-      float acc = -M[i * C + c];
-      for (uint32_t j = c + 1; j < i; ++j) acc -= M[i * C + j] * M[c * C + j];
-      M[c * C + i] = acc;
-    }
-  }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  for (uint32_t e = tid; e < C * C; e += kGdChunkWyThreads) {  // 5 (each pair i > j by one thread)
-    const uint32_t i = e / C, j = e % C;
-    if (i > j) {
-      const float tij = M[j * C + i];
-      M[i * C + j] = tij * bs[j];
-      M[j * C + i] = 0.0f;
-    } else if (i == j) {
-      M[e] = bs[i];
-    }
-  }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  gdc_lower_times(M, vo + (uint64_t(h) * args.Tp + t0) * Dv, u + (uint64_t(h) * args.Tp + t0) * Dv, Dv, Dv / 8,
-                  simd_id, simds);  // 6
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  for (uint32_t e = tid; e < C * C; e += kGdChunkWyThreads) M[e] *= -exp(Gs[e % C]);  // 7
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  gdc_lower_times(M, Kc, wn + (uint64_t(h) * args.Tp + t0) * Dk, Dk, Dk / 8, simd_id, simds);  // 8
+  gdc_wy_factors(M, Gs, bs, Kc, vo + (uint64_t(h) * args.Tp + t0) * Dv, u + (uint64_t(h) * args.Tp + t0) * Dv,
+                 wn + (uint64_t(h) * args.Tp + t0) * Dk, Dk, Dv, tid, simd_id);  // 4 - 8
   threadgroup_barrier(mem_flags::mem_threadgroup);
   gdc_lower_gram(Qc, Kc, M, Dk, simd_id, simds);  // 9
   threadgroup_barrier(mem_flags::mem_threadgroup);

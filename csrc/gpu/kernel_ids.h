@@ -103,6 +103,9 @@
   X(attn_prefill_m5_d128_bf16, AttnArgs, 5)                                   \
   X(attn_prefill_m5_d256_f32,  AttnArgs, 5)                                   \
   X(attn_prefill_m5_d256_bf16, AttnArgs, 5)                                   \
+  /* the chunked delta rule's wy kernel with its Gram products on tensor ops, M5 */ \
+  /* (shaders/m5/gated_delta_chunk_m5.metal): same buffers as gd_chunk_wy_f32 */ \
+  X(gd_chunk_wy_m5_f32,        GdChunkArgs, 8)                                \
   /* RMSNorm (shaders/norm.metal): x, weight, y */                            \
   X(rms_norm_xf32_wf32,   RmsNormArgs, 3)                                     \
   X(rms_norm_xf32_wbf16,  RmsNormArgs, 3)                                     \
@@ -273,7 +276,8 @@ constexpr bool kernel_needs_tensor_ops(KernelId id) {
          id == KernelId::moe_down_m5_64_b4_sbf16 || id == KernelId::moe_down_m5_32_b4_sbf16 ||
          id == KernelId::attn_prefill_m5_d64_f32 || id == KernelId::attn_prefill_m5_d64_bf16 ||
          id == KernelId::attn_prefill_m5_d128_f32 || id == KernelId::attn_prefill_m5_d128_bf16 ||
-         id == KernelId::attn_prefill_m5_d256_f32 || id == KernelId::attn_prefill_m5_d256_bf16;
+         id == KernelId::attn_prefill_m5_d256_f32 || id == KernelId::attn_prefill_m5_d256_bf16 ||
+         id == KernelId::gd_chunk_wy_m5_f32;
 }
 
 }  // namespace lily::gpu

@@ -206,16 +206,23 @@ uint64_t gated_delta_chunk_scratch_bytes(uint32_t T, uint32_t Hk, uint32_t Hv, u
   return chunk_layout(T, Hk, Hv, Dk, Dv).total * 4;
 }
 
-uint64_t gated_delta_chunk_flops(uint32_t T, uint32_t Hv, uint32_t Dk, uint32_t Dv) {
+GdChunkFlops gated_delta_chunk_flops(uint32_t T, uint32_t Hv, uint32_t Dk, uint32_t Dv, bool tensor_ops) {
   constexpr uint64_t tile = 2 * 8 * 8 * 8;        // one 8x8x8 simdgroup multiply-accumulate
   constexpr uint64_t CT = kGdChunk / 8, lower = CT * (CT + 1) / 2;  // 36 lower-triangle tiles
   const uint64_t nk = Dk / 8, nv = Dv / 8;
   uint64_t subst = 0;  // forward substitution: T[i, c] needs i - c - 1 multiply-adds
   for (uint64_t c = 0; c < kGdChunk; ++c)
     for (uint64_t i = c + 1; i < kGdChunk; ++i) subst += 2 * (i - c - 1);
-  const uint64_t wy = (lower * nk /* K K^T */ + nv * lower /* u */ + nk * lower /* wn */ + lower * nk /* Q K^T */) * tile + subst;
+  const uint64_t grams_alu = (lower * nk /* K K^T */ + lower * nk /* Q K^T */) * tile;
+  const uint64_t factors = (nv * lower /* u */ + nk * lower /* wn */) * tile + subst;
   const uint64_t state = nv * (CT * nk /* U */ + CT * nk + CT + lower /* O */ + CT /* tail */ + nk + nk * CT /* S */) * tile;
-  return uint64_t(ceil_div(T, kGdChunk)) * Hv * (wy + state);
+  const uint64_t dk_steps = ceil_div(Dk, kGdChunkM5StepK) * uint64_t(kGdChunkM5StepK);
+  const uint64_t grams_tensor = 2 /* K K^T, Q K^T */ * 2 * uint64_t(kGdChunk) * kGdChunk * dk_steps;
+  const uint64_t per = uint64_t(ceil_div(T, kGdChunk)) * Hv;
+  GdChunkFlops f;
+  f.tensor = tensor_ops ? per * grams_tensor : 0;
+  f.alu = per * ((tensor_ops ? 0 : grams_alu) + factors + state);
+  return f;
 }
 
 void encode_gated_delta_chunked(Encoder& enc, const GatedDeltaOperands& op) {
@@ -257,7 +264,7 @@ void encode_gated_delta_chunked(Encoder& enc, const GatedDeltaOperands& op) {
   enc.dispatch({Tp, op.Hv, 1}, {32, 1, 1});
   enc.barrier();  // qn, kn, vo, g, beta -> wy
 
-  enc.set_kernel(KernelId::gd_chunk_wy_f32);
+  enc.set_kernel(enc.tensor_ops() ? KernelId::gd_chunk_wy_m5_f32 : KernelId::gd_chunk_wy_f32);
   enc.set_args(args);
   enc.set_buffer(1, qn);
   enc.set_buffer(2, kn);
@@ -291,7 +298,8 @@ void encode_gated_delta_chunked(Encoder& enc, const GatedDeltaOperands& op) {
   enc.set_buffer(3, need(fn, op.norm_weight, uint64_t(op.Dv) * dtype_size(wt), "norm_weight"));
   enc.set_buffer(4, need(fn, op.y, uint64_t(op.T) * VD * dtype_size(xt), "y"));
   enc.dispatch({op.T, op.Hv, 1}, {32, 1, 1});
-  enc.add_flops(gated_delta_chunk_flops(op.T, op.Hv, op.Dk, op.Dv), gated_delta_useful_flops(op.T, op.Hv, op.Dk, op.Dv));
+  enc.add_flops(gated_delta_chunk_flops(op.T, op.Hv, op.Dk, op.Dv, enc.tensor_ops()).total(),
+                gated_delta_useful_flops(op.T, op.Hv, op.Dk, op.Dv));
 }
 
 uint32_t gated_delta_mixer_proj_rows(uint32_t Hk, uint32_t Hv, uint32_t Dk, uint32_t Dv) {
