@@ -52,15 +52,17 @@ inline float gdc_softplus(float x) {  // same formula as gd_softplus (gated_delt
 //            the first value head of each key head also writes qn / kn (L2-normalised over Dk
 //            with one simd_sum(float2), eps 1e-6, q times q_scale). Rows t >= T: zeros.
 //   buffers: 1 qkv [T, qkv_stride] T, 2 a [T, ab_stride] T, 3 b [T, ab_stride] T, 4 A_log [Hv]
-//            float, 5 dt_bias [Hv] W, 6 qn, 7 kn, 8 vo, 9 g, 10 beta (float scratch)
-template <typename T, typename W>
+//            float, 5 dt_bias [Hv] W, 6 qn (QN), 7 kn, 8 vo, 9 g, 10 beta (float scratch)
+//   QN:      float, or half on the M5 route (gd_chunk_prep_q16_*: q is only a half operand of
+//            matmul2d there, rounded once here; it fills the first half of the qn section)
+template <typename T, typename W, typename QN>
 [[kernel]] void gd_chunk_prep(constant GdChunkArgs& args [[buffer(0)]],
                               const device T* qkv [[buffer(1)]],
                               const device T* a [[buffer(2)]],
                               const device T* b [[buffer(3)]],
                               const device float* A_log [[buffer(4)]],
                               const device W* dt_bias [[buffer(5)]],
-                              device float* qn [[buffer(6)]],
+                              device QN* qn [[buffer(6)]],
                               device float* kn [[buffer(7)]],
                               device float* vo [[buffer(8)]],
                               device float* g [[buffer(9)]],
@@ -95,7 +97,7 @@ template <typename T, typename W>
     for (uint32_t r = 0; r < kGdRowsPerLane; ++r) {
       const uint32_t i = lane + 32 * r;
       if (i < Dk) {
-        qn[krow + i] = qr[r] * q_norm;
+        qn[krow + i] = QN(qr[r] * q_norm);
         kn[krow + i] = kr[r] * k_norm;
       }
     }
@@ -291,15 +293,19 @@ template <typename T, typename W>
   }
 }
 
-LILY_INSTANTIATE("gd_chunk_prep_xf32_wf32", gd_chunk_prep<float, float>)
-LILY_INSTANTIATE("gd_chunk_prep_xf32_wbf16", gd_chunk_prep<float, bfloat>)
+LILY_INSTANTIATE("gd_chunk_prep_xf32_wf32", gd_chunk_prep<float, float, float>)
+LILY_INSTANTIATE("gd_chunk_prep_xf32_wbf16", gd_chunk_prep<float, bfloat, float>)
 LILY_INSTANTIATE("gd_chunk_wy_f32", gd_chunk_wy<float>)
 LILY_INSTANTIATE("gd_chunk_state_f32", gd_chunk_state<float>)
 LILY_INSTANTIATE("gd_chunk_norm_xf32_wf32", gd_chunk_norm<float, float>)
 LILY_INSTANTIATE("gd_chunk_norm_xf32_wbf16", gd_chunk_norm<float, bfloat>)
-LILY_INSTANTIATE("gd_chunk_prep_xbf16_wf32", gd_chunk_prep<bfloat, float>)
-LILY_INSTANTIATE("gd_chunk_prep_xbf16_wbf16", gd_chunk_prep<bfloat, bfloat>)
+LILY_INSTANTIATE("gd_chunk_prep_xbf16_wf32", gd_chunk_prep<bfloat, float, float>)
+LILY_INSTANTIATE("gd_chunk_prep_xbf16_wbf16", gd_chunk_prep<bfloat, bfloat, float>)
 LILY_INSTANTIATE("gd_chunk_norm_xbf16_wf32", gd_chunk_norm<bfloat, float>)
 LILY_INSTANTIATE("gd_chunk_norm_xbf16_wbf16", gd_chunk_norm<bfloat, bfloat>)
+LILY_INSTANTIATE("gd_chunk_prep_q16_xf32_wf32", gd_chunk_prep<float, float, half>)
+LILY_INSTANTIATE("gd_chunk_prep_q16_xf32_wbf16", gd_chunk_prep<float, bfloat, half>)
+LILY_INSTANTIATE("gd_chunk_prep_q16_xbf16_wf32", gd_chunk_prep<bfloat, float, half>)
+LILY_INSTANTIATE("gd_chunk_prep_q16_xbf16_wbf16", gd_chunk_prep<bfloat, bfloat, half>)
 
 }  // namespace lily

@@ -187,11 +187,14 @@ void init_ops_gated_delta(nb::module_& m) {
           if (chunked(parts[i])) {
             using K = gpu::KernelId;
             const bool wb = wt == gpu::DType::bf16, xb = xt == gpu::DType::bf16;
-            const K prep = xb ? (wb ? K::gd_chunk_prep_xbf16_wbf16 : K::gd_chunk_prep_xbf16_wf32)
-                              : (wb ? K::gd_chunk_prep_xf32_wbf16 : K::gd_chunk_prep_xf32_wf32);
+            const K prep = m5 ? (xb ? (wb ? K::gd_chunk_prep_q16_xbf16_wbf16 : K::gd_chunk_prep_q16_xbf16_wf32)
+                                    : (wb ? K::gd_chunk_prep_q16_xf32_wbf16 : K::gd_chunk_prep_q16_xf32_wf32))
+                              : (xb ? (wb ? K::gd_chunk_prep_xbf16_wbf16 : K::gd_chunk_prep_xbf16_wf32)
+                                    : (wb ? K::gd_chunk_prep_xf32_wbf16 : K::gd_chunk_prep_xf32_wf32));
             const K norm = xb ? (wb ? K::gd_chunk_norm_xbf16_wbf16 : K::gd_chunk_norm_xbf16_wf32)
                               : (wb ? K::gd_chunk_norm_xf32_wbf16 : K::gd_chunk_norm_xf32_wf32);
-            for (K k : {prep, m5 ? K::gd_chunk_wy_m5_f32 : K::gd_chunk_wy_f32, K::gd_chunk_state_f32, norm})
+            for (K k : {prep, m5 ? K::gd_chunk_wy_m5_f32 : K::gd_chunk_wy_f32,
+                        m5 ? K::gd_chunk_state_m5_f32 : K::gd_chunk_state_f32, norm})
               run.note(k);
           } else {
             run.note(gpu::ops::gated_delta_kernel(xt, wt));
