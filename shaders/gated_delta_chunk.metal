@@ -29,6 +29,7 @@
 // (prep, norm), so bf16 activations need only new instantiations.
 #include "common/lily_metal.h"
 #include "common/reduce.h"
+#include "common/gated_delta_chunk.h"
 
 namespace lily {
 
@@ -51,15 +52,17 @@ inline float gdc_softplus(float x) {  // same formula as gd_softplus (gated_delt
 //            the first value head of each key head also writes qn / kn (L2-normalised over Dk
 //            with one simd_sum(float2), eps 1e-6, q times q_scale). Rows t >= T: zeros.
 //   buffers: 1 qkv [T, qkv_stride] T, 2 a [T, ab_stride] T, 3 b [T, ab_stride] T, 4 A_log [Hv]
-//            float, 5 dt_bias [Hv] W, 6 qn, 7 kn, 8 vo, 9 g, 10 beta (float scratch)
-template <typename T, typename W>
+//            float, 5 dt_bias [Hv] W, 6 qn (QN), 7 kn, 8 vo, 9 g, 10 beta (float scratch)
+//   QN:      float, or half on the M5 route (gd_chunk_prep_q16_*: q is only a half operand of
+//            matmul2d there, rounded once here; it fills the first half of the qn section)
+template <typename T, typename W, typename QN>
 [[kernel]] void gd_chunk_prep(constant GdChunkArgs& args [[buffer(0)]],
                               const device T* qkv [[buffer(1)]],
                               const device T* a [[buffer(2)]],
                               const device T* b [[buffer(3)]],
                               const device float* A_log [[buffer(4)]],
                               const device W* dt_bias [[buffer(5)]],
-                              device float* qn [[buffer(6)]],
+                              device QN* qn [[buffer(6)]],
                               device float* kn [[buffer(7)]],
                               device float* vo [[buffer(8)]],
                               device float* g [[buffer(9)]],
@@ -94,50 +97,10 @@ template <typename T, typename W>
     for (uint32_t r = 0; r < kGdRowsPerLane; ++r) {
       const uint32_t i = lane + 32 * r;
       if (i < Dk) {
-        qn[krow + i] = qr[r] * q_norm;
+        qn[krow + i] = QN(qr[r] * q_norm);
         kn[krow + i] = kr[r] * k_norm;
       }
     }
-  }
-}
-
-// C = A B over one chunk, A [64, 64] lower triangular in threadgroup memory (leading dim 64),
-// B [64, ncols] rows `ldb` apart in device memory, C to device memory (leading dim ldb); simdgroup
-// s of `simds` computes the 8-wide column tiles s, s + simds, ... (tile row i needs k tiles <= i).
-inline void gdc_lower_times(const threadgroup float* A, const device float* B, device float* C, uint32_t ldb,
-                            uint32_t col_tiles, uint32_t simd_id, uint32_t simds) {
-  for (uint32_t ct = simd_id; ct < col_tiles; ct += simds) {
-    for (uint32_t i = 0; i < kGdChunk / 8; ++i) {
-      simdgroup_float8x8 acc = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
-      for (uint32_t j = 0; j <= i; ++j) {
-        simdgroup_float8x8 at;
-        simdgroup_float8x8 bt;
-        simdgroup_load(at, A + (8 * i) * kGdChunk + 8 * j, ulong(kGdChunk), ulong2(0), false);
-        simdgroup_load(bt, B + uint64_t(8 * j) * ldb + 8 * ct, ulong(ldb), ulong2(0), false);
-        simdgroup_multiply_accumulate(acc, at, bt, acc);
-      }
-      simdgroup_store(acc, C + uint64_t(8 * i) * ldb + 8 * ct, ulong(ldb), ulong2(0), false);
-    }
-  }
-}
-
-// M[i, j] = X_i . Y_j for the 36 lower-triangle 8x8 tiles (j <= i) of a chunk; X, Y [64, Dk] rows
-// Dk apart in device memory; M [64, 64] in threadgroup memory. Upper tiles are left untouched.
-inline void gdc_lower_gram(const device float* X, const device float* Y, threadgroup float* M, uint32_t Dk,
-                           uint32_t simd_id, uint32_t simds) {
-  for (uint32_t tile = simd_id; tile < 36; tile += simds) {
-    uint32_t i = 0;  // tile -> (i, j), j <= i, row by row
-    while ((i + 1) * (i + 2) / 2 <= tile) ++i;
-    const uint32_t j = tile - i * (i + 1) / 2;
-    simdgroup_float8x8 acc = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
-    for (uint32_t r = 0; r < Dk / 8; ++r) {
-      simdgroup_float8x8 xt;
-      simdgroup_float8x8 yt;
-      simdgroup_load(xt, X + uint64_t(8 * i) * Dk + 8 * r, ulong(Dk), ulong2(0), false);
-      simdgroup_load(yt, Y + uint64_t(8 * j) * Dk + 8 * r, ulong(Dk), ulong2(0), true);
-      simdgroup_multiply_accumulate(acc, xt, yt, acc);
-    }
-    simdgroup_store(acc, M + (8 * i) * kGdChunk + 8 * j, ulong(kGdChunk), ulong2(0), false);
   }
 }
 
@@ -194,32 +157,8 @@ template <typename F>
     if (j < i) M[e] = bs[i] * exp(Gs[i] - Gs[j]) * M[e];
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
-  if (tid < C) {  // 4
-    const uint32_t c = tid;
-    for (uint32_t i = c + 1; i < C; ++i) {
-      float acc = -M[i * C + c];
-      for (uint32_t j = c + 1; j < i; ++j) acc -= M[i * C + j] * M[c * C + j];
-      M[c * C + i] = acc;
-    }
-  }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  for (uint32_t e = tid; e < C * C; e += kGdChunkWyThreads) {  // 5 (each pair i > j by one thread)
-    const uint32_t i = e / C, j = e % C;
-    if (i > j) {
-      const float tij = M[j * C + i];
-      M[i * C + j] = tij * bs[j];
-      M[j * C + i] = 0.0f;
-    } else if (i == j) {
-      M[e] = bs[i];
-    }
-  }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  gdc_lower_times(M, vo + (uint64_t(h) * args.Tp + t0) * Dv, u + (uint64_t(h) * args.Tp + t0) * Dv, Dv, Dv / 8,
-                  simd_id, simds);  // 6
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  for (uint32_t e = tid; e < C * C; e += kGdChunkWyThreads) M[e] *= -exp(Gs[e % C]);  // 7
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  gdc_lower_times(M, Kc, wn + (uint64_t(h) * args.Tp + t0) * Dk, Dk, Dk / 8, simd_id, simds);  // 8
+  gdc_wy_factors(M, Gs, bs, Kc, vo + (uint64_t(h) * args.Tp + t0) * Dv, u + (uint64_t(h) * args.Tp + t0) * Dv,
+                 wn + (uint64_t(h) * args.Tp + t0) * Dk, Dk, Dv, tid, simd_id);  // 4 - 8
   threadgroup_barrier(mem_flags::mem_threadgroup);
   gdc_lower_gram(Qc, Kc, M, Dk, simd_id, simds);  // 9
   threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -354,15 +293,19 @@ template <typename T, typename W>
   }
 }
 
-LILY_INSTANTIATE("gd_chunk_prep_xf32_wf32", gd_chunk_prep<float, float>)
-LILY_INSTANTIATE("gd_chunk_prep_xf32_wbf16", gd_chunk_prep<float, bfloat>)
+LILY_INSTANTIATE("gd_chunk_prep_xf32_wf32", gd_chunk_prep<float, float, float>)
+LILY_INSTANTIATE("gd_chunk_prep_xf32_wbf16", gd_chunk_prep<float, bfloat, float>)
 LILY_INSTANTIATE("gd_chunk_wy_f32", gd_chunk_wy<float>)
 LILY_INSTANTIATE("gd_chunk_state_f32", gd_chunk_state<float>)
 LILY_INSTANTIATE("gd_chunk_norm_xf32_wf32", gd_chunk_norm<float, float>)
 LILY_INSTANTIATE("gd_chunk_norm_xf32_wbf16", gd_chunk_norm<float, bfloat>)
-LILY_INSTANTIATE("gd_chunk_prep_xbf16_wf32", gd_chunk_prep<bfloat, float>)
-LILY_INSTANTIATE("gd_chunk_prep_xbf16_wbf16", gd_chunk_prep<bfloat, bfloat>)
+LILY_INSTANTIATE("gd_chunk_prep_xbf16_wf32", gd_chunk_prep<bfloat, float, float>)
+LILY_INSTANTIATE("gd_chunk_prep_xbf16_wbf16", gd_chunk_prep<bfloat, bfloat, float>)
 LILY_INSTANTIATE("gd_chunk_norm_xbf16_wf32", gd_chunk_norm<bfloat, float>)
 LILY_INSTANTIATE("gd_chunk_norm_xbf16_wbf16", gd_chunk_norm<bfloat, bfloat>)
+LILY_INSTANTIATE("gd_chunk_prep_q16_xf32_wf32", gd_chunk_prep<float, float, half>)
+LILY_INSTANTIATE("gd_chunk_prep_q16_xf32_wbf16", gd_chunk_prep<float, bfloat, half>)
+LILY_INSTANTIATE("gd_chunk_prep_q16_xbf16_wf32", gd_chunk_prep<bfloat, float, half>)
+LILY_INSTANTIATE("gd_chunk_prep_q16_xbf16_wbf16", gd_chunk_prep<bfloat, bfloat, half>)
 
 }  // namespace lily

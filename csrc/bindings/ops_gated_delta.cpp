@@ -150,7 +150,9 @@ void init_ops_gated_delta(nb::module_& m) {
         uint32_t most = 0;
         for (uint32_t n : parts) most = std::max(most, n);
         const gpu::Binding scratch = run.output(gpu::ops::gated_delta_chunk_scratch_bytes(most, Hk, Hv, Dk, Dv));
+        bool m5 = false;  // the device's tensor ops pick gd_chunk_wy_m5
         run.run([&](gpu::Encoder& e) {
+          m5 = e.tensor_ops();
           uint32_t t0 = 0;
           for (size_t i = 0; i < parts.size(); ++i) {
             if (i) e.barrier();  // state written by chunk i-1 -> read by chunk i
@@ -185,11 +187,14 @@ void init_ops_gated_delta(nb::module_& m) {
           if (chunked(parts[i])) {
             using K = gpu::KernelId;
             const bool wb = wt == gpu::DType::bf16, xb = xt == gpu::DType::bf16;
-            const K prep = xb ? (wb ? K::gd_chunk_prep_xbf16_wbf16 : K::gd_chunk_prep_xbf16_wf32)
-                              : (wb ? K::gd_chunk_prep_xf32_wbf16 : K::gd_chunk_prep_xf32_wf32);
+            const K prep = m5 ? (xb ? (wb ? K::gd_chunk_prep_q16_xbf16_wbf16 : K::gd_chunk_prep_q16_xbf16_wf32)
+                                    : (wb ? K::gd_chunk_prep_q16_xf32_wbf16 : K::gd_chunk_prep_q16_xf32_wf32))
+                              : (xb ? (wb ? K::gd_chunk_prep_xbf16_wbf16 : K::gd_chunk_prep_xbf16_wf32)
+                                    : (wb ? K::gd_chunk_prep_xf32_wbf16 : K::gd_chunk_prep_xf32_wf32));
             const K norm = xb ? (wb ? K::gd_chunk_norm_xbf16_wbf16 : K::gd_chunk_norm_xbf16_wf32)
                               : (wb ? K::gd_chunk_norm_xf32_wbf16 : K::gd_chunk_norm_xf32_wf32);
-            for (K k : {prep, K::gd_chunk_wy_f32, K::gd_chunk_state_f32, norm})
+            for (K k : {prep, m5 ? K::gd_chunk_wy_m5_f32 : K::gd_chunk_wy_f32,
+                        m5 ? K::gd_chunk_state_m5_f32 : K::gd_chunk_state_f32, norm})
               run.note(k);
           } else {
             run.note(gpu::ops::gated_delta_kernel(xt, wt));
@@ -204,6 +209,19 @@ void init_ops_gated_delta(nb::module_& m) {
       "Fused gated delta rule + gated RMSNorm; state float32 [Hv, Dv, Dk] (device layout); per chunk of "
       "tokens one scan dispatch, or (route 'chunked', or 'auto' past the engine's switch) the 4 dispatches "
       "of the WY form; returns (y, new_state, stats). Use lily_py.ops.gated_delta.");
+
+  m.def(
+      "gated_delta_chunk_flops",
+      [](uint32_t T, uint32_t Hv, uint32_t Dk, uint32_t Dv, bool tensor_ops) {
+        const gpu::ops::GdChunkFlops f = gpu::ops::gated_delta_chunk_flops(T, Hv, Dk, Dv, tensor_ops);
+        nb::dict d;
+        d["tensor"] = f.tensor;
+        d["alu"] = f.alu;
+        return d;
+      },
+      "T"_a, "Hv"_a, "Dk"_a, "Dv"_a, "tensor_ops"_a = false,
+      "FLOPs (2 per multiply-add) the chunked delta rule's products execute over T tokens: {'tensor': on "
+      "matmul2d (gd_chunk_wy_m5's Gram products, with tensor ops), 'alu': on simdgroup matrices}.");
 
   m.def(
       "gated_delta_decode",

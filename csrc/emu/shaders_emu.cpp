@@ -30,6 +30,7 @@
 #include "m5/qmm_m5.metal"
 #include "m5/moe_m5.metal"
 #include "m5/attention_m5.metal"
+#include "m5/gated_delta_chunk_m5.metal"
 #include "sampling.metal"
 #include "emu/selftest.metal"
 #include "emu/selftest_m5.metal"

@@ -103,6 +103,10 @@
   X(attn_prefill_m5_d128_bf16, AttnArgs, 5)                                   \
   X(attn_prefill_m5_d256_f32,  AttnArgs, 5)                                   \
   X(attn_prefill_m5_d256_bf16, AttnArgs, 5)                                   \
+  /* the chunked delta rule's wy kernel with its Gram products on tensor ops, M5 */ \
+  /* (shaders/m5/gated_delta_chunk_m5.metal): same buffers as gd_chunk_wy_f32 */ \
+  X(gd_chunk_wy_m5_f32,        GdChunkArgs, 8)                                \
+  X(gd_chunk_state_m5_f32,     GdChunkArgs, 8)                                \
   /* RMSNorm (shaders/norm.metal): x, weight, y */                            \
   X(rms_norm_xf32_wf32,   RmsNormArgs, 3)                                     \
   X(rms_norm_xf32_wbf16,  RmsNormArgs, 3)                                     \
@@ -154,6 +158,11 @@
   X(gd_chunk_norm_xf32_wbf16, GdChunkArgs, 4)                                 \
   X(gd_chunk_norm_xbf16_wf32, GdChunkArgs, 4) \
   X(gd_chunk_norm_xbf16_wbf16, GdChunkArgs, 4) \
+  /* the prep of the M5 route: q normalised to half (the operand of gd_chunk_*_m5's matmul2d) */ \
+  X(gd_chunk_prep_q16_xf32_wf32,   GdChunkArgs, 10) \
+  X(gd_chunk_prep_q16_xf32_wbf16,  GdChunkArgs, 10) \
+  X(gd_chunk_prep_q16_xbf16_wf32,  GdChunkArgs, 10) \
+  X(gd_chunk_prep_q16_xbf16_wbf16, GdChunkArgs, 10) \
   /* mixture of experts (shaders/moe.metal; buffers listed in the shader) */  \
   X(moe_route,                       MoeArgs, 3)                              \
   X(moe_plan,                        MoeArgs, 5)                              \
@@ -273,7 +282,8 @@ constexpr bool kernel_needs_tensor_ops(KernelId id) {
          id == KernelId::moe_down_m5_64_b4_sbf16 || id == KernelId::moe_down_m5_32_b4_sbf16 ||
          id == KernelId::attn_prefill_m5_d64_f32 || id == KernelId::attn_prefill_m5_d64_bf16 ||
          id == KernelId::attn_prefill_m5_d128_f32 || id == KernelId::attn_prefill_m5_d128_bf16 ||
-         id == KernelId::attn_prefill_m5_d256_f32 || id == KernelId::attn_prefill_m5_d256_bf16;
+         id == KernelId::attn_prefill_m5_d256_f32 || id == KernelId::attn_prefill_m5_d256_bf16 ||
+         id == KernelId::gd_chunk_wy_m5_f32 || id == KernelId::gd_chunk_state_m5_f32;
 }
 
 }  // namespace lily::gpu

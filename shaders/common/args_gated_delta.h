@@ -81,6 +81,9 @@ enum : uint32_t {
   kGdChunkWyThreads = 256,    // gd_chunk_wy: 8 simdgroups per (chunk, value head)
   kGdChunkStateCols = 8,      // gd_chunk_state: value columns per threadgroup (one simdgroup)
   kGdChunkMaxTiles = 16,      // Dk / 8 and Dv / 8 at most (head dims <= 128)
+  kGdChunkM5StepK = 32,       // gd_chunk_wy_m5: key dims per matmul2d step of the Gram products
+  kGdChunkM5StateCols = 32,   // gd_chunk_state_m5: value columns per threadgroup (8 per simdgroup)
+  kGdChunkM5StateThreads = 128,  // gd_chunk_state_m5: 4 simdgroups
 };
 
 // Scratch (float32, sections of one buffer, rows padded to Tp = ceil(T / 64) * 64 with zeros;

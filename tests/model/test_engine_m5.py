@@ -1,8 +1,9 @@
 """The engine on the M5 path: the emulator reporting Metal 4 tensor ops
 (lily_py.testing.simulated_device(tensor_ops=True)), so every 4-bit quantized matmul of more than
 8 rows takes qmm_m5 (matmul2d, half operands, fp32 accumulation) instead of the simdgroup qmm, the
-MoE's 64- and 32-row tiles take moe_*_m5 and prefill attention (head_dim 64 / 128 / 256) takes
-attn_prefill_m5 (shaders/m5/).
+MoE's 64- and 32-row tiles take moe_*_m5, prefill attention (head_dim 64 / 128 / 256) takes
+attn_prefill_m5 and the DeltaNet chunked route (64 tokens or more) takes gd_chunk_wy_m5 and
+gd_chunk_state_m5 (shaders/m5/).
 
 Greedy tokens on the bundled demo must equal the reference's for 32 steps after a prompt of 100
 tokens prefilled in chunks of 64 and 4096 (qmm_m5 in every prefill step, qmv in decode). The
@@ -56,6 +57,9 @@ def test_demo_greedy_on_the_m5_path(chunk):
     assert any(k.startswith("moe_gate_up_m5_64_b4_") for k in kernels), sorted(kernels)
     assert "moe_down_m5_32_b4_sbf16" in kernels, sorted(kernels)
     assert not any(k.startswith(("moe_gate_up_mm", "moe_down_mm")) for k in kernels), sorted(kernels)
+    assert {"gd_chunk_wy_m5_f32", "gd_chunk_state_m5_f32"} <= kernels, sorted(kernels)
+    assert not kernels & {"gd_chunk_wy_f32", "gd_chunk_state_f32"}, sorted(kernels)
+    assert any(k.startswith("gd_chunk_prep_q16_") for k in kernels), sorted(kernels)
     logits = emu.prefill(ref["prompt"])
     assert_close(logits, ref["logits"], atol=2.0 ** -7 * float(np.abs(ref["logits"]).max()), rtol=0,
                  what=f"demo prefill logits on the M5 path (chunks of {chunk})")
@@ -67,7 +71,10 @@ def test_demo_greedy_on_the_m5_path(chunk):
 def test_without_tensor_ops_the_engine_keeps_the_simdgroup_qmm():
     emu = lily_py.load(backend="emu", context_length=256, prefill_chunk=64)
     kernels = {p["kernel"] for p in emu._backend.engine.pipelines}
-    assert not any(k.startswith(("qmm_m5_", "attn_prefill_m5_", "moe_gate_up_m5_", "moe_down_m5_")) for k in kernels)
+    assert not any(k.startswith(("qmm_m5_", "attn_prefill_m5_", "moe_gate_up_m5_", "moe_down_m5_", "gd_chunk_prep_q16_"))
+                   for k in kernels)
+    assert not kernels & {"gd_chunk_wy_m5_f32", "gd_chunk_state_m5_f32"}
+    assert {"gd_chunk_wy_f32", "gd_chunk_state_f32"} <= kernels, sorted(kernels)
     assert any(k.startswith("qmm_b4_") for k in kernels)
     # bf16 activations at the demo's head_dim: the M1-M4 bf16 attention tiles, not the M5 kernel
     assert any(k.startswith("attn_prefill_tiles_d") for k in kernels), sorted(kernels)
@@ -89,7 +96,8 @@ def real_dims_ckpt(tmp_path_factory):
 def test_greedy_after_chunked_prefill_on_the_m5_path(real_dims_ckpt, which, chunk):
     """Greedy tokens identical to the reference for 32 steps after a prompt prefilled in chunks of
     1, 64 and 4096 on the M5 path, on the demo (head_dim 64) and on a random-weight checkpoint with
-    the real head dimensions (head_dim 256, 2 KV heads: attn_prefill_m5_d256)."""
+    the real head dimensions (head_dim 256, 2 KV heads: attn_prefill_m5_d256; DeltaNet Dk = Dv =
+    128: gd_chunk_*_m5 on the 64- and 80-token prefill steps, the scan for one token)."""
     path, n = (None, 100) if which == "demo" else (real_dims_ckpt, 80)
     load = (lambda **kw: lily_py.load(**kw)) if path is None else (lambda **kw: lily_py.load(path, **kw))
     if which not in _GREEDY:
@@ -104,6 +112,7 @@ def test_greedy_after_chunked_prefill_on_the_m5_path(real_dims_ckpt, which, chun
     D = emu.config.head_dim
     assert (f"attn_prefill_m5_d{D}_f32" in kernels or f"attn_prefill_m5_d{D}_bf16" in kernels) == (chunk > 1), \
         sorted(kernels)
+    assert ({"gd_chunk_wy_m5_f32", "gd_chunk_state_m5_f32"} <= kernels) == (chunk > 1), sorted(kernels)
     got = emu.generate_text(prompt, max_tokens=32)
     assert got.tokens == want
 
@@ -121,10 +130,12 @@ def _attn_prefill_executed(cfg, T, route):
 def test_real_config_prefill_4096_flops_with_tensor_ops():
     """The real 35B config, one prefill chunk of 4096 tokens, on the counting device with and
     without tensor ops. Useful FLOPs are the same; executed FLOPs differ exactly by the attention
-    route (bf16 tiles' 8-key blocks -> 16-key blocks): every 4-bit projection has M = 4096 and N a multiple
-    of 64 (q|gate 8192, k and v 512, o 2048, DeltaNet in_proj 12352 and out_proj 2048), so the
-    64 x 64 qmm_m5 tiles pad nothing, like the simdgroup tiles; the MoE tiles are the same on both
-    routes; the router (8-bit) and the DeltaNet kernels do not change."""
+    route (bf16 tiles' 8-key blocks -> 16-key blocks) and the DeltaNet chunked route (the Gram
+    products as full 64 x 64 squares and O per 32 value columns on matmul2d: the M5 split of
+    ops.gated_delta_chunk_flops, tests/kernels/test_gated_delta_chunk_m5.py): every 4-bit projection
+    has M = 4096 and N a multiple of 64 (q|gate 8192, k and v 512, o 2048, DeltaNet in_proj 12352 and
+    out_proj 2048), so the 64 x 64 qmm_m5 tiles pad nothing, like the simdgroup tiles; the MoE tiles
+    are the same on both routes; the router (8-bit) does not change."""
     from lily_py.backends.engine import count_step
     from lily_py.config import ModelConfig
     from lily_py.testing import REAL_TEXT_CONFIG
@@ -141,6 +152,12 @@ def test_real_config_prefill_4096_flops_with_tensor_ops():
     tiles, m5_attn = _attn_prefill_executed(cfg, 4096, "tiles"), _attn_prefill_executed(cfg, 4096, "m5")
     print(f"attention executed FLOPs at 4096: bf16 tiles {tiles}, m5 {m5_attn}, "
           f"fp32 mma {_attn_prefill_executed(cfg, 4096, 'mma')}")
-    assert m5["flops_executed"] == off["flops_executed"] - tiles + m5_attn
+    import lily_py._core as core
+    n_gd = sum(not cfg.is_full_attention(i) for i in range(cfg.num_hidden_layers))
+    gd = [core.ops.gated_delta_chunk_flops(4096, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                                           cfg.linear_value_head_dim, t) for t in (False, True)]
+    print(f"DeltaNet chunked route at 4096, per layer ({n_gd} layers): fp32 {gd[0]}, M5 {gd[1]}")
+    assert m5["flops_executed"] == off["flops_executed"] - tiles + m5_attn + n_gd * (
+        gd[1]["tensor"] + gd[1]["alu"] - gd[0]["tensor"] - gd[0]["alu"])
     assert tiles < m5_attn < _attn_prefill_executed(cfg, 4096, "mma")  # shorter blocks waste less
     assert (m5["dispatches"], m5["barriers"]) == (off["dispatches"], off["barriers"])

@@ -78,6 +78,28 @@ def test_every_barrier_of_the_plan_is_needed(checkpoints, which):
     assert e.position == 0  # check() never touches the state
 
 
+def test_every_barrier_of_the_plan_is_needed_on_the_m5_path(checkpoints):
+    """With tensor ops (simulated): the DeltaNet chunk steps take gd_chunk_prep_q16, gd_chunk_wy_m5
+    and gd_chunk_state_m5 (and qmm_m5 / moe_*_m5); each of their barriers orders something."""
+    from lily_py.testing import simulated_device
+    with simulated_device(tensor_ops=True):
+        m = lily_py.load(checkpoints["deltanet"], backend="emu", context_length=2048, prefill_chunk=1600)
+    e = m._backend.engine
+    kernels = {p["kernel"] for p in e.pipelines}
+    assert {"gd_chunk_wy_m5_f32", "gd_chunk_state_m5_f32"} <= kernels, sorted(kernels)
+    removed_without_report = []
+    for tokens, position, kw in [(64, 0, dict(logits=False)), (100, 0, {}), (1600, 0, {})]:
+        st = e.check(tokens, position, **kw)
+        for k in range(st["barriers"]):
+            try:
+                e.check(tokens, position, **kw, skip_barrier=k)
+            except core.EmulatorError as ex:
+                assert HAZARD in str(ex)
+            else:
+                removed_without_report.append((tokens, position, kw, k))
+    assert removed_without_report == [], "barriers that order nothing (delete them): %s" % removed_without_report
+
+
 @pytest.mark.parametrize("which", ["deltanet", "attention"])
 @pytest.mark.parametrize("tokens", [1, 3], ids=["decode", "chunk3"])
 def test_every_barrier_is_needed_when_run(checkpoints, which, tokens):

@@ -206,16 +206,31 @@ uint64_t gated_delta_chunk_scratch_bytes(uint32_t T, uint32_t Hk, uint32_t Hv, u
   return chunk_layout(T, Hk, Hv, Dk, Dv).total * 4;
 }
 
-uint64_t gated_delta_chunk_flops(uint32_t T, uint32_t Hv, uint32_t Dk, uint32_t Dv) {
+GdChunkFlops gated_delta_chunk_flops(uint32_t T, uint32_t Hv, uint32_t Dk, uint32_t Dv, bool tensor_ops) {
   constexpr uint64_t tile = 2 * 8 * 8 * 8;        // one 8x8x8 simdgroup multiply-accumulate
-  constexpr uint64_t CT = kGdChunk / 8, lower = CT * (CT + 1) / 2;  // 36 lower-triangle tiles
+  constexpr uint64_t C = kGdChunk, CT = C / 8, lower = CT * (CT + 1) / 2;  // 36 lower-triangle tiles
   const uint64_t nk = Dk / 8, nv = Dv / 8;
   uint64_t subst = 0;  // forward substitution: T[i, c] needs i - c - 1 multiply-adds
-  for (uint64_t c = 0; c < kGdChunk; ++c)
-    for (uint64_t i = c + 1; i < kGdChunk; ++i) subst += 2 * (i - c - 1);
-  const uint64_t wy = (lower * nk /* K K^T */ + nv * lower /* u */ + nk * lower /* wn */ + lower * nk /* Q K^T */) * tile + subst;
-  const uint64_t state = nv * (CT * nk /* U */ + CT * nk + CT + lower /* O */ + CT /* tail */ + nk + nk * CT /* S */) * tile;
-  return uint64_t(ceil_div(T, kGdChunk)) * Hv * (wy + state);
+  for (uint64_t c = 0; c < C; ++c)
+    for (uint64_t i = c + 1; i < C; ++i) subst += 2 * (i - c - 1);
+  const uint64_t factors = (nv * lower /* u */ + nk * lower /* wn */) * tile + subst;
+  // per 8 value columns: U = u + W S, the tail scaling, e^{G_C} S and S += K^T U (fp32 on both paths)
+  const uint64_t feedback = nv * (CT * nk /* U */ + CT /* tail */ + nk + nk * CT /* S */) * tile;
+  GdChunkFlops per;  // one (chunk, value head)
+  if (tensor_ops) {
+    // gd_chunk_wy_m5: two 64 x 64 Gram squares over Dk rounded up to 32; gd_chunk_state_m5: per 32
+    // value columns (Dv rounded up) Q S (k = 128, the descriptor's; key dims past Dk read 0) and P U
+    const uint64_t dk_steps = ceil_div(Dk, kGdChunkM5StepK) * uint64_t(kGdChunkM5StepK);
+    const uint64_t col_blocks = ceil_div(Dv, kGdChunkM5StateCols);
+    per.tensor = 2 * 2 * C * C * dk_steps + col_blocks * 2 * C * kGdChunkM5StateCols * (8 * kGdChunkMaxTiles + C);
+    per.alu = factors + feedback;
+  } else {
+    const uint64_t grams = (lower * nk /* K K^T */ + lower * nk /* Q K^T */) * tile;
+    const uint64_t out = nv * (CT * nk + CT + lower) * tile;  // O = diag(e^G) Q S + P U
+    per.alu = grams + factors + feedback + out;
+  }
+  const uint64_t n = uint64_t(ceil_div(T, kGdChunk)) * Hv;
+  return GdChunkFlops{n * per.tensor, n * per.alu};
 }
 
 void encode_gated_delta_chunked(Encoder& enc, const GatedDeltaOperands& op) {
@@ -240,9 +255,13 @@ void encode_gated_delta_chunked(Encoder& enc, const GatedDeltaOperands& op) {
                    static_cast<float>(1.0 / std::sqrt(double(op.Dk))), op.eps, 0};
   const DType xt = op.x_dtype, wt = op.w_dtype;
   const bool wb = wt == DType::bf16, xb = xt == DType::bf16;
-
-  enc.set_kernel(xb ? (wb ? KernelId::gd_chunk_prep_xbf16_wbf16 : KernelId::gd_chunk_prep_xbf16_wf32)
-                    : (wb ? KernelId::gd_chunk_prep_xf32_wbf16 : KernelId::gd_chunk_prep_xf32_wf32));
+  const bool m5 = enc.tensor_ops();  // q as half, gd_chunk_wy_m5 and gd_chunk_state_m5
+  if (m5)
+    enc.set_kernel(xb ? (wb ? KernelId::gd_chunk_prep_q16_xbf16_wbf16 : KernelId::gd_chunk_prep_q16_xbf16_wf32)
+                      : (wb ? KernelId::gd_chunk_prep_q16_xf32_wbf16 : KernelId::gd_chunk_prep_q16_xf32_wf32));
+  else
+    enc.set_kernel(xb ? (wb ? KernelId::gd_chunk_prep_xbf16_wbf16 : KernelId::gd_chunk_prep_xbf16_wf32)
+                      : (wb ? KernelId::gd_chunk_prep_xf32_wbf16 : KernelId::gd_chunk_prep_xf32_wf32));
   enc.set_args(args);
   enc.set_buffer(1, need(fn, op.qkv, rows_bytes(op.T, qs, C, xt), "qkv"));
   enc.set_buffer(2, need(fn, op.a, rows_bytes(op.T, abs_, op.Hv, xt), "a"));
@@ -257,7 +276,7 @@ void encode_gated_delta_chunked(Encoder& enc, const GatedDeltaOperands& op) {
   enc.dispatch({Tp, op.Hv, 1}, {32, 1, 1});
   enc.barrier();  // qn, kn, vo, g, beta -> wy
 
-  enc.set_kernel(KernelId::gd_chunk_wy_f32);
+  enc.set_kernel(m5 ? KernelId::gd_chunk_wy_m5_f32 : KernelId::gd_chunk_wy_f32);
   enc.set_args(args);
   enc.set_buffer(1, qn);
   enc.set_buffer(2, kn);
@@ -270,7 +289,7 @@ void encode_gated_delta_chunked(Encoder& enc, const GatedDeltaOperands& op) {
   enc.dispatch({Tp / kGdChunk, op.Hv, 1}, {kGdChunkWyThreads, 1, 1});
   enc.barrier();  // G, wn, u, p -> state pass
 
-  enc.set_kernel(KernelId::gd_chunk_state_f32);
+  enc.set_kernel(m5 ? KernelId::gd_chunk_state_m5_f32 : KernelId::gd_chunk_state_f32);
   enc.set_args(args);
   enc.set_buffer(1, qn);
   enc.set_buffer(2, kn);
@@ -280,7 +299,10 @@ void encode_gated_delta_chunked(Encoder& enc, const GatedDeltaOperands& op) {
   enc.set_buffer(6, p);
   enc.set_buffer(7, need(fn, op.state, uint64_t(op.Hv) * op.Dv * op.Dk * 4, "state"));
   enc.set_buffer(8, vo);
-  enc.dispatch({op.Dv / kGdChunkStateCols, op.Hv, 1}, {32, 1, 1});
+  if (m5)
+    enc.dispatch({ceil_div(op.Dv, kGdChunkM5StateCols), op.Hv, 1}, {kGdChunkM5StateThreads, 1, 1});
+  else
+    enc.dispatch({op.Dv / kGdChunkStateCols, op.Hv, 1}, {32, 1, 1});
   enc.barrier();  // o (in vo) -> gated norm
 
   enc.set_kernel(xb ? (wb ? KernelId::gd_chunk_norm_xbf16_wbf16 : KernelId::gd_chunk_norm_xbf16_wf32)
@@ -291,7 +313,8 @@ void encode_gated_delta_chunked(Encoder& enc, const GatedDeltaOperands& op) {
   enc.set_buffer(3, need(fn, op.norm_weight, uint64_t(op.Dv) * dtype_size(wt), "norm_weight"));
   enc.set_buffer(4, need(fn, op.y, uint64_t(op.T) * VD * dtype_size(xt), "y"));
   enc.dispatch({op.T, op.Hv, 1}, {32, 1, 1});
-  enc.add_flops(gated_delta_chunk_flops(op.T, op.Hv, op.Dk, op.Dv), gated_delta_useful_flops(op.T, op.Hv, op.Dk, op.Dv));
+  enc.add_flops(gated_delta_chunk_flops(op.T, op.Hv, op.Dk, op.Dv, m5).total(),
+                gated_delta_useful_flops(op.T, op.Hv, op.Dk, op.Dv));
 }
 
 uint32_t gated_delta_mixer_proj_rows(uint32_t Hk, uint32_t Hv, uint32_t Dk, uint32_t Dv) {

@@ -46,14 +46,24 @@ struct GatedDeltaOperands {
 // Two routes for the delta rule over T tokens:
 //   scan     one dispatch, a threadgroup per value head walks the tokens in order (decode, short)
 //   chunked  T >= kGdChunkMinTokens and Dk, Dv multiples of 8: the WY form over chunks of 64
-//            tokens on simdgroup matrices (shaders/gated_delta_chunk.metal), 4 dispatches
+//            tokens on simdgroup matrices (shaders/gated_delta_chunk.metal), 4 dispatches; on a
+//            device with tensor ops the prep writes q as half and the wy and state kernels are
+//            gd_chunk_wy_m5 / gd_chunk_state_m5 (the Gram products and the output O on matmul2d,
+//            shaders/m5/gated_delta_chunk_m5.metal)
 enum class GdRoute : uint8_t { scan, chunked };
 GdRoute gated_delta_route(uint32_t T, uint32_t Dk, uint32_t Dv);
 const char* gated_delta_route_name(GdRoute r);
 // Bytes of the chunked route's float32 scratch (layout in common/args_gated_delta.h).
 uint64_t gated_delta_chunk_scratch_bytes(uint32_t T, uint32_t Hk, uint32_t Hv, uint32_t Dk, uint32_t Dv);
-// FLOPs (2 per multiply-add) the chunked route's matrix products execute.
-uint64_t gated_delta_chunk_flops(uint32_t T, uint32_t Hv, uint32_t Dk, uint32_t Dv);
+// FLOPs (2 per multiply-add) the chunked route's matrix products execute, split by unit: `tensor`
+// on matmul2d (with tensor ops: gd_chunk_wy_m5's K K^T and Q K^T as full 64 x 64 squares over Dk
+// rounded up to 32, gd_chunk_state_m5's Q S (k = 128) and P U per 32 value columns; else 0),
+// `alu` on 8x8 fp32 simdgroup matrices and the forward substitution.
+struct GdChunkFlops {
+  uint64_t tensor = 0, alu = 0;
+  uint64_t total() const { return tensor + alu; }
+};
+GdChunkFlops gated_delta_chunk_flops(uint32_t T, uint32_t Hv, uint32_t Dk, uint32_t Dv, bool tensor_ops);
 // The chunked route: prep, barrier, wy, barrier, state, barrier, norm (4 dispatches, 3 barriers).
 // Needs op.chunk_scratch. Throws std::invalid_argument.
 void encode_gated_delta_chunked(Encoder& enc, const GatedDeltaOperands& op);

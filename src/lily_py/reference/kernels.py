@@ -118,6 +118,67 @@ def gated_delta(q, k, v, z, a, b, A_log, dt_bias, norm_weight, state, *, eps: fl
     return y, S
 
 
+def gated_delta_chunked_m5(q, k, v, z, a, b, A_log, dt_bias, norm_weight, state, *, eps: float,
+                           chunk: int = 64, parts=None):
+    """:func:`gated_delta` in the chunked (WY) form with the M5 route's half operands, float64.
+
+    The tensor-op products of ``gd_chunk_wy_m5`` / ``gd_chunk_state_m5`` take half operands (fp32
+    accumulation); everything else is exact here. Rounded to half, at the kernels' points: the
+    normalised, scaled q (one copy, used by Q K^T and Q S), k in the Gram products K K^T and Q K^T
+    only (the solve's right-hand sides, W and the state update use k unrounded), P, and per chunk
+    S and U as operands of O = diag(e^G) Q S + P U (the state and U themselves stay unrounded: O
+    does not feed back). Same arguments and result as :func:`gated_delta`. ``parts``: the prompt
+    split as the device split it (one dispatch each, route "auto"): a part of fewer than ``chunk``
+    tokens runs token by token (the scan: exact, no half operands), a longer one in chunks from its
+    own start; None: all T tokens in the chunked form (route "chunked", any T).
+    """
+    f = lambda t: np.asarray(t).astype(np.float64)  # noqa: E731
+    h16 = lambda t: np.asarray(t).astype(np.float16).astype(np.float64)  # noqa: E731
+    q, k, v, z, a, b = f(q), f(k), f(v), f(z), f(a), f(b)
+    T, Hk, Dk = q.shape
+    Hv = v.shape[1]
+    rep = Hv // Hk
+    q = q / np.sqrt(np.sum(q * q, -1, keepdims=True) + np.float64(np.float32(1e-6)))
+    q = q * np.float64(np.float32(Dk ** -0.5))
+    k = k / np.sqrt(np.sum(k * k, -1, keepdims=True) + np.float64(np.float32(1e-6)))
+    q, k = np.repeat(q, rep, axis=1), np.repeat(k, rep, axis=1)
+    qh, kh = h16(q), h16(k)
+    g = -np.exp(f(A_log)) * np.logaddexp(0.0, a + f(dt_bias))              # [T, Hv]
+    beta = 1.0 / (1.0 + np.exp(-b))
+    S = f(state).copy()                                                      # [Hv, Dk, Dv]
+    o = np.empty(v.shape)
+    p0 = 0
+    for n_part in (parts or [T]):
+        if parts is not None and n_part < chunk:  # the scan
+            for t in range(p0, p0 + n_part):
+                S *= np.exp(g[t])[:, None, None]
+                u = (v[t] - np.einsum("hkv,hk->hv", S, k[t])) * beta[t][:, None]
+                S += k[t][:, :, None] * u[:, None, :]
+                o[t] = np.einsum("hkv,hk->hv", S, q[t])
+            p0 += n_part
+            continue
+        for s in range(p0, p0 + n_part, chunk):
+            e = min(p0 + n_part, s + chunk)
+            n = e - s
+            qc, kc, khc = qh[s:e].transpose(1, 0, 2), k[s:e].transpose(1, 0, 2), kh[s:e].transpose(1, 0, 2)
+            vc, bc = v[s:e].transpose(1, 0, 2), beta[s:e].T                  # [Hv, n, Dv], [Hv, n]
+            G = np.cumsum(g[s:e].T, axis=1)                                  # [Hv, n]
+            lower = np.tril(np.ones((n, n), dtype=bool))
+            decay = np.where(lower, np.exp(np.where(lower, G[:, :, None] - G[:, None, :], 0.0)), 0.0)
+            A = np.eye(n) + bc[:, :, None] * decay * ~np.eye(n, dtype=bool) * (khc @ khc.transpose(0, 2, 1))
+            Tm = np.linalg.inv(A)                                            # (I + A)^-1
+            eG = np.exp(G)
+            U = Tm @ (bc[:, :, None] * vc) - Tm @ (bc[:, :, None] * eG[:, :, None] * kc) @ S
+            P = h16(decay * (qc @ khc.transpose(0, 2, 1)))
+            o[s:e] = (eG[:, :, None] * (qc @ h16(S)) + P @ h16(U)).transpose(1, 0, 2)
+            tail = np.exp(G[:, -1:] - G)
+            S = eG[:, -1, None, None] * S + (kc * tail[:, :, None]).transpose(0, 2, 1) @ U
+        p0 += n_part
+    rms = np.sqrt(np.mean(o * o, -1, keepdims=True) + np.float64(np.float32(eps)))
+    y = o / rms * f(norm_weight) * (z / (1.0 + np.exp(-z)))
+    return y, S
+
+
 def gated_delta_mixer(x, in_proj, out_proj, conv_weight, A_log, dt_bias, norm_weight, conv_state,
                       state, *, Hk: int, Hv: int, Dk: int, Dv: int, eps: float, bits: int,
                       group_size: int, round_to=None):
