@@ -206,7 +206,15 @@ uint64_t gated_delta_chunk_scratch_bytes(uint32_t T, uint32_t Hk, uint32_t Hv, u
   return chunk_layout(T, Hk, Hv, Dk, Dv).total * 4;
 }
 
-uint64_t gated_delta_chunk_flops(uint32_t T, uint32_t Hv, uint32_t Dk, uint32_t Dv) {
+namespace {
+
+// Executed FLOPs of the chunked route's two matrix passes: gd_chunk_wy (within-chunk products,
+// forward substitution) and gd_chunk_state (the chunk-to-chunk state pass).
+struct GdChunkFlops {
+  uint64_t wy = 0, state = 0;
+};
+
+GdChunkFlops gated_delta_chunk_flops_parts(uint32_t T, uint32_t Hv, uint32_t Dk, uint32_t Dv) {
   constexpr uint64_t tile = 2 * 8 * 8 * 8;        // one 8x8x8 simdgroup multiply-accumulate
   constexpr uint64_t CT = kGdChunk / 8, lower = CT * (CT + 1) / 2;  // 36 lower-triangle tiles
   const uint64_t nk = Dk / 8, nv = Dv / 8;
@@ -215,7 +223,15 @@ uint64_t gated_delta_chunk_flops(uint32_t T, uint32_t Hv, uint32_t Dk, uint32_t 
     for (uint64_t i = c + 1; i < kGdChunk; ++i) subst += 2 * (i - c - 1);
   const uint64_t wy = (lower * nk /* K K^T */ + nv * lower /* u */ + nk * lower /* wn */ + lower * nk /* Q K^T */) * tile + subst;
   const uint64_t state = nv * (CT * nk /* U */ + CT * nk + CT + lower /* O */ + CT /* tail */ + nk + nk * CT /* S */) * tile;
-  return uint64_t(ceil_div(T, kGdChunk)) * Hv * (wy + state);
+  const uint64_t n = uint64_t(ceil_div(T, kGdChunk)) * Hv;
+  return {n * wy, n * state};
+}
+
+}  // namespace
+
+uint64_t gated_delta_chunk_flops(uint32_t T, uint32_t Hv, uint32_t Dk, uint32_t Dv) {
+  const GdChunkFlops f = gated_delta_chunk_flops_parts(T, Hv, Dk, Dv);
+  return f.wy + f.state;
 }
 
 void encode_gated_delta_chunked(Encoder& enc, const GatedDeltaOperands& op) {
@@ -268,6 +284,9 @@ void encode_gated_delta_chunked(Encoder& enc, const GatedDeltaOperands& op) {
   enc.set_buffer(7, u);
   enc.set_buffer(8, p);
   enc.dispatch({Tp / kGdChunk, op.Hv, 1}, {kGdChunkWyThreads, 1, 1});
+  // Executed FLOPs per pass; the rule's useful FLOPs (6 T Hv Dk Dv) go with the state pass.
+  const GdChunkFlops parts = gated_delta_chunk_flops_parts(op.T, op.Hv, op.Dk, op.Dv);
+  enc.add_flops(parts.wy, 0);
   enc.barrier();  // G, wn, u, p -> state pass
 
   enc.set_kernel(KernelId::gd_chunk_state_f32);
@@ -281,6 +300,7 @@ void encode_gated_delta_chunked(Encoder& enc, const GatedDeltaOperands& op) {
   enc.set_buffer(7, need(fn, op.state, uint64_t(op.Hv) * op.Dv * op.Dk * 4, "state"));
   enc.set_buffer(8, vo);
   enc.dispatch({op.Dv / kGdChunkStateCols, op.Hv, 1}, {32, 1, 1});
+  enc.add_flops(parts.state, gated_delta_useful_flops(op.T, op.Hv, op.Dk, op.Dv));
   enc.barrier();  // o (in vo) -> gated norm
 
   enc.set_kernel(xb ? (wb ? KernelId::gd_chunk_norm_xbf16_wbf16 : KernelId::gd_chunk_norm_xbf16_wf32)
@@ -291,7 +311,6 @@ void encode_gated_delta_chunked(Encoder& enc, const GatedDeltaOperands& op) {
   enc.set_buffer(3, need(fn, op.norm_weight, uint64_t(op.Dv) * dtype_size(wt), "norm_weight"));
   enc.set_buffer(4, need(fn, op.y, uint64_t(op.T) * VD * dtype_size(xt), "y"));
   enc.dispatch({op.T, op.Hv, 1}, {32, 1, 1});
-  enc.add_flops(gated_delta_chunk_flops(op.T, op.Hv, op.Dk, op.Dv), gated_delta_useful_flops(op.T, op.Hv, op.Dk, op.Dv));
 }
 
 uint32_t gated_delta_mixer_proj_rows(uint32_t Hk, uint32_t Hv, uint32_t Dk, uint32_t Dv) {
