@@ -204,10 +204,10 @@ def chunk_families(cfg: ModelConfig, T: int, position: int, context: int, tensor
 
 def prompt_families(cfg: ModelConfig, L: int, tensor_ops: bool, chunk: int = 4096) -> tuple[dict, int]:
     """Families summed over the chunks of an L-token prompt (the last chunk computes the logits)."""
-    T = min(L, chunk)
     total: dict = {}
     levels = 0
-    for pos in range(0, L, T):
+    for pos in range(0, L, chunk):
+        T = min(chunk, L - pos)
         fams, lv = chunk_families(cfg, T, pos, L, tensor_ops, logits=pos + T >= L)
         levels += lv
         for name, f in fams.items():
@@ -231,6 +231,36 @@ def estimate(fams: dict, levels: int, L: int, gpu: str, a: dict = ASSUMPTIONS) -
     for name, (t, _) in times.items():
         by_unit[fams[name]["unit"]] += t
     return dict(times=times, t_levels=t_levels, total=total, tps=L / total, by_unit=dict(by_unit))
+
+
+def with_units(fams: dict, units: dict) -> dict:
+    """The families with some moved to another unit ({family prefix: unit}): what-if lines."""
+    out = {}
+    for name, f in fams.items():
+        u = next((u for p, u in units.items() if name.startswith(p)), f["unit"])
+        out[name] = dict(f, unit=u)
+    return out
+
+
+def efficiency_for(fams: dict, levels: int, L: int, gpu: str, unit: str, tps: float, a: dict = ASSUMPTIONS):
+    """The efficiency of `unit` at which the estimate reaches `tps` (None: not even at 100%)."""
+    lo, hi = 0.0, 1.0
+    if estimate(fams, levels, L, gpu, dict(a, efficiency=dict(a["efficiency"], **{unit: hi})))["tps"] < tps:
+        return None
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        e = estimate(fams, levels, L, gpu, dict(a, efficiency=dict(a["efficiency"], **{unit: mid})))
+        lo, hi = (mid, hi) if e["tps"] < tps else (lo, mid)
+    return hi
+
+
+def design_tps(fams: dict, L: int, gpu: str, unit: str, a: dict = ASSUMPTIONS) -> float:
+    """The earlier estimate: every useful FLOP x future_padding on one unit, capped by the weight
+    bandwidth of a chunk (no other bytes, no levels)."""
+    useful = sum(f["useful"] for f in fams.values())
+    t = useful * a["future_padding"] / unit_rate(unit, gpu, a)
+    bw = min(L, 4096) * a["bandwidth_gbs"][gpu] / a["weight_gb"]
+    return min(L / t, bw)
 
 
 def run(cfg: ModelConfig, lengths=(256, 4096, 32768), chunk: int = 4096, a: dict = ASSUMPTIONS) -> dict:
@@ -278,6 +308,29 @@ def print_tables(res: dict, brief: bool = False) -> None:
     for path, _ in PATHS:
         for g in GPUS:
             print(f"  {path:<12} {g:<7} " + " ".join(f"{res[path, L]['est'][g]['tps']:>8,.0f}" for L in lengths))
+    print("  design (the earlier estimate: every useful FLOP x 1.05 on the path's matmul unit, weight "
+          "bandwidth cap, nothing else): " + "; ".join(
+              f"{path} {g} " + " ".join(f"{design_tps(res[path, L]['fams'], L, g, u):,.0f}" for L in lengths)
+              for path, u in (("M1-M4 path", "simdgroup_bf16"), ("M5 path", "tensor")) for g in GPUS))
+    if ("M5 path", 4096) in res:
+        r = res["M5 path", 4096]
+        fams, lv = r["fams"], r["levels"]
+        print("\nWhat closes the gap, M5 path, 4096 tokens, M5 Max (ESTIMATE, same assumptions otherwise):")
+        lines = [("as built", fams)]
+        f1 = with_units(fams, {"gd_chunk_wy": "tensor", "gd_chunk_state": "tensor"})
+        lines.append(("gd_chunk_wy / gd_chunk_state on tensor ops", f1))
+        f2 = with_units(f1, {"qmm": "tensor"})  # "qmm" alone: the 8-bit router (qmm_m5 is tensor already)
+        lines.append(("+ the router (8-bit qmm, fp32 tiles) on tensor ops", f2))
+        for label, f in lines:
+            e = estimate(f, lv, 4096, "M5 Max")
+            need = efficiency_for(f, lv, 4096, "M5 Max", "tensor", TARGET)
+            print(f"  {label:<52} {e['tps']:>6,.0f} tok/s; tensor-op efficiency for {TARGET:,.0f}: "
+                  + (f"{need:.0%}" if need else "not reached at 100%"))
+        e = estimate(f2, lv, 4096, "M5 Max")
+        alu = sum(t for n, (t, _) in e["times"].items() if f2[n]["unit"] == "alu")
+        print(f"  then: ALU families (norms, conv, prep, gated norm, combine, few-row MoE) {alu * 1e3:.1f} ms "
+              f"of {e['total'] * 1e3:.1f} ms, tensor-op families "
+              f"{e['by_unit'].get('tensor', 0) * 1e3:.1f} ms; the target needs {4096 / TARGET * 1e3:.1f} ms")
     print(f"  target: 1.3 x MLX-LM's published {MLX_LM_4K_M5_MAX:,} tok/s at 4K on M5 Max = {TARGET:,.0f} tok/s")
     print(f"  weight-bandwidth bound of a chunk (the whole {a['weight_gb']} GB model once per chunk, eta "
           f"{a['eta']}): " + ", ".join(f"{g} {min(L, 4096) * a['eta'] * a['bandwidth_gbs'][g] / a['weight_gb']:,.0f} "
