@@ -142,6 +142,23 @@ def moe_split(cfg: ModelConfig, T: int, layers: int, seed: int = 0) -> dict:
     return out
 
 
+def moe_rows_executed(T: int, E: int = 256, k: int = 8, seed: int = 0) -> dict:
+    """Expert rows the tiles compute for T tokens under uniform random routing (each token picks k
+    distinct experts uniformly; the shared group holds all T), per tile scheme: before (one tile
+    size per chunk: 32 rows if T k < 3072, else 64; every group padded to it) and now (moe_plan:
+    64-row tiles, remainder in a 32-row tile or a few-row matvec tile of <= 8 rows). Returns
+    executed rows / useful rows for each."""
+    rng = np.random.default_rng(seed)
+    ids = np.argsort(rng.random((T, E)), axis=1)[:, :k]
+    counts = np.append(np.bincount(ids.ravel(), minlength=E), T)
+    bm = 32 if T * k < 3072 else 64
+    before = int((-(-counts // bm) * bm).sum())
+    rem = counts % 64
+    now = int((64 * (counts // 64) + np.where(rem > 32, 64, np.where(rem > 8, 32, rem))).sum())
+    useful = int(counts.sum())
+    return {"before": before / useful, "now": now / useful}
+
+
 def _moe_bound_weight_bytes(cfg: ModelConfig, T: int, stage: str) -> int:
     """Expert weight bytes the engine counts for one MoE tile dispatch (every used expert:
     min(E, T k), and the shared expert) - the part the simulated split replaces."""
@@ -312,6 +329,10 @@ def print_tables(res: dict, brief: bool = False) -> None:
           "bandwidth cap, nothing else): " + "; ".join(
               f"{path} {g} " + " ".join(f"{design_tps(res[path, L]['fams'], L, g, u):,.0f}" for L in lengths)
               for path, u in (("M1-M4 path", "simdgroup_bf16"), ("M5 path", "tensor")) for g in GPUS))
+    full = dict(a, efficiency={u: 1.0 for u in a["efficiency"]})
+    print("  ceiling (every unit at 100% of its peak, bandwidth at eta): " + "; ".join(
+        f"{path} {g} " + " ".join(f"{estimate(res[path, L]['fams'], res[path, L]['levels'], L, g, full)['tps']:,.0f}"
+                                  for L in lengths) for path, _ in PATHS for g in GPUS))
     if ("M5 path", 4096) in res:
         r = res["M5 path", 4096]
         fams, lv = r["fams"], r["levels"]
@@ -346,7 +367,11 @@ def main() -> None:
     ap.add_argument("--brief", action="store_true", help="totals only, no per-family tables")
     args = ap.parse_args()
     print("ESTIMATE, not a measurement. Assumptions:", ASSUMPTIONS)
-    print_tables(run(real_config()), brief=args.brief)
+    cfg = real_config()
+    print("MoE expert rows executed / useful under uniform routing (simulated): " + ", ".join(
+        f"{T} tokens {r['before']:.2f} before per-expert tiles -> {r['now']:.2f} now"
+        for T in (256, 4096) for r in [moe_rows_executed(T, cfg.num_experts, cfg.num_experts_per_tok)]))
+    print_tables(run(cfg), brief=args.brief)
 
 
 if __name__ == "__main__":
