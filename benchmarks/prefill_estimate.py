@@ -1,74 +1,153 @@
-"""Prefill throughput ESTIMATE for the real 35B config (not a measurement; nothing runs on a GPU).
+"""Prefill throughput ESTIMATE for the real 35B config, as built (not a measurement; nothing runs on a GPU).
 
-    python benchmarks/prefill_estimate.py
+    python benchmarks/prefill_estimate.py            # both paths, 256 / 4K / 32K, M5 and M5 Max
+    python benchmarks/prefill_estimate.py --brief    # totals only
 
-FLOPs per token come from the engine's counters on the counting device (count_step: the real
-config encoded, nothing allocated): `flops_useful` (what the math needs) and `flops_executed`
-(what today's tiles run). Everything else is an ASSUMPTION listed in ASSUMPTIONS below and in
-docs/performance.md ("## Prefill"); change them and rerun. tokens/s = min(compute bound, weight
-bandwidth bound), per prompt length L prefilled in chunks of min(L, 4096) tokens.
+Every dispatch of each prefill chunk comes from the engine on the counting device
+(lily_py.backends.engine.count_dispatches: the real config encoded, nothing allocated), once
+without tensor ops (the M1-M4 path: what an M1-M4 GPU runs) and once with them (the M5 path:
+lily_py.testing.simulated_device(tensor_ops=True)). Each dispatch carries the FLOPs its host code
+attributed to it (Encoder::add_flops), the bytes it touches and the unit that runs its arithmetic
+(`unit`: kernel_default_unit in csrc/gpu/kernel_ids.cpp, or Encoder::set_unit): Metal 4 tensor
+ops, bf16 simdgroup-matrix tiles, fp32 8x8 simdgroup-matrix tiles, or plain ALU code. Dispatches
+are grouped by kernel family (the kernel name without its dtype / bit-width suffixes); a family's
+time is max(FLOPs executed / (efficiency x peak of its unit), bytes touched / (eta x bandwidth));
+the families run one after another, plus t_level per dependency level (barrier). tokens/s =
+L / total over the chunks of a prompt of L tokens (chunks of 4096: 32K = 8 chunks at positions 0,
+4096, ..., 28672). Every hardware figure and efficiency is an ASSUMPTION below (docs/performance.md,
+"## Prefill"); change them and rerun.
+
+The MoE tiled route's plan is made on the device: the counting device records the FLOPs bound
+over every routing on its 64-row kind and counts each tile kind as reading every used expert.
+Here the MoE expert work is split by tile kind (64-row, 32-row, few-row) under a simulated
+uniform random routing instead (moe_split), with the kernel and unit of each kind taken from the
+dispatches: a new tile kernel or unit flows in through its name and unit.
 """
 from __future__ import annotations
 
-from lily_py.backends.engine import count_step
+import argparse
+import re
+from collections import defaultdict
+
+import numpy as np
+
+from lily_py.backends.engine import REAL_QUANT, _qbytes, count_dispatches
 from lily_py.config import ModelConfig
-from lily_py.testing import REAL_TEXT_CONFIG
+from lily_py.testing import REAL_TEXT_CONFIG, simulated_device
 
 ASSUMPTIONS = {
     # GPU ALU fp32 peak (FMA = 2 FLOPs): 128 FP32 lanes per core at ~1.75 GHz; M5 Max 40 cores,
     # M5 10 cores. Consistent with the issue's "capped near 3,400 tok/s at 100% of ALU peak".
     "alu_tflops": {"M5": 4.5, "M5 Max": 17.9},
-    # Metal 4 tensor ops on the M5 neural accelerators, bf16 in / fp32 accumulate: 4x the ALU
+    # Metal 4 tensor ops on the M5 neural accelerators, bf16 / half in, fp32 accumulate: 4x the ALU
     # peak (Apple's "over 4x peak GPU compute for AI" vs M4; not a measured figure).
     "tensor_tflops": {"M5": 18.0, "M5 Max": 71.6},
-    # Unified memory bandwidth, GB/s (M5: Apple's spec; M5 Max: assumed = M4 Max's 546).
+    # Unified memory bandwidth, GB/s (M5: Apple's spec; M5 Max: assumed = M4 Max's 546; the decode
+    # estimate uses 614, this one stays on the lower figure).
     "bandwidth_gbs": {"M5": 153.0, "M5 Max": 546.0},
-    # Weight bytes a chunk reads: the whole 4-bit model (every expert is hit by >= 256 tokens with
-    # top-8 of 256: expected distinct experts 256 (1 - (255/256)^(8 T)) ~ 256).
+    # The whole 4-bit model, GB: a chunk of >= 256 tokens touches nearly every expert (printed as
+    # the weight-bandwidth bound of a chunk for reference; the estimate uses the bytes per dispatch).
     "weight_gb": 19.5,
-    # Fraction of the peak the matmul kernels sustain, per path (assumed).
-    "efficiency": {"fp32 32x32 tiles (today)": 0.35, "bf16 64x64 simdgroup tiles (M1-M4 path)": 0.65,
-                   "Metal 4 tensor ops (M5 path)": 0.55},
-    # executed / useful FLOPs on the future paths (64-row tiles, no MoE waste: items 2 and 4).
+    # Fraction of the peak each unit's kernels sustain (assumed). The first three are the earlier
+    # per-path figures, now per unit: fp32 8x8 simdgroup tiles 35% (today's fp32 tiles: the issue's
+    # 930-1,720 tok/s range), bf16 64x64 simdgroup tiles 65%, tensor ops 55%.
+    # NEW: plain ALU code (the few-row MoE matvec tiles, lm_head's row, the per-token scan) 40%:
+    # scalar FMAs with the dequantization (~2 ALU ops per 4-bit weight) amortized over <= 8 rows and
+    # no matrix hardware.
+    "efficiency": {"simdgroup_fp32": 0.35, "simdgroup_bf16": 0.65, "tensor": 0.55, "alu": 0.40},
+    # NEW: fraction of the peak bandwidth a streaming kernel reaches (same as the decode estimate,
+    # docs/performance.md "Estimated tok/s": eta = 0.8).
+    "eta": 0.8,
+    # NEW: per dependency level (barrier), the dispatch and the drain / refill of the GPU (same as
+    # the decode estimate's t_level = 2 us).
+    "t_level_us": 2.0,
+    # NEW: the MoE routing the tile kinds are split by: each token picks top_k distinct experts
+    # uniformly at random (seed 0, a fresh draw per layer); real routers are skewed (more rows per
+    # hot expert: fewer few-row tiles, more 64-row tiles).
+    "moe_routing": "uniform random, seed 0",
+    # NEW: the MoE tile kinds read each expert's weights once per kind from memory (the tiles of
+    # one expert run next to each other in the grid; later ones hit the system-level cache), and
+    # their activation bytes are the engine's (rows bound) scaled by the kind's share of rows.
+    "moe_weight_reads": "once per expert and tile kind",
+    # executed / useful FLOPs assumed for the "design" line only (all useful FLOPs on the path's
+    # matmul unit, the earlier estimate).
     "future_padding": 1.05,
 }
 MLX_LM_4K_M5_MAX = 5166  # tok/s, published (issue 11)
+TARGET = 1.3 * MLX_LM_4K_M5_MAX
+GPUS = ("M5", "M5 Max")
+PATHS = (("M1-M4 path", False), ("M5 path", True))
+UNIT_SHORT = {"tensor": "tensor", "simdgroup_bf16": "sg-bf16", "simdgroup_fp32": "sg-fp32", "alu": "alu"}
+
+_SUFFIX = re.compile(r"(_(b4|b8|xf32|xbf16|sf32|sbf16|wf32|wbf16|yf32|d\d+|e\d+|r1))+$")
+_DTYPE = re.compile(r"_(f32|bf16)$")
+_MOE_KIND = re.compile(r"^moe_(gate_up|down)_(?:(?:m5|bf16)_)?(?:mm)?(64|32|few)(?:_|$)")
 
 
-def per_token(cfg, L: int) -> tuple[float, float]:
-    """(useful, executed) FLOPs per token averaged over a prompt of L tokens in 4096-token chunks."""
-    chunk = min(L, 4096)
-    useful = executed = 0
-    for pos in range(0, L, chunk):
-        st = count_step(cfg, tokens=chunk, position=pos, context_length=L)
-        useful += st["flops_useful"]
-        executed += st["flops_executed"]
-    return useful / L, executed / L
+def family(kernel: str) -> str:
+    """Kernel family: the name without dtype, bit-width and head-dim suffixes
+    (qmm_m5_b4_xbf16_sbf16 -> qmm_m5; attn_prefill_m5_d256_bf16 -> attn_prefill_m5)."""
+    return _SUFFIX.sub("", _DTYPE.sub("", kernel))
 
 
-def qmm_flops_per_token(cfg) -> float:
-    """Useful FLOPs per token of the dense 4-bit projections (the qmm family, the one family with
-    a tensor-op kernel today: shaders/m5/qmm_m5.metal), from the config's shapes: DeltaNet in
-    (q, k, v, z, b, a) and out projections, attention q (with its gate), k, v and o. The router
-    (8-bit in MLX conversions) and the experts (MoE kernels) are not qmm."""
-    d, h = cfg.hidden_size, cfg.num_attention_heads
-    dn_in = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + \
-        2 * cfg.linear_num_value_heads * cfg.linear_value_head_dim + 2 * cfg.linear_num_value_heads
-    dn_out = cfg.linear_num_value_heads * cfg.linear_value_head_dim
-    attn_in = 2 * h * cfg.head_dim + 2 * cfg.num_key_value_heads * cfg.head_dim
-    attn_out = h * cfg.head_dim
-    n_attn = sum(1 for t in cfg.layer_types if t == "full_attention")
-    n_dn = cfg.num_hidden_layers - n_attn
-    return 2.0 * (n_dn * (d * dn_in + dn_out * d) + n_attn * (d * attn_in + attn_out * d))
+def real_config() -> ModelConfig:
+    return ModelConfig.from_dict({"model_type": "qwen3_5_moe", "text_config": dict(REAL_TEXT_CONFIG)})
+
+
+def unit_rate(unit: str, gpu: str, a: dict) -> float:
+    """FLOP/s a unit sustains on `gpu`."""
+    peak = a["tensor_tflops"] if unit == "tensor" else a["alu_tflops"]
+    return a["efficiency"][unit] * peak[gpu] * 1e12
+
+
+def moe_split(cfg: ModelConfig, T: int, layers: int, seed: int = 0) -> dict:
+    """MoE expert work of `layers` layers for a chunk of T tokens by tile kind under uniform random
+    routing, following moe_plan (shaders/moe.metal): each group (expert, and the shared group of
+    all T rows) of c rows takes c // 64 64-row tiles; its remainder r takes another 64-row tile
+    if r > 32, a 32-row tile if 8 < r <= 32, few-row tiles (matvec, exact) if r <= 8.
+    Returns {(stage, kind): dict(executed, useful, rows, weight_bytes)} with stage gate_up / down,
+    kind 64 / 32 / few; executed as moe_expert_flops_from_tiles (whole 32-column tiles)."""
+    E, k, H = cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size
+    I, Is = cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+    q = REAL_QUANT["experts_q"]
+    pad = lambda n: -(-n // 32) * 32  # noqa: E731
+    rng = np.random.default_rng(seed)
+    out = {(s, kd): dict(executed=0, useful=0, rows=0, weight_bytes=0) for s in ("gate_up", "down")
+           for kd in ("64", "32", "few")}
+    for _ in range(layers):
+        ids = np.argsort(rng.random((T, E)), axis=1)[:, :k]
+        counts = np.bincount(ids.ravel(), minlength=E)
+        for c, N in [(int(c), I) for c in counts] + [(T, Is)]:
+            if c == 0:
+                continue
+            rem = c % 64
+            n64 = c // 64 + (rem > 32)
+            rows = {"64": c - (rem if rem <= 32 else 0), "32": rem if 8 < rem <= 32 else 0,
+                    "few": rem if rem <= 8 else 0}
+            tiles_rows = {"64": 64 * n64, "32": 32 if 8 < rem <= 32 else 0, "few": rows["few"]}
+            for kd in ("64", "32", "few"):
+                if rows[kd] == 0:
+                    continue
+                ex = tiles_rows[kd]
+                gu = out["gate_up", kd]
+                dn = out["down", kd]
+                gu["executed"] += ex * 4 * (N if kd == "few" else pad(N)) * H
+                dn["executed"] += ex * 2 * (H if kd == "few" else pad(H)) * N
+                gu["useful"] += rows[kd] * 4 * N * H
+                dn["useful"] += rows[kd] * 2 * N * H
+                gu["rows"] += rows[kd]
+                dn["rows"] += rows[kd]
+                gu["weight_bytes"] += 2 * _qbytes(N, H, q)
+                dn["weight_bytes"] += _qbytes(H, N, q)
+    return out
 
 
 def moe_rows_executed(T: int, E: int = 256, k: int = 8, seed: int = 0) -> dict:
-    """Expert rows the tiles compute for T tokens under uniform random routing (simulated: each
-    token picks k distinct experts uniformly; the shared group holds all T), per tile scheme:
-    before (one tile size per chunk: 32 rows if T k < 3072, else 64; every group padded to it) and
-    now (shaders/moe.metal moe_plan: 64-row tiles, remainder in a 32-row tile or a few-row
-    matvec tile of <= 8 rows). Returns executed rows / useful rows for each."""
-    import numpy as np
+    """Expert rows the tiles compute for T tokens under uniform random routing (each token picks k
+    distinct experts uniformly; the shared group holds all T), per tile scheme: before (one tile
+    size per chunk: 32 rows if T k < 3072, else 64; every group padded to it) and now (moe_plan:
+    64-row tiles, remainder in a 32-row tile or a few-row matvec tile of <= 8 rows). Returns
+    executed rows / useful rows for each."""
     rng = np.random.default_rng(seed)
     ids = np.argsort(rng.random((T, E)), axis=1)[:, :k]
     counts = np.append(np.bincount(ids.ravel(), minlength=E), T)
@@ -80,38 +159,221 @@ def moe_rows_executed(T: int, E: int = 256, k: int = 8, seed: int = 0) -> dict:
     return {"before": before / useful, "now": now / useful}
 
 
-def main() -> None:
-    cfg = ModelConfig.from_dict({"model_type": "qwen3_5_moe", "text_config": dict(REAL_TEXT_CONFIG)})
+def _moe_bound_weight_bytes(cfg: ModelConfig, T: int, stage: str) -> int:
+    """Expert weight bytes the engine counts for one MoE tile dispatch (every used expert:
+    min(E, T k), and the shared expert) - the part the simulated split replaces."""
+    E, k, H = cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size
+    I, Is = cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+    q = REAL_QUANT["experts_q"]
+    used = min(E, T * k)
+    if stage == "gate_up":
+        return used * 2 * _qbytes(I, H, q) + 2 * _qbytes(Is, H, q)
+    return used * _qbytes(H, I, q) + _qbytes(H, Is, q)
+
+
+_MOE_CACHE: dict = {}
+
+
+def chunk_families(cfg: ModelConfig, T: int, position: int, context: int, tensor_ops: bool,
+                   logits: bool) -> tuple[dict, int]:
+    """Per family of one prefill chunk: dict(unit, dispatches, executed, useful, bytes, groups,
+    threads) and the chunk's dependency levels (barriers + 1)."""
+    with simulated_device(tensor_ops=tensor_ops):
+        st, ds = count_dispatches(cfg, tokens=T, position=position, context_length=context,
+                                  prefill_chunk=T, logits=logits)
+    fams: dict = defaultdict(lambda: dict(unit="", dispatches=0, executed=0, useful=0, bytes=0,
+                                          groups=0, threads=0))
+    moe_recs = defaultdict(list)  # (stage, kind) -> records (tiled route)
+    first_unit: dict = {}
+    for d in ds:
+        m = _MOE_KIND.match(d["kernel"])
+        name = family(d["kernel"])
+        # a family whose dispatches run on different units (Encoder::set_unit) splits by unit
+        if first_unit.setdefault(name, d["unit"]) != d["unit"]:
+            name = f"{name}@{UNIT_SHORT[d['unit']]}"
+        f = fams[name]
+        f["unit"] = d["unit"]
+        f["dispatches"] += 1
+        f["groups"] = max(f["groups"], d["groups"][0] * d["groups"][1] * d["groups"][2])
+        f["threads"] = d["threads"][0] * d["threads"][1] * d["threads"][2]
+        if m and m.group(2) != "mv":
+            moe_recs[m.group(1), m.group(2)].append(d)
+            continue  # FLOPs and bytes from the routing split below
+        f["executed"] += d["flops_executed"]
+        f["useful"] += d["flops_useful"]
+        f["bytes"] += d["bytes_touched"]
+    if moe_recs:
+        layers = len(moe_recs["gate_up", "64"])
+        key = (T, layers)
+        if key not in _MOE_CACHE:
+            _MOE_CACHE[key] = moe_split(cfg, T, layers)
+        split = _MOE_CACHE[key]
+        R = T * (cfg.num_experts_per_tok + 1)
+        for (stage, kind), recs in moe_recs.items():
+            f = fams[family(recs[0]["kernel"])]  # one kernel per kind and path
+            s = split[stage, kind]
+            act = sum(r["bytes_touched"] for r in recs) - len(recs) * _moe_bound_weight_bytes(cfg, T, stage)
+            f["executed"] += s["executed"]
+            f["useful"] += s["useful"]
+            # act: the engine's activation bytes of the kind's dispatches (all R rows of each
+            # layer, bound); the kind moves its share of the rows
+            f["bytes"] += s["weight_bytes"] + act * s["rows"] / (R * len(recs))
+    return dict(fams), st["barriers"] + 1
+
+
+def prompt_families(cfg: ModelConfig, L: int, tensor_ops: bool, chunk: int = 4096) -> tuple[dict, int]:
+    """Families summed over the chunks of an L-token prompt (the last chunk computes the logits)."""
+    total: dict = {}
+    levels = 0
+    for pos in range(0, L, chunk):
+        T = min(chunk, L - pos)
+        fams, lv = chunk_families(cfg, T, pos, L, tensor_ops, logits=pos + T >= L)
+        levels += lv
+        for name, f in fams.items():
+            t = total.setdefault(name, dict(f, executed=0, useful=0, bytes=0, dispatches=0))
+            for c in ("executed", "useful", "bytes", "dispatches"):
+                t[c] += f[c]
+    return total, levels
+
+
+def estimate(fams: dict, levels: int, L: int, gpu: str, a: dict = ASSUMPTIONS) -> dict:
+    """Time per family (max of compute and bandwidth), total and tokens/s on `gpu`."""
+    bw = a["eta"] * a["bandwidth_gbs"][gpu] * 1e9
+    times = {}
+    for name, f in fams.items():
+        tc = f["executed"] / unit_rate(f["unit"], gpu, a) if f["executed"] else 0.0
+        tb = f["bytes"] / bw
+        times[name] = (max(tc, tb), "flops" if tc >= tb else "bytes")
+    t_levels = levels * a["t_level_us"] * 1e-6
+    total = sum(t for t, _ in times.values()) + t_levels
+    by_unit = defaultdict(float)
+    for name, (t, _) in times.items():
+        by_unit[fams[name]["unit"]] += t
+    return dict(times=times, t_levels=t_levels, total=total, tps=L / total, by_unit=dict(by_unit))
+
+
+def with_units(fams: dict, units: dict) -> dict:
+    """The families with some moved to another unit ({family prefix: unit}): what-if lines."""
+    out = {}
+    for name, f in fams.items():
+        u = next((u for p, u in units.items() if name.startswith(p)), f["unit"])
+        out[name] = dict(f, unit=u)
+    return out
+
+
+def efficiency_for(fams: dict, levels: int, L: int, gpu: str, unit: str, tps: float, a: dict = ASSUMPTIONS):
+    """The efficiency of `unit` at which the estimate reaches `tps` (None: not even at 100%)."""
+    lo, hi = 0.0, 1.0
+    if estimate(fams, levels, L, gpu, dict(a, efficiency=dict(a["efficiency"], **{unit: hi})))["tps"] < tps:
+        return None
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        e = estimate(fams, levels, L, gpu, dict(a, efficiency=dict(a["efficiency"], **{unit: mid})))
+        lo, hi = (mid, hi) if e["tps"] < tps else (lo, mid)
+    return hi
+
+
+def design_tps(fams: dict, L: int, gpu: str, unit: str, a: dict = ASSUMPTIONS) -> float:
+    """The earlier estimate: every useful FLOP x future_padding on one unit, capped by the weight
+    bandwidth of a chunk (no other bytes, no levels)."""
+    useful = sum(f["useful"] for f in fams.values())
+    t = useful * a["future_padding"] / unit_rate(unit, gpu, a)
+    bw = min(L, 4096) * a["bandwidth_gbs"][gpu] / a["weight_gb"]
+    return min(L / t, bw)
+
+
+def run(cfg: ModelConfig, lengths=(256, 4096, 32768), chunk: int = 4096, a: dict = ASSUMPTIONS) -> dict:
+    """{(path, L): dict(fams, levels, est={gpu: estimate})} for both paths."""
+    out = {}
+    for path, tops in PATHS:
+        for L in lengths:
+            fams, levels = prompt_families(cfg, L, tops, chunk)
+            out[path, L] = dict(fams=fams, levels=levels, est={g: estimate(fams, levels, L, g, a) for g in GPUS})
+    return out
+
+
+def print_tables(res: dict, brief: bool = False) -> None:
     a = ASSUMPTIONS
-    print("ESTIMATE, not a measurement. Assumptions:", a)
-    for L in (256, 4096, 32768):
-        useful, executed = per_token(cfg, L)
-        chunk = min(L, 4096)
-        moe = moe_rows_executed(chunk)
-        print(f"prompt {L:>5} tokens: GFLOP/token useful {useful / 1e9:.2f}, executed today {executed / 1e9:.2f} "
-              f"(MoE tiles at the bound over every routing); MoE expert rows executed / useful under "
-              f"uniform routing (simulated): {moe['before']:.2f} before per-expert tiles, {moe['now']:.2f} now")
-        for gpu in ("M5", "M5 Max"):
-            bw = a["bandwidth_gbs"][gpu] * 1e9 / (a["weight_gb"] * 1e9 / chunk)
-            cells = []
-            for path, eff in a["efficiency"].items():
-                today = path.startswith("fp32")
-                peak = (a["tensor_tflops"] if path.startswith("Metal 4") else a["alu_tflops"])[gpu] * 1e12
-                flops = executed if today else useful * a["future_padding"]
-                tps = min(eff * peak / flops, bw)
-                cells.append(f"{path}: {tps:>7,.0f}")
-            print(f"  {gpu:<7} (weight-bandwidth bound {bw:>8,.0f} tok/s)  " + " | ".join(cells))
-            # As built (issue 11 item 3, first family): only qmm on tensor ops; the rest of the
-            # useful FLOPs on today's fp32 tiles, or on the M1-M4 bf16 tiles once item 2 lands.
-            q = qmm_flops_per_token(cfg)
-            t_qmm = q * a["future_padding"] / (a["efficiency"]["Metal 4 tensor ops (M5 path)"] * a["tensor_tflops"][gpu] * 1e12)
-            rest_today = (executed - q) / (a["efficiency"]["fp32 32x32 tiles (today)"] * a["alu_tflops"][gpu] * 1e12)
-            rest_m14 = (useful - q) * a["future_padding"] / (
-                a["efficiency"]["bf16 64x64 simdgroup tiles (M1-M4 path)"] * a["alu_tflops"][gpu] * 1e12)
-            print(f"  {'':<7}  qmm only on tensor ops ({q / useful:.0%} of useful FLOPs): rest on today's tiles "
-                  f"{min(1 / (t_qmm + rest_today), bw):>7,.0f} | rest on the M1-M4 tiles {min(1 / (t_qmm + rest_m14), bw):>7,.0f}")
-    print(f"target: 1.3 x MLX-LM's published {MLX_LM_4K_M5_MAX} tok/s at 4K on M5 Max = "
-          f"{1.3 * MLX_LM_4K_M5_MAX:,.0f} tok/s")
+    for (path, L), r in res.items():
+        fams, est = r["fams"], r["est"]
+        ex = sum(f["executed"] for f in fams.values())
+        us = sum(f["useful"] for f in fams.values())
+        print(f"\n{path}, prompt {L} tokens ({-(-L // 4096)} chunk(s), {r['levels']} levels): "
+              f"GFLOP executed {ex / 1e9:,.0f} (useful {us / 1e9:,.0f}); " +
+              "; ".join(f"{g}: {e['total'] * 1e3:,.1f} ms -> {e['tps']:,.0f} tok/s" for g, e in est.items()))
+        if brief:
+            continue
+        mx = est["M5 Max"]
+        print(f"  {'family':<22} {'unit':<8} {'GFLOP exec':>10} {'GB':>7} {'B/FLOP':>7} {'tg x thr':>12} "
+              f"{'M5 Max ms':>9} {'share':>6} {'bound':>5} {'M5 share':>8}")
+        for name in sorted(fams, key=lambda n: -mx["times"][n][0]):
+            f = fams[name]
+            t, bound = mx["times"][name]
+            if t < 0.0005 * mx["total"]:
+                continue
+            bpf = f"{f['bytes'] / f['executed']:.4f}" if f["executed"] else "-"
+            print(f"  {name:<22} {UNIT_SHORT[f['unit']]:<8} {f['executed'] / 1e9:>10,.1f} {f['bytes'] / 1e9:>7.2f} "
+                  f"{bpf:>7} {str(f['groups']) + ' x ' + str(f['threads']):>12} {t * 1e3:>9.2f} "
+                  f"{t / mx['total']:>6.1%} {bound:>5} {est['M5']['times'][name][0] / est['M5']['total']:>8.1%}")
+        rest = sum(t for n, (t, _) in mx["times"].items() if t < 0.0005 * mx["total"])
+        print(f"  {'(families < 0.05%)':<22} {'':<8} {'':>10} {'':>7} {'':>7} {'':>12} {rest * 1e3:>9.2f}")
+        print(f"  {'levels x t_level':<22} {'':<8} {'':>10} {'':>7} {'':>7} {'':>12} {mx['t_levels'] * 1e3:>9.2f} "
+              f"{mx['t_levels'] / mx['total']:>6.1%}")
+        print("  time by unit, M5 Max: " + ", ".join(f"{UNIT_SHORT[u]} {t / mx['total']:.0%}"
+                                                    for u, t in sorted(mx["by_unit"].items(), key=lambda kv: -kv[1])))
+    print("\nSummary (ESTIMATE, tok/s):")
+    lengths = sorted({L for _, L in res})
+    print(f"  {'path':<12} {'GPU':<7} " + " ".join(f"{L:>8}" for L in lengths))
+    for path, _ in PATHS:
+        for g in GPUS:
+            print(f"  {path:<12} {g:<7} " + " ".join(f"{res[path, L]['est'][g]['tps']:>8,.0f}" for L in lengths))
+    print("  design (the earlier estimate: every useful FLOP x 1.05 on the path's matmul unit, weight "
+          "bandwidth cap, nothing else): " + "; ".join(
+              f"{path} {g} " + " ".join(f"{design_tps(res[path, L]['fams'], L, g, u):,.0f}" for L in lengths)
+              for path, u in (("M1-M4 path", "simdgroup_bf16"), ("M5 path", "tensor")) for g in GPUS))
+    full = dict(a, efficiency={u: 1.0 for u in a["efficiency"]})
+    print("  ceiling (every unit at 100% of its peak, bandwidth at eta): " + "; ".join(
+        f"{path} {g} " + " ".join(f"{estimate(res[path, L]['fams'], res[path, L]['levels'], L, g, full)['tps']:,.0f}"
+                                  for L in lengths) for path, _ in PATHS for g in GPUS))
+    if ("M5 path", 4096) in res:
+        r = res["M5 path", 4096]
+        fams, lv = r["fams"], r["levels"]
+        print("\nWhat closes the gap, M5 path, 4096 tokens, M5 Max (ESTIMATE, same assumptions otherwise):")
+        lines = [("as built", fams)]
+        f1 = with_units(fams, {"gd_chunk_wy": "tensor", "gd_chunk_state": "tensor"})
+        lines.append(("gd_chunk_wy / gd_chunk_state on tensor ops", f1))
+        f2 = with_units(f1, {"qmm": "tensor"})  # "qmm" alone: the 8-bit router (qmm_m5 is tensor already)
+        lines.append(("+ the router (8-bit qmm, fp32 tiles) on tensor ops", f2))
+        f3 = {n: dict(f, bytes=f["bytes"] / 2) if f["unit"] == "alu" and not f["executed"] else f for n, f in f2.items()}
+        lines.append(("+ the ALU-only families' bytes halved (what-if)", f3))
+        for label, f in lines:
+            e = estimate(f, lv, 4096, "M5 Max")
+            need = efficiency_for(f, lv, 4096, "M5 Max", "tensor", TARGET)
+            print(f"  {label:<52} {e['tps']:>6,.0f} tok/s; tensor-op efficiency for {TARGET:,.0f}: "
+                  + (f"{need:.0%}" if need else "not reached at 100%"))
+        e = estimate(f2, lv, 4096, "M5 Max")
+        alu = sum(t for n, (t, _) in e["times"].items() if f2[n]["unit"] == "alu")
+        print("  (last line: the families without FLOPs - norms, conv1d, the DeltaNet prep and gated norm, the MoE "
+              "route / plan / combine - moving half their bytes, as bf16 instead of fp32 scratch or fusion would)")
+        print(f"  with the router on tensor ops: ALU families (norms, conv, prep, gated norm, combine, few-row MoE) {alu * 1e3:.1f} ms "
+              f"of {e['total'] * 1e3:.1f} ms, tensor-op families "
+              f"{e['by_unit'].get('tensor', 0) * 1e3:.1f} ms; the target needs {4096 / TARGET * 1e3:.1f} ms")
+    print(f"  target: 1.3 x MLX-LM's published {MLX_LM_4K_M5_MAX:,} tok/s at 4K on M5 Max = {TARGET:,.0f} tok/s")
+    print(f"  weight-bandwidth bound of a chunk (the whole {a['weight_gb']} GB model once per chunk, eta "
+          f"{a['eta']}): " + ", ".join(f"{g} {min(L, 4096) * a['eta'] * a['bandwidth_gbs'][g] / a['weight_gb']:,.0f} "
+                                         f"tok/s at {L}" for g in GPUS for L in lengths))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--brief", action="store_true", help="totals only, no per-family tables")
+    args = ap.parse_args()
+    print("ESTIMATE, not a measurement. Assumptions:", ASSUMPTIONS)
+    cfg = real_config()
+    print("MoE expert rows executed / useful under uniform routing (simulated): " + ", ".join(
+        f"{T} tokens {r['before']:.2f} before per-expert tiles -> {r['now']:.2f} now"
+        for T in (256, 4096) for r in [moe_rows_executed(T, cfg.num_experts, cfg.num_experts_per_tok)]))
+    print_tables(run(cfg), brief=args.brief)
 
 
 if __name__ == "__main__":

@@ -356,11 +356,15 @@ void init_engine(nb::module_& m) {
               d["bytes_touched"] = ks[i].bytes_touched;
               d["threads"] = ks[i].threads;
               d["groups"] = ks[i].groups;
+              d["flops_executed"] = ks[i].flops_executed;
+              d["flops_useful"] = ks[i].flops_useful;
+              d["unit"] = gpu::exec_unit_name(gpu::kernel_default_unit(gpu::kKernelTable[i].id));
               out[std::string(gpu::kKernelTable[i].name).c_str()] = d;
             }
             return out;
           },
-          "Per-kernel totals of the last count(): name -> dict(dispatches, bytes_touched, threads, groups).")
+          "Per-kernel totals of the last count(): name -> dict(dispatches, bytes_touched, threads, groups, "
+          "flops_executed, flops_useful, unit (the kernel's default: alu, simdgroup_fp32, simdgroup_bf16, tensor)).")
       .def(
           "count_dispatches",
           [](const core::Engine& e) {
@@ -373,11 +377,15 @@ void init_engine(nb::module_& m) {
               d["bytes_touched"] = r.bytes_touched;
               d["bytes_bound"] = r.bytes_bound;
               d["level"] = r.level;
+              d["unit"] = gpu::exec_unit_name(r.unit);
+              d["flops_executed"] = r.flops_executed;
+              d["flops_useful"] = r.flops_useful;
               out.append(d);
             }
             return out;
           },
-          "Every dispatch of the last count(): kernel, groups, threads, bytes_touched, bytes_bound, level.")
+          "Every dispatch of the last count(): kernel, groups, threads, bytes_touched, bytes_bound, level, "
+          "unit, flops_executed, flops_useful (the add_flops called right after it).")
       .def("last_stats", [](const core::Engine& e) { return stats_dict(e.last_stats()); })
       .def("reset", &core::Engine::reset)
       .def("snapshot", &core::Engine::snapshot)

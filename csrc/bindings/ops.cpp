@@ -65,11 +65,13 @@ void init_ops(nb::module_& parent) {
       d["args_size"] = k.args_size;
       d["num_buffers"] = k.num_buffers;
       d["tensor_ops"] = gpu::kernel_needs_tensor_ops(k.id);
+      d["unit"] = gpu::exec_unit_name(gpu::kernel_default_unit(k.id));
       out.append(d);
     }
     return out;
   }, "The host kernel table (csrc/gpu/kernel_ids.h): name, args struct, args_size, num_buffers, "
-     "tensor_ops (built into lily_m5.metallib, run only where the device reports tensor ops).");
+     "tensor_ops (built into lily_m5.metallib, run only where the device reports tensor ops), unit (what runs "
+     "its arithmetic by default: alu, simdgroup_fp32, simdgroup_bf16, tensor; gpu::kernel_default_unit).");
 
   parent.def(
       "encoder_error",

@@ -12,6 +12,7 @@ void Encoder::set_kernel(KernelId id) {
   if (static_cast<size_t>(id) >= kNumKernels) throw EncodeError("set_kernel: unknown kernel id");
   pending_.kernel = id;
   pending_.num_buffers = kernel_info(id).num_buffers;
+  pending_.unit = kernel_default_unit(id);
   have_kernel_ = true;
 }
 
@@ -53,8 +54,24 @@ void Encoder::set_touched(uint32_t index, uint64_t bytes) {
   pending_.touched[index] = bytes;
 }
 
+void Encoder::set_unit(ExecUnit unit) {
+  if (!have_kernel_) throw EncodeError("set_unit before set_kernel");
+  pending_.unit = unit;
+}
+
+const char* exec_unit_name(ExecUnit u) {
+  switch (u) {
+    case ExecUnit::alu: return "alu";
+    case ExecUnit::simdgroup_fp32: return "simdgroup_fp32";
+    case ExecUnit::simdgroup_bf16: return "simdgroup_bf16";
+    case ExecUnit::tensor: return "tensor";
+  }
+  return "?";
+}
+
 void forward_dispatch(Encoder& inner, const Dispatch& d) {
   inner.set_kernel(d.kernel);
+  inner.set_unit(d.unit);
   inner.set_args_bytes(d.args, d.args_size);
   for (uint32_t i = 1; i <= d.num_buffers; ++i) {
     inner.set_buffer(i, d.buffers[i]);
@@ -92,8 +109,12 @@ void Encoder::dispatch(Size3 groups, Size3 threads) {
   if (record) [[unlikely]] {
     uint64_t bound = 0;
     for (uint32_t i = 1; i <= pending_.num_buffers; ++i) bound += pending_.buffers[i].bytes;
-    record->push_back({pending_.kernel, groups, threads, touched, bound, counters_.barriers});
+    record->push_back({pending_.kernel, groups, threads, touched, bound, counters_.barriers, pending_.unit});
+    last_record_ = record->size();
+  } else {
+    last_record_ = 0;
   }
+  last_kernel_ = static_cast<int64_t>(pending_.kernel);
   KernelCounters& k = counters_.kernels[static_cast<size_t>(pending_.kernel)];
   k.dispatches += 1;
   k.bytes_touched += touched;
@@ -120,6 +141,16 @@ void Encoder::bad_dispatch(Size3 groups, Size3 threads) const {
 void Encoder::add_flops(uint64_t executed, uint64_t useful) {
   counters_.flops_executed += executed;
   counters_.flops_useful += useful;
+  if (last_kernel_ >= 0) {
+    KernelCounters& k = counters_.kernels[static_cast<size_t>(last_kernel_)];
+    k.flops_executed += executed;
+    k.flops_useful += useful;
+    if (record && last_record_ != 0 && last_record_ <= record->size()) {
+      DispatchRecord& r = (*record)[last_record_ - 1];
+      r.flops_executed += executed;
+      r.flops_useful += useful;
+    }
+  }
   forward_flops(executed, useful);
 }
 

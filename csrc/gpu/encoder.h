@@ -41,8 +41,18 @@ struct Binding {
 inline constexpr uint32_t kMaxBuffers = 15;   // buffer indices 1..15 (0 holds the args struct)
 inline constexpr size_t kMaxArgsBytes = 256;  // args structs go through setBytes
 
+// Which unit of the GPU does a dispatch's arithmetic (for estimates by unit; the counters only
+// record it): plain ALU code (matvecs, scans, norms, elementwise), fp32 8x8 simdgroup-matrix
+// tiles, bf16 simdgroup-matrix tiles (the M1-M4 prefill design: 64-wide, double-buffered), or
+// Metal 4 tensor ops (M5 neural accelerators). Default per kernel: kernel_default_unit
+// (kernel_ids.h); host code may override it per dispatch with Encoder::set_unit.
+enum class ExecUnit : uint8_t { alu, simdgroup_fp32, simdgroup_bf16, tensor };
+const char* exec_unit_name(ExecUnit u);  // "alu", "simdgroup_fp32", "simdgroup_bf16", "tensor"
+ExecUnit kernel_default_unit(KernelId id);
+
 struct Dispatch {
   KernelId kernel{};
+  ExecUnit unit = ExecUnit::alu;  // set_kernel: kernel_default_unit; set_unit overrides
   // Bytes the kernel reads plus bytes it writes through each buffer (set_buffer: the range bound;
   // set_touched overrides it: a KV cache read up to the position, the routed experts of a stack,
   // a state read and written in place).
@@ -58,6 +68,7 @@ struct Dispatch {
 // Per-kernel totals of one encoder (indexed by KernelId).
 struct KernelCounters {
   uint64_t dispatches = 0, bytes_touched = 0, threads = 0, groups = 0;
+  uint64_t flops_executed = 0, flops_useful = 0;  // add_flops attributed to this kernel's dispatches
 };
 
 struct Counters {
@@ -81,6 +92,8 @@ struct DispatchRecord {
   Size3 groups, threads;
   uint64_t bytes_touched = 0, bytes_bound = 0;
   uint64_t level = 0;  // barriers encoded before it (dispatches with the same level may overlap)
+  ExecUnit unit = ExecUnit::alu;
+  uint64_t flops_executed = 0, flops_useful = 0;  // add_flops called right after it
 };
 
 // Raised for host-side encoding mistakes (unbound buffer, wrong args struct, empty grid...).
@@ -105,13 +118,18 @@ class Encoder {
   // The bytes the pending kernel reads plus writes through buffer `index` (after set_buffer, which
   // sets the bound range), when that differs from the range bound.
   void set_touched(uint32_t index, uint64_t bytes);
+  // The unit that runs the pending dispatch's arithmetic, when it differs from the kernel's
+  // default (kernel_default_unit); set_kernel resets it.
+  void set_unit(ExecUnit unit);
   // Validates the pending kernel/args/buffers, hands the dispatch to the device, counts it and
   // clears the bindings (every dispatch binds all of its buffers: no stale bindings).
   void dispatch(Size3 groups, Size3 threads_per_group);
   // Orders every later dispatch after every earlier one (buffer memory).
   void barrier();
-  // Counts the matrix work of the dispatch(es) just encoded (see Counters); forwarding encoders
-  // pass it on to the encoder they wrap.
+  // Counts the matrix work of the dispatch just encoded (see Counters) and attributes it to that
+  // dispatch (its kernel's KernelCounters and, when recording, its DispatchRecord): call it right
+  // after the dispatch that does the work, once per dispatch. Forwarding encoders pass it on to
+  // the encoder they wrap (which attributes it to the forwarded dispatch).
   void add_flops(uint64_t executed, uint64_t useful);
 
   virtual void commit() = 0;  // submit what was encoded
@@ -140,6 +158,8 @@ class Encoder {
   bool have_kernel_ = false;
   bool have_args_ = false;
   uint32_t bound_mask_ = 0;
+  int64_t last_kernel_ = -1;    // kernel of the last dispatch (add_flops attributes to it)
+  size_t last_record_ = 0;      // record->size() after the last dispatch (0: none recorded)
   Counters counters_;
 };
 

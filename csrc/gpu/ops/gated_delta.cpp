@@ -222,15 +222,21 @@ GdChunkFlops gated_delta_chunk_flops(uint32_t T, uint32_t Hv, uint32_t Dk, uint3
     // value columns (Dv rounded up) Q S (k = 128, the descriptor's; key dims past Dk read 0) and P U
     const uint64_t dk_steps = ceil_div(Dk, kGdChunkM5StepK) * uint64_t(kGdChunkM5StepK);
     const uint64_t col_blocks = ceil_div(Dv, kGdChunkM5StateCols);
-    per.tensor = 2 * 2 * C * C * dk_steps + col_blocks * 2 * C * kGdChunkM5StateCols * (8 * kGdChunkMaxTiles + C);
+    const uint64_t grams = 2 * 2 * C * C * dk_steps;
+    const uint64_t out = col_blocks * 2 * C * kGdChunkM5StateCols * (8 * kGdChunkMaxTiles + C);
+    per.tensor = grams + out;
     per.alu = factors + feedback;
+    per.wy = grams + factors;
+    per.state = out + feedback;
   } else {
     const uint64_t grams = (lower * nk /* K K^T */ + lower * nk /* Q K^T */) * tile;
     const uint64_t out = nv * (CT * nk + CT + lower) * tile;  // O = diag(e^G) Q S + P U
     per.alu = grams + factors + feedback + out;
+    per.wy = grams + factors;
+    per.state = out + feedback;
   }
   const uint64_t n = uint64_t(ceil_div(T, kGdChunk)) * Hv;
-  return GdChunkFlops{n * per.tensor, n * per.alu};
+  return GdChunkFlops{n * per.tensor, n * per.alu, n * per.wy, n * per.state};
 }
 
 void encode_gated_delta_chunked(Encoder& enc, const GatedDeltaOperands& op) {
@@ -287,6 +293,9 @@ void encode_gated_delta_chunked(Encoder& enc, const GatedDeltaOperands& op) {
   enc.set_buffer(7, u);
   enc.set_buffer(8, p);
   enc.dispatch({Tp / kGdChunk, op.Hv, 1}, {kGdChunkWyThreads, 1, 1});
+  // Executed FLOPs per pass; the rule's useful FLOPs (6 T Hv Dk Dv) go with the state pass.
+  const GdChunkFlops parts = gated_delta_chunk_flops(op.T, op.Hv, op.Dk, op.Dv, m5);
+  enc.add_flops(parts.wy, 0);
   enc.barrier();  // G, wn, u, p -> state pass
 
   enc.set_kernel(m5 ? KernelId::gd_chunk_state_m5_f32 : KernelId::gd_chunk_state_f32);
@@ -299,10 +308,15 @@ void encode_gated_delta_chunked(Encoder& enc, const GatedDeltaOperands& op) {
   enc.set_buffer(6, p);
   enc.set_buffer(7, need(fn, op.state, uint64_t(op.Hv) * op.Dv * op.Dk * 4, "state"));
   enc.set_buffer(8, vo);
-  if (m5)
+  if (m5) {
+    // Mixed: O on tensor ops, the state feedback (the larger part) on fp32 8x8 products; counted
+    // at the fp32 simdgroup rate (conservative for the estimate; docs/performance.md).
+    enc.set_unit(ExecUnit::simdgroup_fp32);
     enc.dispatch({ceil_div(op.Dv, kGdChunkM5StateCols), op.Hv, 1}, {kGdChunkM5StateThreads, 1, 1});
-  else
+  } else {
     enc.dispatch({op.Dv / kGdChunkStateCols, op.Hv, 1}, {32, 1, 1});
+  }
+  enc.add_flops(parts.state, gated_delta_useful_flops(op.T, op.Hv, op.Dk, op.Dv));
   enc.barrier();  // o (in vo) -> gated norm
 
   enc.set_kernel(xb ? (wb ? KernelId::gd_chunk_norm_xbf16_wbf16 : KernelId::gd_chunk_norm_xbf16_wf32)
@@ -313,8 +327,6 @@ void encode_gated_delta_chunked(Encoder& enc, const GatedDeltaOperands& op) {
   enc.set_buffer(3, need(fn, op.norm_weight, uint64_t(op.Dv) * dtype_size(wt), "norm_weight"));
   enc.set_buffer(4, need(fn, op.y, uint64_t(op.T) * VD * dtype_size(xt), "y"));
   enc.dispatch({op.T, op.Hv, 1}, {32, 1, 1});
-  enc.add_flops(gated_delta_chunk_flops(op.T, op.Hv, op.Dk, op.Dv, m5).total(),
-                gated_delta_useful_flops(op.T, op.Hv, op.Dk, op.Dv));
 }
 
 uint32_t gated_delta_mixer_proj_rows(uint32_t Hk, uint32_t Hv, uint32_t Dk, uint32_t Dv) {

@@ -60,7 +60,8 @@ uint64_t gated_delta_chunk_scratch_bytes(uint32_t T, uint32_t Hk, uint32_t Hv, u
 // rounded up to 32, gd_chunk_state_m5's Q S (k = 128) and P U per 32 value columns; else 0),
 // `alu` on 8x8 fp32 simdgroup matrices and the forward substitution.
 struct GdChunkFlops {
-  uint64_t tensor = 0, alu = 0;
+  uint64_t tensor = 0, alu = 0;  // by unit
+  uint64_t wy = 0, state = 0;    // by dispatch: gd_chunk_wy* and gd_chunk_state* (same total)
   uint64_t total() const { return tensor + alu; }
 };
 GdChunkFlops gated_delta_chunk_flops(uint32_t T, uint32_t Hv, uint32_t Dk, uint32_t Dv, bool tensor_ops);

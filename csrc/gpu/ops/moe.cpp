@@ -99,7 +99,9 @@ MoeFlops moe_expert_flops(uint32_t tokens, uint32_t top_k, uint32_t experts, uin
   // Per row: gate and up (2 x N x H multiply-adds) and down (H x N): 3 H N, 2 FLOPs each.
   const uint64_t T = tokens, useful = 6ull * H * (T * top_k * I + T * Is);
   const MoeRoute route = moe_route(tokens, top_k);
-  if (route == MoeRoute::mv) return {useful, useful};  // one matvec per (token, slot): no padding
+  const uint64_t useful_gu = 4ull * H * (T * top_k * I + T * Is), useful_dn = useful - useful_gu;
+  if (route == MoeRoute::mv)  // one matvec per (token, slot): no padding
+    return {useful, useful, useful_gu, useful_gu, useful_dn, useful_dn};
   const uint64_t bn = kMoeTileN;
   auto pad = [bn](uint64_t n) { return (n + bn - 1) / bn * bn; };
   // Every live row costs its group's products over whole 32-wide column tiles; on top, the
@@ -108,8 +110,10 @@ MoeFlops moe_expert_flops(uint32_t tokens, uint32_t top_k, uint32_t experts, uin
   auto per_row = [&](uint64_t N) { return 2 * (2 * pad(N) * H + pad(H) * N); };
   const uint64_t G = uint64_t(experts) + 1, R = T * (top_k + 1);
   const uint64_t pad_rows = std::min(31 * G, 23 * R / 9);
+  auto gu_row = [&](uint64_t N) { return 4 * pad(N) * H; };  // per_row's gate + up part
   const uint64_t executed = T * top_k * per_row(I) + T * per_row(Is) + pad_rows * per_row(std::max(I, Is));
-  return {executed, useful};
+  const uint64_t executed_gu = T * top_k * gu_row(I) + T * gu_row(Is) + pad_rows * gu_row(std::max(I, Is));
+  return {executed, useful, executed_gu, useful_gu, executed - executed_gu, useful_dn};
 }
 
 uint64_t moe_expert_flops_from_tiles(uint32_t tokens, uint32_t top_k, uint32_t H, uint32_t I, uint32_t Is,
@@ -270,6 +274,7 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
     bind_gate_up();
     const MoeMvShape sh = moe_mv_shape(H, k, I, Is, op.bits);
     enc.dispatch({ceil_div(a.h_stride, kMoeMvRows), T * (k + 1), 1}, {32 * sh.gate_up_splits, 1, 1});
+    enc.add_flops(flops.gate_up_executed, flops.gate_up_useful);
     enc.barrier();  // h -> down
     // 3. down projection x routing weights, shared expert x gate, residual add (selects the
     // experts from the logits again; writes ids and weights)
@@ -284,7 +289,7 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
     enc.set_buffer(11, residual);
     enc.set_buffer(12, range(op.out, act, "out"));
     enc.dispatch({ceil_div(H, kMoeMvRows), T, 1}, {32 * sh.down_splits, 1, 1});
-    enc.add_flops(flops.executed, flops.useful);
+    enc.add_flops(flops.down_executed, flops.down_useful);
     return;
   }
 
@@ -355,6 +360,10 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
     bind_gate_up();
     enc.dispatch({ceil_div(a.h_stride, kd.cols), std::max(kd.bound, 1u), 1},
                  {32 * (few ? kMoeMvSimdsPerGroup : kMoeTileSimds), 1, 1});
+    // Which kind runs which rows is decided on the device: the bound (moe_expert_flops) is
+    // attributed to the 64-row kind's dispatches (gate + up here, down below); devices that run
+    // know the tiles made (Engine::correct_moe_flops), estimates split it by a routing model.
+    if (&kd == &kinds[0]) enc.add_flops(flops.gate_up_executed, flops.gate_up_useful);
   }
   enc.barrier();  // h -> grouped down
   // 5. grouped down projection x routing weight per row, the three tile kinds in turn
@@ -371,6 +380,7 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
     enc.set_buffer(10, range(op.scratch.y, sb.y, "scratch.y"));
     enc.dispatch({ceil_div(H, kd.cols), std::max(kd.bound, 1u), 1},
                  {32 * (few ? kMoeMvSimdsPerGroup : kMoeTileSimds), 1, 1});
+    if (&kd == &kinds[0]) enc.add_flops(flops.down_executed, flops.down_useful);
   }
   enc.barrier();  // y -> combine
   // 6. scatter back: sum of each token's k + 1 weighted rows (+ residual)
@@ -381,7 +391,6 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
   enc.set_buffer(3, residual);
   enc.set_buffer(4, range(op.out, act, "out"));
   enc.dispatch({ceil_div(H, kMoeCombineThreads), T, 1}, {kMoeCombineThreads, 1, 1});
-  enc.add_flops(flops.executed, flops.useful);
 }
 
 void RecordingEncoder::encode_dispatch(const Dispatch& d) {

@@ -53,6 +53,8 @@ MoeTileBounds moe_tile_bounds(uint32_t tokens, uint32_t top_k, uint32_t experts)
 // rows (9 in a 32-row tile); few-row tiles and full 64-row tiles pad none.
 struct MoeFlops {
   uint64_t executed = 0, useful = 0;
+  // The same split by stage: gate + up (4 FLOPs per row and weight pair) and down (2).
+  uint64_t gate_up_executed = 0, gate_up_useful = 0, down_executed = 0, down_useful = 0;
 };
 MoeFlops moe_expert_flops(uint32_t tokens, uint32_t top_k, uint32_t experts, uint32_t H, uint32_t I, uint32_t Is);
 // The tiled route's executed FLOPs exactly, from the tile_stats the plan wrote (after the step):

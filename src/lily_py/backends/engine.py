@@ -363,6 +363,25 @@ def count_step(cfg: ModelConfig, *, tokens: int = 1, position: int = 0, all_logi
     return eng.count(tokens, position, all_logits)
 
 
+def count_dispatches(cfg: ModelConfig, *, tokens: int = 1, position: int = 0, all_logits: bool = False,
+                     quant: dict | None = None, prefill_chunk: int | None = None,
+                     context_length: int | None = None, activations: str | None = None,
+                     logits: bool = True) -> tuple[dict, list[dict]]:
+    """(step counters, every dispatch in order) of one step for ``cfg`` on the counting device, as
+    :func:`count_step`. Each dispatch: kernel, groups, threads, bytes_touched, bytes_bound, level,
+    unit (what runs its arithmetic: alu, simdgroup_fp32, simdgroup_bf16, tensor) and the
+    flops_executed / flops_useful its host code attributed to it (Encoder::add_flops right after
+    the dispatch). Inside ``lily_py._devices.simulated_device(tensor_ops=True)`` the M5 routes are
+    encoded. ``logits=False``: a prefill chunk that is not the last (no final norm, no lm_head)."""
+    chunk = prefill_chunk or max(tokens, 1)
+    q = quant or REAL_QUANT
+    spec = engine_spec(cfg, q, context_length=context_length or position + tokens,
+                       prefill_chunk=chunk, activations=activations or checkpoint_activations(q))
+    eng = _core().Engine(spec, "count")
+    st = eng.count(tokens, position, all_logits, None, False, logits)
+    return st, eng.count_dispatches()
+
+
 def _qbytes(rows: int, cols: int, q: dict) -> int:
     """Bytes of an MLX affine-quantized [rows, cols] matrix: codes plus scales and biases."""
     s = 2 if q["scale_dtype"] == "bfloat16" else 4

@@ -1,0 +1,91 @@
+"""benchmarks/prefill_estimate.py's core on the tiny config (so the estimate cannot rot): the
+families it builds from the counting device's dispatches keep every useful FLOP, the MoE split by
+tile kind keeps every row, and the time model is what its docstring says."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from lily_py.backends.engine import count_step
+from lily_py.config import ModelConfig
+from lily_py.testing import TINY_TEXT_CONFIG, simulated_device
+
+_spec = importlib.util.spec_from_file_location(
+    "prefill_estimate", Path(__file__).resolve().parents[2] / "benchmarks" / "prefill_estimate.py")
+pe = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(pe)
+
+
+def _cfg():
+    return ModelConfig.from_dict({"model_type": "qwen3_5_moe", "text_config": dict(TINY_TEXT_CONFIG)})
+
+
+def test_family_names():
+    assert pe.family("qmm_bf16_b4_xbf16_sbf16") == "qmm_bf16"
+    assert pe.family("qmm_m5_b4_xbf16_sbf16") == "qmm_m5"
+    assert pe.family("qmm_b8_xbf16_sbf16") == "qmm"
+    assert pe.family("attn_prefill_m5_d256_bf16") == "attn_prefill_m5"
+    assert pe.family("moe_down_bf16_64_b4_sbf16") == "moe_down_bf16_64"
+    assert pe.family("gd_chunk_state_f32") == "gd_chunk_state"
+    assert pe.family("rms_norm_residual_xbf16_wf32") == "rms_norm_residual"
+    for name, kind in [("moe_gate_up_m5_64_b4_xbf16_sbf16", ("gate_up", "64")),
+                       ("moe_down_bf16_32_b4_sbf16", ("down", "32")), ("moe_down_mm64_b4_sbf16", ("down", "64")),
+                       ("moe_gate_up_few_b4_xbf16_sbf16", ("gate_up", "few"))]:
+        assert pe._MOE_KIND.match(name).groups() == kind
+    assert pe._MOE_KIND.match("moe_gate_up_mv_b4_xbf16_sbf16") is None
+
+
+@pytest.mark.parametrize("T", [9, 97, 301])
+def test_moe_split_keeps_every_row(T):
+    cfg = _cfg()
+    s = pe.moe_split(cfg, T, layers=3, seed=1)
+    H, I, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
+    for stage, per in (("gate_up", 4), ("down", 2)):
+        assert sum(s[stage, kd]["rows"] for kd in ("64", "32", "few")) == 3 * T * (k + 1)
+        assert sum(s[stage, kd]["useful"] for kd in ("64", "32", "few")) == 3 * T * (k + 1) * per * H * I
+        assert s[stage, "few"]["executed"] == s[stage, "few"]["useful"]  # matvec: exact
+        for kd in ("64", "32"):
+            assert s[stage, kd]["executed"] >= s[stage, kd]["useful"]
+            assert s[stage, kd]["executed"] % (32 * per * H * 32) == 0 or s[stage, kd]["executed"] == 0
+
+
+@pytest.mark.parametrize("tensor_ops", [False, True])
+def test_prompt_families_and_estimate(tensor_ops):
+    cfg = _cfg()
+    L, chunk = 200, 64  # chunks of 64, 64, 64 and 8 tokens (the last one: scan and matvec routes)
+    fams, levels = pe.prompt_families(cfg, L, tensor_ops, chunk)
+    useful = 0
+    with simulated_device(tensor_ops=tensor_ops):
+        for pos in range(0, L, chunk):
+            T = min(chunk, L - pos)
+            st = count_step(cfg, tokens=T, position=pos, context_length=L, prefill_chunk=T)
+            useful += st["flops_useful"] - (0 if pos + T >= L else 2 * cfg.vocab_size * cfg.hidden_size)
+    # every useful FLOP of every chunk is in some family (the MoE kinds' split keeps every row);
+    # only the last chunk computes logits
+    assert sum(f["useful"] for f in fams.values()) == useful
+    units = {f["unit"] for f in fams.values() if f["executed"]}
+    assert ("tensor" in units) == tensor_ops
+    assert all(f["executed"] >= f["useful"] for f in fams.values())
+    a = pe.ASSUMPTIONS
+    e = pe.estimate(fams, levels, L, "M5 Max")
+    bw = a["eta"] * a["bandwidth_gbs"]["M5 Max"] * 1e9
+    for name, f in fams.items():
+        tc = f["executed"] / pe.unit_rate(f["unit"], "M5 Max", a)
+        assert e["times"][name][0] == pytest.approx(max(tc, f["bytes"] / bw))
+    assert e["total"] == pytest.approx(sum(t for t, _ in e["times"].values()) + levels * a["t_level_us"] * 1e-6)
+    assert e["tps"] == pytest.approx(L / e["total"])
+    # a faster GPU never estimates fewer tokens/s
+    fast = dict(a, alu_tflops={"M5 Max": 2 * a["alu_tflops"]["M5 Max"]},
+                tensor_tflops={"M5 Max": 2 * a["tensor_tflops"]["M5 Max"]})
+    assert pe.estimate(fams, levels, L, "M5 Max", fast)["tps"] > e["tps"]
+
+
+def test_run_prints_both_paths(capsys):
+    res = pe.run(_cfg(), lengths=(70, 130), chunk=64)
+    assert set(res) == {(p, L) for p, _ in pe.PATHS for L in (70, 130)}
+    pe.print_tables(res)
+    out = capsys.readouterr().out
+    assert "M5 path, prompt 130 tokens" in out and "Summary (ESTIMATE, tok/s)" in out
+    assert "levels x t_level" in out and "target: 1.3 x MLX-LM" in out
