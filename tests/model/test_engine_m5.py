@@ -51,6 +51,7 @@ def test_demo_greedy_on_the_m5_path(chunk):
     # every 4-bit qmm on M5, the all-logits lm_head of bf16 activations included (fp32 logits from
     # bf16 x: qmm_m5's *_yf32 variant)
     assert not any(k.startswith("qmm_b4_") for k in kernels), sorted(kernels)
+    assert "qmm_m5_b4_xbf16_sbf16_yf32" in kernels, sorted(kernels)
     assert any(k.startswith("attn_prefill_m5_d64_") for k in kernels), sorted(kernels)
     assert not any(k.startswith("attn_prefill_mma_") for k in kernels), sorted(kernels)
     assert any(k.startswith("moe_gate_up_m5_64_b4_") for k in kernels), sorted(kernels)
