@@ -678,21 +678,24 @@ template <typename T>
 //   key blocks: BK = 2048 / D keys (32, 16, 8): K and V rows of the block [BK][D + 8] bf16, two
 //               16-byte loads of each per thread (BK * D / 8 = 256 per operand), issued for block
 //               b + 1 into registers before block b's math
-//   per block:  registers -> K, V stages; barrier; S = Q K^T (BK / 8 tiles of 8x8, D / 8 k-steps)
-//               -> the simdgroup's fp32 scratch; simdgroup barrier; the row's 4 lanes: scale,
-//               causal mask, running max and sum (simd_shuffle_xor 1, 2), p -> bf16 P scratch,
-//               rescale factor -> the simdgroup's 8x8 diagonal; simdgroup barrier; O = diag * O
-//               (exact) and O += P V (BK / 8 k-steps x D / 8 tiles); barrier (the stages are
-//               rewritten next). 2 threadgroup barriers per block (attention_prefill_mma: 2 D / 32
-//               + 2 + 2 * passes per 32 keys).
+//   stages:     two K / V stages, block b in stage b % 2 (double buffered)
+//   per block:  registers -> stage b % 2; barrier (the only threadgroup barrier of the block);
+//               S = Q K^T (BK / 8 tiles of 8x8, D / 8 k-steps) -> the simdgroup's fp32 scratch;
+//               simdgroup barrier; the row's 4 lanes: scale, causal mask, running max and sum
+//               (simd_shuffle_xor 1, 2), p -> bf16 P scratch, rescale factor -> the simdgroup's
+//               8x8 diagonal; simdgroup barrier; O = diag * O (exact) and O += P V (BK / 8 k-steps
+//               x D / 8 tiles). No barrier closes the block: block b + 1 writes stage (b + 1) % 2,
+//               whose last readers (block b - 1's math) every thread finished before it reached
+//               block b's barrier. 1 threadgroup barrier per block, + 2 per 64-column Q chunk once
+//               (attention_prefill_mma: 2 D / 32 + 2 + 2 * passes per 32 keys).
 //   epilogue:   per O tile: simdgroup_store to the scratch, simdgroup barrier, each lane writes 2
 //               outputs of row lane / 4 (/ l, * sigmoid(gate), rounded to bf16), simdgroup barrier
 //   grid:       (kv_heads, ceil(tokens / qt)) x kAttnTilesThreads = 128 threads
 //   registers:  Q D / 8 bf16 8x8 (64 bf16 per lane at 256), O D / 8 fp32 8x8 (64 floats per lane at
 //               256), S BK / 8 fp32 8x8, the K / V prefetch 4 x uint4, m and l of one row
-//   threadgroup memory: K, V 2 x BK x (D + 8) bf16 + per simdgroup S 8 x BK fp32, P 8 x BK bf16,
-//               diag 8 x 8 fp32: 16,384 / 12,800 / 11,008 bytes at D = 64 / 128 / 256 (2 per core
-//               in a 32 KiB pool)
+//   threadgroup memory: K, V 2 stages x 2 x BK x (D + 8) bf16 + per simdgroup S 8 x BK fp32, P 8 x
+//               BK bf16, diag 8 x 8 fp32: 25,600 / 21,504 / 19,456 bytes at D = 64 / 128 / 256
+//               (2 / 3 / 3 per core in a 64 KiB pool, 1 in a 32 KiB one; docs/kernels.md weighs it)
 // Precision: q, K, V are bf16 already (products exact in fp32, sums fp32); P is rounded to bf16 as
 // the operand of P V (relative error <= 2^-8 per weight; l sums the unrounded p), so
 // |O / l - exact| <= 2^-8 * sum_j w_j |v_j| <= 2^-8 max |v|; one rounding of the output to bf16.
@@ -715,13 +718,13 @@ template <uint32_t D>
   constexpr uint32_t NT = kAttnTilesThreads;
   constexpr uint32_t PER = BK * U / NT;           // 16-byte loads per thread per operand
   static_assert(R == 32 && NT == 128 && PER == 2 && BK % 8 == 0 && BK >= 8, "the mapping below");
-  static_assert(2 * BK * LDK >= R * LDQ, "the Q chunk is staged through the K / V stages");
-  LILY_TG_ARRAY(uint4, kv16, [2 * BK * LDK / 8]);
+  constexpr uint32_t STAGE = 2 * BK * LDK;        // one K / V stage (bf16 elements)
+  static_assert(STAGE >= R * LDQ, "the Q chunk is staged through the first K / V stage");
+  LILY_TG_ARRAY(uint4, kv16, [2 * STAGE / 8]);
   LILY_TG_ARRAY(float, ss_all, [4 * 8 * BK]);
   LILY_TG_ARRAY(bfloat, ps_all, [4 * 8 * BK]);
   LILY_TG_ARRAY(float, diag_all, [4 * 64]);
-  threadgroup bfloat* ks = reinterpret_cast<threadgroup bfloat*>(kv16);
-  threadgroup bfloat* vs = ks + BK * LDK;
+  threadgroup bfloat* const kv = reinterpret_cast<threadgroup bfloat*>(kv16);
   threadgroup float* ss = ss_all + simd_id * 8 * BK;
   threadgroup bfloat* ps = ps_all + simd_id * 8 * BK;
   threadgroup float* diag = diag_all + simd_id * 64;
@@ -751,12 +754,12 @@ template <uint32_t D>
       const uint32_t rr = min(r, rows - 1);
       const uint32_t tok = min(t0 + rr / group, args.tokens - 1);
       const uint32_t hd = kvh * group + rr % group;
-      *reinterpret_cast<threadgroup uint4*>(ks + r * LDQ + c) =
+      *reinterpret_cast<threadgroup uint4*>(kv + r * LDQ + c) =
           *reinterpret_cast<const device uint4*>(q + tok * args.q_stride + hd * D + c0 + c);
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
     for (uint32_t i = 0; i < QC / 8; ++i)
-      simdgroup_load(qf[c0 / 8 + i], ks + (simd_id * 8) * LDQ + 8 * i, ulong(LDQ), ulong2(0), false);
+      simdgroup_load(qf[c0 / 8 + i], kv + (simd_id * 8) * LDQ + 8 * i, ulong(LDQ), ulong2(0), false);
     threadgroup_barrier(mem_flags::mem_threadgroup);
   }
 
@@ -773,7 +776,9 @@ template <uint32_t D>
     kr[i] = *reinterpret_cast<const device uint4*>(k_cache + cache_base + key * D + (u % U) * 8);
     vr[i] = *reinterpret_cast<const device uint4*>(v_cache + cache_base + key * D + (u % U) * 8);
   }
-  for (uint32_t kb = 0; kb < key_end; kb += BK) {
+  for (uint32_t kb = 0, stage = 0; kb < key_end; kb += BK, stage ^= 1) {
+    threadgroup bfloat* const ks = kv + stage * STAGE;
+    threadgroup bfloat* const vs = ks + BK * LDK;
     for (uint32_t i = 0; i < PER; ++i) {
       const uint32_t u = t + i * NT;
       *reinterpret_cast<threadgroup uint4*>(ks + (u / U) * LDK + (u % U) * 8) = kr[i];
@@ -843,7 +848,7 @@ template <uint32_t D>
         simdgroup_multiply_accumulate(o[d], pf[kk], vf, o[d]);
       }
     }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
+    // No barrier here: the next block writes the other stage (see the header).
   }
 
   // Epilogue: each 8x8 O tile through the simdgroup's scratch; lane writes 2 outputs of its row.

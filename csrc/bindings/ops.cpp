@@ -204,7 +204,7 @@ void init_ops(nb::module_& parent) {
         const gpu::DType yt = y_f32 ? gpu::DType::f32 : xt;
         op.y = run.output(size_t(M) * N * gpu::dtype_size(yt));
         gpu::ops::validate(op);
-        const bool tensor_ops = run.enc->tensor_ops() && !(y_f32 && xt == gpu::DType::bf16);
+        const bool tensor_ops = run.enc->tensor_ops();
         run.encode(gpu::ops::qmm_kernel(gpu::ops::qmm_route(M, bits, tensor_ops, gpu::ops::qmm_bf16_allowed(op)),
                                         bits, xt, st, y_f32, gpu::ops::qmv1_rows(N, K, bits)),
                    [&](gpu::Encoder& e) { gpu::ops::encode_quantized_matmul(e, op); });

@@ -87,6 +87,8 @@
   X(qmm_m5_b4_xf32_sbf16,  QmmArgs, 5)                                        \
   X(qmm_m5_b4_xbf16_sf32,  QmmArgs, 5)                                        \
   X(qmm_m5_b4_xbf16_sbf16, QmmArgs, 5)                                        \
+  X(qmm_m5_b4_xbf16_sf32_yf32,  QmmArgs, 5) /* bf16 x, fp32 y (lm_head logits) */ \
+  X(qmm_m5_b4_xbf16_sbf16_yf32, QmmArgs, 5)                                   \
   /* MoE grouped 64- and 32-row tiles on tensor ops, M5 (shaders/m5/moe_m5.metal): same  */ \
   /* buffers as moe_gate_up_mm / moe_down_mm */                               \
   X(moe_gate_up_m5_64_b4_xf32_sbf16, MoeArgs, 15)                             \
@@ -277,6 +279,7 @@ std::optional<KernelId> find_kernel(std::string_view name);
 constexpr bool kernel_needs_tensor_ops(KernelId id) {
   return id == KernelId::qmm_m5_b4_xf32_sf32 || id == KernelId::qmm_m5_b4_xf32_sbf16 ||
          id == KernelId::qmm_m5_b4_xbf16_sf32 || id == KernelId::qmm_m5_b4_xbf16_sbf16 ||
+         id == KernelId::qmm_m5_b4_xbf16_sf32_yf32 || id == KernelId::qmm_m5_b4_xbf16_sbf16_yf32 ||
          id == KernelId::moe_gate_up_m5_64_b4_xf32_sbf16 || id == KernelId::moe_gate_up_m5_32_b4_xf32_sbf16 ||
          id == KernelId::moe_gate_up_m5_64_b4_xbf16_sbf16 || id == KernelId::moe_gate_up_m5_32_b4_xbf16_sbf16 ||
          id == KernelId::moe_down_m5_64_b4_sbf16 || id == KernelId::moe_down_m5_32_b4_sbf16 ||

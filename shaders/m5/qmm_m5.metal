@@ -14,7 +14,8 @@
 //              relaxed_precision = false, multiply_accumulate) on execution_simdgroups<4>: the x
 //              tile is left (extents (32, 64)), the w tile [n][k] is right transposed (extents
 //              (32, 64)); the 64 x 64 fp32 accumulator is a cooperative tensor.
-//   epilogue:  each thread writes its cooperative-tensor elements, masked to M x N, rounded to T.
+//   epilogue:  each thread writes its cooperative-tensor elements, masked to M x N, rounded to Y
+//              (Y = T, or fp32 for bf16 x: the *_yf32 variants, lm_head's logits).
 // Precision: operands are half (the half x half -> float row of Apple's matmul2d types): x and
 // the dequantized weights are rounded to half once; products and accumulation are fp32.
 #include "common/lily_metal.h"
@@ -47,13 +48,13 @@ inline void qmm_m5_stage(constant QmmArgs& args, const device T* x, const device
   }
 }
 
-template <typename T, typename S>
+template <typename T, typename S, typename Y = T>
 [[kernel]] void qmm_m5(constant QmmArgs& args [[buffer(0)]],
                        const device T* x [[buffer(1)]],
                        const device uint32_t* w [[buffer(2)]],
                        const device S* scales [[buffer(3)]],
                        const device S* biases [[buffer(4)]],
-                       device T* y [[buffer(5)]],
+                       device Y* y [[buffer(5)]],
                        LILY_KERNEL_TAIL) {
   constexpr uint32_t BM = kQmmM5TileM, BN = kQmmM5TileN, BK = kQmmM5TileK;
   static_assert(BM == 64 && BN == 64 && BK == 32 && kQmmM5SimdsPerGroup == 4,
@@ -93,14 +94,17 @@ template <typename T, typename S>
     const auto idx = acc.get_multidimensional_index(i);
     const uint32_t n = n0 + uint32_t(idx[0]);
     const uint32_t m = m0 + uint32_t(idx[1]);
-    if (m < args.M && n < args.N) y[m * args.y_stride + n] = T(acc[i]);
+    if (m < args.M && n < args.N) y[m * args.y_stride + n] = Y(acc[i]);
   }
 }
 
-// Instantiations: exactly the qmm_m5 rows of csrc/gpu/kernel_ids.h (x dtype, scale dtype; 4-bit).
+// Instantiations: exactly the qmm_m5 rows of csrc/gpu/kernel_ids.h (x dtype, scale dtype[, fp32 y];
+// 4-bit).
 LILY_INSTANTIATE("qmm_m5_b4_xf32_sf32", qmm_m5<float, float>)
 LILY_INSTANTIATE("qmm_m5_b4_xf32_sbf16", qmm_m5<float, bfloat>)
 LILY_INSTANTIATE("qmm_m5_b4_xbf16_sf32", qmm_m5<bfloat, float>)
 LILY_INSTANTIATE("qmm_m5_b4_xbf16_sbf16", qmm_m5<bfloat, bfloat>)
+LILY_INSTANTIATE("qmm_m5_b4_xbf16_sf32_yf32", qmm_m5<bfloat, float, float>)
+LILY_INSTANTIATE("qmm_m5_b4_xbf16_sbf16_yf32", qmm_m5<bfloat, bfloat, float>)
 
 }  // namespace lily

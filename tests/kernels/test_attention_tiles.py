@@ -139,7 +139,7 @@ def test_fp32_keeps_mma_and_tensor_ops_take_m5(rng, D):
 
 
 @pytest.mark.parametrize("order", ["forward", "reverse", "ahead"])
-@pytest.mark.parametrize("D", [64, 256])
+@pytest.mark.parametrize("D", [64, 128, 256])
 def test_tiles_independent_of_thread_order(rng, order, D):
     q, kc, vc, g = attn_case(rng, 11, 6, 2, D, 80, BF16)
     a, _ = run(rng, q, kc, vc, g, 60, order="shuffle")
@@ -157,3 +157,21 @@ def test_cache_rows_past_the_causal_end_are_never_read(rng):
         vc2[:, 29:] = BF16.type(np.nan)
         b, _ = run(rng, q, kc2, vc2, g, 20)
         np.testing.assert_array_equal(a, b)
+
+
+# Causal edges at the key-block boundaries and both stages of the double buffer: g = 8 (4 tokens
+# per threadgroup), 5 tokens after 3 BK - 4 cached keys, so threadgroup 0 ends exactly on a block
+# boundary (3 blocks: stages 0, 1, 0) and threadgroup 1 one key past it (a 1-key partial 4th
+# block in stage 1); every thread order, the adversarial `ahead` included (a stage overwritten
+# while another simdgroup still reads it changes the output there).
+@pytest.mark.parametrize("order", ["shuffle", "ahead"])
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_block_edges_and_both_stages(rng, D, order):
+    bk = block(D)
+    position = 3 * bk - 4
+    q, kc, vc, g = attn_case(rng, 5, 8, 1, D, position + 5 + 2, BF16, gate=True)
+    out, stats = run(rng, q, kc, vc, g, position, order=order)
+    assert list(stats["kernels"]) == [f"attn_prefill_tiles_d{D}_bf16"]
+    assert stats["flops_executed"] == executed(5, position, 8, 1, D) == 1 * (3 + 4) * 4 * ROWS * bk * D
+    r, atol = bound(q, kc, vc, g, position)
+    assert_close(out, r, atol=atol, rtol=out_rtol(BF16), what=f"block edges D={D} {order}", seed=rng.seed)

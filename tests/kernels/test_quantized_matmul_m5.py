@@ -12,7 +12,8 @@ Two tolerances:
   so each product errs by <= (2 * 2^-11 + 2^-22) |x_k w_k|: the worst case 2.001 * 2^-11 mag plus
   the fp32 term. A bfloat16 output adds its final rounding (rtol 2^-8).
 Both sides of the route switch: M = 8 takes qmv on an M5 too, M = 9 qmm_m5; 8-bit weights keep
-the simdgroup qmm; without tensor ops M = 9 takes qmm.
+the simdgroup qmm; without tensor ops M = 9 takes qmm. bf16 x with fp32 y (lm_head's logits) takes
+qmm_m5's *_yf32 variant: the same fp32 accumulator written unrounded (rtol 0 in both bounds).
 """
 from __future__ import annotations
 
@@ -45,10 +46,11 @@ def run_m5(rng, x, w, s, b, *, bits=4, group_size=64, **kw):
         return ops._quantized_matmul(x, w, s, b, bits=bits, group_size=group_size, seed=rng.seed, **kw)
 
 
-def check_m5(rng, x, w, s, b, *, bits=4, group_size=64):
-    y, stats = run_m5(rng, x, w, s, b, bits=bits, group_size=group_size)
+def check_m5(rng, x, w, s, b, *, bits=4, group_size=64, y_f32=False):
+    y, stats = run_m5(rng, x, w, s, b, bits=bits, group_size=group_size, y_f32=y_f32)
     k = x.shape[-1]
-    rtol = 2 * BF16_EPS if x.dtype == BF16 else 0.0
+    assert y.dtype == (np.float32 if y_f32 else x.dtype)
+    rtol = 2 * BF16_EPS if x.dtype == BF16 and not y_f32 else 0.0
     ref = ref_kernels.quantized_matmul(x, w, s, b, bits=bits, group_size=group_size)
     mag = ref_kernels.quantized_matmul_error_scale(x, w, s, b, bits=bits, group_size=group_size)
     if not stats["kernels"][0].startswith("qmm_m5"):  # qmv (M <= 8): fp32 operands, the fp32 bound
@@ -137,3 +139,36 @@ def test_m5_model_shape_slice(rng):
     # The real model's 4-bit / group-64 / bf16 configuration at K = hidden size 2048.
     x, w, s, b = make_case(rng, 9, 70, 2048, bits=4, group_size=64, x_dtype=BF16, scale_dtype=BF16)
     check_m5(rng, x, w, s, b)
+
+
+# bf16 x, fp32 y (the engine's all-logits lm_head): qmm_m5's *_yf32 variants. The same fp32
+# accumulator as the bf16-output kernel, written unrounded: rounding it to bf16 gives the bf16
+# kernel's output bit for bit. Both sides of the switch: M = 8 -> qmv *_yf32, 8-bit -> qmm *_yf32,
+# no tensor ops -> qmm *_yf32.
+@pytest.mark.parametrize("m,n,k,group_size", [(9, 101, 192, 64), (70, 63, 256, 128), (65, 129, 96, 32)])
+@pytest.mark.parametrize("scale_dtype", [np.float32, BF16])
+def test_m5_fp32_output(rng, m, n, k, group_size, scale_dtype):
+    x, w, s, b = make_case(rng, m, n, k, bits=4, group_size=group_size, x_dtype=BF16, scale_dtype=scale_dtype)
+    ss = "bf16" if np.dtype(scale_dtype) == BF16 else "f32"
+    y32, stats = check_m5(rng, x, w, s, b, group_size=group_size, y_f32=True)
+    assert stats["kernels"] == [f"qmm_m5_b4_xbf16_s{ss}_yf32"]
+    assert stats["dispatches"] == 1 and stats["barriers"] == 0
+    assert stats["threads"] == -(-m // TILE) * -(-n // TILE) * 128
+    assert stats["bytes_bound"] == x.nbytes + w.nbytes + s.nbytes + b.nbytes + m * n * 4
+    assert stats["flops_executed"] == 2 * (-(-m // TILE) * TILE) * (-(-n // TILE) * TILE) * k
+    y16, stats16 = run_m5(rng, x, w, s, b, group_size=group_size)
+    assert stats16["kernels"] == [f"qmm_m5_b4_xbf16_s{ss}"]
+    np.testing.assert_array_equal(y32.astype(BF16), y16)
+    assert np.any(y32 != y16.astype(np.float32))  # the fp32 output is not the bf16 one widened
+
+
+def test_m5_fp32_output_other_side_of_the_switches(rng):
+    x, w, s, b = make_case(rng, QMV_MAX_ROWS, 40, 128, bits=4, group_size=64, x_dtype=BF16, scale_dtype=BF16)
+    _, stats = check_m5(rng, x, w, s, b, y_f32=True)
+    assert stats["kernels"] == ["qmv_b4_xbf16_sbf16_yf32"]
+    x, w, s, b = make_case(rng, 20, 40, 128, bits=8, group_size=64, x_dtype=BF16, scale_dtype=BF16)
+    y, stats = run_m5(rng, x, w, s, b, bits=8, y_f32=True)
+    assert stats["kernels"] == ["qmm_b8_xbf16_sbf16_yf32"] and y.dtype == np.float32
+    x, w, s, b = make_case(rng, 20, 40, 128, bits=4, group_size=64, x_dtype=BF16, scale_dtype=BF16)
+    y, stats = ops._quantized_matmul(x, w, s, b, bits=4, group_size=64, y_f32=True)
+    assert stats["kernels"] == ["qmm_b4_xbf16_sbf16_yf32"] and y.dtype == np.float32

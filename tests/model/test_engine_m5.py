@@ -49,9 +49,10 @@ def test_demo_greedy_on_the_m5_path(chunk):
         emu = lily_py.load(backend="emu", context_length=256, prefill_chunk=chunk)
     kernels = {p["kernel"] for p in emu._backend.engine.pipelines}
     assert any(k.startswith("qmm_m5_") for k in kernels), sorted(kernels)
-    # every 4-bit qmm on M5, except the all-logits lm_head of bf16 activations (fp32 logits from
-    # bf16 x: qmm_m5 has no float32-output variant yet, so that one product takes qmm *_yf32)
-    assert not any(k.startswith("qmm_b4_") and not k.endswith("_yf32") for k in kernels), sorted(kernels)
+    # every 4-bit qmm on M5, the all-logits lm_head of bf16 activations included (fp32 logits from
+    # bf16 x: qmm_m5's *_yf32 variant)
+    assert not any(k.startswith("qmm_b4_") for k in kernels), sorted(kernels)
+    assert "qmm_m5_b4_xbf16_sbf16_yf32" in kernels, sorted(kernels)
     assert any(k.startswith("attn_prefill_m5_d64_") for k in kernels), sorted(kernels)
     assert not any(k.startswith("attn_prefill_mma_") for k in kernels), sorted(kernels)
     assert any(k.startswith("moe_gate_up_m5_64_b4_") for k in kernels), sorted(kernels)

@@ -100,9 +100,11 @@ KernelId qmm_kernel4(QmmRoute route, uint32_t bits, DType x, DType s, bool y_f32
     throw std::invalid_argument("quantized_matmul: bits=" + std::to_string(bits) + " unsupported (4 or 8)");
   const bool xb = x == DType::bf16, sb = s == DType::bf16;
   if (xb && y_f32) {  // bf16 x, fp32 y: kernel_ids.h's *_yf32 rows
-    if (route == QmmRoute::qmm_m5)
-      throw std::invalid_argument("quantized_matmul: the qmm_m5 route has no float32-output variant for bfloat16 x");
     using K = KernelId;
+    if (route == QmmRoute::qmm_m5) {
+      if (bits != 4) throw std::invalid_argument("quantized_matmul: the qmm_m5 route takes 4-bit weights only");
+      return sb ? K::qmm_m5_b4_xbf16_sbf16_yf32 : K::qmm_m5_b4_xbf16_sf32_yf32;
+    }
     if (route == QmmRoute::qmv1)
       return bits == 4 ? (sb ? K::qmv1_b4_xbf16_sbf16_yf32 : K::qmv1_b4_xbf16_sf32_yf32)
                        : (sb ? K::qmv1_b8_xbf16_sbf16_yf32 : K::qmv1_b8_xbf16_sf32_yf32);
@@ -193,8 +195,8 @@ bool qmm_bf16_allowed(const QmmOperands& op) {
 void encode_quantized_matmul(Encoder& enc, const QmmOperands& op) {
   validate(op);
   const bool bf16_tiles = qmm_bf16_allowed(op);
-  // A bf16-x, fp32-y product has no qmm_m5 variant: such a device takes the qmm route for it.
-  const bool tensor_ops = enc.tensor_ops() && !(op.y_f32 && op.x_dtype == DType::bf16);
+  // A bf16-x, fp32-y product (lm_head's logits) takes qmm_m5's *_yf32 variant on such a device.
+  const bool tensor_ops = enc.tensor_ops();
   const QmmRoute route = qmm_route(op.M, op.bits, tensor_ops, bf16_tiles);
   const uint64_t xe = dtype_size(op.x_dtype), se = dtype_size(op.scale_dtype);
   const uint64_t ye = op.y_f32 ? 4 : xe;

@@ -47,7 +47,7 @@ struct QmmOperands {
   Binding y;        // [M, y_stride] of x_dtype (float32 with y_f32)
   DType x_dtype = DType::f32;
   bool y_f32 = false;  // y in float32 whatever x_dtype (lm_head: fp32 logits from bf16 activations;
-                       // qmv1 / qmv / qmm routes only: a tensor-ops device takes the qmm route)
+                       // qmv1 / qmv / qmm / qmm_m5 routes; qmm_bf16 has none: such y takes qmm)
   DType scale_dtype = DType::f32;
   uint32_t M = 0, N = 0, K = 0;
   uint32_t bits = 4, group_size = 64;
