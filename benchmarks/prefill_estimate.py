@@ -340,8 +340,11 @@ def print_tables(res: dict, brief: bool = False) -> None:
         fams, lv = r["fams"], r["levels"]
         print("\nWhat closes the gap, M5 path, 4096 tokens, M5 Max (ESTIMATE, same assumptions otherwise):")
         lines = [("as built", fams)]
+        # gd_chunk_state_m5 runs O on tensor ops but the state feedback (U = u + W S, S += K^T U) on
+        # fp32 8x8 products and is counted at that rate; the header also lists float x float ->
+        # float for matmul2d (rate on M5 undocumented): every product of the pass on tensor ops
         f1 = with_units(fams, {"gd_chunk_wy": "tensor", "gd_chunk_state": "tensor"})
-        lines.append(("gd_chunk_wy / gd_chunk_state on tensor ops", f1))
+        lines.append(("+ the DeltaNet state feedback on (fp32) tensor ops", f1))
         f2 = with_units(f1, {"qmm": "tensor"})  # "qmm" alone: the 8-bit router (qmm_m5 is tensor already)
         lines.append(("+ the router (8-bit qmm, fp32 tiles) on tensor ops", f2))
         f3 = {n: dict(f, bytes=f["bytes"] / 2) if f["unit"] == "alu" and not f["executed"] else f for n, f in f2.items()}
