@@ -10,4 +10,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 python -m pip install --quiet ".[test]"
-LILY_EMU_RACES=1 python -m pytest -q -p no:cacheprovider tests/kernels
+LILY_EMU_RACES=1 python -m pytest -q -n auto -p no:cacheprovider tests/kernels

@@ -21,7 +21,7 @@ import lily_py._core as core  # a missing extension must fail loudly, not skip
 DEVICES = ["emu"] + (["metal"] if core.registry.check_usable("metal") == "" else [])
 
 F32_EPS = 2.0 ** -24   # unit roundoff of float32 (round to nearest)
-BF16_EPS = 2.0 ** -9   # unit roundoff of bfloat16
+BF16_EPS = 2.0 ** -9   # half of bfloat16's unit roundoff (2^-8: 8 significant bits); tolerances use multiples >= 2 of it
 
 
 def assert_close(actual, ref, *, atol, rtol, what: str, seed=None) -> None:

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <initializer_list>
 #include <limits>
 #include <stdexcept>
 #include <string>
@@ -125,48 +126,35 @@ void encode_sample(Encoder& enc, const SampleOperands& op) {
   const Size3 partial_grid{G, op.rows, 1}, final_grid{1, op.rows, 1};
   const Size3 partial_threads{kSampleThreads, 1, 1}, final_threads{kSampleFinalThreads, 1, 1};
   bool first = true;
-  auto begin = [&](KernelId k) {  // every pass reads what the previous one wrote
+  // Every pass reads what the previous one wrote: a barrier before each but the first. The
+  // buffers bind at indices 1, 2, ... in the order given (index 0 is the args).
+  auto begin = [&](KernelId k, std::initializer_list<Binding> buffers) {
     if (!first) enc.barrier();
     first = false;
     enc.set_kernel(k);
     enc.set_args(a);
+    uint32_t index = 1;
+    for (const Binding& b : buffers) enc.set_buffer(index++, b);
   };
 
-  begin(KernelId::sample_max_partial_f32);
-  enc.set_buffer(1, logits);
-  enc.set_buffer(2, parts);
+  begin(KernelId::sample_max_partial_f32, {logits, parts});
   enc.dispatch(partial_grid, partial_threads);
   if (plan.buckets) {
-    begin(KernelId::sample_max_final_buckets);
-    enc.set_buffer(1, parts);
-    enc.set_buffer(2, state);
-    enc.set_buffer(3, hist);
+    begin(KernelId::sample_max_final_buckets, {parts, state, hist});
     enc.set_touched(3, bins_bytes);
     enc.dispatch(final_grid, final_threads);
   } else {
-    begin(KernelId::sample_max_final);
-    enc.set_buffer(1, parts);
-    enc.set_buffer(2, state);
-    enc.set_buffer(3, ids);
-    enc.set_buffer(4, chosen);
+    begin(KernelId::sample_max_final, {parts, state, ids, chosen});
     enc.dispatch(final_grid, final_threads);
   }
   if (plan.greedy) return;
 
   if (plan.small_k) {
     const uint64_t cand = uint64_t(op.rows) * G * a.top_k * 8;  // (s, id) per candidate
-    begin(KernelId::sample_topk_partial_f32);
-    enc.set_buffer(1, logits);
-    enc.set_buffer(2, state);
-    enc.set_buffer(3, hist);
+    begin(KernelId::sample_topk_partial_f32, {logits, state, hist});
     enc.set_touched(3, cand);
     enc.dispatch(partial_grid, partial_threads);
-    begin(KernelId::sample_topk_merge_f32);
-    enc.set_buffer(1, logits);
-    enc.set_buffer(2, state);
-    enc.set_buffer(3, hist);
-    enc.set_buffer(4, ids);
-    enc.set_buffer(5, chosen);
+    begin(KernelId::sample_topk_merge_f32, {logits, state, hist, ids, chosen});
     enc.set_touched(1, uint64_t(op.rows) * 4);  // reads the chosen entry's logit only
     enc.set_touched(3, cand);
     enc.dispatch(final_grid, Size3{kSampleMergeThreads, 1, 1});
@@ -174,16 +162,9 @@ void encode_sample(Encoder& enc, const SampleOperands& op) {
   }
 
   if (plan.plain) {
-    begin(KernelId::sample_gumbel_partial_f32);
-    enc.set_buffer(1, logits);
-    enc.set_buffer(2, state);
-    enc.set_buffer(3, parts);
+    begin(KernelId::sample_gumbel_partial_f32, {logits, state, parts});
     enc.dispatch(partial_grid, partial_threads);
-    begin(KernelId::sample_gumbel_final);
-    enc.set_buffer(1, parts);
-    enc.set_buffer(2, state);
-    enc.set_buffer(3, ids);
-    enc.set_buffer(4, chosen);
+    begin(KernelId::sample_gumbel_final, {parts, state, ids, chosen});
     enc.dispatch(final_grid, final_threads);
     return;
   }
@@ -192,31 +173,16 @@ void encode_sample(Encoder& enc, const SampleOperands& op) {
   // candidates (the fallback re-reads the row instead; not counted).
   const uint64_t cum_bytes = uint64_t(op.rows) * kSampleHistBins * kSampleCumWords * 4;
   const uint64_t cand_bytes = uint64_t(op.rows) * a.cap * 8;
-  begin(KernelId::sample_hist_partial_f32);
-  enc.set_buffer(1, logits);
-  enc.set_buffer(2, state);
-  enc.set_buffer(3, hist);
+  begin(KernelId::sample_hist_partial_f32, {logits, state, hist});
   enc.set_touched(3, bins_bytes);
   enc.dispatch(partial_grid, partial_threads);
-  begin(KernelId::sample_select);
-  enc.set_buffer(1, state);
-  enc.set_buffer(2, hist);
+  begin(KernelId::sample_select, {state, hist});
   enc.set_touched(2, bins_bytes + cum_bytes);
   enc.dispatch(final_grid, Size3{kSampleSelectThreads, 1, 1});
-  begin(KernelId::sample_collect_f32);
-  enc.set_buffer(1, logits);
-  enc.set_buffer(2, state);
-  enc.set_buffer(3, hist);
-  enc.set_buffer(4, parts);
+  begin(KernelId::sample_collect_f32, {logits, state, hist, parts});
   enc.set_touched(3, cand_bytes);
   enc.dispatch(partial_grid, partial_threads);
-  begin(KernelId::sample_resolve_f32);
-  enc.set_buffer(1, logits);
-  enc.set_buffer(2, state);
-  enc.set_buffer(3, hist);
-  enc.set_buffer(4, parts);
-  enc.set_buffer(5, ids);
-  enc.set_buffer(6, chosen);
+  begin(KernelId::sample_resolve_f32, {logits, state, hist, parts, ids, chosen});
   enc.set_touched(1, cand_bytes / 2);  // the candidates' logits
   enc.set_touched(3, cum_bytes + cand_bytes);
   enc.dispatch(final_grid, Size3{kSampleResolveThreads, 1, 1});

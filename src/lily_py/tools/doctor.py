@@ -36,7 +36,7 @@ import numpy as np
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.dtype(np.float32)
 U = 2.0 ** -24        # float32 unit roundoff (tests/kernels/kernel_checks.py: F32_EPS)
-BF16_U = 2.0 ** -9    # bfloat16 unit roundoff (BF16_EPS)
+BF16_U = 2.0 ** -9    # half of bfloat16's unit roundoff 2^-8 (as BF16_EPS in the kernel tests); used in multiples >= 2
 
 
 def _out_rtol(dtype) -> float:
