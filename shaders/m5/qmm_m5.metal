@@ -10,9 +10,8 @@
 //   staging:   thread t rounds x[m0 + t/2, k0 + 16*(t%2) .. +16] to half and dequantizes the same
 //              coordinates of w (16 codes = 16 * bits / 32 words: 2 at 4 bits, 4 at 8 bits, one
 //              group since 16 divides every group size; fp32 s * q + b, rounded to half) into
-//              threadgroup memory; zeros
-//              past M / N. Two stages: step s+1 is staged while matmul2d multiplies step s, one
-//              threadgroup barrier per step.
+//              threadgroup memory; zeros past M / N. Two stages: step s+1 is staged while
+//              matmul2d multiplies step s, one threadgroup barrier per step.
 //   multiply:  matmul2d_descriptor(64, 64, 32, transpose_left = false, transpose_right = true,
 //              relaxed_precision = false, multiply_accumulate) on execution_simdgroups<4>: the x
 //              tile is left (extents (32, 64)), the w tile [n][k] is right transposed (extents
