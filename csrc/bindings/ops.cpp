@@ -153,7 +153,7 @@ void init_ops(nb::module_& parent) {
         "M"_a, "bits"_a = 4, "tensor_ops"_a = false, "bf16_tiles"_a = true,
         "Route quantized_matmul takes for M rows of x: 'qmv1' (M = 1), 'qmv', 'qmm', 'qmm_bf16' (M >= "
         "QMM_BF16_MIN_ROWS without tensor ops, or 8-bit, where the operands may be rounded to bf16: "
-        "bf16_tiles), or 'qmm_m5' (4-bit, on a device with Metal 4 tensor ops).");
+        "bf16_tiles), or 'qmm_m5' (4- or 8-bit, on a device with Metal 4 tensor ops).");
   m.def("qmv1_rows", [](uint32_t N, uint32_t K, uint32_t bits) { return gpu::ops::qmv1_rows(N, K, bits); },
         "N"_a, "K"_a, "bits"_a,
         "Rows per threadgroup of the qmv1 route (M = 1): 4, or 1 where ceil(N / 4) * splits simdgroups "
@@ -204,7 +204,7 @@ void init_ops(nb::module_& parent) {
         const gpu::DType yt = y_f32 ? gpu::DType::f32 : xt;
         op.y = run.output(size_t(M) * N * gpu::dtype_size(yt));
         gpu::ops::validate(op);
-        const bool tensor_ops = run.enc->tensor_ops();
+        const bool tensor_ops = run.enc->tensor_ops() && gpu::ops::qmm_m5_allowed(op);
         run.encode(gpu::ops::qmm_kernel(gpu::ops::qmm_route(M, bits, tensor_ops, gpu::ops::qmm_bf16_allowed(op)),
                                         bits, xt, st, y_f32, gpu::ops::qmv1_rows(N, K, bits)),
                    [&](gpu::Encoder& e) { gpu::ops::encode_quantized_matmul(e, op); });

@@ -89,6 +89,10 @@
   X(qmm_m5_b4_xbf16_sbf16, QmmArgs, 5)                                        \
   X(qmm_m5_b4_xbf16_sf32_yf32,  QmmArgs, 5) /* bf16 x, fp32 y (lm_head logits) */ \
   X(qmm_m5_b4_xbf16_sbf16_yf32, QmmArgs, 5)                                   \
+  X(qmm_m5_b8_xf32_sf32,   QmmArgs, 5) /* 8-bit: the MoE router + shared gate */ \
+  X(qmm_m5_b8_xf32_sbf16,  QmmArgs, 5)                                        \
+  X(qmm_m5_b8_xbf16_sf32,  QmmArgs, 5)                                        \
+  X(qmm_m5_b8_xbf16_sbf16, QmmArgs, 5)                                        \
   /* MoE grouped 64- and 32-row tiles on tensor ops, M5 (shaders/m5/moe_m5.metal): same  */ \
   /* buffers as moe_gate_up_mm / moe_down_mm */                               \
   X(moe_gate_up_m5_64_b4_xf32_sbf16, MoeArgs, 15)                             \
@@ -283,6 +287,8 @@ constexpr bool kernel_needs_tensor_ops(KernelId id) {
          id == KernelId::moe_gate_up_m5_64_b4_xf32_sbf16 || id == KernelId::moe_gate_up_m5_32_b4_xf32_sbf16 ||
          id == KernelId::moe_gate_up_m5_64_b4_xbf16_sbf16 || id == KernelId::moe_gate_up_m5_32_b4_xbf16_sbf16 ||
          id == KernelId::moe_down_m5_64_b4_sbf16 || id == KernelId::moe_down_m5_32_b4_sbf16 ||
+         id == KernelId::qmm_m5_b8_xf32_sf32 || id == KernelId::qmm_m5_b8_xf32_sbf16 ||
+         id == KernelId::qmm_m5_b8_xbf16_sf32 || id == KernelId::qmm_m5_b8_xbf16_sbf16 ||
          id == KernelId::attn_prefill_m5_d64_f32 || id == KernelId::attn_prefill_m5_d64_bf16 ||
          id == KernelId::attn_prefill_m5_d128_f32 || id == KernelId::attn_prefill_m5_d128_bf16 ||
          id == KernelId::attn_prefill_m5_d256_f32 || id == KernelId::attn_prefill_m5_d256_bf16 ||

@@ -25,7 +25,7 @@ enum : uint32_t {
   kQmmBf16TileN = 64,         // output tile: output features
   kQmmBf16TileK = 16,         // K step (divides every supported group size)
   kQmmBf16SimdsPerGroup = 4,  // 2 x 2 simdgroups, each a 32 x 32 quarter of the tile
-  // qmm_m5 (shaders/m5/qmm_m5.metal, Metal 4 tensor ops): 4-bit weights only
+  // qmm_m5 (shaders/m5/qmm_m5.metal, Metal 4 tensor ops): 4- and 8-bit weights
   kQmmM5TileM = 64,         // output tile: rows of x
   kQmmM5TileN = 64,         // output tile: output features
   kQmmM5TileK = 32,         // K step (must divide every supported group size)

@@ -1,5 +1,6 @@
 // Quantized matmul y[M, N] = x[M, K] @ dequant(w)[N, K]^T on Metal 4 tensor ops (M5 path).
-// Same buffers, args and MLX affine layout as shaders/qmm.metal (4-bit weights only); host:
+// Same buffers, args and MLX affine layout as shaders/qmm.metal (4- and 8-bit weights: the template
+// parameter `bits`; 8-bit is the MoE router + shared-expert gate of MLX conversions); host:
 // csrc/gpu/ops/qmm.cpp (route qmm_m5, taken when the device reports tensor ops). Compiled with
 // -std=metal4.0 into lily_m5.metallib (CMakeLists.txt), by the emulator, and by the strict pass
 // against csrc/emu/tensor_ops_strict.h. Reference: lily_py.reference.kernels.
@@ -7,9 +8,10 @@
 //   grid:      (ceil(N / 64), ceil(M / 64)) threadgroups of 128 threads (4 simdgroups)
 //   tile:      64 rows of x by 64 output features, K walked in steps of kQmmM5TileK = 32
 //   staging:   thread t rounds x[m0 + t/2, k0 + 16*(t%2) .. +16] to half and dequantizes the same
-//              coordinates of w (fp32 s * q + b, rounded to half) into threadgroup memory; zeros
-//              past M / N. Two stages: step s+1 is staged while matmul2d multiplies step s, one
-//              threadgroup barrier per step.
+//              coordinates of w (16 codes = 16 * bits / 32 words: 2 at 4 bits, 4 at 8 bits, one
+//              group since 16 divides every group size; fp32 s * q + b, rounded to half) into
+//              threadgroup memory; zeros past M / N. Two stages: step s+1 is staged while
+//              matmul2d multiplies step s, one threadgroup barrier per step.
 //   multiply:  matmul2d_descriptor(64, 64, 32, transpose_left = false, transpose_right = true,
 //              relaxed_precision = false, multiply_accumulate) on execution_simdgroups<4>: the x
 //              tile is left (extents (32, 64)), the w tile [n][k] is right transposed (extents
@@ -25,7 +27,7 @@
 namespace lily {
 
 // Stages K step k0 of the x and w tiles (thread t: one row, 16 consecutive columns).
-template <typename T, typename S>
+template <int bits, typename T, typename S>
 inline void qmm_m5_stage(constant QmmArgs& args, const device T* x, const device uint32_t* w,
                          const device S* scales, const device S* biases, uint32_t m0, uint32_t n0,
                          uint32_t k0, uint32_t t, threadgroup half* xs, threadgroup half* ws) {
@@ -38,7 +40,8 @@ inline void qmm_m5_stage(constant QmmArgs& args, const device T* x, const device
   const uint32_t n = n0 + row;
   if (n < args.N) {
     float q[16];
-    unpack_codes<4, 16>(w + n * (args.K / 8) + (k0 + col) / 8, q);
+    constexpr uint32_t per_word = 32 / bits;  // codes per uint32 word
+    unpack_codes<bits, 16>(w + n * (args.K / per_word) + (k0 + col) / per_word, q);
     const uint32_t g = n * (args.K / args.group_size) + (k0 + col) / args.group_size;
     const float s = float(scales[g]);
     const float b = float(biases[g]);
@@ -48,7 +51,7 @@ inline void qmm_m5_stage(constant QmmArgs& args, const device T* x, const device
   }
 }
 
-template <typename T, typename S, typename Y = T>
+template <typename T, typename S, int bits = 4, typename Y = T>
 [[kernel]] void qmm_m5(constant QmmArgs& args [[buffer(0)]],
                        const device T* x [[buffer(1)]],
                        const device uint32_t* w [[buffer(2)]],
@@ -57,6 +60,7 @@ template <typename T, typename S, typename Y = T>
                        device Y* y [[buffer(5)]],
                        LILY_KERNEL_TAIL) {
   constexpr uint32_t BM = kQmmM5TileM, BN = kQmmM5TileN, BK = kQmmM5TileK;
+  static_assert(bits == 4 || bits == 8, "MLX affine 4- or 8-bit codes");
   static_assert(BM == 64 && BN == 64 && BK == 32 && kQmmM5SimdsPerGroup == 4,
                 "the staging map and descriptor below assume 64x64x32 tiles and 128 threads");
   LILY_TG_ARRAY(half, xs, [2 * BM * BK]);  // two stages of the x tile [64][32]
@@ -78,12 +82,12 @@ template <typename T, typename S, typename Y = T>
     if (acc.is_valid_element(i)) acc[i] = 0.0f;
 
   const uint32_t steps = args.K / BK;
-  qmm_m5_stage(args, x, w, scales, biases, m0, n0, 0, t, xs, ws);
+  qmm_m5_stage<bits>(args, x, w, scales, biases, m0, n0, 0, t, xs, ws);
   threadgroup_barrier(mem_flags::mem_threadgroup);
   for (uint32_t s = 0; s < steps; ++s) {
     const uint32_t next = (s + 1) & 1;
     if (s + 1 < steps)  // stage s+1 into the buffers the previous step's run read (barrier between)
-      qmm_m5_stage(args, x, w, scales, biases, m0, n0, (s + 1) * BK, t, xs + next * BM * BK, ws + next * BN * BK);
+      qmm_m5_stage<bits>(args, x, w, scales, biases, m0, n0, (s + 1) * BK, t, xs + next * BM * BK, ws + next * BN * BK);
     if ((s & 1) == 0) op.run(x0, w0, acc);
     else op.run(x1, w1, acc);
     threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -98,13 +102,17 @@ template <typename T, typename S, typename Y = T>
   }
 }
 
-// Instantiations: exactly the qmm_m5 rows of csrc/gpu/kernel_ids.h (x dtype, scale dtype[, fp32 y];
-// 4-bit).
+// Instantiations: exactly the qmm_m5 rows of csrc/gpu/kernel_ids.h (x dtype, scale dtype, bits[,
+// fp32 y: 4-bit only]).
 LILY_INSTANTIATE("qmm_m5_b4_xf32_sf32", qmm_m5<float, float>)
 LILY_INSTANTIATE("qmm_m5_b4_xf32_sbf16", qmm_m5<float, bfloat>)
 LILY_INSTANTIATE("qmm_m5_b4_xbf16_sf32", qmm_m5<bfloat, float>)
 LILY_INSTANTIATE("qmm_m5_b4_xbf16_sbf16", qmm_m5<bfloat, bfloat>)
-LILY_INSTANTIATE("qmm_m5_b4_xbf16_sf32_yf32", qmm_m5<bfloat, float, float>)
-LILY_INSTANTIATE("qmm_m5_b4_xbf16_sbf16_yf32", qmm_m5<bfloat, bfloat, float>)
+LILY_INSTANTIATE("qmm_m5_b4_xbf16_sf32_yf32", qmm_m5<bfloat, float, 4, float>)
+LILY_INSTANTIATE("qmm_m5_b4_xbf16_sbf16_yf32", qmm_m5<bfloat, bfloat, 4, float>)
+LILY_INSTANTIATE("qmm_m5_b8_xf32_sf32", qmm_m5<float, float, 8>)
+LILY_INSTANTIATE("qmm_m5_b8_xf32_sbf16", qmm_m5<float, bfloat, 8>)
+LILY_INSTANTIATE("qmm_m5_b8_xbf16_sf32", qmm_m5<bfloat, float, 8>)
+LILY_INSTANTIATE("qmm_m5_b8_xbf16_sbf16", qmm_m5<bfloat, bfloat, 8>)
 
 }  // namespace lily

@@ -17,6 +17,7 @@ few-row kind keeps moe_*_few. Tiles and executed FLOPs are the same on both rout
 """
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -143,3 +144,51 @@ def test_m5_model_shapes(rng):
     tiles = stats["tiles"]
     assert tiles["64"] >= 2, tiles
     assert tiles == expected_tiles(ids, E)
+
+
+BF16 = ml_dtypes.bfloat16
+BF16_U = 2.0 ** -8  # bfloat16 unit roundoff
+
+
+@pytest.mark.parametrize("T", [8, 9, 33, 97])
+def test_m5_router_bf16_x_takes_qmm_m5(rng, T):
+    """bf16 activations on an M5: the 8-bit router + shared gate (E + 1 rows, fp32_operands) take
+    qmm_m5_b8 for T > 8 (x is exact in half; the dequantized weights are rounded to half, <= 2^-11
+    relative each; fp32 sums) and write bf16 logits; T = 8 keeps qmv. (fp32 x keeps qmm:
+    test_route_switch_same_plan_same_counters.) Routing must equal the reference's (float64 logits
+    of the bf16 x, rounded to bf16) for every token: tokens whose k-th and (k+1)-th logits are
+    closer than 4 bf16 ulps of the row's largest logit plus twice the half-weight bound
+    E_HALF |x|.|W_r| are drawn again. Routing weights within test_moe.py::test_bf16_activations'
+    bound (one bf16 ulp of a logit, amplified <= 4 by the softmax and renormalisation)."""
+    E, H, I, k = 7, 64, 32, 2
+    W, x_of = make_block(rng, E=E, H=H, I=I, gs=32)
+    dense, mags = parts(W)
+    wr = np.concatenate([dense["router"], dense["shared_gate"]], 0).astype(np.float64)
+
+    def logits_bf16(xs):
+        lg = ref.moe_logits(xs.astype(np.float64), dense["router"], dense["shared_gate"])
+        return lg.astype(np.float32).astype(BF16).astype(np.float64)
+
+    def near_tie(xs):
+        lg = logits_bf16(xs)
+        top = -np.sort(-lg[:, :-1], axis=1)[:, :k + 1]
+        half = E_HALF * (np.abs(xs.astype(np.float64)) @ np.abs(wr).T).max(axis=1)
+        return (top[:, k - 1] - top[:, k]) < 4 * BF16_U * np.abs(lg).max(axis=1) + 2 * half
+
+    pool = x_of(4 * T + 16).astype(BF16)
+    pool = pool[~near_tie(pool)]
+    assert len(pool) >= T, f"only {len(pool)} tokens without a near-tie"
+    x = np.ascontiguousarray(pool[:T])
+    out, ids, weights, stats = run(rng, W, x, k)
+    assert out.dtype == BF16
+    assert stats["kernels"][0] == ("qmv_b8_xbf16_sbf16" if T <= 8 else "qmm_m5_b8_xbf16_sbf16"), stats["kernels"]
+    lg = logits_bf16(x)
+    rids, rw, _ = ref.moe_route(lg, k)
+    np.testing.assert_array_equal(ids, rids, err_msg=f"routing differs (T={T}, seed {rng.seed})")
+    wtol = 4 * BF16_U * np.abs(lg).max(axis=1, keepdims=True)
+    assert_close(weights[:, :k], rw, atol=wtol * np.abs(rw) + 1e-5 * np.abs(rw), rtol=0,
+                 what=f"M5 bf16 router T={T} weights", seed=rng.seed)
+    # without tensor ops the router takes qmv / qmm (fp32 operands) and routes the same
+    _, ids0, _, stats0 = run(rng, W, x, k, tensor_ops=False)
+    assert stats0["kernels"][0] == ("qmv_b8_xbf16_sbf16" if T <= 8 else "qmm_b8_xbf16_sbf16"), stats0["kernels"]
+    np.testing.assert_array_equal(ids, ids0)

@@ -11,9 +11,10 @@ Two tolerances:
 * against the fp32 reference (no half rounding): each operand's rounding is <= 2^-11 relative,
   so each product errs by <= (2 * 2^-11 + 2^-22) |x_k w_k|: the worst case 2.001 * 2^-11 mag plus
   the fp32 term. A bfloat16 output adds its final rounding (rtol 2^-8).
-Both sides of the route switch: M = 8 takes qmv on an M5 too, M = 9 qmm_m5; 8-bit weights keep
-the simdgroup qmm; without tensor ops M = 9 takes qmm. bf16 x with fp32 y (lm_head's logits) takes
-qmm_m5's *_yf32 variant: the same fp32 accumulator written unrounded (rtol 0 in both bounds).
+Both sides of the route switch: M = 8 takes qmv on an M5 too, M = 9 qmm_m5, for 4- and 8-bit
+weights (qmm_m5_b8_*: the MoE router + shared gate of MLX conversions, 4 codes per word); without
+tensor ops M = 9 takes qmm. bf16 x with fp32 y (lm_head's logits) takes qmm_m5's *_yf32 variant
+(4-bit): the same fp32 accumulator written unrounded (rtol 0 in both bounds).
 """
 from __future__ import annotations
 
@@ -70,7 +71,9 @@ def check_m5(rng, x, w, s, b, *, bits=4, group_size=64, y_f32=False):
 def test_route_switch():
     assert ops.quantized_matmul_route(QMV_MAX_ROWS, tensor_ops=True) == "qmv"
     assert ops.quantized_matmul_route(QMV_MAX_ROWS + 1, tensor_ops=True) == "qmm_m5"
-    assert ops.quantized_matmul_route(QMV_MAX_ROWS + 1, bits=8, tensor_ops=True) == "qmm"
+    assert ops.quantized_matmul_route(QMV_MAX_ROWS, bits=8, tensor_ops=True) == "qmv"
+    assert ops.quantized_matmul_route(QMV_MAX_ROWS + 1, bits=8, tensor_ops=True) == "qmm_m5"
+    assert ops.quantized_matmul_route(QMV_MAX_ROWS + 1, bits=8) == "qmm"
     assert ops.quantized_matmul_route(QMV_MAX_ROWS + 1) == "qmm"
 
 
@@ -104,19 +107,64 @@ def test_m5_odd_shapes(rng, m, n, k, group_size):
     assert stats["kernels"] == ["qmm_m5_b4_xbf16_sbf16"]
 
 
-def test_m5_without_tensor_ops_and_8_bit_take_the_simdgroup_path(rng):
-    x, w, s, b = make_case(rng, 20, 40, 128, bits=8, group_size=64, x_dtype=BF16, scale_dtype=BF16)
-    _, stats = run_m5(rng, x, w, s, b, bits=8)
-    assert stats["kernels"] == ["qmm_b8_xbf16_sbf16"]
-    x, w, s, b = make_case(rng, 20, 40, 128, bits=4, group_size=64, x_dtype=BF16, scale_dtype=BF16)
-    _, stats = ops._quantized_matmul(x, w, s, b, bits=4, group_size=64)
-    assert stats["kernels"] == ["qmm_b4_xbf16_sbf16"]
+@pytest.mark.parametrize("bits", [4, 8])
+def test_m5_without_tensor_ops_takes_the_simdgroup_path(rng, bits):
+    x, w, s, b = make_case(rng, 20, 40, 128, bits=bits, group_size=64, x_dtype=np.float32, scale_dtype=BF16)
+    y5, stats = run_m5(rng, x, w, s, b, bits=bits)
+    assert stats["kernels"] == [f"qmm_m5_b{bits}_xf32_sbf16"]
+    y0, stats = ops._quantized_matmul(x, w, s, b, bits=bits, group_size=64)
+    assert stats["kernels"] == [f"qmm_b{bits}_xf32_sbf16"]
+    assert not np.array_equal(y5, y0)  # fp32 y shows the half operands: the routes differ
 
 
-def test_m5_counters(rng):
+# 8-bit (MLX affine, 4 codes per uint32 word, least significant first; scale and bias per group).
+@pytest.mark.parametrize("m", [QMV_MAX_ROWS, QMV_MAX_ROWS + 1, 70])
+@pytest.mark.parametrize("x_dtype,scale_dtype", [(np.float32, np.float32), (np.float32, BF16),
+                                                 (BF16, np.float32), (BF16, BF16)])
+def test_m5_8bit_matches_reference(rng, m, x_dtype, scale_dtype):
+    n, k = 101, 192  # N: 2 tiles, the second partial; K: 6 steps of 32, 3 groups of 64
+    x, w, s, b = make_case(rng, m, n, k, bits=8, group_size=64, x_dtype=x_dtype, scale_dtype=scale_dtype)
+    _, stats = check_m5(rng, x, w, s, b, bits=8)
+    xs = "bf16" if np.dtype(x_dtype) == BF16 else "f32"
+    ss = "bf16" if np.dtype(scale_dtype) == BF16 else "f32"
+    want = f"qmv_b8_x{xs}_s{ss}" if m <= QMV_MAX_ROWS else f"qmm_m5_b8_x{xs}_s{ss}"
+    assert stats["kernels"] == [want]
+
+
+@pytest.mark.parametrize("m,n,k,group_size", [(9, 1, 64, 64), (65, 63, 64, 64), (63, 65, 96, 32),
+                                              (130, 129, 256, 128), (64, 64, 128, 64), (33, 257, 2048, 64)])
+def test_m5_8bit_odd_shapes(rng, m, n, k, group_size):
+    # K = 64: one group (2 steps); 96 / 256 / 2048: 3, 2 and 32 groups; M, N on both sides of the
+    # 64-wide tile edges; (33, 257, 2048, 64): the real router + shared gate (E + 1 = 257 rows).
+    x, w, s, b = make_case(rng, m, n, k, bits=8, group_size=group_size, x_dtype=BF16, scale_dtype=BF16)
+    _, stats = check_m5(rng, x, w, s, b, bits=8, group_size=group_size)
+    assert stats["kernels"] == ["qmm_m5_b8_xbf16_sbf16"]
+
+
+def test_m5_8bit_codes_each_in_place(rng):
+    # Row n has one weight 1 (code 255 at scale 1/255, bias 0; the other codes 0) in column
+    # c(n) = (5 n + 1) % 128, which visits every position of a word, both halves of a K step and
+    # both groups: y[m, n] = x[m, c(n)] w[n, c(n)] exactly (one nonzero product), so a wrong shift,
+    # word, step or group offset moves or drops it.
+    m, n, k = 9, 64, 128
+    cols = (5 * np.arange(n) + 1) % k
+    assert set(cols % 4) == {0, 1, 2, 3} and set(cols // 16 % 2) == {0, 1} and set(cols // 64) == {0, 1}
+    w_float = np.zeros((n, k), np.float32)
+    w_float[np.arange(n), cols] = 1.0
+    w, s, b = quant.quantize(w_float, bits=8, group_size=64, scale_dtype=np.float32)
+    x = rng.standard_normal((m, k)).astype(np.float32).astype(BF16)
+    y, stats = run_m5(rng, x, w, s, b, bits=8)
+    assert stats["kernels"] == ["qmm_m5_b8_xbf16_sf32"]
+    xh, wh = half_operands(x, w, s, b, bits=8, group_size=64)
+    np.testing.assert_array_equal(np.asarray(y).astype(np.float64), (xh @ wh.T).astype(np.float32).astype(BF16).astype(np.float64))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_m5_counters(rng, bits):
     m, n, k = 70, 101, 192
-    x, w, s, b = make_case(rng, m, n, k, bits=4, group_size=64, x_dtype=BF16, scale_dtype=BF16)
-    _, stats = run_m5(rng, x, w, s, b)
+    x, w, s, b = make_case(rng, m, n, k, bits=bits, group_size=64, x_dtype=BF16, scale_dtype=BF16)
+    _, stats = run_m5(rng, x, w, s, b, bits=bits)
+    assert stats["kernels"] == [f"qmm_m5_b{bits}_xbf16_sbf16"]
     groups = -(-m // TILE) * -(-n // TILE)
     assert stats["dispatches"] == 1 and stats["barriers"] == 0
     assert stats["threads"] == groups * 128
@@ -125,13 +173,14 @@ def test_m5_counters(rng):
     assert stats["flops_executed"] == 2 * (-(-m // TILE) * TILE) * (-(-n // TILE) * TILE) * k
 
 
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("order", ["forward", "reverse", "shuffle"])
-def test_m5_result_independent_of_thread_order(rng, order):
+def test_m5_result_independent_of_thread_order(rng, order, bits):
     # The double-buffered staging has one barrier per K step: any schedule gives the same bits
     # (and the emulator's matmul2d fails if a stage is written while a run reads it).
-    x, w, s, b = make_case(rng, 40, 70, 256, bits=4, group_size=64, x_dtype=np.float32, scale_dtype=BF16)
-    y0, _ = run_m5(rng, x, w, s, b, order="forward")
-    y1, _ = run_m5(rng, x, w, s, b, order=order)
+    x, w, s, b = make_case(rng, 40, 70, 256, bits=bits, group_size=64, x_dtype=np.float32, scale_dtype=BF16)
+    y0, _ = run_m5(rng, x, w, s, b, bits=bits, order="forward")
+    y1, _ = run_m5(rng, x, w, s, b, bits=bits, order=order)
     np.testing.assert_array_equal(y0, y1)
 
 

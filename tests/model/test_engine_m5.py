@@ -49,10 +49,12 @@ def test_demo_greedy_on_the_m5_path(chunk):
         emu = lily_py.load(backend="emu", context_length=256, prefill_chunk=chunk)
     kernels = {p["kernel"] for p in emu._backend.engine.pipelines}
     assert any(k.startswith("qmm_m5_") for k in kernels), sorted(kernels)
-    # every 4-bit qmm on M5, the all-logits lm_head of bf16 activations included (fp32 logits from
-    # bf16 x: qmm_m5's *_yf32 variant)
-    assert not any(k.startswith("qmm_b4_") for k in kernels), sorted(kernels)
+    # every qmm on M5, the all-logits lm_head of bf16 activations included (fp32 logits from bf16 x:
+    # qmm_m5's *_yf32 variant)
+    assert not any(k.startswith(("qmm_b4_", "qmm_b8_")) for k in kernels), sorted(kernels)
     assert "qmm_m5_b4_xbf16_sbf16_yf32" in kernels, sorted(kernels)
+    # the 8-bit router + shared gate of the bf16 demo: qmm_m5 too (x exact in half; fp32 x keeps qmm)
+    assert any(k.startswith("qmm_m5_b8_xbf16_") for k in kernels), sorted(kernels)
     assert any(k.startswith("attn_prefill_m5_d64_") for k in kernels), sorted(kernels)
     assert not any(k.startswith("attn_prefill_mma_") for k in kernels), sorted(kernels)
     assert any(k.startswith("moe_gate_up_m5_64_b4_") for k in kernels), sorted(kernels)
@@ -131,12 +133,14 @@ def _attn_prefill_executed(cfg, T, route):
 def test_real_config_prefill_4096_flops_with_tensor_ops():
     """The real 35B config, one prefill chunk of 4096 tokens, on the counting device with and
     without tensor ops. Useful FLOPs are the same; executed FLOPs differ exactly by the attention
-    route (bf16 tiles' 8-key blocks -> 16-key blocks) and the DeltaNet chunked route (the Gram
-    products as full 64 x 64 squares and O per 32 value columns on matmul2d: the M5 split of
-    ops.gated_delta_chunk_flops, tests/kernels/test_gated_delta_chunk_m5.py): every 4-bit projection
-    has M = 4096 and N a multiple of 64 (q|gate 8192, k and v 512, o 2048, DeltaNet in_proj 12352 and
-    out_proj 2048), so the 64 x 64 qmm_m5 tiles pad nothing, like the simdgroup tiles; the MoE tiles
-    are the same on both routes; the router (8-bit) does not change."""
+    route (bf16 tiles' 8-key blocks -> 16-key blocks), the router's tiles and the DeltaNet chunked
+    route (the Gram products as full 64 x 64 squares and O per 32 value columns on matmul2d: the M5
+    split of ops.gated_delta_chunk_flops, tests/kernels/test_gated_delta_chunk_m5.py): every 4-bit
+    projection has M = 4096 and N a multiple of 64 (q|gate 8192, k and v 512, o 2048, DeltaNet
+    in_proj 12352 and out_proj 2048), so the 64 x 64 qmm_m5 tiles pad nothing, like the simdgroup
+    tiles; the 8-bit router + shared gate (N = E + 1 = 257, bf16 x) moves from qmm's 32-wide tiles
+    (288 columns executed, fp32 simdgroup matrices) to qmm_m5's 64-wide ones (320 columns, tensor
+    ops); the MoE tiles are the same on both routes."""
     from lily_py.backends.engine import count_step
     from lily_py.config import ModelConfig
     from lily_py.testing import REAL_TEXT_CONFIG
@@ -158,7 +162,12 @@ def test_real_config_prefill_4096_flops_with_tensor_ops():
     gd = [core.ops.gated_delta_chunk_flops(4096, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                                            cfg.linear_value_head_dim, t) for t in (False, True)]
     print(f"DeltaNet chunked route at 4096, per layer ({n_gd} layers): fp32 {gd[0]}, M5 {gd[1]}")
-    assert m5["flops_executed"] == off["flops_executed"] - tiles + m5_attn + n_gd * (
+    L, T, H, N = cfg.num_hidden_layers, 4096, cfg.hidden_size, cfg.num_experts + 1
+    router_qmm = 2 * T * (-(-N // 32) * 32) * H * L  # qmm_b8: 32 x 32 tiles (fp32 simdgroup matrices)
+    router_m5 = 2 * T * (-(-N // 64) * 64) * H * L   # qmm_m5_b8: 64 x 64 tiles (tensor ops)
+    print(f"router + shared gate executed FLOPs at 4096: qmm {router_qmm}, qmm_m5 {router_m5}, "
+          f"useful {2 * T * N * H * L}")
+    assert m5["flops_executed"] == off["flops_executed"] - tiles + m5_attn - router_qmm + router_m5 + n_gd * (
         gd[1]["tensor"] + gd[1]["alu"] - gd[0]["tensor"] - gd[0]["alu"])
     assert tiles < m5_attn < _attn_prefill_executed(cfg, 4096, "mma")  # shorter blocks waste less
     assert (m5["dispatches"], m5["barriers"]) == (off["dispatches"], off["barriers"])

@@ -22,7 +22,7 @@ void need_bytes(const Binding& b, uint64_t bytes, const char* what) {
 QmmRoute qmm_route(uint32_t M, uint32_t bits, bool tensor_ops, bool bf16_tiles) {
   if (M == 1) return QmmRoute::qmv1;
   if (M <= kQmvMaxRows) return QmmRoute::qmv;
-  if (tensor_ops && bits == 4) return QmmRoute::qmm_m5;
+  if (tensor_ops && (bits == 4 || bits == 8)) return QmmRoute::qmm_m5;
   return M >= kQmmBf16MinRows && bf16_tiles ? QmmRoute::qmm_bf16 : QmmRoute::qmm;
 }
 
@@ -122,9 +122,11 @@ KernelId qmm_kernel4(QmmRoute route, uint32_t bits, DType x, DType s, bool y_f32
               : (sb ? KernelId::qmv1_b8_xf32_sbf16 : KernelId::qmv1_b8_xf32_sf32);
   }
   if (route == QmmRoute::qmm_m5) {
-    if (bits != 4) throw std::invalid_argument("quantized_matmul: the qmm_m5 route takes 4-bit weights only");
-    return xb ? (sb ? KernelId::qmm_m5_b4_xbf16_sbf16 : KernelId::qmm_m5_b4_xbf16_sf32)
-              : (sb ? KernelId::qmm_m5_b4_xf32_sbf16 : KernelId::qmm_m5_b4_xf32_sf32);
+    if (bits == 4)
+      return xb ? (sb ? KernelId::qmm_m5_b4_xbf16_sbf16 : KernelId::qmm_m5_b4_xbf16_sf32)
+                : (sb ? KernelId::qmm_m5_b4_xf32_sbf16 : KernelId::qmm_m5_b4_xf32_sf32);
+    return xb ? (sb ? KernelId::qmm_m5_b8_xbf16_sbf16 : KernelId::qmm_m5_b8_xbf16_sf32)
+              : (sb ? KernelId::qmm_m5_b8_xf32_sbf16 : KernelId::qmm_m5_b8_xf32_sf32);
   }
   if (route == QmmRoute::qmm_bf16) {
     if (bits == 4)
@@ -192,11 +194,21 @@ bool qmm_bf16_allowed(const QmmOperands& op) {
   return aligned && !op.fp32_operands && !op.y_f32 && (op.x_dtype == DType::bf16 || op.f32_x_bf16_tiles);
 }
 
+bool qmm_m5_allowed(const QmmOperands& op) {
+  // The fp32-y variants (bf16 x: lm_head's logits) are 4-bit only.
+  if (op.y_f32 && op.x_dtype == DType::bf16 && op.bits != 4) return false;
+  // fp32_operands (the router): qmm_m5 rounds x and the weights to half. bf16 x is exact in half
+  // (8 significand bits of 11; |x| within half's range), so only the weights are rounded, by
+  // <= 2^-11 relative, 8x finer than the bf16 rounding of the logits it writes; fp32 x would be
+  // rounded itself and keeps qmm.
+  return !(op.fp32_operands && op.x_dtype == DType::f32);
+}
+
 void encode_quantized_matmul(Encoder& enc, const QmmOperands& op) {
   validate(op);
   const bool bf16_tiles = qmm_bf16_allowed(op);
-  // A bf16-x, fp32-y product (lm_head's logits) takes qmm_m5's *_yf32 variant on such a device.
-  const bool tensor_ops = enc.tensor_ops();
+  // A bf16-x, fp32-y product (lm_head's logits) takes qmm_m5's *_yf32 variant (4-bit) on such a device.
+  const bool tensor_ops = enc.tensor_ops() && qmm_m5_allowed(op);
   const QmmRoute route = qmm_route(op.M, op.bits, tensor_ops, bf16_tiles);
   const uint64_t xe = dtype_size(op.x_dtype), se = dtype_size(op.scale_dtype);
   const uint64_t ye = op.y_f32 ? 4 : xe;

@@ -12,7 +12,7 @@ enum class QmmRoute : uint8_t {
   qmv1, // M == 1: single-token matrix-vector (optionally with an RMSNorm fused in front)
   qmv,  // 2 <= M <= kQmvMaxRows: matrix-vector, every weight byte read once for all M rows
   qmm,  // M >  kQmvMaxRows: 32x32 output tiles, weights dequantized per tile into threadgroup memory
-  qmm_m5,  // M > kQmvMaxRows, 4-bit, on a device with Metal 4 tensor ops: 64x64 tiles, matmul2d
+  qmm_m5,  // M > kQmvMaxRows on a device with Metal 4 tensor ops (qmm_m5_allowed): 64x64 tiles, matmul2d
   qmm_bf16,  // M >= kQmmBf16MinRows otherwise (M1-M4 prefill): 64x64 bf16 simdgroup tiles
 };
 
@@ -54,7 +54,8 @@ struct QmmOperands {
   uint32_t x_stride = 0, y_stride = 0;  // 0 means packed (K, N)
   // Keep fp32 operands (qmm, never qmm_bf16): the MoE router, whose logits choose the experts
   // (a bf16-rounded operand moves near-tied logits, so the chosen experts would differ from the
-  // fp32 reference's; the router is ~1.5% of a prefill chunk's projection FLOPs).
+  // fp32 reference's; the router is ~1.5% of a prefill chunk's projection FLOPs). On a tensor-ops
+  // device bf16 x still takes qmm_m5 (half weights; see qmm_m5_allowed), fp32 x keeps qmm.
   bool fp32_operands = false;
   // fp32 x may take qmm_bf16 (x rounded to bf16 at the tile load). Off by default: the fp32
   // engine's precision policy keeps fp32 operands (docs/kernels.md, qmm_bf16); bf16 x always may.
@@ -71,6 +72,12 @@ struct QmmOperands {
 // rows: the qmv1 route's rows per threadgroup (qmv1_rows(N, K, bits); 4 or 1), ignored by the others.
 KernelId qmm_kernel(QmmRoute route, uint32_t bits, DType x_dtype, DType scale_dtype, bool y_f32 = false,
                     uint32_t rows = kQmv1Rows);
+
+// Whether a tensor-ops device may take qmm_m5 for these operands (qmm_route's tensor_ops is
+// enc.tensor_ops() && this): not for bf16 x with fp32 y (no such variant), nor for fp32 x with
+// fp32_operands (the router of the fp32 engine: qmm_m5 would round x to half). The router with bf16
+// x takes it: x is exact in half, the 8-bit weights are rounded to half (<= 2^-11 relative).
+bool qmm_m5_allowed(const QmmOperands& op);
 
 // qmm_route's bf16_tiles for these operands: x bf16 (or f32_x_bf16_tiles), !fp32_operands, x's
 // rows and the w binding on 16-byte boundaries.

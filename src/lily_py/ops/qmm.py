@@ -11,7 +11,7 @@ def quantized_matmul_route(m: int, *, bits: int = 4, tensor_ops: bool = False, b
     """The route :func:`quantized_matmul` takes for ``m`` rows of ``x``: ``"qmv1"`` (one row), ``"qmv"`` (2..8 rows),
     ``"qmm"``, ``"qmm_bf16"`` (``m >= 33`` where the operands may be rounded to bf16,
     ``bf16_tiles``: bfloat16 ``x``, or float32 ``x`` with ``f32_x_bf16_tiles=True``), or
-    ``"qmm_m5"`` (4-bit weights on a device with Metal 4 tensor ops, ``tensor_ops=True``: an M5,
+    ``"qmm_m5"`` (4- or 8-bit weights on a device with Metal 4 tensor ops, ``tensor_ops=True``: an M5,
     or the emulator under ``lily_py.testing.simulated_device(tensor_ops=True)``)."""
     return str(_core().ops.qmm_route(int(m), int(bits), bool(tensor_ops), bool(bf16_tiles)))
 
@@ -26,7 +26,7 @@ def quantized_matmul(x: np.ndarray, w: np.ndarray, scales: np.ndarray, biases: n
     ``group_size`` 32, 64 or 128. Returns ``[..., N]`` in the dtype of ``x``; accumulation is fp32.
     Rows ``M <= 8`` take the matrix-vector route (``qmv``), larger ``M`` the tiled one (``qmm``;
     ``qmm_bf16`` for ``M >= 33`` with bfloat16 ``x``: the dequantized weights rounded to bf16,
-    fp32 accumulation; ``qmm_m5`` with 4-bit weights where the device reports Metal 4 tensor ops:
+    fp32 accumulation; ``qmm_m5`` (4- or 8-bit weights) where the device reports Metal 4 tensor ops:
     x and the dequantized weights rounded to half, fp32 accumulation).
     """
     y, _ = _quantized_matmul(x, w, scales, biases, bits=bits, group_size=group_size, device=device)
