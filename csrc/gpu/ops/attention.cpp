@@ -288,8 +288,8 @@ bool attention_prefill_uses_tiles(uint32_t head_dim, DType dtype, bool tensor_op
 }
 
 // A prefill kernel whose threadgroup runs `rows` (token, head) rows (qt tokens) of one KV head
-// against every `block_keys`-key block up to its last token's keys (the M5 and bf16 tile
-// routes): binds q, k, v, gate, out, counts the cache rows once and the executed FLOPs
+// against every `block_keys`-key block up to its last token's keys (the M5, bf16 tile and fp32
+// mma routes): binds q, k, v, gate, out, counts the cache rows once and the executed FLOPs
 // (S = Q K^T and O += P V: 2 * rows * block_keys * head_dim multiply-adds per block).
 static void encode_blocked_prefill(Encoder& enc, const AttentionOperands& op, const Checked& c, KernelId id, uint32_t qt,
                                    uint32_t threads, uint32_t rows, uint32_t block_keys) {
@@ -341,23 +341,9 @@ void encode_attention_prefill(Encoder& enc, const AttentionOperands& op) {
   }
   if (attention_prefill_uses_mma(op.head_dim)) {
     const uint32_t qt = kAttnMmaRows / group;
-    enc.set_kernel(bf ? KernelId::attn_prefill_mma_bf16 : KernelId::attn_prefill_mma_f32);
-    enc.set_args(c.args);
-    enc.set_buffer(1, c.q);
-    enc.set_buffer(2, c.k);
-    enc.set_buffer(3, c.v);
-    enc.set_buffer(4, c.gate);
-    enc.set_buffer(5, c.out);
-    touch_cache_rows(enc, op, uint64_t(op.position) + op.tokens);  // each row counted once
-    enc.dispatch({op.kv_heads, (op.tokens + qt - 1) / qt, 1}, {kAttnMmaThreads, 1, 1});
-    // Each threadgroup runs 32 rows (qt * group live) against every 32-key block up to its last
-    // token's keys: S = Q K^T and O += P V, 2 * 32 * 32 * head_dim multiply-adds per block.
-    uint64_t executed = 0;
-    for (uint32_t t0 = 0; t0 < op.tokens; t0 += qt) {
-      const uint64_t key_end = uint64_t(op.position) + std::min(t0 + qt, op.tokens);
-      executed += (key_end + kAttnBlockKeys - 1) / kAttnBlockKeys * 4ull * kAttnMmaRows * kAttnBlockKeys * op.head_dim;
-    }
-    enc.add_flops(executed * op.kv_heads, attention_useful_flops(op));
+    // 32 rows (qt * group live) against every 32-key block up to the threadgroup's last token's keys
+    encode_blocked_prefill(enc, op, c, bf ? KernelId::attn_prefill_mma_bf16 : KernelId::attn_prefill_mma_f32, qt,
+                           kAttnMmaThreads, kAttnMmaRows, kAttnBlockKeys);
     return;
   }
   enc.set_kernel(bf ? KernelId::attn_prefill_bf16 : KernelId::attn_prefill_f32);

@@ -88,6 +88,17 @@ def conv1d_error_scale(x: np.ndarray, weight: np.ndarray, state: np.ndarray) -> 
     return sum(xx[j:j + x.shape[0]] * w64[:, j] for j in range(K))
 
 
+def _gd_inputs(q, k, v, z, a, b):
+    """The delta rule's inputs in float64: q and k L2-normalised (eps 1e-6), q scaled by Dk^-1/2,
+    both repeated to the value heads; v, z, a, b converted."""
+    q, k, v, z, a, b = (np.asarray(t).astype(np.float64) for t in (q, k, v, z, a, b))
+    rep = v.shape[1] // q.shape[1]
+    q = q / np.sqrt(np.sum(q * q, -1, keepdims=True) + np.float64(np.float32(1e-6)))
+    q = q * np.float64(np.float32(q.shape[-1] ** -0.5))
+    k = k / np.sqrt(np.sum(k * k, -1, keepdims=True) + np.float64(np.float32(1e-6)))
+    return np.repeat(q, rep, axis=1), np.repeat(k, rep, axis=1), v, z, a, b
+
+
 def gated_delta(q, k, v, z, a, b, A_log, dt_bias, norm_weight, state, *, eps: float):
     """The fused gated delta rule + gated RMSNorm in float64, token by token.
 
@@ -96,14 +107,8 @@ def gated_delta(q, k, v, z, a, b, A_log, dt_bias, norm_weight, state, *, eps: fl
     ``[Hv, Dk, Dv]`` (the reference layout). Returns ``(y [T, Hv, Dv], new_state [Hv, Dk, Dv])``.
     """
     f = lambda t: np.asarray(t).astype(np.float64)  # noqa: E731
-    q, k, v, z, a, b = f(q), f(k), f(v), f(z), f(a), f(b)
-    T, Hk, Dk = q.shape
-    Hv = v.shape[1]
-    rep = Hv // Hk
-    q = q / np.sqrt(np.sum(q * q, -1, keepdims=True) + np.float64(np.float32(1e-6)))
-    q = q * np.float64(np.float32(Dk ** -0.5))
-    k = k / np.sqrt(np.sum(k * k, -1, keepdims=True) + np.float64(np.float32(1e-6)))
-    q, k = np.repeat(q, rep, axis=1), np.repeat(k, rep, axis=1)
+    q, k, v, z, a, b = _gd_inputs(q, k, v, z, a, b)
+    T = q.shape[0]
     decay = np.exp(-np.exp(f(A_log)) * np.logaddexp(0.0, a + f(dt_bias)))   # [T, Hv]
     beta = 1.0 / (1.0 + np.exp(-b))
     S = f(state).copy()
@@ -134,14 +139,8 @@ def gated_delta_chunked_m5(q, k, v, z, a, b, A_log, dt_bias, norm_weight, state,
     """
     f = lambda t: np.asarray(t).astype(np.float64)  # noqa: E731
     h16 = lambda t: np.asarray(t).astype(np.float16).astype(np.float64)  # noqa: E731
-    q, k, v, z, a, b = f(q), f(k), f(v), f(z), f(a), f(b)
-    T, Hk, Dk = q.shape
-    Hv = v.shape[1]
-    rep = Hv // Hk
-    q = q / np.sqrt(np.sum(q * q, -1, keepdims=True) + np.float64(np.float32(1e-6)))
-    q = q * np.float64(np.float32(Dk ** -0.5))
-    k = k / np.sqrt(np.sum(k * k, -1, keepdims=True) + np.float64(np.float32(1e-6)))
-    q, k = np.repeat(q, rep, axis=1), np.repeat(k, rep, axis=1)
+    q, k, v, z, a, b = _gd_inputs(q, k, v, z, a, b)
+    T = q.shape[0]
     qh, kh = h16(q), h16(k)
     g = -np.exp(f(A_log)) * np.logaddexp(0.0, a + f(dt_bias))              # [T, Hv]
     beta = 1.0 / (1.0 + np.exp(-b))
