@@ -88,7 +88,7 @@ def check_m5(rng, W, x, top_k, **kw):
 def test_m5_tiles_sized_by_load(rng, T):
     E = 9
     W, x_of = make_block(rng, E=E, H=64, I=32, gs=32, load="skewed")
-    _, ids, stats = check_m5(rng, W, x_of(T), 2)
+    _, ids, stats = check_m5(rng, W, x_of(T, 2), 2)
     assert (ids[:, 0] == 0).all()
     assert stats["tiles"] == expected_tiles(ids, E)
     assert stats["flops_executed"] == expected_executed(ids, E, H=64, I=32, Is=32, router_rows=E + 1)
@@ -117,12 +117,12 @@ def test_route_switch_same_plan_same_counters(rng, T):
 def test_m5_shared_intermediate_differs_and_group_128(rng, T):
     # I = 128 != Is = 256 (h rows max(I, Is) wide, the shared group's K = 8 steps), group 128.
     W, x_of = make_block(rng, E=5, H=128, I=128, Is=256, gs=128)
-    check_m5(rng, W, x_of(T), 2)
+    check_m5(rng, W, x_of(T, 2), 2)
 
 
 def test_m5_many_experts_top8(rng):
     W, x_of = make_block(rng, E=67, H=96, I=64, Is=96, gs=32, load="skewed")
-    check_m5(rng, W, x_of(70), 8)
+    check_m5(rng, W, x_of(70, 8), 8)
 
 
 @pytest.mark.parametrize("order", ["reverse", "shuffle", "ahead"])
@@ -140,7 +140,7 @@ def test_m5_model_shapes(rng):
     skewed load: expert 0 and the shared group (40 rows each) take 64-row tiles, K = 64 steps."""
     E = 4
     W, x_of = make_block(rng, E=E, H=2048, I=512, gs=64, load="skewed")
-    _, ids, stats = check_m5(rng, W, x_of(40), 2)
+    _, ids, stats = check_m5(rng, W, x_of(40, 2), 2)
     tiles = stats["tiles"]
     assert tiles["64"] >= 2, tiles
     assert tiles == expected_tiles(ids, E)
