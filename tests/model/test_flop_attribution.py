@@ -153,3 +153,39 @@ def test_kernel_units_and_per_kernel_totals():
     for name, v in ks.items():
         assert v["unit"] == units[name]
         assert v["flops_executed"] == sum(d["flops_executed"] for d in ds if d["kernel"] == name)
+
+
+@pytest.mark.parametrize("tensor_ops", [False, True])
+@pytest.mark.parametrize("tokens", [97, 4096])
+def test_deltanet_prefill_bytes_touched(tokens, tensor_ops):
+    """bytes_touched of the chunked DeltaNet dispatches of the real config, derived from the shapes:
+    the proj columns each kernel reads (qkv, z, a, b sit in 12,352-column proj rows) count their
+    elements only, not the range from the first row to the last; q and P are half on the M5 route;
+    the state is read and written once per chunk step."""
+    from lily_py.testing import REAL_TEXT_CONFIG
+    cfg = ModelConfig.from_dict({"model_type": "qwen3_5_moe", "text_config": dict(REAL_TEXT_CONFIG)})
+    with simulated_device(tensor_ops=tensor_ops):
+        _, ds = count_dispatches(cfg, tokens=tokens)
+    T, Tp = tokens, -(-tokens // 64) * 64
+    Hk, Hv, Dk, Dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                      cfg.linear_value_head_dim)
+    C, VD, K, xe, we = 2 * Hk * Dk + Hv * Dv, Hv * Dv, cfg.linear_conv_kernel_dim, 2, 4  # bf16 x, fp32 w
+    qe = 2 if tensor_ops else 4
+    want = {
+        "conv1d": 2 * T * C * xe + C * K * we + 2 * (K - 1) * C * xe,
+        "gd_chunk_prep": T * C * xe + 2 * T * Hv * xe + Hv * (4 + we)
+                         + Hk * Tp * Dk * (qe + 4) + Hv * Tp * Dv * 4 + 2 * Hv * Tp * 4,
+        "gd_chunk_wy": Hk * Tp * Dk * (qe + 4) + Hv * Tp * Dv * 4 + 2 * Hv * Tp * 4
+                       + Hv * Tp * (Dk + Dv) * 4 + Hv * Tp * 64 * qe,
+        "gd_chunk_state": Hk * Tp * Dk * (qe + 4) + Hv * Tp * 4 + Hv * Tp * (Dk + Dv) * 4 + Hv * Tp * 64 * qe
+                          + 2 * Hv * Dv * Dk * 4 + Hv * Tp * Dv * 4,
+        "gd_chunk_norm": Hv * Tp * Dv * 4 + 2 * T * VD * xe + Dv * we,
+    }
+    first = {}
+    for d in ds:
+        for fam in want:
+            if d["kernel"].startswith(fam) and fam not in first:
+                first[fam] = d
+    assert set(first) == set(want), sorted(first)
+    for fam, n in want.items():
+        assert first[fam]["bytes_touched"] == n, (fam, first[fam]["kernel"], first[fam]["bytes_touched"], n)

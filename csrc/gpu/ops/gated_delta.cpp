@@ -29,6 +29,17 @@ uint64_t rows_bytes(uint32_t rows, uint32_t stride, uint32_t width, DType t) {
   return ((uint64_t(rows) - 1) * stride + width) * dtype_size(t);
 }
 
+// Binds `rows` rows of `width` elements `stride` apart (the range from the first row's start to
+// the last row's end) and counts as touched only the rows' elements: the proj columns a kernel
+// reads (qkv, z, a, b) sit inside wider proj rows, and the bytes between them are never loaded.
+// (A narrow read such as a and b, 2 x Hv elements side by side per row, still pulls whole cache
+// lines on a GPU; at Hv = 32 in bf16 that is one 128-byte line per row: not counted.)
+void bind_rows(Encoder& enc, uint32_t index, const char* fn, const Binding& b, uint32_t rows, uint32_t stride,
+               uint32_t width, DType t, const char* what) {
+  enc.set_buffer(index, need(fn, b, rows_bytes(rows, stride, width, t), what));
+  enc.set_touched(index, uint64_t(rows) * width * dtype_size(t));
+}
+
 bool overlap(const Binding& a, const Binding& b) {
   return a.buffer == b.buffer && a.offset < b.offset + b.bytes && b.offset < a.offset + a.bytes;
 }
@@ -122,15 +133,14 @@ void encode_conv1d(Encoder& enc, const Conv1dOperands& op) {
   Conv1dArgs args{op.T, op.C, op.K, xs, ys};
   enc.set_kernel(conv1d_kernel(op.x_dtype, op.w_dtype));
   enc.set_args(args);
-  const Binding x = need(fn, op.x, rows_bytes(op.T, xs, op.C, op.x_dtype), "x");
   const Binding sin = need(fn, op.state_in, st, "state_in");
   const Binding sout = need(fn, op.state_out, st, "state_out");
   if (op.T > 1 && overlap(sin, sout))
     fail("state_out must not overlap state_in when T > 1 (threads of different tokens read and write it)");
-  enc.set_buffer(1, x);
+  bind_rows(enc, 1, fn, op.x, op.T, xs, op.C, op.x_dtype, "x");
   enc.set_buffer(2, need(fn, op.weight, uint64_t(op.C) * op.K * dtype_size(op.w_dtype), "weight"));
   enc.set_buffer(3, sin);
-  enc.set_buffer(4, need(fn, op.y, rows_bytes(op.T, ys, op.C, op.x_dtype), "y"));
+  bind_rows(enc, 4, fn, op.y, op.T, ys, op.C, op.x_dtype, "y");
   enc.set_buffer(5, sout);
   enc.dispatch({ceil_div(op.C, kConvThreads), op.T, 1}, {kConvThreads, 1, 1});
 }
@@ -152,10 +162,10 @@ void encode_gated_delta(Encoder& enc, const GatedDeltaOperands& op) {
   enc.set_kernel(gated_delta_kernel(op.x_dtype, op.w_dtype));
   enc.set_args(args);
   const DType xt = op.x_dtype, wt = op.w_dtype;
-  enc.set_buffer(1, need(fn, op.qkv, rows_bytes(op.T, qs, C, xt), "qkv"));
-  enc.set_buffer(2, need(fn, op.z, rows_bytes(op.T, zs, VD, xt), "z"));
-  enc.set_buffer(3, need(fn, op.a, rows_bytes(op.T, abs_, op.Hv, xt), "a"));
-  enc.set_buffer(4, need(fn, op.b, rows_bytes(op.T, abs_, op.Hv, xt), "b"));
+  bind_rows(enc, 1, fn, op.qkv, op.T, qs, C, xt, "qkv");
+  bind_rows(enc, 2, fn, op.z, op.T, zs, VD, xt, "z");
+  bind_rows(enc, 3, fn, op.a, op.T, abs_, op.Hv, xt, "a");
+  bind_rows(enc, 4, fn, op.b, op.T, abs_, op.Hv, xt, "b");
   enc.set_buffer(5, need(fn, op.A_log, uint64_t(op.Hv) * 4, "A_log"));
   enc.set_buffer(6, need(fn, op.dt_bias, uint64_t(op.Hv) * dtype_size(wt), "dt_bias"));
   enc.set_buffer(7, need(fn, op.norm_weight, uint64_t(op.Dv) * dtype_size(wt), "norm_weight"));
@@ -269,12 +279,16 @@ void encode_gated_delta_chunked(Encoder& enc, const GatedDeltaOperands& op) {
     enc.set_kernel(xb ? (wb ? KernelId::gd_chunk_prep_xbf16_wbf16 : KernelId::gd_chunk_prep_xbf16_wf32)
                       : (wb ? KernelId::gd_chunk_prep_xf32_wbf16 : KernelId::gd_chunk_prep_xf32_wf32));
   enc.set_args(args);
-  enc.set_buffer(1, need(fn, op.qkv, rows_bytes(op.T, qs, C, xt), "qkv"));
-  enc.set_buffer(2, need(fn, op.a, rows_bytes(op.T, abs_, op.Hv, xt), "a"));
-  enc.set_buffer(3, need(fn, op.b, rows_bytes(op.T, abs_, op.Hv, xt), "b"));
+  bind_rows(enc, 1, fn, op.qkv, op.T, qs, C, xt, "qkv");
+  bind_rows(enc, 2, fn, op.a, op.T, abs_, op.Hv, xt, "a");
+  bind_rows(enc, 3, fn, op.b, op.T, abs_, op.Hv, xt, "b");
   enc.set_buffer(4, need(fn, op.A_log, uint64_t(op.Hv) * 4, "A_log"));
   enc.set_buffer(5, need(fn, op.dt_bias, uint64_t(op.Hv) * dtype_size(wt), "dt_bias"));
+  // On the M5 route q and P are half: they fill the first half of their (fp32-sized) sections.
+  const uint64_t qn_bytes = uint64_t(op.Hk) * Tp * op.Dk * (m5 ? 2 : 4);
+  const uint64_t p_bytes = uint64_t(op.Hv) * Tp * kGdChunk * (m5 ? 2 : 4);
   enc.set_buffer(6, qn);
+  enc.set_touched(6, qn_bytes);
   enc.set_buffer(7, kn);
   enc.set_buffer(8, vo);
   enc.set_buffer(9, g);
@@ -285,6 +299,7 @@ void encode_gated_delta_chunked(Encoder& enc, const GatedDeltaOperands& op) {
   enc.set_kernel(m5 ? KernelId::gd_chunk_wy_m5_f32 : KernelId::gd_chunk_wy_f32);
   enc.set_args(args);
   enc.set_buffer(1, qn);
+  enc.set_touched(1, qn_bytes);
   enc.set_buffer(2, kn);
   enc.set_buffer(3, vo);
   enc.set_buffer(4, g);
@@ -292,6 +307,7 @@ void encode_gated_delta_chunked(Encoder& enc, const GatedDeltaOperands& op) {
   enc.set_buffer(6, wn);
   enc.set_buffer(7, u);
   enc.set_buffer(8, p);
+  enc.set_touched(8, p_bytes);
   enc.dispatch({Tp / kGdChunk, op.Hv, 1}, {kGdChunkWyThreads, 1, 1});
   // Executed FLOPs per pass; the rule's useful FLOPs (6 T Hv Dk Dv) go with the state pass.
   const GdChunkFlops parts = gated_delta_chunk_flops(op.T, op.Hv, op.Dk, op.Dv, m5);
@@ -301,12 +317,15 @@ void encode_gated_delta_chunked(Encoder& enc, const GatedDeltaOperands& op) {
   enc.set_kernel(m5 ? KernelId::gd_chunk_state_m5_f32 : KernelId::gd_chunk_state_f32);
   enc.set_args(args);
   enc.set_buffer(1, qn);
+  enc.set_touched(1, qn_bytes);
   enc.set_buffer(2, kn);
   enc.set_buffer(3, g);
   enc.set_buffer(4, wn);
   enc.set_buffer(5, u);
   enc.set_buffer(6, p);
+  enc.set_touched(6, p_bytes);
   enc.set_buffer(7, need(fn, op.state, uint64_t(op.Hv) * op.Dv * op.Dk * 4, "state"));
+  enc.set_touched(7, 2 * uint64_t(op.Hv) * op.Dv * op.Dk * 4);  // read before the first chunk, written after the last
   enc.set_buffer(8, vo);
   if (m5) {
     // Mixed: O on tensor ops, the state feedback (the larger part) on fp32 8x8 products; counted
@@ -323,7 +342,7 @@ void encode_gated_delta_chunked(Encoder& enc, const GatedDeltaOperands& op) {
                     : (wb ? KernelId::gd_chunk_norm_xf32_wbf16 : KernelId::gd_chunk_norm_xf32_wf32));
   enc.set_args(args);
   enc.set_buffer(1, vo);
-  enc.set_buffer(2, need(fn, op.z, rows_bytes(op.T, zs, VD, xt), "z"));
+  bind_rows(enc, 2, fn, op.z, op.T, zs, VD, xt, "z");
   enc.set_buffer(3, need(fn, op.norm_weight, uint64_t(op.Dv) * dtype_size(wt), "norm_weight"));
   enc.set_buffer(4, need(fn, op.y, uint64_t(op.T) * VD * dtype_size(xt), "y"));
   enc.dispatch({op.T, op.Hv, 1}, {32, 1, 1});
