@@ -45,36 +45,68 @@ inline float gdc_softplus(float x) {  // same formula as gd_softplus (gated_delt
   return max(x, 0.0f) + log1p_e;
 }
 
+inline float gdc_silu(float x) { return x * gdc_sigmoid(x); }  // same formula as gd_silu
+
+// Channel c of token t (t < T) as the prep reads it, in fp32. Conv = false: qkv is the conv's
+// output, row t. Conv = true (gd_chunk_prep_conv): qkv is the conv's input (the in_proj columns),
+// and the value is conv1d's, computed the same way (shaders/gated_delta.metal: taps j = 0..K-1 of
+// xx = concat(conv_in [K-1, C], qkv [T, C]) summed in order in fp32, SiLU, rounded to T), so the
+// fused route gives bit for bit what conv1d + gd_chunk_prep give.
+template <bool Conv, typename T, typename W>
+inline float gdc_channel(constant GdChunkArgs& args, const device T* qkv, const device W* conv_w,
+                         const device T* conv_in, uint32_t t, uint32_t c) {
+  if (!Conv) return float(qkv[uint64_t(t) * args.qkv_stride + c]);
+  const uint32_t K = args.conv_k, hist = K - 1, C = 2 * args.Hk * args.Dk + args.Hv * args.Dv;
+  float acc = 0.0f;
+  for (uint32_t j = 0; j < K; ++j) {
+    const uint32_t p = t + j;  // position in xx
+    const float v = p < hist ? float(conv_in[p * C + c]) : float(qkv[uint64_t(p - hist) * args.qkv_stride + c]);
+    acc += float(conv_w[c * K + j]) * v;
+  }
+  return float(T(gdc_silu(acc)));
+}
+
+// The conv window after the chunk, channel c: conv_out[r] = xx[T + r], r < K - 1 (the conv's raw
+// input, as conv1d's last-token threads write it). conv_out must not alias conv_in (host check).
+template <typename T>
+inline void gdc_keep_window(constant GdChunkArgs& args, const device T* qkv, const device T* conv_in,
+                            device T* conv_out, uint32_t c) {
+  const uint32_t hist = args.conv_k - 1, C = 2 * args.Hk * args.Dk + args.Hv * args.Dv;
+  for (uint32_t r = 0; r < hist; ++r) {
+    const uint32_t p = args.T + r;
+    conv_out[r * C + c] = p < hist ? conv_in[p * C + c] : qkv[uint64_t(p - hist) * args.qkv_stride + c];
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
-// gd_chunk_prep: per token t < Tp and value head h (one simdgroup each).
+// gd_chunk_prep / gd_chunk_prep_conv: per token t < Tp and value head h (one simdgroup each).
 //   grid:    (Tp, Hv) threadgroups of 32 threads
 //   writes:  vo[h, t, :] = v; g[h, t] = -exp(A_log) softplus(a + dt_bias); beta[h, t] = sigmoid(b);
 //            the first value head of each key head also writes qn / kn (L2-normalised over Dk
 //            with one simd_sum(float2), eps 1e-6, q times q_scale). Rows t >= T: zeros.
 //   buffers: 1 qkv [T, qkv_stride] T, 2 a [T, ab_stride] T, 3 b [T, ab_stride] T, 4 A_log [Hv]
 //            float, 5 dt_bias [Hv] W, 6 qn (QN), 7 kn, 8 vo, 9 g, 10 beta (float scratch)
+//   conv:    gd_chunk_prep_conv (the engine's prefill route) fuses the causal conv1d + SiLU: qkv
+//            holds the conv's input (args.conv_k = K taps), 11 conv_weight [C, K] W, 12 conv_in
+//            [K-1, C] T (the window before the chunk), 13 conv_out [K-1, C] T (after it: written
+//            by token T - 1's simdgroups, each for the channels it reads). One level and the conv
+//            output's round trip through device memory less than conv1d + gd_chunk_prep.
 //   QN:      float, or half on the M5 route (gd_chunk_prep_q16_*: q is only a half operand of
 //            matmul2d there, rounded once here; it fills the first half of the qn section)
-template <typename T, typename W, typename QN>
-[[kernel]] void gd_chunk_prep(constant GdChunkArgs& args [[buffer(0)]],
-                              const device T* qkv [[buffer(1)]],
-                              const device T* a [[buffer(2)]],
-                              const device T* b [[buffer(3)]],
-                              const device float* A_log [[buffer(4)]],
-                              const device W* dt_bias [[buffer(5)]],
-                              device QN* qn [[buffer(6)]],
-                              device float* kn [[buffer(7)]],
-                              device float* vo [[buffer(8)]],
-                              device float* g [[buffer(9)]],
-                              device float* beta [[buffer(10)]],
-                              LILY_KERNEL_TAIL) {
-  const uint32_t t = group_pos.x, h = group_pos.y;
+template <bool Conv, typename T, typename W, typename QN>
+inline void gdc_prep(constant GdChunkArgs& args, const device T* qkv, const device T* a, const device T* b,
+                     const device float* A_log, const device W* dt_bias, device QN* qn, device float* kn,
+                     device float* vo, device float* g, device float* beta, const device W* conv_w,
+                     const device T* conv_in, device T* conv_out, uint32_t t, uint32_t h, uint32_t lane) {
   const uint32_t Dk = args.Dk, Dv = args.Dv, ratio = args.Hv / args.Hk, kh = h / ratio;
   const bool live = t < args.T;  // uniform over the threadgroup
-  const device T* row = qkv + uint64_t(live ? t : 0) * args.qkv_stride;
+  const bool keep = Conv && t + 1 == args.T;  // uniform: the last token writes the conv window
   const uint64_t vrow = (uint64_t(h) * args.Tp + t) * Dv;
-  for (uint32_t d = lane; d < Dv; d += 32)
-    vo[vrow + d] = live ? float(row[2 * args.Hk * Dk + h * Dv + d]) : 0.0f;
+  const uint32_t v0 = 2 * args.Hk * Dk + h * Dv;
+  for (uint32_t d = lane; d < Dv; d += 32) {
+    vo[vrow + d] = live ? gdc_channel<Conv, T, W>(args, qkv, conv_w, conv_in, t, v0 + d) : 0.0f;
+    if (keep) gdc_keep_window<T>(args, qkv, conv_in, conv_out, v0 + d);
+  }
   if (lane == 0) {
     const uint64_t ab = uint64_t(live ? t : 0) * args.ab_stride + h;
     g[uint64_t(h) * args.Tp + t] = live ? -exp(A_log[h]) * gdc_softplus(float(a[ab]) + float(dt_bias[h])) : 0.0f;
@@ -83,10 +115,15 @@ template <typename T, typename W, typename QN>
   if (h % ratio == 0) {  // uniform: one value head per key head writes q and k
     float qr[kGdRowsPerLane], kr[kGdRowsPerLane];
     float2 ss = float2(0.0f);
+    const uint32_t q0 = kh * Dk, k0 = args.Hk * Dk + kh * Dk;
     for (uint32_t r = 0; r < kGdRowsPerLane; ++r) {
       const uint32_t i = lane + 32 * r;
-      qr[r] = live && i < Dk ? float(row[kh * Dk + i]) : 0.0f;
-      kr[r] = live && i < Dk ? float(row[args.Hk * Dk + kh * Dk + i]) : 0.0f;
+      qr[r] = live && i < Dk ? gdc_channel<Conv, T, W>(args, qkv, conv_w, conv_in, t, q0 + i) : 0.0f;
+      kr[r] = live && i < Dk ? gdc_channel<Conv, T, W>(args, qkv, conv_w, conv_in, t, k0 + i) : 0.0f;
+      if (keep && i < Dk) {
+        gdc_keep_window<T>(args, qkv, conv_in, conv_out, q0 + i);
+        gdc_keep_window<T>(args, qkv, conv_in, conv_out, k0 + i);
+      }
       ss.x += qr[r] * qr[r];
       ss.y += kr[r] * kr[r];
     }
@@ -102,6 +139,43 @@ template <typename T, typename W, typename QN>
       }
     }
   }
+}
+
+template <typename T, typename W, typename QN>
+[[kernel]] void gd_chunk_prep(constant GdChunkArgs& args [[buffer(0)]],
+                              const device T* qkv [[buffer(1)]],
+                              const device T* a [[buffer(2)]],
+                              const device T* b [[buffer(3)]],
+                              const device float* A_log [[buffer(4)]],
+                              const device W* dt_bias [[buffer(5)]],
+                              device QN* qn [[buffer(6)]],
+                              device float* kn [[buffer(7)]],
+                              device float* vo [[buffer(8)]],
+                              device float* g [[buffer(9)]],
+                              device float* beta [[buffer(10)]],
+                              LILY_KERNEL_TAIL) {
+  gdc_prep<false, T, W, QN>(args, qkv, a, b, A_log, dt_bias, qn, kn, vo, g, beta, nullptr, nullptr, nullptr,
+                            group_pos.x, group_pos.y, lane);
+}
+
+template <typename T, typename W, typename QN>
+[[kernel]] void gd_chunk_prep_conv(constant GdChunkArgs& args [[buffer(0)]],
+                                   const device T* qkv [[buffer(1)]],
+                                   const device T* a [[buffer(2)]],
+                                   const device T* b [[buffer(3)]],
+                                   const device float* A_log [[buffer(4)]],
+                                   const device W* dt_bias [[buffer(5)]],
+                                   device QN* qn [[buffer(6)]],
+                                   device float* kn [[buffer(7)]],
+                                   device float* vo [[buffer(8)]],
+                                   device float* g [[buffer(9)]],
+                                   device float* beta [[buffer(10)]],
+                                   const device W* conv_weight [[buffer(11)]],
+                                   const device T* conv_in [[buffer(12)]],
+                                   device T* conv_out [[buffer(13)]],
+                                   LILY_KERNEL_TAIL) {
+  gdc_prep<true, T, W, QN>(args, qkv, a, b, A_log, dt_bias, qn, kn, vo, g, beta, conv_weight, conv_in, conv_out,
+                           group_pos.x, group_pos.y, lane);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -307,5 +381,14 @@ LILY_INSTANTIATE("gd_chunk_prep_q16_xf32_wf32", gd_chunk_prep<float, float, half
 LILY_INSTANTIATE("gd_chunk_prep_q16_xf32_wbf16", gd_chunk_prep<float, bfloat, half>)
 LILY_INSTANTIATE("gd_chunk_prep_q16_xbf16_wf32", gd_chunk_prep<bfloat, float, half>)
 LILY_INSTANTIATE("gd_chunk_prep_q16_xbf16_wbf16", gd_chunk_prep<bfloat, bfloat, half>)
+// the engine's prefill route: conv1d + SiLU fused into the prep
+LILY_INSTANTIATE("gd_chunk_prep_conv_xf32_wf32", gd_chunk_prep_conv<float, float, float>)
+LILY_INSTANTIATE("gd_chunk_prep_conv_xf32_wbf16", gd_chunk_prep_conv<float, bfloat, float>)
+LILY_INSTANTIATE("gd_chunk_prep_conv_xbf16_wf32", gd_chunk_prep_conv<bfloat, float, float>)
+LILY_INSTANTIATE("gd_chunk_prep_conv_xbf16_wbf16", gd_chunk_prep_conv<bfloat, bfloat, float>)
+LILY_INSTANTIATE("gd_chunk_prep_conv_q16_xf32_wf32", gd_chunk_prep_conv<float, float, half>)
+LILY_INSTANTIATE("gd_chunk_prep_conv_q16_xf32_wbf16", gd_chunk_prep_conv<float, bfloat, half>)
+LILY_INSTANTIATE("gd_chunk_prep_conv_q16_xbf16_wf32", gd_chunk_prep_conv<bfloat, float, half>)
+LILY_INSTANTIATE("gd_chunk_prep_conv_q16_xbf16_wbf16", gd_chunk_prep_conv<bfloat, bfloat, half>)
 
 }  // namespace lily

@@ -185,17 +185,7 @@ void init_ops_gated_delta(nb::module_& m) {
         });
         for (size_t i = 0; i < parts.size(); ++i) {
           if (chunked(parts[i])) {
-            using K = gpu::KernelId;
-            const bool wb = wt == gpu::DType::bf16, xb = xt == gpu::DType::bf16;
-            const K prep = m5 ? (xb ? (wb ? K::gd_chunk_prep_q16_xbf16_wbf16 : K::gd_chunk_prep_q16_xbf16_wf32)
-                                    : (wb ? K::gd_chunk_prep_q16_xf32_wbf16 : K::gd_chunk_prep_q16_xf32_wf32))
-                              : (xb ? (wb ? K::gd_chunk_prep_xbf16_wbf16 : K::gd_chunk_prep_xbf16_wf32)
-                                    : (wb ? K::gd_chunk_prep_xf32_wbf16 : K::gd_chunk_prep_xf32_wf32));
-            const K norm = xb ? (wb ? K::gd_chunk_norm_xbf16_wbf16 : K::gd_chunk_norm_xbf16_wf32)
-                              : (wb ? K::gd_chunk_norm_xf32_wbf16 : K::gd_chunk_norm_xf32_wf32);
-            for (K k : {prep, m5 ? K::gd_chunk_wy_m5_f32 : K::gd_chunk_wy_f32,
-                        m5 ? K::gd_chunk_state_m5_f32 : K::gd_chunk_state_f32, norm})
-              run.note(k);
+            for (gpu::KernelId k : gpu::ops::gd_chunk_kernels(false, m5, xt, wt)) run.note(k);
           } else {
             run.note(gpu::ops::gated_delta_kernel(xt, wt));
           }
@@ -335,6 +325,9 @@ void init_ops_gated_delta(nb::module_& m) {
         op.gd_o_raw = run.output(size_t(VD) * 4);
         op.gd_tickets = run.input(std::vector<float>(Hv, 0.0f));  // zero bits
         op.out = run.output(size_t(T) * H * xe);
+        // the engine's prefill route: chunked (with the conv fused into its prep) from 64 tokens
+        const bool chunked = T > 1 && gpu::ops::gated_delta_route(T, Dk, Dv) == gpu::ops::GdRoute::chunked;
+        if (chunked) op.chunk_scratch = run.output(gpu::ops::gated_delta_chunk_scratch_bytes(T, Hk, Hv, Dk, Dv));
         op.T = T;
         op.hidden = H;
         op.Hk = Hk;
@@ -344,10 +337,14 @@ void init_ops_gated_delta(nb::module_& m) {
         op.K = K;
         op.eps = eps;
         run.run([&](gpu::Encoder& e) { gpu::ops::encode_gated_delta_mixer(e, op); });
-        const auto route = gpu::ops::qmm_route(T, bits, run.enc->tensor_ops());
+        // as encode_quantized_matmul picks it: the bf16 tiles take bf16 x only (qmm_bf16_allowed)
+        const auto route = gpu::ops::qmm_route(T, bits, run.enc->tensor_ops(), op.x_dtype == gpu::DType::bf16);
         run.note(gpu::ops::qmm_kernel(route, bits, op.x_dtype, st, false, gpu::ops::qmv1_rows(P, H, bits)));
         if (T == 1) {
           run.note(gpu::ops::gated_delta_decode_kernel(op.x_dtype, op.w_dtype));
+        } else if (chunked) {
+          for (gpu::KernelId k : gpu::ops::gd_chunk_kernels(true, run.enc->tensor_ops(), op.x_dtype, op.w_dtype))
+            run.note(k);
         } else {
           run.note(gpu::ops::conv1d_kernel(op.x_dtype, op.w_dtype));
           run.note(gpu::ops::gated_delta_kernel(op.x_dtype, op.w_dtype));

@@ -169,6 +169,15 @@
   X(gd_chunk_prep_q16_xf32_wbf16,  GdChunkArgs, 10) \
   X(gd_chunk_prep_q16_xbf16_wf32,  GdChunkArgs, 10) \
   X(gd_chunk_prep_q16_xbf16_wbf16, GdChunkArgs, 10) \
+  /* the engine's prefill prep: conv1d + SiLU fused (+ conv_weight, conv_in, conv_out), both routes */ \
+  X(gd_chunk_prep_conv_xf32_wf32,   GdChunkArgs, 13) \
+  X(gd_chunk_prep_conv_xf32_wbf16,  GdChunkArgs, 13) \
+  X(gd_chunk_prep_conv_xbf16_wf32,  GdChunkArgs, 13) \
+  X(gd_chunk_prep_conv_xbf16_wbf16, GdChunkArgs, 13) \
+  X(gd_chunk_prep_conv_q16_xf32_wf32,   GdChunkArgs, 13) \
+  X(gd_chunk_prep_conv_q16_xf32_wbf16,  GdChunkArgs, 13) \
+  X(gd_chunk_prep_conv_q16_xbf16_wf32,  GdChunkArgs, 13) \
+  X(gd_chunk_prep_conv_q16_xbf16_wbf16, GdChunkArgs, 13) \
   /* mixture of experts (shaders/moe.metal; buffers listed in the shader) */  \
   X(moe_route,                       MoeArgs, 3)                              \
   X(moe_plan,                        MoeArgs, 5)                              \

@@ -67,7 +67,7 @@ struct GdDecodeArgs {
   uint32_t vec4;        // 1: state columns are 16-byte aligned rows of Dk % 4 == 0 floats (float4 loads)
   float q_scale;        // Dk^-1/2 rounded to float32
   float eps;            // gated RMSNorm epsilon
-  uint32_t pad;
+  uint32_t conv_k;      // gd_chunk_prep_conv: conv kernel size K (<= kConvMaxKernel); 0 elsewhere
 };
 
 }  // namespace lily
@@ -103,7 +103,7 @@ struct GdChunkArgs {
   uint32_t z_stride;    // norm: elements between token rows of z
   float q_scale;        // Dk^-1/2 rounded to float32 (as GatedDeltaArgs)
   float eps;            // gated RMSNorm epsilon
-  uint32_t pad;
+  uint32_t conv_k;      // gd_chunk_prep_conv: conv kernel size K (<= kConvMaxKernel); 0 elsewhere
 };
 
 }  // namespace lily

@@ -62,7 +62,8 @@ def test_demo_greedy_on_the_m5_path(chunk):
     assert not any(k.startswith(("moe_gate_up_mm", "moe_down_mm")) for k in kernels), sorted(kernels)
     assert {"gd_chunk_wy_m5_f32", "gd_chunk_state_m5_f32"} <= kernels, sorted(kernels)
     assert not kernels & {"gd_chunk_wy_f32", "gd_chunk_state_f32"}, sorted(kernels)
-    assert any(k.startswith("gd_chunk_prep_q16_") for k in kernels), sorted(kernels)
+    # the engine's chunked prep: conv1d fused, q as half
+    assert any(k.startswith("gd_chunk_prep_conv_q16_") for k in kernels), sorted(kernels)
     logits = emu.prefill(ref["prompt"])
     assert_close(logits, ref["logits"], atol=2.0 ** -7 * float(np.abs(ref["logits"]).max()), rtol=0,
                  what=f"demo prefill logits on the M5 path (chunks of {chunk})")
@@ -74,10 +75,12 @@ def test_demo_greedy_on_the_m5_path(chunk):
 def test_without_tensor_ops_the_engine_keeps_the_simdgroup_qmm():
     emu = lily_py.load(backend="emu", context_length=256, prefill_chunk=64)
     kernels = {p["kernel"] for p in emu._backend.engine.pipelines}
-    assert not any(k.startswith(("qmm_m5_", "attn_prefill_m5_", "moe_gate_up_m5_", "moe_down_m5_", "gd_chunk_prep_q16_"))
+    assert not any(k.startswith(("qmm_m5_", "attn_prefill_m5_", "moe_gate_up_m5_", "moe_down_m5_", "gd_chunk_prep_q16_",
+                                     "gd_chunk_prep_conv_q16_"))
                    for k in kernels)
     assert not kernels & {"gd_chunk_wy_m5_f32", "gd_chunk_state_m5_f32"}
     assert {"gd_chunk_wy_f32", "gd_chunk_state_f32"} <= kernels, sorted(kernels)
+    assert any(k.startswith("gd_chunk_prep_conv_x") for k in kernels), sorted(kernels)
     assert any(k.startswith("qmm_b4_") for k in kernels)
     # bf16 activations at the demo's head_dim: the M1-M4 bf16 attention tiles, not the M5 kernel
     assert any(k.startswith("attn_prefill_tiles_d") for k in kernels), sorted(kernels)

@@ -158,8 +158,8 @@ def test_kernel_units_and_per_kernel_totals():
 @pytest.mark.parametrize("tensor_ops", [False, True])
 @pytest.mark.parametrize("tokens", [97, 4096])
 def test_deltanet_prefill_bytes_touched(tokens, tensor_ops):
-    """bytes_touched of the chunked DeltaNet dispatches of the real config, derived from the shapes:
-    the proj columns each kernel reads (qkv, z, a, b sit in 12,352-column proj rows) count their
+    """bytes_touched of the chunked DeltaNet dispatches of the real config, derived from the shapes
+    (the prep with the conv fused): the proj columns each kernel reads (qkv, z, a, b sit in 12,352-column proj rows) count their
     elements only, not the range from the first row to the last; q and P are half on the M5 route;
     the state is read and written once per chunk step."""
     from lily_py.testing import REAL_TEXT_CONFIG
@@ -172,8 +172,9 @@ def test_deltanet_prefill_bytes_touched(tokens, tensor_ops):
     C, VD, K, xe, we = 2 * Hk * Dk + Hv * Dv, Hv * Dv, cfg.linear_conv_kernel_dim, 2, 4  # bf16 x, fp32 w
     qe = 2 if tensor_ops else 4
     want = {
-        "conv1d": 2 * T * C * xe + C * K * we + 2 * (K - 1) * C * xe,
-        "gd_chunk_prep": T * C * xe + 2 * T * Hv * xe + Hv * (4 + we)
+        # gd_chunk_prep_conv: conv1d fused (reads proj's qkv columns, the conv weight and window,
+        # writes the next window); no conv1d dispatch on the chunked route
+        "gd_chunk_prep": T * C * xe + 2 * T * Hv * xe + Hv * (4 + we) + C * K * we + 2 * (K - 1) * C * xe
                          + Hk * Tp * Dk * (qe + 4) + Hv * Tp * Dv * 4 + 2 * Hv * Tp * 4,
         "gd_chunk_wy": Hk * Tp * Dk * (qe + 4) + Hv * Tp * Dv * 4 + 2 * Hv * Tp * 4
                        + Hv * Tp * (Dk + Dv) * 4 + Hv * Tp * 64 * qe,
@@ -187,5 +188,7 @@ def test_deltanet_prefill_bytes_touched(tokens, tensor_ops):
             if d["kernel"].startswith(fam) and fam not in first:
                 first[fam] = d
     assert set(first) == set(want), sorted(first)
+    assert first["gd_chunk_prep"]["kernel"].startswith("gd_chunk_prep_conv_")
+    assert not [d["kernel"] for d in ds if d["kernel"].startswith("conv1d")]
     for fam, n in want.items():
         assert first[fam]["bytes_touched"] == n, (fam, first[fam]["kernel"], first[fam]["bytes_touched"], n)

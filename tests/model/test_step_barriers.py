@@ -79,7 +79,7 @@ def test_every_barrier_of_the_plan_is_needed(checkpoints, which):
 
 
 def test_every_barrier_of_the_plan_is_needed_on_the_m5_path(checkpoints):
-    """With tensor ops (simulated): the DeltaNet chunk steps take gd_chunk_prep_q16, gd_chunk_wy_m5
+    """With tensor ops (simulated): the DeltaNet chunk steps take gd_chunk_prep_conv_q16, gd_chunk_wy_m5
     and gd_chunk_state_m5 (and qmm_m5 / moe_*_m5); each of their barriers orders something."""
     from lily_py.testing import simulated_device
     with simulated_device(tensor_ops=True):

@@ -249,6 +249,27 @@ GdChunkFlops gated_delta_chunk_flops(uint32_t T, uint32_t Hv, uint32_t Dk, uint3
   return GdChunkFlops{n * per.tensor, n * per.alu, n * per.wy, n * per.state};
 }
 
+KernelId gd_chunk_prep_kernel(bool conv, bool m5, DType x, DType w) {
+  static constexpr KernelId prep_ids[2][2][2][2] = {  // [conv][m5][xb][wb]
+      {{{KernelId::gd_chunk_prep_xf32_wf32, KernelId::gd_chunk_prep_xf32_wbf16},
+        {KernelId::gd_chunk_prep_xbf16_wf32, KernelId::gd_chunk_prep_xbf16_wbf16}},
+       {{KernelId::gd_chunk_prep_q16_xf32_wf32, KernelId::gd_chunk_prep_q16_xf32_wbf16},
+        {KernelId::gd_chunk_prep_q16_xbf16_wf32, KernelId::gd_chunk_prep_q16_xbf16_wbf16}}},
+      {{{KernelId::gd_chunk_prep_conv_xf32_wf32, KernelId::gd_chunk_prep_conv_xf32_wbf16},
+        {KernelId::gd_chunk_prep_conv_xbf16_wf32, KernelId::gd_chunk_prep_conv_xbf16_wbf16}},
+       {{KernelId::gd_chunk_prep_conv_q16_xf32_wf32, KernelId::gd_chunk_prep_conv_q16_xf32_wbf16},
+        {KernelId::gd_chunk_prep_conv_q16_xbf16_wf32, KernelId::gd_chunk_prep_conv_q16_xbf16_wbf16}}}};
+  return prep_ids[conv][m5][x == DType::bf16][w == DType::bf16];
+}
+
+std::array<KernelId, 4> gd_chunk_kernels(bool conv, bool m5, DType x, DType w) {
+  const bool xb = x == DType::bf16, wb = w == DType::bf16;
+  const KernelId norm = xb ? (wb ? KernelId::gd_chunk_norm_xbf16_wbf16 : KernelId::gd_chunk_norm_xbf16_wf32)
+                           : (wb ? KernelId::gd_chunk_norm_xf32_wbf16 : KernelId::gd_chunk_norm_xf32_wf32);
+  return {gd_chunk_prep_kernel(conv, m5, x, w), m5 ? KernelId::gd_chunk_wy_m5_f32 : KernelId::gd_chunk_wy_f32,
+          m5 ? KernelId::gd_chunk_state_m5_f32 : KernelId::gd_chunk_state_f32, norm};
+}
+
 void encode_gated_delta_chunked(Encoder& enc, const GatedDeltaOperands& op) {
   const char* fn = "gated_delta_chunked";
   auto fail = [&](const std::string& m) { throw std::invalid_argument(std::string(fn) + ": " + m); };
@@ -268,16 +289,17 @@ void encode_gated_delta_chunked(Encoder& enc, const GatedDeltaOperands& op) {
   const Binding beta = sec(l.beta, l.wn), wn = sec(l.wn, l.u), u = sec(l.u, l.p), p = sec(l.p, l.total);
   const uint32_t Tp = ceil_div(op.T, kGdChunk) * kGdChunk;
   GdChunkArgs args{op.T, Tp, op.Hk, op.Hv, op.Dk, op.Dv, qs, abs_, zs,
-                   static_cast<float>(1.0 / std::sqrt(double(op.Dk))), op.eps, 0};
+                   static_cast<float>(1.0 / std::sqrt(double(op.Dk))), op.eps, 0};  // conv_k set below
   const DType xt = op.x_dtype, wt = op.w_dtype;
-  const bool wb = wt == DType::bf16, xb = xt == DType::bf16;
   const bool m5 = enc.tensor_ops();  // q as half, gd_chunk_wy_m5 and gd_chunk_state_m5
-  if (m5)
-    enc.set_kernel(xb ? (wb ? KernelId::gd_chunk_prep_q16_xbf16_wbf16 : KernelId::gd_chunk_prep_q16_xbf16_wf32)
-                      : (wb ? KernelId::gd_chunk_prep_q16_xf32_wbf16 : KernelId::gd_chunk_prep_q16_xf32_wf32));
-  else
-    enc.set_kernel(xb ? (wb ? KernelId::gd_chunk_prep_xbf16_wbf16 : KernelId::gd_chunk_prep_xbf16_wf32)
-                      : (wb ? KernelId::gd_chunk_prep_xf32_wbf16 : KernelId::gd_chunk_prep_xf32_wf32));
+  const bool conv = op.conv_weight.buffer != nullptr;
+  if (conv) {
+    if (op.conv_k < 2 || op.conv_k > kConvMaxKernel)
+      fail("conv kernel size K=" + std::to_string(op.conv_k) + " outside [2, " + std::to_string(kConvMaxKernel) + "]");
+    args.conv_k = op.conv_k;
+  }
+  const std::array<KernelId, 4> ks = gd_chunk_kernels(conv, m5, xt, wt);
+  enc.set_kernel(ks[0]);
   enc.set_args(args);
   bind_rows(enc, 1, fn, op.qkv, op.T, qs, C, xt, "qkv");
   bind_rows(enc, 2, fn, op.a, op.T, abs_, op.Hv, xt, "a");
@@ -293,10 +315,20 @@ void encode_gated_delta_chunked(Encoder& enc, const GatedDeltaOperands& op) {
   enc.set_buffer(8, vo);
   enc.set_buffer(9, g);
   enc.set_buffer(10, beta);
+  if (conv) {
+    const uint64_t win = uint64_t(op.conv_k - 1) * C * dtype_size(xt);
+    const Binding cin = need(fn, op.conv_state_in, win, "conv_state_in");
+    const Binding cout = need(fn, op.conv_state_out, win, "conv_state_out");
+    if (overlap(cin, cout))
+      fail("conv_state_out must not overlap conv_state_in (threads of other tokens read the window)");
+    enc.set_buffer(11, need(fn, op.conv_weight, uint64_t(C) * op.conv_k * dtype_size(wt), "conv_weight"));
+    enc.set_buffer(12, cin);
+    enc.set_buffer(13, cout);
+  }
   enc.dispatch({Tp, op.Hv, 1}, {32, 1, 1});
   enc.barrier();  // qn, kn, vo, g, beta -> wy
 
-  enc.set_kernel(m5 ? KernelId::gd_chunk_wy_m5_f32 : KernelId::gd_chunk_wy_f32);
+  enc.set_kernel(ks[1]);
   enc.set_args(args);
   enc.set_buffer(1, qn);
   enc.set_touched(1, qn_bytes);
@@ -314,7 +346,7 @@ void encode_gated_delta_chunked(Encoder& enc, const GatedDeltaOperands& op) {
   enc.add_flops(parts.wy, 0);
   enc.barrier();  // G, wn, u, p -> state pass
 
-  enc.set_kernel(m5 ? KernelId::gd_chunk_state_m5_f32 : KernelId::gd_chunk_state_f32);
+  enc.set_kernel(ks[2]);
   enc.set_args(args);
   enc.set_buffer(1, qn);
   enc.set_touched(1, qn_bytes);
@@ -338,8 +370,7 @@ void encode_gated_delta_chunked(Encoder& enc, const GatedDeltaOperands& op) {
   enc.add_flops(parts.state, gated_delta_useful_flops(op.T, op.Hv, op.Dk, op.Dv));
   enc.barrier();  // o (in vo) -> gated norm
 
-  enc.set_kernel(xb ? (wb ? KernelId::gd_chunk_norm_xbf16_wbf16 : KernelId::gd_chunk_norm_xbf16_wf32)
-                    : (wb ? KernelId::gd_chunk_norm_xf32_wbf16 : KernelId::gd_chunk_norm_xf32_wf32));
+  enc.set_kernel(ks[3]);
   enc.set_args(args);
   enc.set_buffer(1, vo);
   bind_rows(enc, 2, fn, op.z, op.T, zs, VD, xt, "z");
@@ -351,6 +382,36 @@ void encode_gated_delta_chunked(Encoder& enc, const GatedDeltaOperands& op) {
 uint32_t gated_delta_mixer_proj_rows(uint32_t Hk, uint32_t Hv, uint32_t Dk, uint32_t Dv) {
   return 2 * Hk * Dk + 2 * Hv * Dv + 2 * Hv;  // qkv (C) | z (Hv Dv) | b (Hv) | a (Hv)
 }
+
+namespace {
+
+// The delta rule's operands inside the mixer: z, b, a are proj's columns after qkv (row stride P).
+template <typename At>
+GatedDeltaOperands gated_delta_operands(const GatedDeltaMixerOperands& op, At at, uint32_t C, uint32_t VD, uint32_t P) {
+  GatedDeltaOperands gd;
+  gd.z = at(op.proj, C);
+  gd.b = at(op.proj, C + VD);
+  gd.a = at(op.proj, C + VD + op.Hv);
+  gd.A_log = op.A_log;
+  gd.dt_bias = op.dt_bias;
+  gd.norm_weight = op.norm_weight;
+  gd.state = op.state;
+  gd.y = op.o;
+  gd.x_dtype = op.x_dtype;
+  gd.w_dtype = op.w_dtype;
+  gd.T = op.T;
+  gd.Hk = op.Hk;
+  gd.Hv = op.Hv;
+  gd.Dk = op.Dk;
+  gd.Dv = op.Dv;
+  gd.z_stride = P;
+  gd.ab_stride = P;
+  gd.eps = op.eps;
+  gd.chunk_scratch = op.chunk_scratch;
+  return gd;
+}
+
+}  // namespace
 
 void encode_gated_delta_mixer(Encoder& enc, const GatedDeltaMixerOperands& op) {
   const uint32_t C = 2 * op.Hk * op.Dk + op.Hv * op.Dv, VD = op.Hv * op.Dv;
@@ -377,7 +438,7 @@ void encode_gated_delta_mixer(Encoder& enc, const GatedDeltaMixerOperands& op) {
   in.eps = op.in_norm_eps;
   validate(in);
   encode_quantized_matmul(enc, in);
-  enc.barrier();  // proj written -> read by conv1d / gated_delta_decode (qkv columns) and the rule (z, b, a)
+  enc.barrier();  // proj written -> read by conv1d / gated_delta_decode / gd_chunk_prep_conv (qkv columns) and the rule (z, b, a)
 
   if (op.T == 1) {  // decode: the conv fused into the rule, heads split by value columns
     if (op.gd_o_raw.buffer == nullptr || op.gd_tickets.buffer == nullptr)
@@ -406,6 +467,16 @@ void encode_gated_delta_mixer(Encoder& enc, const GatedDeltaMixerOperands& op) {
     dd.K = op.K;
     dd.eps = op.eps;
     encode_gated_delta_decode(enc, dd);
+  } else if (op.chunk_scratch.buffer && gated_delta_route(op.T, op.Dk, op.Dv) == GdRoute::chunked) {
+    // prefill, chunked: the conv fused into the prep (gd_chunk_prep_conv reads proj's qkv columns)
+    GatedDeltaOperands gd = gated_delta_operands(op, at, C, VD, P);
+    gd.qkv = op.proj;
+    gd.qkv_stride = P;
+    gd.conv_weight = op.conv_weight;
+    gd.conv_state_in = op.conv_state_in;
+    gd.conv_state_out = op.conv_state_out;
+    gd.conv_k = op.K;
+    encode_gated_delta_chunked(enc, gd);
   } else {
     Conv1dOperands cv;
     cv.x = op.proj;
@@ -422,31 +493,9 @@ void encode_gated_delta_mixer(Encoder& enc, const GatedDeltaMixerOperands& op) {
     encode_conv1d(enc, cv);
     enc.barrier();  // conv_out written -> read by gated_delta
 
-    GatedDeltaOperands gd;
+    GatedDeltaOperands gd = gated_delta_operands(op, at, C, VD, P);
     gd.qkv = op.conv_out;
-    gd.z = at(op.proj, C);
-    gd.b = at(op.proj, C + VD);
-    gd.a = at(op.proj, C + VD + op.Hv);
-    gd.A_log = op.A_log;
-    gd.dt_bias = op.dt_bias;
-    gd.norm_weight = op.norm_weight;
-    gd.state = op.state;
-    gd.y = op.o;
-    gd.x_dtype = op.x_dtype;
-    gd.w_dtype = op.w_dtype;
-    gd.T = op.T;
-    gd.Hk = op.Hk;
-    gd.Hv = op.Hv;
-    gd.Dk = op.Dk;
-    gd.Dv = op.Dv;
-    gd.z_stride = P;
-    gd.ab_stride = P;
-    gd.eps = op.eps;
-    gd.chunk_scratch = op.chunk_scratch;
-    if (op.chunk_scratch.buffer && gated_delta_route(op.T, op.Dk, op.Dv) == GdRoute::chunked)
-      encode_gated_delta_chunked(enc, gd);
-    else
-      encode_gated_delta(enc, gd);
+    encode_gated_delta(enc, gd);
   }
   enc.barrier();  // o written -> read by out_proj
 

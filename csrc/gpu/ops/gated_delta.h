@@ -2,6 +2,7 @@
 // whole DeltaNet token mixer of one layer (projections through the quantized matmul).
 // Kernels: shaders/gated_delta.metal (+ shaders/qmm.metal). Constants: shaders/common/args_gated_delta.h.
 #pragma once
+#include <array>
 #include <cstdint>
 
 #include "gpu/dtype.h"
@@ -41,6 +42,12 @@ struct GatedDeltaOperands {
   uint32_t qkv_stride = 0, z_stride = 0, ab_stride = 0;  // 0 means packed
   float eps = 1e-6f;
   Binding chunk_scratch;  // chunked route only: gated_delta_chunk_scratch_bytes() bytes (float32)
+  // Chunked route only, optional: the causal conv1d + SiLU fused into the prep
+  // (gd_chunk_prep_conv). qkv then holds the conv's input (the in_proj output's qkv columns, row
+  // stride qkv_stride); conv_weight [C, conv_k] of w_dtype; conv_state_in / conv_state_out
+  // [conv_k - 1, C] of x_dtype, distinct (the window before / after these T tokens).
+  Binding conv_weight, conv_state_in, conv_state_out;
+  uint32_t conv_k = 0;
 };
 
 // Two routes for the delta rule over T tokens:
@@ -64,8 +71,13 @@ struct GdChunkFlops {
   uint64_t wy = 0, state = 0;    // by dispatch: gd_chunk_wy* and gd_chunk_state* (same total)
   uint64_t total() const { return tensor + alu; }
 };
+// The chunked route's prep: conv fused or not, q as half (tensor ops) or float, by dtypes.
+KernelId gd_chunk_prep_kernel(bool conv, bool m5, DType x, DType w);
+// The chunked route's four kernels in dispatch order: prep, wy, state, norm.
+std::array<KernelId, 4> gd_chunk_kernels(bool conv, bool m5, DType x, DType w);
 GdChunkFlops gated_delta_chunk_flops(uint32_t T, uint32_t Hv, uint32_t Dk, uint32_t Dv, bool tensor_ops);
-// The chunked route: prep, barrier, wy, barrier, state, barrier, norm (4 dispatches, 3 barriers).
+// The chunked route: prep, barrier, wy, barrier, state, barrier, norm (4 dispatches, 3 barriers);
+// with conv_weight bound the prep is gd_chunk_prep_conv (the mixer's prefill: no conv1d dispatch).
 // Needs op.chunk_scratch. Throws std::invalid_argument.
 void encode_gated_delta_chunked(Encoder& enc, const GatedDeltaOperands& op);
 
