@@ -1,4 +1,4 @@
-"""Shared test helpers: tolerance checks that name the first bad index, and small checkpoints."""
+"""Shared fixtures: small checkpoints and seeded generators (assert_close lives in tolerances.py)."""
 from __future__ import annotations
 
 import os
@@ -6,23 +6,6 @@ import shutil
 
 import numpy as np
 import pytest
-
-
-def assert_close(actual, ref, *, atol: float, rtol: float, what: str = "") -> None:
-    """|actual - ref| <= atol + rtol * |ref| elementwise; on failure report the first bad index,
-    the worst absolute and relative errors."""
-    actual = np.asarray(actual, dtype=np.float64)
-    ref = np.asarray(ref, dtype=np.float64)
-    assert actual.shape == ref.shape, f"{what}: shape {actual.shape} != reference {ref.shape}"
-    err = np.abs(actual - ref)
-    bad = err > atol + rtol * np.abs(ref)
-    if bad.any():
-        first = tuple(int(i) for i in np.argwhere(bad)[0])
-        rel = err / np.maximum(np.abs(ref), 1e-30)
-        raise AssertionError(
-            f"{what}: {int(bad.sum())}/{bad.size} elements out of tolerance (atol={atol}, "
-            f"rtol={rtol}); first bad index {first}: got {actual[first]!r}, reference "
-            f"{ref[first]!r}; max abs err {err.max():.3e}, max rel err {rel.max():.3e}")
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import lily_py
-from conftest import assert_close
+from tolerances import assert_close
 
 
 @pytest.fixture(scope="module")

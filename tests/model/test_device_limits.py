@@ -22,7 +22,7 @@ from lily_py.backends.engine import REAL_QUANT, engine_spec
 from lily_py.config import ModelConfig
 from lily_py.testing import REAL_TEXT_CONFIG, TINY_TEXT_CONFIG, make_checkpoint, simulated_device
 
-from conftest import assert_close
+from tolerances import assert_close
 
 
 def test_registry_lists_every_device_with_a_reason():

@@ -24,7 +24,7 @@ import pytest
 import lily_py
 from lily_py.testing import TINY_TEXT_CONFIG, make_checkpoint
 
-from conftest import assert_close
+from tolerances import assert_close
 
 DN_LAYERS = 3  # DeltaNet-only checkpoints: float32 all the way, the tightest comparison
 # The checkpoints here have bf16 scales, so the engine's default is bf16 activations (as MLX

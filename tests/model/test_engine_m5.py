@@ -19,7 +19,7 @@ import pytest
 import lily_py
 from lily_py.testing import simulated_device
 
-from conftest import assert_close
+from tolerances import assert_close
 
 N_PROMPT = 100
 _REF: dict = {}

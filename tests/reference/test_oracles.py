@@ -39,7 +39,7 @@ import numpy as np
 import pytest
 
 import lily_py
-from conftest import assert_close
+from tolerances import assert_close
 
 ORACLES = Path(__file__).resolve().parent.parent / "fixtures" / "oracles"
 RTOL = 1e-4          # must match TEST_RTOL in tests/fixtures/make_fixtures.py

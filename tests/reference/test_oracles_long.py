@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 
 import lily_py
-from conftest import assert_close
+from tolerances import assert_close
 from test_oracles import FIXTURES, ORACLES, RTOL, expected, figures, meta
 
 NAME = "long300_split"

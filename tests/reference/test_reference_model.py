@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import lily_py
-from conftest import assert_close
+from tolerances import assert_close
 from lily_py.reference.gated_delta import (causal_conv1d, chunked_gated_delta,
                                            recurrent_gated_delta)
 from lily_py.reference.ops import l2_normalize, sigmoid
