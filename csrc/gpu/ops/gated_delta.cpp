@@ -249,7 +249,8 @@ GdChunkFlops gated_delta_chunk_flops(uint32_t T, uint32_t Hv, uint32_t Dk, uint3
   return GdChunkFlops{n * per.tensor, n * per.alu, n * per.wy, n * per.state};
 }
 
-KernelId gd_chunk_prep_kernel(bool conv, bool m5, DType x, DType w) {
+std::array<KernelId, 4> gd_chunk_kernels(bool conv, bool m5, DType x, DType w) {
+  const bool xb = x == DType::bf16, wb = w == DType::bf16;
   static constexpr KernelId prep_ids[2][2][2][2] = {  // [conv][m5][xb][wb]
       {{{KernelId::gd_chunk_prep_xf32_wf32, KernelId::gd_chunk_prep_xf32_wbf16},
         {KernelId::gd_chunk_prep_xbf16_wf32, KernelId::gd_chunk_prep_xbf16_wbf16}},
@@ -259,14 +260,9 @@ KernelId gd_chunk_prep_kernel(bool conv, bool m5, DType x, DType w) {
         {KernelId::gd_chunk_prep_conv_xbf16_wf32, KernelId::gd_chunk_prep_conv_xbf16_wbf16}},
        {{KernelId::gd_chunk_prep_conv_q16_xf32_wf32, KernelId::gd_chunk_prep_conv_q16_xf32_wbf16},
         {KernelId::gd_chunk_prep_conv_q16_xbf16_wf32, KernelId::gd_chunk_prep_conv_q16_xbf16_wbf16}}}};
-  return prep_ids[conv][m5][x == DType::bf16][w == DType::bf16];
-}
-
-std::array<KernelId, 4> gd_chunk_kernels(bool conv, bool m5, DType x, DType w) {
-  const bool xb = x == DType::bf16, wb = w == DType::bf16;
   const KernelId norm = xb ? (wb ? KernelId::gd_chunk_norm_xbf16_wbf16 : KernelId::gd_chunk_norm_xbf16_wf32)
                            : (wb ? KernelId::gd_chunk_norm_xf32_wbf16 : KernelId::gd_chunk_norm_xf32_wf32);
-  return {gd_chunk_prep_kernel(conv, m5, x, w), m5 ? KernelId::gd_chunk_wy_m5_f32 : KernelId::gd_chunk_wy_f32,
+  return {prep_ids[conv][m5][xb][wb], m5 ? KernelId::gd_chunk_wy_m5_f32 : KernelId::gd_chunk_wy_f32,
           m5 ? KernelId::gd_chunk_state_m5_f32 : KernelId::gd_chunk_state_f32, norm};
 }
 

@@ -71,9 +71,8 @@ struct GdChunkFlops {
   uint64_t wy = 0, state = 0;    // by dispatch: gd_chunk_wy* and gd_chunk_state* (same total)
   uint64_t total() const { return tensor + alu; }
 };
-// The chunked route's prep: conv fused or not, q as half (tensor ops) or float, by dtypes.
-KernelId gd_chunk_prep_kernel(bool conv, bool m5, DType x, DType w);
-// The chunked route's four kernels in dispatch order: prep, wy, state, norm.
+// The chunked route's four kernels in dispatch order: prep (conv fused or not; q as half with
+// tensor ops), wy, state, norm.
 std::array<KernelId, 4> gd_chunk_kernels(bool conv, bool m5, DType x, DType w);
 GdChunkFlops gated_delta_chunk_flops(uint32_t T, uint32_t Hv, uint32_t Dk, uint32_t Dv, bool tensor_ops);
 // The chunked route: prep, barrier, wy, barrier, state, barrier, norm (4 dispatches, 3 barriers);
