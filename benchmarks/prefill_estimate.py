@@ -69,12 +69,22 @@ ASSUMPTIONS = {
     # one expert run next to each other in the grid; later ones hit the system-level cache), and
     # their activation bytes are the engine's (rows bound) scaled by the kind's share of rows.
     "moe_weight_reads": "once per expert and tile kind",
+    # NEW: on M5 the 32-row MoE kind runs a tile of <= 16 rows as a 16-row matmul2d; assumed to
+    # cost 16 rows' FLOPs at the tensor-op efficiency above (Apple documents no rate per shape; a
+    # third-party microbenchmark found 32 x 32 or larger optimal, so the script also prints the
+    # 256-token estimate with such tiles costing 32 rows).
+    "m5_tile16_cost_rows": 16,
     # executed / useful FLOPs assumed for the "design" line only (all useful FLOPs on the path's
     # matmul unit, the earlier estimate).
     "future_padding": 1.05,
 }
+# MLX-LM's published prefill on an M5 Max (tok/s; mlx 0.32.2, mlx-lm 0.31.3, median of two rounds):
+# perplexityai/pplx-garden, lily/docs/2026-09-02-performance-mlx-0.32.2.md (the issue's 5,166 at 4K).
+MLX_LM_M5_MAX = {256: 2536.4, 512: 3309.5, 1024: 4471.7, 2048: 5121.9, 4096: 5165.7, 8192: 5031.8,
+                 16384: 4722.5, 32768: 3963.7, 65536: 3051.1, 131072: 2237.5}
 MLX_LM_4K_M5_MAX = 5166  # tok/s, published (issue 11)
 TARGET = 1.3 * MLX_LM_4K_M5_MAX
+TARGETS = {L: 1.3 * v for L, v in MLX_LM_M5_MAX.items()}  # the issue: >= 1.3 x MLX-LM at every length
 GPUS = ("M5", "M5 Max")
 PATHS = (("M1-M4 path", False), ("M5 path", True))
 UNIT_SHORT = {"tensor": "tensor", "simdgroup_bf16": "sg-bf16", "simdgroup_fp32": "sg-fp32", "alu": "alu"}
@@ -100,11 +110,18 @@ def unit_rate(unit: str, gpu: str, a: dict) -> float:
     return a["efficiency"][unit] * peak[gpu] * 1e12
 
 
-def moe_split(cfg: ModelConfig, T: int, layers: int, seed: int = 0) -> dict:
+MOE_FEW_ROWS = {False: 8, True: 2}  # moe_few_rows(tensor_ops): kMoeFewMaxRows / kMoeFewMaxRowsM5
+MOE_TILE16_ROWS = 16                 # kMoeTile16MaxRows: on M5 such 32-row-list tiles run 16 rows
+
+
+def moe_split(cfg: ModelConfig, T: int, layers: int, seed: int = 0, tensor_ops: bool = False,
+              tile16_cost: int = 16) -> dict:
     """MoE expert work of `layers` layers for a chunk of T tokens by tile kind under uniform random
     routing, following moe_plan (shaders/moe.metal): each group (expert, and the shared group of
     all T rows) of c rows takes c // 64 64-row tiles; its remainder r takes another 64-row tile
-    if r > 32, a 32-row tile if 8 < r <= 32, few-row tiles (matvec, exact) if r <= 8.
+    if r > 32, a 32-row tile if f < r <= 32, few-row tiles (matvec, exact) if r <= f, with
+    f = 8 (M1-M4) or 2 (M5, tensor_ops: there the 32-row kind runs a tile of r <= 16 rows as 16,
+    counted as tile16_cost rows).
     Returns {(stage, kind): dict(executed, useful, rows, weight_bytes)} with stage gate_up / down,
     kind 64 / 32 / few; executed as moe_expert_flops_from_tiles (whole 32-column tiles)."""
     E, k, H = cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size
@@ -122,9 +139,11 @@ def moe_split(cfg: ModelConfig, T: int, layers: int, seed: int = 0) -> dict:
                 continue
             rem = c % 64
             n64 = c // 64 + (rem > 32)
-            rows = {"64": c - (rem if rem <= 32 else 0), "32": rem if 8 < rem <= 32 else 0,
-                    "few": rem if rem <= 8 else 0}
-            tiles_rows = {"64": 64 * n64, "32": 32 if 8 < rem <= 32 else 0, "few": rows["few"]}
+            few = MOE_FEW_ROWS[tensor_ops]
+            small = tile16_cost if tensor_ops and rem <= MOE_TILE16_ROWS else 32
+            rows = {"64": c - (rem if rem <= 32 else 0), "32": rem if few < rem <= 32 else 0,
+                    "few": rem if rem <= few else 0}
+            tiles_rows = {"64": 64 * n64, "32": small if few < rem <= 32 else 0, "few": rows["few"]}
             for kd in ("64", "32", "few"):
                 if rows[kd] == 0:
                     continue
@@ -155,8 +174,10 @@ def moe_rows_executed(T: int, E: int = 256, k: int = 8, seed: int = 0) -> dict:
     before = int((-(-counts // bm) * bm).sum())
     rem = counts % 64
     now = int((64 * (counts // 64) + np.where(rem > 32, 64, np.where(rem > 8, 32, rem))).sum())
+    # the M5 plan: few-row tiles up to 2 rows, 16-row tiles up to 16
+    m5 = int((64 * (counts // 64) + np.where(rem > 32, 64, np.where(rem > 16, 32, np.where(rem > 2, 16, rem)))).sum())
     useful = int(counts.sum())
-    return {"before": before / useful, "now": now / useful}
+    return {"before": before / useful, "now": now / useful, "m5": m5 / useful}
 
 
 def _moe_bound_weight_bytes(cfg: ModelConfig, T: int, stage: str) -> int:
@@ -175,7 +196,7 @@ _MOE_CACHE: dict = {}
 
 
 def chunk_families(cfg: ModelConfig, T: int, position: int, context: int, tensor_ops: bool,
-                   logits: bool) -> tuple[dict, int]:
+                   logits: bool, a: dict = ASSUMPTIONS) -> tuple[dict, int]:
     """Per family of one prefill chunk: dict(unit, dispatches, executed, useful, bytes, groups,
     threads) and the chunk's dependency levels (barriers + 1)."""
     with simulated_device(tensor_ops=tensor_ops):
@@ -204,9 +225,9 @@ def chunk_families(cfg: ModelConfig, T: int, position: int, context: int, tensor
         f["bytes"] += d["bytes_touched"]
     if moe_recs:
         layers = len(moe_recs["gate_up", "64"])
-        key = (T, layers)
+        key = (T, layers, tensor_ops, a["m5_tile16_cost_rows"])
         if key not in _MOE_CACHE:
-            _MOE_CACHE[key] = moe_split(cfg, T, layers)
+            _MOE_CACHE[key] = moe_split(cfg, T, layers, tensor_ops=tensor_ops, tile16_cost=a["m5_tile16_cost_rows"])
         split = _MOE_CACHE[key]
         R = T * (cfg.num_experts_per_tok + 1)
         for (stage, kind), recs in moe_recs.items():
@@ -221,13 +242,14 @@ def chunk_families(cfg: ModelConfig, T: int, position: int, context: int, tensor
     return dict(fams), st["barriers"] + 1
 
 
-def prompt_families(cfg: ModelConfig, L: int, tensor_ops: bool, chunk: int = 4096) -> tuple[dict, int]:
+def prompt_families(cfg: ModelConfig, L: int, tensor_ops: bool, chunk: int = 4096,
+                    a: dict = ASSUMPTIONS) -> tuple[dict, int]:
     """Families summed over the chunks of an L-token prompt (the last chunk computes the logits)."""
     total: dict = {}
     levels = 0
     for pos in range(0, L, chunk):
         T = min(chunk, L - pos)
-        fams, lv = chunk_families(cfg, T, pos, L, tensor_ops, logits=pos + T >= L)
+        fams, lv = chunk_families(cfg, T, pos, L, tensor_ops, logits=pos + T >= L, a=a)
         levels += lv
         for name, f in fams.items():
             t = total.setdefault(name, dict(f, executed=0, useful=0, bytes=0, dispatches=0))
@@ -287,7 +309,7 @@ def run(cfg: ModelConfig, lengths=(256, 4096, 32768), chunk: int = 4096, a: dict
     out = {}
     for path, tops in PATHS:
         for L in lengths:
-            fams, levels = prompt_families(cfg, L, tops, chunk)
+            fams, levels = prompt_families(cfg, L, tops, chunk, a)
             out[path, L] = dict(fams=fams, levels=levels, est={g: estimate(fams, levels, L, g, a) for g in GPUS})
     return out
 
@@ -327,6 +349,16 @@ def print_tables(res: dict, brief: bool = False) -> None:
     for path, _ in PATHS:
         for g in GPUS:
             print(f"  {path:<12} {g:<7} " + " ".join(f"{res[path, L]['est'][g]['tps']:>8,.0f}" for L in lengths))
+    known = [L for L in lengths if L in TARGETS]
+    if known:
+        print(f"  {'MLX-LM':<12} {'M5 Max':<7} " + " ".join(
+            f"{MLX_LM_M5_MAX[L]:>8,.0f}" if L in MLX_LM_M5_MAX else f"{'-':>8}" for L in lengths) + "  (published)")
+        print(f"  {'target 1.3x':<12} {'M5 Max':<7} " + " ".join(
+            f"{TARGETS[L]:>8,.0f}" if L in TARGETS else f"{'-':>8}" for L in lengths))
+        for path, _ in PATHS:
+            met = [f"{L}: {'met' if res[path, L]['est']['M5 Max']['tps'] >= TARGETS[L] else 'not met'} "
+                   f"({res[path, L]['est']['M5 Max']['tps'] / TARGETS[L]:.2f} of it)" for L in known]
+            print(f"  {path}, M5 Max vs the target: " + ", ".join(met))
     print("  design (the earlier estimate: every useful FLOP x 1.05 on the path's matmul unit, weight "
           "bandwidth cap, nothing else): " + "; ".join(
               f"{path} {g} " + " ".join(f"{design_tps(res[path, L]['fams'], L, g, u):,.0f}" for L in lengths)
@@ -376,9 +408,17 @@ def main() -> None:
     print("ESTIMATE, not a measurement. Assumptions:", ASSUMPTIONS)
     cfg = real_config()
     print("MoE expert rows executed / useful under uniform routing (simulated): " + ", ".join(
-        f"{T} tokens {r['before']:.2f} before per-expert tiles -> {r['now']:.2f} now"
+        f"{T} tokens {r['before']:.2f} before per-expert tiles -> {r['now']:.2f} now (M5 plan {r['m5']:.2f})"
         for T in (256, 4096) for r in [moe_rows_executed(T, cfg.num_experts, cfg.num_experts_per_tok)]))
-    print_tables(run(cfg), brief=args.brief)
+    res = run(cfg)
+    print_tables(res, brief=args.brief)
+    if ("M5 path", 256) in res:  # sensitivity of the short-prompt line to the 16-row tiles' rate
+        a32 = dict(ASSUMPTIONS, m5_tile16_cost_rows=32)
+        fams, lv = prompt_families(cfg, 256, True, 4096, a32)
+        e = {g: estimate(fams, lv, 256, g, a32)["tps"] for g in GPUS}
+        print("  M5 path at 256 tokens if a 16-row matmul2d cost as much as a 32-row one (the MoE 16-row "
+              "tiles counted as 32 rows): " + ", ".join(f"{g} {v:,.0f} tok/s" for g, v in e.items()) +
+              f"; target {TARGETS[256]:,.0f} on M5 Max")
 
 
 if __name__ == "__main__":

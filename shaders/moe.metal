@@ -125,13 +125,15 @@ template <typename L>
 //             chunks of kMoePlanThreads * 4 and every thread counts its experts' entries;
 //             (2) exclusive prefix sum over the E + 1 groups (the shared group E holds all T
 //             tokens) -> offsets; each group's rows cut by its load into 64-row tiles and one
-//             remainder tile (few-row, 32-row or 64-row: common/args_moe.h) -> three block maps;
+//             remainder tile (few-row up to args.few_rows rows, 32-row or 64-row:
+//             common/args_moe.h) -> three block maps;
 //             (3) the same stream again: each thread gives its experts' entries consecutive rows
 //             in token order (a stable permutation, no atomics), writes row -> token, the
 //             per-row routing weight and slot -> row; the shared group's rows are offset[E] + t.
 //   outputs:  the plan buffer (layout in common/args_moe.h), row_weight [R] fp32, and tile_stats
-//             uint32 [4] = tiles in the 64-row, 32-row and few-row lists and the rows in few-row
-//             tiles (the host reads it after the step to count the FLOPs the tiles executed).
+//             uint32 [kMoeTileStats] = tiles in the 64-row, 32-row and few-row lists, the rows in
+//             few-row tiles and the 32-row list's tiles of <= kMoeTile16MaxRows rows (the host
+//             reads it after the step to count the FLOPs the tiles executed).
 //   cost:     every thread reads all T * k ids twice from threadgroup memory (T = 4096, k = 8:
 //             64K reads per thread); a one-pass atomic version would be faster on the GPU but
 //             gives a run-dependent row order.
@@ -151,6 +153,7 @@ template <typename W>
   LILY_TG_ARRAY(uint32_t, base32, [kMoeMaxExperts + 2]);
   LILY_TG_ARRAY(uint32_t, base_few, [kMoeMaxExperts + 2]);
   const uint32_t E = args.experts, k = args.top_k, T = args.tokens;
+  const uint32_t few = args.few_rows;  // <= kMoeFewMaxRows (host-checked)
   const uint32_t groups = E + 1;
   const uint32_t tid = thread_pos.x, nt = group_size.x;  // nt == kMoePlanThreads
   const uint32_t row_token = moe_plan_row_token(args.max_tiles);
@@ -173,7 +176,7 @@ template <typename W>
   threadgroup_barrier(mem_flags::mem_threadgroup);
 
   if (tid == 0) {  // (2) E + 1 <= 513 additions: cheaper serial than a scan's extra barriers
-    uint32_t off = 0, n64 = 0, n32 = 0, nfew = 0, few_rows = 0;
+    uint32_t off = 0, n64 = 0, n32 = 0, nfew = 0, few_rows = 0, n16 = 0;
     for (uint32_t g = 0; g < groups; ++g) {
       const uint32_t c = g < E ? offsets[g] : T;
       const uint32_t rem = c % 64;
@@ -183,9 +186,10 @@ template <typename W>
       base_few[g] = nfew;
       off += c;
       n64 += c / 64 + (rem > kMoeTile32MaxRows ? 1u : 0u);
-      n32 += rem > kMoeFewMaxRows && rem <= kMoeTile32MaxRows ? 1u : 0u;
-      nfew += rem > 0 && rem <= kMoeFewMaxRows ? 1u : 0u;
-      few_rows += rem <= kMoeFewMaxRows ? rem : 0u;
+      n32 += rem > few && rem <= kMoeTile32MaxRows ? 1u : 0u;
+      n16 += rem > few && rem <= kMoeTile16MaxRows ? 1u : 0u;
+      nfew += rem > 0 && rem <= few ? 1u : 0u;
+      few_rows += rem <= few ? rem : 0u;
     }
     offsets[groups] = off;
     plan[0] = n64;
@@ -195,6 +199,7 @@ template <typename W>
     tile_stats[1] = n32;
     tile_stats[2] = nfew;
     tile_stats[3] = few_rows;
+    tile_stats[4] = n16;  // of the 32-row list: tiles of <= kMoeTile16MaxRows rows (16-row on M5)
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
 
@@ -210,7 +215,7 @@ template <typename W>
       plan[ti + 2] = min(lo + (m + 1) * 64, hi);
     }
     if (rem > 0 && rem <= kMoeTile32MaxRows) {
-      const uint32_t ti = rem <= kMoeFewMaxRows ? list_few + 3 * base_few[g] : list32 + 3 * base32[g];
+      const uint32_t ti = rem <= few ? list_few + 3 * base_few[g] : list32 + 3 * base32[g];
       plan[ti] = g;
       plan[ti + 1] = lo + full * 64;
       plan[ti + 2] = hi;
@@ -887,7 +892,7 @@ template <typename S, int bits, int BM>
 }
 
 // ---------------------------------------------------------------------------------------------
-// moe_gate_up_few: tiled route, the few-row tiles (a group's remainder of <= kMoeFewMaxRows = 8
+// moe_gate_up_few: tiled route, the few-row tiles (a group's remainder of <= args.few_rows <= 8
 // rows, e.g. an expert that received few tokens): matvec-style, like qmv (qmm.metal), every
 // weight row read once for all the tile's rows and nothing computed for absent rows.
 //   grid:       (ceil(max(I, Is) / 8), max_few) threadgroups of 64 threads (2 simdgroups);

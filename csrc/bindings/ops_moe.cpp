@@ -41,6 +41,8 @@ void init_ops_moe(nb::module_& m) {
   m.attr("MOE_MV_MAX_TOKENS") = static_cast<uint32_t>(kMoeMvMaxTokens);
   m.attr("MOE_FEW_MAX_ROWS") = static_cast<uint32_t>(kMoeFewMaxRows);
   m.attr("MOE_TILE32_MAX_ROWS") = static_cast<uint32_t>(kMoeTile32MaxRows);
+  m.attr("MOE_FEW_MAX_ROWS_M5") = static_cast<uint32_t>(kMoeFewMaxRowsM5);
+  m.attr("MOE_TILE16_MAX_ROWS") = static_cast<uint32_t>(kMoeTile16MaxRows);
   m.attr("MOE_MAX_EXPERTS") = static_cast<uint32_t>(kMoeMaxExperts);
   m.attr("MOE_MAX_TOP_K") = static_cast<uint32_t>(kMoeMaxTopK);
   m.attr("MOE_MV_ROWS") = static_cast<uint32_t>(kMoeMvRows);
@@ -153,12 +155,15 @@ void init_ops_moe(nb::module_& m) {
           tiles["32"] = ts[1];
           tiles["few"] = ts[2];
           tiles["few_rows"] = ts[3];
+          tiles["16"] = ts[4];  // of the 32-row list: tiles of <= 16 rows (run as 16 rows on M5)
           stats["tiles"] = tiles;
           // The encoder counted the bound over every routing; the plan says what ran.
-          const auto bound = gpu::ops::moe_expert_flops(op.tokens, op.top_k, op.experts, op.hidden, op.inter, op.shared_inter);
+          const bool m5 = rec.tensor_ops();
+          const auto bound = gpu::ops::moe_expert_flops(op.tokens, op.top_k, op.experts, op.hidden, op.inter,
+                                                        op.shared_inter, m5);
           stats["flops_executed"] = c.flops_executed - bound.executed +
                                     gpu::ops::moe_expert_flops_from_tiles(op.tokens, op.top_k, op.hidden, op.inter,
-                                                                          op.shared_inter, ts);
+                                                                          op.shared_inter, ts, m5);
         }
         const uint32_t T = op.tokens, k = op.top_k;
         nb::object out = xt == gpu::DType::bf16 ? copy_out<uint16_t>(op.out, {T, op.hidden})

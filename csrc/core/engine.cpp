@@ -182,7 +182,7 @@ void build_buffers(const ModelSpec& s, Allocator& a, gpu::ModelBuffers& m_) {
   t.moe_row_weight = a.scratch(mb.row_weight);
   t.moe_h = a.scratch(mb.h);
   t.moe_y = a.scratch(mb.y);
-  t.moe_tile_stats = a.scratch(2ull * s.layers * 4 * 4);
+  t.moe_tile_stats = a.scratch(2ull * s.layers * kMoeTileStats * 4);
   t.logits = a.scratch(uint64_t(std::max(s.logit_rows, 2u)) * V * 4);
   t.token_slot = a.scratch(2 * 4);  // two slots: two steps in flight
   t.chosen_logit = a.scratch(2 * 4);
@@ -743,11 +743,14 @@ void Engine::correct_moe_flops(StepStats& st, uint32_t slot) const {
   if (gpu::ops::moe_route(T, s.top_k) != gpu::ops::MoeRoute::tiled) return;
   const char* base = static_cast<const char*>(m_.s.moe_tile_stats.buffer->contents());
   if (!base) return;  // the counting device has no memory: the bound stays
-  const auto bound = gpu::ops::moe_expert_flops(T, s.top_k, s.experts, s.hidden, s.moe_inter, s.shared_inter);
-  const auto* stats = reinterpret_cast<const uint32_t*>(base + m_.s.moe_tile_stats.offset) + uint64_t(slot) * s.layers * 4;
+  const bool m5 = device_->info().tensor_ops;  // the plan and tile kernels encode_moe chose
+  const auto bound = gpu::ops::moe_expert_flops(T, s.top_k, s.experts, s.hidden, s.moe_inter, s.shared_inter, m5);
+  const auto* stats = reinterpret_cast<const uint32_t*>(base + m_.s.moe_tile_stats.offset) +
+                      uint64_t(slot) * s.layers * kMoeTileStats;
   for (uint32_t li = 0; li < s.layers; ++li)
     st.flops_executed = st.flops_executed - bound.executed +
-                        gpu::ops::moe_expert_flops_from_tiles(T, s.top_k, s.hidden, s.moe_inter, s.shared_inter, stats + 4 * li);
+                        gpu::ops::moe_expert_flops_from_tiles(T, s.top_k, s.hidden, s.moe_inter, s.shared_inter,
+                                                              stats + kMoeTileStats * li, m5);
 }
 
 StepStats Engine::forward(const uint32_t* ids, uint32_t T, bool all_logits, float* logits,

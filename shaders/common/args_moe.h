@@ -13,8 +13,10 @@
 //                                back to back: 64-row tiles (max_tiles - max_tiles32 - max_few
 //                                entries), 32-row tiles (max_tiles32), few-row tiles (max_few)
 // Tiles by load (moe_plan): each group's rows are cut into 64-row tiles; the remainder r of its
-// count goes to a few-row tile (r <= kMoeFewMaxRows: matvec-style, no padding), a 32-row tile
-// (r <= kMoeTile32MaxRows) or one more 64-row tile.
+// count goes to a few-row tile (r <= MoeArgs::few_rows: matvec-style, no padding), a 32-row tile
+// (r <= kMoeTile32MaxRows) or one more 64-row tile. few_rows is kMoeFewMaxRows (8) on M1-M4 and
+// kMoeFewMaxRowsM5 (2) on M5, whose 32-row kind runs a tile of <= kMoeTile16MaxRows rows as a
+// 16-row matmul2d (shaders/m5/moe_m5.metal): the plan is the same code on both paths.
 //   [moe_plan_row_token(..) + r]  token of permuted row r                      (R entries)
 //   [moe_plan_pos(..) + s]        permuted row of slot s                       (R entries)
 #pragma once
@@ -29,6 +31,10 @@ enum : uint32_t {
   kMoeMaxTopK = 16,           // experts per token
   kMoeMvMaxTokens = 8,        // tokens <= this: matrix-vector route (decode)
   kMoeFewMaxRows = 8,         // tiled: a group's remainder of <= this many rows -> few-row tile
+                              // (M1-M4; the few-row kernels' register bound on every path)
+  kMoeFewMaxRowsM5 = 2,       // tiled, M5: the few-row threshold (MoeArgs::few_rows)
+  kMoeTile16MaxRows = 16,     // tiled, M5: a 32-row-list tile of <= this many rows runs 16-row matmul2d
+  kMoeTileStats = 5,          // uint32 entries of the plan's tile_stats (see moe_plan)
   kMoeTile32MaxRows = 32,     // tiled: a remainder of <= this many rows -> 32-row tile, else 64
   kMoeMvRowsPerSimd = 4,      // few-row tiles (moe_*_few): output features per simdgroup
   kMoeMvSimdsPerGroup = 2,    // few-row tiles (moe_*_few): simdgroups per threadgroup
@@ -58,9 +64,11 @@ struct MoeArgs {
   uint32_t max_tiles32;   // tiled route: entries of the 32-row list
   uint32_t max_few;       // tiled route: entries of the few-row list
   uint32_t group_shift;   // log2(group_size)
+  uint32_t few_rows;      // tiled route: a remainder of <= this many rows -> few-row tile
+                          // (kMoeFewMaxRows, or kMoeFewMaxRowsM5 with tensor ops)
 };
 
-// First entry of each tile list in the plan buffer (rows <= 64 / <= 32 / <= kMoeFewMaxRows).
+// First entry of each tile list in the plan buffer (rows <= 64 / <= 32 / <= few_rows).
 inline uint32_t moe_plan_list64() { return kMoePlanTiles; }
 inline uint32_t moe_plan_list32(uint32_t max_tiles, uint32_t max_tiles32, uint32_t max_few) {
   return kMoePlanTiles + 3 * (max_tiles - max_tiles32 - max_few);

@@ -9,7 +9,9 @@
 //   grid:      (ceil(max(I, Is) / 32) | ceil(H / 32), list bound) threadgroups of 128 threads
 //              (4 simdgroups); tiles >= the plan's count for the list do no work (uniformly: no
 //              thread calls run, no thread waits at a barrier)
-//   tile:      BM (64 or 32) rows of the group x 32 output features, K walked in steps of 32
+//   tile:      BM (64 or 32) rows of the group x 32 output features, K walked in steps of 32; a tile
+//              of the 32-row list with <= kMoeTile16MaxRows (16) rows runs with BM = 16 (the plan
+//              gives such tiles from 3 rows on M5: MoeArgs::few_rows = kMoeFewMaxRowsM5)
 //   staging:   thread t rounds x (gathered through the plan's row -> token map; h for down) of row
 //              t / (128 / BM), BM / 4 consecutive columns, to half, and dequantizes 8 consecutive
 //              weights of feature t / 4 (gate and up, or down: fp32 s * q + b, rounded to half)
@@ -62,52 +64,21 @@ inline void moe_m5_stage_w(const device uint32_t* w, const device S* sc, const d
   }
 }
 
-// gate + up + SwiGLU of one tile (rows [r0, r1) of group g, features n0 .. n0 + 32).
+// gate + up + SwiGLU of one tile of BM = 64, 32 or 16 rows: rows [r0, r1) of group g (r1 - r0 <=
+// BM), features n0 .. n0 + 32, `steps` K steps (0: no work, no run, no barrier; uniform over the
+// threadgroup). xs, gs, us: the kernel's threadgroup stages (xs holds at least 2 BM x 32 halves).
 template <typename T, typename S, int bits, int BM>
-[[kernel]] void moe_gate_up_m5(constant MoeArgs& args [[buffer(0)]],
-                               const device T* x [[buffer(1)]],
-                               const device uint32_t* plan [[buffer(2)]],
-                               const device uint32_t* gate_w [[buffer(3)]],
-                               const device S* gate_s [[buffer(4)]],
-                               const device S* gate_b [[buffer(5)]],
-                               const device uint32_t* up_w [[buffer(6)]],
-                               const device S* up_s [[buffer(7)]],
-                               const device S* up_b [[buffer(8)]],
-                               const device uint32_t* sh_gate_w [[buffer(9)]],
-                               const device S* sh_gate_s [[buffer(10)]],
-                               const device S* sh_gate_b [[buffer(11)]],
-                               const device uint32_t* sh_up_w [[buffer(12)]],
-                               const device S* sh_up_s [[buffer(13)]],
-                               const device S* sh_up_b [[buffer(14)]],
-                               device float* h [[buffer(15)]],
-                               LILY_KERNEL_TAIL) {
+inline void moe_gate_up_m5_tile(constant MoeArgs& args, const device T* x, const device uint32_t* plan,
+                                const device uint32_t* wg, const device S* sg, const device S* bg,
+                                const device uint32_t* wu, const device S* su, const device S* bu,
+                                device float* h, uint32_t N, uint32_t r0, uint32_t r1, uint32_t n0,
+                                uint32_t steps, uint32_t t, threadgroup half* xs, threadgroup half* gs,
+                                threadgroup half* us) {
   constexpr uint32_t BN = kMoeTileN, BK = kMoeTileK;
-  static_assert(BN == 32 && BK == 32 && kMoeTileSimds == 4 && (BM == 32 || BM == 64),
-                "the staging map and descriptor below assume 32-wide tiles, 128 threads, BM 32 or 64");
-  LILY_TG_ARRAY(half, xs, [2 * BM * BK]);  // two stages of the x tile [BM][32]
-  LILY_TG_ARRAY(half, gs, [2 * BN * BK]);  // two stages of the gate tile [32][32]
-  LILY_TG_ARRAY(half, us, [2 * BN * BK]);  // two stages of the up tile [32][32]
-
-  const uint32_t tile = group_pos.y;
-  const uint32_t list = BM == 64 ? moe_plan_list64() : moe_plan_list32(args.max_tiles, args.max_tiles32, args.max_few);
-  const bool active = tile < plan[BM == 64 ? 0 : 1];  // uniform over the threadgroup
-  const uint32_t g = active ? plan[list + 3 * tile] : 0u;
-  const uint32_t r0 = active ? plan[list + 3 * tile + 1] : 0u;
-  const uint32_t r1 = active ? plan[list + 3 * tile + 2] : 0u;
-  const bool shared = g == args.experts;
-  const uint32_t N = shared ? args.shared_inter : args.inter;
-  const uint32_t n0 = group_pos.x * BN;
+  static_assert(BN == 32 && BK == 32 && kMoeTileSimds == 4 && (BM == 16 || BM == 32 || BM == 64),
+                "the staging map and descriptor below assume 32-wide tiles, 128 threads, BM 16, 32 or 64");
   const uint32_t H = args.hidden;
-  const uint32_t steps = (active && n0 < N) ? H / BK : 0u;  // uniform: no work, no run, no barrier
   const uint32_t wpr = H * bits / 32, gpr = H / args.group_size;
-  const device uint32_t* wg = shared ? sh_gate_w : gate_w + g * N * wpr;
-  const device S* sg = shared ? sh_gate_s : gate_s + g * N * gpr;
-  const device S* bg = shared ? sh_gate_b : gate_b + g * N * gpr;
-  const device uint32_t* wu = shared ? sh_up_w : up_w + g * N * wpr;
-  const device S* su = shared ? sh_up_s : up_s + g * N * gpr;
-  const device S* bu = shared ? sh_up_b : up_b + g * N * gpr;
-
-  const uint32_t t = thread_pos.x;
   constexpr uint32_t PER = BM / 4, CPR = BK / PER;
   const uint32_t my_row = r0 + t / CPR;  // the row this thread stages
   const bool my_valid = my_row < r1;
@@ -167,43 +138,71 @@ template <typename T, typename S, int bits, int BM>
   }
 }
 
-// down projection x routing weight of one tile (rows [r0, r1) of group g, features n0 .. n0 + 32).
-template <typename S, int bits, int BM>
-[[kernel]] void moe_down_m5(constant MoeArgs& args [[buffer(0)]],
-                            const device uint32_t* plan [[buffer(1)]],
-                            const device float* row_weight [[buffer(2)]],
-                            const device float* h [[buffer(3)]],
-                            const device uint32_t* down_w [[buffer(4)]],
-                            const device S* down_s [[buffer(5)]],
-                            const device S* down_b [[buffer(6)]],
-                            const device uint32_t* sh_down_w [[buffer(7)]],
-                            const device S* sh_down_s [[buffer(8)]],
-                            const device S* sh_down_b [[buffer(9)]],
-                            device float* y [[buffer(10)]],
-                            LILY_KERNEL_TAIL) {
+// gate + up + SwiGLU of one tile of the 64-row (LIST = 64) or 32-row (LIST = 32) list: rows
+// [r0, r1) of group g, features n0 .. n0 + 32. A 32-row-list tile of <= kMoeTile16MaxRows rows
+// runs as a 16-row tile (uniform over the threadgroup: the tile's rows come from the plan).
+template <typename T, typename S, int bits, int LIST>
+[[kernel]] void moe_gate_up_m5(constant MoeArgs& args [[buffer(0)]],
+                               const device T* x [[buffer(1)]],
+                               const device uint32_t* plan [[buffer(2)]],
+                               const device uint32_t* gate_w [[buffer(3)]],
+                               const device S* gate_s [[buffer(4)]],
+                               const device S* gate_b [[buffer(5)]],
+                               const device uint32_t* up_w [[buffer(6)]],
+                               const device S* up_s [[buffer(7)]],
+                               const device S* up_b [[buffer(8)]],
+                               const device uint32_t* sh_gate_w [[buffer(9)]],
+                               const device S* sh_gate_s [[buffer(10)]],
+                               const device S* sh_gate_b [[buffer(11)]],
+                               const device uint32_t* sh_up_w [[buffer(12)]],
+                               const device S* sh_up_s [[buffer(13)]],
+                               const device S* sh_up_b [[buffer(14)]],
+                               device float* h [[buffer(15)]],
+                               LILY_KERNEL_TAIL) {
   constexpr uint32_t BN = kMoeTileN, BK = kMoeTileK;
-  static_assert(BN == 32 && BK == 32 && kMoeTileSimds == 4 && (BM == 32 || BM == 64),
-                "the staging map and descriptor below assume 32-wide tiles, 128 threads, BM 32 or 64");
-  LILY_TG_ARRAY(half, xs, [2 * BM * BK]);  // two stages of the h tile [BM][32]
-  LILY_TG_ARRAY(half, ws, [2 * BN * BK]);  // two stages of the down tile [32][32]
+  static_assert(LIST == 32 || LIST == 64, "the 64- and 32-row lists");
+  LILY_TG_ARRAY(half, xs, [2 * LIST * BK]);  // two stages of the x tile [BM][32], BM <= LIST
+  LILY_TG_ARRAY(half, gs, [2 * BN * BK]);    // two stages of the gate tile [32][32]
+  LILY_TG_ARRAY(half, us, [2 * BN * BK]);    // two stages of the up tile [32][32]
 
   const uint32_t tile = group_pos.y;
-  const uint32_t list = BM == 64 ? moe_plan_list64() : moe_plan_list32(args.max_tiles, args.max_tiles32, args.max_few);
-  const bool active = tile < plan[BM == 64 ? 0 : 1];  // uniform over the threadgroup
+  const uint32_t list = LIST == 64 ? moe_plan_list64() : moe_plan_list32(args.max_tiles, args.max_tiles32, args.max_few);
+  const bool active = tile < plan[LIST == 64 ? 0 : 1];  // uniform over the threadgroup
   const uint32_t g = active ? plan[list + 3 * tile] : 0u;
   const uint32_t r0 = active ? plan[list + 3 * tile + 1] : 0u;
   const uint32_t r1 = active ? plan[list + 3 * tile + 2] : 0u;
   const bool shared = g == args.experts;
-  const uint32_t H = args.hidden;
-  const uint32_t K = shared ? args.shared_inter : args.inter;
+  const uint32_t N = shared ? args.shared_inter : args.inter;
   const uint32_t n0 = group_pos.x * BN;
-  const uint32_t steps = active ? K / BK : 0u;  // uniform
-  const uint32_t wpr = K * bits / 32, gpr = K / args.group_size;
-  const device uint32_t* w = shared ? sh_down_w : down_w + g * H * wpr;
-  const device S* sc = shared ? sh_down_s : down_s + g * H * gpr;
-  const device S* bi = shared ? sh_down_b : down_b + g * H * gpr;
-
+  const uint32_t H = args.hidden;
+  const uint32_t steps = (active && n0 < N) ? H / BK : 0u;  // uniform: no work, no run, no barrier
+  const uint32_t wpr = H * bits / 32, gpr = H / args.group_size;
+  const device uint32_t* wg = shared ? sh_gate_w : gate_w + g * N * wpr;
+  const device S* sg = shared ? sh_gate_s : gate_s + g * N * gpr;
+  const device S* bg = shared ? sh_gate_b : gate_b + g * N * gpr;
+  const device uint32_t* wu = shared ? sh_up_w : up_w + g * N * wpr;
+  const device S* su = shared ? sh_up_s : up_s + g * N * gpr;
+  const device S* bu = shared ? sh_up_b : up_b + g * N * gpr;
   const uint32_t t = thread_pos.x;
+  if (LIST == 32 && r1 - r0 <= kMoeTile16MaxRows)
+    moe_gate_up_m5_tile<T, S, bits, 16>(args, x, plan, wg, sg, bg, wu, su, bu, h, N, r0, r1, n0, steps, t, xs, gs, us);
+  else
+    moe_gate_up_m5_tile<T, S, bits, LIST>(args, x, plan, wg, sg, bg, wu, su, bu, h, N, r0, r1, n0, steps, t, xs, gs,
+                                          us);
+}
+
+// down projection x routing weight of one tile of BM = 64, 32 or 16 rows (rows [r0, r1) of group
+// g, features n0 .. n0 + 32, `steps` K steps; xs, ws: the kernel's threadgroup stages).
+template <typename S, int bits, int BM>
+inline void moe_down_m5_tile(constant MoeArgs& args, const device float* row_weight, const device float* h,
+                             const device uint32_t* w, const device S* sc, const device S* bi, device float* y,
+                             uint32_t K, uint32_t r0, uint32_t r1, uint32_t n0, uint32_t steps, uint32_t t,
+                             threadgroup half* xs, threadgroup half* ws) {
+  constexpr uint32_t BN = kMoeTileN, BK = kMoeTileK;
+  static_assert(BN == 32 && BK == 32 && kMoeTileSimds == 4 && (BM == 16 || BM == 32 || BM == 64),
+                "the staging map and descriptor below assume 32-wide tiles, 128 threads, BM 16, 32 or 64");
+  const uint32_t H = args.hidden;
+  const uint32_t wpr = K * bits / 32, gpr = K / args.group_size;
   constexpr uint32_t PER = BM / 4, CPR = BK / PER;
   const uint32_t my_row = r0 + t / CPR;
   const bool my_valid = my_row < r1;
@@ -247,6 +246,48 @@ template <typename S, int bits, int BM>
       if (r < r1 && n < H) y[r * H + n] = row_weight[r] * acc[i];
     }
   }
+}
+
+// down projection x routing weight of one tile of the 64- or 32-row list (rows [r0, r1) of group
+// g, features n0 .. n0 + 32); a 32-row-list tile of <= kMoeTile16MaxRows rows runs as 16 rows.
+template <typename S, int bits, int LIST>
+[[kernel]] void moe_down_m5(constant MoeArgs& args [[buffer(0)]],
+                            const device uint32_t* plan [[buffer(1)]],
+                            const device float* row_weight [[buffer(2)]],
+                            const device float* h [[buffer(3)]],
+                            const device uint32_t* down_w [[buffer(4)]],
+                            const device S* down_s [[buffer(5)]],
+                            const device S* down_b [[buffer(6)]],
+                            const device uint32_t* sh_down_w [[buffer(7)]],
+                            const device S* sh_down_s [[buffer(8)]],
+                            const device S* sh_down_b [[buffer(9)]],
+                            device float* y [[buffer(10)]],
+                            LILY_KERNEL_TAIL) {
+  constexpr uint32_t BN = kMoeTileN, BK = kMoeTileK;
+  static_assert(LIST == 32 || LIST == 64, "the 64- and 32-row lists");
+  LILY_TG_ARRAY(half, xs, [2 * LIST * BK]);  // two stages of the h tile [BM][32], BM <= LIST
+  LILY_TG_ARRAY(half, ws, [2 * BN * BK]);    // two stages of the down tile [32][32]
+
+  const uint32_t tile = group_pos.y;
+  const uint32_t list = LIST == 64 ? moe_plan_list64() : moe_plan_list32(args.max_tiles, args.max_tiles32, args.max_few);
+  const bool active = tile < plan[LIST == 64 ? 0 : 1];  // uniform over the threadgroup
+  const uint32_t g = active ? plan[list + 3 * tile] : 0u;
+  const uint32_t r0 = active ? plan[list + 3 * tile + 1] : 0u;
+  const uint32_t r1 = active ? plan[list + 3 * tile + 2] : 0u;
+  const bool shared = g == args.experts;
+  const uint32_t H = args.hidden;
+  const uint32_t K = shared ? args.shared_inter : args.inter;
+  const uint32_t n0 = group_pos.x * BN;
+  const uint32_t steps = active ? K / BK : 0u;  // uniform
+  const uint32_t wpr = K * bits / 32, gpr = K / args.group_size;
+  const device uint32_t* w = shared ? sh_down_w : down_w + g * H * wpr;
+  const device S* sc = shared ? sh_down_s : down_s + g * H * gpr;
+  const device S* bi = shared ? sh_down_b : down_b + g * H * gpr;
+  const uint32_t t = thread_pos.x;
+  if (LIST == 32 && r1 - r0 <= kMoeTile16MaxRows)
+    moe_down_m5_tile<S, bits, 16>(args, row_weight, h, w, sc, bi, y, K, r0, r1, n0, steps, t, xs, ws);
+  else
+    moe_down_m5_tile<S, bits, LIST>(args, row_weight, h, w, sc, bi, y, K, r0, r1, n0, steps, t, xs, ws);
 }
 
 // Instantiations: exactly the moe *_m5 rows of csrc/gpu/kernel_ids.h (activations fp32, scales

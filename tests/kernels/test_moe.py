@@ -37,6 +37,8 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 MV_MAX_TOKENS = 8          # must match kMoeMvMaxTokens (checked below)
 FEW_MAX_ROWS = 8           # must match kMoeFewMaxRows (checked below)
 TILE32_MAX_ROWS = 32       # must match kMoeTile32MaxRows (checked below)
+FEW_MAX_ROWS_M5 = 2        # must match kMoeFewMaxRowsM5: the few-row threshold with tensor ops
+TILE16_MAX_ROWS = 16       # must match kMoeTile16MaxRows: 32-row-list tiles run as 16 rows on M5
 MV_ROWS = 4                # kMoeMvRows: output rows per threadgroup of the decode matvecs
 GATE_UP_MAX_SPLITS = 4     # kMoeGateUpMaxSplits
 DOWN_MAX_SPLITS = 8        # kMoeDownMaxSplits
@@ -131,6 +133,8 @@ def test_route_constants_match_extension():
     assert core.ops.MOE_MV_MAX_TOKENS == MV_MAX_TOKENS
     assert core.ops.MOE_FEW_MAX_ROWS == FEW_MAX_ROWS
     assert core.ops.MOE_TILE32_MAX_ROWS == TILE32_MAX_ROWS
+    assert core.ops.MOE_FEW_MAX_ROWS_M5 == FEW_MAX_ROWS_M5
+    assert core.ops.MOE_TILE16_MAX_ROWS == TILE16_MAX_ROWS
     assert core.ops.MOE_MV_ROWS == MV_ROWS
     assert core.ops.MOE_GATE_UP_MAX_SPLITS == GATE_UP_MAX_SPLITS
     assert core.ops.MOE_DOWN_MAX_SPLITS == DOWN_MAX_SPLITS
@@ -143,32 +147,38 @@ def expected_route(T, k):
     return "mv" if T <= MV_MAX_TOKENS else "tiled"
 
 
-def expected_tiles(ids, E):
+def expected_tiles(ids, E, m5=False):
     """The plan's tiles by load (shaders/moe.metal moe_plan), from the routing: per group (each
     expert, and the shared group holding every token) 64-row tiles, and the remainder r in a
-    few-row tile (r <= 8), a 32-row tile (r <= 32) or one more 64-row tile."""
+    few-row tile (r <= 8; r <= 2 with tensor ops, m5), a 32-row tile (r <= 32) or one more 64-row
+    tile; "16": the 32-row tiles of r <= 16 rows (they run 16 rows on M5)."""
     T = ids.shape[0]
+    few = FEW_MAX_ROWS_M5 if m5 else FEW_MAX_ROWS
     counts = list(np.bincount(ids.ravel(), minlength=E)) + [T]
-    tiles = {"64": 0, "32": 0, "few": 0, "few_rows": 0}
+    tiles = {"64": 0, "32": 0, "few": 0, "few_rows": 0, "16": 0}
     for c in counts:
         rem = c % 64
         tiles["64"] += c // 64 + (rem > TILE32_MAX_ROWS)
-        tiles["32"] += FEW_MAX_ROWS < rem <= TILE32_MAX_ROWS
-        tiles["few"] += 0 < rem <= FEW_MAX_ROWS
-        tiles["few_rows"] += rem if rem <= FEW_MAX_ROWS else 0
+        tiles["32"] += few < rem <= TILE32_MAX_ROWS
+        tiles["16"] += few < rem <= TILE16_MAX_ROWS
+        tiles["few"] += 0 < rem <= few
+        tiles["few_rows"] += rem if rem <= few else 0
     return tiles
 
 
-def expected_executed(ids, E, *, H, I, Is, router_rows):
+def expected_executed(ids, E, *, H, I, Is, router_rows, m5=False):
     """FLOPs the tiles execute (H, I, Is multiples of 32: no column padding): 64- and 32-row
-    tiles compute every row of the tile, few-row tiles only their rows; 6 H N per row (gate, up,
-    down); plus the router (qmm: T and E + 1 padded to 32)."""
+    tiles compute every row of the tile (on M5, m5, a 32-row-list tile of <= 16 rows runs 16),
+    few-row tiles only their rows; 6 H N per row (gate, up, down); plus the router (qmm: T and
+    E + 1 padded to 32)."""
     T = ids.shape[0]
+    few = FEW_MAX_ROWS_M5 if m5 else FEW_MAX_ROWS
     total = 0
     for g, c in enumerate(list(np.bincount(ids.ravel(), minlength=E)) + [T]):
         N = Is if g == E else I
         rem = c % 64
-        rows = 64 * (c // 64) + (64 if rem > TILE32_MAX_ROWS else 32 if rem > FEW_MAX_ROWS else rem)
+        small = 16 if m5 and rem <= TILE16_MAX_ROWS else 32
+        rows = 64 * (c // 64) + (64 if rem > TILE32_MAX_ROWS else small if rem > few else rem)
         total += 6 * H * N * rows
     pad = lambda n: -(-n // 32) * 32  # noqa: E731
     return total + 2 * pad(T) * pad(router_rows) * H

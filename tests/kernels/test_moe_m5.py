@@ -13,7 +13,9 @@ e = 2.001 * 2^-11 (two roundings per product):
 The few-row tiles (fp32 operands) are inside that bound too. An error of one wrong row, feature or
 tile is far above it. Both sides of the route switch: without tensor ops the same inputs take
 moe_gate_up_mm* / moe_down_mm*; with them the 64- and 32-row kinds take the *_m5 kernels and the
-few-row kind keeps moe_*_few. Tiles and executed FLOPs are the same on both routes.
+few-row kind keeps moe_*_few. The plans differ: with tensor ops a remainder of <= 2 rows (not
+<= 8) takes a few-row tile, and a 32-row-list tile of <= 16 rows runs a 16-row matmul2d; both
+sides of both switches (2 | 3, 16 | 17 rows) are below.
 """
 from __future__ import annotations
 
@@ -82,30 +84,39 @@ def check_m5(rng, W, x, top_k, **kw):
     return out, ids, stats
 
 
-# Expert 0 (skewed load) and the shared group hold T rows: 9 (few), 33 (32-row), 65 (64 + few),
-# 73 (64 + 32-row remainder), 97 (64 + 64-row remainder); the other experts scattered loads.
-@pytest.mark.parametrize("T", [9, 33, 65, 73, 97])
+# Expert 0 (skewed load) and the shared group hold T rows: 9 and 16 (a 16-row tile), 17 and 33
+# (32-row), 65 and 66 (64 + a few-row remainder of 1 | 2), 67, 73 and 80 (64 + a 16-row remainder
+# of 3 | 9 | 16), 81 (64 + 32-row remainder of 17), 97 (64 + 64-row remainder); the other
+# experts scattered loads.
+@pytest.mark.parametrize("T", [9, 16, 17, 33, 65, 66, 67, 73, 80, 81, 97])
 def test_m5_tiles_sized_by_load(rng, T):
     E = 9
     W, x_of = make_block(rng, E=E, H=64, I=32, gs=32, load="skewed")
     _, ids, stats = check_m5(rng, W, x_of(T, 2), 2)
     assert (ids[:, 0] == 0).all()
-    assert stats["tiles"] == expected_tiles(ids, E)
-    assert stats["flops_executed"] == expected_executed(ids, E, H=64, I=32, Is=32, router_rows=E + 1)
+    assert stats["tiles"] == expected_tiles(ids, E, m5=True)
+    assert stats["flops_executed"] == expected_executed(ids, E, H=64, I=32, Is=32, router_rows=E + 1, m5=True)
 
 
 @pytest.mark.parametrize("T", [9, 73])
 def test_route_switch_same_plan_same_counters(rng, T):
     """Both sides of the switch on the same input: the kernels differ only in the 64- and 32-row
-    kinds; dispatches, barriers, tiles and FLOPs are equal; the results agree within the bound."""
-    W, x_of = make_block(rng, E=7, H=64, I=32, gs=32, load="skewed")
+    kinds; dispatches, barriers, useful FLOPs and bytes are equal; each side's tiles and executed
+    FLOPs are its plan's (few-row threshold 8 | 2; 16-row tiles on M5); the results agree within
+    the bound."""
+    E = 7
+    W, x_of = make_block(rng, E=E, H=64, I=32, gs=32, load="skewed")
     x = x_of(T)
     o5, i5, w5, s5 = run(rng, W, x, 2)
     o0, i0, w0, s0 = run(rng, W, x, 2, tensor_ops=False)
     assert s0["kernels"][3:] == MM_KINDS and s5["kernels"][3:] == M5_KINDS
     assert s0["kernels"][:3] == s5["kernels"][:3]  # router (8-bit: qmm), route, plan
-    for key in ("dispatches", "barriers", "tiles", "flops_executed", "flops_useful", "bytes_bound"):
+    for key in ("dispatches", "barriers", "flops_useful", "bytes_bound"):
         assert s5[key] == s0[key], key
+    for st, m5 in ((s5, True), (s0, False)):
+        assert st["tiles"] == expected_tiles(i5, E, m5=m5)
+        assert st["flops_executed"] == expected_executed(i5, E, H=64, I=32, Is=32, router_rows=E + 1, m5=m5)
+    assert s5["flops_executed"] < s0["flops_executed"]  # the 9-row groups run 16 rows, not 32
     np.testing.assert_array_equal(i5, i0)
     np.testing.assert_array_equal(w5, w0)
     dense, mags = parts(W)
@@ -143,7 +154,19 @@ def test_m5_model_shapes(rng):
     _, ids, stats = check_m5(rng, W, x_of(40, 2), 2)
     tiles = stats["tiles"]
     assert tiles["64"] >= 2, tiles
-    assert tiles == expected_tiles(ids, E)
+    assert tiles == expected_tiles(ids, E, m5=True)
+
+
+def test_m5_model_shapes_small_experts(rng):
+    """The real expert shapes with loads of a short prompt: 8 experts, top-2, 24 tokens (about 6
+    rows per expert): 16-row matmul2d tiles (3..16 rows), few-row tiles (<= 2), the shared group's
+    24 rows in a 32-row tile."""
+    E = 8
+    W, x_of = make_block(rng, E=E, H=2048, I=512, gs=64)
+    _, ids, stats = check_m5(rng, W, x_of(24, 2), 2)
+    tiles = stats["tiles"]
+    assert tiles == expected_tiles(ids, E, m5=True)
+    assert tiles["16"] >= 1 and tiles["32"] > tiles["16"], tiles
 
 
 BF16 = ml_dtypes.bfloat16

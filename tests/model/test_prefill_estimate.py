@@ -37,10 +37,12 @@ def test_family_names():
     assert pe._MOE_KIND.match("moe_gate_up_mv_b4_xbf16_sbf16") is None
 
 
+@pytest.mark.parametrize("tensor_ops", [False, True])
 @pytest.mark.parametrize("T", [9, 97, 301])
-def test_moe_split_keeps_every_row(T):
+def test_moe_split_keeps_every_row(T, tensor_ops):
     cfg = _cfg()
-    s = pe.moe_split(cfg, T, layers=3, seed=1)
+    s = pe.moe_split(cfg, T, layers=3, seed=1, tensor_ops=tensor_ops)
+    small = 16 if tensor_ops else 32  # the M5 32-row kind runs tiles of <= 16 rows as 16
     H, I, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
     for stage, per in (("gate_up", 4), ("down", 2)):
         assert sum(s[stage, kd]["rows"] for kd in ("64", "32", "few")) == 3 * T * (k + 1)
@@ -48,7 +50,18 @@ def test_moe_split_keeps_every_row(T):
         assert s[stage, "few"]["executed"] == s[stage, "few"]["useful"]  # matvec: exact
         for kd in ("64", "32"):
             assert s[stage, kd]["executed"] >= s[stage, kd]["useful"]
-            assert s[stage, kd]["executed"] % (32 * per * H * 32) == 0 or s[stage, kd]["executed"] == 0
+            assert s[stage, kd]["executed"] % (small * per * H * 32) == 0 or s[stage, kd]["executed"] == 0
+    # the M5 plan's few-row tiles hold <= 2 rows, the M1-M4 plan's <= 8: fewer rows on M5
+    if tensor_ops:
+        m14 = pe.moe_split(cfg, T, layers=3, seed=1)
+        assert s["gate_up", "few"]["rows"] <= m14["gate_up", "few"]["rows"]
+        assert s["gate_up", "32"]["executed"] <= m14["gate_up", "32"]["executed"] + \
+            (m14["gate_up", "few"]["rows"] - s["gate_up", "few"]["rows"]) * 16 * 4 * H * I
+
+
+def test_targets_are_the_published_figures_times_1_3():
+    assert pe.TARGETS[4096] == pytest.approx(pe.TARGET, rel=1e-4)  # the 5,166 x 1.3
+    assert pe.TARGETS[256] == pytest.approx(1.3 * 2536.4) and pe.TARGETS[32768] == pytest.approx(1.3 * 3963.7)
 
 
 @pytest.mark.parametrize("tensor_ops", [False, True])
@@ -89,3 +102,4 @@ def test_run_prints_both_paths(capsys):
     out = capsys.readouterr().out
     assert "M5 path, prompt 130 tokens" in out and "Summary (ESTIMATE, tok/s)" in out
     assert "levels x t_level" in out and "target: 1.3 x MLX-LM" in out
+    assert "M5 path, M5 Max vs the target" not in out  # 70 / 130 tokens: no published figure

@@ -47,9 +47,10 @@ void bind_quant(Encoder& enc, uint32_t first, const QuantMatrix& m, QuantBytes b
   }
 }
 
-MoeArgs make_args(const MoeOperands& op, MoeRoute route) {
+MoeArgs make_args(const MoeOperands& op, MoeRoute route, bool tensor_ops) {
   const uint32_t bm = moe_tile_rows(route);
-  const MoeTileBounds tb = bm ? moe_tile_bounds(op.tokens, op.top_k, op.experts) : MoeTileBounds{};
+  const uint32_t few = moe_few_rows(tensor_ops);
+  const MoeTileBounds tb = bm ? moe_tile_bounds(op.tokens, op.top_k, op.experts, few) : MoeTileBounds{};
   MoeArgs a{};
   a.tokens = op.tokens;
   a.hidden = op.hidden;
@@ -65,6 +66,7 @@ MoeArgs make_args(const MoeOperands& op, MoeRoute route) {
   a.max_tiles32 = tb.t32;
   a.max_few = tb.few;
   while ((1u << a.group_shift) < op.group_size) ++a.group_shift;  // 32, 64 or 128 (validated)
+  a.few_rows = few;
   return a;
 }
 
@@ -86,16 +88,21 @@ const char* moe_route_name(MoeRoute r) { return r == MoeRoute::mv ? "mv" : "tile
 
 uint32_t moe_tile_rows(MoeRoute r) { return r == MoeRoute::mv ? 0 : 64; }
 
-MoeTileBounds moe_tile_bounds(uint32_t tokens, uint32_t top_k, uint32_t experts) {
+static_assert(kMoeFewMaxRowsM5 <= kMoeFewMaxRows && kMoeFewMaxRowsM5 < kMoeTile16MaxRows,
+              "the few-row kernels hold at most kMoeFewMaxRows rows in registers");
+uint32_t moe_few_rows(bool tensor_ops) { return tensor_ops ? kMoeFewMaxRowsM5 : kMoeFewMaxRows; }
+
+MoeTileBounds moe_tile_bounds(uint32_t tokens, uint32_t top_k, uint32_t experts, uint32_t few_rows) {
   const uint64_t G = uint64_t(experts) + 1, R = uint64_t(tokens) * (top_k + 1);
   MoeTileBounds b;
   b.few = uint32_t(std::min(G, R));
-  b.t32 = uint32_t(std::min(G, R / (kMoeFewMaxRows + 1)));
+  b.t32 = uint32_t(std::min(G, R / (few_rows + 1)));
   b.t64 = uint32_t((R + 31 * std::min(G, R / (kMoeTile32MaxRows + 1))) / 64);
   return b;
 }
 
-MoeFlops moe_expert_flops(uint32_t tokens, uint32_t top_k, uint32_t experts, uint32_t H, uint32_t I, uint32_t Is) {
+MoeFlops moe_expert_flops(uint32_t tokens, uint32_t top_k, uint32_t experts, uint32_t H, uint32_t I, uint32_t Is,
+                          bool tensor_ops) {
   // Per row: gate and up (2 x N x H multiply-adds) and down (H x N): 3 H N, 2 FLOPs each.
   const uint64_t T = tokens, useful = 6ull * H * (T * top_k * I + T * Is);
   const MoeRoute route = moe_route(tokens, top_k);
@@ -105,11 +112,13 @@ MoeFlops moe_expert_flops(uint32_t tokens, uint32_t top_k, uint32_t experts, uin
   const uint64_t bn = kMoeTileN;
   auto pad = [bn](uint64_t n) { return (n + bn - 1) / bn * bn; };
   // Every live row costs its group's products over whole 32-wide column tiles; on top, the
-  // padding rows of the 32- and 64-row tiles (bound: see moe_expert_flops in moe.h) at the larger
-  // of the two expert widths.
+  // padding rows of the 16-, 32- and 64-row tiles (bound: see moe_expert_flops in moe.h) at the
+  // larger of the two expert widths.
   auto per_row = [&](uint64_t N) { return 2 * (2 * pad(N) * H + pad(H) * N); };
   const uint64_t G = uint64_t(experts) + 1, R = T * (top_k + 1);
-  const uint64_t pad_rows = std::min(31 * G, 23 * R / 9);
+  // a remainder of r rows pads at most 31 (r >= 33 in a 64-row tile) and at most 23 r / 9 rows
+  // (M1-M4: r >= 9 in a 32-row tile) or 13 r / 3 (M5: r >= 3 in a 16-row tile)
+  const uint64_t pad_rows = std::min(31 * G, tensor_ops ? 13 * R / 3 : 23 * R / 9);
   auto gu_row = [&](uint64_t N) { return 4 * pad(N) * H; };  // per_row's gate + up part
   const uint64_t executed = T * top_k * per_row(I) + T * per_row(Is) + pad_rows * per_row(std::max(I, Is));
   const uint64_t executed_gu = T * top_k * gu_row(I) + T * gu_row(Is) + pad_rows * gu_row(std::max(I, Is));
@@ -117,18 +126,23 @@ MoeFlops moe_expert_flops(uint32_t tokens, uint32_t top_k, uint32_t experts, uin
 }
 
 uint64_t moe_expert_flops_from_tiles(uint32_t tokens, uint32_t top_k, uint32_t H, uint32_t I, uint32_t Is,
-                                     const uint32_t st[4]) {
+                                     const uint32_t st[kMoeTileStats], bool tensor_ops) {
   const uint64_t bn = kMoeTileN;
   auto pad = [bn](uint64_t n) { return (n + bn - 1) / bn * bn; };
   auto tile_row = [&](uint64_t N) { return 2 * (2 * pad(N) * H + pad(H) * N); };  // mm tiles: whole column tiles
   auto few_row = [&](uint64_t N) { return 6 * N * H; };                            // matvec: no padding
   // The shared group (every token, T rows) is cut by the same rule; the rest of each list is routed.
-  const uint32_t rem = tokens % 64;
-  const uint64_t s64 = tokens / 64 + (rem > kMoeTile32MaxRows), s32 = rem > kMoeFewMaxRows && rem <= kMoeTile32MaxRows;
-  const uint64_t sfew_rows = rem <= kMoeFewMaxRows ? rem : 0;
+  // M5: the 32-row list's tiles of <= kMoeTile16MaxRows rows (st[4]) run 16 rows.
+  const uint32_t few = moe_few_rows(tensor_ops), rem = tokens % 64;
+  const uint64_t s64 = tokens / 64 + (rem > kMoeTile32MaxRows), s32 = rem > few && rem <= kMoeTile32MaxRows;
+  const uint64_t s16 = tensor_ops && s32 && rem <= kMoeTile16MaxRows;
+  const uint64_t sfew_rows = rem <= few ? rem : 0;
+  const uint64_t n16 = tensor_ops ? st[4] : 0;  // 16-row tiles (shared one included)
   (void)top_k;
-  return 64 * ((st[0] - s64) * tile_row(I) + s64 * tile_row(Is)) + 32 * ((st[1] - s32) * tile_row(I) + s32 * tile_row(Is)) +
-         (st[3] - sfew_rows) * few_row(I) + sfew_rows * few_row(Is);
+  return 64 * ((st[0] - s64) * tile_row(I) + s64 * tile_row(Is)) +
+         32 * ((st[1] - n16 - (s32 - s16)) * tile_row(I) + (s32 - s16) * tile_row(Is)) +
+         16 * ((n16 - s16) * tile_row(I) + s16 * tile_row(Is)) + (st[3] - sfew_rows) * few_row(I) +
+         sfew_rows * few_row(Is);
 }
 
 MoeScratchBytes moe_scratch_bytes(const MoeOperands& op) {
@@ -140,11 +154,12 @@ MoeScratchBytes moe_scratch_bytes(const MoeOperands& op) {
   b.weights = R * 4;
   b.h = R * std::max(op.inter, op.shared_inter) * 4;
   if (route != MoeRoute::mv) {
-    const uint64_t tiles = moe_tile_bounds(op.tokens, op.top_k, op.experts).total();
+    // the bound over both paths' few-row thresholds (the M5 one, smaller, makes more 32-row tiles)
+    const uint64_t tiles = moe_tile_bounds(op.tokens, op.top_k, op.experts, kMoeFewMaxRowsM5).total();
     b.plan = (kMoePlanTiles + 3 * tiles + 2 * R) * 4;
     b.row_weight = R * 4;
     b.y = R * op.hidden * 4;
-    b.tile_stats = 4 * 4;
+    b.tile_stats = kMoeTileStats * 4;
   }
   return b;
 }
@@ -209,7 +224,8 @@ bool moe_bf16_tiles_allowed(const MoeOperands& op) {
 void encode_moe(Encoder& enc, const MoeOperands& op) {
   validate(op);
   const MoeRoute route = moe_route(op.tokens, op.top_k);
-  const MoeArgs a = make_args(op, route);
+  const bool m5 = enc.tensor_ops();  // M5 plan and tile kernels (see step 4)
+  const MoeArgs a = make_args(op, route, m5);
   const MoeScratchBytes sb = moe_scratch_bytes(op);
   const uint32_t T = op.tokens, H = op.hidden, E = op.experts, k = op.top_k;
   const uint32_t I = op.inter, Is = op.shared_inter;
@@ -219,7 +235,7 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
     return quant_bytes(c, N, K, op.bits, op.group_size, op.scale_dtype);
   };
   const Binding residual = range(op.residual.buffer ? op.residual : op.x, act, "residual");
-  const MoeFlops flops = moe_expert_flops(T, k, E, H, I, Is);
+  const MoeFlops flops = moe_expert_flops(T, k, E, H, I, Is, m5);
   // Experts the gathers read: top_k distinct per token, so exactly k at T = 1; for T > 1 the
   // host does not know the routes and counts min(E, T k), an upper bound.
   const uint64_t used = std::min<uint64_t>(E, uint64_t(T) * k);
@@ -302,7 +318,7 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
   enc.dispatch({T, 1, 1}, {32, 1, 1});
   enc.barrier();  // ids, weights -> plan
 
-  const MoeTileBounds tb = moe_tile_bounds(T, k, E);
+  const MoeTileBounds tb = moe_tile_bounds(T, k, E, a.few_rows);
   // 3. plan: counts, offsets, tiles by load, permutation (one threadgroup)
   enc.set_kernel(KernelId::moe_plan);
   enc.set_args(a);
@@ -320,8 +336,9 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
   //    read too. A barrier between the kinds keeps the plan provably free of hazards; it costs
   //    two dependency levels per stage on prefill only (the decode route is "mv").
   // M5 (the device reports Metal 4 tensor ops): the 64- and 32-row kinds run shaders/m5/moe_m5.metal
-  // (matmul2d; same buffers, grid, tiles and FLOPs), the few-row kind keeps its matvec kernels.
-  const bool m5 = enc.tensor_ops();
+  // (matmul2d; same buffers and grid), the few-row kind keeps its matvec kernels. The plan differs:
+  // few-row tiles only up to kMoeFewMaxRowsM5 rows, and the 32-row kernel runs a tile of
+  // <= kMoeTile16MaxRows rows as a 16-row matmul2d (docs/kernels.md: the M5 MoE tile kinds).
   // M1-M4 with bf16 activations: the 64- and 32-row kinds take the bf16 simdgroup tiles
   // (moe_gate_up_bf16 / moe_down_bf16: qmm_bf16's design, same plan, grid, tiles and FLOPs) when
   // their 16-byte loads are aligned (x, h and every expert matrix binding; rows are multiples of

@@ -36,31 +36,38 @@ const char* moe_route_name(MoeRoute r);
 uint32_t moe_tile_rows(MoeRoute r);  // the largest tile: 0 for mv, 64 for tiled
 
 // Entries of the three tile lists the tiled grids cover: upper bounds, for any routing, of the
-// tiles the plan makes (G = E + 1 groups, R = T (k + 1) rows): few-row tiles <= min(G, R), 32-row
-// tiles <= min(G, R / 9) (a remainder of 9..32 rows each), 64-row tiles <= (R + 31 min(G, R / 33))
-// / 64 (a group of c rows takes <= (c + 31) / 64 of them, and only if c >= 33).
+// tiles the plan makes (G = E + 1 groups, R = T (k + 1) rows) with few-row threshold f: few-row
+// tiles <= min(G, R), 32-row tiles <= min(G, R / (f + 1)) (a remainder of f + 1..32 rows each),
+// 64-row tiles <= (R + 31 min(G, R / 33)) / 64 (a group of c rows takes <= (c + 31) / 64 of
+// them, and only if c >= 33).
 struct MoeTileBounds {
   uint32_t t64 = 0, t32 = 0, few = 0;
   uint32_t total() const { return t64 + t32 + few; }
 };
-MoeTileBounds moe_tile_bounds(uint32_t tokens, uint32_t top_k, uint32_t experts);
+MoeTileBounds moe_tile_bounds(uint32_t tokens, uint32_t top_k, uint32_t experts, uint32_t few_rows);
+// The plan's few-row threshold (MoeArgs::few_rows): kMoeFewMaxRows, or kMoeFewMaxRowsM5 on a
+// device with tensor ops (whose 32-row kind runs tiles of <= kMoeTile16MaxRows rows as 16 rows).
+uint32_t moe_few_rows(bool tensor_ops);
 
 // FLOPs of the expert matmuls (gate, up, down of the routed and shared experts; the router goes
 // through quantized_matmul and counts there). useful: T k rows of the routed experts and T of the
 // shared one. executed: the route's tiles; on the tiled route the plan (on the device) decides
 // how many run and how much they pad, so this is a bound over every routing (exact on the mv
 // route): a group's remainder pads at most 31 rows (33 in a 64-row tile) and at most 23 / 9 of its
-// rows (9 in a 32-row tile); few-row tiles and full 64-row tiles pad none.
+// rows (9 in a 32-row tile; with tensor_ops 13 / 3: 3 in a 16-row tile); few-row tiles and full
+// 64-row tiles pad none.
 struct MoeFlops {
   uint64_t executed = 0, useful = 0;
   // The same split by stage: gate + up (4 FLOPs per row and weight pair) and down (2).
   uint64_t gate_up_executed = 0, gate_up_useful = 0, down_executed = 0, down_useful = 0;
 };
-MoeFlops moe_expert_flops(uint32_t tokens, uint32_t top_k, uint32_t experts, uint32_t H, uint32_t I, uint32_t Is);
+MoeFlops moe_expert_flops(uint32_t tokens, uint32_t top_k, uint32_t experts, uint32_t H, uint32_t I, uint32_t Is,
+                          bool tensor_ops);
 // The tiled route's executed FLOPs exactly, from the tile_stats the plan wrote (after the step):
-// 64- and 32-row tiles run whole (zero rows past the group), few-row tiles only their rows.
+// 64- and 32-row tiles run whole (zero rows past the group; with tensor_ops the 32-row list's
+// tiles of <= kMoeTile16MaxRows rows run 16), few-row tiles only their rows.
 uint64_t moe_expert_flops_from_tiles(uint32_t tokens, uint32_t top_k, uint32_t H, uint32_t I, uint32_t Is,
-                                     const uint32_t tile_stats[4]);
+                                     const uint32_t tile_stats[kMoeTileStats], bool tensor_ops);
 
 // An MLX affine-quantized matrix (or stack of matrices).
 struct QuantMatrix {
@@ -78,8 +85,9 @@ struct MoeScratch {
   Binding row_weight;  // float32 [R]             (tiled routes) R = T * (k + 1)
   Binding h;           // float32 [R, max(I, Is)] SwiGLU intermediate
   Binding y;           // float32 [R, H]          (tiled routes) weighted expert outputs
-  Binding tile_stats;  // uint32  [4]             (tiled route) tiles the plan made: 64-row, 32-row,
-                       //                         few-row, rows in few-row tiles (read after the step)
+  Binding tile_stats;  // uint32  [kMoeTileStats] (tiled route) tiles the plan made: 64-row, 32-row,
+                       //                         few-row, rows in few-row tiles, 32-row-list tiles of
+                       //                         <= kMoeTile16MaxRows rows (read after the step)
 };
 
 struct MoeScratchBytes {
