@@ -52,8 +52,8 @@ ASSUMPTIONS = {
     # per-path figures, now per unit: fp32 8x8 simdgroup tiles 35% (today's fp32 tiles: the issue's
     # 930-1,720 tok/s range), bf16 64x64 simdgroup tiles 65%, tensor ops 55%.
     # NEW: plain ALU code (the few-row MoE matvec tiles, lm_head's row, the per-token scan) 40%:
-    # scalar FMAs with the dequantization (~2 ALU ops per 4-bit weight) amortized over <= 8 rows and
-    # no matrix hardware.
+    # scalar FMAs with the dequantization (~2 ALU ops per 4-bit weight) amortized over <= 8 rows (a
+    # register block of the few-row kernels) and no matrix hardware.
     "efficiency": {"simdgroup_fp32": 0.35, "simdgroup_bf16": 0.65, "tensor": 0.55, "alu": 0.40},
     # NEW: fraction of the peak bandwidth a streaming kernel reaches (same as the decode estimate,
     # docs/performance.md "Estimated tok/s": eta = 0.8).
@@ -110,7 +110,7 @@ def unit_rate(unit: str, gpu: str, a: dict) -> float:
     return a["efficiency"][unit] * peak[gpu] * 1e12
 
 
-MOE_FEW_ROWS = {False: 8, True: 2}  # moe_few_rows(tensor_ops): kMoeFewMaxRows / kMoeFewMaxRowsM5
+MOE_FEW_ROWS = {False: 16, True: 2}  # moe_few_rows(tensor_ops): kMoeFewMaxRows / kMoeFewMaxRowsM5
 MOE_TILE16_ROWS = 16                 # kMoeTile16MaxRows: on M5 such 32-row-list tiles run 16 rows
 
 
@@ -120,7 +120,7 @@ def moe_split(cfg: ModelConfig, T: int, layers: int, seed: int = 0, tensor_ops: 
     routing, following moe_plan (shaders/moe.metal): each group (expert, and the shared group of
     all T rows) of c rows takes c // 64 64-row tiles; its remainder r takes another 64-row tile
     if r > 32, a 32-row tile if f < r <= 32, few-row tiles (matvec, exact) if r <= f, with
-    f = 8 (M1-M4) or 2 (M5, tensor_ops: there the 32-row kind runs a tile of r <= 16 rows as 16,
+    f = 16 (M1-M4) or 2 (M5, tensor_ops: there the 32-row kind runs a tile of r <= 16 rows as 16,
     counted as tile16_cost rows).
     Returns {(stage, kind): dict(executed, useful, rows, weight_bytes)} with stage gate_up / down,
     kind 64 / 32 / few; executed as moe_expert_flops_from_tiles (whole 32-column tiles)."""
@@ -165,7 +165,7 @@ def moe_rows_executed(T: int, E: int = 256, k: int = 8, seed: int = 0) -> dict:
     """Expert rows the tiles compute for T tokens under uniform random routing (each token picks k
     distinct experts uniformly; the shared group holds all T), per tile scheme: before (one tile
     size per chunk: 32 rows if T k < 3072, else 64; every group padded to it) and now (moe_plan:
-    64-row tiles, remainder in a 32-row tile or a few-row matvec tile of <= 8 rows). Returns
+    64-row tiles, remainder in a 32-row tile or a few-row matvec tile of <= 16 rows). Returns
     executed rows / useful rows for each."""
     rng = np.random.default_rng(seed)
     ids = np.argsort(rng.random((T, E)), axis=1)[:, :k]
@@ -173,7 +173,7 @@ def moe_rows_executed(T: int, E: int = 256, k: int = 8, seed: int = 0) -> dict:
     bm = 32 if T * k < 3072 else 64
     before = int((-(-counts // bm) * bm).sum())
     rem = counts % 64
-    now = int((64 * (counts // 64) + np.where(rem > 32, 64, np.where(rem > 8, 32, rem))).sum())
+    now = int((64 * (counts // 64) + np.where(rem > 32, 64, np.where(rem > 16, 32, rem))).sum())
     # the M5 plan: few-row tiles up to 2 rows, 16-row tiles up to 16
     m5 = int((64 * (counts // 64) + np.where(rem > 32, 64, np.where(rem > 16, 32, np.where(rem > 2, 16, rem)))).sum())
     useful = int(counts.sum())

@@ -892,9 +892,11 @@ template <typename S, int bits, int BM>
 }
 
 // ---------------------------------------------------------------------------------------------
-// moe_gate_up_few: tiled route, the few-row tiles (a group's remainder of <= args.few_rows <= 8
+// moe_gate_up_few: tiled route, the few-row tiles (a group's remainder of <= args.few_rows <= 16
 // rows, e.g. an expert that received few tokens): matvec-style, like qmv (qmm.metal), every
-// weight row read once for all the tile's rows and nothing computed for absent rows.
+// weight row read once per block of <= kMoeFewBlockRows = 8 of the tile's rows (a 16-row tile
+// reads its 8 features' weights twice, the second time from cache) and nothing computed for
+// absent rows.
 //   grid:       (ceil(max(I, Is) / 8), max_few) threadgroups of 64 threads (2 simdgroups);
 //               tiles >= the plan's few-row count do no work (uniformly)
 //   simdgroup:  4 consecutive features n0..n0+3 of gate and up for the tile's rows (<= 8)
@@ -919,13 +921,13 @@ template <typename T, typename S, int bits>
                                 const device S* sh_up_b [[buffer(14)]],
                                 device float* h [[buffer(15)]],
                                 LILY_KERNEL_TAIL) {
-  constexpr uint32_t V = 64 / bits, step = 32 * V, FEW = kMoeFewMaxRows;
+  constexpr uint32_t V = 64 / bits, step = 32 * V, FEW = kMoeFewBlockRows;
   const uint32_t tile = group_pos.y;
   const uint32_t list = moe_plan_list_few(args.max_tiles, args.max_few);
   const bool active = tile < plan[2];  // uniform over the threadgroup
   const uint32_t g = active ? plan[list + 3 * tile] : 0u;
   const uint32_t r0 = active ? plan[list + 3 * tile + 1] : 0u;
-  const uint32_t rows = active ? plan[list + 3 * tile + 2] - r0 : 0u;  // <= FEW
+  const uint32_t rows_all = active ? plan[list + 3 * tile + 2] - r0 : 0u;  // <= args.few_rows
   const bool shared = g == args.experts;
   const uint32_t N = shared ? args.shared_inter : args.inter;
   const uint32_t H = args.hidden, wpr = H * bits / 32, gpr = H / args.group_size;
@@ -936,57 +938,61 @@ template <typename T, typename S, int bits>
   const device S* su = shared ? sh_up_s : up_s + g * N * gpr;
   const device S* bu = shared ? sh_up_b : up_b + g * N * gpr;
   const uint32_t row_token = moe_plan_row_token(args.max_tiles);
-  uint32_t tok[FEW];
-  for (uint32_t m = 0; m < FEW; ++m) tok[m] = m < rows ? plan[row_token + r0 + m] : 0u;
   const uint32_t n0 = (group_pos.x * kMoeMvSimdsPerGroup + simd_id) * kMoeMvRowsPerSimd;
-  const uint32_t K_end = rows > 0 && n0 < N ? H : 0u;  // uniform per simdgroup (no collectives in the loop)
+  for (uint32_t b0 = 0; b0 < rows_all; b0 += FEW) {  // blocks of <= FEW rows (registers); uniform
+    const uint32_t rows = min(FEW, rows_all - b0), rb = r0 + b0;
+    uint32_t tok[FEW];
+    for (uint32_t m = 0; m < FEW; ++m) tok[m] = m < rows ? plan[row_token + rb + m] : 0u;
+    const uint32_t K_end = rows > 0 && n0 < N ? H : 0u;  // uniform per simdgroup (no collectives in the loop)
 
-  float4 ag[FEW];
-  float4 au[FEW];
-  for (uint32_t m = 0; m < FEW; ++m) {
-    ag[m] = float4(0.0f);
-    au[m] = float4(0.0f);
-  }
-  for (uint32_t kk = lane * V; kk < K_end; kk += step) {
-    const uint32_t grp = kk / args.group_size;  // the strip lies inside one group
-    for (uint32_t r = 0; r < kMoeMvRowsPerSimd; ++r) {
-      const uint32_t n = n0 + r;
-      if (n >= N) break;
-      float qg[V];
-      float qu[V];
-      unpack_codes<bits, V>(wg + n * wpr + kk * bits / 32, qg);
-      unpack_codes<bits, V>(wu + n * wpr + kk * bits / 32, qu);
-      const float s1 = float(sg[n * gpr + grp]), b1 = float(bg[n * gpr + grp]);
-      const float s2 = float(su[n * gpr + grp]), b2 = float(bu[n * gpr + grp]);
-      for (uint32_t m = 0; m < FEW; ++m) {
-        if (m >= rows) break;
-        const device T* xm = x + tok[m] * H + kk;
-        float dg = 0.0f, du = 0.0f, xsum = 0.0f;
-        for (uint32_t i = 0; i < V; ++i) {
-          const float xv = float(xm[i]);
-          dg += xv * qg[i];
-          du += xv * qu[i];
-          xsum += xv;
+    float4 ag[FEW];
+    float4 au[FEW];
+    for (uint32_t m = 0; m < FEW; ++m) {
+      ag[m] = float4(0.0f);
+      au[m] = float4(0.0f);
+    }
+    for (uint32_t kk = lane * V; kk < K_end; kk += step) {
+      const uint32_t grp = kk / args.group_size;  // the strip lies inside one group
+      for (uint32_t r = 0; r < kMoeMvRowsPerSimd; ++r) {
+        const uint32_t n = n0 + r;
+        if (n >= N) break;
+        float qg[V];
+        float qu[V];
+        unpack_codes<bits, V>(wg + n * wpr + kk * bits / 32, qg);
+        unpack_codes<bits, V>(wu + n * wpr + kk * bits / 32, qu);
+        const float s1 = float(sg[n * gpr + grp]), b1 = float(bg[n * gpr + grp]);
+        const float s2 = float(su[n * gpr + grp]), b2 = float(bu[n * gpr + grp]);
+        for (uint32_t m = 0; m < FEW; ++m) {
+          if (m >= rows) break;
+          const device T* xm = x + tok[m] * H + kk;
+          float dg = 0.0f, du = 0.0f, xsum = 0.0f;
+          for (uint32_t i = 0; i < V; ++i) {
+            const float xv = float(xm[i]);
+            dg += xv * qg[i];
+            du += xv * qu[i];
+            xsum += xv;
+          }
+          ag[m][r] += s1 * dg + b1 * xsum;
+          au[m][r] += s2 * du + b2 * xsum;
         }
-        ag[m][r] += s1 * dg + b1 * xsum;
-        au[m][r] += s2 * du + b2 * xsum;
       }
     }
-  }
-  for (uint32_t m = 0; m < FEW; ++m) {  // rows is uniform: every lane makes the same collectives
-    if (m >= rows) break;
-    const float4 G = simd_sum(ag[m]);
-    const float4 U = simd_sum(au[m]);
-    if (lane == 0) {
-      for (uint32_t r = 0; r < kMoeMvRowsPerSimd; ++r)
-        if (n0 + r < N) h[(r0 + m) * args.h_stride + n0 + r] = moe_silu(G[r]) * U[r];
+    for (uint32_t m = 0; m < FEW; ++m) {  // rows is uniform: every lane makes the same collectives
+      if (m >= rows) break;
+      const float4 G = simd_sum(ag[m]);
+      const float4 U = simd_sum(au[m]);
+      if (lane == 0) {
+        for (uint32_t r = 0; r < kMoeMvRowsPerSimd; ++r)
+          if (n0 + r < N) h[(rb + m) * args.h_stride + n0 + r] = moe_silu(G[r]) * U[r];
+      }
     }
   }
 }
 
 // ---------------------------------------------------------------------------------------------
 // moe_down_few: tiled route, the few-row tiles of the down projection. y[row, n] =
-// row_weight[row] * (h[row] . down_g[n]) for the tile's rows (<= 8), matvec-style as above.
+// row_weight[row] * (h[row] . down_g[n]) for the tile's rows (<= 16, in blocks of <= 8),
+// matvec-style as above.
 //   grid:       (ceil(H / 8), max_few) threadgroups of 64 threads (2 simdgroups x 4 features)
 //   buffers:    as moe_down_mm
 template <typename S, int bits>
@@ -1002,13 +1008,13 @@ template <typename S, int bits>
                              const device S* sh_down_b [[buffer(9)]],
                              device float* y [[buffer(10)]],
                              LILY_KERNEL_TAIL) {
-  constexpr uint32_t V = 64 / bits, step = 32 * V, FEW = kMoeFewMaxRows;
+  constexpr uint32_t V = 64 / bits, step = 32 * V, FEW = kMoeFewBlockRows;
   const uint32_t tile = group_pos.y;
   const uint32_t list = moe_plan_list_few(args.max_tiles, args.max_few);
   const bool active = tile < plan[2];
   const uint32_t g = active ? plan[list + 3 * tile] : 0u;
   const uint32_t r0 = active ? plan[list + 3 * tile + 1] : 0u;
-  const uint32_t rows = active ? plan[list + 3 * tile + 2] - r0 : 0u;
+  const uint32_t rows_all = active ? plan[list + 3 * tile + 2] - r0 : 0u;  // <= args.few_rows
   const bool shared = g == args.experts;
   const uint32_t H = args.hidden;
   const uint32_t K = shared ? args.shared_inter : args.inter;
@@ -1017,37 +1023,40 @@ template <typename S, int bits>
   const device S* sc = shared ? sh_down_s : down_s + g * H * gpr;
   const device S* bi = shared ? sh_down_b : down_b + g * H * gpr;
   const uint32_t n0 = (group_pos.x * kMoeMvSimdsPerGroup + simd_id) * kMoeMvRowsPerSimd;
-  const uint32_t K_end = rows > 0 && n0 < H ? K : 0u;
+  for (uint32_t b0 = 0; b0 < rows_all; b0 += FEW) {  // blocks of <= FEW rows (registers); uniform
+    const uint32_t rows = min(FEW, rows_all - b0), rb = r0 + b0;
+    const uint32_t K_end = rows > 0 && n0 < H ? K : 0u;
 
-  float4 acc[FEW];
-  for (uint32_t m = 0; m < FEW; ++m) acc[m] = float4(0.0f);
-  for (uint32_t kk = lane * V; kk < K_end; kk += step) {
-    const uint32_t grp = kk / args.group_size;
-    for (uint32_t r = 0; r < kMoeMvRowsPerSimd; ++r) {
-      const uint32_t n = n0 + r;
-      if (n >= H) break;
-      float q[V];
-      unpack_codes<bits, V>(w + n * wpr + kk * bits / 32, q);
-      const float s = float(sc[n * gpr + grp]), b = float(bi[n * gpr + grp]);
-      for (uint32_t m = 0; m < FEW; ++m) {
-        if (m >= rows) break;
-        const device float* hm = h + (r0 + m) * args.h_stride + kk;
-        float dot = 0.0f, hsum = 0.0f;
-        for (uint32_t i = 0; i < V; ++i) {
-          dot += hm[i] * q[i];
-          hsum += hm[i];
+    float4 acc[FEW];
+    for (uint32_t m = 0; m < FEW; ++m) acc[m] = float4(0.0f);
+    for (uint32_t kk = lane * V; kk < K_end; kk += step) {
+      const uint32_t grp = kk / args.group_size;
+      for (uint32_t r = 0; r < kMoeMvRowsPerSimd; ++r) {
+        const uint32_t n = n0 + r;
+        if (n >= H) break;
+        float q[V];
+        unpack_codes<bits, V>(w + n * wpr + kk * bits / 32, q);
+        const float s = float(sc[n * gpr + grp]), b = float(bi[n * gpr + grp]);
+        for (uint32_t m = 0; m < FEW; ++m) {
+          if (m >= rows) break;
+          const device float* hm = h + (rb + m) * args.h_stride + kk;
+          float dot = 0.0f, hsum = 0.0f;
+          for (uint32_t i = 0; i < V; ++i) {
+            dot += hm[i] * q[i];
+            hsum += hm[i];
+          }
+          acc[m][r] += s * dot + b * hsum;
         }
-        acc[m][r] += s * dot + b * hsum;
       }
     }
-  }
-  for (uint32_t m = 0; m < FEW; ++m) {  // rows is uniform
-    if (m >= rows) break;
-    const float4 total = simd_sum(acc[m]);
-    if (lane == 0) {
-      const float wr = row_weight[r0 + m];
-      for (uint32_t r = 0; r < kMoeMvRowsPerSimd; ++r)
-        if (n0 + r < H) y[(r0 + m) * H + n0 + r] = wr * total[r];
+    for (uint32_t m = 0; m < FEW; ++m) {  // rows is uniform
+      if (m >= rows) break;
+      const float4 total = simd_sum(acc[m]);
+      if (lane == 0) {
+        const float wr = row_weight[rb + m];
+        for (uint32_t r = 0; r < kMoeMvRowsPerSimd; ++r)
+          if (n0 + r < H) y[(rb + m) * H + n0 + r] = wr * total[r];
+      }
     }
   }
 }

@@ -14,7 +14,7 @@
 //                                entries), 32-row tiles (max_tiles32), few-row tiles (max_few)
 // Tiles by load (moe_plan): each group's rows are cut into 64-row tiles; the remainder r of its
 // count goes to a few-row tile (r <= MoeArgs::few_rows: matvec-style, no padding), a 32-row tile
-// (r <= kMoeTile32MaxRows) or one more 64-row tile. few_rows is kMoeFewMaxRows (8) on M1-M4 and
+// (r <= kMoeTile32MaxRows) or one more 64-row tile. few_rows is kMoeFewMaxRows (16) on M1-M4 and
 // kMoeFewMaxRowsM5 (2) on M5, whose 32-row kind runs a tile of <= kMoeTile16MaxRows rows as a
 // 16-row matmul2d (shaders/m5/moe_m5.metal): the plan is the same code on both paths.
 //   [moe_plan_row_token(..) + r]  token of permuted row r                      (R entries)
@@ -30,8 +30,8 @@ enum : uint32_t {
   kMoeMaxExperts = 512,       // routed experts a block may have (router kernel registers)
   kMoeMaxTopK = 16,           // experts per token
   kMoeMvMaxTokens = 8,        // tokens <= this: matrix-vector route (decode)
-  kMoeFewMaxRows = 8,         // tiled: a group's remainder of <= this many rows -> few-row tile
-                              // (M1-M4; the few-row kernels' register bound on every path)
+  kMoeFewMaxRows = 16,        // tiled, M1-M4: a group's remainder of <= this many rows -> few-row tile
+  kMoeFewBlockRows = 8,       // few-row kernels: rows per register block (a tile runs <= 2 blocks)
   kMoeFewMaxRowsM5 = 2,       // tiled, M5: the few-row threshold (MoeArgs::few_rows)
   kMoeTile16MaxRows = 16,     // tiled, M5: a 32-row-list tile of <= this many rows runs 16-row matmul2d
   kMoeTileStats = 5,          // uint32 entries of the plan's tile_stats (see moe_plan)

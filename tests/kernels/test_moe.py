@@ -35,7 +35,7 @@ from lily_py.weights import QuantLinear
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 MV_MAX_TOKENS = 8          # must match kMoeMvMaxTokens (checked below)
-FEW_MAX_ROWS = 8           # must match kMoeFewMaxRows (checked below)
+FEW_MAX_ROWS = 16          # must match kMoeFewMaxRows (checked below): the M1-M4 few-row threshold
 TILE32_MAX_ROWS = 32       # must match kMoeTile32MaxRows (checked below)
 FEW_MAX_ROWS_M5 = 2        # must match kMoeFewMaxRowsM5: the few-row threshold with tensor ops
 TILE16_MAX_ROWS = 16       # must match kMoeTile16MaxRows: 32-row-list tiles run as 16 rows on M5
@@ -150,7 +150,7 @@ def expected_route(T, k):
 def expected_tiles(ids, E, m5=False):
     """The plan's tiles by load (shaders/moe.metal moe_plan), from the routing: per group (each
     expert, and the shared group holding every token) 64-row tiles, and the remainder r in a
-    few-row tile (r <= 8; r <= 2 with tensor ops, m5), a 32-row tile (r <= 32) or one more 64-row
+    few-row tile (r <= 16; r <= 2 with tensor ops, m5), a 32-row tile (r <= 32) or one more 64-row
     tile; "16": the 32-row tiles of r <= 16 rows (they run 16 rows on M5)."""
     T = ids.shape[0]
     few = FEW_MAX_ROWS_M5 if m5 else FEW_MAX_ROWS
@@ -231,10 +231,11 @@ def test_many_empty_experts(rng, T, top_k):
 
 
 # Tiles sized by each group's load, both sides of every switch: expert 0 (skewed load: every
-# token's first choice) and the shared group hold exactly T rows, so T = 9 | 8 + 64 = 72 | 73
-# (few | 32-row remainder), 32 | 33 and 96 | 97 (32-row | 64-row remainder), 64 and 65 (full
-# tiles, a one-row few tile); the other experts get the scattered small loads.
-@pytest.mark.parametrize("T", [9, 32, 33, 64, 65, 72, 73, 96, 97])
+# token's first choice) and the shared group hold exactly T rows, so T = 9 and 16 | 17 (few, in
+# one and two register blocks of 8 rows | 32-row), 16 + 64 = 80 | 81 (few | 32-row remainder),
+# 32 | 33 and 96 | 97 (32-row | 64-row remainder), 64 and 65 (full tiles, a one-row few tile); the
+# other experts get the scattered small loads.
+@pytest.mark.parametrize("T", [9, 16, 17, 32, 33, 64, 65, 80, 81, 96, 97])
 def test_tiles_sized_by_load(rng, device, T):
     E = 9
     W, x_of = make_block(rng, E=E, H=64, I=32, gs=32, load="skewed")

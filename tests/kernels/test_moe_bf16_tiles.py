@@ -136,12 +136,12 @@ def small_block(rng, E, H, I, Is, gs, load):
     return W, x_of, expert, shared
 
 
-# Odd sizes: T = 9 (one 32-row tile: the shared group; experts in few-row tiles), 33 | 32 (64 |
+# Odd sizes: T = 17 (one 32-row tile: the shared group; experts in few-row tiles), 33 | 32 (64 |
 # 32-row remainder), 97, 130 (64 + 64-row remainder / 64 + few); skewed load puts T rows on expert
 # 0 too; H, I and Is multiples of the group size (>= 32: an even number of 16-wide K steps, so the
 # 4-bit word loads alternate with register halves), I != Is both ways, groups 32, 64 and 128.
 @pytest.mark.parametrize("T,E,H,I,Is,gs,k,load,tiles", [
-    (9, 7, 64, 32, 32, 32, 2, "uniform", ["32"]),
+    (17, 7, 64, 32, 32, 32, 2, "uniform", ["32"]),
     (32, 9, 96, 32, 64, 32, 2, "skewed", ["32"]),
     (33, 9, 160, 96, 32, 32, 2, "skewed", ["64"]),
     (97, 5, 128, 128, 256, 128, 2, "skewed", ["64"]),  # a 32-row tile too on some draws, not all

@@ -88,8 +88,9 @@ const char* moe_route_name(MoeRoute r) { return r == MoeRoute::mv ? "mv" : "tile
 
 uint32_t moe_tile_rows(MoeRoute r) { return r == MoeRoute::mv ? 0 : 64; }
 
-static_assert(kMoeFewMaxRowsM5 <= kMoeFewMaxRows && kMoeFewMaxRowsM5 < kMoeTile16MaxRows,
-              "the few-row kernels hold at most kMoeFewMaxRows rows in registers");
+static_assert(kMoeFewMaxRowsM5 <= kMoeFewMaxRows && kMoeFewMaxRowsM5 < kMoeTile16MaxRows &&
+                  kMoeFewMaxRows <= 2 * kMoeFewBlockRows && kMoeFewMaxRows < kMoeTile32MaxRows,
+              "the few-row kernels run a tile in <= 2 register blocks; the 32-row kind takes the rest");
 uint32_t moe_few_rows(bool tensor_ops) { return tensor_ops ? kMoeFewMaxRowsM5 : kMoeFewMaxRows; }
 
 MoeTileBounds moe_tile_bounds(uint32_t tokens, uint32_t top_k, uint32_t experts, uint32_t few_rows) {
@@ -116,9 +117,9 @@ MoeFlops moe_expert_flops(uint32_t tokens, uint32_t top_k, uint32_t experts, uin
   // larger of the two expert widths.
   auto per_row = [&](uint64_t N) { return 2 * (2 * pad(N) * H + pad(H) * N); };
   const uint64_t G = uint64_t(experts) + 1, R = T * (top_k + 1);
-  // a remainder of r rows pads at most 31 (r >= 33 in a 64-row tile) and at most 23 r / 9 rows
-  // (M1-M4: r >= 9 in a 32-row tile) or 13 r / 3 (M5: r >= 3 in a 16-row tile)
-  const uint64_t pad_rows = std::min(31 * G, tensor_ops ? 13 * R / 3 : 23 * R / 9);
+  // a remainder of r rows pads at most 31 (r >= 33 in a 64-row tile: 31 r / 33), and in a 32-row
+  // tile at most 15 r / 17 (M1-M4: r >= 17) or in a 16-row tile 13 r / 3 (M5: r >= 3)
+  const uint64_t pad_rows = std::min(31 * G, tensor_ops ? 13 * R / 3 : 31 * R / 33);
   auto gu_row = [&](uint64_t N) { return 4 * pad(N) * H; };  // per_row's gate + up part
   const uint64_t executed = T * top_k * per_row(I) + T * per_row(Is) + pad_rows * per_row(std::max(I, Is));
   const uint64_t executed_gu = T * top_k * gu_row(I) + T * gu_row(Is) + pad_rows * gu_row(std::max(I, Is));

@@ -18,7 +18,7 @@ namespace lily::gpu::ops {
 enum class MoeRoute : uint8_t {
   mv,     // tokens <= kMoeMvMaxTokens: gather matvec per (token, slot), fused down + combine
   tiled,  // grouped matmul with tiles sized by each expert's load on the device: 64-row tiles,
-          // and for the remainder a 32-row tile or (<= kMoeFewMaxRows rows) a matvec-style tile
+          // and for the remainder a 32-row tile or (<= MoeArgs::few_rows rows) a matvec-style tile
 };
 
 MoeRoute moe_route(uint32_t tokens, uint32_t top_k);
@@ -53,9 +53,9 @@ uint32_t moe_few_rows(bool tensor_ops);
 // through quantized_matmul and counts there). useful: T k rows of the routed experts and T of the
 // shared one. executed: the route's tiles; on the tiled route the plan (on the device) decides
 // how many run and how much they pad, so this is a bound over every routing (exact on the mv
-// route): a group's remainder pads at most 31 rows (33 in a 64-row tile) and at most 23 / 9 of its
-// rows (9 in a 32-row tile; with tensor_ops 13 / 3: 3 in a 16-row tile); few-row tiles and full
-// 64-row tiles pad none.
+// route): a group's remainder pads at most 31 rows (33 in a 64-row tile) and at most 31 / 33 of
+// its rows (15 / 17 in a 32-row tile; with tensor_ops 13 / 3: 3 in a 16-row tile); few-row tiles
+// and full 64-row tiles pad none.
 struct MoeFlops {
   uint64_t executed = 0, useful = 0;
   // The same split by stage: gate + up (4 FLOPs per row and weight pair) and down (2).
