@@ -114,14 +114,23 @@ MOE_FEW_ROWS = {False: 16, True: 2}  # moe_few_rows(tensor_ops): kMoeFewMaxRows 
 MOE_TILE16_ROWS = 16                 # kMoeTile16MaxRows: on M5 such 32-row-list tiles run 16 rows
 
 
+def remainder_tile(rem: int, tensor_ops: bool, tile16_cost: int = 16) -> tuple[str, int]:
+    """moe_plan's rule for a group's remainder of rem (< 64) rows: (kind, rows the tile executes).
+    Another 64-row tile if rem > 32; a 32-row tile if f < rem <= 32 (on M5 one of <= 16 rows runs
+    as 16, counted as tile16_cost); else a few-row matvec tile of exactly rem rows; f =
+    MOE_FEW_ROWS[tensor_ops]."""
+    if rem > 32:
+        return "64", 64
+    if rem > MOE_FEW_ROWS[tensor_ops]:
+        return "32", tile16_cost if tensor_ops and rem <= MOE_TILE16_ROWS else 32
+    return "few", rem
+
+
 def moe_split(cfg: ModelConfig, T: int, layers: int, seed: int = 0, tensor_ops: bool = False,
               tile16_cost: int = 16) -> dict:
     """MoE expert work of `layers` layers for a chunk of T tokens by tile kind under uniform random
     routing, following moe_plan (shaders/moe.metal): each group (expert, and the shared group of
-    all T rows) of c rows takes c // 64 64-row tiles; its remainder r takes another 64-row tile
-    if r > 32, a 32-row tile if f < r <= 32, few-row tiles (matvec, exact) if r <= f, with
-    f = 16 (M1-M4) or 2 (M5, tensor_ops: there the 32-row kind runs a tile of r <= 16 rows as 16,
-    counted as tile16_cost rows).
+    all T rows) of c rows takes c // 64 64-row tiles and its remainder one tile by remainder_tile.
     Returns {(stage, kind): dict(executed, useful, rows, weight_bytes)} with stage gate_up / down,
     kind 64 / 32 / few; executed as moe_expert_flops_from_tiles (whole 32-column tiles)."""
     E, k, H = cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size
@@ -138,12 +147,11 @@ def moe_split(cfg: ModelConfig, T: int, layers: int, seed: int = 0, tensor_ops: 
             if c == 0:
                 continue
             rem = c % 64
-            n64 = c // 64 + (rem > 32)
-            few = MOE_FEW_ROWS[tensor_ops]
-            small = tile16_cost if tensor_ops and rem <= MOE_TILE16_ROWS else 32
-            rows = {"64": c - (rem if rem <= 32 else 0), "32": rem if few < rem <= 32 else 0,
-                    "few": rem if rem <= few else 0}
-            tiles_rows = {"64": 64 * n64, "32": small if few < rem <= 32 else 0, "few": rows["few"]}
+            kind, ex_rem = remainder_tile(rem, tensor_ops, tile16_cost)
+            rows = {"64": 64 * (c // 64), "32": 0, "few": 0}
+            tiles_rows = {"64": 64 * (c // 64), "32": 0, "few": 0}
+            rows[kind] += rem
+            tiles_rows[kind] += ex_rem if rem else 0
             for kd in ("64", "32", "few"):
                 if rows[kd] == 0:
                     continue
@@ -172,10 +180,8 @@ def moe_rows_executed(T: int, E: int = 256, k: int = 8, seed: int = 0) -> dict:
     counts = np.append(np.bincount(ids.ravel(), minlength=E), T)
     bm = 32 if T * k < 3072 else 64
     before = int((-(-counts // bm) * bm).sum())
-    rem = counts % 64
-    now = int((64 * (counts // 64) + np.where(rem > 32, 64, np.where(rem > 16, 32, rem))).sum())
-    # the M5 plan: few-row tiles up to 2 rows, 16-row tiles up to 16
-    m5 = int((64 * (counts // 64) + np.where(rem > 32, 64, np.where(rem > 16, 32, np.where(rem > 2, 16, rem)))).sum())
+    full = int((64 * (counts // 64)).sum())
+    now, m5 = (full + sum(remainder_tile(int(c) % 64, tops)[1] for c in counts) for tops in (False, True))
     useful = int(counts.sum())
     return {"before": before / useful, "now": now / useful, "m5": m5 / useful}
 
