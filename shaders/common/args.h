@@ -29,7 +29,11 @@ enum : uint32_t {
   kQmmM5TileM = 64,         // output tile: rows of x
   kQmmM5TileN = 64,         // output tile: output features
   kQmmM5TileK = 32,         // K step (must divide every supported group size)
-  kQmmM5SimdsPerGroup = 4,  // matmul2d execution_simdgroups<4>: 128 threads per threadgroup
+  kQmmM5SimdsPerGroup = 4,  // 128 threads per threadgroup: 2 x 2 simdgroups, each one 32 x 32 matmul2d
+  // Every M5 kernel's matmul2d runs on execution_simdgroup (one simdgroup per op) with outputs of
+  // kTensorOpSubTile x kTensorOpSubTile per simdgroup (16 rows for the MoE 16-row tiles):
+  // docs/metal.md, "Execution scope and tile shape".
+  kTensorOpSubTile = 32,
 };
 
 // qmv1 (single token, shaders/qmm.metal): y[N] = dequant(w)[N, K] @ f(x), with f(x) = x, or an

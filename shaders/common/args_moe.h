@@ -34,6 +34,7 @@ enum : uint32_t {
   kMoeFewBlockRows = 8,       // few-row kernels: rows per register block (a tile runs <= 2 blocks)
   kMoeFewMaxRowsM5 = 2,       // tiled, M5: the few-row threshold (MoeArgs::few_rows)
   kMoeTile16MaxRows = 16,     // tiled, M5: a 32-row-list tile of <= this many rows runs 16-row matmul2d
+  kMoeM5SubRows = 16,         // tiled, M5: rows of one simdgroup's matmul2d (16 x 32 x 32 jobs)
   kMoeTileStats = 5,          // uint32 entries of the plan's tile_stats (see moe_plan)
   kMoeTile32MaxRows = 32,     // tiled: a remainder of <= this many rows -> 32-row tile, else 64
   kMoeMvRowsPerSimd = 4,      // few-row tiles (moe_*_few): output features per simdgroup

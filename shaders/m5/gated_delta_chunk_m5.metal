@@ -9,15 +9,18 @@
 //   grid:     (Tp / 64, Hv) threadgroups of kGdChunkWyThreads = 256 threads (8 simdgroups)
 //   1 G = cumsum(g) (one thread), b of the chunk -> threadgroup
 //   2 per step of 32 key dims (zeros past Dk): thread t rounds K[t / 4, k0 + 8 (t % 4) .. + 8] and
-//     the same coordinates of Q to half into threadgroup memory; barrier; K K^T and Q K^T as
-//     matmul2d_descriptor(64, 64, 32, false, transpose_right = true, false, multiply_accumulate)
-//     on execution_simdgroups<8> into two fp32 cooperative tensors; barrier
-//   3 A = b_i exp(G_i - G_j) (K K^T)_ij, j < i: each thread writes its cooperative elements to M
-//     (64 x 64 fp32, threadgroup); G -> g; barrier
+//     the same coordinates of Q to half into threadgroup memory; barrier; K K^T and Q K^T in
+//     eight 32 x 32 quarters, one per simdgroup (execution_simdgroup; why: docs/metal.md,
+//     "Execution scope and tile shape"): simdgroup s multiplies quarter s % 4 (rows 32 (q / 2),
+//     columns 32 (q % 2)) of K K^T (s < 4) or Q K^T (s >= 4) with matmul2d_descriptor(32, 32, 32,
+//     false, transpose_right = true, false, multiply_accumulate) into its fp32 cooperative
+//     tensor; barrier
+//   3 A = b_i exp(G_i - G_j) (K K^T)_ij, j < i: the K K^T simdgroups write their cooperative
+//     elements to M (64 x 64 fp32, threadgroup); G -> g; barrier
 //   4 - 8 the fp32 simdgroup steps of gd_chunk_wy (common/gated_delta_chunk.h): T by forward
 //     substitution, u = T diag(b) V, wn = -T diag(b e^G) K
-//   10 p_ij = exp(G_i - G_j) (Q K^T)_ij for j <= i, else 0, from each thread's cooperative
-//     elements straight to device memory (no threadgroup round trip)
+//   10 p_ij = exp(G_i - G_j) (Q K^T)_ij for j <= i, else 0, from the Q K^T simdgroups'
+//     cooperative elements straight to device memory (no threadgroup round trip)
 //   threadgroup memory: M 16,384 + K, Q steps 2 x 64 x 32 half (8,192) + G, b 512 = 25,088 bytes
 // Precision: the Gram operands are half (the half x half -> float row of Apple's matmul2d types):
 // q and k are L2-normalised (|k| <= 1, |q| <= Dk^-1/2), so each element rounds with relative error
@@ -66,17 +69,19 @@ template <typename F>
   }
   if (tid < C) bs[tid] = float(beta[gh + tid]);
 
-  constexpr auto desc = matmul2d_descriptor(int(C), int(C), int(BK), false, true, false,
+  constexpr uint32_t SUB = kTensorOpSubTile;
+  static_assert(SUB == 32 && kGdChunkWyThreads / 32 == 2 * (C / SUB) * (C / SUB), "one 32 x 32 quarter per simdgroup");
+  const bool gram_q = simd_id >= 4;  // uniform over the simdgroup: Q K^T (else K K^T)
+  const uint32_t qr0 = ((simd_id % 4) / 2) * SUB, qc0 = (simd_id % 2) * SUB;  // its quarter
+  constexpr auto desc = matmul2d_descriptor(int(SUB), int(SUB), int(BK), false, true, false,
                                             matmul2d_descriptor::mode::multiply_accumulate);
-  matmul2d<desc, execution_simdgroups<kGdChunkWyThreads / 32>> op;
-  auto k_t = tensor<threadgroup half, dextents<int32_t, 2>, tensor_inline>(ks, dextents<int32_t, 2>(int(BK), int(C)));
-  auto q_t = tensor<threadgroup half, dextents<int32_t, 2>, tensor_inline>(qs, dextents<int32_t, 2>(int(BK), int(C)));
-  auto kk = op.template get_destination_cooperative_tensor<decltype(k_t), decltype(k_t), float>();
-  auto qk = op.template get_destination_cooperative_tensor<decltype(q_t), decltype(k_t), float>();
-  for (uint16_t i = 0; i < kk.get_capacity(); ++i) {
-    if (kk.is_valid_element(i)) kk[i] = 0.0f;
-    if (qk.is_valid_element(i)) qk[i] = 0.0f;
-  }
+  matmul2d<desc, execution_simdgroup> op;
+  auto l_t = tensor<threadgroup half, dextents<int32_t, 2>, tensor_inline>((gram_q ? qs : ks) + qr0 * BK,
+                                                                           dextents<int32_t, 2>(int(BK), int(SUB)));
+  auto r_t = tensor<threadgroup half, dextents<int32_t, 2>, tensor_inline>(ks + qc0 * BK, dextents<int32_t, 2>(int(BK), int(SUB)));
+  auto acc = op.template get_destination_cooperative_tensor<decltype(l_t), decltype(r_t), float>();
+  for (uint16_t i = 0; i < acc.get_capacity(); ++i)
+    if (acc.is_valid_element(i)) acc[i] = 0.0f;
   const uint32_t row = tid / 4, c0 = (tid % 4) * 8;  // this thread's staging coordinates
   for (uint32_t k0 = 0; k0 < Dk; k0 += BK) {  // 2
     for (uint32_t c = 0; c < 8; ++c) {
@@ -85,26 +90,25 @@ template <typename F>
       qs[row * BK + c0 + c] = d < Dk ? Qc[uint64_t(row) * Dk + d] : half(0.0f);
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    op.run(k_t, k_t, kk);
-    op.run(q_t, k_t, qk);
+    op.run(l_t, r_t, acc);
     threadgroup_barrier(mem_flags::mem_threadgroup);  // the next step overwrites ks, qs
   }
 
-  for (uint16_t i = 0; i < kk.get_capacity(); ++i) {  // 3 (the upper triangle and diagonal: step 4 overwrites)
-    if (!kk.is_valid_element(i)) continue;
-    const auto idx = kk.get_multidimensional_index(i);
-    const uint32_t j = uint32_t(idx[0]), r = uint32_t(idx[1]);
-    M[r * C + j] = j < r ? bs[r] * exp(Gs[r] - Gs[j]) * kk[i] : kk[i];
+  for (uint16_t i = 0; !gram_q && i < acc.get_capacity(); ++i) {  // 3 (upper triangle, diagonal: step 4 overwrites)
+    if (!acc.is_valid_element(i)) continue;
+    const auto idx = acc.get_multidimensional_index(i);
+    const uint32_t j = qc0 + uint32_t(idx[0]), r = qr0 + uint32_t(idx[1]);
+    M[r * C + j] = j < r ? bs[r] * exp(Gs[r] - Gs[j]) * acc[i] : acc[i];
   }
   if (tid < C) g[gh + tid] = F(Gs[tid]);
   threadgroup_barrier(mem_flags::mem_threadgroup);
   gdc_wy_factors(M, Gs, bs, Kc, vo + (uint64_t(h) * args.Tp + t0) * Dv, u + (uint64_t(h) * args.Tp + t0) * Dv,
                  wn + (uint64_t(h) * args.Tp + t0) * Dk, Dk, Dv, tid, simd_id);  // 4 - 8
-  for (uint16_t i = 0; i < qk.get_capacity(); ++i) {  // 10
-    if (!qk.is_valid_element(i)) continue;
-    const auto idx = qk.get_multidimensional_index(i);
-    const uint32_t j = uint32_t(idx[0]), r = uint32_t(idx[1]);
-    p[gh * C + r * C + j] = half(j <= r ? exp(Gs[r] - Gs[j]) * qk[i] : 0.0f);
+  for (uint16_t i = 0; gram_q && i < acc.get_capacity(); ++i) {  // 10
+    if (!acc.is_valid_element(i)) continue;
+    const auto idx = acc.get_multidimensional_index(i);
+    const uint32_t j = qc0 + uint32_t(idx[0]), r = qr0 + uint32_t(idx[1]);
+    p[gh * C + r * C + j] = half(j <= r ? exp(Gs[r] - Gs[j]) * acc[i] : 0.0f);
   }
 }
 
@@ -128,11 +132,14 @@ inline void gdc_m5_tile_to_half(simdgroup_float8x8 x, threadgroup float* stage, 
 //   per chunk: 1 e^{G_i}, exp(G_C - G_i) as diagonal tiles (two copies alternate by parity); barrier
 //              2 each simdgroup: U = u + W S (fp32 8x8, W = wn), then S and U rounded to half into
 //                Sh [128][32] and Uh [64][32] (its 8 columns); barrier
-//              3 O1 = Q Sh: matmul2d_descriptor(64, 32, 128, false, false, false, multiply) on
-//                execution_simdgroups<4>, Q [64][Dk] half read from device (prep q16; key dims past
-//                Dk read 0 by the tensor's extents) into a threadgroup float tensor [64][32];
-//                O2 = P Uh: matmul2d_descriptor(64, 32, 64, ..., multiply) into an fp32
-//                cooperative tensor, P [64][64] half from device (gd_chunk_wy_m5); barrier
+//              3 simdgroup s: tokens 16 s .. + 16 of the output, one simdgroup per op
+//                (execution_simdgroup; docs/metal.md, "Execution scope and tile shape"):
+//                O1 = Q Sh: matmul2d_descriptor(16, 32, 128, false, false, false, multiply), Q's
+//                16 rows [16][Dk] half read from device (prep q16; key dims past Dk read 0 by the
+//                tensor's extents) into its rows of a threadgroup float tensor [64][32];
+//                O2 = P Uh: matmul2d_descriptor(16, 32, 64, ..., multiply) into an fp32
+//                cooperative tensor, P's 16 rows [16][64] half from device (gd_chunk_wy_m5);
+//                barrier
 //              4 each thread: o = O2 + e^{G_row} O1[row][col] for its cooperative elements -> vo
 //              5 each simdgroup: U = diag(exp(G_C - G_j)) U, S = e^{G_C} S + K^T U (fp32 8x8)
 //   threadgroup memory: diag 8,192 + Sh 8,192 + Uh 4,096 + O1 8,192 + 4 x 8 x 8 floats 1,024 =
@@ -176,15 +183,17 @@ template <typename F>
     if (live && r < nk) simdgroup_load(S[r], st + 8 * r, ulong(Dk), ulong2(0), true);  // S[8r.., j0..] = state^T
   }
 
-  constexpr auto desc_qs = matmul2d_descriptor(int(C), int(NC), int(DK), false, false, false,
+  constexpr uint32_t OR = C / 4;         // output tokens per simdgroup
+  const uint32_t r0 = OR * simd_id;     // this simdgroup's first output token of the chunk
+  constexpr auto desc_qs = matmul2d_descriptor(int(OR), int(NC), int(DK), false, false, false,
                                                matmul2d_descriptor::mode::multiply);
-  constexpr auto desc_pu = matmul2d_descriptor(int(C), int(NC), int(C), false, false, false,
+  constexpr auto desc_pu = matmul2d_descriptor(int(OR), int(NC), int(C), false, false, false,
                                                matmul2d_descriptor::mode::multiply);
-  matmul2d<desc_qs, execution_simdgroups<4>> op_qs;
-  matmul2d<desc_pu, execution_simdgroups<4>> op_pu;
+  matmul2d<desc_qs, execution_simdgroup> op_qs;
+  matmul2d<desc_pu, execution_simdgroup> op_pu;
   auto sh_t = tensor<threadgroup half, dextents<int32_t, 2>, tensor_inline>(sh, dextents<int32_t, 2>(int(NC), int(Dk)));
   auto uh_t = tensor<threadgroup half, dextents<int32_t, 2>, tensor_inline>(uh, dextents<int32_t, 2>(int(NC), int(C)));
-  auto o1_t = tensor<threadgroup float, dextents<int32_t, 2>, tensor_inline>(o1, dextents<int32_t, 2>(int(NC), int(C)));
+  auto o1_t = tensor<threadgroup float, dextents<int32_t, 2>, tensor_inline>(o1 + r0 * NC, dextents<int32_t, 2>(int(NC), int(OR)));
 
   for (uint32_t c = 0; c * C < args.T; ++c) {
     const uint32_t par = c & 1;
@@ -219,9 +228,9 @@ template <typename F>
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
-    auto q_t = tensor<device half, dextents<int32_t, 2>, tensor_inline>(qn + (uint64_t(kh) * args.Tp + t0) * Dk,
-                                                                         dextents<int32_t, 2>(int(Dk), int(C)));
-    auto p_t = tensor<device half, dextents<int32_t, 2>, tensor_inline>(p + gh * C, dextents<int32_t, 2>(int(C), int(C)));
+    auto q_t = tensor<device half, dextents<int32_t, 2>, tensor_inline>(qn + (uint64_t(kh) * args.Tp + t0 + r0) * Dk,
+                                                                         dextents<int32_t, 2>(int(Dk), int(OR)));
+    auto p_t = tensor<device half, dextents<int32_t, 2>, tensor_inline>(p + (gh + r0) * C, dextents<int32_t, 2>(int(C), int(OR)));
     op_qs.run(q_t, sh_t, o1_t);  // 3
     auto o2 = op_pu.template get_destination_cooperative_tensor<decltype(p_t), decltype(uh_t), float>();
     op_pu.run(p_t, uh_t, o2);
@@ -230,7 +239,7 @@ template <typename F>
     for (uint16_t i = 0; i < o2.get_capacity(); ++i) {  // 4
       if (!o2.is_valid_element(i)) continue;
       const auto idx = o2.get_multidimensional_index(i);
-      const uint32_t col = uint32_t(idx[0]), row = uint32_t(idx[1]);
+      const uint32_t col = uint32_t(idx[0]), row = r0 + uint32_t(idx[1]);
       if (c0 + col < Dv)
         vo[gh * Dv + uint64_t(row) * Dv + c0 + col] = F(o2[i] + diag[par][row / 8][(row % 8) * 9] * o1[row * NC + col]);
     }

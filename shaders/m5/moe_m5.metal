@@ -17,15 +17,24 @@
 //              weights of feature t / 4 (gate and up, or down: fp32 s * q + b, rounded to half)
 //              into threadgroup memory; zeros past the tile's rows and features. Two stages: step
 //              s+1 is staged while matmul2d multiplies step s, one threadgroup barrier per step.
-//   multiply:  matmul2d_descriptor(BM, 32, 32, transpose_left = false, transpose_right = true,
-//              relaxed_precision = false, multiply_accumulate) on execution_simdgroups<4>; the x
-//              tile [row][k] is left (extents (32, BM)), a weight tile [n][k] is right transposed
-//              (extents (32, 32)); fp32 cooperative accumulators (gate and up: two runs per step
-//              into two accumulators of the same type, hence the same layout: Apple's header
-//              pairs element i of two such destinations, its bias example `cT[i] += biasT[i]`).
-//   epilogue:  gate/up: h[row, n] = silu(gate) * up (fp32); down: y[row, n] = row_weight[row] *
-//              acc (fp32); each thread writes its cooperative-tensor elements, masked to the
-//              tile's rows and the group's features.
+//   multiply:  one simdgroup per op (execution_simdgroup), 16-row sub-tiles: the tile's BM / 16
+//              row blocks times its matrices (gate and up, or down) are the jobs, simdgroup g
+//              takes job g (and g + 4 while jobs remain); job j = row block j % (BM / 16) of
+//              matrix j / (BM / 16). So a 64-row gate/up tile: each simdgroup both matrices of
+//              its 16 rows; 32 rows: four jobs, one each; 16 rows: gate on simdgroup 0, up on 1;
+//              down: 4, 2 or 1 simdgroups multiply (the rest only stage). Each job:
+//              matmul2d_descriptor(16, 32, 32, transpose_left = false, transpose_right = true,
+//              relaxed_precision = false, multiply_accumulate), its 16 x rows [row][k] as left
+//              (extents (32, 16)), the weight tile [n][k] as right transposed (extents (32, 32)),
+//              an fp32 cooperative accumulator per job. Why: docs/metal.md, "Execution scope and
+//              tile shape" (one simdgroup per op ran best in the only public measurement; 16 x 32
+//              x 32 at ~96% of the 32 x 32 x 32 rate there).
+//   epilogue:  gate/up: h[row, n] = silu(gate) * up (fp32): where gate and up of a row block are
+//              on two simdgroups (16- and 32-row tiles) the up job writes its accumulator to
+//              threadgroup memory (the gate stages, free after the K loop's last barrier), one
+//              barrier, the gate job reads it by the same (row, n); down: y[row, n] =
+//              row_weight[row] * acc (fp32); each thread writes its cooperative-tensor elements,
+//              masked to the tile's rows and the group's features.
 // Precision: operands half (the half x half -> float row of Apple's matmul2d types): x, h and the
 // dequantized weights are rounded to half once; products and accumulation fp32; SwiGLU and the
 // routing weight in fp32 as in moe.metal.
@@ -72,11 +81,14 @@ inline void moe_gate_up_m5_tile(constant MoeArgs& args, const device T* x, const
                                 const device uint32_t* wg, const device S* sg, const device S* bg,
                                 const device uint32_t* wu, const device S* su, const device S* bu,
                                 device float* h, uint32_t N, uint32_t r0, uint32_t r1, uint32_t n0,
-                                uint32_t steps, uint32_t t, threadgroup half* xs, threadgroup half* gs,
-                                threadgroup half* us) {
-  constexpr uint32_t BN = kMoeTileN, BK = kMoeTileK;
-  static_assert(BN == 32 && BK == 32 && kMoeTileSimds == 4 && (BM == 16 || BM == 32 || BM == 64),
-                "the staging map and descriptor below assume 32-wide tiles, 128 threads, BM 16, 32 or 64");
+                                uint32_t steps, uint32_t t, uint32_t simd, threadgroup half* xs,
+                                threadgroup half* gs, threadgroup half* us) {
+  constexpr uint32_t BN = kMoeTileN, BK = kMoeTileK, SR = kMoeM5SubRows;
+  static_assert(BN == 32 && BK == 32 && kMoeTileSimds == 4 && SR == 16 && (BM == 16 || BM == 32 || BM == 64),
+                "the staging map and jobs below assume 32-wide tiles, 128 threads, 16-row jobs, BM 16, 32 or 64");
+  constexpr uint32_t RB = BM / SR;         // row blocks
+  constexpr bool kBoth = 2 * RB > 4;       // 64 rows: each simdgroup runs gate and up of its block
+  static_assert(kBoth || BM * BN * 4 <= 2 * BN * BK * 2, "the up exchange must fit in the gate stages");
   const uint32_t H = args.hidden;
   const uint32_t wpr = H * bits / 32, gpr = H / args.group_size;
   constexpr uint32_t PER = BM / 4, CPR = BK / PER;
@@ -86,20 +98,25 @@ inline void moe_gate_up_m5_tile(constant MoeArgs& args, const device T* x, const
   const device T* xr = x + my_tok * H + (t % CPR) * PER;
   const uint32_t n_st = n0 + t / 4;  // the feature whose weights this thread stages
 
-  constexpr auto desc = matmul2d_descriptor(int(BM), int(BN), int(BK), false, true, false,
+  // This simdgroup's job (uniform over the simdgroup): row block rb of matrix mat (0 gate, 1 up).
+  const bool job = simd < 2 * RB;
+  const uint32_t rb = simd % RB;
+  const uint32_t mat = kBoth ? 0u : simd / RB;
+  constexpr auto desc = matmul2d_descriptor(int(SR), int(BN), int(BK), false, true, false,
                                             matmul2d_descriptor::mode::multiply_accumulate);
-  matmul2d<desc, execution_simdgroups<4>> op;
-  auto x0 = tensor<threadgroup half, dextents<int32_t, 2>, tensor_inline>(xs, dextents<int32_t, 2>(int(BK), int(BM)));
-  auto x1 = tensor<threadgroup half, dextents<int32_t, 2>, tensor_inline>(xs + BM * BK, dextents<int32_t, 2>(int(BK), int(BM)));
-  auto g0 = tensor<threadgroup half, dextents<int32_t, 2>, tensor_inline>(gs, dextents<int32_t, 2>(int(BK), int(BN)));
-  auto g1 = tensor<threadgroup half, dextents<int32_t, 2>, tensor_inline>(gs + BN * BK, dextents<int32_t, 2>(int(BK), int(BN)));
+  matmul2d<desc, execution_simdgroup> op;
+  threadgroup half* wa = mat == 0u ? gs : us;  // the first job's weight stages
+  auto x0 = tensor<threadgroup half, dextents<int32_t, 2>, tensor_inline>(xs + rb * SR * BK, dextents<int32_t, 2>(int(BK), int(SR)));
+  auto x1 = tensor<threadgroup half, dextents<int32_t, 2>, tensor_inline>(xs + BM * BK + rb * SR * BK, dextents<int32_t, 2>(int(BK), int(SR)));
+  auto a0 = tensor<threadgroup half, dextents<int32_t, 2>, tensor_inline>(wa, dextents<int32_t, 2>(int(BK), int(BN)));
+  auto a1 = tensor<threadgroup half, dextents<int32_t, 2>, tensor_inline>(wa + BN * BK, dextents<int32_t, 2>(int(BK), int(BN)));
   auto u0 = tensor<threadgroup half, dextents<int32_t, 2>, tensor_inline>(us, dextents<int32_t, 2>(int(BK), int(BN)));
   auto u1 = tensor<threadgroup half, dextents<int32_t, 2>, tensor_inline>(us + BN * BK, dextents<int32_t, 2>(int(BK), int(BN)));
-  auto acc_g = op.template get_destination_cooperative_tensor<decltype(x0), decltype(g0), float>();
+  auto acc_a = op.template get_destination_cooperative_tensor<decltype(x0), decltype(a0), float>();
   auto acc_u = op.template get_destination_cooperative_tensor<decltype(x0), decltype(u0), float>();
-  for (uint16_t i = 0; i < acc_g.get_capacity(); ++i) {
-    if (!acc_g.is_valid_element(i)) continue;
-    acc_g[i] = 0.0f;
+  for (uint16_t i = 0; i < acc_a.get_capacity(); ++i) {
+    if (!acc_a.is_valid_element(i)) continue;
+    acc_a[i] = 0.0f;
     acc_u[i] = 0.0f;
   }
 
@@ -117,23 +134,41 @@ inline void moe_gate_up_m5_tile(constant MoeArgs& args, const device T* x, const
       moe_m5_stage_w<S, bits>(wg, sg, bg, n_st, N, k1, wpr, gpr, args.group_size, t, gs + nx * BN * BK);
       moe_m5_stage_w<S, bits>(wu, su, bu, n_st, N, k1, wpr, gpr, args.group_size, t, us + nx * BN * BK);
     }
-    if ((s & 1) == 0) {
-      op.run(x0, g0, acc_g);
-      op.run(x0, u0, acc_u);
-    } else {
-      op.run(x1, g1, acc_g);
-      op.run(x1, u1, acc_u);
+    if (job) {
+      if ((s & 1) == 0) {
+        op.run(x0, a0, acc_a);
+        if (kBoth) op.run(x0, u0, acc_u);
+      } else {
+        op.run(x1, a1, acc_a);
+        if (kBoth) op.run(x1, u1, acc_u);
+      }
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
   }
 
   if (steps != 0u) {
-    for (uint16_t i = 0; i < acc_g.get_capacity(); ++i) {
-      if (!acc_g.is_valid_element(i)) continue;
-      const auto idx = acc_g.get_multidimensional_index(i);
-      const uint32_t n = n0 + uint32_t(idx[0]);
-      const uint32_t r = r0 + uint32_t(idx[1]);
-      if (r < r1 && n < N) h[r * args.h_stride + n] = moe_m5_silu(acc_g[i]) * acc_u[i];
+    threadgroup float* ex = reinterpret_cast<threadgroup float*>(gs);  // [BM][32] up values (!kBoth)
+    if (!kBoth) {
+      if (job && mat == 1u) {
+        for (uint16_t i = 0; i < acc_a.get_capacity(); ++i) {
+          if (!acc_a.is_valid_element(i)) continue;
+          const auto idx = acc_a.get_multidimensional_index(i);
+          ex[(rb * SR + uint32_t(idx[1])) * BN + uint32_t(idx[0])] = acc_a[i];
+        }
+      }
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+    }
+    if (job && mat == 0u) {
+      for (uint16_t i = 0; i < acc_a.get_capacity(); ++i) {
+        if (!acc_a.is_valid_element(i)) continue;
+        const auto idx = acc_a.get_multidimensional_index(i);
+        const uint32_t c = uint32_t(idx[0]);
+        const uint32_t lr = rb * SR + uint32_t(idx[1]);
+        const uint32_t n = n0 + c;
+        const uint32_t r = r0 + lr;
+        const float up = kBoth ? float(acc_u[i]) : ex[lr * BN + c];
+        if (r < r1 && n < N) h[r * args.h_stride + n] = moe_m5_silu(acc_a[i]) * up;
+      }
     }
   }
 }
@@ -185,10 +220,11 @@ template <typename T, typename S, int bits, int LIST>
   const device S* bu = shared ? sh_up_b : up_b + g * N * gpr;
   const uint32_t t = thread_pos.x;
   if (LIST == 32 && r1 - r0 <= kMoeTile16MaxRows)
-    moe_gate_up_m5_tile<T, S, bits, 16>(args, x, plan, wg, sg, bg, wu, su, bu, h, N, r0, r1, n0, steps, t, xs, gs, us);
+    moe_gate_up_m5_tile<T, S, bits, 16>(args, x, plan, wg, sg, bg, wu, su, bu, h, N, r0, r1, n0, steps, t, simd_id,
+                                        xs, gs, us);
   else
-    moe_gate_up_m5_tile<T, S, bits, LIST>(args, x, plan, wg, sg, bg, wu, su, bu, h, N, r0, r1, n0, steps, t, xs, gs,
-                                          us);
+    moe_gate_up_m5_tile<T, S, bits, LIST>(args, x, plan, wg, sg, bg, wu, su, bu, h, N, r0, r1, n0, steps, t, simd_id,
+                                          xs, gs, us);
 }
 
 // down projection x routing weight of one tile of BM = 64, 32 or 16 rows (rows [r0, r1) of group
@@ -197,10 +233,11 @@ template <typename S, int bits, int BM>
 inline void moe_down_m5_tile(constant MoeArgs& args, const device float* row_weight, const device float* h,
                              const device uint32_t* w, const device S* sc, const device S* bi, device float* y,
                              uint32_t K, uint32_t r0, uint32_t r1, uint32_t n0, uint32_t steps, uint32_t t,
-                             threadgroup half* xs, threadgroup half* ws) {
-  constexpr uint32_t BN = kMoeTileN, BK = kMoeTileK;
-  static_assert(BN == 32 && BK == 32 && kMoeTileSimds == 4 && (BM == 16 || BM == 32 || BM == 64),
-                "the staging map and descriptor below assume 32-wide tiles, 128 threads, BM 16, 32 or 64");
+                             uint32_t simd, threadgroup half* xs, threadgroup half* ws) {
+  constexpr uint32_t BN = kMoeTileN, BK = kMoeTileK, SR = kMoeM5SubRows;
+  static_assert(BN == 32 && BK == 32 && kMoeTileSimds == 4 && SR == 16 && (BM == 16 || BM == 32 || BM == 64),
+                "the staging map and jobs below assume 32-wide tiles, 128 threads, 16-row jobs, BM 16, 32 or 64");
+  constexpr uint32_t RB = BM / SR;  // row blocks: simdgroup g < RB multiplies block g
   const uint32_t H = args.hidden;
   const uint32_t wpr = K * bits / 32, gpr = K / args.group_size;
   constexpr uint32_t PER = BM / 4, CPR = BK / PER;
@@ -209,11 +246,13 @@ inline void moe_down_m5_tile(constant MoeArgs& args, const device float* row_wei
   const device float* hr = h + (my_valid ? my_row : 0u) * args.h_stride + (t % CPR) * PER;
   const uint32_t n_st = n0 + t / 4;
 
-  constexpr auto desc = matmul2d_descriptor(int(BM), int(BN), int(BK), false, true, false,
+  const bool job = simd < RB;  // uniform over the simdgroup
+  const uint32_t rb = simd % RB;
+  constexpr auto desc = matmul2d_descriptor(int(SR), int(BN), int(BK), false, true, false,
                                             matmul2d_descriptor::mode::multiply_accumulate);
-  matmul2d<desc, execution_simdgroups<4>> op;
-  auto x0 = tensor<threadgroup half, dextents<int32_t, 2>, tensor_inline>(xs, dextents<int32_t, 2>(int(BK), int(BM)));
-  auto x1 = tensor<threadgroup half, dextents<int32_t, 2>, tensor_inline>(xs + BM * BK, dextents<int32_t, 2>(int(BK), int(BM)));
+  matmul2d<desc, execution_simdgroup> op;
+  auto x0 = tensor<threadgroup half, dextents<int32_t, 2>, tensor_inline>(xs + rb * SR * BK, dextents<int32_t, 2>(int(BK), int(SR)));
+  auto x1 = tensor<threadgroup half, dextents<int32_t, 2>, tensor_inline>(xs + BM * BK + rb * SR * BK, dextents<int32_t, 2>(int(BK), int(SR)));
   auto w0 = tensor<threadgroup half, dextents<int32_t, 2>, tensor_inline>(ws, dextents<int32_t, 2>(int(BK), int(BN)));
   auto w1 = tensor<threadgroup half, dextents<int32_t, 2>, tensor_inline>(ws + BN * BK, dextents<int32_t, 2>(int(BK), int(BN)));
   auto acc = op.template get_destination_cooperative_tensor<decltype(x0), decltype(w0), float>();
@@ -232,17 +271,19 @@ inline void moe_down_m5_tile(constant MoeArgs& args, const device float* row_wei
       moe_m5_stage_rows<float, BM>(hr + k1, my_valid, t, xs + nx * BM * BK);
       moe_m5_stage_w<S, bits>(w, sc, bi, n_st, H, k1, wpr, gpr, args.group_size, t, ws + nx * BN * BK);
     }
-    if ((s & 1) == 0) op.run(x0, w0, acc);
-    else op.run(x1, w1, acc);
+    if (job) {
+      if ((s & 1) == 0) op.run(x0, w0, acc);
+      else op.run(x1, w1, acc);
+    }
     threadgroup_barrier(mem_flags::mem_threadgroup);
   }
 
-  if (steps != 0u) {
+  if (steps != 0u && job) {
     for (uint16_t i = 0; i < acc.get_capacity(); ++i) {
       if (!acc.is_valid_element(i)) continue;
       const auto idx = acc.get_multidimensional_index(i);
       const uint32_t n = n0 + uint32_t(idx[0]);
-      const uint32_t r = r0 + uint32_t(idx[1]);
+      const uint32_t r = r0 + rb * SR + uint32_t(idx[1]);
       if (r < r1 && n < H) y[r * H + n] = row_weight[r] * acc[i];
     }
   }
@@ -285,9 +326,9 @@ template <typename S, int bits, int LIST>
   const device S* bi = shared ? sh_down_b : down_b + g * H * gpr;
   const uint32_t t = thread_pos.x;
   if (LIST == 32 && r1 - r0 <= kMoeTile16MaxRows)
-    moe_down_m5_tile<S, bits, 16>(args, row_weight, h, w, sc, bi, y, K, r0, r1, n0, steps, t, xs, ws);
+    moe_down_m5_tile<S, bits, 16>(args, row_weight, h, w, sc, bi, y, K, r0, r1, n0, steps, t, simd_id, xs, ws);
   else
-    moe_down_m5_tile<S, bits, LIST>(args, row_weight, h, w, sc, bi, y, K, r0, r1, n0, steps, t, xs, ws);
+    moe_down_m5_tile<S, bits, LIST>(args, row_weight, h, w, sc, bi, y, K, r0, r1, n0, steps, t, simd_id, xs, ws);
 }
 
 // Instantiations: exactly the moe *_m5 rows of csrc/gpu/kernel_ids.h (activations fp32, scales

@@ -12,10 +12,14 @@
 //              group since 16 divides every group size; fp32 s * q + b, rounded to half) into
 //              threadgroup memory; zeros past M / N. Two stages: step s+1 is staged while
 //              matmul2d multiplies step s, one threadgroup barrier per step.
-//   multiply:  matmul2d_descriptor(64, 64, 32, transpose_left = false, transpose_right = true,
-//              relaxed_precision = false, multiply_accumulate) on execution_simdgroups<4>: the x
-//              tile is left (extents (32, 64)), the w tile [n][k] is right transposed (extents
-//              (32, 64)); the 64 x 64 fp32 accumulator is a cooperative tensor.
+//   multiply:  each simdgroup g owns the 32 x 32 quarter (rows 32 * (g / 2), features
+//              32 * (g % 2)) of the tile: matmul2d_descriptor(32, 32, 32, transpose_left = false,
+//              transpose_right = true, relaxed_precision = false, multiply_accumulate) on
+//              execution_simdgroup, its x rows as left (extents (32, 32)), its w rows [n][k] as
+//              right transposed (extents (32, 32)); the 32 x 32 fp32 accumulator is a cooperative
+//              tensor of the simdgroup. Why one simdgroup per op and 32 x 32: docs/metal.md,
+//              "Execution scope and tile shape" (the only public measurement: a single simdgroup
+//              scope ran best, several simdgroups slower; 32 x 32 outputs or larger optimal).
 //   epilogue:  each thread writes its cooperative-tensor elements, masked to M x N, rounded to Y
 //              (Y = T, or fp32 for bf16 x: the *_yf32 variants, lm_head's logits).
 // Precision: operands are half (the half x half -> float row of Apple's matmul2d types): x and
@@ -59,24 +63,26 @@ template <typename T, typename S, int bits = 4, typename Y = T>
                        const device S* biases [[buffer(4)]],
                        device Y* y [[buffer(5)]],
                        LILY_KERNEL_TAIL) {
-  constexpr uint32_t BM = kQmmM5TileM, BN = kQmmM5TileN, BK = kQmmM5TileK;
+  constexpr uint32_t BM = kQmmM5TileM, BN = kQmmM5TileN, BK = kQmmM5TileK, SUB = kTensorOpSubTile;
   static_assert(bits == 4 || bits == 8, "MLX affine 4- or 8-bit codes");
-  static_assert(BM == 64 && BN == 64 && BK == 32 && kQmmM5SimdsPerGroup == 4,
-                "the staging map and descriptor below assume 64x64x32 tiles and 128 threads");
+  static_assert(BM == 64 && BN == 64 && BK == 32 && kQmmM5SimdsPerGroup == 4 && SUB == 32,
+                "the staging map and the 2 x 2 simdgroup quarters below assume 64x64x32 tiles, 128 threads");
   LILY_TG_ARRAY(half, xs, [2 * BM * BK]);  // two stages of the x tile [64][32]
   LILY_TG_ARRAY(half, ws, [2 * BN * BK]);  // two stages of the w tile [64][32]
 
   const uint32_t t = thread_pos.x;
   const uint32_t m0 = group_pos.y * BM;
   const uint32_t n0 = group_pos.x * BN;
+  const uint32_t sm = (simd_id / 2) * SUB;  // this simdgroup's quarter: rows sm.., features sn..
+  const uint32_t sn = (simd_id % 2) * SUB;
 
-  constexpr auto desc = matmul2d_descriptor(int(BM), int(BN), int(BK), false, true, false,
+  constexpr auto desc = matmul2d_descriptor(int(SUB), int(SUB), int(BK), false, true, false,
                                             matmul2d_descriptor::mode::multiply_accumulate);
-  matmul2d<desc, execution_simdgroups<4>> op;
-  auto x0 = tensor<threadgroup half, dextents<int32_t, 2>, tensor_inline>(xs, dextents<int32_t, 2>(int(BK), int(BM)));
-  auto x1 = tensor<threadgroup half, dextents<int32_t, 2>, tensor_inline>(xs + BM * BK, dextents<int32_t, 2>(int(BK), int(BM)));
-  auto w0 = tensor<threadgroup half, dextents<int32_t, 2>, tensor_inline>(ws, dextents<int32_t, 2>(int(BK), int(BN)));
-  auto w1 = tensor<threadgroup half, dextents<int32_t, 2>, tensor_inline>(ws + BN * BK, dextents<int32_t, 2>(int(BK), int(BN)));
+  matmul2d<desc, execution_simdgroup> op;
+  auto x0 = tensor<threadgroup half, dextents<int32_t, 2>, tensor_inline>(xs + sm * BK, dextents<int32_t, 2>(int(BK), int(SUB)));
+  auto x1 = tensor<threadgroup half, dextents<int32_t, 2>, tensor_inline>(xs + BM * BK + sm * BK, dextents<int32_t, 2>(int(BK), int(SUB)));
+  auto w0 = tensor<threadgroup half, dextents<int32_t, 2>, tensor_inline>(ws + sn * BK, dextents<int32_t, 2>(int(BK), int(SUB)));
+  auto w1 = tensor<threadgroup half, dextents<int32_t, 2>, tensor_inline>(ws + BN * BK + sn * BK, dextents<int32_t, 2>(int(BK), int(SUB)));
   auto acc = op.template get_destination_cooperative_tensor<decltype(x0), decltype(w0), float>();
   for (uint16_t i = 0; i < acc.get_capacity(); ++i)
     if (acc.is_valid_element(i)) acc[i] = 0.0f;
@@ -96,8 +102,8 @@ template <typename T, typename S, int bits = 4, typename Y = T>
   for (uint16_t i = 0; i < acc.get_capacity(); ++i) {
     if (!acc.is_valid_element(i)) continue;
     const auto idx = acc.get_multidimensional_index(i);
-    const uint32_t n = n0 + uint32_t(idx[0]);
-    const uint32_t m = m0 + uint32_t(idx[1]);
+    const uint32_t n = n0 + sn + uint32_t(idx[0]);
+    const uint32_t m = m0 + sm + uint32_t(idx[1]);
     if (m < args.M && n < args.N) y[m * args.y_stride + n] = Y(acc[i]);
   }
 }
