@@ -69,11 +69,18 @@ ASSUMPTIONS = {
     # one expert run next to each other in the grid; later ones hit the system-level cache), and
     # their activation bytes are the engine's (rows bound) scaled by the kind's share of rows.
     "moe_weight_reads": "once per expert and tile kind",
-    # NEW: on M5 the 32-row MoE kind runs a tile of <= 16 rows as a 16-row matmul2d; assumed to
-    # cost 16 rows' FLOPs at the tensor-op efficiency above (Apple documents no rate per shape; a
-    # third-party microbenchmark found 32 x 32 or larger optimal, so the script also prints the
-    # 256-token estimate with such tiles costing 32 rows).
-    "m5_tile16_cost_rows": 16,
+    # On M5 the 32-row MoE kind runs a tile of <= 16 rows as 16-row matmul2d jobs (16 x 32 x 32
+    # per simdgroup, as the 64-row kind). Apple documents no rate per shape; the one public
+    # microbenchmark (docs/metal.md, "Execution scope and tile shape": A19, one simdgroup per op)
+    # measured 16 x 32 x 32 at 6.72 TFLOPS against 6.97 for 32 x 32 x 32, so a 16-row tile costs
+    # 16 x 6.97 / 6.72 = 16.6 rows' FLOPs at the tensor-op efficiency above. (Until 2026-12-01:
+    # an assumption of 16; the script still prints the 256-token estimate with such tiles at 32.)
+    "m5_tile16_cost_rows": round(16 * 6.97 / 6.72, 2),
+    # The DeltaNet state pass's feedback products (U = u + W S, S += K^T U) carry the fp32 state:
+    # FP32 matmul2d operands run on the ALUs' SIMD pipe, not the neural accelerators (the same
+    # measurement), so on tensor ops they would need a hi/lo split, x = hi + lo with both half:
+    # 3 half products each (hi hi + hi lo + lo hi). Used only by a what-if line; not built.
+    "feedback_split_products": 3,
     # executed / useful FLOPs assumed for the "design" line only (all useful FLOPs on the path's
     # matmul unit, the earlier estimate).
     "future_padding": 1.05,
@@ -280,6 +287,15 @@ def estimate(fams: dict, levels: int, L: int, gpu: str, a: dict = ASSUMPTIONS) -
     return dict(times=times, t_levels=t_levels, total=total, tps=L / total, by_unit=dict(by_unit))
 
 
+def deltanet_split_factor(cfg: ModelConfig, a: dict = ASSUMPTIONS) -> float:
+    """Executed FLOPs of the DeltaNet state pass with its feedback products as hi/lo half splits,
+    over its FLOPs now. Per chunk of C tokens and head: U = u + W S and S += K^T U (2 C Dk Dv each,
+    the feedback), O1 = Q S (2 C Dk Dv) and O2 = P U (2 C C Dv)."""
+    C, Dk = 64, cfg.linear_key_head_dim
+    feedback = 2.0 / (3.0 + C / Dk)  # share of the pass's FLOPs
+    return feedback * a["feedback_split_products"] + (1.0 - feedback)
+
+
 def with_units(fams: dict, units: dict) -> dict:
     """The families with some moved to another unit ({family prefix: unit}): what-if lines."""
     out = {}
@@ -379,10 +395,13 @@ def print_tables(res: dict, brief: bool = False) -> None:
         print("\nWhat closes the gap, M5 path, 4096 tokens, M5 Max (ESTIMATE, same assumptions otherwise):")
         lines = [("as built", fams)]
         # gd_chunk_state_m5 runs O on tensor ops but the state feedback (U = u + W S, S += K^T U) on
-        # fp32 8x8 products and is counted at that rate; the header also lists float x float ->
-        # float for matmul2d (rate on M5 undocumented): every product of the pass on tensor ops
-        f1 = with_units(fams, {"gd_chunk_wy": "tensor", "gd_chunk_state": "tensor"})
-        lines.append(("+ the DeltaNet state feedback on (fp32) tensor ops", f1))
+        # fp32 8x8 products and is counted at that rate. FP32 matmul2d runs on the SIMD pipe (the
+        # measurement, ASSUMPTIONS), so the what-if is the hi/lo split: the feedback's share of the
+        # pass's FLOPs times feedback_split_products, everything on tensor ops.
+        f1 = with_units(fams, {"gd_chunk_wy": "tensor"})
+        f1 = {n: (dict(f, unit="tensor", executed=f["executed"] * deltanet_split_factor(real_config()))
+                  if n.startswith("gd_chunk_state") else f) for n, f in f1.items()}
+        lines.append(("+ DeltaNet feedback on tensor ops (hi/lo half split)", f1))
         f2 = f1
         if "qmm" in f1 and f1["qmm"]["unit"] != "tensor":  # the 8-bit router off tensor ops (fp32 x)
             f2 = with_units(f1, {"qmm": "tensor"})  # "qmm" alone: qmm_m5 is tensor already
