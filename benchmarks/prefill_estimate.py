@@ -69,18 +69,31 @@ ASSUMPTIONS = {
     # one expert run next to each other in the grid; later ones hit the system-level cache), and
     # their activation bytes are the engine's (rows bound) scaled by the kind's share of rows.
     "moe_weight_reads": "once per expert and tile kind",
-    # On M5 the 32-row MoE kind runs a tile of <= 16 rows as 16-row matmul2d jobs (16 x 32 x 32
-    # per simdgroup, as the 64-row kind). Apple documents no rate per shape; the one public
-    # microbenchmark (docs/metal.md, "Execution scope and tile shape": A19, one simdgroup per op)
-    # measured 16 x 32 x 32 at 6.72 TFLOPS against 6.97 for 32 x 32 x 32, so a 16-row tile costs
-    # 16 x 6.97 / 6.72 = 16.6 rows' FLOPs at the tensor-op efficiency above. (Until 2026-12-01:
-    # an assumption of 16; the script still prints the 256-token estimate with such tiles at 32.)
-    "m5_tile16_cost_rows": round(16 * 6.97 / 6.72, 2),
+    # On M5 the 32-row MoE kind runs a tile of <= 16 rows as one 16-row block of the same
+    # 16 x 32 x 32 matmul2d jobs as the 64- and 32-row tiles (one simdgroup per op), so it costs 16
+    # rows; the jobs' rate relative to 32 x 32 x 32 is in tensor_shape_tflops below (measured:
+    # docs/metal.md, "Execution scope and tile shape"). The script also prints the 256-token
+    # estimate with such tiles costing 32 rows.
+    "m5_tile16_cost_rows": 16,
     # The DeltaNet state pass's feedback products (U = u + W S, S += K^T U) carry the fp32 state:
     # FP32 matmul2d operands run on the ALUs' SIMD pipe, not the neural accelerators (the same
     # measurement), so on tensor ops they would need a hi/lo split, x = hi + lo with both half:
     # 3 half products each (hi hi + hi lo + lo hi). Used only by a what-if line; not built.
     "feedback_split_products": 3,
+    # NEW (2026-12-01): the tensor-op efficiency above is for ops of 32 x 32 x 32 (M x N x K: qmm_m5,
+    # the DeltaNet Gram quarters); a family whose ops have other shapes runs at the measured rate
+    # of its shape relative to that one (TFLOPS, A19, one simdgroup per op: docs/metal.md,
+    # "Execution scope and tile shape"). Attention's O += P V op is 16 x 64 x 32 at head_dim 256,
+    # a shape the page did not plot: its nearest, 16 x 32 x 32, is taken.
+    "tensor_shape_tflops": {"32x32x32": 6.97, "16x32x32": 6.72, "16x16x128": 7.14},
+    # the op shapes of each tensor-op family and their shares of its FLOPs (the kernels as built)
+    "tensor_family_shapes": {
+        "qmm_m5": {"32x32x32": 1.0},
+        "moe_gate_up_m5": {"16x32x32": 1.0},
+        "moe_down_m5": {"16x32x32": 1.0},
+        "attn_prefill_m5": {"16x16x128": 0.5, "16x32x32": 0.5},  # S = Q K^T and O += P V
+        "gd_chunk_wy_m5": {"32x32x32": 1.0},
+    },
     # executed / useful FLOPs assumed for the "design" line only (all useful FLOPs on the path's
     # matmul unit, the earlier estimate).
     "future_padding": 1.05,
@@ -271,12 +284,25 @@ def prompt_families(cfg: ModelConfig, L: int, tensor_ops: bool, chunk: int = 409
     return total, levels
 
 
+def shape_factor(name: str, unit: str, a: dict = ASSUMPTIONS) -> float:
+    """Time of a tensor-op family's FLOPs relative to ops of 32 x 32 x 32 (1.0 for other units
+    and for families without a listed shape)."""
+    if unit != "tensor":
+        return 1.0
+    fam = next((f for f in a["tensor_family_shapes"] if name.startswith(f)), None)
+    if fam is None:
+        return 1.0
+    r = a["tensor_shape_tflops"]
+    return sum(share * r["32x32x32"] / r[shape] for shape, share in a["tensor_family_shapes"][fam].items())
+
+
 def estimate(fams: dict, levels: int, L: int, gpu: str, a: dict = ASSUMPTIONS) -> dict:
     """Time per family (max of compute and bandwidth), total and tokens/s on `gpu`."""
     bw = a["eta"] * a["bandwidth_gbs"][gpu] * 1e9
     times = {}
     for name, f in fams.items():
-        tc = f["executed"] / unit_rate(f["unit"], gpu, a) if f["executed"] else 0.0
+        tc = (f["executed"] * shape_factor(name, f["unit"], a) / unit_rate(f["unit"], gpu, a)
+              if f["executed"] else 0.0)
         tb = f["bytes"] / bw
         times[name] = (max(tc, tb), "flops" if tc >= tb else "bytes")
     t_levels = levels * a["t_level_us"] * 1e-6

@@ -22,9 +22,9 @@ enum : uint32_t {
   kAttnMmaMaxVCols = 128,    // prefill (mma route): V columns staged per pass (head_dim 256: 2 passes)
   kAttnTilesThreads = 128,   // prefill (bf16 tiles route, M1-M4): 4 simdgroups, 8 rows each
   kAttnTilesKeyDims = 2048,  // ... keys per block x head_dim (blocks of 32 / 16 / 8 keys at 64 / 128 / 256)
-  kAttnM5Rows = 32,          // prefill (M5 tensor-op route, shaders/m5/attention_m5.metal): query rows
-  kAttnM5BlockKeys = 16,     // ... keys per block (S = Q K^T and O += P V per block)
-  kAttnM5Threads = 128,      // ... 4 simdgroups (matmul2d on execution_simdgroups<4>)
+  kAttnM5Rows = 16,          // prefill (M5 tensor-op route, shaders/m5/attention_m5.metal): query rows
+  kAttnM5BlockKeys = 32,     // ... keys per block (S = Q K^T and O += P V per block)
+  kAttnM5Threads = 128,      // ... 4 simdgroups, one matmul2d each (execution_simdgroup)
   // decode, vec route (head_dim 64, 128 or 256: each lane holds head_dim / 32 dims):
   kAttnVecSimds = 8,         // simdgroups per threadgroup (256 threads), each walks every 8th key
   kAttnVecMaxBlocks = 80,    // key blocks per KV head: 2 KV heads x 80 x 8 = 1280 simdgroups = 32

@@ -7,31 +7,35 @@
 // follows the flash-attention form of MLX's steel attention and Lily's prefill attention (a query
 // block in threadgroup memory, key blocks streamed, running max and sum per row); the code is ours.
 //
-//   grid:      (kv_heads, ceil(tokens / qt)) threadgroups of 128 threads (4 simdgroups), qt = 32 /
-//              group query tokens: the R = 32 rows are (token, head) pairs, row = token_in_block *
+//   grid:      (kv_heads, ceil(tokens / qt)) threadgroups of 128 threads (4 simdgroups), qt = 16 /
+//              group query tokens: the R = 16 rows are (token, head) pairs, row = token_in_block *
 //              group + head_in_group (rows past qt * group repeat a live row's keys, not written)
-//   once:      the Q block [32][D] rounded to half into threadgroup memory as two halves of D
-//              [2][32][D / 2] (packed operands, as every staged block below; thread t: row t / 4,
-//              D / 4 columns)
-//   Every matmul2d runs on one simdgroup (execution_simdgroup; why: docs/metal.md, "Execution
-//   scope and tile shape"); simdgroup g below.
-//   per block of BK = 16 keys, up to the block's last token's causal end:
-//     1. K rows [16][D] (bf16 -> half, zeros past the end) -> threadgroup; barrier
-//     2. S = Q K^T in four parts: simdgroup g multiplies rows 16 (g % 2) .. + 16 of Q by K over
-//        the half g / 2 of D: matmul2d_descriptor(16, 16, D / 2, false, transpose_right = true,
-//        false, multiply) into S part g / 2 (threadgroup float [2][32][16]); barrier
-//     3. softmax (thread t: row t / 4, 4 keys): s = the two parts' sum, scale, causal mask,
-//        block max over the row's 4 threads (simd_shuffle_xor 1, 2), running max m and sum l in
-//        registers, p = exp(s - m) rounded to half -> P [32][16], the row's rescale factor ->
-//        threadgroup; the V rows of the block -> the K buffer as four column blocks [4][16][D/4]
+//   once:      the Q block [16][D] rounded to half into threadgroup memory as two halves of D
+//              [2][16][D / 2] (packed operands, as every staged block below; thread t: row t / 8,
+//              D / 8 columns)
+//   Every matmul2d runs on one simdgroup (execution_simdgroup) on a shape the only public
+//   measurement ran at >= 91% of its peak (docs/metal.md, "Execution scope and tile shape"): 16
+//   rows, K >= 32. Simdgroup g below.
+//   per block of BK = 32 keys, up to the block's last token's causal end:
+//     1. K rows [32][D] (bf16 -> half, zeros past the end) -> threadgroup as two halves of D
+//        [2][32][D / 2]; barrier
+//     2. S = Q K^T in four parts: simdgroup g multiplies Q by keys 16 (g % 2) .. + 16 over the
+//        half g / 2 of D: matmul2d_descriptor(16, 16, D / 2, false, transpose_right = true, false,
+//        multiply) into S part [g / 2][g % 2] (threadgroup float [2][2][16][16]); barrier
+//     3. softmax (thread t: row t / 8, 4 keys): s = the two D halves' sum, scale, causal mask,
+//        block max over the row's 8 threads (simd_shuffle_xor 1, 2, 4), running max m and sum l
+//        in registers, p = exp(s - m) rounded to half -> P [16][32], the row's rescale factor ->
+//        threadgroup; the V rows of the block -> the K buffer as four column blocks [4][32][D/4]
 //        (its run is done); barrier
-//     4. simdgroup g owns O's columns g D/4 .. + D/4 (an fp32 cooperative tensor [32][D/4]): its
+//     4. simdgroup g owns O's columns g D/4 .. + D/4 (an fp32 cooperative tensor [16][D/4]): its
 //        elements scaled by their row's factor (get_multidimensional_index), O_g += P V_g:
-//        matmul2d_descriptor(32, D / 4, 16, false, false, false, multiply_accumulate); barrier
+//        matmul2d_descriptor(16, D / 4, 32, false, false, false, multiply_accumulate); barrier
 //        (the next block overwrites the K/V buffer)
 //   epilogue:  l per row -> threadgroup; barrier; each thread writes its O elements / l, times
 //              sigmoid(gate), for live rows
-//   threadgroup memory (D = 256): Q 16,384 + K/V 8,192 + S 4,096 + P 1,024 + 2 x 128 = 29,952 B
+//   threadgroup memory (D = 256): Q 8,192 + K/V 16,384 + S 4,096 + P 1,024 + 2 x 64 = 29,824 B
+//   (until 2026-12-01: 32 rows x 16-key blocks, which made O += P V a K = 16 op: 71% of the
+//   measured peak for 32 x 32 x 16 against 96% for 16 x 32 x 32)
 // Precision: Q, K, V and P are half operands (the half x half -> float row of Apple's matmul2d
 // types): bf16 K/V values are exact in half within its normal range (|v| in [2^-14, 65504]); Q and
 // P are rounded once (2^-11 relative); S, the softmax, l and O are fp32.
@@ -43,13 +47,13 @@ namespace lily {
 inline float attn_m5_neg_inf() { return as_type<float>(0xff800000u); }
 inline float attn_m5_sigmoid(float v) { return 1.0f / (1.0f + exp(-v)); }
 
-// Rounds keys kb .. kb + 16 of one KV head (bf16, [capacity][D] rows) to half into kvs as NB
-// column blocks kvs[NB][16][D / NB] (each block a packed matmul2d operand: K in NB = 2 halves of
-// D, V in NB = 4 quarters): thread t copies row t / 8, D / 8 columns; zeros past nkeys.
+// Rounds keys kb .. kb + 32 of one KV head (bf16, [capacity][D] rows) to half into kvs as NB
+// column blocks kvs[NB][32][D / NB] (each block a packed matmul2d operand: K in NB = 2 halves of
+// D, V in NB = 4 quarters): thread t copies row t / 4, D / 4 columns; zeros past nkeys.
 template <uint32_t D, uint32_t NB>
 inline void attn_m5_stage_kv(const device bfloat* cache, uint32_t nkeys, uint32_t t, threadgroup half* kvs) {
-  constexpr uint32_t PER = D / 8, CB = D / NB, BK = kAttnM5BlockKeys;
-  const uint32_t j = t / 8, c0 = (t % 8) * PER;
+  constexpr uint32_t PER = D / 4, CB = D / NB, BK = kAttnM5BlockKeys;
+  const uint32_t j = t / 4, c0 = (t % 4) * PER;
   const device bfloat* src = cache + j * D + c0;
   for (uint32_t c = 0; c < PER; ++c) {
     const uint32_t d = c0 + c;
@@ -66,13 +70,15 @@ template <typename T, uint32_t D>
                                      device T* out [[buffer(5)]],
                                      LILY_KERNEL_TAIL) {
   constexpr uint32_t R = kAttnM5Rows, BK = kAttnM5BlockKeys;
-  static_assert(R == 32 && BK == 16 && kAttnM5Threads == 128 && D % 32 == 0 && D <= kAttnMaxHeadDim,
-                "the staging maps below assume 32 rows, 16 keys, 128 threads");
-  LILY_TG_ARRAY(half, qs, [R * D]);     // Q block in two halves of D [half][row][d % (D / 2)]
-  LILY_TG_ARRAY(half, kvs, [BK * D]);   // K block [half][key][D / 2], then V block [quarter][key][D / 4]
-  LILY_TG_ARRAY(float, ss, [2 * R * BK]);  // S in two parts (halves of D) [part][row][key]
-  LILY_TG_ARRAY(half, ps, [R * BK]);    // P [row][key]
-  LILY_TG_ARRAY(float, corr_s, [R]);    // per row: rescale factor of the block, then 1 / l
+  static_assert(R == 16 && BK == 32 && kAttnM5Threads == 128 && D % 32 == 0 && D <= kAttnMaxHeadDim &&
+                    kAttnMaxGroup <= R,
+                "the staging maps below assume 16 rows, 32 keys, 128 threads");
+  constexpr uint32_t DH = D / 2, CB = D / 4, KH = BK / 2;  // D half, O column block, S key block
+  LILY_TG_ARRAY(half, qs, [R * D]);           // Q block [D half][row][D / 2]
+  LILY_TG_ARRAY(half, kvs, [BK * D]);         // K block [D half][key][D / 2], then V [quarter][key][D / 4]
+  LILY_TG_ARRAY(float, ss, [2 * 2 * R * KH]); // S parts [D half][key block][row][key]
+  LILY_TG_ARRAY(half, ps, [R * BK]);          // P [row][key]
+  LILY_TG_ARRAY(float, corr_s, [R]);          // per row: rescale factor of the block, then 1 / l
 
   const uint32_t group = args.q_heads / args.kv_heads;
   const uint32_t qt = R / group;     // query tokens per threadgroup
@@ -83,36 +89,34 @@ template <typename T, uint32_t D>
   const uint32_t key_end = args.position + t_last + 1;
   const uint32_t cache_base = kvh * args.capacity * D;
   const uint32_t t = thread_pos.x;
-  const uint32_t row = t / 4;  // the row this thread stages and runs the softmax of
+  const uint32_t row = t / 8;  // the row this thread stages and runs the softmax of
   const bool row_live = row < rows && t0 + row / group < args.tokens;
   const uint32_t row_tok = min(t0 + min(row, rows - 1) / group, args.tokens - 1);
   const uint32_t row_head = kvh * group + min(row, rows - 1) % group;
   const uint32_t visible_end = args.position + row_tok + 1;  // the row sees keys < visible_end
 
   {
-    constexpr uint32_t PER = D / 4;
-    const uint32_t c0 = (t % 4) * PER;
+    constexpr uint32_t PER = D / 8;
+    const uint32_t c0 = (t % 8) * PER;
     const device T* qr = q + row_tok * args.q_stride + row_head * D + c0;
     for (uint32_t c = 0; c < PER; ++c) {
       const uint32_t d = c0 + c;
-      qs[(d / (D / 2)) * R * (D / 2) + row * (D / 2) + d % (D / 2)] = row_live ? half(float(qr[c])) : half(0.0f);
+      qs[(d / DH) * R * DH + row * DH + d % DH] = row_live ? half(float(qr[c])) : half(0.0f);
     }
   }
 
-  constexpr uint32_t SR = R / 2, DH = D / 2, CB = D / 4;  // S rows and D half per simdgroup; O columns
-  const uint32_t sg_rows = (simd_id % 2) * SR, sg_half = simd_id / 2, sg_cols = simd_id * CB;
-  constexpr auto desc_s = matmul2d_descriptor(int(SR), int(BK), int(DH), false, true, false,
+  const uint32_t sg_half = simd_id / 2, sg_keys = simd_id % 2, sg_cols = simd_id * CB;
+  constexpr auto desc_s = matmul2d_descriptor(int(R), int(KH), int(DH), false, true, false,
                                               matmul2d_descriptor::mode::multiply);
   constexpr auto desc_o = matmul2d_descriptor(int(R), int(CB), int(BK), false, false, false,
                                               matmul2d_descriptor::mode::multiply_accumulate);
   matmul2d<desc_s, execution_simdgroup> op_s;
   matmul2d<desc_o, execution_simdgroup> op_o;
-  // Q rows sg_rows.. of D half sg_half, and K's same half: packed blocks (the staging layouts).
-  auto q_t = tensor<threadgroup half, dextents<int32_t, 2>, tensor_inline>(qs + sg_half * R * DH + sg_rows * DH,
-                                                                           dextents<int32_t, 2>(int(DH), int(SR)));
-  auto k_t = tensor<threadgroup half, dextents<int32_t, 2>, tensor_inline>(kvs + sg_half * BK * DH, dextents<int32_t, 2>(int(DH), int(BK)));
-  auto s_t = tensor<threadgroup float, dextents<int32_t, 2>, tensor_inline>(ss + sg_half * R * BK + sg_rows * BK,
-                                                                            dextents<int32_t, 2>(int(BK), int(SR)));
+  auto q_t = tensor<threadgroup half, dextents<int32_t, 2>, tensor_inline>(qs + sg_half * R * DH, dextents<int32_t, 2>(int(DH), int(R)));
+  auto k_t = tensor<threadgroup half, dextents<int32_t, 2>, tensor_inline>(kvs + sg_half * BK * DH + sg_keys * KH * DH,
+                                                                           dextents<int32_t, 2>(int(DH), int(KH)));
+  auto s_t = tensor<threadgroup float, dextents<int32_t, 2>, tensor_inline>(ss + (sg_half * 2 + sg_keys) * R * KH,
+                                                                            dextents<int32_t, 2>(int(KH), int(R)));
   auto v_t = tensor<threadgroup half, dextents<int32_t, 2>, tensor_inline>(kvs + simd_id * BK * CB, dextents<int32_t, 2>(int(CB), int(BK)));
   auto p_t = tensor<threadgroup half, dextents<int32_t, 2>, tensor_inline>(ps, dextents<int32_t, 2>(int(BK), int(R)));
   auto o = op_o.template get_destination_cooperative_tensor<decltype(p_t), decltype(v_t), float>();
@@ -121,7 +125,8 @@ template <typename T, uint32_t D>
 
   float m = attn_m5_neg_inf();
   float l = 0.0f;
-  const uint32_t c0 = (t % 4) * 4;  // this thread's 4 keys of the block
+  const uint32_t c0 = (t % 8) * 4;  // this thread's 4 keys of the block (one S key block: c0 / 16)
+  const uint32_t s_at = (c0 / KH) * R * KH + row * KH + c0 % KH;  // in S part [0][c0 / 16]
   for (uint32_t kb = 0; kb < key_end; kb += BK) {
     const uint32_t nkeys = min(BK, key_end - kb);
     attn_m5_stage_kv<D, 2>(k_cache + cache_base + kb * D, nkeys, t, kvs);
@@ -132,11 +137,12 @@ template <typename T, uint32_t D>
     float sv[4];
     float block_max = attn_m5_neg_inf();
     for (uint32_t i = 0; i < 4; ++i) {
-      sv[i] = (ss[row * BK + c0 + i] + ss[R * BK + row * BK + c0 + i]) * args.scale;
+      sv[i] = (ss[s_at + i] + ss[2 * R * KH + s_at + i]) * args.scale;
       if (kb + c0 + i < visible_end) block_max = max(block_max, sv[i]);
     }
     block_max = max(block_max, simd_shuffle_xor(block_max, 1));
     block_max = max(block_max, simd_shuffle_xor(block_max, 2));
+    block_max = max(block_max, simd_shuffle_xor(block_max, 4));
     const float m_new = max(m, block_max);
     const float corr = m == m_new ? 1.0f : exp(m - m_new);  // never (-inf) - (-inf)
     float psum = 0.0f;
@@ -147,9 +153,10 @@ template <typename T, uint32_t D>
     }
     psum += simd_shuffle_xor(psum, 1);
     psum += simd_shuffle_xor(psum, 2);
+    psum += simd_shuffle_xor(psum, 4);
     l = l * corr + psum;
     m = m_new;
-    if (t % 4 == 0) corr_s[row] = corr;
+    if (t % 8 == 0) corr_s[row] = corr;
     attn_m5_stage_kv<D, 4>(v_cache + cache_base + kb * D, nkeys, t, kvs);
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
@@ -162,7 +169,7 @@ template <typename T, uint32_t D>
     threadgroup_barrier(mem_flags::mem_threadgroup);
   }
 
-  if (t % 4 == 0) corr_s[row] = 1.0f / l;
+  if (t % 8 == 0) corr_s[row] = 1.0f / l;
   threadgroup_barrier(mem_flags::mem_threadgroup);
   for (uint16_t i = 0; i < o.get_capacity(); ++i) {
     if (!o.is_valid_element(i)) continue;

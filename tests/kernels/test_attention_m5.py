@@ -10,7 +10,7 @@ Tolerance, derived (u = 2^-24; h = 2^-11, half's unit roundoff; smag, vmag as in
 * P is rounded to half before P V (relative h, absolute 2^-25 below half's normal range) while l
   sums the unrounded p: the output moves by <= h vmag + 2^-25 (keys) max|v| (V is exact in half
   but for the same absolute 2^-25, included in the last term with keys + 1).
-* fp32: the online rescaling and sums as test_attention.py: (64 + 2 nb) u vmag, nb = 16-key blocks.
+* fp32: the online rescaling and sums as test_attention.py: (64 + 2 nb) u vmag, nb = 32-key blocks (BLOCK).
 * bf16 outputs: rtol 2 * 2^-8.
 Wrong masking, a missed or doubled key, a wrong KV head or row mapping moves the output by a
 sizeable fraction of vmag. Both sides of the route switch: tensor ops on / off, head_dim 64, 128,
@@ -29,7 +29,7 @@ from lily_py.testing import simulated_device
 from test_attention import BF16, DTYPES, attn_case, out_rtol, sfx
 
 HALF_EPS = 2.0 ** -11
-ROWS, BLOCK = 32, 16  # kAttnM5Rows, kAttnM5BlockKeys (shaders/common/args_attention.h)
+ROWS, BLOCK = 16, 32  # kAttnM5Rows, kAttnM5BlockKeys (shaders/common/args_attention.h)
 
 
 def run(rng, q, kc, vc, g, position, *, tensor_ops=True, **kw):
@@ -75,16 +75,16 @@ def test_prefill_route_rule_with_tensor_ops():
     assert [ops.attention_prefill_route(d) for d in (64, 128, 256)] == ["mma"] * 3
 
 
-# Every group shape of the row packing (g = 1: 32 tokens per threadgroup; 3: 10 tokens + 2 padding
-# rows; 8: 4 tokens), partial token and key blocks, chunks after an existing cache, all head dims.
+# Every group shape of the row packing (g = 1: 16 tokens per threadgroup; 3: 5 tokens + 1 padding
+# row; 8: 2 tokens), partial token and key blocks, chunks after an existing cache, all head dims.
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
 @pytest.mark.parametrize("T,position,Hq,Hkv,D", [
     (5, 3, 16, 2, 256),    # real heads, a partial key block
-    (23, 41, 6, 2, 64),    # g = 3: 10 tokens + 2 padding rows per threadgroup, 3 threadgroups
-    (40, 5, 2, 2, 128),    # g = 1: 32 tokens per threadgroup, 2 threadgroups
-    (9, 70, 8, 1, 64),     # g = 8: 4 tokens per threadgroup
+    (23, 41, 6, 2, 64),    # g = 3: 5 tokens + 1 padding row per threadgroup, 5 threadgroups
+    (40, 5, 2, 2, 128),    # g = 1: 16 tokens per threadgroup, 3 threadgroups
+    (9, 70, 8, 1, 64),     # g = 8: 2 tokens per threadgroup
     (2, 0, 4, 2, 128),     # the smallest prefill chunk, first of a prompt
-    (17, 15, 4, 4, 256),   # key blocks of 16 on both sides of the chunk's first key
+    (17, 15, 4, 4, 256),   # key blocks of 32 on both sides of the chunk's first key
 ], ids=lambda v: str(v))
 def test_attention_prefill_m5(rng, dtype, T, position, Hq, Hkv, D):
     q, kc, vc, g = attn_case(rng, T, Hq, Hkv, D, position + T + 3, dtype, gate=T % 2 == 1)
@@ -112,8 +112,8 @@ def test_without_tensor_ops_mma_route(rng):
 
 @pytest.mark.parametrize("T,position,Hq,Hkv,D", [(23, 41, 6, 2, 64), (33, 100, 16, 2, 256)])
 def test_m5_flops(rng, T, position, Hq, Hkv, D):
-    """flops_useful: 4 D per (row, visible key); flops_executed: each threadgroup's 32 rows against
-    every 16-key block up to its last token's causal end, S and P V."""
+    """flops_useful: 4 D per (row, visible key); flops_executed: each threadgroup's 16 rows against
+    every 32-key block up to its last token's causal end, S and P V."""
     q, kc, vc, g = attn_case(rng, T, Hq, Hkv, D, position + T, np.float32)
     _, stats = run(rng, q, kc, vc, g, position)
     assert stats["flops_useful"] == 4 * D * Hq * (T * position + T * (T + 1) // 2)

@@ -316,7 +316,7 @@ void encode_attention_prefill(Encoder& enc, const AttentionOperands& op) {
   const uint32_t group = op.q_heads / op.kv_heads;
   const bool bf = op.dtype == DType::bf16;
   if (attention_prefill_uses_m5(op.head_dim, enc.tensor_ops())) {
-    // M5 (Metal 4 tensor ops, shaders/m5/attention_m5.metal): 32 rows x 16-key blocks.
+    // M5 (Metal 4 tensor ops, shaders/m5/attention_m5.metal): 16 rows x 32-key blocks.
     const uint32_t qt = kAttnM5Rows / group;
     const uint32_t D = op.head_dim;
     const KernelId id = D == 64    ? (bf ? KernelId::attn_prefill_m5_d64_bf16 : KernelId::attn_prefill_m5_d64_f32)
