@@ -34,6 +34,7 @@ import numpy as np
 from lily_py.backends.engine import REAL_QUANT, _qbytes, count_dispatches
 from lily_py.config import ModelConfig
 from lily_py.testing import REAL_TEXT_CONFIG, simulated_device
+import lily_py._core as core
 
 ASSUMPTIONS = {
     # GPU ALU fp32 peak (FMA = 2 FLOPs): 128 FP32 lanes per core at ~1.75 GHz; M5 Max 40 cores,
@@ -314,12 +315,12 @@ def estimate(fams: dict, levels: int, L: int, gpu: str, a: dict = ASSUMPTIONS) -
 
 
 def deltanet_split_factor(cfg: ModelConfig, a: dict = ASSUMPTIONS) -> float:
-    """Executed FLOPs of the DeltaNet state pass with its feedback products as hi/lo half splits,
-    over its FLOPs now. Per chunk of C tokens and head: U = u + W S and S += K^T U (2 C Dk Dv each,
-    the feedback), O1 = Q S (2 C Dk Dv) and O2 = P U (2 C C Dv)."""
-    C, Dk = 64, cfg.linear_key_head_dim
-    feedback = 2.0 / (3.0 + C / Dk)  # share of the pass's FLOPs
-    return feedback * a["feedback_split_products"] + (1.0 - feedback)
+    """Executed FLOPs of the DeltaNet state pass (M5) with its feedback products as hi/lo half
+    splits, over its FLOPs now: the engine's own split of the pass (ops.gated_delta_chunk_flops)."""
+    f = core.ops.gated_delta_chunk_flops(4096, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                                         cfg.linear_value_head_dim, True, by="dispatch")
+    share = f["feedback"] / f["state"]
+    return share * a["feedback_split_products"] + (1.0 - share)
 
 
 def with_units(fams: dict, units: dict) -> dict:

@@ -202,16 +202,26 @@ void init_ops_gated_delta(nb::module_& m) {
 
   m.def(
       "gated_delta_chunk_flops",
-      [](uint32_t T, uint32_t Hv, uint32_t Dk, uint32_t Dv, bool tensor_ops) {
+      [](uint32_t T, uint32_t Hv, uint32_t Dk, uint32_t Dv, bool tensor_ops, const std::string& by) {
         const gpu::ops::GdChunkFlops f = gpu::ops::gated_delta_chunk_flops(T, Hv, Dk, Dv, tensor_ops);
         nb::dict d;
-        d["tensor"] = f.tensor;
-        d["alu"] = f.alu;
+        if (by == "unit") {
+          d["tensor"] = f.tensor;
+          d["alu"] = f.alu;
+        } else if (by == "dispatch") {
+          d["wy"] = f.wy;
+          d["state"] = f.state;
+          d["feedback"] = f.feedback;
+        } else {
+          throw nb::value_error(("gated_delta_chunk_flops: by must be 'unit' or 'dispatch', got '" + by + "'").c_str());
+        }
         return d;
       },
-      "T"_a, "Hv"_a, "Dk"_a, "Dv"_a, "tensor_ops"_a = false,
-      "FLOPs (2 per multiply-add) the chunked delta rule's products execute over T tokens: {'tensor': on "
-      "matmul2d (gd_chunk_wy_m5's Gram products, with tensor ops), 'alu': on simdgroup matrices}.");
+      "T"_a, "Hv"_a, "Dk"_a, "Dv"_a, "tensor_ops"_a = false, "by"_a = "unit",
+      "FLOPs (2 per multiply-add) the chunked delta rule's products execute over T tokens. by='unit': "
+      "{'tensor': on matmul2d (gd_chunk_wy_m5's Gram products, with tensor ops), 'alu': on simdgroup "
+      "matrices}; by='dispatch': {'wy': gd_chunk_wy*, 'state': gd_chunk_state*, 'feedback': of the "
+      "state's, its fp32 feedback products (U = u + W S, the tail scaling, S += K^T U)}.");
 
   m.def(
       "gated_delta_decode",

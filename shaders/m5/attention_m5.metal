@@ -47,18 +47,24 @@ namespace lily {
 inline float attn_m5_neg_inf() { return as_type<float>(0xff800000u); }
 inline float attn_m5_sigmoid(float v) { return 1.0f / (1.0f + exp(-v)); }
 
+// Element (row, d) of a [ROWS][D] block staged as NB packed column blocks [NB][ROWS][D / NB]
+// (the layout every staged operand below uses: Q and K in halves of D, V in quarters).
+template <uint32_t D, uint32_t NB, uint32_t ROWS>
+inline uint32_t attn_m5_blocked(uint32_t row, uint32_t d) {
+  constexpr uint32_t CB = D / NB;
+  return (d / CB) * ROWS * CB + row * CB + d % CB;
+}
+
 // Rounds keys kb .. kb + 32 of one KV head (bf16, [capacity][D] rows) to half into kvs as NB
 // column blocks kvs[NB][32][D / NB] (each block a packed matmul2d operand: K in NB = 2 halves of
 // D, V in NB = 4 quarters): thread t copies row t / 4, D / 4 columns; zeros past nkeys.
 template <uint32_t D, uint32_t NB>
 inline void attn_m5_stage_kv(const device bfloat* cache, uint32_t nkeys, uint32_t t, threadgroup half* kvs) {
-  constexpr uint32_t PER = D / 4, CB = D / NB, BK = kAttnM5BlockKeys;
+  constexpr uint32_t PER = D / 4;
   const uint32_t j = t / 4, c0 = (t % 4) * PER;
   const device bfloat* src = cache + j * D + c0;
-  for (uint32_t c = 0; c < PER; ++c) {
-    const uint32_t d = c0 + c;
-    kvs[(d / CB) * BK * CB + j * CB + d % CB] = j < nkeys ? half(float(src[c])) : half(0.0f);
-  }
+  for (uint32_t c = 0; c < PER; ++c)
+    kvs[attn_m5_blocked<D, NB, kAttnM5BlockKeys>(j, c0 + c)] = j < nkeys ? half(float(src[c])) : half(0.0f);
 }
 
 template <typename T, uint32_t D>
@@ -99,10 +105,8 @@ template <typename T, uint32_t D>
     constexpr uint32_t PER = D / 8;
     const uint32_t c0 = (t % 8) * PER;
     const device T* qr = q + row_tok * args.q_stride + row_head * D + c0;
-    for (uint32_t c = 0; c < PER; ++c) {
-      const uint32_t d = c0 + c;
-      qs[(d / DH) * R * DH + row * DH + d % DH] = row_live ? half(float(qr[c])) : half(0.0f);
-    }
+    for (uint32_t c = 0; c < PER; ++c)
+      qs[attn_m5_blocked<D, 2, R>(row, c0 + c)] = row_live ? half(float(qr[c])) : half(0.0f);
   }
 
   const uint32_t sg_half = simd_id / 2, sg_keys = simd_id % 2, sg_cols = simd_id * CB;

@@ -246,7 +246,7 @@ GdChunkFlops gated_delta_chunk_flops(uint32_t T, uint32_t Hv, uint32_t Dk, uint3
     per.state = out + feedback;
   }
   const uint64_t n = uint64_t(ceil_div(T, kGdChunk)) * Hv;
-  return GdChunkFlops{n * per.tensor, n * per.alu, n * per.wy, n * per.state};
+  return GdChunkFlops{n * per.tensor, n * per.alu, n * per.wy, n * per.state, n * feedback};
 }
 
 std::array<KernelId, 4> gd_chunk_kernels(bool conv, bool m5, DType x, DType w) {

@@ -69,6 +69,7 @@ uint64_t gated_delta_chunk_scratch_bytes(uint32_t T, uint32_t Hk, uint32_t Hv, u
 struct GdChunkFlops {
   uint64_t tensor = 0, alu = 0;  // by unit
   uint64_t wy = 0, state = 0;    // by dispatch: gd_chunk_wy* and gd_chunk_state* (same total)
+  uint64_t feedback = 0;         // of state: U = u + W S, the tail scaling and S += K^T U (fp32)
   uint64_t total() const { return tensor + alu; }
 };
 // The chunked route's four kernels in dispatch order: prep (conv fused or not; q as half with
