@@ -16,9 +16,10 @@ these inputs; the kernel must then satisfy
   y:      |y - ref| <= the fp32 route's bound + 2 max_row(d_y) (+ bf16 output rounding)
 and be much closer to ref_m5 than to ref (norm of y - ref_m5 <= half the norm of d_y): a kernel
 that rounded at other points (the state, W, the solve) or not at all fails that. The half
-operands must also cost less than one bf16 rounding of the layer's output (norm of d_y <= 2^-9
-times the norm of y; measured ~0.2 of that): the M5 route is no less accurate than the bf16
-activations it feeds.
+operands must also cost less than one bf16 rounding of the layer's output: a statement about the
+typical error, so test_m5_half_operands_cost_less_than_bf16 checks it on the median of many fresh
+draws (one draw's ratio has a heavy tail: a row whose o nearly cancels, |o| << |q||S| + |P||U|,
+amplifies both; over 4000 draws of 5 tokens x 2 heads x 8 columns, 0.3% exceeded 2^-9).
 """
 from __future__ import annotations
 
@@ -63,8 +64,6 @@ def check_m5(rng, args, y, S, what, eps=1e-6, m5=True, parts=None):
     d_row = np.abs(yh - yr).max(-1, keepdims=True)                    # [T, Hv, 1]
     atol_y = rel_s * M / o_rms[..., None] * gate + 2 * d_row
     assert_close(y, yr, atol=atol_y, rtol=16 * F32_EPS + out_rtol(y.dtype), what=f"{what}: y", seed=rng.seed)
-    # the half operands cost less than one bf16 rounding of the output (relative <= 2^-9 each)
-    assert np.linalg.norm(yh - yr) <= 2.0 ** -9 * np.linalg.norm(yr), what
     if m5 and y.dtype == F32 and np.linalg.norm(yh - yr) > 1e3 * F32_EPS * np.linalg.norm(yr):
         # the kernel rounds where the reference says (bf16 outputs: their rounding dominates)
         assert np.linalg.norm(y - yh) <= 0.5 * np.linalg.norm(yh - yr), (
@@ -158,6 +157,24 @@ def test_m5_long_prompts_real_head_dims(rng, T, parts, record_property):
     record_property("emulator_seconds", round(time.perf_counter() - t0, 1))
     assert stats["kernels"] == M5_KERNELS * len(parts)
     check_m5(rng, args, y, S, f"T={T} parts {parts}", parts=parts)
+
+
+@pytest.mark.parametrize("T", [64, 130])
+def test_m5_half_operands_cost_less_than_bf16(rng, T):
+    """The route's half operands cost less than one bf16 rounding of the output: over 48 fresh
+    draws at the real head dims (bf16 inputs, as the engine feeds the mixer), the median of
+    |y_m5 - y| / |y| (float64 references, no kernel) is below 2^-9 / 2 (measured ~0.22 of 2^-9 at
+    the median, p99 of one draw ~0.35), and no draw exceeds 2^-9 by more than 2x. A reference that
+    rounded more (the state, W, the solve) or to bf16 fails the median."""
+    ratios = []
+    for _ in range(48):
+        args = make_gd(rng, T, 1, 1, 128, 128, BF16, BF16)
+        yr, _ = ref.gated_delta(*args, eps=1e-6)
+        yh, _ = ref.gated_delta_chunked_m5(*args, eps=1e-6)
+        ratios.append(np.linalg.norm(yh - yr) / np.linalg.norm(yr) / 2.0 ** -9)
+    ratios = np.array(ratios)
+    assert np.median(ratios) <= 0.5, (np.median(ratios), rng.seed)
+    assert ratios.max() <= 2.0, (ratios.max(), int(ratios.argmax()), rng.seed)
 
 
 def test_m5_route_reported_by_ops():
