@@ -76,17 +76,13 @@ ASSUMPTIONS = {
     # docs/metal.md, "Execution scope and tile shape"). The script also prints the 256-token
     # estimate with such tiles costing 32 rows.
     "m5_tile16_cost_rows": 16,
-    # The DeltaNet state pass's feedback products (U = u + W S, S += K^T U) carry the fp32 state:
-    # FP32 matmul2d operands run on the ALUs' SIMD pipe, not the neural accelerators (the same
-    # measurement), so on tensor ops they would need a hi/lo split, x = hi + lo with both half:
-    # 3 half products each (hi hi + hi lo + lo hi). Used only by a what-if line; not built.
-    "feedback_split_products": 3,
     # NEW (2026-12-01): the tensor-op efficiency above is for ops of 32 x 32 x 32 (M x N x K: qmm_m5,
     # the DeltaNet Gram quarters); a family whose ops have other shapes runs at the measured rate
     # of its shape relative to that one (TFLOPS, A19, one simdgroup per op: docs/metal.md,
     # "Execution scope and tile shape"). Attention's O += P V op is 16 x 64 x 32 at head_dim 256,
     # a shape the page did not plot: its nearest, 16 x 32 x 32, is taken.
-    "tensor_shape_tflops": {"32x32x32": 6.97, "16x32x32": 6.72, "16x16x128": 7.14},
+    "tensor_shape_tflops": {"32x32x32": 6.97, "16x32x32": 6.72, "16x16x128": 7.14, "16x32x128": 7.33,
+                            "32x32x64": 7.31},
     # the op shapes of each tensor-op family and their shares of its FLOPs (the kernels as built)
     "tensor_family_shapes": {
         "qmm_m5": {"32x32x32": 1.0},
@@ -94,6 +90,8 @@ ASSUMPTIONS = {
         "moe_down_m5": {"16x32x32": 1.0},
         "attn_prefill_m5": {"16x16x128": 0.5, "16x32x32": 0.5},  # S = Q K^T and O += P V
         "gd_chunk_wy_m5": {"32x32x32": 1.0},
+        # W S, Q S and P U as 16 x 32 x 128 ops, the state update K^T U as 32 x 32 x 64 (equal FLOPs)
+        "gd_chunk_state_m5": {"16x32x128": 0.75, "32x32x64": 0.25},
     },
     # executed / useful FLOPs assumed for the "design" line only (all useful FLOPs on the path's
     # matmul unit, the earlier estimate).
@@ -314,15 +312,6 @@ def estimate(fams: dict, levels: int, L: int, gpu: str, a: dict = ASSUMPTIONS) -
     return dict(times=times, t_levels=t_levels, total=total, tps=L / total, by_unit=dict(by_unit))
 
 
-def deltanet_split_factor(cfg: ModelConfig, a: dict = ASSUMPTIONS) -> float:
-    """Executed FLOPs of the DeltaNet state pass (M5) with its feedback products as hi/lo half
-    splits, over its FLOPs now: the engine's own split of the pass (ops.gated_delta_chunk_flops)."""
-    f = core.ops.gated_delta_chunk_flops(4096, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                                         cfg.linear_value_head_dim, True, by="dispatch")
-    share = f["feedback"] / f["state"]
-    return share * a["feedback_split_products"] + (1.0 - share)
-
-
 def with_units(fams: dict, units: dict) -> dict:
     """The families with some moved to another unit ({family prefix: unit}): what-if lines."""
     out = {}
@@ -421,14 +410,7 @@ def print_tables(res: dict, brief: bool = False) -> None:
         fams, lv = r["fams"], r["levels"]
         print("\nWhat closes the gap, M5 path, 4096 tokens, M5 Max (ESTIMATE, same assumptions otherwise):")
         lines = [("as built", fams)]
-        # gd_chunk_state_m5 runs O on tensor ops but the state feedback (U = u + W S, S += K^T U) on
-        # fp32 8x8 products and is counted at that rate. FP32 matmul2d runs on the SIMD pipe (the
-        # measurement, ASSUMPTIONS), so the what-if is the hi/lo split: the feedback's share of the
-        # pass's FLOPs times feedback_split_products, everything on tensor ops.
-        f1 = with_units(fams, {"gd_chunk_wy": "tensor"})
-        f1 = {n: (dict(f, unit="tensor", executed=f["executed"] * deltanet_split_factor(real_config()))
-                  if n.startswith("gd_chunk_state") else f) for n, f in f1.items()}
-        lines.append(("+ DeltaNet feedback on tensor ops (hi/lo half split)", f1))
+        f1 = fams
         f2 = f1
         if "qmm" in f1 and f1["qmm"]["unit"] != "tensor":  # the 8-bit router off tensor ops (fp32 x)
             f2 = with_units(f1, {"qmm": "tensor"})  # "qmm" alone: qmm_m5 is tensor already
@@ -444,7 +426,7 @@ def print_tables(res: dict, brief: bool = False) -> None:
         alu = sum(t for n, (t, _) in e["times"].items() if f2[n]["unit"] == "alu")
         print("  (last line: the families without FLOPs - norms, conv1d, the DeltaNet prep and gated norm, the MoE "
               "route / plan / combine - moving half their bytes, as bf16 instead of fp32 scratch or fusion would)")
-        print(f"  with the DeltaNet feedback and the router on tensor ops: ALU families (norms, conv, prep, gated norm, combine, few-row MoE) {alu * 1e3:.1f} ms "
+        print(f"  as built: ALU families (norms, conv, prep, gated norm, combine, few-row MoE) {alu * 1e3:.1f} ms "
               f"of {e['total'] * 1e3:.1f} ms, tensor-op families "
               f"{e['by_unit'].get('tensor', 0) * 1e3:.1f} ms; the target needs {4096 / TARGET * 1e3:.1f} ms")
     print(f"  target: 1.3 x MLX-LM's published {MLX_LM_4K_M5_MAX:,} tok/s at 4K on M5 Max = {TARGET:,.0f} tok/s")

@@ -219,9 +219,10 @@ void init_ops_gated_delta(nb::module_& m) {
       },
       "T"_a, "Hv"_a, "Dk"_a, "Dv"_a, "tensor_ops"_a = false, "by"_a = "unit",
       "FLOPs (2 per multiply-add) the chunked delta rule's products execute over T tokens. by='unit': "
-      "{'tensor': on matmul2d (gd_chunk_wy_m5's Gram products, with tensor ops), 'alu': on simdgroup "
-      "matrices}; by='dispatch': {'wy': gd_chunk_wy*, 'state': gd_chunk_state*, 'feedback': of the "
-      "state's, its fp32 feedback products (U = u + W S, the tail scaling, S += K^T U)}.");
+      "{'tensor': on matmul2d (with tensor ops: gd_chunk_wy_m5's Gram products and all of "
+      "gd_chunk_state_m5), 'alu': on simdgroup matrices}; by='dispatch': {'wy': gd_chunk_wy*, 'state': "
+      "gd_chunk_state*, 'feedback': of the state's, its feedback products (U = u + W S, S += K^T U; the "
+      "tail scaling too on the fp32 route)}.");
 
   m.def(
       "gated_delta_decode",

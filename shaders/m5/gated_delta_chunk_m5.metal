@@ -1,7 +1,7 @@
 // The chunked delta rule's WY kernel with its two Gram products on Metal 4 tensor ops (M5 path):
 // gd_chunk_wy_m5 replaces gd_chunk_wy_f32 (shaders/gated_delta_chunk.metal) when the device
 // reports tensor ops; same buffers, args, grid and outputs; the other three kernels of the route
-// (prep, state, norm) are unchanged. Host: csrc/gpu/ops/gated_delta.cpp. Compiled with
+// (prep, state, norm) keep their buffers; gd_chunk_state_m5 below replaces gd_chunk_state_f32. Host: csrc/gpu/ops/gated_delta.cpp. Compiled with
 // -std=metal4.0 into lily_m5.metallib, by the emulator, and by the strict pass against
 // csrc/emu/tensor_ops_strict.h. Reference: the chunked form of lily_py.reference.gated_delta with
 // q and k rounded to half in the two Gram products (tests/kernels/test_gated_delta_chunk_m5.py).
@@ -26,8 +26,9 @@
 // q and k are L2-normalised (|k| <= 1, |q| <= Dk^-1/2), so each element rounds with relative error
 // <= 2^-11 (absolute <= 2^-25 below half's normal range) and each Gram entry moves by at most
 // (2^-10 + 2^-22) |q_i| |k_j| (<= 2^-10 for K K^T, <= 2^-10 Dk^-1/2 for Q K^T) plus the fp32 sum;
-// accumulation fp32. The solve, u, wn, the state pass and the DeltaNet state stay fp32: those
-// products carry the state or the WY factors, whose rounding would feed back into the state.
+// accumulation fp32. The solve, u and wn stay fp32 (they are the WY factors). The state pass
+// (gd_chunk_state_m5, below) rounds S, W, U and diag(tail) K to half as operands of its products
+// and keeps the state itself fp32.
 #include "common/lily_metal.h"
 #include "common/gated_delta_chunk.h"
 #include "common/tensor_ops.h"
@@ -112,38 +113,30 @@ template <typename F>
   }
 }
 
-// Rounds the 8x8 fp32 tile x to half into dst (rows `ld` apart), through this simdgroup's 8x8
-// float stage in threadgroup memory (MSL gives no per-lane access to a simdgroup matrix's
-// elements): store, simdgroup barrier, lane l converts elements 2l and 2l + 1, simdgroup barrier.
-inline void gdc_m5_tile_to_half(simdgroup_float8x8 x, threadgroup float* stage, threadgroup half* dst, uint32_t ld,
-                                uint32_t lane) {
-  simdgroup_store(x, stage, ulong(8), ulong2(0), false);
-  simdgroup_barrier(mem_flags::mem_threadgroup);
-  for (uint32_t e = 2 * lane; e < 2 * lane + 2; ++e) dst[(e / 8) * ld + e % 8] = half(stage[e]);
-  simdgroup_barrier(mem_flags::mem_threadgroup);
-}
-
 // ---------------------------------------------------------------------------------------------
-// gd_chunk_state_m5: gd_chunk_state with the chunk's output O = diag(e^G) Q S + P U on tensor ops;
-// the state and everything that feeds it back stays on fp32 simdgroup matrices.
-//   grid:      (ceil(Dv / 32), Hv) threadgroups of 128 threads: simdgroup s owns the value columns
-//              j0 = 32 x + 8 s .. + 8 (none past Dv: its columns of Sh and Uh stay zero), S [Dk, 8]
-//              in registers as in gd_chunk_state
-//   per chunk: 1 e^{G_i}, exp(G_C - G_i) as diagonal tiles (two copies alternate by parity); barrier
-//              2 each simdgroup: U = u + W S (fp32 8x8, W = wn), then S and U rounded to half into
-//                Sh [128][32] and Uh [64][32] (its 8 columns); barrier
-//              3 simdgroup s: tokens 16 s .. + 16 of the output, one simdgroup per op
-//                (execution_simdgroup; docs/metal.md, "Execution scope and tile shape"):
-//                O1 = Q Sh: matmul2d_descriptor(16, 32, 128, false, false, false, multiply), Q's
-//                16 rows [16][Dk] half read from device (prep q16; key dims past Dk read 0 by the
-//                tensor's extents) into its rows of a threadgroup float tensor [64][32];
-//                O2 = P Uh: matmul2d_descriptor(16, 32, 64, ..., multiply) into an fp32
-//                cooperative tensor, P's 16 rows [16][64] half from device (gd_chunk_wy_m5);
-//                barrier
-//              4 each thread: o = O2 + e^{G_row} O1[row][col] for its cooperative elements -> vo
-//              5 each simdgroup: U = diag(exp(G_C - G_j)) U, S = e^{G_C} S + K^T U (fp32 8x8)
-//   threadgroup memory: diag 8,192 + Sh 8,192 + Uh 4,096 + O1 8,192 + 4 x 8 x 8 floats 1,024 =
-//              29,696 bytes; 3 threadgroup barriers per chunk
+// gd_chunk_state_m5: gd_chunk_state with every product of the chunk on tensor ops: the output
+// O = diag(e^G) Q S + P U and the state feedback U = u + W S, S = e^{G_C} S + K^T diag(tail) U.
+// The state stays fp32 (a cooperative tensor, accumulated by matmul2d in fp32 across chunks); its
+// products take half copies of S, W, U and diag(tail) K (as FLA's chunked kernels take bf16
+// copies of the state: docs/kernels.md, "Chunked delta rule (prefill)", precision).
+//   grid:      (ceil(Dv / 32), Hv) threadgroups of 128 threads; value columns c0 = 32 x .. + 32 (none
+//              past Dv: their S, U and Sh stay zero, their outputs are not written)
+//   state:     simdgroup s holds S[32 s .. + 32][c0 .. + 32] (key dims past Dk stay zero) in the fp32
+//              cooperative destination of op_ks; Sh = half(S) [128][32] in threadgroup memory
+//   per chunk (every op on one simdgroup, execution_simdgroup: docs/metal.md, "Execution scope and
+//              tile shape"; op16 = matmul2d_descriptor(16, 32, 128, false, false, false,
+//              multiply_accumulate), k = 128 = the largest Dk, operands past their extents read 0):
+//              1 threads < 64: e^{G_t}, exp(G_C - G_t) -> eg; simdgroup s, tokens r0 = 16 s .. + 16:
+//                W's 16 rows rounded to half into its stage; U = u + Wh Sh (op16, into a
+//                cooperative tensor initialised from u); half(U) -> Uh [64][32];
+//                O = Q Sh (op16, Q the prep's half q in device memory); barrier
+//              2 simdgroup s: O = diag(e^G) O + P Uh (op16 again: P's 64 columns, the rest reads 0)
+//                -> vo; its stage refilled with half(diag(tail) K)[64][32 s .. + 32] (packed,
+//                transposed operand); S = e^{G_C} S + Kh^T Uh (op_ks =
+//                matmul2d_descriptor(32, 32, 64, true, false, false, multiply_accumulate));
+//                half(S) -> its rows of Sh; barrier
+//   threadgroup memory: Sh 8,192 + Uh 4,096 + 4 stages x 4,096 (W, then K) + eg 512 = 29,184 bytes;
+//              2 threadgroup barriers per chunk (+1 before the first)
 //   buffers:   as gd_chunk_state (1 qn half, 6 p half; not written, non-const for the tensor type)
 template <typename F>
 [[kernel]] void gd_chunk_state_m5(constant GdChunkArgs& args [[buffer(0)]],
@@ -156,115 +149,110 @@ template <typename F>
                                   device float* state [[buffer(7)]],
                                   device F* vo [[buffer(8)]],
                                   LILY_KERNEL_TAIL) {
-  constexpr uint32_t C = kGdChunk, CT = kGdChunk / 8, MT = kGdChunkMaxTiles, NC = kGdChunkM5StateCols;
-  constexpr uint32_t DK = 8 * kGdChunkMaxTiles;
+  constexpr uint32_t C = kGdChunk, NC = kGdChunkM5StateCols, DK = 8 * kGdChunkMaxTiles;
+  constexpr uint32_t OR = C / 4, SR = DK / 4;  // output tokens and state key dims per simdgroup
   static_assert(C == 64 && NC == 32 && DK == 128 && kGdChunkM5StateThreads == 128,
                 "the descriptors below assume 64-token chunks, 32 value columns, Dk <= 128, 4 simdgroups");
-  LILY_TG_ARRAY(float, diag, [2][2 * CT][64]);  // [parity][e^G tiles | tail tiles][8 x 8]
-  LILY_TG_ARRAY(half, sh, [DK * NC]);           // S rounded to half [key dim][column]
-  LILY_TG_ARRAY(half, uh, [C * NC]);            // U rounded to half [token][column]
-  LILY_TG_ARRAY(float, o1, [C * NC]);           // Q S [token][column]
-  LILY_TG_ARRAY(float, stage, [4][64]);         // per simdgroup: one 8x8 tile on its way to half
+  LILY_TG_ARRAY(half, sh, [DK * NC]);      // S rounded to half [key dim][column]
+  LILY_TG_ARRAY(half, uh, [C * NC]);       // U rounded to half [token][column]
+  LILY_TG_ARRAY(half, stage, [4][C * SR]); // per simdgroup: W [16][Dk], then diag(tail) K [64][32]
+  LILY_TG_ARRAY(float, eg, [2][C]);        // e^{G_t}, exp(G_C - G_t)
   const uint32_t h = group_pos.y, tid = thread_pos.x;
-  const uint32_t c0 = group_pos.x * NC, j0 = c0 + 8 * simd_id;
-  const uint32_t Dk = args.Dk, Dv = args.Dv, kh = h / (args.Hv / args.Hk), nk = Dk / 8;
-  const bool live = j0 < Dv;  // uniform over the simdgroup
-  device float* st = state + uint64_t(h) * Dv * Dk + uint64_t(j0) * Dk;
+  const uint32_t c0 = group_pos.x * NC, r0 = OR * simd_id, k0 = SR * simd_id;
+  const uint32_t Dk = args.Dk, Dv = args.Dv, kh = h / (args.Hv / args.Hk);
+  device float* st = state + uint64_t(h) * Dv * Dk;  // [Dv][Dk]
 
-  for (uint32_t e = tid; e < 2 * 2 * CT * 64; e += kGdChunkM5StateThreads)
-    diag[e / (2 * CT * 64)][(e / 64) % (2 * CT)][e % 64] = 0.0f;
-  for (uint32_t e = lane; e < DK * 8; e += 32) sh[(e / 8) * NC + 8 * simd_id + e % 8] = half(0.0f);
-  for (uint32_t e = lane; e < C * 8; e += 32) uh[(e / 8) * NC + 8 * simd_id + e % 8] = half(0.0f);
-  threadgroup_barrier(mem_flags::mem_threadgroup);  // zeros -> the per-chunk writes
-
-  simdgroup_float8x8 S[MT];
-  for (uint32_t r = 0; r < MT; ++r) {
-    S[r] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
-    if (live && r < nk) simdgroup_load(S[r], st + 8 * r, ulong(Dk), ulong2(0), true);  // S[8r.., j0..] = state^T
-  }
-
-  constexpr uint32_t OR = C / 4;         // output tokens per simdgroup
-  const uint32_t r0 = OR * simd_id;     // this simdgroup's first output token of the chunk
-  constexpr auto desc_qs = matmul2d_descriptor(int(OR), int(NC), int(DK), false, false, false,
-                                               matmul2d_descriptor::mode::multiply);
-  constexpr auto desc_pu = matmul2d_descriptor(int(OR), int(NC), int(C), false, false, false,
-                                               matmul2d_descriptor::mode::multiply);
-  matmul2d<desc_qs, execution_simdgroup> op_qs;
-  matmul2d<desc_pu, execution_simdgroup> op_pu;
+  constexpr auto desc16 = matmul2d_descriptor(int(OR), int(NC), int(DK), false, false, false,
+                                              matmul2d_descriptor::mode::multiply_accumulate);
+  constexpr auto desc_ks = matmul2d_descriptor(int(SR), int(NC), int(C), true, false, false,
+                                               matmul2d_descriptor::mode::multiply_accumulate);
+  matmul2d<desc16, execution_simdgroup> op16;
+  matmul2d<desc_ks, execution_simdgroup> op_ks;
   auto sh_t = tensor<threadgroup half, dextents<int32_t, 2>, tensor_inline>(sh, dextents<int32_t, 2>(int(NC), int(Dk)));
   auto uh_t = tensor<threadgroup half, dextents<int32_t, 2>, tensor_inline>(uh, dextents<int32_t, 2>(int(NC), int(C)));
-  auto o1_t = tensor<threadgroup float, dextents<int32_t, 2>, tensor_inline>(o1 + r0 * NC, dextents<int32_t, 2>(int(NC), int(OR)));
+  auto wh_t = tensor<threadgroup half, dextents<int32_t, 2>, tensor_inline>(stage[simd_id], dextents<int32_t, 2>(int(Dk), int(OR)));
+  auto kh_t = tensor<threadgroup half, dextents<int32_t, 2>, tensor_inline>(stage[simd_id], dextents<int32_t, 2>(int(SR), int(C)));
+
+  // S from device (state^T), zero past Dk and Dv; its half copy into Sh.
+  auto S = op_ks.template get_destination_cooperative_tensor<decltype(kh_t), decltype(uh_t), float>();
+  for (uint16_t i = 0; i < S.get_capacity(); ++i) {
+    if (!S.is_valid_element(i)) continue;
+    const auto idx = S.get_multidimensional_index(i);
+    const uint32_t col = uint32_t(idx[0]), r = k0 + uint32_t(idx[1]);
+    S[i] = (r < Dk && c0 + col < Dv) ? st[uint64_t(c0 + col) * Dk + r] : 0.0f;
+    sh[r * NC + col] = half(S[i]);
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);  // Sh -> every simdgroup's products
 
   for (uint32_t c = 0; c * C < args.T; ++c) {
-    const uint32_t par = c & 1;
     const uint64_t t0 = uint64_t(c) * C;
     const uint64_t gh = uint64_t(h) * args.Tp + t0;
     const float G_last = float(G[gh + C - 1]);
     if (tid < C) {  // 1
       const float Gi = float(G[gh + tid]);
-      diag[par][tid / 8][(tid % 8) * 9] = exp(Gi);
-      diag[par][CT + tid / 8][(tid % 8) * 9] = exp(G_last - Gi);
+      eg[0][tid] = exp(Gi);
+      eg[1][tid] = exp(G_last - Gi);
     }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    const device F* Kc = kn + (uint64_t(kh) * args.Tp + t0) * Dk;
-    const device F* Wc = wn + gh * Dk;
-
-    simdgroup_float8x8 U[CT];
-    if (live) {  // 2
-      for (uint32_t i = 0; i < CT; ++i) {
-        simdgroup_load(U[i], u + gh * Dv + uint64_t(8 * i) * Dv + j0, ulong(Dv), ulong2(0), false);
-        for (uint32_t r = 0; r < MT; ++r) {
-          if (r >= nk) break;
-          simdgroup_float8x8 wt;
-          simdgroup_load(wt, Wc + uint64_t(8 * i) * Dk + 8 * r, ulong(Dk), ulong2(0), false);
-          simdgroup_multiply_accumulate(U[i], wt, S[r], U[i]);
-        }
-        gdc_m5_tile_to_half(U[i], stage[simd_id], uh + (8 * i) * NC + 8 * simd_id, NC, lane);
-      }
-      for (uint32_t r = 0; r < MT; ++r) {
-        if (r >= nk) break;
-        gdc_m5_tile_to_half(S[r], stage[simd_id], sh + (8 * r) * NC + 8 * simd_id, NC, lane);
-      }
+    for (uint32_t row = 0; row < OR; ++row)
+      for (uint32_t k = lane; k < Dk; k += 32) stage[simd_id][row * Dk + k] = half(wn[(gh + r0 + row) * Dk + k]);
+    simdgroup_barrier(mem_flags::mem_threadgroup);  // this simdgroup's W rows -> its op
+    auto U = op16.template get_destination_cooperative_tensor<decltype(wh_t), decltype(sh_t), float>();
+    for (uint16_t i = 0; i < U.get_capacity(); ++i) {
+      if (!U.is_valid_element(i)) continue;
+      const auto idx = U.get_multidimensional_index(i);
+      const uint32_t col = uint32_t(idx[0]), row = r0 + uint32_t(idx[1]);
+      U[i] = c0 + col < Dv ? float(u[(gh + row) * Dv + c0 + col]) : 0.0f;
     }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-
+    op16.run(wh_t, sh_t, U);
+    for (uint16_t i = 0; i < U.get_capacity(); ++i) {
+      if (!U.is_valid_element(i)) continue;
+      const auto idx = U.get_multidimensional_index(i);
+      uh[(r0 + uint32_t(idx[1])) * NC + uint32_t(idx[0])] = half(U[i]);
+    }
     auto q_t = tensor<device half, dextents<int32_t, 2>, tensor_inline>(qn + (uint64_t(kh) * args.Tp + t0 + r0) * Dk,
                                                                          dextents<int32_t, 2>(int(Dk), int(OR)));
     auto p_t = tensor<device half, dextents<int32_t, 2>, tensor_inline>(p + (gh + r0) * C, dextents<int32_t, 2>(int(C), int(OR)));
-    op_qs.run(q_t, sh_t, o1_t);  // 3
-    auto o2 = op_pu.template get_destination_cooperative_tensor<decltype(p_t), decltype(uh_t), float>();
-    op_pu.run(p_t, uh_t, o2);
-    threadgroup_barrier(mem_flags::mem_threadgroup);
+    auto O = op16.template get_destination_cooperative_tensor<decltype(q_t), decltype(sh_t), float>();
+    for (uint16_t i = 0; i < O.get_capacity(); ++i)
+      if (O.is_valid_element(i)) O[i] = 0.0f;
+    op16.run(q_t, sh_t, O);
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // Uh, eg -> 2; every read of Sh done
 
-    for (uint16_t i = 0; i < o2.get_capacity(); ++i) {  // 4
-      if (!o2.is_valid_element(i)) continue;
-      const auto idx = o2.get_multidimensional_index(i);
+    for (uint16_t i = 0; i < O.get_capacity(); ++i) {  // 2
+      if (!O.is_valid_element(i)) continue;
+      O[i] *= eg[0][r0 + uint32_t(O.get_multidimensional_index(i)[1])];
+    }
+    op16.run(p_t, uh_t, O);
+    for (uint16_t i = 0; i < O.get_capacity(); ++i) {
+      if (!O.is_valid_element(i)) continue;
+      const auto idx = O.get_multidimensional_index(i);
       const uint32_t col = uint32_t(idx[0]), row = r0 + uint32_t(idx[1]);
-      if (c0 + col < Dv)
-        vo[gh * Dv + uint64_t(row) * Dv + c0 + col] = F(o2[i] + diag[par][row / 8][(row % 8) * 9] * o1[row * NC + col]);
+      if (c0 + col < Dv) vo[(gh + row) * Dv + c0 + col] = F(O[i]);
     }
-
-    if (live) {  // 5
-      for (uint32_t j = 0; j < CT; ++j) {
-        simdgroup_float8x8 d;
-        simdgroup_load(d, &diag[par][CT + j][0], ulong(8), ulong2(0), false);
-        simdgroup_multiply(U[j], d, U[j]);
-      }
-      simdgroup_float8x8 decay(exp(G_last));
-      for (uint32_t r = 0; r < MT; ++r) {
-        if (r >= nk) break;
-        simdgroup_multiply(S[r], decay, S[r]);
-        for (uint32_t j = 0; j < CT; ++j) {
-          simdgroup_float8x8 kt;
-          simdgroup_load(kt, Kc + uint64_t(8 * j) * Dk + 8 * r, ulong(Dk), ulong2(0), true);
-          simdgroup_multiply_accumulate(S[r], kt, U[j], S[r]);
-        }
-      }
+    simdgroup_barrier(mem_flags::mem_threadgroup);  // this simdgroup's W op done -> its stage is K's
+    for (uint32_t e = lane; e < C * SR; e += 32) {
+      const uint32_t t = e / SR, r = k0 + e % SR;
+      stage[simd_id][e] = half(r < Dk ? float(kn[(uint64_t(kh) * args.Tp + t0 + t) * Dk + r]) * eg[1][t] : 0.0f);
     }
+    simdgroup_barrier(mem_flags::mem_threadgroup);  // this simdgroup's K rows -> its op
+    const float decay = exp(G_last);
+    for (uint16_t i = 0; i < S.get_capacity(); ++i)
+      if (S.is_valid_element(i)) S[i] *= decay;
+    op_ks.run(kh_t, uh_t, S);
+    for (uint16_t i = 0; i < S.get_capacity(); ++i) {
+      if (!S.is_valid_element(i)) continue;
+      const auto idx = S.get_multidimensional_index(i);
+      sh[(k0 + uint32_t(idx[1])) * NC + uint32_t(idx[0])] = half(S[i]);
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // Sh -> the next chunk; Uh, eg, reads done
   }
 
-  for (uint32_t r = 0; r < MT; ++r)
-    if (live && r < nk) simdgroup_store(S[r], st + 8 * r, ulong(Dk), ulong2(0), true);
+  for (uint16_t i = 0; i < S.get_capacity(); ++i) {
+    if (!S.is_valid_element(i)) continue;
+    const auto idx = S.get_multidimensional_index(i);
+    const uint32_t col = uint32_t(idx[0]), r = k0 + uint32_t(idx[1]);
+    if (r < Dk && c0 + col < Dv) st[uint64_t(c0 + col) * Dk + r] = S[i];
+  }
 }
 
 LILY_INSTANTIATE("gd_chunk_wy_m5_f32", gd_chunk_wy_m5<float>)

@@ -7,15 +7,18 @@ operands (lily_py.reference.kernels.gated_delta_chunked_m5).
 Tolerance, derived. The route differs from the fp32 chunked route only by rounding matmul2d
 operands to half (unit u_h = 2^-11), at stated points: q (normalised, scaled) and k in K K^T and
 Q K^T (each Gram entry moves by <= (2 u_h + u_h^2) |q_i| |k_j| <= 2^-10: q, k are L2-normalised),
-P, and S, U as operands of the chunk output O = diag(e^G) Q S + P U (O does not feed back). Only
-the K K^T rounding reaches the state (through T = (I + A)^-1: U moves by <= kappa 2^-10
-sum_j |U_j| per chunk, then the delta rule's own transition and the decay carry it). The float64
-reference with exactly those roundings gives the effect d = |ref_m5 - ref| of the half operands on
-these inputs; the kernel must then satisfy
-  state:  |S - ref_m5| <= the fp32 route's bound (tests/kernels/test_gated_delta_chunk.py)
+P, and the state pass's operands: S and W in U = u + W S, S in Q S, U in P U, and U and
+diag(tail) K in the state update. Those roundings (and the K K^T one, through T = (I + A)^-1)
+reach the state, and the delta rule's transition and the decay carry them. The float64 reference
+with exactly those roundings gives the effect d = |ref_m5 - ref| of the half operands on these
+inputs. The kernel's fp32 values can land on the other side of a half rounding boundary than the
+float64 reference's (that operand then moves by one half ulp, at most twice its rounding error),
+so the kernel is held to d's largest value per head (state) or row (y), not element by element:
+  state:  |S - ref| <= the fp32 route's bound (tests/kernels/test_gated_delta_chunk.py) + 2 max_head(d_S)
   y:      |y - ref| <= the fp32 route's bound + 2 max_row(d_y) (+ bf16 output rounding)
-and be much closer to ref_m5 than to ref (norm of y - ref_m5 <= half the norm of d_y): a kernel
-that rounded at other points (the state, W, the solve) or not at all fails that. The half
+and it must be much closer to ref_m5 than ref_m5 is to ref (norms: S - ref_m5 <= d_S / 2,
+y - ref_m5 <= d_y / 2): a kernel that rounded at other points (the WY factors, the solve) or not
+at all fails that. The half
 operands must also cost less than one bf16 rounding of the layer's output: a statement about the
 typical error, so test_m5_half_operands_cost_less_than_bf16 checks it on the median of many fresh
 draws (one draw's ratio has a heavy tail: a row whose o nearly cancels, |o| << |q||S| + |P||U|,
@@ -55,9 +58,12 @@ def check_m5(rng, args, y, S, what, eps=1e-6, m5=True, parts=None):
     yh, Sh = ref.gated_delta_chunked_m5(q, k, v, z, a, b, A_log, dt_bias, norm_w, S0, eps=eps, parts=parts)
     M = max(np.abs(Sr).max(), np.abs(S0).max(), np.abs(v.astype(np.float64)).max())
     rel_s = 16 * np.sqrt((T + 1) * Dk) * F32_EPS * growth(args)  # the fp32 route's bound
-    if m5:
-        assert_close(S, Sh, atol=rel_s * M, rtol=0, what=f"{what}: state vs the half-operand reference", seed=rng.seed)
-    assert_close(S, Sr, atol=rel_s * M + 2 * np.abs(Sh - Sr), rtol=0, what=f"{what}: state", seed=rng.seed)
+    d_head = np.abs(Sh - Sr).max(axis=(1, 2), keepdims=True)              # [Hv, 1, 1]
+    assert_close(S, Sr, atol=rel_s * M + 2 * d_head, rtol=0, what=f"{what}: state", seed=rng.seed)
+    if m5 and np.linalg.norm(Sh - Sr) > 1e3 * F32_EPS * np.linalg.norm(Sr):
+        # the kernel rounds where the reference says: much closer to it than it is to the exact state
+        assert np.linalg.norm(S - Sh) <= 0.5 * np.linalg.norm(Sh - Sr), (
+            what, np.linalg.norm(S - Sh), np.linalg.norm(Sh - Sr), rng.seed)
     z64 = z.astype(np.float64)
     gate = np.abs(norm_w.astype(np.float64) * z64 / (1 + np.exp(-z64)))
     o_rms = _ref_o_rms(q, k, v, a, b, A_log, dt_bias, S0, eps)
@@ -78,8 +84,11 @@ def chunk_flops(T, Hv, Dk, Dv):
     nk, nv = Dk // 8, Dv // 8
     lower = CT * (CT + 1) // 2
     subst = sum(2 * (i - c - 1) for c in range(C) for i in range(c + 1, C))
-    tensor = 2 * 2 * C * C * (-(-Dk // 32) * 32) + (-(-Dv // 32)) * 2 * C * 32 * (128 + C)
-    alu = (nv * lower + nk * lower) * tile + subst + nv * (CT * nk + CT + nk + nk * CT) * tile
+    # gd_chunk_state_m5 per 32 columns, 4 simdgroups: W S, Q S, P U as 16 x 32 x 128 ops each, and
+    # K^T U as a 32 x 32 x 64 op
+    state = (-(-Dv // 32)) * 4 * (3 * 2 * 16 * 32 * 128 + 2 * 32 * 32 * C)
+    tensor = 2 * 2 * C * C * (-(-Dk // 32) * 32) + state
+    alu = (nv * lower + nk * lower) * tile + subst
     n = -(-T // C) * Hv
     return n * tensor, n * alu
 

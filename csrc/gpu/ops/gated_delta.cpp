@@ -224,20 +224,24 @@ GdChunkFlops gated_delta_chunk_flops(uint32_t T, uint32_t Hv, uint32_t Dk, uint3
   for (uint64_t c = 0; c < C; ++c)
     for (uint64_t i = c + 1; i < C; ++i) subst += 2 * (i - c - 1);
   const uint64_t factors = (nv * lower /* u */ + nk * lower /* wn */) * tile + subst;
-  // per 8 value columns: U = u + W S, the tail scaling, e^{G_C} S and S += K^T U (fp32 on both paths)
-  const uint64_t feedback = nv * (CT * nk /* U */ + CT /* tail */ + nk + nk * CT /* S */) * tile;
+  // per 8 value columns: U = u + W S, the tail scaling, e^{G_C} S and S += K^T U (fp32 8x8 products)
+  uint64_t feedback = nv * (CT * nk /* U */ + CT /* tail */ + nk + nk * CT /* S */) * tile;
   GdChunkFlops per;  // one (chunk, value head)
   if (tensor_ops) {
-    // gd_chunk_wy_m5: two 64 x 64 Gram squares over Dk rounded up to 32; gd_chunk_state_m5: per 32
-    // value columns (Dv rounded up) Q S (k = 128, the descriptor's; key dims past Dk read 0) and P U
+    // gd_chunk_wy_m5: two 64 x 64 Gram squares over Dk rounded up to 32. gd_chunk_state_m5, per 32
+    // value columns (Dv rounded up), every product a matmul2d with the descriptor's k and m: W S,
+    // Q S and P U as 64 x 32 x 128 (k = 128; key dims past Dk and P's columns past 64 read 0), the
+    // state update K^T U as 128 x 32 x 64 (key dims past Dk are zero rows).
     const uint64_t dk_steps = ceil_div(Dk, kGdChunkM5StepK) * uint64_t(kGdChunkM5StepK);
     const uint64_t col_blocks = ceil_div(Dv, kGdChunkM5StateCols);
+    const uint64_t DK = 8 * kGdChunkMaxTiles, NC = kGdChunkM5StateCols;
     const uint64_t grams = 2 * 2 * C * C * dk_steps;
-    const uint64_t out = col_blocks * 2 * C * kGdChunkM5StateCols * (8 * kGdChunkMaxTiles + C);
-    per.tensor = grams + out;
-    per.alu = factors + feedback;
+    const uint64_t state = col_blocks * (3 * 2 * C * NC * DK + 2 * DK * NC * C);
+    per.tensor = grams + state;
+    per.alu = factors;
     per.wy = grams + factors;
-    per.state = out + feedback;
+    per.state = state;
+    feedback = col_blocks * 2 * (2 * C * NC * DK);  // W S and K^T U
   } else {
     const uint64_t grams = (lower * nk /* K K^T */ + lower * nk /* Q K^T */) * tile;
     const uint64_t out = nv * (CT * nk + CT + lower) * tile;  // O = diag(e^G) Q S + P U
@@ -356,9 +360,6 @@ void encode_gated_delta_chunked(Encoder& enc, const GatedDeltaOperands& op) {
   enc.set_touched(7, 2 * uint64_t(op.Hv) * op.Dv * op.Dk * 4);  // read before the first chunk, written after the last
   enc.set_buffer(8, vo);
   if (m5) {
-    // Mixed: O on tensor ops, the state feedback (the larger part) on fp32 8x8 products; counted
-    // at the fp32 simdgroup rate (conservative for the estimate; docs/performance.md).
-    enc.set_unit(ExecUnit::simdgroup_fp32);
     enc.dispatch({ceil_div(op.Dv, kGdChunkM5StateCols), op.Hv, 1}, {kGdChunkM5StateThreads, 1, 1});
   } else {
     enc.dispatch({op.Dv / kGdChunkStateCols, op.Hv, 1}, {32, 1, 1});

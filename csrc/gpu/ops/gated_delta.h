@@ -64,12 +64,13 @@ const char* gated_delta_route_name(GdRoute r);
 uint64_t gated_delta_chunk_scratch_bytes(uint32_t T, uint32_t Hk, uint32_t Hv, uint32_t Dk, uint32_t Dv);
 // FLOPs (2 per multiply-add) the chunked route's matrix products execute, split by unit: `tensor`
 // on matmul2d (with tensor ops: gd_chunk_wy_m5's K K^T and Q K^T as full 64 x 64 squares over Dk
-// rounded up to 32, gd_chunk_state_m5's Q S (k = 128) and P U per 32 value columns; else 0),
+// rounded up to 32, and all of gd_chunk_state_m5: W S, Q S, P U (k = 128) and K^T U per 32 value
+// columns; else 0),
 // `alu` on 8x8 fp32 simdgroup matrices and the forward substitution.
 struct GdChunkFlops {
   uint64_t tensor = 0, alu = 0;  // by unit
   uint64_t wy = 0, state = 0;    // by dispatch: gd_chunk_wy* and gd_chunk_state* (same total)
-  uint64_t feedback = 0;         // of state: U = u + W S, the tail scaling and S += K^T U (fp32)
+  uint64_t feedback = 0;         // of state: U = u + W S (and the tail scaling, fp32) and S += K^T U
   uint64_t total() const { return tensor + alu; }
 };
 // The chunked route's four kernels in dispatch order: prep (conv fused or not; q as half with

@@ -130,9 +130,10 @@ def gated_delta_chunked_m5(q, k, v, z, a, b, A_log, dt_bias, norm_weight, state,
     The tensor-op products of ``gd_chunk_wy_m5`` / ``gd_chunk_state_m5`` take half operands (fp32
     accumulation); everything else is exact here. Rounded to half, at the kernels' points: the
     normalised, scaled q (one copy, used by Q K^T and Q S), k in the Gram products K K^T and Q K^T
-    only (the solve's right-hand sides, W and the state update use k unrounded), P, and per chunk
-    S and U as operands of O = diag(e^G) Q S + P U (the state and U themselves stay unrounded: O
-    does not feed back). Same arguments and result as :func:`gated_delta`. ``parts``: the prompt
+    (the solve's right-hand sides and W use k unrounded), P, and per chunk the state pass's
+    operands: S (in W S and Q S), W = -T diag(b e^G) K (in W S), U = u + W S (in P U and the state
+    update) and diag(tail) K (in the state update K^T diag(tail) U). The state itself and U's fp32
+    value stay unrounded, but the rounded products feed back into the state. Same arguments and result as :func:`gated_delta`. ``parts``: the prompt
     split as the device split it (one dispatch each, route "auto"): a part of fewer than ``chunk``
     tokens runs token by token (the scan: exact, no half operands), a longer one in chunks from its
     own start; None: all T tokens in the chunked form (route "chunked", any T).
@@ -167,11 +168,13 @@ def gated_delta_chunked_m5(q, k, v, z, a, b, A_log, dt_bias, norm_weight, state,
             A = np.eye(n) + bc[:, :, None] * decay * ~np.eye(n, dtype=bool) * (khc @ khc.transpose(0, 2, 1))
             Tm = np.linalg.inv(A)                                            # (I + A)^-1
             eG = np.exp(G)
-            U = Tm @ (bc[:, :, None] * vc) - Tm @ (bc[:, :, None] * eG[:, :, None] * kc) @ S
+            Sh = h16(S)
+            U = Tm @ (bc[:, :, None] * vc) + h16(-(Tm @ (bc[:, :, None] * eG[:, :, None] * kc))) @ Sh
+            Uh = h16(U)
             P = h16(decay * (qc @ khc.transpose(0, 2, 1)))
-            o[s:e] = (eG[:, :, None] * (qc @ h16(S)) + P @ h16(U)).transpose(1, 0, 2)
+            o[s:e] = (eG[:, :, None] * (qc @ Sh) + P @ Uh).transpose(1, 0, 2)
             tail = np.exp(G[:, -1:] - G)
-            S = eG[:, -1, None, None] * S + (kc * tail[:, :, None]).transpose(0, 2, 1) @ U
+            S = eG[:, -1, None, None] * S + h16(kc * tail[:, :, None]).transpose(0, 2, 1) @ Uh
         p0 += n_part
     rms = np.sqrt(np.mean(o * o, -1, keepdims=True) + np.float64(np.float32(eps)))
     y = o / rms * f(norm_weight) * (z / (1.0 + np.exp(-z)))
