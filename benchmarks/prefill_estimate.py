@@ -93,6 +93,20 @@ ASSUMPTIONS = {
         # W S, Q S and P U as 16 x 32 x 128 ops, the state update K^T U as 32 x 32 x 64 (equal FLOPs)
         "gd_chunk_state_m5": {"16x32x128": 0.75, "32x32x64": 0.25},
     },
+    # WHAT-IF only (not built): int8 activations on the projections and the MoE tiles. INT8
+    # matmul2d ran at about 2x the FP16 rate in the A19 measurement (docs/metal.md, "Execution scope
+    # and tile shape"); x quantized per row and per group of `int8_group` along K (symmetric, scale =
+    # max |x| / 127: within mlx-lm's bf16 error at 32 on the oracle checkpoints,
+    # benchmarks/int8_activation_study.py), the 4-bit codes exact as uint8. The int32 sum of each
+    # group is rescaled into the fp32 accumulator by one FMA per output on the ALUs (not overlapped
+    # with the tensor ops); the quantization itself is fused into the producers (norms, SwiGLU), no
+    # bytes added.
+    "int8_speedup": 2.0,
+    "int8_group": 32,
+    "int8_families": ("qmm_m5", "moe_gate_up_m5", "moe_down_m5"),
+    # the families built with int8 activations (the estimate charges them as above: int8_speedup
+    # and the rescale epilogue on the ALUs)
+    "int8_built": ("qmm_m5i8",),
     # executed / useful FLOPs assumed for the "design" line only (all useful FLOPs on the path's
     # matmul unit, the earlier estimate).
     "future_padding": 1.05,
@@ -105,7 +119,9 @@ MLX_LM_4K_M5_MAX = 5166  # tok/s, published (issue 11)
 TARGET = 1.3 * MLX_LM_4K_M5_MAX
 TARGETS = {L: 1.3 * v for L, v in MLX_LM_M5_MAX.items()}  # the issue: >= 1.3 x MLX-LM at every length
 GPUS = ("M5", "M5 Max")
-PATHS = (("M1-M4 path", False), ("M5 path", True))
+# (name, device mode): False = no tensor ops, True = tensor ops, "int8" = tensor ops with int8 activations
+# where a kernel has them (simulated_device(tensor_ops=True, tensor_int8=True): qmm_m5i8)
+PATHS = (("M1-M4 path", False), ("M5 path", True), ("M5 int8 opt-in", "int8"))
 UNIT_SHORT = {"tensor": "tensor", "simdgroup_bf16": "sg-bf16", "simdgroup_fp32": "sg-fp32", "alu": "alu"}
 
 _SUFFIX = re.compile(r"(_(b4|b8|xf32|xbf16|sf32|sbf16|wf32|wbf16|yf32|d\d+|e\d+|r1))+$")
@@ -224,7 +240,7 @@ def chunk_families(cfg: ModelConfig, T: int, position: int, context: int, tensor
                    logits: bool, a: dict = ASSUMPTIONS) -> tuple[dict, int]:
     """Per family of one prefill chunk: dict(unit, dispatches, executed, useful, bytes, groups,
     threads) and the chunk's dependency levels (barriers + 1)."""
-    with simulated_device(tensor_ops=tensor_ops):
+    with simulated_device(tensor_ops=bool(tensor_ops), tensor_int8=tensor_ops == "int8"):
         st, ds = count_dispatches(cfg, tokens=T, position=position, context_length=context,
                                   prefill_chunk=T, logits=logits)
     fams: dict = defaultdict(lambda: dict(unit="", dispatches=0, executed=0, useful=0, bytes=0,
@@ -250,9 +266,9 @@ def chunk_families(cfg: ModelConfig, T: int, position: int, context: int, tensor
         f["bytes"] += d["bytes_touched"]
     if moe_recs:
         layers = len(moe_recs["gate_up", "64"])
-        key = (T, layers, tensor_ops, a["m5_tile16_cost_rows"])
+        key = (T, layers, bool(tensor_ops), a["m5_tile16_cost_rows"])
         if key not in _MOE_CACHE:
-            _MOE_CACHE[key] = moe_split(cfg, T, layers, tensor_ops=tensor_ops, tile16_cost=a["m5_tile16_cost_rows"])
+            _MOE_CACHE[key] = moe_split(cfg, T, layers, tensor_ops=bool(tensor_ops), tile16_cost=a["m5_tile16_cost_rows"])
         split = _MOE_CACHE[key]
         R = T * (cfg.num_experts_per_tok + 1)
         for (stage, kind), recs in moe_recs.items():
@@ -302,6 +318,8 @@ def estimate(fams: dict, levels: int, L: int, gpu: str, a: dict = ASSUMPTIONS) -
     for name, f in fams.items():
         tc = (f["executed"] * shape_factor(name, f["unit"], a) / unit_rate(f["unit"], gpu, a)
               if f["executed"] else 0.0)
+        if f["unit"] == "tensor" and name.startswith(a["int8_built"]):  # int8 ops + their ALU rescale
+            tc = tc / a["int8_speedup"] + f["executed"] / a["int8_group"] / unit_rate("alu", gpu, a)
         tb = f["bytes"] / bw
         times[name] = (max(tc, tb), "flops" if tc >= tb else "bytes")
     t_levels = levels * a["t_level_us"] * 1e-6
@@ -318,6 +336,20 @@ def with_units(fams: dict, units: dict) -> dict:
     for name, f in fams.items():
         u = next((u for p, u in units.items() if name.startswith(p)), f["unit"])
         out[name] = dict(f, unit=u)
+    return out
+
+
+def with_int8(fams: dict, a: dict = ASSUMPTIONS) -> dict:
+    """What-if: the int8_families' tensor FLOPs at int8_speedup x the rate, plus their rescale
+    epilogue (1 FMA per output per int8_group multiply-adds) as an ALU family."""
+    out, epilogue = {}, 0.0
+    for name, f in fams.items():
+        if f["unit"] == "tensor" and name.startswith(a["int8_families"]) and not name.startswith(a["int8_built"]):
+            out[name] = dict(f, executed=f["executed"] / a["int8_speedup"])
+            epilogue += f["executed"] / a["int8_group"]
+        else:
+            out[name] = f
+    out["int8_rescale (what-if)"] = dict(unit="alu", executed=epilogue, useful=0.0, bytes=0.0)
     return out
 
 
@@ -383,15 +415,15 @@ def print_tables(res: dict, brief: bool = False) -> None:
                                                     for u, t in sorted(mx["by_unit"].items(), key=lambda kv: -kv[1])))
     print("\nSummary (ESTIMATE, tok/s):")
     lengths = sorted({L for _, L in res})
-    print(f"  {'path':<12} {'GPU':<7} " + " ".join(f"{L:>8}" for L in lengths))
+    print(f"  {'path':<14} {'GPU':<7} " + " ".join(f"{L:>8}" for L in lengths))
     for path, _ in PATHS:
         for g in GPUS:
-            print(f"  {path:<12} {g:<7} " + " ".join(f"{res[path, L]['est'][g]['tps']:>8,.0f}" for L in lengths))
+            print(f"  {path:<14} {g:<7} " + " ".join(f"{res[path, L]['est'][g]['tps']:>8,.0f}" for L in lengths))
     known = [L for L in lengths if L in TARGETS]
     if known:
-        print(f"  {'MLX-LM':<12} {'M5 Max':<7} " + " ".join(
+        print(f"  {'MLX-LM':<14} {'M5 Max':<7} " + " ".join(
             f"{MLX_LM_M5_MAX[L]:>8,.0f}" if L in MLX_LM_M5_MAX else f"{'-':>8}" for L in lengths) + "  (published)")
-        print(f"  {'target 1.3x':<12} {'M5 Max':<7} " + " ".join(
+        print(f"  {'target 1.3x':<14} {'M5 Max':<7} " + " ".join(
             f"{TARGETS[L]:>8,.0f}" if L in TARGETS else f"{'-':>8}" for L in lengths))
         for path, _ in PATHS:
             met = [f"{L}: {'met' if res[path, L]['est']['M5 Max']['tps'] >= TARGETS[L] else 'not met'} "
@@ -422,10 +454,21 @@ def print_tables(res: dict, brief: bool = False) -> None:
             need = efficiency_for(f, lv, 4096, "M5 Max", "tensor", TARGET)
             print(f"  {label:<52} {e['tps']:>6,.0f} tok/s; tensor-op efficiency for {TARGET:,.0f}: "
                   + (f"{need:.0%}" if need else "not reached at 100%"))
+        print("  (that line: the families without FLOPs - norms, conv1d, the DeltaNet prep and gated norm, the MoE "
+              "route / plan / combine - moving half their bytes, as bf16 instead of fp32 scratch or fusion would)")
+        f4 = with_int8(f2)
+        e = estimate(f4, lv, 4096, "M5 Max")
+        need = efficiency_for(f4, lv, 4096, "M5 Max", "tensor", TARGET)
+        print(f"  {'+ int8 x on qmm_m5 and the MoE tiles (what-if)':<52} {e['tps']:>6,.0f} tok/s; tensor-op "
+              f"efficiency for {TARGET:,.0f}: " + (f"{need:.0%}" if need else "not reached at 100%"))
+        print("  int8 what-if at every length, M5 path, M5 Max (target): " + ", ".join(
+            f"{L}: {estimate(with_int8(res['M5 path', L]['fams']), res['M5 path', L]['levels'], L, 'M5 Max')['tps']:,.0f}"
+            + (f" ({TARGETS[L]:,.0f})" if L in TARGETS else "") for L in lengths if ("M5 path", L) in res))
+        print("  (int8 lines: x as int8 per row and group of %d on qmm_m5 - built as the opt-in qmm_m5i8, the "
+              "'M5 int8 opt-in' rows - and on the MoE tensor-op tiles - not built - at %.0fx the FP16 rate, the "
+              "rescale epilogue on the ALUs; ASSUMPTIONS)" % (a["int8_group"], a["int8_speedup"]))
         e = estimate(f2, lv, 4096, "M5 Max")
         alu = sum(t for n, (t, _) in e["times"].items() if f2[n]["unit"] == "alu")
-        print("  (last line: the families without FLOPs - norms, conv1d, the DeltaNet prep and gated norm, the MoE "
-              "route / plan / combine - moving half their bytes, as bf16 instead of fp32 scratch or fusion would)")
         print(f"  as built: ALU families (norms, conv, prep, gated norm, combine, few-row MoE) {alu * 1e3:.1f} ms "
               f"of {e['total'] * 1e3:.1f} ms, tensor-op families "
               f"{e['by_unit'].get('tensor', 0) * 1e3:.1f} ms; the target needs {4096 / TARGET * 1e3:.1f} ms")

@@ -77,6 +77,7 @@ void init_devices(nb::module_& parent) {
     d["residency_set"] = i.residency_set;
     d["simulated"] = i.simulated;
     d["tensor_ops"] = i.tensor_ops;
+    d["tensor_int8"] = i.tensor_int8;
     d["tensor_ops_reason"] = opt_str(i.tensor_ops_reason);
     return d;
   }, "name"_a, "Device facts (see docs/metal.md); raises ValueError when the device is unavailable.");
@@ -109,7 +110,7 @@ void init_devices(nb::module_& parent) {
   m.def("set_simulation",
         [](uint32_t default_max_threads, std::map<std::string, uint32_t> max_threads,
            std::map<std::string, int64_t> threadgroup_bytes, uint64_t working_set_bytes, uint64_t max_buffer_bytes,
-           bool tensor_ops) {
+           bool tensor_ops, bool tensor_int8) {
           for (const auto& [k, v] : max_threads)
             if (!gpu::find_kernel(k)) throw std::invalid_argument("set_simulation: no kernel named '" + k + "'");
           for (const auto& [k, v] : threadgroup_bytes)
@@ -122,13 +123,15 @@ void init_devices(nb::module_& parent) {
           s.working_set_bytes = working_set_bytes;
           s.max_buffer_bytes = max_buffer_bytes;
           s.tensor_ops = tensor_ops;
+          s.tensor_int8 = tensor_int8;
           devices::set_simulation(s);
         },
         "default_max_threads"_a = 0, "max_threads"_a = std::map<std::string, uint32_t>{},
         "threadgroup_bytes"_a = std::map<std::string, int64_t>{}, "working_set_bytes"_a = 0, "max_buffer_bytes"_a = 0,
-        "tensor_ops"_a = false,
+        "tensor_ops"_a = false, "tensor_int8"_a = false,
         "Simulate a Mac's limits on the emu and count devices made afterwards (0 = unlimited / the default); "
-        "tensor_ops: the devices report Metal 4 tensor ops (host ops take their M5 routes).");
+        "tensor_ops: the devices report Metal 4 tensor ops (host ops take their M5 routes); tensor_int8 (with "
+        "tensor_ops): those routes take int8 activations where they have them (qmm_m5i8).");
   m.def("clear_simulation", [] { devices::set_simulation(devices::Simulation{}); });
   m.def("simulation_active", [] { return devices::simulation().active; });
 }

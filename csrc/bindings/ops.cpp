@@ -206,7 +206,8 @@ void init_ops(nb::module_& parent) {
         gpu::ops::validate(op);
         const bool tensor_ops = run.enc->tensor_ops() && gpu::ops::qmm_m5_allowed(op);
         run.encode(gpu::ops::qmm_kernel(gpu::ops::qmm_route(M, bits, tensor_ops, gpu::ops::qmm_bf16_allowed(op)),
-                                        bits, xt, st, y_f32, gpu::ops::qmv1_rows(N, K, bits)),
+                                        bits, xt, st, y_f32, gpu::ops::qmv1_rows(N, K, bits),
+                                        run.enc->tensor_int8() && gpu::ops::qmm_int8_allowed(op)),
                    [&](gpu::Encoder& e) { gpu::ops::encode_quantized_matmul(e, op); });
         return nb::make_tuple(run.download(op.y, yt, {M, N}), run.stats());
       },

@@ -350,7 +350,8 @@ void init_ops_gated_delta(nb::module_& m) {
         run.run([&](gpu::Encoder& e) { gpu::ops::encode_gated_delta_mixer(e, op); });
         // as encode_quantized_matmul picks it: the bf16 tiles take bf16 x only (qmm_bf16_allowed)
         const auto route = gpu::ops::qmm_route(T, bits, run.enc->tensor_ops(), op.x_dtype == gpu::DType::bf16);
-        run.note(gpu::ops::qmm_kernel(route, bits, op.x_dtype, st, false, gpu::ops::qmv1_rows(P, H, bits)));
+        run.note(gpu::ops::qmm_kernel(route, bits, op.x_dtype, st, false, gpu::ops::qmv1_rows(P, H, bits),
+                                      run.enc->tensor_int8()));
         if (T == 1) {
           run.note(gpu::ops::gated_delta_decode_kernel(op.x_dtype, op.w_dtype));
         } else if (chunked) {
@@ -360,7 +361,8 @@ void init_ops_gated_delta(nb::module_& m) {
           run.note(gpu::ops::conv1d_kernel(op.x_dtype, op.w_dtype));
           run.note(gpu::ops::gated_delta_kernel(op.x_dtype, op.w_dtype));
         }
-        run.note(gpu::ops::qmm_kernel(route, bits, op.x_dtype, st, false, gpu::ops::qmv1_rows(H, VD, bits)));
+        run.note(gpu::ops::qmm_kernel(route, bits, op.x_dtype, st, false, gpu::ops::qmv1_rows(H, VD, bits),
+                                      run.enc->tensor_int8()));
         return nb::make_tuple(run.download(op.out, op.x_dtype, {T, H}),
                               run.download(op.conv_state_out, op.x_dtype, {K - 1, C}),
                               run.download(op.state, gpu::DType::f32, {Hv, Dv, Dk}), run.stats());

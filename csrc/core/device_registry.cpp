@@ -45,6 +45,7 @@ class SimulatedDevice final : public gpu::Device {
     i.max_buffer_bytes = sim_.max_buffer_bytes;
     i.simulated = true;
     i.tensor_ops = sim_.tensor_ops;
+    i.tensor_int8 = sim_.tensor_ops && sim_.tensor_int8;
     i.tensor_ops_reason = sim_.tensor_ops ? "" : "the simulation does not ask for tensor ops";
     if (sim_.tensor_ops) i.device_name += " and tensor ops";
     return i;
@@ -77,6 +78,7 @@ class SimulatedDevice final : public gpu::Device {
     void wait() override { inner_->wait(); }
     uint32_t thread_limit(gpu::KernelId k) const override { return dev_.limit(k); }
     bool tensor_ops() const override { return dev_.sim_.tensor_ops; }
+    bool tensor_int8() const override { return dev_.sim_.tensor_ops && dev_.sim_.tensor_int8; }
 
    protected:
     void encode_dispatch(const gpu::Dispatch& d) override {

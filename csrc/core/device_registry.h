@@ -52,6 +52,7 @@ struct Simulation {
   uint64_t working_set_bytes = 0;                     // 0: unlimited
   uint64_t max_buffer_bytes = 0;                      // 0: unlimited
   bool tensor_ops = false;  // report Metal 4 tensor ops: host ops take their M5 routes (emu runs them)
+  bool tensor_int8 = false;  // with tensor_ops: the M5 routes take int8 activations where they have them
 };
 void set_simulation(const Simulation& s);  // applies to emu / count devices created afterwards
 Simulation simulation();

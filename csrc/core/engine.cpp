@@ -351,11 +351,13 @@ namespace {
 // host code that fits its threads to a pipeline (rms_norm) sees the device's limits.
 class PlanEncoder final : public gpu::Encoder {
  public:
-  explicit PlanEncoder(gpu::Device& dev) : dev_(dev), tensor_ops_(dev.info().tensor_ops) {}
+  explicit PlanEncoder(gpu::Device& dev)
+      : dev_(dev), tensor_ops_(dev.info().tensor_ops), tensor_int8_(dev.info().tensor_int8) {}
   void commit() override {}
   void wait() override {}
   uint32_t thread_limit(gpu::KernelId k) const override { return pipeline(k).max_threads; }
   bool tensor_ops() const override { return tensor_ops_; }
+  bool tensor_int8() const override { return tensor_int8_; }
   const gpu::PipelineInfo& pipeline(gpu::KernelId k) const {
     auto it = pipelines_.find(k);
     if (it == pipelines_.end()) it = pipelines_.emplace(k, dev_.pipeline_info(k)).first;
@@ -374,6 +376,7 @@ class PlanEncoder final : public gpu::Encoder {
  private:
   gpu::Device& dev_;
   bool tensor_ops_;
+  bool tensor_int8_;
   mutable std::map<gpu::KernelId, gpu::PipelineInfo> pipelines_;
 };
 

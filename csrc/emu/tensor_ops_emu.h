@@ -21,7 +21,8 @@
 // with transpose_left, k x m (extents (m, k)); right is stored k x n (extents (n, k)) or, with
 // transpose_right, n x k (extents (k, n)). Operand elements outside their tensor's extents read
 // as 0 and destination elements outside its extents are not written (the header's edge checking).
-// Types: the header's rows (half, half) -> float or half; the int8 rows are not emulated.
+// Types: the header's rows (half, half) -> float or half, and (int8_t or uint8_t, int8_t or uint8_t)
+// -> int32_t (the int8 rows with an integer destination; exact: 8-bit products summed in 32 bits).
 // Precision (the emulator's choice, stated): each output is sum_k float(a) * float(b) in fp32,
 // k = 0.. in order (half x half products are exact in fp32), then added to the destination in
 // fp32 and rounded to its type. relaxed_precision = true (documented only as "allow the
@@ -80,6 +81,11 @@ class tensor {
   float at(long i0, long i1) const {
     if (i0 < 0 || i1 < 0 || i0 >= long(ext_.extent(0)) || i1 >= long(ext_.extent(1))) return 0.0f;
     return static_cast<float>(data_[i1 * long(ext_.extent(0)) + i0]);
+  }
+  // The same, as an integer (the int8 rows).
+  int32_t at_int(long i0, long i1) const {
+    if (i0 < 0 || i1 < 0 || i0 >= long(ext_.extent(0)) || i1 >= long(ext_.extent(1))) return 0;
+    return static_cast<int32_t>(data_[i1 * long(ext_.extent(0)) + i0]);
   }
 
  private:
@@ -148,6 +154,8 @@ namespace detail {
 template <class T>
 inline constexpr bool is_half = std::is_same_v<std::remove_cv_t<T>, metal::half>;
 template <class T>
+inline constexpr bool is_int8 = std::is_same_v<std::remove_cv_t<T>, int8_t> || std::is_same_v<std::remove_cv_t<T>, uint8_t>;
+template <class T>
 struct is_coop : std::false_type {};
 template <class E, int M, int N, int Th>
 struct is_coop<metal::cooperative_tensor<E, M, N, Th>> : std::true_type {};
@@ -179,11 +187,15 @@ class matmul2d {
   template <class Left, class Right, class Dest>
   void run(Left& left, Right& right, Dest& dest, const char* file = __builtin_FILE(),
            int line = __builtin_LINE()) const {
-    static_assert(detail::is_half<typename Left::element_type> && detail::is_half<typename Right::element_type>,
-                  "matmul2d (emulated): left and right must be half tensors (the int8 rows are not emulated)");
+    using LE = typename Left::element_type;
+    using RE = typename Right::element_type;
     using DE = std::remove_cv_t<typename Dest::element_type>;
-    static_assert(std::is_same_v<DE, float> || std::is_same_v<DE, metal::half>,
-                  "matmul2d (emulated): the destination must be float or half");
+    constexpr bool kInt = detail::is_int8<LE> && detail::is_int8<RE>;
+    static_assert((detail::is_half<LE> && detail::is_half<RE>) || kInt,
+                  "matmul2d (emulated): left and right must both be half, or both int8_t / uint8_t tensors");
+    static_assert(kInt ? std::is_same_v<DE, int32_t> : (std::is_same_v<DE, float> || std::is_same_v<DE, metal::half>),
+                  "matmul2d (emulated): the destination must be float or half (half operands), int32_t (int8 operands)");
+    static_assert(!kInt || !D.relaxed_precision, "matmul2d (emulated): relaxed_precision is for half operands");
     check_scope(file, line);
     const int K = inner(left, right, file, line);
     const uint32_t me = ::lily::emu::thread_index_in_group() % uint32_t(kThreads);
@@ -197,11 +209,12 @@ class matmul2d {
     }
     // Each thread's elements: before the rendezvous ...
     constexpr int kMine = (D.m * D.n + kThreads - 1) / kThreads;
-    float before[kMine], after[kMine];
-    compute(left, right, K, me, before);
+    using Acc = std::conditional_t<kInt, int32_t, float>;
+    Acc before[kMine], after[kMine];
+    compute<Acc>(left, right, K, me, before);
     rendezvous(file, line);
     // ... and after it: an operand that changed in between was written without a barrier.
-    compute(left, right, K, me, after);
+    compute<Acc>(left, right, K, me, after);
     if (std::memcmp(before, after, sizeof before) != 0)
       ::lily::emu::kernel_fail(
           "matmul2d::run: an operand changed while the threads of the execution scope entered run "
@@ -209,16 +222,21 @@ class matmul2d {
     for (int i = 0; i < kMine; ++i) {
       const int f = i * kThreads + int(me);
       if (f >= D.m * D.n) break;
-      float s = after[i];
-      if (D.relaxed_precision) s = float(metal::half(s));
+      Acc s = after[i];
+      if constexpr (!kInt) {
+        if (D.relaxed_precision) s = float(metal::half(s));
+      }
+      constexpr bool kAcc = D.matmul_mode == matmul2d_descriptor::mode::multiply_accumulate;
       if constexpr (detail::is_coop<Dest>::value) {
         DE& d = dest[uint16_t(i)];
-        d = DE(D.matmul_mode == matmul2d_descriptor::mode::multiply_accumulate ? float(d) + s : s);
+        if constexpr (kInt) d = kAcc ? d + s : s;
+        else d = DE(kAcc ? float(d) + s : s);
       } else {
         const long col = f % D.n, row = f / D.n;
         if (col >= long(dest.get_extent(0)) || row >= long(dest.get_extent(1))) continue;
         auto& d = dest.data()[row * long(dest.get_extent(0)) + col];
-        d = DE(D.matmul_mode == matmul2d_descriptor::mode::multiply_accumulate ? float(d) + s : s);
+        if constexpr (kInt) d = kAcc ? d + s : s;
+        else d = DE(kAcc ? float(d) + s : s);
       }
     }
   }
@@ -252,21 +270,26 @@ class matmul2d {
                                    " vs " + std::to_string(rk) + ")", file, line);
     return D.k < 0 ? lk : D.k;
   }
-  template <class Left, class Right>
-  static void compute(const Left& l, const Right& r, int K, uint32_t me, float* out) {
+  template <class Acc, class Left, class Right>
+  static void compute(const Left& l, const Right& r, int K, uint32_t me, Acc* out) {
     constexpr int kMine = (D.m * D.n + kThreads - 1) / kThreads;
     for (int i = 0; i < kMine; ++i) {
       const int f = i * kThreads + int(me);
       if (f >= D.m * D.n) {
-        out[i] = 0.0f;
+        out[i] = Acc(0);
         continue;
       }
       const long col = f % D.n, row = f / D.n;
-      float s = 0.0f;
+      Acc s = Acc(0);
       for (long k = 0; k < K; ++k) {
-        const float a = D.transpose_left ? l.at(row, k) : l.at(k, row);
-        const float b = D.transpose_right ? r.at(k, col) : r.at(col, k);
-        s += a * b;
+        if constexpr (std::is_same_v<Acc, int32_t>) {
+          s += (D.transpose_left ? l.at_int(row, k) : l.at_int(k, row)) *
+               (D.transpose_right ? r.at_int(k, col) : r.at_int(col, k));
+        } else {
+          const float a = D.transpose_left ? l.at(row, k) : l.at(k, row);
+          const float b = D.transpose_right ? r.at(k, col) : r.at(col, k);
+          s += a * b;
+        }
       }
       out[i] = s;
     }

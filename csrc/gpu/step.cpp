@@ -28,6 +28,7 @@ class SerialEncoder final : public Encoder {
   void wait() override { inner_.wait(); }
   uint32_t thread_limit(KernelId k) const override { return inner_.thread_limit(k); }
   bool tensor_ops() const override { return inner_.tensor_ops(); }
+  bool tensor_int8() const override { return inner_.tensor_int8(); }
 
  protected:
   void encode_dispatch(const Dispatch& d) override {

@@ -13,6 +13,7 @@
 #include <dlfcn.h>
 
 #include <array>
+#include <cstdlib>
 #include <fstream>
 #include <mutex>
 #include <new>
@@ -251,6 +252,10 @@ class Context {
         return;
       }
       info_.tensor_ops = true;
+      // int8 activations on the tensor ops (qmm_m5i8) only on request: they exceed mlx-lm's bf16
+      // error on one of the oracle checkpoints (docs/performance.md, "int8 activations").
+      const char* i8 = std::getenv("LILY_TENSOR_INT8");
+      info_.tensor_int8 = i8 != nullptr && std::string(i8) == "1";
       info_.library_path += " + " + lib;
       return;
     }
@@ -344,6 +349,7 @@ class MetalEncoder final : public gpu::Encoder {
     return static_cast<uint32_t>([ctx_.pipeline(kernel) maxTotalThreadsPerThreadgroup]);
   }
   bool tensor_ops() const override { return ctx_.info().tensor_ops; }
+  bool tensor_int8() const override { return ctx_.info().tensor_int8; }
 
  protected:
   void encode_dispatch(const gpu::Dispatch& d) override {

@@ -108,6 +108,133 @@ template <typename T, typename S, int bits = 4, typename Y = T>
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// qmm_m5i8: qmm_m5 with int8 activations on the int8 rows of matmul2d (int8_t x uint8_t -> int32_t),
+// for bf16 x and 4-bit weights. Same buffers, args, grid, tile and simdgroup quarters as qmm_m5.
+//   staging:   per K step of 32 (one scale group), thread t takes x[m0 + t/2, k0 + 16 (t%2) .. + 16]:
+//              amax = max |x| over the row's 32 values (the pair t, t^1 by simd_shuffle_xor), the
+//              scale s_x = amax / 127 (0 for an all-zero row), codes xi = rint(x / s_x) clamped to
+//              [-127, 127] as int8; the row's code sum sum(xi) (exact); and the same coordinates
+//              of w as their uint8 codes with the group's scale and bias (one group per step:
+//              32 divides every group size). Two stages, one barrier per step, as qmm_m5.
+//   multiply:  per step, simdgroup g's quarter with matmul2d_descriptor(32, 32, 32, false, true,
+//              false, multiply) into an int32 cooperative tensor (exact: |sum| <= 32 x 127 x 255),
+//              then each thread rescales its elements into fp32 accumulators of the same op:
+//              acc += s_x[row] (s_w[col] I + b_w[col] sum(xi)[row]), since
+//              sum_k x_k w_k = s_x s_w sum_k xi_k q_k + s_x b_w sum_k xi_k over the step.
+//   Precision: x is rounded to int8 per row and 32 columns (relative to the group's max, error
+//              <= s_x / 2 per element); the codes and the integer sums are exact; the rescale is
+//              fp32. benchmarks/int8_activation_study.py and docs/performance.md give the model-level
+//              error; the kernel test compares with the reference on the same int8 codes.
+template <typename T, typename S>
+inline void qmm_m5i8_stage(constant QmmArgs& args, const device T* x, const device uint32_t* w,
+                           const device S* scales, const device S* biases, uint32_t m0, uint32_t n0,
+                           uint32_t k0, uint32_t t, threadgroup int8_t* xq, threadgroup uint8_t* wq,
+                           threadgroup float* xs, threadgroup float* xsum, threadgroup float* ws,
+                           threadgroup float* wb) {
+  constexpr uint32_t BK = kQmmM5TileK;
+  const uint32_t row = t / 2;
+  const uint32_t col = (t % 2) * 16;
+  const uint32_t m = m0 + row;
+  float v[16];
+  float amax = 0.0f;
+  for (uint32_t i = 0; i < 16; ++i) {
+    v[i] = m < args.M ? float(x[m * args.x_stride + k0 + col + i]) : 0.0f;
+    amax = max(amax, abs(v[i]));
+  }
+  amax = max(amax, simd_shuffle_xor(amax, ushort(1)));  // the row's other 16 columns (thread t ^ 1)
+  const float sx = amax / 127.0f;
+  int32_t isum = 0;
+  for (uint32_t i = 0; i < 16; ++i) {
+    const float q = sx > 0.0f ? clamp(rint(v[i] / sx), -127.0f, 127.0f) : 0.0f;
+    xq[row * BK + col + i] = int8_t(q);
+    isum += int32_t(q);
+  }
+  isum += simd_shuffle_xor(isum, ushort(1));
+  const uint32_t n = n0 + row;
+  float sw = 0.0f, bw = 0.0f;
+  if (n < args.N) {
+    float q[16];
+    unpack_codes<4, 16>(w + n * (args.K / 8) + (k0 + col) / 8, q);
+    const uint32_t g = n * (args.K / args.group_size) + (k0 + col) / args.group_size;
+    sw = float(scales[g]);
+    bw = float(biases[g]);
+    for (uint32_t i = 0; i < 16; ++i) wq[row * BK + col + i] = uint8_t(q[i]);
+  } else {
+    for (uint32_t i = 0; i < 16; ++i) wq[row * BK + col + i] = uint8_t(0);
+  }
+  if (t % 2 == 0) {
+    xs[row] = sx;
+    xsum[row] = float(isum);
+    ws[row] = sw;
+    wb[row] = bw;
+  }
+}
+
+template <typename T, typename S>
+[[kernel]] void qmm_m5i8(constant QmmArgs& args [[buffer(0)]],
+                         const device T* x [[buffer(1)]],
+                         const device uint32_t* w [[buffer(2)]],
+                         const device S* scales [[buffer(3)]],
+                         const device S* biases [[buffer(4)]],
+                         device T* y [[buffer(5)]],
+                         LILY_KERNEL_TAIL) {
+  constexpr uint32_t BM = kQmmM5TileM, BN = kQmmM5TileN, BK = kQmmM5TileK, SUB = kTensorOpSubTile;
+  static_assert(BM == 64 && BN == 64 && BK == 32 && kQmmM5SimdsPerGroup == 4 && SUB == 32,
+                "the staging map and the 2 x 2 simdgroup quarters below assume 64x64x32 tiles, 128 threads");
+  LILY_TG_ARRAY(int8_t, xq, [2 * BM * BK]);   // two stages of the x codes [64][32]
+  LILY_TG_ARRAY(uint8_t, wq, [2 * BN * BK]);  // two stages of the w codes [64][32]
+  LILY_TG_ARRAY(float, xs, [2 * BM]);         // s_x per row and stage
+  LILY_TG_ARRAY(float, xsum, [2 * BM]);       // sum of the row's codes per stage
+  LILY_TG_ARRAY(float, ws, [2 * BN]);         // the weight group's scale per feature and stage
+  LILY_TG_ARRAY(float, wb, [2 * BN]);         // ... and bias
+
+  const uint32_t t = thread_pos.x;
+  const uint32_t m0 = group_pos.y * BM;
+  const uint32_t n0 = group_pos.x * BN;
+  const uint32_t sm = (simd_id / 2) * SUB;  // this simdgroup's quarter: rows sm.., features sn..
+  const uint32_t sn = (simd_id % 2) * SUB;
+
+  constexpr auto desc = matmul2d_descriptor(int(SUB), int(SUB), int(BK), false, true, false,
+                                            matmul2d_descriptor::mode::multiply);
+  matmul2d<desc, execution_simdgroup> op;
+  auto x0 = tensor<threadgroup int8_t, dextents<int32_t, 2>, tensor_inline>(xq + sm * BK, dextents<int32_t, 2>(int(BK), int(SUB)));
+  auto x1 = tensor<threadgroup int8_t, dextents<int32_t, 2>, tensor_inline>(xq + BM * BK + sm * BK, dextents<int32_t, 2>(int(BK), int(SUB)));
+  auto w0 = tensor<threadgroup uint8_t, dextents<int32_t, 2>, tensor_inline>(wq + sn * BK, dextents<int32_t, 2>(int(BK), int(SUB)));
+  auto w1 = tensor<threadgroup uint8_t, dextents<int32_t, 2>, tensor_inline>(wq + BN * BK + sn * BK, dextents<int32_t, 2>(int(BK), int(SUB)));
+  auto acc = op.template get_destination_cooperative_tensor<decltype(x0), decltype(w0), float>();
+  for (uint16_t i = 0; i < acc.get_capacity(); ++i)
+    if (acc.is_valid_element(i)) acc[i] = 0.0f;
+
+  const uint32_t steps = args.K / BK;
+  qmm_m5i8_stage(args, x, w, scales, biases, m0, n0, 0, t, xq, wq, xs, xsum, ws, wb);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (uint32_t s = 0; s < steps; ++s) {
+    const uint32_t cur = s & 1, next = (s + 1) & 1;
+    if (s + 1 < steps)  // stage s+1 into the buffers the previous step read (barrier between)
+      qmm_m5i8_stage(args, x, w, scales, biases, m0, n0, (s + 1) * BK, t, xq + next * BM * BK,
+                     wq + next * BN * BK, xs + next * BM, xsum + next * BM, ws + next * BN, wb + next * BN);
+    auto dot = op.template get_destination_cooperative_tensor<decltype(x0), decltype(w0), int32_t>();
+    if (cur == 0) op.run(x0, w0, dot);
+    else op.run(x1, w1, dot);
+    for (uint16_t i = 0; i < dot.get_capacity(); ++i) {  // element i of dot is element i of acc
+      if (!dot.is_valid_element(i)) continue;
+      const auto idx = dot.get_multidimensional_index(i);
+      const uint32_t r = cur * BM + sm + uint32_t(idx[1]), c = cur * BN + sn + uint32_t(idx[0]);
+      acc[i] += xs[r] * (ws[c] * float(dot[i]) + wb[c] * xsum[r]);
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+
+  for (uint16_t i = 0; i < acc.get_capacity(); ++i) {
+    if (!acc.is_valid_element(i)) continue;
+    const auto idx = acc.get_multidimensional_index(i);
+    const uint32_t n = n0 + sn + uint32_t(idx[0]);
+    const uint32_t m = m0 + sm + uint32_t(idx[1]);
+    if (m < args.M && n < args.N) y[m * args.y_stride + n] = T(acc[i]);
+  }
+}
+
 // Instantiations: exactly the qmm_m5 rows of csrc/gpu/kernel_ids.h (x dtype, scale dtype, bits[,
 // fp32 y: 4-bit only]).
 LILY_INSTANTIATE("qmm_m5_b4_xf32_sf32", qmm_m5<float, float>)
@@ -120,5 +247,7 @@ LILY_INSTANTIATE("qmm_m5_b8_xf32_sf32", qmm_m5<float, float, 8>)
 LILY_INSTANTIATE("qmm_m5_b8_xf32_sbf16", qmm_m5<float, bfloat, 8>)
 LILY_INSTANTIATE("qmm_m5_b8_xbf16_sf32", qmm_m5<bfloat, float, 8>)
 LILY_INSTANTIATE("qmm_m5_b8_xbf16_sbf16", qmm_m5<bfloat, bfloat, 8>)
+LILY_INSTANTIATE("qmm_m5i8_b4_xbf16_sf32", qmm_m5i8<bfloat, float>)
+LILY_INSTANTIATE("qmm_m5i8_b4_xbf16_sbf16", qmm_m5i8<bfloat, bfloat>)
 
 }  // namespace lily

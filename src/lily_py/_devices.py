@@ -87,20 +87,21 @@ def auto_backend() -> tuple[str, str | None]:
 def simulated_device(*, max_threads: dict[str, int] | None = None, default_max_threads: int = 0,
                      threadgroup_bytes: dict[str, int] | None = None,
                      working_set_bytes: int = 0, max_buffer_bytes: int = 0,
-                     tensor_ops: bool = False) -> Iterator[None]:
+                     tensor_ops: bool = False, tensor_int8: bool = False) -> Iterator[None]:
     """Within the block, the "emu" and "count" devices made afterwards report and enforce a
     Mac's limits: per-kernel maxTotalThreadsPerThreadgroup (``max_threads`` by kernel name,
     ``default_max_threads`` for the others; a dispatch above it fails as on Metal), static
     threadgroup memory, recommendedMaxWorkingSetSize and maxBufferLength (0: unlimited).
     ``tensor_ops=True`` makes them report Metal 4 tensor ops, as an M5 does: host ops take their
-    M5 routes (qmm_m5) and the emulator runs those kernels."""
+    M5 routes (qmm_m5) and the emulator runs those kernels; ``tensor_int8=True`` (with tensor ops)
+    lets those routes take int8 activations where they have them (qmm_m5i8: bf16 x, 4-bit weights)."""
     reg = _core().registry
     if reg.simulation_active():
         raise RuntimeError("simulated_device blocks do not nest")
     reg.set_simulation(default_max_threads=default_max_threads, max_threads=dict(max_threads or {}),
                        threadgroup_bytes=dict(threadgroup_bytes or {}),
                        working_set_bytes=working_set_bytes, max_buffer_bytes=max_buffer_bytes,
-                       tensor_ops=tensor_ops)
+                       tensor_ops=tensor_ops, tensor_int8=tensor_int8)
     try:
         yield
     finally:

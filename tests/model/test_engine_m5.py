@@ -97,13 +97,9 @@ def real_dims_ckpt(tmp_path_factory):
                            seed=9, std=0.06)
 
 
-@pytest.mark.parametrize("chunk", [1, 64, 4096])
-@pytest.mark.parametrize("which", ["demo", "real_head_dims"])
-def test_greedy_after_chunked_prefill_on_the_m5_path(real_dims_ckpt, which, chunk):
-    """Greedy tokens identical to the reference for 32 steps after a prompt prefilled in chunks of
-    1, 64 and 4096 on the M5 path, on the demo (head_dim 64) and on a random-weight checkpoint with
-    the real head dimensions (head_dim 256, 2 KV heads: attn_prefill_m5_d256; DeltaNet Dk = Dv =
-    128: gd_chunk_*_m5 on the 64- and 80-token prefill steps, the scan for one token)."""
+def _greedy_case(which, real_dims_ckpt):
+    """(load, prompt, the reference's 32 greedy tokens) for the demo (100-token prompt) or the
+    real-head-dims checkpoint (80 tokens); the reference runs once per case."""
     path, n = (None, 100) if which == "demo" else (real_dims_ckpt, 80)
     load = (lambda **kw: lily_py.load(**kw)) if path is None else (lambda **kw: lily_py.load(path, **kw))
     if which not in _GREEDY:
@@ -111,7 +107,17 @@ def test_greedy_after_chunked_prefill_on_the_m5_path(real_dims_ckpt, which, chun
         prompt = (list(range(3, 40)) * 8)[:n] if path else \
             probe.tokenizer.encode("In the beginning God created the heaven and the earth. " * 20)[:n]
         _GREEDY[which] = (prompt, probe.generate_text(prompt, max_tokens=32).tokens)
-    prompt, want = _GREEDY[which]
+    return (load, *_GREEDY[which])
+
+
+@pytest.mark.parametrize("chunk", [1, 64, 4096])
+@pytest.mark.parametrize("which", ["demo", "real_head_dims"])
+def test_greedy_after_chunked_prefill_on_the_m5_path(real_dims_ckpt, which, chunk):
+    """Greedy tokens identical to the reference for 32 steps after a prompt prefilled in chunks of
+    1, 64 and 4096 on the M5 path, on the demo (head_dim 64) and on a random-weight checkpoint with
+    the real head dimensions (head_dim 256, 2 KV heads: attn_prefill_m5_d256; DeltaNet Dk = Dv =
+    128: gd_chunk_*_m5 on the 64- and 80-token prefill steps, the scan for one token)."""
+    load, prompt, want = _greedy_case(which, real_dims_ckpt)
     with simulated_device(tensor_ops=True):
         emu = load(backend="emu", context_length=256, prefill_chunk=chunk)
     kernels = {p["kernel"] for p in emu._backend.engine.pipelines}
@@ -119,6 +125,23 @@ def test_greedy_after_chunked_prefill_on_the_m5_path(real_dims_ckpt, which, chun
     assert (f"attn_prefill_m5_d{D}_f32" in kernels or f"attn_prefill_m5_d{D}_bf16" in kernels) == (chunk > 1), \
         sorted(kernels)
     assert ({"gd_chunk_wy_m5_f32", "gd_chunk_state_m5_f32"} <= kernels) == (chunk > 1), sorted(kernels)
+    got = emu.generate_text(prompt, max_tokens=32)
+    assert got.tokens == want
+
+
+@pytest.mark.parametrize("which", ["demo", "real_head_dims"])
+def test_greedy_on_the_int8_opt_in(real_dims_ckpt, which):
+    """The int8 opt-in (simulated_device(tensor_ops=True, tensor_int8=True); LILY_TENSOR_INT8=1 on a
+    Mac): every bf16-x 4-bit projection of more than 8 rows takes qmm_m5i8, the 8-bit router and
+    lm_head's fp32 logits keep qmm_m5; greedy tokens identical to the reference for 32 steps after
+    a prompt prefilled in chunks of 64 (its precision against mlx-lm's bf16 error, which it exceeds
+    on one checkpoint: docs/performance.md, "int8 activations on the tensor ops")."""
+    load, prompt, want = _greedy_case(which, real_dims_ckpt)
+    with simulated_device(tensor_ops=True, tensor_int8=True):
+        emu = load(backend="emu", context_length=256, prefill_chunk=64)
+    kernels = {p["kernel"] for p in emu._backend.engine.pipelines}
+    assert any(k.startswith("qmm_m5i8_b4_xbf16_") for k in kernels), sorted(kernels)
+    assert not any(k.startswith("qmm_m5_b4_xbf16_") and not k.endswith("_yf32") for k in kernels), sorted(kernels)
     got = emu.generate_text(prompt, max_tokens=32)
     assert got.tokens == want
 

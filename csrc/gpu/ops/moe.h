@@ -139,6 +139,7 @@ class RecordingEncoder final : public Encoder {
   void wait() override { ++waits; inner_.wait(); }
   uint32_t thread_limit(KernelId k) const override { return inner_.thread_limit(k); }
   bool tensor_ops() const override { return inner_.tensor_ops(); }
+  bool tensor_int8() const override { return inner_.tensor_int8(); }
   std::vector<std::string_view> kernels;  // kernel names (static storage), in dispatch order
   std::vector<Size3> groups, threads;      // grid and threadgroup of every dispatch, same order
   uint64_t commits = 0, waits = 0;

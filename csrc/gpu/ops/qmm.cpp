@@ -69,12 +69,12 @@ KernelId qmv1_r1(KernelId k) {
   }
 }
 
-KernelId qmm_kernel4(QmmRoute route, uint32_t bits, DType x, DType s, bool y_f32);
+KernelId qmm_kernel4(QmmRoute route, uint32_t bits, DType x, DType s, bool y_f32, bool int8);
 
 }  // namespace
 
-KernelId qmm_kernel(QmmRoute route, uint32_t bits, DType x, DType s, bool y_f32, uint32_t rows) {
-  const KernelId k = qmm_kernel4(route, bits, x, s, y_f32);
+KernelId qmm_kernel(QmmRoute route, uint32_t bits, DType x, DType s, bool y_f32, uint32_t rows, bool int8) {
+  const KernelId k = qmm_kernel4(route, bits, x, s, y_f32, int8);
   if (route != QmmRoute::qmv1 || rows == kQmv1Rows) return k;
   if (rows != 1) throw std::invalid_argument("quantized_matmul: qmv1 rows per threadgroup must be 4 or 1");
   return qmv1_r1(k);
@@ -94,7 +94,7 @@ QmmFlops qmm_flops(uint32_t M, uint32_t N, uint32_t K, uint32_t bits, bool tenso
 
 namespace {
 
-KernelId qmm_kernel4(QmmRoute route, uint32_t bits, DType x, DType s, bool y_f32) {
+KernelId qmm_kernel4(QmmRoute route, uint32_t bits, DType x, DType s, bool y_f32, bool int8) {
   // Index into the kernel list order: route, bits, x dtype, scale dtype (see kernel_ids.h).
   if (bits != 4 && bits != 8)
     throw std::invalid_argument("quantized_matmul: bits=" + std::to_string(bits) + " unsupported (4 or 8)");
@@ -122,6 +122,8 @@ KernelId qmm_kernel4(QmmRoute route, uint32_t bits, DType x, DType s, bool y_f32
               : (sb ? KernelId::qmv1_b8_xf32_sbf16 : KernelId::qmv1_b8_xf32_sf32);
   }
   if (route == QmmRoute::qmm_m5) {
+    if (bits == 4 && xb && int8)
+      return sb ? KernelId::qmm_m5i8_b4_xbf16_sbf16 : KernelId::qmm_m5i8_b4_xbf16_sf32;
     if (bits == 4)
       return xb ? (sb ? KernelId::qmm_m5_b4_xbf16_sbf16 : KernelId::qmm_m5_b4_xbf16_sf32)
                 : (sb ? KernelId::qmm_m5_b4_xf32_sbf16 : KernelId::qmm_m5_b4_xf32_sf32);
@@ -194,6 +196,8 @@ bool qmm_bf16_allowed(const QmmOperands& op) {
   return aligned && !op.fp32_operands && !op.y_f32 && (op.x_dtype == DType::bf16 || op.f32_x_bf16_tiles);
 }
 
+bool qmm_int8_allowed(const QmmOperands& op) { return !op.fp32_operands; }
+
 bool qmm_m5_allowed(const QmmOperands& op) {
   // The fp32-y variants (bf16 x: lm_head's logits) are 4-bit only.
   if (op.y_f32 && op.x_dtype == DType::bf16 && op.bits != 4) return false;
@@ -245,7 +249,8 @@ void encode_quantized_matmul(Encoder& enc, const QmmOperands& op) {
   }
   QmmArgs args{op.M, op.N, op.K, op.group_size, op.x_stride ? op.x_stride : op.K,
                op.y_stride ? op.y_stride : op.N};
-  enc.set_kernel(qmm_kernel(route, op.bits, op.x_dtype, op.scale_dtype, op.y_f32));
+  enc.set_kernel(qmm_kernel(route, op.bits, op.x_dtype, op.scale_dtype, op.y_f32, kQmv1Rows,
+                            enc.tensor_int8() && qmm_int8_allowed(op)));
   enc.set_args(args);
   // Bind exactly the bytes the kernel reads, so counters report true weight traffic.
   enc.set_buffer(1, range(op.x, ((uint64_t(op.M) - 1) * args.x_stride + op.K) * xe));

@@ -70,8 +70,14 @@ struct QmmOperands {
 
 // The kernel a route uses for these bits / dtypes; throws std::invalid_argument when unsupported.
 // rows: the qmv1 route's rows per threadgroup (qmv1_rows(N, K, bits); 4 or 1), ignored by the others.
+// int8: the qmm_m5 route takes qmm_m5i8 (int8 activations) where it has it: bf16 x, 4-bit weights,
+// bf16 y (Encoder::tensor_int8(); qmm_int8_allowed).
 KernelId qmm_kernel(QmmRoute route, uint32_t bits, DType x_dtype, DType scale_dtype, bool y_f32 = false,
-                    uint32_t rows = kQmv1Rows);
+                    uint32_t rows = kQmv1Rows, bool int8 = false);
+
+// Whether these operands may take int8 activations on the qmm_m5 route (with a tensor_int8 device):
+// not fp32_operands (the router: the logits choose the experts).
+bool qmm_int8_allowed(const QmmOperands& op);
 
 // Whether a tensor-ops device may take qmm_m5 for these operands (qmm_route's tensor_ops is
 // enc.tensor_ops() && this): not for bf16 x with fp32 y (no such variant), nor for fp32 x with

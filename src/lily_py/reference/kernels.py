@@ -18,6 +18,20 @@ def quantized_matmul(x: np.ndarray, w: np.ndarray, scales: np.ndarray, biases: n
     return np.asarray(x).astype(np.float64) @ wd.T
 
 
+def int8_rows(x: np.ndarray, group: int = 32) -> tuple[np.ndarray, np.ndarray]:
+    """x as ``qmm_m5i8`` quantizes it, per row and per ``group`` columns, in float32 as the kernel
+    computes: ``s = max |x| / 127`` (0 for an all-zero group), codes ``rint(x / s)`` clamped to
+    [-127, 127] (0 where s = 0). Returns ``(codes as float64, s [..., K / group] float64)``; the
+    dequantized x is ``codes * repeat(s)``."""
+    x = np.asarray(x).astype(np.float32)
+    K = x.shape[-1]
+    xs = x.reshape(x.shape[:-1] + (K // group, group))
+    s = np.abs(xs).max(-1, keepdims=True) / np.float32(127)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(s > 0, np.clip(np.rint(xs / s), -127, 127), 0).astype(np.float32)
+    return q.reshape(x.shape).astype(np.float64), s[..., 0].astype(np.float64)
+
+
 def quantized_matmul_error_scale(x: np.ndarray, w: np.ndarray, scales: np.ndarray,
                                  biases: np.ndarray, *, bits: int, group_size: int) -> np.ndarray:
     """``sum_k |x[m, k]| * (|s q[n, k]| + |b|)`` per output: the magnitude that fp32 rounding error

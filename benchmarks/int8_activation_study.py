@@ -1,0 +1,115 @@
+"""Precision study for a lever not built: int8 activations on the M5 path's tensor-op matmuls.
+
+Go / no-go question: if x were quantized to int8 (symmetric, one scale = max |x| / 127 per row and
+per group of G along K) at the input of every quantized matmul of the prompt, would the logits still
+be within mlx-lm's own bf16 error of the fp32 oracle (issue 11's precision criterion)? Measured on the
+NumPy reference (float32 everywhere else, so this is int8's error alone; the engine's bf16 roundings
+add to it) for the oracle checkpoints that have mlx-lm's bf16 run (tests/fixtures/oracles; the same
+cases as tests/model/test_bf16_activations.py): the prompt's logits with int8 x, then 32 decode steps
+fed the oracle's greedy tokens (decode stays unquantized: it runs the matvec kernels). Prints
+max_rel = max |d| / max |ref| and nmse = sum d^2 / sum ref^2, as that test does, beside mlx-lm's.
+
+    python benchmarks/int8_activation_study.py [--group 32 64]     (seconds)
+    python benchmarks/int8_activation_study.py --engine             (about 1 minute)
+
+``--engine``: the built opt-in instead (qmm_m5i8, int8 x per 32 columns on the projections; the MoE
+tiles keep half operands), on the engine with bf16 activations on a simulated M5, beside the same
+engine without it: the numbers test_bf16_activations.py asserts for the M5 path.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+
+import lily_py
+from lily_py import weights as lw
+
+ORACLES = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "oracles"
+CASES = ("std4_nested_fused", "bf16_flat_mha_top3", "bf16_h128_gqa3_top2", "bf16_top1_gqa4")
+
+
+def int8_roundtrip(x: np.ndarray, group: int) -> np.ndarray:
+    """x quantized to int8 per row and per `group` columns (symmetric) and back to float32."""
+    x = np.asarray(x, np.float32)
+    K = x.shape[-1]
+    g = group if K % group == 0 else K
+    xs = x.reshape(x.shape[:-1] + (K // g, g))
+    s = np.abs(xs).max(-1, keepdims=True) / 127.0
+    s[s == 0] = 1.0
+    return (np.clip(np.rint(xs / s), -127, 127) * s).reshape(x.shape).astype(np.float32)
+
+
+def errors(got: np.ndarray, ref: np.ndarray) -> tuple[float, float]:
+    g, r = got.astype(np.float64), ref.astype(np.float64)
+    return float(np.abs(g - r).max() / np.abs(r).max()), float(((g - r) ** 2).sum() / (r ** 2).sum())
+
+
+def decode_and_compare(be, exp, pre: np.ndarray) -> dict:
+    """32 decode steps fed the oracle's greedy tokens after the prompt's logits `pre`; errors of the
+    prompt's and of all rows against the fp32 oracle, and whether every step's argmax is its token."""
+    tokens = exp["mlx_bf16_greedy"]
+    steps = np.stack([pre[-1]] + [be.forward(np.array([t], np.uint32), all_logits=False) for t in tokens[:-1]])
+    ref_pre, ref_steps = exp["mlx_bf16_logits"], exp["mlx_bf16_greedy_logits"]
+    return {"prefill": errors(pre, ref_pre),
+            "all": errors(np.concatenate([pre, steps]), np.concatenate([ref_pre, ref_steps])),
+            "greedy": bool((steps.argmax(1) == tokens).all())}
+
+
+def run(name: str, group: int | None) -> dict:
+    """Errors against the fp32 oracle: the reference with int8 x on the prompt (group None: none)."""
+    exp = np.load(ORACLES / name / "expected.npz")
+    model = lily_py.load(str(ORACLES / name / "mlx4_bf16"), backend="reference")
+    be, plain = model._backend, lw.Linear.matmul
+
+    def matmul(self, x):  # only quantized weights take the tensor-op route
+        return plain(self, int8_roundtrip(x, group) if self.bits is not None else x)
+
+    if group is not None:
+        lw.Linear.matmul = matmul
+    try:
+        pre = be.forward(exp["prompt"].astype(np.uint32), all_logits=True)
+    finally:
+        lw.Linear.matmul = plain
+    return decode_and_compare(be, exp, pre)
+
+
+def run_engine(name: str, int8: bool) -> dict:
+    """The engine (emu, bf16 activations) on a simulated M5, with or without the int8 opt-in."""
+    from lily_py.testing import simulated_device
+    exp = np.load(ORACLES / name / "expected.npz")
+    with simulated_device(tensor_ops=True, tensor_int8=int8):
+        be = lily_py.load(str(ORACLES / name / "mlx4_bf16"), backend="emu", context_length=128)._backend
+    pre = be.forward(exp["prompt"].astype(np.uint32), all_logits=True)
+    return decode_and_compare(be, exp, pre)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--group", type=int, nargs="+", default=[32, 64], help="int8 scale group sizes along K")
+    ap.add_argument("--engine", action="store_true", help="the built opt-in on the engine (simulated M5)")
+    args = ap.parse_args()
+    if args.engine:
+        print("engine, bf16 activations, simulated M5, without / with the int8 opt-in (qmm_m5i8) vs mlx-lm bf16;"
+              " errors against the fp32 oracle, max_rel / nmse")
+    else:
+        print("int8 x at every quantized matmul of the prompt (NumPy reference, fp32 otherwise) vs mlx-lm bf16;"
+              " errors against the fp32 oracle, max_rel / nmse")
+    for name in CASES:
+        exp = np.load(ORACLES / name / "expected.npz")
+        ref = np.concatenate([exp["mlx_bf16_logits"], exp["mlx_bf16_greedy_logits"]])
+        mlx = errors(np.concatenate([exp["mlxbf16_bf16_logits"], exp["mlxbf16_bf16_greedy_logits"]]), ref)
+        mlx_pre = errors(exp["mlxbf16_bf16_logits"], exp["mlx_bf16_logits"])
+        print(f"{name:20} {'mlx-lm bf16':<18} prefill {mlx_pre[0]:.3e} / {mlx_pre[1]:.3e}   all {mlx[0]:.3e} / {mlx[1]:.3e}")
+        for g in ([None, "int8"] if args.engine else args.group):
+            r = run_engine(name, g == "int8") if args.engine else run(name, g)
+            ok = r["all"][0] <= mlx[0] and r["all"][1] <= mlx[1] and r["prefill"][1] <= mlx_pre[1]
+            label = ("engine " + ("int8 opt-in" if g else "M5 path")) if args.engine else f"int8 x, group {g}"
+            print(f"{'':20} {label:<18} prefill {r['prefill'][0]:.3e} / {r['prefill'][1]:.3e}   all "
+                  f"{r['all'][0]:.3e} / {r['all'][1]:.3e}   greedy 32: {r['greedy']}   "
+                  f"{'within' if ok else 'NOT within'} mlx-lm's")
+
+
+if __name__ == "__main__":
+    main()
