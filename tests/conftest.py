@@ -36,6 +36,22 @@ def chat_ckpt(tmp_path_factory):
     return p
 
 
+@pytest.fixture(autouse=True)
+def _kernel_tests_under_race_detection(request):
+    """LILY_CI_KERNEL_RACES=1 (.ci/run sets it): the emulator's race detector on for the tests in
+    tests/kernels, and only there (about 2.5x their CPU time; the other tests keep the cheap
+    checks). One run of the kernel tests then does what the separate race-detector job did."""
+    if os.environ.get("LILY_CI_KERNEL_RACES") != "1" or "kernels" not in request.node.path.parts:
+        yield
+        return
+    import lily_py._core as core
+    core.emu.set_races_default(True)
+    try:
+        yield
+    finally:
+        core.emu.set_races_default(None)
+
+
 @pytest.fixture
 def rng(request):
     """A fresh random generator per test; its seed is reported if the test fails."""

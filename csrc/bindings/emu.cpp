@@ -2,12 +2,14 @@
 // own tests to run self-test kernels by name).
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
 #include <array>
 #include <memory>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -72,6 +74,12 @@ void init_emu(nb::module_& parent) {
     d["threadgroup_memory"] = emu::kThreadgroupMemory;
     return d;
   }, "What this build's emulator detects immediately (see csrc/emu/platform.h).");
+
+  m.def(
+      "set_races_default", [](std::optional<bool> on) { emu::set_races_default(on ? int(*on) : -1); }, "on"_a.none(),
+      "The race detector's default for emulator runs started afterwards in this process: True / False, or None "
+      "for the environment's (LILY_EMU_RACES=1 turns it on).");
+  m.def("races_default", [] { return emu::races_default(); }, "The race detector's current default.");
 
   m.def(
       "dispatch",

@@ -23,8 +23,11 @@ enum class Order : uint8_t {
   ahead,
 };
 
-// LILY_EMU_RACES=1 in the environment: the race detector is on by default.
+// LILY_EMU_RACES=1 in the environment: the race detector is on by default. set_races_default
+// overrides that for RunOptions made afterwards in this process (1 on, 0 off, -1 back to the
+// environment's): the CI run turns it on for the kernel tests only (tests/conftest.py).
 bool races_default();
+void set_races_default(int on);
 
 struct RunOptions {
   Order order = Order::shuffle;
@@ -34,7 +37,8 @@ struct RunOptions {
   // Race detector (own instrumentation, see docs/testing.md): the threadgroup-memory words each
   // thread changes between two of its sync points, and the device words each threadgroup
   // changes; two writers that no barrier (or atomic) orders are a KernelError. Costly: on for the
-  // emulator's self-tests and where LILY_EMU_RACES=1 (the .ci/checks/emu_races.sh job).
+  // emulator's self-tests, where LILY_EMU_RACES=1, and for the kernel tests in CI
+  // (LILY_CI_KERNEL_RACES=1: set_races_default around each one, tests/conftest.py).
   bool races = races_default();
   // Bounds at the binding: a binding narrower than its buffer runs on a guarded copy of its range.
   bool binding_bounds = true;

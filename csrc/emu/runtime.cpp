@@ -11,6 +11,7 @@
 #endif
 #include <cfenv>
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -878,12 +879,19 @@ void run(const Launch& L, const RunOptions& opt) {
   }
 }
 
+namespace {
+std::atomic<int> g_races_override{-1};
+}  // namespace
+
+void set_races_default(int on) { g_races_override.store(on < 0 ? -1 : on != 0); }
+
 bool races_default() {
-  static const bool on = [] {
+  static const bool env = [] {
     const char* v = std::getenv("LILY_EMU_RACES");
     return v != nullptr && v[0] == '1';
   }();
-  return on;
+  const int o = g_races_override.load();
+  return o >= 0 ? o == 1 : env;
 }
 
 Features features() {

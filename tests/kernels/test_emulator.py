@@ -373,3 +373,29 @@ def test_never_written_integer_index_is_caught():
     with pytest.raises(core.EmulatorError, match=r"out-of-bounds read .*never-written memory\? poison reads as 0xFFA0FFA0"):
         dispatch("broken_unwritten_index", n, 0, [x, out], (1, 1, 1), (n, 1, 1))
     run_good_kernel()
+
+
+def test_set_races_default_round_trip():
+    """lily_py._core.emu.set_races_default: True / False override the environment for runs made
+    afterwards, None returns to it (LILY_EMU_RACES=1 on)."""
+    import os
+    emu = core.emu
+    before = emu.races_default()
+    try:
+        emu.set_races_default(False)
+        assert emu.races_default() is False
+        emu.set_races_default(True)
+        assert emu.races_default() is True
+        emu.set_races_default(None)
+        assert emu.races_default() is (os.environ.get("LILY_EMU_RACES") == "1")
+    finally:
+        emu.set_races_default(before)
+
+
+def test_kernel_tests_run_under_the_race_detector_in_ci():
+    """In CI (.ci/run exports LILY_CI_KERNEL_RACES=1) every kernel test runs with the race detector
+    on (tests/conftest.py); elsewhere only where LILY_EMU_RACES=1 asks for it."""
+    import os
+    want = os.environ.get("LILY_CI_KERNEL_RACES") == "1" or os.environ.get("LILY_EMU_RACES") == "1"
+    assert core.emu.races_default() is want
+
