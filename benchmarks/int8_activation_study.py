@@ -25,20 +25,20 @@ import numpy as np
 
 import lily_py
 from lily_py import weights as lw
+from lily_py.reference.kernels import int8_rows
 
 ORACLES = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "oracles"
 CASES = ("std4_nested_fused", "bf16_flat_mha_top3", "bf16_h128_gqa3_top2", "bf16_top1_gqa4")
 
 
 def int8_roundtrip(x: np.ndarray, group: int) -> np.ndarray:
-    """x quantized to int8 per row and per `group` columns (symmetric) and back to float32."""
-    x = np.asarray(x, np.float32)
-    K = x.shape[-1]
+    """x quantized to int8 per row and per `group` columns as qmm_m5i8 does
+    (lily_py.reference.kernels.int8_rows; one group per row where K is not a multiple of it) and
+    back to float32."""
+    K = np.shape(x)[-1]
     g = group if K % group == 0 else K
-    xs = x.reshape(x.shape[:-1] + (K // g, g))
-    s = np.abs(xs).max(-1, keepdims=True) / 127.0
-    s[s == 0] = 1.0
-    return (np.clip(np.rint(xs / s), -127, 127) * s).reshape(x.shape).astype(np.float32)
+    codes, s = int8_rows(x, g)
+    return (codes * np.repeat(s, g, axis=-1)).astype(np.float32)
 
 
 def errors(got: np.ndarray, ref: np.ndarray) -> tuple[float, float]:

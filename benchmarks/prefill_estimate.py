@@ -318,10 +318,12 @@ def estimate(fams: dict, levels: int, L: int, gpu: str, a: dict = ASSUMPTIONS) -
     for name, f in fams.items():
         tc = (f["executed"] * shape_factor(name, f["unit"], a) / unit_rate(f["unit"], gpu, a)
               if f["executed"] else 0.0)
-        if f["unit"] == "tensor" and name.startswith(a["int8_built"]):  # int8 ops + their ALU rescale
-            tc = tc / a["int8_speedup"] + f["executed"] / a["int8_group"] / unit_rate("alu", gpu, a)
+        rescale = 0.0
+        if int8_family(name, f, a):  # int8 ops; their ALU rescale (1 FMA per output per int8_group
+            tc /= a["int8_speedup"]   # MACs) overlaps neither the tensor ops nor the memory traffic
+            rescale = f["executed"] / a["int8_group"] / unit_rate("alu", gpu, a)
         tb = f["bytes"] / bw
-        times[name] = (max(tc, tb), "flops" if tc >= tb else "bytes")
+        times[name] = (max(tc, tb) + rescale, "flops" if tc >= tb else "bytes")
     t_levels = levels * a["t_level_us"] * 1e-6
     total = sum(t for t, _ in times.values()) + t_levels
     by_unit = defaultdict(float)
@@ -339,18 +341,16 @@ def with_units(fams: dict, units: dict) -> dict:
     return out
 
 
+def int8_family(name: str, f: dict, a: dict = ASSUMPTIONS) -> bool:
+    """Whether the estimate charges `name` at the int8 rate plus its ALU rescale: a built int8
+    kernel (int8_built) or one a what-if marked (with_int8)."""
+    return f["unit"] == "tensor" and (f.get("int8", False) or name.startswith(a["int8_built"]))
+
+
 def with_int8(fams: dict, a: dict = ASSUMPTIONS) -> dict:
-    """What-if: the int8_families' tensor FLOPs at int8_speedup x the rate, plus their rescale
-    epilogue (1 FMA per output per int8_group multiply-adds) as an ALU family."""
-    out, epilogue = {}, 0.0
-    for name, f in fams.items():
-        if f["unit"] == "tensor" and name.startswith(a["int8_families"]) and not name.startswith(a["int8_built"]):
-            out[name] = dict(f, executed=f["executed"] / a["int8_speedup"])
-            epilogue += f["executed"] / a["int8_group"]
-        else:
-            out[name] = f
-    out["int8_rescale (what-if)"] = dict(unit="alu", executed=epilogue, useful=0.0, bytes=0.0)
-    return out
+    """What-if: the int8_families on int8 activations (charged as int8_family says)."""
+    return {name: dict(f, int8=True) if f["unit"] == "tensor" and name.startswith(a["int8_families"]) else f
+            for name, f in fams.items()}
 
 
 def efficiency_for(fams: dict, levels: int, L: int, gpu: str, unit: str, tps: float, a: dict = ASSUMPTIONS):

@@ -30,6 +30,19 @@
 
 namespace lily {
 
+// The 16 codes of weight row n from column k (16 | every group size: one group), with its scale
+// and bias: what qmm_m5 and qmm_m5i8 stage for each thread.
+template <int bits, typename S>
+inline void qmm_m5_w_codes(constant QmmArgs& args, const device uint32_t* w, const device S* scales,
+                           const device S* biases, uint32_t n, uint32_t k, thread float* q, thread float& s,
+                           thread float& b) {
+  constexpr uint32_t per_word = 32 / bits;  // codes per uint32 word
+  unpack_codes<bits, 16>(w + n * (args.K / per_word) + k / per_word, q);
+  const uint32_t g = n * (args.K / args.group_size) + k / args.group_size;
+  s = float(scales[g]);
+  b = float(biases[g]);
+}
+
 // Stages K step k0 of the x and w tiles (thread t: one row, 16 consecutive columns).
 template <int bits, typename T, typename S>
 inline void qmm_m5_stage(constant QmmArgs& args, const device T* x, const device uint32_t* w,
@@ -43,12 +56,8 @@ inline void qmm_m5_stage(constant QmmArgs& args, const device T* x, const device
     xs[row * BK + col + i] = m < args.M ? half(float(x[m * args.x_stride + k0 + col + i])) : half(0.0f);
   const uint32_t n = n0 + row;
   if (n < args.N) {
-    float q[16];
-    constexpr uint32_t per_word = 32 / bits;  // codes per uint32 word
-    unpack_codes<bits, 16>(w + n * (args.K / per_word) + (k0 + col) / per_word, q);
-    const uint32_t g = n * (args.K / args.group_size) + (k0 + col) / args.group_size;
-    const float s = float(scales[g]);
-    const float b = float(biases[g]);
+    float q[16], s, b;
+    qmm_m5_w_codes<bits>(args, w, scales, biases, n, k0 + col, q, s, b);
     for (uint32_t i = 0; i < 16; ++i) ws[row * BK + col + i] = half(s * q[i] + b);
   } else {
     for (uint32_t i = 0; i < 16; ++i) ws[row * BK + col + i] = half(0.0f);
@@ -155,10 +164,7 @@ inline void qmm_m5i8_stage(constant QmmArgs& args, const device T* x, const devi
   float sw = 0.0f, bw = 0.0f;
   if (n < args.N) {
     float q[16];
-    unpack_codes<4, 16>(w + n * (args.K / 8) + (k0 + col) / 8, q);
-    const uint32_t g = n * (args.K / args.group_size) + (k0 + col) / args.group_size;
-    sw = float(scales[g]);
-    bw = float(biases[g]);
+    qmm_m5_w_codes<4>(args, w, scales, biases, n, k0 + col, q, sw, bw);
     for (uint32_t i = 0; i < 16; ++i) wq[row * BK + col + i] = uint8_t(q[i]);
   } else {
     for (uint32_t i = 0; i < 16; ++i) wq[row * BK + col + i] = uint8_t(0);
