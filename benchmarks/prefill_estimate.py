@@ -93,7 +93,8 @@ ASSUMPTIONS = {
         # W S, Q S and P U as 16 x 32 x 128 ops, the state update K^T U as 32 x 32 x 64 (equal FLOPs)
         "gd_chunk_state_m5": {"16x32x128": 0.75, "32x32x64": 0.25},
     },
-    # WHAT-IF only (not built): int8 activations on the projections and the MoE tiles. INT8
+    # int8 activations on the projections and the MoE tiles (built for the projections and the MoE
+    # 64-row tiles as the opt-in, "M5 int8 opt-in"; the what-if lines put every MoE tile on it). INT8
     # matmul2d ran at about 2x the FP16 rate in the A19 measurement (docs/metal.md, "Execution scope
     # and tile shape"); x quantized per row and per group of `int8_group` along K (symmetric, scale =
     # max |x| / 127: within mlx-lm's bf16 error at 32 on the oracle checkpoints,
@@ -105,8 +106,8 @@ ASSUMPTIONS = {
     "int8_group": 32,
     "int8_families": ("qmm_m5", "moe_gate_up_m5", "moe_down_m5"),
     # the families built with int8 activations (the estimate charges them as above: int8_speedup
-    # and the rescale epilogue on the ALUs)
-    "int8_built": ("qmm_m5i8",),
+    # and the rescale epilogue on the ALUs): the projections and the MoE 64-row tiles
+    "int8_built": ("qmm_m5i8", "moe_gate_up_m5i8", "moe_down_m5i8"),
     # executed / useful FLOPs assumed for the "design" line only (all useful FLOPs on the path's
     # matmul unit, the earlier estimate).
     "future_padding": 1.05,
@@ -120,13 +121,14 @@ TARGET = 1.3 * MLX_LM_4K_M5_MAX
 TARGETS = {L: 1.3 * v for L, v in MLX_LM_M5_MAX.items()}  # the issue: >= 1.3 x MLX-LM at every length
 GPUS = ("M5", "M5 Max")
 # (name, device mode): False = no tensor ops, True = tensor ops, "int8" = tensor ops with int8 activations
-# where a kernel has them (simulated_device(tensor_ops=True, tensor_int8=True): qmm_m5i8)
+# where a kernel has them (simulated_device(tensor_ops=True, tensor_int8=True): qmm_m5i8 and the MoE
+# 64-row tiles moe_*_m5i8)
 PATHS = (("M1-M4 path", False), ("M5 path", True), ("M5 int8 opt-in", "int8"))
 UNIT_SHORT = {"tensor": "tensor", "simdgroup_bf16": "sg-bf16", "simdgroup_fp32": "sg-fp32", "alu": "alu"}
 
 _SUFFIX = re.compile(r"(_(b4|b8|xf32|xbf16|sf32|sbf16|wf32|wbf16|yf32|d\d+|e\d+|r1))+$")
 _DTYPE = re.compile(r"_(f32|bf16)$")
-_MOE_KIND = re.compile(r"^moe_(gate_up|down)_(?:(?:m5|bf16)_)?(?:mm)?(64|32|few)(?:_|$)")
+_MOE_KIND = re.compile(r"^moe_(gate_up|down)_(?:(?:m5i8|m5|bf16)_)?(?:mm)?(64|32|few)(?:_|$)")
 
 
 def family(kernel: str) -> str:
@@ -429,6 +431,13 @@ def print_tables(res: dict, brief: bool = False) -> None:
             met = [f"{L}: {'met' if res[path, L]['est']['M5 Max']['tps'] >= TARGETS[L] else 'not met'} "
                    f"({res[path, L]['est']['M5 Max']['tps'] / TARGETS[L]:.2f} of it)" for L in known]
             print(f"  {path}, M5 Max vs the target: " + ", ".join(met))
+        for path, tops in PATHS:
+            if not tops:
+                continue
+            need = {L: efficiency_for(res[path, L]["fams"], res[path, L]["levels"], L, "M5 Max", "tensor", TARGETS[L])
+                    for L in known}
+            print(f"  {path}, tensor-op efficiency each target needs (assumed {a['efficiency']['tensor']:.0%}): "
+                  + ", ".join(f"{L}: " + (f"{v:.0%}" if v else "not at 100%") for L, v in need.items()))
     print("  design (the earlier estimate: every useful FLOP x 1.05 on the path's matmul unit, weight "
           "bandwidth cap, nothing else): " + "; ".join(
               f"{path} {g} " + " ".join(f"{design_tps(res[path, L]['fams'], L, g, u):,.0f}" for L in lengths)
@@ -464,9 +473,10 @@ def print_tables(res: dict, brief: bool = False) -> None:
         print("  int8 what-if at every length, M5 path, M5 Max (target): " + ", ".join(
             f"{L}: {estimate(with_int8(res['M5 path', L]['fams']), res['M5 path', L]['levels'], L, 'M5 Max')['tps']:,.0f}"
             + (f" ({TARGETS[L]:,.0f})" if L in TARGETS else "") for L in lengths if ("M5 path", L) in res))
-        print("  (int8 lines: x as int8 per row and group of %d on qmm_m5 - built as the opt-in qmm_m5i8, the "
-              "'M5 int8 opt-in' rows - and on the MoE tensor-op tiles - not built - at %.0fx the FP16 rate, the "
-              "rescale epilogue on the ALUs; ASSUMPTIONS)" % (a["int8_group"], a["int8_speedup"]))
+        print("  (int8 lines: x as int8 per row and group of %d on qmm_m5 and on every MoE tensor-op tile - built "
+              "for qmm (qmm_m5i8) and the 64-row MoE tiles (moe_*_m5i8) as the opt-in, the 'M5 int8 opt-in' rows; "
+              "the 32- and 16-row tiles not built - at %.0fx the FP16 rate, the rescale epilogue on the ALUs; "
+              "ASSUMPTIONS)" % (a["int8_group"], a["int8_speedup"]))
         e = estimate(f2, lv, 4096, "M5 Max")
         alu = sum(t for n, (t, _) in e["times"].items() if f2[n]["unit"] == "alu")
         print(f"  as built: ALU families (norms, conv, prep, gated norm, combine, few-row MoE) {alu * 1e3:.1f} ms "

@@ -131,7 +131,8 @@ void init_devices(nb::module_& parent) {
         "tensor_ops"_a = false, "tensor_int8"_a = false,
         "Simulate a Mac's limits on the emu and count devices made afterwards (0 = unlimited / the default); "
         "tensor_ops: the devices report Metal 4 tensor ops (host ops take their M5 routes); tensor_int8 (with "
-        "tensor_ops): those routes take int8 activations where they have them (qmm_m5i8).");
+        "tensor_ops): those routes take int8 activations where they have them (qmm_m5i8 for the bf16 "
+        "projections, moe_*_m5i8 for the MoE 64-row tiles).");
   m.def("clear_simulation", [] { devices::set_simulation(devices::Simulation{}); });
   m.def("simulation_active", [] { return devices::simulation().active; });
 }

@@ -103,6 +103,8 @@
   X(moe_gate_up_m5_32_b4_xbf16_sbf16, MoeArgs, 15)                            \
   X(moe_down_m5_64_b4_sbf16,         MoeArgs, 10)                             \
   X(moe_down_m5_32_b4_sbf16,         MoeArgs, 10)                             \
+  X(moe_gate_up_m5i8_64_b4_xbf16_sbf16, MoeArgs, 15) /* 64-row tiles, int8 x */ \
+  X(moe_down_m5i8_64_b4_sbf16,          MoeArgs, 10) /* ... and int8 h */        \
   /* causal prefill attention on tensor ops, M5 (shaders/m5/attention_m5.metal): same */ \
   /* buffers as attn_prefill_mma; one id per head_dim */                      \
   X(attn_prefill_m5_d64_f32,   AttnArgs, 5)                                   \
@@ -298,6 +300,7 @@ constexpr bool kernel_needs_tensor_ops(KernelId id) {
          id == KernelId::moe_gate_up_m5_64_b4_xf32_sbf16 || id == KernelId::moe_gate_up_m5_32_b4_xf32_sbf16 ||
          id == KernelId::moe_gate_up_m5_64_b4_xbf16_sbf16 || id == KernelId::moe_gate_up_m5_32_b4_xbf16_sbf16 ||
          id == KernelId::moe_down_m5_64_b4_sbf16 || id == KernelId::moe_down_m5_32_b4_sbf16 ||
+         id == KernelId::moe_gate_up_m5i8_64_b4_xbf16_sbf16 || id == KernelId::moe_down_m5i8_64_b4_sbf16 ||
          id == KernelId::qmm_m5_b8_xf32_sf32 || id == KernelId::qmm_m5_b8_xf32_sbf16 ||
          id == KernelId::qmm_m5_b8_xbf16_sf32 || id == KernelId::qmm_m5_b8_xbf16_sbf16 ||
          id == KernelId::qmm_m5i8_b4_xbf16_sf32 || id == KernelId::qmm_m5i8_b4_xbf16_sbf16 ||

@@ -331,6 +331,269 @@ template <typename S, int bits, int LIST>
     moe_down_m5_tile<S, bits, LIST>(args, row_weight, h, w, sc, bi, y, K, r0, r1, n0, steps, t, simd_id, xs, ws);
 }
 
+// ---------------------------------------------------------------------------------------------
+// moe_gate_up_m5i8 / moe_down_m5i8: the 64-row list's tiles with int8 activations on the int8 rows
+// of matmul2d (int8_t x uint8_t -> int32_t), as qmm_m5i8 (shaders/m5/qmm_m5.metal) does for the
+// projections. Taken for the 64-row kind when the device allows int8 (Encoder::tensor_int8), the
+// activations are bf16, the experts 4-bit and 32 divides the group size (host: moe_int8_allowed in
+// csrc/gpu/ops/moe.cpp); the 32-row and few-row kinds keep their kernels (their tiles are bound by
+// weight bytes, not by the multiply: docs/performance.md). Same buffers, args, grid and plan list
+// as moe_gate_up_m5 / moe_down_m5 with LIST = 64.
+//   staging:   per K step of 32 (one weight group), thread t takes row t / 2 of the tile (gathered
+//              through the plan's row -> token map; h for down), 16 columns 16 (t % 2), and
+//              quantizes the row's 32 values with its partner t ^ 1 (int8_row_codes: s = max |x| /
+//              127, codes in [-127, 127], the code sum); and the uint8 codes of 8 weights of feature
+//              t / 4, columns 8 (t % 4), with the group's scale and bias (gate and up, or down).
+//              Two stages, one barrier per step.
+//   multiply:  simdgroup g owns row block g (16 rows): per step matmul2d_descriptor(16, 32, 32,
+//              false, true, false, multiply) into int32 cooperative tensors (gate and up, or
+//              down; exact), then int8_rescale into fp32 accumulators of the same op.
+//   epilogue:  as moe_gate_up_m5 (h = silu(gate) * up, fp32) and moe_down_m5 (y = row weight * acc).
+// Precision: x and h are rounded to int8 per row and 32 columns (error <= s / 2 per element); the
+// weight codes, integer products and sums are exact; the rescale, SwiGLU and the routing weight are
+// fp32. Reference: lily_py.reference.kernels.int8_rows; model-level error: docs/performance.md.
+
+// Stages the uint8 codes of 8 weights (columns k0 + 8 (t % 4) .. + 8) of feature n of one matrix
+// into wq[t / 4][..], and (thread t % 4 == 0) the group's scale and bias into ws[t / 4], wb[t / 4]
+// (zeros for n >= N). 32 divides the group size: one group per step.
+template <typename S>
+inline void moe_m5i8_stage_w(const device uint32_t* w, const device S* sc, const device S* bi, uint32_t n,
+                             uint32_t N, uint32_t k0, uint32_t wpr, uint32_t gpr, uint32_t group_size, uint32_t t,
+                             threadgroup uint8_t* wq, threadgroup float* ws, threadgroup float* wb) {
+  constexpr uint32_t BK = kMoeTileK;
+  const uint32_t f = t / 4, col = (t % 4) * 8;
+  float q[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  float s = 0.0f, b = 0.0f;
+  if (n < N) {
+    unpack_codes<4, 8>(w + n * wpr + (k0 + col) * 4 / 32, q);
+    const uint32_t gi = n * gpr + k0 / group_size;
+    s = float(sc[gi]);
+    b = float(bi[gi]);
+  }
+  for (uint32_t c = 0; c < 8; ++c) wq[f * BK + col + c] = uint8_t(q[c]);
+  if (t % 4 == 0) {
+    ws[f] = s;
+    wb[f] = b;
+  }
+}
+
+// Stages the int8 codes of row t / 2 of the tile, columns 16 (t % 2) .. + 16 of the step at src
+// (zeros for an absent row), its scale and code sum (thread t % 2 == 0).
+template <typename T>
+inline void moe_m5i8_stage_rows(const device T* src, bool valid, uint32_t t, threadgroup int8_t* xq,
+                                threadgroup float* xs, threadgroup float* xsum) {
+  constexpr uint32_t BK = kMoeTileK;
+  const uint32_t row = t / 2, col = (t % 2) * 16;
+  float v[16];
+  for (uint32_t c = 0; c < 16; ++c) v[c] = valid ? float(src[c]) : 0.0f;
+  float sum;
+  const float s = int8_row_codes(v, xq + row * BK + col, sum);
+  if (t % 2 == 0) {
+    xs[row] = s;
+    xsum[row] = sum;
+  }
+}
+
+template <typename T, typename S>
+[[kernel]] void moe_gate_up_m5i8(constant MoeArgs& args [[buffer(0)]],
+                                 const device T* x [[buffer(1)]],
+                                 const device uint32_t* plan [[buffer(2)]],
+                                 const device uint32_t* gate_w [[buffer(3)]],
+                                 const device S* gate_s [[buffer(4)]],
+                                 const device S* gate_b [[buffer(5)]],
+                                 const device uint32_t* up_w [[buffer(6)]],
+                                 const device S* up_s [[buffer(7)]],
+                                 const device S* up_b [[buffer(8)]],
+                                 const device uint32_t* sh_gate_w [[buffer(9)]],
+                                 const device S* sh_gate_s [[buffer(10)]],
+                                 const device S* sh_gate_b [[buffer(11)]],
+                                 const device uint32_t* sh_up_w [[buffer(12)]],
+                                 const device S* sh_up_s [[buffer(13)]],
+                                 const device S* sh_up_b [[buffer(14)]],
+                                 device float* h [[buffer(15)]],
+                                 LILY_KERNEL_TAIL) {
+  constexpr uint32_t BM = 64, BN = kMoeTileN, BK = kMoeTileK, SR = kMoeM5SubRows;
+  static_assert(BN == 32 && BK == 32 && SR == 16 && BM / SR == kMoeTileSimds,
+                "the staging map assumes 32-wide steps and features, 128 threads; one 16-row block per simdgroup");
+  LILY_TG_ARRAY(int8_t, xq, [2 * BM * BK]);   // two stages of the x codes [64][32]
+  LILY_TG_ARRAY(uint8_t, gq, [2 * BN * BK]);  // two stages of the gate codes [32][32]
+  LILY_TG_ARRAY(uint8_t, uq, [2 * BN * BK]);  // two stages of the up codes [32][32]
+  LILY_TG_ARRAY(float, xs, [2 * BM]);         // s_x per row and stage
+  LILY_TG_ARRAY(float, xsum, [2 * BM]);       // the row's code sum per stage
+  LILY_TG_ARRAY(float, wsb, [2 * 4 * BN]);    // per stage: gate scale, gate bias, up scale, up bias [32]
+
+  const uint32_t tile = group_pos.y;
+  const uint32_t list = moe_plan_list64();
+  const bool active = tile < plan[0];  // uniform over the threadgroup
+  const uint32_t g = active ? plan[list + 3 * tile] : 0u;
+  const uint32_t r0 = active ? plan[list + 3 * tile + 1] : 0u;
+  const uint32_t r1 = active ? plan[list + 3 * tile + 2] : 0u;
+  const bool shared = g == args.experts;
+  const uint32_t N = shared ? args.shared_inter : args.inter;
+  const uint32_t n0 = group_pos.x * BN;
+  const uint32_t H = args.hidden;
+  const uint32_t steps = (active && n0 < N) ? H / BK : 0u;  // uniform: no work, no run, no barrier
+  const uint32_t wpr = H * 4 / 32, gpr = H / args.group_size;
+  const device uint32_t* wg = shared ? sh_gate_w : gate_w + g * N * wpr;
+  const device S* sg = shared ? sh_gate_s : gate_s + g * N * gpr;
+  const device S* bg = shared ? sh_gate_b : gate_b + g * N * gpr;
+  const device uint32_t* wu = shared ? sh_up_w : up_w + g * N * wpr;
+  const device S* su = shared ? sh_up_s : up_s + g * N * gpr;
+  const device S* bu = shared ? sh_up_b : up_b + g * N * gpr;
+  const uint32_t t = thread_pos.x;
+  const uint32_t my_row = r0 + t / 2;  // the row this thread stages
+  const bool my_valid = my_row < r1;
+  const uint32_t my_tok = my_valid ? plan[moe_plan_row_token(args.max_tiles) + my_row] : 0u;
+  const device T* xr = x + my_tok * H + (t % 2) * 16;
+  const uint32_t n_st = n0 + t / 4;  // the feature whose weights this thread stages
+  const uint32_t rb = simd_id;       // this simdgroup's row block
+
+  constexpr auto desc = matmul2d_descriptor(int(SR), int(BN), int(BK), false, true, false,
+                                            matmul2d_descriptor::mode::multiply);
+  matmul2d<desc, execution_simdgroup> op;
+  auto x0 = tensor<threadgroup int8_t, dextents<int32_t, 2>, tensor_inline>(xq + rb * SR * BK, dextents<int32_t, 2>(int(BK), int(SR)));
+  auto x1 = tensor<threadgroup int8_t, dextents<int32_t, 2>, tensor_inline>(xq + BM * BK + rb * SR * BK, dextents<int32_t, 2>(int(BK), int(SR)));
+  auto g0 = tensor<threadgroup uint8_t, dextents<int32_t, 2>, tensor_inline>(gq, dextents<int32_t, 2>(int(BK), int(BN)));
+  auto g1 = tensor<threadgroup uint8_t, dextents<int32_t, 2>, tensor_inline>(gq + BN * BK, dextents<int32_t, 2>(int(BK), int(BN)));
+  auto u0 = tensor<threadgroup uint8_t, dextents<int32_t, 2>, tensor_inline>(uq, dextents<int32_t, 2>(int(BK), int(BN)));
+  auto u1 = tensor<threadgroup uint8_t, dextents<int32_t, 2>, tensor_inline>(uq + BN * BK, dextents<int32_t, 2>(int(BK), int(BN)));
+  auto acc_g = op.template get_destination_cooperative_tensor<decltype(x0), decltype(g0), float>();
+  auto acc_u = op.template get_destination_cooperative_tensor<decltype(x0), decltype(u0), float>();
+  for (uint16_t i = 0; i < acc_g.get_capacity(); ++i) {
+    if (!acc_g.is_valid_element(i)) continue;
+    acc_g[i] = 0.0f;
+    acc_u[i] = 0.0f;
+  }
+
+  if (steps != 0u) {
+    moe_m5i8_stage_rows<T>(xr, my_valid, t, xq, xs, xsum);
+    moe_m5i8_stage_w<S>(wg, sg, bg, n_st, N, 0, wpr, gpr, args.group_size, t, gq, wsb, wsb + BN);
+    moe_m5i8_stage_w<S>(wu, su, bu, n_st, N, 0, wpr, gpr, args.group_size, t, uq, wsb + 2 * BN, wsb + 3 * BN);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+  for (uint32_t s = 0; s < steps; ++s) {
+    const uint32_t cur = s & 1, nx = (s + 1) & 1;
+    if (s + 1 < steps) {  // stage s+1 into the buffers the previous step read (barrier between)
+      const uint32_t k1 = (s + 1) * BK;
+      threadgroup float* wn = wsb + nx * 4 * BN;
+      moe_m5i8_stage_rows<T>(xr + k1, my_valid, t, xq + nx * BM * BK, xs + nx * BM, xsum + nx * BM);
+      moe_m5i8_stage_w<S>(wg, sg, bg, n_st, N, k1, wpr, gpr, args.group_size, t, gq + nx * BN * BK, wn, wn + BN);
+      moe_m5i8_stage_w<S>(wu, su, bu, n_st, N, k1, wpr, gpr, args.group_size, t, uq + nx * BN * BK, wn + 2 * BN,
+                          wn + 3 * BN);
+    }
+    auto dg = op.template get_destination_cooperative_tensor<decltype(x0), decltype(g0), int32_t>();
+    auto du = op.template get_destination_cooperative_tensor<decltype(x0), decltype(u0), int32_t>();
+    if (cur == 0) {
+      op.run(x0, g0, dg);
+      op.run(x0, u0, du);
+    } else {
+      op.run(x1, g1, dg);
+      op.run(x1, u1, du);
+    }
+    const threadgroup float* wc = wsb + cur * 4 * BN;
+    int8_rescale(dg, acc_g, xs + cur * BM, xsum + cur * BM, wc, wc + BN, rb * SR, 0);
+    int8_rescale(du, acc_u, xs + cur * BM, xsum + cur * BM, wc + 2 * BN, wc + 3 * BN, rb * SR, 0);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+
+  if (steps != 0u) {
+    for (uint16_t i = 0; i < acc_g.get_capacity(); ++i) {
+      if (!acc_g.is_valid_element(i)) continue;
+      const auto idx = acc_g.get_multidimensional_index(i);
+      const uint32_t n = n0 + uint32_t(idx[0]);
+      const uint32_t r = r0 + rb * SR + uint32_t(idx[1]);
+      if (r < r1 && n < N) h[r * args.h_stride + n] = moe_m5_silu(acc_g[i]) * acc_u[i];
+    }
+  }
+}
+
+template <typename S>
+[[kernel]] void moe_down_m5i8(constant MoeArgs& args [[buffer(0)]],
+                              const device uint32_t* plan [[buffer(1)]],
+                              const device float* row_weight [[buffer(2)]],
+                              const device float* h [[buffer(3)]],
+                              const device uint32_t* down_w [[buffer(4)]],
+                              const device S* down_s [[buffer(5)]],
+                              const device S* down_b [[buffer(6)]],
+                              const device uint32_t* sh_down_w [[buffer(7)]],
+                              const device S* sh_down_s [[buffer(8)]],
+                              const device S* sh_down_b [[buffer(9)]],
+                              device float* y [[buffer(10)]],
+                              LILY_KERNEL_TAIL) {
+  constexpr uint32_t BM = 64, BN = kMoeTileN, BK = kMoeTileK, SR = kMoeM5SubRows;
+  static_assert(BN == 32 && BK == 32 && SR == 16 && BM / SR == kMoeTileSimds,
+                "the staging map assumes 32-wide steps and features, 128 threads; one 16-row block per simdgroup");
+  LILY_TG_ARRAY(int8_t, xq, [2 * BM * BK]);   // two stages of the h codes [64][32]
+  LILY_TG_ARRAY(uint8_t, wq, [2 * BN * BK]);  // two stages of the down codes [32][32]
+  LILY_TG_ARRAY(float, xs, [2 * BM]);         // s_h per row and stage
+  LILY_TG_ARRAY(float, xsum, [2 * BM]);       // the row's code sum per stage
+  LILY_TG_ARRAY(float, wsb, [2 * 2 * BN]);    // per stage: scale, bias [32]
+
+  const uint32_t tile = group_pos.y;
+  const uint32_t list = moe_plan_list64();
+  const bool active = tile < plan[0];  // uniform over the threadgroup
+  const uint32_t g = active ? plan[list + 3 * tile] : 0u;
+  const uint32_t r0 = active ? plan[list + 3 * tile + 1] : 0u;
+  const uint32_t r1 = active ? plan[list + 3 * tile + 2] : 0u;
+  const bool shared = g == args.experts;
+  const uint32_t H = args.hidden;
+  const uint32_t K = shared ? args.shared_inter : args.inter;
+  const uint32_t n0 = group_pos.x * BN;
+  const uint32_t steps = active ? K / BK : 0u;  // uniform
+  const uint32_t wpr = K * 4 / 32, gpr = K / args.group_size;
+  const device uint32_t* w = shared ? sh_down_w : down_w + g * H * wpr;
+  const device S* sc = shared ? sh_down_s : down_s + g * H * gpr;
+  const device S* bi = shared ? sh_down_b : down_b + g * H * gpr;
+  const uint32_t t = thread_pos.x;
+  const uint32_t my_row = r0 + t / 2;
+  const bool my_valid = my_row < r1;
+  const device float* hr = h + (my_valid ? my_row : 0u) * args.h_stride + (t % 2) * 16;
+  const uint32_t n_st = n0 + t / 4;
+  const uint32_t rb = simd_id;
+
+  constexpr auto desc = matmul2d_descriptor(int(SR), int(BN), int(BK), false, true, false,
+                                            matmul2d_descriptor::mode::multiply);
+  matmul2d<desc, execution_simdgroup> op;
+  auto x0 = tensor<threadgroup int8_t, dextents<int32_t, 2>, tensor_inline>(xq + rb * SR * BK, dextents<int32_t, 2>(int(BK), int(SR)));
+  auto x1 = tensor<threadgroup int8_t, dextents<int32_t, 2>, tensor_inline>(xq + BM * BK + rb * SR * BK, dextents<int32_t, 2>(int(BK), int(SR)));
+  auto w0 = tensor<threadgroup uint8_t, dextents<int32_t, 2>, tensor_inline>(wq, dextents<int32_t, 2>(int(BK), int(BN)));
+  auto w1 = tensor<threadgroup uint8_t, dextents<int32_t, 2>, tensor_inline>(wq + BN * BK, dextents<int32_t, 2>(int(BK), int(BN)));
+  auto acc = op.template get_destination_cooperative_tensor<decltype(x0), decltype(w0), float>();
+  for (uint16_t i = 0; i < acc.get_capacity(); ++i)
+    if (acc.is_valid_element(i)) acc[i] = 0.0f;
+
+  if (steps != 0u) {
+    moe_m5i8_stage_rows<float>(hr, my_valid, t, xq, xs, xsum);
+    moe_m5i8_stage_w<S>(w, sc, bi, n_st, H, 0, wpr, gpr, args.group_size, t, wq, wsb, wsb + BN);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+  for (uint32_t s = 0; s < steps; ++s) {
+    const uint32_t cur = s & 1, nx = (s + 1) & 1;
+    if (s + 1 < steps) {
+      const uint32_t k1 = (s + 1) * BK;
+      threadgroup float* wn = wsb + nx * 2 * BN;
+      moe_m5i8_stage_rows<float>(hr + k1, my_valid, t, xq + nx * BM * BK, xs + nx * BM, xsum + nx * BM);
+      moe_m5i8_stage_w<S>(w, sc, bi, n_st, H, k1, wpr, gpr, args.group_size, t, wq + nx * BN * BK, wn, wn + BN);
+    }
+    auto dot = op.template get_destination_cooperative_tensor<decltype(x0), decltype(w0), int32_t>();
+    if (cur == 0) op.run(x0, w0, dot);
+    else op.run(x1, w1, dot);
+    const threadgroup float* wc = wsb + cur * 2 * BN;
+    int8_rescale(dot, acc, xs + cur * BM, xsum + cur * BM, wc, wc + BN, rb * SR, 0);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+
+  if (steps != 0u) {
+    for (uint16_t i = 0; i < acc.get_capacity(); ++i) {
+      if (!acc.is_valid_element(i)) continue;
+      const auto idx = acc.get_multidimensional_index(i);
+      const uint32_t n = n0 + uint32_t(idx[0]);
+      const uint32_t r = r0 + rb * SR + uint32_t(idx[1]);
+      if (r < r1 && n < H) y[r * H + n] = row_weight[r] * acc[i];
+    }
+  }
+}
+
 // Instantiations: exactly the moe *_m5 rows of csrc/gpu/kernel_ids.h (activations fp32, scales
 // bf16, 4-bit experts, as the simdgroup kernels of moe.metal).
 LILY_INSTANTIATE("moe_gate_up_m5_64_b4_xf32_sbf16", moe_gate_up_m5<float, bfloat, 4, 64>)
@@ -339,5 +602,7 @@ LILY_INSTANTIATE("moe_gate_up_m5_64_b4_xbf16_sbf16", moe_gate_up_m5<bfloat, bflo
 LILY_INSTANTIATE("moe_gate_up_m5_32_b4_xbf16_sbf16", moe_gate_up_m5<bfloat, bfloat, 4, 32>)
 LILY_INSTANTIATE("moe_down_m5_64_b4_sbf16", moe_down_m5<bfloat, 4, 64>)
 LILY_INSTANTIATE("moe_down_m5_32_b4_sbf16", moe_down_m5<bfloat, 4, 32>)
+LILY_INSTANTIATE("moe_gate_up_m5i8_64_b4_xbf16_sbf16", moe_gate_up_m5i8<bfloat, bfloat>)
+LILY_INSTANTIATE("moe_down_m5i8_64_b4_sbf16", moe_down_m5i8<bfloat>)
 
 }  // namespace lily

@@ -120,10 +120,10 @@ template <typename T, typename S, int bits = 4, typename Y = T>
 // ---------------------------------------------------------------------------------------------
 // qmm_m5i8: qmm_m5 with int8 activations on the int8 rows of matmul2d (int8_t x uint8_t -> int32_t),
 // for bf16 x and 4-bit weights. Same buffers, args, grid, tile and simdgroup quarters as qmm_m5.
-//   staging:   per K step of 32 (one scale group), thread t takes x[m0 + t/2, k0 + 16 (t%2) .. + 16]:
-//              amax = max |x| over the row's 32 values (the pair t, t^1 by simd_shuffle_xor), the
-//              scale s_x = amax / 127 (0 for an all-zero row), codes xi = rint(x / s_x) clamped to
-//              [-127, 127] as int8; the row's code sum sum(xi) (exact); and the same coordinates
+//   staging:   per K step of 32 (one scale group), thread t takes x[m0 + t/2, k0 + 16 (t%2) .. + 16]
+//              and quantizes the row's 32 values with its partner t ^ 1 (int8_row_codes,
+//              common/tensor_ops.h): s_x = max |x| / 127 (0 for an all-zero row), codes xi =
+//              rint(x / s_x) clamped to [-127, 127], the row's code sum sum(xi) (exact); and the same coordinates
 //              of w as their uint8 codes with the group's scale and bias (one group per step:
 //              32 divides every group size). Two stages, one barrier per step, as qmm_m5.
 //   multiply:  per step, simdgroup g's quarter with matmul2d_descriptor(32, 32, 32, false, true,
@@ -146,20 +146,9 @@ inline void qmm_m5i8_stage(constant QmmArgs& args, const device T* x, const devi
   const uint32_t col = (t % 2) * 16;
   const uint32_t m = m0 + row;
   float v[16];
-  float amax = 0.0f;
-  for (uint32_t i = 0; i < 16; ++i) {
-    v[i] = m < args.M ? float(x[m * args.x_stride + k0 + col + i]) : 0.0f;
-    amax = max(amax, abs(v[i]));
-  }
-  amax = max(amax, simd_shuffle_xor(amax, ushort(1)));  // the row's other 16 columns (thread t ^ 1)
-  const float sx = amax / 127.0f;
-  int32_t isum = 0;
-  for (uint32_t i = 0; i < 16; ++i) {
-    const float q = sx > 0.0f ? clamp(rint(v[i] / sx), -127.0f, 127.0f) : 0.0f;
-    xq[row * BK + col + i] = int8_t(q);
-    isum += int32_t(q);
-  }
-  isum += simd_shuffle_xor(isum, ushort(1));
+  for (uint32_t i = 0; i < 16; ++i) v[i] = m < args.M ? float(x[m * args.x_stride + k0 + col + i]) : 0.0f;
+  float isum;
+  const float sx = int8_row_codes(v, xq + row * BK + col, isum);
   const uint32_t n = n0 + row;
   float sw = 0.0f, bw = 0.0f;
   if (n < args.N) {
@@ -171,7 +160,7 @@ inline void qmm_m5i8_stage(constant QmmArgs& args, const device T* x, const devi
   }
   if (t % 2 == 0) {
     xs[row] = sx;
-    xsum[row] = float(isum);
+    xsum[row] = isum;
     ws[row] = sw;
     wb[row] = bw;
   }
@@ -223,12 +212,7 @@ template <typename T, typename S>
     auto dot = op.template get_destination_cooperative_tensor<decltype(x0), decltype(w0), int32_t>();
     if (cur == 0) op.run(x0, w0, dot);
     else op.run(x1, w1, dot);
-    for (uint16_t i = 0; i < dot.get_capacity(); ++i) {  // element i of dot is element i of acc
-      if (!dot.is_valid_element(i)) continue;
-      const auto idx = dot.get_multidimensional_index(i);
-      const uint32_t r = cur * BM + sm + uint32_t(idx[1]), c = cur * BN + sn + uint32_t(idx[0]);
-      acc[i] += xs[r] * (ws[c] * float(dot[i]) + wb[c] * xsum[r]);
-    }
+    int8_rescale(dot, acc, xs, xsum, ws, wb, cur * BM + sm, cur * BN + sn);
     threadgroup_barrier(mem_flags::mem_threadgroup);
   }
 

@@ -94,7 +94,8 @@ def simulated_device(*, max_threads: dict[str, int] | None = None, default_max_t
     threadgroup memory, recommendedMaxWorkingSetSize and maxBufferLength (0: unlimited).
     ``tensor_ops=True`` makes them report Metal 4 tensor ops, as an M5 does: host ops take their
     M5 routes (qmm_m5) and the emulator runs those kernels; ``tensor_int8=True`` (with tensor ops)
-    lets those routes take int8 activations where they have them (qmm_m5i8: bf16 x, 4-bit weights)."""
+    lets those routes take int8 activations where they have them (bf16 activations: qmm_m5i8 for the
+    4-bit projections, moe_gate_up_m5i8 / moe_down_m5i8 for the MoE 64-row tiles)."""
     reg = _core().registry
     if reg.simulation_active():
         raise RuntimeError("simulated_device blocks do not nest")

@@ -35,6 +35,33 @@ def test_family_names():
                        ("moe_gate_up_few_b4_xbf16_sbf16", ("gate_up", "few"))]:
         assert pe._MOE_KIND.match(name).groups() == kind
     assert pe._MOE_KIND.match("moe_gate_up_mv_b4_xbf16_sbf16") is None
+    assert pe.family("moe_gate_up_m5i8_64_b4_xbf16_sbf16") == "moe_gate_up_m5i8_64"
+    assert pe._MOE_KIND.match("moe_down_m5i8_64_b4_sbf16").groups() == ("down", "64")
+
+
+def test_int8_path_charges_exactly_the_built_int8_families():
+    """The "M5 int8 opt-in" path: the projections and the MoE 64-row tiles are the int8 kernels and
+    are charged half their tensor-op time plus the ALU rescale; the MoE 32-row tiles keep qmm's half
+    operands and their charge; every useful FLOP is still in some family."""
+    cfg = _cfg()
+    L, chunk = 200, 64
+    f8, lv8 = pe.prompt_families(cfg, L, "int8", chunk)
+    f5, _ = pe.prompt_families(cfg, L, True, chunk)
+    assert {n for n, f in f8.items() if pe.int8_family(n, f)} == {"qmm_m5i8", "moe_gate_up_m5i8_64", "moe_down_m5i8_64"}
+    assert sum(f["useful"] for f in f8.values()) == sum(f["useful"] for f in f5.values())
+    assert f8["moe_gate_up_m5i8_64"]["executed"] == f5["moe_gate_up_m5_64"]["executed"]
+    a = pe.ASSUMPTIONS
+    e = pe.estimate(f8, lv8, L, "M5 Max")
+    bw = a["eta"] * a["bandwidth_gbs"]["M5 Max"] * 1e9
+    for name in ("qmm_m5i8", "moe_gate_up_m5i8_64", "moe_down_m5i8_64", "moe_gate_up_m5_32"):
+        f = f8[name]
+        tc = f["executed"] * pe.shape_factor(name, "tensor", a) / pe.unit_rate("tensor", "M5 Max", a)
+        if pe.int8_family(name, f):
+            want = max(tc / a["int8_speedup"], f["bytes"] / bw) + \
+                f["executed"] / a["int8_group"] / pe.unit_rate("alu", "M5 Max", a)
+        else:
+            want = max(tc, f["bytes"] / bw)
+        assert e["times"][name][0] == pytest.approx(want), name
 
 
 @pytest.mark.parametrize("tensor_ops", [False, True])

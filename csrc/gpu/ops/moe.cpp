@@ -222,6 +222,12 @@ bool moe_bf16_tiles_allowed(const MoeOperands& op) {
   return true;
 }
 
+bool moe_int8_allowed(const MoeOperands& op) {
+  // bf16 activations (the int8 route is an alternative to half operands for the bf16 engine);
+  // the kernels quantize one 32-column K step per weight group: 32 must divide the group size.
+  return op.x_dtype == DType::bf16 && op.group_size % kMoeTileK == 0;
+}
+
 void encode_moe(Encoder& enc, const MoeOperands& op) {
   validate(op);
   const MoeRoute route = moe_route(op.tokens, op.top_k);
@@ -346,14 +352,20 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
   // 16 bytes because H, I and Is are multiples of the group size); fp32 activations keep the
   // fp32 tiles.
   const bool bt = !m5 && moe_bf16_tiles_allowed(op);
+  // M5 with int8 allowed (Encoder::tensor_int8, the opt-in of docs/performance.md): the 64-row
+  // kind takes moe_gate_up_m5i8 / moe_down_m5i8 (int8 x and h on the int8 rows of matmul2d) when
+  // moe_int8_allowed; the 32-row and few-row kinds keep theirs.
+  const bool i8 = m5 && enc.tensor_int8() && moe_int8_allowed(op);
   const struct {
     KernelId gate_up, down;
     uint32_t bound, cols;  // tiles in the list; output features per threadgroup
     bool few;
-  } kinds[3] = {{m5 ? (xb ? KernelId::moe_gate_up_m5_64_b4_xbf16_sbf16 : KernelId::moe_gate_up_m5_64_b4_xf32_sbf16)
+  } kinds[3] = {{i8   ? KernelId::moe_gate_up_m5i8_64_b4_xbf16_sbf16
+                : m5 ? (xb ? KernelId::moe_gate_up_m5_64_b4_xbf16_sbf16 : KernelId::moe_gate_up_m5_64_b4_xf32_sbf16)
                 : bt ? KernelId::moe_gate_up_bf16_64_b4_xbf16_sbf16
                     : (xb ? KernelId::moe_gate_up_mm64_b4_xbf16_sbf16 : KernelId::moe_gate_up_mm64_b4_xf32_sbf16),
-                 m5   ? KernelId::moe_down_m5_64_b4_sbf16
+                 i8   ? KernelId::moe_down_m5i8_64_b4_sbf16
+                 : m5 ? KernelId::moe_down_m5_64_b4_sbf16
                  : bt ? KernelId::moe_down_bf16_64_b4_sbf16
                       : KernelId::moe_down_mm64_b4_sbf16,
                  tb.t64, kMoeTileN, false},

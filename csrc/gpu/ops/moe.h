@@ -127,6 +127,9 @@ void validate(const MoeOperands& op);
 // moe_down_bf16) when this holds and the device has no tensor ops: bf16 activations and 16-byte
 // aligned bindings of x, h and every expert matrix's codes.
 bool moe_bf16_tiles_allowed(const MoeOperands& op);
+// Whether the 64-row tiles may take int8 activations on M5 (with Encoder::tensor_int8): bf16
+// activations and a group size that 32 divides (moe_gate_up_m5i8 / moe_down_m5i8).
+bool moe_int8_allowed(const MoeOperands& op);
 
 void encode_moe(Encoder& enc, const MoeOperands& op);
 
