@@ -93,20 +93,46 @@ ASSUMPTIONS = {
         # W S, Q S and P U as 16 x 32 x 128 ops, the state update K^T U as 32 x 32 x 64 (equal FLOPs)
         "gd_chunk_state_m5": {"16x32x128": 0.75, "32x32x64": 0.25},
     },
+    # NEW (2026-12-02): the ALU work of a tensor-op family. Its threads stage every K step on the
+    # GPU's ALUs (load, convert, dequantize into threadgroup memory) and, for int8, quantize x and
+    # rescale the int32 sums; only the multiply runs on the tensor units. ALU issue ops per MAC of
+    # the family, counted from the kernel source per thread and K step (not from compiler output;
+    # loads and stores not counted; about +-50%), divided by the MACs the threadgroup's ops do in
+    # that step. Half operands: x converted to half (2 ops a value), 4-bit weights unpacked and
+    # dequantized (5 ops a code: shift, mask, convert, FMA, convert); qmm_m5 64x64 tiles: 134 ops x
+    # 128 threads / 131,072 MACs; MoE 64-row gate+up 140, down 78; 32-row 116 and 62 per 65,536 /
+    # 32,768 MACs (a 16-row tile costs more, 0.41: those families are bytes-bound).
+    # int8 as built (qmm_m5i8, moe_*_m5i8): x quantized while staging, again by every threadgroup
+    # that reads the row (max, divide, rint, clamp, convert, code sum: ~13 ops a value), codes
+    # unpacked (5 ops), and the int32 result rescaled every 32-wide K step (~9 ops an output: the
+    # index, four scale reads' arithmetic, convert, multiply, two FMAs): qmm_m5i8 587 ops,
+    # moe_gate_up_m5i8 593, moe_down_m5i8 387 per thread and step. The family's time is the largest
+    # of its tensor time, this ALU time (at the ALU efficiency) and its bytes: the two units are
+    # assumed to overlap fully (optimistic). Attention and the DeltaNet chunk kernels: not counted
+    # (softmax ~6 ops per score against 512 MACs; bytes-bound kernels). The 32-row kind's 16-row
+    # tiles: next entry.
+    "tensor_alu_ops_per_mac": (("qmm_m5i8", 0.573), ("moe_gate_up_m5i8", 0.579), ("moe_down_m5i8", 0.756),
+                               ("qmm_m5", 0.131), ("moe_gate_up_m5_64", 0.137), ("moe_down_m5_64", 0.152),
+                               ("moe_gate_up_m5_32", 0.227), ("moe_down_m5_32", 0.242)),
+    # the 32-row kind's tiles of <= 16 rows run 16 rows (BM = 16: 104 and 54 ops per thread and step
+    # for 32,768 and 16,384 MACs): their MACs at these rates instead
+    "tensor_alu_ops_per_mac_16": (("moe_gate_up_m5_32", 0.406), ("moe_down_m5_32", 0.422)),
     # int8 activations on the projections and the MoE tiles (built for the projections and the MoE
-    # 64-row tiles as the opt-in, "M5 int8 opt-in"; the what-if lines put every MoE tile on it). INT8
-    # matmul2d ran at about 2x the FP16 rate in the A19 measurement (docs/metal.md, "Execution scope
-    # and tile shape"); x quantized per row and per group of `int8_group` along K (symmetric, scale =
-    # max |x| / 127: within mlx-lm's bf16 error at 32 on the oracle checkpoints,
-    # benchmarks/int8_activation_study.py), the 4-bit codes exact as uint8. The int32 sum of each
-    # group is rescaled into the fp32 accumulator by one FMA per output on the ALUs (not overlapped
-    # with the tensor ops); the quantization itself is fused into the producers (norms, SwiGLU), no
-    # bytes added.
+    # 64-row tiles as the opt-in, "M5 int8 opt-in"). INT8 matmul2d ran at about 2x the FP16 rate in
+    # the A19 measurement (docs/metal.md, "Execution scope and tile shape"); x quantized per row
+    # and per group of `int8_group` along K (symmetric, scale = max |x| / 127), the 4-bit codes
+    # exact as uint8. As built the ALU work above bounds these families, not the tensor ops.
+    # WHAT-IF (not built), the with_int8 lines: a design that keeps the ALUs below the int8 tensor
+    # time: x quantized once by its producer (the norm, the SwiGLU epilogue) and read as codes, the
+    # weights' nibbles spread to bytes by masks (~0.5 op a code; x's codes staged in the same
+    # permuted K order), the rescale once per 64-wide group from scales held in registers (~5 ops
+    # an output per 64 MACs): ~0.09 ALU ops per MAC.
     "int8_speedup": 2.0,
     "int8_group": 32,
+    "int8_design_alu_ops_per_mac": 0.09,
     "int8_families": ("qmm_m5", "moe_gate_up_m5", "moe_down_m5"),
-    # the families built with int8 activations (the estimate charges them as above: int8_speedup
-    # and the rescale epilogue on the ALUs): the projections and the MoE 64-row tiles
+    # the families built with int8 activations (charged int8_speedup on the tensor units and their
+    # tensor_alu_ops_per_mac on the ALUs): the projections and the MoE 64-row tiles
     "int8_built": ("qmm_m5i8", "moe_gate_up_m5i8", "moe_down_m5i8"),
     # executed / useful FLOPs assumed for the "design" line only (all useful FLOPs on the path's
     # matmul unit, the earlier estimate).
@@ -168,15 +194,17 @@ def moe_split(cfg: ModelConfig, T: int, layers: int, seed: int = 0, tensor_ops: 
     """MoE expert work of `layers` layers for a chunk of T tokens by tile kind under uniform random
     routing, following moe_plan (shaders/moe.metal): each group (expert, and the shared group of
     all T rows) of c rows takes c // 64 64-row tiles and its remainder one tile by remainder_tile.
-    Returns {(stage, kind): dict(executed, useful, rows, weight_bytes)} with stage gate_up / down,
-    kind 64 / 32 / few; executed as moe_expert_flops_from_tiles (whole 32-column tiles)."""
+    Returns {(stage, kind): dict(executed, useful, rows, weight_bytes, executed16, executed16_true)}
+    with stage gate_up / down, kind 64 / 32 / few; executed as moe_expert_flops_from_tiles (whole
+    32-column tiles); executed16: the part of the 32-row kind's executed FLOPs from tiles that run
+    16 rows (as counted, tile16_cost rows), executed16_true: the same tiles at their 16 rows."""
     E, k, H = cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size
     I, Is = cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
     q = REAL_QUANT["experts_q"]
     pad = lambda n: -(-n // 32) * 32  # noqa: E731
     rng = np.random.default_rng(seed)
-    out = {(s, kd): dict(executed=0, useful=0, rows=0, weight_bytes=0) for s in ("gate_up", "down")
-           for kd in ("64", "32", "few")}
+    out = {(s, kd): dict(executed=0, useful=0, rows=0, weight_bytes=0, executed16=0, executed16_true=0)
+           for s in ("gate_up", "down") for kd in ("64", "32", "few")}
     for _ in range(layers):
         ids = np.argsort(rng.random((T, E)), axis=1)[:, :k]
         counts = np.bincount(ids.ravel(), minlength=E)
@@ -197,6 +225,11 @@ def moe_split(cfg: ModelConfig, T: int, layers: int, seed: int = 0, tensor_ops: 
                 dn = out["down", kd]
                 gu["executed"] += ex * 4 * (N if kd == "few" else pad(N)) * H
                 dn["executed"] += ex * 2 * (H if kd == "few" else pad(H)) * N
+                if kd == "32" and tensor_ops and rem <= MOE_TILE16_ROWS:  # a 16-row tile
+                    gu["executed16"] += ex * 4 * pad(N) * H
+                    dn["executed16"] += ex * 2 * pad(H) * N
+                    gu["executed16_true"] += MOE_TILE16_ROWS * 4 * pad(N) * H
+                    dn["executed16_true"] += MOE_TILE16_ROWS * 2 * pad(H) * N
                 gu["useful"] += rows[kd] * 4 * N * H
                 dn["useful"] += rows[kd] * 2 * N * H
                 gu["rows"] += rows[kd]
@@ -279,6 +312,8 @@ def chunk_families(cfg: ModelConfig, T: int, position: int, context: int, tensor
             act = sum(r["bytes_touched"] for r in recs) - len(recs) * _moe_bound_weight_bytes(cfg, T, stage)
             f["executed"] += s["executed"]
             f["useful"] += s["useful"]
+            f["executed16"] = f.get("executed16", 0) + s["executed16"]
+            f["executed16_true"] = f.get("executed16_true", 0) + s["executed16_true"]
             # act: the engine's activation bytes of the kind's dispatches (all R rows of each
             # layer, bound); the kind moves its share of the rows
             f["bytes"] += s["weight_bytes"] + act * s["rows"] / (R * len(recs))
@@ -295,9 +330,10 @@ def prompt_families(cfg: ModelConfig, L: int, tensor_ops: bool, chunk: int = 409
         fams, lv = chunk_families(cfg, T, pos, L, tensor_ops, logits=pos + T >= L, a=a)
         levels += lv
         for name, f in fams.items():
-            t = total.setdefault(name, dict(f, executed=0, useful=0, bytes=0, dispatches=0))
-            for c in ("executed", "useful", "bytes", "dispatches"):
-                t[c] += f[c]
+            t = total.setdefault(name, dict(f, executed=0, useful=0, bytes=0, dispatches=0, executed16=0,
+                                            executed16_true=0))
+            for c in ("executed", "useful", "bytes", "dispatches", "executed16", "executed16_true"):
+                t[c] += f.get(c, 0)
     return total, levels
 
 
@@ -320,12 +356,12 @@ def estimate(fams: dict, levels: int, L: int, gpu: str, a: dict = ASSUMPTIONS) -
     for name, f in fams.items():
         tc = (f["executed"] * shape_factor(name, f["unit"], a) / unit_rate(f["unit"], gpu, a)
               if f["executed"] else 0.0)
-        rescale = 0.0
-        if int8_family(name, f, a):  # int8 ops; their ALU rescale (1 FMA per output per int8_group
-            tc /= a["int8_speedup"]   # MACs) overlaps neither the tensor ops nor the memory traffic
-            rescale = f["executed"] / a["int8_group"] / unit_rate("alu", gpu, a)
+        if int8_family(name, f, a):
+            tc /= a["int8_speedup"]
+        ta = alu_time(name, f, gpu, a)
         tb = f["bytes"] / bw
-        times[name] = (max(tc, tb) + rescale, "flops" if tc >= tb else "bytes")
+        t = max(tc, ta, tb)
+        times[name] = (t, "flops" if t == tc else "alu" if t == ta else "bytes")
     t_levels = levels * a["t_level_us"] * 1e-6
     total = sum(t for t, _ in times.values()) + t_levels
     by_unit = defaultdict(float)
@@ -344,9 +380,31 @@ def with_units(fams: dict, units: dict) -> dict:
 
 
 def int8_family(name: str, f: dict, a: dict = ASSUMPTIONS) -> bool:
-    """Whether the estimate charges `name` at the int8 rate plus its ALU rescale: a built int8
-    kernel (int8_built) or one a what-if marked (with_int8)."""
+    """Whether the estimate charges `name` at the int8 tensor rate: a built int8 kernel
+    (int8_built) or one a what-if marked (with_int8)."""
     return f["unit"] == "tensor" and (f.get("int8", False) or name.startswith(a["int8_built"]))
+
+
+def alu_time(name: str, f: dict, gpu: str, a: dict = ASSUMPTIONS) -> float:
+    """Seconds of a family's ALU work (staging, int8 quantization and rescale) on `gpu`, overlapped
+    with its tensor time: executed FLOPs x ops per MAC / ALU FLOP/s = MACs x ops / ALU op/s (an FMA
+    is 2 FLOPs and 1 op); the 32-row MoE kind's 16-row tiles at their own rate and true MACs."""
+    e16, e16t = f.get("executed16", 0), f.get("executed16_true", 0)
+    ops16 = next((v for p, v in a["tensor_alu_ops_per_mac_16"] if name.startswith(p)), None)
+    if f["unit"] != "tensor" or ops16 is None or f.get("int8", False):
+        e16, e16t, ops16 = 0, 0, 0.0
+    work = (f["executed"] - e16) * alu_ops_per_mac(name, f, a) + e16t * ops16
+    return work / unit_rate("alu", gpu, a)
+
+
+def alu_ops_per_mac(name: str, f: dict, a: dict = ASSUMPTIONS) -> float:
+    """ALU issue ops per MAC of a tensor-op family (tensor_alu_ops_per_mac; a what-if int8 family:
+    int8_design_alu_ops_per_mac); 0 for other units (their efficiency covers their staging)."""
+    if f["unit"] != "tensor":
+        return 0.0
+    if f.get("int8", False) and not name.startswith(a["int8_built"]):
+        return a["int8_design_alu_ops_per_mac"]
+    return next((v for p, v in a["tensor_alu_ops_per_mac"] if name.startswith(p)), 0.0)
 
 
 def with_int8(fams: dict, a: dict = ASSUMPTIONS) -> dict:
@@ -468,15 +526,15 @@ def print_tables(res: dict, brief: bool = False) -> None:
         f4 = with_int8(f2)
         e = estimate(f4, lv, 4096, "M5 Max")
         need = efficiency_for(f4, lv, 4096, "M5 Max", "tensor", TARGET)
-        print(f"  {'+ int8 x on qmm_m5 and the MoE tiles (what-if)':<52} {e['tps']:>6,.0f} tok/s; tensor-op "
+        print(f"  {'+ int8 x, a design not built (what-if)':<52} {e['tps']:>6,.0f} tok/s; tensor-op "
               f"efficiency for {TARGET:,.0f}: " + (f"{need:.0%}" if need else "not reached at 100%"))
         print("  int8 what-if at every length, M5 path, M5 Max (target): " + ", ".join(
             f"{L}: {estimate(with_int8(res['M5 path', L]['fams']), res['M5 path', L]['levels'], L, 'M5 Max')['tps']:,.0f}"
             + (f" ({TARGETS[L]:,.0f})" if L in TARGETS else "") for L in lengths if ("M5 path", L) in res))
-        print("  (int8 lines: x as int8 per row and group of %d on qmm_m5 and on every MoE tensor-op tile - built "
-              "for qmm (qmm_m5i8) and the 64-row MoE tiles (moe_*_m5i8) as the opt-in, the 'M5 int8 opt-in' rows; "
-              "the 32- and 16-row tiles not built - at %.0fx the FP16 rate, the rescale epilogue on the ALUs; "
-              "ASSUMPTIONS)" % (a["int8_group"], a["int8_speedup"]))
+        print("  (int8 what-if lines: qmm_m5 and every MoE tensor-op tile on int8 at %.0fx the FP16 rate with "
+              "%.2f ALU ops per MAC - x quantized once by its producer, rescaled per 64-wide group: not built; the "
+              "kernels built, the 'M5 int8 opt-in' rows, quantize x while staging and rescale every 32 columns: "
+              "tensor_alu_ops_per_mac; ASSUMPTIONS)" % (a["int8_speedup"], a["int8_design_alu_ops_per_mac"]))
         e = estimate(f2, lv, 4096, "M5 Max")
         alu = sum(t for n, (t, _) in e["times"].items() if f2[n]["unit"] == "alu")
         print(f"  as built: ALU families (norms, conv, prep, gated norm, combine, few-row MoE) {alu * 1e3:.1f} ms "

@@ -129,23 +129,30 @@ def test_greedy_after_chunked_prefill_on_the_m5_path(real_dims_ckpt, which, chun
     assert got.tokens == want
 
 
+@pytest.mark.parametrize("chunk", [1, 64, 4096])
 @pytest.mark.parametrize("which", ["demo", "real_head_dims"])
-def test_greedy_on_the_int8_opt_in(real_dims_ckpt, which):
+def test_greedy_on_the_int8_opt_in(real_dims_ckpt, which, chunk):
     """The int8 opt-in (simulated_device(tensor_ops=True, tensor_int8=True); LILY_TENSOR_INT8=1 on a
-    Mac): every bf16-x 4-bit projection of more than 8 rows takes qmm_m5i8, the 8-bit router and
-    lm_head's fp32 logits keep qmm_m5, and the MoE 64-row tiles (the shared expert's group holds
-    each 64-token chunk's every row) take moe_gate_up_m5i8 / moe_down_m5i8; greedy tokens identical
-    to the reference for 32 steps after a prompt prefilled in chunks of 64 (its precision against
+    Mac; docs/performance.md, "int8 activations on the tensor ops"): with prefill chunks of 64
+    and 4096 (the whole 100- or 80-token prompt) every bf16-x 4-bit projection of more than 8 rows
+    takes qmm_m5i8, the 8-bit router and lm_head's fp32 logits keep qmm_m5, and the MoE 64-row
+    tiles (the shared expert's group holds every row of the step: 64, or 80 and 100 > 32) take
+    moe_gate_up_m5i8 / moe_down_m5i8; with chunks of 1 no step has a tile and nothing takes int8.
+    Greedy tokens identical to the reference for 32 steps after the prompt (its precision against
     mlx-lm's bf16 error, which it exceeds on one checkpoint: docs/performance.md, "int8
     activations on the tensor ops")."""
     load, prompt, want = _greedy_case(which, real_dims_ckpt)
     with simulated_device(tensor_ops=True, tensor_int8=True):
-        emu = load(backend="emu", context_length=256, prefill_chunk=64)
+        emu = load(backend="emu", context_length=256, prefill_chunk=chunk)
     kernels = {p["kernel"] for p in emu._backend.engine.pipelines}
-    assert any(k.startswith("qmm_m5i8_b4_xbf16_") for k in kernels), sorted(kernels)
-    assert not any(k.startswith("qmm_m5_b4_xbf16_") and not k.endswith("_yf32") for k in kernels), sorted(kernels)
-    assert {"moe_gate_up_m5i8_64_b4_xbf16_sbf16", "moe_down_m5i8_64_b4_sbf16"} <= kernels, sorted(kernels)
-    assert not {"moe_gate_up_m5_64_b4_xbf16_sbf16", "moe_down_m5_64_b4_sbf16"} & kernels, sorted(kernels)
+    int8 = {"moe_gate_up_m5i8_64_b4_xbf16_sbf16", "moe_down_m5i8_64_b4_sbf16"}
+    if chunk > 1:
+        assert any(k.startswith("qmm_m5i8_b4_xbf16_") for k in kernels), sorted(kernels)
+        assert not any(k.startswith("qmm_m5_b4_xbf16_") and not k.endswith("_yf32") for k in kernels), sorted(kernels)
+        assert int8 <= kernels, sorted(kernels)
+        assert not {"moe_gate_up_m5_64_b4_xbf16_sbf16", "moe_down_m5_64_b4_sbf16"} & kernels, sorted(kernels)
+    else:
+        assert not any("m5i8" in k for k in kernels), sorted(kernels)
     got = emu.generate_text(prompt, max_tokens=32)
     assert got.tokens == want
 

@@ -40,9 +40,11 @@ def test_family_names():
 
 
 def test_int8_path_charges_exactly_the_built_int8_families():
-    """The "M5 int8 opt-in" path: the projections and the MoE 64-row tiles are the int8 kernels and
-    are charged half their tensor-op time plus the ALU rescale; the MoE 32-row tiles keep qmm's half
-    operands and their charge; every useful FLOP is still in some family."""
+    """The "M5 int8 opt-in" path: the projections and the MoE 64-row tiles are the int8 kernels,
+    charged half their tensor-op time, and every tensor-op family its ALU work (staging, int8
+    quantization and rescale: tensor_alu_ops_per_mac) overlapped with it; the MoE 32-row tiles keep
+    half operands; every useful FLOP is still in some family. The what-if int8 design is charged
+    its own ALU ops per MAC."""
     cfg = _cfg()
     L, chunk = 200, 64
     f8, lv8 = pe.prompt_families(cfg, L, "int8", chunk)
@@ -51,17 +53,35 @@ def test_int8_path_charges_exactly_the_built_int8_families():
     assert sum(f["useful"] for f in f8.values()) == sum(f["useful"] for f in f5.values())
     assert f8["moe_gate_up_m5i8_64"]["executed"] == f5["moe_gate_up_m5_64"]["executed"]
     a = pe.ASSUMPTIONS
+    ops = dict(a["tensor_alu_ops_per_mac"])
     e = pe.estimate(f8, lv8, L, "M5 Max")
     bw = a["eta"] * a["bandwidth_gbs"]["M5 Max"] * 1e9
-    for name in ("qmm_m5i8", "moe_gate_up_m5i8_64", "moe_down_m5i8_64", "moe_gate_up_m5_32"):
+    alu = pe.unit_rate("alu", "M5 Max", a)
+    for name, key in (("qmm_m5i8", "qmm_m5i8"), ("moe_gate_up_m5i8_64", "moe_gate_up_m5i8"),
+                      ("moe_down_m5i8_64", "moe_down_m5i8"), ("qmm_m5", "qmm_m5")):
         f = f8[name]
         tc = f["executed"] * pe.shape_factor(name, "tensor", a) / pe.unit_rate("tensor", "M5 Max", a)
         if pe.int8_family(name, f):
-            want = max(tc / a["int8_speedup"], f["bytes"] / bw) + \
-                f["executed"] / a["int8_group"] / pe.unit_rate("alu", "M5 Max", a)
-        else:
-            want = max(tc, f["bytes"] / bw)
+            tc /= a["int8_speedup"]
+        want = max(tc, f["executed"] * ops[key] / alu, f["bytes"] / bw)
         assert e["times"][name][0] == pytest.approx(want), name
+    tc = f8["moe_gate_up_m5_32"]["executed"] * pe.shape_factor("moe_gate_up_m5_32", "tensor", a) / \
+        pe.unit_rate("tensor", "M5 Max", a)
+    assert e["times"]["moe_gate_up_m5_32"][0] == pytest.approx(
+        max(tc, pe.alu_time("moe_gate_up_m5_32", f8["moe_gate_up_m5_32"], "M5 Max", a), f8["moe_gate_up_m5_32"]["bytes"] / bw))
+    # the 32-row kind's 16-row tiles: their true MACs at tensor_alu_ops_per_mac_16
+    f = f5["moe_gate_up_m5_32"]
+    ops16 = dict(a["tensor_alu_ops_per_mac_16"])["moe_gate_up_m5_32"]
+    assert f["executed16"] > 0
+    assert pe.alu_time("moe_gate_up_m5_32", f, "M5 Max", a) == pytest.approx(
+        ((f["executed"] - f["executed16"]) * ops["moe_gate_up_m5_32"] + f["executed16_true"] * ops16) / alu)
+    # as built the int8 kernels' ALU work exceeds their int8 tensor time: ALU-bound
+    assert e["times"]["qmm_m5i8"][1] == "alu"
+    # the what-if design: marked families at int8_design_alu_ops_per_mac
+    w = pe.with_int8(f5)
+    assert w["qmm_m5"]["int8"] and pe.alu_ops_per_mac("qmm_m5", w["qmm_m5"]) == a["int8_design_alu_ops_per_mac"]
+    assert pe.alu_ops_per_mac("qmm_m5", f5["qmm_m5"]) == ops["qmm_m5"]
+    assert pe.alu_ops_per_mac("rms_norm", f5["rms_norm"]) == 0.0
 
 
 @pytest.mark.parametrize("tensor_ops", [False, True])
@@ -78,6 +98,16 @@ def test_moe_split_keeps_every_row(T, tensor_ops):
         for kd in ("64", "32"):
             assert s[stage, kd]["executed"] >= s[stage, kd]["useful"]
             assert s[stage, kd]["executed"] % (small * per * H * 32) == 0 or s[stage, kd]["executed"] == 0
+    # the 32-row kind's tiles of <= 16 rows (M5 only): counted at 16 rows, their true rows
+    for stage in ("gate_up", "down"):
+        e16, e16t = s[stage, "32"]["executed16"], s[stage, "32"]["executed16_true"]
+        assert e16 == e16t and 0 <= e16 <= s[stage, "32"]["executed"]
+        assert (e16 > 0) == (tensor_ops and e16 > 0) and (tensor_ops or e16 == 0)
+        assert s[stage, "64"]["executed16"] == s[stage, "few"]["executed16"] == 0
+    if tensor_ops:  # counted as 32 rows (the sensitivity line): executed doubles, the true MACs do not
+        s32 = pe.moe_split(cfg, T, layers=3, seed=1, tensor_ops=True, tile16_cost=32)
+        assert s32["gate_up", "32"]["executed16"] == 2 * s["gate_up", "32"]["executed16"]
+        assert s32["gate_up", "32"]["executed16_true"] == s["gate_up", "32"]["executed16_true"]
     # the M5 plan's few-row tiles hold <= 2 rows, the M1-M4 plan's <= 8: fewer rows on M5
     if tensor_ops:
         m14 = pe.moe_split(cfg, T, layers=3, seed=1)
@@ -112,8 +142,11 @@ def test_prompt_families_and_estimate(tensor_ops):
     e = pe.estimate(fams, levels, L, "M5 Max")
     bw = a["eta"] * a["bandwidth_gbs"]["M5 Max"] * 1e9
     for name, f in fams.items():
-        tc = f["executed"] / pe.unit_rate(f["unit"], "M5 Max", a)
-        assert e["times"][name][0] == pytest.approx(max(tc, f["bytes"] / bw))
+        tc = f["executed"] * pe.shape_factor(name, f["unit"], a) / pe.unit_rate(f["unit"], "M5 Max", a)
+        ta = f["executed"] * pe.alu_ops_per_mac(name, f, a) / pe.unit_rate("alu", "M5 Max", a)
+        assert (ta > 0) == (f["unit"] == "tensor" and name.startswith(("qmm_m5", "moe_gate_up_m5", "moe_down_m5"))
+                            and f["executed"] > 0), name
+        assert e["times"][name][0] == pytest.approx(max(tc, ta, f["bytes"] / bw))
     assert e["total"] == pytest.approx(sum(t for t, _ in e["times"].values()) + levels * a["t_level_us"] * 1e-6)
     assert e["tps"] == pytest.approx(L / e["total"])
     # a faster GPU never estimates fewer tokens/s
