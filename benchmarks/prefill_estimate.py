@@ -98,10 +98,14 @@ ASSUMPTIONS = {
     # rescale the int32 sums; only the multiply runs on the tensor units. ALU issue ops per MAC of
     # the family, counted from the kernel source per thread and K step (not from compiler output;
     # loads and stores not counted; about +-50%), divided by the MACs the threadgroup's ops do in
-    # that step. Half operands: x converted to half (2 ops a value), 4-bit weights unpacked and
-    # dequantized (5 ops a code: shift, mask, convert, FMA, convert); qmm_m5 64x64 tiles: 134 ops x
-    # 128 threads / 131,072 MACs; MoE 64-row gate+up 140, down 78; 32-row 116 and 62 per 65,536 /
-    # 32,768 MACs (a 16-row tile costs more, 0.41: those families are bytes-bound).
+    # that step. Half operands: x converted to half (2-3 ops a value); qmm_m5's 4-bit weights
+    # unpacked and dequantized in fp32 (5 ops a code: shift, mask, convert, FMA, convert): 64x64
+    # tiles, 134 ops x 128 threads / 131,072 MACs. The MoE tiles dequantize in half arithmetic
+    # (moe_m5_stage_w: per word of 8 codes 3 shifts, 4 masks, 4 ors and 8 half2 operations, each
+    # half2 operation counted as one op: FP16 issues at twice the FP32 rate on M5, ~1.7x measured on
+    # the A19 (docs/metal.md); plus ~12 for the group's index, scale and bias): 31 ops per matrix and
+    # step; 64-row gate+up 110, down 63 ops per thread; 32-row 86 and 47 per 65,536 / 32,768 MACs;
+    # a tile of <= 16 rows 74 and 39 per 32,768 / 16,384 (next entry).
     # int8 as built (qmm_m5i8, moe_*_m5i8): x quantized while staging, again by every threadgroup
     # that reads the row (max, divide, rint, clamp, convert, code sum: ~13 ops a value), codes
     # unpacked (5 ops), and the int32 result rescaled every 32-wide K step (~9 ops an output: the
@@ -112,11 +116,18 @@ ASSUMPTIONS = {
     # (softmax ~6 ops per score against 512 MACs; bytes-bound kernels). The 32-row kind's 16-row
     # tiles: next entry.
     "tensor_alu_ops_per_mac": (("qmm_m5i8", 0.573), ("moe_gate_up_m5i8", 0.579), ("moe_down_m5i8", 0.756),
-                               ("qmm_m5", 0.131), ("moe_gate_up_m5_64", 0.137), ("moe_down_m5_64", 0.152),
-                               ("moe_gate_up_m5_32", 0.227), ("moe_down_m5_32", 0.242)),
-    # the 32-row kind's tiles of <= 16 rows run 16 rows (BM = 16: 104 and 54 ops per thread and step
-    # for 32,768 and 16,384 MACs): their MACs at these rates instead
-    "tensor_alu_ops_per_mac_16": (("moe_gate_up_m5_32", 0.406), ("moe_down_m5_32", 0.422)),
+                               ("qmm_m5", 0.131), ("moe_gate_up_m5_64", 0.107), ("moe_down_m5_64", 0.123),
+                               ("moe_gate_up_m5_32", 0.168), ("moe_down_m5_32", 0.184)),
+    # the 32-row kind's tiles of <= 16 rows run 16 rows (BM = 16: 74 and 39 ops per thread and step
+    # for 32,768 and 16,384 MACs): their MACs at these rates instead. With the MoE weights
+    # dequantized in fp32 as qmm_m5 does (5 ops a code; until 2026-12-02): 0.406 and 0.422 (and
+    # 0.137 / 0.152 / 0.227 / 0.242 above): the 16-row tiles were then ALU-bound at 256 tokens.
+    "tensor_alu_ops_per_mac_16": (("moe_gate_up_m5_32", 0.289), ("moe_down_m5_32", 0.305)),
+    # sensitivity (printed, not the estimate): the MoE half2 operations at the FP32 rate (two ops
+    # each: 8 more per matrix and step)
+    "fp16_slow_alu_ops_per_mac": (("moe_gate_up_m5_64", 0.123), ("moe_down_m5_64", 0.139),
+                                  ("moe_gate_up_m5_32", 0.199), ("moe_down_m5_32", 0.215)),
+    "fp16_slow_alu_ops_per_mac_16": (("moe_gate_up_m5_32", 0.352), ("moe_down_m5_32", 0.367)),
     # int8 activations on the projections and the MoE tiles (built for the projections and the MoE
     # 64-row tiles as the opt-in, "M5 int8 opt-in"). INT8 matmul2d ran at about 2x the FP16 rate in
     # the A19 measurement (docs/metal.md, "Execution scope and tile shape"); x quantized per row
@@ -561,6 +572,16 @@ def main() -> None:
         a32 = dict(ASSUMPTIONS, m5_tile16_cost_rows=32)
         fams, lv = prompt_families(cfg, 256, True, 4096, a32)
         e = {g: estimate(fams, lv, 256, g, a32)["tps"] for g in GPUS}
+        slow = dict(ASSUMPTIONS, tensor_alu_ops_per_mac=tuple(
+            (p, dict(ASSUMPTIONS["fp16_slow_alu_ops_per_mac"]).get(p, v)) for p, v in ASSUMPTIONS["tensor_alu_ops_per_mac"]),
+            tensor_alu_ops_per_mac_16=ASSUMPTIONS["fp16_slow_alu_ops_per_mac_16"])
+        r = res["M5 path", 256]
+        print("  M5 path at 256 tokens if FP16 ran at the FP32 rate (the MoE tiles' half2 dequantization, "
+              "fp16_slow_alu_ops_per_mac): " + ", ".join(
+                  f"{g} {estimate(r['fams'], r['levels'], 256, g, slow)['tps']:,.0f} tok/s" for g in GPUS) +
+              f"; ALU efficiency the M5 Max needs for the target as built: "
+              f"{efficiency_for(r['fams'], r['levels'], 256, 'M5 Max', 'alu', TARGETS[256]):.0%} (assumed "
+              f"{ASSUMPTIONS['efficiency']['alu']:.0%})")
         print("  M5 path at 256 tokens if a 16-row matmul2d cost as much as a 32-row one (the MoE 16-row "
               "tiles counted as 32 rows): " + ", ".join(f"{g} {v:,.0f} tok/s" for g, v in e.items()) +
               f"; target {TARGETS[256]:,.0f} on M5 Max")

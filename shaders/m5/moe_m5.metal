@@ -14,8 +14,8 @@
 //              gives such tiles from 3 rows on M5: MoeArgs::few_rows = kMoeFewMaxRowsM5)
 //   staging:   thread t rounds x (gathered through the plan's row -> token map; h for down) of row
 //              t / (128 / BM), BM / 4 consecutive columns, to half, and dequantizes 8 consecutive
-//              weights of feature t / 4 (gate and up, or down: fp32 s * q + b, rounded to half)
-//              into threadgroup memory; zeros past the tile's rows and features. Two stages: step
+//              weights of feature t / 4 (gate and up, or down: in half arithmetic, fma(s, q, b)
+//              rounded once; moe_m5_stage_w) into threadgroup memory; zeros past the tile's rows and features. Two stages: step
 //              s+1 is staged while matmul2d multiplies step s, one threadgroup barrier per step.
 //   multiply:  one simdgroup per op (execution_simdgroup), 16-row sub-tiles: the tile's BM / 16
 //              row blocks times its matrices (gate and up, or down) are the jobs, simdgroup g
@@ -36,8 +36,9 @@
 //              row_weight[row] * acc (fp32); each thread writes its cooperative-tensor elements,
 //              masked to the tile's rows and the group's features.
 // Precision: operands half (the half x half -> float row of Apple's matmul2d types): x, h and the
-// dequantized weights are rounded to half once; products and accumulation fp32; SwiGLU and the
-// routing weight in fp32 as in moe.metal.
+// dequantized weights are rounded to half once (the weights as half fma(s, q, b) of the group's
+// scale and bias in half); products and accumulation fp32; SwiGLU and the routing weight in fp32 as
+// in moe.metal.
 #include "common/lily_metal.h"
 #include "common/quant.h"
 #include "common/tensor_ops.h"
@@ -55,21 +56,42 @@ inline void moe_m5_stage_rows(const device T* src, bool valid, uint32_t t, threa
 }
 
 // Dequantizes 8 weights (columns k0 + col .. + 8) of feature n of one matrix into ws[t / 4][col..]
-// (rounded to half; zeros for n >= N).
+// (half; zeros for n >= N). 4-bit codes in half arithmetic: the 8 codes are one word, code j in bits
+// 4j .. 4j + 3; masking codes j and j + 4 into the low mantissa bits of two halves of exponent 1024
+// (0x6400) gives 1024 + q exactly, so q = that - 1024 (exact), and w = fma(s, q, b) in half, rounded
+// once, with s and b converted to half (exact for bf16 values in half's normal range; below 2^-14
+// an absolute error <= 2^-25, the order of rounding the weight itself to half). Per word: 3 shifts,
+// 4 masks, 4 ors and 8 half2 operations instead of 8 integer-to-float conversions, 8 fp32 FMAs and
+// 8 conversions to half (docs/kernels.md: the M5 MoE tile kinds; FP16 issues at up to twice the
+// FP32 rate on M5 / A19: docs/performance.md). 8-bit codes: fp32 s * q + b, rounded to half.
 template <typename S, int bits>
 inline void moe_m5_stage_w(const device uint32_t* w, const device S* sc, const device S* bi, uint32_t n,
                            uint32_t N, uint32_t k0, uint32_t wpr, uint32_t gpr, uint32_t group_size, uint32_t t,
                            threadgroup half* ws) {
   constexpr uint32_t BK = kMoeTileK;
   const uint32_t col = (t % 4) * 8;
+  threadgroup half* dst = ws + (t / 4) * BK + col;
   if (n < N) {
-    float q[8];
-    unpack_codes<bits, 8>(w + n * wpr + (k0 + col) * bits / 32, q);
     const uint32_t gi = n * gpr + (k0 + col) / group_size;
-    const float s = float(sc[gi]), b = float(bi[gi]);
-    for (uint32_t c = 0; c < 8; ++c) ws[(t / 4) * BK + col + c] = half(s * q[c] + b);
+    if (bits == 4) {
+      const uint32_t word = w[n * wpr + (k0 + col) / 8];
+      const half2 s2 = half2(half(float(sc[gi])));
+      const half2 b2 = half2(half(float(bi[gi])));
+      const half2 m = half2(half(1024.0f));
+      for (uint32_t j = 0; j < 4; ++j) {
+        const half2 q = as_type<half2>(((word >> (4 * j)) & 0x000F000Fu) | 0x64006400u) - m;  // codes j, j + 4
+        const half2 d = fma(s2, q, b2);
+        dst[j] = d.x;
+        dst[j + 4] = d.y;
+      }
+    } else {
+      float q[8];
+      unpack_codes<bits, 8>(w + n * wpr + (k0 + col) * bits / 32, q);
+      const float s = float(sc[gi]), b = float(bi[gi]);
+      for (uint32_t c = 0; c < 8; ++c) dst[c] = half(s * q[c] + b);
+    }
   } else {
-    for (uint32_t c = 0; c < 8; ++c) ws[(t / 4) * BK + col + c] = half(0.0f);
+    for (uint32_t c = 0; c < 8; ++c) dst[c] = half(0.0f);
   }
 }
 
