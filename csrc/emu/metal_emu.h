@@ -300,10 +300,10 @@ inline T fma(T a, T b, T c) {
     T r;
     for (int i = 0; i < vec_info<T>::size; ++i) r.v[i] = fma(a.v[i], b.v[i], c.v[i]);
     return r;
-  } else if constexpr (std::is_floating_point_v<T>) {
+  } else if constexpr (std::is_same_v<T, half>) {  // the fused a * b + c rounded once to half: the
+    return T(std::fma(double(a), double(b), double(c)));  // double fma is exact for half operands
+  } else {                                                // (22-bit product) but for far-apart sums
     return std::fma(a, b, c);
-  } else {  // half (_Float16): the fused a * b + c rounded once; exact in double for half operands
-    return T(std::fma(double(a), double(b), double(c)));  // (a 22-bit product, then the sum)
   }
 }
 template <class T>

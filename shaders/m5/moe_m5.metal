@@ -59,8 +59,11 @@ inline void moe_m5_stage_rows(const device T* src, bool valid, uint32_t t, threa
 // (half; zeros for n >= N). 4-bit codes in half arithmetic: the 8 codes are one word, code j in bits
 // 4j .. 4j + 3; masking codes j and j + 4 into the low mantissa bits of two halves of exponent 1024
 // (0x6400) gives 1024 + q exactly, so q = that - 1024 (exact), and w = fma(s, q, b) in half, rounded
-// once, with s and b converted to half (exact for bf16 values in half's normal range; below 2^-14
-// an absolute error <= 2^-25, the order of rounding the weight itself to half). Per word: 3 shifts,
+// once, with s and b converted to half: exact for bf16 values of magnitude 2^-17 .. 65,280 (8
+// significant bits fit half's subnormals down to 2^-17); smaller ones lose bits (an absolute error
+// <= 2^-25 in s, times q <= 15); 65,536 and more overflow to inf and poison the word's 8 weights
+// (NaN), as the half weights of the fp32 path overflowed before: MLX 4-bit scales and biases are
+// orders of magnitude below that. Per word: 3 shifts,
 // 4 masks, 4 ors and 8 half2 operations instead of 8 integer-to-float conversions, 8 fp32 FMAs and
 // 8 conversions to half (docs/kernels.md: the M5 MoE tile kinds; FP16 issues at up to twice the
 // FP32 rate on M5 / A19: docs/performance.md). 8-bit codes: fp32 s * q + b, rounded to half.
