@@ -86,25 +86,31 @@ def decode_and_compare(be, exp, pre: np.ndarray) -> dict:
             "greedy": bool((steps.argmax(1) == tokens).all())}
 
 
-def run(name: str, group: int | None, tau: float | None = None, flagged: list | None = None) -> dict:
-    """Errors against the fp32 oracle: the reference with int8 x on the prompt (group None: none;
-    tau: with int8_residual_roundtrip)."""
+def prompt_forward(name: str, transform=None):
+    """The reference backend of checkpoint `name`, its oracle fixture and the prompt's logits, with
+    every quantized matmul's input (the tensor-op route's) passed through transform(x) first (None:
+    unchanged); decode steps afterwards run unchanged."""
     exp = np.load(ORACLES / name / "expected.npz")
-    model = lily_py.load(str(ORACLES / name / "mlx4_bf16"), backend="reference")
-    be, plain = model._backend, lw.Linear.matmul
+    be, plain = lily_py.load(str(ORACLES / name / "mlx4_bf16"), backend="reference")._backend, lw.Linear.matmul
 
-    def matmul(self, x):  # only quantized weights take the tensor-op route
-        if self.bits is None:
-            return plain(self, x)
-        return plain(self, int8_roundtrip(x, group) if tau is None else int8_residual_roundtrip(x, group, tau, flagged))
+    def matmul(self, x):
+        return plain(self, transform(x) if self.bits is not None else x)
 
-    if group is not None:
+    if transform is not None:
         lw.Linear.matmul = matmul
     try:
         pre = be.forward(exp["prompt"].astype(np.uint32), all_logits=True)
     finally:
         lw.Linear.matmul = plain
-    return decode_and_compare(be, exp, pre)
+    return be, exp, pre
+
+
+def run(name: str, group: int | None, tau: float | None = None, flagged: list | None = None) -> dict:
+    """Errors against the fp32 oracle: the reference with int8 x on the prompt (group None: none;
+    tau: with int8_residual_roundtrip)."""
+    transform = None if group is None else (lambda x: int8_roundtrip(x, group)) if tau is None else \
+        (lambda x: int8_residual_roundtrip(x, group, tau, flagged))
+    return decode_and_compare(*prompt_forward(name, transform))
 
 
 def run_engine(name: str, int8: bool) -> dict:
@@ -119,26 +125,20 @@ def run_engine(name: str, int8: bool) -> dict:
 
 def outliers(name: str) -> dict:
     """Per input width K: [calls, T] the largest group max|x| / rms(x) of each prompt row."""
-    exp = np.load(ORACLES / name / "expected.npz")
-    model = lily_py.load(str(ORACLES / name / "mlx4_bf16"), backend="reference")
-    plain, seen = lw.Linear.matmul, {}
-    T = len(exp["prompt"])
+    seen: dict = {}
+    T = len(np.load(ORACLES / name / "expected.npz")["prompt"])
 
-    def matmul(self, x):
-        if self.bits is not None and x.ndim == 2 and x.shape[0] == T:
-            K = x.shape[-1]
-            g = 32 if K % 32 == 0 else K
-            a = np.abs(x.astype(np.float64)).reshape(T, K // g, g)
-            rms = np.sqrt((a * a).mean(-1))
-            ratio = np.where(rms > 0, a.max(-1) / np.where(rms > 0, rms, 1), 0).max(-1)
-            seen.setdefault(K, []).append(ratio)
-        return plain(self, x)
+    def record(x):  # the inputs of all T prompt rows (not the experts' routed subsets)
+        if x.ndim != 2 or x.shape[0] != T:
+            return x
+        K = x.shape[-1]
+        g = 32 if K % 32 == 0 else K
+        a = np.abs(np.asarray(x, np.float64)).reshape(x.shape[0], K // g, g)
+        rms = np.sqrt((a * a).mean(-1))
+        seen.setdefault(K, []).append(np.where(rms > 0, a.max(-1) / np.where(rms > 0, rms, 1), 0).max(-1))
+        return x
 
-    lw.Linear.matmul = matmul
-    try:
-        model._backend.forward(exp["prompt"].astype(np.uint32), all_logits=True)
-    finally:
-        lw.Linear.matmul = plain
+    prompt_forward(name, record)
     return {K: np.stack(v) for K, v in seen.items()}
 
 

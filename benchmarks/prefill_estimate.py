@@ -402,7 +402,7 @@ def alu_time(name: str, f: dict, gpu: str, a: dict = ASSUMPTIONS) -> float:
     with its tensor time: executed FLOPs x ops per MAC / ALU FLOP/s = MACs x ops / ALU op/s (an FMA
     is 2 FLOPs and 1 op); the 32-row MoE kind's 16-row tiles at their own rate and true MACs."""
     e16, e16t = f.get("executed16", 0), f.get("executed16_true", 0)
-    ops16 = next((v for p, v in a["tensor_alu_ops_per_mac_16"] if name.startswith(p)), None)
+    ops16 = by_prefix(a["tensor_alu_ops_per_mac_16"], name, None)
     if f["unit"] != "tensor" or ops16 is None or f.get("int8", False):
         e16, e16t, ops16 = 0, 0, 0.0
     work = (f["executed"] - e16) * alu_ops_per_mac(name, f, a) + e16t * ops16
@@ -416,7 +416,12 @@ def alu_ops_per_mac(name: str, f: dict, a: dict = ASSUMPTIONS) -> float:
         return 0.0
     if f.get("int8", False) and not name.startswith(a["int8_built"]):
         return a["int8_design_alu_ops_per_mac"]
-    return next((v for p, v in a["tensor_alu_ops_per_mac"] if name.startswith(p)), 0.0)
+    return by_prefix(a["tensor_alu_ops_per_mac"], name, 0.0)
+
+
+def by_prefix(table, name: str, default):
+    """The value of the first (prefix, value) entry of `table` that `name` starts with."""
+    return next((v for p, v in table if name.startswith(p)), default)
 
 
 def with_int8(fams: dict, a: dict = ASSUMPTIONS) -> dict:
@@ -573,9 +578,9 @@ def main() -> None:
         a32 = dict(ASSUMPTIONS, m5_tile16_cost_rows=32)
         fams, lv = prompt_families(cfg, 256, True, 4096, a32)
         e = {g: estimate(fams, lv, 256, g, a32)["tps"] for g in GPUS}
-        slow = dict(ASSUMPTIONS, tensor_alu_ops_per_mac=tuple(
-            (p, dict(ASSUMPTIONS["fp16_slow_alu_ops_per_mac"]).get(p, v)) for p, v in ASSUMPTIONS["tensor_alu_ops_per_mac"]),
-            tensor_alu_ops_per_mac_16=ASSUMPTIONS["fp16_slow_alu_ops_per_mac_16"])
+        slow = dict(ASSUMPTIONS,  # the first matching prefix wins: the overrides go first
+                    tensor_alu_ops_per_mac=ASSUMPTIONS["fp16_slow_alu_ops_per_mac"] + ASSUMPTIONS["tensor_alu_ops_per_mac"],
+                    tensor_alu_ops_per_mac_16=ASSUMPTIONS["fp16_slow_alu_ops_per_mac_16"])
         r = res["M5 path", 256]
         need = efficiency_for(r["fams"], r["levels"], 256, "M5 Max", "alu", TARGETS[256])
         print("  M5 path at 256 tokens if FP16 ran at the FP32 rate (the MoE tiles' half2 dequantization, "

@@ -47,6 +47,43 @@ namespace lily {
 
 inline float moe_m5_silu(float v) { return v / (1.0f + exp(-v)); }
 
+// One tile of the plan's 64- or 32-row list (uniform over the threadgroup): its group g (an expert,
+// or args.experts for the shared group) and rows [r0, r1); inactive (g = r0 = r1 = 0) past the
+// list's count.
+struct MoeM5Tile {
+  bool active;
+  uint32_t g, r0, r1;
+};
+template <int LIST>
+inline MoeM5Tile moe_m5_tile(constant MoeArgs& args, const device uint32_t* plan, uint32_t tile) {
+  const uint32_t list = LIST == 64 ? moe_plan_list64() : moe_plan_list32(args.max_tiles, args.max_tiles32, args.max_few);
+  MoeM5Tile r;
+  r.active = tile < plan[LIST == 64 ? 0 : 1];
+  r.g = r.active ? plan[list + 3 * tile] : 0u;
+  r.r0 = r.active ? plan[list + 3 * tile + 1] : 0u;
+  r.r1 = r.active ? plan[list + 3 * tile + 2] : 0u;
+  return r;
+}
+
+// Group g's matrix of one kind (gate, up or down; `rows` output rows, wpr code words and gpr scale
+// groups per row): the expert's slice of the stacked buffers, or the shared expert's own buffers.
+template <typename S>
+struct MoeM5Matrix {
+  const device uint32_t* w;
+  const device S* s;
+  const device S* b;
+};
+template <typename S>
+inline MoeM5Matrix<S> moe_m5_matrix(bool shared, uint32_t g, uint32_t rows, uint32_t wpr, uint32_t gpr,
+                                    const device uint32_t* w, const device S* sc, const device S* bi,
+                                    const device uint32_t* sh_w, const device S* sh_sc, const device S* sh_bi) {
+  MoeM5Matrix<S> m;
+  m.w = shared ? sh_w : w + g * rows * wpr;
+  m.s = shared ? sh_sc : sc + g * rows * gpr;
+  m.b = shared ? sh_bi : bi + g * rows * gpr;
+  return m;
+}
+
 // Rounds BM / 4 values of one row of the left operand to half (zeros for an absent row).
 template <typename T, uint32_t BM>
 inline void moe_m5_stage_rows(const device T* src, bool valid, uint32_t t, threadgroup half* xs) {
@@ -225,31 +262,23 @@ template <typename T, typename S, int bits, int LIST>
   LILY_TG_ARRAY(half, gs, [2 * BN * BK]);    // two stages of the gate tile [32][32]
   LILY_TG_ARRAY(half, us, [2 * BN * BK]);    // two stages of the up tile [32][32]
 
-  const uint32_t tile = group_pos.y;
-  const uint32_t list = LIST == 64 ? moe_plan_list64() : moe_plan_list32(args.max_tiles, args.max_tiles32, args.max_few);
-  const bool active = tile < plan[LIST == 64 ? 0 : 1];  // uniform over the threadgroup
-  const uint32_t g = active ? plan[list + 3 * tile] : 0u;
-  const uint32_t r0 = active ? plan[list + 3 * tile + 1] : 0u;
-  const uint32_t r1 = active ? plan[list + 3 * tile + 2] : 0u;
-  const bool shared = g == args.experts;
+  const MoeM5Tile tl = moe_m5_tile<LIST>(args, plan, group_pos.y);  // uniform over the threadgroup
+  const uint32_t r0 = tl.r0, r1 = tl.r1;
+  const bool shared = tl.g == args.experts;
   const uint32_t N = shared ? args.shared_inter : args.inter;
   const uint32_t n0 = group_pos.x * BN;
   const uint32_t H = args.hidden;
-  const uint32_t steps = (active && n0 < N) ? H / BK : 0u;  // uniform: no work, no run, no barrier
+  const uint32_t steps = (tl.active && n0 < N) ? H / BK : 0u;  // uniform: no work, no run, no barrier
   const uint32_t wpr = H * bits / 32, gpr = H / args.group_size;
-  const device uint32_t* wg = shared ? sh_gate_w : gate_w + g * N * wpr;
-  const device S* sg = shared ? sh_gate_s : gate_s + g * N * gpr;
-  const device S* bg = shared ? sh_gate_b : gate_b + g * N * gpr;
-  const device uint32_t* wu = shared ? sh_up_w : up_w + g * N * wpr;
-  const device S* su = shared ? sh_up_s : up_s + g * N * gpr;
-  const device S* bu = shared ? sh_up_b : up_b + g * N * gpr;
+  const MoeM5Matrix<S> G = moe_m5_matrix<S>(shared, tl.g, N, wpr, gpr, gate_w, gate_s, gate_b, sh_gate_w, sh_gate_s, sh_gate_b);
+  const MoeM5Matrix<S> U = moe_m5_matrix<S>(shared, tl.g, N, wpr, gpr, up_w, up_s, up_b, sh_up_w, sh_up_s, sh_up_b);
   const uint32_t t = thread_pos.x;
   if (LIST == 32 && r1 - r0 <= kMoeTile16MaxRows)
-    moe_gate_up_m5_tile<T, S, bits, 16>(args, x, plan, wg, sg, bg, wu, su, bu, h, N, r0, r1, n0, steps, t, simd_id,
-                                        xs, gs, us);
+    moe_gate_up_m5_tile<T, S, bits, 16>(args, x, plan, G.w, G.s, G.b, U.w, U.s, U.b, h, N, r0, r1, n0, steps, t,
+                                        simd_id, xs, gs, us);
   else
-    moe_gate_up_m5_tile<T, S, bits, LIST>(args, x, plan, wg, sg, bg, wu, su, bu, h, N, r0, r1, n0, steps, t, simd_id,
-                                          xs, gs, us);
+    moe_gate_up_m5_tile<T, S, bits, LIST>(args, x, plan, G.w, G.s, G.b, U.w, U.s, U.b, h, N, r0, r1, n0, steps, t,
+                                          simd_id, xs, gs, us);
 }
 
 // down projection x routing weight of one tile of BM = 64, 32 or 16 rows (rows [r0, r1) of group
@@ -334,26 +363,20 @@ template <typename S, int bits, int LIST>
   LILY_TG_ARRAY(half, xs, [2 * LIST * BK]);  // two stages of the h tile [BM][32], BM <= LIST
   LILY_TG_ARRAY(half, ws, [2 * BN * BK]);    // two stages of the down tile [32][32]
 
-  const uint32_t tile = group_pos.y;
-  const uint32_t list = LIST == 64 ? moe_plan_list64() : moe_plan_list32(args.max_tiles, args.max_tiles32, args.max_few);
-  const bool active = tile < plan[LIST == 64 ? 0 : 1];  // uniform over the threadgroup
-  const uint32_t g = active ? plan[list + 3 * tile] : 0u;
-  const uint32_t r0 = active ? plan[list + 3 * tile + 1] : 0u;
-  const uint32_t r1 = active ? plan[list + 3 * tile + 2] : 0u;
-  const bool shared = g == args.experts;
+  const MoeM5Tile tl = moe_m5_tile<LIST>(args, plan, group_pos.y);  // uniform over the threadgroup
+  const uint32_t r0 = tl.r0, r1 = tl.r1;
+  const bool shared = tl.g == args.experts;
   const uint32_t H = args.hidden;
   const uint32_t K = shared ? args.shared_inter : args.inter;
   const uint32_t n0 = group_pos.x * BN;
-  const uint32_t steps = active ? K / BK : 0u;  // uniform
+  const uint32_t steps = tl.active ? K / BK : 0u;  // uniform
   const uint32_t wpr = K * bits / 32, gpr = K / args.group_size;
-  const device uint32_t* w = shared ? sh_down_w : down_w + g * H * wpr;
-  const device S* sc = shared ? sh_down_s : down_s + g * H * gpr;
-  const device S* bi = shared ? sh_down_b : down_b + g * H * gpr;
+  const MoeM5Matrix<S> D = moe_m5_matrix<S>(shared, tl.g, H, wpr, gpr, down_w, down_s, down_b, sh_down_w, sh_down_s, sh_down_b);
   const uint32_t t = thread_pos.x;
   if (LIST == 32 && r1 - r0 <= kMoeTile16MaxRows)
-    moe_down_m5_tile<S, bits, 16>(args, row_weight, h, w, sc, bi, y, K, r0, r1, n0, steps, t, simd_id, xs, ws);
+    moe_down_m5_tile<S, bits, 16>(args, row_weight, h, D.w, D.s, D.b, y, K, r0, r1, n0, steps, t, simd_id, xs, ws);
   else
-    moe_down_m5_tile<S, bits, LIST>(args, row_weight, h, w, sc, bi, y, K, r0, r1, n0, steps, t, simd_id, xs, ws);
+    moe_down_m5_tile<S, bits, LIST>(args, row_weight, h, D.w, D.s, D.b, y, K, r0, r1, n0, steps, t, simd_id, xs, ws);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -447,24 +470,16 @@ template <typename T, typename S>
   LILY_TG_ARRAY(float, xsum, [2 * BM]);       // the row's code sum per stage
   LILY_TG_ARRAY(float, wsb, [2 * 4 * BN]);    // per stage: gate scale, gate bias, up scale, up bias [32]
 
-  const uint32_t tile = group_pos.y;
-  const uint32_t list = moe_plan_list64();
-  const bool active = tile < plan[0];  // uniform over the threadgroup
-  const uint32_t g = active ? plan[list + 3 * tile] : 0u;
-  const uint32_t r0 = active ? plan[list + 3 * tile + 1] : 0u;
-  const uint32_t r1 = active ? plan[list + 3 * tile + 2] : 0u;
-  const bool shared = g == args.experts;
+  const MoeM5Tile tl = moe_m5_tile<64>(args, plan, group_pos.y);  // uniform over the threadgroup
+  const uint32_t r0 = tl.r0, r1 = tl.r1;
+  const bool shared = tl.g == args.experts;
   const uint32_t N = shared ? args.shared_inter : args.inter;
   const uint32_t n0 = group_pos.x * BN;
   const uint32_t H = args.hidden;
-  const uint32_t steps = (active && n0 < N) ? H / BK : 0u;  // uniform: no work, no run, no barrier
+  const uint32_t steps = (tl.active && n0 < N) ? H / BK : 0u;  // uniform: no work, no run, no barrier
   const uint32_t wpr = H * 4 / 32, gpr = H / args.group_size;
-  const device uint32_t* wg = shared ? sh_gate_w : gate_w + g * N * wpr;
-  const device S* sg = shared ? sh_gate_s : gate_s + g * N * gpr;
-  const device S* bg = shared ? sh_gate_b : gate_b + g * N * gpr;
-  const device uint32_t* wu = shared ? sh_up_w : up_w + g * N * wpr;
-  const device S* su = shared ? sh_up_s : up_s + g * N * gpr;
-  const device S* bu = shared ? sh_up_b : up_b + g * N * gpr;
+  const MoeM5Matrix<S> G = moe_m5_matrix<S>(shared, tl.g, N, wpr, gpr, gate_w, gate_s, gate_b, sh_gate_w, sh_gate_s, sh_gate_b);
+  const MoeM5Matrix<S> U = moe_m5_matrix<S>(shared, tl.g, N, wpr, gpr, up_w, up_s, up_b, sh_up_w, sh_up_s, sh_up_b);
   const uint32_t t = thread_pos.x;
   const uint32_t my_row = r0 + t / 2;  // the row this thread stages
   const bool my_valid = my_row < r1;
@@ -492,8 +507,8 @@ template <typename T, typename S>
 
   if (steps != 0u) {
     moe_m5i8_stage_rows<T>(xr, my_valid, t, xq, xs, xsum);
-    moe_m5i8_stage_w<S>(wg, sg, bg, n_st, N, 0, wpr, gpr, args.group_size, t, gq, wsb, wsb + BN);
-    moe_m5i8_stage_w<S>(wu, su, bu, n_st, N, 0, wpr, gpr, args.group_size, t, uq, wsb + 2 * BN, wsb + 3 * BN);
+    moe_m5i8_stage_w<S>(G.w, G.s, G.b, n_st, N, 0, wpr, gpr, args.group_size, t, gq, wsb, wsb + BN);
+    moe_m5i8_stage_w<S>(U.w, U.s, U.b, n_st, N, 0, wpr, gpr, args.group_size, t, uq, wsb + 2 * BN, wsb + 3 * BN);
     threadgroup_barrier(mem_flags::mem_threadgroup);
   }
   for (uint32_t s = 0; s < steps; ++s) {
@@ -502,8 +517,8 @@ template <typename T, typename S>
       const uint32_t k1 = (s + 1) * BK;
       threadgroup float* wn = wsb + nx * 4 * BN;
       moe_m5i8_stage_rows<T>(xr + k1, my_valid, t, xq + nx * BM * BK, xs + nx * BM, xsum + nx * BM);
-      moe_m5i8_stage_w<S>(wg, sg, bg, n_st, N, k1, wpr, gpr, args.group_size, t, gq + nx * BN * BK, wn, wn + BN);
-      moe_m5i8_stage_w<S>(wu, su, bu, n_st, N, k1, wpr, gpr, args.group_size, t, uq + nx * BN * BK, wn + 2 * BN,
+      moe_m5i8_stage_w<S>(G.w, G.s, G.b, n_st, N, k1, wpr, gpr, args.group_size, t, gq + nx * BN * BK, wn, wn + BN);
+      moe_m5i8_stage_w<S>(U.w, U.s, U.b, n_st, N, k1, wpr, gpr, args.group_size, t, uq + nx * BN * BK, wn + 2 * BN,
                           wn + 3 * BN);
     }
     auto dg = op.template get_destination_cooperative_tensor<decltype(x0), decltype(g0), int32_t>();
@@ -554,21 +569,15 @@ template <typename S>
   LILY_TG_ARRAY(float, xsum, [2 * BM]);       // the row's code sum per stage
   LILY_TG_ARRAY(float, wsb, [2 * 2 * BN]);    // per stage: scale, bias [32]
 
-  const uint32_t tile = group_pos.y;
-  const uint32_t list = moe_plan_list64();
-  const bool active = tile < plan[0];  // uniform over the threadgroup
-  const uint32_t g = active ? plan[list + 3 * tile] : 0u;
-  const uint32_t r0 = active ? plan[list + 3 * tile + 1] : 0u;
-  const uint32_t r1 = active ? plan[list + 3 * tile + 2] : 0u;
-  const bool shared = g == args.experts;
+  const MoeM5Tile tl = moe_m5_tile<64>(args, plan, group_pos.y);  // uniform over the threadgroup
+  const uint32_t r0 = tl.r0, r1 = tl.r1;
+  const bool shared = tl.g == args.experts;
   const uint32_t H = args.hidden;
   const uint32_t K = shared ? args.shared_inter : args.inter;
   const uint32_t n0 = group_pos.x * BN;
-  const uint32_t steps = active ? K / BK : 0u;  // uniform
+  const uint32_t steps = tl.active ? K / BK : 0u;  // uniform
   const uint32_t wpr = K * 4 / 32, gpr = K / args.group_size;
-  const device uint32_t* w = shared ? sh_down_w : down_w + g * H * wpr;
-  const device S* sc = shared ? sh_down_s : down_s + g * H * gpr;
-  const device S* bi = shared ? sh_down_b : down_b + g * H * gpr;
+  const MoeM5Matrix<S> D = moe_m5_matrix<S>(shared, tl.g, H, wpr, gpr, down_w, down_s, down_b, sh_down_w, sh_down_s, sh_down_b);
   const uint32_t t = thread_pos.x;
   const uint32_t my_row = r0 + t / 2;
   const bool my_valid = my_row < r1;
@@ -589,7 +598,7 @@ template <typename S>
 
   if (steps != 0u) {
     moe_m5i8_stage_rows<float>(hr, my_valid, t, xq, xs, xsum);
-    moe_m5i8_stage_w<S>(w, sc, bi, n_st, H, 0, wpr, gpr, args.group_size, t, wq, wsb, wsb + BN);
+    moe_m5i8_stage_w<S>(D.w, D.s, D.b, n_st, H, 0, wpr, gpr, args.group_size, t, wq, wsb, wsb + BN);
     threadgroup_barrier(mem_flags::mem_threadgroup);
   }
   for (uint32_t s = 0; s < steps; ++s) {
@@ -598,7 +607,7 @@ template <typename S>
       const uint32_t k1 = (s + 1) * BK;
       threadgroup float* wn = wsb + nx * 2 * BN;
       moe_m5i8_stage_rows<float>(hr + k1, my_valid, t, xq + nx * BM * BK, xs + nx * BM, xsum + nx * BM);
-      moe_m5i8_stage_w<S>(w, sc, bi, n_st, H, k1, wpr, gpr, args.group_size, t, wq + nx * BN * BK, wn, wn + BN);
+      moe_m5i8_stage_w<S>(D.w, D.s, D.b, n_st, H, k1, wpr, gpr, args.group_size, t, wq + nx * BN * BK, wn, wn + BN);
     }
     auto dot = op.template get_destination_cooperative_tensor<decltype(x0), decltype(w0), int32_t>();
     if (cur == 0) op.run(x0, w0, dot);
