@@ -107,16 +107,22 @@ ASSUMPTIONS = {
     # the A19 (docs/metal.md); plus ~12 for the group's index, scale and bias): 31 ops per matrix and
     # step; 64-row gate+up 110, down 63 ops per thread; 32-row 86 and 47 per 65,536 / 32,768 MACs;
     # a tile of <= 16 rows 74 and 39 per 32,768 / 16,384 (next entry).
-    # int8 as built (qmm_m5i8, moe_*_m5i8): x quantized while staging, again by every threadgroup
-    # that reads the row (max, divide, rint, clamp, convert, code sum: ~13 ops a value), codes
-    # unpacked (5 ops), and the int32 result rescaled every 32-wide K step (~9 ops an output: the
-    # index, four scale reads' arithmetic, convert, multiply, two FMAs): qmm_m5i8 587 ops,
-    # moe_gate_up_m5i8 593, moe_down_m5i8 387 per thread and step. The family's time is the largest
+    # int8 as built. qmm_m5i8 (2026-12-02, second form): x quantized once by quantize_i8 (its own
+    # bytes-bound dispatch) and staged as codes (two 16-byte copies), the weights' nibbles spread to
+    # bytes by two masks (3 ops a word, 4 words), ~10 ops of scale staging, and per 64-wide K step
+    # (one weight group) the rescale of each of the thread's 32 elements: 2 converts, a multiply and
+    # 3 FMAs (the element's row / column index hoisted out of the K loop: a function of the lane and
+    # the unrolled element only; ~9 ops an element if it were not: 0.15 ops per MAC): ~218 ops per
+    # thread and step for 2,048 MACs. moe_*_m5i8 (first form, not rebuilt yet): x quantized while
+    # staging, again by every threadgroup that reads the row (max, divide, rint, clamp, convert, code
+    # sum: ~13 ops a value), codes unpacked (5 ops), and the int32 result rescaled every 32-wide K
+    # step (~9 ops an output: the index, four scale reads' arithmetic, convert, multiply, two FMAs):
+    # moe_gate_up_m5i8 593, moe_down_m5i8 387 per thread and step (qmm_m5i8's first form: 587, 0.573). The family's time is the largest
     # of its tensor time, this ALU time (at the ALU efficiency) and its bytes: the two units are
     # assumed to overlap fully (optimistic). Attention and the DeltaNet chunk kernels: not counted
     # (softmax ~6 ops per score against 512 MACs; bytes-bound kernels). The 32-row kind's 16-row
     # tiles: next entry.
-    "tensor_alu_ops_per_mac": (("qmm_m5i8", 0.573), ("moe_gate_up_m5i8", 0.579), ("moe_down_m5i8", 0.756),
+    "tensor_alu_ops_per_mac": (("qmm_m5i8", 0.106), ("moe_gate_up_m5i8", 0.579), ("moe_down_m5i8", 0.756),
                                ("qmm_m5", 0.131), ("moe_gate_up_m5_64", 0.107), ("moe_down_m5_64", 0.123),
                                ("moe_gate_up_m5_32", 0.168), ("moe_down_m5_32", 0.184)),
     # the 32-row kind's tiles of <= 16 rows run 16 rows (BM = 16: 74 and 39 ops per thread and step
@@ -134,14 +140,13 @@ ASSUMPTIONS = {
     # the A19 measurement (docs/metal.md, "Execution scope and tile shape"); x quantized per row
     # and per group of `int8_group` along K (symmetric, scale = max |x| / 127), the 4-bit codes
     # exact as uint8. As built the ALU work above bounds these families, not the tensor ops.
-    # WHAT-IF (not built), the with_int8 lines: a design that keeps the ALUs below the int8 tensor
-    # time: x quantized once by its producer (the norm, the SwiGLU epilogue) and read as codes, the
-    # weights' nibbles spread to bytes by masks (~0.5 op a code; x's codes staged in the same
-    # permuted K order), the rescale once per 64-wide group from scales held in registers (~5 ops
-    # an output per 64 MACs): ~0.09 ALU ops per MAC.
+    # WHAT-IF, the with_int8 lines: qmm_m5i8's second form (built for the projections, 0.106 ALU
+    # ops per MAC, above) for every MoE tensor-op tile as well: x and h quantized once
+    # (quantize_i8) and staged as codes, the nibbles spread by masks, the rescale once per 64-wide
+    # weight group. The MoE tiles are not rebuilt that way yet.
     "int8_speedup": 2.0,
     "int8_group": 32,
-    "int8_design_alu_ops_per_mac": 0.09,
+    "int8_design_alu_ops_per_mac": 0.106,
     "int8_families": ("qmm_m5", "moe_gate_up_m5", "moe_down_m5"),
     # the families built with int8 activations (charged int8_speedup on the tensor units and their
     # tensor_alu_ops_per_mac on the ALUs): the projections and the MoE 64-row tiles
@@ -543,15 +548,16 @@ def print_tables(res: dict, brief: bool = False) -> None:
         f4 = with_int8(f2)
         e = estimate(f4, lv, 4096, "M5 Max")
         need = efficiency_for(f4, lv, 4096, "M5 Max", "tensor", TARGET)
-        print(f"  {'+ int8 x, a design not built (what-if)':<52} {e['tps']:>6,.0f} tok/s; tensor-op "
+        print(f"  {'+ int8 x and h as qmm_m5i8, MoE tiles too (what-if)':<52} {e['tps']:>6,.0f} tok/s; tensor-op "
               f"efficiency for {TARGET:,.0f}: " + (f"{need:.0%}" if need else "not reached at 100%"))
         print("  int8 what-if at every length, M5 path, M5 Max (target): " + ", ".join(
             f"{L}: {estimate(with_int8(res['M5 path', L]['fams']), res['M5 path', L]['levels'], L, 'M5 Max')['tps']:,.0f}"
             + (f" ({TARGETS[L]:,.0f})" if L in TARGETS else "") for L in lengths if ("M5 path", L) in res))
         print("  (int8 what-if lines: qmm_m5 and every MoE tensor-op tile on int8 at %.0fx the FP16 rate with "
-              "%.2f ALU ops per MAC - x quantized once by its producer, rescaled per 64-wide group: not built; the "
-              "kernels built, the 'M5 int8 opt-in' rows, quantize x while staging and rescale every 32 columns: "
-              "tensor_alu_ops_per_mac; ASSUMPTIONS)" % (a["int8_speedup"], a["int8_design_alu_ops_per_mac"]))
+              "%.3f ALU ops per MAC - x and h quantized once by quantize_i8, staged as codes, rescaled per 64-wide "
+              "weight group: built as qmm_m5i8 for the projections, not yet for the MoE tiles; the 'M5 int8 opt-in' "
+              "rows: the kernels built, qmm_m5i8 so and moe_*_m5i8 still quantizing x while staging and rescaling "
+              "every 32 columns: tensor_alu_ops_per_mac; ASSUMPTIONS)" % (a["int8_speedup"], a["int8_design_alu_ops_per_mac"]))
         e = estimate(f2, lv, 4096, "M5 Max")
         alu = sum(t for n, (t, _) in e["times"].items() if f2[n]["unit"] == "alu")
         print(f"  as built: ALU families (norms, conv, prep, gated norm, combine, few-row MoE) {alu * 1e3:.1f} ms "

@@ -203,11 +203,14 @@ void init_ops(nb::module_& parent) {
         op.y_f32 = y_f32;
         const gpu::DType yt = y_f32 ? gpu::DType::f32 : xt;
         op.y = run.output(size_t(M) * N * gpu::dtype_size(yt));
+        // the int8 activation scratch, as the engine binds it on a tensor_int8 device
+        if (run.enc->tensor_int8() && K % kI8StepK == 0) op.x_i8 = run.output(gpu::ops::qmm_i8_scratch_bytes(M, K));
         gpu::ops::validate(op);
         const bool tensor_ops = run.enc->tensor_ops() && gpu::ops::qmm_m5_allowed(op);
-        run.encode(gpu::ops::qmm_kernel(gpu::ops::qmm_route(M, bits, tensor_ops, gpu::ops::qmm_bf16_allowed(op)),
-                                        bits, xt, st, y_f32, gpu::ops::qmv1_rows(N, K, bits),
-                                        run.enc->tensor_int8() && gpu::ops::qmm_int8_allowed(op)),
+        const gpu::ops::QmmRoute route = gpu::ops::qmm_route(M, bits, tensor_ops, gpu::ops::qmm_bf16_allowed(op));
+        const bool int8 = route == gpu::ops::QmmRoute::qmm_m5 && run.enc->tensor_int8() && gpu::ops::qmm_int8_allowed(op);
+        if (int8) run.note(gpu::KernelId::quantize_i8_xbf16);
+        run.encode(gpu::ops::qmm_kernel(route, bits, xt, st, y_f32, gpu::ops::qmv1_rows(N, K, bits), int8),
                    [&](gpu::Encoder& e) { gpu::ops::encode_quantized_matmul(e, op); });
         return nb::make_tuple(run.download(op.y, yt, {M, N}), run.stats());
       },
@@ -216,6 +219,29 @@ void init_ops(nb::module_& parent) {
       "f32_x_bf16_tiles"_a = false,
       "y = x @ dequant(w).T on a device; returns (y, stats). bfloat16 arrays travel as uint16 "
       "(x_dtype / scale_dtype say which). Use lily_py.ops.quantized_matmul.");
+
+  m.def(
+      "quantize_i8",
+      [](InArray x, const std::string& device, const std::string& order, uint64_t seed, bool fp_traps) {
+        check_array(x, "quantize_i8", "x", 2, 16);
+        const uint32_t rows = static_cast<uint32_t>(x.shape(0)), K = static_cast<uint32_t>(x.shape(1));
+        LILY_REQUIRE(rows > 0 && K % kI8StepK == 0,
+                     "quantize_i8: x must be [rows > 0, K] with K a multiple of 64, got K=" + std::to_string(K));
+        Run run(device, order, seed, fp_traps);
+        LILY_REQUIRE(run.enc->tensor_ops(), "quantize_i8: the device has no Metal 4 tensor ops (lily_m5.metallib)");
+        const gpu::Binding xb = run.input(x);
+        const gpu::Binding out = run.output(gpu::ops::qmm_i8_scratch_bytes(rows, K));
+        run.encode(gpu::KernelId::quantize_i8_xbf16,
+                   [&](gpu::Encoder& e) { gpu::ops::encode_quantize_i8(e, xb, rows, K, K, out); });
+        const char* base = static_cast<const char*>(out.buffer->contents()) + out.offset;
+        const size_t g = K / kI8Group;
+        return nb::make_tuple(bindings::download<int8_t>(base, {rows, K}),
+                              bindings::download<float>(base + i8_scales_offset(rows, K), {rows, g}),
+                              bindings::download<float>(base + i8_sums_offset(rows, K), {rows, g}), run.stats());
+      },
+      "x"_a, nb::kw_only(), "device"_a = "emu", "order"_a = "shuffle", "seed"_a = 0, "fp_traps"_a = true,
+      "bf16 x [rows, K] (as uint16) -> the int8 activation scratch (codes [rows, K] int8 in the permuted "
+      "order, scales and sums [rows, K / 32] float32, stats). Use lily_py.ops._quantize_i8.");
 
   m.def(
       "quantized_matmul_norm",

@@ -88,8 +88,9 @@ gpu::QuantWeight alloc_quant(Allocator& a, const std::string& name, uint64_t row
 }
 
 // Every buffer of the engine for spec `s`: weights in checkpoint order, the conversation state
-// (KV caches, DeltaNet state and conv windows) and the scratch of one prefill_chunk step.
-void build_buffers(const ModelSpec& s, Allocator& a, gpu::ModelBuffers& m_) {
+// (KV caches, DeltaNet state and conv windows) and the scratch of one prefill_chunk step; int8:
+// the device takes int8 activations (DeviceInfo::tensor_int8), which read the int8 scratch.
+void build_buffers(const ModelSpec& s, Allocator& a, gpu::ModelBuffers& m_, bool int8 = false) {
   const uint64_t H = s.hidden, V = s.vocab, E = s.experts, I = s.moe_inter, Is = s.shared_inter;
   const uint64_t C = s.conv_dim(), VD = s.value_dim(), Hv = s.lin_v_heads, K = s.conv_kernel;
   const uint64_t P = gpu::ops::gated_delta_mixer_proj_rows(s.lin_k_heads, s.lin_v_heads, s.lin_k_dim, s.lin_v_dim);
@@ -145,6 +146,10 @@ void build_buffers(const ModelSpec& s, Allocator& a, gpu::ModelBuffers& m_) {
   t.proj = a.scratch(T * P * xe);
   t.conv_out = a.scratch(T * C * xe);
   t.o = a.scratch(T * VD * xe);
+  if (int8 && s.activations == gpu::DType::bf16 && T > kQmvMaxRows) {  // the projections' int8 x (qmm_m5i8)
+    const uint64_t widest = std::max<uint64_t>({H, VD, uint64_t(s.q_heads) * s.head_dim});
+    t.x_i8 = a.scratch(gpu::ops::qmm_i8_scratch_bytes(uint32_t(T), uint32_t(widest)));
+  }
   const bool any_deltanet = std::find(s.full_attention.begin(), s.full_attention.end(), 0) != s.full_attention.end();
   if (any_deltanet) {  // the one-token route (gated_delta_decode): raw outputs and per-head tickets
     t.gd_o_raw = a.scratch(VD * 4);
@@ -270,7 +275,7 @@ Engine::Engine(ModelSpec spec, std::unique_ptr<gpu::Device> device) : spec_(std:
   s.validate();
   check_memory(plan_memory(s));  // before anything is allocated
   DeviceAllocator a(*this);
-  build_buffers(s, a, m_);
+  build_buffers(s, a, m_, device_->info().tensor_int8);
   if (m_.inv_freq.buffer) {
     const std::vector<float> f = gpu::ops::rope_inv_freq(s.rotary_dim, s.rope_theta);
     if (void* dst = m_.inv_freq.buffer->contents()) std::memcpy(dst, f.data(), f.size() * 4);

@@ -84,6 +84,7 @@ void encode_deltanet(Encoder& enc, const core::ModelSpec& spec, const Layer& L, 
   g.conv_out = s.conv_out;
   g.o = s.o;
   g.chunk_scratch = s.gd_chunk;
+  g.x_i8 = s.x_i8;
   g.gd_o_raw = s.gd_o_raw;
   g.gd_tickets = s.gd_tickets;
   g.out = s.mix;
@@ -129,6 +130,7 @@ void encode_attention(Encoder& enc, const core::ModelSpec& spec, const ModelBuff
   a.q = s.q;
   a.attn = s.attn;
   a.scratch = s.attn_partials;
+  a.x_i8 = s.x_i8;
   a.out = s.mix;
   a.dtype = spec.activations;
   a.w_dtype = DType::f32;

@@ -70,6 +70,8 @@ struct StepScratch {
   Binding x, h, xn, mix;        // [chunk, H]
   Binding proj, conv_out, o;    // DeltaNet: [chunk, P], [chunk, C], [chunk, Hv * Dv]
   Binding gd_chunk;             // DeltaNet chunked (WY) route scratch for chunk tokens (unbound: scan only)
+  Binding x_i8;                 // int8 activation scratch of the projections (tensor_int8 devices only;
+                                // unbound: no int8): ops::qmm_i8_scratch_bytes(chunk, widest K)
   Binding gd_o_raw;             // DeltaNet decode: float32 [Hv * Dv] raw outputs before the gated norm
   Binding gd_tickets;           // DeltaNet decode: uint32 [Hv] per-head tickets; engine *state* (zeroed
                                 // at allocation and reset), every gated_delta_decode leaves it zero

@@ -34,7 +34,27 @@ enum : uint32_t {
   // kTensorOpSubTile x kTensorOpSubTile per simdgroup (16 rows for the MoE 16-row tiles):
   // docs/metal.md, "Execution scope and tile shape".
   kTensorOpSubTile = 32,
+  // int8 activations on the tensor ops (qmm_m5i8, moe_*_m5i8; the opt-in of docs/performance.md):
+  // quantize_i8 writes x's int8 codes once per row and kI8Group columns, the consumers walk K in
+  // steps of kI8StepK (one weight group: group_size % kI8StepK == 0).
+  kI8Group = 32,
+  kI8StepK = 64,
 };
+
+// quantize_i8 (shaders/m5/qmm_m5.metal): rows x K bf16 values (x_stride apart) into the int8
+// activation scratch, laid out as (i8_codes_offset / i8_scales_offset / i8_sums_offset below):
+//   codes  int8  [rows][K]          each 8-column block permuted as 0 2 4 6 1 3 5 7 (the order in
+//                                   which two masks spread a word of 4-bit weight codes to bytes)
+//   scales float [rows][K / 32]     s = max |x| / 127 over the 32 columns (0: all zero)
+//   sums   float [rows][K / 32]     s * (the sum of the 32 codes): the dequantized values' sum
+struct QuantI8Args {
+  uint32_t rows;
+  uint32_t K;         // multiple of kI8StepK
+  uint32_t x_stride;  // elements between rows of x (>= K)
+};
+inline uint32_t i8_scales_offset(uint32_t rows, uint32_t K) { return rows * K; }  // bytes
+inline uint32_t i8_sums_offset(uint32_t rows, uint32_t K) { return rows * K + rows * (K / kI8Group) * 4u; }
+inline uint32_t i8_scratch_bytes(uint32_t rows, uint32_t K) { return rows * K + 2u * rows * (K / kI8Group) * 4u; }
 
 // qmv1 (single token, shaders/qmm.metal): y[N] = dequant(w)[N, K] @ f(x), with f(x) = x, or an
 // RMSNorm fused in front: f(x) = rmsnorm(h) * norm_w, h = x (+ residual). Threadgroup = R rows x

@@ -118,71 +118,165 @@ template <typename T, typename S, int bits = 4, typename Y = T>
 }
 
 // ---------------------------------------------------------------------------------------------
-// qmm_m5i8: qmm_m5 with int8 activations on the int8 rows of matmul2d (int8_t x uint8_t -> int32_t),
-// for bf16 x and 4-bit weights. Same buffers, args, grid, tile and simdgroup quarters as qmm_m5.
-//   staging:   per K step of 32 (one scale group), thread t takes x[m0 + t/2, k0 + 16 (t%2) .. + 16]
-//              and quantizes the row's 32 values with its partner t ^ 1 (int8_row_codes,
-//              common/tensor_ops.h): s_x = max |x| / 127 (0 for an all-zero row), codes xi =
-//              rint(x / s_x) clamped to [-127, 127], the row's code sum sum(xi) (exact); and the same coordinates
-//              of w as their uint8 codes with the group's scale and bias (one group per step:
-//              32 divides every group size). Two stages, one barrier per step, as qmm_m5.
-//   multiply:  per step, simdgroup g's quarter with matmul2d_descriptor(32, 32, 32, false, true,
-//              false, multiply) into an int32 cooperative tensor (exact: |sum| <= 32 x 127 x 255),
-//              then each thread rescales its elements into fp32 accumulators of the same op:
-//              acc += s_x[row] (s_w[col] I + b_w[col] sum(xi)[row]), since
-//              sum_k x_k w_k = s_x s_w sum_k xi_k q_k + s_x b_w sum_k xi_k over the step.
-//   Precision: x is rounded to int8 per row and 32 columns (relative to the group's max, error
-//              <= s_x / 2 per element); the codes and the integer sums are exact; the rescale is
-//              fp32. benchmarks/int8_activation_study.py and docs/performance.md give the model-level
-//              error; the kernel test compares with the reference on the same int8 codes.
-template <typename T, typename S>
-inline void qmm_m5i8_stage(constant QmmArgs& args, const device T* x, const device uint32_t* w,
-                           const device S* scales, const device S* biases, uint32_t m0, uint32_t n0,
-                           uint32_t k0, uint32_t t, threadgroup int8_t* xq, threadgroup uint8_t* wq,
-                           threadgroup float* xs, threadgroup float* xsum, threadgroup float* ws,
-                           threadgroup float* wb) {
-  constexpr uint32_t BK = kQmmM5TileK;
-  const uint32_t row = t / 2;
-  const uint32_t col = (t % 2) * 16;
-  const uint32_t m = m0 + row;
-  float v[16];
-  for (uint32_t i = 0; i < 16; ++i) v[i] = m < args.M ? float(x[m * args.x_stride + k0 + col + i]) : 0.0f;
-  float isum;
-  const float sx = int8_row_codes(v, xq + row * BK + col, isum);
-  const uint32_t n = n0 + row;
-  float sw = 0.0f, bw = 0.0f;
-  if (n < args.N) {
-    float q[16];
-    qmm_m5_w_codes<4>(args, w, scales, biases, n, k0 + col, q, sw, bw);
-    for (uint32_t i = 0; i < 16; ++i) wq[row * BK + col + i] = uint8_t(q[i]);
-  } else {
-    for (uint32_t i = 0; i < 16; ++i) wq[row * BK + col + i] = uint8_t(0);
+// quantize_i8: bf16 x[rows, K] into the int8 activation scratch that qmm_m5i8 and moe_*_m5i8 read
+// (layout: common/args.h, QuantI8Args). One thread per row and 32 columns (kI8Group): s = max |x| /
+// 127 in fp32 (0 for an all-zero group), codes rint(x / s) clamped to [-127, 127] (0 where s = 0),
+// written in the permuted order 0 2 4 6 1 3 5 7 of each 8 columns; the group's dequantized sum
+// s * sum(codes) (the code sum exact as an integer, one fp32 rounding). Plain ALU code, bytes-bound
+// (reads 2 bytes a value, writes 1.25).
+// Reference: lily_py.reference.kernels.int8_rows / quantize_i8.
+template <typename T>
+[[kernel]] void quantize_i8(constant QuantI8Args& args [[buffer(0)]],
+                            const device T* x [[buffer(1)]],
+                            device uint8_t* out [[buffer(2)]],
+                            LILY_KERNEL_TAIL) {
+  constexpr uint32_t G = kI8Group;
+  const uint32_t groups = args.K / G;
+  const uint32_t i = grid_pos.x;
+  if (i >= args.rows * groups) return;
+  const uint32_t row = i / groups, g = i % groups;
+  float v[G];
+  float amax = 0.0f;
+  for (uint32_t j = 0; j < G; ++j) {
+    v[j] = float(x[row * args.x_stride + g * G + j]);
+    amax = max(amax, abs(v[j]));
   }
-  if (t % 2 == 0) {
-    xs[row] = sx;
-    xsum[row] = isum;
-    ws[row] = sw;
-    wb[row] = bw;
+  int32_t isum = 0;
+  const float s = amax / 127.0f;
+  device uint32_t* words = reinterpret_cast<device uint32_t*>(out + row * args.K + g * G);
+  for (uint32_t c = 0; c < G / 8; ++c) {
+    uint32_t lo = 0, hi = 0;  // columns 0 2 4 6 and 1 3 5 7 of the block, one byte each
+    for (uint32_t j = 0; j < 4; ++j) {
+      const float q0 = s > 0.0f ? clamp(rint(v[8 * c + 2 * j] / s), -127.0f, 127.0f) : 0.0f;
+      const float q1 = s > 0.0f ? clamp(rint(v[8 * c + 2 * j + 1] / s), -127.0f, 127.0f) : 0.0f;
+      lo |= (uint32_t(int32_t(q0)) & 0xFFu) << (8 * j);
+      hi |= (uint32_t(int32_t(q1)) & 0xFFu) << (8 * j);
+      isum += int32_t(q0) + int32_t(q1);
+    }
+    words[2 * c] = lo;
+    words[2 * c + 1] = hi;
+  }
+  device float* scales = reinterpret_cast<device float*>(out + i8_scales_offset(args.rows, args.K));
+  device float* sums = reinterpret_cast<device float*>(out + i8_sums_offset(args.rows, args.K));
+  scales[i] = s;
+  sums[i] = s * float(isum);
+}
+
+// ---------------------------------------------------------------------------------------------
+// qmm_m5i8: qmm_m5 with int8 activations on the int8 rows of matmul2d (int8_t x uint8_t -> int32_t),
+// for x quantized by quantize_i8 (buffer 1: the int8 activation scratch of x's M rows) and 4-bit
+// weights with group_size % 64 == 0. Same args, grid, output tile and simdgroup quarters as qmm_m5.
+//   staging:   per K step of 64 (kI8StepK: one weight group), thread t copies the 32 codes of x row
+//              m0 + t/2 at columns 32 (t%2) .. + 32 (two 16-byte loads), and spreads the same 32
+//              4-bit codes of w row n0 + t/2 to bytes with two masks a word (w & 0x0F0F0F0F,
+//              (w >> 4) & 0x0F0F0F0F: the order 0 2 4 6 1 3 5 7 quantize_i8 wrote x's codes in);
+//              the row's two x scales and its 64-column code sum (s_xa C_a + s_xb C_b), the feature's weight
+//              scale and bias; zeros past M / N. Each half (32 columns) is its own [64][32] tile.
+//              Two stages: step s+1 is staged while step s multiplies, one barrier per step.
+//   multiply:  per step, simdgroup g's quarter runs matmul2d_descriptor(32, 32, 32, false, true,
+//              false, multiply) on each half into int32 cooperative tensors D_a, D_b (exact:
+//              |D| <= 32 x 127 x 15), then each thread rescales its elements into fp32 accumulators
+//              of the same op: acc += s_w (s_xa D_a + s_xb D_b) + b_w sum_x, since over one weight
+//              group sum_k x_k w_k = s_w sum_k x_k q_k + b_w sum_k x_k (x_k here the dequantized
+//              codes, their sums from quantize_i8): 6 ALU ops an output per 64 MACs.
+//   Precision: x is rounded to int8 per row and 32 columns (error <= s_x / 2 per element) in both
+//              terms (with x's exact sum in the bias term instead, the errors of the two terms no
+//              longer cancel: w = s q + b is centred, s q is not, and the engine's logits nmse
+//              grew 5-25x); the integer dots are exact; the rescale is fp32. benchmarks/int8_activation_study.py and docs/performance.md give
+//              the model-level error; the kernel test compares with the reference of the same
+//              semantics (lily_py.reference.kernels.quantized_matmul_i8).
+
+// The two masks: 8 codes of a word to 8 bytes, in the order 0 2 4 6 1 3 5 7.
+inline void i8_spread_codes(uint32_t word, threadgroup uint32_t* dst) {
+  dst[0] = word & 0x0F0F0F0Fu;
+  dst[1] = (word >> 4) & 0x0F0F0F0Fu;
+}
+
+// The int8 rescale of one weight-group step (see above): element i of da / db / acc is the same
+// output (row r0 + r, feature c0 + c).
+template <typename D, typename A>
+inline void i8_rescale(thread D& da, thread D& db, thread A& acc, const threadgroup float* xsa,
+                       const threadgroup float* xsb, const threadgroup float* xsum, const threadgroup float* ws,
+                       const threadgroup float* wb, uint32_t r0, uint32_t c0) {
+  for (uint16_t i = 0; i < acc.get_capacity(); ++i) {
+    if (!acc.is_valid_element(i)) continue;
+    const auto idx = acc.get_multidimensional_index(i);
+    const uint32_t r = r0 + uint32_t(idx[1]), c = c0 + uint32_t(idx[0]);
+    const float dot = xsa[r] * float(da[i]) + xsb[r] * float(db[i]);
+    acc[i] = fma(wb[c], xsum[r], fma(ws[c], dot, acc[i]));
+  }
+}
+
+// A [64][32]-byte half tile (4 KB: 256 uint4) of x or w codes as a matmul2d operand: rows r0 ..
+// r0 + 32 of it, 32 columns (E: int8_t for x, uint8_t for w).
+template <typename E>
+inline tensor<threadgroup E, dextents<int32_t, 2>, tensor_inline> i8_half_tile(threadgroup uint4* half, uint32_t r0) {
+  return tensor<threadgroup E, dextents<int32_t, 2>, tensor_inline>(
+      reinterpret_cast<threadgroup E*>(half) + r0 * kI8Group, dextents<int32_t, 2>(int(kI8Group), int(kTensorOpSubTile)));
+}
+constant constexpr uint32_t kI8HalfTile = kQmmM5TileM * kI8Group / 16;  // uint4 in a [64][32]-byte half
+
+template <typename S>
+inline void qmm_m5i8_stage(constant QmmArgs& args, const device uint8_t* xq, const device uint32_t* w,
+                           const device S* scales, const device S* biases, uint32_t m0, uint32_t n0,
+                           uint32_t k0, uint32_t t, threadgroup uint4* xt, threadgroup uint4* wt,
+                           threadgroup float* xsa, threadgroup float* xsb, threadgroup float* xsum,
+                           threadgroup float* ws, threadgroup float* wb) {
+  constexpr uint32_t H = kI8Group;
+  const uint32_t row = t / 2, half = t % 2;
+  const uint32_t m = m0 + row, n = n0 + row;
+  threadgroup uint4* xd = xt + half * kI8HalfTile + row * (H / 16);
+  if (m < args.M) {
+    const device uint4* src = reinterpret_cast<const device uint4*>(xq + m * args.K + k0 + half * H);
+    xd[0] = src[0];
+    xd[1] = src[1];
+  } else {
+    xd[0] = uint4(0u);
+    xd[1] = uint4(0u);
+  }
+  threadgroup uint32_t* wd = reinterpret_cast<threadgroup uint32_t*>(wt + half * kI8HalfTile + row * (H / 16));
+  const device uint32_t* wsrc = w + n * (args.K / 8) + (k0 + half * H) / 8;
+  for (uint32_t j = 0; j < H / 8; ++j) {
+    if (n < args.N) {
+      i8_spread_codes(wsrc[j], wd + 2 * j);
+    } else {
+      wd[2 * j] = 0u;
+      wd[2 * j + 1] = 0u;
+    }
+  }
+  const uint32_t groups32 = args.K / H;
+  const uint32_t g32 = m * groups32 + k0 / H;
+  if (half == 0) {
+    const device float* sx = reinterpret_cast<const device float*>(xq + i8_scales_offset(args.M, args.K));
+    xsa[row] = m < args.M ? sx[g32] : 0.0f;
+    xsb[row] = m < args.M ? sx[g32 + 1] : 0.0f;
+  } else {
+    const device float* su = reinterpret_cast<const device float*>(xq + i8_sums_offset(args.M, args.K));
+    xsum[row] = m < args.M ? su[g32] + su[g32 + 1] : 0.0f;
+    const uint32_t g = n * (args.K / args.group_size) + k0 / args.group_size;
+    ws[row] = n < args.N ? float(scales[g]) : 0.0f;
+    wb[row] = n < args.N ? float(biases[g]) : 0.0f;
   }
 }
 
 template <typename T, typename S>
 [[kernel]] void qmm_m5i8(constant QmmArgs& args [[buffer(0)]],
-                         const device T* x [[buffer(1)]],
+                         const device uint8_t* xq [[buffer(1)]],
                          const device uint32_t* w [[buffer(2)]],
                          const device S* scales [[buffer(3)]],
                          const device S* biases [[buffer(4)]],
                          device T* y [[buffer(5)]],
                          LILY_KERNEL_TAIL) {
-  constexpr uint32_t BM = kQmmM5TileM, BN = kQmmM5TileN, BK = kQmmM5TileK, SUB = kTensorOpSubTile;
-  static_assert(BM == 64 && BN == 64 && BK == 32 && kQmmM5SimdsPerGroup == 4 && SUB == 32,
-                "the staging map and the 2 x 2 simdgroup quarters below assume 64x64x32 tiles, 128 threads");
-  LILY_TG_ARRAY(int8_t, xq, [2 * BM * BK]);   // two stages of the x codes [64][32]
-  LILY_TG_ARRAY(uint8_t, wq, [2 * BN * BK]);  // two stages of the w codes [64][32]
-  LILY_TG_ARRAY(float, xs, [2 * BM]);         // s_x per row and stage
-  LILY_TG_ARRAY(float, xsum, [2 * BM]);       // sum of the row's codes per stage
-  LILY_TG_ARRAY(float, ws, [2 * BN]);         // the weight group's scale per feature and stage
-  LILY_TG_ARRAY(float, wb, [2 * BN]);         // ... and bias
+  constexpr uint32_t BM = kQmmM5TileM, BN = kQmmM5TileN, H = kI8Group, SUB = kTensorOpSubTile, HT = kI8HalfTile;
+  static_assert(BM == 64 && BN == 64 && kI8StepK == 2 * H && H == 32 && kQmmM5SimdsPerGroup == 4 && SUB == 32,
+                "the staging map and the 2 x 2 simdgroup quarters below assume 64x64 tiles, K steps of 2 x 32, 128 threads");
+  LILY_TG_ARRAY(uint4, xt, [2 * 2 * HT]);  // x codes: [stage][half][64][32] bytes
+  LILY_TG_ARRAY(uint4, wt, [2 * 2 * HT]);  // w codes spread to bytes, the same
+  LILY_TG_ARRAY(float, xsa, [2 * BM]);     // per stage: s_x of the row's first 32 columns
+  LILY_TG_ARRAY(float, xsb, [2 * BM]);     // ... of its second 32
+  LILY_TG_ARRAY(float, xsum, [2 * BM]);    // ... the sum of its 64 values
+  LILY_TG_ARRAY(float, ws, [2 * BN]);      // ... the feature's weight scale
+  LILY_TG_ARRAY(float, wb, [2 * BN]);      // ... and bias
 
   const uint32_t t = thread_pos.x;
   const uint32_t m0 = group_pos.y * BM;
@@ -190,29 +284,33 @@ template <typename T, typename S>
   const uint32_t sm = (simd_id / 2) * SUB;  // this simdgroup's quarter: rows sm.., features sn..
   const uint32_t sn = (simd_id % 2) * SUB;
 
-  constexpr auto desc = matmul2d_descriptor(int(SUB), int(SUB), int(BK), false, true, false,
+  constexpr auto desc = matmul2d_descriptor(int(SUB), int(SUB), int(H), false, true, false,
                                             matmul2d_descriptor::mode::multiply);
   matmul2d<desc, execution_simdgroup> op;
-  auto x0 = tensor<threadgroup int8_t, dextents<int32_t, 2>, tensor_inline>(xq + sm * BK, dextents<int32_t, 2>(int(BK), int(SUB)));
-  auto x1 = tensor<threadgroup int8_t, dextents<int32_t, 2>, tensor_inline>(xq + BM * BK + sm * BK, dextents<int32_t, 2>(int(BK), int(SUB)));
-  auto w0 = tensor<threadgroup uint8_t, dextents<int32_t, 2>, tensor_inline>(wq + sn * BK, dextents<int32_t, 2>(int(BK), int(SUB)));
-  auto w1 = tensor<threadgroup uint8_t, dextents<int32_t, 2>, tensor_inline>(wq + BN * BK + sn * BK, dextents<int32_t, 2>(int(BK), int(SUB)));
-  auto acc = op.template get_destination_cooperative_tensor<decltype(x0), decltype(w0), float>();
+  using XT = tensor<threadgroup int8_t, dextents<int32_t, 2>, tensor_inline>;
+  using WT = tensor<threadgroup uint8_t, dextents<int32_t, 2>, tensor_inline>;
+  auto acc = op.template get_destination_cooperative_tensor<XT, WT, float>();
   for (uint16_t i = 0; i < acc.get_capacity(); ++i)
     if (acc.is_valid_element(i)) acc[i] = 0.0f;
 
-  const uint32_t steps = args.K / BK;
-  qmm_m5i8_stage(args, x, w, scales, biases, m0, n0, 0, t, xq, wq, xs, xsum, ws, wb);
+  const uint32_t steps = args.K / kI8StepK;
+  qmm_m5i8_stage(args, xq, w, scales, biases, m0, n0, 0, t, xt, wt, xsa, xsb, xsum, ws, wb);
   threadgroup_barrier(mem_flags::mem_threadgroup);
   for (uint32_t s = 0; s < steps; ++s) {
     const uint32_t cur = s & 1, next = (s + 1) & 1;
     if (s + 1 < steps)  // stage s+1 into the buffers the previous step read (barrier between)
-      qmm_m5i8_stage(args, x, w, scales, biases, m0, n0, (s + 1) * BK, t, xq + next * BM * BK,
-                     wq + next * BN * BK, xs + next * BM, xsum + next * BM, ws + next * BN, wb + next * BN);
-    auto dot = op.template get_destination_cooperative_tensor<decltype(x0), decltype(w0), int32_t>();
-    if (cur == 0) op.run(x0, w0, dot);
-    else op.run(x1, w1, dot);
-    int8_rescale(dot, acc, xs, xsum, ws, wb, cur * BM + sm, cur * BN + sn);
+      qmm_m5i8_stage(args, xq, w, scales, biases, m0, n0, (s + 1) * kI8StepK, t, xt + 2 * next * HT,
+                     wt + 2 * next * HT, xsa + next * BM, xsb + next * BM, xsum + next * BM, ws + next * BN,
+                     wb + next * BN);
+    auto da = op.template get_destination_cooperative_tensor<XT, WT, int32_t>();
+    auto db = op.template get_destination_cooperative_tensor<XT, WT, int32_t>();
+    auto xa = i8_half_tile<int8_t>(xt + 2 * cur * HT, sm);  // (run takes its operands by reference)
+    auto wa = i8_half_tile<uint8_t>(wt + 2 * cur * HT, sn);
+    auto xb = i8_half_tile<int8_t>(xt + (2 * cur + 1) * HT, sm);
+    auto wbt = i8_half_tile<uint8_t>(wt + (2 * cur + 1) * HT, sn);
+    op.run(xa, wa, da);
+    op.run(xb, wbt, db);
+    i8_rescale(da, db, acc, xsa, xsb, xsum, ws, wb, cur * BM + sm, cur * BN + sn);
     threadgroup_barrier(mem_flags::mem_threadgroup);
   }
 
@@ -239,5 +337,6 @@ LILY_INSTANTIATE("qmm_m5_b8_xbf16_sf32", qmm_m5<bfloat, float, 8>)
 LILY_INSTANTIATE("qmm_m5_b8_xbf16_sbf16", qmm_m5<bfloat, bfloat, 8>)
 LILY_INSTANTIATE("qmm_m5i8_b4_xbf16_sf32", qmm_m5i8<bfloat, float>)
 LILY_INSTANTIATE("qmm_m5i8_b4_xbf16_sbf16", qmm_m5i8<bfloat, bfloat>)
+LILY_INSTANTIATE("quantize_i8_xbf16", quantize_i8<bfloat>)
 
 }  // namespace lily

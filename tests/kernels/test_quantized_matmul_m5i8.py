@@ -1,18 +1,21 @@
-"""qmm_m5i8: the M5 quantized matmul with int8 activations (shaders/m5/qmm_m5.metal), on the emulator
-under lily_py.testing.simulated_device(tensor_ops=True, tensor_int8=True), vs the reference.
+"""qmm_m5i8: the M5 quantized matmul with int8 activations (shaders/m5/qmm_m5.metal), after
+quantize_i8 wrote x's codes into the int8 activation scratch, on the emulator under
+lily_py.testing.simulated_device(tensor_ops=True, tensor_int8=True), vs the reference.
 
 Tolerances, derived:
-* exact semantics. Given the kernel's int8 codes and scales (lily_py.reference.kernels.int8_rows:
-  per row and 32 columns, s_x = max |x| / 127 in fp32, codes rint(x / s_x)), each 32-wide step's
-  integer dot product is exact and the kernel adds s_x (s_w I + b_w sum(codes)) to an fp32
-  accumulator: a few fp32 roundings per step, bounded by 8 sqrt(K) u mag with u = 2^-24 and
-  mag = sum_k |x_k w_k| over the dequantized int8 x (as the half route's bound). Far below what the
-  int8 rounding itself moves (up to s_x / 2 per element), so it also shows the quantization is
-  the stated one.
+* exact semantics (lily_py.reference.kernels.quantized_matmul_i8): x rounded to int8 per row and 32
+  columns (s_x = max |x| / 127 in fp32, codes rint(x / s_x)) times the dequantized weights; each
+  32-wide integer dot product is exact and the kernel adds s_w (s_xa D_a + s_xb D_b) + b_w
+  (s_xa C_a + s_xb C_b) (C: code sums) per 64-wide step to an fp32 accumulator: a few fp32
+  roundings per step, bounded by 8 sqrt(K) u mag with u = 2^-24 and mag the sum of the terms'
+  magnitudes (as the half route's bound). Far below what the int8 rounding itself moves (up to
+  s_x / 2 per element), so it also shows the quantization, the permuted code order and the sums
+  are the stated ones.
 * against the fp32 reference (x unrounded): |x_k - codes_k s_x| <= s_x / 2, so
   |y - ref| <= sum_k (s_x(k) / 2) |w_k| + the fp32 term, per (row, feature).
-A bfloat16 output adds its final rounding (rtol 2^-8). Only bf16 x and 4-bit weights take it: fp32 x,
-8-bit weights (the router), fp32 y (lm_head's logits) keep qmm_m5; without tensor_int8 qmm_m5 too.
+A bfloat16 output adds its final rounding (rtol 2^-8). Only bf16 x, 4-bit weights with group_size
+% 64 == 0 and K % 64 == 0, bf16 y take it: fp32 x, 8-bit weights (the router), fp32 y (lm_head's
+logits), groups of 32 keep qmm_m5; without tensor_int8 qmm_m5 too.
 """
 from __future__ import annotations
 
@@ -42,14 +45,12 @@ def dequantized(w, s, b, *, bits, group_size):
 def check_i8(rng, x, w, s, b, *, group_size=64):
     y, stats = run_i8(rng, x, w, s, b, group_size=group_size)
     k = x.shape[-1]
-    codes, sx = ref_kernels.int8_rows(x)
-    xq = codes * np.repeat(sx, 32, axis=-1)
-    wd = dequantized(w, s, b, bits=4, group_size=group_size)
-    exact = xq @ wd.T
-    mag = np.abs(xq) @ np.abs(wd).T
+    exact, mag = ref_kernels.quantized_matmul_i8(x, w, s, b, group_size=group_size)
     rtol = 2 * BF16_EPS
     assert_close(y, exact, atol=8 * np.sqrt(k) * F32_EPS * mag, rtol=rtol,
                  what=f"qmm_m5i8 (int8 x) {stats['kernels']} x{x.shape}", seed=rng.seed)
+    _, sx = ref_kernels.int8_rows(x)
+    wd = dequantized(w, s, b, bits=4, group_size=group_size)
     ref = ref_kernels.quantized_matmul(x, w, s, b, bits=4, group_size=group_size)
     step = np.repeat(sx, 32, axis=-1) / 2                         # |x - x_int8| per element
     mag32 = np.abs(np.asarray(x).astype(np.float64)) @ np.abs(wd).T
@@ -72,20 +73,37 @@ def test_simulation_reports_tensor_int8():
 @pytest.mark.parametrize("m", [QMV_MAX_ROWS + 1, 64, 65, 130])
 @pytest.mark.parametrize("scale_dtype", [np.float32, BF16], ids=["sf32", "sbf16"])
 def test_m5i8_matches_reference(rng, m, scale_dtype):
-    n, k = 101, 192  # N: not a multiple of the 64-wide tile; K: 6 steps of 32 (3 groups of 64)
+    n, k = 101, 192  # N: not a multiple of the 64-wide tile; K: 3 steps of 64
     x, w, s, b = make_case(rng, m, n, k, bits=4, group_size=64, x_dtype=BF16, scale_dtype=scale_dtype)
     _, stats = check_i8(rng, x, w, s, b)
     ss = "bf16" if np.dtype(scale_dtype) == BF16 else "f32"
-    assert stats["kernels"] == [f"qmm_m5i8_b4_xbf16_s{ss}"]
+    assert stats["kernels"] == ["quantize_i8_xbf16", f"qmm_m5i8_b4_xbf16_s{ss}"]
+    assert stats["dispatches"] == 2 and stats["barriers"] == 1
 
 
-@pytest.mark.parametrize("m,n,k,group_size", [(9, 1, 32, 32), (65, 63, 96, 32), (130, 129, 256, 128),
-                                              (64, 64, 64, 64), (33, 70, 2048, 64)])
+@pytest.mark.parametrize("m,n,k,group_size", [(9, 1, 64, 64), (65, 63, 128, 128), (130, 129, 256, 128),
+                                              (64, 64, 64, 64), (33, 70, 2048, 64), (71, 35, 4096, 64)])
 def test_m5i8_odd_shapes(rng, m, n, k, group_size):
-    # Tile edges on both sides, K of 1 step (32) to 64 steps, groups of 32, 64 and 128.
+    # Tile edges on both sides, K of 1 step (64) to 64 steps, groups of 64 and 128.
     x, w, s, b = make_case(rng, m, n, k, bits=4, group_size=group_size, x_dtype=BF16, scale_dtype=BF16)
     _, stats = check_i8(rng, x, w, s, b, group_size=group_size)
-    assert stats["kernels"] == ["qmm_m5i8_b4_xbf16_sbf16"]
+    assert stats["kernels"] == ["quantize_i8_xbf16", "qmm_m5i8_b4_xbf16_sbf16"]
+
+
+def test_quantize_i8_scratch_layout(rng):
+    """The scratch quantize_i8 writes equals the reference's bit for bit (codes in the permuted order,
+    scales, the dequantized code sums), read back through the op that exposes it."""
+    x = (rng.standard_normal((37, 192)) * np.logspace(-2, 2, 192)).astype(BF16)
+    x[4] = 0
+    x[6, 64:96] = 0
+    with simulated_device(tensor_ops=True, tensor_int8=True):
+        codes, scales, sums, stats = ops._quantize_i8(x, seed=rng.seed)
+    assert stats["kernels"] == ["quantize_i8_xbf16"] and stats["dispatches"] == 1
+    rc, rs, ru = ref_kernels.quantize_i8(x)
+    np.testing.assert_array_equal(codes, rc)
+    np.testing.assert_array_equal(scales, rs)
+    np.testing.assert_array_equal(sums, ru)
+    assert np.all(codes[4] == 0) and np.all(scales[4] == 0) and np.all(scales[6, 2] == 0)
 
 
 def test_m5i8_rows_of_any_range(rng):
@@ -103,7 +121,8 @@ def test_m5i8_rows_of_any_range(rng):
 
 
 def test_m5i8_takes_only_bf16_x_4bit_bf16_y(rng):
-    """fp32 x, 8-bit weights and fp32 y keep qmm_m5; M <= 8 keeps qmv; without tensor_int8 qmm_m5."""
+    """fp32 x, 8-bit weights, fp32 y, groups of 32 and K % 64 != 0 keep qmm_m5; M <= 8 keeps qmv;
+    without tensor_int8 qmm_m5."""
     x, w, s, b = make_case(rng, 20, 40, 128, bits=4, group_size=64, x_dtype=np.float32, scale_dtype=BF16)
     assert run_i8(rng, x, w, s, b)[1]["kernels"] == ["qmm_m5_b4_xf32_sbf16"]
     xb = x.astype(BF16)
@@ -112,6 +131,10 @@ def test_m5i8_takes_only_bf16_x_4bit_bf16_y(rng):
     assert run_i8(rng, xb[:QMV_MAX_ROWS], w, s, b)[1]["kernels"] == ["qmv_b4_xbf16_sbf16"]
     x8, w8, s8, b8 = make_case(rng, 20, 40, 128, bits=8, group_size=64, x_dtype=BF16, scale_dtype=BF16)
     assert run_i8(rng, x8, w8, s8, b8, bits=8)[1]["kernels"] == ["qmm_m5_b8_xbf16_sbf16"]
+    x3, w3, s3, b3 = make_case(rng, 20, 40, 128, bits=4, group_size=32, x_dtype=BF16, scale_dtype=BF16)
+    assert run_i8(rng, x3, w3, s3, b3, group_size=32)[1]["kernels"] == ["qmm_m5_b4_xbf16_sbf16"]
+    x9, w9, s9, b9 = make_case(rng, 20, 40, 96, bits=4, group_size=32, x_dtype=BF16, scale_dtype=BF16)
+    assert run_i8(rng, x9, w9, s9, b9, group_size=32)[1]["kernels"] == ["qmm_m5_b4_xbf16_sbf16"]
 
 
 @pytest.mark.parametrize("order", ["forward", "reverse", "ahead"])

@@ -371,9 +371,11 @@ void encode_attention_mixer(Encoder& enc, const AttentionMixerOperands& op) {
   if (op.tokens == 0 || op.hidden == 0) fail(fn, "empty shape");
   const uint32_t T = op.tokens, D = op.head_dim;
   const uint64_t xs = dtype_size(op.dtype);
+  const bool fused = op.qkv_proj.w.buffer != nullptr;
   auto proj = [&](QmmOperands p, const Binding& x, const Binding& y, uint32_t K, uint32_t N, const char* what,
                   bool first = false) {
     p.x = x;
+    p.x_i8 = fused ? op.x_i8 : Binding{};  // one projection a level: the scratch is never shared in one
     if (first) {
       p.norm_weight = op.in_norm;
       p.eps = op.in_norm_eps;
@@ -393,7 +395,6 @@ void encode_attention_mixer(Encoder& enc, const AttentionMixerOperands& op) {
     encode_quantized_matmul(enc, p);
   };
   const uint32_t nq = op.q_heads * 2 * D, nkv = op.kv_heads * D;
-  const bool fused = op.qkv_proj.w.buffer != nullptr;
   Binding qg = op.qg, k = op.k, v = op.v;
   uint32_t qg_stride = 0, kv_stride = 0;
   if (fused) {

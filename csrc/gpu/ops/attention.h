@@ -113,6 +113,8 @@ struct AttentionMixerOperands {
   Binding qg, k, v, q, attn;       // temporaries: [tokens, q_heads * 2D], [tokens, kv_heads * D] x2,
                                    // [tokens, q_heads * D] x2, all of dtype
   Binding scratch;                 // split-route partials (attention_scratch_bytes), decode only
+  Binding x_i8;                    // int8 activation scratch (qmm_i8_scratch_bytes(tokens, max(hidden,
+                                   // q_heads * D))) for the fused qkv_proj and o_proj; unbound: no int8
   Binding out;                     // [tokens, hidden] of dtype
   Binding in_norm;                 // optional float32 [hidden] (tokens == 1 only): the projections
                                    // normalize x themselves (RMSNorm fused in front, qmv1 route)

@@ -433,6 +433,7 @@ void encode_gated_delta_mixer(Encoder& enc, const GatedDeltaMixerOperands& op) {
   in.group_size = op.in_proj.group_size;
   in.norm_weight = op.in_norm;
   in.eps = op.in_norm_eps;
+  in.x_i8 = op.x_i8;
   validate(in);
   encode_quantized_matmul(enc, in);
   enc.barrier();  // proj written -> read by conv1d / gated_delta_decode / gd_chunk_prep_conv (qkv columns) and the rule (z, b, a)
@@ -509,6 +510,7 @@ void encode_gated_delta_mixer(Encoder& enc, const GatedDeltaMixerOperands& op) {
   out.K = VD;
   out.bits = op.out_proj.bits;
   out.group_size = op.out_proj.group_size;
+  out.x_i8 = op.x_i8;
   validate(out);
   encode_quantized_matmul(enc, out);
 }

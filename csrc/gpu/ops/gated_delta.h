@@ -151,6 +151,8 @@ struct GatedDeltaMixerOperands {
   Binding conv_out;        // scratch [T, C] of x_dtype
   Binding o;               // scratch [T, Hv*Dv] of x_dtype
   Binding chunk_scratch;   // scratch of the chunked route (unbound: always the scan)
+  Binding x_i8;            // int8 activation scratch (qmm_i8_scratch_bytes(T, max(hidden, Hv*Dv))) for
+                           // in_proj and out_proj; unbound: no int8
   Binding gd_o_raw;        // T = 1: scratch float32 [Hv*Dv] (raw outputs before the gated norm)
   Binding gd_tickets;      // T = 1: uint32 [Hv], zero (state: the kernel leaves it zero)
   Binding out;             // [T, hidden] of x_dtype

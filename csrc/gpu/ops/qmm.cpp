@@ -1,6 +1,7 @@
 #include "gpu/ops/qmm.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 
@@ -196,7 +197,36 @@ bool qmm_bf16_allowed(const QmmOperands& op) {
   return aligned && !op.fp32_operands && !op.y_f32 && (op.x_dtype == DType::bf16 || op.f32_x_bf16_tiles);
 }
 
-bool qmm_int8_allowed(const QmmOperands& op) { return !op.fp32_operands; }
+bool qmm_int8_allowed(const QmmOperands& op) {
+  return op.x_i8.buffer != nullptr && !op.fp32_operands && op.x_dtype == DType::bf16 && op.bits == 4 && !op.y_f32 &&
+         op.group_size % kI8StepK == 0 && op.K % kI8StepK == 0;
+}
+
+uint64_t qmm_i8_scratch_bytes(uint32_t rows, uint32_t K) {
+  return uint64_t(rows) * K + 2ull * rows * (K / kI8Group) * 4;
+}
+
+void encode_quantize_i8(Encoder& enc, const Binding& x, uint32_t rows, uint32_t K, uint32_t x_stride,
+                        const Binding& out) {
+  auto fail = [](const std::string& m) { throw std::invalid_argument("quantize_i8: " + m); };
+  if (rows == 0 || K % kI8StepK != 0) fail("K=" + std::to_string(K) + " is not a multiple of 64 (or no rows)");
+  if (x_stride < K) fail("x_stride < K");
+  const uint64_t need = qmm_i8_scratch_bytes(rows, K);
+  if (need > UINT32_MAX) fail(std::to_string(rows) + " x " + std::to_string(K) + " is too large");
+  if (out.offset % 16 != 0) fail("the int8 scratch must start on a 16-byte boundary");
+  need_bytes(out, need, "x_i8");
+  QuantI8Args a{rows, K, x_stride};
+  enc.set_kernel(KernelId::quantize_i8_xbf16);
+  enc.set_args(a);
+  Binding xb = x;
+  xb.bytes = ((uint64_t(rows) - 1) * x_stride + K) * 2;
+  Binding ob = out;
+  ob.bytes = need;
+  enc.set_buffer(1, xb);
+  enc.set_buffer(2, ob);
+  const uint32_t threads = rows * (K / kI8Group);
+  enc.dispatch({ceil_div(threads, 256u), 1, 1}, {256, 1, 1});
+}
 
 bool qmm_m5_allowed(const QmmOperands& op) {
   // The fp32-y variants (bf16 x: lm_head's logits) are 4-bit only.
@@ -249,11 +279,16 @@ void encode_quantized_matmul(Encoder& enc, const QmmOperands& op) {
   }
   QmmArgs args{op.M, op.N, op.K, op.group_size, op.x_stride ? op.x_stride : op.K,
                op.y_stride ? op.y_stride : op.N};
-  enc.set_kernel(qmm_kernel(route, op.bits, op.x_dtype, op.scale_dtype, op.y_f32, kQmv1Rows,
-                            enc.tensor_int8() && qmm_int8_allowed(op)));
+  const bool int8 = route == QmmRoute::qmm_m5 && enc.tensor_int8() && qmm_int8_allowed(op);
+  if (int8) {  // x's codes, scales and sums once, read by every threadgroup of qmm_m5i8
+    encode_quantize_i8(enc, op.x, op.M, op.K, args.x_stride, op.x_i8);
+    enc.barrier();  // x_i8
+  }
+  enc.set_kernel(qmm_kernel(route, op.bits, op.x_dtype, op.scale_dtype, op.y_f32, kQmv1Rows, int8));
   enc.set_args(args);
   // Bind exactly the bytes the kernel reads, so counters report true weight traffic.
-  enc.set_buffer(1, range(op.x, ((uint64_t(op.M) - 1) * args.x_stride + op.K) * xe));
+  if (int8) enc.set_buffer(1, range(op.x_i8, qmm_i8_scratch_bytes(op.M, op.K)));
+  else enc.set_buffer(1, range(op.x, ((uint64_t(op.M) - 1) * args.x_stride + op.K) * xe));
   enc.set_buffer(2, range(op.w, uint64_t(op.N) * op.K * op.bits / 8));
   enc.set_buffer(3, range(op.scales, uint64_t(op.N) * groups * se));
   enc.set_buffer(4, range(op.biases, uint64_t(op.N) * groups * se));

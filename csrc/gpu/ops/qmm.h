@@ -57,6 +57,10 @@ struct QmmOperands {
   // fp32 reference's; the router is ~1.5% of a prefill chunk's projection FLOPs). On a tensor-ops
   // device bf16 x still takes qmm_m5 (half weights; see qmm_m5_allowed), fp32 x keeps qmm.
   bool fp32_operands = false;
+  // The int8 activation scratch (qmm_i8_scratch_bytes(M, K) bytes, 16-byte aligned). Bound on a
+  // tensor_int8 device: where int8 is allowed (qmm_int8_allowed) x is quantized into it
+  // (quantize_i8, then a barrier) and qmm_m5i8 reads the codes. Unbound: no int8.
+  Binding x_i8;
   // fp32 x may take qmm_bf16 (x rounded to bf16 at the tile load). Off by default: the fp32
   // engine's precision policy keeps fp32 operands (docs/kernels.md, qmm_bf16); bf16 x always may.
   bool f32_x_bf16_tiles = false;
@@ -76,8 +80,15 @@ KernelId qmm_kernel(QmmRoute route, uint32_t bits, DType x_dtype, DType scale_dt
                     uint32_t rows = kQmv1Rows, bool int8 = false);
 
 // Whether these operands may take int8 activations on the qmm_m5 route (with a tensor_int8 device):
-// not fp32_operands (the router: the logits choose the experts).
+// x_i8 bound; bf16 x, 4-bit weights with group_size % 64 == 0 (one weight group per K step of
+// qmm_m5i8), K % 64 == 0, bf16 y; not fp32_operands (the router: the logits choose the experts).
 bool qmm_int8_allowed(const QmmOperands& op);
+// Bytes of the int8 activation scratch of `rows` rows of K values (layout: common/args.h, QuantI8Args).
+uint64_t qmm_i8_scratch_bytes(uint32_t rows, uint32_t K);
+// Encodes quantize_i8: bf16 x[rows, K] (x_stride apart) into `out` (qmm_i8_scratch_bytes(rows, K)).
+// No barrier: the caller orders it before the consumers of `out`.
+void encode_quantize_i8(Encoder& enc, const Binding& x, uint32_t rows, uint32_t K, uint32_t x_stride,
+                        const Binding& out);
 
 // Whether a tensor-ops device may take qmm_m5 for these operands (qmm_route's tensor_ops is
 // enc.tensor_ops() && this): not for bf16 x with fp32 y (no such variant), nor for fp32 x with
@@ -92,7 +103,8 @@ bool qmm_bf16_allowed(const QmmOperands& op);
 // Throws std::invalid_argument naming the bad operand (shape, size, group, bits).
 void validate(const QmmOperands& op);
 
-// Encodes one dispatch (no barrier: the caller orders it against its producers/consumers).
+// Encodes one dispatch (no barrier: the caller orders it against its producers/consumers); on the
+// int8 route two, quantize_i8 and qmm_m5i8, with a barrier between them.
 void encode_quantized_matmul(Encoder& enc, const QmmOperands& op);
 
 }  // namespace lily::gpu::ops

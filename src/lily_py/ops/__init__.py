@@ -24,7 +24,7 @@ from .embed import _embedding, embedding  # noqa: F401
 from .gated_delta import *  # noqa: F401,F403
 from .moe_block import _moe, moe, moe_route, moe_weights  # noqa: F401
 from .norm import _rms_norm, rms_norm  # noqa: F401
-from .qmm import (_quantized_matmul, _quantized_matmul_norm, quantized_matmul, quantized_matmul_norm,  # noqa: F401
+from .qmm import (_quantize_i8, _quantized_matmul, _quantized_matmul_norm, quantized_matmul, quantized_matmul_norm,  # noqa: F401
                   quantized_matmul_route)
 from .sampling import _argmax, _sample, argmax, sample  # noqa: F401
 

@@ -32,6 +32,36 @@ def int8_rows(x: np.ndarray, group: int = 32) -> tuple[np.ndarray, np.ndarray]:
     return q.reshape(x.shape).astype(np.float64), s[..., 0].astype(np.float64)
 
 
+def quantize_i8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The int8 activation scratch ``quantize_i8`` writes for bf16 rows x[rows, K] (shaders/m5/qmm_m5.metal,
+    layout in shaders/common/args.h): ``(codes int8 [rows, K] with each 8 columns in the order
+    0 2 4 6 1 3 5 7, scales float32 [rows, K / 32], sums float32 [rows, K / 32])``; the codes and
+    scales are ``int8_rows``', the sums ``s * sum(codes)`` over the 32 columns (one fp32 rounding)."""
+    x = np.asarray(x).astype(np.float32)
+    rows, K = x.shape
+    codes, s = int8_rows(x)
+    perm = np.array([0, 2, 4, 6, 1, 3, 5, 7])
+    permuted = codes.reshape(rows, K // 8, 8)[:, :, perm].reshape(rows, K).astype(np.int8)
+    sums = s.astype(np.float32) * codes.reshape(rows, K // 32, 32).sum(-1).astype(np.float32)
+    return permuted, s.astype(np.float32), sums
+
+
+def quantized_matmul_i8(x: np.ndarray, w: np.ndarray, scales: np.ndarray, biases: np.ndarray, *,
+                        group_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """What ``qmm_m5i8`` computes (float64; 4-bit weights): x rounded to int8 per row and 32 columns
+    (``int8_rows``) times the dequantized weights, ``y = x_int8 @ (s_w q + b_w).T`` (the kernel: per
+    weight group ``s_w (x_int8 . q) + b_w sum(x_int8)``). Returns ``(y, mag)``, mag the magnitude
+    fp32 rounding of that sum is proportional to (both terms)."""
+    codes, sx = int8_rows(x)
+    xq = codes * np.repeat(sx, 32, axis=-1)
+    q = quant.unpack(w, 4).astype(np.float64)
+    sw = np.repeat(np.asarray(scales).astype(np.float64), group_size, axis=-1)
+    bw = np.repeat(np.asarray(biases).astype(np.float64), group_size, axis=-1)
+    y = xq @ (sw * q + bw).T
+    mag = np.abs(xq) @ np.abs(sw * q).T + np.abs(xq) @ np.abs(bw).T
+    return y, mag
+
+
 def quantized_matmul_error_scale(x: np.ndarray, w: np.ndarray, scales: np.ndarray,
                                  biases: np.ndarray, *, bits: int, group_size: int) -> np.ndarray:
     """``sum_k |x[m, k]| * (|s q[n, k]| + |b|)`` per output: the magnitude that fp32 rounding error
