@@ -1,4 +1,4 @@
-"""Precision study for a lever not built: int8 activations on the M5 path's tensor-op matmuls.
+"""Precision study of int8 activations on the M5 path's tensor-op matmuls (built as the opt-in since 2026-12-02).
 
 Go / no-go question: if x were quantized to int8 (symmetric, one scale = max |x| / 127 per row and
 per group of G along K) at the input of every quantized matmul of the prompt, would the logits still

@@ -113,16 +113,18 @@ ASSUMPTIONS = {
     # (one weight group) the rescale of each of the thread's 32 elements: 2 converts, a multiply and
     # 3 FMAs (the element's row / column index hoisted out of the K loop: a function of the lane and
     # the unrolled element only; ~9 ops an element if it were not: 0.15 ops per MAC): ~218 ops per
-    # thread and step for 2,048 MACs. moe_*_m5i8 (first form, not rebuilt yet): x quantized while
-    # staging, again by every threadgroup that reads the row (max, divide, rint, clamp, convert, code
-    # sum: ~13 ops a value), codes unpacked (5 ops), and the int32 result rescaled every 32-wide K
-    # step (~9 ops an output: the index, four scale reads' arithmetic, convert, multiply, two FMAs):
-    # moe_gate_up_m5i8 593, moe_down_m5i8 387 per thread and step (qmm_m5i8's first form: 587, 0.573). The family's time is the largest
+    # thread and step for 2,048 MACs. moe_*_m5i8 the same way (x's codes from quantize_i8 beside the
+    # router, h's from one after the gate/up tiles): gate/up 16 elements of each of two matrices
+    # (192 ops), 4 code words (~18), ~5 of x staging: ~215 ops for 2,048 MACs; down 96 + ~14 for
+    # 1,024. The first forms (until 2026-12-02) quantized x while staging, again in every threadgroup
+    # that reads the row (max, divide, rint, clamp, convert, code sum: ~13 ops a value), unpacked the
+    # codes (5 ops) and rescaled every 32-wide K step (~9 ops an output): 0.573 (qmm_m5i8), 0.579 and
+    # 0.756 (moe_gate_up_m5i8 / moe_down_m5i8). The family's time is the largest
     # of its tensor time, this ALU time (at the ALU efficiency) and its bytes: the two units are
     # assumed to overlap fully (optimistic). Attention and the DeltaNet chunk kernels: not counted
     # (softmax ~6 ops per score against 512 MACs; bytes-bound kernels). The 32-row kind's 16-row
     # tiles: next entry.
-    "tensor_alu_ops_per_mac": (("qmm_m5i8", 0.106), ("moe_gate_up_m5i8", 0.579), ("moe_down_m5i8", 0.756),
+    "tensor_alu_ops_per_mac": (("qmm_m5i8", 0.106), ("moe_gate_up_m5i8", 0.105), ("moe_down_m5i8", 0.107),
                                ("qmm_m5", 0.131), ("moe_gate_up_m5_64", 0.107), ("moe_down_m5_64", 0.123),
                                ("moe_gate_up_m5_32", 0.168), ("moe_down_m5_32", 0.184)),
     # the 32-row kind's tiles of <= 16 rows run 16 rows (BM = 16: 74 and 39 ops per thread and step
@@ -140,10 +142,8 @@ ASSUMPTIONS = {
     # the A19 measurement (docs/metal.md, "Execution scope and tile shape"); x quantized per row
     # and per group of `int8_group` along K (symmetric, scale = max |x| / 127), the 4-bit codes
     # exact as uint8. As built the ALU work above bounds these families, not the tensor ops.
-    # WHAT-IF, the with_int8 lines: qmm_m5i8's second form (built for the projections, 0.106 ALU
-    # ops per MAC, above) for every MoE tensor-op tile as well: x and h quantized once
-    # (quantize_i8) and staged as codes, the nibbles spread by masks, the rescale once per 64-wide
-    # weight group. The MoE tiles are not rebuilt that way yet.
+    # WHAT-IF, the with_int8 lines: the int8 design as built (qmm_m5i8, moe_*_m5i8: 0.106 ALU ops
+    # per MAC, above) for the MoE 32- and 16-row tiles as well (not built: they keep half operands).
     "int8_speedup": 2.0,
     "int8_group": 32,
     "int8_design_alu_ops_per_mac": 0.106,
@@ -548,16 +548,15 @@ def print_tables(res: dict, brief: bool = False) -> None:
         f4 = with_int8(f2)
         e = estimate(f4, lv, 4096, "M5 Max")
         need = efficiency_for(f4, lv, 4096, "M5 Max", "tensor", TARGET)
-        print(f"  {'+ int8 x and h as qmm_m5i8, MoE tiles too (what-if)':<52} {e['tps']:>6,.0f} tok/s; tensor-op "
+        print(f"  {'+ int8 on every tile, MoE 32-row too (what-if)':<52} {e['tps']:>6,.0f} tok/s; tensor-op "
               f"efficiency for {TARGET:,.0f}: " + (f"{need:.0%}" if need else "not reached at 100%"))
         print("  int8 what-if at every length, M5 path, M5 Max (target): " + ", ".join(
             f"{L}: {estimate(with_int8(res['M5 path', L]['fams']), res['M5 path', L]['levels'], L, 'M5 Max')['tps']:,.0f}"
             + (f" ({TARGETS[L]:,.0f})" if L in TARGETS else "") for L in lengths if ("M5 path", L) in res))
-        print("  (int8 what-if lines: qmm_m5 and every MoE tensor-op tile on int8 at %.0fx the FP16 rate with "
-              "%.3f ALU ops per MAC - x and h quantized once by quantize_i8, staged as codes, rescaled per 64-wide "
-              "weight group: built as qmm_m5i8 for the projections, not yet for the MoE tiles; the 'M5 int8 opt-in' "
-              "rows: the kernels built, qmm_m5i8 so and moe_*_m5i8 still quantizing x while staging and rescaling "
-              "every 32 columns: tensor_alu_ops_per_mac; ASSUMPTIONS)" % (a["int8_speedup"], a["int8_design_alu_ops_per_mac"]))
+        print("  (int8 what-if lines: qmm_m5 and every MoE tensor-op tile, the 32- and 16-row ones too, on int8 at "
+              "%.0fx the FP16 rate with %.3f ALU ops per MAC, as the built int8 kernels (the 'M5 int8 opt-in' rows: "
+              "projections and MoE 64-row tiles) - without their quantize_i8 dispatches; ASSUMPTIONS)"
+              % (a["int8_speedup"], a["int8_design_alu_ops_per_mac"]))
         e = estimate(f2, lv, 4096, "M5 Max")
         alu = sum(t for n, (t, _) in e["times"].items() if f2[n]["unit"] == "alu")
         print(f"  as built: ALU families (norms, conv, prep, gated norm, combine, few-row MoE) {alu * 1e3:.1f} ms "
@@ -598,6 +597,27 @@ def main() -> None:
         print("  M5 path at 256 tokens if a 16-row matmul2d cost as much as a 32-row one (the MoE 16-row "
               "tiles counted as 32 rows): " + ", ".join(f"{g} {v:,.0f} tok/s" for g, v in e.items()) +
               f"; target {TARGETS[256]:,.0f} on M5 Max")
+    if all(("M5 int8 opt-in", L) in res for L in (256, 4096, 32768)):
+        print_int8_sensitivity(res)
+
+
+def print_int8_sensitivity(res: dict, a: dict = ASSUMPTIONS) -> None:
+    """How the int8 opt-in's M5 Max line moves with its least certain assumptions: the ALU ops per
+    MAC of the int8 kernels (hand counts) and the INT8 matmul2d rate (one microbenchmark)."""
+    lengths = (256, 4096, 32768)
+    heavy = dict(a, tensor_alu_ops_per_mac=tuple((p, v * 1.5) if p in a["int8_built"] else (p, v)
+                                                 for p, v in a["tensor_alu_ops_per_mac"]))
+    slow = dict(a, int8_speedup=1.5)
+    line = lambda aa: ", ".join(  # noqa: E731
+        f"{L}: {estimate(res['M5 int8 opt-in', L]['fams'], res['M5 int8 opt-in', L]['levels'], L, 'M5 Max', aa)['tps']:,.0f}"
+        for L in lengths)
+    print("  M5 int8 opt-in, M5 Max, if the int8 kernels' ALU ops per MAC were 1.5x the count: " + line(heavy) +
+          "; if INT8 matmul2d ran at 1.5x the FP16 rate (not 2x): " + line(slow) +
+          "; ALU efficiency each target needs (assumed %.0f%%): " % (100 * a["efficiency"]["alu"]) + ", ".join(
+              f"{L}: " + (lambda n: f"{n:.0%}" if n else "not at 100%")(efficiency_for(
+                  res["M5 int8 opt-in", L]["fams"], res["M5 int8 opt-in", L]["levels"], L, "M5 Max", "alu", TARGETS[L]))
+              for L in lengths) +
+          f"; targets {', '.join(f'{TARGETS[L]:,.0f}' for L in lengths)}")
 
 
 if __name__ == "__main__":

@@ -115,6 +115,10 @@ void init_ops_moe(nb::module_& m) {
         op.scratch.h = output(sb.h);
         op.scratch.y = output(sb.y);
         op.scratch.tile_stats = output(sb.tile_stats);
+        if (dev->info().tensor_int8) {  // the int8 scratches, as the engine binds them on such a device
+          op.scratch.x_i8 = output(sb.x_i8);
+          op.scratch.h_i8 = output(sb.h_i8);
+        }
         gpu::ops::validate(op);
 
         auto enc = dev->new_encoder();

@@ -188,6 +188,9 @@ void build_buffers(const ModelSpec& s, Allocator& a, gpu::ModelBuffers& m_, bool
   t.moe_h = a.scratch(mb.h);
   t.moe_y = a.scratch(mb.y);
   t.moe_tile_stats = a.scratch(2ull * s.layers * kMoeTileStats * 4);
+  if (int8 && s.activations == gpu::DType::bf16 && T > kQmvMaxRows)  // the MoE's int8 h (moe_*_m5i8)
+    t.moe_h_i8 = a.scratch(gpu::ops::qmm_i8_scratch_bytes(uint32_t(T * (uint64_t(s.top_k) + 1)),
+                                                          std::max(s.moe_inter, s.shared_inter)));
   t.logits = a.scratch(uint64_t(std::max(s.logit_rows, 2u)) * V * 4);
   t.token_slot = a.scratch(2 * 4);  // two slots: two steps in flight
   t.chosen_logit = a.scratch(2 * 4);
@@ -237,10 +240,10 @@ std::string gib(uint64_t bytes) {
 
 }  // namespace
 
-MemoryPlan plan_memory(const ModelSpec& spec) {
+MemoryPlan plan_memory(const ModelSpec& spec, bool int8) {
   gpu::ModelBuffers m;
   Planner p;
-  build_buffers(spec, p, m);
+  build_buffers(spec, p, m, int8);
   return p.plan;
 }
 
@@ -273,7 +276,7 @@ class Engine::DeviceAllocator final : public Allocator {
 Engine::Engine(ModelSpec spec, std::unique_ptr<gpu::Device> device) : spec_(std::move(spec)), device_(std::move(device)) {
   const ModelSpec& s = spec_;
   s.validate();
-  check_memory(plan_memory(s));  // before anything is allocated
+  check_memory(plan_memory(s, device_->info().tensor_int8));  // before anything is allocated
   DeviceAllocator a(*this);
   build_buffers(s, a, m_, device_->info().tensor_int8);
   if (m_.inv_freq.buffer) {
@@ -312,7 +315,7 @@ void Engine::check_memory(const MemoryPlan& p) {
       t.context_length = ctx;
       t.prefill_chunk = std::min(chunk, ctx);
       t.logit_rows = std::min(t.logit_rows, t.prefill_chunk);
-      return plan_memory(t).total();
+      return plan_memory(t, device_->info().tensor_int8).total();
     };
     // The largest x in [1, hi) with fits(x), 0 if none (fits is monotone: more is bigger).
     auto largest = [&](uint32_t hi, auto fits) {

@@ -60,7 +60,8 @@ struct MemoryPlan {
   uint64_t max_buffer_bytes = 0;   // the device's maxBufferLength (0: unlimited)
   uint64_t total() const { return weight_bytes + state_bytes + scratch_bytes; }
 };
-MemoryPlan plan_memory(const ModelSpec& spec);
+// int8: the device takes int8 activations (DeviceInfo::tensor_int8): the int8 scratches too.
+MemoryPlan plan_memory(const ModelSpec& spec, bool int8 = false);
 
 // The model does not fit the device's memory (Python: MemoryError).
 class DeviceMemoryError : public std::runtime_error {

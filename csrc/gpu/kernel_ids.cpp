@@ -20,7 +20,7 @@ namespace lily::gpu {
 // dispatch in the host code (Encoder::set_unit).
 ExecUnit kernel_default_unit(KernelId id) {
   // quantize_i8 is built into lily_m5.metallib (only the int8 opt-in uses it) but is plain ALU code
-  if (id == KernelId::quantize_i8_xbf16) return ExecUnit::alu;
+  if (id == KernelId::quantize_i8_xbf16 || id == KernelId::quantize_i8_xf32) return ExecUnit::alu;
   if (kernel_needs_tensor_ops(id)) return ExecUnit::tensor;
   const std::string_view n = kernel_info(id).name;
   // bf16 simdgroup-matrix tiles, double-buffered, one barrier per K step (issue 11 item 2)

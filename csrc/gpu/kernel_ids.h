@@ -96,6 +96,7 @@
   X(qmm_m5i8_b4_xbf16_sf32,  QmmArgs, 5) /* int8 x on the int8 rows of matmul2d */ \
   X(qmm_m5i8_b4_xbf16_sbf16, QmmArgs, 5)                                      \
   X(quantize_i8_xbf16, QuantI8Args, 2) /* bf16 x -> the int8 activation scratch */ \
+  X(quantize_i8_xf32,  QuantI8Args, 2) /* fp32 (the MoE's h) -> the same */        \
   /* MoE grouped 64- and 32-row tiles on tensor ops, M5 (shaders/m5/moe_m5.metal): same  */ \
   /* buffers as moe_gate_up_mm / moe_down_mm */                               \
   X(moe_gate_up_m5_64_b4_xf32_sbf16, MoeArgs, 15)                             \
@@ -305,7 +306,7 @@ constexpr bool kernel_needs_tensor_ops(KernelId id) {
          id == KernelId::qmm_m5_b8_xf32_sf32 || id == KernelId::qmm_m5_b8_xf32_sbf16 ||
          id == KernelId::qmm_m5_b8_xbf16_sf32 || id == KernelId::qmm_m5_b8_xbf16_sbf16 ||
          id == KernelId::qmm_m5i8_b4_xbf16_sf32 || id == KernelId::qmm_m5i8_b4_xbf16_sbf16 ||
-         id == KernelId::quantize_i8_xbf16 ||
+         id == KernelId::quantize_i8_xbf16 || id == KernelId::quantize_i8_xf32 ||
          id == KernelId::attn_prefill_m5_d64_f32 || id == KernelId::attn_prefill_m5_d64_bf16 ||
          id == KernelId::attn_prefill_m5_d128_f32 || id == KernelId::attn_prefill_m5_d128_bf16 ||
          id == KernelId::attn_prefill_m5_d256_f32 || id == KernelId::attn_prefill_m5_d256_bf16 ||

@@ -168,7 +168,8 @@ void encode_moe_block(Encoder& enc, const core::ModelSpec& spec, const Layer& L,
   m.shared_up = quant_matrix(L.moe.shared_up);
   m.shared_down = quant_matrix(L.moe.shared_down);
   m.scratch = ops::MoeScratch{s.moe_logits, s.moe_ids, s.moe_weights, s.moe_plan, s.moe_row_weight, s.moe_h, s.moe_y,
-                              rows(s.moe_tile_stats, uint64_t(p.slot) * spec.layers + layer, 1, kMoeTileStats * 4)};
+                              rows(s.moe_tile_stats, uint64_t(p.slot) * spec.layers + layer, 1, kMoeTileStats * 4),
+                              s.x_i8, s.moe_h_i8};
   m.x_dtype = spec.activations;
   m.scale_dtype = spec.experts_q.scale_dtype;
   m.router_scale_dtype = spec.router.scale_dtype;

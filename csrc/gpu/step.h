@@ -79,6 +79,7 @@ struct StepScratch {
   Binding attn_partials;        // attention decode split-K partials (for context_length keys)
   Binding moe_logits, moe_ids, moe_weights, moe_plan, moe_row_weight, moe_h, moe_y;
   Binding moe_tile_stats;       // uint32 [2 slots, layers, kMoeTileStats]: tiles each layer's MoE plan made (read after the step)
+  Binding moe_h_i8;             // int8 scratch of the MoE's h (with x_i8: the int8 64-row tiles; unbound: none)
   Binding logits;               // [max(logit_rows, 2), V]; one-token steps write row `slot`
   Binding token_slot;           // uint32 [2]: sampled token ids (device slots; steps alternate)
   Binding chosen_logit;         // float32 [2]: their raw logits

@@ -26,41 +26,90 @@ using namespace mpp::tensor_ops;
 
 namespace lily {
 
-// int8 activations on the int8 rows of matmul2d (qmm_m5i8, moe_*_m5i8): thread t holds 16 values
-// v of one row of a 32-column K step, its partner t ^ 1 (the same simdgroup) the row's other 16.
-// Both call this. The row's step is quantized symmetrically: s = max |x| / 127 over the 32 values
-// (0 for an all-zero row), codes rint(v / s) clamped to [-127, 127] (0 where s = 0) into xq[0..16).
-// Returns s; sum is the code sum over the 32 values (exact in fp32: |sum| <= 32 x 127).
-// Reference: lily_py.reference.kernels.int8_rows.
-inline float int8_row_codes(thread const float* v, threadgroup int8_t* xq, thread float& sum) {
-  float amax = 0.0f;
-  for (uint32_t i = 0; i < 16; ++i) amax = max(amax, abs(v[i]));
-  amax = max(amax, simd_shuffle_xor(amax, ushort(1)));  // the row's other 16 columns (thread t ^ 1)
-  const float s = amax / 127.0f;
-  int32_t isum = 0;
-  for (uint32_t i = 0; i < 16; ++i) {
-    const float q = s > 0.0f ? clamp(rint(v[i] / s), -127.0f, 127.0f) : 0.0f;
-    xq[i] = int8_t(q);
-    isum += int32_t(q);
-  }
-  isum += simd_shuffle_xor(isum, ushort(1));
-  sum = float(isum);
-  return s;
+// ---- int8 activations on the int8 rows of matmul2d (qmm_m5i8, moe_*_m5i8) -----------------------
+// x (or h) comes as codes from quantize_i8 (shaders/m5/qmm_m5.metal; layout: common/args.h,
+// QuantI8Args); a K step of kI8StepK = 64 columns is one weight group and two 32-column halves,
+// each half its own tile of 32-byte rows.
+
+// The two masks: the 8 4-bit codes of a word to 8 bytes, in the order 0 2 4 6 1 3 5 7 (the order
+// quantize_i8 writes x's codes in).
+inline void i8_spread_codes(uint32_t word, threadgroup uint32_t* dst) {
+  dst[0] = word & 0x0F0F0F0Fu;
+  dst[1] = (word >> 4) & 0x0F0F0F0Fu;
 }
 
-// The rescale after an int8 run (dot by reference: a cooperative tensor's operator[] is not const in
-// Apple's header): dot (int32) and acc (fp32) are destination cooperative tensors of
-// the same op, so element i of one is element i of the other; for element (row r, column c) of the
-// op's output, acc += s_x[r0 + r] (s_w[c0 + c] dot + b_w[c0 + c] sum[r0 + r]), since over one K
-// step with one weight group sum_k x_k w_k = s_x s_w sum_k xi_k q_k + s_x b_w sum_k xi_k.
+// ROWS rows of a half tile (32-byte rows of codes) from row r0, as a matmul2d operand (E: int8_t
+// for x, uint8_t for the weights).
+template <typename E, int ROWS>
+inline tensor<threadgroup E, dextents<int32_t, 2>, tensor_inline> i8_half_tile(threadgroup uint4* half, uint32_t r0) {
+  return tensor<threadgroup E, dextents<int32_t, 2>, tensor_inline>(
+      reinterpret_cast<threadgroup E*>(half) + r0 * kI8Group, dextents<int32_t, 2>(int(kI8Group), ROWS));
+}
+
+// Stages one row's 64-column step of codes (two halves: 32 bytes at half_a[row], half_b[row]; the
+// calling thread copies half `part`'s 32 bytes, two 16-byte loads) and, from the scales and sums
+// of its two 32-column groups, s_xa, s_xb (part 0) or the step's code sum s_xa C_a + s_xb C_b
+// (part 1). Zeros for an absent row. codes: the row's codes at the step; sc / su: the row's scale
+// and sum entries at the step's first group.
+inline void i8_stage_row(const device uint8_t* codes, const device float* sc, const device float* su, bool valid,
+                         uint32_t row, uint32_t part, threadgroup uint4* halves, uint32_t half_stride,
+                         threadgroup float* xsa, threadgroup float* xsb, threadgroup float* xsum) {
+  threadgroup uint4* dst = halves + part * half_stride + row * (kI8Group / 16);
+  if (valid) {
+    const device uint4* src = reinterpret_cast<const device uint4*>(codes + part * kI8Group);
+    dst[0] = src[0];
+    dst[1] = src[1];
+  } else {
+    dst[0] = uint4(0u);
+    dst[1] = uint4(0u);
+  }
+  if (part == 0) {
+    xsa[row] = valid ? sc[0] : 0.0f;
+    xsb[row] = valid ? sc[1] : 0.0f;
+  } else {
+    xsum[row] = valid ? su[0] + su[1] : 0.0f;
+  }
+}
+
+// Stages 16 weight codes of feature n (row `row` of the weight halves), columns 16 part2 .. + 16 of
+// half `half` of the step at k0, as bytes; and (first = true) the feature's group scale and bias.
+// Zeros for n >= N. wpr: code words per row; gpr: groups per row.
+template <typename S>
+inline void i8_stage_w16(const device uint32_t* w, const device S* sc, const device S* bi, uint32_t n, uint32_t N,
+                         uint32_t k0, uint32_t wpr, uint32_t gpr, uint32_t group_size, uint32_t row, uint32_t half,
+                         uint32_t part2, bool first, threadgroup uint4* halves, uint32_t half_stride,
+                         threadgroup float* ws, threadgroup float* wb) {
+  threadgroup uint32_t* dst =
+      reinterpret_cast<threadgroup uint32_t*>(halves + half * half_stride + row * (kI8Group / 16)) + part2 * 4;
+  if (n < N) {
+    const device uint32_t* src = w + n * wpr + (k0 + half * kI8Group + part2 * 16) / 8;
+    i8_spread_codes(src[0], dst);
+    i8_spread_codes(src[1], dst + 2);
+  } else {
+    for (uint32_t j = 0; j < 4; ++j) dst[j] = 0u;
+  }
+  if (first) {
+    const uint32_t g = n * gpr + k0 / group_size;
+    ws[row] = n < N ? float(sc[g]) : 0.0f;
+    wb[row] = n < N ? float(bi[g]) : 0.0f;
+  }
+}
+
+// The rescale of one 64-column step (dot by reference: a cooperative tensor's operator[] is not const
+// in Apple's header): da, db (int32, the two halves) and acc (fp32) are destination cooperative
+// tensors of the same op, so element i of each is the same output (row r0 + r, feature c0 + c):
+// acc += s_w (s_xa D_a + s_xb D_b) + b_w (s_xa C_a + s_xb C_b), i.e. x_int8 . w over the step
+// (w = s_w q + b_w, one weight group). 6 ALU ops an element: 2 converts, a multiply, 3 FMAs.
 template <typename D, typename A>
-inline void int8_rescale(thread D& dot, thread A& acc, const threadgroup float* xs, const threadgroup float* xsum,
-                         const threadgroup float* ws, const threadgroup float* wb, uint32_t r0, uint32_t c0) {
-  for (uint16_t i = 0; i < dot.get_capacity(); ++i) {
-    if (!dot.is_valid_element(i)) continue;
-    const auto idx = dot.get_multidimensional_index(i);
+inline void i8_rescale(thread D& da, thread D& db, thread A& acc, const threadgroup float* xsa,
+                       const threadgroup float* xsb, const threadgroup float* xsum, const threadgroup float* ws,
+                       const threadgroup float* wb, uint32_t r0, uint32_t c0) {
+  for (uint16_t i = 0; i < acc.get_capacity(); ++i) {
+    if (!acc.is_valid_element(i)) continue;
+    const auto idx = acc.get_multidimensional_index(i);
     const uint32_t r = r0 + uint32_t(idx[1]), c = c0 + uint32_t(idx[0]);
-    acc[i] += xs[r] * (ws[c] * float(dot[i]) + wb[c] * xsum[r]);
+    const float dot = xsa[r] * float(da[i]) + xsb[r] * float(db[i]);
+    acc[i] = fma(wb[c], xsum[r], fma(ws[c], dot, acc[i]));
   }
 }
 

@@ -382,69 +382,44 @@ template <typename S, int bits, int LIST>
 // ---------------------------------------------------------------------------------------------
 // moe_gate_up_m5i8 / moe_down_m5i8: the 64-row list's tiles with int8 activations on the int8 rows
 // of matmul2d (int8_t x uint8_t -> int32_t), as qmm_m5i8 (shaders/m5/qmm_m5.metal) does for the
-// projections. Taken for the 64-row kind when the device allows int8 (Encoder::tensor_int8), the
-// activations are bf16, the experts 4-bit and 32 divides the group size (host: moe_int8_allowed in
-// csrc/gpu/ops/moe.cpp); the 32-row and few-row kinds keep their kernels (their tiles are bound by
-// weight bytes, not by the multiply: docs/performance.md). Same buffers, args, grid and plan list
-// as moe_gate_up_m5 / moe_down_m5 with LIST = 64.
-//   staging:   per K step of 32 (one weight group), thread t takes row t / 2 of the tile (gathered
-//              through the plan's row -> token map; h for down), 16 columns 16 (t % 2), and
-//              quantizes the row's 32 values with its partner t ^ 1 (int8_row_codes: s = max |x| /
-//              127, codes in [-127, 127], the code sum); and the uint8 codes of 8 weights of feature
-//              t / 4, columns 8 (t % 4), with the group's scale and bias (gate and up, or down).
-//              Two stages, one barrier per step.
-//   multiply:  simdgroup g owns row block g (16 rows): per step matmul2d_descriptor(16, 32, 32,
-//              false, true, false, multiply) into int32 cooperative tensors (gate and up, or
-//              down; exact), then int8_rescale into fp32 accumulators of the same op.
+// projections. Taken for the 64-row kind when the device allows int8 (Encoder::tensor_int8) and
+// moe_int8_allowed holds (host: csrc/gpu/ops/moe.cpp: bf16 activations, 4-bit experts with groups
+// of 64 or 128, H and I = Is multiples of 64, the int8 scratches bound); the 32-row and few-row kinds
+// keep their kernels. Same args, grid and plan list as moe_gate_up_m5 / moe_down_m5 with LIST = 64;
+// buffer 1 of gate/up is x's int8 scratch (quantize_i8 of x [T, H] in encode_moe, beside the
+// router) instead of x, buffer 3 of down h's (quantize_i8 of h [T (k + 1), h_stride] after the
+// gate/up kinds) instead of h.
+//   staging:   per K step of 64 (kI8StepK: one weight group), thread t copies the 32 codes of row
+//              t / 2 of the tile at columns 32 (t % 2) (x: the code row of the row's token, through
+//              the plan's row -> token map; down: the row's own h codes), its scales and step code
+//              sum (i8_stage_row); and spreads 16 weight codes of feature t / 4, half (t % 4) / 2,
+//              columns 16 (t % 2) of it, to bytes with two masks a word (i8_stage_w16: gate and up,
+//              or down), with the feature's group scale and bias. Each half (32 columns) is its own
+//              tile. Two stages, one barrier per step.
+//   multiply:  simdgroup g owns row block g (16 rows): per step matmul2d_descriptor(16, 32, 32, false,
+//              true, false, multiply) on each half into int32 cooperative tensors (gate and up, or
+//              down; exact: |sum| <= 32 x 127 x 15), then i8_rescale into fp32 accumulators of the
+//              same op: acc += s_w (s_xa D_a + s_xb D_b) + b_w (s_xa C_a + s_xb C_b).
 //   epilogue:  as moe_gate_up_m5 (h = silu(gate) * up, fp32) and moe_down_m5 (y = row weight * acc).
 // Precision: x and h are rounded to int8 per row and 32 columns (error <= s / 2 per element); the
 // weight codes, integer products and sums are exact; the rescale, SwiGLU and the routing weight are
 // fp32. Reference: lily_py.reference.kernels.int8_rows; model-level error: docs/performance.md.
+constant constexpr uint32_t kMoeI8XHalf = 64 * kI8Group / 16;         // uint4 in a [64][32]-byte x half
+constant constexpr uint32_t kMoeI8WHalf = uint32_t(kMoeTileN) * uint32_t(kI8Group) / 16;  // uint4 in a [32][32]-byte w half
 
-// Stages the uint8 codes of 8 weights (columns k0 + 8 (t % 4) .. + 8) of feature n of one matrix
-// into wq[t / 4][..], and (thread t % 4 == 0) the group's scale and bias into ws[t / 4], wb[t / 4]
-// (zeros for n >= N). 32 divides the group size: one group per step.
+// Stages 16 codes of feature n of one matrix for thread t (feature t / 4 of the tile, half
+// (t % 4) / 2, 16 columns (t % 2)), the scale and bias from thread t % 4 == 0.
 template <typename S>
 inline void moe_m5i8_stage_w(const device uint32_t* w, const device S* sc, const device S* bi, uint32_t n,
                              uint32_t N, uint32_t k0, uint32_t wpr, uint32_t gpr, uint32_t group_size, uint32_t t,
-                             threadgroup uint8_t* wq, threadgroup float* ws, threadgroup float* wb) {
-  constexpr uint32_t BK = kMoeTileK;
-  const uint32_t f = t / 4, col = (t % 4) * 8;
-  float q[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-  float s = 0.0f, b = 0.0f;
-  if (n < N) {
-    unpack_codes<4, 8>(w + n * wpr + (k0 + col) * 4 / 32, q);
-    const uint32_t gi = n * gpr + k0 / group_size;
-    s = float(sc[gi]);
-    b = float(bi[gi]);
-  }
-  for (uint32_t c = 0; c < 8; ++c) wq[f * BK + col + c] = uint8_t(q[c]);
-  if (t % 4 == 0) {
-    ws[f] = s;
-    wb[f] = b;
-  }
+                             threadgroup uint4* wt, threadgroup float* ws, threadgroup float* wb) {
+  i8_stage_w16(w, sc, bi, n, N, k0, wpr, gpr, group_size, t / 4, (t % 4) / 2, t % 2, t % 4 == 0, wt, kMoeI8WHalf,
+               ws, wb);
 }
 
-// Stages the int8 codes of row t / 2 of the tile, columns 16 (t % 2) .. + 16 of the step at src
-// (zeros for an absent row), its scale and code sum (thread t % 2 == 0).
-template <typename T>
-inline void moe_m5i8_stage_rows(const device T* src, bool valid, uint32_t t, threadgroup int8_t* xq,
-                                threadgroup float* xs, threadgroup float* xsum) {
-  constexpr uint32_t BK = kMoeTileK;
-  const uint32_t row = t / 2, col = (t % 2) * 16;
-  float v[16];
-  for (uint32_t c = 0; c < 16; ++c) v[c] = valid ? float(src[c]) : 0.0f;
-  float sum;
-  const float s = int8_row_codes(v, xq + row * BK + col, sum);
-  if (t % 2 == 0) {
-    xs[row] = s;
-    xsum[row] = sum;
-  }
-}
-
-template <typename T, typename S>
+template <typename S>
 [[kernel]] void moe_gate_up_m5i8(constant MoeArgs& args [[buffer(0)]],
-                                 const device T* x [[buffer(1)]],
+                                 const device uint8_t* xq [[buffer(1)]],
                                  const device uint32_t* plan [[buffer(2)]],
                                  const device uint32_t* gate_w [[buffer(3)]],
                                  const device S* gate_s [[buffer(4)]],
@@ -460,15 +435,17 @@ template <typename T, typename S>
                                  const device S* sh_up_b [[buffer(14)]],
                                  device float* h [[buffer(15)]],
                                  LILY_KERNEL_TAIL) {
-  constexpr uint32_t BM = 64, BN = kMoeTileN, BK = kMoeTileK, SR = kMoeM5SubRows;
-  static_assert(BN == 32 && BK == 32 && SR == 16 && BM / SR == kMoeTileSimds,
-                "the staging map assumes 32-wide steps and features, 128 threads; one 16-row block per simdgroup");
-  LILY_TG_ARRAY(int8_t, xq, [2 * BM * BK]);   // two stages of the x codes [64][32]
-  LILY_TG_ARRAY(uint8_t, gq, [2 * BN * BK]);  // two stages of the gate codes [32][32]
-  LILY_TG_ARRAY(uint8_t, uq, [2 * BN * BK]);  // two stages of the up codes [32][32]
-  LILY_TG_ARRAY(float, xs, [2 * BM]);         // s_x per row and stage
-  LILY_TG_ARRAY(float, xsum, [2 * BM]);       // the row's code sum per stage
-  LILY_TG_ARRAY(float, wsb, [2 * 4 * BN]);    // per stage: gate scale, gate bias, up scale, up bias [32]
+  constexpr uint32_t BM = 64, BN = kMoeTileN, SR = kMoeM5SubRows, XH = kMoeI8XHalf, WH = kMoeI8WHalf;
+  static_assert(BN == 32 && kI8Group == 32 && kI8StepK == 64 && SR == 16 && BM / SR == kMoeTileSimds,
+                "the staging map assumes 32 features, 64-wide steps of two 32-column halves, 128 threads; one "
+                "16-row block per simdgroup");
+  LILY_TG_ARRAY(uint4, xt, [2 * 2 * XH]);  // x codes: [stage][half][64][32] bytes
+  LILY_TG_ARRAY(uint4, gt, [2 * 2 * WH]);  // gate codes as bytes: [stage][half][32][32]
+  LILY_TG_ARRAY(uint4, ut, [2 * 2 * WH]);  // up codes, the same
+  LILY_TG_ARRAY(float, xsa, [2 * BM]);     // per stage: s_x of the row's first 32 columns
+  LILY_TG_ARRAY(float, xsb, [2 * BM]);     // ... of its second 32
+  LILY_TG_ARRAY(float, xsum, [2 * BM]);    // ... its step code sum s_xa C_a + s_xb C_b
+  LILY_TG_ARRAY(float, wsb, [2 * 4 * BN]); // per stage: gate scale, gate bias, up scale, up bias [32]
 
   const MoeM5Tile tl = moe_m5_tile<64>(args, plan, group_pos.y);  // uniform over the threadgroup
   const uint32_t r0 = tl.r0, r1 = tl.r1;
@@ -476,64 +453,68 @@ template <typename T, typename S>
   const uint32_t N = shared ? args.shared_inter : args.inter;
   const uint32_t n0 = group_pos.x * BN;
   const uint32_t H = args.hidden;
-  const uint32_t steps = (tl.active && n0 < N) ? H / BK : 0u;  // uniform: no work, no run, no barrier
+  const uint32_t steps = (tl.active && n0 < N) ? H / kI8StepK : 0u;  // uniform: no work, no run, no barrier
   const uint32_t wpr = H * 4 / 32, gpr = H / args.group_size;
   const MoeM5Matrix<S> G = moe_m5_matrix<S>(shared, tl.g, N, wpr, gpr, gate_w, gate_s, gate_b, sh_gate_w, sh_gate_s, sh_gate_b);
   const MoeM5Matrix<S> U = moe_m5_matrix<S>(shared, tl.g, N, wpr, gpr, up_w, up_s, up_b, sh_up_w, sh_up_s, sh_up_b);
   const uint32_t t = thread_pos.x;
-  const uint32_t my_row = r0 + t / 2;  // the row this thread stages
-  const bool my_valid = my_row < r1;
-  const uint32_t my_tok = my_valid ? plan[moe_plan_row_token(args.max_tiles) + my_row] : 0u;
-  const device T* xr = x + my_tok * H + (t % 2) * 16;
+  const uint32_t row = t / 2, part = t % 2;  // the row (and half) of x this thread stages
+  const bool my_valid = r0 + row < r1;
+  const uint32_t my_tok = my_valid ? plan[moe_plan_row_token(args.max_tiles) + r0 + row] : 0u;
+  const uint32_t G32 = H / kI8Group;
+  const device float* sx = reinterpret_cast<const device float*>(xq + i8_scales_offset(args.tokens, H)) + my_tok * G32;
+  const device float* su = reinterpret_cast<const device float*>(xq + i8_sums_offset(args.tokens, H)) + my_tok * G32;
+  const device uint8_t* xr = xq + my_tok * H;
   const uint32_t n_st = n0 + t / 4;  // the feature whose weights this thread stages
   const uint32_t rb = simd_id;       // this simdgroup's row block
 
-  constexpr auto desc = matmul2d_descriptor(int(SR), int(BN), int(BK), false, true, false,
+  constexpr auto desc = matmul2d_descriptor(int(SR), int(BN), int(kI8Group), false, true, false,
                                             matmul2d_descriptor::mode::multiply);
   matmul2d<desc, execution_simdgroup> op;
-  auto x0 = tensor<threadgroup int8_t, dextents<int32_t, 2>, tensor_inline>(xq + rb * SR * BK, dextents<int32_t, 2>(int(BK), int(SR)));
-  auto x1 = tensor<threadgroup int8_t, dextents<int32_t, 2>, tensor_inline>(xq + BM * BK + rb * SR * BK, dextents<int32_t, 2>(int(BK), int(SR)));
-  auto g0 = tensor<threadgroup uint8_t, dextents<int32_t, 2>, tensor_inline>(gq, dextents<int32_t, 2>(int(BK), int(BN)));
-  auto g1 = tensor<threadgroup uint8_t, dextents<int32_t, 2>, tensor_inline>(gq + BN * BK, dextents<int32_t, 2>(int(BK), int(BN)));
-  auto u0 = tensor<threadgroup uint8_t, dextents<int32_t, 2>, tensor_inline>(uq, dextents<int32_t, 2>(int(BK), int(BN)));
-  auto u1 = tensor<threadgroup uint8_t, dextents<int32_t, 2>, tensor_inline>(uq + BN * BK, dextents<int32_t, 2>(int(BK), int(BN)));
-  auto acc_g = op.template get_destination_cooperative_tensor<decltype(x0), decltype(g0), float>();
-  auto acc_u = op.template get_destination_cooperative_tensor<decltype(x0), decltype(u0), float>();
+  using XT = tensor<threadgroup int8_t, dextents<int32_t, 2>, tensor_inline>;
+  using WT = tensor<threadgroup uint8_t, dextents<int32_t, 2>, tensor_inline>;
+  auto acc_g = op.template get_destination_cooperative_tensor<XT, WT, float>();
+  auto acc_u = op.template get_destination_cooperative_tensor<XT, WT, float>();
   for (uint16_t i = 0; i < acc_g.get_capacity(); ++i) {
     if (!acc_g.is_valid_element(i)) continue;
     acc_g[i] = 0.0f;
     acc_u[i] = 0.0f;
   }
 
-  if (steps != 0u) {
-    moe_m5i8_stage_rows<T>(xr, my_valid, t, xq, xs, xsum);
-    moe_m5i8_stage_w<S>(G.w, G.s, G.b, n_st, N, 0, wpr, gpr, args.group_size, t, gq, wsb, wsb + BN);
-    moe_m5i8_stage_w<S>(U.w, U.s, U.b, n_st, N, 0, wpr, gpr, args.group_size, t, uq, wsb + 2 * BN, wsb + 3 * BN);
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-  }
-  for (uint32_t s = 0; s < steps; ++s) {
-    const uint32_t cur = s & 1, nx = (s + 1) & 1;
-    if (s + 1 < steps) {  // stage s+1 into the buffers the previous step read (barrier between)
-      const uint32_t k1 = (s + 1) * BK;
-      threadgroup float* wn = wsb + nx * 4 * BN;
-      moe_m5i8_stage_rows<T>(xr + k1, my_valid, t, xq + nx * BM * BK, xs + nx * BM, xsum + nx * BM);
-      moe_m5i8_stage_w<S>(G.w, G.s, G.b, n_st, N, k1, wpr, gpr, args.group_size, t, gq + nx * BN * BK, wn, wn + BN);
-      moe_m5i8_stage_w<S>(U.w, U.s, U.b, n_st, N, k1, wpr, gpr, args.group_size, t, uq + nx * BN * BK, wn + 2 * BN,
+  for (uint32_t s = 0; s <= steps; ++s) {
+    // iteration s stages step s (if any) into stage s & 1 and multiplies step s - 1 (if any): the
+    // barrier at its end orders the staging before the next iteration's runs, the runs before the
+    // staging that overwrites their stage two iterations later.
+    if (s < steps) {
+      const uint32_t b = s & 1, k0 = s * kI8StepK;
+      threadgroup float* wn = wsb + b * 4 * BN;
+      i8_stage_row(xr + k0, sx + k0 / kI8Group, su + k0 / kI8Group, my_valid, row, part, xt + 2 * b * XH, XH,
+                   xsa + b * BM, xsb + b * BM, xsum + b * BM);
+      moe_m5i8_stage_w<S>(G.w, G.s, G.b, n_st, N, k0, wpr, gpr, args.group_size, t, gt + 2 * b * WH, wn, wn + BN);
+      moe_m5i8_stage_w<S>(U.w, U.s, U.b, n_st, N, k0, wpr, gpr, args.group_size, t, ut + 2 * b * WH, wn + 2 * BN,
                           wn + 3 * BN);
     }
-    auto dg = op.template get_destination_cooperative_tensor<decltype(x0), decltype(g0), int32_t>();
-    auto du = op.template get_destination_cooperative_tensor<decltype(x0), decltype(u0), int32_t>();
-    if (cur == 0) {
-      op.run(x0, g0, dg);
-      op.run(x0, u0, du);
-    } else {
-      op.run(x1, g1, dg);
-      op.run(x1, u1, du);
+    if (s > 0) {
+      const uint32_t c = (s - 1) & 1;
+      auto xa = i8_half_tile<int8_t, SR>(xt + 2 * c * XH, rb * SR);  // (run takes its operands by reference)
+      auto xb = i8_half_tile<int8_t, SR>(xt + (2 * c + 1) * XH, rb * SR);
+      auto ga = i8_half_tile<uint8_t, BN>(gt + 2 * c * WH, 0);
+      auto gb = i8_half_tile<uint8_t, BN>(gt + (2 * c + 1) * WH, 0);
+      auto ua = i8_half_tile<uint8_t, BN>(ut + 2 * c * WH, 0);
+      auto ub = i8_half_tile<uint8_t, BN>(ut + (2 * c + 1) * WH, 0);
+      auto dga = op.template get_destination_cooperative_tensor<XT, WT, int32_t>();
+      auto dgb = op.template get_destination_cooperative_tensor<XT, WT, int32_t>();
+      auto dua = op.template get_destination_cooperative_tensor<XT, WT, int32_t>();
+      auto dub = op.template get_destination_cooperative_tensor<XT, WT, int32_t>();
+      op.run(xa, ga, dga);
+      op.run(xb, gb, dgb);
+      op.run(xa, ua, dua);
+      op.run(xb, ub, dub);
+      const threadgroup float* wc = wsb + c * 4 * BN;
+      i8_rescale(dga, dgb, acc_g, xsa + c * BM, xsb + c * BM, xsum + c * BM, wc, wc + BN, rb * SR, 0);
+      i8_rescale(dua, dub, acc_u, xsa + c * BM, xsb + c * BM, xsum + c * BM, wc + 2 * BN, wc + 3 * BN, rb * SR, 0);
     }
-    const threadgroup float* wc = wsb + cur * 4 * BN;
-    int8_rescale(dg, acc_g, xs + cur * BM, xsum + cur * BM, wc, wc + BN, rb * SR, 0);
-    int8_rescale(du, acc_u, xs + cur * BM, xsum + cur * BM, wc + 2 * BN, wc + 3 * BN, rb * SR, 0);
-    threadgroup_barrier(mem_flags::mem_threadgroup);
+    if (steps != 0u) threadgroup_barrier(mem_flags::mem_threadgroup);
   }
 
   if (steps != 0u) {
@@ -551,7 +532,7 @@ template <typename S>
 [[kernel]] void moe_down_m5i8(constant MoeArgs& args [[buffer(0)]],
                               const device uint32_t* plan [[buffer(1)]],
                               const device float* row_weight [[buffer(2)]],
-                              const device float* h [[buffer(3)]],
+                              const device uint8_t* hq [[buffer(3)]],
                               const device uint32_t* down_w [[buffer(4)]],
                               const device S* down_s [[buffer(5)]],
                               const device S* down_b [[buffer(6)]],
@@ -560,14 +541,16 @@ template <typename S>
                               const device S* sh_down_b [[buffer(9)]],
                               device float* y [[buffer(10)]],
                               LILY_KERNEL_TAIL) {
-  constexpr uint32_t BM = 64, BN = kMoeTileN, BK = kMoeTileK, SR = kMoeM5SubRows;
-  static_assert(BN == 32 && BK == 32 && SR == 16 && BM / SR == kMoeTileSimds,
-                "the staging map assumes 32-wide steps and features, 128 threads; one 16-row block per simdgroup");
-  LILY_TG_ARRAY(int8_t, xq, [2 * BM * BK]);   // two stages of the h codes [64][32]
-  LILY_TG_ARRAY(uint8_t, wq, [2 * BN * BK]);  // two stages of the down codes [32][32]
-  LILY_TG_ARRAY(float, xs, [2 * BM]);         // s_h per row and stage
-  LILY_TG_ARRAY(float, xsum, [2 * BM]);       // the row's code sum per stage
-  LILY_TG_ARRAY(float, wsb, [2 * 2 * BN]);    // per stage: scale, bias [32]
+  constexpr uint32_t BM = 64, BN = kMoeTileN, SR = kMoeM5SubRows, XH = kMoeI8XHalf, WH = kMoeI8WHalf;
+  static_assert(BN == 32 && kI8Group == 32 && kI8StepK == 64 && SR == 16 && BM / SR == kMoeTileSimds,
+                "the staging map assumes 32 features, 64-wide steps of two 32-column halves, 128 threads; one "
+                "16-row block per simdgroup");
+  LILY_TG_ARRAY(uint4, xt, [2 * 2 * XH]);  // h codes: [stage][half][64][32] bytes
+  LILY_TG_ARRAY(uint4, wt, [2 * 2 * WH]);  // down codes as bytes: [stage][half][32][32]
+  LILY_TG_ARRAY(float, xsa, [2 * BM]);
+  LILY_TG_ARRAY(float, xsb, [2 * BM]);
+  LILY_TG_ARRAY(float, xsum, [2 * BM]);
+  LILY_TG_ARRAY(float, wsb, [2 * 2 * BN]); // per stage: scale, bias [32]
 
   const MoeM5Tile tl = moe_m5_tile<64>(args, plan, group_pos.y);  // uniform over the threadgroup
   const uint32_t r0 = tl.r0, r1 = tl.r1;
@@ -575,46 +558,51 @@ template <typename S>
   const uint32_t H = args.hidden;
   const uint32_t K = shared ? args.shared_inter : args.inter;
   const uint32_t n0 = group_pos.x * BN;
-  const uint32_t steps = tl.active ? K / BK : 0u;  // uniform
+  const uint32_t steps = tl.active ? K / kI8StepK : 0u;  // uniform
   const uint32_t wpr = K * 4 / 32, gpr = K / args.group_size;
   const MoeM5Matrix<S> D = moe_m5_matrix<S>(shared, tl.g, H, wpr, gpr, down_w, down_s, down_b, sh_down_w, sh_down_s, sh_down_b);
   const uint32_t t = thread_pos.x;
-  const uint32_t my_row = r0 + t / 2;
-  const bool my_valid = my_row < r1;
-  const device float* hr = h + (my_valid ? my_row : 0u) * args.h_stride + (t % 2) * 16;
+  const uint32_t row = t / 2, part = t % 2;
+  const bool my_valid = r0 + row < r1;
+  const uint32_t my_row = my_valid ? r0 + row : 0u;  // the row of h (quantized as [R, h_stride])
+  const uint32_t R = args.tokens * (args.top_k + 1), KH = args.h_stride, G32 = KH / kI8Group;
+  const device float* sx = reinterpret_cast<const device float*>(hq + i8_scales_offset(R, KH)) + my_row * G32;
+  const device float* su = reinterpret_cast<const device float*>(hq + i8_sums_offset(R, KH)) + my_row * G32;
+  const device uint8_t* xr = hq + my_row * KH;
   const uint32_t n_st = n0 + t / 4;
   const uint32_t rb = simd_id;
 
-  constexpr auto desc = matmul2d_descriptor(int(SR), int(BN), int(BK), false, true, false,
+  constexpr auto desc = matmul2d_descriptor(int(SR), int(BN), int(kI8Group), false, true, false,
                                             matmul2d_descriptor::mode::multiply);
   matmul2d<desc, execution_simdgroup> op;
-  auto x0 = tensor<threadgroup int8_t, dextents<int32_t, 2>, tensor_inline>(xq + rb * SR * BK, dextents<int32_t, 2>(int(BK), int(SR)));
-  auto x1 = tensor<threadgroup int8_t, dextents<int32_t, 2>, tensor_inline>(xq + BM * BK + rb * SR * BK, dextents<int32_t, 2>(int(BK), int(SR)));
-  auto w0 = tensor<threadgroup uint8_t, dextents<int32_t, 2>, tensor_inline>(wq, dextents<int32_t, 2>(int(BK), int(BN)));
-  auto w1 = tensor<threadgroup uint8_t, dextents<int32_t, 2>, tensor_inline>(wq + BN * BK, dextents<int32_t, 2>(int(BK), int(BN)));
-  auto acc = op.template get_destination_cooperative_tensor<decltype(x0), decltype(w0), float>();
+  using XT = tensor<threadgroup int8_t, dextents<int32_t, 2>, tensor_inline>;
+  using WT = tensor<threadgroup uint8_t, dextents<int32_t, 2>, tensor_inline>;
+  auto acc = op.template get_destination_cooperative_tensor<XT, WT, float>();
   for (uint16_t i = 0; i < acc.get_capacity(); ++i)
     if (acc.is_valid_element(i)) acc[i] = 0.0f;
 
-  if (steps != 0u) {
-    moe_m5i8_stage_rows<float>(hr, my_valid, t, xq, xs, xsum);
-    moe_m5i8_stage_w<S>(D.w, D.s, D.b, n_st, H, 0, wpr, gpr, args.group_size, t, wq, wsb, wsb + BN);
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-  }
-  for (uint32_t s = 0; s < steps; ++s) {
-    const uint32_t cur = s & 1, nx = (s + 1) & 1;
-    if (s + 1 < steps) {
-      const uint32_t k1 = (s + 1) * BK;
-      threadgroup float* wn = wsb + nx * 2 * BN;
-      moe_m5i8_stage_rows<float>(hr + k1, my_valid, t, xq + nx * BM * BK, xs + nx * BM, xsum + nx * BM);
-      moe_m5i8_stage_w<S>(D.w, D.s, D.b, n_st, H, k1, wpr, gpr, args.group_size, t, wq + nx * BN * BK, wn, wn + BN);
+  for (uint32_t s = 0; s <= steps; ++s) {  // as in moe_gate_up_m5i8: stage step s, multiply step s - 1
+    if (s < steps) {
+      const uint32_t b = s & 1, k0 = s * kI8StepK;
+      threadgroup float* wn = wsb + b * 2 * BN;
+      i8_stage_row(xr + k0, sx + k0 / kI8Group, su + k0 / kI8Group, my_valid, row, part, xt + 2 * b * XH, XH,
+                   xsa + b * BM, xsb + b * BM, xsum + b * BM);
+      moe_m5i8_stage_w<S>(D.w, D.s, D.b, n_st, H, k0, wpr, gpr, args.group_size, t, wt + 2 * b * WH, wn, wn + BN);
     }
-    auto dot = op.template get_destination_cooperative_tensor<decltype(x0), decltype(w0), int32_t>();
-    if (cur == 0) op.run(x0, w0, dot);
-    else op.run(x1, w1, dot);
-    const threadgroup float* wc = wsb + cur * 2 * BN;
-    int8_rescale(dot, acc, xs + cur * BM, xsum + cur * BM, wc, wc + BN, rb * SR, 0);
-    threadgroup_barrier(mem_flags::mem_threadgroup);
+    if (s > 0) {
+      const uint32_t c = (s - 1) & 1;
+      auto xa = i8_half_tile<int8_t, SR>(xt + 2 * c * XH, rb * SR);
+      auto xb = i8_half_tile<int8_t, SR>(xt + (2 * c + 1) * XH, rb * SR);
+      auto wa = i8_half_tile<uint8_t, BN>(wt + 2 * c * WH, 0);
+      auto wbt = i8_half_tile<uint8_t, BN>(wt + (2 * c + 1) * WH, 0);
+      auto da = op.template get_destination_cooperative_tensor<XT, WT, int32_t>();
+      auto db = op.template get_destination_cooperative_tensor<XT, WT, int32_t>();
+      op.run(xa, wa, da);
+      op.run(xb, wbt, db);
+      const threadgroup float* wc = wsb + c * 2 * BN;
+      i8_rescale(da, db, acc, xsa + c * BM, xsb + c * BM, xsum + c * BM, wc, wc + BN, rb * SR, 0);
+    }
+    if (steps != 0u) threadgroup_barrier(mem_flags::mem_threadgroup);
   }
 
   if (steps != 0u) {
@@ -636,7 +624,7 @@ LILY_INSTANTIATE("moe_gate_up_m5_64_b4_xbf16_sbf16", moe_gate_up_m5<bfloat, bflo
 LILY_INSTANTIATE("moe_gate_up_m5_32_b4_xbf16_sbf16", moe_gate_up_m5<bfloat, bfloat, 4, 32>)
 LILY_INSTANTIATE("moe_down_m5_64_b4_sbf16", moe_down_m5<bfloat, 4, 64>)
 LILY_INSTANTIATE("moe_down_m5_32_b4_sbf16", moe_down_m5<bfloat, 4, 32>)
-LILY_INSTANTIATE("moe_gate_up_m5i8_64_b4_xbf16_sbf16", moe_gate_up_m5i8<bfloat, bfloat>)
+LILY_INSTANTIATE("moe_gate_up_m5i8_64_b4_xbf16_sbf16", moe_gate_up_m5i8<bfloat>)
 LILY_INSTANTIATE("moe_down_m5i8_64_b4_sbf16", moe_down_m5i8<bfloat>)
 
 }  // namespace lily

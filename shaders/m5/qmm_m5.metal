@@ -118,7 +118,7 @@ template <typename T, typename S, int bits = 4, typename Y = T>
 }
 
 // ---------------------------------------------------------------------------------------------
-// quantize_i8: bf16 x[rows, K] into the int8 activation scratch that qmm_m5i8 and moe_*_m5i8 read
+// quantize_i8: bf16 x[rows, K] (fp32: the MoE's h) into the int8 activation scratch that qmm_m5i8 and moe_*_m5i8 read
 // (layout: common/args.h, QuantI8Args). One thread per row and 32 columns (kI8Group): s = max |x| /
 // 127 in fp32 (0 for an all-zero group), codes rint(x / s) clamped to [-127, 127] (0 where s = 0),
 // written in the permuted order 0 2 4 6 1 3 5 7 of each 8 columns; the group's dequantized sum
@@ -186,77 +186,26 @@ template <typename T>
 //              the model-level error; the kernel test compares with the reference of the same
 //              semantics (lily_py.reference.kernels.quantized_matmul_i8).
 
-// The two masks: 8 codes of a word to 8 bytes, in the order 0 2 4 6 1 3 5 7.
-inline void i8_spread_codes(uint32_t word, threadgroup uint32_t* dst) {
-  dst[0] = word & 0x0F0F0F0Fu;
-  dst[1] = (word >> 4) & 0x0F0F0F0Fu;
-}
-
-// The int8 rescale of one weight-group step (see above): element i of da / db / acc is the same
-// output (row r0 + r, feature c0 + c).
-template <typename D, typename A>
-inline void i8_rescale(thread D& da, thread D& db, thread A& acc, const threadgroup float* xsa,
-                       const threadgroup float* xsb, const threadgroup float* xsum, const threadgroup float* ws,
-                       const threadgroup float* wb, uint32_t r0, uint32_t c0) {
-  for (uint16_t i = 0; i < acc.get_capacity(); ++i) {
-    if (!acc.is_valid_element(i)) continue;
-    const auto idx = acc.get_multidimensional_index(i);
-    const uint32_t r = r0 + uint32_t(idx[1]), c = c0 + uint32_t(idx[0]);
-    const float dot = xsa[r] * float(da[i]) + xsb[r] * float(db[i]);
-    acc[i] = fma(wb[c], xsum[r], fma(ws[c], dot, acc[i]));
-  }
-}
-
-// A [64][32]-byte half tile (4 KB: 256 uint4) of x or w codes as a matmul2d operand: rows r0 ..
-// r0 + 32 of it, 32 columns (E: int8_t for x, uint8_t for w).
-template <typename E>
-inline tensor<threadgroup E, dextents<int32_t, 2>, tensor_inline> i8_half_tile(threadgroup uint4* half, uint32_t r0) {
-  return tensor<threadgroup E, dextents<int32_t, 2>, tensor_inline>(
-      reinterpret_cast<threadgroup E*>(half) + r0 * kI8Group, dextents<int32_t, 2>(int(kI8Group), int(kTensorOpSubTile)));
-}
 constant constexpr uint32_t kI8HalfTile = kQmmM5TileM * kI8Group / 16;  // uint4 in a [64][32]-byte half
 
+// Stages K step k0 of qmm_m5i8's tiles: thread t, row t / 2 of x and feature n0 + t / 2 of w, half
+// t % 2 of the step (32 columns).
 template <typename S>
 inline void qmm_m5i8_stage(constant QmmArgs& args, const device uint8_t* xq, const device uint32_t* w,
                            const device S* scales, const device S* biases, uint32_t m0, uint32_t n0,
                            uint32_t k0, uint32_t t, threadgroup uint4* xt, threadgroup uint4* wt,
                            threadgroup float* xsa, threadgroup float* xsb, threadgroup float* xsum,
                            threadgroup float* ws, threadgroup float* wb) {
-  constexpr uint32_t H = kI8Group;
   const uint32_t row = t / 2, half = t % 2;
   const uint32_t m = m0 + row, n = n0 + row;
-  threadgroup uint4* xd = xt + half * kI8HalfTile + row * (H / 16);
-  if (m < args.M) {
-    const device uint4* src = reinterpret_cast<const device uint4*>(xq + m * args.K + k0 + half * H);
-    xd[0] = src[0];
-    xd[1] = src[1];
-  } else {
-    xd[0] = uint4(0u);
-    xd[1] = uint4(0u);
-  }
-  threadgroup uint32_t* wd = reinterpret_cast<threadgroup uint32_t*>(wt + half * kI8HalfTile + row * (H / 16));
-  const device uint32_t* wsrc = w + n * (args.K / 8) + (k0 + half * H) / 8;
-  for (uint32_t j = 0; j < H / 8; ++j) {
-    if (n < args.N) {
-      i8_spread_codes(wsrc[j], wd + 2 * j);
-    } else {
-      wd[2 * j] = 0u;
-      wd[2 * j + 1] = 0u;
-    }
-  }
-  const uint32_t groups32 = args.K / H;
-  const uint32_t g32 = m * groups32 + k0 / H;
-  if (half == 0) {
-    const device float* sx = reinterpret_cast<const device float*>(xq + i8_scales_offset(args.M, args.K));
-    xsa[row] = m < args.M ? sx[g32] : 0.0f;
-    xsb[row] = m < args.M ? sx[g32 + 1] : 0.0f;
-  } else {
-    const device float* su = reinterpret_cast<const device float*>(xq + i8_sums_offset(args.M, args.K));
-    xsum[row] = m < args.M ? su[g32] + su[g32 + 1] : 0.0f;
-    const uint32_t g = n * (args.K / args.group_size) + k0 / args.group_size;
-    ws[row] = n < args.N ? float(scales[g]) : 0.0f;
-    wb[row] = n < args.N ? float(biases[g]) : 0.0f;
-  }
+  const uint32_t g32 = m * (args.K / kI8Group) + k0 / kI8Group;
+  const device float* sx = reinterpret_cast<const device float*>(xq + i8_scales_offset(args.M, args.K));
+  const device float* su = reinterpret_cast<const device float*>(xq + i8_sums_offset(args.M, args.K));
+  i8_stage_row(xq + m * args.K + k0, sx + g32, su + g32, m < args.M, row, half, xt, kI8HalfTile, xsa, xsb, xsum);
+  const uint32_t wpr = args.K / 8, gpr = args.K / args.group_size;
+  for (uint32_t part2 = 0; part2 < 2; ++part2)
+    i8_stage_w16(w, scales, biases, n, args.N, k0, wpr, gpr, args.group_size, row, half, part2,
+                 half == 1 && part2 == 0, wt, kI8HalfTile, ws, wb);
 }
 
 template <typename T, typename S>
@@ -304,10 +253,10 @@ template <typename T, typename S>
                      wb + next * BN);
     auto da = op.template get_destination_cooperative_tensor<XT, WT, int32_t>();
     auto db = op.template get_destination_cooperative_tensor<XT, WT, int32_t>();
-    auto xa = i8_half_tile<int8_t>(xt + 2 * cur * HT, sm);  // (run takes its operands by reference)
-    auto wa = i8_half_tile<uint8_t>(wt + 2 * cur * HT, sn);
-    auto xb = i8_half_tile<int8_t>(xt + (2 * cur + 1) * HT, sm);
-    auto wbt = i8_half_tile<uint8_t>(wt + (2 * cur + 1) * HT, sn);
+    auto xa = i8_half_tile<int8_t, SUB>(xt + 2 * cur * HT, sm);  // (run takes its operands by reference)
+    auto wa = i8_half_tile<uint8_t, SUB>(wt + 2 * cur * HT, sn);
+    auto xb = i8_half_tile<int8_t, SUB>(xt + (2 * cur + 1) * HT, sm);
+    auto wbt = i8_half_tile<uint8_t, SUB>(wt + (2 * cur + 1) * HT, sn);
     op.run(xa, wa, da);
     op.run(xb, wbt, db);
     i8_rescale(da, db, acc, xsa, xsb, xsum, ws, wb, cur * BM + sm, cur * BN + sn);
@@ -338,5 +287,6 @@ LILY_INSTANTIATE("qmm_m5_b8_xbf16_sbf16", qmm_m5<bfloat, bfloat, 8>)
 LILY_INSTANTIATE("qmm_m5i8_b4_xbf16_sf32", qmm_m5i8<bfloat, float>)
 LILY_INSTANTIATE("qmm_m5i8_b4_xbf16_sbf16", qmm_m5i8<bfloat, bfloat>)
 LILY_INSTANTIATE("quantize_i8_xbf16", quantize_i8<bfloat>)
+LILY_INSTANTIATE("quantize_i8_xf32", quantize_i8<float>)
 
 }  // namespace lily

@@ -4,9 +4,11 @@ float64 references.
 
 What the kernels compute (their header comment): in a 64-row tile, x (gate / up) and h (down) are
 quantized per row and 32 columns as lily_py.reference.kernels.int8_rows does (s = max |v| / 127,
-codes rint(v / s)); the weight codes, their products and sums are exact; the rescale
-s_x (s_w I + b_w sum(codes)), SwiGLU and the routing weight are fp32. The 32-row, 16-row and few-row
-tiles keep the half-operand kernels of test_moe_m5.py.
+codes rint(v / s)) by quantize_i8 (x beside the router, h between the gate/up and down kinds); the
+weight codes, their products and sums are exact; the rescale per 64-wide step
+s_w (s_xa D_a + s_xb D_b) + b_w (s_xa C_a + s_xb C_b) (= x_int8 . w), SwiGLU and the routing weight
+are fp32. The 32-row, 16-row and few-row tiles keep the half-operand kernels of test_moe_m5.py. Taken
+for 4-bit experts with groups of 64 (or 128), H and I = Is multiples of 64.
 
 Bounds, derived (e_x = s_x / 2, e_h = s_h / 2 per element: half the int8 step of its row's group):
   gate/up:  |dg| <= |Wg|.e_x, |du| <= |Wu|.e_x        (x is bf16 and quantized once)
@@ -38,7 +40,10 @@ from test_moe_m5 import half_bound
 BF16 = ml_dtypes.bfloat16
 BF16_U = 2.0 ** -8
 I8_KINDS = ["moe_gate_up_m5i8_64_b4_xbf16_sbf16", "moe_gate_up_m5_32_b4_xbf16_sbf16", "moe_gate_up_few_b4_xbf16_sbf16",
+            "quantize_i8_xf32",
             "moe_down_m5i8_64_b4_sbf16", "moe_down_m5_32_b4_sbf16", "moe_down_few_b4_sbf16", "moe_combine_xbf16"]
+# the router (qmm_m5, fp32 operands), x's codes beside it, softmax / top-k, plan
+I8_HEAD = ["qmm_m5_b8_xbf16_sbf16", "quantize_i8_xbf16", "moe_route_xbf16", "moe_plan"]
 M5_BF16_KINDS = ["moe_gate_up_m5_64_b4_xbf16_sbf16", "moe_gate_up_m5_32_b4_xbf16_sbf16",
                  "moe_gate_up_few_b4_xbf16_sbf16", "moe_down_m5_64_b4_sbf16", "moe_down_m5_32_b4_sbf16",
                  "moe_down_few_b4_sbf16", "moe_combine_xbf16"]
@@ -124,17 +129,19 @@ def bf16_x(x):
 @pytest.mark.parametrize("T", [17, 40, 73, 97, 130])
 def test_int8_on_the_64_row_tiles_only(rng, T):
     E, k = 7, 2
-    W, x_of = make_block(rng, E=E, H=64, I=32, gs=32, load="skewed")
+    W, x_of = make_block(rng, E=E, H=128, I=64, gs=64, load="skewed")
     x = bf16_x(x_of(T, k))
     out, ids, weights, stats = run(rng, W, x, k)
     o5, i5, w5, s5 = run(rng, W, x, k, int8=False)
-    assert stats["kernels"][3:] == I8_KINDS, stats["kernels"]
+    assert stats["kernels"] == I8_HEAD + I8_KINDS, stats["kernels"]
     assert s5["kernels"][3:] == M5_BF16_KINDS, s5["kernels"]
-    assert stats["kernels"][:3] == s5["kernels"][:3]  # the 8-bit router keeps qmm_m5 (fp32 operands)
+    assert [s5["kernels"][0]] + s5["kernels"][1:3] == [I8_HEAD[0]] + I8_HEAD[2:]
     np.testing.assert_array_equal(ids, i5)
     np.testing.assert_array_equal(weights, w5)
-    for key in ("dispatches", "barriers", "flops_useful", "flops_executed", "bytes_bound", "tiles", "host_syncs"):
+    for key in ("flops_useful", "flops_executed", "tiles", "host_syncs"):
         assert stats[key] == s5[key], key
+    # the two quantize_i8 dispatches and the barrier after h's
+    assert (stats["dispatches"], stats["barriers"]) == (s5["dispatches"] + 2, s5["barriers"] + 1)
     assert stats["tiles"] == expected_tiles(ids, E, m5=True)
     # tokens with no slot in a 64-row tile ran exactly the kernels of the half route
     flag = in_64_tiles(ids, E)
@@ -157,8 +164,9 @@ def test_int8_on_the_64_row_tiles_only(rng, T):
 
 
 @pytest.mark.parametrize("T", [64, 40])
-@pytest.mark.parametrize("shape", [dict(E=5, H=96, I=64, Is=96, gs=32), dict(E=4, H=2048, I=512, gs=64)],
-                         ids=["odd_H96_I64_Is96", "model_H2048_I512"])
+@pytest.mark.parametrize("shape", [dict(E=5, H=192, I=128, gs=64), dict(E=3, H=256, I=128, gs=128),
+                                   dict(E=4, H=2048, I=512, gs=64)],
+                         ids=["H192_I128", "H256_I128_gs128", "model_H2048_I512"])
 def test_int8_semantics_where_every_row_is_in_a_64_row_tile(rng, shape, T):
     """top-1 with a skewed load and T = 64 or 40: expert 0 and the shared group hold every token, one
     64-row tile each (full, or 40 of 64 rows: the masked rows stage zeros), so every slot runs the
@@ -167,7 +175,7 @@ def test_int8_semantics_where_every_row_is_in_a_64_row_tile(rng, shape, T):
     W, x_of = make_block(rng, load="skewed", **shape)
     x = bf16_x(x_of(T, k))
     out, ids, weights, stats = run(rng, W, x, k)
-    assert stats["kernels"][3:] == I8_KINDS, stats["kernels"]
+    assert stats["kernels"] == I8_HEAD + I8_KINDS, stats["kernels"]
     assert (ids[:, 0] == 0).all() and stats["tiles"]["64"] == 2 and stats["tiles"]["32"] == stats["tiles"]["few"] == 0
     assert in_64_tiles(ids, shape["E"]).all()
     dense, mags = parts(W)
@@ -188,24 +196,29 @@ def test_int8_semantics_where_every_row_is_in_a_64_row_tile(rng, shape, T):
     assert same_plain <= same_sem - 0.3, f"the int8 semantics do not explain out better than no int8 (seed {rng.seed})"
 
 
-def test_fp32_activations_keep_the_half_tiles(rng):
-    """int8 is for bf16 activations: fp32 x with tensor_int8 takes the same kernels as without."""
-    W, x_of = make_block(rng, E=7, H=64, I=32, gs=32, load="skewed")
-    x = x_of(97, 2)
+@pytest.mark.parametrize("case", ["fp32_x", "groups_32", "I_ne_Is", "H_96"])
+def test_what_int8_does_not_take_keeps_the_half_tiles(rng, case):
+    """int8 is for bf16 activations, groups of 64 or 128, H and I = Is multiples of 64: otherwise
+    tensor_int8 changes nothing (same kernels, same output)."""
+    shape = {"fp32_x": dict(H=128, I=64, gs=64), "groups_32": dict(H=128, I=64, gs=32),
+             "I_ne_Is": dict(H=128, I=64, Is=128, gs=64), "H_96": dict(H=96, I=64, gs=32)}[case]
+    W, x_of = make_block(rng, E=7, load="skewed", **shape)
+    x = x_of(97, 2) if case == "fp32_x" else bf16_x(x_of(97, 2))
     out, _, _, stats = run(rng, W, x, 2)
     o5, _, _, s5 = run(rng, W, x, 2, int8=False)
-    assert stats["kernels"] == s5["kernels"] and "moe_gate_up_m5_64_b4_xf32_sbf16" in stats["kernels"]
-    np.testing.assert_array_equal(out, o5)
+    assert stats["kernels"] == s5["kernels"] and not any("i8" in kn for kn in stats["kernels"]), stats["kernels"]
+    assert any(kn.startswith("moe_gate_up_m5_64_") for kn in stats["kernels"])
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(o5, np.float32))
 
 
 @pytest.mark.parametrize("order", ["reverse", "shuffle", "ahead"])
 def test_int8_result_independent_of_thread_order(rng, order):
-    # I = 64, Is = 96: the down kernel walks 2 and 3 K steps (stage s + 1 staged while step s runs)
-    W, x_of = make_block(rng, E=7, H=64, I=64, Is=96, gs=32, load="skewed")
+    # H = 192, I = 128: gate/up walks 3 K steps, down 2 (step s + 1 staged while step s runs)
+    W, x_of = make_block(rng, E=7, H=192, I=128, gs=64, load="skewed")
     x = bf16_x(x_of(97, 2))
     a = run(rng, W, x, 2, order="forward")
     b = run(rng, W, x, 2, order=order)
-    assert a[3]["kernels"][3:] == I8_KINDS
+    assert a[3]["kernels"] == I8_HEAD + I8_KINDS
     for u, v in zip(a[:3], b[:3]):
         np.testing.assert_array_equal(np.asarray(u, np.float32), np.asarray(v, np.float32),
                                       err_msg=f"order {order!r} differs from 'forward': a race")

@@ -135,7 +135,7 @@ def test_greedy_on_the_int8_opt_in(real_dims_ckpt, which, chunk):
     """The int8 opt-in (simulated_device(tensor_ops=True, tensor_int8=True); LILY_TENSOR_INT8=1 on a
     Mac; docs/performance.md, "int8 activations on the tensor ops"): with prefill chunks of 64
     and 4096 (the whole 100- or 80-token prompt) every bf16-x 4-bit projection of more than 8 rows
-    takes qmm_m5i8, the 8-bit router and lm_head's fp32 logits keep qmm_m5, and the MoE 64-row
+    takes qmm_m5i8 (after quantize_i8 of its x), the 8-bit router and lm_head's fp32 logits keep qmm_m5, and the MoE 64-row
     tiles (the shared expert's group holds every row of the step: 64, or 80 and 100 > 32) take
     moe_gate_up_m5i8 / moe_down_m5i8; with chunks of 1 no step has a tile and nothing takes int8.
     Greedy tokens identical to the reference for 32 steps after the prompt (its precision against
@@ -150,6 +150,7 @@ def test_greedy_on_the_int8_opt_in(real_dims_ckpt, which, chunk):
         assert any(k.startswith("qmm_m5i8_b4_xbf16_") for k in kernels), sorted(kernels)
         assert not any(k.startswith("qmm_m5_b4_xbf16_") and not k.endswith("_yf32") for k in kernels), sorted(kernels)
         assert int8 <= kernels, sorted(kernels)
+        assert {"quantize_i8_xbf16", "quantize_i8_xf32"} <= kernels, sorted(kernels)  # x's and h's codes
         assert not {"moe_gate_up_m5_64_b4_xbf16_sbf16", "moe_down_m5_64_b4_sbf16"} & kernels, sorted(kernels)
     else:
         assert not any("m5i8" in k for k in kernels), sorted(kernels)

@@ -75,14 +75,16 @@ def test_int8_path_charges_exactly_the_built_int8_families():
     assert f["executed16"] > 0
     assert pe.alu_time("moe_gate_up_m5_32", f, "M5 Max", a) == pytest.approx(
         ((f["executed"] - f["executed16"]) * ops["moe_gate_up_m5_32"] + f["executed16_true"] * ops16) / alu)
-    # as built: qmm_m5i8 (x quantized once by quantize_i8, rescaled per 64) keeps its ALU work within
-    # 1.25x its int8 tensor time; the MoE int8 tiles (x quantized while staging) exceed 4x
+    # as built (x and h quantized once by quantize_i8, rescaled per 64 columns) the int8 kernels keep
+    # their ALU work within 1.25x their int8 tensor time (the first forms, quantizing while staging:
+    # 4-6x)
     def alu_over_tensor(name, key):
         f = f8[name]
         tc = f["executed"] * pe.shape_factor(name, "tensor", a) / pe.unit_rate("tensor", "M5 Max", a) / a["int8_speedup"]
         return f["executed"] * ops[key] / alu / tc
-    assert alu_over_tensor("qmm_m5i8", "qmm_m5i8") < 1.25
-    assert alu_over_tensor("moe_down_m5i8_64", "moe_down_m5i8") > 4
+    for name, key in (("qmm_m5i8", "qmm_m5i8"), ("moe_gate_up_m5i8_64", "moe_gate_up_m5i8"),
+                      ("moe_down_m5i8_64", "moe_down_m5i8")):
+        assert alu_over_tensor(name, key) < 1.25, name
     assert "quantize_i8" in f8 and f8["quantize_i8"]["unit"] == "alu" and "quantize_i8" not in f5
     # the what-if design: marked families at int8_design_alu_ops_per_mac
     w = pe.with_int8(f5)

@@ -154,6 +154,8 @@ MoeScratchBytes moe_scratch_bytes(const MoeOperands& op) {
   b.ids = T * k * 4;
   b.weights = R * 4;
   b.h = R * std::max(op.inter, op.shared_inter) * 4;
+  b.x_i8 = qmm_i8_scratch_bytes(op.tokens, op.hidden);
+  b.h_i8 = qmm_i8_scratch_bytes(uint32_t(R), std::max(op.inter, op.shared_inter));
   if (route != MoeRoute::mv) {
     // the bound over both paths' few-row thresholds (the M5 one, smaller, makes more 32-row tiles)
     const uint64_t tiles = moe_tile_bounds(op.tokens, op.top_k, op.experts, kMoeFewMaxRowsM5).total();
@@ -224,8 +226,10 @@ bool moe_bf16_tiles_allowed(const MoeOperands& op) {
 
 bool moe_int8_allowed(const MoeOperands& op) {
   // bf16 activations (the int8 route is an alternative to half operands for the bf16 engine);
-  // the kernels quantize one 32-column K step per weight group: 32 must divide the group size.
-  return op.x_dtype == DType::bf16 && op.group_size % kMoeTileK == 0;
+  // one 64-column K step per weight group; h quantized as whole rows of I = Is columns.
+  return op.x_dtype == DType::bf16 && op.bits == 4 && op.group_size % kI8StepK == 0 && op.hidden % kI8StepK == 0 &&
+         op.inter == op.shared_inter && op.inter % kI8StepK == 0 && op.scratch.x_i8.buffer != nullptr &&
+         op.scratch.h_i8.buffer != nullptr;
 }
 
 void encode_moe(Encoder& enc, const MoeOperands& op) {
@@ -273,8 +277,13 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
     r.xn_out = range(op.x, act, "x");
   }
   encode_quantized_matmul(enc, r);
+  // M5 with int8 allowed (Encoder::tensor_int8, the opt-in of docs/performance.md): the 64-row
+  // kind takes moe_gate_up_m5i8 / moe_down_m5i8 (int8 x and h on the int8 rows of matmul2d) when
+  // moe_int8_allowed; the 32-row and few-row kinds keep theirs. x's codes beside the router.
+  const bool i8 = route != MoeRoute::mv && m5 && enc.tensor_int8() && moe_int8_allowed(op);
+  if (i8) encode_quantize_i8(enc, op.x, T, H, H, range(op.scratch.x_i8, sb.x_i8, "scratch.x_i8"));
   // logits -> the expert kernels (mv) / route (tiled); folded norm: also h -> down's residual,
-  // xn -> the expert kernels
+  // xn -> the expert kernels; x's codes -> the int8 gate/up tiles
   enc.barrier();
 
   // Buffers 3..15 of every gate + up kernel (mv and the tiled kinds): the routed and shared
@@ -352,10 +361,7 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
   // 16 bytes because H, I and Is are multiples of the group size); fp32 activations keep the
   // fp32 tiles.
   const bool bt = !m5 && moe_bf16_tiles_allowed(op);
-  // M5 with int8 allowed (Encoder::tensor_int8, the opt-in of docs/performance.md): the 64-row
-  // kind takes moe_gate_up_m5i8 / moe_down_m5i8 (int8 x and h on the int8 rows of matmul2d) when
-  // moe_int8_allowed; the 32-row and few-row kinds keep theirs.
-  const bool i8 = m5 && enc.tensor_int8() && moe_int8_allowed(op);
+  // (i8: the 64-row kind's int8 kernels, above)
   const struct {
     KernelId gate_up, down;
     uint32_t bound, cols;  // tiles in the list; output features per threadgroup
@@ -385,7 +391,8 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
     if (&kd != &kinds[0]) enc.barrier();  // h rows of the previous kind (see above)
     enc.set_kernel(kd.gate_up);
     enc.set_args(a);
-    enc.set_buffer(1, range(op.x, act, "x"));
+    if (i8 && &kd == &kinds[0]) enc.set_buffer(1, range(op.scratch.x_i8, sb.x_i8, "scratch.x_i8"));
+    else enc.set_buffer(1, range(op.x, act, "x"));
     enc.set_buffer(2, range(op.scratch.plan, sb.plan, "scratch.plan"));
     bind_gate_up();
     enc.dispatch({ceil_div(a.h_stride, kd.cols), std::max(kd.bound, 1u), 1},
@@ -395,7 +402,13 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
     // know the tiles made (Engine::correct_moe_flops), estimates split it by a routing model.
     if (&kd == &kinds[0]) enc.add_flops(flops.gate_up_executed, flops.gate_up_useful);
   }
-  enc.barrier();  // h -> grouped down
+  enc.barrier();  // h -> grouped down (int8: h -> its codes -> the int8 down tiles)
+  if (i8) {
+    const uint32_t hs = std::max(I, Is);
+    encode_quantize_i8(enc, op.scratch.h, uint32_t(uint64_t(T) * (k + 1)), hs, hs,
+                       range(op.scratch.h_i8, sb.h_i8, "scratch.h_i8"), DType::f32);
+    enc.barrier();
+  }
   // 5. grouped down projection x routing weight per row, the three tile kinds in turn
   for (const auto& kd : kinds) {
     const bool few = kd.few;
@@ -404,7 +417,8 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
     enc.set_args(a);
     enc.set_buffer(1, range(op.scratch.plan, sb.plan, "scratch.plan"));
     enc.set_buffer(2, range(op.scratch.row_weight, sb.row_weight, "scratch.row_weight"));
-    enc.set_buffer(3, range(op.scratch.h, sb.h, "scratch.h"));
+    if (i8 && &kd == &kinds[0]) enc.set_buffer(3, range(op.scratch.h_i8, sb.h_i8, "scratch.h_i8"));
+    else enc.set_buffer(3, range(op.scratch.h, sb.h, "scratch.h"));
     bind_quant(enc, 4, op.down, q(E, H, I), "down", used, E);
     bind_quant(enc, 7, op.shared_down, q(1, H, Is), "shared_down");
     enc.set_buffer(10, range(op.scratch.y, sb.y, "scratch.y"));

@@ -88,10 +88,13 @@ struct MoeScratch {
   Binding tile_stats;  // uint32  [kMoeTileStats] (tiled route) tiles the plan made: 64-row, 32-row,
                        //                         few-row, rows in few-row tiles, 32-row-list tiles of
                        //                         <= kMoeTile16MaxRows rows (read after the step)
+  Binding x_i8;        // int8 scratch of x [T, H] (qmm_i8_scratch_bytes; the int8 64-row tiles only)
+  Binding h_i8;        // int8 scratch of h [R, max(I, Is)] (the same)
 };
 
 struct MoeScratchBytes {
   size_t logits = 0, ids = 0, weights = 0, plan = 0, row_weight = 0, h = 0, y = 0, tile_stats = 0;
+  size_t x_i8 = 0, h_i8 = 0;  // the int8 scratches, for a caller that binds them (tensor_int8 devices)
 };
 
 struct MoeOperands {
@@ -127,8 +130,11 @@ void validate(const MoeOperands& op);
 // moe_down_bf16) when this holds and the device has no tensor ops: bf16 activations and 16-byte
 // aligned bindings of x, h and every expert matrix's codes.
 bool moe_bf16_tiles_allowed(const MoeOperands& op);
-// Whether the 64-row tiles may take int8 activations on M5 (with Encoder::tensor_int8): bf16
-// activations and a group size that 32 divides (moe_gate_up_m5i8 / moe_down_m5i8).
+// Whether the 64-row tiles may take int8 activations on M5 (with Encoder::tensor_int8;
+// moe_gate_up_m5i8 / moe_down_m5i8): bf16 activations, 4-bit experts with a group size that 64
+// divides, H and I = Is multiples of 64 (h is quantized as [R, I] rows), scratch.x_i8 and
+// scratch.h_i8 bound. encode_moe then adds quantize_i8 of x beside the router and quantize_i8 of h
+// (and a barrier) between the gate/up and down kinds: 2 dispatches and 1 barrier more.
 bool moe_int8_allowed(const MoeOperands& op);
 
 void encode_moe(Encoder& enc, const MoeOperands& op);

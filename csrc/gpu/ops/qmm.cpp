@@ -207,7 +207,7 @@ uint64_t qmm_i8_scratch_bytes(uint32_t rows, uint32_t K) {
 }
 
 void encode_quantize_i8(Encoder& enc, const Binding& x, uint32_t rows, uint32_t K, uint32_t x_stride,
-                        const Binding& out) {
+                        const Binding& out, DType x_dtype) {
   auto fail = [](const std::string& m) { throw std::invalid_argument("quantize_i8: " + m); };
   if (rows == 0 || K % kI8StepK != 0) fail("K=" + std::to_string(K) + " is not a multiple of 64 (or no rows)");
   if (x_stride < K) fail("x_stride < K");
@@ -216,10 +216,10 @@ void encode_quantize_i8(Encoder& enc, const Binding& x, uint32_t rows, uint32_t 
   if (out.offset % 16 != 0) fail("the int8 scratch must start on a 16-byte boundary");
   need_bytes(out, need, "x_i8");
   QuantI8Args a{rows, K, x_stride};
-  enc.set_kernel(KernelId::quantize_i8_xbf16);
+  enc.set_kernel(x_dtype == DType::bf16 ? KernelId::quantize_i8_xbf16 : KernelId::quantize_i8_xf32);
   enc.set_args(a);
   Binding xb = x;
-  xb.bytes = ((uint64_t(rows) - 1) * x_stride + K) * 2;
+  xb.bytes = ((uint64_t(rows) - 1) * x_stride + K) * dtype_size(x_dtype);
   Binding ob = out;
   ob.bytes = need;
   enc.set_buffer(1, xb);

@@ -85,10 +85,10 @@ KernelId qmm_kernel(QmmRoute route, uint32_t bits, DType x_dtype, DType scale_dt
 bool qmm_int8_allowed(const QmmOperands& op);
 // Bytes of the int8 activation scratch of `rows` rows of K values (layout: common/args.h, QuantI8Args).
 uint64_t qmm_i8_scratch_bytes(uint32_t rows, uint32_t K);
-// Encodes quantize_i8: bf16 x[rows, K] (x_stride apart) into `out` (qmm_i8_scratch_bytes(rows, K)).
-// No barrier: the caller orders it before the consumers of `out`.
+// Encodes quantize_i8: x[rows, K] (x_stride apart; bf16, or fp32: the MoE's h) into `out`
+// (qmm_i8_scratch_bytes(rows, K)). No barrier: the caller orders it before the consumers of `out`.
 void encode_quantize_i8(Encoder& enc, const Binding& x, uint32_t rows, uint32_t K, uint32_t x_stride,
-                        const Binding& out);
+                        const Binding& out, DType x_dtype = DType::bf16);
 
 // Whether a tensor-ops device may take qmm_m5 for these operands (qmm_route's tensor_ops is
 // enc.tensor_ops() && this): not for bf16 x with fp32 y (no such variant), nor for fp32 x with
