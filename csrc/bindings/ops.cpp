@@ -222,8 +222,10 @@ void init_ops(nb::module_& parent) {
 
   m.def(
       "quantize_i8",
-      [](InArray x, const std::string& device, const std::string& order, uint64_t seed, bool fp_traps) {
-        check_array(x, "quantize_i8", "x", 2, 16);
+      [](InArray x, const std::string& x_dtype, const std::string& device, const std::string& order, uint64_t seed,
+         bool fp_traps) {
+        const gpu::DType xt = gpu::parse_dtype(x_dtype, "quantize_i8: x");
+        check_array(x, "quantize_i8", "x", 2, elem_bits(xt));
         const uint32_t rows = static_cast<uint32_t>(x.shape(0)), K = static_cast<uint32_t>(x.shape(1));
         LILY_REQUIRE(rows > 0 && K % kI8StepK == 0,
                      "quantize_i8: x must be [rows > 0, K] with K a multiple of 64, got K=" + std::to_string(K));
@@ -231,16 +233,16 @@ void init_ops(nb::module_& parent) {
         LILY_REQUIRE(run.enc->tensor_ops(), "quantize_i8: the device has no Metal 4 tensor ops (lily_m5.metallib)");
         const gpu::Binding xb = run.input(x);
         const gpu::Binding out = run.output(gpu::ops::qmm_i8_scratch_bytes(rows, K));
-        run.encode(gpu::KernelId::quantize_i8_xbf16,
-                   [&](gpu::Encoder& e) { gpu::ops::encode_quantize_i8(e, xb, rows, K, K, out); });
+        run.encode(xt == gpu::DType::bf16 ? gpu::KernelId::quantize_i8_xbf16 : gpu::KernelId::quantize_i8_xf32,
+                   [&](gpu::Encoder& e) { gpu::ops::encode_quantize_i8(e, xb, rows, K, K, out, xt); });
         const char* base = static_cast<const char*>(out.buffer->contents()) + out.offset;
         const size_t g = K / kI8Group;
         return nb::make_tuple(bindings::download<int8_t>(base, {rows, K}),
                               bindings::download<float>(base + i8_scales_offset(rows, K), {rows, g}),
                               bindings::download<float>(base + i8_sums_offset(rows, K), {rows, g}), run.stats());
       },
-      "x"_a, nb::kw_only(), "device"_a = "emu", "order"_a = "shuffle", "seed"_a = 0, "fp_traps"_a = true,
-      "bf16 x [rows, K] (as uint16) -> the int8 activation scratch (codes [rows, K] int8 in the permuted "
+      "x"_a, nb::kw_only(), "x_dtype"_a, "device"_a = "emu", "order"_a = "shuffle", "seed"_a = 0, "fp_traps"_a = true,
+      "x [rows, K] (bf16 as uint16, or fp32: the MoE's h) -> the int8 activation scratch (codes [rows, K] int8 in the permuted "
       "order, scales and sums [rows, K / 32] float32, stats). Use lily_py.ops._quantize_i8.");
 
   m.def(

@@ -259,7 +259,9 @@ template <typename T, typename S>
     auto wbt = i8_half_tile<uint8_t, SUB>(wt + (2 * cur + 1) * HT, sn);
     op.run(xa, wa, da);
     op.run(xb, wbt, db);
-    i8_rescale(da, db, acc, xsa, xsb, xsum, ws, wb, cur * BM + sm, cur * BN + sn);
+    // the stage's scales as base pointers: each element's row / column (sm, sn + its index) is the
+    // same every step, so the compiler may keep it out of the K loop
+    i8_rescale(da, db, acc, xsa + cur * BM, xsb + cur * BM, xsum + cur * BM, ws + cur * BN, wb + cur * BN, sm, sn);
     threadgroup_barrier(mem_flags::mem_threadgroup);
   }
 

@@ -90,15 +90,18 @@ def test_m5i8_odd_shapes(rng, m, n, k, group_size):
     assert stats["kernels"] == ["quantize_i8_xbf16", "qmm_m5i8_b4_xbf16_sbf16"]
 
 
-def test_quantize_i8_scratch_layout(rng):
+@pytest.mark.parametrize("dtype", [BF16, np.float32], ids=["bf16", "f32"])
+def test_quantize_i8_scratch_layout(rng, dtype):
     """The scratch quantize_i8 writes equals the reference's bit for bit (codes in the permuted order,
-    scales, the dequantized code sums), read back through the op that exposes it."""
-    x = (rng.standard_normal((37, 192)) * np.logspace(-2, 2, 192)).astype(BF16)
+    scales, the dequantized code sums), read back through the op that exposes it; bf16 x (the
+    projections', the MoE's x) and fp32 (the MoE's h)."""
+    x = (rng.standard_normal((37, 192)) * np.logspace(-2, 2, 192)).astype(dtype)
     x[4] = 0
     x[6, 64:96] = 0
     with simulated_device(tensor_ops=True, tensor_int8=True):
         codes, scales, sums, stats = ops._quantize_i8(x, seed=rng.seed)
-    assert stats["kernels"] == ["quantize_i8_xbf16"] and stats["dispatches"] == 1
+    name = "quantize_i8_xbf16" if dtype == BF16 else "quantize_i8_xf32"
+    assert stats["kernels"] == [name] and stats["dispatches"] == 1
     rc, rs, ru = ref_kernels.quantize_i8(x)
     np.testing.assert_array_equal(codes, rc)
     np.testing.assert_array_equal(scales, rs)

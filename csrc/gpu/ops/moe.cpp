@@ -227,9 +227,14 @@ bool moe_bf16_tiles_allowed(const MoeOperands& op) {
 bool moe_int8_allowed(const MoeOperands& op) {
   // bf16 activations (the int8 route is an alternative to half operands for the bf16 engine);
   // one 64-column K step per weight group; h quantized as whole rows of I = Is columns.
+  // Not with the folded post norm (the router writes x in the level x's codes are read in; the
+  // norm is folded only for one token, which takes the mv route anyway). The scratches: bound,
+  // 16-byte aligned (uint4 loads), large enough; else the half tiles, never an error.
+  const MoeScratchBytes sb = moe_scratch_bytes(op);
+  auto fits = [](const Binding& b, uint64_t bytes) { return b.buffer != nullptr && b.offset % 16 == 0 && b.bytes >= bytes; };
   return op.x_dtype == DType::bf16 && op.bits == 4 && op.group_size % kI8StepK == 0 && op.hidden % kI8StepK == 0 &&
-         op.inter == op.shared_inter && op.inter % kI8StepK == 0 && op.scratch.x_i8.buffer != nullptr &&
-         op.scratch.h_i8.buffer != nullptr;
+         op.inter == op.shared_inter && op.inter % kI8StepK == 0 && op.norm_weight.buffer == nullptr &&
+         fits(op.scratch.x_i8, sb.x_i8) && fits(op.scratch.h_i8, sb.h_i8);
 }
 
 void encode_moe(Encoder& enc, const MoeOperands& op) {

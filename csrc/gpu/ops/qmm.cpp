@@ -198,8 +198,11 @@ bool qmm_bf16_allowed(const QmmOperands& op) {
 }
 
 bool qmm_int8_allowed(const QmmOperands& op) {
-  return op.x_i8.buffer != nullptr && !op.fp32_operands && op.x_dtype == DType::bf16 && op.bits == 4 && !op.y_f32 &&
-         op.group_size % kI8StepK == 0 && op.K % kI8StepK == 0;
+  // (K % 64 follows from group_size % 64; kept for the kernel's step count.) The scratch: bound,
+  // 16-byte aligned (uint4 loads), large enough; else the half route, never an error.
+  return op.x_i8.buffer != nullptr && op.x_i8.offset % 16 == 0 &&
+         op.x_i8.bytes >= qmm_i8_scratch_bytes(op.M, op.K) && !op.fp32_operands && op.x_dtype == DType::bf16 &&
+         op.bits == 4 && !op.y_f32 && op.group_size % kI8StepK == 0 && op.K % kI8StepK == 0;
 }
 
 uint64_t qmm_i8_scratch_bytes(uint32_t rows, uint32_t K) {

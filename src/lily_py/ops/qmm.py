@@ -136,13 +136,14 @@ def _quantized_matmul_norm(x, w, scales, biases, norm_weight, *, bits, group_siz
 
 
 def _quantize_i8(x, *, device="emu", order="shuffle", seed=0, fp_traps=True):
-    """The int8 activation scratch ``quantize_i8`` writes for bfloat16 ``x [rows, K]`` (K a multiple of
-    64; a device with tensor ops): ``(codes int8 [rows, K] in the order 0 2 4 6 1 3 5 7 of each 8
-    columns, scales float32 [rows, K / 32], sums float32 [rows, K / 32], stats)``;
-    ``lily_py.reference.kernels.quantize_i8`` is its reference."""
+    """The int8 activation scratch ``quantize_i8`` writes for ``x [rows, K]`` (bfloat16, or float32 as
+    the MoE's h; K a multiple of 64; a device with tensor ops): ``(codes int8 [rows, K] in the order
+    0 2 4 6 1 3 5 7 of each 8 columns, scales float32 [rows, K / 32], sums float32 [rows, K / 32],
+    stats)``; ``lily_py.reference.kernels.quantize_i8`` is its reference."""
     xc, x_dtype = _float_array(x, "x", "quantize_i8")
-    if x_dtype != "bfloat16" or xc.ndim != 2:
-        raise ValueError(f"quantize_i8: x must be a 2-D bfloat16 array, got {np.asarray(x).dtype} {np.shape(x)}")
+    if xc.ndim != 2:
+        raise ValueError(f"quantize_i8: x must be a 2-D array [rows, K], got shape {np.shape(x)}")
     _check_device(device, "quantize_i8")
-    codes, scales, sums, stats = _core().ops.quantize_i8(xc, device=device, order=order, seed=seed, fp_traps=fp_traps)
+    codes, scales, sums, stats = _core().ops.quantize_i8(xc, x_dtype=x_dtype, device=device, order=order, seed=seed,
+                                                         fp_traps=fp_traps)
     return np.asarray(codes), np.asarray(scales), np.asarray(sums), stats
