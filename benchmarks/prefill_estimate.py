@@ -146,7 +146,7 @@ ASSUMPTIONS = {
     # per MAC, above) for the MoE 32- and 16-row tiles as well (not built: they keep half operands).
     "int8_speedup": 2.0,
     "int8_group": 32,
-    "int8_design_alu_ops_per_mac": 0.106,
+    "int8_design_alu_ops_per_mac": None,  # qmm_m5i8's tensor_alu_ops_per_mac (set below the table)
     "int8_families": ("qmm_m5", "moe_gate_up_m5", "moe_down_m5"),
     # the families built with int8 activations (charged int8_speedup on the tensor units and their
     # tensor_alu_ops_per_mac on the ALUs): the projections and the MoE 64-row tiles
@@ -155,6 +155,7 @@ ASSUMPTIONS = {
     # matmul unit, the earlier estimate).
     "future_padding": 1.05,
 }
+ASSUMPTIONS["int8_design_alu_ops_per_mac"] = dict(ASSUMPTIONS["tensor_alu_ops_per_mac"])["qmm_m5i8"]
 # MLX-LM's published prefill on an M5 Max (tok/s; mlx 0.32.2, mlx-lm 0.31.3, median of two rounds):
 # perplexityai/pplx-garden, lily/docs/2026-09-02-performance-mlx-0.32.2.md (the issue's 5,166 at 4K).
 MLX_LM_M5_MAX = {256: 2536.4, 512: 3309.5, 1024: 4471.7, 2048: 5121.9, 4096: 5165.7, 8192: 5031.8,

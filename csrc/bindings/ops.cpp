@@ -208,7 +208,7 @@ void init_ops(nb::module_& parent) {
         gpu::ops::validate(op);
         const bool tensor_ops = run.enc->tensor_ops() && gpu::ops::qmm_m5_allowed(op);
         const gpu::ops::QmmRoute route = gpu::ops::qmm_route(M, bits, tensor_ops, gpu::ops::qmm_bf16_allowed(op));
-        const bool int8 = route == gpu::ops::QmmRoute::qmm_m5 && run.enc->tensor_int8() && gpu::ops::qmm_int8_allowed(op);
+        const bool int8 = gpu::ops::qmm_takes_int8(*run.enc, op, route);
         if (int8) run.note(gpu::KernelId::quantize_i8_xbf16);
         run.encode(gpu::ops::qmm_kernel(route, bits, xt, st, y_f32, gpu::ops::qmv1_rows(N, K, bits), int8),
                    [&](gpu::Encoder& e) { gpu::ops::encode_quantized_matmul(e, op); });

@@ -146,7 +146,9 @@ void build_buffers(const ModelSpec& s, Allocator& a, gpu::ModelBuffers& m_, bool
   t.proj = a.scratch(T * P * xe);
   t.conv_out = a.scratch(T * C * xe);
   t.o = a.scratch(T * VD * xe);
-  if (int8 && s.activations == gpu::DType::bf16 && T > kQmvMaxRows) {  // the projections' int8 x (qmm_m5i8)
+  // the int8 scratches (only a bf16 engine whose chunks reach the tiled routes takes int8)
+  const bool i8_scratch = int8 && s.activations == gpu::DType::bf16 && T > kQmvMaxRows;
+  if (i8_scratch) {  // the projections' int8 x (qmm_m5i8) and the MoE's (moe_gate_up_m5i8)
     const uint64_t widest = std::max<uint64_t>({H, VD, uint64_t(s.q_heads) * s.head_dim});
     t.x_i8 = a.scratch(gpu::ops::qmm_i8_scratch_bytes(uint32_t(T), uint32_t(widest)));
   }
@@ -188,7 +190,7 @@ void build_buffers(const ModelSpec& s, Allocator& a, gpu::ModelBuffers& m_, bool
   t.moe_h = a.scratch(mb.h);
   t.moe_y = a.scratch(mb.y);
   t.moe_tile_stats = a.scratch(2ull * s.layers * kMoeTileStats * 4);
-  if (int8 && s.activations == gpu::DType::bf16 && T > kQmvMaxRows)  // the MoE's int8 h (moe_*_m5i8)
+  if (i8_scratch)  // the MoE's int8 h (moe_down_m5i8)
     t.moe_h_i8 = a.scratch(gpu::ops::qmm_i8_scratch_bytes(uint32_t(T * (uint64_t(s.top_k) + 1)),
                                                           std::max(s.moe_inter, s.shared_inter)));
   t.logits = a.scratch(uint64_t(std::max(s.logit_rows, 2u)) * V * 4);

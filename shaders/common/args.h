@@ -54,7 +54,7 @@ struct QuantI8Args {
 };
 inline uint32_t i8_scales_offset(uint32_t rows, uint32_t K) { return rows * K; }  // bytes
 inline uint32_t i8_sums_offset(uint32_t rows, uint32_t K) { return rows * K + rows * (K / kI8Group) * 4u; }
-inline uint32_t i8_scratch_bytes(uint32_t rows, uint32_t K) { return rows * K + 2u * rows * (K / kI8Group) * 4u; }
+// (its size: ops::qmm_i8_scratch_bytes on the host, in 64 bits: the host checks it fits 32)
 
 // qmv1 (single token, shaders/qmm.metal): y[N] = dequant(w)[N, K] @ f(x), with f(x) = x, or an
 // RMSNorm fused in front: f(x) = rmsnorm(h) * norm_w, h = x (+ residual). Threadgroup = R rows x

@@ -31,6 +31,14 @@ namespace lily {
 // QuantI8Args); a K step of kI8StepK = 64 columns is one weight group and two 32-column halves,
 // each half its own tile of 32-byte rows.
 
+// The scales and the sums of an int8 scratch of `rows` rows of K values (common/args.h).
+inline const device float* i8_scales(const device uint8_t* scratch, uint32_t rows, uint32_t K) {
+  return reinterpret_cast<const device float*>(scratch + i8_scales_offset(rows, K));
+}
+inline const device float* i8_sums(const device uint8_t* scratch, uint32_t rows, uint32_t K) {
+  return reinterpret_cast<const device float*>(scratch + i8_sums_offset(rows, K));
+}
+
 // The two masks: the 8 4-bit codes of a word to 8 bytes, in the order 0 2 4 6 1 3 5 7 (the order
 // quantize_i8 writes x's codes in).
 inline void i8_spread_codes(uint32_t word, threadgroup uint32_t* dst) {

@@ -462,8 +462,8 @@ template <typename S>
   const bool my_valid = r0 + row < r1;
   const uint32_t my_tok = my_valid ? plan[moe_plan_row_token(args.max_tiles) + r0 + row] : 0u;
   const uint32_t G32 = H / kI8Group;
-  const device float* sx = reinterpret_cast<const device float*>(xq + i8_scales_offset(args.tokens, H)) + my_tok * G32;
-  const device float* su = reinterpret_cast<const device float*>(xq + i8_sums_offset(args.tokens, H)) + my_tok * G32;
+  const device float* sx = i8_scales(xq, args.tokens, H) + my_tok * G32;
+  const device float* su = i8_sums(xq, args.tokens, H) + my_tok * G32;
   const device uint8_t* xr = xq + my_tok * H;
   const uint32_t n_st = n0 + t / 4;  // the feature whose weights this thread stages
   const uint32_t rb = simd_id;       // this simdgroup's row block
@@ -566,8 +566,8 @@ template <typename S>
   const bool my_valid = r0 + row < r1;
   const uint32_t my_row = my_valid ? r0 + row : 0u;  // the row of h (quantized as [R, h_stride])
   const uint32_t R = args.tokens * (args.top_k + 1), KH = args.h_stride, G32 = KH / kI8Group;
-  const device float* sx = reinterpret_cast<const device float*>(hq + i8_scales_offset(R, KH)) + my_row * G32;
-  const device float* su = reinterpret_cast<const device float*>(hq + i8_sums_offset(R, KH)) + my_row * G32;
+  const device float* sx = i8_scales(hq, R, KH) + my_row * G32;
+  const device float* su = i8_sums(hq, R, KH) + my_row * G32;
   const device uint8_t* xr = hq + my_row * KH;
   const uint32_t n_st = n0 + t / 4;
   const uint32_t rb = simd_id;

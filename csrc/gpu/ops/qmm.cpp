@@ -205,6 +205,10 @@ bool qmm_int8_allowed(const QmmOperands& op) {
          op.bits == 4 && !op.y_f32 && op.group_size % kI8StepK == 0 && op.K % kI8StepK == 0;
 }
 
+bool qmm_takes_int8(const Encoder& enc, const QmmOperands& op, QmmRoute route) {
+  return route == QmmRoute::qmm_m5 && enc.tensor_int8() && qmm_int8_allowed(op);
+}
+
 uint64_t qmm_i8_scratch_bytes(uint32_t rows, uint32_t K) {
   return uint64_t(rows) * K + 2ull * rows * (K / kI8Group) * 4;
 }
@@ -282,7 +286,7 @@ void encode_quantized_matmul(Encoder& enc, const QmmOperands& op) {
   }
   QmmArgs args{op.M, op.N, op.K, op.group_size, op.x_stride ? op.x_stride : op.K,
                op.y_stride ? op.y_stride : op.N};
-  const bool int8 = route == QmmRoute::qmm_m5 && enc.tensor_int8() && qmm_int8_allowed(op);
+  const bool int8 = qmm_takes_int8(enc, op, route);
   if (int8) {  // x's codes, scales and sums once, read by every threadgroup of qmm_m5i8
     encode_quantize_i8(enc, op.x, op.M, op.K, args.x_stride, op.x_i8);
     enc.barrier();  // x_i8

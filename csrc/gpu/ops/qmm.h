@@ -83,6 +83,9 @@ KernelId qmm_kernel(QmmRoute route, uint32_t bits, DType x_dtype, DType scale_dt
 // x_i8 bound; bf16 x, 4-bit weights with group_size % 64 == 0 (one weight group per K step of
 // qmm_m5i8), K % 64 == 0, bf16 y; not fp32_operands (the router: the logits choose the experts).
 bool qmm_int8_allowed(const QmmOperands& op);
+// Whether encode_quantized_matmul takes the int8 route (quantize_i8 + qmm_m5i8) for these operands
+// on `route` with this encoder: qmm_m5, a tensor_int8 device, qmm_int8_allowed.
+bool qmm_takes_int8(const Encoder& enc, const QmmOperands& op, QmmRoute route);
 // Bytes of the int8 activation scratch of `rows` rows of K values (layout: common/args.h, QuantI8Args).
 uint64_t qmm_i8_scratch_bytes(uint32_t rows, uint32_t K);
 // Encodes quantize_i8: x[rows, K] (x_stride apart; bf16, or fp32: the MoE's h) into `out`
