@@ -36,12 +36,56 @@ def chat_ckpt(tmp_path_factory):
     return p
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--full", action="store_true", default=False,
+        help="run the full tier (tests/tiers.py: real shapes, long prompts, whole-model greedy on "
+             "every path) with the emulator's race detector on for tests/kernels; what .ci/run runs")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "full: full tier only (tests/tiers.py; selected by --full)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark the tests that tests/tiers.py names `full`, and deselect them without --full."""
+    from fnmatch import fnmatchcase
+
+    from tiers import FULL_TIER
+    root = str(config.rootpath)
+    hits = {p: 0 for p in FULL_TIER}
+    files = set()
+    for item in items:
+        nodeid = item.nodeid
+        files.add(nodeid.split("::", 1)[0])
+        for pattern in FULL_TIER:
+            if fnmatchcase(nodeid, pattern):
+                hits[pattern] += 1
+                item.add_marker(pytest.mark.full)
+    stale = [p for p, n in hits.items() if n == 0 and p.split("::", 1)[0] in files]
+    if stale:
+        raise pytest.UsageError(f"tests/tiers.py: these patterns match no collected test of their "
+                                f"file (renamed or removed?): {stale} (rootdir {root})")
+    if config.getoption("--full"):
+        return
+    keep, drop = [], []
+    for item in items:
+        (drop if item.get_closest_marker("full") else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
+def _races_for_kernel_tests(config) -> bool:
+    return config.getoption("--full") or os.environ.get("LILY_CI_KERNEL_RACES") == "1"
+
+
 @pytest.fixture(autouse=True)
 def _kernel_tests_under_race_detection(request):
-    """LILY_CI_KERNEL_RACES=1 (.ci/run sets it): the emulator's race detector on for the tests in
-    tests/kernels, and only there (about 2.5x their CPU time; the other tests keep the cheap
-    checks). One run of the kernel tests then does what the separate race-detector job did."""
-    if os.environ.get("LILY_CI_KERNEL_RACES") != "1" or "kernels" not in request.node.path.parts:
+    """The full tier (--full; or LILY_CI_KERNEL_RACES=1): the emulator's race detector on for the
+    tests in tests/kernels, and only there (about 2.5x their CPU time; the other tests keep the
+    cheap checks). One run of the kernel tests then does what a separate race-detector job did."""
+    if not _races_for_kernel_tests(request.config) or "kernels" not in request.node.path.parts:
         yield
         return
     import lily_py._core as core

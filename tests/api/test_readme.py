@@ -20,9 +20,33 @@ def test_readme_has_two_commands():
     assert cmds[1].startswith('pip install ".[test]" && ') and "pytest" in cmds[1]
 
 
-def test_ci_runs_the_readme_test_command():
-    ci = open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8").read().splitlines()
-    assert readme_commands()[1] in ci
+def full_tier_command():
+    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    section = text.split("## Tests: the quick and the full tier", 1)[1].split("\n## ", 1)[0]
+    cmds = re.findall(r"```bash\n(.*?)\n```", section, re.S)
+    assert len(cmds) == 1, cmds
+    return cmds[0]
+
+
+def test_full_tier_is_the_quick_command_with_full():
+    assert full_tier_command() == readme_commands()[1] + " --full"
+
+
+def test_ci_runs_the_readme_full_tier_command():
+    ci = [line.strip() for line in
+          open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8").read().splitlines()]
+    assert full_tier_command() in ci
+
+
+def test_full_tier_option_exists_and_marks_tests(pytestconfig):
+    """--full is this suite's option, and tests/tiers.py names tests that exist (the collection
+    hook raises on a stale pattern; here: every pattern names a test file that exists)."""
+    import sys
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from tiers import FULL_TIER
+    assert pytestconfig.getoption("--full") in (True, False)
+    for pattern in FULL_TIER:
+        assert os.path.exists(os.path.join(ROOT, pattern.split("::", 1)[0])), pattern
 
 
 def test_main_command_arguments_parse(monkeypatch):

@@ -392,10 +392,12 @@ def test_set_races_default_round_trip():
         emu.set_races_default(before)
 
 
-def test_kernel_tests_run_under_the_race_detector_in_ci():
-    """In CI (.ci/run exports LILY_CI_KERNEL_RACES=1) every kernel test runs with the race detector
-    on (tests/conftest.py); elsewhere only where LILY_EMU_RACES=1 asks for it."""
+def test_kernel_tests_run_under_the_race_detector_in_the_full_tier(pytestconfig):
+    """In the full tier (--full, what .ci/run runs; or LILY_CI_KERNEL_RACES=1) every kernel test
+    runs with the race detector on (tests/conftest.py); elsewhere only where LILY_EMU_RACES=1 asks
+    for it."""
     import os
-    want = os.environ.get("LILY_CI_KERNEL_RACES") == "1" or os.environ.get("LILY_EMU_RACES") == "1"
+    want = (pytestconfig.getoption("--full") or os.environ.get("LILY_CI_KERNEL_RACES") == "1"
+            or os.environ.get("LILY_EMU_RACES") == "1")
     assert core.emu.races_default() is want
 

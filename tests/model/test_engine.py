@@ -67,16 +67,46 @@ def _pair(path, **kw):
             lily_py.load(path, backend="reference", context_length=300, **kw))
 
 
+def _reference_run_without_routing_ties(ref, rng, n_prefill, n_decode, *, min_gap=1e-3, tries=20):
+    """Draw prompt and decode ids until no MoE router of the reference run has a near-tie between
+    its k-th and (k+1)-th logit (a gap under `min_gap`): there a few-ulp difference between the
+    engine and the reference picks another expert and moves that position's logits by O(0.1)
+    (seen once: gap 2.2e-4 in the last layer, error 0.32). Returns the ids, the decode ids and the
+    reference's prefill logits and decode logits."""
+    import lily_py.reference.moe as ref_moe
+    route = ref_moe.route
+    gaps = []
+
+    def spy(logits, top_k):
+        s = -np.sort(-np.asarray(logits, dtype=np.float64), axis=-1)
+        gaps.append(float((s[:, top_k - 1] - s[:, top_k]).min()))
+        return route(logits, top_k)
+
+    for _ in range(tries):
+        ids = rng.integers(0, 320, size=n_prefill).tolist()
+        dec = rng.integers(0, 320, size=n_decode).tolist()
+        gaps.clear()
+        ref.reset()
+        ref_moe.route = spy
+        try:
+            pre = ref.prefill(ids, all_logits=True)
+            outs = [ref.decode(t) for t in dec]
+        finally:
+            ref_moe.route = route
+        if min(gaps) >= min_gap:
+            return ids, dec, pre, outs
+    raise AssertionError(f"no draw without a routing near-tie in {tries} tries")
+
+
 @pytest.mark.parametrize("which", ["deltanet", "attention"])
 def test_prefill_and_decode_match_reference(dn_ckpt, attn_ckpt, rng, which):
     emu, ref = _pair(dn_ckpt if which == "deltanet" else attn_ckpt)
     assert emu.backend == "emu"
     att = which == "attention"
-    ids = rng.integers(0, 320, size=11).tolist()
-    _close(emu.prefill(ids, all_logits=True), ref.prefill(ids, all_logits=True), "prefill all_logits",
-           attention=att)
-    for t in rng.integers(0, 320, size=3).tolist():
-        _close(emu.decode(t), ref.decode(t), f"decode {t}", attention=att)
+    ids, dec, ref_pre, ref_dec = _reference_run_without_routing_ties(ref, rng, 11, 3)
+    _close(emu.prefill(ids, all_logits=True), ref_pre, "prefill all_logits", attention=att)
+    for t, want in zip(dec, ref_dec):
+        _close(emu.decode(t), want, f"decode {t}", attention=att)
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 64, 4096])
