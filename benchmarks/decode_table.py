@@ -251,13 +251,16 @@ def main() -> None:
     ap.add_argument("--alu-eff", type=float, default=0.7, help="fraction of the issue rate a kernel reaches")
     ap.add_argument("--ideal", action="store_true",
                     help="no occupancy penalty (sat 0) and staged attention at its roofline (factor 1)")
-    ap.add_argument("--no-table", action="store_true")
+    ap.add_argument("--no-table", action="store_true", help="the estimate only")
+    ap.add_argument("--no-estimate", action="store_true", help="the per-kernel tables only")
     a = ap.parse_args()
     cfg = ModelConfig.from_dict({"model_type": "qwen3_5_moe", "text_config": dict(REAL_TEXT_CONFIG)})
     if not a.no_table:
         for pos in a.positions:
             table(cfg, pos, None, a.markdown)
         table(cfg, a.positions[0], FULL, a.markdown)
+    if a.no_estimate:
+        return
     sat, attn = (0.0, 1.0) if a.ideal else (a.sat, a.attn_factor)
     for sample in (None, FULL):
         estimate(cfg, a.positions, sample, a.eta, a.t_level_us * 1e-6, a.t_min_us * 1e-6, attn, sat,

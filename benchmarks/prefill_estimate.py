@@ -74,7 +74,7 @@ ASSUMPTIONS = {
     # On M5 the 32-row MoE kind runs a tile of <= 16 rows as one 16-row block of the same
     # 16 x 32 x 32 matmul2d jobs as the 64- and 32-row tiles (one simdgroup per op), so it costs 16
     # rows; the jobs' rate relative to 32 x 32 x 32 is in tensor_shape_tflops below (measured:
-    # docs/metal.md, "Execution scope and tile shape"). The script also prints the 256-token
+    # docs/tensor-ops.md, "Execution scope and tile shape"). The script also prints the 256-token
     # estimate with such tiles costing 32 rows.
     "m5_tile16_cost_rows": 16,
     # NEW (2026-12-01): the tensor-op efficiency above is for ops of 32 x 32 x 32 (M x N x K: qmm_m5,
@@ -139,7 +139,7 @@ ASSUMPTIONS = {
     "fp16_slow_alu_ops_per_mac_16": (("moe_gate_up_m5_32", 0.352), ("moe_down_m5_32", 0.367)),
     # int8 activations on the projections and the MoE tiles (built for the projections and the MoE
     # 64-row tiles as the opt-in, "M5 int8 opt-in"). INT8 matmul2d ran at about 2x the FP16 rate in
-    # the A19 measurement (docs/metal.md, "Execution scope and tile shape"); x quantized per row
+    # the A19 measurement (docs/tensor-ops.md, "Execution scope and tile shape"); x quantized per row
     # and per group of `int8_group` along K (symmetric, scale = max |x| / 127), the 4-bit codes
     # exact as uint8. As built the ALU work above bounds these families, not the tensor ops.
     # WHAT-IF, the with_int8 lines: the int8 design as built (qmm_m5i8, moe_*_m5i8: 0.106 ALU ops

@@ -26,7 +26,7 @@
 //              matmul2d_descriptor(16, 32, 32, transpose_left = false, transpose_right = true,
 //              relaxed_precision = false, multiply_accumulate), its 16 x rows [row][k] as left
 //              (extents (32, 16)), the weight tile [n][k] as right transposed (extents (32, 32)),
-//              an fp32 cooperative accumulator per job. Why: docs/metal.md, "Execution scope and
+//              an fp32 cooperative accumulator per job. Why: docs/tensor-ops.md, "Execution scope and
 //              tile shape" (one simdgroup per op ran best in the only public measurement; 16 x 32
 //              x 32 at ~96% of the 32 x 32 x 32 rate there).
 //   epilogue:  gate/up: h[row, n] = silu(gate) * up (fp32): where gate and up of a row block are

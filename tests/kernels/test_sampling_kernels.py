@@ -1,7 +1,7 @@
 """lily_py.ops.argmax / sample on the emulator vs lily_py.sampling (the reference).
 
 No tolerance: the device must choose exactly the token the reference chooses for the same seed and
-step. That is by construction (docs/kernels.md, "Sampling"): the noise uses only correctly rounded
+step. That is by construction (docs/kernels-sampling.md): the noise uses only correctly rounded
 float32 operations with explicit fma (checked bit for bit below over the full vocabulary), the
 scaled logits are one subtract and one multiply, and the filters compare exact integers (masses
 in fixed point) or float32 values, so any reduction order gives the same kept set. Inputs are
