@@ -74,6 +74,20 @@ def pytest_collection_modifyitems(config, items):
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+    if hasattr(config, "workeroutput"):   # a pytest-xdist worker: tell the controller (below)
+        config.workeroutput["lily_deselected"] = len(drop)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """Under pytest-xdist the workers collect and deselect, so the controller's summary line would
+    not say "N deselected": count one worker's there (each collects the same tests)."""
+    n = getattr(node, "workeroutput", {}).get("lily_deselected", 0)
+    config = node.config
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if n and reporter is not None and not getattr(config, "_lily_deselected_counted", False):
+        config._lily_deselected_counted = True
+        reporter.stats.setdefault("deselected", []).extend([None] * n)
 
 
 def _races_for_kernel_tests(config) -> bool:
