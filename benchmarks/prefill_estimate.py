@@ -15,8 +15,7 @@ time is max(FLOPs executed / (efficiency x peak of its unit), bytes touched / (e
 and for a tensor-op family the ALU work of its staging: alu_time);
 the families run one after another, plus t_level per dependency level (barrier). tokens/s =
 L / total over the chunks of a prompt of L tokens (chunks of 4096: 32K = 8 chunks at positions 0,
-4096, ..., 28672). Every hardware figure and efficiency is an ASSUMPTION below (docs/performance.md,
-"## Prefill"); change them and rerun.
+4096, ..., 28672). Every hardware figure and efficiency is an ASSUMPTION below (docs/prefill-estimate.md); change them and rerun.
 
 The MoE tiled route's plan is made on the device: the counting device records the FLOPs bound
 over every routing on its 64-row kind and counts each tile kind as reading every used expert.
@@ -58,7 +57,7 @@ ASSUMPTIONS = {
     # register block of the few-row kernels) and no matrix hardware.
     "efficiency": {"simdgroup_fp32": 0.35, "simdgroup_bf16": 0.65, "tensor": 0.55, "alu": 0.40},
     # NEW: fraction of the peak bandwidth a streaming kernel reaches (same as the decode estimate,
-    # docs/performance.md "Estimated tok/s": eta = 0.8).
+    # docs/decode.md "Estimated tok/s": eta = 0.8).
     "eta": 0.8,
     # NEW: per dependency level (barrier), the dispatch and the drain / refill of the GPU (same as
     # the decode estimate's t_level = 2 us).
@@ -74,12 +73,12 @@ ASSUMPTIONS = {
     # On M5 the 32-row MoE kind runs a tile of <= 16 rows as one 16-row block of the same
     # 16 x 32 x 32 matmul2d jobs as the 64- and 32-row tiles (one simdgroup per op), so it costs 16
     # rows; the jobs' rate relative to 32 x 32 x 32 is in tensor_shape_tflops below (measured:
-    # docs/metal.md, "Execution scope and tile shape"). The script also prints the 256-token
+    # docs/tensor-ops.md, "Execution scope and tile shape"). The script also prints the 256-token
     # estimate with such tiles costing 32 rows.
     "m5_tile16_cost_rows": 16,
     # NEW (2026-12-01): the tensor-op efficiency above is for ops of 32 x 32 x 32 (M x N x K: qmm_m5,
     # the DeltaNet Gram quarters); a family whose ops have other shapes runs at the measured rate
-    # of its shape relative to that one (TFLOPS, A19, one simdgroup per op: docs/metal.md,
+    # of its shape relative to that one (TFLOPS, A19, one simdgroup per op: docs/tensor-ops.md,
     # "Execution scope and tile shape"). Attention's O += P V op is 16 x 64 x 32 at head_dim 256,
     # a shape the page did not plot: its nearest, 16 x 32 x 32, is taken.
     "tensor_shape_tflops": {"32x32x32": 6.97, "16x32x32": 6.72, "16x16x128": 7.14, "16x32x128": 7.33,
@@ -139,7 +138,7 @@ ASSUMPTIONS = {
     "fp16_slow_alu_ops_per_mac_16": (("moe_gate_up_m5_32", 0.352), ("moe_down_m5_32", 0.367)),
     # int8 activations on the projections and the MoE tiles (built for the projections and the MoE
     # 64-row tiles as the opt-in, "M5 int8 opt-in"). INT8 matmul2d ran at about 2x the FP16 rate in
-    # the A19 measurement (docs/metal.md, "Execution scope and tile shape"); x quantized per row
+    # the A19 measurement (docs/tensor-ops.md, "Execution scope and tile shape"); x quantized per row
     # and per group of `int8_group` along K (symmetric, scale = max |x| / 127), the 4-bit codes
     # exact as uint8. As built the ALU work above bounds these families, not the tensor ops.
     # WHAT-IF, the with_int8 lines: the int8 design as built (qmm_m5i8, moe_*_m5i8: 0.106 ALU ops

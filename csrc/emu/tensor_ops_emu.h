@@ -1,7 +1,7 @@
 // Metal 4 tensors and MetalPerformancePrimitives' matmul2d, emulated: the subset the M5 kernels use
 // (shaders/common/tensor_ops.h includes this in the emulator; csrc/emu/tensor_ops_strict.h has
 // the same declarations for the strict pass). Included by csrc/emu/metal_emu.h before its
-// address-space macros. Sources for the API and its semantics: docs/metal.md, "Metal 4 tensor
+// address-space macros. Sources for the API and its semantics: docs/tensor-ops.md, "Metal 4 tensor
 // ops (M5)".
 //
 //   metal::dextents<I, 2>(e0, e1)       extents, e0 the innermost (contiguous) dimension

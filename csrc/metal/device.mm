@@ -254,7 +254,7 @@ class Context {
       info_.tensor_ops = true;
       // int8 activations on the tensor ops (qmm_m5i8, moe_*_m5i8) only on request, for measurement:
       // they exceed mlx-lm's bf16 error on one of the oracle checkpoints, and as built their ALU
-      // work is estimated to make them slower than the half kernels (docs/performance.md, "int8
+      // work is estimated to make them slower than the half kernels (docs/int8.md, "int8
       // activations").
       const char* i8 = std::getenv("LILY_TENSOR_INT8");
       info_.tensor_int8 = i8 != nullptr && std::string(i8) == "1";

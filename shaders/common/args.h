@@ -32,9 +32,9 @@ enum : uint32_t {
   kQmmM5SimdsPerGroup = 4,  // 128 threads per threadgroup: 2 x 2 simdgroups, each one 32 x 32 matmul2d
   // Every M5 kernel's matmul2d runs on execution_simdgroup (one simdgroup per op) with outputs of
   // kTensorOpSubTile x kTensorOpSubTile per simdgroup (16 rows for the MoE 16-row tiles):
-  // docs/metal.md, "Execution scope and tile shape".
+  // docs/tensor-ops.md, "Execution scope and tile shape".
   kTensorOpSubTile = 32,
-  // int8 activations on the tensor ops (qmm_m5i8, moe_*_m5i8; the opt-in of docs/performance.md):
+  // int8 activations on the tensor ops (qmm_m5i8, moe_*_m5i8; the opt-in of docs/int8.md):
   // quantize_i8 writes x's int8 codes once per row and kI8Group columns, the consumers walk K in
   // steps of kI8StepK (one weight group: group_size % kI8StepK == 0).
   kI8Group = 32,

@@ -14,7 +14,7 @@
 //              [2][16][D / 2] (packed operands, as every staged block below; thread t: row t / 8,
 //              D / 8 columns)
 //   Every matmul2d runs on one simdgroup (execution_simdgroup) on a shape the only public
-//   measurement ran at >= 91% of its peak (docs/metal.md, "Execution scope and tile shape"): 16
+//   measurement ran at >= 91% of its peak (docs/tensor-ops.md, "Execution scope and tile shape"): 16
 //   rows, K >= 32. Simdgroup g below.
 //   per block of BK = 32 keys, up to the block's last token's causal end:
 //     1. K rows [32][D] (bf16 -> half, zeros past the end) -> threadgroup as two halves of D

@@ -10,7 +10,7 @@
 //   1 G = cumsum(g) (one thread), b of the chunk -> threadgroup
 //   2 per step of 32 key dims (zeros past Dk): thread t rounds K[t / 4, k0 + 8 (t % 4) .. + 8] and
 //     the same coordinates of Q to half into threadgroup memory; barrier; K K^T and Q K^T in
-//     eight 32 x 32 quarters, one per simdgroup (execution_simdgroup; why: docs/metal.md,
+//     eight 32 x 32 quarters, one per simdgroup (execution_simdgroup; why: docs/tensor-ops.md,
 //     "Execution scope and tile shape"): simdgroup s multiplies quarter s % 4 (rows 32 (q / 2),
 //     columns 32 (q % 2)) of K K^T (s < 4) or Q K^T (s >= 4) with matmul2d_descriptor(32, 32, 32,
 //     false, transpose_right = true, false, multiply_accumulate) into its fp32 cooperative
@@ -118,12 +118,12 @@ template <typename F>
 // O = diag(e^G) Q S + P U and the state feedback U = u + W S, S = e^{G_C} S + K^T diag(tail) U.
 // The state stays fp32 (a cooperative tensor, accumulated by matmul2d in fp32 across chunks); its
 // products take half copies of S, W, U and diag(tail) K (as FLA's chunked kernels take bf16
-// copies of the state: docs/kernels.md, "Chunked delta rule (prefill)", precision).
+// copies of the state: docs/kernels-deltanet.md, "Chunked delta rule (prefill)", precision).
 //   grid:      (ceil(Dv / 32), Hv) threadgroups of 128 threads; value columns c0 = 32 x .. + 32 (none
 //              past Dv: their S, U and Sh stay zero, their outputs are not written)
 //   state:     simdgroup s holds S[32 s .. + 32][c0 .. + 32] (key dims past Dk stay zero) in the fp32
 //              cooperative destination of op_ks; Sh = half(S) [128][32] in threadgroup memory
-//   per chunk (every op on one simdgroup, execution_simdgroup: docs/metal.md, "Execution scope and
+//   per chunk (every op on one simdgroup, execution_simdgroup: docs/tensor-ops.md, "Execution scope and
 //              tile shape"; op16 = matmul2d_descriptor(16, 32, 128, false, false, false,
 //              multiply_accumulate), k = 128 = the largest Dk, operands past their extents read 0):
 //              1 threads < 64: e^{G_t}, exp(G_C - G_t) -> eg; simdgroup s, tokens r0 = 16 s .. + 16:

@@ -1,6 +1,6 @@
 """Dispatches, barriers and bytes bound per attention-layer mixer step at the model's shapes (hidden
 2048, 16 / 2 heads of 256), decode at a short and a long context (vec route: attention + combine at both).
-Run: python tests/kernels/attention_counts.py (quoted in docs/kernels.md)."""
+Run: python tests/kernels/attention_counts.py (quoted in docs/kernels-attention.md)."""
 import time
 import numpy as np, ml_dtypes
 from lily_py.ops import attention as A

@@ -26,7 +26,7 @@ printed.
 
 Checkpoints: every mlx4 folder with bf16 scales (the engine's MoE kernels take bf16 expert scales)
 whose fixture has mlx-lm's bf16 oracle: std4_nested_fused/mlx4_bf16 and the three bf16 fixtures
-(tests/fixtures/make_fixtures.py; docs/testing.md, "The configurations"), whose shapes differ from
+(tests/fixtures/make_fixtures.py; docs/fixtures.md, "The configurations"), whose shapes differ from
 std4's but keep every projection's in-dim a multiple of 64 so mlx_lm.convert quantizes all of
 them and mlx-lm can compute in bf16: bf16_flat_mha_top3 (flat config, plain MHA 2:2 with
 head_dim 64, DeltaNet 1:3 heads of 32/64, 5 experts top-3), bf16_h128_gqa3_top2 (hidden 128: two

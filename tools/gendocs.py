@@ -1,0 +1,106 @@
+"""Regenerate (or check) the command output quoted in docs/*.md and README.md.
+
+    python tools/gendocs.py            # rewrite every generated block in place
+    python tools/gendocs.py --check    # exit 1 with a diff per stale block, write nothing
+    python tools/gendocs.py --list     # the blocks and their commands
+
+A generated block is
+
+    <!-- gen: python benchmarks/engine.py --counts -->
+    ```
+    ...the command's stdout, exactly...
+    ```
+    <!-- end gen -->
+
+`gen-raw:` instead of `gen:` puts the stdout in the page as Markdown (a table, say) instead of
+inside a fence. Commands run from the repository root through the shell, with this Python's
+directory first on PATH (so `python` and `lily-py` are the installed package's), with
+PYTHONHASHSEED=0 and one thread per BLAS pool. They must be deterministic: counts, sizes, derived
+estimates; never timings, dates or anything measured on the machine that runs them. A command
+quoted by several blocks runs once.
+"""
+from __future__ import annotations
+
+import argparse
+import difflib
+import glob
+import os
+import re
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BLOCK = re.compile(r"(?P<open><!-- gen(?P<raw>-raw)?: (?P<cmd>.+?) -->\n)(?P<body>.*?)(?P<close><!-- end gen -->)",
+                   re.S)
+FENCE = "```"
+
+
+def pages() -> list[str]:
+    return sorted(glob.glob(os.path.join(ROOT, "docs", "*.md"))) + [os.path.join(ROOT, "README.md")]
+
+
+def run(cmd: str, cache: dict[str, str]) -> str:
+    if cmd not in cache:
+        env = dict(os.environ, PYTHONHASHSEED="0", OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
+                   PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+        p = subprocess.run(cmd, shell=True, cwd=ROOT, env=env, capture_output=True, text=True)
+        if p.returncode != 0:
+            raise SystemExit(f"gendocs: `{cmd}` exited {p.returncode}:\n{p.stderr[-4000:]}")
+        out = p.stdout
+        if out and not out.endswith("\n"):
+            out += "\n"
+        cache[cmd] = out
+    return cache[cmd]
+
+
+def render(text: str, cache: dict[str, str]) -> tuple[str, list[tuple[str, str, str]]]:
+    """The page with every block regenerated, and (command, old body, new body) per block."""
+    blocks = []
+
+    def one(m: re.Match) -> str:
+        out = run(m["cmd"], cache)
+        body = out if m["raw"] else f"{FENCE}\n{out}{FENCE}\n"
+        blocks.append((m["cmd"], m["body"], body))
+        return m["open"] + body + m["close"]
+
+    return BLOCK.sub(one, text), blocks
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="write nothing; exit 1 if a block differs")
+    ap.add_argument("--list", action="store_true", help="print page: command for every block")
+    a = ap.parse_args(argv)
+    cache: dict[str, str] = {}
+    stale = 0
+    for path in pages():
+        rel = os.path.relpath(path, ROOT)
+        text = open(path, encoding="utf-8").read()
+        if a.list:
+            for m in BLOCK.finditer(text):
+                print(f"{rel}: {m['cmd']}")
+            continue
+        if text.count("<!-- gen") != len(BLOCK.findall(text)):
+            print(f"{rel}: a `<!-- gen` marker without its `<!-- end gen -->`", file=sys.stderr)
+            return 2
+        new, blocks = render(text, cache)
+        for cmd, old, body in blocks:
+            if old != body:
+                stale += 1
+                print(f"{rel}: stale block `{cmd}`")
+                sys.stdout.writelines(difflib.unified_diff(
+                    old.splitlines(True), body.splitlines(True), f"{rel} (as written)",
+                    f"{rel} (as `{cmd}` prints it)"))
+        if new != text and not a.check:
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(new)
+    if a.check and stale:
+        print(f"{stale} stale block(s); run `python tools/gendocs.py` and commit the result")
+        return 1
+    if not a.list:
+        print(f"{len(cache)} command(s), {stale} block(s) {'stale' if a.check else 'rewritten'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
