@@ -30,8 +30,9 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BLOCK = re.compile(r"(?P<open><!-- gen(?P<raw>-raw)?: (?P<cmd>.+?) -->\n)(?P<body>.*?)(?P<close><!-- end gen -->)",
-                   re.S)
+BLOCK = re.compile(r"^(?P<open><!-- gen(?P<raw>-raw)?: (?P<cmd>.+?) -->\n)(?P<body>.*?)(?P<close><!-- end gen -->)$",
+                   re.S | re.M)
+OPEN = re.compile(r"^<!-- gen(-raw)?: ", re.M)
 FENCE = "```"
 
 
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
             for m in BLOCK.finditer(text):
                 print(f"{rel}: {m['cmd']}")
             continue
-        if text.count("<!-- gen") != len(BLOCK.findall(text)):
+        if len(OPEN.findall(text)) != len(BLOCK.findall(text)):
             print(f"{rel}: a `<!-- gen` marker without its `<!-- end gen -->`", file=sys.stderr)
             return 2
         new, blocks = render(text, cache)
@@ -88,9 +89,10 @@ def main(argv: list[str] | None = None) -> int:
             if old != body:
                 stale += 1
                 print(f"{rel}: stale block `{cmd}`")
-                sys.stdout.writelines(difflib.unified_diff(
-                    old.splitlines(True), body.splitlines(True), f"{rel} (as written)",
-                    f"{rel} (as `{cmd}` prints it)"))
+                if a.check:
+                    sys.stdout.writelines(difflib.unified_diff(
+                        old.splitlines(True), body.splitlines(True), f"{rel} (as written)",
+                        f"{rel} (as `{cmd}` prints it)"))
         if new != text and not a.check:
             with open(path, "w", encoding="utf-8") as f:
                 f.write(new)
