@@ -2,6 +2,7 @@
 
     python tools/gendocs.py            # rewrite every generated block in place
     python tools/gendocs.py --check    # exit 1 with a diff per stale block, write nothing
+    python tools/gendocs.py --check --quick   # the same without the blocks marked slow
     python tools/gendocs.py --list     # the blocks and their commands
 
 A generated block is
@@ -13,7 +14,8 @@ A generated block is
     <!-- end gen -->
 
 `gen-raw:` instead of `gen:` puts the stdout in the page as Markdown (a table, say) instead of
-inside a fence. Commands run from the repository root through the shell, with this Python's
+inside a fence; `gen slow:` / `gen-raw slow:` marks a command of a minute or more, which
+`--quick` skips (the quick test tier checks the rest, the full tier everything). Commands run from the repository root through the shell, with this Python's
 directory first on PATH (so `python` and `lily-py` are the installed package's), with
 PYTHONHASHSEED=0 and one thread per BLAS pool. They must be deterministic: counts, sizes, derived
 estimates; never timings, dates or anything measured on the machine that runs them. A command
@@ -30,9 +32,9 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BLOCK = re.compile(r"^(?P<open><!-- gen(?P<raw>-raw)?: (?P<cmd>.+?) -->\n)(?P<body>.*?)(?P<close><!-- end gen -->)$",
+BLOCK = re.compile(r"^(?P<open><!-- gen(?P<raw>-raw)?(?P<slow> slow)?: (?P<cmd>.+?) -->\n)(?P<body>.*?)(?P<close><!-- end gen -->)$",
                    re.S | re.M)
-OPEN = re.compile(r"^<!-- gen(-raw)?: ", re.M)
+OPEN = re.compile(r"^<!-- gen(-raw)?( slow)?: ", re.M)
 FENCE = "```"
 
 
@@ -54,11 +56,14 @@ def run(cmd: str, cache: dict[str, str]) -> str:
     return cache[cmd]
 
 
-def render(text: str, cache: dict[str, str]) -> tuple[str, list[tuple[str, str, str]]]:
-    """The page with every block regenerated, and (command, old body, new body) per block."""
+def render(text: str, cache: dict[str, str], quick: bool = False) -> tuple[str, list[tuple[str, str, str]]]:
+    """The page with every block regenerated, and (command, old body, new body) per block.
+    ``quick``: blocks marked `gen slow:` are left as they are (not run, not compared)."""
     blocks = []
 
     def one(m: re.Match) -> str:
+        if quick and m["slow"]:
+            return m[0]
         out = run(m["cmd"], cache)
         body = out if m["raw"] else f"{FENCE}\n{out}{FENCE}\n"
         blocks.append((m["cmd"], m["body"], body))
@@ -71,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="write nothing; exit 1 if a block differs")
     ap.add_argument("--list", action="store_true", help="print page: command for every block")
+    ap.add_argument("--quick", action="store_true",
+                    help="skip the blocks marked `gen slow:` (commands of a minute or more)")
     a = ap.parse_args(argv)
     cache: dict[str, str] = {}
     stale = 0
@@ -84,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         if len(OPEN.findall(text)) != len(BLOCK.findall(text)):
             print(f"{rel}: a `<!-- gen` marker without its `<!-- end gen -->`", file=sys.stderr)
             return 2
-        new, blocks = render(text, cache)
+        new, blocks = render(text, cache, quick=a.quick)
         for cmd, old, body in blocks:
             if old != body:
                 stale += 1
