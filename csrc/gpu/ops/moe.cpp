@@ -282,7 +282,7 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
     r.xn_out = range(op.x, act, "x");
   }
   encode_quantized_matmul(enc, r);
-  // M5 with int8 allowed (Encoder::tensor_int8, the opt-in of docs/performance.md): the 64-row
+  // M5 with int8 allowed (Encoder::tensor_int8, the opt-in of docs/int8.md): the 64-row
   // kind takes moe_gate_up_m5i8 / moe_down_m5i8 (int8 x and h on the int8 rows of matmul2d) when
   // moe_int8_allowed; the 32-row and few-row kinds keep theirs. x's codes beside the router.
   const bool i8 = route != MoeRoute::mv && m5 && enc.tensor_int8() && moe_int8_allowed(op);
