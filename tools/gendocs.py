@@ -15,9 +15,10 @@ A generated block is
 
 `gen-raw:` instead of `gen:` puts the stdout in the page as Markdown (a table, say) instead of
 inside a fence; `gen slow:` / `gen-raw slow:` marks a command of a minute or more, which
-`--quick` skips (the quick test tier checks the rest, the full tier everything). Commands run from the repository root through the shell, with this Python's
-directory first on PATH (so `python` and `lily-py` are the installed package's), with
-PYTHONHASHSEED=0 and one thread per BLAS pool. They must be deterministic: counts, sizes, derived
+`--quick` skips (the quick test tier checks the rest, the full tier everything). Commands run
+from the repository root through bash with pipefail, with this Python's directory first on PATH
+(so `python` and `lily-py` are the installed package's), with PYTHONHASHSEED=0 and one thread
+per BLAS pool. They must be deterministic: counts, sizes, derived
 estimates; never timings, dates or anything measured on the machine that runs them. A command
 quoted by several blocks runs once.
 """
@@ -46,7 +47,9 @@ def run(cmd: str, cache: dict[str, str]) -> str:
     if cmd not in cache:
         env = dict(os.environ, PYTHONHASHSEED="0", OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
                    PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
-        p = subprocess.run(cmd, shell=True, cwd=ROOT, env=env, capture_output=True, text=True)
+        # pipefail: a failing command (a test that fails, say) is an error even when piped into grep
+        p = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], cwd=ROOT, env=env, capture_output=True,
+                           text=True)
         if p.returncode != 0:
             raise SystemExit(f"gendocs: `{cmd}` exited {p.returncode}:\n{p.stderr[-4000:]}")
         out = p.stdout
@@ -86,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         text = open(path, encoding="utf-8").read()
         if a.list:
             for m in BLOCK.finditer(text):
-                print(f"{rel}: {m['cmd']}")
+                print(f"{rel}:{' (slow)' if m['slow'] else ''} {m['cmd']}")
             continue
         if len(OPEN.findall(text)) != len(BLOCK.findall(text)):
             print(f"{rel}: a `<!-- gen` marker without its `<!-- end gen -->`", file=sys.stderr)
