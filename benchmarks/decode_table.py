@@ -204,16 +204,19 @@ def instr_per_key(group: int, e: int) -> int:
 
 
 def estimate(cfg, positions, sample, eta: float, t_level: float, t_min: float, attn_factor: float,
-             sat: float, clock: float = 1.6e9, alu_eff: float = 0.7) -> None:
-    print(f"\n### estimate (a model, not a measurement): eta = {eta} of peak bandwidth, occupancy "
+             sat: float, clock: float = 1.6e9, alu_eff: float = 0.7, quiet: bool = False) -> list:
+    """Print (unless quiet) and return [(gpu, context, tok/s)] of the model below."""
+    out = []
+    if not quiet:
+        print(f"\n### estimate (a model, not a measurement): eta = {eta} of peak bandwidth, occupancy "
           f"min(1, simdgroups per core / {sat:g}), t_level = {t_level * 1e6:.1f} us per dependent "
           f"level (dispatch + barrier drain), a level never shorter than t_min = {t_min * 1e6:.1f} us, "
           f"vec attention: max(bandwidth, {instr_per_key(cfg.num_attention_heads // cfg.num_key_value_heads, cfg.head_dim // 32)} "
           f"instructions per key and KV head at {alu_eff:g} x cores x 4 x {clock / 1e9:g} GHz), staged attention "
           f"bytes x {attn_factor:g}; sampler "
           f"{'full ' + str(FULL) if sample else 'greedy'}\n")
-    print("| GPU | context | levels | MB touched | bandwidth part ms | level part ms | est. tok/s |")
-    print("|---|---|---|---|---|---|---|")
+        print("| GPU | context | levels | MB touched | bandwidth part ms | level part ms | est. tok/s |")
+        print("|---|---|---|---|---|---|---|")
     for gpu, (cores, bw) in GPUS.items():
         for pos in positions:
             st, ds = step(cfg, pos, sample)
@@ -233,8 +236,26 @@ def estimate(cfg, positions, sample, eta: float, t_level: float, t_min: float, a
                           for b, sp, ti in by_level.values())
             lvl_part = len(by_level) * t_level
             tok = 1.0 / (bw_part + lvl_part)
-            print(f"| {gpu} | {pos + 1} | {len(by_level)} | {st['bytes_touched'] / 1e6:.0f} | "
-                  f"{bw_part * 1e3:.2f} | {lvl_part * 1e3:.2f} | {tok:.0f} |")
+            out.append((gpu, pos + 1, tok))
+            if not quiet:
+                print(f"| {gpu} | {pos + 1} | {len(by_level)} | {st['bytes_touched'] / 1e6:.0f} | "
+                      f"{bw_part * 1e3:.2f} | {lvl_part * 1e3:.2f} | {tok:.0f} |")
+    return out
+
+
+def sensitivity(cfg, positions, a) -> None:
+    """Greedy est. tok/s on the first GPU with one assumption changed from the defaults per line."""
+    base = dict(eta=a.eta, t_level=a.t_level_us * 1e-6, t_min=a.t_min_us * 1e-6, attn_factor=a.attn_factor,
+                sat=a.sat, clock=a.clock_ghz * 1e9, alu_eff=a.alu_eff)
+    lines = [("defaults", {}), ("--eta 0.7", dict(eta=0.7)), ("--t-level-us 3", dict(t_level=3e-6)),
+             ("--sat 48", dict(sat=48.0)), ("--clock-ghz 1.2", dict(clock=1.2e9)),
+             ("--alu-eff 0.5", dict(alu_eff=0.5))]
+    first = next(iter(GPUS))
+    print(f"sensitivity ({first}, greedy):")
+    for name, change in lines:
+        for gpu, ctx, tok in estimate(cfg, positions, None, **dict(base, **change), quiet=True):
+            if gpu == first:
+                print(f"{name:<16} context {ctx:>6}: {tok:.0f} tok/s")
 
 
 def main() -> None:
@@ -251,10 +272,15 @@ def main() -> None:
     ap.add_argument("--alu-eff", type=float, default=0.7, help="fraction of the issue rate a kernel reaches")
     ap.add_argument("--ideal", action="store_true",
                     help="no occupancy penalty (sat 0) and staged attention at its roofline (factor 1)")
-    ap.add_argument("--no-table", action="store_true", help="the estimate only")
-    ap.add_argument("--no-estimate", action="store_true", help="the per-kernel tables only")
+    ap.add_argument("--no-table", action="store_true")
+    ap.add_argument("--no-estimate", action="store_true")
+    ap.add_argument("--sensitivity", action="store_true",
+                    help="only the greedy estimate with one assumption changed per line")
     a = ap.parse_args()
     cfg = ModelConfig.from_dict({"model_type": "qwen3_5_moe", "text_config": dict(REAL_TEXT_CONFIG)})
+    if a.sensitivity:
+        sensitivity(cfg, a.positions, a)
+        return
     if not a.no_table:
         for pos in a.positions:
             table(cfg, pos, None, a.markdown)

@@ -1,6 +1,8 @@
 """Engine benchmark: tokens/s and per-step counters (not a test).
 
     python benchmarks/engine.py [--device emu] [--prompt 64] [--decode 32] [--real-layers 0]
+    python benchmarks/engine.py --counts      # 3. only (deterministic, no timings)
+    python benchmarks/engine.py --kernels     # per-kernel decode table, counting device only
 
 1. The bundled demo checkpoint on the device (default "emu", the CPU emulator of the Metal
    kernels; "metal" on a Mac): prefill and decode tokens/s, and the counters of one decode step
@@ -89,6 +91,9 @@ def main() -> None:
     ap.add_argument("--kernels", action="store_true",
                     help="per-kernel table of the real config's decode step at 256, 4K and 32K "
                          "(counting device only: skips the demo run)")
+    ap.add_argument("--counts", action="store_true",
+                    help="only the real config's counters on the counting device (no demo run, no "
+                         "timings: deterministic; docs quote it through tools/gendocs.py)")
     a = ap.parse_args()
     if a.kernels:
         cfg = ModelConfig.from_dict({"model_type": "qwen3_5_moe", "text_config": dict(REAL_TEXT_CONFIG)})
@@ -99,6 +104,12 @@ def main() -> None:
         kernel_table(cfg, 255, full)
         return
 
+    if not a.counts:
+        run_demo(a)
+    real_config_counts()
+
+
+def run_demo(a) -> None:
     demo = lily_py.load(backend=a.device, context_length=a.prompt + a.decode + 1)
     prompt = (demo.tokenizer.encode("The quick brown fox jumps over the lazy dog. ") * a.prompt)[:a.prompt]
     run_model("demo checkpoint", demo, prompt, a.decode)
@@ -113,6 +124,8 @@ def main() -> None:
             m = lily_py.load(d, backend=a.device, context_length=64, prefill_chunk=64)
             run_model(f"real per-layer shapes, {n} layer(s)", m, list(range(100, 108)), 2)
 
+
+def real_config_counts() -> None:
     cfg = ModelConfig.from_dict({"model_type": "qwen3_5_moe", "text_config": dict(REAL_TEXT_CONFIG)})
     print(f"real 35B config (40 layers: 30 DeltaNet + 10 attention, 256 experts top-8, MLX 4-bit, "
           f"8-bit router), counting device, per step (Lily: ~{LILY_DISPATCHES_PER_TOKEN} "

@@ -15,8 +15,7 @@ time is max(FLOPs executed / (efficiency x peak of its unit), bytes touched / (e
 and for a tensor-op family the ALU work of its staging: alu_time);
 the families run one after another, plus t_level per dependency level (barrier). tokens/s =
 L / total over the chunks of a prompt of L tokens (chunks of 4096: 32K = 8 chunks at positions 0,
-4096, ..., 28672). Every hardware figure and efficiency is an ASSUMPTION below (docs/performance.md,
-"## Prefill"); change them and rerun.
+4096, ..., 28672). Every hardware figure and efficiency is an ASSUMPTION below (docs/prefill-estimate.md); change them and rerun.
 
 The MoE tiled route's plan is made on the device: the counting device records the FLOPs bound
 over every routing on its 64-row kind and counts each tile kind as reading every used expert.
@@ -58,7 +57,7 @@ ASSUMPTIONS = {
     # register block of the few-row kernels) and no matrix hardware.
     "efficiency": {"simdgroup_fp32": 0.35, "simdgroup_bf16": 0.65, "tensor": 0.55, "alu": 0.40},
     # NEW: fraction of the peak bandwidth a streaming kernel reaches (same as the decode estimate,
-    # docs/performance.md "Estimated tok/s": eta = 0.8).
+    # docs/decode.md "Estimated tok/s": eta = 0.8).
     "eta": 0.8,
     # NEW: per dependency level (barrier), the dispatch and the drain / refill of the GPU (same as
     # the decode estimate's t_level = 2 us).
@@ -79,7 +78,7 @@ ASSUMPTIONS = {
     "m5_tile16_cost_rows": 16,
     # NEW (2026-12-01): the tensor-op efficiency above is for ops of 32 x 32 x 32 (M x N x K: qmm_m5,
     # the DeltaNet Gram quarters); a family whose ops have other shapes runs at the measured rate
-    # of its shape relative to that one (TFLOPS, A19, one simdgroup per op: docs/metal.md,
+    # of its shape relative to that one (TFLOPS, A19, one simdgroup per op: docs/tensor-ops.md,
     # "Execution scope and tile shape"). Attention's O += P V op is 16 x 64 x 32 at head_dim 256,
     # a shape the page did not plot: its nearest, 16 x 32 x 32, is taken.
     "tensor_shape_tflops": {"32x32x32": 6.97, "16x32x32": 6.72, "16x16x128": 7.14, "16x32x128": 7.33,
@@ -151,9 +150,6 @@ ASSUMPTIONS = {
     # the families built with int8 activations (charged int8_speedup on the tensor units and their
     # tensor_alu_ops_per_mac on the ALUs): the projections and the MoE 64-row tiles
     "int8_built": ("qmm_m5i8", "moe_gate_up_m5i8", "moe_down_m5i8"),
-    # executed / useful FLOPs assumed for the "design" line only (all useful FLOPs on the path's
-    # matmul unit, the earlier estimate).
-    "future_padding": 1.05,
 }
 ASSUMPTIONS["int8_design_alu_ops_per_mac"] = dict(ASSUMPTIONS["tensor_alu_ops_per_mac"])["qmm_m5i8"]
 # MLX-LM's published prefill on an M5 Max (tok/s; mlx 0.32.2, mlx-lm 0.31.3, median of two rounds):
@@ -448,15 +444,6 @@ def efficiency_for(fams: dict, levels: int, L: int, gpu: str, unit: str, tps: fl
     return hi
 
 
-def design_tps(fams: dict, L: int, gpu: str, unit: str, a: dict = ASSUMPTIONS) -> float:
-    """The earlier estimate: every useful FLOP x future_padding on one unit, capped by the weight
-    bandwidth of a chunk (no other bytes, no levels)."""
-    useful = sum(f["useful"] for f in fams.values())
-    t = useful * a["future_padding"] / unit_rate(unit, gpu, a)
-    bw = min(L, 4096) * a["bandwidth_gbs"][gpu] / a["weight_gb"]
-    return min(L / t, bw)
-
-
 def run(cfg: ModelConfig, lengths=(256, 4096, 32768), chunk: int = 4096, a: dict = ASSUMPTIONS) -> dict:
     """{(path, L): dict(fams, levels, est={gpu: estimate})} for both paths."""
     out = {}
@@ -467,9 +454,13 @@ def run(cfg: ModelConfig, lengths=(256, 4096, 32768), chunk: int = 4096, a: dict
     return out
 
 
-def print_tables(res: dict, brief: bool = False) -> None:
+def print_tables(res: dict, brief: bool = False, only: list | None = None) -> None:
+    """Per (path, length): the totals line and (unless brief) the per-family table; then the
+    summary. ``only``: ["PATH:LENGTH", ...] prints just those tables, no summary."""
     a = ASSUMPTIONS
     for (path, L), r in res.items():
+        if only and f"{path}:{L}" not in only:
+            continue
         fams, est = r["fams"], r["est"]
         ex = sum(f["executed"] for f in fams.values())
         us = sum(f["useful"] for f in fams.values())
@@ -496,6 +487,8 @@ def print_tables(res: dict, brief: bool = False) -> None:
               f"{mx['t_levels'] / mx['total']:>6.1%}")
         print("  time by unit, M5 Max: " + ", ".join(f"{UNIT_SHORT[u]} {t / mx['total']:.0%}"
                                                     for u, t in sorted(mx["by_unit"].items(), key=lambda kv: -kv[1])))
+    if only:
+        return
     print("\nSummary (ESTIMATE, tok/s):")
     lengths = sorted({L for _, L in res})
     print(f"  {'path':<14} {'GPU':<7} " + " ".join(f"{L:>8}" for L in lengths))
@@ -519,10 +512,6 @@ def print_tables(res: dict, brief: bool = False) -> None:
                     for L in known}
             print(f"  {path}, tensor-op efficiency each target needs (assumed {a['efficiency']['tensor']:.0%}): "
                   + ", ".join(f"{L}: " + (f"{v:.0%}" if v else "not at 100%") for L, v in need.items()))
-    print("  design (the earlier estimate: every useful FLOP x 1.05 on the path's matmul unit, weight "
-          "bandwidth cap, nothing else): " + "; ".join(
-              f"{path} {g} " + " ".join(f"{design_tps(res[path, L]['fams'], L, g, u):,.0f}" for L in lengths)
-              for path, u in (("M1-M4 path", "simdgroup_bf16"), ("M5 path", "tensor")) for g in GPUS))
     full = dict(a, efficiency={u: 1.0 for u in a["efficiency"]})
     print("  ceiling (every unit at 100% of its peak, bandwidth at eta): " + "; ".join(
         f"{path} {g} " + " ".join(f"{estimate(res[path, L]['fams'], res[path, L]['levels'], L, g, full)['tps']:,.0f}"
@@ -572,13 +561,23 @@ def print_tables(res: dict, brief: bool = False) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--brief", action="store_true", help="totals only, no per-family tables")
+    ap.add_argument("--moe-waste", action="store_true", help="only the MoE rows executed / useful line")
+    ap.add_argument("--only", nargs="+", metavar="PATH:LENGTH",
+                    help='only these per-family tables, e.g. "M5 path:4096" (no summary)')
     args = ap.parse_args()
-    print("ESTIMATE, not a measurement. Assumptions:", ASSUMPTIONS)
     cfg = real_config()
-    print("MoE expert rows executed / useful under uniform routing (simulated): " + ", ".join(
-        f"{T} tokens {r['before']:.2f} before per-expert tiles -> {r['now']:.2f} now (M5 plan {r['m5']:.2f})"
+    waste = ("MoE expert rows executed / useful under uniform routing (simulated): " + ", ".join(
+        f"{T} tokens: M1-M4 plan {r['now']:.2f}, M5 plan {r['m5']:.2f} (one tile size per chunk: {r['before']:.2f})"
         for T in (256, 4096) for r in [moe_rows_executed(T, cfg.num_experts, cfg.num_experts_per_tok)]))
+    if args.moe_waste:
+        print(waste)
+        return
     res = run(cfg)
+    if args.only:
+        print_tables(res, only=args.only)
+        return
+    print("ESTIMATE, not a measurement. Assumptions:", ASSUMPTIONS)
+    print(waste)
     print_tables(res, brief=args.brief)
     if ("M5 path", 256) in res:  # sensitivity of the short-prompt line to the 16-row tiles' rate
         a32 = dict(ASSUMPTIONS, m5_tile16_cost_rows=32)

@@ -695,7 +695,7 @@ template <typename T>
 //               256), S BK / 8 fp32 8x8, the K / V prefetch 4 x uint4, m and l of one row
 //   threadgroup memory: K, V 2 stages x 2 x BK x (D + 8) bf16 + per simdgroup S 8 x BK fp32, P 8 x
 //               BK bf16, diag 8 x 8 fp32: 25,600 / 21,504 / 19,456 bytes at D = 64 / 128 / 256
-//               (2 / 3 / 3 per core in a 64 KiB pool, 1 in a 32 KiB one; docs/kernels.md weighs it)
+//               (2 / 3 / 3 per core in a 64 KiB pool, 1 in a 32 KiB one; docs/kernels-attention.md weighs it)
 // Precision: q, K, V are bf16 already (products exact in fp32, sums fp32); P is rounded to bf16 as
 // the operand of P V (relative error <= 2^-8 per weight; l sums the unrounded p), so
 // |O / l - exact| <= 2^-8 * sum_j w_j |v_j| <= 2^-8 max |v|; one rounding of the output to bf16.

@@ -1,7 +1,7 @@
 // Argmax (greedy) and sampling (temperature, top-k, top-p, min-p, Gumbel-max) over a vocabulary of
 // up to 248,320 logits per row, writing the chosen token id into a uint32 device slot.
 // Host: csrc/gpu/ops/sampling.cpp (the pass sequence). Reference: lily_py.sampling (must match
-// bit for bit; see docs/kernels.md "Sampling" for the exact-reproduction argument).
+// bit for bit; see docs/kernels-sampling.md "Sampling" for the exact-reproduction argument).
 //
 // Shapes: logits float32 [R, stride], entries 0 .. valid_vocab-1 of each row are read; ids uint32
 // and chosen_logit float32 [>= slot + R]. Partial kernels: grid (G, R), G = ceil(valid_vocab /

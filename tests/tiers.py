@@ -50,9 +50,6 @@ FULL_TIER: dict[str, str] = {
     "tests/kernels/test_sampling_kernels.py::test_top_p_tie_at_the_cutoff_keeps_lowest_ids[[]emu]": (
         "13 s on the emulator; quick keeps the same test on the reference sampler and the other "
         "tie tests"),
-    "tests/api/test_docs.py::test_generated_blocks_are_current": (
-        "runs every generated block's command (about 1.5 min: lily-py doctor); quick keeps the "
-        "checker's own tests (a changed number fails, regeneration fixes it)"),
     # tests/reference and tools
     "tests/reference/test_reference_model.py::test_full_size_shapes_in_bounded_memory": (
         "the real 35B shapes through the reference in bounded memory (28 s); quick keeps every "

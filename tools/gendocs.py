@@ -1,113 +1,116 @@
-#!/usr/bin/env python3
-"""Generated blocks in the docs: every number a command can print is printed by that command.
+"""Regenerate (or check) the command output quoted in docs/*.md and README.md.
 
-A block in docs/*.md or README.md reads
+    python tools/gendocs.py            # rewrite every generated block in place
+    python tools/gendocs.py --check    # exit 1 with a diff per stale block, write nothing
+    python tools/gendocs.py --check --quick   # the same without the blocks marked slow
+    python tools/gendocs.py --list     # the blocks and their commands
 
-    <!-- gen: python benchmarks/decode_table.py --no-table -->
-    ```text
-    ...the command's standard output, exactly...
+A generated block is
+
+    <!-- gen: python benchmarks/engine.py --counts -->
+    ```
+    ...the command's stdout, exactly...
     ```
     <!-- end gen -->
 
-or `<!-- gen-md: ... -->` for a command that prints Markdown (tables), inserted as it is.
-`python tools/gendocs.py` runs each block's command (bash, from the project root, with this
-interpreter's `python` and scripts first on PATH) and rewrites the block; `python tools/gendocs.py --check` rewrites nothing and exits 1
-with a diff naming the page and the command of every block whose text differs (CI runs it through
-tests/api/test_docs.py). Commands must be deterministic: counters and estimates, never timings.
+`gen-raw:` instead of `gen:` puts the stdout in the page as Markdown (a table, say) instead of
+inside a fence; `gen slow:` / `gen-raw slow:` marks a command of a minute or more, which
+`--quick` skips (the quick test tier checks the rest, the full tier everything). Commands run
+from the repository root through bash with pipefail, with this Python's directory first on PATH
+(so `python` and `lily-py` are the installed package's), with PYTHONHASHSEED=0 and one thread
+per BLAS pool. They must be deterministic: counts, sizes, derived
+estimates; never timings, dates or anything measured on the machine that runs them. A command
+quoted by several blocks runs once.
 """
 from __future__ import annotations
 
 import argparse
 import difflib
+import glob
 import os
 import re
-import shlex
 import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BLOCK = re.compile(r"(<!-- gen(?P<md>-md)?: (?P<cmd>.+?) -->\n)(?P<body>.*?)(?P<end><!-- end gen -->)", re.S)
+BLOCK = re.compile(r"^(?P<open><!-- gen(?P<raw>-raw)?(?P<slow> slow)?: (?P<cmd>.+?) -->\n)(?P<body>.*?)(?P<close><!-- end gen -->)$",
+                   re.S | re.M)
+OPEN = re.compile(r"^<!-- gen(-raw)?( slow)?: ", re.M)
+FENCE = "```"
 
 
-def pages(root: str = ROOT) -> list[str]:
-    docs = os.path.join(root, "docs")
-    out = [os.path.join(root, "README.md")]
-    out += sorted(os.path.join(docs, f) for f in os.listdir(docs) if f.endswith(".md"))
-    return out
+def pages() -> list[str]:
+    return sorted(glob.glob(os.path.join(ROOT, "docs", "*.md"))) + [os.path.join(ROOT, "README.md")]
 
 
-def run(cmd: str, root: str = ROOT) -> str:
-    """The command's stdout, run by bash from the project root with this interpreter's `python`
-    (and its scripts, e.g. `lily-py`) first on PATH."""
-    bindir = os.path.dirname(sys.executable)
-    env = dict(os.environ, PYTHONHASHSEED="0", COLUMNS="100",
-               PATH=bindir + os.pathsep + os.environ.get("PATH", ""))
-    if not os.path.exists(os.path.join(bindir, "python")):
-        cmd = re.sub(r"^python\b", shlex.quote(sys.executable), cmd)
-    proc = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0:
-        raise RuntimeError(f"gendocs: `{cmd}` exited {proc.returncode}:\n{proc.stderr[-2000:]}")
-    return proc.stdout
+def run(cmd: str, cache: dict[str, str]) -> str:
+    if cmd not in cache:
+        env = dict(os.environ, PYTHONHASHSEED="0", OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
+                   PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+        # pipefail: a failing command (a test that fails, say) is an error even when piped into grep
+        p = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], cwd=ROOT, env=env, capture_output=True,
+                           text=True)
+        if p.returncode != 0:
+            raise SystemExit(f"gendocs: `{cmd}` exited {p.returncode}:\n{p.stderr[-4000:]}")
+        out = p.stdout
+        if out and not out.endswith("\n"):
+            out += "\n"
+        cache[cmd] = out
+    return cache[cmd]
 
 
-def body_for(output: str, markdown: bool) -> str:
-    """`gen:` blocks are fenced as text; `gen-md:` blocks are the command's Markdown as it is."""
-    output = output.strip("\n") + "\n"
-    return output if markdown else "```text\n" + output + "```\n"
+def render(text: str, cache: dict[str, str], quick: bool = False) -> tuple[str, list[tuple[str, str, str]]]:
+    """The page with every block regenerated, and (command, old body, new body) per block.
+    ``quick``: blocks marked `gen slow:` are left as they are (not run, not compared)."""
+    blocks = []
+
+    def one(m: re.Match) -> str:
+        if quick and m["slow"]:
+            return m[0]
+        out = run(m["cmd"], cache)
+        body = out if m["raw"] else f"{FENCE}\n{out}{FENCE}\n"
+        blocks.append((m["cmd"], m["body"], body))
+        return m["open"] + body + m["close"]
+
+    return BLOCK.sub(one, text), blocks
 
 
-def process(path: str, cache: dict[str, str], root: str = ROOT) -> tuple[str, str, list[str]]:
-    """(old text, new text, diffs) of one page."""
-    text = open(path, encoding="utf-8").read()
-    diffs: list[str] = []
-    rel = os.path.relpath(path, root)
-
-    def replace(m: re.Match) -> str:
-        cmd = m.group("cmd").strip()
-        if cmd not in cache:
-            cache[cmd] = run(cmd, root)
-        new = body_for(cache[cmd], bool(m.group("md")))
-        if new != m.group("body"):
-            diffs.append("".join(difflib.unified_diff(
-                m.group("body").splitlines(True), new.splitlines(True),
-                f"{rel} (as written)", f"`{cmd}` (as printed now)", n=1)))
-        return m.group(1) + new + m.group("end")
-
-    return text, BLOCK.sub(replace, text), diffs
-
-
-def main(argv: list[str] | None = None, root: str = ROOT) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--check", action="store_true", help="rewrite nothing; exit 1 if a block is stale")
-    ap.add_argument("--list", action="store_true", help="print each page's block commands")
-    args = ap.parse_args(argv)
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="write nothing; exit 1 if a block differs")
+    ap.add_argument("--list", action="store_true", help="print page: command for every block")
+    ap.add_argument("--quick", action="store_true",
+                    help="skip the blocks marked `gen slow:` (commands of a minute or more)")
+    a = ap.parse_args(argv)
     cache: dict[str, str] = {}
     stale = 0
-    for path in pages(root):
+    for path in pages():
+        rel = os.path.relpath(path, ROOT)
         text = open(path, encoding="utf-8").read()
-        if args.list:
+        if a.list:
             for m in BLOCK.finditer(text):
-                print(f"{os.path.relpath(path, root)}: {m.group('cmd').strip()}")
+                print(f"{rel}:{' (slow)' if m['slow'] else ''} {m['cmd']}")
             continue
-        if not BLOCK.search(text):
-            continue
-        old, new, diffs = process(path, cache, root)
-        if diffs:
-            stale += len(diffs)
-            if args.check:
-                for d in diffs:
-                    sys.stdout.write(d)
-            else:
-                with open(path, "w", encoding="utf-8") as f:
-                    f.write(new)
-                print(f"gendocs: rewrote {len(diffs)} block(s) in {os.path.relpath(path, root)}")
-    if args.check and stale:
-        print(f"gendocs: {stale} generated block(s) differ from what their command prints now; "
-              f"run `python tools/gendocs.py` and commit the result", file=sys.stderr)
+        if len(OPEN.findall(text)) != len(BLOCK.findall(text)):
+            print(f"{rel}: a `<!-- gen` marker without its `<!-- end gen -->`", file=sys.stderr)
+            return 2
+        new, blocks = render(text, cache, quick=a.quick)
+        for cmd, old, body in blocks:
+            if old != body:
+                stale += 1
+                print(f"{rel}: stale block `{cmd}`")
+                if a.check:
+                    sys.stdout.writelines(difflib.unified_diff(
+                        old.splitlines(True), body.splitlines(True), f"{rel} (as written)",
+                        f"{rel} (as `{cmd}` prints it)"))
+        if new != text and not a.check:
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(new)
+    if a.check and stale:
+        print(f"{stale} stale block(s); run `python tools/gendocs.py` and commit the result")
         return 1
-    if args.check and not args.list:
-        print(f"gendocs: {len(cache)} command(s), every generated block up to date")
+    if not a.list:
+        print(f"{len(cache)} command(s), {stale} block(s) {'stale' if a.check else 'rewritten'}")
     return 0
 
 

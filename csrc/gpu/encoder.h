@@ -195,7 +195,7 @@ struct DeviceInfo {
   // Metal 4 tensor ops (mpp::tensor_ops::matmul2d): Metal reports it for an Apple GPU family 10+
   // device on macOS 26+ with lily_m5.metallib loaded; emu / count when a simulation asks for it.
   bool tensor_ops = false;
-  // The tensor-op routes take int8 activations where they have them (qmm_m5i8, moe_*_m5i8; docs/performance.md,
+  // The tensor-op routes take int8 activations where they have them (qmm_m5i8, moe_*_m5i8; docs/int8.md,
   // "int8 activations on the tensor ops"). Only with tensor_ops.
   bool tensor_int8 = false;
   std::string tensor_ops_reason;  // why not ("" when tensor_ops)

@@ -34,7 +34,7 @@ enum : uint32_t {
   // kTensorOpSubTile x kTensorOpSubTile per simdgroup (16 rows for the MoE 16-row tiles):
   // docs/tensor-ops.md, "Execution scope and tile shape".
   kTensorOpSubTile = 32,
-  // int8 activations on the tensor ops (qmm_m5i8, moe_*_m5i8; the opt-in of docs/performance.md):
+  // int8 activations on the tensor ops (qmm_m5i8, moe_*_m5i8; the opt-in of docs/int8.md):
   // quantize_i8 writes x's int8 codes once per row and kI8Group columns, the consumers walk K in
   // steps of kI8StepK (one weight group: group_size % kI8StepK == 0).
   kI8Group = 32,

@@ -5,7 +5,7 @@
 //   emulator:  csrc/emu/tensor_ops_emu.h (included by csrc/emu/metal_emu.h): the documented
 //              semantics, execution-scope checks and the stated rounding.
 //   strict:    csrc/emu/tensor_ops_strict.h: the same declarations with address spaces.
-// What of this rests on Apple's documentation rather than on a compiler: docs/metal.md,
+// What of this rests on Apple's documentation rather than on a compiler: docs/tensor-ops.md,
 // "Metal 4 tensor ops (M5)".
 #pragma once
 #include "common/lily_metal.h"

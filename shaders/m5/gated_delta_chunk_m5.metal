@@ -10,7 +10,7 @@
 //   1 G = cumsum(g) (one thread), b of the chunk -> threadgroup
 //   2 per step of 32 key dims (zeros past Dk): thread t rounds K[t / 4, k0 + 8 (t % 4) .. + 8] and
 //     the same coordinates of Q to half into threadgroup memory; barrier; K K^T and Q K^T in
-//     eight 32 x 32 quarters, one per simdgroup (execution_simdgroup; why: docs/metal.md,
+//     eight 32 x 32 quarters, one per simdgroup (execution_simdgroup; why: docs/tensor-ops.md,
 //     "Execution scope and tile shape"): simdgroup s multiplies quarter s % 4 (rows 32 (q / 2),
 //     columns 32 (q % 2)) of K K^T (s < 4) or Q K^T (s >= 4) with matmul2d_descriptor(32, 32, 32,
 //     false, transpose_right = true, false, multiply_accumulate) into its fp32 cooperative

@@ -102,8 +102,8 @@ inline void moe_m5_stage_rows(const device T* src, bool valid, uint32_t t, threa
 // (NaN), as the half weights of the fp32 path overflowed before: MLX 4-bit scales and biases are
 // orders of magnitude below that. Per word: 3 shifts,
 // 4 masks, 4 ors and 8 half2 operations instead of 8 integer-to-float conversions, 8 fp32 FMAs and
-// 8 conversions to half (docs/kernels.md: the M5 MoE tile kinds; FP16 issues at up to twice the
-// FP32 rate on M5 / A19: docs/performance.md). 8-bit codes: fp32 s * q + b, rounded to half.
+// 8 conversions to half (docs/kernels-moe.md: the M5 MoE tile kinds; FP16 issues at up to twice the
+// FP32 rate on M5 / A19: docs/tensor-ops.md). 8-bit codes: fp32 s * q + b, rounded to half.
 template <typename S, int bits>
 inline void moe_m5_stage_w(const device uint32_t* w, const device S* sc, const device S* bi, uint32_t n,
                            uint32_t N, uint32_t k0, uint32_t wpr, uint32_t gpr, uint32_t group_size, uint32_t t,
@@ -403,7 +403,7 @@ template <typename S, int bits, int LIST>
 //   epilogue:  as moe_gate_up_m5 (h = silu(gate) * up, fp32) and moe_down_m5 (y = row weight * acc).
 // Precision: x and h are rounded to int8 per row and 32 columns (error <= s / 2 per element); the
 // weight codes, integer products and sums are exact; the rescale, SwiGLU and the routing weight are
-// fp32. Reference: lily_py.reference.kernels.int8_rows; model-level error: docs/performance.md.
+// fp32. Reference: lily_py.reference.kernels.int8_rows; model-level error: docs/int8.md.
 constant constexpr uint32_t kMoeI8XHalf = 64 * kI8Group / 16;         // uint4 in a [64][32]-byte x half
 constant constexpr uint32_t kMoeI8WHalf = uint32_t(kMoeTileN) * uint32_t(kI8Group) / 16;  // uint4 in a [32][32]-byte w half
 

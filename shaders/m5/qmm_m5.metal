@@ -17,7 +17,7 @@
 //              transpose_right = true, relaxed_precision = false, multiply_accumulate) on
 //              execution_simdgroup, its x rows as left (extents (32, 32)), its w rows [n][k] as
 //              right transposed (extents (32, 32)); the 32 x 32 fp32 accumulator is a cooperative
-//              tensor of the simdgroup. Why one simdgroup per op and 32 x 32: docs/metal.md,
+//              tensor of the simdgroup. Why one simdgroup per op and 32 x 32: docs/tensor-ops.md,
 //              "Execution scope and tile shape" (the only public measurement: a single simdgroup
 //              scope ran best, several simdgroups slower; 32 x 32 outputs or larger optimal).
 //   epilogue:  each thread writes its cooperative-tensor elements, masked to M x N, rounded to Y
@@ -182,7 +182,7 @@ template <typename T>
 //   Precision: x is rounded to int8 per row and 32 columns (error <= s_x / 2 per element) in both
 //              terms (with x's exact sum in the bias term instead, the errors of the two terms no
 //              longer cancel: w = s q + b is centred, s q is not, and the engine's logits nmse
-//              grew 5-25x); the integer dots are exact; the rescale is fp32. benchmarks/int8_activation_study.py and docs/performance.md give
+//              grew 5-25x); the integer dots are exact; the rescale is fp32. benchmarks/int8_activation_study.py and docs/int8.md give
 //              the model-level error; the kernel test compares with the reference of the same
 //              semantics (lily_py.reference.kernels.quantized_matmul_i8).
 

@@ -416,7 +416,7 @@ def test_gated_delta_mixer_bad_input(rng):
 
 def test_gated_delta_mixer_real_dims_decode(rng):
     """One decode step of a real DeltaNet layer (hidden 2048, Hk 16, Hv 32, Dk = Dv = 128, bf16):
-    exactly 3 dispatches and 2 barriers (the numbers docs/kernels.md quotes): the conv is fused."""
+    exactly 3 dispatches and 2 barriers (the numbers docs/kernels-deltanet.md quotes): the conv is fused."""
     m = make_mixer(rng, 1, 2048, 16, 32, 128, 128, BF16, BF16)
     dims = dict(num_key_heads=16, num_value_heads=32, head_k_dim=128, head_v_dim=128)
     out, cs, S, stats = _gated_delta_mixer(*m.values(), **dims, seed=rng.seed)

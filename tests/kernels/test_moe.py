@@ -289,7 +289,7 @@ def test_exact_ties_go_to_the_lowest_index(rng, T):
 
 # ------------------------------------------------------------------------------ decode matvecs
 def mv_shapes(T, *, H, k, I, Is):
-    """(grid x, grid y, grid z, threads) of moe_gate_up_mv and moe_down_mv, as docs/kernels.md
+    """(grid x, grid y, grid z, threads) of moe_gate_up_mv and moe_down_mv, as docs/kernels-moe.md
     states them: gate_up splits K = H over min(4, ceil(H / 1024)) simdgroups (a block = 32 lanes x
     32 codes), rows in fours, one grid row per (token, slot); down splits the concatenated
     K' = k I + Is (chunks of 32 codes) over min(8, ceil(chunks / 32)) simdgroups."""

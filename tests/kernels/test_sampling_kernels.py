@@ -1,7 +1,7 @@
 """lily_py.ops.argmax / sample on the emulator vs lily_py.sampling (the reference).
 
 No tolerance: the device must choose exactly the token the reference chooses for the same seed and
-step. That is by construction (docs/kernels-sampling.md): the noise uses only correctly rounded
+step. That is by construction (docs/kernels-sampling.md, "Sampling"): the noise uses only correctly rounded
 float32 operations with explicit fma (checked bit for bit below over the full vocabulary), the
 scaled logits are one subtract and one multiply, and the filters compare exact integers (masses
 in fixed point) or float32 values, so any reduction order gives the same kept set. Inputs are
@@ -51,7 +51,7 @@ IDS = ["plain", "k1", "k7", "p0.9", "p0.3", "minp", "k+p", "p+minp", "k+p+minp",
 
 
 def expected_dispatches(params, v):
-    """The documented route (docs/kernels.md): 2 for greedy, 4 for temperature only or
+    """The documented route (docs/kernels-sampling.md): 2 for greedy, 4 for temperature only or
     0 < top_k <= SMALL_K (top_k < V), 6 for every other filter (the bucket route)."""
     if params.get("temperature", 1.0) == 0:
         return 2

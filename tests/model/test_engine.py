@@ -329,7 +329,7 @@ def _real_cfg():
 @pytest.mark.parametrize("position", [0, 255, 32767])
 def test_moe_decode_grids_real_config(position):
     """The MoE decode matvecs of the real 35B config on the counting device, every dispatch:
-    grids and threads as docs/kernels.md states them (4 rows per threadgroup; gate_up: one grid
+    grids and threads as docs/kernels-moe.md states them (4 rows per threadgroup; gate_up: one grid
     row per slot, K = H = 2048 split over 2 simdgroups; down: the 8 x 512 + 512 concatenated K'
     in 144 chunks of 32 codes over 5 simdgroups), >= 32 simdgroups per core on a 40-core GPU,
     no moe_route level; 3 dispatches per MoE block, each after a barrier."""
@@ -356,7 +356,7 @@ def test_moe_decode_grids_real_config(position):
 
 @pytest.mark.parametrize("position", [0, 255])
 def test_qmv1_decode_grids_real_config(position):
-    """Every qmv1 dispatch of a real 35B decode step on the counting device (docs/kernels.md qmv1):
+    """Every qmv1 dispatch of a real 35B decode step on the counting device (docs/kernels-matmul.md qmv1):
     4 rows per threadgroup where that gives >= 1280 simdgroups (32 per core on a 40-core GPU), 1
     row otherwise: only the 8-bit router + shared gate (257 x 2048: 65 -> 257 threadgroups, 260 ->
     1028 simdgroups) takes the 1-row kernel; K split over min(4, ceil(K / block)) simdgroups."""
@@ -804,7 +804,7 @@ def test_streamed_tokens_allocate_no_logits_arrays(tmp_path):
 
 
 # (sampling parameters, dependent levels the sampler adds to a decode step): greedy 2, temperature
-# only 4, small-k (0 < top_k <= 64) 4, the bucket route 6 (docs/kernels.md, sampling section).
+# only 4, small-k (0 < top_k <= 64) 4, the bucket route 6 (docs/kernels-sampling.md, sampling section).
 SAMPLER_ROUTES = [
     (dict(temperature=0.0), 2),
     (dict(temperature=0.8), 4),

@@ -133,7 +133,7 @@ def test_greedy_after_chunked_prefill_on_the_m5_path(real_dims_ckpt, which, chun
 @pytest.mark.parametrize("which", ["demo", "real_head_dims"])
 def test_greedy_on_the_int8_opt_in(real_dims_ckpt, which, chunk):
     """The int8 opt-in (simulated_device(tensor_ops=True, tensor_int8=True); LILY_TENSOR_INT8=1 on a
-    Mac; docs/int8.md): with prefill chunks of 64
+    Mac; docs/int8.md, "int8 activations on the tensor ops"): with prefill chunks of 64
     and 4096 (the whole 100- or 80-token prompt) every bf16-x 4-bit projection of more than 8 rows
     takes qmm_m5i8 (after quantize_i8 of its x), the 8-bit router and lm_head's fp32 logits keep qmm_m5, and the MoE 64-row
     tiles (the shared expert's group holds every row of the step: 64, or 80 and 100 > 32) take

@@ -282,7 +282,7 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
     r.xn_out = range(op.x, act, "x");
   }
   encode_quantized_matmul(enc, r);
-  // M5 with int8 allowed (Encoder::tensor_int8, the opt-in of docs/performance.md): the 64-row
+  // M5 with int8 allowed (Encoder::tensor_int8, the opt-in of docs/int8.md): the 64-row
   // kind takes moe_gate_up_m5i8 / moe_down_m5i8 (int8 x and h on the int8 rows of matmul2d) when
   // moe_int8_allowed; the 32-row and few-row kinds keep theirs. x's codes beside the router.
   const bool i8 = route != MoeRoute::mv && m5 && enc.tensor_int8() && moe_int8_allowed(op);
@@ -359,7 +359,7 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
   // M5 (the device reports Metal 4 tensor ops): the 64- and 32-row kinds run shaders/m5/moe_m5.metal
   // (matmul2d; same buffers and grid), the few-row kind keeps its matvec kernels. The plan differs:
   // few-row tiles only up to kMoeFewMaxRowsM5 rows, and the 32-row kernel runs a tile of
-  // <= kMoeTile16MaxRows rows as a 16-row matmul2d (docs/kernels.md: the M5 MoE tile kinds).
+  // <= kMoeTile16MaxRows rows as a 16-row matmul2d (docs/kernels-moe.md: the M5 MoE tile kinds).
   // M1-M4 with bf16 activations: the 64- and 32-row kinds take the bf16 simdgroup tiles
   // (moe_gate_up_bf16 / moe_down_bf16: qmm_bf16's design, same plan, grid, tiles and FLOPs) when
   // their 16-byte loads are aligned (x, h and every expert matrix binding; rows are multiples of

@@ -278,7 +278,7 @@ void encode_quantized_matmul(Encoder& enc, const QmmOperands& op) {
     enc.set_buffer(8, op.h_out.buffer ? range(op.h_out, op.K * xe) : x);
     enc.set_buffer(9, op.xn_out.buffer ? range(op.xn_out, op.K * xe) : x);
     // bytes_touched counts x, residual and norm_w once (as for every kernel: per-threadgroup
-    // re-reads are cache hits; docs/kernels.md qmv1 gives the re-read volume of the 1-row kernels).
+    // re-reads are cache hits; docs/kernels-matmul.md qmv1 gives the re-read volume of the 1-row kernels).
     enc.dispatch({ceil_div(op.N, rows), 1, 1}, {32 * qmv1_splits(op.K, op.bits), 1, 1});
     const QmmFlops f = qmm_flops(1, op.N, op.K, op.bits, tensor_ops);
     enc.add_flops(f.executed, f.useful);

@@ -62,7 +62,7 @@ struct QmmOperands {
   // (quantize_i8, then a barrier) and qmm_m5i8 reads the codes. Unbound: no int8.
   Binding x_i8;
   // fp32 x may take qmm_bf16 (x rounded to bf16 at the tile load). Off by default: the fp32
-  // engine's precision policy keeps fp32 operands (docs/kernels.md, qmm_bf16); bf16 x always may.
+  // engine's precision policy keeps fp32 operands (docs/kernels-matmul.md, qmm_bf16); bf16 x always may.
   bool f32_x_bf16_tiles = false;
   // RMSNorm fused in front (qmv1 route only, M == 1): y = w . (rmsnorm(h) * norm_weight) with
   // h = x (+ residual); optionally h and the normalized row are also written (h_out, xn_out).

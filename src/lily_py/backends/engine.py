@@ -391,7 +391,7 @@ def _qbytes(rows: int, cols: int, q: dict) -> int:
 def decode_floor_bytes(cfg: ModelConfig, *, position: int, quant: dict | None = None,
                        activations: str | None = None) -> dict:
     """The bytes one decode token cannot avoid moving, derived from the config alone
-    (docs/performance.md): every weight it uses read once (one embedding row; every layer's
+    (docs/decode.md): every weight it uses read once (one embedding row; every layer's
     norms and mixer; the router, the top-k routed experts and the shared expert; the final norm
     and lm_head), each DeltaNet layer's recurrent state and conv window read and written once,
     and each attention layer's KV cache read for ``position + 1`` rows and one row written.

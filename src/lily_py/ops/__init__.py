@@ -6,9 +6,9 @@ Each function runs one kernel family on a device and returns NumPy arrays:
 
 * ``device="emu"`` - the CPU emulator: the very ``shaders/*.metal`` sources compiled as C++, with
   GPU-faithful threadgroups, barriers and simd collectives, and checks a GPU would not do (see
-  ``docs/kernels.md``). Slow; always available.
+  ``docs/emulator.md``). Slow; always available.
 * ``device="metal"`` - the GPU, in macOS builds (the Metal device is written but has not run in CI
-  yet; see ``docs/kernels.md``).
+  yet; see ``docs/metal.md``).
 
 Arrays are float32 or bfloat16 (``ml_dtypes.bfloat16``); quantized weights use MLX's affine
 layout (``lily_py.reference.quant``). The NumPy oracle of every function is in

@@ -1,7 +1,7 @@
 """Argmax and sampling kernels as functions over NumPy arrays (re-exported by lily_py.ops).
 
 The device reproduces :func:`lily_py.sampling.sample` bit for bit for the same seed and step
-(see docs/kernels-sampling.md); the chosen id goes to a uint32 device slot (the engine reads it
+(see docs/kernels-sampling.md, "Sampling"); the chosen id goes to a uint32 device slot (the engine reads it
 as the next step's embedding input). Logits are float32 ``[V]`` or ``[R, V]``.
 """
 from __future__ import annotations

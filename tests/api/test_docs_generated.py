@@ -1,0 +1,43 @@
+"""Every generated block in docs/*.md and README.md is what its command prints now
+(tools/gendocs.py --check): a kernel change that moves a quoted counter or estimate fails here
+until `python tools/gendocs.py` is rerun and the pages committed."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
+GENDOCS = os.path.join(ROOT, "tools", "gendocs.py")
+
+
+def check(*flags):
+    p = subprocess.run([sys.executable, GENDOCS, "--check", *flags], cwd=ROOT, capture_output=True, text=True)
+    assert p.returncode == 0, p.stdout[-8000:] + p.stderr[-4000:]
+
+
+def test_generated_docs_are_current():
+    """Every block but those marked `gen slow:` (seconds)."""
+    check("--quick")
+
+
+@pytest.mark.full
+def test_slow_generated_docs_are_current():
+    """Every block, the slow ones included (the int8 study on the engine: minutes)."""
+    check()
+
+
+def test_check_names_a_stale_block(tmp_path):
+    """render() rewrites a stale body with the command's stdout and reports (command, old, new);
+    gen-raw: leaves the fence out; gen slow: blocks are left alone under quick=True."""
+    sys.path.insert(0, os.path.dirname(GENDOCS))
+    import gendocs
+    text = "x\n<!-- gen: python -c \"print(6 * 7)\" -->\n```\n41\n```\n<!-- end gen -->\ny\n"
+    new, blocks = gendocs.render(text, {})
+    assert new == "x\n<!-- gen: python -c \"print(6 * 7)\" -->\n```\n42\n```\n<!-- end gen -->\ny\n"
+    assert blocks == [('python -c "print(6 * 7)"', "```\n41\n```\n", "```\n42\n```\n")]
+    raw, _ = gendocs.render(text.replace("gen:", "gen-raw:"), {})
+    assert "\n42\n<!-- end gen -->" in raw
+    slow = text.replace("gen:", "gen slow:")
+    assert gendocs.render(slow, {}, quick=True) == (slow, [])
+    assert gendocs.render(slow, {})[0] == new.replace("gen:", "gen slow:")
