@@ -1,8 +1,9 @@
-"""Emulator speed on realistic shapes (not a test; run: python tests/kernels/emu_speed.py).
+"""Emulator speed on realistic shapes (not a test; run: python benchmarks/emu_speed.py [--races]).
 
 Prints GPU threads emulated per second for each case (best of `--repeat` warm runs, one OS
 thread). The emulator runs every GPU thread as a fiber, so speed depends on how often a kernel
-synchronises (barriers, simd collectives) as much as on its arithmetic.
+synchronises (barriers, simd collectives) as much as on its arithmetic. --races runs the cases
+under the race detector (its snapshot scans cost per fiber segment and per threadgroup).
 """
 from __future__ import annotations
 
@@ -30,7 +31,10 @@ def best(fn, repeat):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--races", action="store_true", help="run under the emulator's race detector")
     a = ap.parse_args()
+    from lily_py import _core
+    _core.emu.set_races_default(a.races)
     rng = np.random.default_rng(0)
 
     def q(n, k):

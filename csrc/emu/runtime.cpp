@@ -116,6 +116,7 @@ struct Group {
   bool races = false;
   std::vector<TgWrite> tg_writes;       // per arena word (races)
   std::vector<unsigned char> tg_snap;   // arena before the running fiber's segment (races)
+  size_t tg_writes_end = 0;             // tg_writes[0, tg_writes_end) may be set (races)
   std::string error;  // first error; non-empty aborts the threadgroup
   void fail(const std::string& e) {
     if (error.empty()) error = e;
@@ -200,9 +201,33 @@ std::string who(const Thread& t) {
          " lane " + std::to_string(t.ids.lane) + "]";
 }
 
-void poison_bytes(unsigned char* p, size_t n) {
-  for (size_t i = 0; i < n; ++i)
-    p[i] = (reinterpret_cast<uintptr_t>(p + i) & 1) ? 0xFF : 0xA0;
+// The arena's poison, built once: the arena (and this copy) are 64-byte aligned, so a byte's
+// parity is its offset's and a 64 KiB memcpy poisons the arena (a byte loop cost more than many
+// small kernels' threadgroups).
+const unsigned char* arena_poison() {
+  alignas(64) static unsigned char t[kArenaBytes];
+  static const bool filled = [] {
+    for (size_t i = 0; i < kArenaBytes; ++i) t[i] = (i & 1) ? 0xFF : 0xA0;
+    return true;
+  }();
+  (void)filled;
+  return t;
+}
+
+// Calls f(c, c_end) for each 64-byte chunk [c, c_end) of [0, n) where a and b differ, in
+// increasing order, until f returns false. 1 KiB blocks are compared first: the race detector's
+// snapshots mostly match, and one long memcmp is cheaper than sixteen short ones.
+template <class F>
+void for_changed_chunks(const unsigned char* a, const unsigned char* b, size_t n, F&& f) {
+  constexpr size_t kBlock = 1024, kChunk = 64;
+  for (size_t blk = 0; blk < n; blk += kBlock) {
+    const size_t blk_end = std::min(n, blk + kBlock);
+    if (std::memcmp(a + blk, b + blk, blk_end - blk) == 0) continue;
+    for (size_t c = blk; c < blk_end; c += kChunk) {
+      const size_t c_end = std::min(blk_end, c + kChunk);
+      if (std::memcmp(a + c, b + c, c_end - c) != 0 && !f(c, c_end)) return;
+    }
+  }
 }
 
 }  // namespace
@@ -511,8 +536,6 @@ void release_barrier(Group& g) {
   if (std::strcmp(first->op, "threadgroup_barrier") == 0) g.epoch += 1;
 }
 
-bool is_poison(const unsigned char* p) { return *p == ((reinterpret_cast<uintptr_t>(p) & 1) ? 0xFF : 0xA0); }
-
 // Where arena byte `off` lies: "array #k (declared at file:line, N bytes) element byte b", or the
 // red zone before array #k, or past the last array.
 std::string arena_place(const Group& g, size_t off) {
@@ -540,72 +563,77 @@ bool in_array(const Group& g, size_t off) {
 // Bytes after the arena in use that the race detector and the red-zone check look at.
 constexpr size_t kSpareChecked = 1024;
 
-// Red zones and the spare arena must still hold poison after the threadgroup ran.
+// Red zones and the spare arena must still hold poison after the threadgroup ran. The bytes in
+// no array are the gaps before, between and after the arrays (laid out in increasing offsets):
+// each gap is compared with the poison copy at once, byte by byte only where it differs.
 void check_red_zones(Group& g) {
   const size_t end = std::min(kArenaBytes, g.arena_used + kSpareChecked);
-  for (size_t off = 0; off < end; ++off)
-    if (!in_array(g, off) && !is_poison(g.arena + off)) {
-      g.fail("threadgroup memory overflow: a write landed in " + arena_place(g, off) +
-             " (red zones of poison surround every threadgroup array in the emulator; an index past "
-             "the end of an array overwrote the next array or the spare memory on the GPU)");
-      return;
-    }
+  const unsigned char* ref = arena_poison();
+  size_t lo = 0;
+  for (size_t k = 0; k <= g.allocs.size(); ++k) {
+    const size_t hi = k < g.allocs.size() ? g.allocs[k].offset : end;
+    if (hi > lo && std::memcmp(g.arena + lo, ref + lo, hi - lo) != 0)
+      for (size_t off = lo; off < hi; ++off)
+        if (g.arena[off] != ref[off]) {
+          g.fail("threadgroup memory overflow: a write landed in " + arena_place(g, off) +
+                 " (red zones of poison surround every threadgroup array in the emulator; an index past "
+                 "the end of an array overwrote the next array or the spare memory on the GPU)");
+          return;
+        }
+    if (k < g.allocs.size()) lo = g.allocs[k].offset + g.allocs[k].bytes;
+  }
 }
 
-// Race detector: the words the running thread changed in the segment it just ran.
-void tg_record_writes(Group& g, const Thread& t, size_t used_before) {
+// Race detector: the words the running thread changed in the segment it just ran. g.tg_snap is
+// the arena as the segment found it: poison at the threadgroup's start, then brought up to date
+// here, 64-byte chunk by chunk, with what each segment changed (so no copy before a segment, and
+// unchanged chunks cost one comparison).
+void tg_record_writes(Group& g, const Thread& t) {
   const size_t end = std::min(kArenaBytes, g.arena_used + kSpareChecked) / 2 * 2;
-  if (g.tg_writes.size() < end / 2) g.tg_writes.resize(kArenaBytes / 2);
-  for (size_t off = 0; off < end; off += 2) {
-    if (off % 64 == 0 && off + 64 <= used_before && std::memcmp(g.arena + off, g.tg_snap.data() + off, 64) == 0) {
-      off += 62;
-      continue;
-    }
-    const unsigned char* now = g.arena + off;
-    bool changed;
-    if (off + 2 <= used_before) changed = std::memcmp(now, g.tg_snap.data() + off, 2) != 0;
-    else if (off + 1 == used_before) changed = now[0] != g.tg_snap[off] || !is_poison(now + 1);
-    else changed = !(is_poison(now) && is_poison(now + 1));
-    if (!changed) continue;
-    if (!in_array(g, off) && !in_array(g, off + 1)) {
-      g.fail("threadgroup memory overflow: " + who(t) + " wrote " + arena_place(g, off) + " in its code after " +
-             (t.file ? site(t.op, t.file, t.line) : std::string("the kernel start")));
-      return;
-    }
-    TgWrite& s = g.tg_writes[off / 2];
-    const uintptr_t addr = reinterpret_cast<uintptr_t>(now) & ~uintptr_t(3);
-    if (s.writer && s.writer - 1 != t.index && s.epoch == g.epoch &&
-        !t_worker->atomic_word(addr)) {
-      const Thread& o = g.threads[s.writer - 1];
-      const bool ordered = o.ids.simd_id == t.ids.simd_id && s.simd_seq != t.view.simd_seq;
-      if (!ordered) {
-        auto code = [](const char* op, const char* file, int line) {
-          return file ? "in its code after " + site(op, file, line) : std::string("before its first sync point");
-        };
-        g.fail("threadgroup memory race: " + who(t) + " " + code(t.op, t.file, t.line) + " and " + who(o) + " " +
-               code(s.op, s.file, s.line) + " both wrote " + arena_place(g, off) +
-               " with no threadgroup_barrier between them" +
-               (o.ids.simd_id == t.ids.simd_id ? " (same simdgroup, no simd collective or simdgroup_barrier between)" : "") +
-               "; on a GPU one write is lost (a non-atomic read-modify-write such as += from several threads, "
-               "or two threads given one slot)");
-        return;
+  if (g.tg_writes.size() < end / 2) g.tg_writes.resize(end / 2);  // new entries: not written
+  unsigned char* snap = g.tg_snap.data();
+  for_changed_chunks(g.arena, snap, end, [&](size_t chunk, size_t chunk_end) {
+    for (size_t off = chunk; off < chunk_end; off += 2) {
+      const unsigned char* now = g.arena + off;
+      if (now[0] == snap[off] && now[1] == snap[off + 1]) continue;
+      if (!in_array(g, off) && !in_array(g, off + 1)) {
+        g.fail("threadgroup memory overflow: " + who(t) + " wrote " + arena_place(g, off) + " in its code after " +
+               (t.file ? site(t.op, t.file, t.line) : std::string("the kernel start")));
+        return false;
       }
+      TgWrite& s = g.tg_writes[off / 2];
+      const uintptr_t addr = reinterpret_cast<uintptr_t>(now) & ~uintptr_t(3);
+      if (s.writer && s.writer - 1 != t.index && s.epoch == g.epoch &&
+          !t_worker->atomic_word(addr)) {
+        const Thread& o = g.threads[s.writer - 1];
+        const bool ordered = o.ids.simd_id == t.ids.simd_id && s.simd_seq != t.view.simd_seq;
+        if (!ordered) {
+          auto code = [](const char* op, const char* file, int line) {
+            return file ? "in its code after " + site(op, file, line) : std::string("before its first sync point");
+          };
+          g.fail("threadgroup memory race: " + who(t) + " " + code(t.op, t.file, t.line) + " and " + who(o) + " " +
+                 code(s.op, s.file, s.line) + " both wrote " + arena_place(g, off) +
+                 " with no threadgroup_barrier between them" +
+                 (o.ids.simd_id == t.ids.simd_id ? " (same simdgroup, no simd collective or simdgroup_barrier between)" : "") +
+                 "; on a GPU one write is lost (a non-atomic read-modify-write such as += from several threads, "
+                 "or two threads given one slot)");
+          return false;
+        }
+      }
+      s = {t.index + 1, g.epoch, t.view.simd_seq, t.op, t.file, t.line};
+      g.tg_writes_end = std::max(g.tg_writes_end, off / 2 + 1);
     }
-    s = {t.index + 1, g.epoch, t.view.simd_seq, t.op, t.file, t.line};
-  }
+    std::memcpy(snap + chunk, g.arena + chunk, chunk_end - chunk);
+    return true;
+  });
 }
 
 // Runs one fiber to its next sync point (and, with the race detector, records its writes).
 void resume(Worker& w, Group& g, Thread& t) {
-  size_t used = 0;
-  if (g.races) {
-    used = g.arena_used;
-    if (used) std::memcpy(g.tg_snap.data(), g.arena, used);
-  }
   w.running = &t;
   t.fiber->resume();
   w.running = nullptr;
-  if (g.races && g.error.empty()) tg_record_writes(g, t, used);
+  if (g.races && g.error.empty()) tg_record_writes(g, t);
 }
 
 // Order::ahead: each simdgroup in turn runs until none of its lanes can move (all at a threadgroup
@@ -743,7 +771,7 @@ void run(const Launch& L, const RunOptions& opt) {
     const BoundBuffer* b;
     unsigned char* data;
     size_t bytes;
-    std::vector<unsigned char> snap;
+    std::vector<unsigned char> snap;  // the binding as the running threadgroup found it
     std::vector<uint64_t> writer;  // per 2-byte unit (bfloat is the smallest store): threadgroup + 1
   };
   std::vector<DeviceWrites> dev_writes;
@@ -751,7 +779,10 @@ void run(const Launch& L, const RunOptions& opt) {
     for (uint32_t i = 0; i < k->num_buffers; ++i)
       if (!k->buffers[i].read_only)
         dev_writes.push_back({&bound[i], static_cast<unsigned char*>(ptrs[i]), L.buffers[i].bytes, {}, {}});
-  for (DeviceWrites& d : dev_writes) d.writer.assign((d.bytes + 1) / 2, 0);
+  for (DeviceWrites& d : dev_writes) {
+    d.writer.assign((d.bytes + 1) / 2, 0);
+    d.snap.assign(d.data, d.data + d.bytes);  // kept up to date chunk by chunk after each threadgroup
+  }
 
   // Threadgroup order.
   const uint64_t ngroups = L.groups.count();
@@ -789,9 +820,12 @@ void run(const Launch& L, const RunOptions& opt) {
       g.metal_used = 0;
       g.epoch = 0;
       g.error.clear();
-      poison_bytes(w.arena, kArenaBytes);
-      if (g.races) std::fill(g.tg_writes.begin(), g.tg_writes.end(), TgWrite{});
-      for (DeviceWrites& d : dev_writes) d.snap.assign(d.data, d.data + d.bytes);
+      std::memcpy(w.arena, arena_poison(), kArenaBytes);
+      if (g.races) {
+        std::fill(g.tg_writes.begin(), g.tg_writes.begin() + g.tg_writes_end, TgWrite{});
+        g.tg_writes_end = 0;
+        std::memcpy(g.tg_snap.data(), arena_poison(), kArenaBytes);
+      }
       for (uint32_t i = 0; i < n; ++i) {
         Thread& t = g.threads[i];
         t = Thread{};
@@ -821,28 +855,27 @@ void run(const Launch& L, const RunOptions& opt) {
       if (g.error.empty()) check_red_zones(g);
       for (DeviceWrites& d : dev_writes) {
         if (!g.error.empty()) break;
-        for (size_t off = 0; off < d.bytes; off += 2) {
-          if (off % 64 == 0 && off + 64 <= d.bytes && std::memcmp(d.data + off, d.snap.data() + off, 64) == 0) {
-            off += 62;
-            continue;
+        for_changed_chunks(d.data, d.snap.data(), d.bytes, [&](size_t chunk, size_t chunk_end) {
+          for (size_t off = chunk; off < chunk_end; off += 2) {
+            const size_t len = std::min<size_t>(2, d.bytes - off);
+            if (std::memcmp(d.data + off, d.snap.data() + off, len) == 0) continue;
+            uint64_t& wr = d.writer[off / 2];
+            const uintptr_t addr = reinterpret_cast<uintptr_t>(d.data + off) & ~uintptr_t(3);
+            if (wr && wr != gi + 1 && !w.atomic_word(addr)) {
+              const uint64_t og = wr - 1;
+              const uint32_t op[3] = {uint32_t(og % L.groups.x), uint32_t((og / L.groups.x) % L.groups.y),
+                                      uint32_t(og / (uint64_t(L.groups.x) * L.groups.y))};
+              g.fail("device memory race: threadgroups " + xyz(op) + " and " + xyz(g.group_pos) +
+                     " both wrote byte offset " + std::to_string(off) + " of " + d.b->name() +
+                     " (threadgroups are not ordered: non-atomic writes to one word from two of them race - "
+                     "e.g. two tokens or heads sharing one scratch slot)");
+              return false;
+            }
+            wr = gi + 1;
           }
-          const size_t len = std::min<size_t>(2, d.bytes - off);
-          if (std::memcmp(d.data + off, d.snap.data() + off, len) == 0) continue;
-          uint64_t& wr = d.writer[off / 2];
-          const uintptr_t addr = reinterpret_cast<uintptr_t>(d.data + off) & ~uintptr_t(3);
-          if (wr && wr != gi + 1 &&
-              !w.atomic_word(addr)) {
-            const uint64_t og = wr - 1;
-            const uint32_t op[3] = {uint32_t(og % L.groups.x), uint32_t((og / L.groups.x) % L.groups.y),
-                                    uint32_t(og / (uint64_t(L.groups.x) * L.groups.y))};
-            g.fail("device memory race: threadgroups " + xyz(op) + " and " + xyz(g.group_pos) +
-                   " both wrote byte offset " + std::to_string(off) + " of " + d.b->name() +
-                   " (threadgroups are not ordered: non-atomic writes to one word from two of them race - "
-                   "e.g. two tokens or heads sharing one scratch slot)");
-            break;
-          }
-          wr = gi + 1;
-        }
+          std::memcpy(d.snap.data() + chunk, d.data + chunk, chunk_end - chunk);
+          return true;
+        });
       }
       if (!g.error.empty()) {
         error = g.error;
