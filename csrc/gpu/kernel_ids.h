@@ -258,6 +258,8 @@
   X(sample_select,             SampleArgs, 2) /* state, hist */               \
   X(sample_collect_f32,        SampleArgs, 4) /* logits, state, hist, partials */ \
   X(sample_resolve_f32,        SampleArgs, 6) /* logits, state, hist, partials, ids, chosen_logit */ \
+  X(sample_lse_partial_f32,    SampleArgs, 3) /* logits, state, sums */      \
+  X(sample_logprobs,           SampleArgs, 5) /* state, candidates, sums, chosen_logit, logprobs */ \
   X(sample_noise,              SampleArgs, 1) /* out */
 // clang-format on
 

@@ -27,6 +27,10 @@ enum : uint32_t {
   kSampleCumWords = 4,                             // cumulative bucket: count, mass lo, hi, pad
   // Per-row words of the hist scratch (bucket route): buckets, cumulative buckets, candidates.
   kSampleRowWords = kSampleHistBins * (kSampleBinWords + kSampleCumWords) + 2 * kSampleCandidates,
+  kSampleMaxLogprobs = 20,                         // top_logprobs <= this
+  // Logprob record per (slot + row): word 0 the chosen token's logprob (float), word 1 the number
+  // n of top entries found (<= top_logprobs), then n (id, logprob) pairs, most likely first.
+  kSampleLogprobWords = 2 + 2 * kSampleMaxLogprobs,
   kSampleNoId = 0xFFFFFFFFu,                       // "no token" / the error sentinel id
   kSampleStatusNaN = 1,                            // a NaN logit below valid_vocab
   kSampleStatusPosInf = 2,                         // a +inf logit below valid_vocab

@@ -271,3 +271,23 @@ def sample(logits: np.ndarray, params: SamplingParams, step: int, seed: int) -> 
         z = fma32(logits - logits.max(), inv_t, gumbel(seed, step, logits.shape[0]))
     z = np.where(np.isneginf(logits), np.float32(-np.inf), z)
     return int(np.argmax(np.where(mask, z, -np.inf)))
+
+
+MAX_LOGPROBS = 20   # top_logprobs <= this (OpenAI's limit; the device record's size)
+
+
+def logprobs(logits: np.ndarray, token: int, top: int) -> tuple[float, np.ndarray, np.ndarray]:
+    """The model's distribution at a step: ``log_softmax(logits)`` of the raw float32 logits (no
+    temperature, no filters; OpenAI's ``logprobs``). Returns (logprob of ``token``, the ``top``
+    most likely ids int64, their logprobs float32). Order: ``float32(l - max l)`` descending,
+    ties to the lowest id (the device's order); values in float64, rounded to float32 (the
+    device sums float32 exponentials: it agrees within about 1e-6 absolute)."""
+    x = np.asarray(logits, dtype=np.float32)
+    m = x.max()
+    with np.errstate(invalid="ignore"):
+        s = (x - m).astype(np.float32)
+    lz = np.log(np.sum(np.exp(s.astype(np.float64))))
+    k = min(int(top), x.shape[0])
+    order = np.lexsort((np.arange(x.shape[0]), -s.astype(np.float64)))[:k]
+    return (float(np.float32(s[token] - lz)), order.astype(np.int64),
+            (s[order].astype(np.float64) - lz).astype(np.float32))

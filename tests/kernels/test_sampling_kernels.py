@@ -362,3 +362,62 @@ def test_bucket_route_splits_the_top_k_bucket(rng):
     ids, _, _, _, st = ops._sample(x, seed=1, step=2, temperature=1.0, top_k=150, top_p=0.5)
     assert st["split_k"] == [False] and ids[0] == ref_sample(x, dict(temperature=1.0, top_k=150, top_p=0.5), 2, 1)
     assert True in seen
+
+
+# ---- logprobs: log_softmax of the raw logits, after the sampler, on the device --------------
+
+LOGPROB_ROUTES = [dict(temperature=0.0), dict(temperature=1.0), dict(temperature=0.8, top_k=7),
+                  dict(temperature=0.9, top_p=0.9, min_p=0.01)]
+
+
+def test_logprob_constant_matches_extension():
+    assert core.ops.SAMPLE_MAX_LOGPROBS == S.MAX_LOGPROBS == 20
+
+
+@pytest.mark.parametrize("params", LOGPROB_ROUTES, ids=["greedy", "plain", "small-k", "buckets"])
+@pytest.mark.parametrize("v", [1, 33, 2049, 5001])
+def test_logprobs_match_numpy(rng, device, params, v):
+    """Every route, odd vocabularies (one group, a partial second group): the sampled token is the
+    reference's, its logprob and the top-k ids / logprobs match log_softmax in float64 (ids exactly,
+    values within 2e-6: float32 exponentials summed on the device, lily_log)."""
+    for trial, k in enumerate((0, 1, 20)):
+        x = random_logits(rng, v, ties=trial == 1, neg_inf=trial == 2)
+        seed, step = int(rng.integers(0, 2**63)), int(rng.integers(0, 1000))
+        ids, chosen, top_ids, top_lps = ops.sample_logprobs(x, top_logprobs=k, seed=seed, step=step,
+                                                            device=device, **params)
+        tok = ref_sample(x, params, step, seed)
+        assert ids[0] == tok, f"v={v} {params} rng {rng.seed}"
+        want_c, want_ids, want_lps = S.logprobs(x, tok, k)
+        np.testing.assert_allclose(chosen[0], want_c, rtol=1e-6, atol=2e-6)
+        np.testing.assert_array_equal(top_ids[0], want_ids)
+        np.testing.assert_allclose(top_lps[0], want_lps, rtol=1e-6, atol=2e-6)
+        assert top_ids.shape == (1, min(k, v))
+        # Against an independent log_softmax in float64:
+        x64 = x.astype(np.float64)
+        lsm = x64 - x64.max() - np.log(np.exp(x64 - x64.max()).sum())
+        np.testing.assert_allclose(chosen[0], lsm[tok], rtol=1e-6, atol=2e-6)
+        np.testing.assert_allclose(top_lps[0], np.sort(lsm)[::-1][:min(k, v)], rtol=1e-6, atol=2e-6)
+
+
+def test_logprobs_full_vocabulary_batch_and_valid_vocab(rng):
+    v, valid = FULL_V, FULL_V - 77
+    x = np.stack([random_logits(rng, v) for _ in range(2)])
+    x[:, valid:] = 50.0                      # padding ids: never in the distribution
+    ids, chosen, top_ids, top_lps = ops.sample_logprobs(x, top_logprobs=5, temperature=1.0, seed=3, step=4,
+                                                        valid_vocab=valid)
+    for r in range(2):
+        want_c, want_ids, want_lps = S.logprobs(x[r, :valid], int(ids[r]), 5)
+        np.testing.assert_allclose(chosen[r], want_c, rtol=1e-6, atol=1e-5)
+        np.testing.assert_array_equal(top_ids[r], want_ids)
+        np.testing.assert_allclose(top_lps[r], want_lps, rtol=1e-6, atol=1e-5)
+    # the logprobs passes: + candidates and sums (one level), + the record (one level)
+    *_, stats = ops._sample(x[:1], temperature=1.0, seed=3, step=4, logprobs=5)
+    assert stats["dispatches"] == stats["planned_dispatches"] == 4 + 3 and stats["barriers"] == 4 + 1
+    *_, stats = ops._sample(x[:1], temperature=0.0, seed=3, step=4, logprobs=0)
+    assert stats["kernels"][-2:] == ["sample_lse_partial_f32", "sample_logprobs"] and stats["dispatches"] == 4
+
+
+@pytest.mark.parametrize("k", [-2, 21, 1.5])
+def test_logprobs_bad_count_raises(k):
+    with pytest.raises(ValueError, match="top_logprobs"):
+        ops.sample_logprobs(np.zeros(5, np.float32), top_logprobs=k)
