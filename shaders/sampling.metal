@@ -130,19 +130,28 @@ inline SamplePartial sample_empty() {
 
 // ---------------------------------------------------------------------------------------------
 // sample_max_partial: per (row, group) the largest finite-or--inf logit and its lowest id, and
-// NaN / +inf detection. grid (G, R) x 64.
+// NaN / +inf detection. grid (G, R) x 64. With args.masked, the allowed-token bitset (bit i % 32
+// of word i / 32 of the row's mask; a constraint's mask) is applied first, in place: a disallowed
+// entry's logit becomes -inf, so every later pass of every route (and the logprob pass) sees
+// the masked row: disallowed tokens have probability zero.
 template <typename T>
 [[kernel]] void sample_max_partial(constant SampleArgs& args [[buffer(0)]],
-                                   const device T* logits [[buffer(1)]],
+                                   device T* logits [[buffer(1)]],
                                    device SamplePartial* part [[buffer(2)]],
+                                   const device uint32_t* mask [[buffer(3)]],
                                    LILY_KERNEL_TAIL) {
   LILY_TG_ARRAY(uint32_t, recs, [kSampleThreads * kSampleRecordWords]);
   const uint32_t row = group_pos.y, g = group_pos.x;
-  const device T* lr = logits + ulong(row) * args.stride;
+  device T* lr = logits + ulong(row) * args.stride;
+  const device uint32_t* mr = mask + ulong(row) * args.mask_stride;
   SamplePartial p = sample_empty();
   for (uint32_t r = 0; r < kSampleStrip; ++r) {
     const uint32_t i = sample_entry(g, simd_id, lane, r);
     if (i >= args.valid_vocab) break;
+    if (args.masked != 0 && ((mr[i >> 5] >> (i & 31u)) & 1u) == 0) {
+      lr[i] = T(-as_type<float>(0x7F800000u));
+      continue;
+    }
     const float l = float(lr[i]);
     if (isnan(l) || (isinf(l) && l > 0.0f)) {
       p.status |= isnan(l) ? uint32_t(kSampleStatusNaN) : uint32_t(kSampleStatusPosInf);

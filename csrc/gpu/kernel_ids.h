@@ -247,7 +247,7 @@
   X(attn_vec_combine_e8_f32, AttnArgs, 4)                                \
   X(attn_vec_combine_e8_bf16, AttnArgs, 4)                                \
   /* argmax / sampling (shaders/sampling.metal; host csrc/gpu/ops/sampling.cpp) */ \
-  X(sample_max_partial_f32,    SampleArgs, 2) /* logits, partials */          \
+  X(sample_max_partial_f32,    SampleArgs, 3) /* logits (masked in place), partials, mask */ \
   X(sample_max_final,          SampleArgs, 4) /* partials, state, ids, chosen_logit */ \
   X(sample_max_final_buckets,  SampleArgs, 3) /* partials, state, hist (zeroed) */ \
   X(sample_gumbel_partial_f32, SampleArgs, 3) /* logits, state, partials */   \

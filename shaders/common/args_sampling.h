@@ -54,6 +54,8 @@ struct SampleArgs {
   uint32_t cap;              // bucket route: candidates collected at most (<= kSampleCandidates)
   uint32_t greedy;           // max_final: 1 = write the argmax as the chosen token
   uint32_t buckets;          // max_final: 1 = zero the bucket histogram of the row (bucket route)
+  uint32_t masked;           // max_partial: 1 = apply the allowed-token bitset (disallowed -> -inf in place)
+  uint32_t mask_stride;      // words between rows of the bitset
 };
 
 // Per-(row, threadgroup) result of a partial kernel (max, gumbel).

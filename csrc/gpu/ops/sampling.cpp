@@ -32,6 +32,7 @@ float min_p_threshold(double m) {
 }  // namespace
 
 uint32_t sample_groups(uint32_t valid_vocab) { return ceil_div(valid_vocab, kSampleChunk); }
+uint32_t mask_words(uint32_t valid_vocab) { return ceil_div(valid_vocab, 32); }
 
 uint32_t SamplePlan::dispatches() const {
   const uint32_t lp = logprobs < 0 ? 0u : logprobs == 0 ? 2u : 3u;
@@ -94,6 +95,7 @@ void validate(const SampleOperands& op) {
   need(op.chosen_logit, (uint64_t(op.slot) + op.rows) * 4, "chosen_logit");
   need(op.state, sample_state_bytes(op.rows), "state");
   need(op.partials, sample_partials_bytes(op.rows, op.valid_vocab), "partials");
+  if (op.mask.buffer != nullptr) need(op.mask, uint64_t(op.rows) * mask_words(op.valid_vocab) * 4, "mask");
   if (s.logprobs >= 0) need(op.logprobs, (uint64_t(op.slot) + op.rows) * kSampleLogprobWords * 4, "logprobs");
   if (sample_plan(op).small_k || sample_plan(op).buckets || s.logprobs > 0) need(op.hist, sample_hist_bytes(op.rows, op.valid_vocab), "hist");
 }
@@ -120,6 +122,8 @@ void encode_sample(Encoder& enc, const SampleOperands& op) {
   a.buckets = plan.buckets ? 1 : 0;
   a.bin_scale = plan.buckets ? sample_bin_scale(s.temperature) : 1.0f;
   a.cap = op.candidate_cap;
+  a.masked = op.mask.buffer != nullptr ? 1 : 0;
+  a.mask_stride = mask_words(op.valid_vocab);
 
   const Binding logits = range(op.logits, ((uint64_t(op.rows) - 1) * op.stride + op.valid_vocab) * 4);
   const Binding ids = range(op.ids, (uint64_t(op.slot) + op.rows) * 4);
@@ -143,7 +147,10 @@ void encode_sample(Encoder& enc, const SampleOperands& op) {
   };
 
   auto route = [&] {
-    begin(KernelId::sample_max_partial_f32, {logits, parts});
+    // Unmasked: the state binding stands in for the mask (never read).
+    begin(KernelId::sample_max_partial_f32,
+          {logits, parts, a.masked ? range(op.mask, uint64_t(op.rows) * a.mask_stride * 4) : state});
+    if (!a.masked) enc.set_touched(3, 0);
     enc.dispatch(partial_grid, partial_threads);
     if (plan.buckets) {
       begin(KernelId::sample_max_final_buckets, {parts, state, hist});

@@ -27,6 +27,9 @@ struct SampleOperands {
   Binding partials;      // scratch: SamplePartial [rows * groups]
   Binding hist;          // scratch (sampling only): small-k candidates / bucket route words
   Binding logprobs;      // uint32 [>= (slot + rows) * kSampleLogprobWords] (params.logprobs >= 0)
+  // Optional allowed-token bitset, uint32 [rows, ceil(valid_vocab / 32)] (bit i % 32 of word
+  // i / 32: token i allowed). Bound: disallowed logits become -inf in place before every route.
+  Binding mask;
   uint32_t rows = 0, stride = 0, valid_vocab = 0, slot = 0;
   SampleParams params;
   // Bucket route: candidates collected at most before resolve scans the row instead (tests lower
@@ -45,6 +48,7 @@ struct SamplePlan {
 };
 
 uint32_t sample_groups(uint32_t valid_vocab);  // partial threadgroups per row
+uint32_t mask_words(uint32_t valid_vocab);     // uint32 words of a row's allowed-token bitset
 SamplePlan sample_plan(const SampleOperands& op);
 // Scratch sizes in bytes for rows x valid_vocab.
 size_t sample_state_bytes(uint32_t rows);
