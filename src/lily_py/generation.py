@@ -70,6 +70,7 @@ class GenerationChunk:
     tool_call_errors: list[ToolCallError] = field(default_factory=list)
     raw: str = ""
     logprobs: TokenLogprob | None = None
+    error: str = ""             # finish_reason "error": why (a constraint that admits no token)
 
 
 class StopMatcher:
