@@ -20,7 +20,7 @@ def _llguidance():
 
 
 _TOKENIZERS: dict[int, object] = {}
-# JSON without free whitespace (one space after ',' and ':'): a model that does not know JSON
+# Compact JSON (no whitespace between tokens): a model that does not know JSON
 # cannot fill max_tokens with newlines; a schema's own "x-guidance" options override this.
 _JSON_DEFAULTS = {"whitespace_flexible": False}
 
