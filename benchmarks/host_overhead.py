@@ -16,6 +16,11 @@ Runs on the counting device, which encodes every step and runs nothing:
    other processes taking the CPU) and mean.
 3. Time to first token of the same model, host work only (prefill of 16 tokens + first sample),
    greedy and with temperature / top-k / top-p.
+4. A response_format constraint (llguidance): per token of a JSON answer to a nested schema, the
+   matcher's next-token bitset (compute_bitmask) and its advance (consume_token), on the demo
+   tokenizer (2,048 ids: the real 248K-id Qwen3.6 tokenizer is not available offline), median;
+   and the host's added work per token on a 248,320-entry row in the current host path
+   (unpack the bitset, mask the row). `--constraint-only` runs just this part.
 
 Timings depend on the machine and its load: they are measurements of this machine, not of a Mac.
 """
@@ -111,16 +116,66 @@ def first_token(path: str) -> None:
                   f"median {statistics.median(ts) * 1e3:8.2f} ms")
 
 
+def constraint_cost(n: int = 200) -> None:
+    import json
+
+    import numpy as np
+
+    from lily_py.constraints import Constraint
+    from lily_py.sampling import unpack_mask
+    from lily_py.tokenizer import Tokenizer
+    tok = Tokenizer.from_dir(demo_path())
+    schema = {"type": "object", "properties": {"mood": {"enum": ["calm", "busy"]},
+                                               "tags": {"type": "array", "items": {"enum": ["a", "b"]}},
+                                               "inner": {"type": "object", "properties": {"n": {"type": "boolean"}},
+                                                         "required": ["n"]}},
+              "required": ["mood", "inner"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"schema": schema}}
+    answer = tok.encode(json.dumps({"mood": "calm", "tags": ["a", "b", "a"], "inner": {"n": True}},
+                                   separators=(",", ":")))
+    masks, consumes = [], []
+    for _ in range(max(1, n // len(answer))):
+        c = Constraint(fmt, tok, tok.token_to_id("<|im_end|>"), tok.vocab_size)
+        for t in answer:
+            t0 = time.perf_counter()
+            c.allowed()
+            t1 = time.perf_counter()
+            c.consume(t)
+            t2 = time.perf_counter()
+            masks.append(t1 - t0)
+            consumes.append(t2 - t1)
+    print(f"constraint (llguidance, demo tokenizer {tok.vocab_size} ids, {len(masks)} tokens): per token "
+          f"bitset median {statistics.median(masks) * 1e6:6.1f} us, consume median "
+          f"{statistics.median(consumes) * 1e6:6.1f} us")
+    v = REAL_TEXT_CONFIG["vocab_size"]
+    rng = np.random.default_rng(0)
+    words = rng.integers(0, 2**32, -(-v // 32), dtype=np.uint64).astype(np.uint32)
+    row = rng.standard_normal(v).astype(np.float32)
+    ts = []
+    for _ in range(50):
+        t0 = time.perf_counter()
+        allowed = unpack_mask(words, v)
+        np.where(allowed, row, np.float32(-np.inf))
+        ts.append(time.perf_counter() - t0)
+    print(f"host path per token at {v} ids: unpack the bitset + mask the row, median "
+          f"{statistics.median(ts) * 1e6:8.1f} us")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=2000)
     ap.add_argument("--repeat", type=int, default=200)
+    ap.add_argument("--constraint-only", action="store_true")
     a = ap.parse_args()
+    if a.constraint_only:
+        constraint_cost()
+        return
     encode_times(a.repeat)
     with tempfile.TemporaryDirectory() as d:
         path = tiny_real_vocab(d)
         python_overhead(path, a.tokens)
         first_token(path)
+    constraint_cost()
 
 
 if __name__ == "__main__":

@@ -50,6 +50,9 @@ FULL_TIER: dict[str, str] = {
     "tests/kernels/test_sampling_kernels.py::test_top_p_tie_at_the_cutoff_keeps_lowest_ids[[]emu]": (
         "13 s on the emulator; quick keeps the same test on the reference sampler and the other "
         "tie tests"),
+    "tests/api/test_structured.py::test_json_schema_answers_validate_20_seeds_of_20[[]*": (
+        "the done-when run, 20 seeds per backend (about 9 min, mostly the emulator); quick keeps "
+        "3 reference seeds and 1 emu seed of the same schema"),
     # tests/reference and tools
     "tests/reference/test_reference_model.py::test_full_size_shapes_in_bounded_memory": (
         "the real 35B shapes through the reference in bounded memory (28 s); quick keeps every "

@@ -7,6 +7,8 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -109,6 +111,7 @@ core::StepSampling sampling_from(nb::object sample, bool from_slot) {
   s.params.seed = get<uint64_t>(d, "seed");
   s.params.step = get<uint32_t>(d, "step");
   s.valid_vocab = get<uint32_t>(d, "valid_vocab");
+  if (d.contains("logprobs")) s.params.logprobs = nb::cast<int32_t>(d["logprobs"]);
   return s;
 }
 
@@ -292,6 +295,23 @@ void init_engine(nb::module_& m) {
           },
           "Wait for the oldest step in flight; its sampled token (None if it did not sample). The "
           "logits stay on the device (last_logits()); stats via last_stats().")
+      .def(
+          "last_logprobs",
+          [](const core::Engine& e) {
+            const uint32_t* r = e.logprob_record();
+            float chosen;
+            std::memcpy(&chosen, r, 4);
+            const uint32_t n = std::min<uint32_t>(r[1], kSampleMaxLogprobs);
+            std::vector<uint32_t> ids(n);
+            std::vector<float> lps(n);
+            for (uint32_t j = 0; j < n; ++j) {
+              ids[j] = r[2 + 2 * j];
+              std::memcpy(&lps[j], r + 3 + 2 * j, 4);
+            }
+            return nb::make_tuple(chosen, download<uint32_t>(ids.data(), {n}), download<float>(lps.data(), {n}));
+          },
+          "(logprob of the sampled token, top ids, top logprobs) of the last completed sampling step "
+          "(its sampling dict had logprobs=k >= 0): 2 + 2k words read from the device, no logits row.")
       .def(
           "last_logits",
           [](const core::Engine& e) {

@@ -40,6 +40,11 @@ nb::list kernel_names(const gpu::ops::SamplePlan& plan) {
     add(gpu::KernelId::sample_collect_f32);
     add(gpu::KernelId::sample_resolve_f32);
   }
+  if (plan.logprobs > 0) add(gpu::KernelId::sample_topk_partial_f32);
+  if (plan.logprobs >= 0) {
+    add(gpu::KernelId::sample_lse_partial_f32);
+    add(gpu::KernelId::sample_logprobs);
+  }
   return k;
 }
 
@@ -48,18 +53,20 @@ nb::list kernel_names(const gpu::ops::SamplePlan& plan) {
 void init_ops_sampling(nb::module_& m) {
   m.attr("SAMPLE_NO_ID") = static_cast<uint32_t>(kSampleNoId);
   m.attr("SAMPLE_CHUNK") = static_cast<uint32_t>(kSampleChunk);
+  m.attr("SAMPLE_MAX_LOGPROBS") = static_cast<uint32_t>(kSampleMaxLogprobs);
   m.def(
       "sample",
       [](InArray logits, uint32_t valid_vocab, bool greedy, double temperature, uint32_t top_k, double top_p,
          double min_p, uint64_t seed, uint32_t step, uint32_t slot, const std::string& device,
-         const std::string& order, uint64_t emu_seed, bool fp_traps, uint32_t candidate_cap) {
+         const std::string& order, uint64_t emu_seed, bool fp_traps, uint32_t candidate_cap, int32_t logprobs,
+         nb::object mask) {
         LILY_REQUIRE(logits.ndim() == 2 && logits.dtype() == nb::dtype<float>(), "sample: logits must be a 2-D float32 array");
         gpu::ops::SampleOperands op;
         op.rows = static_cast<uint32_t>(logits.shape(0));
         op.stride = static_cast<uint32_t>(logits.shape(1));
         op.valid_vocab = valid_vocab;
         op.slot = slot;
-        op.params = {greedy, temperature, top_k, top_p, min_p, seed, step};
+        op.params = {greedy, temperature, top_k, top_p, min_p, seed, step, logprobs};
         op.candidate_cap = candidate_cap;
         auto dev = make_device(device, order, emu_seed, fp_traps);
         std::vector<std::unique_ptr<gpu::Buffer>> bufs;
@@ -76,6 +83,14 @@ void init_ops_sampling(nb::module_& m) {
         op.state = buffer(gpu::ops::sample_state_bytes(op.rows), -1);
         op.partials = buffer(gpu::ops::sample_partials_bytes(op.rows, valid_vocab), -1);
         op.hist = buffer(gpu::ops::sample_hist_bytes(op.rows, valid_vocab), -1);
+        if (!mask.is_none()) {
+          auto m = nb::cast<nb::ndarray<const uint32_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>>(mask);
+          LILY_REQUIRE(m.shape(0) == op.rows && m.shape(1) == gpu::ops::mask_words(valid_vocab),
+                       "sample: mask must be uint32 [rows, ceil(valid_vocab / 32)]");
+          op.mask = buffer(m.nbytes(), -1);
+          std::memcpy(op.mask.buffer->contents(), m.data(), m.nbytes());
+        }
+        if (logprobs >= 0) op.logprobs = buffer(out_n * kSampleLogprobWords * 4, 0xAB);
         gpu::ops::validate(op);
         const gpu::ops::SamplePlan plan = gpu::ops::sample_plan(op);
         auto enc = dev->new_encoder();
@@ -108,6 +123,8 @@ void init_ops_sampling(nb::module_& m) {
         stats["fallback"] = fallback;
         stats["collected"] = collected;
         stats["split_k"] = split_k;
+        if (logprobs >= 0)  // the records [slot + R, kSampleLogprobWords] as uint32 words
+          stats["logprobs"] = download<uint32_t>(op.logprobs.buffer->contents(), {out_n, size_t(kSampleLogprobWords)});
         return nb::make_tuple(download<uint32_t>(op.ids.buffer->contents(), {out_n}),
                               download<float>(op.chosen_logit.buffer->contents(), {out_n}),
                               download<uint32_t>(status.data(), {op.rows}), download<uint32_t>(bad.data(), {op.rows}),
@@ -115,7 +132,7 @@ void init_ops_sampling(nb::module_& m) {
       },
       "logits"_a, nb::kw_only(), "valid_vocab"_a, "greedy"_a, "temperature"_a, "top_k"_a, "top_p"_a, "min_p"_a,
       "seed"_a, "step"_a, "slot"_a, "device"_a = "emu", "order"_a = "shuffle", "emu_seed"_a = 0, "fp_traps"_a = true,
-      "candidate_cap"_a = static_cast<uint32_t>(kSampleCandidates),
+      "candidate_cap"_a = static_cast<uint32_t>(kSampleCandidates), "logprobs"_a = -1, "mask"_a = nb::none(),
       "Argmax / sampling of each row of logits [R, V]; returns (ids [slot + R], chosen_logit [slot + R], status [R], "
       "bad_id [R], stats). Use lily_py.ops.argmax / lily_py.ops.sample.");
   m.def(

@@ -199,6 +199,7 @@ void build_buffers(const ModelSpec& s, Allocator& a, gpu::ModelBuffers& m_, bool
   t.sample_state = a.scratch(2 * gpu::ops::sample_state_bytes(1));
   t.sample_partials = a.scratch(gpu::ops::sample_partials_bytes(1, uint32_t(V)));
   t.sample_hist = a.scratch(gpu::ops::sample_hist_bytes(1, uint32_t(V)));
+  t.logprobs = a.scratch(2 * kSampleLogprobWords * 4);
 }
 
 // Sizes only: nothing is allocated.
@@ -690,6 +691,7 @@ StepStats Engine::complete(float* logits) {
                         (state->bad_id != 0xFFFFFFFFu ? " at token id " + num(state->bad_id) : std::string(" (all -inf)")) +
                         " (numerical failure in the model)");
     }
+    lp_slot_ = f.slot;
     if (const auto* tok = static_cast<const uint32_t*>(m_.s.token_slot.buffer->contents())) st.token = tok[f.slot];
     if (const auto* l = static_cast<const float*>(m_.s.chosen_logit.buffer->contents())) st.token_logit = l[f.slot];
     last_ = st;
@@ -717,6 +719,7 @@ uint32_t Engine::sample_row(const float* row, const StepSampling& sampling) {
   so.state = gpu::Binding{m_.s.sample_state.buffer, m_.s.sample_state.offset, state_bytes};
   so.partials = m_.s.sample_partials;
   so.hist = m_.s.sample_hist;
+  so.logprobs = m_.s.logprobs;
   so.rows = 1;
   so.stride = uint32_t(V);
   so.valid_vocab = sampling.valid_vocab ? sampling.valid_vocab : uint32_t(V);
@@ -733,8 +736,15 @@ uint32_t Engine::sample_row(const float* row, const StepSampling& sampling) {
     throw SampleError("engine: the sampler found a non-finite logit" +
                       (state->bad_id != 0xFFFFFFFFu ? " at token id " + num(state->bad_id) : std::string(" (all -inf)")) +
                       " in the row given to sample_row");
+  lp_slot_ = 0;
   const auto* tok = static_cast<const uint32_t*>(m_.s.token_slot.buffer->contents());
   return tok[m_.s.token_slot.offset / 4];
+}
+
+const uint32_t* Engine::logprob_record() const {
+  const char* p = static_cast<const char*>(m_.s.logprobs.buffer->contents());
+  if (p == nullptr) fail("last_logprobs: device '" + std::string(device_->name()) + "' keeps no records");
+  return reinterpret_cast<const uint32_t*>(p + m_.s.logprobs.offset) + size_t(lp_slot_) * kSampleLogprobWords;
 }
 
 void Engine::last_logits(float* out) const {

@@ -127,6 +127,9 @@ class Engine {
   // buffer keeps them until the next step is submitted); needs no step in flight and a last step
   // that computed logits. Generation never copies logits per token: this is the "asked for" path.
   void last_logits(float* out) const;
+  // The logprob record (kSampleLogprobWords words, shaders/common/args_sampling.h) of the last
+  // completed sampling step or sample_row; meaningful when its sampling asked for logprobs.
+  const uint32_t* logprob_record() const;
   bool has_last_logits() const { return inflight_.empty() && last_rows_ != 0; }
   // Samples one token on the device from a logits row the host holds (float32 [vocab]; the
   // prompt cache's row when a whole prompt is restored and nothing is prefilled): copies it into
@@ -208,6 +211,7 @@ class Engine {
   MemoryPlan memory_;
   std::string memory_warning_;
   std::vector<PlannedKernel> plan_;
+  uint32_t lp_slot_ = 0;  // slot of the last completed sampling step's logprob record
   uint32_t last_rows_ = 0, last_slot_ = 0;  // logits rows / slot of the last completed step
   mutable uint64_t logit_bytes_copied_ = 0;
   std::vector<gpu::KernelCounters> counted_kernels_;

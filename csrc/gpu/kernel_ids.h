@@ -247,7 +247,7 @@
   X(attn_vec_combine_e8_f32, AttnArgs, 4)                                \
   X(attn_vec_combine_e8_bf16, AttnArgs, 4)                                \
   /* argmax / sampling (shaders/sampling.metal; host csrc/gpu/ops/sampling.cpp) */ \
-  X(sample_max_partial_f32,    SampleArgs, 2) /* logits, partials */          \
+  X(sample_max_partial_f32,    SampleArgs, 3) /* logits (masked in place), partials, mask */ \
   X(sample_max_final,          SampleArgs, 4) /* partials, state, ids, chosen_logit */ \
   X(sample_max_final_buckets,  SampleArgs, 3) /* partials, state, hist (zeroed) */ \
   X(sample_gumbel_partial_f32, SampleArgs, 3) /* logits, state, partials */   \
@@ -258,6 +258,8 @@
   X(sample_select,             SampleArgs, 2) /* state, hist */               \
   X(sample_collect_f32,        SampleArgs, 4) /* logits, state, hist, partials */ \
   X(sample_resolve_f32,        SampleArgs, 6) /* logits, state, hist, partials, ids, chosen_logit */ \
+  X(sample_lse_partial_f32,    SampleArgs, 3) /* logits, state, sums */      \
+  X(sample_logprobs,           SampleArgs, 5) /* state, candidates, sums, chosen_logit, logprobs */ \
   X(sample_noise,              SampleArgs, 1) /* out */
 // clang-format on
 

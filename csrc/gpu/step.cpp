@@ -326,6 +326,7 @@ void encode_step(Encoder& enc, const core::ModelSpec& spec, const ModelBuffers& 
   so.state = Binding{s.sample_state.buffer, s.sample_state.offset + p.slot * state_bytes, state_bytes};
   so.partials = s.sample_partials;
   so.hist = s.sample_hist;
+  so.logprobs = s.logprobs;
   so.rows = 1;
   so.stride = spec.vocab;
   so.valid_vocab = p.valid_vocab ? p.valid_vocab : spec.vocab;

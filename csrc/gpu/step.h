@@ -85,6 +85,7 @@ struct StepScratch {
   Binding chosen_logit;         // float32 [2]: their raw logits
   Binding sample_state;         // SampleState [2] (one per slot: the host reads its status)
   Binding sample_partials, sample_hist;  // sampler scratch for one row of V
+  Binding logprobs;             // uint32 [2, kSampleLogprobWords]: logprob records (one per slot)
 };
 
 struct ModelBuffers {

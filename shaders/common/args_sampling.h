@@ -27,6 +27,10 @@ enum : uint32_t {
   kSampleCumWords = 4,                             // cumulative bucket: count, mass lo, hi, pad
   // Per-row words of the hist scratch (bucket route): buckets, cumulative buckets, candidates.
   kSampleRowWords = kSampleHistBins * (kSampleBinWords + kSampleCumWords) + 2 * kSampleCandidates,
+  kSampleMaxLogprobs = 20,                         // top_logprobs <= this
+  // Logprob record per (slot + row): word 0 the chosen token's logprob (float), word 1 the number
+  // n of top entries found (<= top_logprobs), then n (id, logprob) pairs, most likely first.
+  kSampleLogprobWords = 2 + 2 * kSampleMaxLogprobs,
   kSampleNoId = 0xFFFFFFFFu,                       // "no token" / the error sentinel id
   kSampleStatusNaN = 1,                            // a NaN logit below valid_vocab
   kSampleStatusPosInf = 2,                         // a +inf logit below valid_vocab
@@ -50,6 +54,8 @@ struct SampleArgs {
   uint32_t cap;              // bucket route: candidates collected at most (<= kSampleCandidates)
   uint32_t greedy;           // max_final: 1 = write the argmax as the chosen token
   uint32_t buckets;          // max_final: 1 = zero the bucket histogram of the row (bucket route)
+  uint32_t masked;           // max_partial: 1 = apply the allowed-token bitset (disallowed -> -inf in place)
+  uint32_t mask_stride;      // words between rows of the bitset
 };
 
 // Per-(row, threadgroup) result of a partial kernel (max, gumbel).

@@ -9,7 +9,7 @@ from ._devices import DeviceStatus, auto_backend, device_info, devices, pipeline
 from .config import ModelConfig
 from .errors import (BackendError, BusyError, CheckpointError, ConfigError, ContextLengthError,
                      DeviceMemoryError, LilyError)
-from .generation import GenerationChunk, GenerationStats
+from .generation import GenerationChunk, GenerationStats, TokenLogprob
 from .model import DEFAULT_CONTEXT, DEFAULT_MAX_TOKENS, GenerationResult, Model, load
 from .parsing import ToolCall, ToolCallError
 from .prompt_cache import DEFAULT_PROMPT_CACHE_BYTES, PromptCache
@@ -21,7 +21,7 @@ from .tools.doctor import doctor
 __version__ = "0.1.0"
 
 __all__ = [
-    "load", "Model", "ModelConfig", "GenerationChunk", "GenerationStats", "GenerationResult",
+    "load", "Model", "ModelConfig", "GenerationChunk", "GenerationStats", "GenerationResult", "TokenLogprob",
     "SamplingParams", "demo_path", "LilyError", "ConfigError", "CheckpointError",
     "ContextLengthError", "BackendError", "BusyError", "ChatTemplateError", "doctor", "__version__",
     "DeviceMemoryError", "DeviceStatus", "devices", "device_info", "pipeline_limits", "auto_backend",

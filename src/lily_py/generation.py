@@ -37,6 +37,16 @@ class GenerationStats:
 
 
 @dataclass
+class TokenLogprob:
+    """The log-probability of a sampled token and the ``top`` most likely tokens at its step,
+    as ``(token id, logprob)`` pairs, most likely first. Taken from the model's distribution,
+    ``log_softmax`` of the raw logits (before temperature and the filters; docs/structured.md)."""
+    token: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
 class GenerationChunk:
     """One streamed piece of a generation.
 
@@ -48,7 +58,8 @@ class GenerationChunk:
     ``finish_reason`` is None until the last chunk, then "stop" (EOS token or stop string),
     "tool_calls" (stopped after calling tools), "length" (max_tokens reached),
     "context_length" (the context is full) or "cancelled" (``Model.cancel()``); the last chunk
-    also carries ``stats``. ``raw`` is this step's text before parsing.
+    also carries ``stats``. ``raw`` is this step's text before parsing. ``logprobs``: the
+    sampled token's ``TokenLogprob`` when ``generate(logprobs=True)``.
     """
     text: str
     token: int | None
@@ -58,6 +69,8 @@ class GenerationChunk:
     tool_calls: list[ToolCall] = field(default_factory=list)
     tool_call_errors: list[ToolCallError] = field(default_factory=list)
     raw: str = ""
+    logprobs: TokenLogprob | None = None
+    error: str = ""             # finish_reason "error": why (a constraint that admits no token)
 
 
 class StopMatcher:

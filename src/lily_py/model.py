@@ -24,11 +24,12 @@ import numpy as np
 from .checkpoint import ModelWeights, load_weights
 from .config import ModelConfig
 from .errors import BusyError, ContextLengthError
-from .generation import GenerationChunk, GenerationStats, StopMatcher
+from .generation import GenerationChunk, GenerationStats, StopMatcher, TokenLogprob
 from .parsing import OutputParser, ToolCall, ToolCallError, prompt_opens_reasoning
 from .prompt_cache import DEFAULT_PROMPT_CACHE_BYTES, PromptCache
 from .progress import ProgressCallback  # noqa: F401  (annotations)
-from .sampling import SamplingParams, sample
+from .sampling import MAX_LOGPROBS, SamplingParams, sample, unpack_mask
+from .sampling import logprobs as token_logprobs
 from .backends import BACKENDS, auto_backend, built_with_metal, make_backend, resolve_auto  # noqa: F401  (BACKENDS, auto_backend: public names)
 
 log = logging.getLogger("lily_py")
@@ -214,7 +215,8 @@ class Model:
                  stop: Sequence[str] | str | None = None, enable_thinking: bool | None = None,
                  tools: list | None = None, chat_template_kwargs: dict | None = None,
                  parse_output: bool | None = None,
-                 prefill_progress: "ProgressCallback | None" = None) -> Iterator[GenerationChunk]:
+                 prefill_progress: "ProgressCallback | None" = None, logprobs: bool = False,
+                 top_logprobs: int = 0, response_format: dict | None = None) -> Iterator[GenerationChunk]:
         """Stream a completion as ``GenerationChunk`` objects.
 
         ``prompt``: a string (fed as raw text), a list of chat messages
@@ -237,7 +239,30 @@ class Model:
         ``prefill_progress(done_tokens, total_tokens)``: called after each chunk of the prompt's
         prefill (tokens reused from the state or the prompt cache are not counted), as
         ``Model.prefill``'s ``progress``.
+        ``logprobs=True``: every chunk that carries a token also carries ``chunk.logprobs``
+        (``TokenLogprob``: the token's log-probability and the ``top_logprobs`` (0..20) most
+        likely tokens), from the model's distribution ``log_softmax(logits)`` before temperature
+        and filters; engine backends compute them on the device (docs/structured.md).
+        ``response_format``: constrain the answer (after ``</think>`` when the prompt opens
+        reasoning) to ``{"type": "json_schema", "json_schema": {"schema": ...}}``,
+        ``{"type": "json_object"}``, ``{"type": "regex", "regex": ...}``, ``{"type": "grammar",
+        "grammar": <Lark>}`` or ``{"type": "choice", "choices": [...]}`` (llguidance, the
+        ``structured`` extra). A bad schema / grammar raises ValueError with the compiler's
+        message; a constraint that admits no token ends with finish_reason "error".
         """
+        if not isinstance(logprobs, bool):
+            raise TypeError(f"logprobs must be True or False, got {logprobs!r}")
+        if isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int) \
+                or not 0 <= top_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {top_logprobs!r}")
+        if top_logprobs and not logprobs:
+            raise ValueError("top_logprobs needs logprobs=True")
+        constraint = None
+        if response_format is not None:
+            from .constraints import Constraint
+            tk = self._require_tokenizer()
+            constraint = Constraint(response_format, tk, min(self._eos_ids()),
+                                    min(tk.vocab_size, self.config.vocab_size))
         params = SamplingParams(_real("temperature", temperature), top_k, _real("top_p", top_p),
                                 _real("min_p", min_p), seed)
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
@@ -261,6 +286,11 @@ class Model:
             if text is None:
                 text = self._require_tokenizer().decode(ids[-16:])
             parser = OutputParser(reasoning=prompt_opens_reasoning(text), tools=tools)
+        if constraint is not None:
+            if text is None:
+                text = self._require_tokenizer().decode(ids[-16:])
+            constraint.think_end = self.tokenizer.token_to_id("</think>")
+            constraint.active = not (chat and prompt_opens_reasoning(text))
         with self._lock:
             if self._generating:
                 raise BusyError("this model is already generating; finish or close the other "
@@ -269,7 +299,8 @@ class Model:
             self._generating = True
             self._cancel.clear()
         try:
-            gen = self._generate(ids, points, params, max_tokens, stops, parser, prefill_progress)
+            gen = self._generate(ids, points, params, max_tokens, stops, parser, prefill_progress,
+                                 top_logprobs if logprobs else -1, constraint)
         except BaseException:
             self._generating = False
             raise
@@ -308,7 +339,7 @@ class Model:
 
     def _generate(self, ids: list[int], points: list[int], params: SamplingParams,
                   max_tokens: int, stops: list[str], parser: OutputParser | None,
-                  progress=None) -> Iterator[GenerationChunk]:
+                  progress=None, lp_top: int = -1, constraint=None) -> Iterator[GenerationChunk]:
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         t0 = time.perf_counter()
         cache = self.prompt_cache if self.prompt_cache.max_bytes > 0 else None
@@ -332,13 +363,16 @@ class Model:
         # The embedding/lm_head may have more rows than the tokenizer has ids (padding): those
         # ids can never be sampled.
         n_ids = self.tokenizer.vocab_size if self.tokenizer is not None else self.config.vocab_size
-        on_device = getattr(self._backend, "samples_on_device", False)
+        # A constraint's allowed set depends on the previous token: those generations sample each
+        # token on the host from the step's logits row with the mask (lily_py.sampling.sample,
+        # bit-identical to the device sampler with the same mask), one step at a time.
+        on_device = getattr(self._backend, "samples_on_device", False) and constraint is None
 
         def sample_args(step: int) -> dict:
             return dict(temperature=params.temperature,
                         top_k=min(int(params.top_k), self.config.vocab_size), top_p=params.top_p,
                         min_p=params.min_p, seed=int(seed) & 0xFFFFFFFFFFFFFFFF, step=step,
-                        valid_vocab=min(n_ids, self.config.vocab_size))
+                        valid_vocab=min(n_ids, self.config.vocab_size), logprobs=lp_top)
 
         # Engine backends sample the first token on the device, in the command buffer of the
         # prompt's last prefill step (its logits stay on the device).
@@ -393,6 +427,8 @@ class Model:
             return GenerationStats(len(ids), reuse, len(ids) - reuse, n, t_prefill,
                                    time.perf_counter() - t1, self.backend, cached)
 
+        lp = None              # this token's TokenLogprob (logprobs requested)
+
         def chunk(text: str, tok: int | None, finish: str | None = None,
                   n: int | None = None) -> GenerationChunk:
             """The chunk for the raw ``text``: split by the parser; on the last chunk
@@ -400,14 +436,23 @@ class Model:
             an EOS / stop string ended a generation that called tools."""
             if parser is None:
                 return GenerationChunk(text, tok, finish, None if finish is None else stats(n),
-                                       raw=text)
+                                       raw=text, logprobs=lp)
             d = parser.push(text)
             if finish is not None:
                 d += parser.finish()
                 if finish == "stop" and parser.n_tool_calls:
                     finish = "tool_calls"
             return GenerationChunk(d.text, tok, finish, None if finish is None else stats(n),
-                                   d.reasoning, d.tool_calls, d.errors, raw=text)
+                                   d.reasoning, d.tool_calls, d.errors, raw=text, logprobs=lp)
+
+        def host_logprob(row: np.ndarray, t: int) -> TokenLogprob:
+            valid = min(n_ids, row.shape[-1])
+            c, top_ids, top_lps = token_logprobs(row[:valid], t, lp_top)
+            return TokenLogprob(t, c, list(zip(top_ids.tolist(), top_lps.tolist())))
+
+        def device_logprob(t: int) -> TokenLogprob:
+            c, top_ids, top_lps = self._backend.last_logprobs()
+            return TokenLogprob(t, float(c), list(zip(top_ids.tolist(), top_lps.tolist())))
 
         # Engine backends sample decode steps on the device, inside the step's command buffer
         # (bit-identical to lily_py.sampling.sample), and keep two steps in flight: the step that
@@ -451,20 +496,43 @@ class Model:
             for n in range(max_tokens):
                 if n == 0 and first_tok is not None:
                     tok = first_tok
+                    lp = device_logprob(tok) if lp_top >= 0 else None
                 elif n == 0 and on_device:
                     # the prompt added no token (a prompt-cache hit or the state itself): the
                     # logits row is on the host; the device samples it (the sampler alone)
                     tok = self._backend.sample_row(logits, sample_args(0))
+                    lp = device_logprob(tok) if lp_top >= 0 else None
                 elif n == 0 or not on_device:
                     if n_ids < logits.shape[-1]:
                         logits = logits.copy()
                         logits[n_ids:] = -np.inf
-                    tok = sample(logits, params, n, seed)
+                    allowed = None
+                    if constraint is not None and constraint.active:
+                        valid = constraint.valid_vocab
+                        words = constraint.allowed()
+                        if not words.any():
+                            drain()
+                            yield GenerationChunk("", None, "error", stats(n), error=(
+                                "the response_format constraint admits no token here (a dead end"
+                                + (f": {constraint.error}" if constraint.error else "") + ")"))
+                            return
+                        allowed = np.zeros(logits.shape[-1], bool)
+                        allowed[:valid] = unpack_mask(words, valid)
+                        logits = np.where(allowed, logits, np.float32(-np.inf)).astype(np.float32)
+                    tok = sample(logits, params, n, seed, allowed=allowed)
+                    if constraint is not None:
+                        if constraint.active:
+                            constraint.consume(tok)
+                        elif tok == constraint.think_end:
+                            constraint.active = True
+                    lp = host_logprob(logits, tok) if lp_top >= 0 else None
                 else:
                     if n < max_tokens - 1 and self.position + in_flight + 1 <= self.context_length:
                         self._backend.submit_next(sampling, n + 1)   # feeds token n
                         in_flight += 1
                     tok = complete(tok)
+                    # the record of the step just completed (the step in flight writes the other slot)
+                    lp = device_logprob(tok) if lp_top >= 0 else None
                 if tok in eos:
                     drain()
                     feed_last(n)

@@ -248,9 +248,33 @@ def gumbel(seed: int, step: int, n: int) -> np.ndarray:
     return -log32(-log32(uniform(seed, step, n)))
 
 
-def sample(logits: np.ndarray, params: SamplingParams, step: int, seed: int) -> int:
-    """Choose the next token from ``logits [V]`` (float32)."""
+def pack_mask(allowed) -> np.ndarray:
+    """An allowed-token set (bool [V]) as the device's packed bitset: uint32 [ceil(V / 32)],
+    token i is bit i % 32 of word i // 32 (llguidance's and xgrammar's layout)."""
+    a = np.asarray(allowed, dtype=bool).reshape(-1)
+    bits = np.zeros(-(-a.shape[0] // 32) * 32, dtype=np.uint8)
+    bits[:a.shape[0]] = a
+    return np.packbits(bits.reshape(-1, 4, 8), axis=-1, bitorder="little").reshape(-1).view(np.uint32).copy()
+
+
+def unpack_mask(words, n: int) -> np.ndarray:
+    """The bool [n] allowed set of a packed bitset (inverse of ``pack_mask``)."""
+    w = np.ascontiguousarray(words, dtype=np.uint32).reshape(-1)
+    return np.unpackbits(w.view(np.uint8), bitorder="little")[:n].astype(bool)
+
+
+def sample(logits: np.ndarray, params: SamplingParams, step: int, seed: int,
+           allowed: np.ndarray | None = None) -> int:
+    """Choose the next token from ``logits [V]`` (float32). ``allowed`` (bool [V] or a packed
+    bitset, ``pack_mask``): a constraint's allowed tokens; every other logit becomes -inf first
+    (probability zero, as the device's masked max pass does), then the rule is unchanged."""
     logits = np.asarray(logits, dtype=np.float32)
+    if allowed is not None:
+        a = np.asarray(allowed)
+        a = unpack_mask(a, logits.shape[0]) if a.dtype == np.uint32 else a.astype(bool)
+        if a.shape != logits.shape:
+            raise ValueError(f"allowed has shape {a.shape}, logits {logits.shape}")
+        logits = np.where(a, logits, np.float32(-np.inf)).astype(np.float32)
     if np.isnan(logits).any() or np.isposinf(logits).any() or np.isneginf(logits).all():
         bad = int(np.flatnonzero(~np.isfinite(logits) & ~np.isneginf(logits))[0]) \
             if not np.isneginf(logits).all() else 0
@@ -271,3 +295,23 @@ def sample(logits: np.ndarray, params: SamplingParams, step: int, seed: int) -> 
         z = fma32(logits - logits.max(), inv_t, gumbel(seed, step, logits.shape[0]))
     z = np.where(np.isneginf(logits), np.float32(-np.inf), z)
     return int(np.argmax(np.where(mask, z, -np.inf)))
+
+
+MAX_LOGPROBS = 20   # top_logprobs <= this (OpenAI's limit; the device record's size)
+
+
+def logprobs(logits: np.ndarray, token: int, top: int) -> tuple[float, np.ndarray, np.ndarray]:
+    """The model's distribution at a step: ``log_softmax(logits)`` of the raw float32 logits (no
+    temperature, no filters; OpenAI's ``logprobs``). Returns (logprob of ``token``, the ``top``
+    most likely ids int64, their logprobs float32). Order: ``float32(l - max l)`` descending,
+    ties to the lowest id (the device's order); values in float64, rounded to float32 (the
+    device sums float32 exponentials: it agrees within about 1e-6 absolute)."""
+    x = np.asarray(logits, dtype=np.float32)
+    m = x.max()
+    with np.errstate(invalid="ignore"):
+        s = (x - m).astype(np.float32)
+    lz = np.log(np.sum(np.exp(s.astype(np.float64))))
+    k = min(int(top), x.shape[0])
+    order = np.lexsort((np.arange(x.shape[0]), -s.astype(np.float64)))[:k]
+    return (float(np.float32(s[token] - lz)), order.astype(np.int64),
+            (s[order].astype(np.float64) - lz).astype(np.float32))

@@ -362,3 +362,143 @@ def test_bucket_route_splits_the_top_k_bucket(rng):
     ids, _, _, _, st = ops._sample(x, seed=1, step=2, temperature=1.0, top_k=150, top_p=0.5)
     assert st["split_k"] == [False] and ids[0] == ref_sample(x, dict(temperature=1.0, top_k=150, top_p=0.5), 2, 1)
     assert True in seen
+
+
+# ---- logprobs: log_softmax of the raw logits, after the sampler, on the device --------------
+
+LOGPROB_ROUTES = [dict(temperature=0.0), dict(temperature=1.0), dict(temperature=0.8, top_k=7),
+                  dict(temperature=0.9, top_p=0.9, min_p=0.01)]
+
+
+def test_logprob_constant_matches_extension():
+    assert core.ops.SAMPLE_MAX_LOGPROBS == S.MAX_LOGPROBS == 20
+
+
+@pytest.mark.parametrize("params", LOGPROB_ROUTES, ids=["greedy", "plain", "small-k", "buckets"])
+@pytest.mark.parametrize("v", [1, 33, 2049, 5001])
+def test_logprobs_match_numpy(rng, device, params, v):
+    """Every route, odd vocabularies (one group, a partial second group): the sampled token is the
+    reference's, its logprob and the top-k ids / logprobs match log_softmax in float64 (ids exactly,
+    values within 2e-6: float32 exponentials summed on the device, lily_log)."""
+    for trial, k in enumerate((0, 1, 20)):
+        x = random_logits(rng, v, ties=trial == 1, neg_inf=trial == 2)
+        seed, step = int(rng.integers(0, 2**63)), int(rng.integers(0, 1000))
+        ids, chosen, top_ids, top_lps = ops.sample_logprobs(x, top_logprobs=k, seed=seed, step=step,
+                                                            device=device, **params)
+        tok = ref_sample(x, params, step, seed)
+        assert ids[0] == tok, f"v={v} {params} rng {rng.seed}"
+        want_c, want_ids, want_lps = S.logprobs(x, tok, k)
+        np.testing.assert_allclose(chosen[0], want_c, rtol=1e-6, atol=2e-6)
+        np.testing.assert_array_equal(top_ids[0], want_ids)
+        np.testing.assert_allclose(top_lps[0], want_lps, rtol=1e-6, atol=2e-6)
+        assert top_ids.shape == (1, min(k, v))
+        # Against an independent log_softmax in float64:
+        x64 = x.astype(np.float64)
+        lsm = x64 - x64.max() - np.log(np.exp(x64 - x64.max()).sum())
+        np.testing.assert_allclose(chosen[0], lsm[tok], rtol=1e-6, atol=2e-6)
+        np.testing.assert_allclose(top_lps[0], np.sort(lsm)[::-1][:min(k, v)], rtol=1e-6, atol=2e-6)
+
+
+def test_logprobs_full_vocabulary_batch_and_valid_vocab(rng):
+    v, valid = FULL_V, FULL_V - 77
+    x = np.stack([random_logits(rng, v) for _ in range(2)])
+    x[:, valid:] = 50.0                      # padding ids: never in the distribution
+    ids, chosen, top_ids, top_lps = ops.sample_logprobs(x, top_logprobs=5, temperature=1.0, seed=3, step=4,
+                                                        valid_vocab=valid)
+    for r in range(2):
+        want_c, want_ids, want_lps = S.logprobs(x[r, :valid], int(ids[r]), 5)
+        np.testing.assert_allclose(chosen[r], want_c, rtol=1e-6, atol=1e-5)
+        np.testing.assert_array_equal(top_ids[r], want_ids)
+        np.testing.assert_allclose(top_lps[r], want_lps, rtol=1e-6, atol=1e-5)
+    # the logprobs passes: + candidates and sums (one level), + the record (one level)
+    *_, stats = ops._sample(x[:1], temperature=1.0, seed=3, step=4, logprobs=5)
+    assert stats["dispatches"] == stats["planned_dispatches"] == 4 + 3 and stats["barriers"] == 4 + 1
+    *_, stats = ops._sample(x[:1], temperature=0.0, seed=3, step=4, logprobs=0)
+    assert stats["kernels"][-2:] == ["sample_lse_partial_f32", "sample_logprobs"] and stats["dispatches"] == 4
+
+
+@pytest.mark.parametrize("k", [-2, 21, 1.5])
+def test_logprobs_bad_count_raises(k):
+    with pytest.raises(ValueError, match="top_logprobs"):
+        ops.sample_logprobs(np.zeros(5, np.float32), top_logprobs=k)
+
+
+# ---- constraint masks: the allowed-token bitset, applied before every route ----------------
+
+MASK_CONFIGS = [(dict(temperature=0.0), 2)] + CONFIGS
+MASK_IDS = ["greedy"] + IDS
+
+
+def random_mask(rng, v, trial):
+    """Dense (90%), sparse (2%) or a single allowed token, as bool [v]."""
+    if trial == 2:
+        m = np.zeros(v, bool)
+        m[rng.integers(v)] = True
+        return m
+    m = rng.random(v) < (0.9 if trial == 0 else 0.02)
+    m[rng.integers(v)] = True
+    return m
+
+
+def test_pack_mask_layout(rng):
+    m = rng.random(77) < 0.5
+    w = S.pack_mask(m)
+    assert w.dtype == np.uint32 and w.shape == (3,)
+    assert all(bool((w[i // 32] >> (i % 32)) & 1) == m[i] for i in range(77))
+    np.testing.assert_array_equal(S.unpack_mask(w, 77), m)
+
+
+@pytest.mark.parametrize("params,dispatches", MASK_CONFIGS, ids=MASK_IDS)
+@pytest.mark.parametrize("v", [33, 2049])
+def test_masked_sample_is_bit_exact_against_the_reference(rng, device, params, dispatches, v):
+    """Every route with a dense, a sparse and a one-token mask: the device's choice is the
+    reference's with the same mask, always an allowed token, with no extra dispatch."""
+    for trial in range(3):
+        x = random_logits(rng, v, ties=trial == 1)
+        m = random_mask(rng, v, trial)
+        seed, step = int(rng.integers(0, 2**63)), int(rng.integers(0, 1000))
+        ids, chosen, status, _, stats = ops._sample(x, seed=seed, step=step, device=device,
+                                                    mask=S.pack_mask(m), **params)
+        want = S.sample(x, S.SamplingParams(**params), step, seed, allowed=m)
+        assert status[0] == 0 and ids[0] == want and m[want], \
+            f"v={v} {params} trial={trial}: device {ids[0]}, reference {want} (rng {rng.seed})"
+        assert chosen[0] == x[want]
+        assert stats["dispatches"] == expected_dispatches(params, v)
+        if trial == 2:
+            assert want == int(np.flatnonzero(m)[0])
+
+
+def test_mask_hides_bad_logits_and_a_dead_end_raises(rng, device):
+    x = random_logits(rng, 3000)
+    m = np.ones(3000, bool)
+    x[17], m[17] = np.nan, False              # a disallowed NaN is never looked at
+    got = ops.sample(x, temperature=1.0, seed=1, step=2, mask=m, device=device)
+    assert got == S.sample(x, S.SamplingParams(temperature=1.0), 2, 1, allowed=m) and got != 17
+    with pytest.raises(FloatingPointError):   # nothing allowed: no finite logit
+        ops.sample(x, temperature=1.0, seed=1, step=2, mask=np.zeros(3000, bool), device=device)
+    with pytest.raises(FloatingPointError):
+        S.sample(x, S.SamplingParams(temperature=1.0), 2, 1, allowed=np.zeros(3000, bool))
+
+
+def test_masked_batch_full_vocabulary_and_logprobs(rng):
+    """Two rows with their own masks over the full vocabulary; with a mask the logprobs are the
+    masked distribution's (renormalised over the allowed tokens)."""
+    x = np.stack([random_logits(rng, FULL_V) for _ in range(2)])
+    m = np.stack([random_mask(rng, FULL_V, t) for t in (0, 1)])
+    ids, chosen, top_ids, top_lps = ops.sample_logprobs(x, top_logprobs=4, temperature=0.7, top_k=40,
+                                                        seed=9, step=3, mask=m)
+    for r in range(2):
+        p = S.SamplingParams(temperature=0.7, top_k=40)
+        assert ids[r] == S.sample(x[r], p, 3, 9, allowed=m[r])
+        xm = np.where(m[r], x[r], -np.inf).astype(np.float32)
+        c, want_ids, want_lps = S.logprobs(xm, int(ids[r]), 4)
+        np.testing.assert_array_equal(top_ids[r], want_ids)
+        np.testing.assert_allclose(top_lps[r], want_lps, atol=1e-5)
+        np.testing.assert_allclose(chosen[r], c, atol=1e-5)
+
+
+def test_bad_mask_raises():
+    with pytest.raises(ValueError, match="mask"):
+        ops.sample(np.zeros(40, np.float32), temperature=1.0, seed=0, step=0, mask=np.zeros(3, np.uint32))
+    with pytest.raises(ValueError, match="mask"):
+        ops.sample(np.zeros(40, np.float32), temperature=1.0, seed=0, step=0, mask=np.zeros(40, np.int64))

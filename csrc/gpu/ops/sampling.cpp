@@ -32,16 +32,19 @@ float min_p_threshold(double m) {
 }  // namespace
 
 uint32_t sample_groups(uint32_t valid_vocab) { return ceil_div(valid_vocab, kSampleChunk); }
+uint32_t mask_words(uint32_t valid_vocab) { return ceil_div(valid_vocab, 32); }
 
 uint32_t SamplePlan::dispatches() const {
-  if (greedy) return 2;
-  if (buckets) return 6;
-  return 4;  // plain, small_k
+  const uint32_t lp = logprobs < 0 ? 0u : logprobs == 0 ? 2u : 3u;
+  if (greedy) return 2 + lp;
+  if (buckets) return 6 + lp;
+  return 4 + lp;  // plain, small_k
 }
 
 SamplePlan sample_plan(const SampleOperands& op) {
   SamplePlan p;
   const SampleParams& s = op.params;
+  p.logprobs = s.logprobs;
   if (s.greedy || std::isinf(inverse_temperature(s.temperature))) {
     p.greedy = true;
     return p;
@@ -78,6 +81,8 @@ void validate(const SampleOperands& op) {
   if (!s.greedy && !(s.temperature > 0)) fail("temperature must be > 0 when sampling");
   if (!(s.top_p > 0 && s.top_p <= 1)) fail("top_p must be in (0, 1]");
   if (!(s.min_p >= 0 && s.min_p <= 1)) fail("min_p must be in [0, 1]");
+  if (s.logprobs < -1 || s.logprobs > int32_t(kSampleMaxLogprobs))
+    fail("logprobs must be -1 (off) or a top count in [0, " + std::to_string(kSampleMaxLogprobs) + "]");
   if (op.candidate_cap > kSampleCandidates) fail("candidate_cap must be <= " + std::to_string(kSampleCandidates));
   if (sample_plan(op).buckets && op.valid_vocab > kSampleMaxVocab)
     fail("valid_vocab " + std::to_string(op.valid_vocab) + " > " + std::to_string(kSampleMaxVocab) + " (bucket masses)");
@@ -90,7 +95,9 @@ void validate(const SampleOperands& op) {
   need(op.chosen_logit, (uint64_t(op.slot) + op.rows) * 4, "chosen_logit");
   need(op.state, sample_state_bytes(op.rows), "state");
   need(op.partials, sample_partials_bytes(op.rows, op.valid_vocab), "partials");
-  if (sample_plan(op).small_k || sample_plan(op).buckets) need(op.hist, sample_hist_bytes(op.rows, op.valid_vocab), "hist");
+  if (op.mask.buffer != nullptr) need(op.mask, uint64_t(op.rows) * mask_words(op.valid_vocab) * 4, "mask");
+  if (s.logprobs >= 0) need(op.logprobs, (uint64_t(op.slot) + op.rows) * kSampleLogprobWords * 4, "logprobs");
+  if (sample_plan(op).small_k || sample_plan(op).buckets || s.logprobs > 0) need(op.hist, sample_hist_bytes(op.rows, op.valid_vocab), "hist");
 }
 
 void encode_sample(Encoder& enc, const SampleOperands& op) {
@@ -115,13 +122,15 @@ void encode_sample(Encoder& enc, const SampleOperands& op) {
   a.buckets = plan.buckets ? 1 : 0;
   a.bin_scale = plan.buckets ? sample_bin_scale(s.temperature) : 1.0f;
   a.cap = op.candidate_cap;
+  a.masked = op.mask.buffer != nullptr ? 1 : 0;
+  a.mask_stride = mask_words(op.valid_vocab);
 
   const Binding logits = range(op.logits, ((uint64_t(op.rows) - 1) * op.stride + op.valid_vocab) * 4);
   const Binding ids = range(op.ids, (uint64_t(op.slot) + op.rows) * 4);
   const Binding chosen = range(op.chosen_logit, (uint64_t(op.slot) + op.rows) * 4);
   const Binding state = range(op.state, sample_state_bytes(op.rows));
   const Binding parts = range(op.partials, sample_partials_bytes(op.rows, op.valid_vocab));
-  const Binding hist = plan.greedy || plan.plain ? Binding{} : range(op.hist, sample_hist_bytes(op.rows, op.valid_vocab));
+  const Binding hist = (plan.greedy || plan.plain) && plan.logprobs <= 0 ? Binding{} : range(op.hist, sample_hist_bytes(op.rows, op.valid_vocab));
   const uint64_t bins_bytes = uint64_t(op.rows) * kSampleHistBins * kSampleBinWords * 4;
   const Size3 partial_grid{G, op.rows, 1}, final_grid{1, op.rows, 1};
   const Size3 partial_threads{kSampleThreads, 1, 1}, final_threads{kSampleFinalThreads, 1, 1};
@@ -137,55 +146,98 @@ void encode_sample(Encoder& enc, const SampleOperands& op) {
     for (const Binding& b : buffers) enc.set_buffer(index++, b);
   };
 
-  begin(KernelId::sample_max_partial_f32, {logits, parts});
-  enc.dispatch(partial_grid, partial_threads);
-  if (plan.buckets) {
-    begin(KernelId::sample_max_final_buckets, {parts, state, hist});
+  auto route = [&] {
+    // Unmasked: the state binding stands in for the mask (never read).
+    begin(KernelId::sample_max_partial_f32,
+          {logits, parts, a.masked ? range(op.mask, uint64_t(op.rows) * a.mask_stride * 4) : state});
+    if (!a.masked) enc.set_touched(3, 0);
+    enc.dispatch(partial_grid, partial_threads);
+    if (plan.buckets) {
+      begin(KernelId::sample_max_final_buckets, {parts, state, hist});
+      enc.set_touched(3, bins_bytes);
+      enc.dispatch(final_grid, final_threads);
+    } else {
+      begin(KernelId::sample_max_final, {parts, state, ids, chosen});
+      enc.dispatch(final_grid, final_threads);
+    }
+    if (plan.greedy) return;
+
+    if (plan.small_k) {
+      const uint64_t cand = uint64_t(op.rows) * G * a.top_k * 8;  // (s, id) per candidate
+      begin(KernelId::sample_topk_partial_f32, {logits, state, hist});
+      enc.set_touched(3, cand);
+      enc.dispatch(partial_grid, partial_threads);
+      begin(KernelId::sample_topk_merge_f32, {logits, state, hist, ids, chosen});
+      enc.set_touched(1, uint64_t(op.rows) * 4);  // reads the chosen entry's logit only
+      enc.set_touched(3, cand);
+      enc.dispatch(final_grid, Size3{kSampleMergeThreads, 1, 1});
+      return;
+    }
+
+    if (plan.plain) {
+      begin(KernelId::sample_gumbel_partial_f32, {logits, state, parts});
+      enc.dispatch(partial_grid, partial_threads);
+      begin(KernelId::sample_gumbel_final, {parts, state, ids, chosen});
+      enc.dispatch(final_grid, final_threads);
+      return;
+    }
+
+    // The bucket route. Touched bytes: the buckets, the cumulative buckets, and at most cap
+    // candidates (the fallback re-reads the row instead; not counted).
+    const uint64_t cum_bytes = uint64_t(op.rows) * kSampleHistBins * kSampleCumWords * 4;
+    const uint64_t cand_bytes = uint64_t(op.rows) * a.cap * 8;
+    begin(KernelId::sample_hist_partial_f32, {logits, state, hist});
     enc.set_touched(3, bins_bytes);
-    enc.dispatch(final_grid, final_threads);
-  } else {
-    begin(KernelId::sample_max_final, {parts, state, ids, chosen});
-    enc.dispatch(final_grid, final_threads);
-  }
-  if (plan.greedy) return;
-
-  if (plan.small_k) {
-    const uint64_t cand = uint64_t(op.rows) * G * a.top_k * 8;  // (s, id) per candidate
-    begin(KernelId::sample_topk_partial_f32, {logits, state, hist});
-    enc.set_touched(3, cand);
     enc.dispatch(partial_grid, partial_threads);
-    begin(KernelId::sample_topk_merge_f32, {logits, state, hist, ids, chosen});
-    enc.set_touched(1, uint64_t(op.rows) * 4);  // reads the chosen entry's logit only
-    enc.set_touched(3, cand);
-    enc.dispatch(final_grid, Size3{kSampleMergeThreads, 1, 1});
-    return;
-  }
-
-  if (plan.plain) {
-    begin(KernelId::sample_gumbel_partial_f32, {logits, state, parts});
+    begin(KernelId::sample_select, {state, hist});
+    enc.set_touched(2, bins_bytes + cum_bytes);
+    enc.dispatch(final_grid, Size3{kSampleSelectThreads, 1, 1});
+    begin(KernelId::sample_collect_f32, {logits, state, hist, parts});
+    enc.set_touched(3, cand_bytes);
     enc.dispatch(partial_grid, partial_threads);
-    begin(KernelId::sample_gumbel_final, {parts, state, ids, chosen});
-    enc.dispatch(final_grid, final_threads);
-    return;
-  }
+    begin(KernelId::sample_resolve_f32, {logits, state, hist, parts, ids, chosen});
+    enc.set_touched(1, cand_bytes / 2);  // the candidates' logits
+    enc.set_touched(3, cum_bytes + cand_bytes);
+    enc.dispatch(final_grid, Size3{kSampleResolveThreads, 1, 1});
+  };
+  route();
+  if (plan.logprobs < 0) return;
 
-  // The bucket route. Touched bytes: the buckets, the cumulative buckets, and at most cap
-  // candidates (the fallback re-reads the row instead; not counted).
-  const uint64_t cum_bytes = uint64_t(op.rows) * kSampleHistBins * kSampleCumWords * 4;
-  const uint64_t cand_bytes = uint64_t(op.rows) * a.cap * 8;
-  begin(KernelId::sample_hist_partial_f32, {logits, state, hist});
-  enc.set_touched(3, bins_bytes);
+  // Logprobs: the top candidates of s = l - max (the small-k partial at temperature 1) and the
+  // groups' sums of exp(s), one level; then the record. Both overwrite scratch the route is done
+  // with (hist, partials).
+  SampleArgs lp = a;
+  lp.inv_temperature = 1.0f;
+  lp.top_k = uint32_t(plan.logprobs);
+  const Binding sums = range(op.partials, uint64_t(op.rows) * G * 4);
+  const Binding records = range(op.logprobs, (uint64_t(op.slot) + op.rows) * kSampleLogprobWords * 4);
+  const uint64_t lp_cand = uint64_t(op.rows) * G * lp.top_k * 8;
+  enc.barrier();
+  if (lp.top_k > 0) {
+    enc.set_kernel(KernelId::sample_topk_partial_f32);
+    enc.set_args(lp);
+    enc.set_buffer(1, logits);
+    enc.set_buffer(2, state);
+    enc.set_buffer(3, range(op.hist, sample_hist_bytes(op.rows, op.valid_vocab)));
+    enc.set_touched(3, lp_cand);
+    enc.dispatch(partial_grid, partial_threads);
+  }
+  enc.set_kernel(KernelId::sample_lse_partial_f32);  // same level: reads what the route left
+  enc.set_args(lp);
+  enc.set_buffer(1, logits);
+  enc.set_buffer(2, state);
+  enc.set_buffer(3, sums);
   enc.dispatch(partial_grid, partial_threads);
-  begin(KernelId::sample_select, {state, hist});
-  enc.set_touched(2, bins_bytes + cum_bytes);
-  enc.dispatch(final_grid, Size3{kSampleSelectThreads, 1, 1});
-  begin(KernelId::sample_collect_f32, {logits, state, hist, parts});
-  enc.set_touched(3, cand_bytes);
-  enc.dispatch(partial_grid, partial_threads);
-  begin(KernelId::sample_resolve_f32, {logits, state, hist, parts, ids, chosen});
-  enc.set_touched(1, cand_bytes / 2);  // the candidates' logits
-  enc.set_touched(3, cum_bytes + cand_bytes);
-  enc.dispatch(final_grid, Size3{kSampleResolveThreads, 1, 1});
+  enc.barrier();
+  enc.set_kernel(KernelId::sample_logprobs);
+  enc.set_args(lp);
+  enc.set_buffer(1, state);
+  enc.set_buffer(2, lp.top_k > 0 ? range(op.hist, sample_hist_bytes(op.rows, op.valid_vocab)) : sums);
+  if (lp.top_k > 0) enc.set_touched(2, lp_cand);
+  enc.set_buffer(3, sums);
+  enc.set_buffer(4, chosen);
+  enc.set_buffer(5, records);
+  enc.dispatch(final_grid, Size3{kSampleMergeThreads, 1, 1});
 }
 
 void encode_sample_noise(Encoder& enc, const Binding& out, uint32_t n, uint64_t seed, uint32_t step) {

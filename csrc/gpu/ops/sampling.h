@@ -16,6 +16,7 @@ struct SampleParams {
   double min_p = 0.0;          // 0 = off
   uint64_t seed = 0;
   uint32_t step = 0;
+  int32_t logprobs = -1;       // -1 = off; else also the logprob record with this many top entries (<= 20)
 };
 
 struct SampleOperands {
@@ -25,6 +26,10 @@ struct SampleOperands {
   Binding state;         // scratch: SampleState [rows] (status / bad_id readable after the call)
   Binding partials;      // scratch: SamplePartial [rows * groups]
   Binding hist;          // scratch (sampling only): small-k candidates / bucket route words
+  Binding logprobs;      // uint32 [>= (slot + rows) * kSampleLogprobWords] (params.logprobs >= 0)
+  // Optional allowed-token bitset, uint32 [rows, ceil(valid_vocab / 32)] (bit i % 32 of word
+  // i / 32: token i allowed). Bound: disallowed logits become -inf in place before every route.
+  Binding mask;
   uint32_t rows = 0, stride = 0, valid_vocab = 0, slot = 0;
   SampleParams params;
   // Bucket route: candidates collected at most before resolve scans the row instead (tests lower
@@ -38,10 +43,12 @@ struct SamplePlan {
   bool plain = false;        // temperature only: + Gumbel partial + final (4 levels)
   bool small_k = false;      // 0 < top_k <= kSampleSmallK: + per-group candidates + one merge (4 levels)
   bool buckets = false;      // any other filter: + histogram, select, collect, resolve (6 levels)
+  int32_t logprobs = -1;     // >= 0: + top-k candidates (when > 0) and sums, then the record (2 levels)
   uint32_t dispatches() const;
 };
 
 uint32_t sample_groups(uint32_t valid_vocab);  // partial threadgroups per row
+uint32_t mask_words(uint32_t valid_vocab);     // uint32 words of a row's allowed-token bitset
 SamplePlan sample_plan(const SampleOperands& op);
 // Scratch sizes in bytes for rows x valid_vocab.
 size_t sample_state_bytes(uint32_t rows);

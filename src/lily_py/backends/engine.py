@@ -297,6 +297,11 @@ class EngineBackend:
         self.last_token = int(self.engine.sample_row(row, _core().Sampling(sample)))
         return self.last_token
 
+    def last_logprobs(self) -> tuple[float, np.ndarray, np.ndarray]:
+        """(logprob of the sampled token, top ids, top logprobs) of the last completed sampling
+        step whose sampling dict had ``logprobs=k`` (computed on the device; 2 + 2k words read)."""
+        return self.engine.last_logprobs()
+
     def last_logits(self) -> np.ndarray:
         """float32 logits [V] of the last position of the last completed step (a copy)."""
         return self.engine.last_logits()

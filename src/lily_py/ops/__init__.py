@@ -26,7 +26,7 @@ from .moe_block import _moe, moe, moe_route, moe_weights  # noqa: F401
 from .norm import _rms_norm, rms_norm  # noqa: F401
 from .qmm import (_quantize_i8, _quantized_matmul, _quantized_matmul_norm, quantized_matmul, quantized_matmul_norm,  # noqa: F401
                   quantized_matmul_route)
-from .sampling import _argmax, _sample, argmax, sample  # noqa: F401
+from .sampling import _argmax, _sample, argmax, sample, sample_logprobs  # noqa: F401
 
 __all__ = ["devices", *qmm.__all__, *norm.__all__, *embed.__all__, *elementwise.__all__,
            *sampling.__all__, *gated_delta.__all__, *moe_block.__all__, *attention.__all__]
