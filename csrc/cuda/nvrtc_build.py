@@ -3,7 +3,8 @@
     python3 csrc/cuda/nvrtc_build.py --out DIR [--arch sm_90] [--check-ids] [-j N]
 
 One NVRTC program per shader file (NVRTC has no __COUNTER__: entries are named by file index
-and line), written as DIR/<index>_<name>.cubin; the device loads every cubin of DIR.
+and line), written as DIR/<index>_<name>.cubin with DIR/manifest.txt (cubin, entry, host name
+per line), which the cuda device (csrc/cuda/cuda_device.cpp) reads.
 
 The shaders compile unchanged: csrc/cuda/metal_cuda.h maps the MSL subset to CUDA and NVRTC's
 -default-device makes the shaders' unannotated functions device functions (nvcc has no such
@@ -183,6 +184,10 @@ def main():
             print(f"kernel_ids.h: {len(ids)} ids, all compiled")
     if bad:
         raise SystemExit("nvrtc_build: " + "\n  ".join(bad))
+    with open(os.path.join(a.out, "manifest.txt"), "w") as f:
+        for index, _secs, _n in done:
+            for entry, host, _b in entries(open(os.path.join(a.out, cubin_name(index)), "rb").read()):
+                f.write(f"{cubin_name(index)} {entry} {host}\n")
     big = max(es, key=lambda e: e[2])
     print(f"largest static threadgroup memory: {big[2]} bytes ({big[1]}; limit {APPLE_STATIC_TG_LIMIT})")
 
