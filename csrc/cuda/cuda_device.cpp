@@ -14,6 +14,7 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <map>
@@ -154,6 +155,8 @@ class CudaEncoder final : public gpu::Encoder {
   void commit() override {}
   void wait() override;
   uint32_t thread_limit(gpu::KernelId kernel) const override;
+  bool tensor_ops() const override;
+  bool tensor_int8() const override;
 
  protected:
   void encode_dispatch(const gpu::Dispatch& d) override;
@@ -206,8 +209,10 @@ class CudaDevice final : public gpu::Device {
     i.library_source = "cubin";
     i.build_target = "linux";
     i.math_mode = "nvrtc -default-device (no fast math)";
-    i.tensor_ops = false;
-    i.tensor_ops_reason = "not an Apple M5 GPU (the M5 kernels run through the emulated matmul2d semantics)";
+    i.tensor_ops = tensor_ops();
+    i.tensor_int8 = tensor_int8();
+    if (!i.tensor_ops)
+      i.tensor_ops_reason = "off (LILY_CUDA_TENSOR_OPS=1 or =int8 takes the M5 routes, through matmul2d's emulated semantics)";
     return i;
   }
   gpu::PipelineInfo pipeline_info(gpu::KernelId kernel) override {
@@ -222,6 +227,17 @@ class CudaDevice final : public gpu::Device {
       throw std::runtime_error("cuda: kernel '" + std::string(gpu::kernel_info(kernel).name) + "' has " +
                                std::to_string(shared) + " bytes of static threadgroup memory (Apple's limit: 32 KiB)");
     return p;
+  }
+
+  // The M5 routes (Metal 4 matmul2d, run with the emulator's semantics): LILY_CUDA_TENSOR_OPS=1,
+  // and =int8 for their int8 activations too.
+  static bool tensor_ops() {
+    const char* e = std::getenv("LILY_CUDA_TENSOR_OPS");
+    return e && (std::string(e) == "1" || std::string(e) == "int8");
+  }
+  static bool tensor_int8() {
+    const char* e = std::getenv("LILY_CUDA_TENSOR_OPS");
+    return e && std::string(e) == "int8";
   }
 
   CUfunction function(gpu::KernelId kernel) {
@@ -274,6 +290,9 @@ void CudaEncoder::wait() {
   dev_.bind();
   driver().check(driver().cuStreamSynchronize(dev_.stream()), "kernel execution (cuStreamSynchronize)");
 }
+
+bool CudaEncoder::tensor_ops() const { return CudaDevice::tensor_ops(); }
+bool CudaEncoder::tensor_int8() const { return CudaDevice::tensor_int8(); }
 
 uint32_t CudaEncoder::thread_limit(gpu::KernelId kernel) const {
   int threads = 0;

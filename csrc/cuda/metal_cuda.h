@@ -18,7 +18,8 @@
 //              k = 0..7 in order in fp32 with one rounding per multiply and add, as the emulator
 //   tensors    matmul2d with the emulator's semantics (csrc/emu/tensor_ops_emu.h): each thread of
 //              the scope computes its destination elements e = i * T + thread, k in order
-//   kernels    LILY_INSTANTIATE emits extern "C" __global__ lily_kernel_<file>_<line>(Args, Buffers)
+//   kernels    every entry is __launch_bounds__(1024) (Apple's threadgroup limit: registers are
+//              capped so any threadgroup size the host may pick launches); LILY_INSTANTIATE emits extern "C" __global__ lily_kernel_<file>_<line>(Args, Buffers)
 //              plus ..._name (the host name) and ..._meta (args bytes,
 //              buffers); LILY_TG_ARRAY is a __shared__ array; the tail positions are computed from
 //              blockIdx / threadIdx (lane and simdgroup from the linear thread index, as Metal).
@@ -921,7 +922,7 @@ __device__ __forceinline__ void call(const typename KernelTraits<decltype(F)>::A
 #define LILY_CUDA_CAT_(a, b) a##b
 #define LILY_CUDA_CAT(a, b) LILY_CUDA_CAT_(a, b)
 #define LILY_CUDA_ENTRY_(n, name, ...)                                                                 \
-  extern "C" __global__ void LILY_CUDA_CAT(lily_kernel_, n)(                                          \
+  extern "C" __global__ void __launch_bounds__(1024) LILY_CUDA_CAT(lily_kernel_, n)(                                          \
       const typename lily_cuda::KernelTraits<decltype(&__VA_ARGS__)>::Args args, const lily_cuda::Buffers bufs) { \
     lily_cuda::call<&__VA_ARGS__>(                                                                     \
         args, bufs, typename lily_cuda::make_seq<lily_cuda::KernelTraits<decltype(&__VA_ARGS__)>::kBuffers>::type{}); \
