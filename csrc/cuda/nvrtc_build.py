@@ -68,7 +68,9 @@ def compile_cubin(lib, arch, index):
     chk = lambda r, what: r == 0 or (_ for _ in ()).throw(SystemExit(f"{what} failed: {r}"))
     chk(lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), b"lily_shaders.cu", 0, None, None),
         "nvrtcCreateProgram")
-    opts = [f"-arch={arch}", "-default-device", "-std=c++20", "-DLILY_CUDA=1",
+    # -fmad=false: no multiply-add contraction, as the emulator (-ffp-contract=off) and the
+    # Metal library's safe math; with contraction, embedding's s * q + b differs by 1 ulp.
+    opts = [f"-arch={arch}", "-default-device", "-std=c++20", "-fmad=false", "-DLILY_CUDA=1",
             f"-I{ROOT}/shaders", f"-I{ROOT}/csrc", f"-I{ROOT}/csrc/cuda/include",
             "--diag-suppress=1866,1097,2803",  # unknown attributes ([[buffer(n)]], ...)
             "-lineinfo", f"-DLILY_CUDA_FILE={index}"]
