@@ -213,22 +213,24 @@ void init_ops_attention(nb::module_& parent) {
             kernels.append(bf ? "attn_decode_bf16" : "attn_decode_f32");
           }
         }
-        nb::dict stats = r.run([&](gpu::Encoder& e) {
+        std::string prefill_kernel;  // named inside run (the encoder's tensor_ops), listed after it:
+        nb::dict stats = r.run([&](gpu::Encoder& e) {  // run releases the GIL, so no Python here
           if (decode) {
             gpu::ops::encode_attention_decode(e, op);
             return;
           }
           const std::string sfx = bf ? "bf16" : "f32";
           if (gpu::ops::attention_prefill_uses_m5(op.head_dim, e.tensor_ops()))
-            kernels.append("attn_prefill_m5_d" + std::to_string(op.head_dim) + "_" + sfx);
+            prefill_kernel = "attn_prefill_m5_d" + std::to_string(op.head_dim) + "_" + sfx;
           else if (gpu::ops::attention_prefill_uses_tiles(op.head_dim, op.dtype, e.tensor_ops()))
-            kernels.append("attn_prefill_tiles_d" + std::to_string(op.head_dim) + "_" + sfx);
+            prefill_kernel = "attn_prefill_tiles_d" + std::to_string(op.head_dim) + "_" + sfx;
           else if (gpu::ops::attention_prefill_uses_mma(op.head_dim))
-            kernels.append("attn_prefill_mma_" + sfx);
+            prefill_kernel = "attn_prefill_mma_" + sfx;
           else
-            kernels.append("attn_prefill_" + sfx);
+            prefill_kernel = "attn_prefill_" + sfx;
           gpu::ops::encode_attention_prefill(e, op);
         });
+        if (!prefill_kernel.empty()) kernels.append(prefill_kernel);
         stats["kernels"] = kernels;
         return nb::make_tuple(r.download(op.out, op.dtype, {T, Hq, D}), stats);
       },

@@ -10,6 +10,9 @@
 #if defined(LILY_HAVE_METAL)
 #include "metal/metal_device.h"
 #endif
+#if defined(LILY_HAVE_CUDA)
+#include "cuda/cuda_device.h"
+#endif
 
 namespace lily::devices {
 
@@ -147,6 +150,22 @@ const std::vector<Entry>& entries() {
        [] { return std::string(); },
        [](const Options&) -> std::unique_ptr<gpu::Device> { return std::make_unique<gpu::CountingDevice>(true); },
        true},
+      {"cuda", "the Metal kernels compiled as CUDA on an NVIDIA GPU (verification: docs/gpu.md)",
+       [] {
+#if defined(LILY_HAVE_CUDA)
+         return cuda::unavailable_reason();
+#else
+         return std::string("this build has no cuda device (built without LILY_CUDA)");
+#endif
+       },
+       [](const Options&) -> std::unique_ptr<gpu::Device> {
+#if defined(LILY_HAVE_CUDA)
+         return cuda::create_device();
+#else
+         throw std::invalid_argument("device 'cuda' is not available in this build (built without LILY_CUDA); use 'emu'");
+#endif
+       },
+       false},
   };
   return table;
 }

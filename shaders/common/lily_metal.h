@@ -1,6 +1,7 @@
 // Entry header of every shader: the same .metal sources build the Metal library (Apple's
 // compiler), the emulator (as C++, csrc/emu/shaders_emu.cpp) and the strict address-space pass
-// (clang -fsyntax-only, .ci/checks/strict_shaders.sh).
+// (clang -fsyntax-only, .ci/checks/strict_shaders.sh) and, with NVRTC, the cuda device's kernel
+// module (csrc/cuda/nvrtc_build.py).
 //
 // Shader rules (DESIGN.md "Shader sources that also compile as C++"):
 //  * Kernels are function templates `template <...> [[kernel]] void f(...)`, instantiated only via
@@ -34,8 +35,11 @@ using namespace metal;
 // The translation unit already included csrc/emu/metal_emu.h (emulator) or
 // .ci/checks/metal_strict.h (strict pass), after its standard headers.
 using namespace metal;
+#elif defined(LILY_CUDA)
+// The translation unit already included csrc/cuda/metal_cuda.h (NVRTC, -default-device).
+using namespace metal;
 #else
-#error "shaders are compiled by Metal, by the emulator TU, or by the strict pass only"
+#error "shaders are compiled by Metal, by the emulator TU, by the strict pass or by NVRTC only"
 #endif
 
 #include "common/args.h"

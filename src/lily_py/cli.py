@@ -30,7 +30,7 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=None,
                    help="checkpoint folder or Hugging Face repo id (default: the bundled demo)")
-    p.add_argument("--backend", default="auto", choices=["auto", "reference", "emu", "metal"],
+    p.add_argument("--backend", default="auto", choices=["auto", "reference", "emu", "metal", "cuda"],
                    help="device that runs the model")
     p.add_argument("--context", type=int, default=None,
                    help=f"context length in tokens (default: {DEFAULT_CONTEXT}, or the model's "
@@ -220,7 +220,7 @@ def _add_tool_commands(sub) -> None:
     """``doctor`` and ``bench`` (lily_py/tools/)."""
     d = sub.add_parser("doctor", help="check this build on this machine: device, pipelines, "
                        "every kernel family and the demo model against the NumPy reference")
-    d.add_argument("--device", choices=["metal", "emu"], default=None,
+    d.add_argument("--device", choices=["metal", "emu", "cuda"], default=None,
                    help="device to check (default: metal where usable, else emu)")
     d.add_argument("--quick", action="store_true", help="smaller model-sized cases (emulator)")
     d.add_argument("--seed", type=int, default=None, help="replay a run's random inputs")

@@ -18,7 +18,15 @@ import lily_py._core as core  # a missing extension must fail loudly, not skip
 
 # Devices every kernel test runs on: the emulator always, the GPU where the device registry says
 # Metal is usable (device apple7+, library loaded, every kernel's pipeline created).
+# LILY_TEST_DEVICES=cuda (or emu,cuda, ...) replaces that list: a device the registry says is not
+# usable here (no NVIDIA GPU, a build without LILY_CUDA) is skipped with the registry's reason.
 DEVICES = ["emu"] + (["metal"] if core.registry.check_usable("metal") == "" else [])
+if os.environ.get("LILY_TEST_DEVICES"):
+    DEVICES = []
+    for _name in os.environ["LILY_TEST_DEVICES"].split(","):
+        _why = core.registry.check_usable(_name.strip())
+        DEVICES.append(pytest.param(_name.strip(), marks=pytest.mark.skip(reason=f"{_name}: {_why}"))
+                       if _why else _name.strip())
 
 F32_EPS = 2.0 ** -24   # unit roundoff of float32 (round to nearest)
 BF16_EPS = 2.0 ** -9   # half of bfloat16's unit roundoff (2^-8: 8 significant bits); tolerances use multiples >= 2 of it

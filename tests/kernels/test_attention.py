@@ -503,5 +503,5 @@ def test_bad_input_raises_clear_errors(rng):
         ops.qk_norm_rope_append(qg, k, v, qn, kn, kc2, vc2, position=4, rotary_dim=8, theta=1e4)
     with pytest.raises(ValueError, match="must have the same dtype"):
         ops.qk_norm_rope_append(qg, k.astype(BF16), v, qn, kn, kc2, vc2, position=0, rotary_dim=8, theta=1e4)
-    with pytest.raises(ValueError, match="device must be 'emu' or 'metal'"):
+    with pytest.raises(ValueError, match="device must be 'emu', 'metal' or 'cuda'"):
         ops.attention_decode(q[0], kc, vc, length=3, device="gpu")

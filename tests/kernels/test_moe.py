@@ -473,7 +473,7 @@ def test_leading_dims(rng):
     (lambda a: {**a, "router": (a["router"].w.astype(np.int32), a["router"].scales, a["router"].biases)},
      "router w must be uint32"),
     (lambda a: {**a, "residual": a["x"][:1]}, "residual must have x's dtype .* and shape"),
-    (lambda a: {**a, "device": "cuda"}, "device must be 'emu' or 'metal'"),
+    (lambda a: {**a, "device": "vulkan"}, "device must be 'emu', 'metal' or 'cuda'"),
 ], ids=["x-float64", "k-0", "k-too-big", "missing-up", "H-mismatch", "router-int32", "residual", "device"])
 def test_bad_input_raises_clear_error(rng, mutate, match):
     W, x_of = make_block(rng, E=5, H=64, I=32, gs=32)

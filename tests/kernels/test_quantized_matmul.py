@@ -415,7 +415,7 @@ def _ok(rng):
     (lambda a: {**a, "biases": a["biases"].astype(BF16)}, "scales .* and biases .* must have the same dtype"),
     (lambda a: {**a, "bits": 3}, r"bits must be one of \(4, 8\), got 3"),
     (lambda a: {**a, "group_size": 16}, r"group_size must be one of \(32, 64, 128\), got 16"),
-    (lambda a: {**a, "device": "cuda"}, "device must be 'emu' or 'metal', got 'cuda'"),
+    (lambda a: {**a, "device": "vulkan"}, "device must be 'emu', 'metal' or 'cuda', got 'vulkan'"),
 ], ids=["x-float64", "x-list", "K-not-group-multiple", "w-K-mismatch", "w-int32", "w-3d",
         "scales-shape", "biases-shape", "dtype-mismatch", "bits", "group", "device"])
 def test_bad_input_raises_clear_error(rng, mutate, match):

@@ -274,7 +274,7 @@ def test_result_independent_of_thread_order(rng, top_k, cap):
     (dict(temperature=-1.0), "temperature"), (dict(temperature=float("nan")), "temperature"),
     (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(min_p=-0.1), "min_p"),
     (dict(top_k=-1), "top_k"), (dict(top_k=2.5), "top_k"), (dict(seed=-1), "seed"), (dict(step=True), "step"),
-    (dict(valid_vocab=0), "valid_vocab"), (dict(valid_vocab=6), "valid_vocab"), (dict(device="cuda"), "device"),
+    (dict(valid_vocab=0), "valid_vocab"), (dict(valid_vocab=6), "valid_vocab"), (dict(device="vulkan"), "device"),
 ])
 def test_bad_input_raises_value_error(kw, msg):
     args = dict(logits=np.zeros(5, np.float32), temperature=1.0, seed=0, step=0)

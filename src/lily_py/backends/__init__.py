@@ -6,7 +6,7 @@ from __future__ import annotations
 from ..checkpoint import ModelWeights
 from ..config import ModelConfig
 
-BACKENDS = ("auto", "reference", "emu", "metal")
+BACKENDS = ("auto", "reference", "emu", "metal", "cuda")
 # Not for users: the engine on the counting device with host memory (nothing runs, every sampled
 # token is 0), so benchmarks can time the host side of generation (benchmarks/host_overhead.py).
 TIMING_BACKENDS = ("count_host",)
@@ -22,7 +22,7 @@ def make_backend(name: str, cfg: ModelConfig, weights: ModelWeights, *, context_
         raise ValueError(f"activations must be 'bfloat16', 'float32' or None, got {activations!r}")
     if name not in BACKENDS and name not in TIMING_BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
-    if name in ("emu", "metal") + TIMING_BACKENDS:
+    if name in ("emu", "metal", "cuda") + TIMING_BACKENDS:
         # The C++ engine on a device (lily_py/backends/engine.py); "emu" runs the Metal kernels on the CPU.
         from .engine import EngineBackend
         return EngineBackend(name, cfg, weights, context_length=context_length,

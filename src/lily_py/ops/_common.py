@@ -21,8 +21,8 @@ def devices() -> list[str]:
 
 
 def _check_device(device, fn: str) -> None:
-    if device not in ("emu", "metal"):
-        raise ValueError(f"{fn}: device must be 'emu' or 'metal', got {device!r}")
+    if device not in ("emu", "metal", "cuda"):
+        raise ValueError(f"{fn}: device must be 'emu', 'metal' or 'cuda', got {device!r}")
 
 
 def _from_core(y: np.ndarray, dtype_name: str) -> np.ndarray:

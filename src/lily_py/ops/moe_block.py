@@ -102,8 +102,8 @@ def _moe(x, router, experts, shared_expert, *, top_k, residual=None, device="emu
     if not isinstance(x, np.ndarray) or x.dtype not in (np.float32, BFLOAT16) or x.ndim < 1 or x.shape[-1] == 0:
         raise ValueError(f"{FN}: x must be a float32 or bfloat16 array [..., H] with H > 0, got "
                          f"{getattr(x, 'dtype', type(x).__name__)} {getattr(x, 'shape', '')}")
-    if device not in ("emu", "metal"):
-        raise ValueError(f"{FN}: device must be 'emu' or 'metal', got {device!r}")
+    if device not in ("emu", "metal", "cuda"):
+        raise ValueError(f"{FN}: device must be 'emu', 'metal' or 'cuda', got {device!r}")
     if not isinstance(experts, Mapping) or not isinstance(shared_expert, Mapping):
         raise ValueError(f"{FN}: experts and shared_expert must be mappings of named matrices")
     for name, m, keys in (("experts", experts, ("gate_proj", "up_proj", "down_proj")),

@@ -66,8 +66,8 @@ def _run(fn, logits, *, valid_vocab, greedy, temperature=1.0, top_k=0, top_p=1.0
     v = x.shape[1]
     valid = v if valid_vocab is None else _int(valid_vocab, "valid_vocab", fn, 1, v)
     slot = _int(slot, "slot", fn, 0, 2 ** 31)
-    if device not in ("emu", "metal"):
-        raise ValueError(f"{fn}: device must be 'emu' or 'metal', got {device!r}")
+    if device not in ("emu", "metal", "cuda"):
+        raise ValueError(f"{fn}: device must be 'emu', 'metal' or 'cuda', got {device!r}")
     ids, chosen, status, bad, stats = _core().ops.sample(
         x, valid_vocab=valid, greedy=greedy, temperature=float(temperature), top_k=top_k, top_p=float(top_p),
         min_p=float(min_p), seed=seed, step=step, slot=slot, device=device, order=order, emu_seed=emu_seed,

@@ -408,7 +408,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="shapes for --random-weights: real Qwen3.6-35B-A3B (default on Metal) or a tiny "
                         "config of the same architecture (default elsewhere)")
     p.add_argument("--layers", type=int, default=None, help="override the number of layers")
-    p.add_argument("--backend", default="auto", choices=["auto", "metal", "emu", "reference"],
+    p.add_argument("--backend", default="auto", choices=["auto", "metal", "emu", "reference", "cuda"],
                    help="device that runs the measured rows (auto: metal where usable, else emu)")
     p.add_argument("--contexts", type=parse_contexts, default=list(CONTEXTS),
                    help="prompt lengths, e.g. 256,4K,32K,128K (default)")

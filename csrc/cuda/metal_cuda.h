@@ -1,0 +1,953 @@
+// Metal Shading Language as CUDA: the MSL subset of csrc/emu/metal_emu.h, for NVRTC.
+//
+// Compiled by csrc/cuda/nvrtc_build.py with -default-device (the shaders' unannotated functions
+// are device functions) into the cuda device's kernel module. The shaders are unchanged: their
+// common/lily_metal.h takes its third branch (LILY_CUDA). Mapping:
+//   types      bfloat (struct, round-to-nearest-even as the emulator), half (a struct over PTX conversions), vectors of
+//              their own (lily_float4, ... behind the MSL names: CUDA's float4 has no operator[]),
+//              uint/ushort/uchar/ulong; no C++ library (NVRTC has none): the few traits below
+//   math       the emulator's list, on CUDA's float functions (fast:: and precise:: the same)
+//   sync       threadgroup_barrier -> __syncthreads, preceded and followed by __threadfence when
+//              the flags include mem_device (the DeltaNet ticket publishes to other threadgroups);
+//              simdgroup_barrier -> __syncwarp; atomic_thread_fence -> __threadfence
+//   simd       warp shuffles over the lanes present in the simdgroup; reductions end with a
+//              broadcast of lane 0's value so every lane holds the same result (as on Metal)
+//   atomics    atomic_int/uint/float over CUDA atomics (relaxed order as asked; fences separate)
+//   matrices   simdgroup_matrix 8x8 in the emulator's lane layout (lane l holds (l/4, 2(l%4)) and
+//              the next column); multiply gathers rows and columns by shuffles and sums
+//              k = 0..7 in order in fp32 with one rounding per multiply and add, as the emulator
+//   tensors    matmul2d with the emulator's semantics (csrc/emu/tensor_ops_emu.h): each thread of
+//              the scope computes its destination elements e = i * T + thread, k in order
+//   kernels    every entry is __launch_bounds__(1024) (Apple's threadgroup limit: registers are
+//              capped so any threadgroup size the host may pick launches); LILY_INSTANTIATE emits extern "C" __global__ lily_kernel_<file>_<line>(Args, Buffers)
+//              plus ..._name (the host name) and ..._meta (args bytes,
+//              buffers); LILY_TG_ARRAY is a __shared__ array; the tail positions are computed from
+//              blockIdx / threadIdx (lane and simdgroup from the linear thread index, as Metal).
+#pragma once
+
+#define LILY_CUDA_DEV __device__ __forceinline__
+
+// ---------------------------------------------------------------------------- traits (no std)
+namespace lily_cuda {
+template <class T, T v>
+struct integral_constant {
+  static constexpr T value = v;
+};
+using true_type = integral_constant<bool, true>;
+using false_type = integral_constant<bool, false>;
+template <class A, class B>
+struct is_same : false_type {};
+template <class A>
+struct is_same<A, A> : true_type {};
+template <class A, class B>
+inline constexpr bool is_same_v = is_same<A, B>::value;
+template <class T> struct remove_cv { using type = T; };
+template <class T> struct remove_cv<const T> { using type = T; };
+template <class T> struct remove_cv<volatile T> { using type = T; };
+template <class T> struct remove_cv<const volatile T> { using type = T; };
+template <class T>
+using remove_cv_t = typename remove_cv<T>::type;
+template <bool B, class A, class C> struct conditional { using type = A; };
+template <class A, class C> struct conditional<false, A, C> { using type = C; };
+template <bool B, class A, class C>
+using conditional_t = typename conditional<B, A, C>::type;
+template <bool B, class T = void> struct enable_if {};
+template <class T> struct enable_if<true, T> { using type = T; };
+template <bool B, class T = void>
+using enable_if_t = typename enable_if<B, T>::type;
+template <class T>
+inline constexpr bool is_float_v = is_same_v<remove_cv_t<T>, float> || is_same_v<remove_cv_t<T>, double>;
+template <class T>
+inline constexpr bool is_unsigned_v = T(0) < T(-1);
+template <class T> struct is_scalar : false_type {};
+#define LILY_CUDA_SCALAR(T) template <> struct is_scalar<T> : true_type {};
+LILY_CUDA_SCALAR(bool) LILY_CUDA_SCALAR(char) LILY_CUDA_SCALAR(signed char) LILY_CUDA_SCALAR(unsigned char)
+LILY_CUDA_SCALAR(short) LILY_CUDA_SCALAR(unsigned short) LILY_CUDA_SCALAR(int) LILY_CUDA_SCALAR(unsigned)
+LILY_CUDA_SCALAR(long) LILY_CUDA_SCALAR(unsigned long) LILY_CUDA_SCALAR(long long)
+LILY_CUDA_SCALAR(unsigned long long) LILY_CUDA_SCALAR(float) LILY_CUDA_SCALAR(double)
+#undef LILY_CUDA_SCALAR
+template <class T>
+inline constexpr bool is_scalar_v = is_scalar<remove_cv_t<T>>::value;
+template <int... I>
+struct index_seq {};
+template <int N, int... I>
+struct make_seq : make_seq<N - 1, N - 1, I...> {};
+template <int... I>
+struct make_seq<0, I...> {
+  using type = index_seq<I...>;
+};
+template <int I, class... P>
+struct nth;
+template <class H, class... P>
+struct nth<0, H, P...> {
+  using type = H;
+};
+template <int I, class H, class... P>
+struct nth<I, H, P...> : nth<I - 1, P...> {};
+LILY_CUDA_DEV void copy_bytes(void* dst, const void* src, unsigned n) {
+  for (unsigned i = 0; i < n; ++i) static_cast<unsigned char*>(dst)[i] = static_cast<const unsigned char*>(src)[i];
+}
+template <class To, class From>
+LILY_CUDA_DEV To bit_cast(const From& f) {
+  static_assert(sizeof(To) == sizeof(From), "as_type: sizes differ");
+  To t;
+  copy_bytes(&t, &f, sizeof(To));
+  return t;
+}
+}  // namespace lily_cuda
+
+namespace metal {
+
+using uint = unsigned int;
+using ushort = unsigned short;
+using uchar = unsigned char;
+using ulong = unsigned long long;
+
+// ---------------------------------------------------------------------------- half
+// IEEE binary16 by PTX conversions (no cuda_fp16.h: NVRTC alone has no toolkit headers).
+// Arithmetic goes through float; each store to a half rounds to nearest even.
+struct half {
+  unsigned short bits;
+  half() = default;
+  half(float f) { asm("cvt.rn.f16.f32 %0, %1;" : "=h"(bits) : "f"(f)); }
+  explicit half(double d) : half(static_cast<float>(d)) {}
+  explicit half(int i) : half(static_cast<float>(i)) {}
+  explicit half(unsigned i) : half(static_cast<float>(i)) {}
+  operator float() const {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(bits));
+    return f;
+  }
+  half& operator+=(float o) { return *this = half(float(*this) + o); }
+  half& operator-=(float o) { return *this = half(float(*this) - o); }
+  half& operator*=(float o) { return *this = half(float(*this) * o); }
+};
+static_assert(sizeof(half) == 2, "half is 2 bytes");
+
+// ---------------------------------------------------------------------------- bfloat
+struct bfloat {
+  unsigned short bits;
+  bfloat() = default;
+  explicit bfloat(float f) : bits(from_float(f)) {}
+  explicit bfloat(double d) : bfloat(static_cast<float>(d)) {}
+  explicit bfloat(int i) : bfloat(static_cast<float>(i)) {}
+  explicit bfloat(unsigned i) : bfloat(static_cast<float>(i)) {}
+  explicit bfloat(half h) : bfloat(float(h)) {}
+  operator float() const { return __uint_as_float(static_cast<unsigned>(bits) << 16); }
+
+  static unsigned short from_float(float f) {
+    unsigned u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<unsigned short>((u >> 16) | 0x40u);  // NaN
+    u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest, ties to even
+    return static_cast<unsigned short>(u >> 16);
+  }
+};
+static_assert(sizeof(bfloat) == 2, "bfloat is 2 bytes");
+
+// ---------------------------------------------------------------------------- vectors
+template <class T, int N>
+struct vec_storage;
+template <class T>
+struct alignas(2 * sizeof(T)) vec_storage<T, 2> {
+  union {
+    struct { T x, y; };
+    T v[2];
+  };
+};
+template <class T>
+struct alignas(4 * sizeof(T)) vec_storage<T, 3> {
+  union {
+    struct { T x, y, z; };
+    T v[4];
+  };
+};
+template <class T>
+struct alignas(4 * sizeof(T)) vec_storage<T, 4> {
+  union {
+    struct { T x, y, z, w; };
+    T v[4];
+  };
+};
+
+template <class T, int N>
+struct vec;
+template <class U>
+struct vec_info {
+  static constexpr int size = 1;
+};
+template <class U, int M>
+struct vec_info<vec<U, M>> {
+  static constexpr int size = M;
+};
+
+template <class T, int N>
+struct vec : vec_storage<T, N> {
+  using value_type = T;
+  vec() = default;
+  vec(T s) {
+    for (int i = 0; i < N; ++i) this->v[i] = s;
+  }
+  template <class A, class B, class... C>
+  vec(const A& a, const B& b, const C&... c) {
+    static_assert(vec_info<A>::size + vec_info<B>::size + (vec_info<C>::size + ... + 0) == N,
+                  "vector constructor: component count must equal the vector size");
+    int k = 0;
+    put(k, a);
+    put(k, b);
+    (put(k, c), ...);
+  }
+  template <class U>
+  explicit vec(const vec<U, N>& o) {
+    for (int i = 0; i < N; ++i) this->v[i] = static_cast<T>(o.v[i]);
+  }
+  T& operator[](int i) { return this->v[i]; }
+  const T& operator[](int i) const { return this->v[i]; }
+
+ private:
+  template <class U>
+  void put(int& k, const U& u) {
+    if constexpr (vec_info<U>::size == 1) {
+      this->v[k++] = static_cast<T>(u);
+    } else {
+      for (int i = 0; i < vec_info<U>::size; ++i) this->v[k++] = static_cast<T>(u.v[i]);
+    }
+  }
+};
+
+#define LILY_VEC_BINOP(op)                                                                  \
+  template <class T, int N>                                                                 \
+  vec<T, N> operator op(const vec<T, N>& a, const vec<T, N>& b) {                           \
+    vec<T, N> r;                                                                            \
+    for (int i = 0; i < N; ++i) r.v[i] = static_cast<T>(a.v[i] op b.v[i]);                  \
+    return r;                                                                               \
+  }                                                                                         \
+  template <class T, int N, class S, class = lily_cuda::enable_if_t<lily_cuda::is_scalar_v<S>>> \
+  vec<T, N> operator op(const vec<T, N>& a, S s) {                                          \
+    return a op vec<T, N>(static_cast<T>(s));                                               \
+  }                                                                                         \
+  template <class T, int N, class S, class = lily_cuda::enable_if_t<lily_cuda::is_scalar_v<S>>> \
+  vec<T, N> operator op(S s, const vec<T, N>& a) {                                          \
+    return vec<T, N>(static_cast<T>(s)) op a;                                               \
+  }                                                                                         \
+  template <class T, int N, class S>                                                        \
+  vec<T, N>& operator op##=(vec<T, N>& a, const S& b) {                                     \
+    a = a op b;                                                                             \
+    return a;                                                                               \
+  }
+LILY_VEC_BINOP(+)
+LILY_VEC_BINOP(-)
+LILY_VEC_BINOP(*)
+LILY_VEC_BINOP(/)
+LILY_VEC_BINOP(&)
+LILY_VEC_BINOP(|)
+LILY_VEC_BINOP(^)
+LILY_VEC_BINOP(<<)
+LILY_VEC_BINOP(>>)
+#undef LILY_VEC_BINOP
+
+template <class T, int N>
+vec<T, N> operator-(const vec<T, N>& a) {
+  vec<T, N> r;
+  for (int i = 0; i < N; ++i) r.v[i] = -a.v[i];
+  return r;
+}
+
+// ---------------------------------------------------------------------------- math
+namespace detail {
+inline float f_exp(float x) { return ::expf(x); }
+inline float f_exp2(float x) { return ::exp2f(x); }
+inline float f_log(float x) { return ::logf(x); }
+inline float f_log2(float x) { return ::log2f(x); }
+inline float f_sqrt(float x) { return ::sqrtf(x); }
+inline float f_rsqrt(float x) { return 1.0f / ::sqrtf(x); }
+inline float f_floor(float x) { return ::floorf(x); }
+inline float f_ceil(float x) { return ::ceilf(x); }
+inline float f_round(float x) { return ::roundf(x); }
+inline float f_rint(float x) { return ::rintf(x); }
+inline float f_trunc(float x) { return ::truncf(x); }
+inline float f_tanh(float x) { return ::tanhf(x); }
+inline float f_sin(float x) { return ::sinf(x); }
+inline float f_cos(float x) { return ::cosf(x); }
+inline float f_saturate(float x) { return ::fminf(::fmaxf(x, 0.0f), 1.0f); }
+}  // namespace detail
+
+#define LILY_MATH1(name)                                                            \
+  template <class T>                                                                \
+  T name(T x) {                                                                     \
+    if constexpr (vec_info<T>::size > 1) {                                          \
+      T r;                                                                          \
+      for (int i = 0; i < vec_info<T>::size; ++i) r.v[i] = name(x.v[i]);           \
+      return r;                                                                     \
+    } else {                                                                        \
+      return static_cast<T>(::metal::detail::f_##name(static_cast<float>(x)));      \
+    }                                                                               \
+  }
+#define LILY_MATH_FUNCS \
+  LILY_MATH1(exp) LILY_MATH1(exp2) LILY_MATH1(log) LILY_MATH1(log2) LILY_MATH1(sqrt) LILY_MATH1(rsqrt) \
+  LILY_MATH1(floor) LILY_MATH1(ceil) LILY_MATH1(round) LILY_MATH1(rint) LILY_MATH1(trunc)             \
+  LILY_MATH1(tanh) LILY_MATH1(sin) LILY_MATH1(cos) LILY_MATH1(saturate)
+LILY_MATH_FUNCS
+namespace precise {
+LILY_MATH_FUNCS
+}
+namespace fast {
+LILY_MATH_FUNCS
+}
+#undef LILY_MATH_FUNCS
+#undef LILY_MATH1
+
+template <class T>
+T abs(T x) {
+  if constexpr (vec_info<T>::size > 1) {
+    T r;
+    for (int i = 0; i < vec_info<T>::size; ++i) r.v[i] = abs(x.v[i]);
+    return r;
+  } else if constexpr (lily_cuda::is_float_v<T>) {
+    return ::fabsf(x);
+  } else if constexpr (lily_cuda::is_scalar_v<T> && lily_cuda::is_unsigned_v<T>) {
+    return x;
+  } else if constexpr (lily_cuda::is_scalar_v<T>) {
+    return x < 0 ? -x : x;
+  } else {
+    return T(::fabsf(float(x)));
+  }
+}
+template <class T>
+T fabs(T x) { return abs(x); }
+
+// MSL max/min on floats return the non-NaN operand (fmax/fmin).
+template <class T>
+T max(T a, T b) {
+  if constexpr (vec_info<T>::size > 1) {
+    T r;
+    for (int i = 0; i < vec_info<T>::size; ++i) r.v[i] = max(a.v[i], b.v[i]);
+    return r;
+  } else if constexpr (lily_cuda::is_float_v<T>) {
+    return ::fmaxf(a, b);
+  } else if constexpr (lily_cuda::is_scalar_v<T>) {
+    return a < b ? b : a;
+  } else {
+    return T(::fmaxf(float(a), float(b)));
+  }
+}
+template <class T>
+T min(T a, T b) {
+  if constexpr (vec_info<T>::size > 1) {
+    T r;
+    for (int i = 0; i < vec_info<T>::size; ++i) r.v[i] = min(a.v[i], b.v[i]);
+    return r;
+  } else if constexpr (lily_cuda::is_float_v<T>) {
+    return ::fminf(a, b);
+  } else if constexpr (lily_cuda::is_scalar_v<T>) {
+    return b < a ? b : a;
+  } else {
+    return T(::fminf(float(a), float(b)));
+  }
+}
+template <class T>
+T fmax(T a, T b) { return max(a, b); }
+template <class T>
+T fmin(T a, T b) { return min(a, b); }
+template <class T>
+T clamp(T x, T lo, T hi) { return min(max(x, lo), hi); }
+template <class T>
+T fma(T a, T b, T c) {
+  if constexpr (vec_info<T>::size > 1) {
+    T r;
+    for (int i = 0; i < vec_info<T>::size; ++i) r.v[i] = fma(a.v[i], b.v[i], c.v[i]);
+    return r;
+  } else if constexpr (lily_cuda::is_same_v<T, half>) {
+    unsigned short r;
+    asm("fma.rn.f16 %0, %1, %2, %3;" : "=h"(r) : "h"(a.bits), "h"(b.bits), "h"(c.bits));
+    half h;
+    h.bits = r;
+    return h;
+  } else {
+    return ::fmaf(a, b, c);
+  }
+}
+template <class T>
+T pow(T a, T b) { return T(::powf(float(a), float(b))); }
+template <class T>
+T powr(T a, T b) { return T(::powf(float(a), float(b))); }
+template <class T>
+T mix(T a, T b, T t) { return a + (b - a) * t; }
+template <class T>
+T select(T a, T b, bool c) { return c ? b : a; }
+template <class T>
+bool isnan(T x) { return ::isnan(static_cast<float>(x)); }
+template <class T>
+bool isinf(T x) { return ::isinf(static_cast<float>(x)); }
+template <class T>
+bool isfinite(T x) { return ::isfinite(static_cast<float>(x)); }
+template <class T, int N>
+T dot(const vec<T, N>& a, const vec<T, N>& b) {
+  T s = a.v[0] * b.v[0];
+  for (int i = 1; i < N; ++i) s += a.v[i] * b.v[i];
+  return s;
+}
+template <class To, class From>
+To as_type(const From& f) {
+  return lily_cuda::bit_cast<To>(f);
+}
+
+template <class T>
+struct numeric_limits;
+template <>
+struct numeric_limits<float> {
+  static float infinity() { return __int_as_float(0x7f800000); }
+  static float max() { return 3.402823466e38f; }
+  static float lowest() { return -3.402823466e38f; }
+  static float quiet_NaN() { return __int_as_float(0x7fc00000); }
+};
+template <>
+struct numeric_limits<unsigned int> {
+  static unsigned int max() { return 0xffffffffu; }
+  static unsigned int min() { return 0u; }
+};
+template <>
+struct numeric_limits<int> {
+  static int max() { return 0x7fffffff; }
+  static int min() { return -0x7fffffff - 1; }
+};
+
+// ---------------------------------------------------------------------------- synchronisation
+enum class mem_flags : unsigned { mem_none = 0, mem_device = 1, mem_threadgroup = 2, mem_texture = 4 };
+constexpr mem_flags operator|(mem_flags a, mem_flags b) {
+  return static_cast<mem_flags>(static_cast<unsigned>(a) | static_cast<unsigned>(b));
+}
+enum memory_order { memory_order_relaxed, memory_order_acquire, memory_order_release,
+                    memory_order_acq_rel, memory_order_seq_cst };
+enum thread_scope { thread_scope_thread, thread_scope_simdgroup, thread_scope_threadgroup, thread_scope_device };
+
+inline void threadgroup_barrier(mem_flags f) {
+  const bool dev = (static_cast<unsigned>(f) & static_cast<unsigned>(mem_flags::mem_device)) != 0;
+  if (dev) __threadfence();
+  __syncthreads();
+  if (dev) __threadfence();
+}
+
+namespace detail {
+// The lanes present in the calling thread's simdgroup (a threadgroup whose size is not a multiple
+// of 32 ends with a partial one, as on Metal).
+inline unsigned simd_width() {
+  const unsigned n = blockDim.x * blockDim.y * blockDim.z;
+  const unsigned linear = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
+  const unsigned rest = n - (linear & ~31u);
+  return rest >= 32u ? 32u : rest;
+}
+inline unsigned simd_mask() {
+  const unsigned w = simd_width();
+  return w >= 32u ? 0xffffffffu : ((1u << w) - 1u);
+}
+inline unsigned lane_id() {
+  return (threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z)) & 31u;
+}
+}  // namespace detail
+
+inline void simdgroup_barrier(mem_flags) { __syncwarp(detail::simd_mask()); }
+inline void atomic_thread_fence(mem_flags, memory_order, thread_scope) { __threadfence(); }
+
+// ---------------------------------------------------------------------------- simd collectives
+namespace detail {
+// Shuffle any trivially copyable value word by word (up to 48 bytes, as the emulator).
+template <class T>
+inline T shfl(unsigned mask, const T& v, unsigned src) {
+  static_assert(sizeof(T) <= 48, "simd shuffle on a type larger than 48 bytes");
+  constexpr int kWords = (sizeof(T) + 3) / 4;
+  unsigned w[kWords] = {};
+  lily_cuda::copy_bytes(w, &v, sizeof(T));
+  for (int i = 0; i < kWords; ++i) w[i] = __shfl_sync(mask, w[i], src);
+  T out;
+  lily_cuda::copy_bytes(&out, w, sizeof(T));
+  return out;
+}
+template <class T>
+inline T add(const T& a, const T& b) {
+  if constexpr (lily_cuda::is_same_v<T, bfloat>) return bfloat(float(a) + float(b));
+  else return a + b;
+}
+// Pairwise tree in lane order, as the emulator: at stride s lane i (i % 2s == 0) takes i + s.
+// The result is lane 0's, broadcast: every lane holds the same value.
+template <class T, class F>
+inline T tree(T v, F f) {
+  const unsigned mask = simd_mask(), width = simd_width(), lane = lane_id();
+  for (unsigned s = 1; s < width; s *= 2) {
+    const T other = shfl(mask, v, lane + s < width ? lane + s : lane);
+    if ((lane % (2 * s)) == 0 && lane + s < width) v = f(v, other);
+  }
+  return shfl(mask, v, 0);
+}
+}  // namespace detail
+
+template <class T>
+T simd_sum(T v) {
+  return detail::tree(v, [](const T& a, const T& b) { return detail::add(a, b); });
+}
+template <class T>
+T simd_max(T v) {
+  return detail::tree(v, [](const T& a, const T& b) { return max(a, b); });
+}
+template <class T>
+T simd_min(T v) {
+  return detail::tree(v, [](const T& a, const T& b) { return min(a, b); });
+}
+template <class T>
+T simd_prefix_inclusive_sum(T v) {
+  const unsigned mask = detail::simd_mask(), lane = detail::lane_id(), width = detail::simd_width();
+  T s = detail::shfl(mask, v, 0);
+  for (unsigned l = 1; l < width; ++l) {
+    const T o = detail::shfl(mask, v, l);
+    if (l <= lane) s = detail::add(s, o);
+  }
+  return s;
+}
+template <class T>
+T simd_prefix_exclusive_sum(T v) {
+  const unsigned mask = detail::simd_mask(), lane = detail::lane_id(), width = detail::simd_width();
+  T s = T(0);
+  for (unsigned l = 0; l < width; ++l) {
+    const T o = detail::shfl(mask, v, l);
+    if (l < lane) s = detail::add(s, o);
+  }
+  return s;
+}
+template <class T>
+T simd_shuffle(T v, ushort lane) {
+  const unsigned w = detail::simd_width();
+  return detail::shfl(detail::simd_mask(), v, lane < w ? lane : detail::lane_id());
+}
+template <class T>
+T simd_shuffle_down(T v, ushort delta) {
+  const unsigned l = detail::lane_id(), w = detail::simd_width();
+  const T o = detail::shfl(detail::simd_mask(), v, l + delta < w ? l + delta : l);
+  return l + delta < w ? o : v;
+}
+template <class T>
+T simd_shuffle_up(T v, ushort delta) {
+  const unsigned l = detail::lane_id();
+  const T o = detail::shfl(detail::simd_mask(), v, delta <= l ? l - delta : l);
+  return delta <= l ? o : v;
+}
+template <class T>
+T simd_shuffle_xor(T v, ushort mask) {
+  const unsigned l = detail::lane_id(), w = detail::simd_width();
+  return detail::shfl(detail::simd_mask(), v, (l ^ mask) < w ? (l ^ mask) : l);
+}
+template <class T>
+T simd_broadcast(T v, ushort lane) {
+  return detail::shfl(detail::simd_mask(), v, lane);
+}
+template <class T>
+T simd_broadcast_first(T v) {
+  return detail::shfl(detail::simd_mask(), v, 0);
+}
+inline bool simd_all(bool b) { return __all_sync(detail::simd_mask(), b); }
+inline bool simd_any(bool b) { return __any_sync(detail::simd_mask(), b); }
+inline bool simd_is_first() { return detail::lane_id() == 0; }
+
+// ---------------------------------------------------------------------------- atomics
+template <class T>
+struct atomic {
+  T value;
+};
+using atomic_int = atomic<int>;
+using atomic_uint = atomic<unsigned int>;
+using atomic_float = atomic<float>;
+
+template <class T, class U>
+void atomic_store_explicit(volatile atomic<T>* a, U v, memory_order) {
+  atomicExch(const_cast<T*>(&a->value), static_cast<T>(v));
+}
+template <class T>
+T atomic_load_explicit(volatile atomic<T>* a, memory_order) {
+  return a->value;  // volatile: a fresh load
+}
+template <class T, class U>
+T atomic_exchange_explicit(volatile atomic<T>* a, U v, memory_order) {
+  return atomicExch(const_cast<T*>(&a->value), static_cast<T>(v));
+}
+template <class T, class U>
+bool atomic_compare_exchange_weak_explicit(volatile atomic<T>* a, T* expected, U desired, memory_order,
+                                           memory_order) {
+  const T old = atomicCAS(const_cast<T*>(&a->value), *expected, static_cast<T>(desired));
+  const bool ok = old == *expected;
+  *expected = old;
+  return ok;
+}
+template <class T, class U>
+T atomic_fetch_add_explicit(volatile atomic<T>* a, U v, memory_order) {
+  return atomicAdd(const_cast<T*>(&a->value), static_cast<T>(v));
+}
+template <class T, class U>
+T atomic_fetch_sub_explicit(volatile atomic<T>* a, U v, memory_order) {
+  if constexpr (lily_cuda::is_same_v<T, float>) return atomicAdd(const_cast<T*>(&a->value), -static_cast<T>(v));
+  else return atomicSub(const_cast<T*>(&a->value), static_cast<T>(v));
+}
+namespace detail {
+template <class T, class F>
+inline T atomic_update_float(volatile atomic<T>* a, F f) {
+  unsigned* p = reinterpret_cast<unsigned*>(const_cast<T*>(&a->value));
+  unsigned old = *p, assumed;
+  do {
+    assumed = old;
+    old = atomicCAS(p, assumed, __float_as_uint(f(__uint_as_float(assumed))));
+  } while (old != assumed);
+  return __uint_as_float(old);
+}
+}  // namespace detail
+template <class T, class U>
+T atomic_fetch_max_explicit(volatile atomic<T>* a, U v, memory_order) {
+  if constexpr (lily_cuda::is_same_v<T, float>)
+    return detail::atomic_update_float(a, [&](float o) { return o < float(v) ? float(v) : o; });
+  else return atomicMax(const_cast<T*>(&a->value), static_cast<T>(v));
+}
+template <class T, class U>
+T atomic_fetch_min_explicit(volatile atomic<T>* a, U v, memory_order) {
+  if constexpr (lily_cuda::is_same_v<T, float>)
+    return detail::atomic_update_float(a, [&](float o) { return float(v) < o ? float(v) : o; });
+  else return atomicMin(const_cast<T*>(&a->value), static_cast<T>(v));
+}
+
+// ---------------------------------------------------------------------------- simdgroup_matrix
+// The emulator's layout: lane l holds (r, c) and (r, c + 1), r = l / 4, c = 2 * (l % 4).
+template <class T, int Cols, int Rows>
+struct simdgroup_matrix {
+  static_assert(Cols == 8 && Rows == 8, "8x8 simdgroup matrices only");
+  T e[2];
+  simdgroup_matrix() = default;
+  explicit simdgroup_matrix(T diagonal) {
+    const unsigned l = detail::lane_id(), r = l / 4, c = 2 * (l % 4);
+    e[0] = r == c ? diagonal : T(0.0f);
+    e[1] = r == c + 1 ? diagonal : T(0.0f);
+  }
+};
+using simdgroup_float8x8 = simdgroup_matrix<float, 8, 8>;
+using simdgroup_bfloat8x8 = simdgroup_matrix<bfloat, 8, 8>;
+using simdgroup_half8x8 = simdgroup_matrix<half, 8, 8>;
+
+template <class T, int Cols, int Rows>
+simdgroup_matrix<T, Cols, Rows> make_filled_simdgroup_matrix(T value) {
+  simdgroup_matrix<T, Cols, Rows> m;
+  m.e[0] = value;
+  m.e[1] = value;
+  return m;
+}
+
+template <class T, int Cols, int Rows, class P, class O>
+void simdgroup_load(simdgroup_matrix<T, Cols, Rows>& d, const P* src, ulong elements_per_row, O,
+                    bool transpose_matrix) {
+  const unsigned l = detail::lane_id(), r = l / 4, c = 2 * (l % 4);
+  for (unsigned i = 0; i < 2; ++i)
+    d.e[i] = transpose_matrix ? src[(c + i) * elements_per_row + r] : src[r * elements_per_row + c + i];
+}
+template <class T, int Cols, int Rows, class P, class O>
+void simdgroup_store(const simdgroup_matrix<T, Cols, Rows>& m, P* dst, ulong elements_per_row, O,
+                     bool transpose_matrix) {
+  const unsigned l = detail::lane_id(), r = l / 4, c = 2 * (l % 4);
+  for (unsigned i = 0; i < 2; ++i)
+    (transpose_matrix ? dst[(c + i) * elements_per_row + r] : dst[r * elements_per_row + c + i]) = m.e[i];
+}
+
+// d = a * b + c: each product float(a) * float(b) and each add rounded once in fp32, k = 0..7 in
+// order (the emulator's semantics), then rounded to d's type.
+template <class TD, class TA, class TB, class TC>
+void simdgroup_multiply_accumulate(simdgroup_matrix<TD, 8, 8>& d, const simdgroup_matrix<TA, 8, 8>& a,
+                                   const simdgroup_matrix<TB, 8, 8>& b, const simdgroup_matrix<TC, 8, 8>& c) {
+  static_assert(lily_cuda::is_same_v<TD, TC>, "simdgroup_multiply_accumulate: c and d must have the same type");
+  const unsigned l = detail::lane_id(), r = l / 4, c0 = 2 * (l % 4);
+  const float a0 = float(a.e[0]), a1 = float(a.e[1]), b0 = float(b.e[0]), b1 = float(b.e[1]);
+  float s[2] = {float(c.e[0]), float(c.e[1])};
+  for (unsigned k = 0; k < 8; ++k) {
+    const float ak0 = __shfl_sync(0xffffffffu, a0, 4 * r + k / 2);
+    const float ak1 = __shfl_sync(0xffffffffu, a1, 4 * r + k / 2);
+    const float ak = (k % 2) ? ak1 : ak0;
+    const float bk0 = __shfl_sync(0xffffffffu, b0, 4 * k + c0 / 2);
+    const float bk1 = __shfl_sync(0xffffffffu, b1, 4 * k + c0 / 2);
+    s[0] = __fadd_rn(s[0], __fmul_rn(ak, bk0));
+    s[1] = __fadd_rn(s[1], __fmul_rn(ak, bk1));
+  }
+  d.e[0] = static_cast<TD>(s[0]);
+  d.e[1] = static_cast<TD>(s[1]);
+}
+template <class T>
+void simdgroup_multiply(simdgroup_matrix<T, 8, 8>& d, const simdgroup_matrix<T, 8, 8>& a,
+                        const simdgroup_matrix<T, 8, 8>& b) {
+  simdgroup_multiply_accumulate(d, a, b, make_filled_simdgroup_matrix<T, 8, 8>(T(0.0f)));
+}
+
+// ---------------------------------------------------------------------------- Metal 4 tensors
+template <class IndexType, int Rank>
+struct dextents {
+  static_assert(Rank == 2, "rank-2 tensors only");
+  using index_type = IndexType;
+  IndexType e[Rank];
+  dextents(IndexType e0, IndexType e1) : e{e0, e1} {}
+  IndexType extent(int r) const { return e[r]; }
+};
+struct tensor_inline {};
+
+template <class ElementType, class Extents, class DescriptorType = tensor_inline>
+class tensor {
+ public:
+  using element_type = ElementType;
+  using extents_type = Extents;
+  using index_type = typename Extents::index_type;
+  tensor(ElementType* data, Extents ext) : data_(data), ext_(ext) {}
+  ElementType* data() const { return data_; }
+  Extents extents() const { return ext_; }
+  index_type get_extent(int r) const { return ext_.extent(r); }
+  float at(long i0, long i1) const {
+    if (i0 < 0 || i1 < 0 || i0 >= long(ext_.extent(0)) || i1 >= long(ext_.extent(1))) return 0.0f;
+    return static_cast<float>(data_[i1 * long(ext_.extent(0)) + i0]);
+  }
+  int at_int(long i0, long i1) const {
+    if (i0 < 0 || i1 < 0 || i0 >= long(ext_.extent(0)) || i1 >= long(ext_.extent(1))) return 0;
+    return static_cast<int>(data_[i1 * long(ext_.extent(0)) + i0]);
+  }
+
+ private:
+  ElementType* data_;
+  Extents ext_;
+};
+
+template <int N>
+struct execution_simdgroups {
+  static constexpr int simdgroups = N;
+};
+struct execution_simdgroup {
+  static constexpr int simdgroups = 1;
+};
+template <class T, int Rank>
+struct tensor_index {
+  T v[Rank];
+  T operator[](int r) const { return v[r]; }
+};
+
+// Element e = row * n + col of the m x n destination is held by thread (e % T) of the scope as
+// its element e / T (the emulator's layout).
+template <class ElementType, int M, int N, int Threads>
+class cooperative_tensor {
+ public:
+  using element_type = ElementType;
+  static constexpr int kCapacity = (M * N + Threads - 1) / Threads;
+  cooperative_tensor()
+      : owner_((threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z)) % Threads) {}
+  static constexpr unsigned short get_capacity() { return (unsigned short)(kCapacity); }
+  bool is_valid_element(unsigned short i) const { return i < kCapacity && flat(i) < M * N; }
+  tensor_index<int, 2> get_multidimensional_index(unsigned short i) const {
+    const int f = flat(i);
+    return {{f % N, f / N}};
+  }
+  ElementType& operator[](unsigned short i) { return e_[i]; }
+  const ElementType& operator[](unsigned short i) const { return e_[i]; }
+  int owner() const { return owner_; }
+  int flat(unsigned short i) const { return int(i) * Threads + owner_; }
+
+ private:
+  ElementType e_[kCapacity];
+  int owner_;
+};
+
+}  // namespace metal
+
+namespace mpp::tensor_ops {
+
+struct matmul2d_descriptor {
+  enum class mode { multiply, multiply_accumulate };
+  int m, n, k;
+  bool transpose_left, transpose_right;
+  bool relaxed_precision;
+  mode matmul_mode;
+  constexpr matmul2d_descriptor(int m_, int n_, int k_ = -1, bool transpose_left_ = false,
+                                bool transpose_right_ = false, bool relaxed_precision_ = false,
+                                mode matmul_mode_ = mode::multiply)
+      : m(m_), n(n_), k(k_), transpose_left(transpose_left_), transpose_right(transpose_right_),
+        relaxed_precision(relaxed_precision_), matmul_mode(matmul_mode_) {}
+};
+
+namespace detail {
+template <class T>
+inline constexpr bool is_int8 = lily_cuda::is_same_v<lily_cuda::remove_cv_t<T>, signed char> ||
+                                lily_cuda::is_same_v<lily_cuda::remove_cv_t<T>, unsigned char>;
+template <class T>
+struct is_coop : lily_cuda::false_type {};
+template <class E, int M, int N, int Th>
+struct is_coop<metal::cooperative_tensor<E, M, N, Th>> : lily_cuda::true_type {};
+}  // namespace detail
+
+// The emulator's semantics (csrc/emu/tensor_ops_emu.h): destination[m x n] = left * right (or +=),
+// operands outside their extents read as 0, destination elements outside its extents not written,
+// each output sum_k float(a) * float(b) in fp32, k in order; relaxed_precision rounds the sum to
+// half before it is added.
+template <matmul2d_descriptor D, class Scope>
+class matmul2d {
+  static constexpr int kThreads = Scope::simdgroups * 32;
+
+ public:
+  static constexpr matmul2d_descriptor descriptor = D;
+  using scope = Scope;
+  template <class Left, class Right, class ElementType>
+  using destination_t = metal::cooperative_tensor<ElementType, D.m, D.n, kThreads>;
+
+  template <class Left, class Right, class ElementType>
+  destination_t<Left, Right, ElementType> get_destination_cooperative_tensor() const {
+    return destination_t<Left, Right, ElementType>();
+  }
+
+  template <class Left, class Right, class Dest>
+  void run(Left& left, Right& right, Dest& dest) const {
+    using LE = typename Left::element_type;
+    using RE = typename Right::element_type;
+    using DE = lily_cuda::remove_cv_t<typename Dest::element_type>;
+    constexpr bool kInt = detail::is_int8<LE> && detail::is_int8<RE>;
+    using Acc = lily_cuda::conditional_t<kInt, int, float>;
+    // The threads of the scope enter together (execution-scope uniform): operands written before
+    // by other threads were ordered by the caller's threadgroup_barrier.
+    if constexpr (lily_cuda::is_same_v<Scope, metal::execution_simdgroup>) __syncwarp();
+    else __syncthreads();
+    const int lk = int(D.transpose_left ? left.get_extent(1) : left.get_extent(0));
+    const int K = D.k < 0 ? lk : D.k;
+    const int me = int((threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z)) % kThreads);
+    constexpr int kMine = (D.m * D.n + kThreads - 1) / kThreads;
+    constexpr bool kAcc = D.matmul_mode == matmul2d_descriptor::mode::multiply_accumulate;
+    for (int i = 0; i < kMine; ++i) {
+      const int f = i * kThreads + me;
+      if (f >= D.m * D.n) break;
+      const long col = f % D.n, row = f / D.n;
+      Acc s = Acc(0);
+      for (long k = 0; k < K; ++k) {
+        if constexpr (kInt) {
+          s += (D.transpose_left ? left.at_int(row, k) : left.at_int(k, row)) *
+               (D.transpose_right ? right.at_int(k, col) : right.at_int(col, k));
+        } else {
+          const float a = D.transpose_left ? left.at(row, k) : left.at(k, row);
+          const float b = D.transpose_right ? right.at(k, col) : right.at(col, k);
+          s = __fadd_rn(s, __fmul_rn(a, b));
+        }
+      }
+      if constexpr (!kInt) {
+        if (D.relaxed_precision) s = float(metal::half(s));
+      }
+      if constexpr (detail::is_coop<Dest>::value) {
+        DE& d = dest[(unsigned short)(i)];
+        if constexpr (kInt) d = kAcc ? d + s : s;
+        else d = DE(kAcc ? __fadd_rn(float(d), s) : s);
+      } else {
+        if (col >= long(dest.get_extent(0)) || row >= long(dest.get_extent(1))) continue;
+        auto& d = dest.data()[row * long(dest.get_extent(0)) + col];
+        if constexpr (kInt) d = kAcc ? d + s : s;
+        else d = DE(kAcc ? __fadd_rn(float(d), s) : s);
+      }
+    }
+    if constexpr (lily_cuda::is_same_v<Scope, metal::execution_simdgroup>) __syncwarp();
+    else __syncthreads();
+  }
+};
+
+}  // namespace mpp::tensor_ops
+
+// ---------------------------------------------------------------------------- MSL names
+// CUDA declares float4, uint4, ... (without operator[]) in the global namespace: the shaders'
+// vector names map to types of their own.
+using lily_float2 = metal::vec<float, 2>;
+using lily_float3 = metal::vec<float, 3>;
+using lily_float4 = metal::vec<float, 4>;
+using lily_int2 = metal::vec<int, 2>;
+using lily_int3 = metal::vec<int, 3>;
+using lily_int4 = metal::vec<int, 4>;
+using lily_uint2 = metal::vec<unsigned, 2>;
+using lily_uint3 = metal::vec<unsigned, 3>;
+using lily_uint4 = metal::vec<unsigned, 4>;
+using lily_ushort2 = metal::vec<unsigned short, 2>;
+using lily_ushort4 = metal::vec<unsigned short, 4>;
+using lily_uchar4 = metal::vec<unsigned char, 4>;
+using lily_half2 = metal::vec<metal::half, 2>;
+using lily_half4 = metal::vec<metal::half, 4>;
+using lily_bfloat2 = metal::vec<metal::bfloat, 2>;
+using lily_bfloat4 = metal::vec<metal::bfloat, 4>;
+using lily_ulong2 = metal::vec<unsigned long long, 2>;
+#define float2 lily_float2
+#define float3 lily_float3
+#define float4 lily_float4
+#define int2 lily_int2
+#define int3 lily_int3
+#define int4 lily_int4
+#define uint2 lily_uint2
+#define uint3 lily_uint3
+#define uint4 lily_uint4
+#define ushort2 lily_ushort2
+#define ushort4 lily_ushort4
+#define uchar4 lily_uchar4
+#define half2 lily_half2
+#define half4 lily_half4
+#define bfloat2 lily_bfloat2
+#define bfloat4 lily_bfloat4
+#define ulong2 lily_ulong2
+
+// ---------------------------------------------------------------------------- kernel entries
+namespace lily_cuda {
+inline constexpr int kMaxBuffers = 15;  // as the emulator (csrc/emu/runtime.h kMaxKernelBuffers)
+struct Buffers {
+  void* p[kMaxBuffers];
+};
+template <class F>
+struct KernelTraits;
+template <class A, class... P>
+struct KernelTraits<void (*)(const A&, P...)> {
+  using Args = A;
+  static constexpr int kTail = 6;
+  static_assert(sizeof...(P) >= kTail, "kernel must end with LILY_KERNEL_TAIL");
+  static constexpr int kBuffers = int(sizeof...(P)) - kTail;
+  static_assert(kBuffers <= kMaxBuffers, "too many buffer parameters");
+  template <int I>
+  using Param = typename nth<I, P...>::type;
+};
+
+template <auto F, int... I>
+__device__ __forceinline__ void call(const typename KernelTraits<decltype(F)>::Args& args, const Buffers& b,
+                                     index_seq<I...>) {
+  using Tr = KernelTraits<decltype(F)>;
+  const unsigned linear = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
+  const lily_uint3 group_pos(blockIdx.x, blockIdx.y, blockIdx.z);
+  const lily_uint3 thread_pos(threadIdx.x, threadIdx.y, threadIdx.z);
+  const lily_uint3 group_size(blockDim.x, blockDim.y, blockDim.z);
+  const lily_uint3 grid_pos(blockIdx.x * blockDim.x + threadIdx.x, blockIdx.y * blockDim.y + threadIdx.y,
+                            blockIdx.z * blockDim.z + threadIdx.z);
+  F(args, static_cast<typename Tr::template Param<I>>(b.p[I])..., group_pos, thread_pos, group_size, grid_pos,
+    linear & 31u, linear >> 5);
+}
+}  // namespace lily_cuda
+
+#define LILY_CUDA_CAT_(a, b) a##b
+#define LILY_CUDA_CAT(a, b) LILY_CUDA_CAT_(a, b)
+#define LILY_CUDA_ENTRY_(n, name, ...)                                                                 \
+  extern "C" __global__ void __launch_bounds__(1024) LILY_CUDA_CAT(lily_kernel_, n)(                                          \
+      const typename lily_cuda::KernelTraits<decltype(&__VA_ARGS__)>::Args args, const lily_cuda::Buffers bufs) { \
+    lily_cuda::call<&__VA_ARGS__>(                                                                     \
+        args, bufs, typename lily_cuda::make_seq<lily_cuda::KernelTraits<decltype(&__VA_ARGS__)>::kBuffers>::type{}); \
+  }                                                                                                    \
+  extern "C" __device__ const char LILY_CUDA_CAT(LILY_CUDA_CAT(lily_kernel_, n), _name)[] = name;      \
+  extern "C" __device__ const unsigned LILY_CUDA_CAT(LILY_CUDA_CAT(lily_kernel_, n), _meta)[2] = {      \
+      unsigned(sizeof(typename lily_cuda::KernelTraits<decltype(&__VA_ARGS__)>::Args)),                \
+      unsigned(lily_cuda::KernelTraits<decltype(&__VA_ARGS__)>::kBuffers)};
+#define LILY_CUDA_ENTRY(n, name, ...) LILY_CUDA_ENTRY_(n, name, __VA_ARGS__)
+// NVRTC has no __COUNTER__: each shader file is its own program (nvrtc_build.py passes
+// LILY_CUDA_FILE, the file's index) and an entry is named by file and line.
+#define LILY_INSTANTIATE(name, ...) \
+  LILY_CUDA_ENTRY(LILY_CUDA_CAT(LILY_CUDA_CAT(LILY_CUDA_FILE, _), __LINE__), name, __VA_ARGS__)
+
+// LILY_TG_ARRAY(float, tile, [32][36]): __shared__ float tile[32][36];
+#define LILY_TG_ARRAY(T, name, dims) __shared__ T name dims
+
+#define LILY_KERNEL_TAIL \
+  uint3 group_pos, uint3 thread_pos, uint3 group_size, uint3 grid_pos, uint lane, uint simd_id
+
+// MSL address spaces and function qualifiers. `constant` is read-only, as in MSL.
+#define device
+#define threadgroup
+#define thread
+#define constant const
+#define kernel
+
+
