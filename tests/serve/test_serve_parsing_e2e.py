@@ -30,7 +30,7 @@ def scripted(demo, monkeypatch):
     assert demo.tokenizer.decode(script) == SCRIPT_TEXT
     steps = []
 
-    def sample(logits, params, n, seed):      # the real sampler's signature
+    def sample(logits, params, n, seed, allowed=None):   # the real sampler's signature
         steps.append(n)
         return script[n]
 
