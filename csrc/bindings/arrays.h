@@ -24,7 +24,7 @@ inline size_t nbytes(const InArray& a) { return a.nbytes(); }
 // A device buffer holding a copy of `a`.
 inline std::unique_ptr<gpu::Buffer> upload(gpu::Device& dev, const void* data, size_t bytes) {
   auto b = dev.new_buffer(bytes);
-  std::memcpy(b->contents(), data, bytes);
+  b->write(0, data, bytes);
   return b;
 }
 
@@ -37,6 +37,17 @@ nb::ndarray<nb::numpy, T> download(const void* src, std::vector<size_t> shape) {
   std::memcpy(data, src, n * sizeof(T));
   nb::capsule owner(data, [](void* p) noexcept { delete[] static_cast<T*>(p); });
   return nb::ndarray<nb::numpy, T>(data, shape.size(), shape.data(), owner);
+}
+
+// A new NumPy array of `shape` owning a copy of `buffer`'s bytes from `offset` (read through the
+// buffer: device memory on cuda has no host pointer).
+template <class T>
+nb::ndarray<nb::numpy, T> download(gpu::Buffer& buffer, size_t offset, std::vector<size_t> shape) {
+  size_t n = 1;
+  for (size_t s : shape) n *= s;
+  std::vector<T> tmp(n);
+  buffer.read(offset, tmp.data(), n * sizeof(T));
+  return download<T>(tmp.data(), std::move(shape));
 }
 
 inline void require(bool ok, const std::string& msg) {

@@ -298,7 +298,8 @@ void init_engine(nb::module_& m) {
       .def(
           "last_logprobs",
           [](const core::Engine& e) {
-            const uint32_t* r = e.logprob_record();
+            const std::vector<uint32_t> rec = e.logprob_record();
+            const uint32_t* r = rec.data();
             float chosen;
             std::memcpy(&chosen, r, 4);
             const uint32_t n = std::min<uint32_t>(r[1], kSampleMaxLogprobs);
@@ -364,6 +365,54 @@ void init_engine(nb::module_& m) {
           "Emulator only: encode one step at `position` on an encoder that runs nothing and checks "
           "hazards between dispatches (EmulatorError names them), ignoring barrier #skip_barrier "
           "(-1: none). The state is untouched; returns the counters.")
+      .def(
+          "time_step",
+          [](core::Engine& e, uint32_t T, uint32_t position, bool all_logits, nb::object sample, uint32_t repeats,
+             uint32_t trials, bool per_dispatch) {
+            gpu::TimingOptions o;
+            o.repeats = repeats;
+            o.trials = trials;
+            o.per_dispatch = per_dispatch;
+            gpu::StepTiming t;
+            {
+              const core::StepSampling sampling = sampling_from(sample, false);
+              nb::gil_scoped_release release;
+              t = e.time_step(T, position, all_logits, sampling, o);
+            }
+            nb::dict out;
+            out["step_us"] = t.step_us;
+            out["step_us_min"] = t.step_us_min;
+            out["step_us_max"] = t.step_us_max;
+            out["empty_us"] = t.empty_us;
+            out["levels"] = t.levels;
+            out["nodes"] = t.nodes;
+            out["copy_gbps"] = t.copy_gbps;
+            out["read_gbps"] = t.read_gbps;
+            nb::list ds;
+            for (const gpu::DispatchTime& d : t.dispatches) {
+              nb::dict x;
+              x["kernel"] = std::string(gpu::kernel_info(d.record.kernel).name);
+              x["groups"] = nb::make_tuple(d.record.groups.x, d.record.groups.y, d.record.groups.z);
+              x["threads"] = nb::make_tuple(d.record.threads.x, d.record.threads.y, d.record.threads.z);
+              x["level"] = d.record.level;
+              x["bytes_touched"] = d.record.bytes_touched;
+              x["flops_useful"] = d.record.flops_useful;
+              x["unit"] = gpu::exec_unit_name(d.record.unit);
+              x["us"] = d.us;
+              x["us_min"] = d.us_min;
+              x["us_max"] = d.us_max;
+              x["copy_us"] = d.copy_us;
+              x["read_us"] = d.read_us;
+              ds.append(x);
+            }
+            out["dispatches"] = ds;
+            return out;
+          },
+          "tokens"_a, "position"_a = 0, "all_logits"_a = false, "sample"_a = nb::none(), "repeats"_a = 20,
+          "trials"_a = 5, "per_dispatch"_a = true,
+          "cuda only: GPU times of one step of `tokens` at `position` (the whole step as one graph, each "
+          "dispatch alone, an empty graph of the same levels, copy / streaming-read references). Runs "
+          "the step many times over the state, then resets it (docs/gpu.md, \"Timing\").")
       .def(
           "count_kernels",
           [](const core::Engine& e) {

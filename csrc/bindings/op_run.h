@@ -56,9 +56,8 @@ struct OpRun {
   }
 
   nb::object download(const gpu::Binding& b, gpu::DType t, std::vector<size_t> shape) {
-    const void* p = static_cast<const char*>(b.buffer->contents()) + b.offset;
-    if (t == gpu::DType::f32) return nb::cast(bindings::download<float>(p, shape));
-    return nb::cast(bindings::download<uint16_t>(p, shape));
+    if (t == gpu::DType::f32) return nb::cast(bindings::download<float>(*b.buffer, b.offset, shape));
+    return nb::cast(bindings::download<uint16_t>(*b.buffer, b.offset, shape));
   }
   nb::dict counters() const {
     const gpu::Counters& c = enc->counters();

@@ -235,11 +235,11 @@ void init_ops(nb::module_& parent) {
         const gpu::Binding out = run.output(gpu::ops::qmm_i8_scratch_bytes(rows, K));
         run.encode(xt == gpu::DType::bf16 ? gpu::KernelId::quantize_i8_xbf16 : gpu::KernelId::quantize_i8_xf32,
                    [&](gpu::Encoder& e) { gpu::ops::encode_quantize_i8(e, xb, rows, K, K, out, xt); });
-        const char* base = static_cast<const char*>(out.buffer->contents()) + out.offset;
+        gpu::Buffer& ob = *out.buffer;
         const size_t g = K / kI8Group;
-        return nb::make_tuple(bindings::download<int8_t>(base, {rows, K}),
-                              bindings::download<float>(base + i8_scales_offset(rows, K), {rows, g}),
-                              bindings::download<float>(base + i8_sums_offset(rows, K), {rows, g}), run.stats());
+        return nb::make_tuple(bindings::download<int8_t>(ob, out.offset, {rows, K}),
+                              bindings::download<float>(ob, out.offset + i8_scales_offset(rows, K), {rows, g}),
+                              bindings::download<float>(ob, out.offset + i8_sums_offset(rows, K), {rows, g}), run.stats());
       },
       "x"_a, nb::kw_only(), "x_dtype"_a, "device"_a = "emu", "order"_a = "shuffle", "seed"_a = 0, "fp_traps"_a = true,
       "x [rows, K] (bf16 as uint16, or fp32: the MoE's h) -> the int8 activation scratch (codes [rows, K] int8 in the permuted "

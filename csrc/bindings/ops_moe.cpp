@@ -29,7 +29,7 @@ namespace {
 
 template <class T>
 nb::object copy_out(const gpu::Binding& b, std::vector<size_t> shape) {
-  return nb::cast(download<T>(b.buffer->contents(), shape));
+  return nb::cast(download<T>(*b.buffer, b.offset, shape));
 }
 
 }  // namespace
@@ -152,8 +152,8 @@ void init_ops_moe(nb::module_& m) {
         stats["flops_useful"] = c.flops_useful;
         stats["host_syncs"] = syncs;
         if (op.scratch.tile_stats.bytes) {  // the tiled route: what the plan made (read after the wait)
-          const auto* ts = reinterpret_cast<const uint32_t*>(
-              static_cast<const char*>(op.scratch.tile_stats.buffer->contents()) + op.scratch.tile_stats.offset);
+          uint32_t ts[kMoeTileStats];
+          op.scratch.tile_stats.buffer->read(op.scratch.tile_stats.offset, ts, sizeof ts);
           nb::dict tiles;
           tiles["64"] = ts[0];
           tiles["32"] = ts[1];

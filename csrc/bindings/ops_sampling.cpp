@@ -72,11 +72,11 @@ void init_ops_sampling(nb::module_& m) {
         std::vector<std::unique_ptr<gpu::Buffer>> bufs;
         auto buffer = [&](size_t bytes, int fill) {
           bufs.push_back(dev->new_buffer(bytes));
-          if (fill >= 0) std::memset(bufs.back()->contents(), fill, bytes);
+          if (fill >= 0) bufs.back()->fill(0, fill, bytes);
           return gpu::Binding{bufs.back().get(), 0, bytes};
         };
         op.logits = buffer(logits.nbytes(), -1);
-        std::memcpy(op.logits.buffer->contents(), logits.data(), logits.nbytes());
+        op.logits.buffer->write(0, logits.data(), logits.nbytes());
         const size_t out_n = size_t(slot) + op.rows;
         op.ids = buffer(out_n * 4, 0xAB);           // untouched slots keep 0xABABABAB
         op.chosen_logit = buffer(out_n * 4, 0xAB);
@@ -88,7 +88,7 @@ void init_ops_sampling(nb::module_& m) {
           LILY_REQUIRE(m.shape(0) == op.rows && m.shape(1) == gpu::ops::mask_words(valid_vocab),
                        "sample: mask must be uint32 [rows, ceil(valid_vocab / 32)]");
           op.mask = buffer(m.nbytes(), -1);
-          std::memcpy(op.mask.buffer->contents(), m.data(), m.nbytes());
+          op.mask.buffer->write(0, m.data(), m.nbytes());
         }
         if (logprobs >= 0) op.logprobs = buffer(out_n * kSampleLogprobWords * 4, 0xAB);
         gpu::ops::validate(op);
@@ -102,7 +102,8 @@ void init_ops_sampling(nb::module_& m) {
         }
         std::vector<uint32_t> status(op.rows), bad(op.rows);
         nb::list fallback, collected, split_k;
-        const auto* st = static_cast<const SampleState*>(op.state.buffer->contents());
+        std::vector<SampleState> st(op.rows);
+        op.state.buffer->read(0, st.data(), st.size() * sizeof(SampleState));
         for (uint32_t r = 0; r < op.rows; ++r) {
           status[r] = st[r].status;
           bad[r] = st[r].bad_id;
@@ -124,9 +125,9 @@ void init_ops_sampling(nb::module_& m) {
         stats["collected"] = collected;
         stats["split_k"] = split_k;
         if (logprobs >= 0)  // the records [slot + R, kSampleLogprobWords] as uint32 words
-          stats["logprobs"] = download<uint32_t>(op.logprobs.buffer->contents(), {out_n, size_t(kSampleLogprobWords)});
-        return nb::make_tuple(download<uint32_t>(op.ids.buffer->contents(), {out_n}),
-                              download<float>(op.chosen_logit.buffer->contents(), {out_n}),
+          stats["logprobs"] = download<uint32_t>(*op.logprobs.buffer, 0, {out_n, size_t(kSampleLogprobWords)});
+        return nb::make_tuple(download<uint32_t>(*op.ids.buffer, 0, {out_n}),
+                              download<float>(*op.chosen_logit.buffer, 0, {out_n}),
                               download<uint32_t>(status.data(), {op.rows}), download<uint32_t>(bad.data(), {op.rows}),
                               stats);
       },
@@ -147,7 +148,7 @@ void init_ops_sampling(nb::module_& m) {
           enc->commit();
           enc->wait();
         }
-        return download<float>(buf->contents(), {n});
+        return download<float>(*buf, 0, {n});
       },
       "n"_a, "seed"_a, "step"_a, "device"_a = "emu", "The Gumbel noise of (seed, step) for ids 0..n-1 (float32).");
 }

@@ -284,10 +284,10 @@ Engine::Engine(ModelSpec spec, std::unique_ptr<gpu::Device> device) : spec_(std:
   build_buffers(s, a, m_, device_->info().tensor_int8);
   if (m_.inv_freq.buffer) {
     const std::vector<float> f = gpu::ops::rope_inv_freq(s.rotary_dim, s.rope_theta);
-    if (void* dst = m_.inv_freq.buffer->contents()) std::memcpy(dst, f.data(), f.size() * 4);
+    if (m_.inv_freq.buffer->has_storage()) m_.inv_freq.buffer->write(m_.inv_freq.offset, f.data(), f.size() * 4);
   }
   for (const auto& b : state_)
-    if (b->contents()) std::memset(b->contents(), 0, b->size());
+    if (b->has_storage()) b->fill(0, 0, b->size());
   std::vector<gpu::Buffer*> resident;  // weights and state: the GPU keeps them resident (Metal, macOS 15+)
   for (const auto& [name, w] : weights_) resident.push_back(w.buffer.get());
   for (const auto& b : state_) resident.push_back(b.get());
@@ -452,11 +452,11 @@ void Engine::upload(const std::string& name, const std::vector<std::pair<const v
   for (const auto& p : parts) total += p.second;
   if (total != b.size())
     fail("weight '" + name + "': got " + num(total) + " bytes in " + num(parts.size()) + " part(s), expected " + num(b.size()));
-  char* dst = static_cast<char*>(b.contents());
-  if (dst == nullptr) fail("weight '" + name + "': device '" + std::string(device_->name()) + "' has no storage to upload to");
+  if (!b.has_storage()) fail("weight '" + name + "': device '" + std::string(device_->name()) + "' has no storage to upload to");
+  size_t at = 0;
   for (const auto& p : parts) {
-    std::memcpy(dst, p.first, p.second);
-    dst += p.second;
+    b.write(at, p.first, p.second);
+    at += p.second;
   }
   it->second.loaded = true;
 }
@@ -511,7 +511,7 @@ void Engine::reset() {
   discard_inflight();
   // The KV caches need no clearing: attention reads rows [0, position) only.
   for (size_t i = 0; i < state_.size(); ++i)
-    if (!is_kv(i) && state_[i]->contents()) std::memset(state_[i]->contents(), 0, state_[i]->size());
+    if (!is_kv(i) && state_[i]->has_storage()) state_[i]->fill(0, 0, state_[i]->size());
   position_ = 0;
   conv_parity_ = 0;
   valid_ = true;
@@ -527,16 +527,18 @@ Snapshot Engine::snapshot() const {
   s.position = position_;
   s.conv_parity = conv_parity_;
   for (size_t i = 0; i < state_.size(); ++i) {
-    const char* p = static_cast<const char*>(state_[i]->contents());
-    if (p == nullptr) {
+    gpu::Buffer& b = *state_[i];
+    if (!b.has_storage()) {
       s.buffers.emplace_back();
     } else if (is_kv(i)) {  // rows [0, position) of every KV head
-      const size_t row = size_t(spec_.head_dim) * 2, cap = size_t(spec_.context_length) * row;
-      std::vector<char> v;
-      for (uint32_t h = 0; h < spec_.kv_heads; ++h) v.insert(v.end(), p + h * cap, p + h * cap + position_ * row);
+      const size_t row = size_t(spec_.head_dim) * 2, cap = size_t(spec_.context_length) * row, n = position_ * row;
+      std::vector<char> v(spec_.kv_heads * n);
+      for (uint32_t h = 0; h < spec_.kv_heads; ++h) b.read(h * cap, v.data() + h * n, n);
       s.buffers.push_back(std::move(v));
     } else {
-      s.buffers.emplace_back(p, p + state_[i]->size());
+      std::vector<char> v(b.size());
+      b.read(0, v.data(), v.size());
+      s.buffers.push_back(std::move(v));
     }
   }
   return s;
@@ -548,15 +550,16 @@ void Engine::restore(const Snapshot& s) {
     fail("snapshot is from a different engine");
   const size_t row = size_t(spec_.head_dim) * 2, cap = size_t(spec_.context_length) * row;
   for (size_t i = 0; i < state_.size(); ++i) {
-    char* p = static_cast<char*>(state_[i]->contents());
-    const size_t want = p == nullptr ? 0 : is_kv(i) ? size_t(spec_.kv_heads) * s.position * row : state_[i]->size();
+    gpu::Buffer& b = *state_[i];
+    const bool has = b.has_storage();
+    const size_t want = !has ? 0 : is_kv(i) ? size_t(spec_.kv_heads) * s.position * row : b.size();
     if (s.buffers[i].size() != want) fail("snapshot is from a different engine");
-    if (p == nullptr) continue;
+    if (!has) continue;
     if (is_kv(i)) {
       for (uint32_t h = 0; h < spec_.kv_heads; ++h)
-        std::memcpy(p + h * cap, s.buffers[i].data() + h * size_t(s.position) * row, size_t(s.position) * row);
+        b.write(h * cap, s.buffers[i].data() + h * size_t(s.position) * row, size_t(s.position) * row);
     } else {
-      std::memcpy(p, s.buffers[i].data(), want);
+      b.write(0, s.buffers[i].data(), want);
     }
   }
   position_ = s.position;
@@ -634,8 +637,7 @@ StepStats Engine::submit(const uint32_t* ids, uint32_t T, bool all_logits, const
     fail("forward: temperature must be > 0 when not greedy");
   for (uint32_t i = 0; i < T && !sampling.ids_from_slot; ++i)
     if (ids[i] >= spec_.vocab) fail("forward: token id " + num(ids[i]) + " at index " + num(i) + " outside [0, " + num(spec_.vocab) + ")");
-  void* id_dst = m_.s.ids.buffer->contents();
-  if (id_dst && !sampling.ids_from_slot) std::memcpy(id_dst, ids, size_t(T) * 4);
+  if (m_.s.ids.buffer->has_storage() && !sampling.ids_from_slot) m_.s.ids.buffer->write(m_.s.ids.offset, ids, size_t(T) * 4);
   valid_ = false;  // until every step in flight finished: a device error leaves a half-updated state
   have_token_ = false;
   last_rows_ = 0;  // the new step will overwrite the logits rows
@@ -671,9 +673,9 @@ StepStats Engine::complete(float* logits) {
   st.host_waits = st.waits_in_step + 1;
   correct_moe_flops(st, f.slot);
   const size_t V = spec_.vocab;
-  const char* src = static_cast<const char*>(m_.s.logits.buffer->contents());
-  if (logits && src && f.rows) {
-    std::memcpy(logits, src + (f.rows == 1 ? f.slot : 0) * V * 4, f.rows * V * 4);
+  gpu::Buffer& lb = *m_.s.logits.buffer;
+  if (logits && lb.has_storage() && f.rows) {
+    lb.read(m_.s.logits.offset + (f.rows == 1 ? f.slot : 0) * V * 4, logits, f.rows * V * 4);
     logit_bytes_copied_ += f.rows * V * 4;
   }
   last_rows_ = f.rows;
@@ -683,17 +685,21 @@ StepStats Engine::complete(float* logits) {
   if (f.sampled) {
     // The step itself is complete (state advanced, logits returned); a sampler error only means
     // there is no token to feed.
-    const char* sp = static_cast<const char*>(m_.s.sample_state.buffer->contents());
-    const auto* state = sp ? reinterpret_cast<const ::lily::SampleState*>(sp + f.slot * gpu::ops::sample_state_bytes(1)) : nullptr;
-    if (state && state->status != 0) {
-      if (inflight_.empty()) have_token_ = false;
-      throw SampleError("engine: the sampler found a non-finite logit" +
-                        (state->bad_id != 0xFFFFFFFFu ? " at token id " + num(state->bad_id) : std::string(" (all -inf)")) +
-                        " (numerical failure in the model)");
+    gpu::Buffer& sb = *m_.s.sample_state.buffer;
+    if (sb.has_storage()) {
+      const auto state = sb.read_value<::lily::SampleState>(m_.s.sample_state.offset + f.slot * gpu::ops::sample_state_bytes(1));
+      if (state.status != 0) {
+        if (inflight_.empty()) have_token_ = false;
+        throw SampleError("engine: the sampler found a non-finite logit" +
+                          (state.bad_id != 0xFFFFFFFFu ? " at token id " + num(state.bad_id) : std::string(" (all -inf)")) +
+                          " (numerical failure in the model)");
+      }
     }
     lp_slot_ = f.slot;
-    if (const auto* tok = static_cast<const uint32_t*>(m_.s.token_slot.buffer->contents())) st.token = tok[f.slot];
-    if (const auto* l = static_cast<const float*>(m_.s.chosen_logit.buffer->contents())) st.token_logit = l[f.slot];
+    if (m_.s.token_slot.buffer->has_storage())
+      st.token = m_.s.token_slot.buffer->read_value<uint32_t>(m_.s.token_slot.offset + f.slot * 4);
+    if (m_.s.chosen_logit.buffer->has_storage())
+      st.token_logit = m_.s.chosen_logit.buffer->read_value<float>(m_.s.chosen_logit.offset + f.slot * 4);
     last_ = st;
   }
   return st;
@@ -706,9 +712,8 @@ uint32_t Engine::sample_row(const float* row, const StepSampling& sampling) {
     fail("sample_row: temperature must be > 0");
   if (sampling.valid_vocab > spec_.vocab) fail("sample_row: valid_vocab " + num(sampling.valid_vocab) + " > vocab " + num(spec_.vocab));
   const size_t V = spec_.vocab;
-  char* dst = static_cast<char*>(m_.s.logits.buffer->contents());
-  if (dst == nullptr) fail("sample_row: device '" + std::string(device_->name()) + "' keeps no logits");
-  std::memcpy(dst + m_.s.logits.offset, row, V * 4);
+  if (!m_.s.logits.buffer->has_storage()) fail("sample_row: device '" + std::string(device_->name()) + "' keeps no logits");
+  m_.s.logits.buffer->write(m_.s.logits.offset, row, V * 4);
   last_rows_ = 0;  // row 0 now holds the host's row, not the last step's
   have_token_ = false;
   gpu::ops::SampleOperands so;
@@ -730,31 +735,31 @@ uint32_t Engine::sample_row(const float* row, const StepSampling& sampling) {
   gpu::ops::encode_sample(*enc, so);
   enc->commit();
   enc->wait();
-  const char* sp = static_cast<const char*>(m_.s.sample_state.buffer->contents());
-  const auto* state = reinterpret_cast<const ::lily::SampleState*>(sp + m_.s.sample_state.offset);
-  if (state->status != 0)
+  const auto state = m_.s.sample_state.buffer->read_value<::lily::SampleState>(m_.s.sample_state.offset);
+  if (state.status != 0)
     throw SampleError("engine: the sampler found a non-finite logit" +
-                      (state->bad_id != 0xFFFFFFFFu ? " at token id " + num(state->bad_id) : std::string(" (all -inf)")) +
+                      (state.bad_id != 0xFFFFFFFFu ? " at token id " + num(state.bad_id) : std::string(" (all -inf)")) +
                       " in the row given to sample_row");
   lp_slot_ = 0;
-  const auto* tok = static_cast<const uint32_t*>(m_.s.token_slot.buffer->contents());
-  return tok[m_.s.token_slot.offset / 4];
+  return m_.s.token_slot.buffer->read_value<uint32_t>(m_.s.token_slot.offset);
 }
 
-const uint32_t* Engine::logprob_record() const {
-  const char* p = static_cast<const char*>(m_.s.logprobs.buffer->contents());
-  if (p == nullptr) fail("last_logprobs: device '" + std::string(device_->name()) + "' keeps no records");
-  return reinterpret_cast<const uint32_t*>(p + m_.s.logprobs.offset) + size_t(lp_slot_) * kSampleLogprobWords;
+std::vector<uint32_t> Engine::logprob_record() const {
+  gpu::Buffer& b = *m_.s.logprobs.buffer;
+  if (!b.has_storage()) fail("last_logprobs: device '" + std::string(device_->name()) + "' keeps no records");
+  std::vector<uint32_t> r(kSampleLogprobWords);
+  b.read(m_.s.logprobs.offset + size_t(lp_slot_) * kSampleLogprobWords * 4, r.data(), r.size() * 4);
+  return r;
 }
 
 void Engine::last_logits(float* out) const {
   require_idle("last_logits");
   if (last_rows_ == 0) fail("last_logits: the last step computed no logits (or the state was reset / restored)");
   const size_t V = spec_.vocab;
-  const char* src = static_cast<const char*>(m_.s.logits.buffer->contents());
-  if (src == nullptr) fail("last_logits: device '" + std::string(device_->name()) + "' keeps no logits");
+  gpu::Buffer& lb = *m_.s.logits.buffer;
+  if (!lb.has_storage()) fail("last_logits: device '" + std::string(device_->name()) + "' keeps no logits");
   const size_t row = last_rows_ == 1 ? last_slot_ : last_rows_ - 1;
-  std::memcpy(out, src + row * V * 4, V * 4);
+  lb.read(m_.s.logits.offset + row * V * 4, out, V * 4);
   logit_bytes_copied_ += V * 4;
 }
 
@@ -764,12 +769,14 @@ void Engine::correct_moe_flops(StepStats& st, uint32_t slot) const {
   const ModelSpec& s = spec_;
   const uint32_t T = uint32_t(st.tokens);
   if (gpu::ops::moe_route(T, s.top_k) != gpu::ops::MoeRoute::tiled) return;
-  const char* base = static_cast<const char*>(m_.s.moe_tile_stats.buffer->contents());
-  if (!base) return;  // the counting device has no memory: the bound stays
+  gpu::Buffer& tb = *m_.s.moe_tile_stats.buffer;
+  if (!tb.has_storage()) return;  // the counting device has no memory: the bound stays
   const bool m5 = device_->info().tensor_ops;  // the plan and tile kernels encode_moe chose
   const auto bound = gpu::ops::moe_expert_flops(T, s.top_k, s.experts, s.hidden, s.moe_inter, s.shared_inter, m5);
-  const auto* stats = reinterpret_cast<const uint32_t*>(base + m_.s.moe_tile_stats.offset) +
-                      uint64_t(slot) * s.layers * kMoeTileStats;
+  std::vector<uint32_t> tile_stats(size_t(s.layers) * kMoeTileStats);
+  tb.read(m_.s.moe_tile_stats.offset + uint64_t(slot) * s.layers * kMoeTileStats * 4, tile_stats.data(),
+          tile_stats.size() * 4);
+  const uint32_t* stats = tile_stats.data();
   for (uint32_t li = 0; li < s.layers; ++li)
     st.flops_executed = st.flops_executed - bound.executed +
                         gpu::ops::moe_expert_flops_from_tiles(T, s.top_k, s.hidden, s.moe_inter, s.shared_inter,
@@ -808,6 +815,31 @@ StepStats Engine::check(uint32_t T, uint32_t position, bool all_logits, const St
   auto enc = device_->new_checking_encoder(skip_barrier, false);
   if (!enc) fail("check() needs a device that checks plans (the emulator, device 'emu')");
   return encode(T, position, all_logits, sampling, want_logits, std::move(enc)).st;
+}
+
+gpu::StepTiming Engine::time_step(uint32_t T, uint32_t position, bool all_logits, const StepSampling& sampling,
+                                  const gpu::TimingOptions& options) {
+  require_idle("time_step");
+  if (T == 0 || T > spec_.prefill_chunk) fail("time_step: " + num(T) + " tokens outside [1, prefill_chunk=" + num(spec_.prefill_chunk) + "]");
+  if (uint64_t(position) + T > spec_.context_length)
+    fail("time_step: position " + num(position) + " + " + num(T) + " tokens exceeds context_length " + num(spec_.context_length));
+  if (all_logits && T > spec_.logit_rows) fail("time_step: all_logits for " + num(T) + " tokens exceeds logit_rows=" + num(spec_.logit_rows));
+  gpu::StepTiming out;
+  auto enc = device_->new_timing_encoder(options, &out);
+  if (!enc) fail("time_step needs a device that times dispatches (the cuda device)");
+  // Token ids 1, 2, ... (any valid ids: the time does not depend on them).
+  std::vector<uint32_t> ids(T);
+  for (uint32_t i = 0; i < T; ++i) ids[i] = 1 + i % (spec_.vocab - 1);
+  if (m_.s.ids.buffer->has_storage()) m_.s.ids.buffer->write(m_.s.ids.offset, ids.data(), size_t(T) * 4);
+  try {
+    InFlight f = encode(T, position, all_logits, sampling, true, std::move(enc));
+    f.enc->wait();
+  } catch (...) {
+    reset();
+    throw;
+  }
+  reset();  // the step ran many times over the state: start again
+  return out;
 }
 
 }  // namespace lily::core

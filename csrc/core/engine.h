@@ -129,7 +129,7 @@ class Engine {
   void last_logits(float* out) const;
   // The logprob record (kSampleLogprobWords words, shaders/common/args_sampling.h) of the last
   // completed sampling step or sample_row; meaningful when its sampling asked for logprobs.
-  const uint32_t* logprob_record() const;
+  std::vector<uint32_t> logprob_record() const;  // the last sampled token's record (kSampleLogprobWords)
   bool has_last_logits() const { return inflight_.empty() && last_rows_ != 0; }
   // Samples one token on the device from a logits row the host holds (float32 [vocab]; the
   // prompt cache's row when a whole prompt is restored and nothing is prefilled): copies it into
@@ -151,6 +151,12 @@ class Engine {
   // number `skip_barrier` (-1: none). The state is untouched. Counters as for count().
   StepStats check(uint32_t T, uint32_t position, bool all_logits, const StepSampling& sampling = {},
                   bool want_logits = true, int64_t skip_barrier = -1);
+  // Devices that time dispatches (cuda): one step of T tokens at `position`, encoded as forward()
+  // would and run under gpu::TimingOptions (the whole step, each dispatch alone, an empty graph of
+  // the same levels, copy and read references). It runs the step many times over the state, so the
+  // engine is reset after. Fails on devices without timing.
+  gpu::StepTiming time_step(uint32_t T, uint32_t position, bool all_logits, const StepSampling& sampling,
+                            const gpu::TimingOptions& options);
   // Per-kernel totals of the last count() (indexed by KernelId).
   const std::vector<gpu::KernelCounters>& counted_kernels() const { return counted_kernels_; }
   // Every dispatch of the last count(), in order.

@@ -1,14 +1,19 @@
-// The "cuda" device (csrc/cuda/cuda_device.h). Contract (docs/gpu.md):
-//  * Every buffer is CUDA managed memory (cuMemAllocManaged): contents() is a host pointer the
-//    engine writes weights and inputs through and reads outputs from after wait(); the pages
-//    migrate to the GPU when kernels touch them, so weights, state and scratch live in device
-//    memory during the steps.
-//  * An encoder launches each dispatch at once on the device's one stream, in encoding order. A
-//    stream runs its kernels one after another, which orders every pair of dispatches: stronger
-//    than the plan's barriers (counted, nothing to encode). commit() submits nothing more;
-//    wait() synchronises the stream and turns a launch or kernel fault into an exception.
+// The "cuda" device (csrc/cuda/cuda_device.h). Contract (docs/gpu.md, "The device"):
+//  * Every buffer is plain device memory (cuMemAlloc; never managed memory), poisoned with 0xFF
+//    bytes (NaN as bf16 and fp32) when allocated. The host reaches it only through Buffer::write,
+//    read and fill: writes and fills are queued on the device's stream (after the work committed
+//    before them, before the work committed after); a read first waits for the writes queued
+//    before it, then copies on a second stream that does not wait for later steps, so a step in
+//    flight keeps running while the host reads the one before it.
+//  * An encoder records its dispatches as a CUDA graph, the analogue of one Metal command buffer:
+//    each dispatch is a kernel node that depends on every node of the level before it (a barrier
+//    starts a new level), so dispatches between two barriers run concurrently as on Metal.
+//    commit() launches the graph (updating a cached executable graph of the same topology, else
+//    instantiating one) and records an event; wait() waits for that event, so two steps can be in
+//    flight. LILY_CUDA_GRAPHS=0 launches each dispatch at once on the stream instead (serial).
 //  * Kernels: the cubins of nvrtc_build.py (their manifest.txt: cubin, entry, host name), from
-//    $LILY_CUDA_KERNELS or the folder cuda_kernels next to the extension module.
+//    $LILY_CUDA_KERNELS or the folder cuda_kernels next to the extension module; tools.cubin adds
+//    the timing tools' own kernels (an empty one, a streaming read).
 #include "cuda/cuda_device.h"
 
 #include <dlfcn.h>
@@ -26,14 +31,34 @@
 namespace lily::cuda {
 namespace {
 
-// ---- the driver API, declared here (no cuda.h needed to build) ------------------------------
+// ---- the driver API, declared here (no cuda.h needed to build; layouts as in CUDA 12-13) ------
 using CUresult = int;
 using CUdevice = int;
 using CUcontext = struct CUctx_st*;
 using CUmodule = struct CUmod_st*;
 using CUfunction = struct CUfunc_st*;
 using CUstream = struct CUstream_st*;
+using CUevent = struct CUevent_st*;
+using CUgraph = struct CUgraph_st*;
+using CUgraphNode = struct CUgraphNode_st*;
+using CUgraphExec = struct CUgraphExec_st*;
 using CUdeviceptr = unsigned long long;
+
+struct KernelNodeParams {  // CUDA_KERNEL_NODE_PARAMS_v2
+  CUfunction func;
+  unsigned gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes;
+  void** kernelParams;
+  void** extra;
+  void* kern;
+  CUcontext ctx;
+};
+struct GraphExecUpdateResultInfo {  // CUgraphExecUpdateResultInfo_v1
+  int result;
+  CUgraphNode errorNode, errorFromNode;
+};
+
+constexpr unsigned kStreamNonBlocking = 1;
+constexpr unsigned kEventDisableTiming = 2;
 
 struct Driver {
   void* lib = nullptr;
@@ -48,19 +73,36 @@ struct Driver {
   CUresult (*cuModuleLoad)(CUmodule*, const char*) = nullptr;
   CUresult (*cuModuleGetFunction)(CUfunction*, CUmodule, const char*) = nullptr;
   CUresult (*cuFuncGetAttribute)(int*, int, CUfunction) = nullptr;
-  CUresult (*cuMemAllocManaged)(CUdeviceptr*, size_t, unsigned) = nullptr;
+  CUresult (*cuMemAlloc)(CUdeviceptr*, size_t) = nullptr;
   CUresult (*cuMemFree)(CUdeviceptr) = nullptr;
   CUresult (*cuMemGetInfo)(size_t*, size_t*) = nullptr;
+  CUresult (*cuMemcpyHtoDAsync)(CUdeviceptr, const void*, size_t, CUstream) = nullptr;
+  CUresult (*cuMemcpyDtoHAsync)(void*, CUdeviceptr, size_t, CUstream) = nullptr;
+  CUresult (*cuMemcpyDtoDAsync)(CUdeviceptr, CUdeviceptr, size_t, CUstream) = nullptr;
+  CUresult (*cuMemsetD8Async)(CUdeviceptr, unsigned char, size_t, CUstream) = nullptr;
   CUresult (*cuStreamCreate)(CUstream*, unsigned) = nullptr;
   CUresult (*cuStreamSynchronize)(CUstream) = nullptr;
-  CUresult (*cuCtxSynchronize)() = nullptr;
+  CUresult (*cuStreamWaitEvent)(CUstream, CUevent, unsigned) = nullptr;
+  CUresult (*cuEventCreate)(CUevent*, unsigned) = nullptr;
+  CUresult (*cuEventRecord)(CUevent, CUstream) = nullptr;
+  CUresult (*cuEventSynchronize)(CUevent) = nullptr;
+  CUresult (*cuEventDestroy)(CUevent) = nullptr;
+  CUresult (*cuEventElapsedTime)(float*, CUevent, CUevent) = nullptr;
   CUresult (*cuLaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                              CUstream, void**, void**) = nullptr;
+  CUresult (*cuGraphCreate)(CUgraph*, unsigned) = nullptr;
+  CUresult (*cuGraphDestroy)(CUgraph) = nullptr;
+  CUresult (*cuGraphAddKernelNode)(CUgraphNode*, CUgraph, const CUgraphNode*, size_t, const KernelNodeParams*) = nullptr;
+  CUresult (*cuGraphInstantiateWithFlags)(CUgraphExec*, CUgraph, unsigned long long) = nullptr;
+  CUresult (*cuGraphExecUpdate)(CUgraphExec, CUgraph, GraphExecUpdateResultInfo*) = nullptr;
+  CUresult (*cuGraphExecDestroy)(CUgraphExec) = nullptr;
+  CUresult (*cuGraphLaunch)(CUgraphExec, CUstream) = nullptr;
   CUresult (*cuGetErrorString)(CUresult, const char**) = nullptr;
 
   template <class F>
-  bool get(F& f, const char* name) {
+  bool get(F& f, const char* name, const char* fallback = nullptr) {
     f = reinterpret_cast<F>(dlsym(lib, name));
+    if (!f && fallback) f = reinterpret_cast<F>(dlsym(lib, fallback));
     if (!f) error = std::string("libcuda.so.1 has no ") + name;
     return f != nullptr;
   }
@@ -75,11 +117,20 @@ struct Driver {
               get(cuDeviceGetName, "cuDeviceGetName") && get(cuDeviceGetAttribute, "cuDeviceGetAttribute") &&
               get(cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain") && get(cuCtxSetCurrent, "cuCtxSetCurrent") &&
               get(cuModuleLoad, "cuModuleLoad") && get(cuModuleGetFunction, "cuModuleGetFunction") &&
-              get(cuFuncGetAttribute, "cuFuncGetAttribute") && get(cuMemAllocManaged, "cuMemAllocManaged") &&
+              get(cuFuncGetAttribute, "cuFuncGetAttribute") && get(cuMemAlloc, "cuMemAlloc_v2") &&
               get(cuMemFree, "cuMemFree_v2") && get(cuMemGetInfo, "cuMemGetInfo_v2") &&
+              get(cuMemcpyHtoDAsync, "cuMemcpyHtoDAsync_v2") && get(cuMemcpyDtoHAsync, "cuMemcpyDtoHAsync_v2") &&
+              get(cuMemcpyDtoDAsync, "cuMemcpyDtoDAsync_v2") && get(cuMemsetD8Async, "cuMemsetD8Async") &&
               get(cuStreamCreate, "cuStreamCreate") && get(cuStreamSynchronize, "cuStreamSynchronize") &&
-              get(cuCtxSynchronize, "cuCtxSynchronize") && get(cuLaunchKernel, "cuLaunchKernel") &&
-              get(cuGetErrorString, "cuGetErrorString");
+              get(cuStreamWaitEvent, "cuStreamWaitEvent") && get(cuEventCreate, "cuEventCreate") &&
+              get(cuEventRecord, "cuEventRecord") && get(cuEventSynchronize, "cuEventSynchronize") &&
+              get(cuEventDestroy, "cuEventDestroy_v2") &&
+              get(cuEventElapsedTime, "cuEventElapsedTime_v2", "cuEventElapsedTime") &&
+              get(cuLaunchKernel, "cuLaunchKernel") && get(cuGraphCreate, "cuGraphCreate") &&
+              get(cuGraphDestroy, "cuGraphDestroy") && get(cuGraphAddKernelNode, "cuGraphAddKernelNode_v2") &&
+              get(cuGraphInstantiateWithFlags, "cuGraphInstantiateWithFlags") &&
+              get(cuGraphExecUpdate, "cuGraphExecUpdate_v2") && get(cuGraphExecDestroy, "cuGraphExecDestroy") &&
+              get(cuGraphLaunch, "cuGraphLaunch") && get(cuGetErrorString, "cuGetErrorString");
     if (!ok) return;
     if (CUresult r = cuInit(0)) {
       error = "cuInit failed: " + message(r);
@@ -129,41 +180,61 @@ std::map<std::string, ManifestRow> read_manifest(const std::string& dir, std::st
   return rows;
 }
 
-class CudaBuffer final : public gpu::Buffer {
- public:
-  CudaBuffer(CUdeviceptr p, size_t bytes) : p_(p), bytes_(bytes) {}
-  ~CudaBuffer() override {
-    if (p_) driver().cuMemFree(p_);
-  }
-  void* contents() override { return reinterpret_cast<void*>(p_); }
-  size_t size() const override { return bytes_; }
-
- private:
-  CUdeviceptr p_;
-  size_t bytes_;
-};
+bool graphs_on() {
+  const char* e = std::getenv("LILY_CUDA_GRAPHS");
+  return !(e && std::string(e) == "0");
+}
 
 struct Buffers {  // csrc/cuda/metal_cuda.h lily_cuda::Buffers
-  void* p[15];
+  void* p[gpu::kMaxBuffers];
 };
 
 class CudaDevice;
 
-class CudaEncoder final : public gpu::Encoder {
+class CudaBuffer final : public gpu::Buffer {
  public:
-  explicit CudaEncoder(CudaDevice& dev) : dev_(dev) {}
-  void commit() override {}
-  void wait() override;
-  uint32_t thread_limit(gpu::KernelId kernel) const override;
-  bool tensor_ops() const override;
-  bool tensor_int8() const override;
-
- protected:
-  void encode_dispatch(const gpu::Dispatch& d) override;
-  void encode_barrier() override {}  // one stream: every dispatch already follows the previous
+  CudaBuffer(CudaDevice& dev, CUdeviceptr p, size_t bytes) : dev_(dev), p_(p), bytes_(bytes) {}
+  ~CudaBuffer() override;
+  void* contents() override { return nullptr; }  // device memory: the host copies (write / read)
+  size_t size() const override { return bytes_; }
+  bool has_storage() override { return true; }
+  void write(size_t offset, const void* src, size_t n) override;
+  void read(size_t offset, void* dst, size_t n) override;
+  void fill(size_t offset, int byte, size_t n) override;
+  CUdeviceptr address() const { return p_; }
 
  private:
+  void range(size_t offset, size_t n, const char* what) const {
+    if (offset > bytes_ || n > bytes_ - offset)
+      throw gpu::EncodeError(std::string("buffer ") + what + ": bytes [" + std::to_string(offset) + ", " +
+                             std::to_string(offset + n) + ") outside the buffer's " + std::to_string(bytes_));
+  }
   CudaDevice& dev_;
+  CUdeviceptr p_;
+  size_t bytes_;
+};
+
+// One dispatch as launched: the function, its grid, and the parameter block it is launched with.
+struct Launch {
+  CUfunction f = nullptr;
+  gpu::Size3 groups, threads;
+  alignas(16) unsigned char args[gpu::kMaxArgsBytes] = {};
+  Buffers buffers{};
+  uint64_t level = 0;
+  void* params[2] = {nullptr, nullptr};
+  void fix() {  // the parameter pointers into this object (after it is placed)
+    params[0] = args;
+    params[1] = &buffers;
+  }
+  KernelNodeParams node() {
+    fix();
+    KernelNodeParams k{};
+    k.func = f;
+    k.gridDimX = groups.x, k.gridDimY = groups.y, k.gridDimZ = groups.z;
+    k.blockDimX = threads.x, k.blockDimY = threads.y, k.blockDimZ = threads.z;
+    k.kernelParams = params;
+    return k;
+  }
 };
 
 class CudaDevice final : public gpu::Device {
@@ -175,6 +246,8 @@ class CudaDevice final : public gpu::Device {
     d.check(d.cuDevicePrimaryCtxRetain(&ctx_, dev_), "cuDevicePrimaryCtxRetain");
     d.check(d.cuCtxSetCurrent(ctx_), "cuCtxSetCurrent");
     d.check(d.cuStreamCreate(&stream_, 0), "cuStreamCreate");
+    d.check(d.cuStreamCreate(&io_, kStreamNonBlocking), "cuStreamCreate");
+    d.check(d.cuEventCreate(&written_, kEventDisableTiming), "cuEventCreate");
     char name[256] = {};
     d.cuDeviceGetName(name, sizeof name, dev_);
     name_ = name;
@@ -183,18 +256,26 @@ class CudaDevice final : public gpu::Device {
     manifest_ = read_manifest(dir_, &err);
     if (!err.empty()) throw std::runtime_error("cuda: " + err);
   }
+  ~CudaDevice() override {
+    bind();
+    driver().cuStreamSynchronize(stream_);
+    for (auto& [key, g] : graphs_)
+      for (CUgraphExec e : g.exec)
+        if (e) driver().cuGraphExecDestroy(e);
+    driver().cuEventDestroy(written_);
+  }
   std::string_view name() const override { return "cuda"; }
   std::unique_ptr<gpu::Buffer> new_buffer(size_t bytes) override {
     bind();
     CUdeviceptr p = 0;
-    driver().check(driver().cuMemAllocManaged(&p, std::max<size_t>(bytes, 16), 1 /* ATTACH_GLOBAL */),
-                   "cuMemAllocManaged(" + std::to_string(bytes) + " bytes)");
-    return std::make_unique<CudaBuffer>(p, bytes);
+    const size_t n = std::max<size_t>(bytes, 16);
+    driver().check(driver().cuMemAlloc(&p, n), "cuMemAlloc(" + std::to_string(bytes) + " bytes)");
+    auto b = std::make_unique<CudaBuffer>(*this, p, bytes);
+    fill(p, 0xFF, n);  // poison: unwritten bf16 / fp32 elements read NaN
+    return b;
   }
-  std::unique_ptr<gpu::Encoder> new_encoder() override {
-    bind();
-    return std::make_unique<CudaEncoder>(*this);
-  }
+  std::unique_ptr<gpu::Encoder> new_encoder() override;
+  std::unique_ptr<gpu::Encoder> new_timing_encoder(const gpu::TimingOptions& options, gpu::StepTiming* out) override;
   gpu::DeviceInfo info() const override {
     gpu::DeviceInfo i;
     i.name = "cuda";
@@ -203,12 +284,14 @@ class CudaDevice final : public gpu::Device {
     driver().cuDeviceGetAttribute(&major, 75, dev_);  // COMPUTE_CAPABILITY_MAJOR
     driver().cuDeviceGetAttribute(&minor, 76, dev_);
     i.gpu_family = "sm_" + std::to_string(major) + std::to_string(minor);
+    bind();
     size_t free_b = 0, total = 0;
     if (driver().cuMemGetInfo(&free_b, &total) == 0) i.working_set_bytes = free_b;
     i.library_path = dir_;
     i.library_source = "cubin";
     i.build_target = "linux";
-    i.math_mode = "nvrtc -default-device (no fast math)";
+    i.math_mode = std::string("nvrtc -default-device -fmad=false; ") +
+                  (graphs_on() ? "one CUDA graph per command buffer" : "stream launches (LILY_CUDA_GRAPHS=0)");
     i.tensor_ops = tensor_ops();
     i.tensor_int8 = tensor_int8();
     if (!i.tensor_ops)
@@ -242,62 +325,407 @@ class CudaDevice final : public gpu::Device {
 
   CUfunction function(gpu::KernelId kernel) {
     std::lock_guard<std::mutex> lock(mu_);
-    bind();
     auto it = functions_.find(kernel);
     if (it != functions_.end()) return it->second;
-    const std::string host(gpu::kernel_info(kernel).name);
-    auto row = manifest_.find(host);
-    if (row == manifest_.end())
-      throw std::runtime_error("cuda: kernel '" + host + "' is in the kernel table but not in " + dir_ + "/manifest.txt");
-    CUmodule& m = modules_[row->second.cubin];
-    if (!m) driver().check(driver().cuModuleLoad(&m, row->second.cubin.c_str()), "cuModuleLoad " + row->second.cubin);
-    CUfunction f = nullptr;
-    driver().check(driver().cuModuleGetFunction(&f, m, row->second.entry.c_str()), "cuModuleGetFunction " + host);
+    CUfunction f = load(std::string(gpu::kernel_info(kernel).name));
     functions_[kernel] = f;
     return f;
+  }
+  CUfunction tool(const std::string& entry) {  // tools.cubin: "lily_cuda_empty", "lily_cuda_stream_read"
+    std::lock_guard<std::mutex> lock(mu_);
+    return load("__" + entry);
   }
   void bind() const { driver().cuCtxSetCurrent(ctx_); }
   CUstream stream() const { return stream_; }
 
+  // Host copies (CudaBuffer): writes queued on the stream; reads after the queued writes, on io_.
+  void write(CUdeviceptr dst, const void* src, size_t n) {
+    bind();
+    driver().check(driver().cuMemcpyHtoDAsync(dst, src, n, stream_), "host-to-device copy");
+    written();
+  }
+  void fill(CUdeviceptr dst, int byte, size_t n) {
+    bind();
+    driver().check(driver().cuMemsetD8Async(dst, static_cast<unsigned char>(byte), n, stream_), "fill");
+    written();
+  }
+  void read(void* dst, CUdeviceptr src, size_t n) {
+    bind();
+    std::lock_guard<std::mutex> lock(io_mu_);
+    driver().check(driver().cuStreamWaitEvent(io_, written_, 0), "cuStreamWaitEvent");
+    driver().check(driver().cuMemcpyDtoHAsync(dst, src, n, io_), "device-to-host copy");
+    driver().check(driver().cuStreamSynchronize(io_), "device-to-host copy");
+  }
+
+  // The executable graphs of recent topologies: two per topology, used in turn, so that updating
+  // one never touches the graph of the step still in flight.
+  struct Cached {
+    CUgraphExec exec[2] = {nullptr, nullptr};
+    int next = 0;
+  };
+  Cached& cached(const std::string& topology) {
+    if (graphs_.size() > 64 && !graphs_.count(topology)) {  // many shapes (kernel tests): start over
+      driver().cuStreamSynchronize(stream_);
+      for (auto& [key, g] : graphs_)
+        for (CUgraphExec e : g.exec)
+          if (e) driver().cuGraphExecDestroy(e);
+      graphs_.clear();
+    }
+    return graphs_[topology];
+  }
+  uint64_t instantiations = 0, updates = 0;
+
  private:
+  void written() { driver().check(driver().cuEventRecord(written_, stream_), "cuEventRecord"); }
+  CUfunction load(const std::string& host) {
+    bind();
+    auto row = manifest_.find(host);
+    if (row == manifest_.end())
+      throw std::runtime_error("cuda: kernel '" + host + "' is not in " + dir_ + "/manifest.txt (rebuild with LILY_CUDA=ON)");
+    CUmodule& m = modules_[row->second.cubin];
+    if (!m) driver().check(driver().cuModuleLoad(&m, row->second.cubin.c_str()), "cuModuleLoad " + row->second.cubin);
+    CUfunction f = nullptr;
+    driver().check(driver().cuModuleGetFunction(&f, m, row->second.entry.c_str()), "cuModuleGetFunction " + host);
+    return f;
+  }
+
   CUdevice dev_ = 0;
   CUcontext ctx_ = nullptr;
-  CUstream stream_ = nullptr;
+  CUstream stream_ = nullptr, io_ = nullptr;
+  CUevent written_ = nullptr;
   std::string name_, dir_;
   std::map<std::string, ManifestRow> manifest_;
   std::map<std::string, CUmodule> modules_;
   std::map<gpu::KernelId, CUfunction> functions_;
-  std::mutex mu_;
+  std::map<std::string, Cached> graphs_;
+  std::mutex mu_, io_mu_;
 };
 
-void CudaEncoder::encode_dispatch(const gpu::Dispatch& d) {
-  CUfunction f = dev_.function(d.kernel);
-  Buffers b{};
-  for (uint32_t i = 1; i <= d.num_buffers; ++i) {
-    const gpu::Binding& bind = d.buffers[i];
-    b.p[i - 1] = bind.buffer ? static_cast<unsigned char*>(bind.buffer->contents()) + bind.offset : nullptr;
+CudaBuffer::~CudaBuffer() {
+  if (p_) {
+    dev_.bind();
+    driver().cuStreamSynchronize(dev_.stream());  // no kernel still reads it
+    driver().cuMemFree(p_);
   }
-  alignas(16) unsigned char args[gpu::kMaxArgsBytes];
-  std::memcpy(args, d.args, d.args_size);
-  void* params[2] = {args, &b};
-  dev_.bind();
-  driver().check(driver().cuLaunchKernel(f, d.groups.x, d.groups.y, d.groups.z, d.threads.x, d.threads.y,
-                                         d.threads.z, 0, dev_.stream(), params, nullptr),
-                 "launch " + std::string(gpu::kernel_info(d.kernel).name));
+}
+void CudaBuffer::write(size_t offset, const void* src, size_t n) {
+  range(offset, n, "write");
+  if (n) dev_.write(p_ + offset, src, n);
+}
+void CudaBuffer::read(size_t offset, void* dst, size_t n) {
+  range(offset, n, "read");
+  if (n) dev_.read(dst, p_ + offset, n);
+}
+void CudaBuffer::fill(size_t offset, int byte, size_t n) {
+  range(offset, n, "fill");
+  if (n) dev_.fill(p_ + offset, byte, n);
 }
 
-void CudaEncoder::wait() {
-  dev_.bind();
-  driver().check(driver().cuStreamSynchronize(dev_.stream()), "kernel execution (cuStreamSynchronize)");
+CUdeviceptr address_of(const gpu::Binding& b) {
+  if (!b.buffer) return 0;
+  auto* cb = dynamic_cast<CudaBuffer*>(b.buffer);
+  if (!cb) throw gpu::EncodeError("cuda: a buffer from another device is bound");
+  return cb->address() + b.offset;
 }
 
-bool CudaEncoder::tensor_ops() const { return CudaDevice::tensor_ops(); }
-bool CudaEncoder::tensor_int8() const { return CudaDevice::tensor_int8(); }
+// Records the dispatches of one command buffer: launched at commit as one graph (or at once on the
+// stream with LILY_CUDA_GRAPHS=0).
+class CudaEncoder : public gpu::Encoder {
+ public:
+  explicit CudaEncoder(CudaDevice& dev) : dev_(dev), graphs_(graphs_on()) {
+    dev_.bind();
+    driver().check(driver().cuEventCreate(&done_, kEventDisableTiming), "cuEventCreate");
+  }
+  ~CudaEncoder() override {
+    if (committed_) driver().cuEventSynchronize(done_);
+    driver().cuEventDestroy(done_);
+  }
+  void commit() override {
+    dev_.bind();
+    if (graphs_ && !launches_.empty()) launch_graph();
+    launches_.clear();
+    level_ = 0;
+    driver().check(driver().cuEventRecord(done_, dev_.stream()), "cuEventRecord");
+    committed_ = true;
+  }
+  void wait() override {
+    if (!committed_) return;
+    dev_.bind();
+    driver().check(driver().cuEventSynchronize(done_), "kernel execution (cuEventSynchronize)");
+  }
+  uint32_t thread_limit(gpu::KernelId kernel) const override {
+    int threads = 0;
+    driver().check(driver().cuFuncGetAttribute(&threads, 0, dev_.function(kernel)), "cuFuncGetAttribute");
+    return std::min<uint32_t>(uint32_t(threads), gpu::kMaxThreadsPerGroup);
+  }
+  bool tensor_ops() const override { return CudaDevice::tensor_ops(); }
+  bool tensor_int8() const override { return CudaDevice::tensor_int8(); }
 
-uint32_t CudaEncoder::thread_limit(gpu::KernelId kernel) const {
-  int threads = 0;
-  driver().check(driver().cuFuncGetAttribute(&threads, 0, dev_.function(kernel)), "cuFuncGetAttribute");
-  return std::min<uint32_t>(uint32_t(threads), gpu::kMaxThreadsPerGroup);
+ protected:
+  Launch make_launch(const gpu::Dispatch& d) {
+    Launch l;
+    l.f = dev_.function(d.kernel);
+    l.groups = d.groups;
+    l.threads = d.threads;
+    std::memcpy(l.args, d.args, d.args_size);
+    for (uint32_t i = 1; i <= d.num_buffers; ++i)
+      l.buffers.p[i - 1] = reinterpret_cast<void*>(address_of(d.buffers[i]));
+    l.level = level_;
+    return l;
+  }
+  void encode_dispatch(const gpu::Dispatch& d) override {
+    Launch l = make_launch(d);
+    if (!graphs_) {
+      l.fix();
+      dev_.bind();
+      driver().check(driver().cuLaunchKernel(l.f, l.groups.x, l.groups.y, l.groups.z, l.threads.x, l.threads.y,
+                                             l.threads.z, 0, dev_.stream(), l.params, nullptr),
+                     "launch " + std::string(gpu::kernel_info(d.kernel).name));
+      return;
+    }
+    launches_.push_back(l);
+    new_level_ = false;
+  }
+  void encode_barrier() override {
+    if (!new_level_) ++level_;  // a barrier with nothing after the last one starts no new level
+    new_level_ = true;
+  }
+
+  // A graph of `launches` whose nodes depend on every node of the level before theirs.
+  static CUgraph build(std::vector<Launch>& launches, std::string* topology) {
+    CUgraph g = nullptr;
+    driver().check(driver().cuGraphCreate(&g, 0), "cuGraphCreate");
+    std::vector<CUgraphNode> prev, cur;
+    uint64_t level = launches.empty() ? 0 : launches.front().level;
+    for (Launch& l : launches) {
+      if (l.level != level) {
+        prev.swap(cur);
+        cur.clear();
+        level = l.level;
+      }
+      KernelNodeParams k = l.node();
+      CUgraphNode n = nullptr;
+      const CUresult r = driver().cuGraphAddKernelNode(&n, g, prev.data(), prev.size(), &k);
+      if (r != 0) {
+        driver().cuGraphDestroy(g);
+        driver().check(r, "cuGraphAddKernelNode");
+      }
+      cur.push_back(n);
+      if (topology) {
+        topology->append(reinterpret_cast<const char*>(&l.f), sizeof l.f);
+        topology->append(reinterpret_cast<const char*>(&l.level), sizeof l.level);
+      }
+    }
+    return g;
+  }
+  static CUgraphExec instantiate(CUgraph g) {
+    CUgraphExec e = nullptr;
+    const CUresult r = driver().cuGraphInstantiateWithFlags(&e, g, 0);
+    if (r != 0) {
+      driver().cuGraphDestroy(g);
+      driver().check(r, "cuGraphInstantiate");
+    }
+    return e;
+  }
+  void launch_graph() {
+    std::string topology;
+    CUgraph g = build(launches_, &topology);
+    CudaDevice::Cached& c = dev_.cached(topology);
+    CUgraphExec& e = c.exec[c.next];
+    c.next ^= 1;
+    if (e) {
+      GraphExecUpdateResultInfo info{};
+      if (driver().cuGraphExecUpdate(e, g, &info) == 0) {
+        ++dev_.updates;
+      } else {
+        driver().cuGraphExecDestroy(e);
+        e = nullptr;
+      }
+    }
+    if (!e) {
+      e = instantiate(g);
+      ++dev_.instantiations;
+    }
+    const CUresult r = driver().cuGraphLaunch(e, dev_.stream());
+    driver().cuGraphDestroy(g);
+    driver().check(r, "cuGraphLaunch");
+  }
+
+  CudaDevice& dev_;
+  bool graphs_;
+  std::vector<Launch> launches_;
+  uint64_t level_ = 0;
+  bool new_level_ = true;
+  CUevent done_ = nullptr;
+  bool committed_ = false;
+};
+
+std::unique_ptr<gpu::Encoder> CudaDevice::new_encoder() {
+  bind();
+  return std::make_unique<CudaEncoder>(*this);
+}
+
+// The timing encoder (Device::new_timing_encoder): records like CudaEncoder, and at commit times
+// every dispatch alone, the whole graph, the empty graph of the same levels and the references.
+class TimingEncoder final : public CudaEncoder {
+ public:
+  TimingEncoder(CudaDevice& dev, const gpu::TimingOptions& o, gpu::StepTiming* out)
+      : CudaEncoder(dev), o_(o), out_(out) {
+    graphs_ = true;  // recorded, whatever LILY_CUDA_GRAPHS says
+    record = &records_;
+    *out_ = gpu::StepTiming{};
+    driver().check(driver().cuEventCreate(&t0_, 0), "cuEventCreate");
+    driver().check(driver().cuEventCreate(&t1_, 0), "cuEventCreate");
+  }
+  ~TimingEncoder() override {
+    driver().cuEventDestroy(t0_);
+    driver().cuEventDestroy(t1_);
+  }
+  void commit() override {
+    dev_.bind();
+    gpu::StepTiming& t = *out_;  // a step committed in parts (host waits inside it) adds up its parts
+    if (launches_.empty()) return;
+    const uint32_t trials = std::max(1u, o_.trials), repeats = std::max(1u, o_.repeats);
+    // The whole step: one graph as commit() launches it, replayed.
+    CUgraph g = build(launches_, nullptr);
+    CUgraphExec e = instantiate(g);
+    driver().cuGraphDestroy(g);
+    for (int w = 0; w < 2; ++w) launch(e);
+    std::vector<double> us;
+    for (uint32_t i = 0; i < trials; ++i) us.push_back(timed([&] { launch(e); }));
+    double med, lo, hi;
+    summary(us, med, lo, hi);
+    t.step_us += med, t.step_us_min += lo, t.step_us_max += hi;
+    driver().cuGraphExecDestroy(e);
+    t.nodes += launches_.size();
+    t.levels += launches_.back().level - launches_.front().level + 1;
+    // The empty graph of the same levels and node counts.
+    {
+      std::vector<Launch> empty = launches_;
+      for (Launch& l : empty) {
+        l.f = dev_.tool("lily_cuda_empty");
+        l.groups = {1, 1, 1};
+        l.threads = {32, 1, 1};
+      }
+      for (Launch& l : empty) l.fix();
+      CUgraph eg = build(empty, nullptr);
+      CUgraphExec ee = instantiate(eg);
+      driver().cuGraphDestroy(eg);
+      launch(ee);
+      us.clear();
+      for (uint32_t i = 0; i < trials; ++i) us.push_back(timed([&] { launch(ee); }));
+      summary(us, med, lo, hi);
+      t.empty_us += med;
+      driver().cuGraphExecDestroy(ee);
+    }
+    // References: 1 GiB, and the bytes of every dispatch.
+    const uint64_t gib = 1ull << 30;
+    t.copy_gbps = 2.0 * double(gib) / (copy_us(gib) * 1e3);
+    t.read_gbps = double(gib) / (read_us(gib) * 1e3);
+    if (o_.per_dispatch) {
+      for (size_t i = 0; i < launches_.size(); ++i) {
+        gpu::DispatchTime d;
+        d.record = records_.at(records_done_ + i);
+        std::vector<Launch> chain(repeats, launches_[i]);
+        for (uint32_t r = 0; r < repeats; ++r) chain[r].level = r;  // one after another
+        for (Launch& l : chain) l.fix();
+        CUgraph cg = build(chain, nullptr);
+        CUgraphExec ce = instantiate(cg);
+        driver().cuGraphDestroy(cg);
+        launch(ce);
+        us.clear();
+        for (uint32_t k = 0; k < trials; ++k) us.push_back(timed([&] { launch(ce); }) / repeats);
+        summary(us, d.us, d.us_min, d.us_max);
+        driver().cuGraphExecDestroy(ce);
+        const uint64_t bytes = d.record.bytes_touched;
+        d.copy_us = copy_us(bytes);
+        d.read_us = read_us(bytes);
+        t.dispatches.push_back(d);
+      }
+    }
+    driver().check(driver().cuStreamSynchronize(dev_.stream()), "timing");
+    records_done_ += launches_.size();
+    launches_.clear();
+    level_ = 0;
+  }
+  void wait() override {}
+
+ private:
+  void launch(CUgraphExec e) { driver().check(driver().cuGraphLaunch(e, dev_.stream()), "cuGraphLaunch"); }
+  template <class F>
+  double timed(F f) {  // µs of what f queues
+    driver().check(driver().cuEventRecord(t0_, dev_.stream()), "cuEventRecord");
+    f();
+    driver().check(driver().cuEventRecord(t1_, dev_.stream()), "cuEventRecord");
+    driver().check(driver().cuEventSynchronize(t1_), "timing (cuEventSynchronize)");
+    float ms = 0;
+    driver().check(driver().cuEventElapsedTime(&ms, t0_, t1_), "cuEventElapsedTime");
+    return double(ms) * 1e3;
+  }
+  static void summary(std::vector<double> v, double& median, double& lo, double& hi) {
+    std::sort(v.begin(), v.end());
+    median = v[v.size() / 2];
+    lo = v.front();
+    hi = v.back();
+  }
+  void scratch(uint64_t bytes) {
+    if (scratch_ && scratch_->size() >= bytes) return;
+    scratch_.reset();
+    scratch_ = dev_.new_buffer(std::max<uint64_t>(bytes, 1 << 20));
+    sink_ = dev_.new_buffer(16);
+  }
+  double copy_us(uint64_t bytes) {  // a device copy touching `bytes` (half read, half written)
+    auto hit = copies_.find(bytes);
+    if (hit != copies_.end()) return hit->second;
+    const uint64_t half = std::max<uint64_t>(bytes / 2, 16) & ~uint64_t(15);
+    scratch(2 * half);
+    const CUdeviceptr a = static_cast<CudaBuffer*>(scratch_.get())->address();
+    auto copy = [&] { driver().check(driver().cuMemcpyDtoDAsync(a + half, a, half, dev_.stream()), "cuMemcpyDtoD"); };
+    copy();
+    std::vector<double> us;
+    for (uint32_t i = 0; i < std::max(3u, o_.trials); ++i) us.push_back(timed(copy));
+    double m, lo, hi;
+    summary(us, m, lo, hi);
+    return copies_[bytes] = m;
+  }
+  double read_us(uint64_t bytes) {  // the streaming read kernel over `bytes`
+    auto hit = reads_.find(bytes);
+    if (hit != reads_.end()) return hit->second;
+    const uint64_t n = std::max<uint64_t>(bytes, 16) & ~uint64_t(15);
+    scratch(n);
+    CUfunction f = dev_.tool("lily_cuda_stream_read");
+    CUdeviceptr p = static_cast<CudaBuffer*>(scratch_.get())->address();
+    CUdeviceptr s = static_cast<CudaBuffer*>(sink_.get())->address();
+    unsigned long long n16 = n / 16;
+    unsigned never = 0x9E3779B9u;
+    void* params[4] = {&p, &n16, &never, &s};
+    const unsigned threads = 256;
+    const unsigned groups = unsigned(std::min<uint64_t>(132 * 8, std::max<uint64_t>(1, (n16 + threads * 4 - 1) / (threads * 4))));
+    auto run = [&] {
+      driver().check(driver().cuLaunchKernel(f, groups, 1, 1, threads, 1, 1, 0, dev_.stream(), params, nullptr),
+                     "launch lily_cuda_stream_read");
+    };
+    run();
+    std::vector<double> us;
+    for (uint32_t i = 0; i < std::max(3u, o_.trials); ++i) us.push_back(timed(run));
+    double m, lo, hi;
+    summary(us, m, lo, hi);
+    return reads_[bytes] = m;
+  }
+
+  gpu::TimingOptions o_;
+  gpu::StepTiming* out_;
+  std::vector<gpu::DispatchRecord> records_;
+  size_t records_done_ = 0;
+  CUevent t0_ = nullptr, t1_ = nullptr;
+  std::unique_ptr<gpu::Buffer> scratch_, sink_;
+  std::map<uint64_t, double> copies_, reads_;
+};
+
+std::unique_ptr<gpu::Encoder> CudaDevice::new_timing_encoder(const gpu::TimingOptions& options, gpu::StepTiming* out) {
+  bind();
+  if (!out) throw std::invalid_argument("cuda: new_timing_encoder needs somewhere to put the timings");
+  return std::make_unique<TimingEncoder>(*this, options, out);
 }
 
 }  // namespace

@@ -31,6 +31,8 @@ SHADERS = [
     "gated_delta_chunk.metal", "moe.metal", "norm.metal", "qmm.metal", "m5/qmm_m5.metal",
     "m5/moe_m5.metal", "m5/attention_m5.metal", "m5/gated_delta_chunk_m5.metal", "sampling.metal",
 ]
+TOOLS = -1  # the job index of csrc/cuda/tools.cu (the device's own timing kernels)
+TOOL_ENTRIES = ["lily_cuda_empty", "lily_cuda_stream_read"]
 APPLE_STATIC_TG_LIMIT = 32 * 1024
 
 
@@ -63,17 +65,24 @@ def find_nvrtc():
 
 
 def compile_cubin(lib, arch, index):
+    if index == TOOLS:
+        return compile_source(lib, arch, open(os.path.join(ROOT, "csrc", "cuda", "tools.cu")).read(),
+                              "tools.cu", [f"-arch={arch}", "-std=c++20", "-lineinfo"])
     src = f'#include "cuda/metal_cuda.h"\n#include "{SHADERS[index]}"\n'
-    prog = ctypes.c_void_p()
-    chk = lambda r, what: r == 0 or (_ for _ in ()).throw(SystemExit(f"{what} failed: {r}"))
-    chk(lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), b"lily_shaders.cu", 0, None, None),
-        "nvrtcCreateProgram")
     # -fmad=false: no multiply-add contraction, as the emulator (-ffp-contract=off) and the
     # Metal library's safe math; with contraction, embedding's s * q + b differs by 1 ulp.
     opts = [f"-arch={arch}", "-default-device", "-std=c++20", "-fmad=false", "-DLILY_CUDA=1",
             f"-I{ROOT}/shaders", f"-I{ROOT}/csrc", f"-I{ROOT}/csrc/cuda/include",
             "--diag-suppress=1866,1097,2803",  # unknown attributes ([[buffer(n)]], ...)
             "-lineinfo", f"-DLILY_CUDA_FILE={index}"]
+    return compile_source(lib, arch, src, SHADERS[index], opts)
+
+
+def compile_source(lib, arch, src, name, opts):
+    prog = ctypes.c_void_p()
+    chk = lambda r, what: r == 0 or (_ for _ in ()).throw(SystemExit(f"{what} failed: {r}"))
+    chk(lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), b"lily_shaders.cu", 0, None, None),
+        "nvrtcCreateProgram")
     arr = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
     t0 = time.time()
     res = lib.nvrtcCompileProgram(prog, len(opts), arr)
@@ -84,7 +93,7 @@ def compile_cubin(lib, arch, index):
     text = log.value.decode(errors="replace")
     if res != 0:
         sys.stderr.write(text)
-        raise SystemExit(f"nvrtc_build: {SHADERS[index]}: compile failed ({res}) with {opts}")
+        raise SystemExit(f"nvrtc_build: {name}: compile failed ({res}) with {opts}")
     if text.strip():
         sys.stderr.write(text[-4000:])
     chk(lib.nvrtcGetCUBINSize(prog, ctypes.byref(n)), "nvrtcGetCUBINSize")
@@ -137,6 +146,8 @@ def kernel_ids():
 
 
 def cubin_name(index):
+    if index == TOOLS:
+        return "tools.cubin"
     return f"{index:02d}_{os.path.basename(SHADERS[index]).split('.')[0]}.cubin"
 
 
@@ -163,7 +174,7 @@ def main():
     for old in glob.glob(os.path.join(a.out, "*.cubin")):
         os.remove(old)
     t0 = time.time()
-    jobs = [(a.arch, i, a.out) for i in range(len(SHADERS))]
+    jobs = [(a.arch, i, a.out) for i in list(range(len(SHADERS))) + [TOOLS]]
     if a.j > 1:
         import multiprocessing
         with multiprocessing.Pool(min(a.j, len(jobs))) as pool:
@@ -172,6 +183,8 @@ def main():
         done = [one(j) for j in jobs]
     es = []
     for index, _secs, _n in done:
+        if index == TOOLS:
+            continue
         es += entries(open(os.path.join(a.out, cubin_name(index)), "rb").read())
     print(f"nvrtc {major.value}.{minor.value} ({path}): {len(es)} kernels in {len(done)} cubins for "
           f"{a.arch} in {time.time() - t0:.1f} s ({sum(n for *_, n in done)} bytes)")
@@ -187,7 +200,11 @@ def main():
     if bad:
         raise SystemExit("nvrtc_build: " + "\n  ".join(bad))
     with open(os.path.join(a.out, "manifest.txt"), "w") as f:
+        for entry in TOOL_ENTRIES:  # host name "__<entry>": no kernel id has a leading underscore
+            f.write(f"{cubin_name(TOOLS)} {entry} __{entry}\n")
         for index, _secs, _n in done:
+            if index == TOOLS:
+                continue
             for entry, host, _b in entries(open(os.path.join(a.out, cubin_name(index)), "rb").read()):
                 f.write(f"{cubin_name(index)} {entry} {host}\n")
     big = max(es, key=lambda e: e[2])

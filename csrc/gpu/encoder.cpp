@@ -8,6 +8,30 @@ namespace {
 std::string kname(KernelId id) { return std::string(kernel_info(id).name); }
 }  // namespace
 
+char* Buffer::host_range(size_t offset, size_t n, const char* what) {
+  if (offset > size() || n > size() - offset)
+    throw EncodeError(std::string("buffer ") + what + ": bytes [" + std::to_string(offset) + ", " +
+                      std::to_string(offset + n) + ") outside the buffer's " + std::to_string(size()));
+  char* p = static_cast<char*>(contents());
+  if (p == nullptr) throw EncodeError(std::string("buffer ") + what + ": the buffer has no host storage");
+  return p + offset;
+}
+
+void Buffer::write(size_t offset, const void* src, size_t n) {
+  char* p = host_range(offset, n, "write");
+  if (n) std::memcpy(p, src, n);
+}
+
+void Buffer::read(size_t offset, void* dst, size_t n) {
+  const char* p = host_range(offset, n, "read");
+  if (n) std::memcpy(dst, p, n);
+}
+
+void Buffer::fill(size_t offset, int byte, size_t n) {
+  char* p = host_range(offset, n, "fill");
+  if (n) std::memset(p, byte, n);
+}
+
 void Encoder::set_kernel(KernelId id) {
   if (static_cast<size_t>(id) >= kNumKernels) throw EncodeError("set_kernel: unknown kernel id");
   pending_.kernel = id;

@@ -22,13 +22,33 @@ struct Size3 {
   uint64_t count() const { return uint64_t(x) * y * z; }
 };
 
-// A device allocation whose contents the host can read and write (shared storage on Apple
-// Silicon; guarded host memory in the emulator).
+// A device allocation whose contents the host can read and write: in place through contents()
+// where the host addresses the storage (shared storage on Apple Silicon, guarded host memory in
+// the emulator), by copies where it does not (device memory on cuda).
 class Buffer {
  public:
   virtual ~Buffer() = default;
+  // The host's pointer to the storage; nullptr where the host reaches it only by copies (cuda)
+  // or there is none (the count device).
   virtual void* contents() = 0;
   virtual size_t size() const = 0;
+  // Whether there is storage to write and read (false on the count device only).
+  virtual bool has_storage() { return contents() != nullptr; }
+  // Copies between the host and bytes [offset, offset + n) (EncodeError when out of range or
+  // without storage). On a device whose copies are queued (cuda), write and fill are ordered after
+  // the work committed before them and before the work committed after; read sees both.
+  virtual void write(size_t offset, const void* src, size_t n);
+  virtual void read(size_t offset, void* dst, size_t n);
+  virtual void fill(size_t offset, int byte, size_t n);
+  template <class T>
+  T read_value(size_t offset) {
+    T v;
+    read(offset, &v, sizeof(T));
+    return v;
+  }
+
+ protected:
+  char* host_range(size_t offset, size_t n, const char* what);  // contents() + offset, checked
 };
 
 // One buffer argument: the byte range [offset, offset + bytes) of `buffer`.
@@ -200,6 +220,30 @@ struct DeviceInfo {
   bool tensor_int8 = false;
   std::string tensor_ops_reason;  // why not ("" when tensor_ops)
 };
+// GPU times of one step's dispatches (Device::new_timing_encoder: the cuda device). Each dispatch is
+// timed alone (a graph of `repeats` launches of it, `trials` times: median, min, max of the
+// per-launch time); the whole step as the device records it (one graph), replayed `trials` times;
+// a graph of the same levels and node counts whose kernels do nothing; and, for each dispatch's
+// bytes_touched, a device copy (cuMemcpyDtoD of half the bytes: read + write = the same bytes) and
+// a read-only streaming kernel of those bytes.
+struct TimingOptions {
+  uint32_t repeats = 20;      // launches per timed graph of one dispatch
+  uint32_t trials = 5;        // timed graphs per dispatch (and replays of the whole step)
+  bool per_dispatch = true;   // time every dispatch alone (false: the whole step and the empty graph only)
+};
+struct DispatchTime {
+  DispatchRecord record;                   // kernel, grid, level, bytes, flops
+  double us = 0, us_min = 0, us_max = 0;   // median / min / max per launch
+  double copy_us = 0, read_us = 0;         // the references for record.bytes_touched
+};
+struct StepTiming {
+  std::vector<DispatchTime> dispatches;   // in encoding order (empty unless per_dispatch)
+  double step_us = 0, step_us_min = 0, step_us_max = 0;
+  double empty_us = 0;                    // the empty graph of the same levels
+  uint64_t levels = 0, nodes = 0;
+  double copy_gbps = 0, read_gbps = 0;    // 1 GiB references: device copy (bytes read + written) and streaming read
+};
+
 // Re-encodes a dispatch `d` (as a device received it) on `inner`: for encoders that wrap another.
 void forward_dispatch(Encoder& inner, const Dispatch& d);
 
@@ -221,6 +265,12 @@ class Device {
   // dispatches, ignores its barrier number `skip_barrier` (-1: none) and runs the dispatches only
   // when `execute`. nullptr where the device cannot (Metal, counting).
   virtual std::unique_ptr<Encoder> new_checking_encoder(int64_t skip_barrier, bool execute) { return nullptr; }
+  // Devices that time dispatches on the GPU (cuda): an encoder whose commit() runs the encoded work
+  // under the timings of TimingOptions (many times: the state it updates is garbage after) and whose
+  // wait() fills *out; nullptr elsewhere.
+  virtual std::unique_ptr<Encoder> new_timing_encoder(const TimingOptions& /*options*/, StepTiming* /*out*/) {
+    return nullptr;
+  }
 };
 
 }  // namespace lily::gpu
