@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import types
 import shutil
 
 import numpy as np
@@ -63,7 +64,9 @@ def pytest_collection_modifyitems(config, items):
                 hits[pattern] += 1
                 item.add_marker(pytest.mark.full)
     stale = [p for p, n in hits.items() if n == 0 and p.split("::", 1)[0] in files]
-    if stale:
+    # LILY_TEST_DEVICES / LILY_TEST_ENGINE (another device than emu) change the parametrized ids:
+    # a pattern naming an emu case then matches nothing without being stale.
+    if stale and not (os.environ.get("LILY_TEST_DEVICES") or os.environ.get("LILY_TEST_ENGINE")):
         raise pytest.UsageError(f"tests/tiers.py: these patterns match no collected test of their "
                                 f"file (renamed or removed?): {stale} (rootdir {root})")
     if config.getoption("--full"):
@@ -87,7 +90,8 @@ def pytest_testnodedown(node, error):
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     if n and reporter is not None and not getattr(config, "_lily_deselected_counted", False):
         config._lily_deselected_counted = True
-        reporter.stats.setdefault("deselected", []).extend([None] * n)
+        # stand-ins with a __dict__: other plugins' summaries (hypothesis) read every report's
+        reporter.stats.setdefault("deselected", []).extend(types.SimpleNamespace() for _ in range(n))
 
 
 def _races_for_kernel_tests(config) -> bool:

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <map>
 #include <sstream>
@@ -233,12 +234,12 @@ class Planner final : public Allocator {
   }
 };
 
+// snprintf, not an ostream: on the lent H200's Python (its own libstdc++), inserting a double
+// into an ostringstream crashed the process inside the extension (docs/gpu.md, "Found on the GPU").
 std::string gib(uint64_t bytes) {
-  std::ostringstream o;
-  o.setf(std::ios::fixed);
-  o.precision(2);
-  o << double(bytes) / double(1ull << 30) << " GiB";
-  return o.str();
+  char buf[48];
+  std::snprintf(buf, sizeof buf, "%.2f GiB", double(bytes) / double(1ull << 30));
+  return buf;
 }
 
 }  // namespace

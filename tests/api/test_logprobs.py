@@ -1,12 +1,15 @@
 """generate(logprobs=True, top_logprobs=k) on the demo checkpoint: each chunk's TokenLogprob is
 log_softmax of that step's raw logits (before temperature and filters), on the reference (host,
-NumPy) and on the engine (backend="emu": the device's logprob pass, docs/structured.md)."""
+NumPy) and on the engine (backend=ENGINE: the device's logprob pass, docs/structured.md)."""
 import math
 
 import numpy as np
 import pytest
 
 import lily_py
+from engine_backend import ENGINE, require_engine
+
+require_engine()
 
 PROMPT = "The capital of France is"
 

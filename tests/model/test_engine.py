@@ -1,4 +1,4 @@
-"""The whole model on the engine (backend="emu": the C++ engine encoding every step, the Metal
+"""The whole model on the engine (backend=ENGINE: the C++ engine encoding every step, the Metal
 kernels run by the CPU emulator) against the NumPy reference backend.
 
 Tolerance (logits): both sides dequantize the same 4-bit weights exactly and compute in float32;
@@ -25,6 +25,9 @@ import lily_py
 from lily_py.testing import TINY_TEXT_CONFIG, make_checkpoint
 
 from tolerances import assert_close
+from engine_backend import ENGINE, require_engine
+
+require_engine()
 
 DN_LAYERS = 3  # DeltaNet-only checkpoints: float32 all the way, the tightest comparison
 # The checkpoints here have bf16 scales, so the engine's default is bf16 activations (as MLX
@@ -63,7 +66,7 @@ def _close(actual, ref, what, *, attention=False):
 
 
 def _pair(path, **kw):
-    return (lily_py.load(path, backend="emu", context_length=300, **FP32, **kw),
+    return (lily_py.load(path, backend=ENGINE, context_length=300, **FP32, **kw),
             lily_py.load(path, backend="reference", context_length=300, **kw))
 
 
@@ -101,7 +104,7 @@ def _reference_run_without_routing_ties(ref, rng, n_prefill, n_decode, *, min_ga
 @pytest.mark.parametrize("which", ["deltanet", "attention"])
 def test_prefill_and_decode_match_reference(dn_ckpt, attn_ckpt, rng, which):
     emu, ref = _pair(dn_ckpt if which == "deltanet" else attn_ckpt)
-    assert emu.backend == "emu"
+    assert emu.backend == ENGINE
     att = which == "attention"
     ids, dec, ref_pre, ref_dec = _reference_run_without_routing_ties(ref, rng, 11, 3)
     _close(emu.prefill(ids, all_logits=True), ref_pre, "prefill all_logits", attention=att)
@@ -112,9 +115,9 @@ def test_prefill_and_decode_match_reference(dn_ckpt, attn_ckpt, rng, which):
 @pytest.mark.parametrize("chunk", [1, 7, 64, 4096])
 def test_chunked_prefill_equals_one_shot(attn_ckpt, rng, chunk):
     ids = rng.integers(0, 320, size=23).tolist()
-    one = lily_py.load(attn_ckpt, backend="emu", context_length=64, prefill_chunk=23, **FP32)
+    one = lily_py.load(attn_ckpt, backend=ENGINE, context_length=64, prefill_chunk=23, **FP32)
     whole = one.prefill(ids)
-    chunked = lily_py.load(attn_ckpt, backend="emu", context_length=64, prefill_chunk=chunk, **FP32)
+    chunked = lily_py.load(attn_ckpt, backend=ENGINE, context_length=64, prefill_chunk=chunk, **FP32)
     # Different chunk sizes take different routes (qmv / qmm, MoE mv / tiled, attention decode /
     # prefill): float32 accumulation order, except where a K or V value that the two routes compute
     # a few fp32 ulps apart lands on different sides of a bf16 rounding boundary of the KV cache
@@ -127,9 +130,9 @@ def test_chunked_prefill_equals_one_shot(attn_ckpt, rng, chunk):
 
 def test_prefill_then_decode_equals_longer_prefill(attn_ckpt, rng):
     ids = rng.integers(0, 320, size=10).tolist()
-    a = lily_py.load(attn_ckpt, backend="emu", context_length=64, **FP32)
+    a = lily_py.load(attn_ckpt, backend=ENGINE, context_length=64, **FP32)
     a.prefill(ids[:-1])
-    b = lily_py.load(attn_ckpt, backend="emu", context_length=64, **FP32)
+    b = lily_py.load(attn_ckpt, backend=ENGINE, context_length=64, **FP32)
     _close(a.decode(ids[-1]), b.prefill(ids), "prefill(N) + decode vs prefill(N + 1)")
 
 
@@ -137,7 +140,7 @@ def test_demo_greedy_32_tokens_and_logits():
     """The bundled demo checkpoint (3 DeltaNet + 1 attention layers), with its default bf16
     activations: greedy tokens identical to the reference for 32 steps; the logits of the prompt
     within the attention tolerance (measured in bf16: max |d| / max |ref| = 1.2e-3 of the 2^-7)."""
-    emu = lily_py.load(backend="emu", context_length=128)
+    emu = lily_py.load(backend=ENGINE, context_length=128)
     assert emu._backend.activations == "bfloat16"
     ref = lily_py.load(backend="reference", context_length=128)
     prompt = emu.tokenizer.encode("The quick brown fox")
@@ -154,11 +157,11 @@ def test_greedy_generation_matches_reference(dn_ckpt):
     a = emu.generate_text(prompt, max_tokens=12)
     b = ref.generate_text(prompt, max_tokens=12)
     assert a.tokens == b.tokens
-    assert a.stats.backend == "emu"
+    assert a.stats.backend == ENGINE
 
 
 def test_snapshot_restore_reset(dn_ckpt, rng):
-    m = lily_py.load(dn_ckpt, backend="emu", context_length=64)
+    m = lily_py.load(dn_ckpt, backend=ENGINE, context_length=64)
     ids = rng.integers(0, 320, size=6).tolist()
     m.prefill(ids[:3])
     snap = m._backend.snapshot()
@@ -244,7 +247,7 @@ def _attention_decode_padding_flops(cfg, position: int) -> int:
 
 @pytest.mark.parametrize("tokens", [1, 11])
 def test_step_counters(attn_ckpt, rng, tokens):
-    m = lily_py.load(attn_ckpt, backend="emu", context_length=64)
+    m = lily_py.load(attn_ckpt, backend=ENGINE, context_length=64)
     m.prefill(rng.integers(0, 320, size=tokens).tolist())
     st = m.stats()
     d, b = _expected_counts(m.config, tokens)
@@ -293,8 +296,8 @@ def test_decode_split_route_counters(attn_ckpt, rng):
 
 def test_serialize_switch(attn_ckpt, rng):
     ids = rng.integers(0, 320, size=9).tolist()
-    a = lily_py.load(attn_ckpt, backend="emu", context_length=64)
-    b = lily_py.load(attn_ckpt, backend="emu", context_length=64)
+    a = lily_py.load(attn_ckpt, backend=ENGINE, context_length=64)
+    b = lily_py.load(attn_ckpt, backend=ENGINE, context_length=64)
     b._backend.engine.serialize = True
     np.testing.assert_array_equal(b.prefill(ids), a.prefill(ids))
     st = b.stats()
@@ -432,7 +435,7 @@ def test_bytes_touched_counts_routed_experts_and_touched_rows(attn_ckpt, activat
 
 def test_engine_refuses_unsupported_checkpoints(tiny_hf):
     with pytest.raises(lily_py.BackendError, match="not MLX-quantized"):
-        lily_py.load(tiny_hf, backend="emu", context_length=16)
+        lily_py.load(tiny_hf, backend=ENGINE, context_length=16)
     with pytest.raises(lily_py.BackendError, match="not available in this build"):
         lily_py.load(tiny_hf, backend="metal", context_length=16)
 
@@ -457,7 +460,7 @@ def test_device_sampling_reproduces_reference(dn_ckpt, opts):
 
 @pytest.mark.parametrize("opts", SAMPLING[1:], ids=["temperature", "filters", "buckets"])
 def test_device_sampling_demo(opts):
-    emu = lily_py.load(backend="emu", context_length=96)
+    emu = lily_py.load(backend=ENGINE, context_length=96)
     ref = lily_py.load(backend="reference", context_length=96)
     prompt = emu.tokenizer.encode("Once upon a time")
     assert emu.generate_text(prompt, max_tokens=24, **opts).tokens == \
@@ -468,7 +471,7 @@ def test_sampling_step_counters(attn_ckpt):
     """A decode step with the sampler fused in: the model's counts plus exactly the sampler's
     own plan (as the sampling op counts it) and one barrier (logits -> sampler)."""
     from lily_py import ops
-    m = lily_py.load(attn_ckpt, backend="emu", context_length=64)
+    m = lily_py.load(attn_ckpt, backend=ENGINE, context_length=64)
     for opts in SAMPLING:
         m.reset()
         m.generate_text([5, 6, 7], max_tokens=3, **opts)
@@ -520,7 +523,7 @@ def test_real_head_dims(tmp_path, rng):
 
 def test_engine_rejects_bad_input_before_encoding(dn_ckpt):
     """Bad steps raise ValueError before anything is encoded: the state is untouched."""
-    m = lily_py.load(dn_ckpt, backend="emu", context_length=8, prefill_chunk=4)
+    m = lily_py.load(dn_ckpt, backend=ENGINE, context_length=8, prefill_chunk=4)
     eng = m._backend.engine
     m.prefill([1, 2, 3])
     snap = m._backend.snapshot()
@@ -543,7 +546,7 @@ def test_two_steps_in_flight(dn_ckpt):
     """Engine level: step N+1 (fed from the device slot) is committed before the host waits on
     step N; tokens and logits equal those of steps run one at a time."""
     sample = dict(temperature=0.8, top_k=0, top_p=1.0, min_p=0.0, seed=5, valid_vocab=320)
-    seq = lily_py.load(dn_ckpt, backend="emu", context_length=32)
+    seq = lily_py.load(dn_ckpt, backend=ENGINE, context_length=32)
     seq.prefill([1, 2, 3])
     eng = seq._backend.engine
     toks, logits = [], []
@@ -553,7 +556,7 @@ def test_two_steps_in_flight(dn_ckpt):
         out, st = eng.forward(np.array([0], np.uint32), sample=dict(sample, step=step), from_slot=True)
         toks.append(st["token"]), logits.append(out[0])
 
-    pip = lily_py.load(dn_ckpt, backend="emu", context_length=32)
+    pip = lily_py.load(dn_ckpt, backend=ENGINE, context_length=32)
     pip.prefill([1, 2, 3])
     eng = pip._backend.engine
     assert eng.submit(np.array([4], np.uint32), sample=dict(sample, step=1))["in_flight"] == 0
@@ -577,7 +580,7 @@ def test_two_steps_in_flight(dn_ckpt):
 def test_generate_pipelined_state(tmp_path):
     """Model.generate on the engine keeps two steps in flight; the token it stopped at has been
     fed (it is in `tokens`), and the next turn reuses the state."""
-    emu = lily_py.load(backend="emu", context_length=128)
+    emu = lily_py.load(backend=ENGINE, context_length=128)
     ref = lily_py.load(backend="reference", context_length=128)
     prompt = emu.tokenizer.encode("In the beginning")
     a = emu.generate_text(prompt, max_tokens=20, stop=" the")
@@ -596,7 +599,7 @@ def test_generate_pipelined_state(tmp_path):
 def test_reset_discards_steps_in_flight_and_model_recovers_from_interrupts(dn_ckpt):
     """A KeyboardInterrupt can land between a submit() and the host's bookkeeping: reset()
     must wait out and drop steps in flight, and Model.tokens must follow the engine."""
-    m = lily_py.load(dn_ckpt, backend="emu", context_length=32, **FP32)
+    m = lily_py.load(dn_ckpt, backend=ENGINE, context_length=32, **FP32)
     m.prefill([1, 2, 3])
     eng = m._backend.engine
     sample = dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=1, step=1,
@@ -613,7 +616,7 @@ def test_reset_discards_steps_in_flight_and_model_recovers_from_interrupts(dn_ck
 
 def test_huge_seed_and_top_k_are_accepted_like_the_reference(dn_ckpt):
     kw = dict(max_tokens=3, temperature=0.8, top_k=2**40, seed=2**64 + 5)
-    emu = lily_py.load(dn_ckpt, backend="emu", context_length=32).generate_text([1, 2], **kw)
+    emu = lily_py.load(dn_ckpt, backend=ENGINE, context_length=32).generate_text([1, 2], **kw)
     ref = lily_py.load(dn_ckpt, backend="reference").generate_text([1, 2], **kw)
     assert emu.tokens == ref.tokens
 
@@ -652,7 +655,7 @@ def test_greedy_after_chunked_prefill(real_dims_ckpt, which, chunk):
     key = (which, n)
     if key not in _GREEDY_REF:
         _GREEDY_REF[key] = probe.generate_text(prompt, max_tokens=32).tokens
-    emu = load(backend="emu", context_length=256, prefill_chunk=chunk)
+    emu = load(backend=ENGINE, context_length=256, prefill_chunk=chunk)
     assert emu._backend.activations == "bfloat16"
     cfg = emu.config
     # bf16 prefill attention on M1-M4 (no tensor ops): the bf16 simdgroup tiles (chunks of 1 token
@@ -674,7 +677,7 @@ def test_first_token_sampled_on_device_in_the_prefill_step(dn_ckpt, opts):
     snapshot keeps (one row per generate call, however many tokens)."""
     # fp32 path: this random-weight checkpoint's sampled tokens are compared with the fp32
     # reference's (bf16 activations move its logits by ~1e-2 of their scale: other near-ties)
-    emu = lily_py.load(dn_ckpt, backend="emu", context_length=64, prefill_chunk=4, **FP32)
+    emu = lily_py.load(dn_ckpt, backend=ENGINE, context_length=64, prefill_chunk=4, **FP32)
     ref = lily_py.load(dn_ckpt, backend="reference", context_length=64, prefill_chunk=4)
     prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]          # three chunks of at most 4
     eng = emu._backend.engine
@@ -728,7 +731,7 @@ def test_prompt_without_new_tokens_samples_the_host_row_on_the_device(dn_ckpt, m
 
 
 def test_sample_row_checks_its_input(dn_ckpt):
-    emu = lily_py.load(dn_ckpt, backend="emu", context_length=64, prefill_chunk=4)
+    emu = lily_py.load(dn_ckpt, backend=ENGINE, context_length=64, prefill_chunk=4)
     eng = emu._backend.engine
     V = emu.config.vocab_size
     from lily_py.backends.engine import _core
