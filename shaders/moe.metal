@@ -252,16 +252,10 @@ template <typename W>
 // Matvec route helpers. Activations enter the 16-byte-load dot product of Qmv1Codes
 // (common/quant.h) pre-scaled, so 4-bit codes are masked in place (MLX qmv_fast's trick).
 // V values of x at p (16-byte aligned: p is a row start plus a multiple of 32 elements).
+// 16-byte loads (load8): bf16 8 per load, float 4 per load.
 template <uint32_t V, typename T>
 inline void moe_load_act(const device T* p, thread float* o) {
-  for (uint32_t i = 0; i < V; ++i) o[i] = float(p[i]);
-}
-template <uint32_t V>
-inline void moe_load_act(const device float* p, thread float* o) {  // float4 (16-byte) loads
-  for (uint32_t i = 0; i < V / 4; ++i) {
-    const float4 v = *reinterpret_cast<const device float4*>(p + 4 * i);
-    for (uint32_t c = 0; c < 4; ++c) o[4 * i + c] = v[c];
-  }
+  for (uint32_t i = 0; i < V; i += 8) load8(p + i, o + i);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -275,7 +269,7 @@ inline void moe_load_act(const device float* p, thread float* o) {  // float4 (1
 //               (moe_select, the code moe_route runs) into threadgroup memory; barrier
 //   block:      B = 32 lanes x V codes (V = 128 / bits: one 16-byte load per lane and row);
 //               simdgroup s walks the K = H blocks s, s + splits, ...; per block the lane's V
-//               values of x are loaded once (float4 loads), summed once for the bias term,
+//               values of x are loaded once (16-byte loads), summed once for the bias term,
 //               pre-scaled (Qmv1Codes::scale_of) and reused by the kMoeMvRows gate rows and
 //               kMoeMvRows up rows: 8 independent 16-byte weight loads per lane in flight
 //   rows:       rows past N load row N - 1 (no branch before a load); only the store is

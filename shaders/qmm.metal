@@ -81,8 +81,9 @@ template <typename T, typename S, int bits, typename Y = T>
 //              give fewer than kQmv1MinSimdgroups = 1280 simdgroups (the router: 257 rows)
 //   block:     B = 32 lanes x V codes (V = 128 / bits: one 16-byte load of w per lane and row);
 //              simdgroup s walks K blocks s, s + splits, ...
-//   per block: the lane's V values of x are loaded once (with the residual added and the norm
-//              weight applied when fused), pre-scaled for 4-bit codes (x * 16^-(i % 4): a nibble
+//   per block: the lane's V values of x are loaded once, 8 per 16-byte load (load8; x, residual
+//              and norm_w 16-byte aligned: the host checks), with the residual added and the norm
+//              weight applied when fused, pre-scaled for 4-bit codes (x * 16^-(i % 4): a nibble
 //              is then masked in place, never shifted; exact: a power-of-two scale), summed once
 //              for the bias term, and reused by the R rows: R independent 16-byte loads per
 //              lane in flight. The group index is a shift (group_shift), no division.
@@ -130,13 +131,19 @@ template <typename T, typename S, int bits, typename Y = T, uint32_t R = kQmv1Ro
     if (k < K) {  // only a last, partial block diverges (K is a multiple of 32 >= V)
       float xs[V];
       float xsum = 0.0f;
-      for (uint32_t i = 0; i < V; ++i) {
-        float h = float(x[k + i]);
-        if (has_res) h = float(T(h + float(residual[k + i])));
-        ss += h * h;
-        const float xv = has_norm ? h * norm_w[k + i] : h;
-        xsum += xv;
-        xs[i] = xv * Qmv1Codes<bits>::scale_of(i);
+      for (uint32_t c = 0; c < V; c += 8) {  // 16-byte loads of x, residual and norm_w (load8)
+        float hv[8], rv[8], nv[8];
+        load8(x + k + c, hv);
+        if (has_res) load8(residual + k + c, rv);
+        if (has_norm) load8(norm_w + k + c, nv);
+        for (uint32_t i = 0; i < 8; ++i) {
+          float h = hv[i];
+          if (has_res) h = float(T(h + rv[i]));
+          ss += h * h;
+          const float xv = has_norm ? h * nv[i] : h;
+          xsum += xv;
+          xs[c + i] = xv * Qmv1Codes<bits>::scale_of(c + i);
+        }
       }
       const uint32_t g = k >> args.group_shift;
       for (uint32_t r = 0; r < R; ++r) {

@@ -23,6 +23,25 @@ inline void unpack_codes(const device uint32_t* words, thread float* q) {
 // MLX's qmv_fast: a lane holds V = 128 / bits codes of a row = one 16-byte (uint4) load. The V
 // activations are pre-scaled by scale_of(i) (16^-(i % 4) at 4 bits, 256^-(i % 2) at 8 bits; exact:
 // powers of two) so that code i is masked in place, never shifted: dot(wv, xs) = sum_i x_i q_i.
+// Eight consecutive activations widened to float through 16-byte loads (p must be 16-byte
+// aligned): bf16 as one uint4 (a bf16's bits << 16 are its float), float as two float4s. The
+// values equal float(p[i]); one load instruction per 16 bytes instead of one per element.
+inline void load8(const device bfloat* p, thread float* out) {
+  const uint4 u = *reinterpret_cast<const device uint4*>(p);
+  for (uint32_t c = 0; c < 4; ++c) {
+    out[2 * c] = as_type<float>(u[c] << 16);
+    out[2 * c + 1] = as_type<float>(u[c] & 0xffff0000u);
+  }
+}
+inline void load8(const device float* p, thread float* out) {
+  const float4 a = *reinterpret_cast<const device float4*>(p);
+  const float4 b = *reinterpret_cast<const device float4*>(p + 4);
+  for (uint32_t c = 0; c < 4; ++c) {
+    out[c] = a[c];
+    out[4 + c] = b[c];
+  }
+}
+
 template <int bits>
 struct Qmv1Codes;
 template <>

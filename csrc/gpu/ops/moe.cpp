@@ -302,6 +302,10 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
   };
 
   if (route == MoeRoute::mv) {
+    // The mv kernels read x and h in 16-byte loads (moe_load_act): aligned bindings.
+    if (op.x.offset % 16 != 0 || op.scratch.h.offset % 16 != 0)
+      throw EncodeError("moe (mv route): x at byte offset " + std::to_string(op.x.offset) + " and scratch.h at " +
+                        std::to_string(op.scratch.h.offset) + " must be multiples of 16 (16-byte loads)");
     // 2. gate + up + SwiGLU of the selected experts and the shared expert, per slot; every
     // threadgroup selects its token's experts from the logits itself (no route level)
     enc.set_kernel(xb ? KernelId::moe_gate_up_mv_b4_xbf16_sbf16 : KernelId::moe_gate_up_mv_b4_xf32_sbf16);

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 namespace lily::gpu::ops {
 
@@ -263,6 +264,12 @@ void encode_quantized_matmul(Encoder& enc, const QmmOperands& op) {
     uint32_t shift = 0;
     while ((1u << shift) < op.group_size) ++shift;
     Qmv1Args a{op.N, op.K, shift, flags, op.eps};
+    // qmv1 reads x, residual and norm_w in 16-byte loads (load8): their bindings must be aligned.
+    for (const auto& [b, what] : {std::pair{&op.x, "x"}, std::pair{&op.residual, "residual"},
+                                  std::pair{&op.norm_weight, "norm_weight"}})
+      if (b->buffer && b->offset % 16 != 0)
+        throw EncodeError("quantized_matmul (qmv1): " + std::string(what) + " is bound at byte offset " +
+                          std::to_string(b->offset) + ", not a multiple of 16 (its 16-byte loads)");
     const uint32_t rows = qmv1_rows(op.N, op.K, op.bits);
     enc.set_kernel(qmm_kernel(route, op.bits, op.x_dtype, op.scale_dtype, op.y_f32, rows));
     enc.set_args(a);
