@@ -18,8 +18,8 @@
 //              k = 0..7 in order in fp32 with one rounding per multiply and add, as the emulator
 //   tensors    matmul2d with the emulator's semantics (csrc/emu/tensor_ops_emu.h): each thread of
 //              the scope computes its destination elements e = i * T + thread, k in order
-//   kernels    every entry is __launch_bounds__(1024) (Apple's threadgroup limit: registers are
-//              capped so any threadgroup size the host may pick launches); LILY_INSTANTIATE emits extern "C" __global__ lily_kernel_<file>_<line>(Args, Buffers)
+//   kernels    every entry is __launch_bounds__(max_threads(name)): 1024 (Apple's threadgroup limit)
+//              except the decode kernels the host never gives more than 64-256 threads; LILY_INSTANTIATE emits extern "C" __global__ lily_kernel_<file>_<line>(Args, Buffers)
 //              plus ..._name (the host name) and ..._meta (args bytes,
 //              buffers); LILY_TG_ARRAY is a __shared__ array; the tail positions are computed from
 //              blockIdx / threadIdx (lane and simdgroup from the linear thread index, as Metal).
@@ -919,10 +919,34 @@ __device__ __forceinline__ void call(const typename KernelTraits<decltype(F)>::A
 }
 }  // namespace lily_cuda
 
+namespace lily_cuda {
+// The most threads per threadgroup the host dispatches a kernel with, as its __launch_bounds__,
+// which sets the registers NVRTC may give a thread: a bound of 1024 caps it at 64, and the
+// decode matvecs and vec attention (at most 64-256 threads; their per-lane arrays need more)
+// then spilled to local memory. Metal's compiler makes this choice itself and reports
+// maxTotalThreadsPerThreadgroup; here cuFuncGetAttribute reports the bound and the engine checks
+// every dispatch against it at load (DeviceLimitError), as on Metal. The numbers are the host's:
+// kAttnVecSimds * 32, kQmv1MaxSplits * 32, kQmvSimdsPerGroup * 32, kMoeGateUpMaxSplits * 32,
+// kMoeDownMaxSplits * 32.
+constexpr bool starts_with(const char* s, const char* p) {
+  for (; *p; ++s, ++p)
+    if (*s != *p) return false;
+  return true;
+}
+constexpr unsigned max_threads(const char* name) {
+  return starts_with(name, "attn_decode_vec_")  ? 256u
+         : starts_with(name, "qmv1_")           ? 128u
+         : starts_with(name, "qmv_")            ? 64u
+         : starts_with(name, "moe_gate_up_mv_") ? 128u
+         : starts_with(name, "moe_down_mv_")    ? 256u
+                                                : 1024u;
+}
+}  // namespace lily_cuda
+
 #define LILY_CUDA_CAT_(a, b) a##b
 #define LILY_CUDA_CAT(a, b) LILY_CUDA_CAT_(a, b)
 #define LILY_CUDA_ENTRY_(n, name, ...)                                                                 \
-  extern "C" __global__ void __launch_bounds__(1024) LILY_CUDA_CAT(lily_kernel_, n)(                                          \
+  extern "C" __global__ void __launch_bounds__(lily_cuda::max_threads(name)) LILY_CUDA_CAT(lily_kernel_, n)(            \
       const typename lily_cuda::KernelTraits<decltype(&__VA_ARGS__)>::Args args, const lily_cuda::Buffers bufs) { \
     lily_cuda::call<&__VA_ARGS__>(                                                                     \
         args, bufs, typename lily_cuda::make_seq<lily_cuda::KernelTraits<decltype(&__VA_ARGS__)>::kBuffers>::type{}); \
