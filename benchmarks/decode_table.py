@@ -203,10 +203,32 @@ def instr_per_key(group: int, e: int) -> int:
     return 2 + 2 * e + group * (e + 10 + 12 + 2 * e) + 4
 
 
+def measured_fractions(path: str) -> tuple[dict, str]:
+    """{kernel: fraction of a device copy of its bytes it reached} from a benchmarks/gpu_kernels.py
+    --json file (the decode rows, each kernel's time summed over its dispatches; the largest
+    context's attention, the first row's otherwise), and a line naming the run."""
+    import json
+    with open(path) as f:
+        d = json.load(f)
+    frac = {}
+    for row in d["decode"]:   # later rows (longer contexts) overwrite: attention at its longest
+        for k, r in row["kernels"].items():
+            if k not in frac or k.startswith("attn_"):
+                frac[k] = r["copy_us"] / r["us"] if r["us"] > 0 else 1.0
+    return frac, f"{d.get('device')}, {d.get('date')}, {d.get('layers')} layers"
+
+
 def estimate(cfg, positions, sample, eta: float, t_level: float, t_min: float, attn_factor: float,
-             sat: float, clock: float = 1.6e9, alu_eff: float = 0.7, quiet: bool = False) -> list:
-    """Print (unless quiet) and return [(gpu, context, tok/s)] of the model below."""
+             sat: float, clock: float = 1.6e9, alu_eff: float = 0.7, quiet: bool = False,
+             measured: str | None = None) -> list:
+    """Print (unless quiet) and return [(gpu, context, tok/s)] of the model below. With `measured`
+    (a gpu_kernels.py JSON), a kernel's eta is eta x min(1, the fraction of a device copy it
+    reached there): the kernel keeps on Apple the shortfall it shows on the H200."""
     out = []
+    frac, run = measured_fractions(measured) if measured else ({}, "")
+    if not quiet and measured:
+        print(f"\n### per-kernel eta = {eta} x min(1, fraction of a device copy measured on {run} "
+              f"({measured})); kernels not measured keep {eta}")
     if not quiet:
         print(f"\n### estimate (a model, not a measurement): eta = {eta} of peak bandwidth, occupancy "
           f"min(1, simdgroups per core / {sat:g}), t_level = {t_level * 1e6:.1f} us per dependent "
@@ -226,7 +248,7 @@ def estimate(cfg, positions, sample, eta: float, t_level: float, t_min: float, a
             for d in ds:
                 k = d["kernel"]
                 staged = k.startswith("attn_decode") and not k.startswith("attn_decode_vec")
-                b = d["bytes_touched"] * (attn_factor if staged else 1)
+                b = d["bytes_touched"] * (attn_factor if staged else 1) / min(1.0, frac.get(k, 1.0))
                 ti = cfg.num_key_value_heads * (pos + 1) * ipk / issue if k.startswith("attn_decode_vec") else 0.0
                 g, t = d["groups"], d["threads"]
                 simds = g[0] * g[1] * g[2] * ((t[0] * t[1] * t[2] + 31) // 32) / cores
@@ -272,6 +294,8 @@ def main() -> None:
     ap.add_argument("--alu-eff", type=float, default=0.7, help="fraction of the issue rate a kernel reaches")
     ap.add_argument("--ideal", action="store_true",
                     help="no occupancy penalty (sat 0) and staged attention at its roofline (factor 1)")
+    ap.add_argument("--measured", default=None,
+                    help="a benchmarks/gpu_kernels.py --json file: per-kernel eta from the GPU's fractions of copy speed")
     ap.add_argument("--no-table", action="store_true")
     ap.add_argument("--no-estimate", action="store_true")
     ap.add_argument("--sensitivity", action="store_true",
@@ -290,7 +314,7 @@ def main() -> None:
     sat, attn = (0.0, 1.0) if a.ideal else (a.sat, a.attn_factor)
     for sample in (None, FULL):
         estimate(cfg, a.positions, sample, a.eta, a.t_level_us * 1e-6, a.t_min_us * 1e-6, attn, sat,
-                 a.clock_ghz * 1e9, a.alu_eff)
+                 a.clock_ghz * 1e9, a.alu_eff, measured=a.measured)
 
 
 if __name__ == "__main__":
