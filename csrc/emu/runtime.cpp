@@ -189,7 +189,7 @@ struct Ordering {
   std::vector<uintptr_t> acq_tg;
   bool watching = false;
   std::vector<std::pair<uint32_t, size_t>> stepping;  // watched pages made accessible for one instruction
-  std::vector<std::pair<uint32_t, size_t>> dirty;     // pages the running thread stored to (made kRW)
+  std::vector<std::pair<uint32_t, size_t>> dirty;     // pages the threadgroup stored to (made kRW)
   // A read the model forbids (set by the fault handler): binding, unit, reader.
   int bad_binding = -1;
   uint32_t bad_unit = 0;
@@ -333,16 +333,13 @@ void ord_diff_page(Worker& w, Ordering& o, uint32_t bi, size_t pi, const Thread&
   });
 }
 
-// Thread t's stores since the last diff: the pages it made dirty (its first store to a kRO page
-// faults; the page stays writable until here), compared with the snapshot and write-protected
-// again. Stores to watched pages are recorded when their instruction has run (ord_after_step).
+// Thread t's stores since the last diff. A store to a kRO page faults and makes it writable for
+// the rest of the threadgroup (the dirty list); every segment end (and fence, and atomic) compares
+// the dirty pages with the snapshot, so each change belongs to the thread that just ran. Stores to
+// watched pages are recorded when their instruction has run (ord_after_step).
 void ord_record(Worker& w, const Thread& t) {
   Ordering& o = *w.ord;
-  for (const auto& [bi, pi] : o.dirty) {
-    ord_diff_page(w, o, bi, pi, t);
-    ord_set_prot(o, o.bind[bi], pi, kRO);
-  }
-  o.dirty.clear();
+  for (const auto& [bi, pi] : o.dirty) ord_diff_page(w, o, bi, pi, t);
 }
 
 void ord_move(Ordering& o, std::vector<UnitRef>& from, std::vector<UnitRef>& to) {
@@ -395,6 +392,7 @@ void ord_mprotect_range(Ordering& o, OrdBinding& b, size_t lo, size_t hi, uint8_
 }
 
 void ord_watch(Ordering& o) {
+  o.dirty.clear();
   for (OrdBinding& b : o.bind) {
     ord_mprotect_range(o, b, 0, b.prot.size(), kRO);
     for (size_t pi = 0; pi < b.foreign.size();) {
@@ -597,7 +595,7 @@ bool ord_on_fault(Worker* w, siginfo_t* si, ucontext_t* uc) {
     if (a < b.page_lo || a >= b.page_lo + b.prot.size() * o->page) continue;
     const size_t pi = (a - b.page_lo) / o->page;
     if (b.prot[pi] == kRW) return false;
-    if (b.prot[pi] == kRO) {  // the running thread's first store to the page since its last diff
+    if (b.prot[pi] == kRO) {  // the threadgroup's first store to the page: diffed from now on
       ord_set_prot(*o, b, pi, kRW);
       o->dirty.push_back({bi, pi});
       return true;
