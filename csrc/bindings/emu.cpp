@@ -80,6 +80,11 @@ void init_emu(nb::module_& parent) {
       "The race detector's default for emulator runs started afterwards in this process: True / False, or None "
       "for the environment's (LILY_EMU_RACES=1 turns it on).");
   m.def("races_default", [] { return emu::races_default(); }, "The race detector's current default.");
+  m.def(
+      "set_ignored_fence", [](std::optional<std::string> site) { emu::set_ignored_fence(site ? *site : ""); },
+      "site"_a.none(),
+      "Tests of the memory-ordering model: the device-scope fence at `site` ('shaders/x.metal:LINE') loses "
+      "mem_device in emulator runs started afterwards (None: every fence counts again).");
 
   m.def(
       "dispatch",

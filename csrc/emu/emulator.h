@@ -29,6 +29,11 @@ enum class Order : uint8_t {
 bool races_default();
 void set_races_default(int on);
 
+// Tests of the memory-ordering model: the device-scope fence at `site` ("shaders/x.metal:LINE", a
+// threadgroup_barrier / simdgroup_barrier / atomic_thread_fence) loses its mem_device, as if the
+// source said mem_threadgroup (or had no fence); "" restores every fence. Process-wide.
+void set_ignored_fence(const std::string& site);
+
 struct RunOptions {
   Order order = Order::shuffle;
   uint64_t seed = 0;
@@ -38,7 +43,9 @@ struct RunOptions {
   // thread changes between two of its sync points, and the device words each threadgroup
   // changes; two writers that no barrier (or atomic) orders are a KernelError. Costly: on for the
   // emulator's self-tests, where LILY_EMU_RACES=1, and for the kernel tests in CI
-  // (LILY_CI_KERNEL_RACES=1: set_races_default around each one, tests/conftest.py).
+  // (LILY_CI_KERNEL_RACES=1: set_races_default around each one, tests/conftest.py). It includes
+  // the memory-ordering model for kernels with device atomics (docs/emulator.md): a read of another
+  // threadgroup's store that no device-scope fence + atomic publishes to the reader is a KernelError.
   bool races = races_default();
   // Bounds at the binding: a binding narrower than its buffer runs on a guarded copy of its range.
   bool binding_bounds = true;

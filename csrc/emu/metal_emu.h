@@ -8,7 +8,8 @@
 //   math       abs min max clamp fma exp exp2 log log2 sqrt rsqrt floor ceil round rint trunc tanh
 //              sin cos pow powr select mix saturate isnan isinf isfinite dot, also in fast:: and
 //              precise:: (all precise here), as_type
-//   sync       threadgroup_barrier, simdgroup_barrier (mem_flags accepted, memory is coherent)
+//   sync       threadgroup_barrier, simdgroup_barrier, atomic_thread_fence (memory is coherent; a
+//              mem_device fence feeds the memory-ordering model between threadgroups, runtime.h)
 //   simd       simd_sum simd_max simd_min simd_prefix_{inclusive,exclusive}_sum simd_shuffle
 //              simd_shuffle_{up,down,xor} simd_broadcast simd_broadcast_first simd_all simd_any
 //              simd_is_first; every lane of the simdgroup must call each collective (checked)
@@ -338,11 +339,14 @@ constexpr mem_flags operator|(mem_flags a, mem_flags b) {
   return static_cast<mem_flags>(static_cast<unsigned>(a) | static_cast<unsigned>(b));
 }
 
-inline void threadgroup_barrier(mem_flags, const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
-  ::lily::emu::threadgroup_sync(file, line);
+// With mem_device a barrier is also a device-scope fence for the emulator's memory-ordering model
+// (runtime.h: device_fence): it orders the device stores of the threads it syncs before their later
+// atomics (release) and their earlier atomics before their later reads (acquire).
+inline void threadgroup_barrier(mem_flags f, const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+  ::lily::emu::threadgroup_sync(file, line, static_cast<unsigned>(f));
 }
-inline void simdgroup_barrier(mem_flags, const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
-  ::lily::emu::simd_sync("simdgroup_barrier", file, line);
+inline void simdgroup_barrier(mem_flags f, const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+  ::lily::emu::simd_sync("simdgroup_barrier", file, line, static_cast<unsigned>(f));
 }
 
 // ---------------------------------------------------------------------------- simd collectives
@@ -496,6 +500,13 @@ inline bool simd_is_first() { return ::lily::emu::lane_view().lane == 0; }  // a
 // ---------------------------------------------------------------------------- atomics
 enum memory_order { memory_order_relaxed, memory_order_acquire, memory_order_release,
                     memory_order_acq_rel, memory_order_seq_cst };
+enum thread_scope { thread_scope_thread, thread_scope_simdgroup, thread_scope_threadgroup, thread_scope_device };
+
+// MSL 3.2 fence: with mem_device, a device-scope fence of the calling thread (runtime.h: device_fence).
+inline void atomic_thread_fence(mem_flags f, memory_order, thread_scope, const char* file = __builtin_FILE(),
+                                int line = __builtin_LINE()) {
+  if (static_cast<unsigned>(f) & static_cast<unsigned>(mem_flags::mem_device)) ::lily::emu::device_fence(file, line);
+}
 
 template <class T>
 struct atomic {
@@ -716,6 +727,11 @@ void thread_entry(const void* args, void* const* bufs, const ThreadIds& ids) {
   call<F>(args, bufs, ids, std::make_index_sequence<KernelTraits<decltype(F)>::kBuffers>{});
 }
 
+template <class T>
+struct is_atomic : std::false_type {};
+template <class T>
+struct is_atomic<metal::atomic<T>> : std::true_type {};
+
 template <auto F, size_t... I>
 void describe_buffers(KernelEntry& e, std::index_sequence<I...>) {
   using P = typename KernelTraits<decltype(F)>::Params;
@@ -723,7 +739,8 @@ void describe_buffers(KernelEntry& e, std::index_sequence<I...>) {
     using Ptr = std::remove_pointer_t<decltype(ptr_tag)>;
     static_assert(std::is_pointer_v<Ptr>, "kernel buffer parameters must be pointers");
     using Elem = std::remove_pointer_t<Ptr>;
-    e.buffers[decltype(i)::value] = {std::is_const_v<Elem>, static_cast<uint32_t>(sizeof(Elem))};
+    e.buffers[decltype(i)::value] = {std::is_const_v<Elem>, static_cast<uint32_t>(sizeof(Elem)),
+                                     is_atomic<std::remove_cv_t<Elem>>::value};
   };
   (one(std::integral_constant<size_t, I>{}, static_cast<std::tuple_element_t<I, P>*>(nullptr)), ...);
 }

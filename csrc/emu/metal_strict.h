@@ -100,7 +100,10 @@ bool simd_all(bool);
 bool simd_any(bool);
 bool simd_is_first();
 
-enum memory_order { memory_order_relaxed };
+// Atomics are relaxed; memory_order_seq_cst is for MSL 3.2's atomic_thread_fence.
+enum memory_order { memory_order_relaxed, memory_order_seq_cst };
+enum thread_scope { thread_scope_thread, thread_scope_simdgroup, thread_scope_threadgroup, thread_scope_device };
+void atomic_thread_fence(mem_flags, memory_order, thread_scope);
 template <class T> struct atomic { T value; };
 using atomic_int = atomic<int>;
 using atomic_uint = atomic<unsigned int>;

@@ -77,6 +77,10 @@ struct Thread {
   const char* op = nullptr;  // last synchronisation point reached
   const char* file = nullptr;
   int line = 0;
+  unsigned mem = 0;  // mem_flags of the barrier it waits at
+  const char* seg_op = nullptr;  // the sync point its running segment follows (memory-ordering model)
+  const char* seg_file = nullptr;
+  int seg_line = 0;
   uint32_t n_allocs = 0;  // threadgroup_alloc calls made so far
   Fiber* fiber = nullptr;
   Group* group = nullptr;
@@ -142,6 +146,55 @@ struct BoundBuffer {
   }
 };
 
+// Memory-ordering model (RunOptions::races, kernels that use device atomics; docs/emulator.md).
+// Every 2-byte unit of a writable binding that a thread of this dispatch stored: who stored it and
+// whether the store is published (a device-scope fence of the writer, then an atomic after it).
+struct OrdUnit {
+  uint32_t tg = 0;      // linear threadgroup + 1; 0: not stored in this dispatch
+  uint16_t thread = 0;  // linear index in its threadgroup
+  uint8_t state = 0;    // kStored, kFenced, kPublished
+  uint32_t site = 0;    // Ordering::sites: the writer's last sync point before the store
+  uintptr_t word = 0;   // kPublished: the atomic word it was released through
+};
+struct OrdSite {
+  const char* op;
+  const char* file;
+  int line;
+};
+enum : uint32_t { kStored = 0, kFenced = 1, kPublished = 2 };
+enum : uint8_t { kRW = 0, kRO = 1, kNone = 2 };
+
+struct OrdBinding {
+  const BoundBuffer* b = nullptr;
+  unsigned char* data = nullptr;
+  size_t bytes = 0;
+  std::vector<unsigned char> snap;   // the binding after the last diff
+  std::vector<OrdUnit> units;        // per 2-byte unit
+  uintptr_t page_lo = 0;             // first page holding data
+  std::vector<uint8_t> foreign;      // per page: holds a unit stored in this dispatch
+  std::vector<uint8_t> prot;         // per page: kRW, kRO (stores fault: dirty tracking), kNone (watched)
+};
+
+using UnitRef = std::pair<uint32_t, uint32_t>;  // binding, unit
+
+struct Ordering {
+  size_t page = 4096;
+  uint32_t groups[2] = {1, 1}, threads[2] = {1, 1};  // grid and threadgroup shape (x, y)
+  std::vector<OrdSite> sites;
+  std::vector<OrdBinding> bind;
+  uint32_t tg = 0;  // running threadgroup + 1
+  std::vector<std::vector<UnitRef>> pending, thread_fenced, simd_fenced;  // per thread / simdgroup
+  std::vector<UnitRef> tg_fenced;
+  std::vector<std::vector<uintptr_t>> acq_pending, acq_thread, acq_simd;  // atomic words acquired
+  std::vector<uintptr_t> acq_tg;
+  bool watching = false;
+  std::vector<std::pair<uint32_t, size_t>> stepping;  // watched pages made accessible for one instruction
+  std::vector<std::pair<uint32_t, size_t>> dirty;     // pages the threadgroup stored to (made kRW)
+  // A read the model forbids (set by the fault handler): binding, unit, reader.
+  int bad_binding = -1;
+  uint32_t bad_unit = 0;
+};
+
 struct Worker {
   std::vector<std::unique_ptr<Fiber>> fibers;
   size_t stack_bytes = 0;
@@ -152,6 +205,8 @@ struct Worker {
   bool atomic_word(uintptr_t a) const { return std::find(atomics.begin(), atomics.end(), a) != atomics.end(); }
   Group* group = nullptr;
   Thread* running = nullptr;
+  struct Ordering* ord = nullptr;  // memory-ordering model of the running launch (null: off)
+  bool device_atomics = false;     // the running launch did an atomic on device memory
   const BoundBuffer* bound = nullptr;
   size_t n_bound = 0;
   // Filled by the signal handler:
@@ -230,23 +285,221 @@ void for_changed_chunks(const unsigned char* a, const unsigned char* b, size_t n
   }
 }
 
+
+// ---- memory-ordering model ----
+
+uint32_t ord_site(Ordering& o, const Thread& t) {
+  for (size_t i = o.sites.size(); i-- > 0;)
+    if (o.sites[i].op == t.seg_op && o.sites[i].file == t.seg_file && o.sites[i].line == t.seg_line)
+      return static_cast<uint32_t>(i);
+  o.sites.push_back({t.seg_op, t.seg_file, t.seg_line});
+  return static_cast<uint32_t>(o.sites.size() - 1);
+}
+
+void ord_set_prot(Ordering& o, OrdBinding& b, size_t pi, uint8_t mode) {
+  const int prot = mode == kRW ? PROT_READ | PROT_WRITE : mode == kRO ? PROT_READ : PROT_NONE;
+  mprotect(reinterpret_cast<void*>(b.page_lo + pi * o.page), o.page, prot);
+  b.prot[pi] = mode;
+}
+
+// The units of page `pi` of binding `bi` that thread t changed since the last diff: recorded as its
+// stores (pending its next device-scope fence). Atomic words are not stores of this model.
+void ord_diff_page(Worker& w, Ordering& o, uint32_t bi, size_t pi, const Thread& t) {
+  OrdBinding& b = o.bind[bi];
+  const uintptr_t plo = b.page_lo + pi * o.page;
+  const uintptr_t lo = std::max(plo, reinterpret_cast<uintptr_t>(b.data));
+  const uintptr_t hi = std::min(plo + o.page, reinterpret_cast<uintptr_t>(b.data + b.bytes));
+  if (hi <= lo) return;
+  const size_t base = lo - reinterpret_cast<uintptr_t>(b.data);
+  unsigned char* snap = b.snap.data() + base;
+  unsigned char* now = b.data + base;
+  for_changed_chunks(now, snap, hi - lo, [&](size_t c, size_t c_end) {
+    for (size_t off = c; off < c_end; off += 2) {
+      const size_t len = std::min<size_t>(2, c_end - off);
+      if (std::memcmp(now + off, snap + off, len) == 0) continue;
+      const uintptr_t addr = reinterpret_cast<uintptr_t>(now + off) & ~uintptr_t(3);
+      if (w.atomic_word(addr)) continue;
+      const uint32_t u = static_cast<uint32_t>((base + off) / 2);
+      OrdUnit& e = b.units[u];
+      e.tg = o.tg;
+      e.thread = static_cast<uint16_t>(t.index);
+      e.state = kStored;
+      e.site = ord_site(o, t);
+      b.foreign[pi] = 1;
+      o.pending[t.index].push_back({bi, u});
+    }
+    std::memcpy(snap + c, now + c, c_end - c);
+    return true;
+  });
+}
+
+// Thread t's stores since the last diff. A store to a kRO page faults and makes it writable for
+// the rest of the threadgroup (the dirty list); every segment end (and fence, and atomic) compares
+// the dirty pages with the snapshot, so each change belongs to the thread that just ran. Stores to
+// watched pages are recorded when their instruction has run (ord_after_step).
+void ord_record(Worker& w, const Thread& t) {
+  Ordering& o = *w.ord;
+  for (const auto& [bi, pi] : o.dirty) ord_diff_page(w, o, bi, pi, t);
+}
+
+void ord_move(Ordering& o, std::vector<UnitRef>& from, std::vector<UnitRef>& to) {
+  for (const UnitRef& r : from) {
+    OrdUnit& e = o.bind[r.first].units[r.second];
+    if (e.tg == o.tg && e.state == kStored) {
+      e.state = kFenced;
+      to.push_back(r);
+    }
+  }
+  from.clear();
+}
+
+void ord_move_words(std::vector<uintptr_t>& from, std::vector<uintptr_t>& to) {
+  for (uintptr_t a : from)
+    if (std::find(to.begin(), to.end(), a) == to.end()) to.push_back(a);
+  from.clear();
+}
+
+void ord_publish(Ordering& o, std::vector<UnitRef>& fenced, uintptr_t word) {
+  for (const UnitRef& r : fenced) {
+    OrdUnit& e = o.bind[r.first].units[r.second];
+    if (e.tg == o.tg && e.state == kFenced) {
+      e.state = kPublished;
+      e.word = word;
+    }
+  }
+  fenced.clear();
+}
+
+bool ord_has(const std::vector<uintptr_t>& v, uintptr_t a) { return std::find(v.begin(), v.end(), a) != v.end(); }
+
+// May `reader` read unit e now? Stores of its own threadgroup and of earlier dispatches: yes. Another
+// threadgroup's store: only if published through an atomic word the reader has acquired (an atomic
+// on that word, then a device-scope fence that covers the reader).
+bool ord_readable(const Ordering& o, const OrdUnit& e, const Thread& r) {
+  if (e.tg == 0 || e.tg == o.tg) return true;
+  if (e.state != kPublished) return false;
+  return ord_has(o.acq_tg, e.word) || ord_has(o.acq_simd[r.ids.simd_id], e.word) ||
+         ord_has(o.acq_thread[r.index], e.word);
+}
+
+// Threadgroup start: the tracked bindings become read-only (a thread's first store to a page
+// faults and makes it dirty), and the pages holding other threadgroups' stores of this dispatch
+// inaccessible, so each access to them is checked (and, if allowed, run as one instruction).
+void ord_mprotect_range(Ordering& o, OrdBinding& b, size_t lo, size_t hi, uint8_t mode) {
+  const int prot = mode == kRW ? PROT_READ | PROT_WRITE : mode == kRO ? PROT_READ : PROT_NONE;
+  if (hi > lo) mprotect(reinterpret_cast<void*>(b.page_lo + lo * o.page), (hi - lo) * o.page, prot);
+  std::fill(b.prot.begin() + static_cast<std::ptrdiff_t>(lo), b.prot.begin() + static_cast<std::ptrdiff_t>(hi), mode);
+}
+
+void ord_watch(Ordering& o) {
+  o.dirty.clear();
+  for (OrdBinding& b : o.bind) {
+    ord_mprotect_range(o, b, 0, b.prot.size(), kRO);
+    for (size_t pi = 0; pi < b.foreign.size();) {
+      if (!b.foreign[pi]) {
+        ++pi;
+        continue;
+      }
+      size_t pj = pi;
+      while (pj < b.foreign.size() && b.foreign[pj]) ++pj;
+      ord_mprotect_range(o, b, pi, pj, kNone);
+      pi = pj;
+    }
+  }
+  o.watching = true;
+}
+
+void ord_unwatch(Ordering& o) {
+  o.watching = false;
+  o.dirty.clear();
+  o.stepping.clear();
+  for (OrdBinding& b : o.bind) ord_mprotect_range(o, b, 0, b.prot.size(), kRW);
+}
+
+std::string ord_thread(const uint32_t group_pos[3], const uint32_t thread_pos[3]) {
+  return "threadgroup " + xyz(group_pos) + " thread " + xyz(thread_pos);
+}
+
+std::string ord_writer(const Ordering& o, const OrdUnit& e) {
+  const uint64_t g = e.tg - 1, gx = o.groups[0], gy = o.groups[1], tx = o.threads[0], ty = o.threads[1];
+  const uint32_t gp[3] = {uint32_t(g % gx), uint32_t((g / gx) % gy), uint32_t(g / (gx * gy))};
+  const uint32_t tp[3] = {uint32_t(e.thread % tx), uint32_t((e.thread / tx) % ty), uint32_t(e.thread / (tx * ty))};
+  return ord_thread(gp, tp);
+}
+
+// The KernelError text for a read the model forbids.
+std::string ord_describe(const Ordering& o, const Thread& r) {
+  const OrdBinding& b = o.bind[static_cast<size_t>(o.bad_binding)];
+  const OrdUnit& e = b.units[o.bad_unit];
+  const OrdSite& ws = o.sites[e.site];
+  const std::string after = ws.file ? "after " + site(ws.op, ws.file, ws.line) : std::string("before its first sync point");
+  std::string why;
+  if (e.state == kStored)
+    why = "no device-scope fence of the writer (threadgroup_barrier / simdgroup_barrier / atomic_thread_fence with "
+          "mem_flags::mem_device) follows the store before an atomic";
+  else if (e.state == kFenced)
+    why = "the writer's device-scope fence after the store comes after its atomic (no atomic follows the fence, "
+          "so nothing publishes the store)";
+  else
+    why = "the reader has not acquired it: no atomic on the word it was published through, followed by a "
+          "device-scope fence (threadgroup_barrier(mem_device) / atomic_thread_fence) of the reader, before the read";
+  return "device memory ordering: " + ord_thread(r.ids.group_pos, r.ids.thread_pos) + " [simdgroup " +
+         std::to_string(r.ids.simd_id) + " lane " + std::to_string(r.ids.lane) + "] (after " +
+         (r.file ? site(r.op, r.file, r.line) : std::string("the kernel start")) + ") read byte offset " +
+         std::to_string(size_t(o.bad_unit) * 2) + " of " + b.b->name() + ", stored in this dispatch by " +
+         ord_writer(o, e) + " " + after + ", and the store is not visible to it: " + why +
+         " (Metal atomics are relaxed: on a GPU the reader may see the old value)";
+}
+
 }  // namespace
 
 // ============================== calls from GPU threads =======================================
 
 LaneView& lane_view() { return t_worker->running->view; }
 
-void simd_sync(const char* op, const char* file, int line) {
+namespace {
+std::mutex g_ignored_mu;
+std::string g_ignored_fence;
+std::atomic<bool> g_any_ignored{false};
+// mem without kMemDevice where the fence at file:line is ignored (set_ignored_fence).
+unsigned fence_flags(unsigned mem, const char* file, int line) {
+  if (!(mem & kMemDevice) || !g_any_ignored.load(std::memory_order_relaxed)) return mem;
+  std::lock_guard<std::mutex> lock(g_ignored_mu);
+  return short_file(file) + ":" + std::to_string(line) == g_ignored_fence ? mem & ~kMemDevice : mem;
+}
+}  // namespace
+
+void set_ignored_fence(const std::string& site) {
+  std::lock_guard<std::mutex> lock(g_ignored_mu);
+  g_ignored_fence = site;
+  g_any_ignored.store(!site.empty());
+}
+
+void simd_sync(const char* op, const char* file, int line, unsigned mem) {
   Thread* t = t_worker->running;
   t->op = op;
   t->file = file;
   t->line = line;
+  t->mem = fence_flags(mem, file, line);
   t->state = St::at_simd;
   t->fiber->yield();
   t->view.simd_seq += 1;
 }
 
-void threadgroup_sync(const char* file, int line) { threadgroup_collective("threadgroup_barrier", file, line); }
+void threadgroup_sync(const char* file, int line, unsigned mem) {
+  t_worker->running->mem = fence_flags(mem, file, line);
+  threadgroup_collective("threadgroup_barrier", file, line);
+}
+
+void device_fence(const char* file, int line) {
+  Worker* w = t_worker;
+  if (!w || !w->ord || !(fence_flags(kMemDevice, file, line) & kMemDevice)) return;
+  Thread* t = w->running;
+  ord_record(*w, *t);  // its stores so far precede the fence
+  Ordering& o = *w->ord;
+  ord_move(o, o.pending[t->index], o.thread_fenced[t->index]);
+  ord_move_words(o.acq_pending[t->index], o.acq_thread[t->index]);
+}
 
 uint32_t thread_index_in_group() { return t_worker->running->index; }
 uint32_t threads_in_group() { return t_worker->running->group->n; }
@@ -256,6 +509,7 @@ void threadgroup_collective(const char* op, const char* file, int line) {
   t->op = op;
   t->file = file;
   t->line = line;
+  if (std::strcmp(op, "threadgroup_barrier") != 0) t->mem = 0;
   t->state = St::at_barrier;
   t->fiber->yield();
   t->barrier_seq += 1;
@@ -294,6 +548,20 @@ void note_atomic(const void* addr) {
   if (w && w->races) {
     const uintptr_t a = reinterpret_cast<uintptr_t>(addr) & ~uintptr_t(3);
     if (!w->atomic_word(a)) w->atomics.push_back(a);
+    const auto* arena = reinterpret_cast<const unsigned char*>(w->arena);
+    const auto* p = static_cast<const unsigned char*>(addr);
+    if (!(p >= arena && p < arena + kArenaBytes)) w->device_atomics = true;
+    if (w->ord && w->running && !(p >= arena && p < arena + kArenaBytes)) {
+      // A device atomic: the stores of the thread so far precede it; it releases what fences of
+      // the thread (and barriers it passed) ordered before it, and it may acquire for later reads.
+      Thread& t = *w->running;
+      ord_record(*w, t);
+      Ordering& o = *w->ord;
+      ord_publish(o, o.tg_fenced, a);
+      ord_publish(o, o.simd_fenced[t.ids.simd_id], a);
+      ord_publish(o, o.thread_fenced[t.index], a);
+      if (!ord_has(o.acq_pending[t.index], a)) o.acq_pending[t.index].push_back(a);
+    }
   }
 }
 
@@ -310,21 +578,74 @@ namespace {
 #if defined(LILY_EMU_SIGNALS)
 std::mutex g_sig_mu;
 int g_sig_users = 0;
-struct sigaction g_old[3];
-const int kSignals[3] = {SIGSEGV, SIGBUS, SIGFPE};
+constexpr int kNumSignals = 4;
+struct sigaction g_old[kNumSignals];
+const int kSignals[kNumSignals] = {SIGSEGV, SIGBUS, SIGFPE, SIGTRAP};
+constexpr greg_t kTrapFlag = 0x100;  // EFLAGS.TF: trap after the next instruction
+
+// Memory-ordering model: a fault on a watched page (another threadgroup's stores of this
+// dispatch). A read the model forbids lands like a fault; anything else runs as one instruction
+// on the page made accessible (trap flag), and ord_after_step watches it again.
+bool ord_on_fault(Worker* w, siginfo_t* si, ucontext_t* uc) {
+  Ordering* o = w->ord;
+  if (!o || !o->watching || w->running == nullptr) return false;
+  const uintptr_t a = reinterpret_cast<uintptr_t>(si->si_addr);
+  for (uint32_t bi = 0; bi < o->bind.size(); ++bi) {
+    OrdBinding& b = o->bind[bi];
+    if (a < b.page_lo || a >= b.page_lo + b.prot.size() * o->page) continue;
+    const size_t pi = (a - b.page_lo) / o->page;
+    if (b.prot[pi] == kRW) return false;
+    if (b.prot[pi] == kRO) {  // the threadgroup's first store to the page: diffed from now on
+      ord_set_prot(*o, b, pi, kRW);
+      o->dirty.push_back({bi, pi});
+      return true;
+    }
+    const bool write = (uc->uc_mcontext.gregs[REG_ERR] & 2) != 0;
+    const uintptr_t d = reinterpret_cast<uintptr_t>(b.data);
+    if (!write && a >= d && a < d + b.bytes) {
+      const uint32_t u = static_cast<uint32_t>((a - d) / 2);
+      if (!ord_readable(*o, b.units[u], *w->running)) {
+        o->bad_binding = static_cast<int>(bi);
+        o->bad_unit = u;
+        return false;  // lands as a fault
+      }
+    }
+    ord_set_prot(*o, b, pi, kRW);
+    o->stepping.push_back({bi, pi});
+    uc->uc_mcontext.gregs[REG_EFL] |= kTrapFlag;
+    return true;
+  }
+  return false;
+}
+
+// After the one instruction: what it stored on the watched pages it needed, which are watched again.
+bool ord_after_step(Worker* w, ucontext_t* uc) {
+  Ordering* o = w ? w->ord : nullptr;
+  if (!o || o->stepping.empty()) return false;
+  for (const auto& [bi, pi] : o->stepping) {
+    if (w->running) ord_diff_page(*w, *o, bi, pi, *w->running);
+    ord_set_prot(*o, o->bind[bi], pi, kNone);
+  }
+  o->stepping.clear();
+  uc->uc_mcontext.gregs[REG_EFL] &= ~kTrapFlag;
+  return true;
+}
 
 void on_fault(int sig, siginfo_t* si, void* uctx_raw) {
   Worker* w = t_worker;
-  if (w == nullptr || w->running == nullptr || w->fault_sig != 0) {
+  auto* uc = static_cast<ucontext_t*>(uctx_raw);
+  if (sig == SIGTRAP && ord_after_step(w, uc)) return;
+  if (sig == SIGSEGV && w != nullptr && w->fault_sig == 0 && ord_on_fault(w, si, uc)) return;
+  if (sig == SIGTRAP || w == nullptr || w->running == nullptr || w->fault_sig != 0) {
     // Not a kernel fault (or a fault while landing): give the signal to whoever had it before.
-    for (int i = 0; i < 3; ++i)
+    for (int i = 0; i < kNumSignals; ++i)
       if (kSignals[i] == sig) sigaction(sig, &g_old[i], nullptr);
+    if (sig == SIGTRAP) raise(SIGTRAP);  // a trap does not re-execute
     return;  // the instruction re-executes and faults into the previous handler
   }
   w->fault_sig = sig;
   w->fault_addr = si->si_addr;
   w->fault_code = si->si_code;
-  auto* uc = static_cast<ucontext_t*>(uctx_raw);
   w->fault_write = (sig == SIGSEGV) ? ((uc->uc_mcontext.gregs[REG_ERR] & 2) ? 1 : 0) : -1;
   w->fault_stack_lo = w->running->fiber->stack_lo();
   // Resume at fault_landing on the top of the faulting fiber's stack (the fiber is abandoned).
@@ -342,13 +663,13 @@ void install_handlers() {
   sa.sa_sigaction = &on_fault;
   sa.sa_flags = SA_SIGINFO | SA_ONSTACK;
   sigemptyset(&sa.sa_mask);
-  for (int i = 0; i < 3; ++i) sigaction(kSignals[i], &sa, &g_old[i]);
+  for (int i = 0; i < kNumSignals; ++i) sigaction(kSignals[i], &sa, &g_old[i]);
 }
 
 void remove_handlers() {
   std::lock_guard<std::mutex> lock(g_sig_mu);
   if (--g_sig_users > 0) return;
-  for (int i = 0; i < 3; ++i) {
+  for (int i = 0; i < kNumSignals; ++i) {
     struct sigaction cur;
     sigaction(kSignals[i], nullptr, &cur);
     if ((cur.sa_flags & SA_SIGINFO) && cur.sa_sigaction == &on_fault)  // still ours: restore
@@ -379,6 +700,7 @@ struct AltStack {
 std::string describe_fault(Worker& w, const Thread& t) {
   std::string s;
 #if defined(LILY_EMU_SIGNALS)
+  if (w.ord && w.ord->bad_binding >= 0) return ord_describe(*w.ord, t);
   if (w.fault_sig == SIGFPE) {
     s = "floating-point invalid operation (arithmetic on NaN: a read of poisoned memory - "
         "threadgroup memory not written before this read (missing barrier?) or an unwritten "
@@ -491,6 +813,11 @@ bool release_simdgroups(Group& g) {
         return false;
       }
     }
+    if (Ordering* o = t_worker->ord; o && (first->mem & kMemDevice) && std::strcmp(first->op, "simdgroup_barrier") == 0)
+      for (uint32_t i = lo; i < hi; ++i) {
+        ord_move(*o, o->pending[i], o->simd_fenced[s]);
+        ord_move_words(o->acq_pending[i], o->acq_simd[s]);
+      }
     for (uint32_t i = lo; i < hi; ++i) g.threads[i].state = St::runnable;
     progressed = true;
   }
@@ -529,6 +856,15 @@ void release_barrier(Group& g) {
              site(t.op, t.file, t.line) + " (barrier #" + std::to_string(t.barrier_seq) + ")");
       return;
     }
+  if (Ordering* o = t_worker->ord; o && std::strcmp(first->op, "threadgroup_barrier") == 0) {
+    bool dev = false;
+    for (const Thread& t : g.threads) dev |= t.state == St::at_barrier && (t.mem & kMemDevice);
+    if (dev)  // a device-scope fence of every thread of the threadgroup
+      for (uint32_t i = 0; i < g.n; ++i) {
+        ord_move(*o, o->pending[i], o->tg_fenced);
+        ord_move_words(o->acq_pending[i], o->acq_tg);
+      }
+  }
   for (Thread& t : g.threads) t.state = St::runnable;
   // Only a barrier orders threadgroup memory: the rendezvous of a threadgroup-wide tensor op
   // (threadgroup_collective, e.g. matmul2d::run) checks uniformity but is not a barrier on a GPU,
@@ -631,7 +967,11 @@ void tg_record_writes(Group& g, const Thread& t) {
 // Runs one fiber to its next sync point (and, with the race detector, records its writes).
 void resume(Worker& w, Group& g, Thread& t) {
   w.running = &t;
+  t.seg_op = t.op;
+  t.seg_file = t.file;
+  t.seg_line = t.line;
   t.fiber->resume();
+  if (w.ord && g.error.empty()) ord_record(w, t);
   w.running = nullptr;
   if (g.races && g.error.empty()) tg_record_writes(g, t);
 }
@@ -691,6 +1031,21 @@ void run_group(Worker& w, Group& g, Order policy, std::mt19937_64& rng) {
 }  // namespace
 
 // ============================== launches =====================================================
+
+namespace {
+// Kernels seen doing device atomics (their buffers need not be declared atomic: casts).
+std::mutex g_atomics_mu;
+std::vector<const KernelEntry*> g_atomics_kernels;
+bool known_atomics_kernel(const KernelEntry* k) {
+  std::lock_guard<std::mutex> lock(g_atomics_mu);
+  return std::find(g_atomics_kernels.begin(), g_atomics_kernels.end(), k) != g_atomics_kernels.end();
+}
+void learn_atomics_kernel(const KernelEntry* k) {
+  std::lock_guard<std::mutex> lock(g_atomics_mu);
+  if (std::find(g_atomics_kernels.begin(), g_atomics_kernels.end(), k) == g_atomics_kernels.end())
+    g_atomics_kernels.push_back(k);
+}
+}  // namespace
 
 void run(const Launch& L, const RunOptions& opt) {
   const KernelEntry* k = L.kernel;
@@ -784,6 +1139,54 @@ void run(const Launch& L, const RunOptions& opt) {
     d.snap.assign(d.data, d.data + d.bytes);  // kept up to date chunk by chunk after each threadgroup
   }
 
+  // Memory-ordering model: kernels that declare an atomic buffer or did a device atomic before.
+  std::unique_ptr<Ordering> ord;
+#if defined(LILY_EMU_SIGNALS)
+  bool atomics_kernel = known_atomics_kernel(k);
+  for (uint32_t i = 0; i < k->num_buffers; ++i) atomics_kernel |= k->buffers[i].atomic;
+  if (opt.races && atomics_kernel) {
+    ord = std::make_unique<Ordering>();
+    Ordering& o = *ord;
+    o.page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+    o.groups[0] = L.groups.x;
+    o.groups[1] = L.groups.y;
+    o.threads[0] = L.threads.x;
+    o.threads[1] = L.threads.y;
+    for (uint32_t i = 0; i < k->num_buffers; ++i) {
+      if (k->buffers[i].read_only || L.buffers[i].bytes == 0) continue;
+      OrdBinding b;
+      b.b = &bound[i];
+      b.data = static_cast<unsigned char*>(ptrs[i]);
+      b.bytes = L.buffers[i].bytes;
+      b.snap.assign(b.data, b.data + b.bytes);
+      b.units.assign((b.bytes + 1) / 2, OrdUnit{});
+      b.page_lo = reinterpret_cast<uintptr_t>(b.data) & ~uintptr_t(o.page - 1);
+      const size_t npages = (reinterpret_cast<uintptr_t>(b.data) + b.bytes - b.page_lo + o.page - 1) / o.page;
+      b.foreign.assign(npages, 0);
+      b.prot.assign(npages, 0);
+      o.bind.push_back(std::move(b));
+    }
+    for (size_t i = 0; i < o.bind.size() && ord; ++i)  // bindings sharing a page: not modelled
+      for (size_t j = i + 1; j < o.bind.size(); ++j) {
+        const OrdBinding &a = o.bind[i], &c = o.bind[j];
+        if (a.page_lo < c.page_lo + c.prot.size() * o.page && c.page_lo < a.page_lo + a.prot.size() * o.page) {
+          ord.reset();
+          break;
+        }
+      }
+  }
+  if (ord) {
+    ord->pending.assign(n, {});
+    ord->thread_fenced.assign(n, {});
+    ord->acq_pending.assign(n, {});
+    ord->acq_thread.assign(n, {});
+    ord->simd_fenced.assign(nsimd, {});
+    ord->acq_simd.assign(nsimd, {});
+  }
+#endif
+  w.ord = ord.get();
+  w.device_atomics = false;
+
   // Threadgroup order.
   const uint64_t ngroups = L.groups.count();
   std::vector<uint64_t> gorder(ngroups);
@@ -850,7 +1253,16 @@ void run(const Launch& L, const RunOptions& opt) {
         t.fiber->reset(&fiber_main, &t);
       }
       w.group = &g;
+      if (Ordering* o = w.ord) {
+        o->tg = static_cast<uint32_t>(gi + 1);
+        for (auto* v : {&o->pending, &o->thread_fenced, &o->simd_fenced}) for (auto& x : *v) x.clear();
+        for (auto* v : {&o->acq_pending, &o->acq_thread, &o->acq_simd}) for (auto& x : *v) x.clear();
+        o->tg_fenced.clear();
+        o->acq_tg.clear();
+        ord_watch(*o);
+      }
       run_group(w, g, opt.order, rng);
+      if (w.ord) ord_unwatch(*w.ord);
       w.group = nullptr;
       if (g.error.empty()) check_red_zones(g);
       for (DeviceWrites& d : dev_writes) {
@@ -887,6 +1299,9 @@ void run(const Launch& L, const RunOptions& opt) {
     error = std::string("emulator failure: ") + e.what();
   }
 
+  if (w.ord) ord_unwatch(*w.ord);
+  w.ord = nullptr;
+  if (w.device_atomics) learn_atomics_kernel(k);
   std::fesetenv(&saved_env);
 #if defined(LILY_EMU_SIGNALS)
   alt.restore();

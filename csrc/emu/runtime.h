@@ -36,6 +36,7 @@ inline constexpr uint32_t kMaxKernelBuffers = 15;
 struct BufferParam {
   bool read_only;      // declared as pointer to const (e.g. `const device float*`)
   uint32_t elem_size;  // sizeof(pointee)
+  bool atomic = false;  // declared as pointer to an atomic type (`device atomic_uint*`)
 };
 
 using ThreadEntry = void (*)(const void* args, void* const* buffers, const ThreadIds& ids);
@@ -74,9 +75,15 @@ struct LaneView {
 LaneView& lane_view();
 
 // Collective rendezvous: returns when every live lane of the simdgroup reached the same call site.
-void simd_sync(const char* op, const char* file, int line);
+// `mem`: the mem_flags bits of a simdgroup_barrier (kMemDevice: also a device-scope fence).
+void simd_sync(const char* op, const char* file, int line, unsigned mem = 0);
 // threadgroup_barrier: returns when every thread of the threadgroup reached the same barrier.
-void threadgroup_sync(const char* file, int line);
+void threadgroup_sync(const char* file, int line, unsigned mem = 0);
+// Memory-ordering model (RunOptions::races, kernels that use device atomics; docs/emulator.md): a
+// device-scope fence of the calling thread (atomic_thread_fence with mem_device). A barrier with
+// kMemDevice is one for every thread it syncs.
+inline constexpr unsigned kMemDevice = 1;  // mem_flags::mem_device
+void device_fence(const char* file, int line);
 // A threadgroup-wide collective other than a barrier (a tensor op whose execution scope is every
 // simdgroup of the threadgroup): the same rendezvous and checks as threadgroup_sync, reported as `op`.
 void threadgroup_collective(const char* op, const char* file, int line);

@@ -333,6 +333,52 @@ template <typename Dummy>
   out[i] = x[idx[i]];
 }
 
+// Memory ordering between threadgroups (issue 23): every threadgroup stores its partial row, then
+// takes a ticket (a relaxed device atomic); the threadgroup that draws the last ticket sums all
+// rows into out and resets the counter. param: 0 correct (threadgroup_barrier(mem_device) before the
+// ticket publishes the rows, one after it acquires them); 1 BUG: no device-scope barrier before the
+// ticket; 2 BUG: the reader's barrier after the ticket is mem_threadgroup only; 3 correct with
+// per-thread fences: each thread fences, takes its own ticket, and the thread with the last ticket
+// fences again and sums; 4 BUG: as 3 with the writer's fence after its ticket; 5 BUG: as 3 with
+// no fence before the reads either (no device-scope fence at all).
+template <typename Dummy>
+[[kernel]] void ticket_sum(constant SelftestArgs& args [[buffer(0)]],
+                           const device float* x [[buffer(1)]],
+                           device float* partial [[buffer(2)]],
+                           device atomic_uint* counter [[buffer(3)]],
+                           device float* out [[buffer(4)]],
+                           LILY_KERNEL_TAIL) {
+  LILY_TG_ARRAY(uint32_t, last, [1]);
+  const uint32_t i = thread_pos.x, g = group_pos.x, n = group_size.x, groups = args.n;
+  partial[g * n + i] = 2.0f * x[g * n + i];
+  if (args.param >= 3) {
+    if (args.param == 3) atomic_thread_fence(mem_flags::mem_device, memory_order_seq_cst, thread_scope_device);
+    const uint32_t t = atomic_fetch_add_explicit(counter, 1u, memory_order_relaxed);
+    if (args.param == 4) atomic_thread_fence(mem_flags::mem_device, memory_order_seq_cst, thread_scope_device);
+    if (t + 1 == groups * n) {
+      if (args.param != 5) atomic_thread_fence(mem_flags::mem_device, memory_order_seq_cst, thread_scope_device);
+      for (uint32_t j = 0; j < n; ++j) {
+        float s = 0.0f;
+        for (uint32_t k = 0; k < groups; ++k) s += partial[k * n + j];
+        out[j] = s;
+      }
+      atomic_store_explicit(counter, 0u, memory_order_relaxed);
+    }
+    return;
+  }
+  if (args.param == 1) threadgroup_barrier(mem_flags::mem_threadgroup);  // BUG: stores not fenced
+  else threadgroup_barrier(mem_flags::mem_device);
+  if (i == 0) last[0] = atomic_fetch_add_explicit(counter, 1u, memory_order_relaxed) + 1 == groups ? 1u : 0u;
+  if (args.param == 2) threadgroup_barrier(mem_flags::mem_threadgroup);  // BUG: the ticket not acquired
+  else threadgroup_barrier(mem_flags::mem_device | mem_flags::mem_threadgroup);
+  if (last[0] != 0) {
+    float s = 0.0f;
+    for (uint32_t k = 0; k < groups; ++k) s += partial[k * n + i];
+    out[i] = s;
+    if (i == 0) atomic_store_explicit(counter, 0u, memory_order_relaxed);
+  }
+}
+
 LILY_INSTANTIATE("selftest_simd_ops", simd_ops<void>)
 LILY_INSTANTIATE("selftest_thread_ids", thread_ids<void>)
 LILY_INSTANTIATE("selftest_tg_rotate", tg_rotate<void>)
@@ -354,5 +400,6 @@ LILY_INSTANTIATE("selftest_broken_lost_update", broken_lost_update<void>)
 LILY_INSTANTIATE("selftest_broken_shared_scratch", broken_shared_scratch<void>)
 LILY_INSTANTIATE("selftest_broken_tg_array_overflow", broken_tg_array_overflow<void>)
 LILY_INSTANTIATE("selftest_broken_unwritten_index", broken_unwritten_index<void>)
+LILY_INSTANTIATE("selftest_ticket_sum", ticket_sum<void>)
 
 }  // namespace lily_selftest

@@ -401,3 +401,74 @@ def test_kernel_tests_run_under_the_race_detector_in_the_full_tier(pytestconfig)
             or os.environ.get("LILY_EMU_RACES") == "1")
     assert core.emu.races_default() is want
 
+
+
+# ------------------------------------------------------------------------------ issue 23: memory ordering
+ORDERING = pytest.mark.skipif(not FEATURES["guard_pages"],
+                              reason="the memory-ordering model watches pages (LILY_EMU_SIGNALS: Linux x86-64)")
+
+
+def ticket_sum(rng, param, groups=5, n=96, **kw):
+    x = rng.standard_normal(groups * n).astype(np.float32)
+    partial = np.zeros(groups * n, np.float32)
+    counter = np.zeros(1, np.uint32)
+    out = np.zeros(n, np.float32)
+    dispatch("ticket_sum", groups, param, [x, partial, counter, out], (groups, 1, 1), (n, 1, 1), seed=rng.seed, **kw)
+    # the fp32 sum over the threadgroups in index order, as the kernel adds
+    want = np.zeros(n, np.float32)
+    for g in range(groups):
+        want += 2 * x[g * n:(g + 1) * n]
+    return out, want, counter
+
+
+@ORDERING
+@pytest.mark.parametrize("param", [0, 3], ids=["barriers", "thread_fences"])
+@pytest.mark.parametrize("order", ORDERS)
+def test_published_stores_pass_the_ordering_model(rng, param, order):
+    """A ticket (relaxed atomic) after a device-scope barrier / fence publishes the rows; the last
+    threadgroup (thread) reads them after its own fence: allowed, and the sums are right."""
+    out, want, counter = ticket_sum(rng, param, order=order)
+    np.testing.assert_array_equal(out, want)
+    assert counter[0] == 0
+
+
+@ORDERING
+@pytest.mark.parametrize("param, why", [
+    (1, r"the writer's device-scope fence after the store comes after its atomic"),
+    (2, r"the reader has not acquired it"),
+    (4, r"the writer's device-scope fence after the store comes after its atomic"),
+    (5, r"no device-scope fence of the writer .* follows the store before an atomic"),
+], ids=["writer_without_fence", "reader_without_fence", "fence_after_the_ticket", "no_fence_at_all"])
+@pytest.mark.parametrize("order", ORDERS)
+def test_unpublished_stores_read_by_another_threadgroup_are_caught(rng, param, why, order):
+    """The writer's stores are not ordered before its ticket (or the reader's reads after its
+    ticket): on a GPU the last threadgroup may sum stale rows. The emulator names the reader (its
+    threadgroup and thread), the writer and the address."""
+    with pytest.raises(core.EmulatorError, match=(
+            r"selftest_ticket_sum \(threadgroup \(\d,0,0\)\): device memory ordering: threadgroup \(\d,0,0\) "
+            r"thread \(\d+,0,0\) \[simdgroup \d lane \d+\] \(after .*\) read byte offset \d+ of buffer\(2\) of 1920 "
+            r"bytes, stored in this dispatch by threadgroup \(\d,0,0\) thread \(\d+,0,0\) .*not visible to it: ") + why):
+        ticket_sum(rng, param, order=order)
+    run_good_kernel()
+
+
+@ORDERING
+def test_ordering_error_names_the_right_writer(rng):
+    """The reported byte is the writer's row: offset / 4 = writer group * n + writer thread."""
+    import re
+    n = 96
+    with pytest.raises(core.EmulatorError) as e:
+        ticket_sum(rng, 1, n=n, order="forward")
+    m = re.search(r"read byte offset (\d+) of buffer\(2\).*stored in this dispatch by threadgroup \((\d),0,0\) "
+                  r"thread \((\d+),0,0\)", str(e.value))
+    assert m, str(e.value)
+    off, g, t = (int(v) for v in m.groups())
+    assert off // 4 == g * n + t
+
+
+def test_unpublished_stores_are_invisible_without_the_detector(rng):
+    """Why the model exists: threadgroups run one after another, so without it the broken
+    kernels compute the right sums."""
+    for param in (1, 2, 4, 5):
+        out, want, _ = ticket_sum(rng, param, races=False)
+        np.testing.assert_array_equal(out, want)

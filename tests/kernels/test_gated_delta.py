@@ -20,11 +20,13 @@ Tolerances (u = 2^-24; bf16 outputs add rtol 2^-8 >= one bf16 rounding of |y|):
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 import pytest
 
+import lily_py._core as core
 from kernel_checks import BF16_EPS, F32_EPS, assert_close, device, rng  # noqa: F401  (fixtures)
 from lily_py import ops
 from lily_py.ops.gated_delta import _causal_conv1d, _gated_delta, _gated_delta_decode, _gated_delta_mixer
@@ -514,6 +516,50 @@ def test_gated_delta_decode(rng, device, shape, x_dtype, w_dtype):
     threads, blocks = dec_grid(Dv)
     assert stats["dispatches"] == 1 and stats["barriers"] == 0 and stats["threads"] == Hv * blocks * threads
     check_dec(rng, d, y, cs, S, tickets, what=f"gated_delta_decode {shape}")
+
+
+def ticket_barrier_site(which):
+    """shaders/gated_delta.metal:LINE of the decode kernel's barrier that publishes the o_raw stores
+    before the ticket ("writer") or acquires them after it ("reader")."""
+    path = Path(__file__).resolve().parents[2] / "shaders/gated_delta.metal"
+    lines = path.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if "3. the last threadgroup of the head" in line)
+    want = {"writer": "threadgroup_barrier(mem_flags::mem_device);",
+            "reader": "threadgroup_barrier(mem_flags::mem_device | mem_flags::mem_threadgroup);"}[which]
+    return "shaders/gated_delta.metal:%d" % next(i + 1 for i in range(start, len(lines)) if lines[i].strip() == want)
+
+
+@pytest.mark.skipif(not core.emu.features()["guard_pages"],
+                    reason="the memory-ordering model watches pages (LILY_EMU_SIGNALS: Linux x86-64)")
+@pytest.mark.parametrize("which", ["writer", "reader"])
+def test_gated_delta_decode_without_its_ticket_barrier_is_caught(rng, which):
+    """Issue 23: the decode kernel with the device-scope half of its ticket barrier removed (the
+    emulator ignores mem_device there, as if the source said mem_threadgroup) reads another
+    threadgroup's o_raw that nothing orders before its read: the memory-ordering model (race
+    detector on) names the reader, the writer and the byte. The unchanged kernel passes."""
+    d = make_dec(rng, 2, 4, 32, 40)  # 3 threadgroups per value head
+    core.emu.set_races_default(True)
+    try:
+        y, cs, S, tickets, _ = _gated_delta_decode(*d, seed=rng.seed)
+        check_dec(rng, d, y, cs, S, tickets, what="gated_delta_decode, races on")
+        core.emu.set_ignored_fence(ticket_barrier_site(which))
+        with pytest.raises(core.EmulatorError, match=(
+                r"gated_delta_decode_xf32_wf32 \(threadgroup \(\d,\d,0\)\): device memory ordering: threadgroup "
+                r"\(\d,\d,0\) thread \(\d+,0,0\) .* read byte offset \d+ of buffer\(12\) .* stored in this dispatch "
+                r"by threadgroup \(\d,\d,0\) thread \(\d+,0,0\)")):
+            _gated_delta_decode(*d, seed=rng.seed)
+    finally:
+        core.emu.set_ignored_fence(None)
+        core.emu.set_races_default(None)
+    # Without the detector the emulator runs threadgroups one after another: the broken kernel passes.
+    core.emu.set_ignored_fence(ticket_barrier_site(which))
+    core.emu.set_races_default(False)
+    try:
+        y, cs, S, tickets, _ = _gated_delta_decode(*d, seed=rng.seed)
+        check_dec(rng, d, y, cs, S, tickets, what="gated_delta_decode without its barrier, races off")
+    finally:
+        core.emu.set_ignored_fence(None)
+        core.emu.set_races_default(None)
 
 
 @pytest.mark.parametrize("K", [2, 5])
