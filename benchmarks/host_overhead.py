@@ -21,6 +21,12 @@ Runs on the counting device, which encodes every step and runs nothing:
    tokenizer (2,048 ids: the real 248K-id Qwen3.6 tokenizer is not available offline), median;
    and the host's added work per token on a 248,320-entry row in the current host path
    (unpack the bitset, mask the row). `--constraint-only` runs just this part.
+5. The same matcher costs on a synthetic 248,320-id byte-level BPE tokenizer (built here with the
+   `tokenizers` library: the 256 byte symbols, then 248K random merges of word-like pieces up to
+   24 characters, plus Qwen's special and tag tokens), for the JSON schema above and for a forced
+   tool call (tool_choice): the one-time tokenizer and grammar setup, the per-token bitset and
+   advance (median and 90th percentile), and the total host time per constrained token (bitset
+   + advance + the host path's unpack and mask).
 
 Timings depend on the machine and its load: they are measurements of this machine, not of a Mac.
 """
@@ -161,6 +167,93 @@ def constraint_cost(n: int = 200) -> None:
           f"{statistics.median(ts) * 1e6:8.1f} us")
 
 
+def synthetic_tokenizer(n: int = 248_320, seed: int = 0):
+    """A byte-level BPE ``tokenizers.Tokenizer`` with ``n`` ids (see the module doc, part 5)."""
+    import numpy as np
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+    specials, tags = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], ["<tool_call>", "</tool_call>",
+                                                                         "<think>", "</think>"]
+    toks = sorted(ByteLevel.alphabet())
+    vocab = {c: i for i, c in enumerate(toks)}
+    letters = [vocab[c] for c in toks if c.isascii() and c.isalpha()] + [vocab["\u0120"]]
+    merges = []
+    rng = np.random.default_rng(seed)
+    while len(toks) < n - len(specials) - len(tags):
+        lo = 0 if rng.random() < 0.5 else max(0, len(toks) - 5000)
+        a = toks[int(rng.integers(lo, len(toks)))]
+        b = toks[letters[int(rng.integers(0, len(letters)))]] if rng.random() < 0.8 \
+            else toks[int(rng.integers(0, len(toks)))]
+        if len(a + b) > 24 or a + b in vocab:
+            continue
+        vocab[a + b] = len(toks)
+        toks.append(a + b)
+        merges.append((a, b))
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tk.decoder = decoders.ByteLevel()
+    tk.add_special_tokens(specials)
+    tk.add_tokens(tags)
+    return tk
+
+
+def constraint_cost_real_vocab(n: int = 400) -> None:
+    import json
+
+    import numpy as np
+
+    from lily_py.constraints import _llguidance, grammar, tool_call_grammar
+    from lily_py.sampling import unpack_mask
+    ll = _llguidance()
+    t0 = time.perf_counter()
+    tk = synthetic_tokenizer()
+    t1 = time.perf_counter()
+    v = tk.get_vocab_size()
+    llt = ll.LLTokenizer(tk.to_str(), n_vocab=v, eos_token=tk.token_to_id("<|im_end|>"))
+    t2 = time.perf_counter()
+    print(f"synthetic byte-level BPE tokenizer: {v} ids (built in {t1 - t0:.1f} s); llguidance "
+          f"LLTokenizer from its JSON: {(t2 - t1) * 1e3:.0f} ms (once per tokenizer)")
+    schema = {"type": "object", "properties": {"mood": {"enum": ["calm", "busy"]},
+                                               "tags": {"type": "array", "items": {"enum": ["a", "b"]}},
+                                               "inner": {"type": "object", "properties": {"n": {"type": "boolean"}},
+                                                         "required": ["n"]}},
+              "required": ["mood", "inner"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+        "required": ["city"]}}}]
+    cases = [("JSON schema", grammar({"type": "json_schema", "json_schema": {"schema": schema}}),
+              json.dumps({"mood": "calm", "tags": ["a", "b", "a"], "inner": {"n": True}},
+                         separators=(",", ":"))),
+             ("forced tool call", ll.LLMatcher.grammar_from_lark(tool_call_grammar(tools, "required", tk)),
+              "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis, the capital of "
+              "France\n</parameter>\n<parameter=days>\n12\n</parameter>\n</function>\n</tool_call>")]
+    rng = np.random.default_rng(0)
+    row = rng.standard_normal(v).astype(np.float32)
+    for label, g, text in cases:
+        answer = tk.encode(text).ids
+        setup, masks, consumes, hosts = [], [], [], []
+        for _ in range(max(1, n // len(answer))):
+            t0 = time.perf_counter()
+            m = ll.LLMatcher(llt, g)
+            setup.append(time.perf_counter() - t0)
+            for t in answer:
+                t0 = time.perf_counter()
+                words = np.frombuffer(m.compute_bitmask(), dtype=np.uint32)
+                t1 = time.perf_counter()
+                assert m.consume_token(t), m.get_error()
+                t2 = time.perf_counter()
+                np.where(unpack_mask(words, v), row, np.float32(-np.inf))
+                t3 = time.perf_counter()
+                masks.append(t1 - t0)
+                consumes.append(t2 - t1)
+                hosts.append(t3 - t0)
+        q = lambda xs, p: float(np.percentile(xs, p)) * 1e6  # noqa: E731
+        print(f"constraint at {v} ids, {label} ({len(answer)} tokens x {len(masks) // len(answer)}): "
+              f"matcher setup median {statistics.median(setup) * 1e3:.2f} ms; per token bitset median "
+              f"{q(masks, 50):.1f} us (p90 {q(masks, 90):.1f}), consume median {q(consumes, 50):.1f} us, "
+              f"host total (bitset + consume + unpack + mask) median {q(hosts, 50):.0f} us")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=2000)
@@ -169,6 +262,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.constraint_only:
         constraint_cost()
+        constraint_cost_real_vocab()
         return
     encode_times(a.repeat)
     with tempfile.TemporaryDirectory() as d:
@@ -176,6 +270,7 @@ def main() -> None:
         python_overhead(path, a.tokens)
         first_token(path)
     constraint_cost()
+    constraint_cost_real_vocab()
 
 
 if __name__ == "__main__":

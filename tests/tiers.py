@@ -53,6 +53,12 @@ FULL_TIER: dict[str, str] = {
     "tests/api/test_structured.py::test_json_schema_answers_validate_20_seeds_of_20[[]*": (
         "the done-when run, 20 seeds per backend (about 9 min, mostly the emulator); quick keeps "
         "3 reference seeds and 1 emu seed of the same schema"),
+    "tests/api/test_structured.py::test_forced_tool_calls_parse_20_seeds_of_20[[]*": (
+        "the done-when run for forced tool calls, 20 seeds per backend (minutes, mostly the "
+        "emulator); quick keeps 2 reference seeds (required, named after thinking)"),
+    "tests/api/test_structured.py::test_forced_tool_call_on_the_engine": (
+        "one short forced call on the emulator (about 90 s on 2 busy cores); quick keeps "
+        "test_json_schema_answers_validate[emu-*], the same constrained path on the engine"),
     # tests/reference and tools
     "tests/reference/test_reference_model.py::test_full_size_shapes_in_bounded_memory": (
         "the real 35B shapes through the reference in bounded memory (28 s); quick keeps every "

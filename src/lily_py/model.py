@@ -216,7 +216,9 @@ class Model:
                  tools: list | None = None, chat_template_kwargs: dict | None = None,
                  parse_output: bool | None = None,
                  prefill_progress: "ProgressCallback | None" = None, logprobs: bool = False,
-                 top_logprobs: int = 0, response_format: dict | None = None) -> Iterator[GenerationChunk]:
+                 top_logprobs: int = 0, response_format: dict | None = None,
+                 tool_choice: str | dict | None = None,
+                 parallel_tool_calls: bool = True) -> Iterator[GenerationChunk]:
         """Stream a completion as ``GenerationChunk`` objects.
 
         ``prompt``: a string (fed as raw text), a list of chat messages
@@ -249,6 +251,12 @@ class Model:
         "grammar": <Lark>}`` or ``{"type": "choice", "choices": [...]}`` (llguidance, the
         ``structured`` extra). A bad schema / grammar raises ValueError with the compiler's
         message; a constraint that admits no token ends with finish_reason "error".
+        ``tool_choice``: "auto" (the default, None: the model decides), "none" (no tool call: the
+        tools are not given to the template), "required" (one or more calls of the ``tools``) or
+        ``{"type": "function", "function": {"name": N}}`` (exactly one call of N). The last two
+        constrain the answer (after ``</think>``, as ``response_format``) to well-formed Qwen3.6
+        tool calls whose arguments match the tool's parameter schema (llguidance).
+        ``parallel_tool_calls=False``: "required" forces exactly one call.
         """
         if not isinstance(logprobs, bool):
             raise TypeError(f"logprobs must be True or False, got {logprobs!r}")
@@ -258,11 +266,20 @@ class Model:
         if top_logprobs and not logprobs:
             raise ValueError("top_logprobs needs logprobs=True")
         constraint = None
-        if response_format is not None:
-            from .constraints import Constraint
+        forced = tool_choice not in (None, "auto", "none")
+        if tool_choice == "none":
+            tools = None
+        if forced and response_format is not None:
+            raise ValueError("give response_format or a forcing tool_choice ('required' / a named "
+                             "function), not both")
+        if response_format is not None or forced:
+            from .constraints import Constraint, tool_call_grammar
             tk = self._require_tokenizer()
+            lark = tool_call_grammar(tools, tool_choice, tk, parallel=parallel_tool_calls) \
+                if forced else None
             constraint = Constraint(response_format, tk, min(self._eos_ids()),
-                                    min(tk.vocab_size, self.config.vocab_size))
+                                    min(tk.vocab_size, self.config.vocab_size), lark=lark,
+                                    what="tool_choice" if forced else "response_format")
         params = SamplingParams(_real("temperature", temperature), top_k, _real("top_p", top_p),
                                 _real("min_p", min_p), seed)
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:

@@ -2,6 +2,7 @@
 answer parses and matches the schema, on the reference and on the engine (emu)."""
 import json
 
+import jsonschema
 import pytest
 
 import lily_py
@@ -78,3 +79,127 @@ def test_invalid_schema_raises_with_the_compilers_message():
         demo.generate("x", response_format={"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}})
     with pytest.raises(ValueError, match="type must be"):
         demo.generate("x", response_format={"type": "xml"})
+
+
+# ---- forced tool calls (tool_choice) ---------------------------------------------------------
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Rome"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 9},
+        "units": {"type": "string", "maxLength": 8},
+        "opts": {"type": "object", "properties": {"f": {"type": "boolean"}}, "required": ["f"],
+                 "additionalProperties": False},
+    },
+    "required": ["city", "opts"],
+    "additionalProperties": False,
+}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "noop", "parameters": {"type": "object",
+                                                                           "properties": {}}}}]
+SCHEMAS = {"get_weather": WEATHER, "noop": {"type": "object", "properties": {},
+                                            "additionalProperties": False}}
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def check_forced_calls(backend, seeds, tool_choice, thinking):
+    """Each seed's answer is tool calls only, each parses, names a tool and its arguments
+    validate against that tool's schema (jsonschema)."""
+    demo = _load(backend)
+    for seed in seeds:
+        r = demo.generate_text([{"role": "user", "content": "Weather?"}], tools=TOOLS,
+                               tool_choice=tool_choice, parallel_tool_calls=False, max_tokens=200,
+                               temperature=1.0, seed=seed, enable_thinking=thinking)
+        assert r.finish_reason == "tool_calls", (seed, r.finish_reason, r.raw_text)
+        assert not r.tool_call_errors and r.text == "", (seed, r.raw_text)
+        assert len(r.tool_calls) == 1, (seed, r.raw_text)
+        call = r.tool_calls[0]
+        if tool_choice == NAMED:
+            assert call.name == "get_weather"
+        jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+
+
+@pytest.mark.parametrize("tool_choice,thinking", [("required", False), (NAMED, True)],
+                         ids=["required", "named_after_thinking"])
+def test_forced_tool_calls_parse_and_validate(tool_choice, thinking):
+    check_forced_calls("reference", range(1), tool_choice, thinking)
+
+
+def test_forced_tool_call_on_the_engine():
+    """A short forced call on the emulator (the 20-seed run covers the long schema there)."""
+    demo = _load("emu")
+    pick = {"type": "object", "properties": {"c": {"enum": ["x", "y"]}}, "required": ["c"]}
+    tools = [{"type": "function", "function": {"name": "go", "parameters": pick}}]
+    r = demo.generate_text([{"role": "user", "content": "Go"}], tools=tools, max_tokens=60,
+                           tool_choice={"type": "function", "function": {"name": "go"}},
+                           temperature=1.0, seed=4, enable_thinking=False)
+    assert r.finish_reason == "tool_calls" and len(r.tool_calls) == 1, r.raw_text
+    assert r.tool_calls[0].name == "go"
+    jsonschema.validate(json.loads(r.tool_calls[0].arguments), pick)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["reference", "emu"])
+def test_forced_tool_calls_parse_20_seeds_of_20(backend):
+    """The done-when run: 20 seeds out of 20 parse and validate (half required, half named)."""
+    check_forced_calls(backend, range(10), "required", False)
+    check_forced_calls(backend, range(10, 20), NAMED, True)
+
+
+def test_required_with_parallel_calls_parses_every_complete_call():
+    """Parallel calls (the default): one or more calls, each complete one parses and validates."""
+    demo = _load("reference")
+    r = demo.generate_text([{"role": "user", "content": "Weather?"}], tools=TOOLS,
+                           tool_choice="required", max_tokens=300, temperature=1.0, seed=0,
+                           enable_thinking=False)
+    assert r.tool_calls and r.text == ""
+    for call in r.tool_calls:
+        jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+    if r.finish_reason != "length":
+        assert r.finish_reason == "tool_calls" and not r.tool_call_errors
+
+
+def test_free_text_parameter_ends_at_its_closing_tag():
+    """A string parameter without bounds is free text up to the first </parameter>."""
+    from lily_py.constraints import Constraint, tool_call_grammar
+    demo = _load("reference")
+    tk = demo.tokenizer
+    tools = [{"type": "function", "function": {"name": "say", "parameters": {
+        "type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}}]
+    c = Constraint(None, tk, min(demo._eos_ids()), tk.vocab_size,
+                   lark=tool_call_grammar(tools, "required", tk, parallel=False))
+    good = "<tool_call>\n<function=say>\n<parameter=text>\nx < y\n</parameter>\n</function>\n</tool_call>"
+    for t in tk.encode(good):
+        c.consume(t)
+    assert c.matcher.is_accepting()
+    c = Constraint(None, tk, min(demo._eos_ids()), tk.vocab_size,
+                   lark=tool_call_grammar(tools, "required", tk, parallel=False))
+    bad = "<tool_call>\n<function=say>\n<parameter=other>\n"
+    with pytest.raises(ValueError, match="not allowed"):
+        for t in tk.encode(bad):
+            c.consume(t)
+
+
+def test_tool_choice_errors_are_clear():
+    demo = _load("reference")
+    msgs = [{"role": "user", "content": "x"}]
+    with pytest.raises(ValueError, match="'nope', which is not in tools"):
+        demo.generate(msgs, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}})
+    with pytest.raises(ValueError, match="needs a non-empty tools list"):
+        demo.generate(msgs, tool_choice="required")
+    with pytest.raises(ValueError, match="tool_choice must be"):
+        demo.generate(msgs, tools=TOOLS, tool_choice="always")
+    with pytest.raises(ValueError, match="not both"):
+        demo.generate(msgs, tools=TOOLS, tool_choice="required", response_format={"type": "json_object"})
+    broken = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer", "minimum": "zero"}}}}}]
+    with pytest.raises(ValueError, match="tool_choice: .*minimum"):
+        demo.generate(msgs, tools=broken, tool_choice="required")
+
+
+def test_tool_choice_none_gives_no_tools_to_the_template():
+    demo = _load("reference")
+    msgs = [{"role": "user", "content": "x"}]
+    with_tools = demo.prompt_ids(msgs, tools=TOOLS)
+    r = demo.generate_text(msgs, tools=TOOLS, tool_choice="none", max_tokens=1)
+    assert r.stats.prompt_tokens == len(demo.prompt_ids(msgs)) < len(with_tools)

@@ -50,18 +50,28 @@ def chat(**kw):
     ({"model": "m", "messages": U, "stream_options": {"usage": True}}, "stream_options.usage",
      "unknown field"),
     ({"model": "m", "messages": U, "n": 2}, "n", "'n' must be an integer in [1, 1]"),
-    ({"model": "m", "messages": U, "logprobs": True}, "logprobs", "not supported"),
+    ({"model": "m", "messages": U, "logprobs": 1}, "logprobs", "'logprobs' must be a boolean"),
+    ({"model": "m", "messages": U, "top_logprobs": 3}, "top_logprobs", "needs 'logprobs': true"),
+    ({"model": "m", "messages": U, "logprobs": True, "top_logprobs": 21}, "top_logprobs",
+     "in [0, 20]"),
     ({"model": "m", "messages": U, "presence_penalty": 0.5}, "presence_penalty",
      "not supported"),
-    ({"model": "m", "messages": U, "response_format": {"type": "json_object"}},
-     "response_format", "does not constrain decoding"),
+    ({"model": "m", "messages": U, "response_format": {"type": "xml"}},
+     "response_format.type", "must be \"text\", \"json_object\" or \"json_schema\""),
+    ({"model": "m", "messages": U, "response_format": {"type": "json_schema", "json_schema": 3}},
+     "response_format.json_schema", "must be {\"name\""),
+    ({"model": "m", "messages": U, "response_format": {"type": "json_object"},
+      "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
+     "tool_choice", "not both"),
     ({"model": "m", "messages": U, "tools": {"type": "function"}}, "tools", "must be an array"),
     ({"model": "m", "messages": U, "tools": [{"type": "function", "function": {}}]}, "tools[0]",
      "must be {\"type\": \"function\""),
-    ({"model": "m", "messages": U, "tool_choice": "required"}, "tool_choice",
-     "cannot force a tool call"),
+    ({"model": "m", "messages": U, "tool_choice": "required"}, "tool_choice", "needs 'tools'"),
     ({"model": "m", "messages": U, "tool_choice": "sometimes"}, "tool_choice",
-     "must be \"auto\" or \"none\""),
+     "must be \"auto\", \"none\", \"required\""),
+    ({"model": "m", "messages": U, "tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice",
+     "'g', which is not in 'tools'"),
     ({"model": "m", "messages": U, "chat_template_kwargs": {"enable_thinking": "no"}},
      "chat_template_kwargs.enable_thinking", "must be a boolean"),
     ({"model": "m", "messages": U, "chat_template_kwargs": {"add_vision_id": True}},
@@ -112,6 +122,25 @@ def test_tool_choice_none_drops_the_tools():
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     assert chat(tools=tools).tools == tools
     assert chat(tools=tools, tool_choice="none").tools is None
+
+
+def test_forcing_tool_choice_response_format_and_logprobs_are_passed_on():
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    named = {"type": "function", "function": {"name": "f"}}
+    r = chat(tools=tools, tool_choice=named, parallel_tool_calls=False)
+    assert r.tools == tools and r.tool_choice == named and r.parallel_tool_calls is False
+    assert chat(tools=tools, tool_choice="required").tool_choice == "required"
+    r = chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object"}, "strict": True}}, logprobs=True, top_logprobs=5)
+    assert r.response_format == {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}
+    assert r.logprobs and r.top_logprobs == 5
+    assert chat(response_format={"type": "text"}).response_format is None
+    assert chat(response_format={"type": "json_object"}).response_format == {"type": "json_object"}
+    c = parse_completion({"model": "m", "prompt": "a", "logprobs": 3})
+    assert c.logprobs and c.top_logprobs == 3
+    c = parse_completion({"model": "m", "prompt": "a", "logprobs": 0})
+    assert c.logprobs and c.top_logprobs == 0
+    assert not parse_completion({"model": "m", "prompt": "a"}).logprobs
 
 
 def test_completion_requests():

@@ -191,6 +191,15 @@ class Server:
             kw["tools"] = req.tools
             if ctk:
                 kw["chat_template_kwargs"] = ctk
+            if req.response_format is not None:
+                kw["response_format"] = req.response_format
+            if req.tool_choice not in ("auto", "none"):
+                kw["tool_choice"] = req.tool_choice
+                kw["parallel_tool_calls"] = req.parallel_tool_calls
+        if req.logprobs:
+            kw["logprobs"] = True
+            if req.top_logprobs:
+                kw["top_logprobs"] = req.top_logprobs
         if self._accepts is not None:
             unsupported = [k for k, v in kw.items() if k not in self._accepts and v is not None]
             if unsupported:
@@ -219,6 +228,10 @@ class Server:
         try:
             kind, value = await _next_event(job, watcher)     # START or ERROR
             if kind == ERROR:
+                msg = str(value)
+                for field_name in ("response_format", "tool_choice"):
+                    if msg.startswith(field_name + ":"):
+                        param = field_name      # the compiler's message about that field
                 return error_response(api_error(value, param))
             if req.stream:
                 handed_over = True
@@ -239,6 +252,7 @@ class Server:
     async def _collect(self, req, job, watcher) -> dict:
         message: dict = {"role": "assistant", "content": None}
         text, reason, stats, saw_calls = [], None, None, False
+        lps = []
         while True:
             kind, value = await _next_event(job, watcher)
             if kind == DONE:
@@ -246,6 +260,8 @@ class Server:
             if kind == ERROR:
                 raise api_error(value)
             if kind == CHUNK:
+                if getattr(value, "logprobs", None) is not None:
+                    lps.append(value.logprobs)
                 if req.kind == "chat":
                     d = protocol.chunk_delta(value)
                     saw_calls |= "tool_calls" in d
@@ -261,9 +277,15 @@ class Server:
             if message["content"] is None and not saw_calls:
                 message["content"] = ""
             choice = {"index": 0, "message": message, "finish_reason": fr, "logprobs": None}
+            if req.logprobs:
+                tk = self.model.tokenizer
+                choice["logprobs"] = {"content": [protocol.chat_logprobs(tk, lp) for lp in lps],
+                                      "refusal": None}
             return {**head, "object": "chat.completion", "choices": [choice],
                     "usage": protocol.usage(stats)}
         choice = {"index": 0, "text": "".join(text), "finish_reason": fr, "logprobs": None}
+        if req.logprobs:
+            choice["logprobs"] = protocol.completion_logprobs(self.model.tokenizer, lps)
         return {**head, "object": "text_completion", "choices": [choice],
                 "usage": protocol.usage(stats)}
 
@@ -277,9 +299,19 @@ class Server:
                 else "text_completion", "created": protocol.created(), "model": self.model_id,
                 "system_fingerprint": self._fingerprint()}
 
-        def choice(d=None, text=None, fr=None):
+        tk = self.model.tokenizer
+        offset = 0
+
+        def choice(d=None, text=None, fr=None, lp=None):
+            nonlocal offset
             c = {"index": 0, "delta": d} if chat else {"index": 0, "text": text}
-            return {**head, "choices": [{**c, "finish_reason": fr, "logprobs": None}]}
+            lpd = None
+            if lp is not None:
+                lpd = {"content": [protocol.chat_logprobs(tk, lp)], "refusal": None} if chat \
+                    else protocol.completion_logprobs(tk, [lp], offset)
+                if not chat:
+                    offset += len(lpd["tokens"][0])
+            return {**head, "choices": [{**c, "finish_reason": fr, "logprobs": lpd}]}
 
         if chat:
             yield choice({"role": "assistant", "content": ""})
@@ -294,13 +326,14 @@ class Server:
                 return
             if value.finish_reason is not None:
                 reason, stats = value.finish_reason, value.stats
+            lp = getattr(value, "logprobs", None) if req.logprobs else None
             if chat:
                 d = protocol.chunk_delta(value)
                 saw_calls |= "tool_calls" in d
-                if d:
-                    yield choice(d)
-            elif value.text:
-                yield choice(text=value.text)
+                if d or lp is not None:
+                    yield choice(d, lp=lp)
+            elif value.text or lp is not None:
+                yield choice(text=value.text, lp=lp)
         fr = protocol.finish_reason(reason, saw_calls)
         yield choice({}, fr=fr) if chat else choice(text="", fr=fr)
         if req.include_usage:

@@ -2,7 +2,9 @@
 
 Requests are checked field by field against what lily-py serve implements. An unknown field, a
 wrong type or a value lily_py cannot honour (``n=2``, ``logprobs=true``, a JSON response format)
-is a 400 with a message naming the field, never silently ignored. Fields OpenAI clients send
+is a 400 with a message naming the field, never silently ignored. ``response_format``
+(json_schema, json_object), a forcing ``tool_choice`` ("required", a named function) and
+``logprobs`` / ``top_logprobs`` go to ``Model.generate`` (docs/structured.md). Fields OpenAI clients send
 that do not change the output (``user``, ``metadata``, ``store``, ``parallel_tool_calls``, a
 ``frequency_penalty`` of 0, ...) are accepted.
 
@@ -139,8 +141,12 @@ class GenRequest:
     max_tokens: int | None          # None: the server's default
     sampling: dict                  # temperature, top_p, top_k, min_p, seed, stop
     tools: list | None = None
-    tool_choice: str = "auto"
+    tool_choice: Any = "auto"       # "auto" | "none" | "required" | {"type": "function", ...}
     chat_template_kwargs: dict = field(default_factory=dict)
+    logprobs: bool = False
+    top_logprobs: int = 0
+    response_format: dict | None = None     # None: free text
+    parallel_tool_calls: bool = True
 
 
 def _common(body: dict, known: set[str]) -> dict:
@@ -288,17 +294,58 @@ def _tools(body: dict) -> list | None:
     return tools or None
 
 
-def _tool_choice(body: dict, tools: list | None) -> str:
+_CHOICES = ("'tool_choice' must be \"auto\", \"none\", \"required\" or {\"type\": \"function\", "
+            "\"function\": {\"name\": ...}}")
+
+
+def _tool_choice(body: dict, tools: list | None):
     tc = body.get("tool_choice")
     if tc is None or tc == "auto":
         return "auto"
     if tc == "none":
         return "none"
     if tc == "required" or isinstance(tc, dict):
-        raise bad("'tool_choice' must be \"auto\" or \"none\": lily-py serve does not constrain "
-                  "decoding, so it cannot force a tool call", "tool_choice", "unsupported_value")
-    raise bad(f"'tool_choice' must be \"auto\" or \"none\", got {json.dumps(tc)}", "tool_choice",
-              "invalid_value")
+        if isinstance(tc, dict):
+            fn = tc.get("function")
+            if tc.get("type") != "function" or not isinstance(fn, dict) \
+                    or not isinstance(fn.get("name"), str):
+                raise bad(f"{_CHOICES}, got {json.dumps(tc)}", "tool_choice", "invalid_value")
+            if fn["name"] not in [t["function"]["name"] for t in tools or ()]:
+                raise bad(f"'tool_choice' names the function {fn['name']!r}, which is not in "
+                          f"'tools'", "tool_choice", "invalid_value")
+        if not tools:
+            raise bad(f"'tool_choice'={json.dumps(tc)} needs 'tools'", "tool_choice",
+                      "invalid_value")
+        return tc
+    raise bad(f"{_CHOICES}, got {json.dumps(tc)}", "tool_choice", "invalid_value")
+
+
+def _response_format(body: dict) -> dict | None:
+    """OpenAI's response formats: text (None), json_object, json_schema (its schema is compiled
+    by generate(): a schema that does not compile is a 400 with the compiler's message)."""
+    rf = body.get("response_format")
+    if rf is None:
+        return None
+    if not isinstance(rf, dict):
+        raise bad(f"'response_format' must be an object, got {_type_name(rf)}", "response_format",
+                  "invalid_type")
+    kind = rf.get("type")
+    if kind == "text":
+        _check_fields(rf, {"type"}, "response_format.")
+        return None
+    if kind == "json_object":
+        _check_fields(rf, {"type"}, "response_format.")
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        _check_fields(rf, {"type", "json_schema"}, "response_format.")
+        js = rf.get("json_schema")
+        if not isinstance(js, dict) or not isinstance(js.get("schema", {}), dict):
+            raise bad("'response_format.json_schema' must be {\"name\": ..., \"schema\": {...}}",
+                      "response_format.json_schema", "invalid_type")
+        _check_fields(js, {"name", "description", "schema", "strict"}, "response_format.json_schema.")
+        return {"type": "json_schema", "json_schema": {"schema": js.get("schema", {})}}
+    raise bad(f"'response_format.type' must be \"text\", \"json_object\" or \"json_schema\", "
+              f"got {json.dumps(kind)}", "response_format.type", "invalid_value")
 
 
 def parse_chat(body) -> GenRequest:
@@ -309,19 +356,20 @@ def parse_chat(body) -> GenRequest:
     if mt is not None and mct is not None and mt != mct:
         raise bad("give 'max_completion_tokens' or 'max_tokens', not two different values",
                   "max_completion_tokens", "invalid_value")
-    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") not in (None, 0):
-        raise bad("'logprobs' is not supported by lily-py serve", "logprobs", "unsupported_value")
-    rf = body.get("response_format")
-    if rf is not None and rf != {"type": "text"}:
-        raise bad("'response_format' is not supported by lily-py serve (only {\"type\": "
-                  "\"text\"}): it does not constrain decoding", "response_format",
-                  "unsupported_value")
-    for name in ("parallel_tool_calls", "store"):
-        _bool(body, name)
+    logprobs = _bool(body, "logprobs")
+    top = _integer(body, "top_logprobs", 0, 20, default=0)
+    if top and not logprobs:
+        raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs", "invalid_value")
+    rf = _response_format(body)
+    _bool(body, "store")
+    parallel = _bool(body, "parallel_tool_calls", True)
     if body.get("metadata") is not None and not isinstance(body["metadata"], dict):
         raise bad("'metadata' must be an object", "metadata", "invalid_type")
     tools = _tools(body)
     tool_choice = _tool_choice(body, tools)
+    if rf is not None and tool_choice not in ("auto", "none"):
+        raise bad("give 'response_format' or a forcing 'tool_choice', not both", "tool_choice",
+                  "invalid_value")
     ctk = body.get("chat_template_kwargs") or {}
     if not isinstance(ctk, dict):
         raise bad("'chat_template_kwargs' must be an object", "chat_template_kwargs",
@@ -340,8 +388,9 @@ def parse_chat(body) -> GenRequest:
         ctk.setdefault("enable_thinking", re != "none")
     return GenRequest("chat", body["model"], messages, _bool(body, "stream"),
                       _stream_options(body), mct if mct is not None else mt, sampling,
-                      tools=tools if tool_choice == "auto" else None, tool_choice=tool_choice,
-                      chat_template_kwargs=ctk)
+                      tools=tools if tool_choice != "none" else None, tool_choice=tool_choice,
+                      chat_template_kwargs=ctk, logprobs=logprobs, top_logprobs=top,
+                      response_format=rf, parallel_tool_calls=parallel)
 
 
 # ---- completions --------------------------------------------------------------------------------
@@ -369,11 +418,11 @@ def parse_completion(body) -> GenRequest:
     _only(body, "echo", (False,), "the prompt is not echoed")
     _only(body, "best_of", (1,), "one candidate per request")
     _only(body, "suffix", ("",), "no insertion")
-    if body.get("logprobs") not in (None, 0, False):
-        raise bad("'logprobs' is not supported by lily-py serve", "logprobs", "unsupported_value")
+    # the legacy field: an integer, the number of top tokens (0: the sampled token's only)
+    top = _integer(body, "logprobs", 0, 20)
     return GenRequest("completion", body["model"], prompt, _bool(body, "stream"),
                       _stream_options(body), _integer(body, "max_tokens", 1, default=16),
-                      sampling)
+                      sampling, logprobs=top is not None, top_logprobs=top or 0)
 
 
 # ---- responses ----------------------------------------------------------------------------------
@@ -430,6 +479,49 @@ def merge_delta(message: dict, d: dict) -> None:
     if "tool_calls" in d:
         message.setdefault("tool_calls", []).extend(
             {k: v for k, v in c.items() if k != "index"} for c in d["tool_calls"])
+
+
+# ---- logprobs -------------------------------------------------------------------------------------
+def token_bytes(tokenizer, token_id: int) -> bytes:
+    """The bytes a token stands for (a byte-level BPE token may be part of a UTF-8 character)."""
+    if getattr(tokenizer, "_byte_level", False):
+        return tokenizer._bytes_of(int(token_id), False)
+    return tokenizer.decode([int(token_id)]).encode("utf-8")
+
+
+# JSON has no -inf: a token of probability zero (outside a constraint's mask) is written as OpenAI
+# writes very unlikely tokens.
+MIN_LOGPROB = -9999.0
+
+
+def _lp(v: float) -> float:
+    return max(float(v), MIN_LOGPROB)
+
+
+def _entry(tokenizer, token_id: int, logprob: float) -> dict:
+    b = token_bytes(tokenizer, token_id)
+    return {"token": b.decode("utf-8", errors="replace"), "logprob": _lp(logprob),
+            "bytes": list(b)}
+
+
+def chat_logprobs(tokenizer, lp) -> dict:
+    """One token's entry of a chat choice's ``logprobs.content`` (``lp``: a ``TokenLogprob``)."""
+    return {**_entry(tokenizer, lp.token, lp.logprob),
+            "top_logprobs": [_entry(tokenizer, t, v) for t, v in lp.top]}
+
+
+def completion_logprobs(tokenizer, lps, offset: int = 0) -> dict:
+    """A completion choice's ``logprobs`` of ``TokenLogprob``s (legacy shape): tokens,
+    token_logprobs, top_logprobs (token -> logprob), text_offset (from ``offset``)."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for lp in lps:
+        e = _entry(tokenizer, lp.token, lp.logprob)
+        out["tokens"].append(e["token"])
+        out["token_logprobs"].append(e["logprob"])
+        out["top_logprobs"].append({_entry(tokenizer, t, 0.0)["token"]: _lp(v) for t, v in lp.top})
+        out["text_offset"].append(offset)
+        offset += len(e["token"])
+    return out
 
 
 def created() -> int:
