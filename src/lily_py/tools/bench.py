@@ -272,6 +272,17 @@ def format_compare(t: Table) -> str:
 
 
 # ------------------------------------------------------------------------------ driver
+def _is_gpu(device: str) -> bool:
+    """Whether the device is a GPU (its DeviceInfo names a GPU family: Metal's apple*, cuda's sm_*)."""
+    if device == "reference":
+        return False
+    try:
+        from .. import device_info
+        return bool(device_info(device).get("gpu_family"))
+    except Exception:  # not available here: bench reports that when it loads
+        return False
+
+
 def bench(*, model: str | None = None, random_weights: bool = False, config: str | None = None,
           layers: int | None = None, backend: str = "auto", contexts=CONTEXTS, decode_tokens: int = 32,
           run_max_context: int | None = None, prefill_chunk: int = 4096, compare: str | None = None,
@@ -285,11 +296,12 @@ def bench(*, model: str | None = None, random_weights: bool = False, config: str
     if model is not None and random_weights:
         raise ValueError("bench: give --model or --random-weights, not both")
     device = default_device() if backend == "auto" else backend
+    gpu = _is_gpu(device)   # a real GPU runs the real shapes and every context by default
     if config is None:
-        config = "real" if device == "metal" else "tiny"
+        config = "real" if gpu else "tiny"
     forced = run_max_context is not None
     if run_max_context is None:
-        run_max_context = 1 << 62 if device == "metal" else EMU_RUN_MAX_CONTEXT
+        run_max_context = 1 << 62 if gpu else EMU_RUN_MAX_CONTEXT
     contexts = sorted(set(int(c) for c in contexts))
     result = {"lily_py": __version__, "machine": f"{platform.system()} {platform.machine()}, "
               f"{os.cpu_count()} cores", "device": device, "contexts": contexts,
@@ -311,9 +323,9 @@ def bench(*, model: str | None = None, random_weights: bool = False, config: str
         from ..checkpoint import load_weights
         cfg, weights = load_weights(path)
         run_ctx = [c for c in contexts if c <= run_max_context and c + decode_tokens + 1 <= cfg.max_position_embeddings]
-        why = (f"above --run-max-context {run_max_context} on '{device}'" if device != "metal"
+        why = (f"above --run-max-context {run_max_context} on '{device}'" if not gpu
                else "beyond the config's max_position_embeddings")
-        if device != "metal" and not forced and weights.nbytes() > EMU_RUN_MAX_BYTES:
+        if not gpu and not forced and weights.nbytes() > EMU_RUN_MAX_BYTES:
             run_ctx = []
             why = (f"{weights.nbytes() / 1e9:.1f} GB of weights do not run in useful time on '{device}'; "
                    "--run-max-context N forces it")
@@ -405,8 +417,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--random-weights", action="store_true",
                      help="build a random-weight checkpoint on the fly (--config shapes)")
     p.add_argument("--config", choices=["real", "tiny"], default=None,
-                   help="shapes for --random-weights: real Qwen3.6-35B-A3B (default on Metal) or a tiny "
-                        "config of the same architecture (default elsewhere)")
+                   help="shapes for --random-weights: real Qwen3.6-35B-A3B (default on Metal and cuda) or a "
+                        "tiny config of the same architecture (default elsewhere)")
     p.add_argument("--layers", type=int, default=None, help="override the number of layers")
     p.add_argument("--backend", default="auto", choices=["auto", "metal", "emu", "reference", "cuda"],
                    help="device that runs the measured rows (auto: metal where usable, else emu)")
@@ -414,7 +426,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="prompt lengths, e.g. 256,4K,32K,128K (default)")
     p.add_argument("--decode-tokens", type=int, default=32, help="greedy tokens decoded per context")
     p.add_argument("--run-max-context", type=int, default=None,
-                   help=f"longest context actually run (default: all on metal, {EMU_RUN_MAX_CONTEXT} elsewhere)")
+                   help=f"longest context actually run (default: all on metal and cuda, {EMU_RUN_MAX_CONTEXT} elsewhere)")
     p.add_argument("--prefill-chunk", type=int, default=4096)
     p.add_argument("--compare", choices=["mlx-lm"], default=None,
                    help="also run mlx-lm on the same checkpoint (where installed) and print the ratio")
