@@ -236,8 +236,8 @@ def cmd_info(a) -> int:
 def cmd_align(a) -> int:
     from .tools.align import align_checkpoint
     for fn, r in align_checkpoint(a.src, a.dst).items():
-        print(f"{fn}: {r['tensors']} tensors, {r['groups']} engine weights and other tensors, "
-              f"{r['aligned_groups']} at 16-byte offsets")
+        print(f"{fn}: {r['tensors']} tensors in {r['groups']} runs (an engine weight's parts, or one "
+              f"other tensor), {r['aligned_groups']} of them at 16-byte offsets")
     return 0
 
 

@@ -265,8 +265,17 @@ def main(argv=None) -> int:
     from .testing import REAL_TEXT_CONFIG
     ap = argparse.ArgumentParser(description="memory per quantization recipe of the real config")
     ap.add_argument("--prefill-chunk", type=int, default=4096)
+    ap.add_argument("--zero-copy", action="store_true",
+                    help="only the 4-bit weights by what zero copy does with them")
     a = ap.parse_args(argv)
     cfg = ModelConfig.from_dict({"model_type": "qwen3_5_moe", "text_config": dict(REAL_TEXT_CONFIG)})
+    if a.zero_copy:
+        z = zero_copy_split(cfg, uniform(4))
+        print(f"zero copy, 4-bit: {z['single'] / GiB:.2f} GiB in single tensors (mapped at 16-byte offsets), "
+              f"{z['fused'] / GiB:.3f} GiB in fused weights ({z['fused']} bytes: copied unless their parts "
+              f"lie back to back, as `lily-py align` writes them), {z['vectors'] / (1 << 20):.1f} MiB of "
+              f"float32 vectors (copied)")
+        return 0
     print(table(cfg, prefill_chunk=a.prefill_chunk))
     print()
     print(f"Mac columns: the largest context_length (of {cfg.max_position_embeddings}) whose weights + KV "
@@ -274,12 +283,6 @@ def main(argv=None) -> int:
           + ", ".join(f"{g} GB -> {mac_working_set(g) / GiB:.1f} GiB" for g in MAC_MEMORY_GB)
           + " (2/3 of the memory below 36 GB, 3/4 above; other apps' memory not counted); "
           "'no': not even one token.")
-    z = zero_copy_split(cfg, uniform(4))
-    print()
-    print(f"zero copy, 4-bit: {z['single'] / GiB:.2f} GiB in single tensors (mapped at 16-byte offsets), "
-          f"{z['fused'] / GiB:.3f} GiB in fused weights ({z['fused']} bytes: copied unless their parts lie "
-          f"back to back, as `lily-py align` writes them), {z['vectors'] / (1 << 20):.1f} MiB of float32 "
-          f"vectors (copied)")
     return 0
 
 
