@@ -84,3 +84,28 @@ def test_info_prints_the_plan_and_the_fit(capsys):
     cfg = load_weights(demo_path())[0]
     n = needs(cfg, config_recipe(cfg), 1000)
     assert f"({n['total']} bytes)" in out and n["total"] > n["weights"] > 0
+
+
+def test_load_says_the_plan_and_the_largest_context_that_fits(capsys):
+    """With a simulated working set, load() prints the largest context that fits before the weights
+    load - and the engine's own memory check agrees: that context loads, one more does not."""
+    import lily_py
+    from lily_py.errors import DeviceMemoryError
+    from lily_py.testing import simulated_device
+    cfg = load_weights(demo_path())[0]
+    budget = 24 << 20
+    c = largest_context(cfg, config_recipe(cfg), budget)
+    assert 0 < c < cfg.max_position_embeddings
+    at_chunk = largest_context(cfg, config_recipe(cfg), budget, prefill_chunk=c)  # the scratch of a c chunk
+    assert at_chunk >= c
+    with simulated_device(working_set_bytes=budget), pytest.warns(RuntimeWarning, match="above 85%"):
+        m = lily_py.load(backend="emu", context_length=c, verbose=True)
+        err = capsys.readouterr().err
+        assert "lily_py: engine plan on 'emu': " in err
+        assert f"largest context that fits at prefill_chunk {c}: {at_chunk}" in err
+        del m
+        with pytest.raises(DeviceMemoryError, match=r"would fit"):
+            lily_py.load(backend="emu", context_length=c + 1, verbose=False)
+        lily_py.load(backend="emu", context_length=at_chunk, prefill_chunk=c, verbose=False)
+        with pytest.raises(DeviceMemoryError, match=r"would fit"):
+            lily_py.load(backend="emu", context_length=at_chunk + 1, prefill_chunk=c, verbose=False)

@@ -181,3 +181,27 @@ def test_a_mapping_past_the_file_end_is_refused(ckpts):
     f = w.files[0]
     with pytest.raises(ValueError, match=r"lie past the end of"):
         _core.Engine(spec, "emu", [f], {"embed.weight": (0, os.path.getsize(f) - 16)})
+
+
+def test_the_engine_reads_the_file_pages(ckpts, tmp_path):
+    """The mapped engine computes from the file's pages themselves: bytes changed in the file after
+    the load change its logits (the mapping is shared with the page cache), not a copy's."""
+    import shutil
+    _, dst = ckpts
+    folder = shutil.copytree(dst, tmp_path / "c")
+    mapped = lily_py.load(str(folder), backend="emu", context_length=16, prefill_chunk=8)
+    copied = lily_py.load(str(folder), backend="emu", context_length=16, prefill_chunk=8, weights="copy")
+    before = mapped.prefill(PROMPT)
+    assert np.array_equal(before, copied.prefill(PROMPT))
+    d = next(d for d in mapped._backend.engine.weight_sources() if d["name"] == "lm_head.scales")
+    assert d["file"] is not None
+    path = load_weights(str(folder))[1].files[0]
+    with open(path, "r+b") as f:                      # halve every lm_head scale (bf16: exponent - 1)
+        f.seek(d["offset"])
+        s = np.frombuffer(f.read(d["bytes"]), np.uint16).copy()
+        f.seek(d["offset"])
+        f.write((s - np.uint16(0x80)).tobytes())
+    mapped.reset(), copied.reset()
+    after_mapped, after_copied = mapped.prefill(PROMPT), copied.prefill(PROMPT)
+    assert np.array_equal(after_copied, before)      # the copy kept the old bytes
+    assert not np.array_equal(after_mapped, before)  # the mapping sees the file's new bytes

@@ -342,19 +342,20 @@ class EngineBackend:
         stderr when ``verbose`` (None: stderr is a terminal); logged at INFO always."""
         import logging
         import sys
+        from ..sizes import config_recipe, human, largest_context
         mem = self.engine.memory
         e = self.engine
-        line = (f"lily_py: engine plan on {self.name!r}: {mem['total_bytes'] / (1 << 30):.2f} GiB (weights "
-                f"{mem['weight_bytes'] / (1 << 30):.2f} GiB, {e.mapped_weight_bytes / (1 << 30):.2f} GiB of them "
-                f"served from the checkpoint's pages; KV cache and state {mem['state_bytes'] / (1 << 30):.2f} GiB; "
-                f"scratch {mem['scratch_bytes'] / (1 << 30):.2f} GiB) at context {context_length}")
+        line = (f"lily_py: engine plan on {self.name!r}: {human(mem['total_bytes'])} (weights "
+                f"{human(mem['weight_bytes'])}, {human(e.mapped_weight_bytes)} of them served from the "
+                f"checkpoint's pages; KV cache and state {human(mem['state_bytes'])}; scratch "
+                f"{human(mem['scratch_bytes'])}) at context {context_length}")
         ws = mem.get("working_set_bytes")
         if ws:
-            from ..sizes import config_recipe, largest_context
             recipe = config_recipe(cfg)
             fit = largest_context(cfg, recipe, ws, prefill_chunk) if recipe else None
-            line += (f"; working set {ws / (1 << 30):.2f} GiB (recommendedMaxWorkingSetSize)"
-                     + (f", largest context that fits: {fit}" if fit is not None else ""))
+            line += (f"; working set {human(ws)} (recommendedMaxWorkingSetSize)"
+                     + (f", largest context that fits at prefill_chunk {prefill_chunk}: {fit}"
+                        if fit is not None else ""))
         logging.getLogger("lily_py").info("%s", line)
         if verbose or (verbose is None and sys.stderr.isatty()):
             print(line, file=sys.stderr)
