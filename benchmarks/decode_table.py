@@ -1,7 +1,8 @@
 """Per-kernel table of one decode step of the real 35B config, and a roofline + latency estimate of
 tok/s on Apple M5 / M5 Max (not a test; not a measurement: nothing runs).
 
-    python benchmarks/decode_table.py [--positions 255 4095 32767] [--markdown]
+    python benchmarks/decode_table.py [--positions 255 4095 32767] [--markdown] [--bits 3]
+    python benchmarks/decode_table.py --widths     # est. tok/s at 2, 3, mixed 3/4, 4 and 8 bits
 
 Every number about the step comes from the counting device (lily_py._core.Engine(..., "count")
 .count() and .count_dispatches()): each dispatch's kernel, grid, threads, bytes it reads plus
@@ -29,6 +30,7 @@ from collections import OrderedDict
 from lily_py import _core
 from lily_py.backends.engine import REAL_QUANT, checkpoint_activations, decode_floor_bytes, engine_spec
 from lily_py.config import ModelConfig
+from lily_py.sizes import decode_weight_bytes, recipes, uniform, weight_bytes
 from lily_py.testing import REAL_TEXT_CONFIG
 
 GPUS = {"M5 Max (40 cores, 614 GB/s)": (40, 614e9), "M5 (10 cores, 153 GB/s)": (10, 153e9)}
@@ -218,12 +220,29 @@ def measured_fractions(path: str) -> tuple[dict, str]:
     return frac, f"{d.get('device')}, {d.get('date')}, {d.get('layers')} layers"
 
 
+def width_factors(cfg, recipe_name: str) -> tuple[float, float]:
+    """(factor for the dispatches of 4-bit kernels, for 8-bit kernels): the counted step is the real
+    4-bit checkpoint's (8-bit router and shared-expert gate); at another width a dispatch that reads
+    quantized weights moves those weights' bytes at the recipe's width instead. The factor is the
+    ratio of the weight bytes one decode token reads (routed experts: top-k of E) at the recipe to
+    those at 4 bits, per kernel width (router classes: the _b8 kernels; all others: _b4), from
+    lily_py.sizes. Activation bytes of those dispatches scale with it (a few KB per dispatch)."""
+    rs = recipes(cfg)
+    if recipe_name not in rs:
+        raise SystemExit(f"--bits: one of {', '.join(WIDTHS)}")
+    r, base = rs[recipe_name], uniform(4)
+    others = ["embed", "lm_head", "mixer", "experts_q"]
+    w = lambda rec, classes: sum(decode_weight_bytes(cfg, rec, c) for c in classes)  # noqa: E731
+    return w(r, others) / w(base, others), w(r, ["router"]) / w(base, ["router"])
+
+
 def estimate(cfg, positions, sample, eta: float, t_level: float, t_min: float, attn_factor: float,
              sat: float, clock: float = 1.6e9, alu_eff: float = 0.7, quiet: bool = False,
-             measured: str | None = None) -> list:
-    """Print (unless quiet) and return [(gpu, context, tok/s)] of the model below. With `measured`
-    (a gpu_kernels.py JSON), a kernel's eta is eta x min(1, the fraction of a device copy it
-    reached there): the kernel keeps on Apple the shortfall it shows on the H200."""
+             factors: tuple[float, float] = (1.0, 1.0), measured: str | None = None) -> list:
+    """Print (unless quiet) and return [(gpu, context, tok/s)] of the model below. ``factors``:
+    scale the bytes of 4-bit / 8-bit weight kernels' dispatches (another width, width_factors).
+    With `measured` (a gpu_kernels.py JSON), a kernel's eta is eta x min(1, the fraction of a
+    device copy it reached there): the kernel keeps on Apple the shortfall it shows on the H200."""
     out = []
     frac, run = measured_fractions(measured) if measured else ({}, "")
     if not quiet and measured:
@@ -249,6 +268,7 @@ def estimate(cfg, positions, sample, eta: float, t_level: float, t_min: float, a
                 k = d["kernel"]
                 staged = k.startswith("attn_decode") and not k.startswith("attn_decode_vec")
                 b = d["bytes_touched"] * (attn_factor if staged else 1) / min(1.0, frac.get(k, 1.0))
+                b *= factors[0] if "_b4" in k else factors[1] if "_b8" in k else 1.0
                 ti = cfg.num_key_value_heads * (pos + 1) * ipk / issue if k.startswith("attn_decode_vec") else 0.0
                 g, t = d["groups"], d["threads"]
                 simds = g[0] * g[1] * g[2] * ((t[0] * t[1] * t[2] + 31) // 32) / cores
@@ -280,6 +300,27 @@ def sensitivity(cfg, positions, a) -> None:
                 print(f"{name:<16} context {ctx:>6}: {tok:.0f} tok/s")
 
 
+WIDTHS = {"2": "2-bit", "3": "3-bit", "mixed_3_4": "mixed 3/4 (mixed_3_4)", "4": "4-bit", "8": "8-bit"}
+
+
+def widths(cfg, positions, a) -> None:
+    """Greedy est. tok/s per weight width on both GPUs (the defaults' model, bytes scaled per width)."""
+    sat, attn = (0.0, 1.0) if a.ideal else (a.sat, a.attn_factor)
+    print("| width | weights GiB | weights read per token MB | " + " | ".join(
+        f"{g.split(' (')[0]} ctx {p + 1}" for g in GPUS for p in positions) + " |")
+    print("|---|---|---|" + "---|" * (len(GPUS) * len(positions)))
+    for name in WIDTHS.values():
+        f = width_factors(cfg, name)
+        res = estimate(cfg, positions, None, a.eta, a.t_level_us * 1e-6, a.t_min_us * 1e-6, attn, sat,
+                       a.clock_ghz * 1e9, a.alu_eff, quiet=True, factors=f)
+        r = recipes(cfg)[name]
+        print(f"| {name} | {weight_bytes(cfg, r) / 2**30:.2f} | {decode_weight_bytes(cfg, r) / 1e6:.0f} | "
+              + " | ".join(f"{tok:.0f}" for _, _, tok in res) + " |")
+    print("\nest. tok/s: greedy decode, the estimate above with the defaults; each dispatch of a 4-bit "
+          "(8-bit) weight kernel moves its bytes x the ratio of weight bytes per token at that width to 4 "
+          "bits (width_factors): the counted grids and levels are the 4-bit kernels'.")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--positions", type=int, nargs="*", default=[255, 4095, 32767])
@@ -300,11 +341,20 @@ def main() -> None:
     ap.add_argument("--no-estimate", action="store_true")
     ap.add_argument("--sensitivity", action="store_true",
                     help="only the greedy estimate with one assumption changed per line")
+    ap.add_argument("--bits", choices=list(WIDTHS), default=None,
+                    help="estimate at this weight width (mixed_3_4: mlx-lm's recipe) instead of the real 4-bit "
+                         "checkpoint's: each weight kernel's bytes scaled (width_factors)")
+    ap.add_argument("--widths", action="store_true",
+                    help="only the greedy estimate at every width (2, 3, mixed 3/4, 4, 8 bits)")
     a = ap.parse_args()
     cfg = ModelConfig.from_dict({"model_type": "qwen3_5_moe", "text_config": dict(REAL_TEXT_CONFIG)})
     if a.sensitivity:
         sensitivity(cfg, a.positions, a)
         return
+    if a.widths:
+        widths(cfg, a.positions, a)
+        return
+    factors = width_factors(cfg, WIDTHS[a.bits]) if a.bits else (1.0, 1.0)
     if not a.no_table:
         for pos in a.positions:
             table(cfg, pos, None, a.markdown)
@@ -314,7 +364,7 @@ def main() -> None:
     sat, attn = (0.0, 1.0) if a.ideal else (a.sat, a.attn_factor)
     for sample in (None, FULL):
         estimate(cfg, a.positions, sample, a.eta, a.t_level_us * 1e-6, a.t_min_us * 1e-6, attn, sat,
-                 a.clock_ghz * 1e9, a.alu_eff, measured=a.measured)
+                 a.clock_ghz * 1e9, a.alu_eff, factors=factors, measured=a.measured)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@
 #include <nanobind/stl/vector.h>
 
 #include <algorithm>
+#include <iterator>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -118,6 +119,31 @@ core::StepSampling sampling_from(nb::object sample, bool from_slot) {
 void init_engine(nb::module_& m) {
   nb::exception<core::SampleError>(m, "SampleError", PyExc_FloatingPointError);
   nb::exception<core::DeviceMemoryError>(m, "DeviceMemoryError", PyExc_MemoryError);
+  m.def(
+      "engine_quant_support",
+      [] {
+        nb::dict d;
+        d["bits"] = std::vector<uint32_t>(std::begin(core::kEngineBits), std::end(core::kEngineBits));
+        d["group_sizes"] = std::vector<uint32_t>(std::begin(core::kEngineGroupSizes), std::end(core::kEngineGroupSizes));
+        return d;
+      },
+      "The bit widths and group sizes the engine's kernels take.");
+  m.def(
+      "plan_memory",
+      [](nb::dict spec, bool int8) {
+        const core::MemoryPlan p = core::plan_memory(spec_from(spec), int8);
+        nb::dict d;
+        d["weight_bytes"] = p.weight_bytes;
+        d["state_bytes"] = p.state_bytes;
+        d["scratch_bytes"] = p.scratch_bytes;
+        d["total_bytes"] = p.total();
+        d["largest_buffer_bytes"] = p.largest_buffer_bytes;
+        d["largest_buffer"] = p.largest_buffer;
+        return d;
+      },
+      "spec"_a, "int8"_a = false,
+      "Device memory an Engine of `spec` allocates (bytes: weights, state (KV caches, DeltaNet state, conv "
+      "windows), scratch), computed without allocating or validating the kernels' widths.");
   nb::exception<core::DeviceLimitError>(m, "DeviceLimitError", PyExc_RuntimeError);
   nb::class_<core::StepSampling>(m, "Sampling",
                                  "Sampling parameters parsed once (Engine.submit_slot takes them per token).")
@@ -146,12 +172,19 @@ void init_engine(nb::module_& m) {
   nb::class_<core::Engine>(m, "Engine",
                            "One model on one device ('emu', 'metal', or 'count': counters only, no memory).")
       .def("__init__",
-           [](core::Engine* self, nb::dict spec, const std::string& device) {
+           [](core::Engine* self, nb::dict spec, const std::string& device, std::vector<std::string> files,
+              nb::dict mapped) {
              core::ModelSpec s = spec_from(spec);
+             core::WeightMapping mapping;
+             mapping.files = std::move(files);
+             for (auto [k, v] : mapped) {
+               const auto at = nb::cast<std::pair<uint32_t, uint64_t>>(v);
+               mapping.weights[nb::cast<std::string>(k)] = core::WeightSource{at.first, at.second};
+             }
              std::unique_ptr<gpu::Device> dev = devices::create(device);
              {
                nb::gil_scoped_release release;  // creating pipelines can take a while on Metal
-               new (self) core::Engine(std::move(s), std::move(dev));
+               new (self) core::Engine(std::move(s), std::move(dev), mapping);
              }
              // Above ~85% of the device's working set: one Python warning (an error under -W error).
              if (!self->memory_warning().empty() &&
@@ -160,7 +193,10 @@ void init_engine(nb::module_& m) {
                throw nb::python_error();
              }
            },
-           "spec"_a, "device"_a,
+           "spec"_a, "device"_a, "files"_a = std::vector<std::string>(), "mapped"_a = nb::dict(),
+           "files: checkpoint files to map; mapped: {weight: (file index, byte offset)}, the weights bound to "
+           "the mapped files at those offsets (zero copy) where the device wraps host memory and the offset "
+           "is 16-byte aligned (the others are uploaded). "
            "Checks the memory the model needs against the device first (DeviceMemoryError, a MemoryError; "
            "RuntimeWarning above 85% of the working set), then creates and checks every pipeline a step "
            "uses (DeviceLimitError).")
@@ -210,6 +246,28 @@ void init_engine(nb::module_& m) {
           "name"_a, "parts"_a, "Copy C-contiguous arrays back to back into weight `name` (row concatenation).")
       .def("check_loaded", &core::Engine::check_loaded)
       .def_prop_ro("weight_bytes", &core::Engine::weight_bytes)
+      .def_prop_ro("mapped_weight_bytes", &core::Engine::mapped_weight_bytes,
+                   "Bytes of weights bound to the mapped checkpoint files (zero copy).")
+      .def_prop_ro("copied_weight_bytes", &core::Engine::copied_weight_bytes,
+                   "Bytes copied into weight buffers by upload() since construction.")
+      .def_prop_ro("mapped_file_bytes", &core::Engine::mapped_file_bytes,
+                   "Bytes of the checkpoint files mapped into device buffers.")
+      .def("weight_sources",
+           [](const core::Engine& e) {
+             nb::list out;
+             for (const core::WeightPlacement& w : e.weight_sources()) {
+               nb::dict d;
+               d["name"] = w.name;
+               d["bytes"] = w.bytes;
+               d["file"] = w.file < 0 ? nb::none() : nb::cast(w.file);
+               d["offset"] = w.offset;
+               d["why_copied"] = w.why_copied.empty() ? nb::none() : nb::cast(w.why_copied);
+               out.append(d);
+             }
+             return out;
+           },
+           "Every weight's placement: name, bytes, file (index into the mapped files; None: its own "
+           "buffer), offset in that file, why_copied (None when mapped).")
       .def_prop_ro("state_bytes", &core::Engine::state_bytes)
       .def_prop_ro("scratch_bytes", &core::Engine::scratch_bytes)
       .def(

@@ -51,6 +51,11 @@ struct StepSampling {
   bool ids_from_slot = false;  // feed the previous step's sampled token (device slot), not `ids`
 };
 
+// The quantization the engine's kernels take (ModelSpec::validate refuses others; lily_py checks
+// every tensor against these first, naming the tensor).
+inline constexpr uint32_t kEngineBits[] = {4, 8};
+inline constexpr uint32_t kEngineGroupSizes[] = {32, 64, 128};
+
 // Device memory the engine needs for a spec (computed before anything is allocated).
 struct MemoryPlan {
   uint64_t weight_bytes = 0, state_bytes = 0, scratch_bytes = 0;  // state: KV caches, DeltaNet state, conv windows
@@ -87,11 +92,39 @@ struct Snapshot {
   std::vector<std::vector<char>> buffers;  // in Engine::state_buffers() order
 };
 
+// Weights served from the checkpoint's pages (zero copy): the checkpoint files the engine maps
+// (read-only, whole file, page-aligned) and, per engine weight, where its bytes lie in them. A
+// weight is bound at its file offset when the device wraps host memory (Device::wrap_host_memory)
+// and the offset is a multiple of kMappedAlignment; every other weight gets its own buffer and is
+// uploaded (copied) as before.
+struct WeightSource {
+  uint32_t file = 0;    // index into WeightMapping::files
+  uint64_t offset = 0;  // absolute byte offset of the weight's first byte in that file
+};
+struct WeightMapping {
+  std::vector<std::string> files;
+  std::map<std::string, WeightSource> weights;
+};
+// Metal binds a `device` buffer at an offset aligned to its element type, at most 16 bytes
+// (setBuffer:offset:atIndex:); the kernels also read codes and scales through 16-byte vectors
+// (uint4 / float4) relative to the binding. A mapped weight's offset must be a multiple of 16.
+inline constexpr uint64_t kMappedAlignment = 16;
+
+// Where one engine weight lives (weight_sources()).
+struct WeightPlacement {
+  std::string name;
+  uint64_t bytes = 0;
+  int64_t file = -1;       // -1: its own buffer (copied at upload)
+  uint64_t offset = 0;     // file offset (mapped) or 0
+  std::string why_copied;  // "" when mapped
+};
+
 class Engine {
  public:
   // Checks the memory the spec needs against the device (DeviceMemoryError) before allocating;
   // after allocating, creates every pipeline a step uses and checks its limits (DeviceLimitError).
-  Engine(ModelSpec spec, std::unique_ptr<gpu::Device> device);
+  // `mapping`: weights bound to the checkpoint's pages instead of copied (see WeightMapping).
+  Engine(ModelSpec spec, std::unique_ptr<gpu::Device> device, const WeightMapping& mapping = {});
 
   const ModelSpec& spec() const { return spec_; }
   std::string_view device_name() const { return device_->name(); }
@@ -104,6 +137,12 @@ class Engine {
   // Throws std::invalid_argument naming the first weight never uploaded.
   void check_loaded() const;
   size_t weight_bytes() const;
+  // Zero copy: bytes of weights bound to the mapped files, bytes copied into weight buffers by
+  // upload() since construction, bytes of the files mapped, and every weight's placement.
+  size_t mapped_weight_bytes() const;
+  uint64_t copied_weight_bytes() const { return copied_bytes_; }
+  uint64_t mapped_file_bytes() const;
+  std::vector<WeightPlacement> weight_sources() const;
   size_t state_bytes() const;
   size_t scratch_bytes() const;
 
@@ -197,9 +236,29 @@ class Engine {
 
   ModelSpec spec_;
   std::unique_ptr<gpu::Device> device_;
+  // Zero copy: the mapped checkpoint files and the device buffers over them (destroyed before the
+  // mappings: declared after them).
+  struct MappedFile {
+    void* data = nullptr;
+    size_t length = 0;  // mapped bytes (the file size rounded up to whole pages)
+    uint64_t file_bytes = 0;
+    std::string path;
+    MappedFile() = default;
+    MappedFile(const MappedFile&) = delete;
+    MappedFile& operator=(const MappedFile&) = delete;
+    ~MappedFile();
+  };
+  std::vector<std::unique_ptr<MappedFile>> files_;
+  std::vector<std::unique_ptr<gpu::Buffer>> file_buffers_;  // [file]; nullptr: the device does not wrap it
+  WeightMapping mapping_;
+  uint64_t copied_bytes_ = 0;
   struct Weight {
-    std::unique_ptr<gpu::Buffer> buffer;
+    std::unique_ptr<gpu::Buffer> buffer;  // null when mapped
+    gpu::Binding binding;
     bool loaded = false;
+    int64_t file = -1;
+    uint64_t offset = 0;
+    std::string why_copied;
   };
   std::map<std::string, Weight> weights_;
   std::vector<std::string> weight_order_;

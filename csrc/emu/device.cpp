@@ -161,6 +161,10 @@ std::unique_ptr<gpu::Buffer> EmuDevice::new_buffer(size_t bytes) {
   return std::make_unique<GuardedBuffer>(bytes);
 }
 
+std::unique_ptr<gpu::Buffer> EmuDevice::wrap_host_memory(const void* ptr, size_t bytes) {
+  return std::make_unique<GuardedBuffer>(ptr, bytes);
+}
+
 std::unique_ptr<gpu::Encoder> EmuDevice::new_encoder() { return std::make_unique<EmuEncoder>(options_); }
 
 gpu::DeviceInfo EmuDevice::info() const {

@@ -68,6 +68,9 @@ class GuardedBuffer final : public gpu::Buffer {
   static constexpr size_t kGuardBytes = 64 * 1024;
 
   explicit GuardedBuffer(size_t bytes);
+  // Over `bytes` of host memory the caller owns (a read-only file mapping: weights served from the
+  // checkpoint's pages), without copying: no guard pages or poison around it, never made writable.
+  GuardedBuffer(const void* external, size_t bytes);
   ~GuardedBuffer() override;
   GuardedBuffer(const GuardedBuffer&) = delete;
   GuardedBuffer& operator=(const GuardedBuffer&) = delete;
@@ -94,6 +97,7 @@ class GuardedBuffer final : public gpu::Buffer {
   char* data_ = nullptr;  // hi_ - round_up(size_, 16)
   size_t size_ = 0;
   size_t guard_ = 0;
+  bool external_ = false;  // memory not ours (wrap_host_memory): not unmapped, protected or poisoned
 };
 
 // One kernel launch on the emulator.
@@ -161,6 +165,7 @@ class EmuDevice final : public gpu::Device {
   explicit EmuDevice(RunOptions options = {}) : options_(options) {}
   std::string_view name() const override { return "emu"; }
   std::unique_ptr<gpu::Buffer> new_buffer(size_t bytes) override;
+  std::unique_ptr<gpu::Buffer> wrap_host_memory(const void* ptr, size_t bytes) override;
   std::unique_ptr<gpu::Encoder> new_encoder() override;
   gpu::DeviceInfo info() const override;
   // The kernel's registry entry must exist; limits are Apple's (tests simulate lower ones through

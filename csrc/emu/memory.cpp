@@ -69,11 +69,18 @@ GuardedBuffer::GuardedBuffer(size_t bytes) : size_(bytes) {
   poison(lo_, body);
 }
 
+GuardedBuffer::GuardedBuffer(const void* external, size_t bytes) : size_(bytes), external_(true) {
+  map_ = lo_ = data_ = static_cast<char*>(const_cast<void*>(external));
+  hi_ = data_ + bytes;
+  map_len_ = bytes;
+}
+
 GuardedBuffer::~GuardedBuffer() {
-  if (map_) munmap(map_, map_len_);
+  if (map_ && !external_) munmap(map_, map_len_);
 }
 
 void GuardedBuffer::set_read_only(bool ro) {
+  if (external_) return;  // read-only pages of the caller's
 #if defined(LILY_EMU_SIGNALS)
   mprotect(lo_, static_cast<size_t>(hi_ - lo_), ro ? PROT_READ : PROT_READ | PROT_WRITE);
 #else
@@ -82,6 +89,7 @@ void GuardedBuffer::set_read_only(bool ro) {
 }
 
 std::string GuardedBuffer::check_slack() {
+  if (external_) return "";
   std::string what;
   const size_t before = static_cast<size_t>(data_ - lo_);
   size_t d = first_damage(lo_, before);

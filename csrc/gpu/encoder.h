@@ -252,6 +252,12 @@ class Device {
   virtual ~Device() = default;
   virtual std::string_view name() const = 0;
   virtual std::unique_ptr<Buffer> new_buffer(size_t bytes) = 0;
+  // A buffer over host memory [ptr, ptr + bytes) without copying it (Metal:
+  // newBufferWithBytesNoCopy; the emulator: its buffer type over those pages): `ptr` page-aligned,
+  // `bytes` a multiple of the page size, the memory kept alive (and unchanged) by the caller for
+  // the buffer's lifetime; the kernels only read it. nullptr where the device cannot (count, cuda:
+  // device memory) or will not (over maxBufferLength): the caller copies instead.
+  virtual std::unique_ptr<Buffer> wrap_host_memory(const void* /*ptr*/, size_t /*bytes*/) { return nullptr; }
   virtual std::unique_ptr<Encoder> new_encoder() = 0;
 
   virtual DeviceInfo info() const = 0;

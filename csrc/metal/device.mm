@@ -416,6 +416,21 @@ class MetalDevice final : public gpu::Device {
     if (b == nil) throw std::bad_alloc();
     return std::make_unique<MetalBuffer>(b);
   }
+  // The checkpoint's pages as a buffer (shared storage, no copy): the caller keeps the mapping
+  // alive; nullptr (the caller copies) over maxBufferLength or when Metal refuses the range.
+  std::unique_ptr<gpu::Buffer> wrap_host_memory(const void* ptr, size_t bytes) override {
+    const uint64_t max_len = ctx_.info().max_buffer_bytes;
+    if (bytes == 0 || (max_len && bytes > max_len)) return nullptr;
+    id<MTLBuffer> b = nil;
+    @autoreleasepool {
+      b = [ctx_.device() newBufferWithBytesNoCopy:const_cast<void*>(ptr)
+                                           length:bytes
+                                          options:MTLResourceStorageModeShared
+                                      deallocator:nil];
+    }
+    if (b == nil) return nullptr;
+    return std::make_unique<MetalBuffer>(b);
+  }
   std::unique_ptr<gpu::Encoder> new_encoder() override { return std::make_unique<MetalEncoder>(ctx_); }
 
   gpu::DeviceInfo info() const override {

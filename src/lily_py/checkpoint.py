@@ -30,7 +30,7 @@ import ml_dtypes
 import numpy as np
 
 from .config import ModelConfig, QuantSpec, canonical_module_name
-from .errors import CheckpointError
+from .errors import CheckpointError, ConfigError
 from .weights import DenseLinear, Linear, QuantLinear, StackedLinear
 
 _DTYPES = {
@@ -236,6 +236,33 @@ class _Loader:
                                           f"{self.index[canon][1].name!r} in {self.index[canon][1].file}")
                 self.index[canon] = (sf, ref)
         self.is_mlx = self._detect_mlx()
+        self._check_overrides()
+
+    def _check_overrides(self) -> None:
+        """A per-module quantization override in config.json must name a module of the checkpoint
+        (one with a ``.weight``, or one a SKIP_RULES entry covers): one that does not exist is a
+        typo or a config from another model, and would silently not apply."""
+        q = self.cfg.quantization
+        if q is None or not q.overrides:
+            return
+        skipped_modules = set()
+        for sf in self.st.values():
+            for name in sf.tensors:
+                if _skip_rule(name) is not None:
+                    skipped_modules.add(canonical_module_name(name).rsplit(".", 1)[0])
+        for module, spec in q.overrides.items():
+            if module + ".weight" in self.index or module in skipped_modules \
+                    or _skip_rule(module + ".weight") is not None:
+                continue
+            import difflib
+            near = difflib.get_close_matches(module, [n[:-len(".weight")] for n in self.index
+                                                      if n.endswith(".weight")], n=1)
+            hint = f"; the nearest module is {near[0]!r}" if near else ""
+            raise ConfigError(
+                f"{os.path.join(self.folder, 'config.json')}: field 'quantization': an override "
+                f"({spec.bits}-bit group {spec.group_size}) for module {module!r}, which the "
+                f"checkpoint does not have (no tensor {module + '.weight'!r} in "
+                f"{len(self.files)} file(s)){hint}")
 
     def _detect_mlx(self) -> bool:
         for name, (_, ref) in self.index.items():

@@ -1,4 +1,4 @@
-"""Command line: ``lily-py generate``, ``chat``, ``info``, ``serve``, ``doctor``, ``bench``.
+"""Command line: ``lily-py generate``, ``chat``, ``info``, ``serve``, ``doctor``, ``bench``, ``align``.
 
 Without ``--model`` every command uses the small demo checkpoint shipped with lily_py, so
 ``lily-py generate --prompt "..."`` works on a fresh machine with no download.
@@ -200,7 +200,8 @@ def cmd_info(a) -> int:
     from .checkpoint import load_weights
     from .hub import resolve
     from .resources import demo_path
-    folder = demo_path() if a.model is None else resolve(a.model)
+    model = a.path if a.path is not None else a.model
+    folder = demo_path() if model is None else resolve(model)
     cfg, w = load_weights(folder)
     print(f"folder: {folder}")
     print(cfg.summary())
@@ -208,11 +209,35 @@ def cmd_info(a) -> int:
           f"{len(w.files)} weight file(s); {w.nbytes() / 1e6:.1f} MB of weights")
     if w.skipped:
         print("skipped: " + ", ".join(f"{n} tensor(s) of the {r}" for r, n in w.skipped.items()))
+    from .sizes import config_recipe, describe_fit
+    recipe = config_recipe(cfg)
+    if recipe is None:
+        print("memory: unquantized; the engine runs MLX affine-quantized checkpoints (backend='reference' "
+              "runs this one)")
+    else:
+        ctx = min(a.context or DEFAULT_CONTEXT, cfg.max_position_embeddings)
+        ws, dev = None, ""
+        try:
+            import lily_py
+            if "metal" in {d["name"] for d in lily_py._core.registry.list() if d["available"]}:
+                ws, dev = lily_py.device_info("metal").get("working_set_bytes"), "metal"
+        except Exception:  # noqa: BLE001 - no core / no Metal: the Mac table instead
+            ws = None
+        for line in describe_fit(cfg, recipe, context_length=ctx, working_set=ws, device=dev):
+            print(line)
     try:
         import lily_py
         print(f"lily_py {lily_py.__version__}; core: {lily_py.build_info()}")
     except ImportError as e:
         print(f"lily_py {__version__}; native core not importable: {e}")
+    return 0
+
+
+def cmd_align(a) -> int:
+    from .tools.align import align_checkpoint
+    for fn, r in align_checkpoint(a.src, a.dst).items():
+        print(f"{fn}: {r['tensors']} tensors in {r['groups']} runs (an engine weight's parts, or one "
+              f"other tensor), {r['aligned_groups']} of them at 16-byte offsets")
     return 0
 
 
@@ -227,6 +252,12 @@ def _add_tool_commands(sub) -> None:
     d.add_argument("--json", dest="json_path", default=None, help="also write the results here")
     d.set_defaults(func=lambda a: __import__("lily_py").doctor(
         a.device, quick=a.quick, json_path=a.json_path, seed=a.seed))
+
+    al = sub.add_parser("align", help="rewrite a checkpoint so the engine serves every weight from its "
+                        "pages (16-byte offsets, fused parts back to back; same tensors and bytes)")
+    al.add_argument("src", help="checkpoint folder")
+    al.add_argument("dst", help="new folder to write")
+    al.set_defaults(func=cmd_align)
 
     b = sub.add_parser("bench", help="prefill / decode tokens/s, counters per token, time to first "
                        "token and peak memory at Lily's and MLX's context lengths")
@@ -256,8 +287,13 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--system", default=None, help="system prompt")
     c.set_defaults(func=cmd_chat)
 
-    i = sub.add_parser("info", help="describe a checkpoint and this build", formatter_class=_Formatter)
+    i = sub.add_parser("info", help="describe a checkpoint, the memory it needs and this build",
+                       formatter_class=_Formatter)
+    i.add_argument("path", nargs="?", default=None,
+                   help="checkpoint folder or hub id (default: --model, else the bundled demo)")
     i.add_argument("--model", "-m", default=None)
+    i.add_argument("--context", type=int, default=None,
+                   help=f"context length the memory line is for (default: {DEFAULT_CONTEXT})")
     i.set_defaults(func=cmd_info)
 
     from .serve.cli import add_parser as add_serve_parser

@@ -50,7 +50,8 @@ class _Cancelled(Exception):
 def load(path_or_repo_id: str | os.PathLike | None = None, *, backend: str = "auto",
          context_length: int | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
          revision: str | None = None, verbose: bool | None = None,
-         prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES, activations: str | None = None) -> "Model":
+         prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES, activations: str | None = None,
+         weights: str = "auto") -> "Model":
     """Load a qwen3_5_moe checkpoint.
 
     ``path_or_repo_id``: a local folder, a Hugging Face repo id (``org/name``, downloaded through
@@ -64,7 +65,11 @@ def load(path_or_repo_id: str | os.PathLike | None = None, *, backend: str = "au
     the weights; None (default) = only when stderr is a terminal. ``activations``: the engine
     backends' activation dtype, ``"bfloat16"`` or ``"float32"``; None (default): the checkpoint's
     (its scales' dtype), as MLX computes it. Accumulation, the DeltaNet state and the logits are
-    float32 either way (docs/kernels.md, activation dtypes).
+    float32 either way (docs/kernels.md, activation dtypes). ``weights``: how engine backends
+    get the weights: ``"auto"`` (default) binds every tensor it can at its offset in the mapped
+    checkpoint files (zero copy: Metal and the emulator; the rest is copied), ``"copy"`` copies
+    every tensor into device buffers, ``"map"`` is ``"auto"`` that fails when nothing can be mapped
+    (docs/tools.md, zero copy).
     """
     from . import hub
     from .resources import demo_path
@@ -72,14 +77,14 @@ def load(path_or_repo_id: str | os.PathLike | None = None, *, backend: str = "au
 
     folder = demo_path() if path_or_repo_id is None else hub.resolve(path_or_repo_id,
                                                                      revision=revision)
-    cfg, weights = load_weights(folder)
+    cfg, weights_ = load_weights(folder)
     tok = Tokenizer.from_dir(folder) if os.path.exists(os.path.join(folder, "tokenizer.json")) \
         else None
     if tok is None:
         log.warning("lily_py: %s has no tokenizer.json; only token-id prompts work", folder)
-    return Model(folder, cfg, weights, tok, backend=backend, context_length=context_length,
+    return Model(folder, cfg, weights_, tok, backend=backend, context_length=context_length,
                  prefill_chunk=prefill_chunk, prompt_cache_bytes=prompt_cache_bytes, verbose=verbose,
-                 activations=activations)
+                 activations=activations, weights_mode=weights)
 
 
 @dataclass
@@ -106,7 +111,7 @@ class Model:
                  backend: str = "auto", context_length: int | None = None,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
                  prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES, verbose: bool | None = None,
-                 activations: str | None = None):
+                 activations: str | None = None, weights_mode: str = "auto"):
         if backend == "auto":
             backend, why = resolve_auto()
             log.info("lily_py: backend 'auto' selected %r", backend)
@@ -134,7 +139,8 @@ class Model:
         self.prefill_chunk = prefill_chunk
         self.prompt_cache = PromptCache(prompt_cache_bytes)
         self._backend = make_backend(backend, config, weights, context_length=context_length,
-                                      prefill_chunk=prefill_chunk, verbose=verbose, activations=activations)
+                                      prefill_chunk=prefill_chunk, verbose=verbose, activations=activations,
+                                      weights_mode=weights_mode)
         self._history: list[int] = []
         self._last_logits: np.ndarray | None = None
         # Engine backends: the last step's logits are still on the device (fetched on demand by
@@ -163,9 +169,16 @@ class Model:
     def stats(self) -> dict | None:
         """Counters of the backend's last step (engine backends: dispatches, barriers,
         bytes_bound, bytes_touched (what the kernels read plus write: routed experts only),
-        threads, commits, waits_in_step, host_waits, tokens, encode_ns); None for the
-        reference backend or before the first step."""
-        return getattr(self._backend, "last_stats", None)
+        threads, commits, waits_in_step, host_waits, tokens, encode_ns) and of the load
+        (engine backends, also before the first step: load_s, weights_mode, weight_bytes,
+        weights_mapped_bytes (served from the checkpoint's pages), weights_copied_bytes,
+        mapped_file_bytes, resident_bytes (copied weights, state and scratch)); None for the
+        reference backend."""
+        st = getattr(self._backend, "last_stats", None)
+        load = getattr(self._backend, "load_stats", None)
+        if load is None:
+            return st
+        return {**(st or {}), **load}
 
     def __repr__(self) -> str:
         return (f"<lily_py.Model {self.config.summary()}; backend={self.backend}, "

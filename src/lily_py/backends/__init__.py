@@ -13,7 +13,8 @@ TIMING_BACKENDS = ("count_host",)
 
 
 def make_backend(name: str, cfg: ModelConfig, weights: ModelWeights, *, context_length: int,
-                 prefill_chunk: int, verbose: bool | None = None, activations: str | None = None):
+                 prefill_chunk: int, verbose: bool | None = None, activations: str | None = None,
+                 weights_mode: str = "auto"):
     """The backend for a resolved name ("auto" is resolved by Model first). ``verbose``: load
     progress on a terminal (engine backends upload the weights; None: when stderr is a TTY).
     ``activations``: the engine's activation dtype ("bfloat16" / "float32"; None: the
@@ -26,7 +27,10 @@ def make_backend(name: str, cfg: ModelConfig, weights: ModelWeights, *, context_
         # The C++ engine on a device (lily_py/backends/engine.py); "emu" runs the Metal kernels on the CPU.
         from .engine import EngineBackend
         return EngineBackend(name, cfg, weights, context_length=context_length,
-                             prefill_chunk=prefill_chunk, verbose=verbose, activations=activations)
+                             prefill_chunk=prefill_chunk, verbose=verbose, activations=activations,
+                             weights_mode=weights_mode)
+    if weights_mode not in ("auto", "map", "copy"):
+        raise ValueError(f"weights must be 'auto', 'map' or 'copy', got {weights_mode!r}")
     from .reference import ReferenceBackend
     return ReferenceBackend(cfg, weights)
 

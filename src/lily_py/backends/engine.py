@@ -9,12 +9,14 @@ config - the real 35B one included - on the counting device, without weights.
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import ml_dtypes
 
 from ..checkpoint import AttentionWeights, ModelWeights
 from ..config import ModelConfig
-from ..errors import BackendError, DeviceMemoryError
+from ..errors import BackendError, CheckpointError, DeviceMemoryError
 from ..weights import QuantLinear
 
 # All-logits steps write at most this many rows of logits (the logits buffer is [rows, vocab]).
@@ -157,17 +159,83 @@ def _source_file(a: np.ndarray) -> str | None:
     return None
 
 
-def upload_weights(engine, cfg: ModelConfig, w: ModelWeights, quant: dict, *,
-                   verbose: bool | None = None) -> None:
-    """Upload every tensor once; raise BackendError for a tensor outside its quant class.
-    Shows bytes and shards on a terminal as it goes (lily_py.progress; ``verbose=False``: never)."""
-    from ..progress import LoadProgress
-    tensors = list(_tensors(cfg, w))
-    total = sum(np.asarray(p).nbytes for *_, parts in tensors for p in parts)
-    shards: dict[str, int] = {}     # checkpoint files read so far
-    bar = LoadProgress(total, max(len(w.files), 1), verbose=verbose)
-    done = 0
-    for name, cls, lins, parts in tensors:
+WEIGHT_MODES = ("auto", "map", "copy")
+
+
+def _file_offset(a: np.ndarray) -> tuple[str, int] | None:
+    """(checkpoint file, absolute byte offset) of a C-contiguous view into a whole-file memory map
+    (SafetensorsFile maps each file whole from byte 0); None for in-memory arrays."""
+    a = np.asarray(a)
+    if not a.flags.c_contiguous:
+        return None
+    base = a      # the root memmap: the one whose base is the mmap object, not another array
+    while isinstance(getattr(base, "base", None), np.ndarray):
+        base = base.base
+    if not isinstance(base, np.memmap) or not getattr(base, "filename", None) or base.offset != 0:
+        return None
+    return base.filename, a.ctypes.data - base.ctypes.data
+
+
+def mapping_plan(tensors) -> tuple[list[str], dict[str, tuple[int, int]], dict[str, str]]:
+    """Which engine weights can be served from the checkpoint's pages: (files, {weight: (file
+    index, offset)}, {weight: why not}). A weight qualifies when its parts are views of one file
+    that lie back to back there (one tensor, or the parts of a fused weight stored contiguously);
+    the engine then checks the offset's alignment. Float vectors made at load (norms, conv1d,
+    A_log, dt_bias: converted to float32) and fused weights whose parts lie apart are copied."""
+    files: list[str] = []
+    mapped: dict[str, tuple[int, int]] = {}
+    why: dict[str, str] = {}
+    for name, cls, _lins, parts in tensors:
+        if cls is None:
+            why[name] = "converted to float32 at load"
+            continue
+        locs = [_file_offset(p) for p in parts]
+        if any(loc is None for loc in locs):
+            why[name] = "not a view of a checkpoint file"
+            continue
+        if len({f for f, _ in locs}) != 1 or any(
+                locs[i + 1][1] != locs[i][1] + np.asarray(parts[i]).nbytes for i in range(len(parts) - 1)):
+            why[name] = f"fused from {len(parts)} tensors that do not lie back to back in one file"
+            continue
+        fn = locs[0][0]
+        if fn not in files:
+            files.append(fn)
+        mapped[name] = (files.index(fn), int(locs[0][1]))
+    return files, mapped, why
+
+
+def _tensor_names(tensors) -> dict[tuple[str, int], str]:
+    """{(file, offset): tensor name as stored} for the files the tensors' parts come from."""
+    from ..checkpoint import SafetensorsFile
+    files = {loc[0] for *_, parts in tensors for loc in map(_file_offset, parts) if loc}
+    return {(fn, ref.begin): ref.name for fn in files
+            for ref in SafetensorsFile(fn).tensors.values()}
+
+
+def check_kernel_widths(tensors) -> None:
+    """CheckpointError naming the first tensor whose bit width or group size the engine's kernels
+    do not take (``lily_py._core.engine_quant_support()``), with its numbers."""
+    support = _core().engine_quant_support()
+    names = None
+    for name, cls, lins, _parts in tensors:
+        for lin in lins if cls is not None else ():
+            if not isinstance(lin, QuantLinear):
+                continue
+            if lin.bits in support["bits"] and lin.group_size in support["group_sizes"]:
+                continue
+            names = _tensor_names(tensors) if names is None else names
+            loc = _file_offset(lin.w)
+            where = f"{loc[0]}: tensor {names.get(loc, '?')!r}" if loc else f"engine weight {name!r}"
+            raise CheckpointError(
+                f"{where} (engine weight {name.rsplit('.', 1)[0]!r}, logical shape {list(lin.shape)}) "
+                f"is {lin.bits}-bit with group size {lin.group_size}; the engine's kernels take "
+                f"{'/'.join(map(str, support['bits']))}-bit weights in groups of "
+                f"{'/'.join(map(str, support['group_sizes']))} (backend='reference' runs every MLX width)")
+
+
+def check_quant_classes(tensors, quant: dict) -> None:
+    """Raise BackendError for a tensor outside its quant class."""
+    for name, cls, lins, _parts in tensors:
         if cls is not None:
             for lin in lins:
                 got = _quant(lin, name)
@@ -175,6 +243,23 @@ def upload_weights(engine, cfg: ModelConfig, w: ModelWeights, quant: dict, *,
                     raise BackendError(f"engine: {name.rsplit('.', 1)[0]} is quantized {got}, but the "
                                        f"engine takes one quantization per class ({cls}: {quant[cls]}); "
                                        "use backend='reference'")
+
+
+def upload_weights(engine, cfg: ModelConfig, w: ModelWeights, quant: dict, *,
+                   verbose: bool | None = None, tensors=None) -> None:
+    """Upload (copy) every tensor the engine did not bind to the mapped checkpoint files; raise
+    BackendError for a tensor outside its quant class. Shows bytes and shards on a terminal as it
+    goes (lily_py.progress; ``verbose=False``: never)."""
+    from ..progress import LoadProgress
+    tensors = list(_tensors(cfg, w)) if tensors is None else tensors
+    check_quant_classes(tensors, quant)
+    placed = {d["name"]: d for d in engine.weight_sources()}
+    tensors = [t for t in tensors if placed[t[0]]["file"] is None]
+    total = sum(np.asarray(p).nbytes for *_, parts in tensors for p in parts)
+    shards: dict[str, int] = {}     # checkpoint files read so far
+    bar = LoadProgress(total, max(len(w.files), 1), verbose=verbose)
+    done = 0
+    for name, cls, lins, parts in tensors:
         engine.upload(name, [_raw(p) for p in parts])
         done += sum(np.asarray(p).nbytes for p in parts)
         if bar.enabled:
@@ -188,7 +273,11 @@ class EngineBackend:
     """The C++ engine as a Model backend (same interface as ReferenceBackend)."""
 
     def __init__(self, device: str, cfg: ModelConfig, weights: ModelWeights, *, context_length: int,
-                 prefill_chunk: int, verbose: bool | None = None, activations: str | None = None):
+                 prefill_chunk: int, verbose: bool | None = None, activations: str | None = None,
+                 weights_mode: str = "auto"):
+        if weights_mode not in WEIGHT_MODES:
+            raise ValueError(f"weights must be one of {WEIGHT_MODES}, got {weights_mode!r}")
+        t0 = time.perf_counter()
         status = {d["name"]: d for d in _core().registry.list()}
         if device not in status or not status[device]["available"]:
             why = status[device]["reason"] if device in status else "unknown device"
@@ -199,21 +288,77 @@ class EngineBackend:
         quant = checkpoint_quant(weights)
         self.activations = activations or checkpoint_activations(quant)
         core = _core()
+        tensors = list(_tensors(cfg, weights))
+        check_kernel_widths(tensors)
+        check_quant_classes(tensors, quant)
+        files, mapped, self.copy_reasons = mapping_plan(tensors)
+        if weights_mode == "copy":
+            files, mapped = [], {}
         try:
             self.engine = core.Engine(engine_spec(cfg, quant, context_length=context_length,
                                                   prefill_chunk=prefill_chunk, activations=self.activations),
-                                      device)
+                                      device, files, mapped)
         except core.DeviceMemoryError as e:
             raise DeviceMemoryError(str(e)) from None
         except (ValueError, core.DeviceLimitError) as e:
             raise BackendError(str(e)) from None
-        upload_weights(self.engine, cfg, weights, quant, verbose=verbose)
+        self._say_plan(cfg, context_length, prefill_chunk, verbose)
+        upload_weights(self.engine, cfg, weights, quant, verbose=verbose, tensors=tensors)
+        e = self.engine
+        # why each copied weight was copied (the engine's reason, or the plan's for the weights
+        # it never offered to map)
+        self.copy_reasons = {d["name"]: ("weights='copy'" if weights_mode == "copy" else
+                                         self.copy_reasons.get(d["name"], d["why_copied"]))
+                             for d in e.weight_sources() if d["file"] is None}
+        if weights_mode == "map" and e.mapped_weight_bytes == 0:
+            engine_why = [d["why_copied"] for d in e.weight_sources()
+                          if d["why_copied"] not in (None, "not in the mapping")]
+            raise BackendError(f"engine: weights='map', but device {device!r} binds no weight to the "
+                               f"checkpoint's pages: {len(engine_why)} weight(s) offered, e.g. "
+                               f"{engine_why[0] if engine_why else 'none: no weight is a view of a file'}"
+                               "; `lily-py align SRC DST` writes a layout that maps")
+        self.load_stats = {
+            "load_s": time.perf_counter() - t0,
+            "weights_mode": weights_mode,
+            "weight_bytes": int(e.weight_bytes),
+            "weights_mapped_bytes": int(e.mapped_weight_bytes),
+            "weights_copied_bytes": int(e.copied_weight_bytes),
+            "mapped_file_bytes": int(e.mapped_file_bytes),
+            # what the engine holds in memory of its own: copied weights, state and scratch (the
+            # mapped pages belong to the page cache: resident only while touched)
+            "resident_bytes": int(e.copied_weight_bytes + e.state_bytes + e.scratch_bytes),
+        }
         self.prefill_chunk = prefill_chunk
         self._context = context_length
         self.logit_rows = min(prefill_chunk, LOGIT_ROWS)
         self._last_stats: dict | None = None
         self._stats_pending = False          # last_stats not fetched since the last complete_token()
         self.last_token: int | None = None   # the device sampler's token of the last step
+
+    def _say_plan(self, cfg: ModelConfig, context_length: int, prefill_chunk: int,
+                  verbose: bool | None) -> None:
+        """Before the weights load: the bytes the engine planned and, where the device has a
+        working set (Metal's recommendedMaxWorkingSetSize), the largest context that fits it. On
+        stderr when ``verbose`` (None: stderr is a terminal); logged at INFO always."""
+        import logging
+        import sys
+        from ..sizes import config_recipe, human, largest_context
+        mem = self.engine.memory
+        e = self.engine
+        line = (f"lily_py: engine plan on {self.name!r}: {human(mem['total_bytes'])} (weights "
+                f"{human(mem['weight_bytes'])}, {human(e.mapped_weight_bytes)} of them served from the "
+                f"checkpoint's pages; KV cache and state {human(mem['state_bytes'])}; scratch "
+                f"{human(mem['scratch_bytes'])}) at context {context_length}")
+        ws = mem.get("working_set_bytes")
+        if ws:
+            recipe = config_recipe(cfg)
+            fit = largest_context(cfg, recipe, ws, prefill_chunk) if recipe else None
+            line += (f"; working set {human(ws)} (recommendedMaxWorkingSetSize)"
+                     + (f", largest context that fits at prefill_chunk {prefill_chunk}: {fit}"
+                        if fit is not None else ""))
+        logging.getLogger("lily_py").info("%s", line)
+        if verbose or (verbose is None and sys.stderr.isatty()):
+            print(line, file=sys.stderr)
 
     # Model.generate samples decode steps with the device sampler (fused into the step), and
     # Model.prefill skips the final norm and lm_head of every chunk but the last.
