@@ -11,9 +11,10 @@ committed bf16 rows to this checkpoint and this reference.
 
 The fixture also holds mlx-lm's bf16 rows at 4,096 tokens (28 minutes of mlx[cpu] here; its fp32
 rows there are not stored). The emulator case at 4,096 tokens in one 4,032-token step (about ten
-minutes on 2 cores) is not a parameter below yet: it has not been run under pytest. 32K tokens: attention grows with the square of the length on
-both sides (hours). benchmarks/bf16_error.py shows on the reference that the bf16 error does not
-grow with the position up to 4,096 tokens (docs/bf16-error.md).
+minutes on 2 cores) is not a parameter below yet: it has not been run under pytest. 32K tokens:
+attention grows with the square of the length on both sides (hours). benchmarks/bf16_error.py
+shows on the reference that the bf16 error does not grow with the position up to 4,096 tokens
+(docs/bf16-error.md).
 """
 from __future__ import annotations
 
