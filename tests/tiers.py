@@ -32,6 +32,9 @@ FULL_TIER: dict[str, str] = {
     "tests/model/test_bf16_activations.py::test_engine_bf16_error_no_larger_than_mlx_lm_bf16[[]*m1_m4]": (
         "bf16 error vs mlx-lm on the M1-M4 path (25 s); quick keeps the M5 path's four checkpoints "
         "(which share every non-matmul kernel)"),
+    "tests/model/test_bf16_long_prompts.py::test_bf16_error_on_long_prompts_no_larger_than_mlx_lm[[]*": (
+        "a 1,024-token prompt on the emulator (minutes); quick keeps "
+        "test_fixture_is_this_checkpoint_and_reference and tests/model/test_bf16_activations.py"),
     "tests/model/test_bf16_activations.py::test_float32_option_keeps_the_fp32_path[[]bf16_*": (
         "three of four checkpoints (17 s); quick keeps std4_nested_fused"),
     # tests/kernels: real-size and long shapes (the quick tier keeps the odd small shapes)
