@@ -25,12 +25,18 @@ def sharded(tmp_path_factory):
 def test_load_progress_only_on_a_terminal_or_when_asked(sharded, monkeypatch, verbose, tty, shows):
     err = FakeTTY() if tty else io.StringIO()
     monkeypatch.setattr(sys, "stderr", err)
-    m = lily_py.load(sharded, backend="emu", context_length=32, verbose=verbose)
+    # weights="copy": every byte goes through the progress (the zero-copy plan maps most of them)
+    m = lily_py.load(sharded, backend="emu", context_length=32, verbose=verbose, weights="copy")
     text = err.getvalue()
     if not shows:
         assert text == ""
         return
     total = sum(p.nbytes for p in _parts(m))
+    # first the engine's memory plan (one line), then the progress line rewritten in place
+    plan, sep, text = text.partition("\rloading weights: ")
+    assert sep and plan.startswith("lily_py: engine plan on 'emu': ") and plan.endswith("\n"), plan
+    assert plan.count("\n") == 1, plan
+    text = sep + text
     assert text.startswith("\rloading weights: ") and text.endswith(" s\n")
     last = text.rstrip("\n").split("\r")[-1]
     assert f"/ {total / 1e6:.1f} MB (100.0%), 3/3 shards" in last, last
