@@ -188,6 +188,10 @@ def test_context_length_error_is_400(inproc):
         s.client().chat.completions.create(model="scripted", messages=MSGS, stream=True)
     assert e.value.body["code"] == "context_length_exceeded"
     assert e.value.body["param"] == "messages"
+    # the worker records the failure after the 400 is on its way: allow it a moment (bounded)
+    deadline = time.monotonic() + 5.0
+    while s.status()["running"] != 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert s.status()["failed"] == 1 and s.status()["running"] == 0
 
 
