@@ -97,6 +97,18 @@ using IdArray = nb::ndarray<const uint32_t, nb::ndim<1>, nb::c_contig, nb::devic
 
 }  // namespace
 
+// A memory plan's byte counts (plan_memory and Engine.memory).
+nb::dict plan_dict(const core::MemoryPlan& p) {
+  nb::dict d;
+  d["weight_bytes"] = p.weight_bytes;
+  d["state_bytes"] = p.state_bytes;
+  d["scratch_bytes"] = p.scratch_bytes;
+  d["total_bytes"] = p.total();
+  d["largest_buffer_bytes"] = p.largest_buffer_bytes;
+  d["largest_buffer"] = p.largest_buffer;
+  return d;
+}
+
 core::StepSampling sampling_from(nb::object sample, bool from_slot) {
   core::StepSampling s;
   s.ids_from_slot = from_slot;
@@ -132,14 +144,7 @@ void init_engine(nb::module_& m) {
       "plan_memory",
       [](nb::dict spec, bool int8) {
         const core::MemoryPlan p = core::plan_memory(spec_from(spec), int8);
-        nb::dict d;
-        d["weight_bytes"] = p.weight_bytes;
-        d["state_bytes"] = p.state_bytes;
-        d["scratch_bytes"] = p.scratch_bytes;
-        d["total_bytes"] = p.total();
-        d["largest_buffer_bytes"] = p.largest_buffer_bytes;
-        d["largest_buffer"] = p.largest_buffer;
-        return d;
+        return plan_dict(p);
       },
       "spec"_a, "int8"_a = false,
       "Device memory an Engine of `spec` allocates (bytes: weights, state (KV caches, DeltaNet state, conv "
@@ -202,13 +207,7 @@ void init_engine(nb::module_& m) {
            "uses (DeviceLimitError).")
       .def_prop_ro("memory", [](const core::Engine& e) {
         const core::MemoryPlan& p = e.memory();
-        nb::dict d;
-        d["weight_bytes"] = p.weight_bytes;
-        d["state_bytes"] = p.state_bytes;
-        d["scratch_bytes"] = p.scratch_bytes;
-        d["total_bytes"] = p.total();
-        d["largest_buffer_bytes"] = p.largest_buffer_bytes;
-        d["largest_buffer"] = p.largest_buffer;
+        nb::dict d = plan_dict(p);
         d["working_set_bytes"] = p.working_set_bytes ? nb::cast(p.working_set_bytes) : nb::none();
         d["max_buffer_bytes"] = p.max_buffer_bytes ? nb::cast(p.max_buffer_bytes) : nb::none();
         d["warning"] = e.memory_warning().empty() ? nb::none() : nb::cast(e.memory_warning());

@@ -204,11 +204,6 @@ class CudaBuffer final : public gpu::Buffer {
   CUdeviceptr address() const { return p_; }
 
  private:
-  void range(size_t offset, size_t n, const char* what) const {
-    if (offset > bytes_ || n > bytes_ - offset)
-      throw gpu::EncodeError(std::string("buffer ") + what + ": bytes [" + std::to_string(offset) + ", " +
-                             std::to_string(offset + n) + ") outside the buffer's " + std::to_string(bytes_));
-  }
   CudaDevice& dev_;
   CUdeviceptr p_;
   size_t bytes_;
@@ -409,15 +404,15 @@ CudaBuffer::~CudaBuffer() {
   }
 }
 void CudaBuffer::write(size_t offset, const void* src, size_t n) {
-  range(offset, n, "write");
+  check_range(offset, n, "write");
   if (n) dev_.write(p_ + offset, src, n);
 }
 void CudaBuffer::read(size_t offset, void* dst, size_t n) {
-  range(offset, n, "read");
+  check_range(offset, n, "read");
   if (n) dev_.read(dst, p_ + offset, n);
 }
 void CudaBuffer::fill(size_t offset, int byte, size_t n) {
-  range(offset, n, "fill");
+  check_range(offset, n, "fill");
   if (n) dev_.fill(p_ + offset, byte, n);
 }
 
@@ -587,37 +582,18 @@ class TimingEncoder final : public CudaEncoder {
     if (launches_.empty()) return;
     const uint32_t trials = std::max(1u, o_.trials), repeats = std::max(1u, o_.repeats);
     // The whole step: one graph as commit() launches it, replayed.
-    CUgraph g = build(launches_, nullptr);
-    CUgraphExec e = instantiate(g);
-    driver().cuGraphDestroy(g);
-    for (int w = 0; w < 2; ++w) launch(e);
-    std::vector<double> us;
-    for (uint32_t i = 0; i < trials; ++i) us.push_back(timed([&] { launch(e); }));
-    double med, lo, hi;
-    summary(us, med, lo, hi);
-    t.step_us += med, t.step_us_min += lo, t.step_us_max += hi;
-    driver().cuGraphExecDestroy(e);
+    const Times step = time_graph(launches_, trials, 2, 1);
+    t.step_us += step.median, t.step_us_min += step.lo, t.step_us_max += step.hi;
     t.nodes += launches_.size();
     t.levels += launches_.back().level - launches_.front().level + 1;
     // The empty graph of the same levels and node counts.
-    {
-      std::vector<Launch> empty = launches_;
-      for (Launch& l : empty) {
-        l.f = dev_.tool("lily_cuda_empty");
-        l.groups = {1, 1, 1};
-        l.threads = {32, 1, 1};
-      }
-      for (Launch& l : empty) l.fix();
-      CUgraph eg = build(empty, nullptr);
-      CUgraphExec ee = instantiate(eg);
-      driver().cuGraphDestroy(eg);
-      launch(ee);
-      us.clear();
-      for (uint32_t i = 0; i < trials; ++i) us.push_back(timed([&] { launch(ee); }));
-      summary(us, med, lo, hi);
-      t.empty_us += med;
-      driver().cuGraphExecDestroy(ee);
+    std::vector<Launch> empty = launches_;
+    for (Launch& l : empty) {
+      l.f = dev_.tool("lily_cuda_empty");
+      l.groups = {1, 1, 1};
+      l.threads = {32, 1, 1};
     }
+    t.empty_us += time_graph(empty, trials, 1, 1).median;
     // References: 1 GiB, and the bytes of every dispatch.
     const uint64_t gib = 1ull << 30;
     t.copy_gbps = double(gib) / (copy_us(gib) * 1e3);  // copy_us(b) moves b / 2 bytes: b touched
@@ -628,18 +604,10 @@ class TimingEncoder final : public CudaEncoder {
         d.record = records_.at(records_done_ + i);
         std::vector<Launch> chain(repeats, launches_[i]);
         for (uint32_t r = 0; r < repeats; ++r) chain[r].level = r;  // one after another
-        for (Launch& l : chain) l.fix();
-        CUgraph cg = build(chain, nullptr);
-        CUgraphExec ce = instantiate(cg);
-        driver().cuGraphDestroy(cg);
-        launch(ce);
-        us.clear();
-        for (uint32_t k = 0; k < trials; ++k) us.push_back(timed([&] { launch(ce); }) / repeats);
-        summary(us, d.us, d.us_min, d.us_max);
-        driver().cuGraphExecDestroy(ce);
-        const uint64_t bytes = d.record.bytes_touched;
-        d.copy_us = copy_us(bytes);
-        d.read_us = read_us(bytes);
+        const Times one = time_graph(chain, trials, 1, repeats);
+        d.us = one.median, d.us_min = one.lo, d.us_max = one.hi;
+        d.copy_us = copy_us(d.record.bytes_touched);
+        d.read_us = read_us(d.record.bytes_touched);
         t.dispatches.push_back(d);
       }
     }
@@ -662,11 +630,26 @@ class TimingEncoder final : public CudaEncoder {
     driver().check(driver().cuEventElapsedTime(&ms, t0_, t1_), "cuEventElapsedTime");
     return double(ms) * 1e3;
   }
-  static void summary(std::vector<double> v, double& median, double& lo, double& hi) {
-    std::sort(v.begin(), v.end());
-    median = v[v.size() / 2];
-    lo = v.front();
-    hi = v.back();
+  struct Times {
+    double median = 0, lo = 0, hi = 0;  // µs
+  };
+  // `warm` untimed runs of what `queue` queues, then `trials` timed ones, each divided by `per`.
+  template <class F>
+  Times measure(F queue, uint32_t trials, uint32_t warm, double per) {
+    for (uint32_t i = 0; i < warm; ++i) queue();
+    std::vector<double> us;
+    for (uint32_t i = 0; i < trials; ++i) us.push_back(timed(queue) / per);
+    std::sort(us.begin(), us.end());
+    return {us[us.size() / 2], us.front(), us.back()};
+  }
+  // The graph of `launches` (levels as CudaEncoder builds them), instantiated once and measured.
+  Times time_graph(std::vector<Launch>& launches, uint32_t trials, uint32_t warm, double per) {
+    CUgraph g = build(launches, nullptr);
+    CUgraphExec e = instantiate(g);
+    driver().cuGraphDestroy(g);
+    const Times t = measure([&] { launch(e); }, trials, warm, per);
+    driver().cuGraphExecDestroy(e);
+    return t;
   }
   void scratch(uint64_t bytes) {
     if (scratch_ && scratch_->size() >= bytes) return;
@@ -681,12 +664,7 @@ class TimingEncoder final : public CudaEncoder {
     scratch(2 * half);
     const CUdeviceptr a = static_cast<CudaBuffer*>(scratch_.get())->address();
     auto copy = [&] { driver().check(driver().cuMemcpyDtoDAsync(a + half, a, half, dev_.stream()), "cuMemcpyDtoD"); };
-    copy();
-    std::vector<double> us;
-    for (uint32_t i = 0; i < std::max(3u, o_.trials); ++i) us.push_back(timed(copy));
-    double m, lo, hi;
-    summary(us, m, lo, hi);
-    return copies_[bytes] = m;
+    return copies_[bytes] = measure(copy, std::max(3u, o_.trials), 1, 1).median;
   }
   double read_us(uint64_t bytes) {  // the streaming read kernel over `bytes`
     auto hit = reads_.find(bytes);
@@ -705,12 +683,7 @@ class TimingEncoder final : public CudaEncoder {
       driver().check(driver().cuLaunchKernel(f, groups, 1, 1, threads, 1, 1, 0, dev_.stream(), params, nullptr),
                      "launch lily_cuda_stream_read");
     };
-    run();
-    std::vector<double> us;
-    for (uint32_t i = 0; i < std::max(3u, o_.trials); ++i) us.push_back(timed(run));
-    double m, lo, hi;
-    summary(us, m, lo, hi);
-    return reads_[bytes] = m;
+    return reads_[bytes] = measure(run, std::max(3u, o_.trials), 1, 1).median;
   }
 
   gpu::TimingOptions o_;

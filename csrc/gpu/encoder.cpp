@@ -8,10 +8,14 @@ namespace {
 std::string kname(KernelId id) { return std::string(kernel_info(id).name); }
 }  // namespace
 
-char* Buffer::host_range(size_t offset, size_t n, const char* what) {
+void Buffer::check_range(size_t offset, size_t n, const char* what) const {
   if (offset > size() || n > size() - offset)
     throw EncodeError(std::string("buffer ") + what + ": bytes [" + std::to_string(offset) + ", " +
                       std::to_string(offset + n) + ") outside the buffer's " + std::to_string(size()));
+}
+
+char* Buffer::host_range(size_t offset, size_t n, const char* what) {
+  check_range(offset, n, what);
   char* p = static_cast<char*>(contents());
   if (p == nullptr) throw EncodeError(std::string("buffer ") + what + ": the buffer has no host storage");
   return p + offset;

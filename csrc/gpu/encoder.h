@@ -48,7 +48,8 @@ class Buffer {
   }
 
  protected:
-  char* host_range(size_t offset, size_t n, const char* what);  // contents() + offset, checked
+  void check_range(size_t offset, size_t n, const char* what) const;  // EncodeError outside [0, size())
+  char* host_range(size_t offset, size_t n, const char* what);         // contents() + offset, checked
 };
 
 // One buffer argument: the byte range [offset, offset + bytes) of `buffer`.
