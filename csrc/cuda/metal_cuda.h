@@ -19,7 +19,9 @@
 //   tensors    matmul2d with the emulator's semantics (csrc/emu/tensor_ops_emu.h): each thread of
 //              the scope computes its destination elements e = i * T + thread, k in order
 //   kernels    every entry is __launch_bounds__(max_threads(name)): 1024 (Apple's threadgroup limit)
-//              except the decode kernels the host never gives more than 64-256 threads; LILY_INSTANTIATE emits extern "C" __global__ lily_kernel_<file>_<line>(Args, Buffers)
+//              except the kernels the host never gives more than 64-256 threads (a bound of 1024
+//              caps a thread at 64 registers: `nvrtc_build.py --usage` prints the spills); a
+//              dispatch past the bound fails the plan's thread check at load (max_threads); LILY_INSTANTIATE emits extern "C" __global__ lily_kernel_<file>_<line>(Args, Buffers)
 //              plus ..._name (the host name) and ..._meta (args bytes,
 //              buffers); LILY_TG_ARRAY is a __shared__ array; the tail positions are computed from
 //              blockIdx / threadIdx (lane and simdgroup from the linear thread index, as Metal).
@@ -467,11 +469,35 @@ inline T add(const T& a, const T& b) {
   if constexpr (lily_cuda::is_same_v<T, bfloat>) return bfloat(float(a) + float(b));
   else return a + b;
 }
+template <class T>
+inline T shfl_xor(const T& v, unsigned lane_mask) {
+  constexpr int kWords = (sizeof(T) + 3) / 4;
+  unsigned w[kWords] = {};
+  lily_cuda::copy_bytes(w, &v, sizeof(T));
+  for (int i = 0; i < kWords; ++i) w[i] = __shfl_xor_sync(0xffffffffu, w[i], lane_mask);
+  T out;
+  lily_cuda::copy_bytes(&out, w, sizeof(T));
+  return out;
+}
 // Pairwise tree in lane order, as the emulator: at stride s lane i (i % 2s == 0) takes i + s.
 // The result is lane 0's, broadcast: every lane holds the same value.
 template <class T, class F>
 inline T tree(T v, F f) {
-  const unsigned mask = simd_mask(), width = simd_width(), lane = lane_id();
+  const unsigned width = simd_width();
+  if (width == 32u) {
+    // A full simdgroup: a butterfly. At stride s every lane combines its aligned block of s lanes
+    // with the neighbouring one, lower block first, so after each step every lane of an aligned
+    // 2s block holds what the tree gives its first lane: the same value, bit for bit, with five
+    // shuffles and no broadcast.
+    const unsigned lane = lane_id();
+    for (unsigned s = 1; s < 32u; s *= 2) {
+      const T other = shfl_xor(v, s);
+      const bool upper = (lane & s) != 0;
+      v = upper ? f(other, v) : f(v, other);
+    }
+    return v;
+  }
+  const unsigned mask = simd_mask(), lane = lane_id();
   for (unsigned s = 1; s < width; s *= 2) {
     const T other = shfl(mask, v, lane + s < width ? lane + s : lane);
     if ((lane % (2 * s)) == 0 && lane + s < width) v = f(v, other);
@@ -934,12 +960,21 @@ constexpr bool starts_with(const char* s, const char* p) {
   return true;
 }
 constexpr unsigned max_threads(const char* name) {
-  return starts_with(name, "attn_decode_vec_")  ? 256u
-         : starts_with(name, "qmv1_")           ? 128u
-         : starts_with(name, "qmv_")            ? 64u
-         : starts_with(name, "moe_gate_up_mv_") ? 128u
-         : starts_with(name, "moe_down_mv_")    ? 256u
-                                                : 1024u;
+  return starts_with(name, "attn_decode_vec_")       ? 256u
+         : starts_with(name, "qmv1_")                ? 128u
+         : starts_with(name, "qmv_")                 ? 64u
+         : starts_with(name, "moe_gate_up_mv_")      ? 128u
+         : starts_with(name, "moe_down_mv_")         ? 256u
+         : starts_with(name, "gated_delta_decode_")  ? 256u  // kGdDecodeThreads
+         : starts_with(name, "qmm_")                 ? 128u  // every tiled qmm: 4 simdgroups
+         : starts_with(name, "moe_gate_up_") || starts_with(name, "moe_down_") ? 128u  // tiles
+         : starts_with(name, "attn_prefill_mma_") || starts_with(name, "attn_prefill_tiles_") ||
+                   starts_with(name, "attn_prefill_m5_")
+             ? 128u  // kAttnMmaThreads, kAttnTilesThreads, kAttnM5Threads
+         : starts_with(name, "gd_chunk_state")        ? 128u  // 32, or kGdChunkM5StateThreads
+         : starts_with(name, "sample_topk_partial_") || starts_with(name, "sample_max_partial_")
+             ? 64u  // kSampleThreads
+             : 1024u;
 }
 }  // namespace lily_cuda
 

@@ -64,7 +64,7 @@ def find_nvrtc():
                      "nvidia-cuda-nvrtc no newer than the driver); tried:\n  " + "\n  ".join(errors))
 
 
-def compile_cubin(lib, arch, index):
+def compile_cubin(lib, arch, index, usage=False):
     if index == TOOLS:
         return compile_source(lib, arch, open(os.path.join(ROOT, "csrc", "cuda", "tools.cu")).read(),
                               "tools.cu", [f"-arch={arch}", "-std=c++20", "-lineinfo"])
@@ -74,11 +74,12 @@ def compile_cubin(lib, arch, index):
     opts = [f"-arch={arch}", "-default-device", "-std=c++20", "-fmad=false", "-DLILY_CUDA=1",
             f"-I{ROOT}/shaders", f"-I{ROOT}/csrc", f"-I{ROOT}/csrc/cuda/include",
             "--diag-suppress=1866,1097,2803",  # unknown attributes ([[buffer(n)]], ...)
-            "-lineinfo", f"-DLILY_CUDA_FILE={index}"]
-    return compile_source(lib, arch, src, SHADERS[index], opts)
+            "-lineinfo", f"-DLILY_CUDA_FILE={index}"] + (["-Xptxas=-v"] if usage else [])
+    return compile_source(lib, arch, src, SHADERS[index], opts, quiet=usage)
 
 
-def compile_source(lib, arch, src, name, opts):
+def compile_source(lib, arch, src, name, opts, quiet=False):
+    """(cubin bytes, seconds, compiler log); the log goes to stderr unless quiet."""
     prog = ctypes.c_void_p()
     chk = lambda r, what: r == 0 or (_ for _ in ()).throw(SystemExit(f"{what} failed: {r}"))
     chk(lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), b"lily_shaders.cu", 0, None, None),
@@ -94,12 +95,31 @@ def compile_source(lib, arch, src, name, opts):
     if res != 0:
         sys.stderr.write(text)
         raise SystemExit(f"nvrtc_build: {name}: compile failed ({res}) with {opts}")
-    if text.strip():
+    if text.strip() and not quiet:
         sys.stderr.write(text[-4000:])
     chk(lib.nvrtcGetCUBINSize(prog, ctypes.byref(n)), "nvrtcGetCUBINSize")
     buf = ctypes.create_string_buffer(n.value)
     chk(lib.nvrtcGetCUBIN(prog, buf), "nvrtcGetCUBIN")
-    return buf.raw, time.time() - t0
+    return buf.raw, time.time() - t0, text
+
+
+def ptxas_usage(log):
+    """{entry symbol: dict(registers, stack, spill_stores, spill_loads)} from a -Xptxas=-v log."""
+    out, cur = {}, None
+    for line in log.splitlines():
+        m = re.search(r"Compiling entry function '(\w+)'", line)
+        if m:
+            cur = out.setdefault(m.group(1), dict(registers=0, stack=0, spill_stores=0, spill_loads=0))
+            continue
+        if cur is None:
+            continue
+        m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        if m:
+            cur.update(stack=int(m.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3)))
+        m = re.search(r"Used (\d+) registers", line)
+        if m:
+            cur["registers"] = int(m.group(1))
+    return out
 
 
 def elf_sections(blob):
@@ -152,12 +172,24 @@ def cubin_name(index):
 
 
 def one(job):
-    arch, index, out = job
+    arch, index, out, usage = job
     lib, _ = find_nvrtc()
-    cubin, secs = compile_cubin(lib, arch, index)
+    cubin, secs, log = compile_cubin(lib, arch, index, usage)
     with open(os.path.join(out, cubin_name(index)), "wb") as f:
         f.write(cubin)
-    return index, secs, len(cubin)
+    return index, secs, len(cubin), ptxas_usage(log) if usage else {}
+
+
+def print_usage(es, usage):
+    """One line per kernel (host name): registers, stack frame, spills; the spilling ones first."""
+    rows = sorted(((usage.get(e, {}), h) for e, h, _ in es),
+                  key=lambda r: (-(r[0].get("spill_stores", 0) + r[0].get("spill_loads", 0)), r[1]))
+    spilling = sum(1 for u, _ in rows if u.get("spill_stores") or u.get("spill_loads"))
+    print(f"ptxas: {spilling} of {len(rows)} kernels spill registers (bytes per thread)")
+    print(f"{'kernel':44} {'regs':>5} {'stack':>6} {'spill st':>9} {'spill ld':>9}")
+    for u, h in rows:
+        print(f"{h:44} {u.get('registers', 0):5d} {u.get('stack', 0):6d} {u.get('spill_stores', 0):9d} "
+              f"{u.get('spill_loads', 0):9d}")
 
 
 def main():
@@ -166,6 +198,8 @@ def main():
     ap.add_argument("--arch", default="sm_90")
     ap.add_argument("--check-ids", action="store_true")
     ap.add_argument("-j", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--usage", action="store_true",
+                    help="print each kernel's registers, stack frame and spills (ptxas -v), spills first")
     a = ap.parse_args()
     lib, path = find_nvrtc()
     major, minor = ctypes.c_int(), ctypes.c_int()
@@ -174,7 +208,7 @@ def main():
     for old in glob.glob(os.path.join(a.out, "*.cubin")):
         os.remove(old)
     t0 = time.time()
-    jobs = [(a.arch, i, a.out) for i in list(range(len(SHADERS))) + [TOOLS]]
+    jobs = [(a.arch, i, a.out, a.usage) for i in list(range(len(SHADERS))) + [TOOLS]]
     if a.j > 1:
         import multiprocessing
         with multiprocessing.Pool(min(a.j, len(jobs))) as pool:
@@ -182,12 +216,14 @@ def main():
     else:
         done = [one(j) for j in jobs]
     es = []
-    for index, _secs, _n in done:
+    usage = {}
+    for index, _secs, _n, use in done:
+        usage.update(use)
         if index == TOOLS:
             continue
         es += entries(open(os.path.join(a.out, cubin_name(index)), "rb").read())
     print(f"nvrtc {major.value}.{minor.value} ({path}): {len(es)} kernels in {len(done)} cubins for "
-          f"{a.arch} in {time.time() - t0:.1f} s ({sum(n for *_, n in done)} bytes)")
+          f"{a.arch} in {time.time() - t0:.1f} s ({sum(d[2] for d in done)} bytes)")
     bad = [f"{h}: {b} bytes of static threadgroup memory > {APPLE_STATIC_TG_LIMIT}" for _, h, b in es
            if b > APPLE_STATIC_TG_LIMIT]
     if a.check_ids:
@@ -202,11 +238,13 @@ def main():
     with open(os.path.join(a.out, "manifest.txt"), "w") as f:
         for entry in TOOL_ENTRIES:  # host name "__<entry>": no kernel id has a leading underscore
             f.write(f"{cubin_name(TOOLS)} {entry} __{entry}\n")
-        for index, _secs, _n in done:
+        for index, *_ in done:
             if index == TOOLS:
                 continue
             for entry, host, _b in entries(open(os.path.join(a.out, cubin_name(index)), "rb").read()):
                 f.write(f"{cubin_name(index)} {entry} {host}\n")
+    if a.usage:
+        print_usage(es, usage)
     big = max(es, key=lambda e: e[2])
     print(f"largest static threadgroup memory: {big[2]} bytes ({big[1]}; limit {APPLE_STATIC_TG_LIMIT})")
 
