@@ -373,8 +373,9 @@ struct VecRow<8> {
 // cache rows at a time). Lane j holds dims [E j, E j + E) of the query of every head of the KV
 // head's group (pre-scaled by the softmax scale, in registers), of one K row and one V row, and of
 // the group's running outputs. Per key and head: E products, one simd_sum, the online-softmax
-// update (running max m and sum l per head, identical on all lanes). Unrolled over
-// kAttnMaxGroup heads with a uniform guard (h < group), so no private array is indexed at run time.
+// update with one exp (running max m and sum l per head, identical on all lanes). Unrolled over
+// kAttnMaxGroup heads with no branch, so the heads' simd_sum chains interleave and no private
+// array is indexed at run time.
 // Then the 8 simdgroups' (m, l, o) are merged through threadgroup memory (one head at a time) and
 // written as the block's unnormalized partial.
 //   grid:    (kv_heads, blocks) threadgroups of kAttnVecSimds * 32 = 256 threads
@@ -424,18 +425,25 @@ template <typename T, uint32_t E>
     float vv[E];
     VecRow<E>::bf16(k_row + key * D, kv);
     VecRow<E>::bf16(v_row + key * D, vv);
+    // Every one of the G heads, without a branch (heads past the group repeat the group's last
+    // head and are never written): the G simd_sum chains are independent and interleave.
+    float sc[G];
     for (uint32_t g = 0; g < G; ++g) {
-      if (g < group) {  // uniform over the threadgroup: every lane makes the same simd_sum calls
-        float dot = 0.0f;
-        for (uint32_t e = 0; e < E; ++e) dot += qr[g][e] * kv[e];
-        const float s = simd_sum(dot);
-        const float m_new = max(m[g], s);
-        const float corr = m[g] == m_new ? 1.0f : exp(m[g] - m_new);  // first key: exp(-inf) = 0
-        const float p = exp(s - m_new);
-        l[g] = l[g] * corr + p;
-        m[g] = m_new;
-        for (uint32_t e = 0; e < E; ++e) o[g][e] = o[g][e] * corr + p * vv[e];
-      }
+      float dot = 0.0f;
+      for (uint32_t e = 0; e < E; ++e) dot += qr[g][e] * kv[e];
+      sc[g] = simd_sum(dot);
+    }
+    for (uint32_t g = 0; g < G; ++g) {
+      // One exp: the larger of (m, s) gets weight 1, the other exp(-|s - m|) (first key:
+      // m = -inf, so corr = 0 and p = 1).
+      const float s = sc[g];
+      const bool up = s > m[g];
+      const float e = exp(up ? m[g] - s : s - m[g]);
+      const float corr = up ? e : 1.0f;
+      const float p = up ? 1.0f : e;
+      l[g] = l[g] * corr + p;
+      m[g] = up ? s : m[g];
+      for (uint32_t d = 0; d < E; ++d) o[g][d] = o[g][d] * corr + p * vv[d];
     }
   }
 

@@ -342,8 +342,8 @@ template <typename T, typename S, int bits>
       for (uint32_t r = 0; r < R; ++r) {
         const uint4 qg = *reinterpret_cast<const device uint4*>(wg + row[r] * wpr + wo);
         const uint4 qu = *reinterpret_cast<const device uint4*>(wu + row[r] * wpr + wo);
-        ag[r] += float(sg[row[r] * gpr + gi]) * Qmv1Codes<bits>::dot(qg, xs) + float(bg[row[r] * gpr + gi]) * xsum;
-        au[r] += float(su[row[r] * gpr + gi]) * Qmv1Codes<bits>::dot(qu, xs) + float(bu[row[r] * gpr + gi]) * xsum;
+        ag[r] = fma(float(sg[row[r] * gpr + gi]), Qmv1Codes<bits>::dot(qg, xs), fma(float(bg[row[r] * gpr + gi]), xsum, ag[r]));
+        au[r] = fma(float(su[row[r] * gpr + gi]), Qmv1Codes<bits>::dot(qu, xs), fma(float(bu[row[r] * gpr + gi]), xsum, au[r]));
       }
     }
   }
@@ -451,7 +451,7 @@ template <typename T, typename S, int bits>
     const uint32_t wo = kk * bits / 32;
     for (uint32_t r = 0; r < R; ++r) {
       const uint4 q = *reinterpret_cast<const device uint4*>(w + row[r] * wpr + wo);
-      acc[r] += float(sc[row[r] * gpr + gi]) * Qmv1Codes<bits>::dot(q, xs) + float(bi[row[r] * gpr + gi]) * hsum;
+      acc[r] = fma(float(sc[row[r] * gpr + gi]), Qmv1Codes<bits>::dot(q, xs), fma(float(bi[row[r] * gpr + gi]), hsum, acc[r]));
     }
   }
   for (uint32_t r = 0; r < R; ++r) acc[r] = simd_sum(acc[r]);

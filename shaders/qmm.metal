@@ -150,7 +150,7 @@ template <typename T, typename S, int bits, typename Y = T, uint32_t R = kQmv1Ro
         const uint4 wv = *reinterpret_cast<const device uint4*>(w + row[r] * words_per_row + k * bits / 32);
         const float sc = float(scales[row[r] * groups_per_row + g]);
         const float bi = float(biases[row[r] * groups_per_row + g]);
-        acc[r] += sc * Qmv1Codes<bits>::dot(wv, xs) + bi * xsum;
+        acc[r] = fma(sc, Qmv1Codes<bits>::dot(wv, xs), fma(bi, xsum, acc[r]));
       }
     }
   }
