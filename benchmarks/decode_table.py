@@ -60,7 +60,7 @@ FACTS = {
                     "K' x 4 rows per lane; splits summed in tg memory", "gather_qmv_fast, split-K over slots"),
     "qk_norm_rope": ("4 B", "-", "one simdgroup per head"),
     "qmv1_b4": ("16 B codes (uint4), 2 B scales/biases, 4 B x", "4 rows per threadgroup; K split over "
-                "<= 4 simdgroups, summed through threadgroup memory", "MLX qmv_fast (single token; norm fused)"),
+                "<= 4 simdgroups, summed through threadgroup memory (not split for lm_head)", "MLX qmv_fast (single token; norm fused)"),
     "qmv1_b8": ("16 B codes (uint4), 2 B scales/biases, 4 B x", "as qmv1_b4", "MLX qmv_fast, 8-bit"),
     # the *_r1 kernels: 1 row per threadgroup where 4 rows would give < 1280 simdgroups (qmv1_rows)
     "qmv1_b8_r1": ("16 B codes (uint4), 2 B scales/biases, 4 B x", "1 row per threadgroup (x, residual, "

@@ -13,6 +13,9 @@ Times are one run's CPU seconds on a 2-core CI-like machine without the race det
 """
 
 FULL_TIER: dict[str, str] = {
+    "tests/kernels/test_quantized_matmul.py::test_qmv1_shapes_and_splits[[]*one_split*": (
+        "40,961 rows to cross kQmv1OneSplitGroups (21 s on emu); quick keeps every other qmv1 shape "
+        "and test_qmv1_rows_rule_matches_extension, which checks the split rule at the switch"),
     # tests/model: whole-model runs on the emulator (most of the suite's time)
     "tests/model/test_engine.py::test_greedy_after_chunked_prefill[[]*": (
         "32 greedy tokens after chunks of 1 / 64 / 4096 on demo and real head dims (280 s); quick "

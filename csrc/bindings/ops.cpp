@@ -159,6 +159,9 @@ void init_ops(nb::module_& parent) {
         "Rows per threadgroup of the qmv1 route (M = 1): 4, or 1 where ceil(N / 4) * splits simdgroups "
         "would fall short of QMV1_MIN_SIMDGROUPS (the *_r1 kernels).");
   m.attr("QMV1_MIN_SIMDGROUPS") = static_cast<uint32_t>(kQmv1MinSimdgroups);
+  m.attr("QMV1_ONE_SPLIT_GROUPS") = static_cast<uint32_t>(kQmv1OneSplitGroups);
+  m.def("qmv1_splits", [](uint32_t N, uint32_t K, uint32_t bits) { return gpu::ops::qmv1_splits(N, K, bits); },
+        "N"_a, "K"_a, "bits"_a, "Simdgroups per threadgroup of the qmv1 route (they split K).");
   m.attr("QMM_BF16_MIN_ROWS") = static_cast<uint32_t>(kQmmBf16MinRows);
   m.attr("QMV_MAX_ROWS") = static_cast<uint32_t>(kQmvMaxRows);
 

@@ -244,14 +244,15 @@ def test_qmm_bf16_rounds_operands_where_stated(rng):
 # simdgroups per core on a 40-core GPU), else 1 (the *_r1 kernels). Small N (1, 5, 37) take 1 row;
 # the switch is tested from both sides at odd N (QMV1_SWITCH: the smallest N that keeps 4 rows).
 QMV1_MIN_SIMDGROUPS = 1280  # must match kQmv1MinSimdgroups (checked below)
+QMV1_ONE_SPLIT_GROUPS = 8 * 1280  # kQmv1OneSplitGroups: from ceil(N / 4) this, K is not split (lm_head)
 
 
-def qmv1_splits(k, bits):
-    return min(4, -(-k // (32 * 128 // bits)))
+def qmv1_splits(n, k, bits):
+    return 1 if -(-n // 4) >= QMV1_ONE_SPLIT_GROUPS else min(4, -(-k // (32 * 128 // bits)))
 
 
 def qmv1_rows(n, k, bits):
-    return 4 if -(-n // 4) * qmv1_splits(k, bits) >= QMV1_MIN_SIMDGROUPS else 1
+    return 4 if -(-n // 4) * qmv1_splits(n, k, bits) >= QMV1_MIN_SIMDGROUPS else 1
 
 
 def qmv1_name(bits, xt, rows, yf32=False):
@@ -265,29 +266,34 @@ QMV1_SWITCH = {8: 1277, 4: 2557}
 def test_qmv1_rows_rule_matches_extension():
     import lily_py._core as core
     assert core.ops.QMV1_MIN_SIMDGROUPS == QMV1_MIN_SIMDGROUPS
+    assert core.ops.QMV1_ONE_SPLIT_GROUPS == QMV1_ONE_SPLIT_GROUPS
     for bits in (4, 8):
-        for n in (1, 5, 257, 1275, 1276, 1277, 2555, 2557, 12352):
+        for n in (1, 5, 257, 1275, 1276, 1277, 2555, 2557, 12352, 40957, 40960, 248320):
             for k in (64, 1088, 2048, 4096):
                 assert core.ops.qmv1_rows(n, k, bits) == qmv1_rows(n, k, bits), (n, k, bits)
+                assert core.ops.qmv1_splits(n, k, bits) == qmv1_splits(n, k, bits), (n, k, bits)
         sw = QMV1_SWITCH[bits]
         assert qmv1_rows(sw - 2, 2048, bits) == 1 and qmv1_rows(sw, 2048, bits) == 4
+    # lm_head (N = 248320, K = 2048): one simdgroup per 4 rows walks all of K
+    assert qmv1_splits(248320, 2048, 4) == 1 and qmv1_splits(40956, 2048, 4) == 2
     # the real config: the 8-bit router + shared gate takes 1 row (1028 simdgroups, not 260);
     # every other decode projection keeps 4
-    assert qmv1_rows(257, 2048, 8) == 1 and -(-257 // 1) * qmv1_splits(2048, 8) == 1028
+    assert qmv1_rows(257, 2048, 8) == 1 and -(-257 // 1) * qmv1_splits(257, 2048, 8) == 1028
     for n, k in [(12352, 2048), (2048, 4096), (9216, 2048), (248320, 2048)]:
         assert qmv1_rows(n, k, 4) == 4
 
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("n,k,group_size", [(1, 64, 64), (5, 1088, 64), (37, 2048, 32), (6, 4224, 128),
-                                            ("below", 2048, 64), ("switch", 2048, 64)])
+                                            ("below", 2048, 64), ("switch", 2048, 64), ("one_split", 1088, 64)])
 def test_qmv1_shapes_and_splits(rng, device, bits, n, k, group_size):
-    n = {"below": QMV1_SWITCH[bits] - 2, "switch": QMV1_SWITCH[bits]}.get(n, n)
+    # one_split: N past 4 x kQmv1OneSplitGroups rows, so one simdgroup walks a full and a partial block
+    n = {"below": QMV1_SWITCH[bits] - 2, "switch": QMV1_SWITCH[bits], "one_split": 4 * QMV1_ONE_SPLIT_GROUPS + 1}.get(n, n)
     x, w, s, b = make_case(rng, 1, n, k, bits=bits, group_size=group_size, x_dtype=np.float32, scale_dtype=BF16)
     _, stats = check(rng, x, w, s, b, bits=bits, group_size=group_size, device=device)
     rows = qmv1_rows(n, k, bits)
     assert stats["kernels"] == [qmv1_name(bits, "f32", rows)]
-    assert stats["threads"] == -(-n // rows) * 32 * qmv1_splits(k, bits)
+    assert stats["threads"] == -(-n // rows) * 32 * qmv1_splits(n, k, bits)
 
 
 def norm_case(rng, n, k, *, bits, group_size, x_dtype, residual):
@@ -368,7 +374,7 @@ def test_qmv1_fused_norm(rng, device, x_dtype, bits, residual, side, n, k):
     rows = qmv1_rows(n, k, bits)
     assert stats["kernels"] == [qmv1_name(bits, "bf16" if np.dtype(x_dtype) == BF16 else "f32", rows)]
     assert stats["dispatches"] == 1
-    assert stats["threads"] == -(-n // rows) * 32 * qmv1_splits(k, bits)
+    assert stats["threads"] == -(-n // rows) * 32 * qmv1_splits(n, k, bits)
     if side:
         np.testing.assert_array_equal(h, h_ref)
         assert_close(xn, xn_ref[0], atol=norm_err * np.abs(xn_ref[0]) + 1e-30, rtol=rtol,

@@ -39,13 +39,14 @@ const char* qmm_route_name(QmmRoute r) {
   return "?";
 }
 
-uint32_t qmv1_splits(uint32_t K, uint32_t bits) {
+uint32_t qmv1_splits(uint32_t N, uint32_t K, uint32_t bits) {
+  if (ceil_div(N, kQmv1Rows) >= kQmv1OneSplitGroups) return 1;  // lm_head: rows give the parallelism
   const uint32_t block = 32 * 128 / bits;  // codes per simdgroup per 16-byte-per-lane step
   return std::min<uint32_t>(kQmv1MaxSplits, (K + block - 1) / block);
 }
 
 uint32_t qmv1_rows(uint32_t N, uint32_t K, uint32_t bits) {
-  const uint64_t simdgroups = uint64_t(ceil_div(N, kQmv1Rows)) * qmv1_splits(K, bits);
+  const uint64_t simdgroups = uint64_t(ceil_div(N, kQmv1Rows)) * qmv1_splits(N, K, bits);
   return simdgroups >= kQmv1MinSimdgroups ? kQmv1Rows : 1;
 }
 
@@ -286,7 +287,7 @@ void encode_quantized_matmul(Encoder& enc, const QmmOperands& op) {
     enc.set_buffer(9, op.xn_out.buffer ? range(op.xn_out, op.K * xe) : x);
     // bytes_touched counts x, residual and norm_w once (as for every kernel: per-threadgroup
     // re-reads are cache hits; docs/kernels-matmul.md qmv1 gives the re-read volume of the 1-row kernels).
-    enc.dispatch({ceil_div(op.N, rows), 1, 1}, {32 * qmv1_splits(op.K, op.bits), 1, 1});
+    enc.dispatch({ceil_div(op.N, rows), 1, 1}, {32 * qmv1_splits(op.N, op.K, op.bits), 1, 1});
     const QmmFlops f = qmm_flops(1, op.N, op.K, op.bits, tensor_ops);
     enc.add_flops(f.executed, f.useful);
     return;

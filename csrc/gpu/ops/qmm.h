@@ -21,9 +21,10 @@ enum class QmmRoute : uint8_t {
 // the w binding start on 16-byte boundaries (qmm_bf16 loads 16 bytes at a time) and the caller
 // did not ask for fp32 operands (qmm_bf16_allowed); else qmm.
 QmmRoute qmm_route(uint32_t M, uint32_t bits = 4, bool tensor_ops = false, bool bf16_tiles = true);
-// Simdgroups per threadgroup of the qmv1 route (they split K): min(kQmv1MaxSplits, ceil(K / block)).
-uint32_t qmv1_splits(uint32_t K, uint32_t bits);
-// Rows per threadgroup of the qmv1 route: kQmv1Rows (4) when ceil(N / 4) * qmv1_splits(K, bits)
+// Simdgroups per threadgroup of the qmv1 route (they split K): min(kQmv1MaxSplits, ceil(K / block)),
+// or 1 where ceil(N / 4) >= kQmv1OneSplitGroups (lm_head).
+uint32_t qmv1_splits(uint32_t N, uint32_t K, uint32_t bits);
+// Rows per threadgroup of the qmv1 route: kQmv1Rows (4) when ceil(N / 4) * qmv1_splits(N, K, bits)
 // >= kQmv1MinSimdgroups (32 simdgroups per core on a 40-core GPU), else 1 (the *_r1 kernels: 4x
 // the threadgroups; each re-reads x (+ residual, norm_w) and recomputes the norm's sum of squares).
 // Real config: every projection keeps 4 except the 8-bit router + shared gate (N = 257, K = 2048:
