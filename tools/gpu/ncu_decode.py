@@ -1,0 +1,75 @@
+"""Nsight Compute's counters for every kernel of one decode step (docs/gpu.md, "Counters").
+
+    ncu --clock-control none --profile-from-start off --csv --log-file OUT.csv \
+        --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,\
+l1tex__throughput.avg.pct_of_peak_sustained_active,sm__inst_issued.avg.pct_of_peak_sustained_active \
+        python3 tools/gpu/ncu_decode.py run CKPT POSITION
+    python3 tools/gpu/ncu_decode.py table OUT.csv
+
+``run`` loads CKPT on cuda with serial launches (LILY_CUDA_GRAPHS=0, so ncu sees each kernel),
+then profiles exactly one greedy decode step (cuProfilerStart/Stop
+around it). ``table`` maps the cubin entries to host names (the installed manifest.txt) and
+prints per kernel: launches, µs, DRAM, L1/TEX and issue-slot utilisation (% of peak).
+"""
+import csv
+import ctypes
+import os
+import sys
+from collections import defaultdict
+
+METRICS = {"gpu__time_duration.sum": "us", "dram__throughput.avg.pct_of_peak_sustained_elapsed": "dram",
+           "l1tex__throughput.avg.pct_of_peak_sustained_active": "l1tex",
+           "sm__inst_issued.avg.pct_of_peak_sustained_active": "issue"}
+
+
+def run(ckpt, position):
+    os.environ["LILY_CUDA_GRAPHS"] = "0"
+    import lily_py
+    m = lily_py.load(ckpt, backend="cuda", context_length=position + 16, verbose=False)
+    e = m._backend.engine  # the step at POSITION over whatever the cache holds: only time counts
+    cuda = ctypes.CDLL("libcuda.so.1")
+    g = dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, step=0, valid_vocab=0)
+    e.time_step(1, position, sample=g, repeats=1, trials=1)  # warm: every pipeline once
+    cuda.cuProfilerStart()
+    e.time_step(1, position, sample=g, repeats=1, trials=1, per_dispatch=False)
+    cuda.cuProfilerStop()
+
+
+def manifest():
+    """{cubin entry: host name}: $LILY_CUDA_MANIFEST, else the installed cuda_kernels/manifest.txt."""
+    import lily_py
+    path = os.environ.get("LILY_CUDA_MANIFEST") or os.path.join(
+        os.path.dirname(lily_py.__file__), "cuda_kernels", "manifest.txt")
+    names = {}
+    for line in open(path):
+        _cubin, entry, host = line.split()
+        names[entry] = host
+    return names
+
+
+def table(path):
+    names = manifest()
+    rows = defaultdict(lambda: defaultdict(list))
+    text = open(path).read()
+    lines = text[text.index('"ID"'):].splitlines()
+    for r in csv.DictReader(lines):
+        key = METRICS.get(r.get("Metric Name"))
+        if key is None:
+            continue
+        name = r["Kernel Name"].split("(")[0]
+        v = float(r["Metric Value"].replace(",", ""))
+        if key == "us":
+            v *= {"ns": 1e-3, "nsecond": 1e-3, "ms": 1e3, "msecond": 1e3}.get(r.get("Metric Unit"), 1.0)
+        rows[names.get(name, name)][key].append(v)
+    print(f"{'kernel':40} {'n':>3} {'us':>8} {'DRAM%':>6} {'L1TEX%':>7} {'issue%':>7}")
+    for k, d in sorted(rows.items(), key=lambda kv: -sum(kv[1]["us"])):
+        n = len(d["us"])
+        avg = lambda x: sum(d[x]) / max(len(d[x]), 1)
+        print(f"{k:40} {n:3d} {avg('us'):8.1f} {avg('dram'):6.1f} {avg('l1tex'):7.1f} {avg('issue'):7.1f}")
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "run":
+        run(sys.argv[2], int(sys.argv[3]))
+    else:
+        table(sys.argv[2])
