@@ -26,7 +26,7 @@ import lily_py
 from lily_py.backends.engine import _tensors, checkpoint_quant, count_step, engine_spec
 from lily_py.checkpoint import load_weights
 from lily_py.errors import CheckpointError
-from lily_py.sizes import config_recipe, human, needs, weight_bytes
+from lily_py.sizes import config_recipe, human, mixed, needs, weight_bytes
 from lily_py.testing import TINY_TEXT_CONFIG, make_checkpoint
 
 from engine_backend import ENGINE, require_engine
@@ -237,3 +237,13 @@ def test_info_and_plan_count_the_mixed_checkpoints_bytes():
                          capture_output=True, text=True, check=True).stdout
     n = needs(cfg, config_recipe(cfg), 64)
     assert f"weights {human(real)} " in out and f"({n['total']} bytes)" in out
+
+
+def test_sizes_mixed_recipes_are_mlx_lms():
+    """lily_py.sizes.mixed (docs/memory.md's mixed 3/4 row) gives every module the width mlx-lm's
+    own mixed_3_4 / mixed_4_6 predicate gives it (recorded by make_mixed_bits.py on 40 layers)."""
+    recorded = json.loads((FIX / "recipes.json").read_text())
+    for name, (low, high) in (("mixed_3_4", (3, 4)), ("mixed_4_6", (4, 6))):
+        ours = mixed(low, high, 40)
+        got = {module: list(ours(module)) for module in recorded[name]}
+        assert got == recorded[name], name
