@@ -627,8 +627,13 @@ def decode_floor_bytes(cfg: ModelConfig, *, position: int, quant: dict | None = 
     and lm_head), each DeltaNet layer's recurrent state and conv window read and written once,
     and each attention layer's KV cache read for ``position + 1`` rows and one row written.
     Activations (a few KB per kernel, the 1 MB logits row) are not in the floor; the conv window
-    has the activation dtype (``activations``, default the quantization's: bf16 for the real one)."""
+    has the activation dtype (``activations``, default the quantization's: bf16 for the real one).
+    Every weight counts at its own width (``quant_overrides``: a mixed-bit checkpoint)."""
     q = quant or REAL_QUANT
+    over = q.get("quant_overrides", {})
+
+    def qb(rows: int, cols: int, name: str, cls: str) -> int:
+        return _qbytes(rows, cols, over.get(name, q[cls]))
     xe = 2 if (activations or checkpoint_activations(q)) == "bfloat16" else 4
     H, V = cfg.hidden_size, cfg.vocab_size
     E, k, I, Is = (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
@@ -637,22 +642,27 @@ def decode_floor_bytes(cfg: ModelConfig, *, position: int, quant: dict | None = 
                       cfg.linear_key_head_dim, cfg.linear_value_head_dim)
     C, K = 2 * Hk * Dk + Hv * Dv, cfg.linear_conv_kernel_dim
     D, kv, hq = cfg.head_dim, cfg.num_key_value_heads, cfg.num_attention_heads
-    parts = {"embedding row": _qbytes(1, H, q["embed"]), "lm_head": _qbytes(V, H, q["lm_head"]),
+    parts = {"embedding row": qb(1, H, "embed", "embed"), "lm_head": qb(V, H, "lm_head", "lm_head"),
              "norms": 4 * H * (2 * cfg.num_hidden_layers + 1)}
     mixer = state = kv_bytes = moe = 0
     for i in range(cfg.num_hidden_layers):
+        p = f"layers.{i}."
         if cfg.is_full_attention(i):
-            mixer += _qbytes(2 * hq * D + 2 * kv * D, H, q["mixer"]) + _qbytes(H, hq * D, q["mixer"])
+            mixer += (qb(2 * hq * D, H, p + "qkv_proj:q", "mixer") + qb(kv * D, H, p + "qkv_proj:k", "mixer")
+                      + qb(kv * D, H, p + "qkv_proj:v", "mixer") + qb(H, hq * D, p + "o_proj", "mixer"))
             mixer += 2 * 4 * D                                            # q_norm, k_norm
             kv_bytes += 2 * kv * D * 2 * (position + 1) + 2 * kv * D * 2  # K, V read; new row written
         else:
-            P = 2 * Hk * Dk + 2 * Hv * Dv + 2 * Hv
-            mixer += _qbytes(P, H, q["mixer"]) + _qbytes(H, Hv * Dv, q["mixer"])
+            mixer += (qb(C, H, p + "in_proj:qkv", "mixer") + qb(Hv * Dv, H, p + "in_proj:z", "mixer")
+                      + qb(Hv, H, p + "in_proj:b", "mixer") + qb(Hv, H, p + "in_proj:a", "mixer")
+                      + qb(H, Hv * Dv, p + "out_proj", "mixer"))
             mixer += C * K * 4 + 2 * Hv * 4 + Dv * 4                      # conv1d, A_log, dt_bias, norm
             state += 2 * (Hv * Dv * Dk * 4) + 2 * ((K - 1) * C * xe)      # state and conv window, r + w
-        moe += _qbytes(E + 1, H, q["router"])
-        moe += k * (2 * _qbytes(I, H, q["experts_q"]) + _qbytes(H, I, q["experts_q"]))
-        moe += 2 * _qbytes(Is, H, q["experts_q"]) + _qbytes(H, Is, q["experts_q"])
+        moe += qb(E, H, p + "router:router", "router") + qb(1, H, p + "router:shared_expert_gate", "router")
+        moe += k * (qb(I, H, p + "experts.gate", "experts_q") + qb(I, H, p + "experts.up", "experts_q")
+                    + qb(H, I, p + "experts.down", "experts_q"))
+        moe += (qb(Is, H, p + "shared.gate", "experts_q") + qb(Is, H, p + "shared.up", "experts_q")
+                + qb(H, Is, p + "shared.down", "experts_q"))
     parts.update({"mixers": mixer, "moe (router, routed + shared experts)": moe,
                   "deltanet state r+w": state, "kv cache": kv_bytes})
     parts["total"] = sum(parts.values())
