@@ -255,3 +255,27 @@ def test_sizes_mixed_recipes_are_mlx_lms():
         ours = mixed(low, high, 40)
         got = {module: list(ours(module)) for module in recorded[name]}
         assert got == recorded[name], name
+
+
+def test_split_weights_are_served_from_the_aligned_checkpoints_pages(tmp_path, expected):
+    """After `lily-py align`, the runs of the split route (one tensor, or agreeing parts back to
+    back) are bound at their file offsets like any other weight, and the model still runs."""
+    from lily_py.tools.align import align_checkpoint
+    dst = tmp_path / "aligned"
+    align_checkpoint(CKPT, dst)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (dst / name).write_bytes((CKPT / name).read_bytes())
+    emu = lily_py.load(dst, backend=ENGINE, context_length=64, activations="float32", weights="map")
+    placed = {d["name"]: d for d in emu._backend.engine.weight_sources()}
+    split = [n for n in placed if ":" in n]
+    assert len(split) == 3 * sum(len(parts) for parts in SPLIT.values())
+    # (a tensor whose size is not a multiple of 16 bytes goes last in the aligned layout and may be
+    # copied, as in a uniform checkpoint: tests/model/test_zero_copy.py)
+    unmapped = [n for n in split if placed[n]["file"] is None]
+    assert all(placed[n]["bytes"] % 16 for n in unmapped), unmapped
+    assert not [n for n in unmapped if n.endswith(".weight")], unmapped
+    ref = lily_py.load(CKPT, backend="reference", context_length=64)
+    prompt = expected["prompt"].tolist()
+    want = ref.prefill(prompt)
+    assert_close(emu.prefill(prompt), want, atol=2.0 ** -7 * float(np.abs(want).max()), rtol=0,
+                 what="aligned, mapped split weights")
