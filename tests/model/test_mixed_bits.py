@@ -279,3 +279,23 @@ def test_split_weights_are_served_from_the_aligned_checkpoints_pages(tmp_path, e
     want = ref.prefill(prompt)
     assert_close(emu.prefill(prompt), want, atol=2.0 ** -7 * float(np.abs(want).max()), rtol=0,
                  what="aligned, mapped split weights")
+
+
+@pytest.mark.parametrize("tokens,position", [(1, 5), (5, 0), (12, 3)])
+def test_split_route_plan_has_no_hazard_and_needs_every_barrier(tokens, position):
+    """The emulator's plan check (every `device` binding counts as written, tests/model/
+    test_step_barriers.py): the runs of one token side by side are free of hazards, and each
+    barrier of the plan, those between the runs of a chunk included, orders something."""
+    import lily_py._core as core
+    m = lily_py.load(CKPT, backend="emu", context_length=64, prefill_chunk=12)
+    e = m._backend.engine
+    st = e.check(tokens, position)
+    unneeded = []
+    for k in range(st["barriers"]):
+        try:
+            e.check(tokens, position, skip_barrier=k)
+        except core.EmulatorError as ex:
+            assert "hazard between dispatches with no barrier between them" in str(ex)
+        else:
+            unneeded.append(k)
+    assert unneeded == []

@@ -172,7 +172,10 @@ QmmOperands qmm_block(const QmmOperands& op, size_t i) {
   const uint64_t col = uint64_t(first) * (op.y_f32 ? 4 : dtype_size(op.x_dtype));
   b.y = Binding{op.y.buffer, op.y.offset + col, op.y.bytes > col ? op.y.bytes - col : 0};
   if (i > 0) b.h_out = b.xn_out = Binding{};  // the first block writes them
-  if (op.blocks.size() > 1) b.x_i8 = Binding{};
+  if (op.blocks.size() > 1) {
+    b.x_i8 = Binding{};
+    b.unused_out = b.y;
+  }
   return b;
 }
 
@@ -322,11 +325,13 @@ void encode_quantized_matmul(Encoder& enc, const QmmOperands& op) {
     enc.set_buffer(3, range(op.scales, uint64_t(op.N) * groups * se));
     enc.set_buffer(4, range(op.biases, uint64_t(op.N) * groups * se));
     enc.set_buffer(5, range(op.y, op.N * ye));
-    // Unused slots (flag clear) are bound to x (never read or written there).
+    // Unused slots (flag clear) are bound to x, the side outputs' to op.unused_out if bound (never
+    // read or written there).
+    const Binding unused_out = op.unused_out.buffer ? range(op.unused_out, op.N * ye) : x;
     enc.set_buffer(6, op.residual.buffer ? range(op.residual, op.K * xe) : x);
     enc.set_buffer(7, op.norm_weight.buffer ? range(op.norm_weight, uint64_t(op.K) * 4) : x);
-    enc.set_buffer(8, op.h_out.buffer ? range(op.h_out, op.K * xe) : x);
-    enc.set_buffer(9, op.xn_out.buffer ? range(op.xn_out, op.K * xe) : x);
+    enc.set_buffer(8, op.h_out.buffer ? range(op.h_out, op.K * xe) : unused_out);
+    enc.set_buffer(9, op.xn_out.buffer ? range(op.xn_out, op.K * xe) : unused_out);
     // bytes_touched counts x, residual and norm_w once (as for every kernel: per-threadgroup
     // re-reads are cache hits; docs/kernels-matmul.md qmv1 gives the re-read volume of the 1-row kernels).
     enc.dispatch({ceil_div(op.N, rows), 1, 1}, {32 * qmv1_splits(op.K, op.bits), 1, 1});

@@ -80,6 +80,10 @@ struct QmmOperands {
   Binding residual;     // [K] of x_dtype; unbound: h = x
   Binding h_out, xn_out;  // [K] of x_dtype; both bound or both unbound
   float eps = 1e-6f;
+  // qmv1: what the h_out / xn_out slots bind when those are unbound (never read or written there);
+  // unbound: x. A block of a split projection binds its own y (qmm_block): blocks side by side
+  // then share no writable binding (the plan check counts every `device` binding as written).
+  Binding unused_out;
   // Optional: the weight as row blocks of different quantization (their rows add up to N); w,
   // scales, biases, scale_dtype, bits and group_size are then ignored. encode_quantized_matmul
   // encodes one product per block into y's columns [first row of the block, + rows), each on the
