@@ -120,6 +120,30 @@ def test_engine_greedy_equals_reference_on_the_m5_path(expected):
     assert emu.generate_text(prompt, max_tokens=16).tokens == expected["greedy"].tolist()
 
 
+@pytest.mark.parametrize("tensor_ops", [False, True])
+@pytest.mark.parametrize("chunk", [64, 4096])
+def test_long_prompt_in_chunks_on_both_matmul_paths(expected, chunk, tensor_ops):
+    """An 84-token prompt (the fixture's prompt and greedy tokens, three times) in chunks of 64
+    and at once: the DeltaNet chunked route, the tiled matmuls (simdgroup qmm, or qmm_m5 with
+    tensor ops) on every run of the split projections, the MoE's tiled route; then greedy decode."""
+    from lily_py.testing import simulated_device
+    ids = (expected["prompt"].tolist() + expected["greedy"].tolist()) * 3
+    if tensor_ops:
+        with simulated_device(tensor_ops=True):
+            emu = lily_py.load(CKPT, backend=ENGINE, context_length=128, prefill_chunk=chunk,
+                               activations="float32")
+    else:
+        emu = lily_py.load(CKPT, backend=ENGINE, context_length=128, prefill_chunk=chunk, activations="float32")
+    ref = lily_py.load(CKPT, backend="reference", context_length=128)
+    got, want = emu.prefill(ids), ref.prefill(ids)
+    scale = float(np.abs(want).max())
+    for step in range(4):
+        assert_close(got, want, atol=2.0 ** -7 * scale, rtol=0, what=f"chunk {chunk}, step {step}")
+        tok = int(np.argmax(want))
+        assert int(np.argmax(got)) == tok, step
+        got, want = emu.decode(tok), ref.decode(tok)
+
+
 def test_split_route_dispatch_counts():
     """Each fused projection whose parts form n runs costs n - 1 dispatches more than the fused
     route; one token adds no barrier (the blocks write disjoint ranges of the output), a chunk of
