@@ -269,6 +269,10 @@ def test_info_and_plan_count_the_mixed_checkpoints_bytes():
                          capture_output=True, text=True, check=True).stdout
     n = needs(cfg, config_recipe(cfg), 64)
     assert f"weights {human(real)} " in out and f"({n['total']} bytes)" in out
+    # the widths besides the default: 8-bit g64 (q, three 8-bit routers and four shared gates),
+    # 8-bit g128 (z, o_proj, lm_head), 8-bit g32 (out_proj), 4-bit g32 (k, b, two down)
+    assert ("quantization: 4-bit g64 by default; per module: 4-bit g32 x4, 8-bit g32 x1, "
+            "8-bit g64 x8, 8-bit g128 x3") in out
 
 
 def test_sizes_mixed_recipes_are_mlx_lms():
