@@ -32,6 +32,9 @@ FULL_TIER: dict[str, str] = {
         "int8 opt-in greedy (254 s); quick keeps tests/kernels/test_*_m5i8.py"),
     "tests/model/test_engine_m5.py::test_demo_greedy_on_the_m5_path[[]64]": (
         "47 s; quick keeps the 4096 chunk of the same test"),
+    "tests/model/test_mixed_bits.py::test_long_prompt_in_chunks_on_both_matmul_paths[[]*-True]": (
+        "the split route's M5 path on an 84-token prompt (8 s); quick keeps the simdgroup path of the "
+        "same test and test_engine_greedy_equals_reference_on_the_m5_path (12-token chunks)"),
     "tests/model/test_bf16_activations.py::test_engine_bf16_error_no_larger_than_mlx_lm_bf16[[]*m1_m4]": (
         "bf16 error vs mlx-lm on the M1-M4 path (25 s); quick keeps the M5 path's four checkpoints "
         "(which share every non-matmul kernel)"),

@@ -31,14 +31,15 @@ T get(const nb::dict& d, const char* key) {
   return nb::cast<T>(d[key]);
 }
 
-core::QuantSpec quant(const nb::dict& d, const char* key) {
-  nb::dict q = get<nb::dict>(d, key);
+core::QuantSpec quant_spec(const nb::dict& q, const std::string& key) {
   core::QuantSpec s;
   s.bits = get<uint32_t>(q, "bits");
   s.group_size = get<uint32_t>(q, "group_size");
-  s.scale_dtype = gpu::parse_dtype(get<std::string>(q, "scale_dtype"), std::string(key) + " scale_dtype");
+  s.scale_dtype = gpu::parse_dtype(get<std::string>(q, "scale_dtype"), key + " scale_dtype");
   return s;
 }
+
+core::QuantSpec quant(const nb::dict& d, const char* key) { return quant_spec(get<nb::dict>(d, key), key); }
 
 core::ModelSpec spec_from(const nb::dict& d) {
   core::ModelSpec s;
@@ -66,6 +67,11 @@ core::ModelSpec spec_from(const nb::dict& d) {
   s.mixer = quant(d, "mixer");
   s.experts_q = quant(d, "experts_q");
   s.router = quant(d, "router");
+  if (d.contains("quant_overrides"))  // mixed-bit checkpoints: {engine weight or part name: quant dict}
+    for (auto [k, v] : get<nb::dict>(d, "quant_overrides")) {
+      const std::string name = nb::cast<std::string>(k);
+      s.quant_overrides[name] = quant_spec(nb::cast<nb::dict>(v), name);
+    }
   s.context_length = get<uint32_t>(d, "context_length");
   s.prefill_chunk = get<uint32_t>(d, "prefill_chunk");
   s.logit_rows = get<uint32_t>(d, "logit_rows");
@@ -136,6 +142,7 @@ void init_engine(nb::module_& m) {
       [] {
         nb::dict d;
         d["bits"] = std::vector<uint32_t>(std::begin(core::kEngineBits), std::end(core::kEngineBits));
+        d["expert_bits"] = std::vector<uint32_t>(std::begin(core::kEngineExpertBits), std::end(core::kEngineExpertBits));
         d["group_sizes"] = std::vector<uint32_t>(std::begin(core::kEngineGroupSizes), std::end(core::kEngineGroupSizes));
         return d;
       },

@@ -28,11 +28,44 @@ namespace {
 
 std::string num(uint64_t v) { return std::to_string(v); }
 
-void check_quant(const QuantSpec& q, const char* what) {
-  if (std::find(std::begin(kEngineBits), std::end(kEngineBits), q.bits) == std::end(kEngineBits))
-    fail(std::string(what) + ": bits=" + num(q.bits) + " unsupported (4 or 8)");
-  if (std::find(std::begin(kEngineGroupSizes), std::end(kEngineGroupSizes), q.group_size) == std::end(kEngineGroupSizes))
-    fail(std::string(what) + ": group_size=" + num(q.group_size) + " unsupported (32, 64 or 128)");
+template <size_t N>
+std::string list(const uint32_t (&v)[N]) {
+  std::string s;
+  for (uint32_t x : v) s += (s.empty() ? "" : "/") + num(x);
+  return s;
+}
+
+// experts: read by the MoE expert kernels (kEngineExpertBits), else by the quantized matmul or
+// the embedding (kEngineBits).
+void check_quant(const QuantSpec& q, const std::string& what, bool experts = false) {
+  const bool bits_ok = experts ? std::ranges::find(kEngineExpertBits, q.bits) != std::end(kEngineExpertBits)
+                               : std::ranges::find(kEngineBits, q.bits) != std::end(kEngineBits);
+  if (!bits_ok)
+    fail(what + ": bits=" + num(q.bits) + " unsupported (" + (experts ? list(kEngineExpertBits) : list(kEngineBits)) +
+         ")");
+  if (std::ranges::find(kEngineGroupSizes, q.group_size) == std::end(kEngineGroupSizes))
+    fail(what + ": group_size=" + num(q.group_size) + " unsupported (" + list(kEngineGroupSizes) + ")");
+}
+
+std::string describe(const QuantSpec& q) { return num(q.bits) + "-bit group " + num(q.group_size); }
+
+// Every name ModelSpec::quant_overrides may hold -> whether the MoE expert kernels read it.
+std::map<std::string, bool> quant_names(const ModelSpec& s) {
+  std::map<std::string, bool> n{{"embed", false}, {"lm_head", false}};
+  for (uint32_t i = 0; i < s.layers; ++i) {
+    const std::string p = "layers." + num(i) + ".";
+    if (s.full_attention[i]) {
+      for (const char* part : kQkvParts) n[p + "qkv_proj:" + part] = false;
+      n[p + "o_proj"] = false;
+    } else {
+      for (const char* part : kInProjParts) n[p + "in_proj:" + part] = false;
+      n[p + "out_proj"] = false;
+    }
+    for (const char* part : kRouterParts) n[p + "router:" + part] = false;
+    for (const char* w : {"experts.gate", "experts.up", "experts.down", "shared.gate", "shared.up", "shared.down"})
+      n[p + w] = true;
+  }
+  return n;
 }
 
 // The MoE scratch for T tokens (moe_scratch_bytes reads only the shape fields).
@@ -61,8 +94,27 @@ void ModelSpec::validate() const {
   check_quant(embed, "embed");
   check_quant(lm_head, "lm_head");
   check_quant(mixer, "mixer projections");
-  check_quant(experts_q, "experts");
+  check_quant(experts_q, "experts", true);
   check_quant(router, "router");
+  const std::map<std::string, bool> names = quant_names(*this);
+  for (const auto& [name, q] : quant_overrides) {
+    auto it = names.find(name);
+    if (it == names.end()) fail("quant_overrides: the model has no weight (or fused part) '" + name + "'");
+    check_quant(q, name, it->second);
+  }
+  // The MoE kernels read the routed and the shared expert in one dispatch per stage: gate + up
+  // (experts.gate, experts.up, shared.gate, shared.up) and down (experts.down, shared.down).
+  for (uint32_t i = 0; i < layers; ++i) {
+    const std::string p = "layers." + num(i) + ".";
+    for (const auto& stage : {std::vector<std::string>{"experts.gate", "experts.up", "shared.gate", "shared.up"},
+                              std::vector<std::string>{"experts.down", "shared.down"}}) {
+      const QuantSpec& first = quant(p + stage[0], experts_q);
+      for (const std::string& w : stage)
+        if (!(quant(p + w, experts_q) == first))
+          fail(p + w + " is " + describe(quant(p + w, experts_q)) + " but " + p + stage[0] + " is " + describe(first) +
+               ": one MoE kernel reads both (the stage's matrices must agree in quantization)");
+    }
+  }
   if (!(eps > 0)) fail("eps must be > 0");
 }
 
@@ -93,7 +145,35 @@ gpu::QuantWeight alloc_quant(Allocator& a, const std::string& name, uint64_t row
   if (cols % q.group_size) fail(name + ": in-features " + num(cols) + " not a multiple of group_size " + num(q.group_size));
   const uint64_t w = count * rows * cols * q.bits / 8;
   const uint64_t s = count * rows * (cols / q.group_size) * gpu::dtype_size(q.scale_dtype);
-  return gpu::QuantWeight{a.weight(name + ".weight", w), a.weight(name + ".scales", s), a.weight(name + ".biases", s)};
+  return gpu::QuantWeight{a.weight(name + ".weight", w), a.weight(name + ".scales", s), a.weight(name + ".biases", s), q,
+                          uint32_t(rows)};
+}
+
+// A projection fused at load from `parts` (name within `name`, rows; in row order) of class
+// default `cls`: one weight `name` when every part has the same quantization (the fused route),
+// else one weight per run of agreeing neighbours, "name:part+part" (the split route: one dispatch
+// per run). lily_py uploads the same runs (backends/engine.py: fused_runs).
+template <size_t N>
+gpu::QuantBlocks alloc_fused(Allocator& a, const ModelSpec& s, const std::string& name, const char* const (&parts)[N],
+                             const uint64_t (&rows)[N], uint64_t cols, const QuantSpec& cls) {
+  struct Run {
+    std::string label;
+    uint64_t rows;
+    QuantSpec q;
+  };
+  std::vector<Run> runs;
+  for (size_t i = 0; i < N; ++i) {
+    const QuantSpec& q = s.quant(name + ":" + parts[i], cls);
+    if (!runs.empty() && runs.back().q == q) {
+      runs.back().label += std::string("+") + parts[i];
+      runs.back().rows += rows[i];
+    } else {
+      runs.push_back({parts[i], rows[i], q});
+    }
+  }
+  gpu::QuantBlocks out;
+  for (const Run& r : runs) out.push_back(alloc_quant(a, runs.size() == 1 ? name : name + ":" + r.label, r.rows, cols, r.q));
+  return out;
 }
 
 // Every buffer of the engine for spec `s`: weights in checkpoint order, the conversation state
@@ -106,7 +186,7 @@ void build_buffers(const ModelSpec& s, Allocator& a, gpu::ModelBuffers& m_, bool
   const uint64_t xe = gpu::dtype_size(s.activations);  // bytes per activation element
 
   // Weights, in checkpoint order.
-  m_.embed = alloc_quant(a, "embed", V, H, s.embed);
+  m_.embed = alloc_quant(a, "embed", V, H, s.quant("embed", s.embed));
   for (uint32_t i = 0; i < s.layers; ++i) {
     const std::string p = "layers." + num(i) + ".";
     gpu::Layer L;
@@ -115,15 +195,16 @@ void build_buffers(const ModelSpec& s, Allocator& a, gpu::ModelBuffers& m_, bool
     L.post_norm = a.weight(p + "post_norm", H * 4);
     if (L.attention) {
       const uint64_t D = s.head_dim, kv = uint64_t(s.kv_heads) * s.context_length * D * 2;  // bf16
-      L.at.qkv_proj = alloc_quant(a, p + "qkv_proj", s.attn_qkv_rows(), H, s.mixer);
-      L.at.o_proj = alloc_quant(a, p + "o_proj", H, uint64_t(s.q_heads) * D, s.mixer);
+      const uint64_t nkv = uint64_t(s.kv_heads) * D;
+      L.at.qkv_proj = alloc_fused(a, s, p + "qkv_proj", kQkvParts, {2ull * s.q_heads * D, nkv, nkv}, H, s.mixer);
+      L.at.o_proj = alloc_quant(a, p + "o_proj", H, uint64_t(s.q_heads) * D, s.quant(p + "o_proj", s.mixer));
       L.at.q_norm = a.weight(p + "q_norm", D * 4);
       L.at.k_norm = a.weight(p + "k_norm", D * 4);
       L.at.k_cache = a.state(kv, true);
       L.at.v_cache = a.state(kv, true);
     } else {
-    L.dn.in_proj = alloc_quant(a, p + "in_proj", P, H, s.mixer);
-    L.dn.out_proj = alloc_quant(a, p + "out_proj", H, VD, s.mixer);
+    L.dn.in_proj = alloc_fused(a, s, p + "in_proj", kInProjParts, {C, VD, Hv, Hv}, H, s.mixer);
+    L.dn.out_proj = alloc_quant(a, p + "out_proj", H, VD, s.quant(p + "out_proj", s.mixer));
     L.dn.conv = a.weight(p + "conv1d", C * K * 4);
     L.dn.A_log = a.weight(p + "A_log", Hv * 4);
     L.dn.dt_bias = a.weight(p + "dt_bias", Hv * 4);
@@ -132,17 +213,18 @@ void build_buffers(const ModelSpec& s, Allocator& a, gpu::ModelBuffers& m_, bool
     L.dn.conv_state[1] = a.state((K - 1) * C * xe, false);
     L.dn.state = a.state(Hv * s.lin_v_dim * s.lin_k_dim * 4, false);
     }
-    L.moe.router = alloc_quant(a, p + "router", E + 1, H, s.router);
-    L.moe.gate = alloc_quant(a, p + "experts.gate", I, H, s.experts_q, E);
-    L.moe.up = alloc_quant(a, p + "experts.up", I, H, s.experts_q, E);
-    L.moe.down = alloc_quant(a, p + "experts.down", H, I, s.experts_q, E);
-    L.moe.shared_gate = alloc_quant(a, p + "shared.gate", Is, H, s.experts_q);
-    L.moe.shared_up = alloc_quant(a, p + "shared.up", Is, H, s.experts_q);
-    L.moe.shared_down = alloc_quant(a, p + "shared.down", H, Is, s.experts_q);
+    L.moe.router = alloc_fused(a, s, p + "router", kRouterParts, {E, 1}, H, s.router);
+    const auto ex = [&](const char* w) { return s.quant(p + w, s.experts_q); };
+    L.moe.gate = alloc_quant(a, p + "experts.gate", I, H, ex("experts.gate"), E);
+    L.moe.up = alloc_quant(a, p + "experts.up", I, H, ex("experts.up"), E);
+    L.moe.down = alloc_quant(a, p + "experts.down", H, I, ex("experts.down"), E);
+    L.moe.shared_gate = alloc_quant(a, p + "shared.gate", Is, H, ex("shared.gate"));
+    L.moe.shared_up = alloc_quant(a, p + "shared.up", Is, H, ex("shared.up"));
+    L.moe.shared_down = alloc_quant(a, p + "shared.down", H, Is, ex("shared.down"));
     m_.layers.push_back(L);
   }
   m_.norm = a.weight("norm", H * 4);
-  m_.lm_head = alloc_quant(a, "lm_head", V, H, s.lm_head);
+  m_.lm_head = alloc_quant(a, "lm_head", V, H, s.quant("lm_head", s.lm_head));
 
   // Scratch for prefill_chunk tokens.
   const uint64_t T = s.prefill_chunk;

@@ -47,14 +47,22 @@ class SerialEncoder final : public Encoder {
   bool dispatched_since_barrier_ = false;
 };
 
-ops::QuantLinear quant_linear(const QuantWeight& w, const core::QuantSpec& q) {
-  ops::QuantLinear l;
-  l.w = w.w;
-  l.scales = w.scales;
-  l.biases = w.biases;
-  l.scale_dtype = q.scale_dtype;
-  l.bits = q.bits;
-  l.group_size = q.group_size;
+// The split route of a fused projection (more than one block): the blocks' weights and rows.
+std::vector<ops::QmmBlock> qmm_blocks(const QuantBlocks& b) {
+  std::vector<ops::QmmBlock> out;
+  if (b.size() > 1)
+    for (const QuantWeight& w : b)
+      out.push_back({w.w, w.scales, w.biases, w.q.scale_dtype, w.q.bits, w.q.group_size, w.rows});
+  return out;
+}
+
+ops::QuantLinear quant_linear(const QuantWeight& w) {
+  return ops::QuantLinear{w.w, w.scales, w.biases, w.q.scale_dtype, w.q.bits, w.q.group_size, {}};
+}
+
+ops::QuantLinear quant_linear(const QuantBlocks& b) {
+  ops::QuantLinear l = quant_linear(b.front());
+  l.blocks = qmm_blocks(b);
   return l;
 }
 
@@ -71,8 +79,8 @@ void encode_deltanet(Encoder& enc, const core::ModelSpec& spec, const Layer& L, 
     g.in_norm = L.input_norm;
     g.in_norm_eps = spec.eps;
   }
-  g.in_proj = quant_linear(L.dn.in_proj, spec.mixer);
-  g.out_proj = quant_linear(L.dn.out_proj, spec.mixer);
+  g.in_proj = quant_linear(L.dn.in_proj);
+  g.out_proj = quant_linear(L.dn.out_proj);
   g.conv_weight = L.dn.conv;
   g.A_log = L.dn.A_log;
   g.dt_bias = L.dn.dt_bias;
@@ -108,9 +116,9 @@ void encode_attention(Encoder& enc, const core::ModelSpec& spec, const ModelBuff
     q.w = w.w;
     q.scales = w.scales;
     q.biases = w.biases;
-    q.scale_dtype = spec.mixer.scale_dtype;
-    q.bits = spec.mixer.bits;
-    q.group_size = spec.mixer.group_size;
+    q.scale_dtype = w.q.scale_dtype;
+    q.bits = w.q.bits;
+    q.group_size = w.q.group_size;
     return q;
   };
   ops::AttentionMixerOperands a;
@@ -119,7 +127,8 @@ void encode_attention(Encoder& enc, const core::ModelSpec& spec, const ModelBuff
     a.in_norm = L.input_norm;
     a.in_norm_eps = spec.eps;
   }
-  a.qkv_proj = weights(L.at.qkv_proj);
+  a.qkv_proj = weights(L.at.qkv_proj.front());
+  a.qkv_proj.blocks = qmm_blocks(L.at.qkv_proj);
   a.o_proj = weights(L.at.o_proj);
   a.qkv = s.qkv;
   a.q_norm = L.at.q_norm;
@@ -160,7 +169,8 @@ void encode_moe_block(Encoder& enc, const core::ModelSpec& spec, const Layer& L,
   m.x = s.xn;
   m.residual = s.h;
   m.out = s.x;
-  m.router = quant_matrix(L.moe.router);
+  m.router = quant_matrix(L.moe.router.front());
+  m.router_blocks = qmm_blocks(L.moe.router);
   m.gate = quant_matrix(L.moe.gate);
   m.up = quant_matrix(L.moe.up);
   m.down = quant_matrix(L.moe.down);
@@ -171,18 +181,20 @@ void encode_moe_block(Encoder& enc, const core::ModelSpec& spec, const Layer& L,
                               rows(s.moe_tile_stats, uint64_t(p.slot) * spec.layers + layer, 1, kMoeTileStats * 4),
                               s.x_i8, s.moe_h_i8};
   m.x_dtype = spec.activations;
-  m.scale_dtype = spec.experts_q.scale_dtype;
-  m.router_scale_dtype = spec.router.scale_dtype;
+  m.scale_dtype = L.moe.gate.q.scale_dtype;
+  m.router_scale_dtype = L.moe.router.front().q.scale_dtype;
   m.tokens = p.tokens;
   m.hidden = spec.hidden;
   m.experts = spec.experts;
   m.top_k = spec.top_k;
   m.inter = spec.moe_inter;
   m.shared_inter = spec.shared_inter;
-  m.bits = spec.experts_q.bits;
-  m.group_size = spec.experts_q.group_size;
-  m.router_bits = spec.router.bits;
-  m.router_group_size = spec.router.group_size;
+  m.bits = L.moe.gate.q.bits;  // the gate/up stage (ModelSpec::validate: gate, up and shared gate/up agree)
+  m.group_size = L.moe.gate.q.group_size;
+  m.down_bits = L.moe.down.q.bits;  // the down stage (down and shared down agree)
+  m.down_group_size = L.moe.down.q.group_size;
+  m.router_bits = L.moe.router.front().q.bits;
+  m.router_group_size = L.moe.router.front().q.group_size;
   ops::encode_moe(enc, m);
 }
 
@@ -224,12 +236,12 @@ void encode_step(Encoder& enc, const core::ModelSpec& spec, const ModelBuffers& 
   e.biases = m.embed.biases;
   e.out = t.x;
   e.out_dtype = act;
-  e.scale_dtype = spec.embed.scale_dtype;
+  e.scale_dtype = m.embed.q.scale_dtype;
   e.tokens = T;
   e.vocab = spec.vocab;
   e.D = H;
-  e.bits = spec.embed.bits;
-  e.group_size = spec.embed.group_size;
+  e.bits = m.embed.q.bits;
+  e.group_size = m.embed.q.group_size;
   ops::encode_embedding(enc, e);
   enc.barrier();  // x (embedding) -> input norm of layer 0
 
@@ -308,12 +320,12 @@ void encode_step(Encoder& enc, const core::ModelSpec& spec, const ModelBuffers& 
   head.y = rows(s.logits, logits_row, out_rows, uint64_t(spec.vocab) * 4);
   head.x_dtype = act;
   head.y_f32 = true;  // fp32 logits whatever the activations
-  head.scale_dtype = spec.lm_head.scale_dtype;
+  head.scale_dtype = m.lm_head.q.scale_dtype;
   head.M = out_rows;
   head.N = spec.vocab;
   head.K = H;
-  head.bits = spec.lm_head.bits;
-  head.group_size = spec.lm_head.group_size;
+  head.bits = m.lm_head.q.bits;
+  head.group_size = m.lm_head.q.group_size;
   ops::encode_quantized_matmul(enc, head);
   if (!p.sample) return;
   enc.barrier();  // logits -> sampler

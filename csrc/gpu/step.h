@@ -32,10 +32,16 @@ namespace lily::gpu {
 
 struct QuantWeight {
   Binding w, scales, biases;  // MLX affine: uint32 codes, [N, K / group] scales and biases
+  core::QuantSpec q;          // its bits, group size and scale dtype (ModelSpec::quant)
+  uint32_t rows = 0;          // N (of one matrix of a stack)
 };
+// A projection row-concatenated at load from parts (ModelSpec: kQkvParts, kInProjParts,
+// kRouterParts): one weight when the parts agree in quantization (the fused route), else one
+// block per run of agreeing parts, in row order (the split route: one dispatch per block).
+using QuantBlocks = std::vector<QuantWeight>;
 
 struct DeltaNetLayer {
-  QuantWeight in_proj;    // rows in_proj_qkv | in_proj_z | in_proj_b | in_proj_a, fused at load
+  QuantBlocks in_proj;    // rows in_proj_qkv | in_proj_z | in_proj_b | in_proj_a, fused at load
   QuantWeight out_proj;   // [hidden, Hv * Dv]
   Binding conv;           // float32 [C, K]
   Binding A_log, dt_bias, norm;  // float32 [Hv], [Hv], [Dv]
@@ -44,14 +50,14 @@ struct DeltaNetLayer {
 };
 
 struct AttentionLayer {
-  QuantWeight qkv_proj;   // rows q_proj (per head query | gate) | k_proj | v_proj, fused at load
+  QuantBlocks qkv_proj;   // rows q_proj (per head query | gate) | k_proj | v_proj, fused at load
   QuantWeight o_proj;     // [hidden, q_heads * head_dim]
   Binding q_norm, k_norm; // float32 [head_dim], effective multipliers
   Binding k_cache, v_cache;  // bf16 [kv_heads, context_length, head_dim]
 };
 
 struct MoeLayer {
-  QuantWeight router;  // rows router [E, H] | shared_expert_gate [1, H], fused at load
+  QuantBlocks router;  // rows router [E, H] | shared_expert_gate [1, H], fused at load
   QuantWeight gate, up, down;  // stacked experts
   QuantWeight shared_gate, shared_up, shared_down;
 };

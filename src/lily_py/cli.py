@@ -209,6 +209,14 @@ def cmd_info(a) -> int:
           f"{len(w.files)} weight file(s); {w.nbytes() / 1e6:.1f} MB of weights")
     if w.skipped:
         print("skipped: " + ", ".join(f"{n} tensor(s) of the {r}" for r, n in w.skipped.items()))
+    q = cfg.quantization
+    if q is not None and q.overrides:
+        from collections import Counter
+        widths = Counter((s.bits, s.group_size) for s in q.overrides.values()
+                         if (s.bits, s.group_size) != (q.bits, q.group_size))
+        if widths:
+            print(f"quantization: {q.bits}-bit g{q.group_size} by default; per module: "
+                  + ", ".join(f"{b}-bit g{g} x{n}" for (b, g), n in sorted(widths.items())))
     from .sizes import config_recipe, describe_fit
     recipe = config_recipe(cfg)
     if recipe is None:

@@ -9,9 +9,11 @@ dt_bias). The state, KV cache and scratch come from the engine's own plan
 
 Recipes follow mlx-lm's conversions (``mlx_lm.convert``): a uniform width ``-q --q-bits N``
 keeps the router and shared-expert gate at 8 bits (the qwen3_5_moe model's quant predicate), and
-``--quant-predicate mixed_3_4`` gives 4 bits to the embedding, lm_head, and the attention
-v_proj and expert/shared down_proj of the first and last eighth of the layers and of every third
-layer between, 3 bits to everything else (router included), groups of 64.
+``--quant-predicate mixed_3_4`` gives 4 bits to lm_head and to the attention v_proj and
+expert/shared down_proj of the first and last eighth of the layers and of every third layer
+between, 3 bits to everything else (embedding and router included), groups of 64
+(tests/fixtures/mixed_bits/recipes.json: mlx-lm's own predicate, checked by
+tests/model/test_mixed_bits.py).
 """
 from __future__ import annotations
 
@@ -94,7 +96,7 @@ def mixed(low: int, high: int, num_layers: int, group_size: int = 64) -> Recipe:
                 or (index - num_layers // 8) % 3 == 2)
         if more and ("v_proj" in module or "down_proj" in module):
             return high, group_size
-        if "lm_head" in module or "embed_tokens" in module:
+        if "lm_head" in module:
             return high, group_size
         return low, group_size
     return spec

@@ -112,8 +112,15 @@ def make_checkpoint(folder: str | os.PathLike, text_config: dict | None = None, 
                     fmt: str = "mlx", bits: int = 4, group_size: int = 64, dtype: str = "bf16",
                     seed: int = 0, std: float = 0.05, expert_layout: str = "fused",
                     hf_prefix: str = "model.language_model.", nested: bool = True,
-                    shards: int = 1, extra_tensors: dict[str, np.ndarray] | None = None) -> str:
-    """Write a random-weight checkpoint; returns the folder. See the module docstring."""
+                    shards: int = 1, extra_tensors: dict[str, np.ndarray] | None = None,
+                    quant_overrides: dict[str, tuple[int, int]] | None = None) -> str:
+    """Write a random-weight checkpoint; returns the folder. See the module docstring.
+
+    ``quant_overrides`` (mlx only): a mixed-bit checkpoint, as ``mlx_lm.convert --quant-predicate``
+    writes one: canonical module (``layers.3.self_attn.v_proj``, ``layers.1.mlp.experts.down_proj``
+    for the stacked experts, ``embed_tokens``) -> (bits, group_size), stored with those widths and
+    listed per module in the config's ``quantization``."""
+    overrides = dict(quant_overrides or {})
     if fmt not in ("mlx", "hf"):
         raise ValueError(f"fmt must be 'mlx' or 'hf', got {fmt!r}")
     text = dict(TINY_TEXT_CONFIG if text_config is None else text_config)
@@ -135,26 +142,29 @@ def make_checkpoint(folder: str | os.PathLike, text_config: dict | None = None, 
         # one generator per tensor: the same tensor gets the same values in every format
         rng = np.random.default_rng([seed, zlib.crc32(canon.encode())])
         if kind in ("linear", "linear8"):
-            b = 8 if kind == "linear8" else bits
+            b, g = overrides.pop(canon, (8 if kind == "linear8" else bits, group_size))
             sd = std if not canon.startswith(("embed", "lm_head")) else 1.0 if \
                 canon.startswith("embed") else std
-            if fmt == "mlx" and shape[-1] % group_size == 0:
-                w, s, bi = _random_quant(rng, shape, b, group_size, sd, dt)
+            if fmt == "mlx" and shape[-1] % g == 0:
+                w, s, bi = _random_quant(rng, shape, b, g, sd, dt)
                 tensors[name(canon) + ".weight"] = w
                 tensors[name(canon) + ".scales"] = s
                 tensors[name(canon) + ".biases"] = bi
-                if kind == "linear8":
-                    quant_block[name(canon)] = {"group_size": group_size, "bits": 8}
+                if (b, g) != (bits, group_size):
+                    quant_block[name(canon)] = {"group_size": g, "bits": b}
             else:
                 tensors[name(canon) + ".weight"] = _dense(rng, shape, sd, dt)
         elif kind == "experts":
             if fmt == "mlx":
                 base = name(canon).replace(".experts.", ".switch_mlp.")
-                if shape[-1] % group_size:       # mlx-lm leaves such modules unquantized
+                b, g = overrides.pop(canon, (bits, group_size))
+                if shape[-1] % g:       # mlx-lm leaves such modules unquantized
                     tensors[base + ".weight"] = _dense(rng, shape, std, dt)
                     continue
-                w, s, bi = _random_quant(rng, shape, bits, group_size, std, dt)
+                w, s, bi = _random_quant(rng, shape, b, g, std, dt)
                 tensors[base + ".weight"], tensors[base + ".scales"], tensors[base + ".biases"] = w, s, bi
+                if (b, g) != (bits, group_size):
+                    quant_block[base] = {"group_size": g, "bits": b}
             elif expert_layout == "fused":
                 w = _dense(rng, shape, std, dt)
                 if canon.endswith("gate_proj"):
@@ -181,6 +191,8 @@ def make_checkpoint(folder: str | os.PathLike, text_config: dict | None = None, 
                 tensors[name(canon)] = np.log(rng.uniform(1, 16, size=shape)).astype(np.float32)
             else:
                 tensors[name(canon)] = rng.uniform(-1, 1, size=shape).astype(dt)
+    if overrides:
+        raise ValueError(f"quant_overrides: no quantized module {sorted(overrides)[0]!r} in this model")
     for k, v in (extra_tensors or {}).items():
         tensors[k] = v
     if fmt == "mlx" and quant_block is not None:

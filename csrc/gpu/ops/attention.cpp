@@ -371,7 +371,7 @@ void encode_attention_mixer(Encoder& enc, const AttentionMixerOperands& op) {
   if (op.tokens == 0 || op.hidden == 0) fail(fn, "empty shape");
   const uint32_t T = op.tokens, D = op.head_dim;
   const uint64_t xs = dtype_size(op.dtype);
-  const bool fused = op.qkv_proj.w.buffer != nullptr;
+  const bool fused = op.qkv_proj.w.buffer != nullptr || !op.qkv_proj.blocks.empty();
   auto proj = [&](QmmOperands p, const Binding& x, const Binding& y, uint32_t K, uint32_t N, const char* what,
                   bool first = false) {
     p.x = x;

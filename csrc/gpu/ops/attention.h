@@ -105,7 +105,8 @@ void encode_attention_prefill(Encoder& enc, const AttentionOperands& op);
 struct AttentionMixerOperands {
   Binding x;                       // [tokens, hidden] of dtype
   QmmOperands q_proj, k_proj, v_proj, o_proj;  // weights, bits, group size, scale dtype
-  QmmOperands qkv_proj;            // fused alternative to q/k/v_proj (used when qkv_proj.w is bound)
+  QmmOperands qkv_proj;            // fused alternative to q/k/v_proj (used when qkv_proj.w is bound or
+                                   // it has blocks: q|k|v runs of different quantization)
   Binding qkv;                     // fused only: [tokens, q_heads * 2D + 2 * kv_heads * D] of dtype
   Binding q_norm, k_norm;          // [head_dim] of w_dtype
   Binding inv_freq;                // float32 [rotary_dim / 2]

@@ -434,6 +434,7 @@ void encode_gated_delta_mixer(Encoder& enc, const GatedDeltaMixerOperands& op) {
   in.norm_weight = op.in_norm;
   in.eps = op.in_norm_eps;
   in.x_i8 = op.x_i8;
+  in.blocks = op.in_proj.blocks;
   validate(in);
   encode_quantized_matmul(enc, in);
   enc.barrier();  // proj written -> read by conv1d / gated_delta_decode / gd_chunk_prep_conv (qkv columns) and the rule (z, b, a)

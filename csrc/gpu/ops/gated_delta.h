@@ -7,6 +7,7 @@
 
 #include "gpu/dtype.h"
 #include "gpu/encoder.h"
+#include "gpu/ops/qmm.h"
 
 namespace lily::gpu::ops {
 
@@ -125,12 +126,14 @@ struct QuantLinear {
   Binding w, scales, biases;
   DType scale_dtype = DType::f32;
   uint32_t bits = 4, group_size = 64;
+  std::vector<QmmBlock> blocks;  // optional: row blocks of different quantization (QmmOperands::blocks)
 };
 
 // The Gated DeltaNet token mixer of one layer for T tokens (decode: T = 1), from the normed
 // hidden states x to the mixer output (before the residual add):
 //   proj = x @ in_proj^T        in_proj = rows in_proj_qkv | in_proj_z | in_proj_b | in_proj_a
-//                               concatenated at load (same bits/group in the checkpoint)
+//                               concatenated at load (blocks: runs of parts that agree in
+//                               quantization, one dispatch each)
 //   qkv  = conv1d(proj[:, :C])  conv state rolled from conv_state_in to conv_state_out
 //   o    = gated_delta(qkv, z, a, b, ...)   recurrent state updated in place
 //   out  = o @ out_proj^T

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 
 #include "gpu/ops/qmm.h"
 
@@ -45,6 +46,17 @@ void bind_quant(Encoder& enc, uint32_t first, const QuantMatrix& m, QuantBytes b
     enc.set_touched(first + 1, b.s / count * used);
     enc.set_touched(first + 2, b.s / count * used);
   }
+}
+
+uint32_t down_bits(const MoeOperands& op) { return op.down_bits ? op.down_bits : op.bits; }
+uint32_t down_group(const MoeOperands& op) { return op.down_group_size ? op.down_group_size : op.group_size; }
+
+// The down stage's args: its own group size (mixed-bit checkpoints).
+MoeArgs down_args(MoeArgs a, const MoeOperands& op) {
+  a.group_size = down_group(op);
+  a.group_shift = 0;
+  while ((1u << a.group_shift) < a.group_size) ++a.group_shift;
+  return a;
 }
 
 MoeArgs make_args(const MoeOperands& op, MoeRoute route, bool tensor_ops) {
@@ -175,12 +187,15 @@ void validate(const MoeOperands& op) {
   if (op.experts > kMoeMaxExperts) fail("experts=" + num(op.experts) + " exceeds " + num(kMoeMaxExperts));
   if (op.top_k == 0 || op.top_k > op.experts || op.top_k > kMoeMaxTopK)
     fail("top_k=" + num(op.top_k) + " must be in [1, min(experts, " + num(kMoeMaxTopK) + ")]");
+  const uint32_t dbits = down_bits(op), dgs = down_group(op);
   if (op.bits != 4) fail("expert bits=" + num(op.bits) + " unsupported (4)");
+  if (dbits != 4) fail("expert down bits=" + num(dbits) + " unsupported (4)");
   if (op.scale_dtype != DType::bf16) fail("expert scales/biases must be bfloat16");
-  if (op.group_size != 32 && op.group_size != 64 && op.group_size != 128)
-    fail("group_size=" + num(op.group_size) + " unsupported (32, 64 or 128)");
-  for (auto [v, what] : {std::pair{op.hidden, "hidden"}, {op.inter, "inter"}, {op.shared_inter, "shared_inter"}})
-    if (v % op.group_size) fail(std::string(what) + "=" + num(v) + " is not a multiple of group_size=" + num(op.group_size));
+  for (uint32_t gs : {op.group_size, dgs})
+    if (gs != 32 && gs != 64 && gs != 128) fail("group_size=" + num(gs) + " unsupported (32, 64 or 128)");
+  for (auto [v, gs, what] : {std::tuple{op.hidden, op.group_size, "hidden"}, {op.inter, dgs, "inter"},
+                             {op.shared_inter, dgs, "shared_inter"}})
+    if (v % gs) fail(std::string(what) + "=" + num(v) + " is not a multiple of group_size=" + num(gs));
   if (uint64_t(op.tokens) * (op.top_k + 1) * std::max(op.hidden, std::max(op.inter, op.shared_inter)) >= (1ull << 32))
     fail("tokens * (top_k + 1) * features exceeds 32-bit indexing: split the chunk");
   const MoeScratchBytes sb = moe_scratch_bytes(op);
@@ -207,12 +222,15 @@ void validate(const MoeOperands& op) {
   const auto q = [&](uint64_t c, uint64_t N, uint64_t K) {
     return quant_bytes(c, N, K, op.bits, op.group_size, op.scale_dtype);
   };
+  const auto qd = [&](uint64_t c, uint64_t N, uint64_t K) {
+    return quant_bytes(c, N, K, dbits, dgs, op.scale_dtype);
+  };
   check(op.gate, q(E, I, H), "gate");
   check(op.up, q(E, I, H), "up");
-  check(op.down, q(E, H, I), "down");
+  check(op.down, qd(E, H, I), "down");
   check(op.shared_gate, q(1, Is, H), "shared_gate");
   check(op.shared_up, q(1, Is, H), "shared_up");
-  check(op.shared_down, q(1, H, Is), "shared_down");
+  check(op.shared_down, qd(1, H, Is), "shared_down");
   // The router goes through quantized_matmul, which validates bits / group size / bytes itself.
 }
 
@@ -232,7 +250,8 @@ bool moe_int8_allowed(const MoeOperands& op) {
   // 16-byte aligned (uint4 loads), large enough; else the half tiles, never an error.
   const MoeScratchBytes sb = moe_scratch_bytes(op);
   auto fits = [](const Binding& b, uint64_t bytes) { return b.buffer != nullptr && b.offset % 16 == 0 && b.bytes >= bytes; };
-  return op.x_dtype == DType::bf16 && op.bits == 4 && op.group_size % kI8StepK == 0 && op.hidden % kI8StepK == 0 &&
+  return op.x_dtype == DType::bf16 && op.bits == 4 && down_bits(op) == 4 && op.group_size % kI8StepK == 0 &&
+         down_group(op) % kI8StepK == 0 && op.hidden % kI8StepK == 0 &&
          op.inter == op.shared_inter && op.inter % kI8StepK == 0 && op.norm_weight.buffer == nullptr &&
          fits(op.scratch.x_i8, sb.x_i8) && fits(op.scratch.h_i8, sb.h_i8);
 }
@@ -242,6 +261,7 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
   const MoeRoute route = moe_route(op.tokens, op.top_k);
   const bool m5 = enc.tensor_ops();  // M5 plan and tile kernels (see step 4)
   const MoeArgs a = make_args(op, route, m5);
+  const MoeArgs ad = down_args(a, op);  // the down stage's group size
   const MoeScratchBytes sb = moe_scratch_bytes(op);
   const uint32_t T = op.tokens, H = op.hidden, E = op.experts, k = op.top_k;
   const uint32_t I = op.inter, Is = op.shared_inter;
@@ -249,6 +269,9 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
   const bool xb = op.x_dtype == DType::bf16;  // activations (x, logits, residual, out); h and y are fp32
   const auto q = [&](uint64_t c, uint64_t N, uint64_t K) {
     return quant_bytes(c, N, K, op.bits, op.group_size, op.scale_dtype);
+  };
+  const auto qd = [&](uint64_t c, uint64_t N, uint64_t K) {
+    return quant_bytes(c, N, K, down_bits(op), down_group(op), op.scale_dtype);
   };
   const Binding residual = range(op.residual.buffer ? op.residual : op.x, act, "residual");
   const MoeFlops flops = moe_expert_flops(T, k, E, H, I, Is, m5);
@@ -271,6 +294,7 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
   r.bits = op.router_bits;
   r.group_size = op.router_group_size;
   r.fp32_operands = true;  // the logits choose the experts: no bf16 operand rounding (qmm, not qmm_bf16)
+  r.blocks = op.router_blocks;
   if (op.norm_weight.buffer) {
     if (T != 1) fail("the folded post norm needs tokens == 1");
     if (op.residual.buffer == nullptr) fail("the folded post norm writes h to `residual`: bind it");
@@ -320,16 +344,17 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
     // 3. down projection x routing weights, shared expert x gate, residual add (selects the
     // experts from the logits again; writes ids and weights)
     enc.set_kernel(xb ? KernelId::moe_down_mv_b4_xbf16_sbf16 : KernelId::moe_down_mv_b4_xf32_sbf16);
-    enc.set_args(a);
+    enc.set_args(ad);
     enc.set_buffer(1, range(op.scratch.logits, sb.logits, "scratch.logits"));
     enc.set_buffer(2, range(op.scratch.ids, sb.ids, "scratch.ids"));
     enc.set_buffer(3, range(op.scratch.weights, sb.weights, "scratch.weights"));
     enc.set_buffer(4, range(op.scratch.h, sb.h, "scratch.h"));
-    bind_quant(enc, 5, op.down, q(E, H, I), "down", used, E);
-    bind_quant(enc, 8, op.shared_down, q(1, H, Is), "shared_down");
+    bind_quant(enc, 5, op.down, qd(E, H, I), "down", used, E);
+    bind_quant(enc, 8, op.shared_down, qd(1, H, Is), "shared_down");
     enc.set_buffer(11, residual);
     enc.set_buffer(12, range(op.out, act, "out"));
-    enc.dispatch({ceil_div(H, kMoeMvRows), T, 1}, {32 * sh.down_splits, 1, 1});
+    const MoeMvShape shd = moe_mv_shape(H, k, I, Is, down_bits(op));
+    enc.dispatch({ceil_div(H, kMoeMvRows), T, 1}, {32 * shd.down_splits, 1, 1});
     enc.add_flops(flops.down_executed, flops.down_useful);
     return;
   }
@@ -423,13 +448,13 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
     const bool few = kd.few;
     if (&kd != &kinds[0]) enc.barrier();  // y rows of the previous kind (see step 4)
     enc.set_kernel(kd.down);
-    enc.set_args(a);
+    enc.set_args(ad);
     enc.set_buffer(1, range(op.scratch.plan, sb.plan, "scratch.plan"));
     enc.set_buffer(2, range(op.scratch.row_weight, sb.row_weight, "scratch.row_weight"));
     if (i8 && &kd == &kinds[0]) enc.set_buffer(3, range(op.scratch.h_i8, sb.h_i8, "scratch.h_i8"));
     else enc.set_buffer(3, range(op.scratch.h, sb.h, "scratch.h"));
-    bind_quant(enc, 4, op.down, q(E, H, I), "down", used, E);
-    bind_quant(enc, 7, op.shared_down, q(1, H, Is), "shared_down");
+    bind_quant(enc, 4, op.down, qd(E, H, I), "down", used, E);
+    bind_quant(enc, 7, op.shared_down, qd(1, H, Is), "shared_down");
     enc.set_buffer(10, range(op.scratch.y, sb.y, "scratch.y"));
     enc.dispatch({ceil_div(H, kd.cols), std::max(kd.bound, 1u), 1},
                  {32 * (few ? kMoeMvSimdsPerGroup : kMoeTileSimds), 1, 1});

@@ -12,6 +12,7 @@
 
 #include "gpu/dtype.h"
 #include "gpu/encoder.h"
+#include "gpu/ops/qmm.h"
 
 namespace lily::gpu::ops {
 
@@ -109,8 +110,14 @@ struct MoeOperands {
   DType scale_dtype = DType::bf16;         // expert scales / biases
   DType router_scale_dtype = DType::bf16;  // router scales / biases
   uint32_t tokens = 0, hidden = 0, experts = 0, top_k = 0, inter = 0, shared_inter = 0;
-  uint32_t bits = 4, group_size = 64;               // every expert matrix
+  uint32_t bits = 4, group_size = 64;               // every expert matrix (but see down_bits)
   uint32_t router_bits = 8, router_group_size = 64;
+  // Mixed-bit checkpoints: the down stage's quantization (down and shared_down; one kernel reads
+  // both), 0: bits / group_size. The gate/up stage (gate, up, shared_gate, shared_up) has one.
+  uint32_t down_bits = 0, down_group_size = 0;
+  // Optional: the router's rows as blocks of different quantization (router | shared gate of a
+  // mixed-bit checkpoint; QmmOperands::blocks); router.w and router_bits are then ignored.
+  std::vector<QmmBlock> router_blocks;
   // Optional (tokens == 1): the post-mixer norm folded into the router. The router then reads
   // norm_x and norm_residual, normalizes h = norm_x + norm_residual with norm_weight (float32 [H])
   // itself, and its first threadgroup writes h to `residual` and the normalized row to `x` for the

@@ -156,8 +156,46 @@ KernelId qmm_kernel4(QmmRoute route, uint32_t bits, DType x, DType s, bool y_f32
 
 }  // namespace
 
+QmmOperands qmm_block(const QmmOperands& op, size_t i) {
+  QmmOperands b = op;
+  b.blocks.clear();
+  uint32_t first = 0;
+  for (size_t j = 0; j < i; ++j) first += op.blocks[j].rows;
+  const QmmBlock& blk = op.blocks.at(i);
+  b.w = blk.w;
+  b.scales = blk.scales;
+  b.biases = blk.biases;
+  b.scale_dtype = blk.scale_dtype;
+  b.bits = blk.bits;
+  b.group_size = blk.group_size;
+  b.N = blk.rows;
+  b.y_stride = op.y_stride ? op.y_stride : op.N;
+  const uint64_t col = uint64_t(first) * (op.y_f32 ? 4 : dtype_size(op.x_dtype));
+  b.y = Binding{op.y.buffer, op.y.offset + col, op.y.bytes > col ? op.y.bytes - col : 0};
+  if (i > 0) b.h_out = b.xn_out = Binding{};  // the first block writes them
+  if (op.blocks.size() > 1) {
+    b.x_i8 = Binding{};
+    b.unused_out = b.y;
+  }
+  return b;
+}
+
 void validate(const QmmOperands& op) {
   auto fail = [](const std::string& m) { throw std::invalid_argument("quantized_matmul: " + m); };
+  if (!op.blocks.empty()) {
+    uint64_t rows = 0;
+    for (const QmmBlock& b : op.blocks) rows += b.rows;
+    if (rows != op.N) fail("blocks have " + std::to_string(rows) + " rows, N=" + std::to_string(op.N));
+    need_bytes(op.y, ((uint64_t(op.M) - 1) * (op.y_stride ? op.y_stride : op.N) + op.N) * (op.y_f32 ? 4 : dtype_size(op.x_dtype)), "y");
+    for (size_t i = 0; i < op.blocks.size(); ++i) {
+      try {
+        validate(qmm_block(op, i));
+      } catch (const std::invalid_argument& e) {
+        fail("block " + std::to_string(i) + ": " + e.what());
+      }
+    }
+    return;
+  }
   if (op.bits != 4 && op.bits != 8) fail("bits=" + std::to_string(op.bits) + " unsupported (4 or 8)");
   if (op.group_size != 32 && op.group_size != 64 && op.group_size != 128)
     fail("group_size=" + std::to_string(op.group_size) + " unsupported (32, 64 or 128)");
@@ -248,6 +286,14 @@ bool qmm_m5_allowed(const QmmOperands& op) {
 }
 
 void encode_quantized_matmul(Encoder& enc, const QmmOperands& op) {
+  if (!op.blocks.empty()) {
+    validate(op);
+    for (size_t i = 0; i < op.blocks.size(); ++i) {
+      if (i > 0 && op.M > 1) enc.barrier();  // y: the blocks' ranges interleave by row (see QmmOperands::blocks)
+      encode_quantized_matmul(enc, qmm_block(op, i));
+    }
+    return;
+  }
   validate(op);
   const bool bf16_tiles = qmm_bf16_allowed(op);
   // A bf16-x, fp32-y product (lm_head's logits) takes qmm_m5's *_yf32 variant (4-bit) on such a device.
@@ -280,11 +326,13 @@ void encode_quantized_matmul(Encoder& enc, const QmmOperands& op) {
     enc.set_buffer(3, range(op.scales, uint64_t(op.N) * groups * se));
     enc.set_buffer(4, range(op.biases, uint64_t(op.N) * groups * se));
     enc.set_buffer(5, range(op.y, op.N * ye));
-    // Unused slots (flag clear) are bound to x (never read or written there).
+    // Unused slots (flag clear) are bound to x, the side outputs' to op.unused_out if bound (never
+    // read or written there).
+    const Binding unused_out = op.unused_out.buffer ? range(op.unused_out, op.N * ye) : x;
     enc.set_buffer(6, op.residual.buffer ? range(op.residual, op.K * xe) : x);
     enc.set_buffer(7, op.norm_weight.buffer ? range(op.norm_weight, uint64_t(op.K) * 4) : x);
-    enc.set_buffer(8, op.h_out.buffer ? range(op.h_out, op.K * xe) : x);
-    enc.set_buffer(9, op.xn_out.buffer ? range(op.xn_out, op.K * xe) : x);
+    enc.set_buffer(8, op.h_out.buffer ? range(op.h_out, op.K * xe) : unused_out);
+    enc.set_buffer(9, op.xn_out.buffer ? range(op.xn_out, op.K * xe) : unused_out);
     // bytes_touched counts x, residual and norm_w once (as for every kernel: per-threadgroup
     // re-reads are cache hits; docs/kernels-matmul.md qmv1 gives the re-read volume of the 1-row kernels).
     enc.dispatch({ceil_div(op.N, rows), 1, 1}, {32 * qmv1_splits(op.N, op.K, op.bits), 1, 1});

@@ -2,6 +2,7 @@
 // Kernels: shaders/qmm.metal. Route and tile constants: shaders/common/args.h.
 #pragma once
 #include <cstdint>
+#include <vector>
 
 #include "gpu/dtype.h"
 #include "gpu/encoder.h"
@@ -40,6 +41,15 @@ struct QmmFlops {
 QmmFlops qmm_flops(uint32_t M, uint32_t N, uint32_t K, uint32_t bits = 4, bool tensor_ops = false,
                    bool bf16_tiles = true);
 
+// One row block of a weight whose blocks differ in quantization: a projection fused at load from
+// parts that a mixed-bit checkpoint quantized differently (QmmOperands::blocks).
+struct QmmBlock {
+  Binding w, scales, biases;  // this block's rows, MLX affine layout
+  DType scale_dtype = DType::f32;
+  uint32_t bits = 4, group_size = 64;
+  uint32_t rows = 0;          // output features (columns of y) of this block
+};
+
 struct QmmOperands {
   Binding x;        // [M, x_stride] of x_dtype
   Binding w;        // uint32 [N, K * bits / 32]
@@ -71,7 +81,22 @@ struct QmmOperands {
   Binding residual;     // [K] of x_dtype; unbound: h = x
   Binding h_out, xn_out;  // [K] of x_dtype; both bound or both unbound
   float eps = 1e-6f;
+  // qmv1: what the h_out / xn_out slots bind when those are unbound (never read or written there);
+  // unbound: x. A block of a split projection binds its own y (qmm_block): blocks side by side
+  // then share no writable binding (the plan check counts every `device` binding as written).
+  Binding unused_out;
+  // Optional: the weight as row blocks of different quantization (their rows add up to N); w,
+  // scales, biases, scale_dtype, bits and group_size are then ignored. encode_quantized_matmul
+  // encodes one product per block into y's columns [first row of the block, + rows), each on the
+  // route its own bits choose: side by side for M == 1 (the blocks' y ranges are disjoint; only
+  // the first writes h_out / xn_out, every block normalizes x itself), with a barrier between
+  // blocks for M > 1 (their y ranges interleave by row: the hazard check binds whole ranges).
+  // x_i8 is used with one block only (the blocks would share the scratch).
+  std::vector<QmmBlock> blocks;
 };
+
+// The operands of block `i` of op.blocks as a plain product (x, the y columns of the block).
+QmmOperands qmm_block(const QmmOperands& op, size_t i);
 
 // The kernel a route uses for these bits / dtypes; throws std::invalid_argument when unsupported.
 // rows: the qmv1 route's rows per threadgroup (qmv1_rows(N, K, bits); 4 or 1), ignored by the others.

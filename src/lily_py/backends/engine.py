@@ -4,8 +4,11 @@ the C++ engine (``lily_py._core.Engine``, csrc/core/engine.h), one command buffe
 This module maps a loaded checkpoint onto the engine: it builds the engine's spec from the
 config, checks that every tensor has the quantization the engine's kernels take, and uploads the
 memory-mapped tensors once (the device buffer is the only copy; row-concatenated projections are
-fused by uploading their parts back to back). ``count_step`` computes a step's counters for any
-config - the real 35B one included - on the counting device, without weights.
+fused by uploading their parts back to back). Mixed-bit checkpoints: each weight's own bits and
+group size go into the spec (``quant_overrides``); a fused projection whose parts differ is
+uploaded as one weight per run of agreeing parts (``fused_runs``; docs/mixed-bits.md).
+``count_step`` computes a step's counters for any config - the real 35B one included - on the
+counting device, without weights.
 """
 from __future__ import annotations
 
@@ -87,19 +90,73 @@ def engine_spec(cfg: ModelConfig, quant: dict, *, context_length: int, prefill_c
     }
 
 
+def quant_parts(w: ModelWeights) -> list[tuple[str, str, object, str]]:
+    """Every quantized weight the engine takes, by part, in load order: (engine name, quant class,
+    Linear, canonical checkpoint module). A part of a fused projection is named
+    ``<fused>:<part>`` (csrc/core/model_spec.h: kQkvParts, kInProjParts, kRouterParts), the names
+    of ``ModelSpec::quant_overrides``."""
+    out = [("embed", "embed", w.embed, "embed_tokens")]
+    for i, lw in enumerate(w.layers):
+        p, mx, m = f"layers.{i}.", lw.mixer, lw.moe
+        if isinstance(mx, AttentionWeights):
+            a = p + "self_attn."
+            out += [(p + "qkv_proj:q", "mixer", mx.q_proj, a + "q_proj"),
+                    (p + "qkv_proj:k", "mixer", mx.k_proj, a + "k_proj"),
+                    (p + "qkv_proj:v", "mixer", mx.v_proj, a + "v_proj"),
+                    (p + "o_proj", "mixer", mx.o_proj, a + "o_proj")]
+        else:
+            a = p + "linear_attn."
+            out += [(p + "in_proj:qkv", "mixer", mx.in_proj_qkv, a + "in_proj_qkv"),
+                    (p + "in_proj:z", "mixer", mx.in_proj_z, a + "in_proj_z"),
+                    (p + "in_proj:b", "mixer", mx.in_proj_b, a + "in_proj_b"),
+                    (p + "in_proj:a", "mixer", mx.in_proj_a, a + "in_proj_a"),
+                    (p + "out_proj", "mixer", mx.out_proj, a + "out_proj")]
+        e = p + "mlp."
+        out += [(p + "router:router", "router", m.router, e + "gate"),
+                (p + "router:shared_expert_gate", "router", m.shared_expert_gate, e + "shared_expert_gate"),
+                (p + "experts.gate", "experts_q", m.gate_proj, e + "switch_mlp.gate_proj"),
+                (p + "experts.up", "experts_q", m.up_proj, e + "switch_mlp.up_proj"),
+                (p + "experts.down", "experts_q", m.down_proj, e + "switch_mlp.down_proj"),
+                (p + "shared.gate", "experts_q", m.shared_gate_proj, e + "shared_expert.gate_proj"),
+                (p + "shared.up", "experts_q", m.shared_up_proj, e + "shared_expert.up_proj"),
+                (p + "shared.down", "experts_q", m.shared_down_proj, e + "shared_expert.down_proj")]
+    out.append(("lm_head", "lm_head", w.lm_head, "lm_head"))
+    return out
+
+
+def fused_runs(parts: list[tuple[str, object]]) -> list[tuple[str, list[object]]]:
+    """How a projection fused at load from ``parts`` ([(part name, Linear)] in row order) is
+    uploaded: [(label, [Linear])] - one run of every part when they agree in quantization (the
+    fused route: one weight, one dispatch), else one run per group of agreeing neighbours (the
+    split route). Must match csrc/core/engine.cpp alloc_fused."""
+    runs: list[tuple[str, list[object], dict]] = []
+    for part, lin in parts:
+        q = _quant(lin, part)
+        if runs and runs[-1][2] == q:
+            runs[-1] = (runs[-1][0] + "+" + part, runs[-1][1] + [lin], q)
+        else:
+            runs.append((part, [lin], q))
+    return [(label, lins) for label, lins, _q in runs]
+
+
 def _tensors(cfg: ModelConfig, w: ModelWeights):
-    """(engine weight name, quant class or None, [parts]) for every engine weight. Parts are the
-    checkpoint's memory-mapped arrays (quantized) or small float32 vectors."""
+    """(engine weight name, quant class or None, [Linear], [parts]) for every engine weight.
+    Parts are the checkpoint's memory-mapped arrays (quantized) or small float32 vectors."""
     def q(name, cls, *lins):
         yield name + ".weight", cls, lins, [lin.w for lin in lins]
         yield name + ".scales", cls, lins, [lin.scales for lin in lins]
         yield name + ".biases", cls, lins, [lin.biases for lin in lins]
 
+    def fused(name, cls, **parts):
+        runs = fused_runs(list(parts.items()))
+        for label, lins in runs:
+            yield from q(name if len(runs) == 1 else f"{name}:{label}", cls, *lins)
+
     def f32(name, a):
         yield name, None, (), [np.ascontiguousarray(a, dtype=np.float32)]
 
     def moe(p, m):
-        yield from q(p + "router", "router", m.router, m.shared_expert_gate)
+        yield from fused(p + "router", "router", router=m.router, shared_expert_gate=m.shared_expert_gate)
         yield from q(p + "experts.gate", "experts_q", m.gate_proj)
         yield from q(p + "experts.up", "experts_q", m.up_proj)
         yield from q(p + "experts.down", "experts_q", m.down_proj)
@@ -114,13 +171,14 @@ def _tensors(cfg: ModelConfig, w: ModelWeights):
         yield from f32(p + "post_norm", lw.post_norm)
         mx = lw.mixer
         if isinstance(mx, AttentionWeights):
-            yield from q(p + "qkv_proj", "mixer", mx.q_proj, mx.k_proj, mx.v_proj)
+            yield from fused(p + "qkv_proj", "mixer", q=mx.q_proj, k=mx.k_proj, v=mx.v_proj)
             yield from q(p + "o_proj", "mixer", mx.o_proj)
             yield from f32(p + "q_norm", mx.q_norm)
             yield from f32(p + "k_norm", mx.k_norm)
             yield from moe(p, lw.moe)
             continue
-        yield from q(p + "in_proj", "mixer", mx.in_proj_qkv, mx.in_proj_z, mx.in_proj_b, mx.in_proj_a)
+        yield from fused(p + "in_proj", "mixer", qkv=mx.in_proj_qkv, z=mx.in_proj_z, b=mx.in_proj_b,
+                         a=mx.in_proj_a)
         yield from q(p + "out_proj", "mixer", mx.out_proj)
         yield from f32(p + "conv1d", mx.conv1d)
         yield from f32(p + "A_log", mx.A_log)
@@ -132,13 +190,23 @@ def _tensors(cfg: ModelConfig, w: ModelWeights):
 
 
 def checkpoint_quant(w: ModelWeights) -> dict:
-    """The engine's quantization classes, read off the first tensor of each class."""
+    """The engine's quantization: each class's default, read off the first tensor of the class,
+    and ``quant_overrides`` for every weight or fused part that differs from its class's default
+    (a mixed-bit checkpoint; engine names as in ``quant_parts``)."""
     first_dn = next((lw for lw in w.layers if not isinstance(lw.mixer, AttentionWeights)), None)
     mixer = first_dn.mixer.in_proj_qkv if first_dn is not None else w.layers[0].mixer.q_proj
     m = w.layers[0].moe
-    return {"embed": _quant(w.embed, "embed_tokens"), "lm_head": _quant(w.lm_head, "lm_head"),
-            "mixer": _quant(mixer, "layer 0 mixer projections"),
-            "experts_q": _quant(m.gate_proj, "layer 0 experts"), "router": _quant(m.router, "layer 0 router")}
+    quant = {"embed": _quant(w.embed, "embed_tokens"), "lm_head": _quant(w.lm_head, "lm_head"),
+             "mixer": _quant(mixer, "layer 0 mixer projections"),
+             "experts_q": _quant(m.gate_proj, "layer 0 experts"), "router": _quant(m.router, "layer 0 router")}
+    overrides = {}
+    for name, cls, lin, module in quant_parts(w):
+        q = _quant(lin, module)
+        if q != quant[cls]:
+            overrides[name] = q
+    if overrides:
+        quant["quant_overrides"] = overrides
+    return quant
 
 
 def _raw(a: np.ndarray) -> np.ndarray:
@@ -212,47 +280,61 @@ def _tensor_names(tensors) -> dict[tuple[str, int], str]:
             for ref in SafetensorsFile(fn).tensors.values()}
 
 
-def check_kernel_widths(tensors) -> None:
+def check_kernel_widths(tensors, w: ModelWeights | None = None) -> None:
     """CheckpointError naming the first tensor whose bit width or group size the engine's kernels
-    do not take (``lily_py._core.engine_quant_support()``), with its numbers."""
+    do not take (``lily_py._core.engine_quant_support()``: the quantized matmuls and embedding
+    take ``bits``, the MoE expert kernels ``expert_bits``), with its numbers; with ``w``, also the
+    first MoE stage whose matrices differ (``check_moe_stages``)."""
     support = _core().engine_quant_support()
     names = None
     for name, cls, lins, _parts in tensors:
+        widths = support["expert_bits"] if cls == "experts_q" else support["bits"]
         for lin in lins if cls is not None else ():
             if not isinstance(lin, QuantLinear):
                 continue
-            if lin.bits in support["bits"] and lin.group_size in support["group_sizes"]:
+            if lin.bits in widths and lin.group_size in support["group_sizes"]:
                 continue
             names = _tensor_names(tensors) if names is None else names
             loc = _file_offset(lin.w)
             where = f"{loc[0]}: tensor {names.get(loc, '?')!r}" if loc else f"engine weight {name!r}"
+            what = "MoE expert kernels" if cls == "experts_q" else "kernels"
             raise CheckpointError(
                 f"{where} (engine weight {name.rsplit('.', 1)[0]!r}, logical shape {list(lin.shape)}) "
-                f"is {lin.bits}-bit with group size {lin.group_size}; the engine's kernels take "
-                f"{'/'.join(map(str, support['bits']))}-bit weights in groups of "
+                f"is {lin.bits}-bit with group size {lin.group_size}; the engine's {what} take "
+                f"{'/'.join(map(str, widths))}-bit weights in groups of "
                 f"{'/'.join(map(str, support['group_sizes']))} (backend='reference' runs every MLX width)")
+    if w is not None:
+        check_moe_stages(w)
 
 
-def check_quant_classes(tensors, quant: dict) -> None:
-    """Raise BackendError for a tensor outside its quant class."""
-    for name, cls, lins, _parts in tensors:
-        if cls is not None:
-            for lin in lins:
-                got = _quant(lin, name)
-                if got != quant[cls]:
-                    raise BackendError(f"engine: {name.rsplit('.', 1)[0]} is quantized {got}, but the "
-                                       f"engine takes one quantization per class ({cls}: {quant[cls]}); "
-                                       "use backend='reference'")
+# The MoE kernels read the routed and the shared expert in one dispatch per stage: the matrices
+# of a stage must agree in quantization (csrc/core/engine.cpp ModelSpec::validate).
+MOE_STAGES = (("experts.gate", "experts.up", "shared.gate", "shared.up"), ("experts.down", "shared.down"))
+
+
+def check_moe_stages(w: ModelWeights) -> None:
+    """CheckpointError naming the first two modules of one MoE stage that differ in bits or group
+    size (a mixed-bit checkpoint the engine's MoE kernels cannot run)."""
+    parts = {name: (lin, module) for name, _cls, lin, module in quant_parts(w)}
+    for i in range(len(w.layers)):
+        for stage in MOE_STAGES:
+            (l0, m0) = parts[f"layers.{i}.{stage[0]}"]
+            for other in stage[1:]:
+                lin, module = parts[f"layers.{i}.{other}"]
+                if _quant(lin, module) != _quant(l0, m0):
+                    raise CheckpointError(
+                        f"{module} is {lin.bits}-bit group {lin.group_size} but {m0} is {l0.bits}-bit "
+                        f"group {l0.group_size}; the engine's MoE kernels read "
+                        f"{', '.join(parts[f'layers.{i}.{s}'][1] for s in stage)} in one dispatch, so "
+                        "they must agree in quantization (backend='reference' runs it)")
 
 
 def upload_weights(engine, cfg: ModelConfig, w: ModelWeights, quant: dict, *,
                    verbose: bool | None = None, tensors=None) -> None:
-    """Upload (copy) every tensor the engine did not bind to the mapped checkpoint files; raise
-    BackendError for a tensor outside its quant class. Shows bytes and shards on a terminal as it
-    goes (lily_py.progress; ``verbose=False``: never)."""
+    """Upload (copy) every tensor the engine did not bind to the mapped checkpoint files. Shows
+    bytes and shards on a terminal as it goes (lily_py.progress; ``verbose=False``: never)."""
     from ..progress import LoadProgress
     tensors = list(_tensors(cfg, w)) if tensors is None else tensors
-    check_quant_classes(tensors, quant)
     placed = {d["name"]: d for d in engine.weight_sources()}
     tensors = [t for t in tensors if placed[t[0]]["file"] is None]
     total = sum(np.asarray(p).nbytes for *_, parts in tensors for p in parts)
@@ -289,8 +371,7 @@ class EngineBackend:
         self.activations = activations or checkpoint_activations(quant)
         core = _core()
         tensors = list(_tensors(cfg, weights))
-        check_kernel_widths(tensors)
-        check_quant_classes(tensors, quant)
+        check_kernel_widths(tensors, weights)
         files, mapped, self.copy_reasons = mapping_plan(tensors)
         if weights_mode == "copy":
             files, mapped = [], {}
@@ -546,8 +627,13 @@ def decode_floor_bytes(cfg: ModelConfig, *, position: int, quant: dict | None = 
     and lm_head), each DeltaNet layer's recurrent state and conv window read and written once,
     and each attention layer's KV cache read for ``position + 1`` rows and one row written.
     Activations (a few KB per kernel, the 1 MB logits row) are not in the floor; the conv window
-    has the activation dtype (``activations``, default the quantization's: bf16 for the real one)."""
+    has the activation dtype (``activations``, default the quantization's: bf16 for the real one).
+    Every weight counts at its own width (``quant_overrides``: a mixed-bit checkpoint)."""
     q = quant or REAL_QUANT
+    over = q.get("quant_overrides", {})
+
+    def qb(rows: int, cols: int, name: str, cls: str) -> int:
+        return _qbytes(rows, cols, over.get(name, q[cls]))
     xe = 2 if (activations or checkpoint_activations(q)) == "bfloat16" else 4
     H, V = cfg.hidden_size, cfg.vocab_size
     E, k, I, Is = (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
@@ -556,22 +642,27 @@ def decode_floor_bytes(cfg: ModelConfig, *, position: int, quant: dict | None = 
                       cfg.linear_key_head_dim, cfg.linear_value_head_dim)
     C, K = 2 * Hk * Dk + Hv * Dv, cfg.linear_conv_kernel_dim
     D, kv, hq = cfg.head_dim, cfg.num_key_value_heads, cfg.num_attention_heads
-    parts = {"embedding row": _qbytes(1, H, q["embed"]), "lm_head": _qbytes(V, H, q["lm_head"]),
+    parts = {"embedding row": qb(1, H, "embed", "embed"), "lm_head": qb(V, H, "lm_head", "lm_head"),
              "norms": 4 * H * (2 * cfg.num_hidden_layers + 1)}
     mixer = state = kv_bytes = moe = 0
     for i in range(cfg.num_hidden_layers):
+        p = f"layers.{i}."
         if cfg.is_full_attention(i):
-            mixer += _qbytes(2 * hq * D + 2 * kv * D, H, q["mixer"]) + _qbytes(H, hq * D, q["mixer"])
+            mixer += (qb(2 * hq * D, H, p + "qkv_proj:q", "mixer") + qb(kv * D, H, p + "qkv_proj:k", "mixer")
+                      + qb(kv * D, H, p + "qkv_proj:v", "mixer") + qb(H, hq * D, p + "o_proj", "mixer"))
             mixer += 2 * 4 * D                                            # q_norm, k_norm
             kv_bytes += 2 * kv * D * 2 * (position + 1) + 2 * kv * D * 2  # K, V read; new row written
         else:
-            P = 2 * Hk * Dk + 2 * Hv * Dv + 2 * Hv
-            mixer += _qbytes(P, H, q["mixer"]) + _qbytes(H, Hv * Dv, q["mixer"])
+            mixer += (qb(C, H, p + "in_proj:qkv", "mixer") + qb(Hv * Dv, H, p + "in_proj:z", "mixer")
+                      + qb(Hv, H, p + "in_proj:b", "mixer") + qb(Hv, H, p + "in_proj:a", "mixer")
+                      + qb(H, Hv * Dv, p + "out_proj", "mixer"))
             mixer += C * K * 4 + 2 * Hv * 4 + Dv * 4                      # conv1d, A_log, dt_bias, norm
             state += 2 * (Hv * Dv * Dk * 4) + 2 * ((K - 1) * C * xe)      # state and conv window, r + w
-        moe += _qbytes(E + 1, H, q["router"])
-        moe += k * (2 * _qbytes(I, H, q["experts_q"]) + _qbytes(H, I, q["experts_q"]))
-        moe += 2 * _qbytes(Is, H, q["experts_q"]) + _qbytes(H, Is, q["experts_q"])
+        moe += qb(E, H, p + "router:router", "router") + qb(1, H, p + "router:shared_expert_gate", "router")
+        moe += k * (qb(I, H, p + "experts.gate", "experts_q") + qb(I, H, p + "experts.up", "experts_q")
+                    + qb(H, I, p + "experts.down", "experts_q"))
+        moe += (qb(Is, H, p + "shared.gate", "experts_q") + qb(Is, H, p + "shared.up", "experts_q")
+                + qb(H, Is, p + "shared.down", "experts_q"))
     parts.update({"mixers": mixer, "moe (router, routed + shared experts)": moe,
                   "deltanet state r+w": state, "kv cache": kv_bytes})
     parts["total"] = sum(parts.values())
