@@ -89,6 +89,8 @@ void ModelSpec::validate() const {
   if (lin_k_heads == 0 || lin_v_heads == 0 || lin_k_dim == 0 || lin_v_dim == 0) fail("empty DeltaNet dims");
   if (experts == 0 || top_k == 0 || moe_inter == 0 || shared_inter == 0) fail("empty MoE dims");
   if (context_length == 0) fail("context_length must be >= 1");
+  if (kv_block_tokens < 32 || (kv_block_tokens & (kv_block_tokens - 1)) != 0)
+    fail("kv_block_tokens must be a power of two >= 32, got " + num(kv_block_tokens));
   if (prefill_chunk == 0) fail("prefill_chunk must be >= 1");
   if (logit_rows == 0 || logit_rows > prefill_chunk) fail("logit_rows must be in [1, prefill_chunk]");
   check_quant(embed, "embed");
@@ -194,7 +196,8 @@ void build_buffers(const ModelSpec& s, Allocator& a, gpu::ModelBuffers& m_, bool
     L.input_norm = a.weight(p + "input_norm", H * 4);
     L.post_norm = a.weight(p + "post_norm", H * 4);
     if (L.attention) {
-      const uint64_t D = s.head_dim, kv = uint64_t(s.kv_heads) * s.context_length * D * 2;  // bf16
+      // bf16 pool [blocks, kv_heads, kv_block_tokens, D] (shaders/common/kv_blocks.h)
+      const uint64_t D = s.head_dim, kv = uint64_t(s.kv_blocks()) * s.kv_heads * s.kv_block_tokens * D * 2;
       const uint64_t nkv = uint64_t(s.kv_heads) * D;
       L.at.qkv_proj = alloc_fused(a, s, p + "qkv_proj", kQkvParts, {2ull * s.q_heads * D, nkv, nkv}, H, s.mixer);
       L.at.o_proj = alloc_quant(a, p + "o_proj", H, uint64_t(s.q_heads) * D, s.quant(p + "o_proj", s.mixer));
@@ -258,9 +261,10 @@ void build_buffers(const ModelSpec& s, Allocator& a, gpu::ModelBuffers& m_, bool
     t.attn = a.scratch(T * qd * xe);
     uint64_t partials = 0;  // the split-K partials for the longest context
     for (uint32_t len : {s.context_length, std::min<uint32_t>(s.context_length, 257u)})
-      partials = std::max(partials, gpu::ops::attention_scratch_bytes(s.q_heads, s.head_dim, len));
+      partials = std::max(partials, gpu::ops::attention_scratch_bytes(s.q_heads, s.head_dim, len, s.kv_block_tokens));
     t.attn_partials = a.scratch(partials);
     m_.inv_freq = a.scratch(uint64_t(s.rotary_dim / 2) * 4);  // filled by the Engine
+    m_.kv_table = a.scratch(uint64_t(s.kv_blocks()) * 4);     // filled by the Engine
   }
   gpu::ops::MoeScratchBytes mb;  // the largest over every chunk size (routes differ)
   for (uint32_t n = 1; n <= s.prefill_chunk; ++n) {
@@ -434,6 +438,11 @@ Engine::Engine(ModelSpec spec, std::unique_ptr<gpu::Device> device, const Weight
       file_buffers_[i].reset();
       files_[i].reset();
     }
+  if (m_.kv_table.buffer && m_.kv_table.buffer->has_storage()) {  // logical block b -> pool block b
+    std::vector<uint32_t> t(s.kv_blocks());
+    for (uint32_t b = 0; b < t.size(); ++b) t[b] = b;
+    m_.kv_table.buffer->write(m_.kv_table.offset, t.data(), t.size() * 4);
+  }
   if (m_.inv_freq.buffer) {
     const std::vector<float> f = gpu::ops::rope_inv_freq(s.rotary_dim, s.rope_theta);
     if (m_.inv_freq.buffer->has_storage()) m_.inv_freq.buffer->write(m_.inv_freq.offset, f.data(), f.size() * 4);
@@ -669,6 +678,11 @@ std::vector<gpu::Binding> Engine::state_buffers() const {
   return out;
 }
 
+size_t Engine::kv_filled_bytes(uint32_t position) const {
+  const size_t B = spec_.kv_block_tokens, blocks = (size_t(position) + B - 1) / B;
+  return blocks * spec_.kv_heads * B * spec_.head_dim * 2;
+}
+
 bool Engine::is_kv(size_t i) const { return std::find(kv_cache_.begin(), kv_cache_.end(), i) != kv_cache_.end(); }
 
 void Engine::require_idle(const char* what) const {
@@ -711,10 +725,9 @@ Snapshot Engine::snapshot() const {
     gpu::Buffer& b = *state_[i];
     if (!b.has_storage()) {
       s.buffers.emplace_back();
-    } else if (is_kv(i)) {  // rows [0, position) of every KV head
-      const size_t row = size_t(spec_.head_dim) * 2, cap = size_t(spec_.context_length) * row, n = position_ * row;
-      std::vector<char> v(spec_.kv_heads * n);
-      for (uint32_t h = 0; h < spec_.kv_heads; ++h) b.read(h * cap, v.data() + h * n, n);
+    } else if (is_kv(i)) {  // the filled blocks (pool blocks 0 .. ceil(position / B) - 1)
+      std::vector<char> v(kv_filled_bytes(position_));
+      b.read(0, v.data(), v.size());
       s.buffers.push_back(std::move(v));
     } else {
       std::vector<char> v(b.size());
@@ -729,19 +742,13 @@ void Engine::restore(const Snapshot& s) {
   discard_inflight();
   if (s.buffers.size() != state_.size() || s.position > spec_.context_length || s.conv_parity > 1)
     fail("snapshot is from a different engine");
-  const size_t row = size_t(spec_.head_dim) * 2, cap = size_t(spec_.context_length) * row;
   for (size_t i = 0; i < state_.size(); ++i) {
     gpu::Buffer& b = *state_[i];
     const bool has = b.has_storage();
-    const size_t want = !has ? 0 : is_kv(i) ? size_t(spec_.kv_heads) * s.position * row : b.size();
+    const size_t want = !has ? 0 : is_kv(i) ? kv_filled_bytes(s.position) : b.size();
     if (s.buffers[i].size() != want) fail("snapshot is from a different engine");
     if (!has) continue;
-    if (is_kv(i)) {
-      for (uint32_t h = 0; h < spec_.kv_heads; ++h)
-        b.write(h * cap, s.buffers[i].data() + h * size_t(s.position) * row, size_t(s.position) * row);
-    } else {
-      b.write(0, s.buffers[i].data(), want);
-    }
+    b.write(0, s.buffers[i].data(), want);
   }
   position_ = s.position;
   conv_parity_ = s.conv_parity;

@@ -266,6 +266,8 @@ class Engine {
   std::vector<std::string> weight_order_;
   std::vector<std::unique_ptr<gpu::Buffer>> state_, scratch_;
   std::vector<size_t> kv_cache_;  // indices into state_ of the KV caches
+  // Bytes of one KV pool's blocks that hold positions [0, position) (the table is the identity).
+  size_t kv_filled_bytes(uint32_t position) const;
   gpu::ModelBuffers m_;
   uint32_t position_ = 0, conv_parity_ = 0;
   bool valid_ = true;

@@ -52,6 +52,8 @@ struct ModelSpec {
   gpu::DType activations = gpu::DType::f32;
   // run-time sizes
   uint32_t context_length = 0;  // KV cache rows per attention layer
+  uint32_t kv_block_tokens = 1024;  // tokens per KV cache block (docs/memory.md: a power of two >= 32)
+  uint32_t kv_blocks() const { return (context_length + kv_block_tokens - 1) / kv_block_tokens; }
   uint32_t prefill_chunk = 0;   // most tokens one step encodes (scratch is sized for it)
   uint32_t logit_rows = 0;      // most rows of logits one step writes (all_logits)
 
