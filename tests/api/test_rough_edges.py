@@ -121,7 +121,7 @@ def test_max_tokens_default_is_the_same_and_help_shows_defaults(capsys):
         main(["generate", "--help"])
     out = " ".join(capsys.readouterr().out.split())
     for s in ["(default: 256)", "0 = greedy (default: 0.0)", "(default: auto)",
-              "(default: 32768, or the model's maximum", "1 = off (default: 1.0)"]:
+              "(default: the model's max_position_embeddings", "1 = off (default: 1.0)"]:
         assert s in out, s
 
 

@@ -123,8 +123,8 @@ AttnRoute attention_decode_route(uint32_t length, uint32_t head_dim, uint32_t bl
     r.split = r.vec = true;
     const uint32_t want = std::min<uint32_t>(kAttnVecMaxBlocks, (length + kAttnVecSimds - 1) / kAttnVecSimds);
     const uint32_t share = (length + want - 1) / want;
-    uint32_t keys = kAttnVecSimds;  // the share rounded up to a power of two, within one cache block
-    while (keys < share && keys * 2 <= block_tokens) keys *= 2;
+    uint32_t keys = kAttnVecSimds;  // the share rounded down to a power of two, within one cache block
+    while (keys * 2 <= share && keys * 2 <= block_tokens) keys *= 2;
     r.split_keys = keys;
     r.splits = (length + r.split_keys - 1) / r.split_keys;  // every block non-empty
     return r;
@@ -139,13 +139,14 @@ AttnRoute attention_decode_route(uint32_t length, uint32_t head_dim, uint32_t bl
 }
 
 uint64_t attention_scratch_bytes(uint32_t q_heads, uint32_t head_dim, uint32_t length, uint32_t block_tokens) {
-  // splits never exceed the number of blocks wanted (which grows with length), or on the vec route
-  // the cache blocks of the context where split_keys is capped at a cache block.
+  // splits never exceed the number of blocks wanted (which grows with length); on the vec route
+  // twice that (split_keys rounded down to a power of two), or the context's cache blocks where
+  // split_keys is capped at a cache block.
   uint32_t splits = 0;
   if (attention_decode_uses_vec(head_dim)) {
     const uint32_t want = std::min<uint32_t>(kAttnVecMaxBlocks, (length + kAttnVecSimds - 1) / kAttnVecSimds);
     const uint32_t cache_blocks = block_tokens == 0 ? 0 : (length + block_tokens - 1) / block_tokens;
-    splits = std::max(want, cache_blocks);
+    splits = std::max(2 * want, cache_blocks);
   }
   else if (length > kAttnSplitKeys) splits = std::min<uint32_t>(kAttnMaxSplits, (length + kAttnSplitKeys - 1) / kAttnSplitKeys);
   return uint64_t(q_heads) * splits * (uint64_t(head_dim) + 2) * 4;

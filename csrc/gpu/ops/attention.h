@@ -60,9 +60,9 @@ void encode_qk_norm_rope(Encoder& enc, const QkNormRopeOperands& op);
 // Decode route for a context of `length` keys (the new token's included) and head_dim:
 //  vec    head_dim 64, 128 or 256 (32 E, E = 2, 4, 8), any length: attn_decode_vec_e<E> over
 //         `splits` key blocks of `split_keys` keys (min(kAttnVecMaxBlocks, ceil(length / 8))
-//         blocks wanted; split_keys is that share rounded up to a power of two >= 8, at most
-//         block_tokens, so each threadgroup reads within one cache block; none empty; past
-//         80 cache blocks, one threadgroup per cache block), barrier,
+//         blocks wanted; split_keys is that share rounded down to a power of two >= 8 (so at
+//         most twice as many blocks), at most block_tokens, so each threadgroup reads within one
+//         cache block; none empty), barrier,
 //         attn_vec_combine_e<E>
 //  single other head_dims, length <= kAttnSplitKeys: one pass (attn_decode_*)
 //  split  other head_dims, longer: attn_decode_split_* + barrier + attn_combine_*

@@ -177,9 +177,9 @@ def _qk_norm_rope_append(qg, k, v, q_norm, k_norm, k_cache, v_cache, *, position
 def attention_decode_route(length: int, head_dim: int, block_tokens: int = ENGINE_BLOCK_TOKENS) -> dict:
     """How :func:`attention_decode` runs for ``length`` keys and ``head_dim``: ``{"route": "vec" |
     "single" | "split", "splits", "split_keys"}``. head_dim 64, 128 or 256: the "vec" route (lanes
-    split the head dim, at most min(80, ceil(length / 8)) key blocks per KV head, each a power of
-    two keys within one cache block of ``block_tokens`` (past 80 cache blocks: one per cache
-    block), then a combine pass).
+    split the head dim, min(80, ceil(length / 8)) key blocks per KV head wanted, each of that share
+    of the keys rounded down to a power of two (>= 8, so at most twice as many blocks) within one
+    cache block of ``block_tokens``, then a combine pass).
     Other head dims: up to 256 keys one pass; longer contexts split the keys into at most 32 ranges
     (multiples of 32 keys) and combine the partial softmaxes."""
     fn = "attention_decode_route"
