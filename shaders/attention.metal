@@ -1,6 +1,7 @@
 // Gated full attention: partial RoPE, fused q/k RMSNorm + RoPE + KV-cache append, decode attention
-// (GQA-packed, single or split-K route + combine) and causal prefill attention, all over a bf16 KV
-// cache laid out [kv_heads, capacity, head_dim]. Host: csrc/gpu/ops/attention.cpp. References:
+// (GQA-packed, single or split-K route + combine) and causal prefill attention, all over a paged
+// bf16 KV cache (pools [blocks, kv_heads, block_tokens, head_dim] read through a block table:
+// common/kv_blocks.h). Host: csrc/gpu/ops/attention.cpp. References:
 // lily_py.reference.kernels (rope, qk_norm_rope, attention). Args and route constants:
 // common/args_attention.h.
 //
@@ -10,6 +11,7 @@
 // fp32, exactly as lily_py.reference.ops.rope_cos_sin computes them (inv_freq comes from the host).
 #include "common/lily_metal.h"
 #include "common/mma.h"
+#include "common/kv_blocks.h"
 
 namespace lily {
 
@@ -49,8 +51,8 @@ template <typename T>
 // ---------------------------------------------------------------------------------------------
 // qk_norm_rope: the attention layer's step between the projections and attention, one dispatch:
 //   q head rows:  q = rope(rms_norm(qg[t, h, 0:D]) * (q_norm + weight_offset)) -> q_out (T)
-//   k head rows:  k = rope(rms_norm(k[t, h]) * (k_norm + weight_offset)) -> k_cache[h, position + t]
-//                 v[t, h] -> v_cache[h, position + t] (bf16)
+//   k head rows:  k = rope(rms_norm(k[t, h]) * (k_norm + weight_offset)) -> k_cache row (h, position + t)
+//                 v[t, h] -> v_cache row (h, position + t) (bf16; rows through block_table)
 //   grid:    (q_heads + kv_heads, tokens) threadgroups of 32 threads (one simdgroup: the sum of
 //            squares is one simd_sum, no barrier); group_pos.x < q_heads is a query head
 //   thread:  sum of squares over features lane, lane + 32, ...; then RoPE pairs as in `rope`
@@ -66,6 +68,7 @@ template <typename T, typename W>
                              device T* q_out [[buffer(7)]],
                              device bfloat* k_cache [[buffer(8)]],
                              device bfloat* v_cache [[buffer(9)]],
+                             const device uint32_t* block_table [[buffer(10)]],
                              LILY_KERNEL_TAIL) {
   const uint32_t t = group_pos.y;
   const uint32_t D = args.head_dim;
@@ -75,7 +78,7 @@ template <typename T, typename W>
   const device T* src = is_q ? qg + t * args.qg_stride + qh * 2 * D : k + t * args.k_stride + kvh * D;
   const device W* w = is_q ? q_norm : k_norm;
   device T* qo = q_out + (t * args.q_heads + qh) * D;
-  const uint32_t cache_row = (kvh * args.capacity + args.position + t) * D;
+  const uint32_t cache_row = kv_row_offset(block_table, args.block_shift, args.kv_heads, D, kvh, args.position + t);
 
   float ss = 0.0f;
   for (uint32_t c = lane; c < D; c += 32) {
@@ -140,13 +143,13 @@ struct AttnState {
 
 template <typename T, uint32_t Bq>
 inline void attend_keys(constant AttnArgs& args, const device T* q, const device bfloat* k_cache,
-                        const device bfloat* v_cache, threadgroup bfloat* kv_s, threadgroup float* p_s,
+                        const device bfloat* v_cache, const device uint32_t* block_table,
+                        threadgroup bfloat* kv_s, threadgroup float* p_s,
                         thread AttnState<Bq>& st, uint32_t kv_head, uint32_t t0, uint32_t key_begin,
                         uint32_t key_end, uint32_t tid, uint32_t threads, uint32_t lane, uint32_t simd_id) {
   const uint32_t D = args.head_dim;
   const uint32_t group = args.q_heads / args.kv_heads;
   const uint32_t h = kv_head * group + simd_id;
-  const uint32_t cache_base = kv_head * args.capacity * D;
   const uint32_t rot = (2 * lane) % D;  // bank-conflict-free start of lane's dot product
 
   for (uint32_t r = 0; r < Bq; ++r) {
@@ -157,9 +160,11 @@ inline void attend_keys(constant AttnArgs& args, const device T* q, const device
 
   for (uint32_t kb = key_begin; kb < key_end; kb += kAttnBlockKeys) {
     const uint32_t nkeys = min(uint32_t(kAttnBlockKeys), key_end - kb);
+    // Rows kb .. kb + 31 lie in one cache block (kb is a multiple of 32).
+    const uint32_t blk = kv_row_offset(block_table, args.block_shift, args.kv_heads, D, kv_head, kb);
     for (uint32_t e = tid; e < kAttnBlockKeys * D; e += threads) {
       const uint32_t j = e / D;
-      kv_s[e] = j < nkeys ? k_cache[cache_base + (kb + j) * D + e % D] : bfloat(0.0f);
+      kv_s[e] = j < nkeys ? k_cache[blk + j * D + e % D] : bfloat(0.0f);
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
@@ -190,7 +195,7 @@ inline void attend_keys(constant AttnArgs& args, const device T* q, const device
 
     for (uint32_t e = tid; e < kAttnBlockKeys * D; e += threads) {
       const uint32_t j = e / D;
-      kv_s[e] = j < nkeys ? v_cache[cache_base + (kb + j) * D + e % D] : bfloat(0.0f);
+      kv_s[e] = j < nkeys ? v_cache[blk + j * D + e % D] : bfloat(0.0f);
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
@@ -211,7 +216,7 @@ inline void attend_keys(constant AttnArgs& args, const device T* q, const device
 inline float attn_sigmoid(float g) { return 1.0f / (1.0f + exp(-g)); }
 
 // Single route (decode with <= kAttnSplitKeys keys) and prefill: normalizes, gates, writes out.
-//   buffers: q [tokens, q_heads, D] T, k_cache, v_cache bf16 [kv_heads, capacity, D],
+//   buffers: q [tokens, q_heads, D] T, k_cache, v_cache paged bf16 pools, block_table (buffer 6),
 //            gate T (see AttnArgs), out [tokens, q_heads, D] T
 template <typename T, uint32_t Bq>
 [[kernel]] void attention(constant AttnArgs& args [[buffer(0)]],
@@ -220,6 +225,7 @@ template <typename T, uint32_t Bq>
                           const device bfloat* v_cache [[buffer(3)]],
                           const device T* gate [[buffer(4)]],
                           device T* out [[buffer(5)]],
+                          const device uint32_t* block_table [[buffer(6)]],
                           LILY_KERNEL_TAIL) {
   LILY_TG_ARRAY(bfloat, kv_s, [kAttnBlockKeys * kAttnMaxHeadDim]);
   LILY_TG_ARRAY(float, p_s, [kAttnMaxGroup * Bq * kAttnBlockKeys]);
@@ -227,7 +233,7 @@ template <typename T, uint32_t Bq>
   const uint32_t t_last = min(t0 + Bq, args.tokens) - 1;
   const uint32_t key_end = args.position + t_last + 1;
   AttnState<Bq> st;
-  attend_keys<T, Bq>(args, q, k_cache, v_cache, kv_s, p_s, st, group_pos.x, t0, 0, key_end,
+  attend_keys<T, Bq>(args, q, k_cache, v_cache, block_table, kv_s, p_s, st, group_pos.x, t0, 0, key_end,
                      thread_pos.x, group_size.x, lane, simd_id);
 
   const uint32_t D = args.head_dim;
@@ -259,6 +265,7 @@ template <typename T>
                                 const device bfloat* v_cache [[buffer(3)]],
                                 device float* partial_o [[buffer(4)]],
                                 device float* partial_ml [[buffer(5)]],
+                                const device uint32_t* block_table [[buffer(6)]],
                                 LILY_KERNEL_TAIL) {
   LILY_TG_ARRAY(bfloat, kv_s, [kAttnBlockKeys * kAttnMaxHeadDim]);
   LILY_TG_ARRAY(float, p_s, [kAttnMaxGroup * kAttnBlockKeys]);
@@ -266,7 +273,7 @@ template <typename T>
   const uint32_t key_begin = split * args.split_keys;
   const uint32_t key_end = min(key_begin + args.split_keys, args.position + 1);
   AttnState<1> st;
-  attend_keys<T, 1>(args, q, k_cache, v_cache, kv_s, p_s, st, group_pos.x, 0, key_begin, key_end,
+  attend_keys<T, 1>(args, q, k_cache, v_cache, block_table, kv_s, p_s, st, group_pos.x, 0, key_begin, key_end,
                     thread_pos.x, group_size.x, lane, simd_id);
 
   const uint32_t D = args.head_dim;
@@ -379,7 +386,7 @@ struct VecRow<8> {
 // Then the 8 simdgroups' (m, l, o) are merged through threadgroup memory (one head at a time) and
 // written as the block's unnormalized partial.
 //   grid:    (kv_heads, blocks) threadgroups of kAttnVecSimds * 32 = 256 threads
-//   buffers: q [q_heads, D] T, k_cache, v_cache bf16 [kv_heads, capacity, D];
+//   buffers: q [q_heads, D] T, k_cache, v_cache paged bf16 pools, block_table (buffer 6);
 //            partial_o float [q_heads, blocks, D]; partial_ml float [q_heads, blocks, 2]
 //   registers per lane: q and o 2 x 8 x E floats, m and l 2 x 8, one K and one V slice (E each)
 //   threadgroup memory: 8 x D floats (o) + 8 x 8 x 2 floats (m, l)
@@ -391,6 +398,7 @@ template <typename T, uint32_t E>
                               const device bfloat* v_cache [[buffer(3)]],
                               device float* partial_o [[buffer(4)]],
                               device float* partial_ml [[buffer(5)]],
+                              const device uint32_t* block_table [[buffer(6)]],
                               LILY_KERNEL_TAIL) {
   constexpr uint32_t G = kAttnMaxGroup;
   constexpr uint32_t NS = kAttnVecSimds;
@@ -418,9 +426,11 @@ template <typename T, uint32_t E>
     l[g] = 0.0f;
   }
 
-  const device bfloat* k_row = k_cache + kvh * args.capacity * D + d0;
-  const device bfloat* v_row = v_cache + kvh * args.capacity * D + d0;
-  for (uint32_t key = key_begin + simd_id; key < key_end; key += NS) {
+  // The block's keys lie in one cache block (split_keys divides the cache block): one table read.
+  const uint32_t blk = kv_row_offset(block_table, args.block_shift, args.kv_heads, D, kvh, key_begin);
+  const device bfloat* k_row = k_cache + blk + d0;
+  const device bfloat* v_row = v_cache + blk + d0;
+  for (uint32_t key = simd_id; key < key_end - key_begin; key += NS) {
     float kv[E];
     float vv[E];
     VecRow<E>::bf16(k_row + key * D, kv);
@@ -554,6 +564,7 @@ template <typename T>
                                       const device bfloat* v_cache [[buffer(3)]],
                                       const device T* gate [[buffer(4)]],
                                       device T* out [[buffer(5)]],
+                                      const device uint32_t* block_table [[buffer(6)]],
                                       LILY_KERNEL_TAIL) {
   constexpr uint32_t R = kAttnMmaRows;
   constexpr uint32_t BK = kAttnBlockKeys;
@@ -574,7 +585,6 @@ template <typename T>
   const uint32_t t0 = group_pos.y * qt;
   const uint32_t t_last = min(t0 + qt, args.tokens) - 1;
   const uint32_t key_end = args.position + t_last + 1;
-  const uint32_t cache_base = kvh * args.capacity * D;
   const uint32_t t = thread_pos.x;
   const uint32_t row = t / 4;        // the row this thread loads and runs the softmax of
   const uint32_t col = (t % 4) * 8;  // its 8 columns
@@ -595,12 +605,13 @@ template <typename T>
 
   for (uint32_t kb = 0; kb < key_end; kb += BK) {
     const uint32_t nkeys = min(BK, key_end - kb);
+    const uint32_t blk = kv_row_offset(block_table, args.block_shift, args.kv_heads, D, kvh, kb);  // one cache block
     MmaTile<2, 2> sacc;
     mma_zero(sacc);
     for (uint32_t dc = 0; dc < D; dc += 32) {
       const device T* qr = q + row_tok * args.q_stride + row_head * D + dc + col;
       for (uint32_t i = 0; i < 8; ++i) qs[row * LD + col + i] = row_live ? float(qr[i]) : 0.0f;
-      const device bfloat* kr = k_cache + cache_base + (kb + min(row, nkeys - 1)) * D + dc + col;
+      const device bfloat* kr = k_cache + blk + min(row, nkeys - 1) * D + dc + col;
       for (uint32_t i = 0; i < 8; ++i) ks[row * LD + col + i] = row < nkeys ? float(kr[i]) : 0.0f;
       threadgroup_barrier(mem_flags::mem_threadgroup);
       for (uint32_t kk = 0; kk < 32; kk += 8) mma_step(sacc, qs + sm * LD + kk, LD, ks + sn * LD + kk, LD);
@@ -637,7 +648,7 @@ template <typename T>
       for (uint32_t e = t; e < BK * vc; e += kAttnMmaThreads) {
         const uint32_t j = e / vc;
         const uint32_t c = e % vc;
-        vs[j * LDV + c] = j < nkeys ? float(v_cache[cache_base + (kb + j) * D + pass * vc + c]) : 0.0f;
+        vs[j * LDV + c] = j < nkeys ? float(v_cache[blk + j * D + pass * vc + c]) : 0.0f;
       }
       threadgroup_barrier(mem_flags::mem_threadgroup);
       for (uint32_t i = 0; i < 4; ++i) {
@@ -716,6 +727,7 @@ template <uint32_t D>
                                         const device bfloat* v_cache [[buffer(3)]],
                                         const device bfloat* gate [[buffer(4)]],
                                         device bfloat* out [[buffer(5)]],
+                                        const device uint32_t* block_table [[buffer(6)]],
                                         LILY_KERNEL_TAIL) {
   constexpr uint32_t R = kAttnMmaRows;
   constexpr uint32_t BK = kAttnTilesKeyDims / D;  // keys per block
@@ -744,7 +756,6 @@ template <uint32_t D>
   const uint32_t t0 = group_pos.y * qt;
   const uint32_t t_last = min(t0 + qt, args.tokens) - 1;
   const uint32_t key_end = args.position + t_last + 1;
-  const uint32_t cache_base = kvh * args.capacity * D;
   const uint32_t t = thread_pos.x;
   // The row (0 .. 31) this lane runs the softmax and the output of.
   const uint32_t row = simd_id * 8 + lane / 4;
@@ -777,12 +788,16 @@ template <uint32_t D>
   float l = 0.0f;
 
   // Thread t stages units t and t + NT of each operand: key row u / U, columns 8 (u % U) ...
+  // Block kb's rows (kb, a multiple of BK <= 32, .. min(kb + BK, key_end) - 1) lie in one cache block.
   uint4 kr[PER], vr[PER];
-  for (uint32_t i = 0; i < PER; ++i) {
-    const uint32_t u = t + i * NT;
-    const uint32_t key = min(u / U, key_end - 1);
-    kr[i] = *reinterpret_cast<const device uint4*>(k_cache + cache_base + key * D + (u % U) * 8);
-    vr[i] = *reinterpret_cast<const device uint4*>(v_cache + cache_base + key * D + (u % U) * 8);
+  {
+    const uint32_t blk = kv_row_offset(block_table, args.block_shift, args.kv_heads, D, kvh, 0);
+    for (uint32_t i = 0; i < PER; ++i) {
+      const uint32_t u = t + i * NT;
+      const uint32_t key = min(u / U, key_end - 1);
+      kr[i] = *reinterpret_cast<const device uint4*>(k_cache + blk + key * D + (u % U) * 8);
+      vr[i] = *reinterpret_cast<const device uint4*>(v_cache + blk + key * D + (u % U) * 8);
+    }
   }
   for (uint32_t kb = 0, stage = 0; kb < key_end; kb += BK, stage ^= 1) {
     threadgroup bfloat* const ks = kv + stage * STAGE;
@@ -794,11 +809,13 @@ template <uint32_t D>
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
     if (kb + BK < key_end) {  // the next block's loads, in flight during this block's math
+      const uint32_t nb = kb + BK;
+      const uint32_t blk = kv_row_offset(block_table, args.block_shift, args.kv_heads, D, kvh, nb);
       for (uint32_t i = 0; i < PER; ++i) {
         const uint32_t u = t + i * NT;
-        const uint32_t key = min(kb + BK + u / U, key_end - 1);
-        kr[i] = *reinterpret_cast<const device uint4*>(k_cache + cache_base + key * D + (u % U) * 8);
-        vr[i] = *reinterpret_cast<const device uint4*>(v_cache + cache_base + key * D + (u % U) * 8);
+        const uint32_t key = min(nb + u / U, key_end - 1) - nb;
+        kr[i] = *reinterpret_cast<const device uint4*>(k_cache + blk + key * D + (u % U) * 8);
+        vr[i] = *reinterpret_cast<const device uint4*>(v_cache + blk + key * D + (u % U) * 8);
       }
     }
 

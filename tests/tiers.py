@@ -16,6 +16,9 @@ FULL_TIER: dict[str, str] = {
     "tests/kernels/test_quantized_matmul.py::test_qmv1_shapes_and_splits[[]*one_split*": (
         "40,961 rows to cross kQmv1OneSplitGroups (21 s on emu); quick keeps every other qmv1 shape "
         "and test_qmv1_rows_rule_matches_extension, which checks the split rule at the switch"),
+    "tests/model/test_kv_paging.py::test_greedy_equals_reference_past_several_blocks": (
+        "90 greedy tokens over 5 KV blocks (9 s); quick keeps test_blocks_grow_straddle_and_match_the_reference "
+        "(logits across block edges in prefill and decode) and tests/kernels/test_attention_paged.py"),
     # tests/model: whole-model runs on the emulator (most of the suite's time)
     "tests/model/test_engine.py::test_greedy_after_chunked_prefill[[]*": (
         "32 greedy tokens after chunks of 1 / 64 / 4096 on demo and real head dims (280 s); quick "

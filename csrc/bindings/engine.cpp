@@ -74,6 +74,7 @@ core::ModelSpec spec_from(const nb::dict& d) {
     }
   s.context_length = get<uint32_t>(d, "context_length");
   s.prefill_chunk = get<uint32_t>(d, "prefill_chunk");
+  if (d.contains("kv_block_tokens")) s.kv_block_tokens = get<uint32_t>(d, "kv_block_tokens");
   s.logit_rows = get<uint32_t>(d, "logit_rows");
   if (d.contains("activations")) s.activations = gpu::parse_dtype(get<std::string>(d, "activations"), "activations");
   return s;
@@ -275,6 +276,11 @@ void init_engine(nb::module_& m) {
            "Every weight's placement: name, bytes, file (index into the mapped files; None: its own "
            "buffer), offset in that file, why_copied (None when mapped).")
       .def_prop_ro("state_bytes", &core::Engine::state_bytes)
+      .def_prop_ro("kv_bytes", &core::Engine::kv_bytes, "Bytes of the KV pools allocated now.")
+      .def_prop_ro("kv_bytes_in_use", &core::Engine::kv_bytes_in_use,
+                   "Bytes of the KV blocks that hold the positions so far.")
+      .def_rw("kv_limit_bytes", &core::Engine::kv_limit_bytes,
+              "Most bytes the KV pools may take (0: the device's working set decides).")
       .def_prop_ro("scratch_bytes", &core::Engine::scratch_bytes)
       .def(
           "forward",

@@ -54,6 +54,23 @@ gpu::ops::QmmOperands qmm_weights(AttnRun& r, const InArray& w, const InArray& s
   return p;
 }
 
+// The paged cache of an op: pools [pool_blocks, Hkv, B, D] (checked by the caller) and the block
+// table uint32 [n], every entry < pool_blocks.
+gpu::ops::KvPaging kv_paging(AttnRun& r, const InArray& table, const char* fn, size_t pool_blocks, size_t B) {
+  LILY_REQUIRE(table.ndim() == 1 && table.dtype().bits == 32 && table.shape(0) >= 1,
+               std::string(fn) + ": block_table must be a 1-D uint32 array");
+  const uint32_t* t = static_cast<const uint32_t*>(table.data());
+  for (size_t i = 0; i < table.shape(0); ++i)
+    LILY_REQUIRE(t[i] < pool_blocks, std::string(fn) + ": block_table[" + std::to_string(i) + "] = " +
+                                         std::to_string(t[i]) + " is not a block of the pool (" +
+                                         std::to_string(pool_blocks) + " blocks)");
+  gpu::ops::KvPaging kv;
+  kv.table = r.input(table);
+  kv.block_tokens = u32(B);
+  kv.pool_blocks = u32(pool_blocks);
+  return kv;
+}
+
 }  // namespace
 
 void init_ops_attention(nb::module_& parent) {
@@ -67,6 +84,7 @@ void init_ops_attention(nb::module_& parent) {
   m.attr("ATTN_PREFILL_TOKENS") = static_cast<uint32_t>(kAttnPrefillTokens);
   m.attr("ATTN_MAX_HEAD_DIM") = static_cast<uint32_t>(kAttnMaxHeadDim);
   m.attr("ATTN_MAX_GROUP") = static_cast<uint32_t>(kAttnMaxGroup);
+  m.attr("ATTN_KV_MIN_BLOCK") = static_cast<uint32_t>(kAttnKvMinBlock);
 
   m.def("rope_inv_freq", [](uint32_t rotary_dim, double theta) {
     std::vector<float> f = gpu::ops::rope_inv_freq(rotary_dim, theta);
@@ -84,15 +102,16 @@ void init_ops_attention(nb::module_& parent) {
      "with tensor ops), 'tiles' (bf16 activations, head_dim 64, 128 or 256, no tensor ops), 'mma' (simdgroup "
      "matrices) or 'simd'.");
 
-  m.def("attention_decode_route", [](uint32_t length, uint32_t head_dim) {
-    const gpu::ops::AttnRoute r = gpu::ops::attention_decode_route(length, head_dim);
+  m.def("attention_decode_route", [](uint32_t length, uint32_t head_dim, uint32_t block_tokens) {
+    const gpu::ops::AttnRoute r = gpu::ops::attention_decode_route(length, head_dim, block_tokens);
     nb::dict d;
     d["route"] = r.vec ? "vec" : r.split ? "split" : "single";
     d["splits"] = r.splits;
     d["split_keys"] = r.split_keys;
     return d;
-  }, "length"_a, "head_dim"_a,
-     "Decode attention route for a context of `length` keys and head_dim: {route, splits, split_keys}.");
+  }, "length"_a, "head_dim"_a, "block_tokens"_a,
+     "Decode attention route for a context of `length` keys, head_dim and KV cache blocks of block_tokens: "
+     "{route, splits, split_keys}.");
 
   m.def(
       "rope",
@@ -123,7 +142,7 @@ void init_ops_attention(nb::module_& parent) {
   m.def(
       "qk_norm_rope",
       [](InArray qg, InArray k, InArray v, InArray q_norm, InArray k_norm, InArray k_cache, InArray v_cache,
-         uint32_t position, uint32_t rotary_dim, double theta, float eps, float weight_offset,
+         InArray block_table, uint32_t position, uint32_t rotary_dim, double theta, float eps, float weight_offset,
          const std::string& x_dtype, const std::string& w_dtype, const std::string& device,
          const std::string& order, uint64_t seed, bool fp_traps) {
         const char* fn = "qk_norm_rope";
@@ -131,25 +150,27 @@ void init_ops_attention(nb::module_& parent) {
         op.x_dtype = gpu::parse_dtype(x_dtype, "qk_norm_rope: qg");
         op.w_dtype = gpu::parse_dtype(w_dtype, "qk_norm_rope: q_norm");
         const size_t xb = gpu::dtype_size(op.x_dtype) * 8, wb = gpu::dtype_size(op.w_dtype) * 8;
-        LILY_REQUIRE(qg.ndim() == 3 && k.ndim() == 3 && k_cache.ndim() == 3, "qk_norm_rope: qg, k and caches must be 3-D");
-        const size_t T = qg.shape(0), Hq = qg.shape(1), D = qg.shape(2) / 2, Hkv = k.shape(1), cap = k_cache.shape(1);
+        LILY_REQUIRE(qg.ndim() == 3 && k.ndim() == 3 && k_cache.ndim() == 4,
+                     "qk_norm_rope: qg and k must be 3-D, the pools 4-D");
+        const size_t T = qg.shape(0), Hq = qg.shape(1), D = qg.shape(2) / 2, Hkv = k.shape(1), P = k_cache.shape(0),
+                     B = k_cache.shape(2);
         check_dims(qg, fn, "qg", {T, Hq, 2 * D}, xb);
         check_dims(k, fn, "k", {T, Hkv, D}, xb);
         check_dims(v, fn, "v", {T, Hkv, D}, xb);
         check_dims(q_norm, fn, "q_norm", {D}, wb);
         check_dims(k_norm, fn, "k_norm", {D}, wb);
-        check_dims(k_cache, fn, "k_cache", {Hkv, cap, D}, 16);
-        check_dims(v_cache, fn, "v_cache", {Hkv, cap, D}, 16);
+        check_dims(k_cache, fn, "k_cache", {P, Hkv, B, D}, 16);
+        check_dims(v_cache, fn, "v_cache", {P, Hkv, B, D}, 16);
         op.tokens = u32(T);
         op.q_heads = u32(Hq);
         op.kv_heads = u32(Hkv);
         op.head_dim = u32(D);
         op.rotary_dim = rotary_dim;
         op.position = position;
-        op.capacity = u32(cap);
         op.eps = eps;
         op.weight_offset = weight_offset;
         AttnRun r(device, order, seed, fp_traps);
+        op.kv = kv_paging(r, block_table, fn, P, B);
         op.qg = r.input(qg);
         op.k = r.input(k);
         op.v = r.input(v);
@@ -162,36 +183,39 @@ void init_ops_attention(nb::module_& parent) {
         nb::dict stats = r.run([&](gpu::Encoder& e) { gpu::ops::encode_qk_norm_rope(e, op); });
         stats["kernels"] = nb::make_tuple(std::string(gpu::kernel_info(gpu::ops::qk_norm_rope_kernel(op.x_dtype, op.w_dtype)).name));
         return nb::make_tuple(r.download(op.q_out, op.x_dtype, {T, Hq, D}),
-                              r.download(op.k_cache, gpu::DType::bf16, {Hkv, cap, D}),
-                              r.download(op.v_cache, gpu::DType::bf16, {Hkv, cap, D}), stats);
+                              r.download(op.k_cache, gpu::DType::bf16, {P, Hkv, B, D}),
+                              r.download(op.v_cache, gpu::DType::bf16, {P, Hkv, B, D}), stats);
       },
-      "qg"_a, "k"_a, "v"_a, "q_norm"_a, "k_norm"_a, "k_cache"_a, "v_cache"_a, nb::kw_only(), "position"_a,
+      "qg"_a, "k"_a, "v"_a, "q_norm"_a, "k_norm"_a, "k_cache"_a, "v_cache"_a, "block_table"_a, nb::kw_only(), "position"_a,
       "rotary_dim"_a, "theta"_a, "eps"_a, "weight_offset"_a, "x_dtype"_a, "w_dtype"_a, "device"_a = "emu",
       "order"_a = "shuffle", "seed"_a = 0, "fp_traps"_a = true,
-      "q/k RMSNorm + partial RoPE + KV append; returns (q, k_cache, v_cache, stats). Use "
+      "q/k RMSNorm + partial RoPE + KV append into the paged pools [blocks, Hkv, B, D] through block_table; "
+      "returns (q, k_cache, v_cache, stats). Use "
       "lily_py.ops.qk_norm_rope_append.");
 
   m.def(
       "attention",
-      [](InArray q, InArray k_cache, InArray v_cache, std::optional<InArray> gate, uint32_t position, bool decode,
+      [](InArray q, InArray k_cache, InArray v_cache, InArray block_table, std::optional<InArray> gate,
+         uint32_t position, bool decode,
          const std::string& dtype, const std::string& device, const std::string& order, uint64_t seed,
          bool fp_traps) {
         const char* fn = decode ? "attention_decode" : "attention_prefill";
         gpu::ops::AttentionOperands op;
         op.dtype = gpu::parse_dtype(dtype, std::string(fn) + ": q");
         const size_t xb = gpu::dtype_size(op.dtype) * 8;
-        LILY_REQUIRE(q.ndim() == 3 && k_cache.ndim() == 3, std::string(fn) + ": q and caches must be 3-D");
-        const size_t T = q.shape(0), Hq = q.shape(1), D = q.shape(2), Hkv = k_cache.shape(0), cap = k_cache.shape(1);
+        LILY_REQUIRE(q.ndim() == 3 && k_cache.ndim() == 4, std::string(fn) + ": q must be 3-D and the pools 4-D");
+        const size_t T = q.shape(0), Hq = q.shape(1), D = q.shape(2), P = k_cache.shape(0), Hkv = k_cache.shape(1),
+                     B = k_cache.shape(2);
         check_dims(q, fn, "q", {T, Hq, D}, xb);
-        check_dims(k_cache, fn, "k_cache", {Hkv, cap, D}, 16);
-        check_dims(v_cache, fn, "v_cache", {Hkv, cap, D}, 16);
+        check_dims(k_cache, fn, "k_cache", {P, Hkv, B, D}, 16);
+        check_dims(v_cache, fn, "v_cache", {P, Hkv, B, D}, 16);
         op.tokens = u32(T);
         op.q_heads = u32(Hq);
         op.kv_heads = u32(Hkv);
         op.head_dim = u32(D);
         op.position = position;
-        op.capacity = u32(cap);
         AttnRun r(device, order, seed, fp_traps);
+        op.kv = kv_paging(r, block_table, fn, P, B);
         op.q = r.input(q);
         op.k_cache = r.input(k_cache);
         op.v_cache = r.input(v_cache);
@@ -203,9 +227,9 @@ void init_ops_attention(nb::module_& parent) {
         nb::list kernels;
         const bool bf = op.dtype == gpu::DType::bf16;
         if (decode) {
-          const gpu::ops::AttnRoute route = gpu::ops::attention_decode_route(position + 1, op.head_dim);
+          const gpu::ops::AttnRoute route = gpu::ops::attention_decode_route(position + 1, op.head_dim, u32(B));
           if (route.split) {
-            op.scratch = r.output(gpu::ops::attention_scratch_bytes(op.q_heads, op.head_dim, position + 1));
+            op.scratch = r.output(gpu::ops::attention_scratch_bytes(op.q_heads, op.head_dim, position + 1, u32(B)));
             const std::string sfx = bf ? "bf16" : "f32", e = std::to_string(op.head_dim / 32);
             kernels.append(route.vec ? "attn_decode_vec_e" + e + "_" + sfx : "attn_decode_split_" + sfx);
             kernels.append(route.vec ? "attn_vec_combine_e" + e + "_" + sfx : "attn_combine_" + sfx);
@@ -234,15 +258,16 @@ void init_ops_attention(nb::module_& parent) {
         stats["kernels"] = kernels;
         return nb::make_tuple(r.download(op.out, op.dtype, {T, Hq, D}), stats);
       },
-      "q"_a, "k_cache"_a, "v_cache"_a, "gate"_a.none(), nb::kw_only(), "position"_a, "decode"_a, "dtype"_a,
+      "q"_a, "k_cache"_a, "v_cache"_a, "block_table"_a, "gate"_a.none(), nb::kw_only(), "position"_a, "decode"_a, "dtype"_a,
       "device"_a = "emu", "order"_a = "shuffle", "seed"_a = 0, "fp_traps"_a = true,
-      "Causal attention of q [tokens, q_heads, D] (positions position..) over the bf16 cache; returns "
+      "Causal attention of q [tokens, q_heads, D] (positions position..) over the paged bf16 pools; returns "
       "(out, stats). Use lily_py.ops.attention_decode / attention_prefill.");
 
   m.def(
       "attention_mixer",
       [](InArray x, std::vector<InArray> proj, uint32_t bits, uint32_t group_size, const std::string& scale_dtype,
-         InArray q_norm, InArray k_norm, InArray k_cache, InArray v_cache, uint32_t q_heads, uint32_t rotary_dim,
+         InArray q_norm, InArray k_norm, InArray k_cache, InArray v_cache, InArray block_table, uint32_t q_heads,
+         uint32_t rotary_dim,
          double theta, float eps, float weight_offset, uint32_t position, const std::string& dtype,
          const std::string& w_dtype, const std::string& device, const std::string& order, uint64_t seed,
          bool fp_traps) {
@@ -254,11 +279,12 @@ void init_ops_attention(nb::module_& parent) {
         LILY_REQUIRE(proj.size() == 12 || proj.size() == 6,
                 "attention_mixer: proj must be 12 arrays (w, scales, biases) x (q, k, v, o) or 6 (qkv, o)");
         const bool fused = proj.size() == 6;
-        LILY_REQUIRE(x.ndim() == 2 && k_cache.ndim() == 3, "attention_mixer: x must be 2-D and caches 3-D");
-        const size_t T = x.shape(0), H = x.shape(1), Hkv = k_cache.shape(0), cap = k_cache.shape(1), D = k_cache.shape(2);
+        LILY_REQUIRE(x.ndim() == 2 && k_cache.ndim() == 4, "attention_mixer: x must be 2-D and the pools 4-D");
+        const size_t T = x.shape(0), H = x.shape(1), P = k_cache.shape(0), Hkv = k_cache.shape(1), B = k_cache.shape(2),
+                     D = k_cache.shape(3);
         check_dims(x, fn, "x", {T, H}, gpu::dtype_size(op.dtype) * 8);
-        check_dims(v_cache, fn, "v_cache", {Hkv, cap, D}, 16);
-        check_dims(k_cache, fn, "k_cache", {Hkv, cap, D}, 16);
+        check_dims(v_cache, fn, "v_cache", {P, Hkv, B, D}, 16);
+        check_dims(k_cache, fn, "k_cache", {P, Hkv, B, D}, 16);
         check_dims(q_norm, fn, "q_norm", {D}, gpu::dtype_size(op.w_dtype) * 8);
         check_dims(k_norm, fn, "k_norm", {D}, gpu::dtype_size(op.w_dtype) * 8);
         op.tokens = u32(T);
@@ -268,10 +294,10 @@ void init_ops_attention(nb::module_& parent) {
         op.head_dim = u32(D);
         op.rotary_dim = rotary_dim;
         op.position = position;
-        op.capacity = u32(cap);
         op.eps = eps;
         op.weight_offset = weight_offset;
         AttnRun r(device, order, seed, fp_traps);
+        op.kv = kv_paging(r, block_table, fn, P, B);
         const size_t xs = gpu::dtype_size(op.dtype);
         op.x = r.input(x);
         if (fused) {
@@ -296,14 +322,14 @@ void init_ops_attention(nb::module_& parent) {
         }
         op.q = r.output(T * q_heads * D * xs);
         op.attn = r.output(T * q_heads * D * xs);
-        if (T == 1) op.scratch = r.output(gpu::ops::attention_scratch_bytes(q_heads, u32(D), position + 1));
+        if (T == 1) op.scratch = r.output(gpu::ops::attention_scratch_bytes(q_heads, u32(D), position + 1, u32(B)));
         op.out = r.output(T * H * xs);
         nb::dict stats = r.run([&](gpu::Encoder& e) { gpu::ops::encode_attention_mixer(e, op); });
-        return nb::make_tuple(r.download(op.out, op.dtype, {T, H}), r.download(op.k_cache, gpu::DType::bf16, {Hkv, cap, D}),
-                              r.download(op.v_cache, gpu::DType::bf16, {Hkv, cap, D}), stats);
+        return nb::make_tuple(r.download(op.out, op.dtype, {T, H}), r.download(op.k_cache, gpu::DType::bf16, {P, Hkv, B, D}),
+                              r.download(op.v_cache, gpu::DType::bf16, {P, Hkv, B, D}), stats);
       },
       "x"_a, "proj"_a, nb::kw_only(), "bits"_a, "group_size"_a, "scale_dtype"_a, "q_norm"_a, "k_norm"_a,
-      "k_cache"_a, "v_cache"_a, "q_heads"_a, "rotary_dim"_a, "theta"_a, "eps"_a, "weight_offset"_a, "position"_a,
+      "k_cache"_a, "v_cache"_a, "block_table"_a, "q_heads"_a, "rotary_dim"_a, "theta"_a, "eps"_a, "weight_offset"_a, "position"_a,
       "dtype"_a, "w_dtype"_a, "device"_a = "emu", "order"_a = "shuffle", "seed"_a = 0, "fp_traps"_a = true,
       "The gated-attention mixer of one layer (projections, q/k norm, RoPE, KV append, attention, gate, "
       "o_proj) in one encoder; returns (out, k_cache, v_cache, stats). Use lily_py.ops.attention_mixer.");

@@ -89,6 +89,8 @@ void ModelSpec::validate() const {
   if (lin_k_heads == 0 || lin_v_heads == 0 || lin_k_dim == 0 || lin_v_dim == 0) fail("empty DeltaNet dims");
   if (experts == 0 || top_k == 0 || moe_inter == 0 || shared_inter == 0) fail("empty MoE dims");
   if (context_length == 0) fail("context_length must be >= 1");
+  if (kv_block_tokens < 32 || (kv_block_tokens & (kv_block_tokens - 1)) != 0)
+    fail("kv_block_tokens must be a power of two >= 32, got " + num(kv_block_tokens));
   if (prefill_chunk == 0) fail("prefill_chunk must be >= 1");
   if (logit_rows == 0 || logit_rows > prefill_chunk) fail("logit_rows must be in [1, prefill_chunk]");
   check_quant(embed, "embed");
@@ -194,7 +196,8 @@ void build_buffers(const ModelSpec& s, Allocator& a, gpu::ModelBuffers& m_, bool
     L.input_norm = a.weight(p + "input_norm", H * 4);
     L.post_norm = a.weight(p + "post_norm", H * 4);
     if (L.attention) {
-      const uint64_t D = s.head_dim, kv = uint64_t(s.kv_heads) * s.context_length * D * 2;  // bf16
+      // bf16 pool [blocks, kv_heads, kv_block_tokens, D] (shaders/common/kv_blocks.h)
+      const uint64_t D = s.head_dim, kv = uint64_t(s.kv_pool()) * s.kv_heads * s.kv_block_tokens * D * 2;
       const uint64_t nkv = uint64_t(s.kv_heads) * D;
       L.at.qkv_proj = alloc_fused(a, s, p + "qkv_proj", kQkvParts, {2ull * s.q_heads * D, nkv, nkv}, H, s.mixer);
       L.at.o_proj = alloc_quant(a, p + "o_proj", H, uint64_t(s.q_heads) * D, s.quant(p + "o_proj", s.mixer));
@@ -258,9 +261,10 @@ void build_buffers(const ModelSpec& s, Allocator& a, gpu::ModelBuffers& m_, bool
     t.attn = a.scratch(T * qd * xe);
     uint64_t partials = 0;  // the split-K partials for the longest context
     for (uint32_t len : {s.context_length, std::min<uint32_t>(s.context_length, 257u)})
-      partials = std::max(partials, gpu::ops::attention_scratch_bytes(s.q_heads, s.head_dim, len));
+      partials = std::max(partials, gpu::ops::attention_scratch_bytes(s.q_heads, s.head_dim, len, s.kv_block_tokens));
     t.attn_partials = a.scratch(partials);
     m_.inv_freq = a.scratch(uint64_t(s.rotary_dim / 2) * 4);  // filled by the Engine
+    m_.kv_table = a.scratch(uint64_t(s.kv_blocks()) * 4);     // filled by the Engine
   }
   gpu::ops::MoeScratchBytes mb;  // the largest over every chunk size (routes differ)
   for (uint32_t n = 1; n <= s.prefill_chunk; ++n) {
@@ -401,6 +405,7 @@ Engine::Engine(ModelSpec spec, std::unique_ptr<gpu::Device> device, const Weight
     : spec_(std::move(spec)), device_(std::move(device)), mapping_(mapping) {
   const ModelSpec& s = spec_;
   s.validate();
+  spec_.kv_pool_blocks = 1;  // the KV pools start at one block each and grow with the conversation
   check_memory(plan_memory(s, device_->info().tensor_int8));  // before anything is allocated
   // Map each checkpoint file whole (read-only, shared: the page cache's pages, nothing copied) and
   // wrap it in a device buffer; a device that cannot leaves nullptr and those weights are copied.
@@ -434,6 +439,11 @@ Engine::Engine(ModelSpec spec, std::unique_ptr<gpu::Device> device, const Weight
       file_buffers_[i].reset();
       files_[i].reset();
     }
+  if (m_.kv_table.buffer && m_.kv_table.buffer->has_storage()) {  // logical block b -> pool block b
+    std::vector<uint32_t> t(s.kv_blocks());
+    for (uint32_t b = 0; b < t.size(); ++b) t[b] = b;
+    m_.kv_table.buffer->write(m_.kv_table.offset, t.data(), t.size() * 4);
+  }
   if (m_.inv_freq.buffer) {
     const std::vector<float> f = gpu::ops::rope_inv_freq(s.rotary_dim, s.rope_theta);
     if (m_.inv_freq.buffer->has_storage()) m_.inv_freq.buffer->write(m_.inv_freq.offset, f.data(), f.size() * 4);
@@ -669,6 +679,11 @@ std::vector<gpu::Binding> Engine::state_buffers() const {
   return out;
 }
 
+size_t Engine::kv_filled_bytes(uint32_t position) const {
+  const size_t B = spec_.kv_block_tokens, blocks = (size_t(position) + B - 1) / B;
+  return blocks * spec_.kv_heads * B * spec_.head_dim * 2;
+}
+
 bool Engine::is_kv(size_t i) const { return std::find(kv_cache_.begin(), kv_cache_.end(), i) != kv_cache_.end(); }
 
 void Engine::require_idle(const char* what) const {
@@ -688,8 +703,75 @@ void Engine::discard_inflight() {
   have_token_ = false;
 }
 
+uint64_t Engine::kv_block_bytes() const {
+  return uint64_t(spec_.kv_heads) * spec_.kv_block_tokens * spec_.head_dim * 2 * kv_cache_.size();
+}
+
+uint64_t Engine::kv_bytes() const { return uint64_t(spec_.kv_pool()) * kv_block_bytes(); }
+
+uint64_t Engine::kv_bytes_in_use() const {
+  const uint64_t B = spec_.kv_block_tokens;
+  return (uint64_t(position_) + B - 1) / B * kv_block_bytes();
+}
+
+void Engine::resize_kv(uint32_t blocks, uint32_t keep_rows) {
+  const uint64_t B = spec_.kv_block_tokens;
+  const uint64_t pool = uint64_t(blocks) * spec_.kv_heads * B * spec_.head_dim * 2;
+  const size_t keep = std::min<size_t>(kv_filled_bytes(keep_rows), pool);
+  // Every new buffer first: an allocation failure leaves the engine as it was.
+  std::vector<std::unique_ptr<gpu::Buffer>> fresh;
+  try {
+    for (size_t n = 0; n < kv_cache_.size(); ++n) fresh.push_back(device_->new_buffer(pool));
+  } catch (const std::exception& e) {
+    throw DeviceMemoryError("engine: the KV cache cannot grow to " + num(uint64_t(blocks) * B) + " tokens (" +
+                            num(pool * kv_cache_.size()) + " bytes): " + e.what() + "; " +
+                            num(uint64_t(spec_.kv_pool()) * B) + " tokens fit");
+  }
+  std::vector<char> tmp;
+  for (size_t n = 0; n < kv_cache_.size(); ++n) {
+    gpu::Buffer& old = *state_[kv_cache_[n]];
+    if (keep && old.has_storage() && fresh[n]->has_storage()) {  // the filled blocks (the table is the identity)
+      tmp.resize(keep);
+      old.read(0, tmp.data(), keep);
+      fresh[n]->write(0, tmp.data(), keep);
+    }
+    gpu::Buffer* before = state_[kv_cache_[n]].get();
+    for (gpu::Layer& L : m_.layers) {
+      if (L.at.k_cache.buffer == before) L.at.k_cache = gpu::Binding{fresh[n].get(), 0, pool};
+      if (L.at.v_cache.buffer == before) L.at.v_cache = gpu::Binding{fresh[n].get(), 0, pool};
+    }
+    state_[kv_cache_[n]] = std::move(fresh[n]);
+  }
+  memory_.state_bytes = memory_.state_bytes - kv_bytes() + pool * kv_cache_.size();
+  spec_.kv_pool_blocks = blocks;
+}
+
+void Engine::ensure_kv(uint64_t rows) {
+  const uint64_t B = spec_.kv_block_tokens;
+  const uint32_t need = uint32_t((rows + B - 1) / B), have = spec_.kv_pool();
+  if (need <= have || kv_cache_.empty()) return;
+  // Doubling keeps the copies linear in the context; never past the context, nor past the limit.
+  uint32_t want = std::min(spec_.kv_blocks(), std::max(need, 2 * have));
+  uint64_t limit = kv_limit_bytes;
+  const uint64_t others = memory_.total() - kv_bytes();
+  if (limit == 0 && memory_.working_set_bytes)  // what the device has left beside the other buffers
+    limit = memory_.working_set_bytes > others ? memory_.working_set_bytes - others : 1;
+  if (limit) {
+    const uint64_t fit = limit / kv_block_bytes();
+    if (fit < need)
+      throw DeviceMemoryError("engine: " + num(rows) + " tokens need " + num(need) + " KV cache blocks of " +
+                              num(B) + " tokens (" + num(uint64_t(need) * kv_block_bytes()) + " bytes), but " +
+                              num(fit) + " fit in " + num(limit) + " bytes: " + num(fit * B) +
+                              " tokens fit (reset() or a restore to a shorter snapshot frees blocks)");
+    want = uint32_t(std::min<uint64_t>(want, fit));
+  }
+  for (InFlight& f : inflight_) f.enc->wait();  // their rows are copied (complete() reads them later)
+  resize_kv(want, position_);
+}
+
 void Engine::reset() {
   discard_inflight();
+  if (spec_.kv_pool() > 1) resize_kv(1, 0);  // the blocks go back to the device
   // The KV caches need no clearing: attention reads rows [0, position) only.
   for (size_t i = 0; i < state_.size(); ++i)
     if (!is_kv(i) && state_[i]->has_storage()) state_[i]->fill(0, 0, state_[i]->size());
@@ -711,10 +793,9 @@ Snapshot Engine::snapshot() const {
     gpu::Buffer& b = *state_[i];
     if (!b.has_storage()) {
       s.buffers.emplace_back();
-    } else if (is_kv(i)) {  // rows [0, position) of every KV head
-      const size_t row = size_t(spec_.head_dim) * 2, cap = size_t(spec_.context_length) * row, n = position_ * row;
-      std::vector<char> v(spec_.kv_heads * n);
-      for (uint32_t h = 0; h < spec_.kv_heads; ++h) b.read(h * cap, v.data() + h * n, n);
+    } else if (is_kv(i)) {  // the filled blocks (pool blocks 0 .. ceil(position / B) - 1)
+      std::vector<char> v(kv_filled_bytes(position_));
+      b.read(0, v.data(), v.size());
       s.buffers.push_back(std::move(v));
     } else {
       std::vector<char> v(b.size());
@@ -729,19 +810,23 @@ void Engine::restore(const Snapshot& s) {
   discard_inflight();
   if (s.buffers.size() != state_.size() || s.position > spec_.context_length || s.conv_parity > 1)
     fail("snapshot is from a different engine");
-  const size_t row = size_t(spec_.head_dim) * 2, cap = size_t(spec_.context_length) * row;
+  for (size_t i = 0; i < state_.size(); ++i) {
+    const bool has = state_[i]->has_storage();
+    const size_t want = !has ? 0 : is_kv(i) ? kv_filled_bytes(s.position) : state_[i]->size();
+    if (s.buffers[i].size() != want) fail("snapshot is from a different engine");
+  }
+  {  // the pools take the snapshot's blocks: a shorter one releases blocks, a longer one takes them
+    const uint32_t B = spec_.kv_block_tokens, blocks = std::max<uint32_t>(1, (s.position + B - 1) / B);
+    if (blocks > spec_.kv_pool()) ensure_kv(uint64_t(blocks) * B);
+    else if (blocks < spec_.kv_pool()) resize_kv(blocks, 0);
+  }
   for (size_t i = 0; i < state_.size(); ++i) {
     gpu::Buffer& b = *state_[i];
     const bool has = b.has_storage();
-    const size_t want = !has ? 0 : is_kv(i) ? size_t(spec_.kv_heads) * s.position * row : b.size();
+    const size_t want = !has ? 0 : is_kv(i) ? kv_filled_bytes(s.position) : b.size();
     if (s.buffers[i].size() != want) fail("snapshot is from a different engine");
     if (!has) continue;
-    if (is_kv(i)) {
-      for (uint32_t h = 0; h < spec_.kv_heads; ++h)
-        b.write(h * cap, s.buffers[i].data() + h * size_t(s.position) * row, size_t(s.position) * row);
-    } else {
-      b.write(0, s.buffers[i].data(), want);
-    }
+    b.write(0, s.buffers[i].data(), want);
   }
   position_ = s.position;
   conv_parity_ = s.conv_parity;
@@ -818,6 +903,7 @@ StepStats Engine::submit(const uint32_t* ids, uint32_t T, bool all_logits, const
     fail("forward: temperature must be > 0 when not greedy");
   for (uint32_t i = 0; i < T && !sampling.ids_from_slot; ++i)
     if (ids[i] >= spec_.vocab) fail("forward: token id " + num(ids[i]) + " at index " + num(i) + " outside [0, " + num(spec_.vocab) + ")");
+  ensure_kv(uint64_t(position_) + T);  // throws before the state changes when the blocks do not fit
   if (m_.s.ids.buffer->has_storage() && !sampling.ids_from_slot) m_.s.ids.buffer->write(m_.s.ids.offset, ids, size_t(T) * 4);
   valid_ = false;  // until every step in flight finished: a device error leaves a half-updated state
   have_token_ = false;
@@ -975,6 +1061,7 @@ StepStats Engine::count(uint32_t T, uint32_t position, bool all_logits, const St
                         bool want_logits) {
   if (!std::string_view(device_->name()).starts_with("count"))
     fail("count() runs on the counting device only (device 'count' or 'count_host')");
+  ensure_kv(uint64_t(position) + T);
   recording_ = true;
   InFlight f;
   try {
@@ -995,6 +1082,7 @@ StepStats Engine::check(uint32_t T, uint32_t position, bool all_logits, const St
                         bool want_logits, int64_t skip_barrier) {
   auto enc = device_->new_checking_encoder(skip_barrier, false);
   if (!enc) fail("check() needs a device that checks plans (the emulator, device 'emu')");
+  ensure_kv(uint64_t(position) + T);
   return encode(T, position, all_logits, sampling, want_logits, std::move(enc)).st;
 }
 
@@ -1008,6 +1096,7 @@ gpu::StepTiming Engine::time_step(uint32_t T, uint32_t position, bool all_logits
   gpu::StepTiming out;
   auto enc = device_->new_timing_encoder(options, &out);
   if (!enc) fail("time_step needs a device that times dispatches (the cuda device)");
+  ensure_kv(uint64_t(position) + T);
   // Token ids 1, 2, ... (any valid ids: the time does not depend on them).
   std::vector<uint32_t> ids(T);
   for (uint32_t i = 0; i < T; ++i) ids[i] = 1 + i % (spec_.vocab - 1);

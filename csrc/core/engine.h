@@ -212,6 +212,11 @@ class Engine {
   // Emulator, debugging / tests: every step's encoder ignores its barrier #skip_barrier (-1: none),
   // so the emulator's hazard check reports what that barrier ordered.
   int64_t skip_barrier = -1;
+  // Most bytes the KV pools may take (0: what the device's working set leaves beside the other
+  // buffers, unlimited where the device reports none). Tests set it to reach the full-cache error.
+  uint64_t kv_limit_bytes = 0;
+  uint64_t kv_bytes() const;         // bytes of the KV pools allocated now (every attention layer, K and V)
+  uint64_t kv_bytes_in_use() const;  // bytes of the blocks that hold positions [0, position)
   const StepStats& last_stats() const { return last_; }
   const MemoryPlan& memory() const { return memory_; }
   const std::string& memory_warning() const { return memory_warning_; }  // above ~85% of the working set
@@ -266,6 +271,14 @@ class Engine {
   std::vector<std::string> weight_order_;
   std::vector<std::unique_ptr<gpu::Buffer>> state_, scratch_;
   std::vector<size_t> kv_cache_;  // indices into state_ of the KV caches
+  // Bytes of one KV pool's blocks that hold positions [0, position) (the table is the identity).
+  size_t kv_filled_bytes(uint32_t position) const;
+  uint64_t kv_block_bytes() const;  // one block of every pool
+  // Grows the KV pools to hold positions [0, rows) (doubling, at most the context); throws
+  // DeviceMemoryError (saying how many tokens fit) before changing anything when they cannot.
+  void ensure_kv(uint64_t rows);
+  // Reallocates every pool at `blocks` blocks, keeping the blocks of positions [0, keep_rows).
+  void resize_kv(uint32_t blocks, uint32_t keep_rows);
   gpu::ModelBuffers m_;
   uint32_t position_ = 0, conv_parity_ = 0;
   bool valid_ = true;

@@ -3,6 +3,7 @@
 // Filled by lily_py (src/lily_py/_engine.py: spec_from_config) from the validated ModelConfig
 // and the loaded weights, or from the real 35B config alone to count dispatches without weights.
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <string>
@@ -52,6 +53,10 @@ struct ModelSpec {
   gpu::DType activations = gpu::DType::f32;
   // run-time sizes
   uint32_t context_length = 0;  // KV cache rows per attention layer
+  uint32_t kv_block_tokens = 1024;  // tokens per KV cache block (docs/memory.md: a power of two >= 32)
+  uint32_t kv_pool_blocks = 0;      // blocks allocated per K / V pool (0: kv_blocks(), the whole context)
+  uint32_t kv_blocks() const { return (context_length + kv_block_tokens - 1) / kv_block_tokens; }
+  uint32_t kv_pool() const { return kv_pool_blocks ? std::min(kv_pool_blocks, kv_blocks()) : kv_blocks(); }
   uint32_t prefill_chunk = 0;   // most tokens one step encodes (scratch is sized for it)
   uint32_t logit_rows = 0;      // most rows of logits one step writes (all_logits)
 

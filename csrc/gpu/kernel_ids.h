@@ -109,12 +109,12 @@
   X(moe_down_m5i8_64_b4_sbf16,          MoeArgs, 10) /* ... and int8 h */        \
   /* causal prefill attention on tensor ops, M5 (shaders/m5/attention_m5.metal): same */ \
   /* buffers as attn_prefill_mma; one id per head_dim */                      \
-  X(attn_prefill_m5_d64_f32,   AttnArgs, 5)                                   \
-  X(attn_prefill_m5_d64_bf16,  AttnArgs, 5)                                   \
-  X(attn_prefill_m5_d128_f32,  AttnArgs, 5)                                   \
-  X(attn_prefill_m5_d128_bf16, AttnArgs, 5)                                   \
-  X(attn_prefill_m5_d256_f32,  AttnArgs, 5)                                   \
-  X(attn_prefill_m5_d256_bf16, AttnArgs, 5)                                   \
+  X(attn_prefill_m5_d64_f32,   AttnArgs, 6)                                   \
+  X(attn_prefill_m5_d64_bf16,  AttnArgs, 6)                                   \
+  X(attn_prefill_m5_d128_f32,  AttnArgs, 6)                                   \
+  X(attn_prefill_m5_d128_bf16, AttnArgs, 6)                                   \
+  X(attn_prefill_m5_d256_f32,  AttnArgs, 6)                                   \
+  X(attn_prefill_m5_d256_bf16, AttnArgs, 6)                                   \
   /* the chunked delta rule's wy kernel with its Gram products on tensor ops, M5 */ \
   /* (shaders/m5/gated_delta_chunk_m5.metal): same buffers as gd_chunk_wy_f32 */ \
   X(gd_chunk_wy_m5_f32,        GdChunkArgs, 8)                                \
@@ -212,33 +212,33 @@
   X(rope_f32,  RopeArgs, 3)                                                   \
   X(rope_bf16, RopeArgs, 3)                                                   \
   /* qg, k, v, q_norm, k_norm, inv_freq, q_out, k_cache, v_cache */          \
-  X(qk_norm_rope_xf32_wf32,   QkNormRopeArgs, 9)                              \
-  X(qk_norm_rope_xf32_wbf16,  QkNormRopeArgs, 9)                              \
-  X(qk_norm_rope_xbf16_wf32,  QkNormRopeArgs, 9)                              \
-  X(qk_norm_rope_xbf16_wbf16, QkNormRopeArgs, 9)                              \
+  X(qk_norm_rope_xf32_wf32, QkNormRopeArgs, 10)                              \
+  X(qk_norm_rope_xf32_wbf16, QkNormRopeArgs, 10)                              \
+  X(qk_norm_rope_xbf16_wf32, QkNormRopeArgs, 10)                              \
+  X(qk_norm_rope_xbf16_wbf16, QkNormRopeArgs, 10)                              \
   /* q, k_cache, v_cache, gate, out */                                        \
-  X(attn_decode_f32,  AttnArgs, 5)                                            \
-  X(attn_decode_bf16, AttnArgs, 5)                                            \
-  X(attn_prefill_f32,  AttnArgs, 5)                                           \
-  X(attn_prefill_bf16, AttnArgs, 5)                                           \
-  X(attn_prefill_mma_f32,  AttnArgs, 5)                                       \
-  X(attn_prefill_mma_bf16, AttnArgs, 5)                                       \
-  X(attn_prefill_tiles_d64_bf16,  AttnArgs, 5)                                \
-  X(attn_prefill_tiles_d128_bf16, AttnArgs, 5)                                \
-  X(attn_prefill_tiles_d256_bf16, AttnArgs, 5)                                \
+  X(attn_decode_f32,  AttnArgs, 6)                                            \
+  X(attn_decode_bf16, AttnArgs, 6)                                            \
+  X(attn_prefill_f32,  AttnArgs, 6)                                           \
+  X(attn_prefill_bf16, AttnArgs, 6)                                           \
+  X(attn_prefill_mma_f32,  AttnArgs, 6)                                       \
+  X(attn_prefill_mma_bf16, AttnArgs, 6)                                       \
+  X(attn_prefill_tiles_d64_bf16,  AttnArgs, 6)                                \
+  X(attn_prefill_tiles_d128_bf16, AttnArgs, 6)                                \
+  X(attn_prefill_tiles_d256_bf16, AttnArgs, 6)                                \
   /* split-K decode: q, k_cache, v_cache, partial_o, partial_ml */            \
-  X(attn_decode_split_f32,  AttnArgs, 5)                                      \
-  X(attn_decode_split_bf16, AttnArgs, 5)                                      \
+  X(attn_decode_split_f32,  AttnArgs, 6)                                      \
+  X(attn_decode_split_bf16, AttnArgs, 6)                                      \
   /* partial_o, partial_ml, gate, out */                                      \
   X(attn_combine_f32,  AttnArgs, 4)                                           \
   X(attn_combine_bf16, AttnArgs, 4)                                          \
   /* vec decode (head_dim 32 E): q, k_cache, v_cache, partial_o, partial_ml */ \
-  X(attn_decode_vec_e2_f32, AttnArgs, 5)                                  \
-  X(attn_decode_vec_e2_bf16, AttnArgs, 5)                                  \
-  X(attn_decode_vec_e4_f32, AttnArgs, 5)                                  \
-  X(attn_decode_vec_e4_bf16, AttnArgs, 5)                                  \
-  X(attn_decode_vec_e8_f32, AttnArgs, 5)                                  \
-  X(attn_decode_vec_e8_bf16, AttnArgs, 5)                                  \
+  X(attn_decode_vec_e2_f32, AttnArgs, 6)                                  \
+  X(attn_decode_vec_e2_bf16, AttnArgs, 6)                                  \
+  X(attn_decode_vec_e4_f32, AttnArgs, 6)                                  \
+  X(attn_decode_vec_e4_bf16, AttnArgs, 6)                                  \
+  X(attn_decode_vec_e8_f32, AttnArgs, 6)                                  \
+  X(attn_decode_vec_e8_bf16, AttnArgs, 6)                                  \
   /* vec combine: partial_o, partial_ml, gate, out */                          \
   X(attn_vec_combine_e2_f32, AttnArgs, 4)                                \
   X(attn_vec_combine_e2_bf16, AttnArgs, 4)                                \

@@ -150,7 +150,9 @@ void encode_attention(Encoder& enc, const core::ModelSpec& spec, const ModelBuff
   a.head_dim = spec.head_dim;
   a.rotary_dim = spec.rotary_dim;
   a.position = p.position;
-  a.capacity = spec.context_length;
+  a.kv.table = m.kv_table;
+  a.kv.block_tokens = spec.kv_block_tokens;
+  a.kv.pool_blocks = spec.kv_pool();
   a.eps = spec.eps;
   ops::encode_attention_mixer(enc, a);
 }

@@ -53,7 +53,7 @@ struct AttentionLayer {
   QuantBlocks qkv_proj;   // rows q_proj (per head query | gate) | k_proj | v_proj, fused at load
   QuantWeight o_proj;     // [hidden, q_heads * head_dim]
   Binding q_norm, k_norm; // float32 [head_dim], effective multipliers
-  Binding k_cache, v_cache;  // bf16 [kv_heads, context_length, head_dim]
+  Binding k_cache, v_cache;  // paged bf16 pools [kv_blocks, kv_heads, kv_block_tokens, head_dim]
 };
 
 struct MoeLayer {
@@ -98,6 +98,7 @@ struct ModelBuffers {
   QuantWeight embed, lm_head;
   Binding norm;      // float32 [H]
   Binding inv_freq;  // float32 [rotary_dim / 2] (RoPE, computed at construction)
+  Binding kv_table;  // uint32 [kv_blocks] pool block of each logical KV block (written by the host)
   std::vector<Layer> layers;
   StepScratch s;
 };

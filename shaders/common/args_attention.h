@@ -29,6 +29,9 @@ enum : uint32_t {
   kAttnVecSimds = 8,         // simdgroups per threadgroup (256 threads), each walks every 8th key
   kAttnVecMaxBlocks = 80,    // key blocks per KV head: 2 KV heads x 80 x 8 = 1280 simdgroups = 32
                              // per core on a 40-core GPU; a block holds >= kAttnVecSimds keys
+  // paged KV cache (common/kv_blocks.h): tokens per cache block are a power of two >= this, so
+  // no kernel's 32-key block straddles two cache blocks
+  kAttnKvMinBlock = 32,
 };
 
 // Partial rotary embedding (rotate-half pairing) of the first rotary_dim features of rows of x.
@@ -48,7 +51,8 @@ struct RopeArgs {
 // Fused q/k RMSNorm + partial RoPE + KV-cache append (+ the query/gate split of q_proj).
 //   qg [tokens, q_heads, 2 * head_dim] (q_proj output: per head the query, then the gate),
 //   k, v [tokens, kv_heads, head_dim] -> q [tokens, q_heads, head_dim],
-//   k_cache / v_cache bf16 [kv_heads, capacity, head_dim], rows position .. position + tokens - 1.
+//   k_cache / v_cache: paged pools (common/kv_blocks.h), rows position .. position + tokens - 1
+//   written through block_table.
 struct QkNormRopeArgs {
   uint32_t tokens;
   uint32_t q_heads;
@@ -56,7 +60,7 @@ struct QkNormRopeArgs {
   uint32_t head_dim;
   uint32_t rotary_dim;
   uint32_t position;       // absolute position of token 0 = cache row it is written to
-  uint32_t capacity;       // rows per KV head in the cache (> position + tokens - 1)
+  uint32_t block_shift;    // log2 of the tokens per cache block (common/kv_blocks.h)
   uint32_t qg_stride;      // elements between tokens of qg (>= q_heads * 2 * head_dim)
   uint32_t k_stride;       // elements between tokens of k
   uint32_t v_stride;       // elements between tokens of v
@@ -64,7 +68,7 @@ struct QkNormRopeArgs {
   float weight_offset;     // 0: norm weights are the multiplier (MLX files); 1: zero-centred (HF)
 };
 
-// Attention of query rows over the bf16 KV cache, GQA heads packed (query head h uses KV head
+// Attention of query rows over the paged bf16 KV cache (common/kv_blocks.h), GQA heads packed (query head h uses KV head
 // h / group). Decode: tokens = 1, keys [0, position + 1). Prefill: token t attends keys
 // [0, position + t + 1) (causal); the cache already holds the tokens' own keys.
 //   q [tokens, q_heads, head_dim] (q_stride between tokens), gate rows [tokens, q_heads, head_dim]
@@ -72,14 +76,15 @@ struct QkNormRopeArgs {
 //   out [tokens, q_heads, head_dim] = softmax(q k^T * scale) v * (use_gate ? sigmoid(gate) : 1).
 // Split route (decode): threadgroup (kv head, split) covers keys [split * split_keys, ...) and
 // writes unnormalized partials; attn_combine merges them. The vec route (decode) uses the same
-// fields: splits = key blocks per KV head, split_keys = keys per block (any count, >= 1).
+// fields: splits = key blocks per KV head, split_keys = keys per block (a power of two that
+// divides the cache block: each threadgroup reads within one cache block).
 struct AttnArgs {
   uint32_t tokens;
   uint32_t q_heads;
   uint32_t kv_heads;
   uint32_t head_dim;
   uint32_t position;         // absolute position of query token 0
-  uint32_t capacity;         // rows per KV head in the cache
+  uint32_t block_shift;      // log2 of the tokens per cache block (common/kv_blocks.h)
   uint32_t q_stride;         // elements between tokens of q
   uint32_t gate_stride;      // elements between tokens of gate
   uint32_t gate_head_stride; // elements between heads of gate

@@ -41,6 +41,7 @@
 // P are rounded once (2^-11 relative); S, the softmax, l and O are fp32.
 #include "common/lily_metal.h"
 #include "common/tensor_ops.h"
+#include "common/kv_blocks.h"
 
 namespace lily {
 
@@ -55,7 +56,7 @@ inline uint32_t attn_m5_blocked(uint32_t row, uint32_t d) {
   return (d / CB) * ROWS * CB + row * CB + d % CB;
 }
 
-// Rounds keys kb .. kb + 32 of one KV head (bf16, [capacity][D] rows) to half into kvs as NB
+// Rounds keys kb .. kb + 32 of one KV head (bf16, D-element rows within one cache block) to half into kvs as NB
 // column blocks kvs[NB][32][D / NB] (each block a packed matmul2d operand: K in NB = 2 halves of
 // D, V in NB = 4 quarters): thread t copies row t / 4, D / 4 columns; zeros past nkeys.
 template <uint32_t D, uint32_t NB>
@@ -74,6 +75,7 @@ template <typename T, uint32_t D>
                                      const device bfloat* v_cache [[buffer(3)]],
                                      const device T* gate [[buffer(4)]],
                                      device T* out [[buffer(5)]],
+                                     const device uint32_t* block_table [[buffer(6)]],
                                      LILY_KERNEL_TAIL) {
   constexpr uint32_t R = kAttnM5Rows, BK = kAttnM5BlockKeys;
   static_assert(R == 16 && BK == 32 && kAttnM5Threads == 128 && D % 32 == 0 && D <= kAttnMaxHeadDim &&
@@ -93,7 +95,6 @@ template <typename T, uint32_t D>
   const uint32_t t0 = group_pos.y * qt;
   const uint32_t t_last = min(t0 + qt, args.tokens) - 1;
   const uint32_t key_end = args.position + t_last + 1;
-  const uint32_t cache_base = kvh * args.capacity * D;
   const uint32_t t = thread_pos.x;
   const uint32_t row = t / 8;  // the row this thread stages and runs the softmax of
   const bool row_live = row < rows && t0 + row / group < args.tokens;
@@ -133,7 +134,8 @@ template <typename T, uint32_t D>
   const uint32_t s_at = (c0 / KH) * R * KH + row * KH + c0 % KH;  // in S part [0][c0 / 16]
   for (uint32_t kb = 0; kb < key_end; kb += BK) {
     const uint32_t nkeys = min(BK, key_end - kb);
-    attn_m5_stage_kv<D, 2>(k_cache + cache_base + kb * D, nkeys, t, kvs);
+    const uint32_t blk = kv_row_offset(block_table, args.block_shift, args.kv_heads, D, kvh, kb);  // one cache block
+    attn_m5_stage_kv<D, 2>(k_cache + blk, nkeys, t, kvs);
     threadgroup_barrier(mem_flags::mem_threadgroup);
     op_s.run(q_t, k_t, s_t);
     threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -161,7 +163,7 @@ template <typename T, uint32_t D>
     l = l * corr + psum;
     m = m_new;
     if (t % 8 == 0) corr_s[row] = corr;
-    attn_m5_stage_kv<D, 4>(v_cache + cache_base + kb * D, nkeys, t, kvs);
+    attn_m5_stage_kv<D, 4>(v_cache + blk, nkeys, t, kvs);
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
     for (uint16_t i = 0; i < o.get_capacity(); ++i) {

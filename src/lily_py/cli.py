@@ -33,8 +33,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="auto", choices=["auto", "reference", "emu", "metal", "cuda"],
                    help="device that runs the model")
     p.add_argument("--context", type=int, default=None,
-                   help=f"context length in tokens (default: {DEFAULT_CONTEXT}, or the model's "
-                        "maximum when that is smaller; the same on every backend)")
+                   help="context length in tokens (default: the model's max_position_embeddings; the "
+                        "same on every backend; engine backends take KV cache blocks as it fills)")
     p.add_argument("--revision", default=None, help="hub revision (branch, tag or commit)")
 
 

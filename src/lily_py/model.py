@@ -35,7 +35,7 @@ from .backends import BACKENDS, auto_backend, built_with_metal, make_backend, re
 log = logging.getLogger("lily_py")
 
 DEFAULT_PREFILL_CHUNK = 4096
-DEFAULT_CONTEXT = 32768        # default context_length on every backend (capped by the model's)
+DEFAULT_CONTEXT = 32768        # the context `lily-py info` sizes its memory line for
 DEFAULT_ENGINE_CONTEXT = DEFAULT_CONTEXT      # old name
 DEFAULT_MAX_TOKENS = 256       # generate()'s and the CLI's --max-tokens default
 # A system prompt / tool list at least this long gets its own prompt-cache snapshot.
@@ -51,14 +51,14 @@ def load(path_or_repo_id: str | os.PathLike | None = None, *, backend: str = "au
          context_length: int | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
          revision: str | None = None, verbose: bool | None = None,
          prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES, activations: str | None = None,
-         weights: str = "auto") -> "Model":
+         weights: str = "auto", kv_block_tokens: int | None = None) -> "Model":
     """Load a qwen3_5_moe checkpoint.
 
     ``path_or_repo_id``: a local folder, a Hugging Face repo id (``org/name``, downloaded through
     huggingface_hub, text weights only), or None for the small demo model shipped with lily_py.
-    ``context_length``: maximum tokens in the conversation state, on every backend (default
-    32768, or the config's ``max_position_embeddings`` when that is smaller; engine backends
-    allocate the KV cache for all of it up front). ``prefill_chunk``: long prompts are
+    ``context_length``: maximum tokens in the conversation state, on every backend (default: the
+    config's ``max_position_embeddings``, 262,144 for Qwen3.6-35B-A3B; engine backends allocate
+    the KV cache in blocks as the conversation grows, docs/memory.md). ``prefill_chunk``: long prompts are
     prefilled in chunks of this many tokens. ``prompt_cache_bytes``: budget of the prompt cache
     (state snapshots reused across ``generate`` calls, default 1 GiB; 0 turns it off).
     ``verbose``: show progress (bytes and shards) on stderr while engine backends read and upload
@@ -69,7 +69,8 @@ def load(path_or_repo_id: str | os.PathLike | None = None, *, backend: str = "au
     get the weights: ``"auto"`` (default) binds every tensor it can at its offset in the mapped
     checkpoint files (zero copy: Metal and the emulator; the rest is copied), ``"copy"`` copies
     every tensor into device buffers, ``"map"`` is ``"auto"`` that fails when nothing can be mapped
-    (docs/tools.md, zero copy).
+    (docs/tools.md, zero copy). ``kv_block_tokens``: tokens per KV cache block on engine backends
+    (a power of two >= 32; None: 1024, docs/memory.md); tests pick small blocks.
     """
     from . import hub
     from .resources import demo_path
@@ -84,7 +85,7 @@ def load(path_or_repo_id: str | os.PathLike | None = None, *, backend: str = "au
         log.warning("lily_py: %s has no tokenizer.json; only token-id prompts work", folder)
     return Model(folder, cfg, weights_, tok, backend=backend, context_length=context_length,
                  prefill_chunk=prefill_chunk, prompt_cache_bytes=prompt_cache_bytes, verbose=verbose,
-                 activations=activations, weights_mode=weights)
+                 activations=activations, weights_mode=weights, kv_block_tokens=kv_block_tokens)
 
 
 @dataclass
@@ -111,7 +112,8 @@ class Model:
                  backend: str = "auto", context_length: int | None = None,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
                  prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES, verbose: bool | None = None,
-                 activations: str | None = None, weights_mode: str = "auto"):
+                 activations: str | None = None, weights_mode: str = "auto",
+                 kv_block_tokens: int | None = None):
         if backend == "auto":
             backend, why = resolve_auto()
             log.info("lily_py: backend 'auto' selected %r", backend)
@@ -120,9 +122,9 @@ class Model:
                 warnings.warn(f"lily_py: backend='auto' runs on 'reference' (slow): the Metal device "
                               f"is not usable: {why}", RuntimeWarning, stacklevel=3)
         if context_length is None:
-            # One default for every backend. Engine backends allocate the KV cache for the whole
-            # context up front (5.4 GB of bf16 at the real model's 262,144): pass more when needed.
-            context_length = min(config.max_position_embeddings, DEFAULT_CONTEXT)
+            # One default for every backend: the model's whole context. Engine backends take KV
+            # cache blocks as positions advance (docs/memory.md), not the whole context at load.
+            context_length = config.max_position_embeddings
         if not isinstance(context_length, int) or not 1 <= context_length <= \
                 config.max_position_embeddings:
             raise ValueError(f"context_length must be an integer in [1, "
@@ -140,7 +142,7 @@ class Model:
         self.prompt_cache = PromptCache(prompt_cache_bytes)
         self._backend = make_backend(backend, config, weights, context_length=context_length,
                                       prefill_chunk=prefill_chunk, verbose=verbose, activations=activations,
-                                      weights_mode=weights_mode)
+                                      weights_mode=weights_mode, kv_block_tokens=kv_block_tokens)
         self._history: list[int] = []
         self._last_logits: np.ndarray | None = None
         # Engine backends: the last step's logits are still on the device (fetched on demand by
@@ -172,13 +174,14 @@ class Model:
         threads, commits, waits_in_step, host_waits, tokens, encode_ns) and of the load
         (engine backends, also before the first step: load_s, weights_mode, weight_bytes,
         weights_mapped_bytes (served from the checkpoint's pages), weights_copied_bytes,
-        mapped_file_bytes, resident_bytes (copied weights, state and scratch)); None for the
-        reference backend."""
+        mapped_file_bytes, resident_bytes (copied weights, state and scratch at load)) and of the
+        KV cache now (engine backends: kv_bytes allocated, kv_bytes_in_use by the positions so
+        far; docs/memory.md); None for the reference backend."""
         st = getattr(self._backend, "last_stats", None)
         load = getattr(self._backend, "load_stats", None)
         if load is None:
             return st
-        return {**(st or {}), **load}
+        return {**(st or {}), **load, **getattr(self._backend, "kv_stats", {})}
 
     def __repr__(self) -> str:
         return (f"<lily_py.Model {self.config.summary()}; backend={self.backend}, "

@@ -81,16 +81,24 @@ def test_decode_route_rule():
         s, k = r["splits"], r["split_keys"]
         assert 2 <= s <= MAX_SPLITS and k % BLOCK_KEYS == 0, (n, r)
         assert (s - 1) * k < n <= s * k, (n, r)  # every split non-empty, all keys covered
-    # head_dim 64 / 128 / 256: the vec route at every length, blocks non-empty, at most
-    # min(80, ceil(n / 8)) per KV head.
+    # head_dim 64 / 128 / 256: the vec route at every length, blocks non-empty, each a power of
+    # two keys (>= 8) inside one cache block of B keys; at most 2 min(80, ceil(n / 8)) per KV head
+    # (the share of the 80 wanted rounded down), and past 160 cache blocks one per cache block.
     for D in (64, 128, 256):
-        for n in list(range(1, 1200, 7)) + [8, 9, 639, 640, 641, 8192, 100_000, 262_144]:
-            r = ops.attention_decode_route(n, D)
-            s, k = r["splits"], r["split_keys"]
-            assert r["route"] == "vec" and 1 <= s <= VEC_MAX_BLOCKS, (n, r)
-            assert (s - 1) * k < n <= s * k, (n, r)
-            assert s <= min(VEC_MAX_BLOCKS, -(-n // VEC_SIMDS)), (n, r)  # ~8+ keys per block (one per simdgroup)
-        assert ops.attention_decode_route(80 * 8 * 4, D) == {"route": "vec", "splits": 80, "split_keys": 32}
+        for B in (32, 64, 1024, 2048):
+            for n in list(range(1, 1200, 7)) + [8, 9, 639, 640, 641, 8192, 100_000, 262_144]:
+                r = ops.attention_decode_route(n, D, B)
+                s, k = r["splits"], r["split_keys"]
+                assert r["route"] == "vec" and k >= VEC_SIMDS and k & (k - 1) == 0 and B % k == 0, (n, B, r)
+                assert (s - 1) * k < n <= s * k, (n, B, r)
+                want = min(VEC_MAX_BLOCKS, -(-n // VEC_SIMDS))
+                assert s <= max(2 * want, -(-n // B)) and (s >= want or k == B), (n, B, r)
+                assert k == B or 2 * k > -(-n // want), (n, B, r)  # the largest power of two <= the share
+                if n > 2 * VEC_MAX_BLOCKS * B:
+                    assert k == B, (n, B, r)  # a threadgroup's work is one cache block at any length
+            assert ops.attention_decode_route(80 * 8 * 4, D, B) == {"route": "vec", "splits": 80, "split_keys": 32}
+        assert ops.attention_decode_route(262_144, D) == {"route": "vec", "splits": 256, "split_keys": 1024}
+        assert ops.attention_decode_route(32_768, D) == {"route": "vec", "splits": 128, "split_keys": 256}
 
 
 # ------------------------------------------------------------------------------ rope
@@ -205,7 +213,7 @@ def test_attention_decode_real_heads(rng, device, dtype, length):
     q, kc, vc, g = attn_case(rng, 1, Hq, Hkv, D, length + 5, dtype)
     out, stats = A._attention_decode(q[0], kc, vc, length=length, gate=g[0], device=device, seed=rng.seed)
     assert out.dtype == dtype and out.shape == (Hq, D)
-    route = ops.attention_decode_route(length, D)
+    route = ops.attention_decode_route(length, D, A.DEFAULT_OP_BLOCK_TOKENS)
     assert route["route"] == "vec"
     assert list(stats["kernels"]) == [f"attn_decode_vec_e8_{sfx(dtype)}", f"attn_vec_combine_e8_{sfx(dtype)}"]
     assert stats["dispatches"] == 2 and stats["barriers"] == 1

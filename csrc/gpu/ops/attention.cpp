@@ -29,12 +29,24 @@ void check_rotary(const char* fn, uint32_t head_dim, uint32_t rotary_dim) {
                  std::to_string(head_dim) + ")");
 }
 
-void check_cache(const char* fn, uint32_t kv_heads, uint32_t capacity, uint32_t head_dim) {
-  if (uint64_t(kv_heads) * capacity * head_dim >= (uint64_t(1) << 32))
-    fail(fn, "KV cache of more than 2^32 elements per tensor");
-}
-
 }  // namespace
+
+uint32_t check_kv_paging(const char* fn, const KvPaging& kv, uint32_t kv_heads, uint32_t head_dim, uint64_t rows) {
+  const uint32_t B = kv.block_tokens;
+  if (B < kAttnKvMinBlock || (B & (B - 1)) != 0)
+    fail(fn, "block_tokens must be a power of two >= " + std::to_string(kAttnKvMinBlock) + ", got " + std::to_string(B));
+  if (kv.pool_blocks == 0) fail(fn, "the KV pool has no blocks");
+  if (uint64_t(kv.pool_blocks) * kv_heads * B * head_dim >= (uint64_t(1) << 32))
+    fail(fn, "KV pool of more than 2^32 elements per tensor");
+  const uint64_t blocks = (rows + B - 1) / B;
+  if (kv.table.buffer == nullptr) fail(fn, "block_table not bound");
+  if (kv.table.bytes < blocks * 4)
+    fail(fn, "positions up to " + std::to_string(rows - 1) + " need " + std::to_string(blocks) +
+                 " block table entries, the table has " + std::to_string(kv.table.bytes / 4));
+  uint32_t shift = 0;
+  while ((1u << shift) < B) ++shift;
+  return shift;
+}
 
 std::vector<float> rope_inv_freq(uint32_t rotary_dim, double theta) {
   std::vector<float> f(rotary_dim / 2);
@@ -70,20 +82,19 @@ void encode_qk_norm_rope(Encoder& enc, const QkNormRopeOperands& op) {
   const char* fn = "qk_norm_rope";
   if (op.tokens == 0 || op.q_heads == 0 || op.kv_heads == 0 || op.head_dim == 0) fail(fn, "empty shape");
   check_rotary(fn, op.head_dim, op.rotary_dim);
-  if (uint64_t(op.position) + op.tokens > op.capacity)
-    fail(fn, "rows " + std::to_string(op.position) + ".." + std::to_string(uint64_t(op.position) + op.tokens - 1) +
-                 " do not fit a cache of capacity " + std::to_string(op.capacity));
   if (!(op.eps > 0.0f)) fail(fn, "eps must be > 0");
-  check_cache(fn, op.kv_heads, op.capacity, op.head_dim);
+  const uint64_t rows_end = uint64_t(op.position) + op.tokens;
+  const uint32_t shift = check_kv_paging(fn, op.kv, op.kv_heads, op.head_dim, rows_end);
   const uint64_t xs = dtype_size(op.x_dtype), D = op.head_dim;
-  const uint64_t cache_bytes = uint64_t(op.kv_heads) * op.capacity * D * 2;
+  const uint64_t cache_bytes = uint64_t(op.kv.pool_blocks) * op.kv_heads * op.kv.block_tokens * D * 2;
+  const uint64_t table_bytes = (rows_end + op.kv.block_tokens - 1) / op.kv.block_tokens * 4;
   const uint32_t qg_row = op.q_heads * 2 * op.head_dim, kv_row = op.kv_heads * op.head_dim;
   const uint32_t qg_stride = op.qg_stride ? op.qg_stride : qg_row;
   const uint32_t k_stride = op.k_stride ? op.k_stride : kv_row;
   const uint32_t v_stride = op.v_stride ? op.v_stride : kv_row;
   if (qg_stride < qg_row || k_stride < kv_row || v_stride < kv_row) fail(fn, "a token stride is shorter than its row");
-  QkNormRopeArgs args{op.tokens,   op.q_heads, op.kv_heads, op.head_dim, op.rotary_dim, op.position,
-                      op.capacity, qg_stride,  k_stride,    v_stride,    op.eps,        op.weight_offset};
+  QkNormRopeArgs args{op.tokens, op.q_heads, op.kv_heads, op.head_dim, op.rotary_dim, op.position,
+                      shift,     qg_stride,  k_stride,    v_stride,    op.eps,        op.weight_offset};
   const uint64_t rows = op.tokens - 1;
   enc.set_kernel(qk_norm_rope_kernel(op.x_dtype, op.w_dtype));
   enc.set_args(args);
@@ -96,6 +107,8 @@ void encode_qk_norm_rope(Encoder& enc, const QkNormRopeOperands& op) {
   enc.set_buffer(7, need(fn, op.q_out, uint64_t(op.tokens) * op.q_heads * D * xs, "q_out"));
   enc.set_buffer(8, need(fn, op.k_cache, cache_bytes, "k_cache"));
   enc.set_buffer(9, need(fn, op.v_cache, cache_bytes, "v_cache"));
+  enc.set_buffer(10, need(fn, op.kv.table, table_bytes, "block_table"));
+  enc.set_touched(10, ((rows_end - 1) / op.kv.block_tokens - op.position / op.kv.block_tokens + 1) * 4);
   enc.set_touched(8, uint64_t(op.tokens) * op.kv_heads * D * 2);  // written: the new rows only
   enc.set_touched(9, uint64_t(op.tokens) * op.kv_heads * D * 2);
   enc.dispatch({op.q_heads + op.kv_heads, op.tokens, 1}, {kRopeThreads, 1, 1});
@@ -103,13 +116,16 @@ void encode_qk_norm_rope(Encoder& enc, const QkNormRopeOperands& op) {
 
 bool attention_decode_uses_vec(uint32_t head_dim) { return head_dim == 64 || head_dim == 128 || head_dim == 256; }
 
-AttnRoute attention_decode_route(uint32_t length, uint32_t head_dim) {
+AttnRoute attention_decode_route(uint32_t length, uint32_t head_dim, uint32_t block_tokens) {
   AttnRoute r;
   if (length == 0) return r;
   if (attention_decode_uses_vec(head_dim)) {
     r.split = r.vec = true;
     const uint32_t want = std::min<uint32_t>(kAttnVecMaxBlocks, (length + kAttnVecSimds - 1) / kAttnVecSimds);
-    r.split_keys = (length + want - 1) / want;
+    const uint32_t share = (length + want - 1) / want;
+    uint32_t keys = kAttnVecSimds;  // the share rounded down to a power of two, within one cache block
+    while (keys * 2 <= share && keys * 2 <= block_tokens) keys *= 2;
+    r.split_keys = keys;
     r.splits = (length + r.split_keys - 1) / r.split_keys;  // every block non-empty
     return r;
   }
@@ -122,10 +138,16 @@ AttnRoute attention_decode_route(uint32_t length, uint32_t head_dim) {
   return r;
 }
 
-uint64_t attention_scratch_bytes(uint32_t q_heads, uint32_t head_dim, uint32_t length) {
-  // splits never exceed the number of blocks wanted, which grows with length.
+uint64_t attention_scratch_bytes(uint32_t q_heads, uint32_t head_dim, uint32_t length, uint32_t block_tokens) {
+  // splits never exceed the number of blocks wanted (which grows with length); on the vec route
+  // twice that (split_keys rounded down to a power of two), or the context's cache blocks where
+  // split_keys is capped at a cache block.
   uint32_t splits = 0;
-  if (attention_decode_uses_vec(head_dim)) splits = std::min<uint32_t>(kAttnVecMaxBlocks, (length + kAttnVecSimds - 1) / kAttnVecSimds);
+  if (attention_decode_uses_vec(head_dim)) {
+    const uint32_t want = std::min<uint32_t>(kAttnVecMaxBlocks, (length + kAttnVecSimds - 1) / kAttnVecSimds);
+    const uint32_t cache_blocks = block_tokens == 0 ? 0 : (length + block_tokens - 1) / block_tokens;
+    splits = std::max(2 * want, cache_blocks);
+  }
   else if (length > kAttnSplitKeys) splits = std::min<uint32_t>(kAttnMaxSplits, (length + kAttnSplitKeys - 1) / kAttnSplitKeys);
   return uint64_t(q_heads) * splits * (uint64_t(head_dim) + 2) * 4;
 }
@@ -134,7 +156,7 @@ namespace {
 
 struct Checked {
   AttnArgs args;
-  Binding q, k, v, gate, out;
+  Binding q, k, v, gate, out, table;
 };
 
 Checked check_attention(const char* fn, const AttentionOperands& op) {
@@ -144,10 +166,8 @@ Checked check_attention(const char* fn, const AttentionOperands& op) {
   if (op.q_heads % op.kv_heads != 0 || op.q_heads / op.kv_heads > kAttnMaxGroup)
     fail(fn, "q_heads must be a multiple of kv_heads with at most " + std::to_string(kAttnMaxGroup) +
                  " query heads per KV head, got " + std::to_string(op.q_heads) + " / " + std::to_string(op.kv_heads));
-  if (uint64_t(op.position) + op.tokens > op.capacity)
-    fail(fn, "keys up to row " + std::to_string(uint64_t(op.position) + op.tokens - 1) +
-                 " needed but the cache has capacity " + std::to_string(op.capacity));
-  check_cache(fn, op.kv_heads, op.capacity, op.head_dim);
+  const uint64_t rows_end = uint64_t(op.position) + op.tokens;
+  const uint32_t shift = check_kv_paging(fn, op.kv, op.kv_heads, op.head_dim, rows_end);
   const uint64_t xs = dtype_size(op.dtype), D = op.head_dim;
   Checked c{};
   AttnArgs& a = c.args;
@@ -156,7 +176,7 @@ Checked check_attention(const char* fn, const AttentionOperands& op) {
   a.kv_heads = op.kv_heads;
   a.head_dim = op.head_dim;
   a.position = op.position;
-  a.capacity = op.capacity;
+  a.block_shift = shift;
   a.q_stride = op.q_stride ? op.q_stride : op.q_heads * op.head_dim;
   a.gate_head_stride = op.gate_head_stride ? op.gate_head_stride : op.head_dim;
   a.gate_stride = op.gate_stride ? op.gate_stride : op.q_heads * a.gate_head_stride;
@@ -166,9 +186,10 @@ Checked check_attention(const char* fn, const AttentionOperands& op) {
   a.scale = static_cast<float>(1.0 / std::sqrt(double(op.head_dim)));
   const uint64_t rows = uint64_t(op.tokens - 1);
   c.q = need(fn, op.q, (rows * a.q_stride + uint64_t(op.q_heads) * D) * xs, "q");
-  const uint64_t cache_bytes = uint64_t(op.kv_heads) * op.capacity * D * 2;
+  const uint64_t cache_bytes = uint64_t(op.kv.pool_blocks) * op.kv_heads * op.kv.block_tokens * D * 2;
   c.k = need(fn, op.k_cache, cache_bytes, "k_cache");
   c.v = need(fn, op.v_cache, cache_bytes, "v_cache");
+  c.table = need(fn, op.kv.table, (rows_end + op.kv.block_tokens - 1) / op.kv.block_tokens * 4, "block_table");
   // Without a gate the kernel never reads buffer 4: bind q there (4 bytes) so every slot is bound.
   c.gate = a.use_gate ? need(fn, op.gate, (rows * a.gate_stride + (op.q_heads - 1) * uint64_t(a.gate_head_stride) + D) * xs, "gate")
                       : Binding{op.q.buffer, op.q.offset, 4};
@@ -189,11 +210,13 @@ uint64_t attention_decode_executed_flops(const AttentionOperands& op) {
   return 4ull * op.head_dim * op.q_heads * keys;
 }
 
-// Buffers 2 and 3 (K and V caches, bound whole): rows [0, length) of every KV head are read.
+// Buffers 2 and 3 (K and V pools, bound whole): rows [0, length) of every KV head are read, and
+// buffer 6 (the block table): the entries of their blocks.
 void touch_cache_rows(Encoder& enc, const AttentionOperands& op, uint64_t length) {
   const uint64_t bytes = length * op.kv_heads * op.head_dim * 2;
   enc.set_touched(2, bytes);
   enc.set_touched(3, bytes);
+  enc.set_touched(6, (length + op.kv.block_tokens - 1) / op.kv.block_tokens * 4);
 }
 
 }  // namespace
@@ -204,7 +227,7 @@ void encode_attention_decode(Encoder& enc, const AttentionOperands& op) {
   Checked c = check_attention(fn, op);
   const uint32_t group = op.q_heads / op.kv_heads;
   const uint32_t length = op.position + 1;
-  const AttnRoute route = attention_decode_route(length, op.head_dim);
+  const AttnRoute route = attention_decode_route(length, op.head_dim, op.kv.block_tokens);
   const bool bf = op.dtype == DType::bf16;
   if (!route.split) {
     enc.set_kernel(bf ? KernelId::attn_decode_bf16 : KernelId::attn_decode_f32);
@@ -214,6 +237,7 @@ void encode_attention_decode(Encoder& enc, const AttentionOperands& op) {
     enc.set_buffer(3, c.v);
     enc.set_buffer(4, c.gate);
     enc.set_buffer(5, c.out);
+    enc.set_buffer(6, c.table);
     touch_cache_rows(enc, op, length);
     enc.dispatch({op.kv_heads, 1, 1}, {32 * group, 1, 1});
     enc.add_flops(attention_decode_executed_flops(op), attention_useful_flops(op));
@@ -241,6 +265,7 @@ void encode_attention_decode(Encoder& enc, const AttentionOperands& op) {
     enc.set_buffer(3, c.v);
     enc.set_buffer(4, partial_o);
     enc.set_buffer(5, partial_ml);
+    enc.set_buffer(6, c.table);
     touch_cache_rows(enc, op, length);
     enc.dispatch({op.kv_heads, route.splits, 1}, {32 * kAttnVecSimds, 1, 1});
     // Every simdgroup scores exactly the keys of its block: no padding.
@@ -262,6 +287,7 @@ void encode_attention_decode(Encoder& enc, const AttentionOperands& op) {
   enc.set_buffer(3, c.v);
   enc.set_buffer(4, partial_o);
   enc.set_buffer(5, partial_ml);
+  enc.set_buffer(6, c.table);
   touch_cache_rows(enc, op, length);
   enc.dispatch({op.kv_heads, 1, route.splits}, {32 * group, 1, 1});
   enc.barrier();  // partial_o, partial_ml -> combine
@@ -300,6 +326,7 @@ static void encode_blocked_prefill(Encoder& enc, const AttentionOperands& op, co
   enc.set_buffer(3, c.v);
   enc.set_buffer(4, c.gate);
   enc.set_buffer(5, c.out);
+  enc.set_buffer(6, c.table);
   touch_cache_rows(enc, op, uint64_t(op.position) + op.tokens);  // each row counted once
   enc.dispatch({op.kv_heads, (op.tokens + qt - 1) / qt, 1}, {threads, 1, 1});
   uint64_t executed = 0;
@@ -353,6 +380,7 @@ void encode_attention_prefill(Encoder& enc, const AttentionOperands& op) {
   enc.set_buffer(3, c.v);
   enc.set_buffer(4, c.gate);
   enc.set_buffer(5, c.out);
+  enc.set_buffer(6, c.table);
   touch_cache_rows(enc, op, uint64_t(op.position) + op.tokens);  // each row counted once
   enc.dispatch({op.kv_heads, (op.tokens + kAttnPrefillTokens - 1) / kAttnPrefillTokens, 1}, {32 * group, 1, 1});
   // Each threadgroup runs kAttnPrefillTokens query tokens (the last clamped) x group heads against
@@ -436,7 +464,7 @@ void encode_attention_mixer(Encoder& enc, const AttentionMixerOperands& op) {
   n.head_dim = D;
   n.rotary_dim = op.rotary_dim;
   n.position = op.position;
-  n.capacity = op.capacity;
+  n.kv = op.kv;
   n.eps = op.eps;
   n.weight_offset = op.weight_offset;
   encode_qk_norm_rope(enc, n);
@@ -458,7 +486,7 @@ void encode_attention_mixer(Encoder& enc, const AttentionMixerOperands& op) {
   a.kv_heads = op.kv_heads;
   a.head_dim = D;
   a.position = op.position;
-  a.capacity = op.capacity;
+  a.kv = op.kv;
   if (T == 1) encode_attention_decode(enc, a);
   else encode_attention_prefill(enc, a);
   enc.barrier();  // gated attention output -> o_proj

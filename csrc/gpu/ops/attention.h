@@ -25,6 +25,17 @@ struct RopeOperands {
 KernelId rope_kernel(DType dtype);
 void encode_rope(Encoder& enc, const RopeOperands& op);
 
+// The paged KV cache (shaders/common/kv_blocks.h): each K / V pool is bf16 [pool_blocks, kv_heads,
+// block_tokens, head_dim]; logical block b (positions [b B, (b + 1) B)) is pool block table[b].
+struct KvPaging {
+  Binding table;              // uint32 [>= ceil(rows / block_tokens)] pool block of each logical block
+  uint32_t block_tokens = 0;  // a power of two >= kAttnKvMinBlock
+  uint32_t pool_blocks = 0;   // blocks in each pool (the bound K / V ranges)
+};
+// Checks block_tokens and the pool size; `rows` positions [0, rows) must have table entries.
+// Returns log2(block_tokens).
+uint32_t check_kv_paging(const char* fn, const KvPaging& kv, uint32_t kv_heads, uint32_t head_dim, uint64_t rows);
+
 struct QkNormRopeOperands {
   Binding qg;        // [tokens, q_heads, 2 * head_dim] of x_dtype (q_proj output: query | gate)
   Binding k, v;      // [tokens, kv_heads, head_dim] of x_dtype
@@ -32,12 +43,13 @@ struct QkNormRopeOperands {
   Binding k_norm;    // [head_dim] of w_dtype
   Binding inv_freq;  // float32 [rotary_dim / 2]
   Binding q_out;     // [tokens, q_heads, head_dim] of x_dtype
-  Binding k_cache;   // bf16 [kv_heads, capacity, head_dim]; rows position .. position+tokens-1 written
-  Binding v_cache;   // bf16 [kv_heads, capacity, head_dim]
+  Binding k_cache;   // paged bf16 pool (KvPaging); rows position .. position+tokens-1 written
+  Binding v_cache;   // paged bf16 pool
+  KvPaging kv;
   DType x_dtype = DType::f32;
   DType w_dtype = DType::f32;
   uint32_t tokens = 0, q_heads = 0, kv_heads = 0, head_dim = 0, rotary_dim = 0;
-  uint32_t position = 0, capacity = 0;
+  uint32_t position = 0;
   uint32_t qg_stride = 0, k_stride = 0, v_stride = 0;  // elements between tokens; 0: packed
   float eps = 1e-6f;
   float weight_offset = 0.0f;  // 1 for zero-centred (Hugging Face) norm weights
@@ -48,7 +60,10 @@ void encode_qk_norm_rope(Encoder& enc, const QkNormRopeOperands& op);
 // Decode route for a context of `length` keys (the new token's included) and head_dim:
 //  vec    head_dim 64, 128 or 256 (32 E, E = 2, 4, 8), any length: attn_decode_vec_e<E> over
 //         `splits` key blocks of `split_keys` keys (min(kAttnVecMaxBlocks, ceil(length / 8))
-//         blocks wanted, none empty), barrier, attn_vec_combine_e<E>
+//         blocks wanted; split_keys is that share rounded down to a power of two >= 8 (so at
+//         most twice as many blocks), at most block_tokens, so each threadgroup reads within one
+//         cache block; none empty), barrier,
+//         attn_vec_combine_e<E>
 //  single other head_dims, length <= kAttnSplitKeys: one pass (attn_decode_*)
 //  split  other head_dims, longer: attn_decode_split_* + barrier + attn_combine_*
 struct AttnRoute {
@@ -58,26 +73,26 @@ struct AttnRoute {
   uint32_t split_keys = 0;  // keys per range; 0 on the single route
 };
 bool attention_decode_uses_vec(uint32_t head_dim);
-AttnRoute attention_decode_route(uint32_t length, uint32_t head_dim);
+AttnRoute attention_decode_route(uint32_t length, uint32_t head_dim, uint32_t block_tokens);
 
 struct AttentionOperands {
   Binding q;           // [tokens, q_heads, head_dim] of dtype, q_stride elements between tokens
-  Binding k_cache;     // bf16 [kv_heads, capacity, head_dim]
-  Binding v_cache;     // bf16 [kv_heads, capacity, head_dim]
+  Binding k_cache;     // paged bf16 pool (KvPaging)
+  Binding v_cache;     // paged bf16 pool
+  KvPaging kv;
   Binding gate;        // optional (buffer == nullptr: no gate): rows at gate_stride / gate_head_stride
   Binding out;         // [tokens, q_heads, head_dim] of dtype
   Binding scratch;     // split route only: attention_scratch_bytes() bytes of float partials
   DType dtype = DType::f32;
   uint32_t tokens = 1, q_heads = 0, kv_heads = 0, head_dim = 0;
   uint32_t position = 0;  // absolute position of query token 0; token t sees keys [0, position + t]
-  uint32_t capacity = 0;
   uint32_t q_stride = 0;          // 0: packed (q_heads * head_dim)
   uint32_t gate_stride = 0;       // 0: packed (q_heads * gate_head_stride)
   uint32_t gate_head_stride = 0;  // 0: head_dim
 };
 // Bytes of the two-pass routes' partials (o and (m, l) per query head and split); enough for
-// every context up to `length` keys.
-uint64_t attention_scratch_bytes(uint32_t q_heads, uint32_t head_dim, uint32_t length);
+// every context up to `length` keys at cache blocks of block_tokens.
+uint64_t attention_scratch_bytes(uint32_t q_heads, uint32_t head_dim, uint32_t length, uint32_t block_tokens);
 // Decode (tokens == 1): one dispatch, or two passes + barrier (route from position + 1, head_dim).
 void encode_attention_decode(Encoder& enc, const AttentionOperands& op);
 // Prefill route: "mma" (simdgroup matrices) when head_dim % 32 == 0 and, above 128, % 64 == 0
@@ -110,7 +125,8 @@ struct AttentionMixerOperands {
   Binding qkv;                     // fused only: [tokens, q_heads * 2D + 2 * kv_heads * D] of dtype
   Binding q_norm, k_norm;          // [head_dim] of w_dtype
   Binding inv_freq;                // float32 [rotary_dim / 2]
-  Binding k_cache, v_cache;        // bf16 [kv_heads, capacity, head_dim]
+  Binding k_cache, v_cache;        // paged bf16 pools
+  KvPaging kv;
   Binding qg, k, v, q, attn;       // temporaries: [tokens, q_heads * 2D], [tokens, kv_heads * D] x2,
                                    // [tokens, q_heads * D] x2, all of dtype
   Binding scratch;                 // split-route partials (attention_scratch_bytes), decode only
@@ -123,7 +139,7 @@ struct AttentionMixerOperands {
   DType dtype = DType::f32;
   DType w_dtype = DType::f32;
   uint32_t tokens = 0, hidden = 0, q_heads = 0, kv_heads = 0, head_dim = 0, rotary_dim = 0;
-  uint32_t position = 0, capacity = 0;
+  uint32_t position = 0;
   float eps = 1e-6f;
   float weight_offset = 0.0f;
 };

@@ -14,7 +14,7 @@ TIMING_BACKENDS = ("count_host",)
 
 def make_backend(name: str, cfg: ModelConfig, weights: ModelWeights, *, context_length: int,
                  prefill_chunk: int, verbose: bool | None = None, activations: str | None = None,
-                 weights_mode: str = "auto"):
+                 weights_mode: str = "auto", kv_block_tokens: int | None = None):
     """The backend for a resolved name ("auto" is resolved by Model first). ``verbose``: load
     progress on a terminal (engine backends upload the weights; None: when stderr is a TTY).
     ``activations``: the engine's activation dtype ("bfloat16" / "float32"; None: the
@@ -28,7 +28,7 @@ def make_backend(name: str, cfg: ModelConfig, weights: ModelWeights, *, context_
         from .engine import EngineBackend
         return EngineBackend(name, cfg, weights, context_length=context_length,
                              prefill_chunk=prefill_chunk, verbose=verbose, activations=activations,
-                             weights_mode=weights_mode)
+                             weights_mode=weights_mode, kv_block_tokens=kv_block_tokens)
     if weights_mode not in ("auto", "map", "copy"):
         raise ValueError(f"weights must be 'auto', 'map' or 'copy', got {weights_mode!r}")
     from .reference import ReferenceBackend

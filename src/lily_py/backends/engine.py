@@ -70,7 +70,7 @@ def checkpoint_activations(quant: dict) -> str:
 
 
 def engine_spec(cfg: ModelConfig, quant: dict, *, context_length: int, prefill_chunk: int,
-                activations: str = "float32") -> dict:
+                activations: str = "float32", kv_block_tokens: int | None = None) -> dict:
     """The dict ``lily_py._core.Engine`` takes (csrc/core/model_spec.h)."""
     if activations not in ACTIVATIONS:
         raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
@@ -87,6 +87,7 @@ def engine_spec(cfg: ModelConfig, quant: dict, *, context_length: int, prefill_c
         **quant,
         "context_length": int(context_length), "prefill_chunk": int(prefill_chunk),
         "logit_rows": int(min(prefill_chunk, LOGIT_ROWS)), "activations": activations,
+        **({} if kv_block_tokens is None else {"kv_block_tokens": int(kv_block_tokens)}),
     }
 
 
@@ -356,7 +357,7 @@ class EngineBackend:
 
     def __init__(self, device: str, cfg: ModelConfig, weights: ModelWeights, *, context_length: int,
                  prefill_chunk: int, verbose: bool | None = None, activations: str | None = None,
-                 weights_mode: str = "auto"):
+                 weights_mode: str = "auto", kv_block_tokens: int | None = None):
         if weights_mode not in WEIGHT_MODES:
             raise ValueError(f"weights must be one of {WEIGHT_MODES}, got {weights_mode!r}")
         t0 = time.perf_counter()
@@ -377,7 +378,8 @@ class EngineBackend:
             files, mapped = [], {}
         try:
             self.engine = core.Engine(engine_spec(cfg, quant, context_length=context_length,
-                                                  prefill_chunk=prefill_chunk, activations=self.activations),
+                                                  prefill_chunk=prefill_chunk, activations=self.activations,
+                                                  kv_block_tokens=kv_block_tokens),
                                       device, files, mapped)
         except core.DeviceMemoryError as e:
             raise DeviceMemoryError(str(e)) from None
@@ -446,6 +448,12 @@ class EngineBackend:
     samples_on_device = True
     skips_logits = True
     keeps_logits = True   # the last step's logits stay on the device: last_logits() copies them
+
+    @property
+    def kv_stats(self) -> dict:
+        """The KV cache's bytes now: kv_bytes (the pools allocated, every attention layer's K and
+        V) and kv_bytes_in_use (the blocks that hold the positions so far)."""
+        return {"kv_bytes": int(self.engine.kv_bytes), "kv_bytes_in_use": int(self.engine.kv_bytes_in_use)}
 
     @property
     def last_stats(self) -> dict | None:

@@ -1,7 +1,11 @@
 """Attention-family kernels over NumPy arrays (re-exported by :mod:`lily_py.ops`).
 
-The KV cache is bfloat16 ``[kv_heads, capacity, head_dim]`` (head-major, preallocated); the
-functions return new arrays (inputs are copied to the device, never modified). NumPy oracles:
+The functions take the KV cache as bfloat16 ``[kv_heads, capacity, head_dim]`` (head-major) and
+hand it to the kernels paged, as the engine holds it: pools ``[blocks, kv_heads, block_tokens,
+head_dim]`` read and written through a block table (``block_tokens`` a power of two >= 32, default
+32; ``block_table`` the pool block of each logical block, default a scrambled order, so that every
+call crosses block boundaries through the table). They return new arrays (inputs are copied to the
+device, never modified). NumPy oracles:
 ``lily_py.reference.kernels.rope / qk_norm_rope / attention``. Shapes of the real model: 16 query
 heads, 2 KV heads, head_dim 256, rotary_dim 64, theta 1e7.
 """
@@ -42,6 +46,48 @@ def _bf16_cache(a, what: str, fn: str) -> np.ndarray:
     return np.ascontiguousarray(a).view(np.uint16)
 
 
+BF16_NAN = 0x7fc0
+DEFAULT_OP_BLOCK_TOKENS = 32    # the ops' cache blocks (the engine's default is 1024: docs/memory.md)
+ENGINE_BLOCK_TOKENS = 1024      # the engine's default tokens per KV cache block
+
+
+def _page(kc: np.ndarray, vc: np.ndarray, block_tokens, block_table, fn: str):
+    """[Hkv, cap, D] uint16 caches -> pools [blocks, Hkv, B, D] + uint32 table [ceil(cap / B)]."""
+    B = DEFAULT_OP_BLOCK_TOKENS if block_tokens is None else _uint(block_tokens, "block_tokens", fn)
+    minb = int(_core().ops.ATTN_KV_MIN_BLOCK)
+    if B < minb or B & (B - 1):
+        raise ValueError(f"{fn}: block_tokens must be a power of two >= {minb}, got {B}")
+    Hkv, cap, D = kc.shape
+    nb = -(-cap // B)
+    if block_table is None:
+        table = ((np.arange(nb, dtype=np.int64) * 5 + 3) % nb).astype(np.uint32)  # a permutation (5 coprime)
+        if nb % 5 == 0:
+            table = np.arange(nb, dtype=np.uint32)[::-1].copy()
+    else:
+        table = np.asarray(block_table)
+        if table.ndim != 1 or table.shape[0] < nb or table.dtype.kind not in "iu" or (table < 0).any():
+            raise ValueError(f"{fn}: block_table must be {nb} or more non-negative integers, got "
+                             f"{table.dtype} {list(table.shape)}")
+        table = table[:nb].astype(np.uint32)
+        if len(set(table.tolist())) != nb:
+            raise ValueError(f"{fn}: block_table maps two logical blocks to one pool block")
+    blocks = int(table.max()) + 1
+    pools = []
+    for c in (kc, vc):
+        # Pool blocks outside the table hold NaN: a kernel reading them fails the call (fp traps).
+        pool = np.full((blocks, Hkv, B, D), BF16_NAN, np.uint16)
+        pad = np.zeros((Hkv, nb * B, D), np.uint16)
+        pad[:, :cap] = c
+        pool[table] = pad.reshape(Hkv, nb, B, D).transpose(1, 0, 2, 3)
+        pools.append(pool)
+    return pools[0], pools[1], table
+
+
+def _unpage(pool: np.ndarray, table: np.ndarray, cap: int) -> np.ndarray:
+    blocks, Hkv, B, D = pool.shape
+    return np.ascontiguousarray(pool[table].transpose(1, 0, 2, 3).reshape(Hkv, -1, D)[:, :cap])
+
+
 def rope(x: np.ndarray, *, position: int, rotary_dim: int, theta: float, device: str = "emu") -> np.ndarray:
     """Partial rotary embedding (rotate-half) of ``x [tokens, heads, head_dim]``; token ``t`` is at
     ``position + t``. Feature ``i < rotary_dim / 2`` pairs with ``i + rotary_dim / 2``; features
@@ -65,7 +111,8 @@ def _rope(x, *, position, rotary_dim, theta, device="emu", order="shuffle", seed
 
 def qk_norm_rope_append(qg: np.ndarray, k: np.ndarray, v: np.ndarray, q_norm: np.ndarray, k_norm: np.ndarray,
                         k_cache: np.ndarray, v_cache: np.ndarray, *, position: int, rotary_dim: int,
-                        theta: float, eps: float = 1e-6, weight_offset: float = 0.0, device: str = "emu"):
+                        theta: float, eps: float = 1e-6, weight_offset: float = 0.0, device: str = "emu",
+                        block_tokens: int | None = None, block_table=None):
     """The attention layer's fused step after the projections: returns ``(q, k_cache, v_cache)``.
 
     ``qg [T, Hq, 2 * D]`` is q_proj's output (per head the query, then the output gate),
@@ -73,16 +120,19 @@ def qk_norm_rope_append(qg: np.ndarray, k: np.ndarray, v: np.ndarray, q_norm: np
     plus ``weight_offset``: 1 for Hugging Face's zero-centred weights, 0 for MLX files) and partial
     RoPE at positions ``position .. position + T - 1``; ``q [T, Hq, D]`` is returned, the keys and
     ``v`` are written to rows ``position ..`` of copies of the bfloat16 caches
-    ``[Hkv, capacity, D]`` (other rows unchanged). Activations float32 or bfloat16, math float32.
+    ``[Hkv, capacity, D]`` (other rows unchanged; written through the block table, module doc).
+    Activations float32 or bfloat16, math float32.
     """
     q, kc, vc, _ = _qk_norm_rope_append(qg, k, v, q_norm, k_norm, k_cache, v_cache, position=position,
                                         rotary_dim=rotary_dim, theta=theta, eps=eps,
-                                        weight_offset=weight_offset, device=device)
+                                        weight_offset=weight_offset, device=device,
+                                        block_tokens=block_tokens, block_table=block_table)
     return q, kc, vc
 
 
 def _qk_norm_rope_append(qg, k, v, q_norm, k_norm, k_cache, v_cache, *, position, rotary_dim, theta, eps=1e-6,
-                         weight_offset=0.0, device="emu", order="shuffle", seed=0, fp_traps=True):
+                         weight_offset=0.0, device="emu", order="shuffle", seed=0, fp_traps=True,
+                         block_tokens=None, block_table=None):
     fn = "qk_norm_rope_append"
     qc, dt = _float_array(qg, "qg", fn)
     if qc.ndim != 3 or 0 in qc.shape or qc.shape[2] % 2:
@@ -114,21 +164,27 @@ def _qk_norm_rope_append(qg, k, v, q_norm, k_norm, k_cache, v_cache, *, position
     if not float(eps) > 0:
         raise ValueError(f"{fn}: eps must be > 0, got {eps!r}")
     _check_device(device, fn)
+    kp, vp, table = _page(kcache, vcache, block_tokens, block_table, fn)
     q, kco, vco, stats = _core().ops.qk_norm_rope(
-        qc, kc_, vc_, qn, kn, kcache, vcache, position=pos, rotary_dim=rd, theta=float(theta), eps=float(eps),
+        qc, kc_, vc_, qn, kn, kp, vp, table, position=pos, rotary_dim=rd, theta=float(theta), eps=float(eps),
         weight_offset=float(weight_offset), x_dtype=dt, w_dtype=wdt, device=device, order=order, seed=seed,
         fp_traps=fp_traps)
-    return _from_core(q, dt), kco.view(BFLOAT16), vco.view(BFLOAT16), stats
+    cap = kcache.shape[1]
+    return (_from_core(q, dt), _unpage(kco, table, cap).view(BFLOAT16), _unpage(vco, table, cap).view(BFLOAT16),
+            stats)
 
 
-def attention_decode_route(length: int, head_dim: int) -> dict:
+def attention_decode_route(length: int, head_dim: int, block_tokens: int = ENGINE_BLOCK_TOKENS) -> dict:
     """How :func:`attention_decode` runs for ``length`` keys and ``head_dim``: ``{"route": "vec" |
     "single" | "split", "splits", "split_keys"}``. head_dim 64, 128 or 256: the "vec" route (lanes
-    split the head dim, min(80, ceil(length / 8)) key blocks per KV head, then a combine pass).
+    split the head dim, min(80, ceil(length / 8)) key blocks per KV head wanted, each of that share
+    of the keys rounded down to a power of two (>= 8, so at most twice as many blocks) within one
+    cache block of ``block_tokens``, then a combine pass).
     Other head dims: up to 256 keys one pass; longer contexts split the keys into at most 32 ranges
     (multiples of 32 keys) and combine the partial softmaxes."""
     fn = "attention_decode_route"
-    return dict(_core().ops.attention_decode_route(_uint(length, "length", fn), _uint(head_dim, "head_dim", fn)))
+    return dict(_core().ops.attention_decode_route(_uint(length, "length", fn), _uint(head_dim, "head_dim", fn),
+                                                   _uint(block_tokens, "block_tokens", fn)))
 
 
 def attention_prefill_route(head_dim: int, *, tensor_ops: bool = False, dtype="float32") -> str:
@@ -177,54 +233,61 @@ def _check_attention(q, k_cache, v_cache, gate, fn, tokens_axis: bool):
 
 
 def attention_decode(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, *, length: int,
-                     gate: np.ndarray | None = None, device: str = "emu") -> np.ndarray:
+                     gate: np.ndarray | None = None, device: str = "emu", block_tokens: int | None = None,
+                     block_table=None) -> np.ndarray:
     """One query token's attention over cache rows ``0 .. length - 1``: ``q [Hq, D]`` (float32 or
     bfloat16), caches bfloat16 ``[Hkv, capacity, D]``; query head ``h`` uses KV head
     ``h // (Hq / Hkv)`` and the heads sharing a KV head read each cache row once. Returns
     ``softmax(q k^T / sqrt(D)) v`` ``[Hq, D]``, times ``sigmoid(gate)`` if ``gate [Hq, D]`` is given.
     Route: :func:`attention_decode_route`."""
-    return _attention_decode(q, k_cache, v_cache, length=length, gate=gate, device=device)[0]
+    return _attention_decode(q, k_cache, v_cache, length=length, gate=gate, device=device,
+                             block_tokens=block_tokens, block_table=block_table)[0]
 
 
 def _attention_decode(q, k_cache, v_cache, *, length, gate=None, device="emu", order="shuffle", seed=0,
-                      fp_traps=True):
+                      fp_traps=True, block_tokens=None, block_table=None):
     fn = "attention_decode"
     q3, kc, vc, gc, dt = _check_attention(q, k_cache, v_cache, gate, fn, tokens_axis=False)
     n = _uint(length, "length", fn)
     if not 1 <= n <= kc.shape[1]:
         raise ValueError(f"{fn}: length must be in [1, capacity={kc.shape[1]}], got {n}")
     _check_device(device, fn)
-    out, stats = _core().ops.attention(q3, kc, vc, gc, position=n - 1, decode=True, dtype=dt, device=device,
+    kp, vp, table = _page(kc, vc, block_tokens, block_table, fn)
+    out, stats = _core().ops.attention(q3, kp, vp, table, gc, position=n - 1, decode=True, dtype=dt, device=device,
                                        order=order, seed=seed, fp_traps=fp_traps)
     return _from_core(out, dt)[0], stats
 
 
 def attention_prefill(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, *, position: int,
-                      gate: np.ndarray | None = None, device: str = "emu") -> np.ndarray:
+                      gate: np.ndarray | None = None, device: str = "emu", block_tokens: int | None = None,
+                      block_table=None) -> np.ndarray:
     """Causal attention of a chunk of queries ``q [T, Hq, D]`` at positions ``position ..
     position + T - 1`` over the bfloat16 caches ``[Hkv, capacity, D]``, which must already hold
     rows ``0 .. position + T - 1`` (earlier chunks and this chunk's own keys). Token ``t`` attends
     rows ``0 .. position + t``. Blockwise with an online softmax: no ``T x T`` score matrix.
     Returns ``[T, Hq, D]`` (times ``sigmoid(gate)`` if ``gate [T, Hq, D]`` is given)."""
-    return _attention_prefill(q, k_cache, v_cache, position=position, gate=gate, device=device)[0]
+    return _attention_prefill(q, k_cache, v_cache, position=position, gate=gate, device=device,
+                              block_tokens=block_tokens, block_table=block_table)[0]
 
 
 def _attention_prefill(q, k_cache, v_cache, *, position, gate=None, device="emu", order="shuffle", seed=0,
-                       fp_traps=True):
+                       fp_traps=True, block_tokens=None, block_table=None):
     fn = "attention_prefill"
     q3, kc, vc, gc, dt = _check_attention(q, k_cache, v_cache, gate, fn, tokens_axis=True)
     pos = _uint(position, "position", fn)
     if pos + q3.shape[0] > kc.shape[1]:
         raise ValueError(f"{fn}: rows up to {pos + q3.shape[0] - 1} needed but the cache has capacity {kc.shape[1]}")
     _check_device(device, fn)
-    out, stats = _core().ops.attention(q3, kc, vc, gc, position=pos, decode=False, dtype=dt, device=device,
+    kp, vp, table = _page(kc, vc, block_tokens, block_table, fn)
+    out, stats = _core().ops.attention(q3, kp, vp, table, gc, position=pos, decode=False, dtype=dt, device=device,
                                        order=order, seed=seed, fp_traps=fp_traps)
     return _from_core(out, dt), stats
 
 
 def attention_mixer(x: np.ndarray, weights: dict, k_cache: np.ndarray, v_cache: np.ndarray, *, position: int,
                     q_heads: int, rotary_dim: int, theta: float, eps: float = 1e-6, weight_offset: float = 0.0,
-                    bits: int = 4, group_size: int = 64, device: str = "emu"):
+                    bits: int = 4, group_size: int = 64, device: str = "emu", block_tokens: int | None = None,
+                    block_table=None):
     """The gated-attention token mixer of one layer for ``x [T, hidden]`` at ``position``, encoded
     as one device step: q/k/v projections (quantized matmul), q/k norm + RoPE + KV append,
     attention (decode route for ``T == 1``, prefill otherwise), output gate, o_proj.
@@ -235,13 +298,14 @@ def attention_mixer(x: np.ndarray, weights: dict, k_cache: np.ndarray, v_cache: 
     matmul. Returns ``(out [T, hidden], k_cache, v_cache)``."""
     out, kc, vc, _ = _attention_mixer(x, weights, k_cache, v_cache, position=position, q_heads=q_heads,
                                       rotary_dim=rotary_dim, theta=theta, eps=eps, weight_offset=weight_offset,
-                                      bits=bits, group_size=group_size, device=device)
+                                      bits=bits, group_size=group_size, device=device,
+                                      block_tokens=block_tokens, block_table=block_table)
     return out, kc, vc
 
 
 def _attention_mixer(x, weights, k_cache, v_cache, *, position, q_heads, rotary_dim, theta, eps=1e-6,
                      weight_offset=0.0, bits=4, group_size=64, device="emu", order="shuffle", seed=0,
-                     fp_traps=True):
+                     fp_traps=True, block_tokens=None, block_table=None):
     fn = "attention_mixer"
     xc, dt = _float_array(x, "x", fn)
     if xc.ndim != 2 or 0 in xc.shape:
@@ -274,9 +338,12 @@ def _attention_mixer(x, weights, k_cache, v_cache, *, position, q_heads, rotary_
         raise ValueError(f"{fn}: rows up to {pos + xc.shape[0] - 1} needed but the cache has capacity {kc.shape[1]}")
     rd = _check_rotary(rotary_dim, D, theta, fn)
     _check_device(device, fn)
+    kp, vp, table = _page(kc, vc, block_tokens, block_table, fn)
     out, kco, vco, stats = _core().ops.attention_mixer(
-        xc, proj, bits=bits, group_size=group_size, scale_dtype=sdt, q_norm=qn, k_norm=kn, k_cache=kc,
-        v_cache=vc, q_heads=_uint(q_heads, "q_heads", fn), rotary_dim=rd, theta=float(theta), eps=float(eps),
+        xc, proj, bits=bits, group_size=group_size, scale_dtype=sdt, q_norm=qn, k_norm=kn, k_cache=kp,
+        v_cache=vp, block_table=table, q_heads=_uint(q_heads, "q_heads", fn), rotary_dim=rd, theta=float(theta), eps=float(eps),
         weight_offset=float(weight_offset), position=pos, dtype=dt, w_dtype=wdt, device=device, order=order,
         seed=seed, fp_traps=fp_traps)
-    return _from_core(out, dt), kco.view(BFLOAT16), vco.view(BFLOAT16), stats
+    cap = kc.shape[1]
+    return (_from_core(out, dt), _unpage(kco, table, cap).view(BFLOAT16), _unpage(vco, table, cap).view(BFLOAT16),
+            stats)

@@ -85,6 +85,7 @@ class Row:
     prefill_barriers: float | None = None
     prefill_bytes: float | None = None
     device_bytes: int | None = None           # weights + state + scratch the engine allocated
+    kv_bytes: int | None = None               # KV cache blocks in use after the run (docs/memory.md)
     peak_rss_bytes: int | None = None
     mlx_prefill_tps: float | None = None
     mlx_decode_tps: float | None = None
@@ -169,6 +170,7 @@ def measure_context(model, ids: list[int], decode_tokens: int) -> Row:
     eng = getattr(model._backend, "engine", None)
     if eng is not None:
         row.device_bytes = int(eng.weight_bytes + eng.state_bytes + eng.scratch_bytes)
+        row.kv_bytes = int(eng.kv_bytes_in_use)
     row.peak_rss_bytes = peak_rss_bytes()
     return row
 
@@ -222,11 +224,15 @@ def count_context(cfg, context: int, decode_tokens: int, prefill_chunk: int, qua
                   valid_vocab=cfg.vocab_size)
     dec = eng.count(1, context, False, sample, True, True)
     key = "bytes_touched" if "bytes_touched" in dec else "bytes_bound"
+    # count() leaves the position at 0: the blocks of context + 1 positions, every attention layer
+    B = int(spec.get("kv_block_tokens", 1024))
+    layers = sum(1 for i in range(cfg.num_hidden_layers) if cfg.is_full_attention(i))
+    kv = -(-(context + 1) // B) * B * layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 2
     return Row(context, decode_dispatches=dec["dispatches"], decode_barriers=dec["barriers"],
                decode_bytes=dec[key], prefill_dispatches=_per_token(steps, "dispatches", context),
                prefill_barriers=_per_token(steps, "barriers", context),
                prefill_bytes=_per_token(steps, key, context),
-               device_bytes=int(eng.weight_bytes + eng.state_bytes + eng.scratch_bytes))
+               device_bytes=int(eng.weight_bytes + eng.state_bytes + eng.scratch_bytes), kv_bytes=kv)
 
 
 # ------------------------------------------------------------------------------ printing
@@ -236,11 +242,13 @@ def _f(v, spec: str, width: int) -> str:
 
 def format_speed(t: Table) -> str:
     """The table Lily and MLX publish: tokens/s by prompt length, plus TTFT and memory."""
-    head = f"{'context':>8} {'prefill tok/s':>14} {'decode tok/s':>13} {'TTFT':>10} {'device mem':>11} {'peak RSS':>10}"
+    head = (f"{'context':>8} {'prefill tok/s':>14} {'decode tok/s':>13} {'TTFT':>10} {'device mem':>11} "
+            f"{'KV in use':>10} {'peak RSS':>10}")
     lines = [head, "-" * len(head)]
     for r in t.rows:
         lines.append(f"{_k(r.context):>8} {_f(r.prefill_tps, '.1f', 14)} {_f(r.decode_tps, '.2f', 13)} "
-                     f"{_f(r.ttft_s, '.3f', 8)} s {_mib(r.device_bytes):>11} {_mib(r.peak_rss_bytes):>10}"
+                     f"{_f(r.ttft_s, '.3f', 8)} s {_mib(r.device_bytes):>11} {_mib(r.kv_bytes):>10} "
+                     f"{_mib(r.peak_rss_bytes):>10}"
                      + (f"  ({r.note})" if r.note else ""))
     return "\n".join(lines)
 
@@ -255,7 +263,8 @@ def format_counters(t: Table) -> str:
         lines.append(f"{_k(r.context):>8} | {_f(r.decode_dispatches, 'd', 23)} {_f(r.decode_barriers, 'd', 9)} "
                      f"{_mib(r.decode_bytes):>12} | {_f(r.prefill_dispatches, '.2f', 29)} "
                      f"{_f(r.prefill_barriers, '.2f', 9)} {_mib(r.prefill_bytes):>12}"
-                     + (f"  device mem {_mib(r.device_bytes)}" if t.kind == "counted" else ""))
+                     + (f"  device mem {_mib(r.device_bytes)}  KV in use {_mib(r.kv_bytes)}"
+                        if t.kind == "counted" else ""))
     return "\n".join(lines)
 
 
@@ -451,7 +460,8 @@ def bench(*, model: str | None = None, random_weights: bool = False, config: str
         say()
         say(f"{counted.bytes_key}: bytes of every buffer range bound to a dispatch (an upper bound of the "
             "traffic: MoE kernels bind whole expert stacks, attention the whole KV cache). device mem: "
-            "weights + KV cache + state + scratch the engine allocates for the context.")
+            "weights + KV cache + state + scratch the engine allocates for the context (the KV pools grow "
+            "as positions advance); KV in use: its blocks that hold the context's positions.")
         result["tables"].append(asdict(counted))
     finally:
         if tmp is not None:
