@@ -358,7 +358,7 @@ void init_engine(nb::module_& m) {
           "with `sampling` at `step`, without waiting; stats via last_stats() after complete_token().")
       .def(
           "submit_logits_slot",
-          []([[maybe_unused]] core::Engine& e) {
+          [](core::Engine& e) {
             core::StepSampling s;
             s.ids_from_slot = true;
             const uint32_t placeholder = 0;
