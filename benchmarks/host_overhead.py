@@ -25,8 +25,17 @@ Runs on the counting device, which encodes every step and runs nothing:
    `tokenizers` library: the 256 byte symbols, then 248K random merges of word-like pieces up to
    24 characters, plus Qwen's special and tag tokens), for the JSON schema above and for a forced
    tool call (tool_choice): the one-time tokenizer and grammar setup, the per-token bitset and
-   advance (median and 90th percentile), and the total host time per constrained token (bitset
-   + advance + the host path's unpack and mask).
+   advance (median and 90th percentile), and the total host time per constrained token: bitset
+   + advance + the host path's unpack and mask, or + the device path's copy of the bitset
+   (31 KB) into the engine's mask slot.
+6. A constrained generation end to end on count_host (the model of part 2: 248,320 logits, the
+   demo tokenizer): per streamed token, the wall time of next() with the mask in the device
+   sampler (the engine's mask slot: the step committed unsampled, its sampler after the host's
+   matcher) and on the host path (the logits row copied, masked and sampled in NumPy), and the
+   engine's counters per token. The constraint is the regex "!+x": count_host samples token 0,
+   which is "!", so the device path's tokens stay allowed (the host path samples all-zero logits:
+   greedy takes "!" too, the filters may end at an "x"); its bitset is cheap, so this is the
+   pipelines' own cost (parts 4 and 5 time the matcher).
 
 Timings depend on the machine and its load: they are measurements of this machine, not of a Mac.
 """
@@ -167,6 +176,41 @@ def constraint_cost(n: int = 200) -> None:
           f"{statistics.median(ts) * 1e6:8.1f} us")
 
 
+def constrained_stream(path: str, n: int = 100, timings: bool = True) -> None:
+    """Part 6. ``timings=False``: the counters only (deterministic: docs quote them)."""
+    m = lily_py.load(path, backend="count_host", context_length=n + 64, prefill_chunk=16,
+                     prompt_cache_bytes=0)
+    prompt = list(range(100, 116))
+    fmt = {"type": "regex", "regex": "!+x"}   # token 0 ("!") always allowed, EOS only after "x"
+    runs = (("greedy", dict(temperature=0.0)), ("temperature+top-k+top-p+min-p", FULL))
+    for label, opts in runs if timings else runs[:1]:
+        for device_masks in (True, False):
+            m._device_masks = device_masks
+            for _ in range(2 if timings else 1):  # the first run warms up (builds the matcher's tokenizer)
+                m.reset()
+                eng = m._backend.engine
+                g = m.generate(prompt, max_tokens=n, seed=1, response_format=fmt, **opts)
+                next(g)                          # prefill + first token
+                c0, b0 = dict(eng.counters), eng.logit_bytes_copied
+                walls = []
+                while True:
+                    t0 = time.perf_counter()
+                    try:
+                        next(g)
+                    except StopIteration:
+                        break
+                    walls.append(time.perf_counter() - t0)
+            k = len(walls)
+            c = {key: (v - c0[key]) / k for key, v in eng.counters.items()}
+            b = (eng.logit_bytes_copied - b0) / k
+            path_name = "device masks" if device_masks else "host path   "
+            wall = f"wall median {statistics.median(walls) * 1e6:7.1f} us; " if timings else ""
+            print(f"constrained tokens on count_host, {label}, {path_name}: {k} tokens; per token {wall}"
+                  f"{c['commits']:.2f} commits, {c['idle_commits']:.2f} to an idle device, "
+                  f"{c['host_waits']:.2f} host waits, {b:,.0f} logit bytes copied")
+    m._device_masks = True
+
+
 def synthetic_tokenizer(n: int = 248_320, seed: int = 0):
     """A byte-level BPE ``tokenizers.Tokenizer`` with ``n`` ids (see the module doc, part 5)."""
     import numpy as np
@@ -229,9 +273,10 @@ def constraint_cost_real_vocab(n: int = 400) -> None:
               "France\n</parameter>\n<parameter=days>\n12\n</parameter>\n</function>\n</tool_call>")]
     rng = np.random.default_rng(0)
     row = rng.standard_normal(v).astype(np.float32)
+    slot = np.zeros(-(-v // 32), np.uint32)      # stands in for the engine's mask slot
     for label, g, text in cases:
         answer = tk.encode(text).ids
-        setup, masks, consumes, hosts = [], [], [], []
+        setup, masks, consumes, hosts, devs = [], [], [], [], []
         for _ in range(max(1, n // len(answer))):
             t0 = time.perf_counter()
             m = ll.LLMatcher(llt, g)
@@ -244,14 +289,18 @@ def constraint_cost_real_vocab(n: int = 400) -> None:
                 t2 = time.perf_counter()
                 np.where(unpack_mask(words, v), row, np.float32(-np.inf))
                 t3 = time.perf_counter()
+                np.copyto(slot, words[:slot.size])
+                t4 = time.perf_counter()
                 masks.append(t1 - t0)
                 consumes.append(t2 - t1)
                 hosts.append(t3 - t0)
+                devs.append(t2 - t0 + t4 - t3)
         q = lambda xs, p: float(np.percentile(xs, p)) * 1e6  # noqa: E731
         print(f"constraint at {v} ids, {label} ({len(answer)} tokens x {len(masks) // len(answer)}): "
               f"matcher setup median {statistics.median(setup) * 1e3:.2f} ms; per token bitset median "
               f"{q(masks, 50):.1f} us (p90 {q(masks, 90):.1f}), consume median {q(consumes, 50):.1f} us, "
-              f"host total (bitset + consume + unpack + mask) median {q(hosts, 50):.0f} us")
+              f"host total: host path (bitset + consume + unpack + mask) median {q(hosts, 50):.0f} us, "
+              f"device masks (bitset + consume + copy into the mask slot) median {q(devs, 50):.0f} us")
 
 
 def main() -> None:
@@ -259,9 +308,17 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2000)
     ap.add_argument("--repeat", type=int, default=200)
     ap.add_argument("--constraint-only", action="store_true")
+    ap.add_argument("--constraint-counts", action="store_true",
+                    help="part 6's engine counters only (no timings: deterministic)")
     a = ap.parse_args()
+    if a.constraint_counts:
+        with tempfile.TemporaryDirectory() as d:
+            constrained_stream(tiny_real_vocab(d), timings=False)
+        return
     if a.constraint_only:
         constraint_cost()
+        with tempfile.TemporaryDirectory() as d:
+            constrained_stream(tiny_real_vocab(d))
         constraint_cost_real_vocab()
         return
     encode_times(a.repeat)
@@ -269,6 +326,7 @@ def main() -> None:
         path = tiny_real_vocab(d)
         python_overhead(path, a.tokens)
         first_token(path)
+        constrained_stream(path)
     constraint_cost()
     constraint_cost_real_vocab()
 

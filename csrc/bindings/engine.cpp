@@ -102,6 +102,21 @@ nb::dict stats_dict(const core::StepStats& s) {
 
 using IdArray = nb::ndarray<const uint32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 
+// A constraint's allowed-token bitset (uint32 [ceil(valid_vocab / 32)]) for `s`; the array must
+// outlive the call that uses `s` (the binding's argument does).
+void set_mask(core::StepSampling& s, nb::object mask, uint32_t vocab) {
+  if (mask.is_none()) return;
+  if (!s.enabled) throw std::invalid_argument("engine: a token mask needs sampling parameters");
+  IdArray m;
+  if (!nb::try_cast(mask, m, false))
+    throw std::invalid_argument("engine: mask must be a C-contiguous uint32 array [ceil(valid_vocab / 32)]");
+  const uint32_t valid = s.valid_vocab ? s.valid_vocab : vocab;
+  if (m.shape(0) != gpu::ops::mask_words(valid))
+    throw std::invalid_argument("engine: mask has " + std::to_string(m.shape(0)) + " words, valid_vocab " +
+                                std::to_string(valid) + " needs " + std::to_string(gpu::ops::mask_words(valid)));
+  s.mask = m.data();
+}
+
 }  // namespace
 
 // A memory plan's byte counts (plan_memory and Engine.memory).
@@ -285,8 +300,9 @@ void init_engine(nb::module_& m) {
       .def(
           "forward",
           [](core::Engine& e, IdArray ids, bool all_logits, nb::object sample, bool from_slot, bool logits,
-             bool fetch) -> nb::tuple {
-            const core::StepSampling sampling = sampling_from(sample, from_slot);
+             bool fetch, nb::object mask) -> nb::tuple {
+            core::StepSampling sampling = sampling_from(sample, from_slot);
+            set_mask(sampling, mask, e.spec().vocab);
             const uint32_t T = uint32_t(ids.shape(0));
             const size_t rows = !logits || !fetch ? 0 : all_logits ? T : 1, V = e.spec().vocab;
             float* out = fetch ? new float[rows * V + 1] : nullptr;
@@ -304,12 +320,13 @@ void init_engine(nb::module_& m) {
             return nb::make_tuple(nb::ndarray<nb::numpy, float>(out, 2, shape, owner), stats_dict(st));
           },
           "ids"_a, "all_logits"_a = false, "sample"_a = nb::none(), "from_slot"_a = false, "logits"_a = true,
-          "fetch"_a = true,
+          "fetch"_a = true, "mask"_a = nb::none(),
           "`logits=False`: a prefill chunk that is not the last (no final norm / lm_head; [0, V] returned). Feed uint32 ids [T] (one step, one command buffer); returns (float32 logits [T or 1, V], stats). "
           "`sample`: dict(temperature, top_k, top_p, min_p, seed, step, valid_vocab) samples the last "
           "position on the device into the token slot (stats['token']); `from_slot`: feed that slot "
           "(the previous step's sample) instead of `ids` (which must then hold one placeholder id). "
-          "`fetch=False`: the logits stay on the device (None returned; last_logits() copies them later).")
+          "`fetch=False`: the logits stay on the device (None returned; last_logits() copies them later). "
+          "`mask`: uint32 [ceil(valid_vocab / 32)], a constraint's allowed-token bitset for the sampler.")
       .def(
           "submit",
           [](core::Engine& e, IdArray ids, nb::object sample, bool from_slot) {
@@ -352,6 +369,45 @@ void init_engine(nb::module_& m) {
           "sampling"_a, "step"_a,
           "Commit a one-token step fed from the device slot (the previous step's sample) that samples "
           "with `sampling` at `step`, without waiting; stats via last_stats() after complete_token().")
+      .def(
+          "submit_logits_slot",
+          [](core::Engine& e) {
+            core::StepSampling s;
+            s.ids_from_slot = true;
+            const uint32_t placeholder = 0;
+            nb::gil_scoped_release release;
+            e.submit(&placeholder, 1, false, s, true);
+          },
+          "Commit a one-token step fed from the device slot that does not sample: its logits row "
+          "stays on the device for submit_sampler (constrained generation), without waiting.")
+      .def(
+          "submit_sampler",
+          [](core::Engine& e, const core::StepSampling& sampling, uint32_t step, nb::object mask) {
+            core::StepSampling s = sampling;
+            s.params.step = step;
+            s.ids_from_slot = false;
+            set_mask(s, mask, e.spec().vocab);
+            nb::gil_scoped_release release;
+            e.submit_sampler(s);
+          },
+          "sampling"_a, "step"_a, "mask"_a = nb::none(),
+          "Commit the sampler of the newest step in flight (submitted by submit_logits_slot), with "
+          "the allowed-token bitset `mask` (uint32 [ceil(valid_vocab / 32)], None: every token), in a "
+          "command buffer of its own; with nothing in flight, of the last completed step's row. "
+          "complete_token() returns its token.")
+      .def_prop_ro(
+          "counters",
+          [](const core::Engine& e) {
+            const core::EngineCounters& c = e.counters();
+            nb::dict d;
+            d["commits"] = c.commits;
+            d["idle_commits"] = c.idle_commits;
+            d["host_waits"] = c.host_waits;
+            d["masks_written"] = c.masks_written;
+            return d;
+          },
+          "Totals since construction: command buffers committed, those committed with nothing in "
+          "flight (the device waited for the host), host waits, masks written.")
       .def(
           "complete_token",
           [](core::Engine& e) -> nb::object {
@@ -402,13 +458,15 @@ void init_engine(nb::module_& m) {
       .def(
           "sample_row",
           [](core::Engine& e, nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu> row,
-             const core::StepSampling& sampling) {
+             const core::StepSampling& sampling, nb::object mask) {
             LILY_REQUIRE(row.shape(0) == e.spec().vocab,
                          "sample_row: the row has " + std::to_string(row.shape(0)) + " logits, the model's vocab is " +
                              std::to_string(e.spec().vocab));
-            return e.sample_row(row.data(), sampling);
+            core::StepSampling s = sampling;
+            set_mask(s, mask, e.spec().vocab);
+            return e.sample_row(row.data(), s);
           },
-          "row"_a, "sampling"_a,
+          "row"_a, "sampling"_a, "mask"_a = nb::none(),
           "Sample one token on the device from a float32 logits row [V] held by the host (the "
           "sampler alone, one wait); the state is untouched.")
       .def_prop_ro("has_last_logits", &core::Engine::has_last_logits)

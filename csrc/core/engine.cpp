@@ -295,6 +295,7 @@ void build_buffers(const ModelSpec& s, Allocator& a, gpu::ModelBuffers& m_, bool
   t.sample_partials = a.scratch(gpu::ops::sample_partials_bytes(1, uint32_t(V)));
   t.sample_hist = a.scratch(gpu::ops::sample_hist_bytes(1, uint32_t(V)));
   t.logprobs = a.scratch(2 * kSampleLogprobWords * 4);
+  t.token_mask = a.scratch(2ull * gpu::ops::mask_words(uint32_t(V)) * 4);  // two slots, as token_slot
 }
 
 // Sizes only: nothing is allocated.
@@ -695,7 +696,8 @@ void Engine::discard_inflight() {
   // in the host loop) are waited out and dropped rather than refused.
   while (!inflight_.empty()) {
     try {
-      inflight_.front().enc->wait();
+      if (inflight_.front().enc) inflight_.front().enc->wait();
+      if (inflight_.front().sampler) inflight_.front().sampler->wait();
     } catch (...) {
     }
     inflight_.pop_front();
@@ -844,6 +846,7 @@ Engine::InFlight Engine::encode(uint32_t T, uint32_t position, bool all_logits, 
   p.sample_params = sampling.params;
   p.valid_vocab = sampling.valid_vocab;
   p.ids_from_slot = sampling.ids_from_slot;
+  p.masked = sampling.enabled && sampling.mask != nullptr;
   p.slot = next_slot_;
   p.tokens = T;
   p.position = position;
@@ -901,20 +904,26 @@ StepStats Engine::submit(const uint32_t* ids, uint32_t T, bool all_logits, const
     fail("forward: feeding the device slot needs one token and a previous sampling step");
   if (sampling.enabled && !sampling.params.greedy && !(sampling.params.temperature > 0))
     fail("forward: temperature must be > 0 when not greedy");
+  if (sampling.mask && !sampling.enabled) fail("forward: a token mask needs sampling");
   for (uint32_t i = 0; i < T && !sampling.ids_from_slot; ++i)
     if (ids[i] >= spec_.vocab) fail("forward: token id " + num(ids[i]) + " at index " + num(i) + " outside [0, " + num(spec_.vocab) + ")");
   ensure_kv(uint64_t(position_) + T);  // throws before the state changes when the blocks do not fit
   if (m_.s.ids.buffer->has_storage() && !sampling.ids_from_slot) m_.s.ids.buffer->write(m_.s.ids.offset, ids, size_t(T) * 4);
+  write_mask(sampling, next_slot_);
   valid_ = false;  // until every step in flight finished: a device error leaves a half-updated state
   have_token_ = false;
   last_rows_ = 0;  // the new step will overwrite the logits rows
   InFlight f;
+  const bool idle = inflight_.empty();
   try {
     f = encode(T, position_, all_logits, sampling, want_logits);
   } catch (...) {
     failed_ = true;  // the devices may have half-run it (the emulator runs at commit)
     throw;
   }
+  counters_.commits += 1;
+  counters_.idle_commits += idle ? 1 : 0;
+  f.masked = sampling.enabled && sampling.mask != nullptr;
   position_ += T;
   conv_parity_ = 1 - conv_parity_;
   next_slot_ = 1 - next_slot_;
@@ -928,8 +937,10 @@ StepStats Engine::complete(float* logits) {
   if (inflight_.empty()) fail("complete: no step in flight");
   InFlight f = std::move(inflight_.front());
   inflight_.pop_front();
+  counters_.host_waits += 1;
   try {
-    f.enc->wait();
+    if (f.enc) f.enc->wait();
+    if (f.sampler) f.sampler->wait();
   } catch (...) {
     inflight_.clear();  // the state is invalid (valid_ stays false) until reset / restore
     failed_ = true;
@@ -938,14 +949,16 @@ StepStats Engine::complete(float* logits) {
   }
   StepStats st = f.st;
   st.host_waits = st.waits_in_step + 1;
-  correct_moe_flops(st, f.slot);
+  if (f.enc) correct_moe_flops(st, f.slot);
   const size_t V = spec_.vocab;
   gpu::Buffer& lb = *m_.s.logits.buffer;
   if (logits && lb.has_storage() && f.rows) {
     lb.read(m_.s.logits.offset + (f.rows == 1 ? f.slot : 0) * V * 4, logits, f.rows * V * 4);
     logit_bytes_copied_ += f.rows * V * 4;
   }
-  last_rows_ = f.rows;
+  // A masked sampler set the disallowed logits of its row to -inf in place: the row no longer
+  // holds the model's logits (last_logits() refuses it).
+  last_rows_ = f.masked ? 0 : f.rows;
   last_slot_ = f.slot;
   if (inflight_.empty() && !failed_) valid_ = true;
   last_ = st;
@@ -983,6 +996,7 @@ uint32_t Engine::sample_row(const float* row, const StepSampling& sampling) {
   m_.s.logits.buffer->write(m_.s.logits.offset, row, V * 4);
   last_rows_ = 0;  // row 0 now holds the host's row, not the last step's
   have_token_ = false;
+  write_mask(sampling, 0);
   gpu::ops::SampleOperands so;
   so.logits = gpu::Binding{m_.s.logits.buffer, m_.s.logits.offset, uint64_t(V) * 4};
   so.ids = m_.s.token_slot;
@@ -997,10 +1011,15 @@ uint32_t Engine::sample_row(const float* row, const StepSampling& sampling) {
   so.valid_vocab = sampling.valid_vocab ? sampling.valid_vocab : uint32_t(V);
   so.slot = 0;
   so.params = sampling.params;
+  if (sampling.mask)
+    so.mask = gpu::Binding{m_.s.token_mask.buffer, m_.s.token_mask.offset, uint64_t(gpu::ops::mask_words(so.valid_vocab)) * 4};
   gpu::ops::validate(so);
   auto enc = device_->new_encoder();
   gpu::ops::encode_sample(*enc, so);
   enc->commit();
+  counters_.commits += 1;
+  counters_.idle_commits += 1;
+  counters_.host_waits += 1;
   enc->wait();
   const auto state = m_.s.sample_state.buffer->read_value<::lily::SampleState>(m_.s.sample_state.offset);
   if (state.status != 0)
@@ -1009,6 +1028,71 @@ uint32_t Engine::sample_row(const float* row, const StepSampling& sampling) {
                       " in the row given to sample_row");
   lp_slot_ = 0;
   return m_.s.token_slot.buffer->read_value<uint32_t>(m_.s.token_slot.offset);
+}
+
+void Engine::write_mask(const StepSampling& sampling, uint32_t slot) {
+  if (!sampling.mask) return;
+  gpu::Buffer& b = *m_.s.token_mask.buffer;
+  if (!b.has_storage()) return;  // the counting device
+  const uint32_t valid = sampling.valid_vocab ? sampling.valid_vocab : spec_.vocab;
+  const uint64_t stride = uint64_t(gpu::ops::mask_words(spec_.vocab)) * 4;
+  // No sampler in flight reads this slot: the one that did (two steps back) completed before the
+  // host could know the token this mask depends on.
+  b.write(m_.s.token_mask.offset + slot * stride, sampling.mask, size_t(gpu::ops::mask_words(valid)) * 4);
+  counters_.masks_written += 1;
+}
+
+void Engine::submit_sampler(const StepSampling& sampling) {
+  if (!sampling.enabled || sampling.ids_from_slot) fail("submit_sampler: needs sampling parameters (and no slot feed)");
+  if (!sampling.params.greedy && !(sampling.params.temperature > 0))
+    fail("submit_sampler: temperature must be > 0 when not greedy");
+  if (sampling.valid_vocab > spec_.vocab)
+    fail("submit_sampler: valid_vocab " + num(sampling.valid_vocab) + " > vocab " + num(spec_.vocab));
+  InFlight* target = nullptr;
+  InFlight fresh;
+  const bool idle = inflight_.empty();
+  if (!idle) {
+    target = &inflight_.back();
+    if (target->sampled || target->rows != 1)
+      fail("submit_sampler: the newest step in flight already samples (or computed no single logits row)");
+  } else {
+    // The last completed step's row, still on the device (nothing submitted since).
+    if (last_rows_ != 1) fail("submit_sampler: no step in flight and no single logits row left on the device");
+    if (!valid_) fail("the engine state is invalid after a failed step: call Model.reset() (or restore a snapshot)");
+    fresh.slot = last_slot_;
+    fresh.rows = 1;
+    target = &fresh;
+  }
+  if (!idle && target->slot != 1 - next_slot_) fail("submit_sampler: internal slot mismatch");
+  gpu::StepParams p;
+  p.sample = true;
+  p.sample_params = sampling.params;
+  p.valid_vocab = sampling.valid_vocab;
+  p.masked = sampling.mask != nullptr;
+  p.slot = target->slot;
+  write_mask(sampling, p.slot);
+  auto enc = device_->new_encoder();
+  gpu::encode_step_sampler(*enc, spec_, m_, p, /*logits_row=*/p.slot);
+  enc->commit();
+  counters_.commits += 1;
+  counters_.idle_commits += idle ? 1 : 0;
+  const gpu::Counters& c = enc->counters();
+  target->st.dispatches += c.dispatches;
+  target->st.barriers += c.barriers;
+  target->st.bytes_bound += c.bytes_bound;
+  target->st.bytes_touched += c.bytes_touched;
+  target->st.threads += c.threads;
+  target->st.commits += 1;
+  target->sampler = std::move(enc);
+  target->sampled = true;
+  target->masked = p.masked;
+  if (idle) {
+    fresh.st.in_flight = 0;
+    last_rows_ = 0;  // the row now belongs to the entry (complete() sets it back)
+    inflight_.push_back(std::move(fresh));
+  }
+  next_slot_ = 1 - p.slot;
+  have_token_ = true;  // the next step may read token_slot[p.slot]
 }
 
 std::vector<uint32_t> Engine::logprob_record() const {

@@ -49,6 +49,17 @@ struct StepSampling {
   gpu::ops::SampleParams params;
   uint32_t valid_vocab = 0;  // 0: the whole vocabulary
   bool ids_from_slot = false;  // feed the previous step's sampled token (device slot), not `ids`
+  // A constraint's allowed-token bitset (host memory, uint32 [ceil(valid_vocab / 32)], bit i % 32
+  // of word i / 32: token i allowed); null: every token. Copied into the step's mask slot at submit.
+  const uint32_t* mask = nullptr;
+};
+
+// Engine totals since construction (exact counts; tests assert them).
+struct EngineCounters {
+  uint64_t commits = 0;       // command buffers committed (steps, samplers, sample_row)
+  uint64_t idle_commits = 0;  // ... of them committed with nothing in flight: the device waited for the host
+  uint64_t host_waits = 0;    // times the host blocked on the device (complete(), sample_row())
+  uint64_t masks_written = 0; // allowed-token bitsets copied into a mask slot
 };
 
 // The quantization the engine's kernels take (ModelSpec::validate refuses others; lily_py checks
@@ -164,6 +175,14 @@ class Engine {
   StepStats submit(const uint32_t* ids, uint32_t T, bool all_logits, const StepSampling& sampling = {},
                    bool want_logits = true);
   StepStats complete(float* logits);
+  // Constrained generation: the sampler of the newest step in flight, in a command buffer of its
+  // own. That step was submitted without sampling (its logits row stays on the device); the host
+  // commits its sampler once it knows the allowed set (`sampling.mask`, or none), which depends
+  // on the token the step before sampled. complete() of that step then waits for both and
+  // returns the token; the next step may be submitted fed from the slot right after this call.
+  // With nothing in flight, samples the last completed step's row instead (a new entry).
+  void submit_sampler(const StepSampling& sampling);
+  const EngineCounters& counters() const { return counters_; }
   // Copies the last position's float32 logits [vocab] of the last completed step (the device
   // buffer keeps them until the next step is submitted); needs no step in flight and a last step
   // that computed logits. Generation never copies logits per token: this is the "asked for" path.
@@ -232,8 +251,9 @@ class Engine {
   struct InFlight {
     std::unique_ptr<gpu::Encoder> enc;
     StepStats st;
+    std::unique_ptr<gpu::Encoder> sampler;  // submit_sampler's command buffer (after enc)
     uint32_t slot = 0, rows = 0;
-    bool sampled = false;
+    bool sampled = false, masked = false;
   };
   InFlight encode(uint32_t T, uint32_t position, bool all_logits, const StepSampling& sampling, bool want_logits,
                   std::unique_ptr<gpu::Encoder> enc = nullptr);
@@ -297,6 +317,8 @@ class Engine {
   std::vector<gpu::KernelCounters> counted_kernels_;
   std::vector<gpu::DispatchRecord> counted_dispatches_;
   bool recording_ = false;
+  EngineCounters counters_;
+  void write_mask(const StepSampling& sampling, uint32_t slot);
 };
 
 }  // namespace lily::core

@@ -331,9 +331,26 @@ void encode_step(Encoder& enc, const core::ModelSpec& spec, const ModelBuffers& 
   ops::encode_quantized_matmul(enc, head);
   if (!p.sample) return;
   enc.barrier();  // logits -> sampler
+  encode_step_sampler(enc, spec, m, p, logits_row + out_rows - 1);
+}
 
+}  // namespace
+
+void encode_prefill_chunk(Encoder& enc, const core::ModelSpec& spec, const ModelBuffers& m, const StepParams& p) {
+  if (p.serialize) {
+    SerialEncoder ser(enc);
+    encode_step(ser, spec, m, p);
+  } else {
+    encode_step(enc, spec, m, p);
+  }
+}
+
+void encode_step_sampler(Encoder& enc, const core::ModelSpec& spec, const ModelBuffers& m, const StepParams& p,
+                         uint32_t logits_row) {
+  if (p.slot > 1) throw std::invalid_argument("engine sampler: slot must be 0 or 1");
+  const StepScratch& s = m.s;
   ops::SampleOperands so;
-  so.logits = rows(s.logits, logits_row + out_rows - 1, 1, uint64_t(spec.vocab) * 4);
+  so.logits = Binding{s.logits.buffer, s.logits.offset + uint64_t(logits_row) * spec.vocab * 4, uint64_t(spec.vocab) * 4};
   so.ids = s.token_slot;
   so.chosen_logit = s.chosen_logit;
   const uint64_t state_bytes = ops::sample_state_bytes(1);  // one SampleState per slot
@@ -346,18 +363,13 @@ void encode_step(Encoder& enc, const core::ModelSpec& spec, const ModelBuffers& 
   so.valid_vocab = p.valid_vocab ? p.valid_vocab : spec.vocab;
   so.slot = p.slot;
   so.params = p.sample_params;
-  ops::encode_sample(enc, so);
-}
-
-}  // namespace
-
-void encode_prefill_chunk(Encoder& enc, const core::ModelSpec& spec, const ModelBuffers& m, const StepParams& p) {
-  if (p.serialize) {
-    SerialEncoder ser(enc);
-    encode_step(ser, spec, m, p);
-  } else {
-    encode_step(enc, spec, m, p);
+  if (p.masked) {
+    // The slot's bitset: ceil(V / 32) words per slot, the first ceil(valid_vocab / 32) read.
+    const uint64_t stride = uint64_t(ops::mask_words(spec.vocab)) * 4;
+    so.mask = Binding{s.token_mask.buffer, s.token_mask.offset + p.slot * stride,
+                      uint64_t(ops::mask_words(so.valid_vocab)) * 4};
   }
+  ops::encode_sample(enc, so);
 }
 
 void encode_decode_step(Encoder& enc, const core::ModelSpec& spec, const ModelBuffers& m, const StepParams& p) {

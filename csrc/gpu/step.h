@@ -92,6 +92,7 @@ struct StepScratch {
   Binding sample_state;         // SampleState [2] (one per slot: the host reads its status)
   Binding sample_partials, sample_hist;  // sampler scratch for one row of V
   Binding logprobs;             // uint32 [2, kSampleLogprobWords]: logprob records (one per slot)
+  Binding token_mask;           // uint32 [2, ceil(V / 32)]: a constraint's allowed-token bitset per slot
 };
 
 struct ModelBuffers {
@@ -116,11 +117,18 @@ struct StepParams {
   bool sample = false;         // sample the last position's logits into token_slot
   ops::SampleParams sample_params;
   uint32_t valid_vocab = 0;    // ids >= valid_vocab are never sampled (0: vocab)
+  bool masked = false;         // the sampler applies token_mask[slot] (the host wrote it before the commit)
 };
 
 // Dispatch and barrier counts of one step are whatever the encoder counts (Encoder::counters);
 // tests compare them with a count derived from the config (tests/model/test_engine.py).
 void encode_prefill_chunk(Encoder& enc, const core::ModelSpec& spec, const ModelBuffers& m, const StepParams& p);
 void encode_decode_step(Encoder& enc, const core::ModelSpec& spec, const ModelBuffers& m, const StepParams& p);
+// The sampler alone over logits row `logits_row`, into the slot p.slot (token, chosen logit,
+// state, logprob record; with p.masked, token_mask[p.slot] applied first): what a step with
+// p.sample encodes after its lm_head, for a step that left its logits for a later command buffer
+// (constrained generation: the mask of token n + 1 needs token n).
+void encode_step_sampler(Encoder& enc, const core::ModelSpec& spec, const ModelBuffers& m, const StepParams& p,
+                         uint32_t logits_row);
 
 }  // namespace lily::gpu

@@ -210,5 +210,12 @@ class Constraint:
             raise ValueError(f"constraint: token {token} is not allowed ({self.matcher.get_error()})")
 
     @property
+    def dead_end(self) -> bool:
+        """No continuation is allowed and the text so far is not accepted: llguidance stops with
+        an error and offers only EOS (which would end the answer outside the constraint)."""
+        m = self.matcher
+        return m.is_error() or (m.is_stopped() and not m.is_accepting())
+
+    @property
     def error(self) -> str:
         return self.matcher.get_error() if self.matcher.is_error() else ""

@@ -57,8 +57,9 @@ class GenerationChunk:
     ``token`` is the token id sampled at this step (None when nothing was sampled).
     ``finish_reason`` is None until the last chunk, then "stop" (EOS token or stop string),
     "tool_calls" (stopped after calling tools), "length" (max_tokens reached),
-    "context_length" (the context is full) or "cancelled" (``Model.cancel()``); the last chunk
-    also carries ``stats``. ``raw`` is this step's text before parsing. ``logprobs``: the
+    "context_length" (the context is full), "cancelled" (``Model.cancel()``) or "error" (a
+    constraint reached a dead end: no token allowed and not at an accepting state; ``error``
+    says why); the last chunk also carries ``stats``. ``raw`` is this step's text before parsing. ``logprobs``: the
     sampled token's ``TokenLogprob`` when ``generate(logprobs=True)``.
     """
     text: str

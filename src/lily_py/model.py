@@ -93,7 +93,8 @@ class GenerationResult:
     """What ``Model.generate_text`` returns: the answer ``text`` (without reasoning and tool
     calls when the output is parsed), the sampled ``tokens``, ``finish_reason``, ``stats``, the
     ``reasoning``, the parsed ``tool_calls`` and malformed ones (``tool_call_errors``), and
-    ``raw_text``, the model's whole text before parsing (stop strings removed)."""
+    ``raw_text``, the model's whole text before parsing (stop strings removed). A constraint
+    that reaches a dead end ends with ``finish_reason`` "error" and the reason in ``error``."""
     text: str
     tokens: list[int]
     finish_reason: str
@@ -102,6 +103,7 @@ class GenerationResult:
     tool_calls: list[ToolCall] = field(default_factory=list)
     tool_call_errors: list[ToolCallError] = field(default_factory=list)
     raw_text: str = ""
+    error: str = ""             # finish_reason "error": why (a constraint that admits no token)
 
 
 class Model:
@@ -152,6 +154,9 @@ class Model:
         self._lock = threading.Lock()
         self._step_lock = threading.Lock()   # one explicit prefill/decode/reset at a time
         self._generating = False
+        # Engine backends apply a constraint's token mask in the device sampler (False: sample
+        # constrained tokens on the host from a copied logits row, one step at a time).
+        self._device_masks = True
         self.prefilled_tokens_total = 0     # tokens run through prefill since load
 
     # ---- introspection ------------------------------------------------------------------------
@@ -368,7 +373,8 @@ class Model:
                 tokens.append(chunk.token)
             last = chunk
         return GenerationResult("".join(parts), tokens, last.finish_reason, last.stats,
-                                "".join(reasoning), calls, errors, "".join(raw))
+                                "".join(reasoning), calls, errors, "".join(raw),
+                                getattr(last, "error", ""))
 
     def _generate(self, ids: list[int], points: list[int], params: SamplingParams,
                   max_tokens: int, stops: list[str], parser: OutputParser | None,
@@ -396,10 +402,14 @@ class Model:
         # The embedding/lm_head may have more rows than the tokenizer has ids (padding): those
         # ids can never be sampled.
         n_ids = self.tokenizer.vocab_size if self.tokenizer is not None else self.config.vocab_size
-        # A constraint's allowed set depends on the previous token: those generations sample each
-        # token on the host from the step's logits row with the mask (lily_py.sampling.sample,
-        # bit-identical to the device sampler with the same mask), one step at a time.
-        on_device = getattr(self._backend, "samples_on_device", False) and constraint is None
+        # A constraint's allowed set depends on the previous token. Engine backends sample those
+        # generations on the device too (`masked`, below); the reference backend (and an engine
+        # with `_device_masks` False) samples each token on the host from the step's logits row
+        # with the mask (lily_py.sampling.sample, bit-identical to the device sampler with the
+        # same mask), one step at a time.
+        device_sampler = getattr(self._backend, "samples_on_device", False)
+        masked = device_sampler and constraint is not None and self._device_masks
+        on_device = device_sampler and (constraint is None or masked)
 
         def sample_args(step: int) -> dict:
             return dict(temperature=params.temperature,
@@ -408,8 +418,10 @@ class Model:
                         valid_vocab=min(n_ids, self.config.vocab_size), logprobs=lp_top)
 
         # Engine backends sample the first token on the device, in the command buffer of the
-        # prompt's last prefill step (its logits stay on the device).
-        first = sample_args(0) if on_device else None
+        # prompt's last prefill step (its logits stay on the device). With a constraint the
+        # prefill's last step leaves its row on the device unsampled (the prompt cache may still
+        # copy it), and a sampler of its own applies the first allowed set.
+        first = sample_args(0) if on_device and not masked else None
         first_tok = None
         # prefill_progress: one count over every prefill call below (tokens reused from the
         # state or the prompt cache are not counted).
@@ -425,7 +437,8 @@ class Model:
                 if len(self._history) < p:
                     whole = p == len(ids)
                     self._prefill(ids[len(self._history):p], all_logits=False, cancellable=True,
-                                  sample=first if whole else None, progress=progress)
+                                  sample=first if whole else None, progress=progress,
+                                  fetch=not masked)
                     if whole and first is not None:
                         first_tok = self._backend.last_token
                 if cache is not None and len(self._history) == p and tuple(ids[:p]) not in cache:
@@ -435,11 +448,17 @@ class Model:
             if first_tok is not None:
                 logits = None
             elif len(self._history) == len(ids):
-                logits = self._current_logits()
+                # with a constraint, a row left on the device is sampled there
+                on_dev = masked and self._last_logits is None and self._backend.has_last_logits
+                logits = None if on_dev else self._current_logits()
             elif first is not None:
                 self._prefill(ids[len(self._history):], all_logits=False, cancellable=True,
                               sample=first, progress=progress)
                 logits, first_tok = None, self._backend.last_token
+            elif masked:
+                self._prefill(ids[len(self._history):], all_logits=False, cancellable=True,
+                              progress=progress, fetch=False)
+                logits = None
             else:
                 logits = self._prefill(ids[len(self._history):], all_logits=False,
                                        cancellable=True, progress=progress)
@@ -516,6 +535,8 @@ class Model:
                 in_flight = max(in_flight, 1)
                 fed = complete(fed)
             in_flight = 0
+            if masked:      # a masked sampler leaves -inf in its row: not the model's logits
+                self._logits_on_device = bool(self._backend.has_last_logits)
 
         base = len(self._history)
 
@@ -527,7 +548,29 @@ class Model:
 
         try:
             for n in range(max_tokens):
-                if n == 0 and first_tok is not None:
+                if n == 0 and masked:
+                    # Token 0 under the first allowed set; the step that feeds it is committed
+                    # right behind (from the slot) before the host waits.
+                    mask0 = None
+                    if constraint.active:
+                        mask0 = constraint.allowed()
+                        if constraint.dead_end or not mask0.any():
+                            yield GenerationChunk("", None, "error", stats(0), error=_dead_end(constraint))
+                            return
+                    room = max_tokens > 1 and self.position + 1 <= self.context_length
+                    if logits is None:
+                        self._backend.submit_sampler(sampling, 0, mask0)
+                        if room:
+                            self._backend.submit_logits()           # feeds token 0 from the slot
+                        tok = self._backend.complete_token()
+                    else:
+                        tok = self._backend.sample_row(logits, sample_args(0), mask=mask0)
+                        if room:
+                            self._backend.submit_logits(tok)        # feeds token 0 from the host
+                    in_flight += room
+                    self._last_logits, self._logits_on_device = None, False
+                    lp = device_logprob(tok) if lp_top >= 0 else None
+                elif n == 0 and first_tok is not None:
                     tok = first_tok
                     lp = device_logprob(tok) if lp_top >= 0 else None
                 elif n == 0 and on_device:
@@ -543,11 +586,9 @@ class Model:
                     if constraint is not None and constraint.active:
                         valid = constraint.valid_vocab
                         words = constraint.allowed()
-                        if not words.any():
+                        if constraint.dead_end or not words.any():
                             drain()
-                            yield GenerationChunk("", None, "error", stats(n), error=(
-                                "the response_format constraint admits no token here (a dead end"
-                                + (f": {constraint.error}" if constraint.error else "") + ")"))
+                            yield GenerationChunk("", None, "error", stats(n), error=_dead_end(constraint))
                             return
                         allowed = np.zeros(logits.shape[-1], bool)
                         allowed[:valid] = unpack_mask(words, valid)
@@ -559,6 +600,10 @@ class Model:
                         elif tok == constraint.think_end:
                             constraint.active = True
                     lp = host_logprob(logits, tok) if lp_top >= 0 else None
+                elif masked:
+                    # the step that fed token n - 1 and its sampler (submitted last iteration)
+                    tok = complete(tok)
+                    lp = device_logprob(tok) if lp_top >= 0 else None
                 else:
                     if n < max_tokens - 1 and self.position + in_flight + 1 <= self.context_length:
                         self._backend.submit_next(sampling, n + 1)   # feeds token n
@@ -566,6 +611,11 @@ class Model:
                     tok = complete(tok)
                     # the record of the step just completed (the step in flight writes the other slot)
                     lp = device_logprob(tok) if lp_top >= 0 else None
+                if masked:
+                    if constraint.active:
+                        constraint.consume(tok)
+                    elif tok == constraint.think_end:
+                        constraint.active = True
                 if tok in eos:
                     drain()
                     feed_last(n)
@@ -592,6 +642,26 @@ class Model:
                         "length" if n == max_tokens - 1 else "context_length"
                     yield chunk(text, tok, why, n + 1)
                     return
+                if masked:
+                    # Constrained: the step that feeds token n (fed from the slot) runs while the
+                    # host advances the matcher and computes the allowed set of token n + 1; then
+                    # that step's sampler with the set, and the step that feeds token n + 1, go
+                    # in behind it (docs/structured.md, "Masks on the device").
+                    words = None
+                    if constraint.active:
+                        words = constraint.allowed()
+                        if constraint.dead_end or not words.any():
+                            yield chunk(text, tok)
+                            drain()
+                            yield GenerationChunk("", None, "error", stats(n + 1),
+                                                  error=_dead_end(constraint))
+                            return
+                    self._backend.submit_sampler(sampling, n + 1, words)
+                    if n + 1 < max_tokens - 1 and self.position + in_flight + 1 <= self.context_length:
+                        self._backend.submit_logits()               # feeds token n + 1 from the slot
+                        in_flight += 1
+                    yield chunk(text, tok)
+                    continue
                 yield chunk(text, tok)
                 if on_device and n == 0:
                     self._check_room(1)
@@ -723,7 +793,7 @@ class Model:
         return [int(t) for t in arr]
 
     def _prefill(self, token_ids, *, all_logits: bool, sample: dict | None = None,
-                 cancellable: bool = False, progress=None) -> np.ndarray | None:
+                 cancellable: bool = False, progress=None, fetch: bool = True) -> np.ndarray | None:
         ids = self._validate_ids(token_ids)
         if not ids:
             raise ValueError("prefill needs at least one token id")
@@ -735,7 +805,7 @@ class Model:
             chunk = ids[s:s + self.prefill_chunk]
             last = s + self.prefill_chunk >= len(ids)
             logits = self._feed(chunk, all_logits=all_logits, logits=last or all_logits,
-                                sample=sample if last else None)
+                                sample=sample if last else None, fetch=fetch)
             if all_logits:
                 out.append(logits)
             elif last:
@@ -771,24 +841,29 @@ class Model:
             raise
 
     def _feed(self, ids: list[int], *, all_logits: bool, sample: dict | None = None,
-              logits: bool = True) -> np.ndarray | None:
+              logits: bool = True, fetch: bool = True) -> np.ndarray | None:
         """Feed ids to the backend. ``logits=False`` (a prefill chunk that is not the last) lets
         engine backends skip the final norm and lm_head; returns None then. ``sample`` (engine
         backends): also sample the last position on the device (``backend.last_token``); the
-        logits stay on the device and None is returned."""
+        logits stay on the device and None is returned. ``fetch=False`` (engine backends): the
+        logits stay on the device, None is returned."""
         self._check_room(len(ids))
         arr = np.asarray(ids, dtype=np.int64)
         kw = {}
+        keeps = getattr(self._backend, "keeps_logits", False)
         if sample is not None:
             kw["sample"] = sample
             kw["fetch"] = False
+        elif not fetch and keeps and not all_logits:
+            kw["fetch"] = False
+        logits_wanted = logits or all_logits
         if not logits and getattr(self._backend, "skips_logits", False):
             kw["logits"] = False
         logits = self._feed_guarded(
             lambda: self._backend.forward(arr, all_logits=all_logits, **kw), ids)
         if logits is None:
             self._last_logits = None
-            self._logits_on_device = sample is not None
+            self._logits_on_device = "fetch" in kw and logits_wanted
             return None
         self._logits_on_device = False
         if getattr(self._backend, "keeps_logits", False):
@@ -799,6 +874,12 @@ class Model:
         # Our own copy: callers may edit what they get back (e.g. a repetition penalty).
         self._last_logits = (logits[-1] if all_logits else logits).copy()
         return logits
+
+
+def _dead_end(constraint) -> str:
+    """The error of a generation whose constraint admits no token (not at an accepting state)."""
+    return ("the constraint admits no token here (a dead end: no allowed continuation and not at "
+            "an accepting state" + (f"; {constraint.error}" if constraint.error else "") + ")")
 
 
 def _real(name: str, value) -> float:

@@ -203,3 +203,116 @@ def test_tool_choice_none_gives_no_tools_to_the_template():
     with_tools = demo.prompt_ids(msgs, tools=TOOLS)
     r = demo.generate_text(msgs, tools=TOOLS, tool_choice="none", max_tokens=1)
     assert r.stats.prompt_tokens == len(demo.prompt_ids(msgs)) < len(with_tools)
+
+
+# ---- masks on the device (the engine's mask slot) and dead ends -------------------------------
+RUN = {"type": "regex", "regex": "[a-c]{80}"}       # cannot end within 6 tokens: finish "length"
+
+
+def _run(demo, device_masks: bool, prompt, **kw):
+    """One constrained generation from a reset state: (chunks, engine counter deltas, logit bytes
+    copied)."""
+    demo._device_masks = device_masks
+    demo.reset()
+    eng = demo._backend.engine
+    c0, b0 = dict(eng.counters), eng.logit_bytes_copied
+    try:
+        chunks = list(demo.generate(prompt, **kw))
+    finally:
+        demo._device_masks = True
+    return chunks, {k: v - c0[k] for k, v in eng.counters.items()}, eng.logit_bytes_copied - b0
+
+
+@pytest.mark.parametrize("case", ["regex_top_p_logprobs", "json_greedy"])
+def test_device_masks_pick_the_host_paths_tokens_and_keep_the_device_fed(case):
+    """Constrained generation on the emulator with the mask in the device sampler picks exactly
+    the tokens of the host path (the logits row copied, masked and sampled in NumPy) for the same
+    seed, with the same logprobs. Per token the host waits once on both paths (the matcher needs
+    token n before the mask of token n + 1), but the device path commits every command buffer
+    behind one in flight (no idle commit: the step that feeds token n runs while the host
+    computes the mask) and copies no logits; the host path commits each step to an idle device
+    and copies a row."""
+    if "emu_nocache" not in _MODELS:
+        _MODELS["emu_nocache"] = lily_py.load(backend="emu", prompt_cache_bytes=0)
+    demo = _MODELS["emu_nocache"]
+    V = demo.config.vocab_size
+    if case == "json_greedy":
+        kw = dict(max_tokens=8, temperature=0.0, response_format=FORMAT)
+    else:
+        kw = dict(max_tokens=6, temperature=0.9, top_p=0.9, seed=11, response_format=RUN,
+                  logprobs=True, top_logprobs=2)
+    prompt = "Name three:"
+    dev, cd, bd = _run(demo, True, prompt, **kw)
+    host, ch, bh = _run(demo, False, prompt, **kw)
+    tokens = [c.token for c in dev if c.token is not None]
+    assert tokens == [c.token for c in host if c.token is not None]
+    assert "".join(c.text for c in dev) == "".join(c.text for c in host)
+    finish = dev[-1].finish_reason
+    assert finish == host[-1].finish_reason
+    n = len(tokens)
+    P = ch["commits"] - (n - 1) - (finish == "stop")   # prefill commits (one chunk)
+    assert P == 1
+    if finish == "length":
+        assert n == kw["max_tokens"]
+        # prefill; the first sampler; then per token its sampler and the step feeding it
+        assert cd == dict(commits=P + 2 * n - 1, idle_commits=P + 1, host_waits=P + n, masks_written=n)
+    else:
+        assert finish == "stop" and n < kw["max_tokens"]
+        # ... plus the step that fed the EOS (committed before the host saw it)
+        assert cd == dict(commits=P + 2 * n, idle_commits=P + 1, host_waits=P + n + 1, masks_written=n)
+    assert bd == 0
+    fed = n - 1 + (finish == "stop")                 # host path: one step per fed token
+    assert ch == dict(commits=P + fed, idle_commits=P + fed, host_waits=P + fed, masks_written=0)
+    assert bh == 4 * V * (fed + 2)          # each step's row, and the prompt's row copied again
+    # both paths leave the same tokens in the state (the last one fed or not alike)
+    assert demo.position == len(demo.prompt_ids(prompt)) + fed
+    for a, b in zip(dev, host):
+        if kw.get("logprobs") and a.token is not None:
+            la, lb = a.logprobs, b.logprobs
+            assert la.token == lb.token and [i for i, _ in la.top] == [i for i, _ in lb.top]
+            assert abs(la.logprob - lb.logprob) <= 1e-5 + 1e-5 * abs(lb.logprob)
+
+
+DEAD = {"type": "grammar", "grammar": 'start: "a" b\nb: /[^\\x00-\\U0010FFFF]/'}   # "a", then nothing
+
+
+@pytest.mark.parametrize("backend,device_masks", [("reference", True), ("emu", True), ("emu", False)],
+                         ids=["reference", "emu", "emu_host_path"])
+def test_dead_end_ends_with_an_error_not_a_stop(backend, device_masks):
+    """After "a" the grammar admits nothing and is not accepting: llguidance stops with an error
+    and offers only EOS. The generation ends with finish_reason "error" and the reason (never
+    "stop" with the EOS it offers); the model stays usable."""
+    demo = _load(backend)
+    demo._device_masks = device_masks
+    try:
+        r = demo.generate_text("x", max_tokens=10, temperature=1.0, seed=1, response_format=DEAD)
+        assert r.finish_reason == "error" and r.text == "a", (r.finish_reason, r.text)
+        assert "dead end" in r.error and r.tokens == demo.tokenizer.encode("a")
+        last = list(demo.generate("x", max_tokens=10, response_format=DEAD))[-1]
+        assert last.finish_reason == "error" and "dead end" in last.error and last.token is None
+        ok = demo.generate_text("x", max_tokens=4, temperature=1.0, seed=1,
+                                response_format={"type": "choice", "choices": ["yes", "no"]})
+        assert ok.text in ("yes", "no") and ok.finish_reason == "stop"
+    finally:
+        demo._device_masks = True
+
+
+def test_device_masks_after_a_prompt_cache_hit():
+    """The same prompt again restores the prompt cache's snapshot: nothing is prefilled and the
+    first token is sampled from the cached row (Engine.sample_row with the bitset), the next
+    step fed from the host. Same tokens as the first run and as the host path."""
+    demo = _load("emu")
+    kw = dict(max_tokens=5, temperature=1.0, seed=7, response_format=RUN)
+    demo.reset()
+    first = demo.generate_text("Cached prompt:", **kw)
+    demo.reset()
+    again = demo.generate_text("Cached prompt:", **kw)
+    assert again.stats.cached_tokens > 0 and again.stats.prefilled_tokens == 0
+    assert again.tokens == first.tokens and len(first.tokens) == 5
+    demo._device_masks = False
+    try:
+        demo.reset()
+        host = demo.generate_text("Cached prompt:", **kw)
+    finally:
+        demo._device_masks = True
+    assert host.tokens == first.tokens

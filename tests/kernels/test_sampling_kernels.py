@@ -502,3 +502,48 @@ def test_bad_mask_raises():
         ops.sample(np.zeros(40, np.float32), temperature=1.0, seed=0, step=0, mask=np.zeros(3, np.uint32))
     with pytest.raises(ValueError, match="mask"):
         ops.sample(np.zeros(40, np.float32), temperature=1.0, seed=0, step=0, mask=np.zeros(40, np.int64))
+
+
+@pytest.mark.parametrize("v", [1, 31, 1000, 2049])
+@pytest.mark.parametrize("params", [dict(temperature=0.0), dict(temperature=1.0), dict(temperature=1.0, top_k=5),
+                                    dict(temperature=1.0, top_p=0.8)], ids=["greedy", "plain", "k5", "p0.8"])
+def test_mask_odd_sizes_ignore_the_last_words_padding_bits(rng, device, params, v):
+    """A vocabulary that is not a multiple of 32: the last word's bits past valid_vocab are set
+    (garbage a matcher may leave) and never read; all masked but one picks that one; a dense
+    mask picks what the reference picks, always an allowed token."""
+    for trial in (0, 2):
+        x = random_logits(rng, v)
+        m = random_mask(rng, v, trial)
+        words = S.pack_mask(m)
+        if v % 32:
+            words[-1] |= np.uint32(0xFFFFFFFF) << np.uint32(v % 32)
+        seed, step = int(rng.integers(0, 2**63)), int(rng.integers(0, 1000))
+        got = ops.sample(x, seed=seed, step=step, device=device, mask=words, **params)
+        want = S.sample(x, S.SamplingParams(**params), step, seed, allowed=m)
+        assert got == want and m[got], f"v={v} {params} trial={trial}: {got} vs {want} (rng {rng.seed})"
+        if trial == 2:
+            assert got == int(np.flatnonzero(m)[0])
+
+
+def test_masked_sampling_distribution_is_softmax_over_the_allowed_tokens(rng, device):
+    """Over many steps the masked sampler's choices follow softmax(l / T) renormalised over the
+    allowed tokens (disallowed: never), on the reference (4000 draws, each token's count within
+    5 sigma of its expectation) and on the device (its first 150 draws equal the reference's)."""
+    v, t = 37, 0.8
+    x = (rng.standard_normal(v) * 1.5).astype(np.float32)
+    m = rng.random(v) < 0.4
+    m[[3, 20]] = True
+    seed = int(rng.integers(0, 2**63))
+    p = S.SamplingParams(temperature=t)
+    draws = np.array([S.sample(x, p, step, seed, allowed=m) for step in range(4000)])
+    assert m[draws].all()
+    z = np.where(m, x.astype(np.float64) / t, -np.inf)
+    want = np.exp(z - z.max())
+    want /= want.sum()
+    counts = np.bincount(draws, minlength=v)
+    sigma = np.sqrt(len(draws) * want * (1 - want))
+    bad = np.flatnonzero(np.abs(counts - len(draws) * want) > 5 * sigma + 1e-9)
+    assert bad.size == 0, f"tokens {bad}: counts {counts[bad]}, expected {len(draws) * want[bad]} (rng {rng.seed})"
+    words = S.pack_mask(m)
+    dev = [ops.sample(x, temperature=t, seed=seed, step=step, device=device, mask=words) for step in range(150)]
+    np.testing.assert_array_equal(dev, draws[:150])

@@ -580,6 +580,56 @@ def test_two_steps_in_flight(dn_ckpt):
         eng.complete()
 
 
+def test_sampler_in_its_own_command_buffer_with_masks(dn_ckpt, rng):
+    """Constrained generation's pipeline at engine level: each step is committed without its
+    sampler (fed from the slot), its sampler follows in a command buffer of its own with that
+    step's allowed-token bitset. Tokens equal those of steps run one at a time with the mask
+    fused into the step, every token is allowed, and no command buffer but the first finds the
+    device idle."""
+    from lily_py import sampling as S
+    import lily_py._core as core
+    sample = dict(temperature=0.8, top_k=0, top_p=1.0, min_p=0.0, seed=5, valid_vocab=317)
+    masks = []
+    for i in range(6):
+        m = rng.random(317) < (0.5 if i % 2 else 0.03)
+        m[rng.integers(317)] = True
+        masks.append(m)
+    seq = lily_py.load(dn_ckpt, backend=ENGINE, context_length=32)
+    seq.prefill([1, 2, 3])
+    eng = seq._backend.engine
+    toks = [eng.forward(np.array([4], np.uint32), sample=dict(sample, step=1),
+                        mask=S.pack_mask(masks[1]))[1]["token"]]
+    for step in range(2, 6):
+        toks.append(eng.forward(np.array([0], np.uint32), sample=dict(sample, step=step), from_slot=True,
+                                mask=S.pack_mask(masks[step]))[1]["token"])
+    assert all(masks[i + 1][t] for i, t in enumerate(toks))
+
+    pip = lily_py.load(dn_ckpt, backend=ENGINE, context_length=32)
+    pip.prefill([1, 2, 3])
+    eng = pip._backend.engine
+    sampling = core.Sampling(dict(sample, step=0))
+    c0 = dict(eng.counters)
+    eng.submit(np.array([4], np.uint32))                  # no sampler: the row stays on the device
+    got = []
+    for step in range(1, 6):
+        eng.submit_sampler(sampling, step, S.pack_mask(masks[step]))
+        with pytest.raises(ValueError, match="already samples"):
+            eng.submit_sampler(sampling, step, S.pack_mask(masks[step]))
+        if step < 5:
+            eng.submit_logits_slot()                      # feeds this step's token from the slot
+            assert eng.in_flight == 2
+        got.append(eng.complete_token())
+    assert eng.in_flight == 0 and got == toks and eng.position == 3 + 6 - 1
+    c = {k: v - c0[k] for k, v in eng.counters.items()}
+    assert c == dict(commits=10, idle_commits=1, host_waits=5, masks_written=5)
+    with pytest.raises(ValueError, match="words"):
+        eng.submit_sampler(sampling, 6, np.zeros(3, np.uint32))
+    eng.submit(np.array([7], np.uint32))                  # samples nothing
+    with pytest.raises(ValueError, match="feeding the device slot"):
+        eng.submit_logits_slot()                          # so there is no token to feed
+    assert eng.complete_token() is None
+
+
 def test_generate_pipelined_state(tmp_path):
     """Model.generate on the engine keeps two steps in flight; the token it stopped at has been
     fed (it is in `tokens`), and the next turn reuses the state."""

@@ -44,6 +44,7 @@ class Chunk:
     reasoning: str = ""
     tool_calls: list = field(default_factory=list)
     tool_call_errors: list = field(default_factory=list)
+    error: str = ""
 
 
 def stats(n: int, prompt: int = 11, reused: int = 4) -> GenerationStats:
@@ -179,6 +180,28 @@ def test_finish_reasons_map_to_openai(inproc):
                                                             stats=stats(2))]))
     r = s.client().chat.completions.create(model="scripted", messages=MSGS, tools=TOOLS)
     assert r.choices[0].finish_reason == "tool_calls"
+
+
+def test_constraint_dead_end_is_an_error_not_a_stop(inproc):
+    """finish_reason "error" (a constraint with no allowed token, not at an accepting state):
+    a 500 error object, as vLLM answers a generation that finished with an error; streamed,
+    the text so far, then an error event before [DONE] (the client raises), never "stop"."""
+    why = "the constraint admits no token here (a dead end: ...)"
+    script = [Chunk(text='{"a":'), Chunk(token=None, finish_reason="error", stats=stats(3), error=why)]
+    s = inproc(ScriptedModel(script))
+    with pytest.raises(openai.InternalServerError) as e:
+        s.client().chat.completions.create(model="scripted", messages=MSGS)
+    assert e.value.status_code == 500 and e.value.body["code"] == "constraint_dead_end"
+    assert why in e.value.body["message"] and e.value.body["type"] == "server_error"
+    with pytest.raises(openai.InternalServerError):
+        s.client().completions.create(model="scripted", prompt="p")
+    s = inproc(ScriptedModel(script))
+    got = []
+    with pytest.raises(openai.APIError) as e:
+        for c in s.client().chat.completions.create(model="scripted", messages=MSGS, stream=True):
+            got += [c.choices[0].delta.content or "", c.choices[0].finish_reason] if c.choices else []
+    assert "".join(x for x in got if x not in (None, "stop")) == '{"a":' and "stop" not in got
+    assert why in str(e.value)
 
 
 def test_context_length_error_is_400(inproc):

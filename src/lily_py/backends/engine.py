@@ -476,6 +476,10 @@ class EngineBackend:
         ``logits=False`` (a prefill chunk that is not the last): no final norm / lm_head, None.
         ``fetch=False``: the logits stay on the device (None; ``last_logits()`` copies them)."""
         ids = np.ascontiguousarray(ids, dtype=np.uint32).reshape(-1)
+        mask = None
+        if sample is not None and "mask" in sample:
+            sample = dict(sample)
+            mask = sample.pop("mask")
         if self.engine.position + len(ids) > self._context:
             raise ValueError("engine: the step would exceed the engine's context length")
         step = self.logit_rows if all_logits else self.prefill_chunk
@@ -484,11 +488,12 @@ class EngineBackend:
         self.last_token = None
         want = logits or all_logits or sample is not None
         if len(ids) <= step:
-            out, self.last_stats = self.engine.forward(ids, all_logits, sample, from_slot, want, fetch)
+            out, self.last_stats = self.engine.forward(ids, all_logits, sample, from_slot, want, fetch, mask)
             self.last_token = self.last_stats.get("token")
             return None if not want or not fetch else out if all_logits else out[0]
         if sample is not None or not want:
             raise ValueError("engine: sampling and logits=False steps feed at most one chunk")
+        # (a mask comes with sampling only)
         # Several steps: keep them all-or-nothing with a snapshot.
         snap = self.engine.snapshot()
         out = []
@@ -518,17 +523,40 @@ class EngineBackend:
         self.engine.submit_slot(sampling, step)
         self._stats_pending = True
 
+    def submit_logits(self, token: int | None = None) -> None:
+        """Constrained generation: commit a one-token step that does not sample, without waiting;
+        it feeds ``token`` from the host, or (None) the token the previous step's sampler chose,
+        from the device slot. Its logits row stays on the device for ``submit_sampler``."""
+        if token is None:
+            self.engine.submit_logits_slot()
+        else:
+            self.engine.submit(np.array([token], dtype=np.uint32))
+        self._stats_pending = True
+
+    def submit_sampler(self, sampling, step: int, mask: np.ndarray | None = None) -> None:
+        """Commit the sampler of the newest step in flight (``submit_logits``) at ``step`` with a
+        constraint's allowed-token bitset ``mask`` (uint32 [ceil(valid_vocab / 32)], None: every
+        token), in a command buffer of its own; ``complete_token()`` returns its token."""
+        self.engine.submit_sampler(sampling, step, mask)
+
+    @property
+    def counters(self) -> dict:
+        """Engine totals since load: commits, idle_commits (committed with nothing in flight),
+        host_waits, masks_written."""
+        return self.engine.counters
+
     def complete_token(self) -> int:
         """Wait for the oldest step in flight; its sampled token. The logits stay on the device."""
         self.last_token = self.engine.complete_token()
         self._stats_pending = True
         return self.last_token
 
-    def sample_row(self, logits: np.ndarray, sample: dict) -> int:
+    def sample_row(self, logits: np.ndarray, sample: dict, mask: np.ndarray | None = None) -> int:
         """One token sampled on the device from a host logits row [V] (the sampler alone, one
-        wait): the first token when the prompt added nothing to the state."""
+        wait): the first token when the prompt added nothing to the state. ``mask``: a
+        constraint's allowed-token bitset (uint32 [ceil(valid_vocab / 32)])."""
         row = np.ascontiguousarray(logits, dtype=np.float32)
-        self.last_token = int(self.engine.sample_row(row, _core().Sampling(sample)))
+        self.last_token = int(self.engine.sample_row(row, _core().Sampling(sample), mask))
         return self.last_token
 
     def last_logprobs(self) -> tuple[float, np.ndarray, np.ndarray]:

@@ -61,6 +61,14 @@ def api_error(e: BaseException, param: str | None = None) -> APIError:
     return APIError(500, f"internal error: {type(e).__name__}: {e}", code="internal_error")
 
 
+def dead_end_error(chunk) -> APIError:
+    """A generation that ended with finish_reason "error" (its constraint admits no token and
+    is not at an accepting state): an error, as vLLM answers a generation that finished with an
+    error (500; in a stream, an error event before [DONE]), never a "stop" with broken output."""
+    why = getattr(chunk, "error", "") or "the generation failed"
+    return APIError(500, f"generation failed: {why}", code="constraint_dead_end")
+
+
 async def _disconnected(receive) -> None:
     """Returns when the client has closed the connection (the request body is already read)."""
     while True:
@@ -268,6 +276,8 @@ class Server:
                     protocol.merge_delta(message, d)
                 else:
                     text.append(value.text)
+                if value.finish_reason == "error":
+                    raise dead_end_error(value)
                 if value.finish_reason is not None:
                     reason, stats = value.finish_reason, value.stats
         head = {"id": protocol.new_id(req.kind), "created": protocol.created(),
@@ -322,6 +332,10 @@ class Server:
                 break
             if kind == ERROR:
                 yield api_error(value).body()
+                yield "[DONE]"
+                return
+            if value.finish_reason == "error":
+                yield dead_end_error(value).body()
                 yield "[DONE]"
                 return
             if value.finish_reason is not None:
