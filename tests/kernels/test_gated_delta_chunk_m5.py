@@ -16,9 +16,12 @@ float64 reference's (that operand then moves by one half ulp, at most twice its 
 so the kernel is held to d's largest value per head (state) or row (y), not element by element:
   state:  |S - ref| <= the fp32 route's bound (tests/kernels/test_gated_delta_chunk.py) + 2 max_head(d_S)
   y:      |y - ref| <= the fp32 route's bound + 2 max_row(d_y) (+ bf16 output rounding)
-and it must be much closer to ref_m5 than ref_m5 is to ref (norms: S - ref_m5 <= d_S / 2,
-y - ref_m5 <= d_y / 2): a kernel that rounded at other points (the WY factors, the solve) or not
-at all fails that. The half
+and it must be closer to ref_m5 than ref_m5 is to ref (norms: S - ref_m5 <= CLOSER d_S,
+y - ref_m5 <= CLOSER d_y): a kernel that did not round at all lands at ratio ~1, one that rounded
+at other points (the WY factors, the solve) at ~sqrt(2) (independent errors of d's size). The
+honest kernel's ratio has a tail (boundary flips where d itself is small): over 1,460 fresh fp32
+draws of the shapes below, median 0.00, 99th percentile 0.23, largest 0.53 (T=63, 2x2x24x40),
+so CLOSER = 3/4 sits between that tail and 1. The half
 operands must also cost less than one bf16 rounding of the layer's output: a statement about the
 typical error, so test_m5_half_operands_cost_less_than_bf16 checks it on the median of many fresh
 draws (one draw's ratio has a heavy tail: a row whose o nearly cancels, |o| << |q||S| + |P||U|,
@@ -42,6 +45,7 @@ from test_gated_delta_chunk import CHUNK, growth
 
 M5_KERNELS = ["gd_chunk_prep_q16_xf32_wf32", "gd_chunk_wy_m5_f32", "gd_chunk_state_m5_f32", "gd_chunk_norm_xf32_wf32"]
 U_H = 2.0 ** -11
+CLOSER = 0.75  # derived in the module docstring
 
 
 def run_m5(args, **kw):
@@ -62,7 +66,7 @@ def check_m5(rng, args, y, S, what, eps=1e-6, m5=True, parts=None):
     assert_close(S, Sr, atol=rel_s * M + 2 * d_head, rtol=0, what=f"{what}: state", seed=rng.seed)
     if m5 and np.linalg.norm(Sh - Sr) > 1e3 * F32_EPS * np.linalg.norm(Sr):
         # the kernel rounds where the reference says: much closer to it than it is to the exact state
-        assert np.linalg.norm(S - Sh) <= 0.5 * np.linalg.norm(Sh - Sr), (
+        assert np.linalg.norm(S - Sh) <= CLOSER * np.linalg.norm(Sh - Sr), (
             what, np.linalg.norm(S - Sh), np.linalg.norm(Sh - Sr), rng.seed)
     z64 = z.astype(np.float64)
     gate = np.abs(norm_w.astype(np.float64) * z64 / (1 + np.exp(-z64)))
@@ -72,8 +76,8 @@ def check_m5(rng, args, y, S, what, eps=1e-6, m5=True, parts=None):
     assert_close(y, yr, atol=atol_y, rtol=16 * F32_EPS + out_rtol(y.dtype), what=f"{what}: y", seed=rng.seed)
     if m5 and y.dtype == F32 and np.linalg.norm(yh - yr) > 1e3 * F32_EPS * np.linalg.norm(yr):
         # the kernel rounds where the reference says (bf16 outputs: their rounding dominates)
-        assert np.linalg.norm(y - yh) <= 0.5 * np.linalg.norm(yh - yr), (
-            what, np.linalg.norm(y - yh), np.linalg.norm(yh - yr))
+        assert np.linalg.norm(y - yh) <= CLOSER * np.linalg.norm(yh - yr), (
+            what, np.linalg.norm(y - yh), np.linalg.norm(yh - yr), rng.seed)
     return yr
 
 
