@@ -81,6 +81,21 @@ def tiny_real_vocab(folder: str) -> str:
     return folder
 
 
+def timed_tokens(g, after=None) -> list:
+    """Wall seconds of each next(g) until the generator ends; after() (if given) runs after each
+    token, outside the timed part."""
+    walls = []
+    while True:
+        t0 = time.perf_counter()
+        try:
+            next(g)
+        except StopIteration:
+            return walls
+        walls.append(time.perf_counter() - t0)
+        if after is not None:
+            after()
+
+
 def python_overhead(path: str, n: int) -> None:
     m = lily_py.load(path, backend="count_host", context_length=n + 64, prefill_chunk=16)
     prompt = list(range(100, 116))
@@ -89,16 +104,9 @@ def python_overhead(path: str, n: int) -> None:
             m.reset()
             g = m.generate(prompt, max_tokens=n, seed=1, **opts)
             next(g)                      # prefill + first token
-            walls, encs = [], []
+            encs = []
             t_all = time.perf_counter()
-            while True:
-                t0 = time.perf_counter()
-                try:
-                    next(g)
-                except StopIteration:
-                    break
-                walls.append(time.perf_counter() - t0)
-                encs.append(m.stats().get("encode_ns", 0) * 1e-9)   # outside the timed part
+            walls = timed_tokens(g, lambda: encs.append(m.stats().get("encode_ns", 0) * 1e-9))
             t_all = time.perf_counter() - t_all
         k = len(walls)
         over = sorted(w - e for w, e in zip(walls, encs))
@@ -192,14 +200,7 @@ def constrained_stream(path: str, n: int = 100, timings: bool = True) -> None:
                 g = m.generate(prompt, max_tokens=n, seed=1, response_format=fmt, **opts)
                 next(g)                          # prefill + first token
                 c0, b0 = dict(eng.counters), eng.logit_bytes_copied
-                walls = []
-                while True:
-                    t0 = time.perf_counter()
-                    try:
-                        next(g)
-                    except StopIteration:
-                        break
-                    walls.append(time.perf_counter() - t0)
+                walls = timed_tokens(g)
             k = len(walls)
             c = {key: (v - c0[key]) / k for key, v in eng.counters.items()}
             b = (eng.logit_bytes_copied - b0) / k
