@@ -3,6 +3,7 @@ tok/s on Apple M5 / M5 Max (not a test; not a measurement: nothing runs).
 
     python benchmarks/decode_table.py [--positions 255 4095 32767] [--markdown] [--bits 3]
     python benchmarks/decode_table.py --widths     # est. tok/s at 2, 3, mixed 3/4, 4 and 8 bits
+    python benchmarks/decode_table.py --long       # 64K / 128K / 262K, bf16 and 8-bit KV, published
 
 Every number about the step comes from the counting device (lily_py._core.Engine(..., "count")
 .count() and .count_dispatches()): each dispatch's kernel, grid, threads, bytes it reads plus
@@ -238,11 +239,14 @@ def width_factors(cfg, recipe_name: str) -> tuple[float, float]:
 
 def estimate(cfg, positions, sample, eta: float, t_level: float, t_min: float, attn_factor: float,
              sat: float, clock: float = 1.6e9, alu_eff: float = 0.7, quiet: bool = False,
-             factors: tuple[float, float] = (1.0, 1.0), measured: str | None = None) -> list:
+             factors: tuple[float, float] = (1.0, 1.0), measured: str | None = None,
+             kv_bytes: float = 1.0, ipk: int | None = None) -> list:
     """Print (unless quiet) and return [(gpu, context, tok/s)] of the model below. ``factors``:
     scale the bytes of 4-bit / 8-bit weight kernels' dispatches (another width, width_factors).
     With `measured` (a gpu_kernels.py JSON), a kernel's eta is eta x min(1, the fraction of a
-    device copy it reached there): the kernel keeps on Apple the shortfall it shows on the H200."""
+    device copy it reached there): the kernel keeps on Apple the shortfall it shows on the H200.
+    ``kv_bytes`` scales the bytes of the vec attention dispatches (another KV dtype: --long) and
+    ``ipk`` replaces its instructions per key and KV head."""
     out = []
     frac, run = measured_fractions(measured) if measured else ({}, "")
     if not quiet and measured:
@@ -263,13 +267,14 @@ def estimate(cfg, positions, sample, eta: float, t_level: float, t_min: float, a
             st, ds = step(cfg, pos, sample)
             by_level: dict = {}
             issue = alu_eff * cores * 4 * clock  # simd instructions per second
-            ipk = instr_per_key(cfg.num_attention_heads // cfg.num_key_value_heads, cfg.head_dim // 32)
+            n_ipk = ipk or instr_per_key(cfg.num_attention_heads // cfg.num_key_value_heads, cfg.head_dim // 32)
             for d in ds:
                 k = d["kernel"]
                 staged = k.startswith("attn_decode") and not k.startswith("attn_decode_vec")
                 b = d["bytes_touched"] * (attn_factor if staged else 1) / min(1.0, frac.get(k, 1.0))
                 b *= factors[0] if "_b4" in k else factors[1] if "_b8" in k else 1.0
-                ti = cfg.num_key_value_heads * (pos + 1) * ipk / issue if k.startswith("attn_decode_vec") else 0.0
+                b *= kv_bytes if k.startswith("attn_decode_vec") else 1.0
+                ti = cfg.num_key_value_heads * (pos + 1) * n_ipk / issue if k.startswith("attn_decode_vec") else 0.0
                 g, t = d["groups"], d["threads"]
                 simds = g[0] * g[1] * g[2] * ((t[0] * t[1] * t[2] + 31) // 32) / cores
                 lb, ls, li = by_level.get(d["level"], (0, 0.0, 0.0))
@@ -321,6 +326,80 @@ def widths(cfg, positions, a) -> None:
           "bits (width_factors): the counted grids and levels are the 4-bit kernels'.")
 
 
+# Published decode on an M5 Max, tok/s (the issue 26 text; Lily: perplexityai/pplx-garden's lily docs,
+# MLX-LM: mlx 0.32.2 / mlx-lm 0.31.3 as measured there). No figures are published for 262K.
+PUBLISHED_LONG = {65536: (125.4, 98.5), 131072: (92.7, 75.0)}  # context: (Lily, MLX-LM)
+LONG_TARGET = 1.5  # x MLX-LM at 64K and 128K (issue 26)
+
+
+def int8_kv(cfg) -> tuple[float, int]:
+    """(bytes factor, instructions per key and KV head) of attention_vec on an 8-bit KV cache with one
+    fp16 scale per row of a head (a what-if: no such kernel is built): a row moves D + 2 bytes
+    instead of 2D; each of the 2E values a lane widens per key costs one convert as the bf16
+    widening does, plus one multiply per query head for K's scale (on the dot) and one for V's (on
+    p): instr_per_key + 2 x group."""
+    group, D = cfg.num_attention_heads // cfg.num_key_value_heads, cfg.head_dim
+    return (D + 2) / (2 * D), instr_per_key(group, D // 32) + 2 * group
+
+
+def long_context(cfg, a) -> None:
+    """Greedy est. tok/s at 64K, 128K and 262K on the M5 Max: the bf16 KV cache as built, the
+    8-bit KV what-if (int8_kv), the published figures, the target, and the instructions per key and
+    KV head that would reach the target with each cache (bisection on the model's ipk)."""
+    sat, attn = (0.0, 1.0) if a.ideal else (a.sat, a.attn_factor)
+    kw = dict(eta=a.eta, t_level=a.t_level_us * 1e-6, t_min=a.t_min_us * 1e-6, attn_factor=attn, sat=sat,
+              clock=a.clock_ghz * 1e9, alu_eff=a.alu_eff, quiet=True)
+    positions = [65535, 131071, 262143]
+    gpu = next(iter(GPUS))
+    cores, bw = GPUS[gpu]
+    f8, ipk8 = int8_kv(cfg)
+    ipk16 = instr_per_key(cfg.num_attention_heads // cfg.num_key_value_heads, cfg.head_dim // 32)
+    caches = {"bf16": (1.0, ipk16), "8-bit": (f8, ipk8)}
+
+    def tok(pos, kv, ipk):
+        return {c: t for g, c, t in estimate(cfg, [pos], None, kv_bytes=kv, ipk=ipk, **kw) if g == gpu}[pos + 1]
+
+    def needed(pos, kv, ipk, target):
+        """The most instructions per key that reach the target, or a word."""
+        if tok(pos, kv, ipk) >= target:
+            return f"{ipk} (met)"
+        if tok(pos, kv, 1) < target:
+            return "not by instructions"
+        lo, hi = 1, ipk
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if tok(pos, kv, mid) >= target else (lo, mid)
+        return str(lo)
+
+    print(f"{gpu}, greedy decode (ESTIMATE: the model above with the defaults; Lily and MLX-LM: "
+          "published)\n")
+    print("| context | MB touched | bytes / floor | est. bf16 KV | est. 8-bit KV (what-if) | Lily | MLX-LM "
+          "| bf16 KV / MLX-LM | target 1.5x MLX-LM | instr. per key for the target: bf16 / 8-bit KV |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for pos in positions:
+        c = pos + 1
+        st, _ = step(cfg, pos, None)
+        floor = decode_floor_bytes(cfg, position=pos)["total"]
+        est = {name: tok(pos, kv, ipk) for name, (kv, ipk) in caches.items()}
+        row = [f"{c}", f"{st['bytes_touched'] / 1e6:,.0f}", f"{st['bytes_touched'] / floor:.3f}",
+               f"{est['bf16']:.0f}", f"{est['8-bit']:.0f}"]
+        if c in PUBLISHED_LONG:
+            lily, mlx = PUBLISHED_LONG[c]
+            target = LONG_TARGET * mlx
+            row += [f"{lily:.1f}", f"{mlx:.1f}", f"{est['bf16'] / mlx:.2f}", f"{target:.0f}",
+                    " / ".join(needed(pos, kv, ipk, target) for kv, ipk in caches.values())]
+        else:
+            row += ["-"] * 5
+        print("| " + " | ".join(row) + " |")
+    kvh, D = cfg.num_key_value_heads, cfg.head_dim
+    pos = 131071
+    t_bw = 2 * kvh * D * 2 * (pos + 1) / (a.eta * bw)
+    t_in = kvh * (pos + 1) * ipk16 / (a.alu_eff * cores * 4 * a.clock_ghz * 1e9)
+    print(f"\nper attention layer at {pos + 1}, bf16 KV: KV bandwidth time {t_bw * 1e3:.3f} ms, instruction "
+          f"time {t_in * 1e3:.3f} ms ({ipk16} per key and KV head); the level takes the larger. "
+          f"8-bit KV what-if: bytes x {f8:.3f}, {ipk8} instructions per key (int8_kv).")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--positions", type=int, nargs="*", default=[255, 4095, 32767])
@@ -346,8 +425,13 @@ def main() -> None:
                          "checkpoint's: each weight kernel's bytes scaled (width_factors)")
     ap.add_argument("--widths", action="store_true",
                     help="only the greedy estimate at every width (2, 3, mixed 3/4, 4, 8 bits)")
+    ap.add_argument("--long", action="store_true",
+                    help="only the long-context table: 64K, 128K, 262K, bf16 and 8-bit KV, published figures")
     a = ap.parse_args()
     cfg = ModelConfig.from_dict({"model_type": "qwen3_5_moe", "text_config": dict(REAL_TEXT_CONFIG)})
+    if a.long:
+        long_context(cfg, a)
+        return
     if a.sensitivity:
         sensitivity(cfg, a.positions, a)
         return

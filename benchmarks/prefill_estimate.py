@@ -2,6 +2,7 @@
 
     python benchmarks/prefill_estimate.py            # both paths, 256 / 4K / 32K, M5 and M5 Max
     python benchmarks/prefill_estimate.py --brief    # totals only
+    python benchmarks/prefill_estimate.py --long     # 64K / 128K / 262K prompts, Lily and MLX-LM
 
 Every dispatch of each prefill chunk comes from the engine on the counting device
 (lily_py.backends.engine.count_dispatches: the real config encoded, nothing allocated), once
@@ -157,6 +158,8 @@ ASSUMPTIONS["int8_design_alu_ops_per_mac"] = dict(ASSUMPTIONS["tensor_alu_ops_pe
 MLX_LM_M5_MAX = {256: 2536.4, 512: 3309.5, 1024: 4471.7, 2048: 5121.9, 4096: 5165.7, 8192: 5031.8,
                  16384: 4722.5, 32768: 3963.7, 65536: 3051.1, 131072: 2237.5}
 MLX_LM_4K_M5_MAX = 5166  # tok/s, published (issue 11)
+# Lily's published prefill on an M5 Max, tok/s (issue 26's figures, same source).
+LILY_M5_MAX = {65536: 2752.0, 131072: 1793.0}
 TARGET = 1.3 * MLX_LM_4K_M5_MAX
 TARGETS = {L: 1.3 * v for L, v in MLX_LM_M5_MAX.items()}  # the issue: >= 1.3 x MLX-LM at every length
 GPUS = ("M5", "M5 Max")
@@ -499,6 +502,9 @@ def print_tables(res: dict, brief: bool = False, only: list | None = None) -> No
     if known:
         print(f"  {'MLX-LM':<14} {'M5 Max':<7} " + " ".join(
             f"{MLX_LM_M5_MAX[L]:>8,.0f}" if L in MLX_LM_M5_MAX else f"{'-':>8}" for L in lengths) + "  (published)")
+        if any(L in LILY_M5_MAX for L in lengths):
+            print(f"  {'Lily':<14} {'M5 Max':<7} " + " ".join(
+                f"{LILY_M5_MAX[L]:>8,.0f}" if L in LILY_M5_MAX else f"{'-':>8}" for L in lengths) + "  (published)")
         print(f"  {'target 1.3x':<14} {'M5 Max':<7} " + " ".join(
             f"{TARGETS[L]:>8,.0f}" if L in TARGETS else f"{'-':>8}" for L in lengths))
         for path, _ in PATHS:
@@ -564,8 +570,13 @@ def main() -> None:
     ap.add_argument("--moe-waste", action="store_true", help="only the MoE rows executed / useful line")
     ap.add_argument("--only", nargs="+", metavar="PATH:LENGTH",
                     help='only these per-family tables, e.g. "M5 path:4096" (no summary)')
+    ap.add_argument("--long", action="store_true",
+                    help="prompts of 64K, 128K and 262K tokens (totals and summary, Lily's and MLX-LM's figures)")
     args = ap.parse_args()
     cfg = real_config()
+    if args.long:
+        print_tables(run(cfg, lengths=(65536, 131072, 262144)), brief=True)
+        return
     waste = ("MoE expert rows executed / useful under uniform routing (simulated): " + ", ".join(
         f"{T} tokens: M1-M4 plan {r['now']:.2f}, M5 plan {r['m5']:.2f} (one tile size per chunk: {r['before']:.2f})"
         for T in (256, 4096) for r in [moe_rows_executed(T, cfg.num_experts, cfg.num_experts_per_tok)]))
