@@ -267,7 +267,8 @@ inline void moe_load_act(const device T* p, thread float* o) {
 //               splits = min(kMoeGateUpMaxSplits, ceil(H / B)) (host: moe_mv_splits)
 //   routing:    simdgroup 0 selects the token's experts from the router logits [T, E + 1]
 //               (moe_select, the code moe_route runs) into threadgroup memory; barrier
-//   block:      B = 32 lanes x V codes (V = 128 / bits: one 16-byte load per lane and row);
+//   block:      B = 32 lanes x V codes (Qmv1Codes: V = 128 / bits, one 16-byte load per lane and
+//               row, at 4 and 8 bits; V = 32, `bits` words, at 2, 3, 5, 6);
 //               simdgroup s walks the K = H blocks s, s + splits, ...; per block the lane's V
 //               values of x are loaded once (16-byte loads), summed once for the bias term,
 //               pre-scaled (Qmv1Codes::scale_of) and reused by the kMoeMvRows gate rows and
@@ -340,10 +341,10 @@ template <typename T, typename S, int bits>
       const uint32_t gi = kk >> args.group_shift;
       const uint32_t wo = kk * bits / 32;
       for (uint32_t r = 0; r < R; ++r) {
-        const uint4 qg = *reinterpret_cast<const device uint4*>(wg + row[r] * wpr + wo);
-        const uint4 qu = *reinterpret_cast<const device uint4*>(wu + row[r] * wpr + wo);
-        ag[r] = fma(float(sg[row[r] * gpr + gi]), Qmv1Codes<bits>::dot(qg, xs), fma(float(bg[row[r] * gpr + gi]), xsum, ag[r]));
-        au[r] = fma(float(su[row[r] * gpr + gi]), Qmv1Codes<bits>::dot(qu, xs), fma(float(bu[row[r] * gpr + gi]), xsum, au[r]));
+        const float dg = Qmv1Codes<bits>::dot_at(wg + row[r] * wpr + wo, xs);
+        const float du = Qmv1Codes<bits>::dot_at(wu + row[r] * wpr + wo, xs);
+        ag[r] = fma(float(sg[row[r] * gpr + gi]), dg, fma(float(bg[row[r] * gpr + gi]), xsum, ag[r]));
+        au[r] = fma(float(su[row[r] * gpr + gi]), du, fma(float(bu[row[r] * gpr + gi]), xsum, au[r]));
       }
     }
   }
@@ -450,8 +451,8 @@ template <typename T, typename S, int bits>
     const uint32_t gi = kk >> args.group_shift;
     const uint32_t wo = kk * bits / 32;
     for (uint32_t r = 0; r < R; ++r) {
-      const uint4 q = *reinterpret_cast<const device uint4*>(w + row[r] * wpr + wo);
-      acc[r] = fma(float(sc[row[r] * gpr + gi]), Qmv1Codes<bits>::dot(q, xs), fma(float(bi[row[r] * gpr + gi]), hsum, acc[r]));
+      const float d = Qmv1Codes<bits>::dot_at(w + row[r] * wpr + wo, xs);
+      acc[r] = fma(float(sc[row[r] * gpr + gi]), d, fma(float(bi[row[r] * gpr + gi]), hsum, acc[r]));
     }
   }
   for (uint32_t r = 0; r < R; ++r) acc[r] = simd_sum(acc[r]);
@@ -551,10 +552,10 @@ template <typename T, typename S, int bits, int BM>
     if (n < N) {
       const uint32_t gi = n * gpr + (k0 + col) / args.group_size;
       float q[8];
-      unpack_codes<bits, 8>(wg + n * wpr + (k0 + col) * bits / 32, q);
+      unpack_row<bits, 8>(wg + n * wpr, k0 + col, q);
       const float s1 = float(sg[gi]), b1 = float(bg[gi]);
       for (uint32_t c = 0; c < 8; ++c) wgt[(tp / 4) * LD + col + c] = s1 * q[c] + b1;
-      unpack_codes<bits, 8>(wu + n * wpr + (k0 + col) * bits / 32, q);
+      unpack_row<bits, 8>(wu + n * wpr, k0 + col, q);
       const float s2 = float(su[gi]), b2 = float(bu[gi]);
       for (uint32_t c = 0; c < 8; ++c) wut[(tp / 4) * LD + col + c] = s2 * q[c] + b2;
     } else {
@@ -647,7 +648,7 @@ template <typename S, int bits, int BM>
     if (n < H) {
       const uint32_t gi = n * gpr + (k0 + col) / args.group_size;
       float q[8];
-      unpack_codes<bits, 8>(w + n * wpr + (k0 + col) * bits / 32, q);
+      unpack_row<bits, 8>(w + n * wpr, k0 + col, q);
       const float s = float(sc[gi]), b = float(bi[gi]);
       for (uint32_t c = 0; c < 8; ++c) ws[(tp / 4) * LD + col + c] = s * q[c] + b;
     } else {
@@ -894,7 +895,7 @@ template <typename S, int bits, int BM>
 //   grid:       (ceil(max(I, Is) / 8), max_few) threadgroups of 64 threads (2 simdgroups);
 //               tiles >= the plan's few-row count do no work (uniformly)
 //   simdgroup:  4 consecutive features n0..n0+3 of gate and up for the tile's rows (<= 8)
-//   lane:       strips of 64 / bits codes per step; per (feature, row): s * dot(x, q) + b * sum(x);
+//   lane:       strips of strip_codes<bits>() codes per step; per (feature, row): s * dot(x, q) + b * sum(x);
 //               one simd_sum(float4) per row and matrix; lane 0 writes h = silu(gate) * up
 //   buffers:    as moe_gate_up_mm (x rows gathered through the plan's row -> token map)
 template <typename T, typename S, int bits>
@@ -915,7 +916,7 @@ template <typename T, typename S, int bits>
                                 const device S* sh_up_b [[buffer(14)]],
                                 device float* h [[buffer(15)]],
                                 LILY_KERNEL_TAIL) {
-  constexpr uint32_t V = 64 / bits, step = 32 * V, FEW = kMoeFewBlockRows;
+  constexpr uint32_t V = strip_codes<bits>(), step = 32 * V, FEW = kMoeFewBlockRows;
   const uint32_t tile = group_pos.y;
   const uint32_t list = moe_plan_list_few(args.max_tiles, args.max_few);
   const bool active = tile < plan[2];  // uniform over the threadgroup
@@ -952,8 +953,8 @@ template <typename T, typename S, int bits>
         if (n >= N) break;
         float qg[V];
         float qu[V];
-        unpack_codes<bits, V>(wg + n * wpr + kk * bits / 32, qg);
-        unpack_codes<bits, V>(wu + n * wpr + kk * bits / 32, qu);
+        unpack_row<bits, V>(wg + n * wpr, kk, qg);
+        unpack_row<bits, V>(wu + n * wpr, kk, qu);
         const float s1 = float(sg[n * gpr + grp]), b1 = float(bg[n * gpr + grp]);
         const float s2 = float(su[n * gpr + grp]), b2 = float(bu[n * gpr + grp]);
         for (uint32_t m = 0; m < FEW; ++m) {
@@ -1002,7 +1003,7 @@ template <typename S, int bits>
                              const device S* sh_down_b [[buffer(9)]],
                              device float* y [[buffer(10)]],
                              LILY_KERNEL_TAIL) {
-  constexpr uint32_t V = 64 / bits, step = 32 * V, FEW = kMoeFewBlockRows;
+  constexpr uint32_t V = strip_codes<bits>(), step = 32 * V, FEW = kMoeFewBlockRows;
   const uint32_t tile = group_pos.y;
   const uint32_t list = moe_plan_list_few(args.max_tiles, args.max_few);
   const bool active = tile < plan[2];
@@ -1029,7 +1030,7 @@ template <typename S, int bits>
         const uint32_t n = n0 + r;
         if (n >= H) break;
         float q[V];
-        unpack_codes<bits, V>(w + n * wpr + kk * bits / 32, q);
+        unpack_row<bits, V>(w + n * wpr, kk, q);
         const float s = float(sc[n * gpr + grp]), b = float(bi[n * gpr + grp]);
         for (uint32_t m = 0; m < FEW; ++m) {
           if (m >= rows) break;
@@ -1103,5 +1104,72 @@ LILY_INSTANTIATE("moe_gate_up_bf16_64_b4_xbf16_sbf16", moe_gate_up_bf16<bfloat, 
 LILY_INSTANTIATE("moe_gate_up_bf16_32_b4_xbf16_sbf16", moe_gate_up_bf16<bfloat, 4, 32>)
 LILY_INSTANTIATE("moe_down_bf16_64_b4_sbf16", moe_down_bf16<bfloat, 4, 64>)
 LILY_INSTANTIATE("moe_down_bf16_32_b4_sbf16", moe_down_bf16<bfloat, 4, 32>)
+
+// 2, 3, 5, 6 and 8-bit experts (bfloat16 scales): the matvec, fp32-tile and few-row kernels.
+LILY_INSTANTIATE("moe_gate_up_mv_b2_xf32_sbf16", moe_gate_up_mv<float, bfloat, 2>)
+LILY_INSTANTIATE("moe_down_mv_b2_xf32_sbf16", moe_down_mv<float, bfloat, 2>)
+LILY_INSTANTIATE("moe_gate_up_mm32_b2_xf32_sbf16", moe_gate_up_mm<float, bfloat, 2, 32>)
+LILY_INSTANTIATE("moe_gate_up_mm64_b2_xf32_sbf16", moe_gate_up_mm<float, bfloat, 2, 64>)
+LILY_INSTANTIATE("moe_gate_up_few_b2_xf32_sbf16", moe_gate_up_few<float, bfloat, 2>)
+LILY_INSTANTIATE("moe_gate_up_mv_b2_xbf16_sbf16", moe_gate_up_mv<bfloat, bfloat, 2>)
+LILY_INSTANTIATE("moe_down_mv_b2_xbf16_sbf16", moe_down_mv<bfloat, bfloat, 2>)
+LILY_INSTANTIATE("moe_gate_up_mm32_b2_xbf16_sbf16", moe_gate_up_mm<bfloat, bfloat, 2, 32>)
+LILY_INSTANTIATE("moe_gate_up_mm64_b2_xbf16_sbf16", moe_gate_up_mm<bfloat, bfloat, 2, 64>)
+LILY_INSTANTIATE("moe_gate_up_few_b2_xbf16_sbf16", moe_gate_up_few<bfloat, bfloat, 2>)
+LILY_INSTANTIATE("moe_down_mm32_b2_sbf16", moe_down_mm<bfloat, 2, 32>)
+LILY_INSTANTIATE("moe_down_mm64_b2_sbf16", moe_down_mm<bfloat, 2, 64>)
+LILY_INSTANTIATE("moe_down_few_b2_sbf16", moe_down_few<bfloat, 2>)
+LILY_INSTANTIATE("moe_gate_up_mv_b3_xf32_sbf16", moe_gate_up_mv<float, bfloat, 3>)
+LILY_INSTANTIATE("moe_down_mv_b3_xf32_sbf16", moe_down_mv<float, bfloat, 3>)
+LILY_INSTANTIATE("moe_gate_up_mm32_b3_xf32_sbf16", moe_gate_up_mm<float, bfloat, 3, 32>)
+LILY_INSTANTIATE("moe_gate_up_mm64_b3_xf32_sbf16", moe_gate_up_mm<float, bfloat, 3, 64>)
+LILY_INSTANTIATE("moe_gate_up_few_b3_xf32_sbf16", moe_gate_up_few<float, bfloat, 3>)
+LILY_INSTANTIATE("moe_gate_up_mv_b3_xbf16_sbf16", moe_gate_up_mv<bfloat, bfloat, 3>)
+LILY_INSTANTIATE("moe_down_mv_b3_xbf16_sbf16", moe_down_mv<bfloat, bfloat, 3>)
+LILY_INSTANTIATE("moe_gate_up_mm32_b3_xbf16_sbf16", moe_gate_up_mm<bfloat, bfloat, 3, 32>)
+LILY_INSTANTIATE("moe_gate_up_mm64_b3_xbf16_sbf16", moe_gate_up_mm<bfloat, bfloat, 3, 64>)
+LILY_INSTANTIATE("moe_gate_up_few_b3_xbf16_sbf16", moe_gate_up_few<bfloat, bfloat, 3>)
+LILY_INSTANTIATE("moe_down_mm32_b3_sbf16", moe_down_mm<bfloat, 3, 32>)
+LILY_INSTANTIATE("moe_down_mm64_b3_sbf16", moe_down_mm<bfloat, 3, 64>)
+LILY_INSTANTIATE("moe_down_few_b3_sbf16", moe_down_few<bfloat, 3>)
+LILY_INSTANTIATE("moe_gate_up_mv_b5_xf32_sbf16", moe_gate_up_mv<float, bfloat, 5>)
+LILY_INSTANTIATE("moe_down_mv_b5_xf32_sbf16", moe_down_mv<float, bfloat, 5>)
+LILY_INSTANTIATE("moe_gate_up_mm32_b5_xf32_sbf16", moe_gate_up_mm<float, bfloat, 5, 32>)
+LILY_INSTANTIATE("moe_gate_up_mm64_b5_xf32_sbf16", moe_gate_up_mm<float, bfloat, 5, 64>)
+LILY_INSTANTIATE("moe_gate_up_few_b5_xf32_sbf16", moe_gate_up_few<float, bfloat, 5>)
+LILY_INSTANTIATE("moe_gate_up_mv_b5_xbf16_sbf16", moe_gate_up_mv<bfloat, bfloat, 5>)
+LILY_INSTANTIATE("moe_down_mv_b5_xbf16_sbf16", moe_down_mv<bfloat, bfloat, 5>)
+LILY_INSTANTIATE("moe_gate_up_mm32_b5_xbf16_sbf16", moe_gate_up_mm<bfloat, bfloat, 5, 32>)
+LILY_INSTANTIATE("moe_gate_up_mm64_b5_xbf16_sbf16", moe_gate_up_mm<bfloat, bfloat, 5, 64>)
+LILY_INSTANTIATE("moe_gate_up_few_b5_xbf16_sbf16", moe_gate_up_few<bfloat, bfloat, 5>)
+LILY_INSTANTIATE("moe_down_mm32_b5_sbf16", moe_down_mm<bfloat, 5, 32>)
+LILY_INSTANTIATE("moe_down_mm64_b5_sbf16", moe_down_mm<bfloat, 5, 64>)
+LILY_INSTANTIATE("moe_down_few_b5_sbf16", moe_down_few<bfloat, 5>)
+LILY_INSTANTIATE("moe_gate_up_mv_b6_xf32_sbf16", moe_gate_up_mv<float, bfloat, 6>)
+LILY_INSTANTIATE("moe_down_mv_b6_xf32_sbf16", moe_down_mv<float, bfloat, 6>)
+LILY_INSTANTIATE("moe_gate_up_mm32_b6_xf32_sbf16", moe_gate_up_mm<float, bfloat, 6, 32>)
+LILY_INSTANTIATE("moe_gate_up_mm64_b6_xf32_sbf16", moe_gate_up_mm<float, bfloat, 6, 64>)
+LILY_INSTANTIATE("moe_gate_up_few_b6_xf32_sbf16", moe_gate_up_few<float, bfloat, 6>)
+LILY_INSTANTIATE("moe_gate_up_mv_b6_xbf16_sbf16", moe_gate_up_mv<bfloat, bfloat, 6>)
+LILY_INSTANTIATE("moe_down_mv_b6_xbf16_sbf16", moe_down_mv<bfloat, bfloat, 6>)
+LILY_INSTANTIATE("moe_gate_up_mm32_b6_xbf16_sbf16", moe_gate_up_mm<bfloat, bfloat, 6, 32>)
+LILY_INSTANTIATE("moe_gate_up_mm64_b6_xbf16_sbf16", moe_gate_up_mm<bfloat, bfloat, 6, 64>)
+LILY_INSTANTIATE("moe_gate_up_few_b6_xbf16_sbf16", moe_gate_up_few<bfloat, bfloat, 6>)
+LILY_INSTANTIATE("moe_down_mm32_b6_sbf16", moe_down_mm<bfloat, 6, 32>)
+LILY_INSTANTIATE("moe_down_mm64_b6_sbf16", moe_down_mm<bfloat, 6, 64>)
+LILY_INSTANTIATE("moe_down_few_b6_sbf16", moe_down_few<bfloat, 6>)
+LILY_INSTANTIATE("moe_gate_up_mv_b8_xf32_sbf16", moe_gate_up_mv<float, bfloat, 8>)
+LILY_INSTANTIATE("moe_down_mv_b8_xf32_sbf16", moe_down_mv<float, bfloat, 8>)
+LILY_INSTANTIATE("moe_gate_up_mm32_b8_xf32_sbf16", moe_gate_up_mm<float, bfloat, 8, 32>)
+LILY_INSTANTIATE("moe_gate_up_mm64_b8_xf32_sbf16", moe_gate_up_mm<float, bfloat, 8, 64>)
+LILY_INSTANTIATE("moe_gate_up_few_b8_xf32_sbf16", moe_gate_up_few<float, bfloat, 8>)
+LILY_INSTANTIATE("moe_gate_up_mv_b8_xbf16_sbf16", moe_gate_up_mv<bfloat, bfloat, 8>)
+LILY_INSTANTIATE("moe_down_mv_b8_xbf16_sbf16", moe_down_mv<bfloat, bfloat, 8>)
+LILY_INSTANTIATE("moe_gate_up_mm32_b8_xbf16_sbf16", moe_gate_up_mm<bfloat, bfloat, 8, 32>)
+LILY_INSTANTIATE("moe_gate_up_mm64_b8_xbf16_sbf16", moe_gate_up_mm<bfloat, bfloat, 8, 64>)
+LILY_INSTANTIATE("moe_gate_up_few_b8_xbf16_sbf16", moe_gate_up_few<bfloat, bfloat, 8>)
+LILY_INSTANTIATE("moe_down_mm32_b8_sbf16", moe_down_mm<bfloat, 8, 32>)
+LILY_INSTANTIATE("moe_down_mm64_b8_sbf16", moe_down_mm<bfloat, 8, 64>)
+LILY_INSTANTIATE("moe_down_few_b8_sbf16", moe_down_few<bfloat, 8>)
 
 }  // namespace lily

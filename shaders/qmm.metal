@@ -19,7 +19,7 @@ namespace lily {
 // qmv: the small-M route (M <= kQmvMaxRows; decode and tiny expert batches).
 //   grid:        ceil(N / 8) threadgroups of 64 threads (kQmvSimdsPerGroup = 2 simdgroups)
 //   simdgroup:   kQmvRowsPerSimd = 4 consecutive output features n0..n0+3, for all M rows of x
-//   lane:        a strip of V codes per row per step (V = 16 for 4-bit, 8 for 8-bit: 8 bytes),
+//   lane:        a strip of V codes per row per step (strip_codes: 16 at 4 bits, 8 at 8: 8 bytes),
 //                strips of the 32 lanes are consecutive; the simdgroup walks K in 32*V steps
 //   reduction:   per group-strip s * dot(x, q) + b * sum(x), accumulated per lane, then one
 //                simd_sum(float4) per row of x; lane 0 writes the 4 outputs.
@@ -32,7 +32,7 @@ template <typename T, typename S, int bits, typename Y = T>
                     const device S* biases [[buffer(4)]],
                     device Y* y [[buffer(5)]],
                     LILY_KERNEL_TAIL) {
-  constexpr uint32_t V = 64 / bits;         // codes per lane per step (two uint32 words)
+  constexpr uint32_t V = strip_codes<bits>();  // codes per lane per step (common/quant.h)
   constexpr uint32_t step = 32 * V;         // codes per simdgroup per step
   const uint32_t K = args.K;
   const uint32_t words_per_row = K * bits / 32;
@@ -48,7 +48,7 @@ template <typename T, typename S, int bits, typename Y = T>
       const uint32_t n = n0 + r;
       if (n >= args.N) break;
       float q[V];
-      unpack_codes<bits, V>(w + n * words_per_row + k * bits / 32, q);
+      unpack_row<bits, V>(w + n * words_per_row, k, q);
       const float s = float(scales[n * groups_per_row + g]);
       const float b = float(biases[n * groups_per_row + g]);
       for (uint32_t m = 0; m < args.M; ++m) {
@@ -79,7 +79,8 @@ template <typename T, typename S, int bits, typename Y = T>
 //   grid:      ceil(N / R) threadgroups of 32 * splits threads, splits = min(4, ceil(K / B));
 //              R = kQmv1Rows = 4 rows per threadgroup, or R = 1 (the *_r1 kernels) where 4 would
 //              give fewer than kQmv1MinSimdgroups = 1280 simdgroups (the router: 257 rows)
-//   block:     B = 32 lanes x V codes (V = 128 / bits: one 16-byte load of w per lane and row);
+//   block:     B = 32 lanes x V codes (V = 128 / bits: one 16-byte load of w per lane and row at
+//              4 and 8 bits; V = 32, `bits` words, at 2, 3, 5 and 6: Qmv1Codes);
 //              simdgroup s walks K blocks s, s + splits, ...
 //   per block: the lane's V values of x are loaded once, 8 per 16-byte load (load8; x, residual
 //              and norm_w 16-byte aligned: the host checks), with the residual added and the norm
@@ -147,10 +148,10 @@ template <typename T, typename S, int bits, typename Y = T, uint32_t R = kQmv1Ro
       }
       const uint32_t g = k >> args.group_shift;
       for (uint32_t r = 0; r < R; ++r) {
-        const uint4 wv = *reinterpret_cast<const device uint4*>(w + row[r] * words_per_row + k * bits / 32);
+        const device uint32_t* wp = w + row[r] * words_per_row + k * bits / 32;
         const float sc = float(scales[row[r] * groups_per_row + g]);
         const float bi = float(biases[row[r] * groups_per_row + g]);
-        acc[r] = fma(sc, Qmv1Codes<bits>::dot(wv, xs), fma(bi, xsum, acc[r]));
+        acc[r] = fma(sc, Qmv1Codes<bits>::dot_at(wp, xs), fma(bi, xsum, acc[r]));
       }
     }
   }
@@ -229,7 +230,7 @@ template <typename T, typename S, int bits, typename Y = T>
     const uint32_t n = n0 + row;
     if (n < args.N) {
       float q[8];
-      unpack_codes<bits, 8>(w + n * words_per_row + (k0 + col) * bits / 32, q);
+      unpack_row<bits, 8>(w + n * words_per_row, k0 + col, q);
       const uint32_t g = n * groups_per_row + (k0 + col) / args.group_size;
       const float s = float(scales[g]);
       const float b = float(biases[g]);
@@ -418,5 +419,55 @@ LILY_INSTANTIATE("qmv1_b4_xbf16_sf32_yf32_r1", qmv1<bfloat, float, 4, float, 1>)
 LILY_INSTANTIATE("qmv1_b4_xbf16_sbf16_yf32_r1", qmv1<bfloat, bfloat, 4, float, 1>)
 LILY_INSTANTIATE("qmv1_b8_xbf16_sf32_yf32_r1", qmv1<bfloat, float, 8, float, 1>)
 LILY_INSTANTIATE("qmv1_b8_xbf16_sbf16_yf32_r1", qmv1<bfloat, bfloat, 8, float, 1>)
+
+// 2, 3, 5 and 6 bits (bfloat16 scales; unpack_row / the generic Qmv1Codes in common/quant.h).
+LILY_INSTANTIATE("qmv_b2_xf32_sbf16", qmv<float, bfloat, 2>)
+LILY_INSTANTIATE("qmv1_b2_xf32_sbf16", qmv1<float, bfloat, 2>)
+LILY_INSTANTIATE("qmv1_b2_xf32_sbf16_r1", qmv1<float, bfloat, 2, float, 1>)
+LILY_INSTANTIATE("qmm_b2_xf32_sbf16", qmm<float, bfloat, 2>)
+LILY_INSTANTIATE("qmv_b2_xbf16_sbf16", qmv<bfloat, bfloat, 2>)
+LILY_INSTANTIATE("qmv1_b2_xbf16_sbf16", qmv1<bfloat, bfloat, 2>)
+LILY_INSTANTIATE("qmv1_b2_xbf16_sbf16_r1", qmv1<bfloat, bfloat, 2, bfloat, 1>)
+LILY_INSTANTIATE("qmm_b2_xbf16_sbf16", qmm<bfloat, bfloat, 2>)
+LILY_INSTANTIATE("qmv_b2_xbf16_sbf16_yf32", qmv<bfloat, bfloat, 2, float>)
+LILY_INSTANTIATE("qmv1_b2_xbf16_sbf16_yf32", qmv1<bfloat, bfloat, 2, float>)
+LILY_INSTANTIATE("qmv1_b2_xbf16_sbf16_yf32_r1", qmv1<bfloat, bfloat, 2, float, 1>)
+LILY_INSTANTIATE("qmm_b2_xbf16_sbf16_yf32", qmm<bfloat, bfloat, 2, float>)
+LILY_INSTANTIATE("qmv_b3_xf32_sbf16", qmv<float, bfloat, 3>)
+LILY_INSTANTIATE("qmv1_b3_xf32_sbf16", qmv1<float, bfloat, 3>)
+LILY_INSTANTIATE("qmv1_b3_xf32_sbf16_r1", qmv1<float, bfloat, 3, float, 1>)
+LILY_INSTANTIATE("qmm_b3_xf32_sbf16", qmm<float, bfloat, 3>)
+LILY_INSTANTIATE("qmv_b3_xbf16_sbf16", qmv<bfloat, bfloat, 3>)
+LILY_INSTANTIATE("qmv1_b3_xbf16_sbf16", qmv1<bfloat, bfloat, 3>)
+LILY_INSTANTIATE("qmv1_b3_xbf16_sbf16_r1", qmv1<bfloat, bfloat, 3, bfloat, 1>)
+LILY_INSTANTIATE("qmm_b3_xbf16_sbf16", qmm<bfloat, bfloat, 3>)
+LILY_INSTANTIATE("qmv_b3_xbf16_sbf16_yf32", qmv<bfloat, bfloat, 3, float>)
+LILY_INSTANTIATE("qmv1_b3_xbf16_sbf16_yf32", qmv1<bfloat, bfloat, 3, float>)
+LILY_INSTANTIATE("qmv1_b3_xbf16_sbf16_yf32_r1", qmv1<bfloat, bfloat, 3, float, 1>)
+LILY_INSTANTIATE("qmm_b3_xbf16_sbf16_yf32", qmm<bfloat, bfloat, 3, float>)
+LILY_INSTANTIATE("qmv_b5_xf32_sbf16", qmv<float, bfloat, 5>)
+LILY_INSTANTIATE("qmv1_b5_xf32_sbf16", qmv1<float, bfloat, 5>)
+LILY_INSTANTIATE("qmv1_b5_xf32_sbf16_r1", qmv1<float, bfloat, 5, float, 1>)
+LILY_INSTANTIATE("qmm_b5_xf32_sbf16", qmm<float, bfloat, 5>)
+LILY_INSTANTIATE("qmv_b5_xbf16_sbf16", qmv<bfloat, bfloat, 5>)
+LILY_INSTANTIATE("qmv1_b5_xbf16_sbf16", qmv1<bfloat, bfloat, 5>)
+LILY_INSTANTIATE("qmv1_b5_xbf16_sbf16_r1", qmv1<bfloat, bfloat, 5, bfloat, 1>)
+LILY_INSTANTIATE("qmm_b5_xbf16_sbf16", qmm<bfloat, bfloat, 5>)
+LILY_INSTANTIATE("qmv_b5_xbf16_sbf16_yf32", qmv<bfloat, bfloat, 5, float>)
+LILY_INSTANTIATE("qmv1_b5_xbf16_sbf16_yf32", qmv1<bfloat, bfloat, 5, float>)
+LILY_INSTANTIATE("qmv1_b5_xbf16_sbf16_yf32_r1", qmv1<bfloat, bfloat, 5, float, 1>)
+LILY_INSTANTIATE("qmm_b5_xbf16_sbf16_yf32", qmm<bfloat, bfloat, 5, float>)
+LILY_INSTANTIATE("qmv_b6_xf32_sbf16", qmv<float, bfloat, 6>)
+LILY_INSTANTIATE("qmv1_b6_xf32_sbf16", qmv1<float, bfloat, 6>)
+LILY_INSTANTIATE("qmv1_b6_xf32_sbf16_r1", qmv1<float, bfloat, 6, float, 1>)
+LILY_INSTANTIATE("qmm_b6_xf32_sbf16", qmm<float, bfloat, 6>)
+LILY_INSTANTIATE("qmv_b6_xbf16_sbf16", qmv<bfloat, bfloat, 6>)
+LILY_INSTANTIATE("qmv1_b6_xbf16_sbf16", qmv1<bfloat, bfloat, 6>)
+LILY_INSTANTIATE("qmv1_b6_xbf16_sbf16_r1", qmv1<bfloat, bfloat, 6, bfloat, 1>)
+LILY_INSTANTIATE("qmm_b6_xbf16_sbf16", qmm<bfloat, bfloat, 6>)
+LILY_INSTANTIATE("qmv_b6_xbf16_sbf16_yf32", qmv<bfloat, bfloat, 6, float>)
+LILY_INSTANTIATE("qmv1_b6_xbf16_sbf16_yf32", qmv1<bfloat, bfloat, 6, float>)
+LILY_INSTANTIATE("qmv1_b6_xbf16_sbf16_yf32_r1", qmv1<bfloat, bfloat, 6, float, 1>)
+LILY_INSTANTIATE("qmm_b6_xbf16_sbf16_yf32", qmm<bfloat, bfloat, 6, float>)
 
 }  // namespace lily

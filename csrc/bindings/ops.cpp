@@ -179,7 +179,8 @@ void init_ops(nb::module_& parent) {
         check_array(biases, fn, "biases", 2, elem_bits(st));
         const uint32_t M = static_cast<uint32_t>(x.shape(0)), K = static_cast<uint32_t>(x.shape(1));
         const uint32_t N = static_cast<uint32_t>(w.shape(0));
-        LILY_REQUIRE(bits == 4 || bits == 8, "quantized_matmul: bits must be 4 or 8, got " + std::to_string(bits));
+        LILY_REQUIRE(gpu::ops::qmm_width_supported(bits),
+                     "quantized_matmul: bits must be 2, 3, 4, 5, 6 or 8, got " + std::to_string(bits));
         LILY_REQUIRE(w.shape(1) * 32 == size_t(K) * bits,
                 "quantized_matmul: w has " + std::to_string(w.shape(1)) + " words per row, K=" +
                     std::to_string(K) + " at " + std::to_string(bits) + " bits needs " +
@@ -367,7 +368,7 @@ void init_ops(nb::module_& parent) {
         op.vocab = static_cast<uint32_t>(table.shape(0));
         op.bits = bits;
         op.group_size = group_size;
-        LILY_REQUIRE(bits == 4 || bits == 8, "embedding: bits must be 4 or 8");
+        LILY_REQUIRE(gpu::ops::qmm_width_supported(bits), "embedding: bits must be 2, 3, 4, 5, 6 or 8");
         op.D = static_cast<uint32_t>(table.shape(1) * 32 / bits);
         LILY_REQUIRE(group_size != 0 && op.D % group_size == 0 && scales.shape(0) == op.vocab &&
                     scales.shape(1) == op.D / group_size && biases.shape(0) == op.vocab &&

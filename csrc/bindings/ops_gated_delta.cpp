@@ -297,7 +297,7 @@ void init_ops_gated_delta(nb::module_& m) {
         op.w_dtype = gpu::parse_dtype(w_dtype, "gated_delta_mixer: conv/norm weights");
         const gpu::DType st = gpu::parse_dtype(scale_dtype, "gated_delta_mixer: scales");
         LILY_REQUIRE(x.ndim() == 2 && conv_weight.ndim() == 2, "gated_delta_mixer: x must be [T, hidden], conv_weight [C, K]");
-        LILY_REQUIRE(bits == 4 || bits == 8, "gated_delta_mixer: bits must be 4 or 8");
+        LILY_REQUIRE(gpu::ops::qmm_width_supported(bits), "gated_delta_mixer: bits must be 2, 3, 4, 5, 6 or 8");
         LILY_REQUIRE(group_size == 32 || group_size == 64 || group_size == 128, "gated_delta_mixer: group_size must be 32, 64 or 128");
         const uint32_t T = uint32_t(x.shape(0)), H = uint32_t(x.shape(1));
         const uint32_t C = 2 * Hk * Dk + Hv * Dv, VD = Hv * Dv, K = uint32_t(conv_weight.shape(1));

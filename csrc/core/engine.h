@@ -65,8 +65,8 @@ struct EngineCounters {
 // The quantization the engine's kernels take (ModelSpec::validate refuses others; lily_py checks
 // every tensor against these first, naming the tensor): kEngineBits for the quantized matmuls and
 // the embedding, kEngineExpertBits for the MoE expert kernels (shaders/moe.metal).
-inline constexpr uint32_t kEngineBits[] = {4, 8};
-inline constexpr uint32_t kEngineExpertBits[] = {4};
+inline constexpr uint32_t kEngineBits[] = {2, 3, 4, 5, 6, 8};
+inline constexpr uint32_t kEngineExpertBits[] = {2, 3, 4, 5, 6, 8};
 inline constexpr uint32_t kEngineGroupSizes[] = {32, 64, 128};
 
 // Device memory the engine needs for a spec (computed before anything is allocated).

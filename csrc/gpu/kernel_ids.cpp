@@ -1,11 +1,66 @@
 #include "gpu/kernel_ids.h"
 
+#include <array>
+#include <stdexcept>
+#include <string>
+
 namespace lily::gpu {
 
 std::optional<KernelId> find_kernel(std::string_view name) {
   for (const KernelInfo& k : kKernelTable)
     if (k.name == name) return k.id;
   return std::nullopt;
+}
+
+namespace {
+
+struct WidthPattern {
+  const char* head;
+  const char* tail;
+};
+// In WidthFamily's order; all with bfloat16 scales (the only scales the generic widths are built for).
+constexpr WidthPattern kWidthPatterns[] = {
+    {"qmv", "_xf32_sbf16"}, {"qmv", "_xbf16_sbf16"}, {"qmv", "_xbf16_sbf16_yf32"},
+    {"qmv1", "_xf32_sbf16"}, {"qmv1", "_xbf16_sbf16"}, {"qmv1", "_xbf16_sbf16_yf32"},
+    {"qmv1", "_xf32_sbf16_r1"}, {"qmv1", "_xbf16_sbf16_r1"}, {"qmv1", "_xbf16_sbf16_yf32_r1"},
+    {"qmm", "_xf32_sbf16"}, {"qmm", "_xbf16_sbf16"}, {"qmm", "_xbf16_sbf16_yf32"},
+    {"embedding", "_xf32_sbf16"}, {"embedding", "_xbf16_sbf16"},
+    {"moe_gate_up_mv", "_xf32_sbf16"}, {"moe_gate_up_mv", "_xbf16_sbf16"},
+    {"moe_down_mv", "_xf32_sbf16"}, {"moe_down_mv", "_xbf16_sbf16"},
+    {"moe_gate_up_mm32", "_xf32_sbf16"}, {"moe_gate_up_mm32", "_xbf16_sbf16"},
+    {"moe_gate_up_mm64", "_xf32_sbf16"}, {"moe_gate_up_mm64", "_xbf16_sbf16"},
+    {"moe_gate_up_few", "_xf32_sbf16"}, {"moe_gate_up_few", "_xbf16_sbf16"},
+    {"moe_down_mm32", "_sbf16"}, {"moe_down_mm64", "_sbf16"}, {"moe_down_few", "_sbf16"},
+};
+static_assert(sizeof(kWidthPatterns) / sizeof(kWidthPatterns[0]) == size_t(WidthFamily::count),
+              "one pattern per WidthFamily");
+constexpr uint32_t kMaxBits = 8;
+
+std::string width_name(WidthFamily f, uint32_t bits) {
+  const WidthPattern& p = kWidthPatterns[size_t(f)];
+  return std::string(p.head) + "_b" + std::to_string(bits) + p.tail;
+}
+
+}  // namespace
+
+KernelId width_kernel(WidthFamily family, uint32_t bits) {
+  // table[f][bits]: the kernel, or kNumKernels where none is built (filled once, thread-safe).
+  static const auto table = [] {
+    std::array<std::array<uint16_t, kMaxBits + 1>, size_t(WidthFamily::count)> t{};
+    for (size_t f = 0; f < t.size(); ++f)
+      for (uint32_t b = 0; b <= kMaxBits; ++b) {
+        const auto id = b >= 2 ? find_kernel(width_name(WidthFamily(f), b)) : std::nullopt;
+        t[f][b] = id ? uint16_t(*id) : uint16_t(kNumKernels);
+      }
+    return t;
+  }();
+  if (bits <= kMaxBits && table[size_t(family)][bits] != kNumKernels)
+    return KernelId(table[size_t(family)][bits]);
+  std::string built;
+  for (uint32_t b = 2; b <= kMaxBits; ++b)
+    if (table[size_t(family)][b] != kNumKernels) built += (built.empty() ? "" : ", ") + std::to_string(b);
+  throw std::invalid_argument("no kernel " + width_name(family, bits) + ": " + kWidthPatterns[size_t(family)].head +
+                              " is built for bits " + built + " with bfloat16 scales");
 }
 
 }  // namespace lily::gpu

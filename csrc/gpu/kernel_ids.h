@@ -260,7 +260,131 @@
   X(sample_resolve_f32,        SampleArgs, 6) /* logits, state, hist, partials, ids, chosen_logit */ \
   X(sample_lse_partial_f32,    SampleArgs, 3) /* logits, state, sums */      \
   X(sample_logprobs,           SampleArgs, 5) /* state, candidates, sums, chosen_logit, logprobs */ \
-  X(sample_noise,              SampleArgs, 1) /* out */
+  X(sample_noise,              SampleArgs, 1) /* out */ \
+  /* 2, 3, 5 and 6 bits (bfloat16 scales): the dense matvecs, qmm's fp32 tiles and the embedding
+     (shaders/qmm.metal, embedding.metal); 2, 3, 5, 6 and 8 bits: the MoE matvec, fp32 tile and
+     few-row kernels (moe.metal). 4 bits: the rows above; the bf16 and tensor-op tiles are 4/8-bit. */ \
+  X(qmv_b2_xf32_sbf16, QmmArgs, 5) \
+  X(qmv1_b2_xf32_sbf16, Qmv1Args, 9) \
+  X(qmv1_b2_xf32_sbf16_r1, Qmv1Args, 9) \
+  X(qmm_b2_xf32_sbf16, QmmArgs, 5) \
+  X(embedding_b2_xf32_sbf16, EmbeddingArgs, 5) \
+  X(qmv_b2_xbf16_sbf16, QmmArgs, 5) \
+  X(qmv1_b2_xbf16_sbf16, Qmv1Args, 9) \
+  X(qmv1_b2_xbf16_sbf16_r1, Qmv1Args, 9) \
+  X(qmm_b2_xbf16_sbf16, QmmArgs, 5) \
+  X(embedding_b2_xbf16_sbf16, EmbeddingArgs, 5) \
+  X(qmv_b2_xbf16_sbf16_yf32, QmmArgs, 5) \
+  X(qmv1_b2_xbf16_sbf16_yf32, Qmv1Args, 9) \
+  X(qmv1_b2_xbf16_sbf16_yf32_r1, Qmv1Args, 9) \
+  X(qmm_b2_xbf16_sbf16_yf32, QmmArgs, 5) \
+  X(qmv_b3_xf32_sbf16, QmmArgs, 5) \
+  X(qmv1_b3_xf32_sbf16, Qmv1Args, 9) \
+  X(qmv1_b3_xf32_sbf16_r1, Qmv1Args, 9) \
+  X(qmm_b3_xf32_sbf16, QmmArgs, 5) \
+  X(embedding_b3_xf32_sbf16, EmbeddingArgs, 5) \
+  X(qmv_b3_xbf16_sbf16, QmmArgs, 5) \
+  X(qmv1_b3_xbf16_sbf16, Qmv1Args, 9) \
+  X(qmv1_b3_xbf16_sbf16_r1, Qmv1Args, 9) \
+  X(qmm_b3_xbf16_sbf16, QmmArgs, 5) \
+  X(embedding_b3_xbf16_sbf16, EmbeddingArgs, 5) \
+  X(qmv_b3_xbf16_sbf16_yf32, QmmArgs, 5) \
+  X(qmv1_b3_xbf16_sbf16_yf32, Qmv1Args, 9) \
+  X(qmv1_b3_xbf16_sbf16_yf32_r1, Qmv1Args, 9) \
+  X(qmm_b3_xbf16_sbf16_yf32, QmmArgs, 5) \
+  X(qmv_b5_xf32_sbf16, QmmArgs, 5) \
+  X(qmv1_b5_xf32_sbf16, Qmv1Args, 9) \
+  X(qmv1_b5_xf32_sbf16_r1, Qmv1Args, 9) \
+  X(qmm_b5_xf32_sbf16, QmmArgs, 5) \
+  X(embedding_b5_xf32_sbf16, EmbeddingArgs, 5) \
+  X(qmv_b5_xbf16_sbf16, QmmArgs, 5) \
+  X(qmv1_b5_xbf16_sbf16, Qmv1Args, 9) \
+  X(qmv1_b5_xbf16_sbf16_r1, Qmv1Args, 9) \
+  X(qmm_b5_xbf16_sbf16, QmmArgs, 5) \
+  X(embedding_b5_xbf16_sbf16, EmbeddingArgs, 5) \
+  X(qmv_b5_xbf16_sbf16_yf32, QmmArgs, 5) \
+  X(qmv1_b5_xbf16_sbf16_yf32, Qmv1Args, 9) \
+  X(qmv1_b5_xbf16_sbf16_yf32_r1, Qmv1Args, 9) \
+  X(qmm_b5_xbf16_sbf16_yf32, QmmArgs, 5) \
+  X(qmv_b6_xf32_sbf16, QmmArgs, 5) \
+  X(qmv1_b6_xf32_sbf16, Qmv1Args, 9) \
+  X(qmv1_b6_xf32_sbf16_r1, Qmv1Args, 9) \
+  X(qmm_b6_xf32_sbf16, QmmArgs, 5) \
+  X(embedding_b6_xf32_sbf16, EmbeddingArgs, 5) \
+  X(qmv_b6_xbf16_sbf16, QmmArgs, 5) \
+  X(qmv1_b6_xbf16_sbf16, Qmv1Args, 9) \
+  X(qmv1_b6_xbf16_sbf16_r1, Qmv1Args, 9) \
+  X(qmm_b6_xbf16_sbf16, QmmArgs, 5) \
+  X(embedding_b6_xbf16_sbf16, EmbeddingArgs, 5) \
+  X(qmv_b6_xbf16_sbf16_yf32, QmmArgs, 5) \
+  X(qmv1_b6_xbf16_sbf16_yf32, Qmv1Args, 9) \
+  X(qmv1_b6_xbf16_sbf16_yf32_r1, Qmv1Args, 9) \
+  X(qmm_b6_xbf16_sbf16_yf32, QmmArgs, 5) \
+  X(moe_gate_up_mv_b2_xf32_sbf16, MoeArgs, 15) \
+  X(moe_down_mv_b2_xf32_sbf16, MoeArgs, 12) \
+  X(moe_gate_up_mm32_b2_xf32_sbf16, MoeArgs, 15) \
+  X(moe_gate_up_mm64_b2_xf32_sbf16, MoeArgs, 15) \
+  X(moe_gate_up_few_b2_xf32_sbf16, MoeArgs, 15) \
+  X(moe_gate_up_mv_b2_xbf16_sbf16, MoeArgs, 15) \
+  X(moe_down_mv_b2_xbf16_sbf16, MoeArgs, 12) \
+  X(moe_gate_up_mm32_b2_xbf16_sbf16, MoeArgs, 15) \
+  X(moe_gate_up_mm64_b2_xbf16_sbf16, MoeArgs, 15) \
+  X(moe_gate_up_few_b2_xbf16_sbf16, MoeArgs, 15) \
+  X(moe_down_mm32_b2_sbf16, MoeArgs, 10) \
+  X(moe_down_mm64_b2_sbf16, MoeArgs, 10) \
+  X(moe_down_few_b2_sbf16, MoeArgs, 10) \
+  X(moe_gate_up_mv_b3_xf32_sbf16, MoeArgs, 15) \
+  X(moe_down_mv_b3_xf32_sbf16, MoeArgs, 12) \
+  X(moe_gate_up_mm32_b3_xf32_sbf16, MoeArgs, 15) \
+  X(moe_gate_up_mm64_b3_xf32_sbf16, MoeArgs, 15) \
+  X(moe_gate_up_few_b3_xf32_sbf16, MoeArgs, 15) \
+  X(moe_gate_up_mv_b3_xbf16_sbf16, MoeArgs, 15) \
+  X(moe_down_mv_b3_xbf16_sbf16, MoeArgs, 12) \
+  X(moe_gate_up_mm32_b3_xbf16_sbf16, MoeArgs, 15) \
+  X(moe_gate_up_mm64_b3_xbf16_sbf16, MoeArgs, 15) \
+  X(moe_gate_up_few_b3_xbf16_sbf16, MoeArgs, 15) \
+  X(moe_down_mm32_b3_sbf16, MoeArgs, 10) \
+  X(moe_down_mm64_b3_sbf16, MoeArgs, 10) \
+  X(moe_down_few_b3_sbf16, MoeArgs, 10) \
+  X(moe_gate_up_mv_b5_xf32_sbf16, MoeArgs, 15) \
+  X(moe_down_mv_b5_xf32_sbf16, MoeArgs, 12) \
+  X(moe_gate_up_mm32_b5_xf32_sbf16, MoeArgs, 15) \
+  X(moe_gate_up_mm64_b5_xf32_sbf16, MoeArgs, 15) \
+  X(moe_gate_up_few_b5_xf32_sbf16, MoeArgs, 15) \
+  X(moe_gate_up_mv_b5_xbf16_sbf16, MoeArgs, 15) \
+  X(moe_down_mv_b5_xbf16_sbf16, MoeArgs, 12) \
+  X(moe_gate_up_mm32_b5_xbf16_sbf16, MoeArgs, 15) \
+  X(moe_gate_up_mm64_b5_xbf16_sbf16, MoeArgs, 15) \
+  X(moe_gate_up_few_b5_xbf16_sbf16, MoeArgs, 15) \
+  X(moe_down_mm32_b5_sbf16, MoeArgs, 10) \
+  X(moe_down_mm64_b5_sbf16, MoeArgs, 10) \
+  X(moe_down_few_b5_sbf16, MoeArgs, 10) \
+  X(moe_gate_up_mv_b6_xf32_sbf16, MoeArgs, 15) \
+  X(moe_down_mv_b6_xf32_sbf16, MoeArgs, 12) \
+  X(moe_gate_up_mm32_b6_xf32_sbf16, MoeArgs, 15) \
+  X(moe_gate_up_mm64_b6_xf32_sbf16, MoeArgs, 15) \
+  X(moe_gate_up_few_b6_xf32_sbf16, MoeArgs, 15) \
+  X(moe_gate_up_mv_b6_xbf16_sbf16, MoeArgs, 15) \
+  X(moe_down_mv_b6_xbf16_sbf16, MoeArgs, 12) \
+  X(moe_gate_up_mm32_b6_xbf16_sbf16, MoeArgs, 15) \
+  X(moe_gate_up_mm64_b6_xbf16_sbf16, MoeArgs, 15) \
+  X(moe_gate_up_few_b6_xbf16_sbf16, MoeArgs, 15) \
+  X(moe_down_mm32_b6_sbf16, MoeArgs, 10) \
+  X(moe_down_mm64_b6_sbf16, MoeArgs, 10) \
+  X(moe_down_few_b6_sbf16, MoeArgs, 10) \
+  X(moe_gate_up_mv_b8_xf32_sbf16, MoeArgs, 15) \
+  X(moe_down_mv_b8_xf32_sbf16, MoeArgs, 12) \
+  X(moe_gate_up_mm32_b8_xf32_sbf16, MoeArgs, 15) \
+  X(moe_gate_up_mm64_b8_xf32_sbf16, MoeArgs, 15) \
+  X(moe_gate_up_few_b8_xf32_sbf16, MoeArgs, 15) \
+  X(moe_gate_up_mv_b8_xbf16_sbf16, MoeArgs, 15) \
+  X(moe_down_mv_b8_xbf16_sbf16, MoeArgs, 12) \
+  X(moe_gate_up_mm32_b8_xbf16_sbf16, MoeArgs, 15) \
+  X(moe_gate_up_mm64_b8_xbf16_sbf16, MoeArgs, 15) \
+  X(moe_gate_up_few_b8_xbf16_sbf16, MoeArgs, 15) \
+  X(moe_down_mm32_b8_sbf16, MoeArgs, 10) \
+  X(moe_down_mm64_b8_sbf16, MoeArgs, 10) \
+  X(moe_down_few_b8_sbf16, MoeArgs, 10)
 // clang-format on
 
 namespace lily::gpu {
@@ -293,6 +417,22 @@ constexpr const KernelInfo& kernel_info(KernelId id) {
 }
 
 std::optional<KernelId> find_kernel(std::string_view name);
+
+// Kernels built at several weight widths under one name pattern: `<head>_b<bits><tail>`
+// (e.g. qmv1_b3_xbf16_sbf16_r1). width_kernel looks each up once (a table filled on first use)
+// and throws std::invalid_argument naming the kernel and the widths it is built for when there is
+// none at `bits` (2..8).
+enum class WidthFamily : uint8_t {
+  qmv_xf32, qmv_xbf16, qmv_xbf16_yf32,
+  qmv1_xf32, qmv1_xbf16, qmv1_xbf16_yf32, qmv1_xf32_r1, qmv1_xbf16_r1, qmv1_xbf16_yf32_r1,
+  qmm_xf32, qmm_xbf16, qmm_xbf16_yf32,
+  embedding_xf32, embedding_xbf16,
+  moe_gate_up_mv_xf32, moe_gate_up_mv_xbf16, moe_down_mv_xf32, moe_down_mv_xbf16,
+  moe_gate_up_mm32_xf32, moe_gate_up_mm32_xbf16, moe_gate_up_mm64_xf32, moe_gate_up_mm64_xbf16,
+  moe_gate_up_few_xf32, moe_gate_up_few_xbf16, moe_down_mm32, moe_down_mm64, moe_down_few,
+  count
+};
+KernelId width_kernel(WidthFamily family, uint32_t bits);
 
 // Kernels built from shaders/m5/ (Metal 4 tensor ops, lily_m5.metallib): a device has their
 // pipelines only when its DeviceInfo::tensor_ops is true; loops over kKernelTable skip them

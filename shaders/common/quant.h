@@ -11,12 +11,49 @@ namespace lily {
 
 // Codes [k, k + count) of one row as floats; `words` points at the word holding code k, and k is
 // a multiple of count (count * bits is a multiple of 32, so no code straddles the loaded words).
+// Widths that divide 32 (2, 4, 8) only: unpack_row takes every width.
 template <int bits, int count>
 inline void unpack_codes(const device uint32_t* words, thread float* q) {
+  static_assert(32 % bits == 0 && (count * bits) % 32 == 0, "whole words of codes");
   constexpr uint32_t per_word = 32 / bits;
   constexpr uint32_t mask = (1u << bits) - 1u;
   for (uint32_t i = 0; i < uint32_t(count); ++i)
     q[i] = float((words[i / per_word] >> ((i % per_word) * bits)) & mask);
+}
+
+// Codes per lane per step of the strip kernels (qmv, moe_*_few): two words at 2, 4 and 8 bits;
+// at 3, 5 and 6 bits 8 codes (`bits` bytes: 8 codes are the smallest whole number of bytes).
+template <int bits>
+constexpr uint32_t strip_codes() {
+  return 32 % bits == 0 ? 64 / bits : 8;
+}
+
+// Codes [k, k + count) of the row starting at word `row`, any width 2..8, as floats; k and count
+// multiples of 8 (count of 32 / bits at 2, 4, 8 bits). At 3, 5 and 6 bits a code may straddle two
+// words: 8 codes fill `bits` bytes starting at bit k * bits (a byte boundary), read as the one to
+// three words that hold them (never a word past them: the last row's codes end at its last word).
+template <int bits, int count>
+inline void unpack_row(const device uint32_t* row, uint32_t k, thread float* q) {
+  if (32 % bits == 0 && (count * bits) % 32 == 0) {
+    constexpr uint32_t per_word = 32 / bits;
+    constexpr uint32_t mask = (1u << bits) - 1u;
+    const device uint32_t* words = row + k * bits / 32;
+    for (uint32_t i = 0; i < uint32_t(count); ++i)
+      q[i] = float((words[i / per_word] >> ((i % per_word) * bits)) & mask);
+    return;
+  }
+  static_assert(count % 8 == 0, "8-code strips");
+  constexpr ulong mask = (ulong(1) << bits) - 1;
+  for (uint32_t c = 0; c < uint32_t(count); c += 8) {
+    const uint32_t bit0 = (k + c) * bits;  // a multiple of 8
+    const device uint32_t* p = row + bit0 / 32;
+    const uint32_t sh = bit0 % 32, end = sh + 8 * bits;  // end <= 24 + 64
+    ulong v = ulong(p[0]);
+    if (end > 32) v |= ulong(p[1]) << 32;
+    v >>= sh;
+    if (end > 64) v |= ulong(p[2]) << (64 - sh);
+    for (uint32_t i = 0; i < 8; ++i) q[c + i] = float(uint32_t((v >> (i * bits)) & mask));
+  }
 }
 
 // Single-token matvec codes (qmv1 in qmm.metal, moe_gate_up_mv / moe_down_mv in moe.metal), after
@@ -42,6 +79,10 @@ inline void load8(const device float* p, thread float* out) {
   }
 }
 
+// The generic width (2, 3, 5, 6 bits): a lane holds V = 32 codes of a row, `bits` whole words
+// (8 to 24 bytes, word-aligned: 32 codes start at a word boundary), loaded as words; code i is
+// shifted down from bit i * bits (joined with the next word where it straddles one), masked and
+// widened with masked_code; activations unscaled (scale_of = 1).
 template <int bits>
 struct Qmv1Codes;
 // A code masked in place (v & mask, v < 2^16) as a float: OR-ed into the mantissa of 2^23 it gives
@@ -52,6 +93,26 @@ struct Qmv1Codes;
 inline float masked_code(uint32_t v, uint32_t mask) {
   return as_type<float>((v & mask) | 0x4B000000u) - 8388608.0f;
 }
+
+template <int bits>
+struct Qmv1Codes {
+  static_assert(bits >= 2 && bits <= 8 && bits != 4 && bits != 8, "4 and 8 bits: the specialisations");
+  static constexpr uint32_t V = 32;
+  static float scale_of(uint32_t) { return 1.0f; }
+  static float dot_at(const device uint32_t* p, thread const float* xs) {
+    constexpr uint32_t mask = (1u << bits) - 1u;
+    uint32_t w[bits];
+    for (uint32_t j = 0; j < uint32_t(bits); ++j) w[j] = p[j];
+    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (uint32_t i = 0; i < V; ++i) {
+      const uint32_t bit = i * bits, j = bit / 32, sh = bit % 32;
+      uint32_t v = w[j] >> sh;
+      if (sh + bits > 32) v |= w[j + 1] << (32 - sh);
+      d[i % 4] = fma(xs[i], masked_code(v, mask), d[i % 4]);
+    }
+    return (d[0] + d[1]) + (d[2] + d[3]);
+  }
+};
 
 template <>
 struct Qmv1Codes<4> {
@@ -75,6 +136,9 @@ struct Qmv1Codes<4> {
     }
     return (d[0] + d[1]) + (d[2] + d[3]);
   }
+  static float dot_at(const device uint32_t* p, thread const float* xs) {
+    return dot(*reinterpret_cast<const device uint4*>(p), xs);
+  }
 };
 template <>
 struct Qmv1Codes<8> {
@@ -92,6 +156,9 @@ struct Qmv1Codes<8> {
       d[j] = fma(x[3], masked_code(hi, 0xff00u), a);
     }
     return (d[0] + d[1]) + (d[2] + d[3]);
+  }
+  static float dot_at(const device uint32_t* p, thread const float* xs) {
+    return dot(*reinterpret_cast<const device uint4*>(p), xs);
   }
 };
 

@@ -52,8 +52,9 @@ def quantized(rng, shape, bits, gs, scale=0.1, fill=None):
     return QuantLinear(*quant.quantize(w, bits=bits, group_size=gs, scale_dtype=BF16), bits, gs)
 
 
-def make_block(rng, *, E, H, I, Is=None, gs=64, load="uniform"):
-    """A quantized MoE block (router 8-bit, experts 4-bit, bf16 scales) and its x generator.
+def make_block(rng, *, E, H, I, Is=None, gs=64, load="uniform", bits=4, down_bits=None):
+    """A quantized MoE block (router 8-bit, experts `bits`-bit with the down matrices at
+    `down_bits` (default `bits`), bf16 scales) and its x generator.
 
     load: "uniform" (random router), "skewed" (expert 0 is every token's first choice) or
     "few" (only experts 0..2 are ever chosen for top_k <= 3: many empty experts)."""
@@ -65,10 +66,10 @@ def make_block(rng, *, E, H, I, Is=None, gs=64, load="uniform"):
         r[:3] = 0.2 + rng.standard_normal((3, H)).astype(np.float32) * 0.05
     W = SimpleNamespace(
         router=quantized(rng, (E, H), 8, gs, fill=r),
-        gate_proj=quantized(rng, (E, I, H), 4, gs), up_proj=quantized(rng, (E, I, H), 4, gs),
-        down_proj=quantized(rng, (E, H, I), 4, gs),
-        shared_gate_proj=quantized(rng, (Is, H), 4, gs), shared_up_proj=quantized(rng, (Is, H), 4, gs),
-        shared_down_proj=quantized(rng, (H, Is), 4, gs), shared_expert_gate=quantized(rng, (1, H), 8, gs))
+        gate_proj=quantized(rng, (E, I, H), bits, gs), up_proj=quantized(rng, (E, I, H), bits, gs),
+        down_proj=quantized(rng, (E, H, I), down_bits or bits, gs),
+        shared_gate_proj=quantized(rng, (Is, H), bits, gs), shared_up_proj=quantized(rng, (Is, H), bits, gs),
+        shared_down_proj=quantized(rng, (H, Is), down_bits or bits, gs), shared_expert_gate=quantized(rng, (1, H), 8, gs))
     offset = 0.0 if load == "uniform" else 1.0
     gates = {"router": W.router.dense(), "shared_gate": W.shared_expert_gate.dense()}
 
@@ -485,10 +486,19 @@ def test_bad_input_raises_clear_error(rng, mutate, match):
                 device=a["device"])
 
 
-def test_8bit_experts_rejected(rng):
+def test_7bit_experts_rejected(rng):
+    """MLX has no 7-bit width: a 7-bit-wide packed expert is refused, naming the matrix."""
+    W, x_of = make_block(rng, E=5, H=64, I=32, gs=32)
+    q = W.up_proj
+    W.up_proj = QuantLinear(np.zeros((5, 32, 64 * 7 // 32), np.uint32), q.scales, q.biases, 7, 32)
+    with pytest.raises(ValueError, match=r"experts\['up_proj'\] is 7-bit; the expert kernels take \(2, 3, 4, 5, 6, 8\)"):
+        ops.moe(x_of(1), *ops.moe_weights(W), top_k=2)
+
+
+def test_gate_up_widths_must_agree(rng):
     W, x_of = make_block(rng, E=5, H=64, I=32, gs=32)
     W.up_proj = quantized(rng, (5, 32, 64), 8, 32)
-    with pytest.raises(ValueError, match=r"experts\['up_proj'\] is 8-bit; the expert kernels are 4-bit"):
+    with pytest.raises(ValueError, match=r"gate/up matrices .* must share one width"):
         ops.moe(x_of(1), *ops.moe_weights(W), top_k=2)
 
 

@@ -419,7 +419,7 @@ def _ok(rng):
     (lambda a: {**a, "scales": a["scales"][:, :1]}, r"scales must be \[N, K/group_size\] = \[16, 2\], got \[16, 1\]"),
     (lambda a: {**a, "biases": a["biases"][:8]}, r"biases must be \[N, K/group_size\]"),
     (lambda a: {**a, "biases": a["biases"].astype(BF16)}, "scales .* and biases .* must have the same dtype"),
-    (lambda a: {**a, "bits": 3}, r"bits must be one of \(4, 8\), got 3"),
+    (lambda a: {**a, "bits": 7}, r"bits must be one of \(2, 3, 4, 5, 6, 8\), got 7"),
     (lambda a: {**a, "group_size": 16}, r"group_size must be one of \(32, 64, 128\), got 16"),
     (lambda a: {**a, "device": "vulkan"}, "device must be 'emu', 'metal' or 'cuda', got 'vulkan'"),
 ], ids=["x-float64", "x-list", "K-not-group-multiple", "w-K-mismatch", "w-int32", "w-3d",

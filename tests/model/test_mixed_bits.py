@@ -200,36 +200,16 @@ def _mixed(tmp_path, overrides):
                            quant_overrides=overrides)
 
 
-def test_a_width_the_kernels_do_not_take_names_the_module(tmp_path):
-    support = lily_py._core.engine_quant_support()
-    bits = next(b for b in (3, 2, 5, 6) if b not in support["bits"]) if \
-        any(b not in support["bits"] for b in (2, 3, 5, 6)) else None
-    p = _mixed(tmp_path, {"layers.3.self_attn.q_proj": (bits or 8, 64)})
-    load_weights(p)                                  # a valid checkpoint: the reference runs it
-    if bits is None:                                 # every width runs: the split route takes it
-        lily_py.load(p, backend=ENGINE, context_length=16).prefill([1, 2, 3])
-        return
-    with pytest.raises(CheckpointError, match=rf"model.safetensors: tensor 'language_model.model.layers.3.self_attn"
-                                              rf".q_proj.weight' \(engine weight 'layers.3.qkv_proj:q', logical "
-                                              rf"shape \[512, 128\]\) is {bits}-bit with group size 64; the "
-                                              rf"engine's kernels take"):
-        lily_py.load(p, backend=ENGINE, context_length=16)
-
-
-def test_expert_width_the_moe_kernels_do_not_take_names_the_module(tmp_path):
-    support = lily_py._core.engine_quant_support()
-    missing = [b for b in (8, 6, 5, 3, 2) if b not in support["expert_bits"]]
-    bits = missing[0] if missing else 8
-    p = _mixed(tmp_path, {"layers.1.mlp.experts.down_proj": (bits, 64),
+@pytest.mark.parametrize("bits", [2, 3, 5, 6])
+def test_a_module_at_every_other_width_runs(tmp_path, bits):
+    """One projection (attention q) and one MoE down stage at a width of their own: the split route
+    and the expert kernels take it, and the engine matches the reference."""
+    p = _mixed(tmp_path, {"layers.3.self_attn.q_proj": (bits, 64), "layers.1.mlp.experts.down_proj": (bits, 64),
                           "layers.1.mlp.shared_expert.down_proj": (bits, 64)})
-    if not missing:
-        lily_py.load(p, backend=ENGINE, context_length=16).prefill([1, 2, 3])
-        return
-    with pytest.raises(CheckpointError, match=rf"tensor 'language_model.model.layers.1.mlp.switch_mlp.down_proj"
-                                              rf".weight' \(engine weight 'layers.1.experts.down', logical shape "
-                                              rf"\[6, 128, 64\]\) is {bits}-bit with group size 64; the engine's "
-                                              rf"MoE expert kernels take 4"):
-        lily_py.load(p, backend=ENGINE, context_length=16)
+    emu = lily_py.load(p, backend=ENGINE, context_length=16, activations="float32")
+    ref = lily_py.load(p, backend="reference", context_length=16)
+    got, want = emu.prefill([1, 2, 3]), ref.prefill([1, 2, 3])
+    assert_close(got, want, atol=2.0 ** -7 * float(np.abs(want).max()), rtol=0, what=f"{bits}-bit modules")
 
 
 def test_moe_stage_whose_matrices_disagree_names_both(tmp_path):

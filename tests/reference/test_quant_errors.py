@@ -78,16 +78,16 @@ def test_group_contradicting_the_declared_group(ckpt):
         load_weights(ckpt)
 
 
-def test_width_the_engine_kernels_do_not_take(tmp_path):
+def test_engine_takes_every_mlx_width_and_refuses_others():
+    """Every MLX affine width is an engine width; a width outside them (7 bits: no MLX width) is
+    refused by the engine's spec check with the widths it takes."""
     from lily_py import _core
+    from lily_py.backends.engine import REAL_QUANT, engine_spec
+    from lily_py.config import ModelConfig
+    from lily_py.testing import TINY_TEXT_CONFIG
     support = _core.engine_quant_support()
-    missing = [b for b in (2, 3, 5, 6) if b not in support["bits"]]
-    if not missing:
-        pytest.skip("the engine's kernels take every MLX width (2, 3, 4, 5, 6, 8)")
-    bits = missing[-1]
-    p = make_checkpoint(tmp_path / "q", fmt="mlx", seed=5, bits=bits)
-    load_weights(p)                                  # a valid checkpoint: the reference runs it
-    with pytest.raises(CheckpointError, match=rf"model.safetensors: tensor 'language_model.model.embed_tokens.weight' "
-                                              rf"\(engine weight 'embed', logical shape \[\d+, \d+\]\) is {bits}-bit "
-                                              rf"with group size 64; the engine's kernels take 4/8-bit"):
-        lily_py.load(p, backend="emu", context_length=16)
+    assert support["bits"] == [2, 3, 4, 5, 6, 8] and support["expert_bits"] == [2, 3, 4, 5, 6, 8]
+    cfg = ModelConfig.from_dict({"model_type": "qwen3_5_moe", "text_config": dict(TINY_TEXT_CONFIG)})
+    quant = dict(REAL_QUANT, mixer=dict(REAL_QUANT["mixer"], bits=7))
+    with pytest.raises(Exception, match=r"bits=7 unsupported \(2/3/4/5/6/8\)"):
+        _core.Engine(engine_spec(cfg, quant, context_length=16, prefill_chunk=1), "count")

@@ -6,9 +6,13 @@
 namespace lily::gpu::ops {
 
 KernelId embedding_kernel(uint32_t bits, DType o, DType s) {
-  if (bits != 4 && bits != 8)
-    throw std::invalid_argument("embedding: bits=" + std::to_string(bits) + " unsupported (4 or 8)");
+  if (bits < 2 || bits > 8 || bits == 7)
+    throw std::invalid_argument("embedding: bits=" + std::to_string(bits) + " unsupported (2, 3, 4, 5, 6 or 8)");
   const bool ob = o == DType::bf16, sb = s == DType::bf16;
+  if (bits != 4 && bits != 8) {
+    if (!sb) throw std::invalid_argument("embedding: " + std::to_string(bits) + "-bit tables take bfloat16 scales");
+    return width_kernel(ob ? WidthFamily::embedding_xbf16 : WidthFamily::embedding_xf32, bits);
+  }
   if (bits == 4)
     return ob ? (sb ? KernelId::embedding_b4_xbf16_sbf16 : KernelId::embedding_b4_xbf16_sf32)
               : (sb ? KernelId::embedding_b4_xf32_sbf16 : KernelId::embedding_b4_xf32_sf32);

@@ -89,7 +89,7 @@ MoeRoute moe_route(uint32_t tokens, uint32_t /*top_k*/) {
 }
 
 MoeMvShape moe_mv_shape(uint32_t H, uint32_t top_k, uint32_t I, uint32_t Is, uint32_t bits) {
-  const uint32_t V = 128 / bits;  // codes per lane and row: one 16-byte load
+  const uint32_t V = qmv1_lane_codes(bits);  // codes per lane and row (Qmv1Codes::V)
   MoeMvShape s;
   s.gate_up_splits = std::max(1u, std::min<uint32_t>(kMoeGateUpMaxSplits, ceil_div(H, 32 * V)));
   s.down_splits = std::max(1u, std::min<uint32_t>(kMoeDownMaxSplits, ceil_div(top_k * (I / V) + Is / V, 32)));
@@ -188,8 +188,8 @@ void validate(const MoeOperands& op) {
   if (op.top_k == 0 || op.top_k > op.experts || op.top_k > kMoeMaxTopK)
     fail("top_k=" + num(op.top_k) + " must be in [1, min(experts, " + num(kMoeMaxTopK) + ")]");
   const uint32_t dbits = down_bits(op), dgs = down_group(op);
-  if (op.bits != 4) fail("expert bits=" + num(op.bits) + " unsupported (4)");
-  if (dbits != 4) fail("expert down bits=" + num(dbits) + " unsupported (4)");
+  for (uint32_t b : {op.bits, dbits})
+    if (!qmm_width_supported(b)) fail("expert bits=" + num(b) + " unsupported (2, 3, 4, 5, 6 or 8)");
   if (op.scale_dtype != DType::bf16) fail("expert scales/biases must be bfloat16");
   for (uint32_t gs : {op.group_size, dgs})
     if (gs != 32 && gs != 64 && gs != 128) fail("group_size=" + num(gs) + " unsupported (32, 64 or 128)");
@@ -235,7 +235,7 @@ void validate(const MoeOperands& op) {
 }
 
 bool moe_bf16_tiles_allowed(const MoeOperands& op) {
-  if (op.x_dtype != DType::bf16) return false;
+  if (op.x_dtype != DType::bf16 || op.bits != 4 || down_bits(op) != 4) return false;  // bf16 tiles: 4-bit
   for (const Binding& b : {op.x, op.scratch.h, op.gate.w, op.up.w, op.down.w, op.shared_gate.w, op.shared_up.w,
                            op.shared_down.w})
     if (b.offset % 16 != 0) return false;
@@ -259,7 +259,9 @@ bool moe_int8_allowed(const MoeOperands& op) {
 void encode_moe(Encoder& enc, const MoeOperands& op) {
   validate(op);
   const MoeRoute route = moe_route(op.tokens, op.top_k);
-  const bool m5 = enc.tensor_ops();  // M5 plan and tile kernels (see step 4)
+  // M5 plan and tile kernels (see step 4); the tensor-op tiles are 4-bit: other widths take the
+  // M1-M4 plan and the fp32 tiles on every device
+  const bool m5 = enc.tensor_ops() && op.bits == 4 && down_bits(op) == 4;
   const MoeArgs a = make_args(op, route, m5);
   const MoeArgs ad = down_args(a, op);  // the down stage's group size
   const MoeScratchBytes sb = moe_scratch_bytes(op);
@@ -332,7 +334,7 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
                         std::to_string(op.scratch.h.offset) + " must be multiples of 16 (16-byte loads)");
     // 2. gate + up + SwiGLU of the selected experts and the shared expert, per slot; every
     // threadgroup selects its token's experts from the logits itself (no route level)
-    enc.set_kernel(xb ? KernelId::moe_gate_up_mv_b4_xbf16_sbf16 : KernelId::moe_gate_up_mv_b4_xf32_sbf16);
+    enc.set_kernel(width_kernel(xb ? WidthFamily::moe_gate_up_mv_xbf16 : WidthFamily::moe_gate_up_mv_xf32, op.bits));
     enc.set_args(a);
     enc.set_buffer(1, range(op.x, act, "x"));
     enc.set_buffer(2, range(op.scratch.logits, sb.logits, "scratch.logits"));
@@ -343,7 +345,7 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
     enc.barrier();  // h -> down
     // 3. down projection x routing weights, shared expert x gate, residual add (selects the
     // experts from the logits again; writes ids and weights)
-    enc.set_kernel(xb ? KernelId::moe_down_mv_b4_xbf16_sbf16 : KernelId::moe_down_mv_b4_xf32_sbf16);
+    enc.set_kernel(width_kernel(xb ? WidthFamily::moe_down_mv_xbf16 : WidthFamily::moe_down_mv_xf32, down_bits(op)));
     enc.set_args(ad);
     enc.set_buffer(1, range(op.scratch.logits, sb.logits, "scratch.logits"));
     enc.set_buffer(2, range(op.scratch.ids, sb.ids, "scratch.ids"));
@@ -403,21 +405,21 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
   } kinds[3] = {{i8   ? KernelId::moe_gate_up_m5i8_64_b4_xbf16_sbf16
                 : m5 ? (xb ? KernelId::moe_gate_up_m5_64_b4_xbf16_sbf16 : KernelId::moe_gate_up_m5_64_b4_xf32_sbf16)
                 : bt ? KernelId::moe_gate_up_bf16_64_b4_xbf16_sbf16
-                    : (xb ? KernelId::moe_gate_up_mm64_b4_xbf16_sbf16 : KernelId::moe_gate_up_mm64_b4_xf32_sbf16),
+                    : width_kernel(xb ? WidthFamily::moe_gate_up_mm64_xbf16 : WidthFamily::moe_gate_up_mm64_xf32, op.bits),
                  i8   ? KernelId::moe_down_m5i8_64_b4_sbf16
                  : m5 ? KernelId::moe_down_m5_64_b4_sbf16
                  : bt ? KernelId::moe_down_bf16_64_b4_sbf16
-                      : KernelId::moe_down_mm64_b4_sbf16,
+                      : width_kernel(WidthFamily::moe_down_mm64, down_bits(op)),
                  tb.t64, kMoeTileN, false},
                 {m5 ? (xb ? KernelId::moe_gate_up_m5_32_b4_xbf16_sbf16 : KernelId::moe_gate_up_m5_32_b4_xf32_sbf16)
                 : bt ? KernelId::moe_gate_up_bf16_32_b4_xbf16_sbf16
-                    : (xb ? KernelId::moe_gate_up_mm32_b4_xbf16_sbf16 : KernelId::moe_gate_up_mm32_b4_xf32_sbf16),
+                    : width_kernel(xb ? WidthFamily::moe_gate_up_mm32_xbf16 : WidthFamily::moe_gate_up_mm32_xf32, op.bits),
                  m5   ? KernelId::moe_down_m5_32_b4_sbf16
                  : bt ? KernelId::moe_down_bf16_32_b4_sbf16
-                      : KernelId::moe_down_mm32_b4_sbf16,
+                      : width_kernel(WidthFamily::moe_down_mm32, down_bits(op)),
                  tb.t32, kMoeTileN, false},
-                {xb ? KernelId::moe_gate_up_few_b4_xbf16_sbf16 : KernelId::moe_gate_up_few_b4_xf32_sbf16,
-                 KernelId::moe_down_few_b4_sbf16, tb.few, kMoeMvRowsPerSimd * kMoeMvSimdsPerGroup, true}};
+                {width_kernel(xb ? WidthFamily::moe_gate_up_few_xbf16 : WidthFamily::moe_gate_up_few_xf32, op.bits),
+                 width_kernel(WidthFamily::moe_down_few, down_bits(op)), tb.few, kMoeMvRowsPerSimd * kMoeMvSimdsPerGroup, true}};
   // bytes_touched: each tile kind is counted as reading all `used` experts (an upper bound:
   // the kinds split the experts between them on the device).
   for (const auto& kd : kinds) {

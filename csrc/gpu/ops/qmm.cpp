@@ -24,7 +24,8 @@ void need_bytes(const Binding& b, uint64_t bytes, const char* what) {
 QmmRoute qmm_route(uint32_t M, uint32_t bits, bool tensor_ops, bool bf16_tiles) {
   if (M == 1) return QmmRoute::qmv1;
   if (M <= kQmvMaxRows) return QmmRoute::qmv;
-  if (tensor_ops && (bits == 4 || bits == 8)) return QmmRoute::qmm_m5;
+  if (bits != 4 && bits != 8) return QmmRoute::qmm;  // the bf16 and tensor-op tiles: 4 and 8 bits
+  if (tensor_ops) return QmmRoute::qmm_m5;
   return M >= kQmmBf16MinRows && bf16_tiles ? QmmRoute::qmm_bf16 : QmmRoute::qmm;
 }
 
@@ -41,7 +42,7 @@ const char* qmm_route_name(QmmRoute r) {
 
 uint32_t qmv1_splits(uint32_t N, uint32_t K, uint32_t bits) {
   if (ceil_div(N, kQmv1Rows) >= kQmv1OneSplitGroups) return 1;  // lm_head: rows give the parallelism
-  const uint32_t block = 32 * 128 / bits;  // codes per simdgroup per 16-byte-per-lane step
+  const uint32_t block = 32 * qmv1_lane_codes(bits);  // codes per simdgroup per step
   return std::min<uint32_t>(kQmv1MaxSplits, (K + block - 1) / block);
 }
 
@@ -76,7 +77,33 @@ KernelId qmm_kernel4(QmmRoute route, uint32_t bits, DType x, DType s, bool y_f32
 
 }  // namespace
 
+// 2, 3, 5 and 6 bits: the kernels built with bfloat16 scales (kernel_ids.h, width_kernel).
+static KernelId qmm_kernel_width(QmmRoute route, uint32_t bits, DType x, DType s, bool y_f32, bool r1) {
+  auto no = [&](const std::string& why) {
+    return std::invalid_argument("quantized_matmul: " + std::to_string(bits) + "-bit weights " + why);
+  };
+  if (s != DType::bf16) throw no("take bfloat16 scales and biases (the kernels at 2, 3, 5 and 6 bits are built for those)");
+  const bool xb = x == DType::bf16;
+  y_f32 = y_f32 && xb;  // float32 x writes float32 y anyway (as qmm_kernel4)
+  using F = WidthFamily;
+  switch (route) {
+    case QmmRoute::qmv1:
+      return width_kernel(y_f32 ? (r1 ? F::qmv1_xbf16_yf32_r1 : F::qmv1_xbf16_yf32)
+                                : xb ? (r1 ? F::qmv1_xbf16_r1 : F::qmv1_xbf16) : (r1 ? F::qmv1_xf32_r1 : F::qmv1_xf32), bits);
+    case QmmRoute::qmv: return width_kernel(y_f32 ? F::qmv_xbf16_yf32 : xb ? F::qmv_xbf16 : F::qmv_xf32, bits);
+    case QmmRoute::qmm: return width_kernel(y_f32 ? F::qmm_xbf16_yf32 : xb ? F::qmm_xbf16 : F::qmm_xf32, bits);
+    default: throw no(std::string("have no ") + qmm_route_name(route) + " kernel (4 and 8 bits only)");
+  }
+}
+
 KernelId qmm_kernel(QmmRoute route, uint32_t bits, DType x, DType s, bool y_f32, uint32_t rows, bool int8) {
+  if (route == QmmRoute::qmv1 && rows != kQmv1Rows && rows != 1)
+    throw std::invalid_argument("quantized_matmul: qmv1 rows per threadgroup must be 4 or 1");
+  if (bits != 4 && bits != 8) {
+    if (!qmm_width_supported(bits))
+      throw std::invalid_argument("quantized_matmul: bits=" + std::to_string(bits) + " unsupported (2, 3, 4, 5, 6 or 8)");
+    return qmm_kernel_width(route, bits, x, s, y_f32, route == QmmRoute::qmv1 && rows == 1);
+  }
   const KernelId k = qmm_kernel4(route, bits, x, s, y_f32, int8);
   if (route != QmmRoute::qmv1 || rows == kQmv1Rows) return k;
   if (rows != 1) throw std::invalid_argument("quantized_matmul: qmv1 rows per threadgroup must be 4 or 1");
@@ -196,7 +223,7 @@ void validate(const QmmOperands& op) {
     }
     return;
   }
-  if (op.bits != 4 && op.bits != 8) fail("bits=" + std::to_string(op.bits) + " unsupported (4 or 8)");
+  if (!qmm_width_supported(op.bits)) fail("bits=" + std::to_string(op.bits) + " unsupported (2, 3, 4, 5, 6 or 8)");
   if (op.group_size != 32 && op.group_size != 64 && op.group_size != 128)
     fail("group_size=" + std::to_string(op.group_size) + " unsupported (32, 64 or 128)");
   if (op.M == 0 || op.N == 0 || op.K == 0)

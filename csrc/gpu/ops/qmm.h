@@ -21,7 +21,14 @@ enum class QmmRoute : uint8_t {
 // operands may be rounded to bf16 - x is bf16 (or the caller allows rounding fp32 x), x's rows and
 // the w binding start on 16-byte boundaries (qmm_bf16 loads 16 bytes at a time) and the caller
 // did not ask for fp32 operands (qmm_bf16_allowed); else qmm.
+// Widths other than 4 and 8 (2, 3, 5, 6) take qmm's fp32 tiles for M > kQmvMaxRows: the bf16 and
+// tensor-op tiles are built for 4 and 8 bits only.
 QmmRoute qmm_route(uint32_t M, uint32_t bits = 4, bool tensor_ops = false, bool bf16_tiles = true);
+// Whether the kernels take this weight width (2, 3, 4, 5, 6, 8: MLX's affine widths; not 7).
+constexpr bool qmm_width_supported(uint32_t bits) { return bits >= 2 && bits <= 8 && bits != 7; }
+// Codes per lane of one qmv1 / MoE-matvec block (common/quant.h Qmv1Codes::V): one 16-byte load
+// at 4 and 8 bits, 32 codes (`bits` words) at the other widths.
+constexpr uint32_t qmv1_lane_codes(uint32_t bits) { return bits == 4 || bits == 8 ? 128 / bits : 32; }
 // Simdgroups per threadgroup of the qmv1 route (they split K): min(kQmv1MaxSplits, ceil(K / block)),
 // or 1 where ceil(N / 4) >= kQmv1OneSplitGroups (lm_head).
 uint32_t qmv1_splits(uint32_t N, uint32_t K, uint32_t bits);

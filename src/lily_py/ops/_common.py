@@ -6,7 +6,7 @@ import numpy as np
 
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 _FLOAT_DTYPES = {np.dtype(np.float32): "float32", BFLOAT16: "bfloat16"}
-_BITS = (4, 8)
+_BITS = (2, 3, 4, 5, 6, 8)  # MLX affine widths (the 2, 3, 5, 6-bit kernels take bfloat16 scales)
 _GROUP_SIZES = (32, 64, 128)
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._common import _check_device, _core, _float_array, _from_core
+from ._common import _BITS, _check_device, _core, _float_array, _from_core
 
 __all__ = ["causal_conv1d", "gated_delta_scan", "gated_delta_step", "gated_delta_decode", "gated_delta_mixer",
            "gated_delta_route"]
@@ -263,8 +263,8 @@ def _gated_delta_mixer(x, in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj
     if min(Hk, Hv, Dk, Dv) <= 0 or Hv % Hk or Dk > _MAX_HEAD_DIM or Dv > _MAX_HEAD_DIM:
         raise ValueError(f"{fn}: need Hv a multiple of Hk and 0 < Dk, Dv <= {_MAX_HEAD_DIM}; got Hk={Hk} Hv={Hv} "
                          f"Dk={Dk} Dv={Dv}")
-    if bits not in (4, 8) or group_size not in (32, 64, 128):
-        raise ValueError(f"{fn}: bits must be 4 or 8 and group_size 32, 64 or 128, got {bits}, {group_size}")
+    if bits not in _BITS or group_size not in (32, 64, 128):
+        raise ValueError(f"{fn}: bits must be one of {_BITS} and group_size 32, 64 or 128, got {bits}, {group_size}")
     xc, x_name = _float_array(x, "x", fn)
     if xc.ndim != 2 or 0 in xc.shape:
         raise ValueError(f"{fn}: x must be [T, hidden], got {list(x.shape)}")

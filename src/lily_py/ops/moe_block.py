@@ -27,6 +27,7 @@ __all__ = ["moe", "moe_route", "moe_weights"]
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 _SCALE_DTYPES = {np.dtype(np.float32): "float32", BFLOAT16: "bfloat16"}
 _GROUP_SIZES = (32, 64, 128)
+_EXPERT_BITS = (2, 3, 4, 5, 6, 8)  # MLX affine widths the expert kernels take (bfloat16 scales)
 FN = "moe"
 
 
@@ -130,21 +131,27 @@ def _moe(x, router, experts, shared_expert, *, top_k, residual=None, device="emu
     if (gb, ggs, gate[1].dtype) != (rb, rgs, r[1].dtype):
         raise ValueError(f"{FN}: shared_expert['gate'] must be quantized like the router "
                          f"({rb}-bit, group {rgs}, {r[1].dtype}); got {gb}-bit, group {ggs}, {gate[1].dtype}")
-    if rb not in (4, 8) or rgs not in _GROUP_SIZES:
-        raise ValueError(f"{FN}: router must be 4- or 8-bit with group size 32/64/128, got {rb}-bit group {rgs}")
+    if rb not in _EXPERT_BITS or rgs not in _GROUP_SIZES:
+        raise ValueError(f"{FN}: router must be {_EXPERT_BITS}-bit with group size 32/64/128, got {rb}-bit group {rgs}")
     layouts = {name: _layout(t, name, shape, shape[-1]) for name, t, shape in (
         ("experts['gate_proj']", g, (E, I, H)), ("experts['up_proj']", u, (E, I, H)),
         ("experts['down_proj']", d, (E, H, I)), ("shared_expert['gate_proj']", sg, (Is, H)),
         ("shared_expert['up_proj']", su, (Is, H)), ("shared_expert['down_proj']", sd, (H, Is)))}
     for name, (bits, gs) in layouts.items():
-        if bits != 4:
-            raise ValueError(f"{FN}: {name} is {bits}-bit; the expert kernels are 4-bit")
+        if bits not in _EXPERT_BITS:
+            raise ValueError(f"{FN}: {name} is {bits}-bit; the expert kernels take {_EXPERT_BITS} bits")
         if gs not in _GROUP_SIZES or gs != next(iter(layouts.values()))[1]:
             raise ValueError(f"{FN}: every expert matrix needs the same group size (32, 64 or 128); {name} has {gs}")
     for name, t in (("experts", g), ("experts", u), ("experts", d), ("shared_expert", sg),
                     ("shared_expert", su), ("shared_expert", sd)):
         if t[1].dtype != BFLOAT16:
             raise ValueError(f"{FN}: {name} scales/biases must be bfloat16 (as in the checkpoint), got {t[1].dtype}")
+    gu_bits = {layouts[n][0] for n in ("experts['gate_proj']", "experts['up_proj']", "shared_expert['gate_proj']",
+                                        "shared_expert['up_proj']")}
+    dn_bits = {layouts[n][0] for n in ("experts['down_proj']", "shared_expert['down_proj']")}
+    if len(gu_bits) != 1 or len(dn_bits) != 1:
+        raise ValueError(f"{FN}: the gate/up matrices (routed and shared) must share one width and the down "
+                         f"matrices another; got " + ", ".join(f"{n} {b}-bit" for n, (b, _) in layouts.items()))
     top_k = int(top_k)
     if not 1 <= top_k <= min(E, 16):
         raise ValueError(f"{FN}: top_k must be in [1, min(E={E}, 16)], got {top_k}")
@@ -174,7 +181,8 @@ def _moe(x, router, experts, shared_expert, *, top_k, residual=None, device="emu
     out, ids, weights, stats = _core().ops.moe(
         raw(x).reshape(T, H), mats, res, top_k=top_k, group_size=layouts["experts['gate_proj']"][1],
         router_bits=rb, router_group_size=rgs, router_scale_dtype=_SCALE_DTYPES[r[1].dtype],
-        x_dtype="bfloat16" if xb else "float32", device=device, order=order, seed=seed, fp_traps=fp_traps)
+        x_dtype="bfloat16" if xb else "float32", device=device, order=order, seed=seed, fp_traps=fp_traps,
+        bits=gu_bits.pop(), down_bits=dn_bits.pop())
     if xb:
         out = out.view(BFLOAT16)
     return out.reshape(x.shape), ids.reshape(*lead, top_k), weights.reshape(*lead, top_k + 1), stats

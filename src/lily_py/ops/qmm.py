@@ -22,8 +22,9 @@ def quantized_matmul(x: np.ndarray, w: np.ndarray, scales: np.ndarray, biases: n
 
     ``x``: ``[..., K]`` float32 or bfloat16. ``w``: uint32 ``[N, K * bits / 32]`` (MLX affine
     layout, ``32 // bits`` codes per word, least significant first). ``scales``, ``biases``:
-    ``[N, K / group_size]``, float32 or bfloat16 (the same dtype). ``bits`` is 4 or 8,
-    ``group_size`` 32, 64 or 128. Returns ``[..., N]`` in the dtype of ``x``; accumulation is fp32.
+    ``[N, K / group_size]``, float32 or bfloat16 (the same dtype). ``bits`` is 2, 3, 4, 5, 6 or 8
+    (2, 3, 5, 6: bfloat16 scales and the ``qmv1`` / ``qmv`` / ``qmm`` routes only; 3-, 5- and 6-bit
+    codes straddle words as in MLX), ``group_size`` 32, 64 or 128. Returns ``[..., N]`` in the dtype of ``x``; accumulation is fp32.
     Rows ``M <= 8`` take the matrix-vector route (``qmv``), larger ``M`` the tiled one (``qmm``;
     ``qmm_bf16`` for ``M >= 33`` with bfloat16 ``x``: the dequantized weights rounded to bf16,
     fp32 accumulation; ``qmm_m5`` (4- or 8-bit weights) where the device reports Metal 4 tensor ops:

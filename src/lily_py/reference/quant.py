@@ -76,8 +76,8 @@ def quantize(x: np.ndarray, *, bits: int = 4, group_size: int = 64,
     the codes computed against the rounded values, so ``dequantize`` reproduces the grid exactly.
     Used to build test inputs and the demo checkpoint; exact agreement with mlx is not required.
     """
-    if 32 % bits:
-        raise ValueError(f"quantize supports bits dividing 32, got {bits}")
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"unsupported bits={bits}; expected one of {SUPPORTED_BITS}")
     x = np.asarray(x, dtype=np.float32)
     *lead, n, k = x.shape
     if k % group_size:
@@ -92,9 +92,21 @@ def quantize(x: np.ndarray, *, bits: int = 4, group_size: int = 64,
     b32 = bias.astype(np.float32)
     safe = np.where(s32 == 0, 1.0, s32)
     q = np.clip(np.rint((g - b32[..., None]) / safe[..., None]), 0, levels).astype(np.uint32)
-    q = q.reshape(*lead, n, k)
-    per = 32 // bits
-    q = q.reshape(*lead, n, k // per, per)
-    shifts = (np.arange(per, dtype=np.uint32) * bits)
-    packed = np.bitwise_or.reduce(q << shifts, axis=-1).astype(np.uint32)
-    return packed, scale, bias
+    return pack(q.reshape(*lead, n, k), bits), scale, bias
+
+
+def pack(q: np.ndarray, bits: int) -> np.ndarray:
+    """Integer codes ``[..., K]`` into uint32 words ``[..., K * bits / 32]``, MLX's layout (the
+    inverse of :func:`unpack`): code i occupies bits [i * bits, (i + 1) * bits) of the row read as a
+    little-endian bit stream, so 3-, 5- and 6-bit codes straddle words."""
+    q = np.asarray(q, dtype=np.uint32)
+    k = q.shape[-1]
+    if k * bits % 32:
+        raise ValueError(f"{k} codes of {bits} bits are not a whole number of 32-bit words")
+    if 32 % bits == 0:
+        per = 32 // bits
+        shifts = np.arange(per, dtype=np.uint32) * bits
+        return np.bitwise_or.reduce(q.reshape(*q.shape[:-1], k // per, per) << shifts, axis=-1).astype(np.uint32)
+    stream = ((q[..., None] >> np.arange(bits, dtype=np.uint32)) & 1).astype(np.uint8)
+    as_bytes = np.packbits(stream.reshape(*q.shape[:-1], k * bits), axis=-1, bitorder="little")
+    return np.ascontiguousarray(as_bytes).view(np.uint32)

@@ -1,0 +1,134 @@
+"""Every MLX affine width (2, 3, 4, 5, 6, 8 bits) on the kernels that read quantized weights:
+the dense matvecs and fp32 tiles (qmv1, qmv, qmm), the embedding, and the MoE expert kernels
+(matvec, fp32 tiles, few-row), on the emulator.
+
+3-, 5- and 6-bit codes straddle 32-bit words (common/quant.h unpack_row and the generic
+Qmv1Codes). Two oracles: lily_py.reference (float64 on the same codes; tolerances as
+test_quantized_matmul.py and test_moe.py derive them) and MLX itself (tests/fixtures/mlx_widths,
+written by mx.quantize / mx.dequantize / mx.quantized_matmul: make_mlx_widths.py), which pins the
+packing to MLX's rather than to our own quantizer's.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from kernel_checks import F32_EPS, assert_close, rng  # noqa: F401  (fixtures)
+from lily_py import ops
+from lily_py.reference import kernels as ref_kernels
+from lily_py.reference import quant
+from test_moe import check as moe_check
+from test_moe import make_block
+from test_quantized_matmul import BF16, check, make_case
+
+WIDTHS = (2, 3, 5, 6)  # the generic widths; 4 and 8 keep their own tests
+FIXTURE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "mlx_widths", "mlx_widths.npz")
+
+
+@pytest.mark.parametrize("bits", WIDTHS)
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("m", [1, 3, 37], ids=["qmv1", "qmv", "qmm"])
+@pytest.mark.parametrize("x_dtype", [np.float32, BF16], ids=["xf32", "xbf16"])
+def test_quantized_matmul_every_route(rng, bits, group_size, m, x_dtype):
+    """Odd N (45 rows: a partial last group of rows), K = 640 (5 x 128, not a power of two)."""
+    x, w, s, b = make_case(rng, m, 45, 640, bits=bits, group_size=group_size, x_dtype=x_dtype, scale_dtype=BF16)
+    _, stats = check(rng, x, w, s, b, bits=bits, group_size=group_size)
+    route = {1: "qmv1", 3: "qmv", 37: "qmm"}[m]
+    name = f"{route}_b{bits}_{'xbf16' if x_dtype == BF16 else 'xf32'}_sbf16"
+    # 45 rows: qmv1 takes one row per threadgroup (qmv1_rows: too few simdgroups at 4)
+    assert stats["kernels"] == [name + ("_r1" if m == 1 else "")]
+
+
+@pytest.mark.parametrize("bits", WIDTHS)
+def test_lm_head_fp32_logits_and_one_row_kernels(rng, bits):
+    """bf16 x with float32 y (lm_head), and N small enough that qmv1 takes one row per threadgroup."""
+    x, w, s, b = make_case(rng, 1, 45, 384, bits=bits, group_size=64, x_dtype=BF16, scale_dtype=BF16)
+    _, stats = check(rng, x, w, s, b, bits=bits, group_size=64, y_f32=True)
+    assert stats["kernels"] == [f"qmv1_b{bits}_xbf16_sbf16_yf32_r1"]
+
+
+@pytest.mark.parametrize("bits", WIDTHS)
+def test_tensor_op_and_bf16_tile_devices_take_the_fp32_tiles(rng, bits):
+    """The bf16 and tensor-op tiles are 4/8-bit: other widths take qmm on every device."""
+    from lily_py.testing import simulated_device
+    x, w, s, b = make_case(rng, 40, 45, 384, bits=bits, group_size=64, x_dtype=BF16, scale_dtype=BF16)
+    with simulated_device(tensor_ops=True):
+        _, stats = check(rng, x, w, s, b, bits=bits, group_size=64)
+    assert stats["kernels"] == [f"qmm_b{bits}_xbf16_sbf16"]
+    assert ops.quantized_matmul_route(40, bits=bits, tensor_ops=True) == "qmm"
+
+
+@pytest.mark.parametrize("bits", WIDTHS)
+def test_float32_scales_are_refused_by_name(rng, bits):
+    x, w, s, b = make_case(rng, 1, 8, 128, bits=bits, group_size=64, x_dtype=np.float32, scale_dtype=np.float32)
+    with pytest.raises(ValueError, match=rf"{bits}-bit weights take bfloat16 scales"):
+        ops.quantized_matmul(x, w, s, b, bits=bits, group_size=64)
+
+
+@pytest.mark.parametrize("bits", (2, 3, 4, 5, 6, 8))
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_mlx_packing_and_matmul(bits, group_size):
+    """MLX's own quantization (fixture): our unpack gives MLX's codes exactly, our dequantization its
+    values, and the kernels its quantized_matmul within the fp32 bound on the same operands."""
+    f = np.load(FIXTURE)
+    k = f"b{bits}_g{group_size}_"
+    w, deq = f[k + "w"], f[k + "deq"].astype(np.float64)
+    s = f[k + "scales"].view(BF16)
+    b = f[k + "biases"].view(BF16)
+    s64 = np.repeat(s.astype(np.float64), group_size, axis=1)
+    b64 = np.repeat(b.astype(np.float64), group_size, axis=1)
+    codes = quant.unpack(w, bits).astype(np.float64)
+    mlx_codes = np.rint((deq - b64) / np.where(s64 == 0, 1, s64))
+    np.testing.assert_array_equal(codes, mlx_codes, err_msg=f"{bits}-bit group {group_size}: codes differ from MLX's")
+    ours = quant.dequantize(w, s, b, bits=bits, group_size=group_size).astype(np.float64)
+    assert_close(ours, deq, atol=2 * F32_EPS * (np.abs(s64 * codes) + np.abs(b64)), rtol=0,
+                 what=f"dequantize {bits}-bit group {group_size} vs mx.dequantize")
+    x, y_mlx = f[k + "x"], f[k + "y"].astype(np.float64)
+    for m in (1, 3):  # qmv1, qmv (the fixture's 3 rows; qmm is covered above on the same unpack)
+        y = ops.quantized_matmul(x[:m], w, s, b, bits=bits, group_size=group_size)
+        mag = ref_kernels.quantized_matmul_error_scale(x[:m], w, s, b, bits=bits, group_size=group_size)
+        assert_close(y, y_mlx[:m], atol=16 * np.sqrt(x.shape[1]) * F32_EPS * mag, rtol=0,
+                     what=f"quantized_matmul {bits}-bit group {group_size} M={m} vs mx.quantized_matmul")
+
+
+@pytest.mark.parametrize("bits", WIDTHS)
+@pytest.mark.parametrize("x_dtype", [np.float32, BF16], ids=["xf32", "xbf16"])
+def test_embedding(rng, bits, x_dtype):
+    V, D, gs = 37, 384, 64
+    table = rng.standard_normal((V, D)).astype(np.float32) * 0.1
+    w, s, b = quant.quantize(table, bits=bits, group_size=gs, scale_dtype=BF16)
+    ids = np.array([0, 36, 5, 5, 17], np.uint32)
+    out = ops.embedding(ids, w, s, b, bits=bits, group_size=gs, dtype=x_dtype)
+    want = quant.dequantize(w, s, b, bits=bits, group_size=gs)[ids]
+    assert_close(out, want, atol=2 * F32_EPS * np.abs(want), rtol=(2.0 ** -8 if x_dtype == BF16 else 0.0),
+                 what=f"embedding {bits}-bit")
+
+
+@pytest.mark.parametrize("bits,down_bits", [(2, 2), (3, 3), (5, 5), (6, 6), (8, 8), (3, 4), (4, 6)])
+@pytest.mark.parametrize("T", [1, 3, 40], ids=["mv1", "mv3", "tiled"])
+def test_moe_expert_widths(rng, bits, down_bits, T):
+    """Every expert width on the decode matvecs (T <= the mv limit) and the tiled route (fp32 tiles
+    and few-row kernels), with gate/up and down at different widths (mixed-bit checkpoints)."""
+    W, x_of = make_block(rng, E=7, H=128, I=64, Is=96, gs=32, bits=bits, down_bits=down_bits)
+    _, _, stats = moe_check(rng, W, x_of(T, 2), 2)
+    x = "xf32"
+    if T <= 3:
+        assert stats["route"] == "mv" and stats["kernels"][1:] == [f"moe_gate_up_mv_b{bits}_{x}_sbf16",
+                                                                   f"moe_down_mv_b{down_bits}_{x}_sbf16"]
+    else:
+        assert stats["route"] == "tiled" and stats["kernels"][3:9] == [
+            f"moe_gate_up_mm64_b{bits}_{x}_sbf16", f"moe_gate_up_mm32_b{bits}_{x}_sbf16",
+            f"moe_gate_up_few_b{bits}_{x}_sbf16", f"moe_down_mm64_b{down_bits}_sbf16",
+            f"moe_down_mm32_b{down_bits}_sbf16", f"moe_down_few_b{down_bits}_sbf16"]
+
+
+@pytest.mark.parametrize("bits", (3, 6))
+def test_moe_widths_on_a_tensor_op_device_take_the_fp32_tiles(rng, bits):
+    """The M5 MoE tiles are 4-bit: other widths take the M1-M4 plan and fp32 tiles there too."""
+    from lily_py.testing import simulated_device
+    W, x_of = make_block(rng, E=7, H=128, I=64, Is=96, gs=32, bits=bits)
+    with simulated_device(tensor_ops=True):
+        _, _, stats = moe_check(rng, W, x_of(40, 2), 2)
+    assert stats["kernels"][3] == f"moe_gate_up_mm64_b{bits}_xf32_sbf16"
