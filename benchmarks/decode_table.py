@@ -31,7 +31,7 @@ from collections import OrderedDict
 from lily_py import _core
 from lily_py.backends.engine import REAL_QUANT, checkpoint_activations, decode_floor_bytes, engine_spec
 from lily_py.config import ModelConfig
-from lily_py.sizes import decode_weight_bytes, recipes, uniform, weight_bytes
+from lily_py.sizes import decode_weight_bytes, engine_quant, recipes, weight_bytes
 from lily_py.testing import REAL_TEXT_CONFIG
 
 GPUS = {"M5 Max (40 cores, 614 GB/s)": (40, 614e9), "M5 (10 cores, 153 GB/s)": (10, 153e9)}
@@ -161,16 +161,18 @@ def roles(dispatches: list[dict], cfg: ModelConfig) -> list[str]:
     return out
 
 
-def step(cfg: ModelConfig, position: int, sample: dict | None):
-    spec = engine_spec(cfg, REAL_QUANT, context_length=position + 1, prefill_chunk=1,
-                       activations=checkpoint_activations(REAL_QUANT))  # bf16, as load() runs it
+def step(cfg: ModelConfig, position: int, sample: dict | None, quant: dict | None = None):
+    """One decode step on the counting device; ``quant``: another width (lily_py.sizes.engine_quant)."""
+    q = quant or REAL_QUANT
+    spec = engine_spec(cfg, q, context_length=position + 1, prefill_chunk=1,
+                       activations=checkpoint_activations(q))  # bf16, as load() runs it
     eng = _core.Engine(spec, "count")
     st = eng.count(1, position, False, None if sample is None else dict(sample, valid_vocab=cfg.vocab_size), False)
     return st, eng.count_dispatches()
 
 
-def table(cfg, position, sample, markdown: bool) -> None:
-    st, ds = step(cfg, position, sample)
+def table(cfg, position, sample, markdown: bool, quant: dict | None = None) -> None:
+    st, ds = step(cfg, position, sample, quant)
     rows: OrderedDict = OrderedDict()
     for r, d in zip(roles(ds, cfg), ds):
         key = (r, d["kernel"], d["groups"], d["threads"], d["bytes_touched"])
@@ -221,28 +223,12 @@ def measured_fractions(path: str) -> tuple[dict, str]:
     return frac, f"{d.get('device')}, {d.get('date')}, {d.get('layers')} layers"
 
 
-def width_factors(cfg, recipe_name: str) -> tuple[float, float]:
-    """(factor for the dispatches of 4-bit kernels, for 8-bit kernels): the counted step is the real
-    4-bit checkpoint's (8-bit router and shared-expert gate); at another width a dispatch that reads
-    quantized weights moves those weights' bytes at the recipe's width instead. The factor is the
-    ratio of the weight bytes one decode token reads (routed experts: top-k of E) at the recipe to
-    those at 4 bits, per kernel width (router classes: the _b8 kernels; all others: _b4), from
-    lily_py.sizes. Activation bytes of those dispatches scale with it (a few KB per dispatch)."""
-    rs = recipes(cfg)
-    if recipe_name not in rs:
-        raise SystemExit(f"--bits: one of {', '.join(WIDTHS)}")
-    r, base = rs[recipe_name], uniform(4)
-    others = ["embed", "lm_head", "mixer", "experts_q"]
-    w = lambda rec, classes: sum(decode_weight_bytes(cfg, rec, c) for c in classes)  # noqa: E731
-    return w(r, others) / w(base, others), w(r, ["router"]) / w(base, ["router"])
-
-
 def estimate(cfg, positions, sample, eta: float, t_level: float, t_min: float, attn_factor: float,
              sat: float, clock: float = 1.6e9, alu_eff: float = 0.7, quiet: bool = False,
-             factors: tuple[float, float] = (1.0, 1.0), measured: str | None = None,
+             quant: dict | None = None, measured: str | None = None,
              kv_bytes: float = 1.0, ipk: int | None = None) -> list:
-    """Print (unless quiet) and return [(gpu, context, tok/s)] of the model below. ``factors``:
-    scale the bytes of 4-bit / 8-bit weight kernels' dispatches (another width, width_factors).
+    """Print (unless quiet) and return [(gpu, context, tok/s)] of the model below. ``quant``: the
+    step counted at another width (lily_py.sizes.engine_quant: its own kernels, bytes and grids).
     With `measured` (a gpu_kernels.py JSON), a kernel's eta is eta x min(1, the fraction of a
     device copy it reached there): the kernel keeps on Apple the shortfall it shows on the H200.
     ``kv_bytes`` scales the bytes of the vec attention dispatches (another KV dtype: --long) and
@@ -264,7 +250,7 @@ def estimate(cfg, positions, sample, eta: float, t_level: float, t_min: float, a
         print("|---|---|---|---|---|---|---|")
     for gpu, (cores, bw) in GPUS.items():
         for pos in positions:
-            st, ds = step(cfg, pos, sample)
+            st, ds = step(cfg, pos, sample, quant)
             by_level: dict = {}
             issue = alu_eff * cores * 4 * clock  # simd instructions per second
             n_ipk = ipk or instr_per_key(cfg.num_attention_heads // cfg.num_key_value_heads, cfg.head_dim // 32)
@@ -272,7 +258,6 @@ def estimate(cfg, positions, sample, eta: float, t_level: float, t_min: float, a
                 k = d["kernel"]
                 staged = k.startswith("attn_decode") and not k.startswith("attn_decode_vec")
                 b = d["bytes_touched"] * (attn_factor if staged else 1) / min(1.0, frac.get(k, 1.0))
-                b *= factors[0] if "_b4" in k else factors[1] if "_b8" in k else 1.0
                 b *= kv_bytes if k.startswith("attn_decode_vec") else 1.0
                 ti = cfg.num_key_value_heads * (pos + 1) * n_ipk / issue if k.startswith("attn_decode_vec") else 0.0
                 g, t = d["groups"], d["threads"]
@@ -315,15 +300,14 @@ def widths(cfg, positions, a) -> None:
         f"{g.split(' (')[0]} ctx {p + 1}" for g in GPUS for p in positions) + " |")
     print("|---|---|---|" + "---|" * (len(GPUS) * len(positions)))
     for name in WIDTHS.values():
-        f = width_factors(cfg, name)
         res = estimate(cfg, positions, None, a.eta, a.t_level_us * 1e-6, a.t_min_us * 1e-6, attn, sat,
-                       a.clock_ghz * 1e9, a.alu_eff, quiet=True, factors=f)
+                       a.clock_ghz * 1e9, a.alu_eff, quiet=True, quant=engine_quant(cfg, name))
         r = recipes(cfg)[name]
         print(f"| {name} | {weight_bytes(cfg, r) / 2**30:.2f} | {decode_weight_bytes(cfg, r) / 1e6:.0f} | "
               + " | ".join(f"{tok:.0f}" for _, _, tok in res) + " |")
-    print("\nest. tok/s: greedy decode, the estimate above with the defaults; each dispatch of a 4-bit "
-          "(8-bit) weight kernel moves its bytes x the ratio of weight bytes per token at that width to 4 "
-          "bits (width_factors): the counted grids and levels are the 4-bit kernels'.")
+    print("\nest. tok/s: greedy decode, the estimate above with the defaults, on the step counted at each "
+          "width (lily_py.sizes.engine_quant: that width's kernels, grids and bytes; router and shared-expert "
+          "gate 8-bit).")
 
 
 # Published decode on an M5 Max, tok/s (the issue 26 text; Lily: perplexityai/pplx-garden's lily docs,
@@ -422,7 +406,7 @@ def main() -> None:
                     help="only the greedy estimate with one assumption changed per line")
     ap.add_argument("--bits", choices=list(WIDTHS), default=None,
                     help="estimate at this weight width (mixed_3_4: mlx-lm's recipe) instead of the real 4-bit "
-                         "checkpoint's: each weight kernel's bytes scaled (width_factors)")
+                         "checkpoint's: the step counted with that width's kernels (lily_py.sizes.engine_quant)")
     ap.add_argument("--widths", action="store_true",
                     help="only the greedy estimate at every width (2, 3, mixed 3/4, 4, 8 bits)")
     ap.add_argument("--long", action="store_true",
@@ -438,17 +422,17 @@ def main() -> None:
     if a.widths:
         widths(cfg, a.positions, a)
         return
-    factors = width_factors(cfg, WIDTHS[a.bits]) if a.bits else (1.0, 1.0)
+    quant = engine_quant(cfg, WIDTHS[a.bits]) if a.bits else None
     if not a.no_table:
         for pos in a.positions:
-            table(cfg, pos, None, a.markdown)
-        table(cfg, a.positions[0], FULL, a.markdown)
+            table(cfg, pos, None, a.markdown, quant)
+        table(cfg, a.positions[0], FULL, a.markdown, quant)
     if a.no_estimate:
         return
     sat, attn = (0.0, 1.0) if a.ideal else (a.sat, a.attn_factor)
     for sample in (None, FULL):
         estimate(cfg, a.positions, sample, a.eta, a.t_level_us * 1e-6, a.t_min_us * 1e-6, attn, sat,
-                 a.clock_ghz * 1e9, a.alu_eff, factors=factors, measured=a.measured)
+                 a.clock_ghz * 1e9, a.alu_eff, quant=quant, measured=a.measured)
 
 
 if __name__ == "__main__":

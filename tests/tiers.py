@@ -20,6 +20,14 @@ FULL_TIER: dict[str, str] = {
         "90 greedy tokens over 5 KV blocks (9 s); quick keeps test_blocks_grow_straddle_and_match_the_reference "
         "(logits across block edges in prefill and decode) and tests/kernels/test_attention_paged.py"),
     # tests/model: whole-model runs on the emulator (most of the suite's time)
+    "tests/model/test_engine_widths.py::test_engine_greedy_equals_reference[[]*-1-*": (
+        "2/3/5/6-bit and mixed greedy after one-token prefill steps (10 runs, 90 s); quick keeps the "
+        "64-token chunks on the M1-M4 path (every width's tiles, then 32 decode steps on the matvecs)"),
+    "tests/model/test_engine_widths.py::test_engine_greedy_equals_reference[[]*-4096-*": (
+        "the same prompt as one chunk (10 runs, 45 s); quick keeps the 64-token chunks"),
+    "tests/model/test_engine_widths.py::test_engine_greedy_equals_reference[[]*-64-m5]": (
+        "the M5 path at these widths (5 runs, 20 s): the same fp32 tiles as M1-M4 (quick), "
+        "tests/kernels/test_quant_widths.py checks the routing with tensor ops"),
     "tests/model/test_engine.py::test_greedy_after_chunked_prefill[[]*": (
         "32 greedy tokens after chunks of 1 / 64 / 4096 on demo and real head dims (280 s); quick "
         "keeps test_demo_greedy_32_tokens_and_logits, test_chunked_prefill_equals_one_shot and "

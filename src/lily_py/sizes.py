@@ -109,6 +109,31 @@ def recipes(cfg: ModelConfig) -> dict[str, Recipe]:
             "4-bit": uniform(4), "8-bit": uniform(8)}
 
 
+def engine_quant(cfg: ModelConfig, recipe_name: str) -> dict:
+    """The engine's quantization (``lily_py.backends.engine.engine_spec``'s ``quant``) of a recipe of
+    :func:`recipes`, for the counting device: uniform widths keep the router and shared-expert gate
+    at 8 bits; ``mixed_3_4`` puts v_proj, the routed and shared down projections of mlx-lm's "more
+    bits" layers and lm_head at 4 bits as :func:`mixed` does (``quant_overrides``)."""
+    from .backends.engine import REAL_QUANT
+    gs = REAL_QUANT["mixer"]["group_size"]
+    if recipe_name.startswith("mixed"):
+        low, high = 3, 4
+    else:
+        low = high = int(recipe_name.split("-")[0])
+    q = {k: (dict(v) if k == "router" else dict(v, bits=low, group_size=gs)) for k, v in REAL_QUANT.items()}
+    if high != low:
+        spec = mixed(low, high, cfg.num_hidden_layers, gs)
+        hi = dict(REAL_QUANT["mixer"], bits=high, group_size=gs)
+        over = {"lm_head": hi}
+        for i in range(cfg.num_hidden_layers):
+            if spec(f"layers.{i}.mlp.experts.down_proj")[0] == high:
+                over.update({f"layers.{i}.experts.down": hi, f"layers.{i}.shared.down": hi})
+            if cfg.is_full_attention(i) and spec(f"layers.{i}.self_attn.v_proj")[0] == high:
+                over[f"layers.{i}.qkv_proj:v"] = hi
+        q["quant_overrides"] = over
+    return q
+
+
 def matrix_bytes(m: Matrix, recipe: Recipe, scale_bytes: int = 2) -> int:
     """Bytes the engine holds for ``m``: codes + scales + biases, or float32."""
     if not m.quantized:
