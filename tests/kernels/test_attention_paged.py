@@ -93,6 +93,8 @@ def test_kv_write_across_blocks(rng, position, T):
     cap = position + T + 7
     qg, k, v, qn, kn, kc, vc = qk_case(rng, T, Hq, Hkv, D, cap, np.float32, np.float32)
     table = scrambled(rng, cap, 32)
+    if table.max() < len(table):  # the draw took exactly blocks 0..nb-1 (a pool with no block outside it)
+        table[rng.integers(len(table))] = 2 * len(table)
     _, kc2, vc2, _ = A._qk_norm_rope_append(qg, k, v, qn, kn, kc, vc, position=position, rotary_dim=rd, theta=1e4,
                                             seed=rng.seed, block_tokens=32, block_table=table)
     _, kc1, vc1, _ = A._qk_norm_rope_append(qg, k, v, qn, kn, kc, vc, position=position, rotary_dim=rd, theta=1e4,
