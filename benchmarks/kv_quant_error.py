@@ -15,7 +15,8 @@ compares the logits with the fp32 reference:
 The mlx-lm row is its bf16 forward of the same checkpoint and ids (tests/fixtures/bf16_long) against
 the same fp32 rows; it exists for the fixture's lengths (1,024 and 4,096).
 
-``python benchmarks/kv_quant_error.py [--length 4096] [--formats N ...]``
+``python benchmarks/kv_quant_error.py [--length 4096] [--formats N ...]``; ``--bytes`` prints each
+format's bytes per 256-value row beside bf16's instead (no model run).
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests", "model"))
 import bf16_error as E  # noqa: E402
 import bf16_long as B  # noqa: E402
 import lily_py  # noqa: E402
-from lily_py.reference.kvquant import FORMATS  # noqa: E402
+from lily_py.reference.kvquant import FORMATS, row_bytes  # noqa: E402
 
 FIXTURE = os.path.join(HERE, "..", "tests", "fixtures", "bf16_long", "mlx.npz")
 
@@ -42,7 +43,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--length", type=int, default=4096)
     ap.add_argument("--formats", type=int, nargs="*", help="indices into FORMATS (default all)")
+    ap.add_argument("--bytes", action="store_true", help="bytes per row of each format only")
     a = ap.parse_args()
+    if a.bytes:
+        print("| KV cache | bytes per 256-value row | of bf16 |\n|---|---:|---:|\n| bf16 | 512 | 1.000 |")
+        for name in FORMATS:
+            print(f"| {name} | {row_bytes(name)} | {row_bytes(name) / 512:.3f} |")
+        return
     n, names = a.length, list(FORMATS)
     if a.formats is not None:
         names = [names[i] for i in a.formats]

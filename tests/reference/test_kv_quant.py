@@ -87,3 +87,11 @@ def test_fp8_e4m3_relative_step(scaled):
 def test_group_must_divide_the_row():
     with pytest.raises(ValueError, match="multiple of the group size 64"):
         K.int8_affine(np.ones((2, 96), np.float32), 64)
+
+
+def test_row_bytes_counts_codes_and_scales():
+    assert K.row_bytes("int8, fp32 scale per row (256)") == 256 + 4
+    assert K.row_bytes("int8, fp16 scale per 32 (q8_0-like)") == 256 + 8 * 2
+    assert K.row_bytes("8-bit affine per 64, bf16 scale+bias (mlx-lm kv_bits=8)") == 256 + 4 * (2 + 2)
+    assert K.row_bytes("int8, fp32 scale per row (256)", 128) == 132
+    assert all(256 <= K.row_bytes(n) <= 272 for n in K.FORMATS)

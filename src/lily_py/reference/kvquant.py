@@ -70,3 +70,13 @@ FORMATS = {
     "fp8 e4m3, fp32 scale per row": fp8_row,
     "fp8 e4m3, no scale": lambda x: fp8_row(x, scaled=False),
 }
+
+
+def row_bytes(name: str, d: int = 256) -> int:
+    """Bytes one stored row of ``d`` values takes in format ``name`` (codes + scales + biases)."""
+    per = {"int8, fp32 scale per row (256)": d + 4, "int8, bf16 scale per row (256)": d + 2,
+           "int8, fp16 scale per 32 (q8_0-like)": d + 2 * (d // 32),
+           "int8, fp16 scale per 64": d + 2 * (d // 64),
+           "8-bit affine per 64, bf16 scale+bias (mlx-lm kv_bits=8)": d + 4 * (d // 64),
+           "fp8 e4m3, fp32 scale per row": d + 4, "fp8 e4m3, no scale": d}
+    return per[name]
