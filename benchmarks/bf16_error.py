@@ -63,10 +63,12 @@ def attend_p_bf16(q, k, v):
     return out
 
 
-def forward(model, ids, R, *, deltanet="chunked"):
-    """All logits of ``ids`` from position 0 with the rounding points ``R``."""
+def forward(model, ids, R, *, deltanet="chunked", kvq=None):
+    """All logits of ``ids`` from position 0 with the rounding points ``R``; ``kvq`` (a
+    reference/kvquant.py format) replaces the K and V cache rows' rounding when given."""
     c, w = model.cfg, model.w
     r = (lambda key, x: bf(x) if key in R else x)
+    rkv = (lambda x: kvq(x)) if kvq is not None else (lambda x: r("kv", x))
     st, T = model.new_state(), len(ids)
     x = r("resid", w.embed.take(ids))
     for i, lw in enumerate(w.layers):
@@ -76,10 +78,10 @@ def forward(model, ids, R, *, deltanet="chunked"):
             qg = r("proj", a.q_proj.matmul(hn)).reshape(T, c.num_attention_heads, 2 * D)
             q, gate = qg[..., :D], qg[..., D:].reshape(T, -1)
             k = r("proj", a.k_proj.matmul(hn)).reshape(T, c.num_key_value_heads, D)
-            v = r("kv", r("proj", a.v_proj.matmul(hn)).reshape(T, c.num_key_value_heads, D))
+            v = rkv(r("proj", a.v_proj.matmul(hn)).reshape(T, c.num_key_value_heads, D))
             cos, sin = rope_cos_sin(np.arange(T), c.rotary_dim, c.rope_theta)
             q = r("kv", apply_partial_rope(rms_norm(q, a.q_norm, c.rms_norm_eps), cos, sin))
-            k = r("kv", apply_partial_rope(rms_norm(k, a.k_norm, c.rms_norm_eps), cos, sin))
+            k = rkv(apply_partial_rope(rms_norm(k, a.k_norm, c.rms_norm_eps), cos, sin))
             o = attend_p_bf16(q, k, v) if "P" in R else RA.attend(q, k, v, 0)
             mix = r("proj", a.o_proj.matmul(r("attn_out", o.reshape(T, -1) * sigmoid(gate))))
         else:
