@@ -132,3 +132,70 @@ def test_moe_widths_on_a_tensor_op_device_take_the_fp32_tiles(rng, bits):
     with simulated_device(tensor_ops=True):
         _, _, stats = moe_check(rng, W, x_of(40, 2), 2)
     assert stats["kernels"][3] == f"moe_gate_up_mm64_b{bits}_xf32_sbf16"
+
+
+# ------------------------------------------------------------------------------ more qmv1 / fp32 y
+# (cross-checks written independently of the kernels above, feat/bits2)
+def _qmv1_splits(n, k, bits):
+    # blocks of 32 lanes x V codes: V = 128 / bits at 4 and 8 bits, 32 at 2, 3, 5 and 6
+    v = 128 // bits if bits in (4, 8) else 32
+    return 1 if -(-n // 4) >= 8 * 1280 else min(4, -(-k // (32 * v)))
+
+
+def test_qmv1_split_rule_at_every_width():
+    import lily_py._core as core
+    for bits in (2, 3, 4, 5, 6, 8):
+        for n in (1, 45, 1277, 1707, 2557, 40961):
+            for k in (128, 384, 1088, 2048, 2432):
+                splits = _qmv1_splits(n, k, bits)
+                assert core.ops.qmv1_splits(n, k, bits) == splits, (n, k, bits)
+                assert core.ops.qmv1_rows(n, k, bits) == (4 if -(-n // 4) * splits >= 1280 else 1), (n, k, bits)
+
+
+@pytest.mark.parametrize("bits", WIDTHS)
+def test_qmv1_four_rows_and_three_splits(rng, bits):
+    """The 4-row qmv1 kernels (N past the 1-row switch: ceil(1707 / 4) x 3 splits = 1281 >= 1280
+    simdgroups); K = 2432: 3 splits of 1024-code blocks, the last one partial."""
+    n, k = 1707, 2432
+    x, w, s, b = make_case(rng, 1, n, k, bits=bits, group_size=128, x_dtype=BF16, scale_dtype=BF16)
+    _, stats = check(rng, x, w, s, b, bits=bits, group_size=128)
+    assert stats["kernels"] == [f"qmv1_b{bits}_xbf16_sbf16"]
+    assert stats["threads"] == -(-n // 4) * 32 * 3
+
+
+@pytest.mark.parametrize("bits", WIDTHS)
+@pytest.mark.parametrize("m", [3, 37], ids=["qmv", "qmm"])
+def test_fp32_y_on_the_qmv_and_qmm_routes(rng, bits, m):
+    x, w, s, b = make_case(rng, m, 37, 384, bits=bits, group_size=32, x_dtype=BF16, scale_dtype=BF16)
+    _, stats = check(rng, x, w, s, b, bits=bits, group_size=32, y_f32=True)
+    assert stats["kernels"] == [f"{'qmv' if m == 3 else 'qmm'}_b{bits}_xbf16_sbf16_yf32"]
+
+
+@pytest.mark.parametrize("bits", WIDTHS)
+def test_fused_norm(rng, bits):
+    """quantized_matmul_norm (residual, side outputs) on the same qmv1 kernels; the bound of
+    test_quantized_matmul.py's test_qmv1_fused_norm."""
+    n, k, gs = 13, 640, 64
+    x, w, s, b = make_case(rng, 1, n, k, bits=bits, group_size=gs, x_dtype=BF16, scale_dtype=BF16)
+    nw = (1.0 + 0.3 * rng.standard_normal(k)).astype(np.float32)
+    res = rng.standard_normal(k).astype(np.float32).astype(BF16)
+    y, h, _, stats = ops._quantized_matmul_norm(x[0], w, s, b, nw, bits=bits, group_size=gs, eps=1e-6,
+                                                residual=res, side=True, seed=rng.seed)
+    h_ref = ref_kernels.residual_add(x[0], res)
+    xn_ref = ref_kernels.rms_norm(h_ref[None], nw, eps=1e-6)
+    y_ref = ref_kernels.quantized_matmul(xn_ref, w, s, b, bits=bits, group_size=gs)[0]
+    mag = ref_kernels.quantized_matmul_error_scale(xn_ref, w, s, b, bits=bits, group_size=gs)[0]
+    norm_err = (4 * np.sqrt(k) + 8) * F32_EPS
+    assert_close(y, y_ref, atol=(8 * np.sqrt(k) * F32_EPS + norm_err) * mag, rtol=2.0 ** -8,
+                 what=f"qmv1 fused norm {stats['kernels']}", seed=rng.seed)
+    np.testing.assert_array_equal(h, h_ref)
+    assert stats["kernels"] == [f"qmv1_b{bits}_xbf16_sbf16_r1"]
+
+
+def test_pack_puts_a_straddling_code_in_both_words(rng):
+    for bits in (2, 3, 4, 5, 6, 8):
+        q = rng.integers(0, 1 << bits, size=(5, 96)).astype(np.uint8)
+        np.testing.assert_array_equal(quant.unpack(quant.pack(q, bits), bits), q)
+    q = np.zeros((1, 32), np.uint8)
+    q[0, 10] = 0b111  # 3 bits: code 10 = bits 30, 31 of word 0 and bit 0 of word 1
+    np.testing.assert_array_equal(quant.pack(q, 3)[0], [0b11 << 30, 0b1, 0])
