@@ -16,3 +16,10 @@ def require_engine() -> None:
         why = core.registry.check_usable(ENGINE)
         if why:
             pytest.skip(f"LILY_TEST_ENGINE={ENGINE}: {why}", allow_module_level=True)
+
+
+def require_emulator(what: str) -> None:
+    """Skip a test whose subject only the emulator has (simulated tensor ops, zero-copy weights),
+    with the reason, when LILY_TEST_ENGINE names another backend."""
+    if ENGINE != "emu":
+        pytest.skip(f"{what} is an emulator feature; LILY_TEST_ENGINE={ENGINE} (docs/gpu.md)")

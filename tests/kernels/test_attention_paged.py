@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import lily_py._core as core
-from kernel_checks import BF16_EPS, assert_close, rng  # noqa: F401  (fixture)
+from kernel_checks import BF16_EPS, DEVICES, assert_close, rng  # noqa: F401  (fixture)
 from lily_py import ops
 from lily_py.ops import attention as A
 from lily_py.reference import kernels as ref
@@ -32,11 +32,12 @@ def test_min_block_matches_extension():
 @pytest.mark.parametrize("B", [32, 64])
 @pytest.mark.parametrize("D,Hq,Hkv", [(64, 6, 2), (40, 4, 1)], ids=["vec", "split"])
 @pytest.mark.parametrize("length", [31, 32, 33, 97, 129, 300, 5300])
-def test_decode_across_blocks(rng, B, D, Hq, Hkv, length):
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_across_blocks(rng, B, D, Hq, Hkv, length, device):
     q, kc, vc, g = attn_case(rng, 1, Hq, Hkv, D, length + 3, np.float32)
     table = scrambled(rng, length + 3, B)
     out, stats = A._attention_decode(q[0], kc, vc, length=length, gate=g[0], seed=rng.seed, block_tokens=B,
-                                     block_table=table)
+                                     block_table=table, device=device)
     route = ops.attention_decode_route(length, D, B)
     if route["route"] == "vec":
         assert stats["threads"] == Hkv * route["splits"] * 256 + Hq * (D // 32) * 256
@@ -64,18 +65,28 @@ def prefill(rng, q, kc, vc, g, position, tensor_ops, **kw):
 # Prefill: a chunk at an odd position straddling two block edges; the result is bit-identical to
 # the same chunk over one identity-mapped block (the table changes addresses, never the math), and
 # within the reference's bound.
-@pytest.mark.parametrize("route,dtype,D,tensor_ops", PREFILL, ids=[p[0] for p in PREFILL])
+def _on_devices(cases):
+    """`cases` on every device of DEVICES; the tensor-op route only on the emulator (it simulates them)."""
+    out = []
+    for d in DEVICES:
+        name, marks = (d, ()) if isinstance(d, str) else (d.values[0], d.marks)
+        out += [pytest.param(*c, name, marks=marks, id=f"{c[0]}-{name}") for c in cases if name == "emu" or not c[3]]
+    return out
+
+
+@pytest.mark.parametrize("route,dtype,D,tensor_ops,device", _on_devices(PREFILL))
 @pytest.mark.parametrize("position,T", [(45, 50), (0, 33), (63, 2)])
-def test_prefill_across_blocks(rng, route, dtype, D, tensor_ops, position, T):
+def test_prefill_across_blocks(rng, route, dtype, D, tensor_ops, device, position, T):
     Hq, Hkv = 4, 2
     cap = position + T + 1
     q, kc, vc, g = attn_case(rng, T, Hq, Hkv, D, cap, dtype)
     table = scrambled(rng, cap, 32)
-    out, stats = prefill(rng, q, kc, vc, g, position, tensor_ops, block_tokens=32, block_table=table)
+    out, stats = prefill(rng, q, kc, vc, g, position, tensor_ops, block_tokens=32, block_table=table, device=device)
     assert list(stats["kernels"])[0].startswith(
         {"mma": "attn_prefill_mma", "simd": f"attn_prefill_{sfx(dtype)}", "tiles": "attn_prefill_tiles",
          "m5": "attn_prefill_m5"}[route])
-    whole, _ = prefill(rng, q, kc, vc, g, position, tensor_ops, block_tokens=128, block_table=np.zeros(1, np.uint32))
+    whole, _ = prefill(rng, q, kc, vc, g, position, tensor_ops, block_tokens=128, block_table=np.zeros(1, np.uint32),
+                       device=device)
     np.testing.assert_array_equal(out.view(np.uint8), whole.view(np.uint8))
     if route == "simd" or route == "mma":
         check_attention(rng, out, q, kc, vc, g, position, f"paged prefill {route}")
@@ -88,7 +99,8 @@ def test_prefill_across_blocks(rng, route, dtype, D, tensor_ops, position, T):
 # in the mapped blocks (read back through the table), other rows keep their values, and the pool
 # blocks outside the table stay untouched (NaN).
 @pytest.mark.parametrize("position,T", [(29, 40), (31, 1), (32, 1), (0, 65)])
-def test_kv_write_across_blocks(rng, position, T):
+@pytest.mark.parametrize("device", DEVICES)
+def test_kv_write_across_blocks(rng, position, T, device):
     Hq, Hkv, D, rd = 4, 2, 64, 16
     cap = position + T + 7
     qg, k, v, qn, kn, kc, vc = qk_case(rng, T, Hq, Hkv, D, cap, np.float32, np.float32)
@@ -96,9 +108,9 @@ def test_kv_write_across_blocks(rng, position, T):
     if table.max() < len(table):  # the draw took exactly blocks 0..nb-1 (a pool with no block outside it)
         table[rng.integers(len(table))] = 2 * len(table)
     _, kc2, vc2, _ = A._qk_norm_rope_append(qg, k, v, qn, kn, kc, vc, position=position, rotary_dim=rd, theta=1e4,
-                                            seed=rng.seed, block_tokens=32, block_table=table)
+                                            seed=rng.seed, block_tokens=32, block_table=table, device=device)
     _, kc1, vc1, _ = A._qk_norm_rope_append(qg, k, v, qn, kn, kc, vc, position=position, rotary_dim=rd, theta=1e4,
-                                            seed=rng.seed, block_tokens=512, block_table=np.zeros(1, np.uint32))
+                                            seed=rng.seed, block_tokens=512, block_table=np.zeros(1, np.uint32), device=device)
     np.testing.assert_array_equal(kc2.view(np.uint16), kc1.view(np.uint16))
     np.testing.assert_array_equal(vc2.view(np.uint16), vc1.view(np.uint16))
     rows = slice(position, position + T)

@@ -15,7 +15,7 @@ import os
 import numpy as np
 import pytest
 
-from kernel_checks import F32_EPS, assert_close, rng  # noqa: F401  (fixtures)
+from kernel_checks import DEVICES, F32_EPS, assert_close, rng  # noqa: F401  (fixtures)
 from lily_py import ops
 from lily_py.reference import kernels as ref_kernels
 from lily_py.reference import quant
@@ -31,10 +31,11 @@ FIXTURE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "mlx_widths"
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 @pytest.mark.parametrize("m", [1, 3, 37], ids=["qmv1", "qmv", "qmm"])
 @pytest.mark.parametrize("x_dtype", [np.float32, BF16], ids=["xf32", "xbf16"])
-def test_quantized_matmul_every_route(rng, bits, group_size, m, x_dtype):
+@pytest.mark.parametrize("device", DEVICES)
+def test_quantized_matmul_every_route(rng, bits, group_size, m, x_dtype, device):
     """Odd N (45 rows: a partial last group of rows), K = 640 (5 x 128, not a power of two)."""
     x, w, s, b = make_case(rng, m, 45, 640, bits=bits, group_size=group_size, x_dtype=x_dtype, scale_dtype=BF16)
-    _, stats = check(rng, x, w, s, b, bits=bits, group_size=group_size)
+    _, stats = check(rng, x, w, s, b, bits=bits, group_size=group_size, device=device)
     route = {1: "qmv1", 3: "qmv", 37: "qmm"}[m]
     name = f"{route}_b{bits}_{'xbf16' if x_dtype == BF16 else 'xf32'}_sbf16"
     # 45 rows: qmv1 takes one row per threadgroup (qmv1_rows: too few simdgroups at 4)
@@ -42,10 +43,11 @@ def test_quantized_matmul_every_route(rng, bits, group_size, m, x_dtype):
 
 
 @pytest.mark.parametrize("bits", WIDTHS)
-def test_lm_head_fp32_logits_and_one_row_kernels(rng, bits):
+@pytest.mark.parametrize("device", DEVICES)
+def test_lm_head_fp32_logits_and_one_row_kernels(rng, bits, device):
     """bf16 x with float32 y (lm_head), and N small enough that qmv1 takes one row per threadgroup."""
     x, w, s, b = make_case(rng, 1, 45, 384, bits=bits, group_size=64, x_dtype=BF16, scale_dtype=BF16)
-    _, stats = check(rng, x, w, s, b, bits=bits, group_size=64, y_f32=True)
+    _, stats = check(rng, x, w, s, b, bits=bits, group_size=64, y_f32=True, device=device)
     assert stats["kernels"] == [f"qmv1_b{bits}_xbf16_sbf16_yf32_r1"]
 
 
@@ -95,12 +97,13 @@ def test_mlx_packing_and_matmul(bits, group_size):
 
 @pytest.mark.parametrize("bits", WIDTHS)
 @pytest.mark.parametrize("x_dtype", [np.float32, BF16], ids=["xf32", "xbf16"])
-def test_embedding(rng, bits, x_dtype):
+@pytest.mark.parametrize("device", DEVICES)
+def test_embedding(rng, bits, x_dtype, device):
     V, D, gs = 37, 384, 64
     table = rng.standard_normal((V, D)).astype(np.float32) * 0.1
     w, s, b = quant.quantize(table, bits=bits, group_size=gs, scale_dtype=BF16)
     ids = np.array([0, 36, 5, 5, 17], np.uint32)
-    out = ops.embedding(ids, w, s, b, bits=bits, group_size=gs, dtype=x_dtype)
+    out = ops.embedding(ids, w, s, b, bits=bits, group_size=gs, dtype=x_dtype, device=device)
     want = quant.dequantize(w, s, b, bits=bits, group_size=gs)[ids]
     assert_close(out, want, atol=2 * F32_EPS * np.abs(want), rtol=(2.0 ** -8 if x_dtype == BF16 else 0.0),
                  what=f"embedding {bits}-bit")
@@ -108,11 +111,12 @@ def test_embedding(rng, bits, x_dtype):
 
 @pytest.mark.parametrize("bits,down_bits", [(2, 2), (3, 3), (5, 5), (6, 6), (8, 8), (3, 4), (4, 6)])
 @pytest.mark.parametrize("T", [1, 3, 40], ids=["mv1", "mv3", "tiled"])
-def test_moe_expert_widths(rng, bits, down_bits, T):
+@pytest.mark.parametrize("device", DEVICES)
+def test_moe_expert_widths(rng, bits, down_bits, T, device):
     """Every expert width on the decode matvecs (T <= the mv limit) and the tiled route (fp32 tiles
     and few-row kernels), with gate/up and down at different widths (mixed-bit checkpoints)."""
     W, x_of = make_block(rng, E=7, H=128, I=64, Is=96, gs=32, bits=bits, down_bits=down_bits)
-    _, _, stats = moe_check(rng, W, x_of(T, 2), 2)
+    _, _, stats = moe_check(rng, W, x_of(T, 2), 2, device=device)
     x = "xf32"
     if T <= 3:
         assert stats["route"] == "mv" and stats["kernels"][1:] == [f"moe_gate_up_mv_b{bits}_{x}_sbf16",
@@ -153,26 +157,29 @@ def test_qmv1_split_rule_at_every_width():
 
 
 @pytest.mark.parametrize("bits", WIDTHS)
-def test_qmv1_four_rows_and_three_splits(rng, bits):
+@pytest.mark.parametrize("device", DEVICES)
+def test_qmv1_four_rows_and_three_splits(rng, bits, device):
     """The 4-row qmv1 kernels (N past the 1-row switch: ceil(1707 / 4) x 3 splits = 1281 >= 1280
     simdgroups); K = 2432: 3 splits of 1024-code blocks, the last one partial."""
     n, k = 1707, 2432
     x, w, s, b = make_case(rng, 1, n, k, bits=bits, group_size=128, x_dtype=BF16, scale_dtype=BF16)
-    _, stats = check(rng, x, w, s, b, bits=bits, group_size=128)
+    _, stats = check(rng, x, w, s, b, bits=bits, group_size=128, device=device)
     assert stats["kernels"] == [f"qmv1_b{bits}_xbf16_sbf16"]
     assert stats["threads"] == -(-n // 4) * 32 * 3
 
 
 @pytest.mark.parametrize("bits", WIDTHS)
 @pytest.mark.parametrize("m", [3, 37], ids=["qmv", "qmm"])
-def test_fp32_y_on_the_qmv_and_qmm_routes(rng, bits, m):
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp32_y_on_the_qmv_and_qmm_routes(rng, bits, m, device):
     x, w, s, b = make_case(rng, m, 37, 384, bits=bits, group_size=32, x_dtype=BF16, scale_dtype=BF16)
-    _, stats = check(rng, x, w, s, b, bits=bits, group_size=32, y_f32=True)
+    _, stats = check(rng, x, w, s, b, bits=bits, group_size=32, y_f32=True, device=device)
     assert stats["kernels"] == [f"{'qmv' if m == 3 else 'qmm'}_b{bits}_xbf16_sbf16_yf32"]
 
 
 @pytest.mark.parametrize("bits", WIDTHS)
-def test_fused_norm(rng, bits):
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_norm(rng, bits, device):
     """quantized_matmul_norm (residual, side outputs) on the same qmv1 kernels; the bound of
     test_quantized_matmul.py's test_qmv1_fused_norm."""
     n, k, gs = 13, 640, 64
@@ -180,7 +187,7 @@ def test_fused_norm(rng, bits):
     nw = (1.0 + 0.3 * rng.standard_normal(k)).astype(np.float32)
     res = rng.standard_normal(k).astype(np.float32).astype(BF16)
     y, h, _, stats = ops._quantized_matmul_norm(x[0], w, s, b, nw, bits=bits, group_size=gs, eps=1e-6,
-                                                residual=res, side=True, seed=rng.seed)
+                                                residual=res, side=True, seed=rng.seed, device=device)
     h_ref = ref_kernels.residual_add(x[0], res)
     xn_ref = ref_kernels.rms_norm(h_ref[None], nw, eps=1e-6)
     y_ref = ref_kernels.quantized_matmul(xn_ref, w, s, b, bits=bits, group_size=gs)[0]

@@ -14,7 +14,7 @@ import pytest
 import lily_py
 from lily_py.testing import TINY_TEXT_CONFIG, make_checkpoint
 
-from engine_backend import ENGINE, require_engine
+from engine_backend import ENGINE, require_emulator, require_engine
 from tolerances import assert_close
 
 require_engine()
@@ -41,6 +41,7 @@ def _load(path, chunk, tensor_ops):
     from lily_py.testing import simulated_device
     kw = dict(backend=ENGINE, context_length=128, prefill_chunk=chunk, activations="float32")
     if tensor_ops:
+        require_emulator("simulated tensor ops (the M5 path)")
         with simulated_device(tensor_ops=True):
             return lily_py.load(path, **kw)
     return lily_py.load(path, **kw)

@@ -30,7 +30,7 @@ from lily_py.errors import CheckpointError
 from lily_py.sizes import config_recipe, human, mixed, needs, weight_bytes
 from lily_py.testing import TINY_TEXT_CONFIG, make_checkpoint
 
-from engine_backend import ENGINE, require_engine
+from engine_backend import ENGINE, require_emulator, require_engine
 from tolerances import assert_close
 
 require_engine()
@@ -108,6 +108,7 @@ def test_engine_greedy_equals_reference_on_the_m5_path(expected):
     operands: <= 2^-10 relative per product, below the bf16 KV cache's 2^-9 the tolerance is
     derived for) and the MoE the m5 tiles, the down stage at its own group size."""
     from lily_py.testing import simulated_device
+    require_emulator("simulated tensor ops (the M5 path)")
     with simulated_device(tensor_ops=True):
         emu = lily_py.load(CKPT, backend=ENGINE, context_length=64, prefill_chunk=12, activations="float32")
     kernels = {p["kernel"] for p in emu._backend.engine.pipelines}
@@ -129,6 +130,7 @@ def test_long_prompt_in_chunks_on_both_matmul_paths(expected, chunk, tensor_ops)
     from lily_py.testing import simulated_device
     ids = (expected["prompt"].tolist() + expected["greedy"].tolist()) * 3
     if tensor_ops:
+        require_emulator("simulated tensor ops (the M5 path)")
         with simulated_device(tensor_ops=True):
             emu = lily_py.load(CKPT, backend=ENGINE, context_length=128, prefill_chunk=chunk,
                                activations="float32")
@@ -273,6 +275,7 @@ def test_split_weights_are_served_from_the_aligned_checkpoints_pages(tmp_path, e
     align_checkpoint(CKPT, dst)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (dst / name).write_bytes((CKPT / name).read_bytes())
+    require_emulator("weights='map' (buffers over the checkpoint's pages; cuda copies weights to device memory)")
     emu = lily_py.load(dst, backend=ENGINE, context_length=64, activations="float32", weights="map")
     placed = {d["name"]: d for d in emu._backend.engine.weight_sources()}
     split = [n for n in placed if ":" in n]
