@@ -57,7 +57,45 @@ template <typename T>
 //            squares is one simd_sum, no barrier); group_pos.x < q_heads is a query head
 //   thread:  sum of squares over features lane, lane + 32, ...; then RoPE pairs as in `rope`
 //   The gate half qg[t, h, D:2D] is left where it is: attention reads it (AttnArgs.use_gate).
-template <typename T, typename W>
+// The cache rows' writer: bf16 pools take each value as it is computed; q8 pools (KV = int8_t)
+// stage the row's values in threadgroup memory, then (barrier) quantize each row with the scale of
+// its largest magnitude (simd_max over the simdgroup) and write codes and scale.
+template <typename KV>
+struct KvWriter;
+template <>
+struct KvWriter<bfloat> {
+  device bfloat* k;
+  device bfloat* v;
+  KvRow row;
+  threadgroup float* stage;
+  void put_k(uint32_t c, float y) { k[row.at + c] = bfloat(y); }
+  void put_v(uint32_t c, float y) { v[row.at + c] = bfloat(y); }
+  void finish(uint32_t, uint32_t) {}
+};
+template <>
+struct KvWriter<int8_t> {
+  device int8_t* k;
+  device int8_t* v;
+  KvRow row;
+  threadgroup float* stage;  // [2 * head_dim]: the K row, then the V row
+  void put_k(uint32_t c, float y) { stage[c] = y; }
+  void put_v(uint32_t c, float y) { stage[kAttnMaxHeadDim + c] = y; }
+  static void quantize(device int8_t* pool, KvRow row, const threadgroup float* x, uint32_t D, uint32_t lane) {
+    float amax = 0.0f;
+    for (uint32_t c = lane; c < D; c += 32) amax = max(amax, abs(x[c]));
+    const float s = kv_q8_scale(simd_max(amax));
+    const float inv = s > 0.0f ? 1.0f / s : 0.0f;
+    for (uint32_t c = lane; c < D; c += 32) pool[row.at + c] = kv_q8_code(x[c], inv);
+    if (lane == 0) reinterpret_cast<device float*>(pool)[row.scale] = s;
+  }
+  void finish(uint32_t D, uint32_t lane) {
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    quantize(k, row, stage, D, lane);
+    quantize(v, row, stage + kAttnMaxHeadDim, D, lane);
+  }
+};
+
+template <typename T, typename W, typename KV>
 [[kernel]] void qk_norm_rope(constant QkNormRopeArgs& args [[buffer(0)]],
                              const device T* qg [[buffer(1)]],
                              const device T* k [[buffer(2)]],
@@ -66,10 +104,11 @@ template <typename T, typename W>
                              const device W* k_norm [[buffer(5)]],
                              const device float* inv_freq [[buffer(6)]],
                              device T* q_out [[buffer(7)]],
-                             device bfloat* k_cache [[buffer(8)]],
-                             device bfloat* v_cache [[buffer(9)]],
+                             device KV* k_cache [[buffer(8)]],
+                             device KV* v_cache [[buffer(9)]],
                              const device uint32_t* block_table [[buffer(10)]],
                              LILY_KERNEL_TAIL) {
+  LILY_TG_ARRAY(float, stage, [2 * kAttnMaxHeadDim]);  // q8 pools only (KvWriter<int8_t>)
   const uint32_t t = group_pos.y;
   const uint32_t D = args.head_dim;
   const bool is_q = group_pos.x < args.q_heads;  // uniform over the threadgroup
@@ -78,7 +117,8 @@ template <typename T, typename W>
   const device T* src = is_q ? qg + t * args.qg_stride + qh * 2 * D : k + t * args.k_stride + kvh * D;
   const device W* w = is_q ? q_norm : k_norm;
   device T* qo = q_out + (t * args.q_heads + qh) * D;
-  const uint32_t cache_row = kv_row_offset(block_table, args.block_shift, args.kv_heads, D, kvh, args.position + t);
+  KvWriter<KV> cache{k_cache, v_cache,
+                     KvRows<KV>::row(block_table, args.block_shift, args.kv_heads, D, kvh, args.position + t), stage};
 
   float ss = 0.0f;
   for (uint32_t c = lane; c < D; c += 32) {
@@ -101,18 +141,19 @@ template <typename T, typename W>
       qo[i] = T(ya);
       qo[i + half_rd] = T(yb);
     } else {
-      k_cache[cache_row + i] = bfloat(ya);
-      k_cache[cache_row + i + half_rd] = bfloat(yb);
+      cache.put_k(i, ya);
+      cache.put_k(i + half_rd, yb);
     }
   }
   for (uint32_t c = args.rotary_dim + lane; c < D; c += 32) {
     const float yv = float(src[c]) * scale * (float(w[c]) + args.weight_offset);
     if (is_q) qo[c] = T(yv);
-    else k_cache[cache_row + c] = bfloat(yv);
+    else cache.put_k(c, yv);
   }
-  if (!is_q) {
+  if (!is_q) {  // uniform over the threadgroup: finish's barrier is reached by every thread
     const device T* vr = v + t * args.v_stride + kvh * D;
-    for (uint32_t c = lane; c < D; c += 32) v_cache[cache_row + c] = bfloat(float(vr[c]));
+    for (uint32_t c = lane; c < D; c += 32) cache.put_v(c, float(vr[c]));
+    cache.finish(D, lane);
   }
 }
 
@@ -374,6 +415,53 @@ struct VecRow<8> {
   }
 };
 
+// int8 codes: E consecutive codes (E bytes: one 2-, 4- or 8-byte load) times the row's scale.
+inline float q8_code(uint32_t word, uint32_t byte) { return float(as_type<int32_t>(word << (24u - 8u * byte)) >> 24); }
+template <uint32_t E>
+inline void vec_row_q8(const device int8_t* p, float s, thread float* out) {
+  constexpr uint32_t W = E >= 4 ? E / 4 : 1;  // 4-byte words of codes (E = 2: one 2-byte load)
+  if (E == 2) {
+    const uint32_t u = uint32_t(*reinterpret_cast<const device ushort*>(p));
+    out[0] = q8_code(u, 0) * s;
+    out[1] = q8_code(u, 1) * s;
+    return;
+  }
+  for (uint32_t w = 0; w < W; ++w) {
+    const uint32_t u = reinterpret_cast<const device uint32_t*>(p)[w];
+    for (uint32_t b = 0; b < 4; ++b) out[4 * w + b] = q8_code(u, b) * s;
+  }
+}
+
+// The vec route's cache reader: a lane's E values of key `key` of the threadgroup's block.
+template <uint32_t E, typename KV>
+struct VecKv;
+template <uint32_t E>
+struct VecKv<E, bfloat> {
+  const device bfloat* k;
+  const device bfloat* v;
+  VecKv(const device bfloat* k_cache, const device bfloat* v_cache, KvRow r, uint32_t d0)
+      : k(k_cache + r.at + d0), v(v_cache + r.at + d0) {}
+  void load(uint32_t key, thread float* kv, thread float* vv) const {
+    VecRow<E>::bf16(k + key * (32 * E), kv);
+    VecRow<E>::bf16(v + key * (32 * E), vv);
+  }
+};
+template <uint32_t E>
+struct VecKv<E, int8_t> {
+  const device int8_t* k;
+  const device int8_t* v;
+  const device float* ks;
+  const device float* vs;
+  VecKv(const device int8_t* k_cache, const device int8_t* v_cache, KvRow r, uint32_t d0)
+      : k(k_cache + r.at + d0), v(v_cache + r.at + d0),
+        ks(reinterpret_cast<const device float*>(k_cache) + r.scale),
+        vs(reinterpret_cast<const device float*>(v_cache) + r.scale) {}
+  void load(uint32_t key, thread float* kv, thread float* vv) const {
+    vec_row_q8<E>(k + key * (32 * E), ks[key], kv);
+    vec_row_q8<E>(v + key * (32 * E), vs[key], vv);
+  }
+};
+
 // attention_vec: first pass. Threadgroup (kv head, block) covers keys
 // [block * split_keys, min((block + 1) * split_keys, position + 1)) (never empty: the host sizes
 // the blocks); simdgroup s walks keys begin + s, begin + s + 8, ... (8 simdgroups read 8 adjacent
@@ -391,11 +479,11 @@ struct VecRow<8> {
 //   registers per lane: q and o 2 x 8 x E floats, m and l 2 x 8, one K and one V slice (E each)
 //   threadgroup memory: 8 x D floats (o) + 8 x 8 x 2 floats (m, l)
 // No integer division or modulo inside the key loop.
-template <typename T, uint32_t E>
+template <typename T, uint32_t E, typename KV>
 [[kernel]] void attention_vec(constant AttnArgs& args [[buffer(0)]],
                               const device T* q [[buffer(1)]],
-                              const device bfloat* k_cache [[buffer(2)]],
-                              const device bfloat* v_cache [[buffer(3)]],
+                              const device KV* k_cache [[buffer(2)]],
+                              const device KV* v_cache [[buffer(3)]],
                               device float* partial_o [[buffer(4)]],
                               device float* partial_ml [[buffer(5)]],
                               const device uint32_t* block_table [[buffer(6)]],
@@ -427,14 +515,12 @@ template <typename T, uint32_t E>
   }
 
   // The block's keys lie in one cache block (split_keys divides the cache block): one table read.
-  const uint32_t blk = kv_row_offset(block_table, args.block_shift, args.kv_heads, D, kvh, key_begin);
-  const device bfloat* k_row = k_cache + blk + d0;
-  const device bfloat* v_row = v_cache + blk + d0;
+  const VecKv<E, KV> rows(k_cache, v_cache,
+                          KvRows<KV>::row(block_table, args.block_shift, args.kv_heads, D, kvh, key_begin), d0);
   for (uint32_t key = simd_id; key < key_end - key_begin; key += NS) {
     float kv[E];
     float vv[E];
-    VecRow<E>::bf16(k_row + key * D, kv);
-    VecRow<E>::bf16(v_row + key * D, vv);
+    rows.load(key, kv, vv);
     // Every one of the G heads, without a branch (heads past the group repeat the group's last
     // head and are never written): the G simd_sum chains are independent and interleave.
     float sc[G];
@@ -557,11 +643,11 @@ template <typename T, uint32_t E>
 //   threadgroup memory: q, k, S tiles 3 x 32 x 36 floats, V 32 x 132 floats, diagonals 32 x 8:
 //               31,744 bytes
 // Each K/V row is read from device memory once per threadgroup (q once per key block).
-template <typename T>
+template <typename T, typename KV>
 [[kernel]] void attention_prefill_mma(constant AttnArgs& args [[buffer(0)]],
                                       const device T* q [[buffer(1)]],
-                                      const device bfloat* k_cache [[buffer(2)]],
-                                      const device bfloat* v_cache [[buffer(3)]],
+                                      const device KV* k_cache [[buffer(2)]],
+                                      const device KV* v_cache [[buffer(3)]],
                                       const device T* gate [[buffer(4)]],
                                       device T* out [[buffer(5)]],
                                       const device uint32_t* block_table [[buffer(6)]],
@@ -605,14 +691,15 @@ template <typename T>
 
   for (uint32_t kb = 0; kb < key_end; kb += BK) {
     const uint32_t nkeys = min(BK, key_end - kb);
-    const uint32_t blk = kv_row_offset(block_table, args.block_shift, args.kv_heads, D, kvh, kb);  // one cache block
+    const KvRow blk = KvRows<KV>::row(block_table, args.block_shift, args.kv_heads, D, kvh, kb);  // one cache block
     MmaTile<2, 2> sacc;
     mma_zero(sacc);
     for (uint32_t dc = 0; dc < D; dc += 32) {
       const device T* qr = q + row_tok * args.q_stride + row_head * D + dc + col;
       for (uint32_t i = 0; i < 8; ++i) qs[row * LD + col + i] = row_live ? float(qr[i]) : 0.0f;
-      const device bfloat* kr = k_cache + blk + min(row, nkeys - 1) * D + dc + col;
-      for (uint32_t i = 0; i < 8; ++i) ks[row * LD + col + i] = row < nkeys ? float(kr[i]) : 0.0f;
+      const uint32_t kj = min(row, nkeys - 1);
+      for (uint32_t i = 0; i < 8; ++i)
+        ks[row * LD + col + i] = row < nkeys ? KvRows<KV>::value(k_cache, blk, kj, D, dc + col + i) : 0.0f;
       threadgroup_barrier(mem_flags::mem_threadgroup);
       for (uint32_t kk = 0; kk < 32; kk += 8) mma_step(sacc, qs + sm * LD + kk, LD, ks + sn * LD + kk, LD);
       threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -648,7 +735,7 @@ template <typename T>
       for (uint32_t e = t; e < BK * vc; e += kAttnMmaThreads) {
         const uint32_t j = e / vc;
         const uint32_t c = e % vc;
-        vs[j * LDV + c] = j < nkeys ? float(v_cache[blk + j * D + pass * vc + c]) : 0.0f;
+        vs[j * LDV + c] = j < nkeys ? KvRows<KV>::value(v_cache, blk, j, D, pass * vc + c) : 0.0f;
       }
       threadgroup_barrier(mem_flags::mem_threadgroup);
       for (uint32_t i = 0; i < 4; ++i) {
@@ -896,22 +983,32 @@ template <uint32_t D>
 
 LILY_INSTANTIATE("rope_f32", rope<float>)
 LILY_INSTANTIATE("rope_bf16", rope<bfloat>)
-LILY_INSTANTIATE("qk_norm_rope_xf32_wf32", qk_norm_rope<float, float>)
-LILY_INSTANTIATE("qk_norm_rope_xf32_wbf16", qk_norm_rope<float, bfloat>)
-LILY_INSTANTIATE("qk_norm_rope_xbf16_wf32", qk_norm_rope<bfloat, float>)
-LILY_INSTANTIATE("qk_norm_rope_xbf16_wbf16", qk_norm_rope<bfloat, bfloat>)
+LILY_INSTANTIATE("qk_norm_rope_xf32_wf32", qk_norm_rope<float, float, bfloat>)
+LILY_INSTANTIATE("qk_norm_rope_xf32_wbf16", qk_norm_rope<float, bfloat, bfloat>)
+LILY_INSTANTIATE("qk_norm_rope_xbf16_wf32", qk_norm_rope<bfloat, float, bfloat>)
+LILY_INSTANTIATE("qk_norm_rope_xbf16_wbf16", qk_norm_rope<bfloat, bfloat, bfloat>)
+LILY_INSTANTIATE("qk_norm_rope_q8_xf32_wf32", qk_norm_rope<float, float, int8_t>)
+LILY_INSTANTIATE("qk_norm_rope_q8_xf32_wbf16", qk_norm_rope<float, bfloat, int8_t>)
+LILY_INSTANTIATE("qk_norm_rope_q8_xbf16_wf32", qk_norm_rope<bfloat, float, int8_t>)
+LILY_INSTANTIATE("qk_norm_rope_q8_xbf16_wbf16", qk_norm_rope<bfloat, bfloat, int8_t>)
 LILY_INSTANTIATE("attn_decode_f32", attention<float, 1>)
 LILY_INSTANTIATE("attn_decode_bf16", attention<bfloat, 1>)
 LILY_INSTANTIATE("attn_decode_split_f32", attention_split<float>)
 LILY_INSTANTIATE("attn_decode_split_bf16", attention_split<bfloat>)
 LILY_INSTANTIATE("attn_combine_f32", attention_combine<float>)
 LILY_INSTANTIATE("attn_combine_bf16", attention_combine<bfloat>)
-LILY_INSTANTIATE("attn_decode_vec_e2_f32", attention_vec<float, 2>)
-LILY_INSTANTIATE("attn_decode_vec_e2_bf16", attention_vec<bfloat, 2>)
-LILY_INSTANTIATE("attn_decode_vec_e4_f32", attention_vec<float, 4>)
-LILY_INSTANTIATE("attn_decode_vec_e4_bf16", attention_vec<bfloat, 4>)
-LILY_INSTANTIATE("attn_decode_vec_e8_f32", attention_vec<float, 8>)
-LILY_INSTANTIATE("attn_decode_vec_e8_bf16", attention_vec<bfloat, 8>)
+LILY_INSTANTIATE("attn_decode_vec_e2_f32", attention_vec<float, 2, bfloat>)
+LILY_INSTANTIATE("attn_decode_vec_q8_e2_f32", attention_vec<float, 2, int8_t>)
+LILY_INSTANTIATE("attn_decode_vec_e2_bf16", attention_vec<bfloat, 2, bfloat>)
+LILY_INSTANTIATE("attn_decode_vec_q8_e2_bf16", attention_vec<bfloat, 2, int8_t>)
+LILY_INSTANTIATE("attn_decode_vec_e4_f32", attention_vec<float, 4, bfloat>)
+LILY_INSTANTIATE("attn_decode_vec_q8_e4_f32", attention_vec<float, 4, int8_t>)
+LILY_INSTANTIATE("attn_decode_vec_e4_bf16", attention_vec<bfloat, 4, bfloat>)
+LILY_INSTANTIATE("attn_decode_vec_q8_e4_bf16", attention_vec<bfloat, 4, int8_t>)
+LILY_INSTANTIATE("attn_decode_vec_e8_f32", attention_vec<float, 8, bfloat>)
+LILY_INSTANTIATE("attn_decode_vec_q8_e8_f32", attention_vec<float, 8, int8_t>)
+LILY_INSTANTIATE("attn_decode_vec_e8_bf16", attention_vec<bfloat, 8, bfloat>)
+LILY_INSTANTIATE("attn_decode_vec_q8_e8_bf16", attention_vec<bfloat, 8, int8_t>)
 LILY_INSTANTIATE("attn_vec_combine_e2_f32", attention_vec_combine<float, 2>)
 LILY_INSTANTIATE("attn_vec_combine_e2_bf16", attention_vec_combine<bfloat, 2>)
 LILY_INSTANTIATE("attn_vec_combine_e4_f32", attention_vec_combine<float, 4>)
@@ -920,8 +1017,10 @@ LILY_INSTANTIATE("attn_vec_combine_e8_f32", attention_vec_combine<float, 8>)
 LILY_INSTANTIATE("attn_vec_combine_e8_bf16", attention_vec_combine<bfloat, 8>)
 LILY_INSTANTIATE("attn_prefill_f32", attention<float, kAttnPrefillTokens>)
 LILY_INSTANTIATE("attn_prefill_bf16", attention<bfloat, kAttnPrefillTokens>)
-LILY_INSTANTIATE("attn_prefill_mma_f32", attention_prefill_mma<float>)
-LILY_INSTANTIATE("attn_prefill_mma_bf16", attention_prefill_mma<bfloat>)
+LILY_INSTANTIATE("attn_prefill_mma_f32", attention_prefill_mma<float, bfloat>)
+LILY_INSTANTIATE("attn_prefill_mma_q8_f32", attention_prefill_mma<float, int8_t>)
+LILY_INSTANTIATE("attn_prefill_mma_bf16", attention_prefill_mma<bfloat, bfloat>)
+LILY_INSTANTIATE("attn_prefill_mma_q8_bf16", attention_prefill_mma<bfloat, int8_t>)
 LILY_INSTANTIATE("attn_prefill_tiles_d64_bf16", attention_prefill_tiles<64>)
 LILY_INSTANTIATE("attn_prefill_tiles_d128_bf16", attention_prefill_tiles<128>)
 LILY_INSTANTIATE("attn_prefill_tiles_d256_bf16", attention_prefill_tiles<256>)

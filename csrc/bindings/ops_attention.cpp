@@ -56,7 +56,10 @@ gpu::ops::QmmOperands qmm_weights(AttnRun& r, const InArray& w, const InArray& s
 
 // The paged cache of an op: pools [pool_blocks, Hkv, B, D] (checked by the caller) and the block
 // table uint32 [n], every entry < pool_blocks.
-gpu::ops::KvPaging kv_paging(AttnRun& r, const InArray& table, const char* fn, size_t pool_blocks, size_t B) {
+// An int8 pool (common/kv_blocks.h) comes as an 8-bit array [P, Hkv, B, D + 4]: each block's bytes
+// (codes, then scales) in that many bytes; lily_py.ops.attention.q8_pool packs one.
+gpu::ops::KvPaging kv_paging(AttnRun& r, const InArray& table, const char* fn, size_t pool_blocks, size_t B,
+                             bool q8 = false) {
   LILY_REQUIRE(table.ndim() == 1 && table.dtype().bits == 32 && table.shape(0) >= 1,
                std::string(fn) + ": block_table must be a 1-D uint32 array");
   const uint32_t* t = static_cast<const uint32_t*>(table.data());
@@ -68,6 +71,7 @@ gpu::ops::KvPaging kv_paging(AttnRun& r, const InArray& table, const char* fn, s
   kv.table = r.input(table);
   kv.block_tokens = u32(B);
   kv.pool_blocks = u32(pool_blocks);
+  kv.q8 = q8;
   return kv;
 }
 
@@ -159,8 +163,10 @@ void init_ops_attention(nb::module_& parent) {
         check_dims(v, fn, "v", {T, Hkv, D}, xb);
         check_dims(q_norm, fn, "q_norm", {D}, wb);
         check_dims(k_norm, fn, "k_norm", {D}, wb);
-        check_dims(k_cache, fn, "k_cache", {P, Hkv, B, D}, 16);
-        check_dims(v_cache, fn, "v_cache", {P, Hkv, B, D}, 16);
+        const bool q8 = k_cache.dtype().bits == 8;
+        const size_t row = q8 ? D + 4 : D;
+        check_dims(k_cache, fn, "k_cache", {P, Hkv, B, row}, q8 ? 8 : 16);
+        check_dims(v_cache, fn, "v_cache", {P, Hkv, B, row}, q8 ? 8 : 16);
         op.tokens = u32(T);
         op.q_heads = u32(Hq);
         op.kv_heads = u32(Hkv);
@@ -170,7 +176,7 @@ void init_ops_attention(nb::module_& parent) {
         op.eps = eps;
         op.weight_offset = weight_offset;
         AttnRun r(device, order, seed, fp_traps);
-        op.kv = kv_paging(r, block_table, fn, P, B);
+        op.kv = kv_paging(r, block_table, fn, P, B, q8);
         op.qg = r.input(qg);
         op.k = r.input(k);
         op.v = r.input(v);
@@ -181,15 +187,19 @@ void init_ops_attention(nb::module_& parent) {
         op.k_cache = r.input(k_cache);
         op.v_cache = r.input(v_cache);
         nb::dict stats = r.run([&](gpu::Encoder& e) { gpu::ops::encode_qk_norm_rope(e, op); });
-        stats["kernels"] = nb::make_tuple(std::string(gpu::kernel_info(gpu::ops::qk_norm_rope_kernel(op.x_dtype, op.w_dtype)).name));
-        return nb::make_tuple(r.download(op.q_out, op.x_dtype, {T, Hq, D}),
-                              r.download(op.k_cache, gpu::DType::bf16, {P, Hkv, B, D}),
-                              r.download(op.v_cache, gpu::DType::bf16, {P, Hkv, B, D}), stats);
+        stats["kernels"] = nb::make_tuple(
+            std::string(gpu::kernel_info(gpu::ops::qk_norm_rope_kernel(op.x_dtype, op.w_dtype, q8)).name));
+        auto pool = [&](const gpu::Binding& b) {
+          return q8 ? nb::cast(bindings::download<uint8_t>(*b.buffer, b.offset, {P, Hkv, B, row}))
+                    : r.download(b, gpu::DType::bf16, {P, Hkv, B, D});
+        };
+        return nb::make_tuple(r.download(op.q_out, op.x_dtype, {T, Hq, D}), pool(op.k_cache), pool(op.v_cache), stats);
       },
       "qg"_a, "k"_a, "v"_a, "q_norm"_a, "k_norm"_a, "k_cache"_a, "v_cache"_a, "block_table"_a, nb::kw_only(), "position"_a,
       "rotary_dim"_a, "theta"_a, "eps"_a, "weight_offset"_a, "x_dtype"_a, "w_dtype"_a, "device"_a = "emu",
       "order"_a = "shuffle", "seed"_a = 0, "fp_traps"_a = true,
-      "q/k RMSNorm + partial RoPE + KV append into the paged pools [blocks, Hkv, B, D] through block_table; "
+      "q/k RMSNorm + partial RoPE + KV append into the paged pools [blocks, Hkv, B, D] (bf16 as uint16, or int8: "
+      "uint8 [blocks, Hkv, B, D + 4]) through block_table; "
       "returns (q, k_cache, v_cache, stats). Use "
       "lily_py.ops.qk_norm_rope_append.");
 
@@ -207,15 +217,16 @@ void init_ops_attention(nb::module_& parent) {
         const size_t T = q.shape(0), Hq = q.shape(1), D = q.shape(2), P = k_cache.shape(0), Hkv = k_cache.shape(1),
                      B = k_cache.shape(2);
         check_dims(q, fn, "q", {T, Hq, D}, xb);
-        check_dims(k_cache, fn, "k_cache", {P, Hkv, B, D}, 16);
-        check_dims(v_cache, fn, "v_cache", {P, Hkv, B, D}, 16);
+        const bool q8 = k_cache.dtype().bits == 8;
+        check_dims(k_cache, fn, "k_cache", {P, Hkv, B, q8 ? D + 4 : D}, q8 ? 8 : 16);
+        check_dims(v_cache, fn, "v_cache", {P, Hkv, B, q8 ? D + 4 : D}, q8 ? 8 : 16);
         op.tokens = u32(T);
         op.q_heads = u32(Hq);
         op.kv_heads = u32(Hkv);
         op.head_dim = u32(D);
         op.position = position;
         AttnRun r(device, order, seed, fp_traps);
-        op.kv = kv_paging(r, block_table, fn, P, B);
+        op.kv = kv_paging(r, block_table, fn, P, B, q8);
         op.q = r.input(q);
         op.k_cache = r.input(k_cache);
         op.v_cache = r.input(v_cache);
@@ -231,7 +242,8 @@ void init_ops_attention(nb::module_& parent) {
           if (route.split) {
             op.scratch = r.output(gpu::ops::attention_scratch_bytes(op.q_heads, op.head_dim, position + 1, u32(B)));
             const std::string sfx = bf ? "bf16" : "f32", e = std::to_string(op.head_dim / 32);
-            kernels.append(route.vec ? "attn_decode_vec_e" + e + "_" + sfx : "attn_decode_split_" + sfx);
+            kernels.append(route.vec ? std::string(q8 ? "attn_decode_vec_q8_e" : "attn_decode_vec_e") + e + "_" + sfx
+                                     : "attn_decode_split_" + sfx);
             kernels.append(route.vec ? "attn_vec_combine_e" + e + "_" + sfx : "attn_combine_" + sfx);
           } else {
             kernels.append(bf ? "attn_decode_bf16" : "attn_decode_f32");
@@ -244,7 +256,9 @@ void init_ops_attention(nb::module_& parent) {
             return;
           }
           const std::string sfx = bf ? "bf16" : "f32";
-          if (gpu::ops::attention_prefill_uses_m5(op.head_dim, e.tensor_ops()))
+          if (q8)
+            prefill_kernel = "attn_prefill_mma_q8_" + sfx;
+          else if (gpu::ops::attention_prefill_uses_m5(op.head_dim, e.tensor_ops()))
             prefill_kernel = "attn_prefill_m5_d" + std::to_string(op.head_dim) + "_" + sfx;
           else if (gpu::ops::attention_prefill_uses_tiles(op.head_dim, op.dtype, e.tensor_ops()))
             prefill_kernel = "attn_prefill_tiles_d" + std::to_string(op.head_dim) + "_" + sfx;
@@ -260,7 +274,8 @@ void init_ops_attention(nb::module_& parent) {
       },
       "q"_a, "k_cache"_a, "v_cache"_a, "block_table"_a, "gate"_a.none(), nb::kw_only(), "position"_a, "decode"_a, "dtype"_a,
       "device"_a = "emu", "order"_a = "shuffle", "seed"_a = 0, "fp_traps"_a = true,
-      "Causal attention of q [tokens, q_heads, D] (positions position..) over the paged bf16 pools; returns "
+      "Causal attention of q [tokens, q_heads, D] (positions position..) over the paged bf16 (or int8: uint8 "
+      "[P, Hkv, B, D + 4]) pools; returns "
       "(out, stats). Use lily_py.ops.attention_decode / attention_prefill.");
 
   m.def(

@@ -91,6 +91,8 @@ void ModelSpec::validate() const {
   if (context_length == 0) fail("context_length must be >= 1");
   if (kv_block_tokens < 32 || (kv_block_tokens & (kv_block_tokens - 1)) != 0)
     fail("kv_block_tokens must be a power of two >= 32, got " + num(kv_block_tokens));
+  if (kv_q8 && head_dim != 64 && head_dim != 128 && head_dim != 256 && std::count(full_attention.begin(), full_attention.end(), 1))
+    fail("kv_dtype int8 needs head_dim 64, 128 or 256 (the int8 attention routes), got " + num(head_dim));
   if (prefill_chunk == 0) fail("prefill_chunk must be >= 1");
   if (logit_rows == 0 || logit_rows > prefill_chunk) fail("logit_rows must be in [1, prefill_chunk]");
   check_quant(embed, "embed");
@@ -127,6 +129,7 @@ std::string ModelSpec::summary() const {
   o << layers << " layers (" << layers - attn << " DeltaNet, " << attn << " attention), hidden " << hidden << ", vocab "
     << vocab << ", " << experts << " experts top-" << top_k << ", context " << context_length << ", chunk "
     << prefill_chunk;
+  if (kv_q8) o << ", int8 KV cache";
   return o.str();
 }
 
@@ -196,8 +199,8 @@ void build_buffers(const ModelSpec& s, Allocator& a, gpu::ModelBuffers& m_, bool
     L.input_norm = a.weight(p + "input_norm", H * 4);
     L.post_norm = a.weight(p + "post_norm", H * 4);
     if (L.attention) {
-      // bf16 pool [blocks, kv_heads, kv_block_tokens, D] (shaders/common/kv_blocks.h)
-      const uint64_t D = s.head_dim, kv = uint64_t(s.kv_pool()) * s.kv_heads * s.kv_block_tokens * D * 2;
+      // bf16 or int8 pool of kv_pool() blocks of [kv_heads, kv_block_tokens] rows (shaders/common/kv_blocks.h)
+      const uint64_t D = s.head_dim, kv = uint64_t(s.kv_pool()) * s.kv_heads * s.kv_block_tokens * s.kv_row_bytes();
       const uint64_t nkv = uint64_t(s.kv_heads) * D;
       L.at.qkv_proj = alloc_fused(a, s, p + "qkv_proj", kQkvParts, {2ull * s.q_heads * D, nkv, nkv}, H, s.mixer);
       L.at.o_proj = alloc_quant(a, p + "o_proj", H, uint64_t(s.q_heads) * D, s.quant(p + "o_proj", s.mixer));
@@ -682,7 +685,7 @@ std::vector<gpu::Binding> Engine::state_buffers() const {
 
 size_t Engine::kv_filled_bytes(uint32_t position) const {
   const size_t B = spec_.kv_block_tokens, blocks = (size_t(position) + B - 1) / B;
-  return blocks * spec_.kv_heads * B * spec_.head_dim * 2;
+  return blocks * spec_.kv_heads * B * spec_.kv_row_bytes();
 }
 
 bool Engine::is_kv(size_t i) const { return std::find(kv_cache_.begin(), kv_cache_.end(), i) != kv_cache_.end(); }
@@ -706,7 +709,7 @@ void Engine::discard_inflight() {
 }
 
 uint64_t Engine::kv_block_bytes() const {
-  return uint64_t(spec_.kv_heads) * spec_.kv_block_tokens * spec_.head_dim * 2 * kv_cache_.size();
+  return uint64_t(spec_.kv_heads) * spec_.kv_block_tokens * spec_.kv_row_bytes() * kv_cache_.size();
 }
 
 uint64_t Engine::kv_bytes() const { return uint64_t(spec_.kv_pool()) * kv_block_bytes(); }
@@ -718,7 +721,7 @@ uint64_t Engine::kv_bytes_in_use() const {
 
 void Engine::resize_kv(uint32_t blocks, uint32_t keep_rows) {
   const uint64_t B = spec_.kv_block_tokens;
-  const uint64_t pool = uint64_t(blocks) * spec_.kv_heads * B * spec_.head_dim * 2;
+  const uint64_t pool = uint64_t(blocks) * spec_.kv_heads * B * spec_.kv_row_bytes();
   const size_t keep = std::min<size_t>(kv_filled_bytes(keep_rows), pool);
   // Every new buffer first: an allocation failure leaves the engine as it was.
   std::vector<std::unique_ptr<gpu::Buffer>> fresh;

@@ -216,6 +216,10 @@
   X(qk_norm_rope_xf32_wbf16, QkNormRopeArgs, 10)                              \
   X(qk_norm_rope_xbf16_wf32, QkNormRopeArgs, 10)                              \
   X(qk_norm_rope_xbf16_wbf16, QkNormRopeArgs, 10)                              \
+  X(qk_norm_rope_q8_xf32_wf32, QkNormRopeArgs, 10) /* int8 KV pools */          \
+  X(qk_norm_rope_q8_xf32_wbf16, QkNormRopeArgs, 10) /* int8 KV pools */          \
+  X(qk_norm_rope_q8_xbf16_wf32, QkNormRopeArgs, 10) /* int8 KV pools */          \
+  X(qk_norm_rope_q8_xbf16_wbf16, QkNormRopeArgs, 10) /* int8 KV pools */          \
   /* q, k_cache, v_cache, gate, out */                                        \
   X(attn_decode_f32,  AttnArgs, 6)                                            \
   X(attn_decode_bf16, AttnArgs, 6)                                            \
@@ -223,6 +227,8 @@
   X(attn_prefill_bf16, AttnArgs, 6)                                           \
   X(attn_prefill_mma_f32,  AttnArgs, 6)                                       \
   X(attn_prefill_mma_bf16, AttnArgs, 6)                                       \
+  X(attn_prefill_mma_q8_f32,  AttnArgs, 6)  /* int8 KV pools */             \
+  X(attn_prefill_mma_q8_bf16, AttnArgs, 6)                                    \
   X(attn_prefill_tiles_d64_bf16,  AttnArgs, 6)                                \
   X(attn_prefill_tiles_d128_bf16, AttnArgs, 6)                                \
   X(attn_prefill_tiles_d256_bf16, AttnArgs, 6)                                \
@@ -239,6 +245,12 @@
   X(attn_decode_vec_e4_bf16, AttnArgs, 6)                                  \
   X(attn_decode_vec_e8_f32, AttnArgs, 6)                                  \
   X(attn_decode_vec_e8_bf16, AttnArgs, 6)                                  \
+  X(attn_decode_vec_q8_e2_f32, AttnArgs, 6) /* int8 KV pools */            \
+  X(attn_decode_vec_q8_e2_bf16, AttnArgs, 6) /* int8 KV pools */            \
+  X(attn_decode_vec_q8_e4_f32, AttnArgs, 6) /* int8 KV pools */            \
+  X(attn_decode_vec_q8_e4_bf16, AttnArgs, 6) /* int8 KV pools */            \
+  X(attn_decode_vec_q8_e8_f32, AttnArgs, 6) /* int8 KV pools */            \
+  X(attn_decode_vec_q8_e8_bf16, AttnArgs, 6) /* int8 KV pools */            \
   /* vec combine: partial_o, partial_ml, gate, out */                          \
   X(attn_vec_combine_e2_f32, AttnArgs, 4)                                \
   X(attn_vec_combine_e2_bf16, AttnArgs, 4)                                \

@@ -51,7 +51,7 @@ def load(path_or_repo_id: str | os.PathLike | None = None, *, backend: str = "au
          context_length: int | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
          revision: str | None = None, verbose: bool | None = None,
          prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES, activations: str | None = None,
-         weights: str = "auto", kv_block_tokens: int | None = None) -> "Model":
+         weights: str = "auto", kv_block_tokens: int | None = None, kv_dtype: str | None = None) -> "Model":
     """Load a qwen3_5_moe checkpoint.
 
     ``path_or_repo_id``: a local folder, a Hugging Face repo id (``org/name``, downloaded through
@@ -70,7 +70,10 @@ def load(path_or_repo_id: str | os.PathLike | None = None, *, backend: str = "au
     checkpoint files (zero copy: Metal and the emulator; the rest is copied), ``"copy"`` copies
     every tensor into device buffers, ``"map"`` is ``"auto"`` that fails when nothing can be mapped
     (docs/tools.md, zero copy). ``kv_block_tokens``: tokens per KV cache block on engine backends
-    (a power of two >= 32; None: 1024, docs/memory.md); tests pick small blocks.
+    (a power of two >= 32; None: 1024, docs/memory.md); tests pick small blocks. ``kv_dtype``: the
+    KV cache's element type, ``"bfloat16"`` (None, the default) or ``"int8"`` (symmetric int8 with a
+    float32 scale per row and KV head: about half the cache's bytes, docs/memory.md; head_dim 64, 128
+    or 256); the reference backend then quantizes its cache the same way.
     """
     from . import hub
     from .resources import demo_path
@@ -85,7 +88,8 @@ def load(path_or_repo_id: str | os.PathLike | None = None, *, backend: str = "au
         log.warning("lily_py: %s has no tokenizer.json; only token-id prompts work", folder)
     return Model(folder, cfg, weights_, tok, backend=backend, context_length=context_length,
                  prefill_chunk=prefill_chunk, prompt_cache_bytes=prompt_cache_bytes, verbose=verbose,
-                 activations=activations, weights_mode=weights, kv_block_tokens=kv_block_tokens)
+                 activations=activations, weights_mode=weights, kv_block_tokens=kv_block_tokens,
+                 kv_dtype=kv_dtype)
 
 
 @dataclass
@@ -115,7 +119,7 @@ class Model:
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
                  prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES, verbose: bool | None = None,
                  activations: str | None = None, weights_mode: str = "auto",
-                 kv_block_tokens: int | None = None):
+                 kv_block_tokens: int | None = None, kv_dtype: str | None = None):
         if backend == "auto":
             backend, why = resolve_auto()
             log.info("lily_py: backend 'auto' selected %r", backend)
@@ -144,7 +148,9 @@ class Model:
         self.prompt_cache = PromptCache(prompt_cache_bytes)
         self._backend = make_backend(backend, config, weights, context_length=context_length,
                                       prefill_chunk=prefill_chunk, verbose=verbose, activations=activations,
-                                      weights_mode=weights_mode, kv_block_tokens=kv_block_tokens)
+                                      weights_mode=weights_mode, kv_block_tokens=kv_block_tokens,
+                                      kv_dtype=kv_dtype)
+        self.kv_dtype = kv_dtype or "bfloat16"
         self._history: list[int] = []
         self._last_logits: np.ndarray | None = None
         # Engine backends: the last step's logits are still on the device (fetched on demand by

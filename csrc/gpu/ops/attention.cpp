@@ -36,8 +36,10 @@ uint32_t check_kv_paging(const char* fn, const KvPaging& kv, uint32_t kv_heads, 
   if (B < kAttnKvMinBlock || (B & (B - 1)) != 0)
     fail(fn, "block_tokens must be a power of two >= " + std::to_string(kAttnKvMinBlock) + ", got " + std::to_string(B));
   if (kv.pool_blocks == 0) fail(fn, "the KV pool has no blocks");
-  if (uint64_t(kv.pool_blocks) * kv_heads * B * head_dim >= (uint64_t(1) << 32))
-    fail(fn, "KV pool of more than 2^32 elements per tensor");
+  if (uint64_t(kv.pool_blocks) * kv_heads * B * kv_row_bytes(kv.q8, head_dim) >= (uint64_t(1) << 32))
+    fail(fn, "KV pool of 2^32 bytes or more per tensor");
+  if (kv.q8 && !kv_q8_supported(head_dim))
+    fail(fn, "an int8 KV cache needs head_dim 64, 128 or 256, got " + std::to_string(head_dim));
   const uint64_t blocks = (rows + B - 1) / B;
   if (kv.table.buffer == nullptr) fail(fn, "block_table not bound");
   if (kv.table.bytes < blocks * 4)
@@ -47,6 +49,8 @@ uint32_t check_kv_paging(const char* fn, const KvPaging& kv, uint32_t kv_heads, 
   while ((1u << shift) < B) ++shift;
   return shift;
 }
+
+bool kv_q8_supported(uint32_t head_dim) { return head_dim == 64 || head_dim == 128 || head_dim == 256; }
 
 std::vector<float> rope_inv_freq(uint32_t rotary_dim, double theta) {
   std::vector<float> f(rotary_dim / 2);
@@ -72,8 +76,11 @@ void encode_rope(Encoder& enc, const RopeOperands& op) {
   enc.dispatch({op.heads, op.tokens, 1}, {kRopeThreads, 1, 1});
 }
 
-KernelId qk_norm_rope_kernel(DType x, DType w) {
+KernelId qk_norm_rope_kernel(DType x, DType w, bool q8) {
   const bool xb = x == DType::bf16, wb = w == DType::bf16;
+  if (q8)
+    return xb ? (wb ? KernelId::qk_norm_rope_q8_xbf16_wbf16 : KernelId::qk_norm_rope_q8_xbf16_wf32)
+              : (wb ? KernelId::qk_norm_rope_q8_xf32_wbf16 : KernelId::qk_norm_rope_q8_xf32_wf32);
   return xb ? (wb ? KernelId::qk_norm_rope_xbf16_wbf16 : KernelId::qk_norm_rope_xbf16_wf32)
             : (wb ? KernelId::qk_norm_rope_xf32_wbf16 : KernelId::qk_norm_rope_xf32_wf32);
 }
@@ -86,7 +93,8 @@ void encode_qk_norm_rope(Encoder& enc, const QkNormRopeOperands& op) {
   const uint64_t rows_end = uint64_t(op.position) + op.tokens;
   const uint32_t shift = check_kv_paging(fn, op.kv, op.kv_heads, op.head_dim, rows_end);
   const uint64_t xs = dtype_size(op.x_dtype), D = op.head_dim;
-  const uint64_t cache_bytes = uint64_t(op.kv.pool_blocks) * op.kv_heads * op.kv.block_tokens * D * 2;
+  const uint64_t row_bytes = kv_row_bytes(op.kv.q8, op.head_dim);
+  const uint64_t cache_bytes = uint64_t(op.kv.pool_blocks) * op.kv_heads * op.kv.block_tokens * row_bytes;
   const uint64_t table_bytes = (rows_end + op.kv.block_tokens - 1) / op.kv.block_tokens * 4;
   const uint32_t qg_row = op.q_heads * 2 * op.head_dim, kv_row = op.kv_heads * op.head_dim;
   const uint32_t qg_stride = op.qg_stride ? op.qg_stride : qg_row;
@@ -96,7 +104,7 @@ void encode_qk_norm_rope(Encoder& enc, const QkNormRopeOperands& op) {
   QkNormRopeArgs args{op.tokens, op.q_heads, op.kv_heads, op.head_dim, op.rotary_dim, op.position,
                       shift,     qg_stride,  k_stride,    v_stride,    op.eps,        op.weight_offset};
   const uint64_t rows = op.tokens - 1;
-  enc.set_kernel(qk_norm_rope_kernel(op.x_dtype, op.w_dtype));
+  enc.set_kernel(qk_norm_rope_kernel(op.x_dtype, op.w_dtype, op.kv.q8));
   enc.set_args(args);
   enc.set_buffer(1, need(fn, op.qg, (rows * qg_stride + qg_row) * xs, "qg"));
   enc.set_buffer(2, need(fn, op.k, (rows * k_stride + kv_row) * xs, "k"));
@@ -109,8 +117,8 @@ void encode_qk_norm_rope(Encoder& enc, const QkNormRopeOperands& op) {
   enc.set_buffer(9, need(fn, op.v_cache, cache_bytes, "v_cache"));
   enc.set_buffer(10, need(fn, op.kv.table, table_bytes, "block_table"));
   enc.set_touched(10, ((rows_end - 1) / op.kv.block_tokens - op.position / op.kv.block_tokens + 1) * 4);
-  enc.set_touched(8, uint64_t(op.tokens) * op.kv_heads * D * 2);  // written: the new rows only
-  enc.set_touched(9, uint64_t(op.tokens) * op.kv_heads * D * 2);
+  enc.set_touched(8, uint64_t(op.tokens) * op.kv_heads * row_bytes);  // written: the new rows only
+  enc.set_touched(9, uint64_t(op.tokens) * op.kv_heads * row_bytes);
   enc.dispatch({op.q_heads + op.kv_heads, op.tokens, 1}, {kRopeThreads, 1, 1});
 }
 
@@ -186,7 +194,7 @@ Checked check_attention(const char* fn, const AttentionOperands& op) {
   a.scale = static_cast<float>(1.0 / std::sqrt(double(op.head_dim)));
   const uint64_t rows = uint64_t(op.tokens - 1);
   c.q = need(fn, op.q, (rows * a.q_stride + uint64_t(op.q_heads) * D) * xs, "q");
-  const uint64_t cache_bytes = uint64_t(op.kv.pool_blocks) * op.kv_heads * op.kv.block_tokens * D * 2;
+  const uint64_t cache_bytes = uint64_t(op.kv.pool_blocks) * op.kv_heads * op.kv.block_tokens * kv_row_bytes(op.kv.q8, op.head_dim);
   c.k = need(fn, op.k_cache, cache_bytes, "k_cache");
   c.v = need(fn, op.v_cache, cache_bytes, "v_cache");
   c.table = need(fn, op.kv.table, (rows_end + op.kv.block_tokens - 1) / op.kv.block_tokens * 4, "block_table");
@@ -213,7 +221,7 @@ uint64_t attention_decode_executed_flops(const AttentionOperands& op) {
 // Buffers 2 and 3 (K and V pools, bound whole): rows [0, length) of every KV head are read, and
 // buffer 6 (the block table): the entries of their blocks.
 void touch_cache_rows(Encoder& enc, const AttentionOperands& op, uint64_t length) {
-  const uint64_t bytes = length * op.kv_heads * op.head_dim * 2;
+  const uint64_t bytes = length * op.kv_heads * kv_row_bytes(op.kv.q8, op.head_dim);
   enc.set_touched(2, bytes);
   enc.set_touched(3, bytes);
   enc.set_touched(6, (length + op.kv.block_tokens - 1) / op.kv.block_tokens * 4);
@@ -252,9 +260,13 @@ void encode_attention_decode(Encoder& enc, const AttentionOperands& op) {
   const Binding partial_ml{scratch.buffer, scratch.offset + o_bytes, ml_bytes};
   if (route.vec) {
     const uint32_t e = op.head_dim / 32;  // 2, 4 or 8
-    const KernelId pass1 = e == 2   ? (bf ? KernelId::attn_decode_vec_e2_bf16 : KernelId::attn_decode_vec_e2_f32)
-                           : e == 4 ? (bf ? KernelId::attn_decode_vec_e4_bf16 : KernelId::attn_decode_vec_e4_f32)
-                                    : (bf ? KernelId::attn_decode_vec_e8_bf16 : KernelId::attn_decode_vec_e8_f32);
+    const KernelId pass1 =
+        op.kv.q8 ? (e == 2   ? (bf ? KernelId::attn_decode_vec_q8_e2_bf16 : KernelId::attn_decode_vec_q8_e2_f32)
+                    : e == 4 ? (bf ? KernelId::attn_decode_vec_q8_e4_bf16 : KernelId::attn_decode_vec_q8_e4_f32)
+                             : (bf ? KernelId::attn_decode_vec_q8_e8_bf16 : KernelId::attn_decode_vec_q8_e8_f32))
+        : e == 2 ? (bf ? KernelId::attn_decode_vec_e2_bf16 : KernelId::attn_decode_vec_e2_f32)
+        : e == 4 ? (bf ? KernelId::attn_decode_vec_e4_bf16 : KernelId::attn_decode_vec_e4_f32)
+                 : (bf ? KernelId::attn_decode_vec_e8_bf16 : KernelId::attn_decode_vec_e8_f32);
     const KernelId pass2 = e == 2   ? (bf ? KernelId::attn_vec_combine_e2_bf16 : KernelId::attn_vec_combine_e2_f32)
                            : e == 4 ? (bf ? KernelId::attn_vec_combine_e4_bf16 : KernelId::attn_vec_combine_e4_f32)
                                     : (bf ? KernelId::attn_vec_combine_e8_bf16 : KernelId::attn_vec_combine_e8_f32);
@@ -342,6 +354,12 @@ void encode_attention_prefill(Encoder& enc, const AttentionOperands& op) {
   Checked c = check_attention(fn, op);
   const uint32_t group = op.q_heads / op.kv_heads;
   const bool bf = op.dtype == DType::bf16;
+  if (op.kv.q8) {  // int8 pools: the mma route reads them (codes x scale widened to fp32 as it stages)
+    const uint32_t qt = kAttnMmaRows / group;
+    encode_blocked_prefill(enc, op, c, bf ? KernelId::attn_prefill_mma_q8_bf16 : KernelId::attn_prefill_mma_q8_f32,
+                           qt, kAttnMmaThreads, kAttnMmaRows, kAttnBlockKeys);
+    return;
+  }
   if (attention_prefill_uses_m5(op.head_dim, enc.tensor_ops())) {
     // M5 (Metal 4 tensor ops, shaders/m5/attention_m5.metal): 16 rows x 32-key blocks.
     const uint32_t qt = kAttnM5Rows / group;

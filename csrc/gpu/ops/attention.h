@@ -27,11 +27,20 @@ void encode_rope(Encoder& enc, const RopeOperands& op);
 
 // The paged KV cache (shaders/common/kv_blocks.h): each K / V pool is bf16 [pool_blocks, kv_heads,
 // block_tokens, head_dim]; logical block b (positions [b B, (b + 1) B)) is pool block table[b].
+// With q8 the pools are int8 (common/kv_blocks.h): per block [kv_heads, block_tokens, head_dim]
+// codes, then [kv_heads, block_tokens] float scales; written by qk_norm_rope_q8_*, read by the vec
+// decode route and the mma prefill route (attn_decode_vec_q8_*, attn_prefill_mma_q8_*).
 struct KvPaging {
   Binding table;              // uint32 [>= ceil(rows / block_tokens)] pool block of each logical block
   uint32_t block_tokens = 0;  // a power of two >= kAttnKvMinBlock
   uint32_t pool_blocks = 0;   // blocks in each pool (the bound K / V ranges)
+  bool q8 = false;            // int8 pools (else bf16)
 };
+// Bytes of one cache row (one position of one KV head) of a K or V pool: 2 head_dim (bf16) or
+// head_dim + 4 (int8 codes and a float scale).
+inline uint64_t kv_row_bytes(bool q8, uint32_t head_dim) { return q8 ? uint64_t(head_dim) + 4 : 2ull * head_dim; }
+// Whether an int8 cache can serve a model of this head_dim (the vec decode and mma prefill routes).
+bool kv_q8_supported(uint32_t head_dim);
 // Checks block_tokens and the pool size; `rows` positions [0, rows) must have table entries.
 // Returns log2(block_tokens).
 uint32_t check_kv_paging(const char* fn, const KvPaging& kv, uint32_t kv_heads, uint32_t head_dim, uint64_t rows);
@@ -54,7 +63,7 @@ struct QkNormRopeOperands {
   float eps = 1e-6f;
   float weight_offset = 0.0f;  // 1 for zero-centred (Hugging Face) norm weights
 };
-KernelId qk_norm_rope_kernel(DType x_dtype, DType w_dtype);
+KernelId qk_norm_rope_kernel(DType x_dtype, DType w_dtype, bool q8 = false);
 void encode_qk_norm_rope(Encoder& enc, const QkNormRopeOperands& op);
 
 // Decode route for a context of `length` keys (the new token's included) and head_dim:

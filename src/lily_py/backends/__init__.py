@@ -10,17 +10,22 @@ BACKENDS = ("auto", "reference", "emu", "metal", "cuda")
 # Not for users: the engine on the counting device with host memory (nothing runs, every sampled
 # token is 0), so benchmarks can time the host side of generation (benchmarks/host_overhead.py).
 TIMING_BACKENDS = ("count_host",)
+# The KV cache's element type (None: bfloat16); "int8": codes and a float32 scale per row and KV
+# head (shaders/common/kv_blocks.h, lily_py.reference.kvquant.int8_row_codes)
+KV_DTYPES = (None, "bfloat16", "int8")
 
 
 def make_backend(name: str, cfg: ModelConfig, weights: ModelWeights, *, context_length: int,
                  prefill_chunk: int, verbose: bool | None = None, activations: str | None = None,
-                 weights_mode: str = "auto", kv_block_tokens: int | None = None):
+                 weights_mode: str = "auto", kv_block_tokens: int | None = None, kv_dtype: str | None = None):
     """The backend for a resolved name ("auto" is resolved by Model first). ``verbose``: load
     progress on a terminal (engine backends upload the weights; None: when stderr is a TTY).
     ``activations``: the engine's activation dtype ("bfloat16" / "float32"; None: the
     checkpoint's, as MLX computes it); the reference backend computes in float64/float32 NumPy."""
     if activations not in (None, "bfloat16", "float32"):
         raise ValueError(f"activations must be 'bfloat16', 'float32' or None, got {activations!r}")
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype must be one of {KV_DTYPES[1:]} or None, got {kv_dtype!r}")
     if name not in BACKENDS and name not in TIMING_BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
     if name in ("emu", "metal", "cuda") + TIMING_BACKENDS:
@@ -28,11 +33,11 @@ def make_backend(name: str, cfg: ModelConfig, weights: ModelWeights, *, context_
         from .engine import EngineBackend
         return EngineBackend(name, cfg, weights, context_length=context_length,
                              prefill_chunk=prefill_chunk, verbose=verbose, activations=activations,
-                             weights_mode=weights_mode, kv_block_tokens=kv_block_tokens)
+                             weights_mode=weights_mode, kv_block_tokens=kv_block_tokens, kv_dtype=kv_dtype)
     if weights_mode not in ("auto", "map", "copy"):
         raise ValueError(f"weights must be 'auto', 'map' or 'copy', got {weights_mode!r}")
     from .reference import ReferenceBackend
-    return ReferenceBackend(cfg, weights)
+    return ReferenceBackend(cfg, weights, kv_dtype=kv_dtype)
 
 
 def auto_backend() -> str:

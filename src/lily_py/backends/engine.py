@@ -70,7 +70,8 @@ def checkpoint_activations(quant: dict) -> str:
 
 
 def engine_spec(cfg: ModelConfig, quant: dict, *, context_length: int, prefill_chunk: int,
-                activations: str = "float32", kv_block_tokens: int | None = None) -> dict:
+                activations: str = "float32", kv_block_tokens: int | None = None,
+                kv_dtype: str | None = None) -> dict:
     """The dict ``lily_py._core.Engine`` takes (csrc/core/model_spec.h)."""
     if activations not in ACTIVATIONS:
         raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
@@ -88,6 +89,7 @@ def engine_spec(cfg: ModelConfig, quant: dict, *, context_length: int, prefill_c
         "context_length": int(context_length), "prefill_chunk": int(prefill_chunk),
         "logit_rows": int(min(prefill_chunk, LOGIT_ROWS)), "activations": activations,
         **({} if kv_block_tokens is None else {"kv_block_tokens": int(kv_block_tokens)}),
+        "kv_q8": kv_dtype == "int8",
     }
 
 
@@ -357,7 +359,8 @@ class EngineBackend:
 
     def __init__(self, device: str, cfg: ModelConfig, weights: ModelWeights, *, context_length: int,
                  prefill_chunk: int, verbose: bool | None = None, activations: str | None = None,
-                 weights_mode: str = "auto", kv_block_tokens: int | None = None):
+                 weights_mode: str = "auto", kv_block_tokens: int | None = None,
+                 kv_dtype: str | None = None):
         if weights_mode not in WEIGHT_MODES:
             raise ValueError(f"weights must be one of {WEIGHT_MODES}, got {weights_mode!r}")
         t0 = time.perf_counter()
@@ -379,7 +382,7 @@ class EngineBackend:
         try:
             self.engine = core.Engine(engine_spec(cfg, quant, context_length=context_length,
                                                   prefill_chunk=prefill_chunk, activations=self.activations,
-                                                  kv_block_tokens=kv_block_tokens),
+                                                  kv_block_tokens=kv_block_tokens, kv_dtype=kv_dtype),
                                       device, files, mapped)
         except core.DeviceMemoryError as e:
             raise DeviceMemoryError(str(e)) from None

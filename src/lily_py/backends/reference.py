@@ -11,9 +11,10 @@ class ReferenceBackend:
     """The NumPy reference model as a backend (slow, exact, any machine)."""
     name = "reference"
 
-    def __init__(self, cfg: ModelConfig, weights: ModelWeights, *, deltanet: str = "chunked"):
+    def __init__(self, cfg: ModelConfig, weights: ModelWeights, *, deltanet: str = "chunked",
+                 kv_dtype: str | None = None):
         from ..reference.model import ReferenceModel
-        self.model = ReferenceModel(cfg, weights, deltanet=deltanet)
+        self.model = ReferenceModel(cfg, weights, deltanet=deltanet, kv_dtype=kv_dtype)
         self.state = self.model.new_state()
 
     def forward(self, ids: np.ndarray, *, all_logits: bool) -> np.ndarray:

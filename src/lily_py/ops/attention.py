@@ -18,10 +18,35 @@ import ml_dtypes
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 
 
+from typing import NamedTuple
+
 from ._common import _check_device, _core, _float_array, _from_core
 
 __all__ = ["rope", "qk_norm_rope_append", "attention_decode", "attention_prefill",
-           "attention_decode_route", "attention_prefill_route", "attention_mixer"]
+           "attention_decode_route", "attention_prefill_route", "attention_mixer", "Q8Cache"]
+
+
+class Q8Cache(NamedTuple):
+    """An int8 KV cache (the engine's ``kv_dtype="int8"``, shaders/common/kv_blocks.h): ``codes``
+    int8 ``[kv_heads, capacity, head_dim]`` and ``scales`` float32 ``[kv_heads, capacity]``; row
+    values are ``codes * scales[..., None]``. Pass it wherever the functions here take a bfloat16
+    cache (head_dim 64, 128 or 256): the KV write quantizes each new row
+    (``lily_py.reference.kvquant.int8_row_codes``) and attention reads the codes."""
+    codes: np.ndarray
+    scales: np.ndarray
+
+    @classmethod
+    def quantize(cls, x: np.ndarray) -> "Q8Cache":
+        from ..reference.kvquant import int8_row_codes
+        q, s = int8_row_codes(x)
+        return cls(q, s[..., 0])
+
+    def values(self) -> np.ndarray:
+        return self.codes.astype(np.float32) * self.scales[..., None]
+
+    @property
+    def shape(self) -> tuple:
+        return self.codes.shape
 
 
 def _uint(v, what: str, fn: str) -> int:
@@ -39,7 +64,16 @@ def _check_rotary(rotary_dim, head_dim: int, theta, fn: str) -> int:
     return rd
 
 
-def _bf16_cache(a, what: str, fn: str) -> np.ndarray:
+def _bf16_cache(a, what: str, fn: str):
+    if isinstance(a, Q8Cache):
+        c, sc = np.asarray(a.codes), np.asarray(a.scales)
+        if c.dtype != np.int8 or c.ndim != 3 or sc.dtype != np.float32 or sc.shape != c.shape[:2]:
+            raise ValueError(f"{fn}: {what} (Q8Cache) must hold int8 codes [kv_heads, capacity, head_dim] and "
+                             f"float32 scales [kv_heads, capacity], got {c.dtype} {list(c.shape)} and "
+                             f"{sc.dtype} {list(sc.shape)}")
+        if c.shape[2] not in (64, 128, 256):
+            raise ValueError(f"{fn}: an int8 cache needs head_dim 64, 128 or 256, got {c.shape[2]}")
+        return Q8Cache(np.ascontiguousarray(c), np.ascontiguousarray(sc))
     if not isinstance(a, np.ndarray) or a.dtype != BFLOAT16 or a.ndim != 3:
         raise ValueError(f"{fn}: {what} must be a bfloat16 array [kv_heads, capacity, head_dim], got "
                          f"{getattr(a, 'dtype', type(a).__name__)} {list(getattr(a, 'shape', []))}")
@@ -51,8 +85,9 @@ DEFAULT_OP_BLOCK_TOKENS = 32    # the ops' cache blocks (the engine's default is
 ENGINE_BLOCK_TOKENS = 1024      # the engine's default tokens per KV cache block
 
 
-def _page(kc: np.ndarray, vc: np.ndarray, block_tokens, block_table, fn: str):
-    """[Hkv, cap, D] uint16 caches -> pools [blocks, Hkv, B, D] + uint32 table [ceil(cap / B)]."""
+def _page(kc, vc, block_tokens, block_table, fn: str):
+    """[Hkv, cap, D] uint16 caches -> pools [blocks, Hkv, B, D] + uint32 table [ceil(cap / B)];
+    Q8Cache -> uint8 pools [blocks, Hkv, B, D + 4] (each block: codes, then float32 scales)."""
     B = DEFAULT_OP_BLOCK_TOKENS if block_tokens is None else _uint(block_tokens, "block_tokens", fn)
     minb = int(_core().ops.ATTN_KV_MIN_BLOCK)
     if B < minb or B & (B - 1):
@@ -73,6 +108,19 @@ def _page(kc: np.ndarray, vc: np.ndarray, block_tokens, block_table, fn: str):
             raise ValueError(f"{fn}: block_table maps two logical blocks to one pool block")
     blocks = int(table.max()) + 1
     pools = []
+    if isinstance(kc, Q8Cache):
+        for c in (kc, vc):
+            # Pool blocks outside the table: all bytes 0xff, so their scales are NaN (fp traps).
+            pool = np.full((blocks, Hkv * B * (D + 4)), 0xFF, np.uint8)
+            codes = np.zeros((Hkv, nb * B, D), np.int8)
+            codes[:, :cap] = c.codes
+            scales = np.zeros((Hkv, nb * B), np.float32)
+            scales[:, :cap] = c.scales
+            cb = codes.reshape(Hkv, nb, B, D).transpose(1, 0, 2, 3).reshape(nb, -1).view(np.uint8)
+            sb = np.ascontiguousarray(scales.reshape(Hkv, nb, B).transpose(1, 0, 2)).reshape(nb, -1).view(np.uint8)
+            pool[table] = np.concatenate([cb, sb], axis=1)
+            pools.append(pool.reshape(blocks, Hkv, B, D + 4))
+        return pools[0], pools[1], table
     for c in (kc, vc):
         # Pool blocks outside the table hold NaN: a kernel reading them fails the call (fp traps).
         pool = np.full((blocks, Hkv, B, D), BF16_NAN, np.uint16)
@@ -83,7 +131,15 @@ def _page(kc: np.ndarray, vc: np.ndarray, block_tokens, block_table, fn: str):
     return pools[0], pools[1], table
 
 
-def _unpage(pool: np.ndarray, table: np.ndarray, cap: int) -> np.ndarray:
+def _unpage(pool: np.ndarray, table: np.ndarray, cap: int):
+    if pool.dtype == np.uint8:  # int8 pools [blocks, Hkv, B, D + 4] -> Q8Cache
+        blocks, Hkv, B, D = pool.shape[0], pool.shape[1], pool.shape[2], pool.shape[3] - 4
+        flat = np.ascontiguousarray(pool.reshape(blocks, -1)[table])
+        nb = len(table)
+        codes = flat[:, :Hkv * B * D].copy().view(np.int8).reshape(nb, Hkv, B, D).transpose(1, 0, 2, 3)
+        scales = flat[:, Hkv * B * D:].copy().view(np.float32).reshape(nb, Hkv, B).transpose(1, 0, 2)
+        return Q8Cache(np.ascontiguousarray(codes.reshape(Hkv, -1, D)[:, :cap]),
+                       np.ascontiguousarray(scales.reshape(Hkv, -1)[:, :cap]))
     blocks, Hkv, B, D = pool.shape
     return np.ascontiguousarray(pool[table].transpose(1, 0, 2, 3).reshape(Hkv, -1, D)[:, :cap])
 
@@ -154,6 +210,8 @@ def _qk_norm_rope_append(qg, k, v, q_norm, k_norm, k_cache, v_cache, *, position
         raise ValueError(f"{fn}: q_norm and k_norm must be [{D}] of one dtype, got {q_norm.dtype} "
                          f"{list(q_norm.shape)} and {k_norm.dtype} {list(k_norm.shape)}")
     kcache, vcache = _bf16_cache(k_cache, "k_cache", fn), _bf16_cache(v_cache, "v_cache", fn)
+    if type(kcache) is not type(vcache):
+        raise ValueError(f"{fn}: k_cache and v_cache must both be bfloat16 or both Q8Cache")
     if kcache.shape[0] != Hkv or kcache.shape[2] != D or vcache.shape != kcache.shape:
         raise ValueError(f"{fn}: caches must be [kv_heads={Hkv}, capacity, head_dim={D}], got "
                          f"{list(k_cache.shape)} and {list(v_cache.shape)}")
@@ -170,6 +228,8 @@ def _qk_norm_rope_append(qg, k, v, q_norm, k_norm, k_cache, v_cache, *, position
         weight_offset=float(weight_offset), x_dtype=dt, w_dtype=wdt, device=device, order=order, seed=seed,
         fp_traps=fp_traps)
     cap = kcache.shape[1]
+    if isinstance(kcache, Q8Cache):
+        return _from_core(q, dt), _unpage(kco, table, cap), _unpage(vco, table, cap), stats
     return (_from_core(q, dt), _unpage(kco, table, cap).view(BFLOAT16), _unpage(vco, table, cap).view(BFLOAT16),
             stats)
 
@@ -213,6 +273,8 @@ def _check_attention(q, k_cache, v_cache, gate, fn, tokens_axis: bool):
     q3 = qc if tokens_axis else qc[None]
     T, Hq, D = q3.shape
     kc, vc = _bf16_cache(k_cache, "k_cache", fn), _bf16_cache(v_cache, "v_cache", fn)
+    if type(kc) is not type(vc):
+        raise ValueError(f"{fn}: k_cache and v_cache must both be bfloat16 or both Q8Cache")
     if kc.shape[2] != D or vc.shape != kc.shape or kc.shape[0] == 0:
         raise ValueError(f"{fn}: caches must be [kv_heads, capacity, head_dim={D}], got "
                          f"{list(k_cache.shape)} and {list(v_cache.shape)}")

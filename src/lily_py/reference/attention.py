@@ -17,13 +17,16 @@ class KVCache:
     by reallocation (doubling), never in place.
     """
 
-    def __init__(self, k=None, v=None, length: int = 0):
-        self.k, self.v, self.length = k, v, length
+    def __init__(self, k=None, v=None, length: int = 0, quantize: bool = False):
+        self.k, self.v, self.length, self.quantize = k, v, length, quantize
 
     def fork(self) -> "KVCache":
-        return KVCache(self.k, self.v, self.length)
+        return KVCache(self.k, self.v, self.length, self.quantize)
 
     def append(self, k: np.ndarray, v: np.ndarray) -> None:
+        if self.quantize:  # the int8 cache: each row's values become codes * scale (float32)
+            from .kvquant import int8_row
+            k, v = int8_row(k), int8_row(v)
         n = self.length + k.shape[0]
         if self.k is None or n > self.k.shape[0]:
             cap = max(n, 2 * (0 if self.k is None else self.k.shape[0]), 16)

@@ -24,13 +24,21 @@ def _round_to(x: np.ndarray, dtype) -> np.ndarray:
     return np.asarray(x, np.float32).astype(dtype).astype(np.float32)
 
 
-def int8_row(x: np.ndarray, scale_dtype=np.float32) -> np.ndarray:
+def int8_row_codes(x: np.ndarray, scale_dtype=np.float32) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric int8 of each row (last axis): ``(codes int8, scales float32 [..., 1])`` with
+    scale = max|x| / 127 and code = rint(x * (1 / scale)) in [-127, 127], all in float32: the
+    engine's int8 KV cache (shaders/common/kv_blocks.h) rounds at exactly these points."""
     x = np.asarray(x, np.float32)
     amax = np.abs(x).max(axis=-1, keepdims=True)
-    s = _round_to(amax / np.float32(127), scale_dtype)
-    inv = np.where(s > 0, np.float32(1) / np.where(s > 0, s, 1), np.float32(0))
-    q = np.clip(np.rint(x * inv), -127, 127)
-    return (q * s).astype(np.float32)
+    s = _round_to(amax / np.float32(127), scale_dtype).astype(np.float32)
+    inv = np.where(s > 0, np.float32(1) / np.where(s > 0, s, 1), np.float32(0)).astype(np.float32)
+    q = np.clip(np.rint(x * inv), -127, 127).astype(np.int8)
+    return q, s
+
+
+def int8_row(x: np.ndarray, scale_dtype=np.float32) -> np.ndarray:
+    q, s = int8_row_codes(x, scale_dtype)
+    return (q.astype(np.float32) * s).astype(np.float32)
 
 
 def _grouped(x: np.ndarray, g: int) -> np.ndarray:

@@ -45,18 +45,23 @@ class ReferenceModel:
     """
 
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, *, deltanet: str = "chunked",
-                 chunk_size: int = 64):
+                 chunk_size: int = 64, kv_dtype: str | None = None):
         if deltanet not in ("chunked", "recurrent"):
             raise ValueError(f"deltanet must be 'chunked' or 'recurrent', got {deltanet!r}")
         self.cfg, self.w = cfg, weights
+        if kv_dtype not in (None, "bfloat16", "float32", "int8"):
+            raise ValueError(f"kv_dtype must be 'bfloat16', 'float32', 'int8' or None, got {kv_dtype!r}")
         self.deltanet, self.chunk_size = deltanet, chunk_size
+        # "int8": the cache holds each appended row quantized as the engine's int8 cache does;
+        # otherwise it keeps the float32 rows (the reference does not round to bfloat16)
+        self.kv_quantize = kv_dtype == "int8"
 
     def new_state(self) -> ReferenceState:
         c = self.cfg
         st = ReferenceState()
         for i in range(c.num_hidden_layers):
             if c.is_full_attention(i):
-                st.kv[i] = KVCache()
+                st.kv[i] = KVCache(quantize=self.kv_quantize)
             else:
                 st.conv[i] = np.zeros((c.linear_conv_kernel_dim - 1, c.linear_conv_dim), np.float32)
                 st.recurrent[i] = np.zeros((c.linear_num_value_heads, c.linear_key_head_dim,

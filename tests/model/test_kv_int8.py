@@ -1,0 +1,97 @@
+"""The int8 KV cache (``kv_dtype="int8"``) in the whole model on the engine: its pools hold
+head_dim + 4 bytes a row (codes and a float32 scale), grow by blocks like the bf16 ones, and the
+engine matches the reference model whose cache quantizes each appended row the same way
+(lily_py.reference.kvquant.int8_row): logits across block edges in prefill and decode, greedy
+tokens after prefill chunks of 1, 17 and 4096 on both activation dtypes, snapshot and restore
+bit-identical. The format's own error against the bf16 cache is benchmarks/kv_quant_error.py's."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import lily_py
+from lily_py.testing import TINY_TEXT_CONFIG, make_checkpoint
+from tolerances import assert_close
+from engine_backend import ENGINE, require_engine
+
+require_engine()
+
+B = 32
+INT8 = {"kv_dtype": "int8", "kv_block_tokens": B}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("kv_int8"), dict(TINY_TEXT_CONFIG), fmt="mlx", seed=5, std=0.08)
+
+
+def block_bytes(m):
+    c = m.config
+    layers = sum(c.is_full_attention(i) for i in range(c.num_hidden_layers))
+    return 2 * layers * c.num_key_value_heads * B * (c.head_dim + 4)  # K and V, codes + scale
+
+
+def close(a, r, what):
+    assert_close(a, r, atol=2.0 ** -7 * float(np.abs(r).max()), rtol=0, what=what)
+
+
+def test_int8_pools_grow_and_match_the_int8_reference(ckpt, rng):
+    emu = lily_py.load(ckpt, backend=ENGINE, context_length=400, prefill_chunk=23, activations="float32", **INT8)
+    ref = lily_py.load(ckpt, backend="reference", context_length=400, kv_dtype="int8")
+    assert emu.kv_dtype == "int8"
+    bb = block_bytes(emu)
+    assert emu.stats()["kv_bytes"] == bb and emu.stats()["kv_bytes_in_use"] == 0
+    ids = rng.integers(0, emu.config.vocab_size, size=75).tolist()  # chunks of 23 cross 32 and 64
+    close(emu.prefill(ids, all_logits=True), ref.prefill(ids, all_logits=True), "int8 prefill across blocks")
+    assert emu.stats()["kv_bytes_in_use"] == 3 * bb and emu.stats()["kv_bytes"] == 4 * bb
+    for t in rng.integers(0, emu.config.vocab_size, size=30).tolist():  # decode across 96
+        close(emu.decode(t), ref.decode(t), f"int8 decode at {emu.position}")
+    assert emu.stats()["kv_bytes_in_use"] == 4 * bb
+
+
+def test_int8_cache_differs_from_bf16_by_its_rounding(ckpt, rng):
+    """The int8 engine is closer to the int8 reference than to the float32 one: the cache is
+    really quantized (a kernel that ignored the codes' rounding would not be)."""
+    ids = rng.integers(0, TINY_TEXT_CONFIG["vocab_size"], size=60).tolist()
+    emu = lily_py.load(ckpt, backend=ENGINE, context_length=128, prefill_chunk=64, activations="float32", **INT8)
+    got = emu.prefill(ids)
+    r8 = lily_py.load(ckpt, backend="reference", context_length=128, kv_dtype="int8").prefill(ids)
+    r32 = lily_py.load(ckpt, backend="reference", context_length=128).prefill(ids)
+    d8, d32 = np.abs(got - r8).max(), np.abs(got - r32).max()
+    assert d8 < d32 / 4, (d8, d32)
+
+
+@pytest.mark.parametrize("activations", ["float32", "bfloat16"])
+@pytest.mark.parametrize("chunk", [1, 17, 4096])
+def test_greedy_equals_the_int8_reference(ckpt, activations, chunk):
+    emu = lily_py.load(ckpt, backend=ENGINE, context_length=300, prefill_chunk=chunk, activations=activations, **INT8)
+    ref = lily_py.load(ckpt, backend="reference", context_length=300, kv_dtype="int8")
+    prompt = [(7 * i + 3) % emu.config.vocab_size for i in range(41)]
+    n = 32 if activations == "float32" else 8  # bf16 activations drift from the fp32 reference
+    a = emu.generate_text(prompt, max_tokens=n)
+    b = ref.generate_text(prompt, max_tokens=n)
+    assert a.tokens == b.tokens and len(a.tokens) == n
+
+
+def test_snapshot_restore_is_bit_identical(ckpt, rng):
+    """A snapshot holds the filled int8 blocks (codes and scales); restoring it and replaying gives
+    the same logits bit for bit."""
+    emu = lily_py.load(ckpt, backend=ENGINE, context_length=200, prefill_chunk=16, activations="float32", **INT8)
+    be = emu._backend
+    ids = rng.integers(0, emu.config.vocab_size, size=70).tolist()
+    emu.prefill(ids[:40])
+    snap = be.snapshot()
+    assert be.snapshot_nbytes(snap) == 2 * block_bytes(emu) + (be.engine.state_bytes - be.engine.kv_bytes)
+    first = emu.prefill(ids[40:], all_logits=True)
+    be.restore(snap)
+    emu._history = list(ids[:40])
+    np.testing.assert_array_equal(emu.prefill(ids[40:], all_logits=True), first)
+
+
+def test_bad_kv_dtype_and_head_dims_are_refused(ckpt, tmp_path):
+    with pytest.raises(ValueError, match=r"kv_dtype must be one of \('bfloat16', 'int8'\) or None, got 'fp8'"):
+        lily_py.load(ckpt, backend=ENGINE, context_length=64, kv_dtype="fp8")
+    cfg = dict(TINY_TEXT_CONFIG, head_dim=32)
+    odd = make_checkpoint(tmp_path / "d32", cfg, fmt="mlx", seed=1)
+    with pytest.raises(lily_py.BackendError, match=r"kv_dtype int8 needs head_dim 64, 128 or 256.*got 32"):
+        lily_py.load(odd, backend=ENGINE, context_length=64, kv_dtype="int8")
