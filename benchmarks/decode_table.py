@@ -161,11 +161,13 @@ def roles(dispatches: list[dict], cfg: ModelConfig) -> list[str]:
     return out
 
 
-def step(cfg: ModelConfig, position: int, sample: dict | None, quant: dict | None = None):
-    """One decode step on the counting device; ``quant``: another width (lily_py.sizes.engine_quant)."""
+def step(cfg: ModelConfig, position: int, sample: dict | None, quant: dict | None = None,
+         kv_dtype: str | None = None):
+    """One decode step on the counting device; ``quant``: another width (lily_py.sizes.engine_quant);
+    ``kv_dtype``: the KV cache's ("int8": the int8 kernels and pools)."""
     q = quant or REAL_QUANT
     spec = engine_spec(cfg, q, context_length=position + 1, prefill_chunk=1,
-                       activations=checkpoint_activations(q))  # bf16, as load() runs it
+                       activations=checkpoint_activations(q), kv_dtype=kv_dtype)  # bf16, as load() runs it
     eng = _core.Engine(spec, "count")
     st = eng.count(1, position, False, None if sample is None else dict(sample, valid_vocab=cfg.vocab_size), False)
     return st, eng.count_dispatches()
@@ -199,13 +201,16 @@ def table(cfg, position, sample, markdown: bool, quant: dict | None = None) -> N
         print(("| " + " | ".join(cells) + " |") if markdown else sep.join(cells))
 
 
-def instr_per_key(group: int, e: int) -> int:
+def instr_per_key(group: int, e: int, q8: bool = False) -> int:
     """Simd instructions per key per KV head in attention_vec's key loop (shaders/attention.metal),
-    counted from the source, per simdgroup: 2 uint4 loads, 2E bf16 -> f32 widenings, and per query
-    head of the group E FMAs for the dot, simd_sum (5 shuffles + 5 adds), the online-softmax update
-    (max, compare, select, 2 exp at ~4 instructions each, l update: ~12) and 2E for o = o*corr + p*v;
-    ~4 of loop overhead. Real config (group 8, E 8): 390."""
-    return 2 + 2 * e + group * (e + 10 + 12 + 2 * e) + 4
+    counted from the source, per simdgroup: the K and V loads (bf16: 2 wide loads; int8: 2 and the
+    rows' 2 scales), the widening of 2E values (bf16: 1 each; int8 codes: shift, shift, convert),
+    per query head of the group E FMAs for the dot, reduce_scatter8 (16 + 8 + 4 + 4: selects,
+    shuffles and adds), one online-softmax update for all heads (compare, subtract, select, exp at
+    ~4, 2 selects, l: ~10; int8: +2 for the scales), per head 2 broadcasts (corr, p) and 2E for o =
+    o*corr + p*v; ~4 of loop overhead. Real config (group 8, E 8): 272 bf16, 308 int8."""
+    loads, widen, scales = (4, 3 * 2 * e, 2) if q8 else (2, 2 * e, 0)
+    return loads + widen + group * e + 32 + 10 + scales + group * (2 + 2 * e) + 4
 
 
 def measured_fractions(path: str) -> tuple[dict, str]:
@@ -226,13 +231,14 @@ def measured_fractions(path: str) -> tuple[dict, str]:
 def estimate(cfg, positions, sample, eta: float, t_level: float, t_min: float, attn_factor: float,
              sat: float, clock: float = 1.6e9, alu_eff: float = 0.7, quiet: bool = False,
              quant: dict | None = None, measured: str | None = None,
-             kv_bytes: float = 1.0, ipk: int | None = None) -> list:
+             kv_bytes: float = 1.0, ipk: int | None = None, kv_dtype: str | None = None) -> list:
     """Print (unless quiet) and return [(gpu, context, tok/s)] of the model below. ``quant``: the
     step counted at another width (lily_py.sizes.engine_quant: its own kernels, bytes and grids).
     With `measured` (a gpu_kernels.py JSON), a kernel's eta is eta x min(1, the fraction of a
     device copy it reached there): the kernel keeps on Apple the shortfall it shows on the H200.
-    ``kv_bytes`` scales the bytes of the vec attention dispatches (another KV dtype: --long) and
-    ``ipk`` replaces its instructions per key and KV head."""
+    ``kv_bytes`` scales the bytes of the vec attention dispatches (a what-if KV format) and
+    ``ipk`` replaces its instructions per key and KV head; ``kv_dtype`` counts the step with that
+    KV cache ("int8": its kernels and bytes)."""
     out = []
     frac, run = measured_fractions(measured) if measured else ({}, "")
     if not quiet and measured:
@@ -250,7 +256,7 @@ def estimate(cfg, positions, sample, eta: float, t_level: float, t_min: float, a
         print("|---|---|---|---|---|---|---|")
     for gpu, (cores, bw) in GPUS.items():
         for pos in positions:
-            st, ds = step(cfg, pos, sample, quant)
+            st, ds = step(cfg, pos, sample, quant, kv_dtype)
             by_level: dict = {}
             issue = alu_eff * cores * 4 * clock  # simd instructions per second
             n_ipk = ipk or instr_per_key(cfg.num_attention_heads // cfg.num_key_value_heads, cfg.head_dim // 32)
@@ -317,13 +323,10 @@ LONG_TARGET = 1.5  # x MLX-LM at 64K and 128K (issue 26)
 
 
 def int8_kv(cfg) -> tuple[float, int]:
-    """(bytes factor, instructions per key and KV head) of attention_vec on an 8-bit KV cache with one
-    fp16 scale per row of a head (a what-if: no such kernel is built): a row moves D + 2 bytes
-    instead of 2D; each of the 2E values a lane widens per key costs one convert as the bf16
-    widening does, plus one multiply per query head for K's scale (on the dot) and one for V's (on
-    p): instr_per_key + 2 x group."""
+    """(bytes factor, instructions per key and KV head) of attn_decode_vec_q8 on the int8 KV cache
+    (kv_dtype="int8"): a row moves D + 4 bytes instead of 2D; instr_per_key(q8=True)."""
     group, D = cfg.num_attention_heads // cfg.num_key_value_heads, cfg.head_dim
-    return (D + 2) / (2 * D), instr_per_key(group, D // 32) + 2 * group
+    return (D + 4) / (2 * D), instr_per_key(group, D // 32, q8=True)
 
 
 def long_context(cfg, a) -> None:
@@ -338,10 +341,10 @@ def long_context(cfg, a) -> None:
     cores, bw = GPUS[gpu]
     f8, ipk8 = int8_kv(cfg)
     ipk16 = instr_per_key(cfg.num_attention_heads // cfg.num_key_value_heads, cfg.head_dim // 32)
-    caches = {"bf16": (1.0, ipk16), "8-bit": (f8, ipk8)}
+    caches = {"bf16": (None, ipk16), "int8": ("int8", ipk8)}
 
     def tok(pos, kv, ipk):
-        return {c: t for g, c, t in estimate(cfg, [pos], None, kv_bytes=kv, ipk=ipk, **kw) if g == gpu}[pos + 1]
+        return {c: t for g, c, t in estimate(cfg, [pos], None, ipk=ipk, kv_dtype=kv, **kw) if g == gpu}[pos + 1]
 
     def needed(pos, kv, ipk, target):
         """The most instructions per key that reach the target, or a word."""
@@ -357,20 +360,22 @@ def long_context(cfg, a) -> None:
 
     print(f"{gpu}, greedy decode (ESTIMATE: the model above with the defaults; Lily and MLX-LM: "
           "published)\n")
-    print("| context | MB touched | bytes / floor | est. bf16 KV | est. 8-bit KV (what-if) | Lily | MLX-LM "
-          "| bf16 KV / MLX-LM | target 1.5x MLX-LM | instr. per key for the target: bf16 / 8-bit KV |")
+    print("| context | MB touched: bf16 / int8 KV | bytes / floor: bf16 / int8 | est. bf16 KV | est. int8 KV "
+          "| Lily | MLX-LM | int8 KV / MLX-LM | target 1.5x MLX-LM | instr. per key for the target: bf16 / int8 KV |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for pos in positions:
         c = pos + 1
-        st, _ = step(cfg, pos, None)
-        floor = decode_floor_bytes(cfg, position=pos)["total"]
+        mb, ratio = [], []
+        for kv, _ in caches.values():
+            st, _ = step(cfg, pos, None, kv_dtype=kv)
+            mb.append(f"{st['bytes_touched'] / 1e6:,.0f}")
+            ratio.append(f"{st['bytes_touched'] / decode_floor_bytes(cfg, position=pos, kv_dtype=kv)['total']:.3f}")
         est = {name: tok(pos, kv, ipk) for name, (kv, ipk) in caches.items()}
-        row = [f"{c}", f"{st['bytes_touched'] / 1e6:,.0f}", f"{st['bytes_touched'] / floor:.3f}",
-               f"{est['bf16']:.0f}", f"{est['8-bit']:.0f}"]
+        row = [f"{c}", " / ".join(mb), " / ".join(ratio), f"{est['bf16']:.0f}", f"{est['int8']:.0f}"]
         if c in PUBLISHED_LONG:
             lily, mlx = PUBLISHED_LONG[c]
             target = LONG_TARGET * mlx
-            row += [f"{lily:.1f}", f"{mlx:.1f}", f"{est['bf16'] / mlx:.2f}", f"{target:.0f}",
+            row += [f"{lily:.1f}", f"{mlx:.1f}", f"{est['int8'] / mlx:.2f}", f"{target:.0f}",
                     " / ".join(needed(pos, kv, ipk, target) for kv, ipk in caches.values())]
         else:
             row += ["-"] * 5
@@ -381,7 +386,7 @@ def long_context(cfg, a) -> None:
     t_in = kvh * (pos + 1) * ipk16 / (a.alu_eff * cores * 4 * a.clock_ghz * 1e9)
     print(f"\nper attention layer at {pos + 1}, bf16 KV: KV bandwidth time {t_bw * 1e3:.3f} ms, instruction "
           f"time {t_in * 1e3:.3f} ms ({ipk16} per key and KV head); the level takes the larger. "
-          f"8-bit KV what-if: bytes x {f8:.3f}, {ipk8} instructions per key (int8_kv).")
+          f"int8 KV (attn_decode_vec_q8): bytes x {f8:.3f}, {ipk8} instructions per key (int8_kv).")
 
 
 def main() -> None:

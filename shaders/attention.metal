@@ -418,21 +418,23 @@ struct VecRow<8> {
 // int8 codes: E consecutive codes (E bytes: one 2-, 4- or 8-byte load) times the row's scale.
 inline float q8_code(uint32_t word, uint32_t byte) { return float(as_type<int32_t>(word << (24u - 8u * byte)) >> 24); }
 template <uint32_t E>
-inline void vec_row_q8(const device int8_t* p, float s, thread float* out) {
-  constexpr uint32_t W = E >= 4 ? E / 4 : 1;  // 4-byte words of codes (E = 2: one 2-byte load)
-  if (E == 2) {
-    const uint32_t u = uint32_t(*reinterpret_cast<const device ushort*>(p));
-    out[0] = q8_code(u, 0) * s;
-    out[1] = q8_code(u, 1) * s;
-    return;
-  }
-  for (uint32_t w = 0; w < W; ++w) {
+inline void vec_row_q8(const device int8_t* p, thread float* out) {
+  // E / 4 words of 4 codes (E = 4, 8; E = 2 below: one 2-byte load)
+  for (uint32_t w = 0; w < E / 4; ++w) {
     const uint32_t u = reinterpret_cast<const device uint32_t*>(p)[w];
-    for (uint32_t b = 0; b < 4; ++b) out[4 * w + b] = q8_code(u, b) * s;
+    for (uint32_t b = 0; b < 4; ++b) out[4 * w + b] = q8_code(u, b);
   }
 }
+template <>
+inline void vec_row_q8<2>(const device int8_t* p, thread float* out) {
+  const uint32_t u = uint32_t(*reinterpret_cast<const device ushort*>(p));
+  out[0] = q8_code(u, 0);
+  out[1] = q8_code(u, 1);
+}
 
-// The vec route's cache reader: a lane's E values of key `key` of the threadgroup's block.
+// The vec route's cache reader: a lane's E values of key `key` of the threadgroup's block, and the
+// rows' scales (bf16: 1; q8: the codes come unscaled, the kernel applies the scales to the dot
+// product and to p, once per key rather than once per value).
 template <uint32_t E, typename KV>
 struct VecKv;
 template <uint32_t E>
@@ -441,9 +443,11 @@ struct VecKv<E, bfloat> {
   const device bfloat* v;
   VecKv(const device bfloat* k_cache, const device bfloat* v_cache, KvRow r, uint32_t d0)
       : k(k_cache + r.at + d0), v(v_cache + r.at + d0) {}
-  void load(uint32_t key, thread float* kv, thread float* vv) const {
+  void load(uint32_t key, thread float* kv, thread float* vv, thread float& ks, thread float& vs) const {
     VecRow<E>::bf16(k + key * (32 * E), kv);
     VecRow<E>::bf16(v + key * (32 * E), vv);
+    ks = 1.0f;
+    vs = 1.0f;
   }
 };
 template <uint32_t E>
@@ -456,21 +460,40 @@ struct VecKv<E, int8_t> {
       : k(k_cache + r.at + d0), v(v_cache + r.at + d0),
         ks(reinterpret_cast<const device float*>(k_cache) + r.scale),
         vs(reinterpret_cast<const device float*>(v_cache) + r.scale) {}
-  void load(uint32_t key, thread float* kv, thread float* vv) const {
-    vec_row_q8<E>(k + key * (32 * E), ks[key], kv);
-    vec_row_q8<E>(v + key * (32 * E), vs[key], vv);
+  void load(uint32_t key, thread float* kv, thread float* vv, thread float& k_scale, thread float& v_scale) const {
+    vec_row_q8<E>(k + key * (32 * E), kv);
+    vec_row_q8<E>(v + key * (32 * E), vv);
+    k_scale = ks[key];
+    v_scale = vs[key];
   }
 };
+
+// The 8 heads' partial dot products of a lane -> the whole dot product of head lane / 4 (the same
+// on the 4 lanes of a quad): a reduce-scatter over the simdgroup. At xor 16, 8 and 4 each lane
+// keeps half of its values and adds its partner's of that half (4 + 2 + 1 shuffles), then xor 2
+// and 1 sum the quad: 9 shuffles and 9 adds for the 8 sums, where 8 simd_sums take 40 and 40.
+inline float reduce_scatter8(thread const float* v, uint32_t lane) {
+  const bool b4 = (lane & 16u) != 0, b3 = (lane & 8u) != 0, b2 = (lane & 4u) != 0;
+  float w4[4];
+  for (uint32_t i = 0; i < 4; ++i) w4[i] = (b4 ? v[i + 4] : v[i]) + simd_shuffle_xor(b4 ? v[i] : v[i + 4], ushort(16));
+  float w2[2];
+  for (uint32_t i = 0; i < 2; ++i)
+    w2[i] = (b3 ? w4[i + 2] : w4[i]) + simd_shuffle_xor(b3 ? w4[i] : w4[i + 2], ushort(8));
+  float w = (b2 ? w2[1] : w2[0]) + simd_shuffle_xor(b2 ? w2[0] : w2[1], ushort(4));
+  w += simd_shuffle_xor(w, ushort(2));
+  return w + simd_shuffle_xor(w, ushort(1));
+}
 
 // attention_vec: first pass. Threadgroup (kv head, block) covers keys
 // [block * split_keys, min((block + 1) * split_keys, position + 1)) (never empty: the host sizes
 // the blocks); simdgroup s walks keys begin + s, begin + s + 8, ... (8 simdgroups read 8 adjacent
 // cache rows at a time). Lane j holds dims [E j, E j + E) of the query of every head of the KV
 // head's group (pre-scaled by the softmax scale, in registers), of one K row and one V row, and of
-// the group's running outputs. Per key and head: E products, one simd_sum, the online-softmax
-// update with one exp (running max m and sum l per head, identical on all lanes). Unrolled over
-// kAttnMaxGroup heads with no branch, so the heads' simd_sum chains interleave and no private
-// array is indexed at run time.
+// the group's running outputs. Per key: E products per head; the 8 heads' sums by one
+// reduce-scatter (reduce_scatter8: lane j ends with head j / 4's score); one online-softmax
+// update with one exp on every lane, for head j / 4 (its running max and sum live on its quad);
+// then per head its correction and p broadcast from lane 4 h and E multiply-adds into o.
+// Unrolled over kAttnMaxGroup heads with no branch, so no private array is indexed at run time.
 // Then the 8 simdgroups' (m, l, o) are merged through threadgroup memory (one head at a time) and
 // written as the block's unnormalized partial.
 //   grid:    (kv_heads, blocks) threadgroups of kAttnVecSimds * 32 = 256 threads
@@ -489,6 +512,7 @@ template <typename T, uint32_t E, typename KV>
                               const device uint32_t* block_table [[buffer(6)]],
                               LILY_KERNEL_TAIL) {
   constexpr uint32_t G = kAttnMaxGroup;
+  static_assert(G == 8, "reduce_scatter8 puts head j / 4 on lane j: 8 heads");
   constexpr uint32_t NS = kAttnVecSimds;
   constexpr uint32_t D = 32 * E;
   LILY_TG_ARRAY(float, o_s, [kAttnVecSimds * kAttnMaxHeadDim]);
@@ -517,30 +541,41 @@ template <typename T, uint32_t E, typename KV>
   // The block's keys lie in one cache block (split_keys divides the cache block): one table read.
   const VecKv<E, KV> rows(k_cache, v_cache,
                           KvRows<KV>::row(block_table, args.block_shift, args.kv_heads, D, kvh, key_begin), d0);
+  // Lane j keeps the running max and sum of head j / 4 of the group (m_h, l_h): one online-softmax
+  // update per key for all 8 heads at once, on the lanes' quads.
+  float m_h = neg_inf();
+  float l_h = 0.0f;
   for (uint32_t key = simd_id; key < key_end - key_begin; key += NS) {
     float kv[E];
     float vv[E];
-    rows.load(key, kv, vv);
+    float k_scale, v_scale;
+    rows.load(key, kv, vv, k_scale, v_scale);
     // Every one of the G heads, without a branch (heads past the group repeat the group's last
-    // head and are never written): the G simd_sum chains are independent and interleave.
-    float sc[G];
+    // head and are never written).
+    float dot[G];
     for (uint32_t g = 0; g < G; ++g) {
-      float dot = 0.0f;
-      for (uint32_t e = 0; e < E; ++e) dot += qr[g][e] * kv[e];
-      sc[g] = simd_sum(dot);
+      dot[g] = 0.0f;
+      for (uint32_t e = 0; e < E; ++e) dot[g] += qr[g][e] * kv[e];
     }
+    // One exp: the larger of (m, s) gets weight 1, the other exp(-|s - m|) (first key: m = -inf,
+    // so corr = 0 and p = 1).
+    const float s = reduce_scatter8(dot, lane) * k_scale;
+    const bool up = s > m_h;
+    const float ex = exp(up ? m_h - s : s - m_h);
+    const float corr = up ? ex : 1.0f;
+    const float p = up ? 1.0f : ex;
+    l_h = l_h * corr + p;
+    m_h = up ? s : m_h;
+    const float pv = p * v_scale;
     for (uint32_t g = 0; g < G; ++g) {
-      // One exp: the larger of (m, s) gets weight 1, the other exp(-|s - m|) (first key:
-      // m = -inf, so corr = 0 and p = 1).
-      const float s = sc[g];
-      const bool up = s > m[g];
-      const float e = exp(up ? m[g] - s : s - m[g]);
-      const float corr = up ? e : 1.0f;
-      const float p = up ? 1.0f : e;
-      l[g] = l[g] * corr + p;
-      m[g] = up ? s : m[g];
-      for (uint32_t d = 0; d < E; ++d) o[g][d] = o[g][d] * corr + p * vv[d];
+      const float cg = simd_broadcast(corr, ushort(4 * g));
+      const float pg = simd_broadcast(pv, ushort(4 * g));
+      for (uint32_t d = 0; d < E; ++d) o[g][d] = o[g][d] * cg + pg * vv[d];
     }
+  }
+  for (uint32_t g = 0; g < G; ++g) {
+    m[g] = simd_broadcast(m_h, ushort(4 * g));
+    l[g] = simd_broadcast(l_h, ushort(4 * g));
   }
 
   // Merge the 8 simdgroups. A simdgroup that saw no key has m = -inf, l = 0, o = 0: weight 0.

@@ -659,7 +659,7 @@ def _qbytes(rows: int, cols: int, q: dict) -> int:
 
 
 def decode_floor_bytes(cfg: ModelConfig, *, position: int, quant: dict | None = None,
-                       activations: str | None = None) -> dict:
+                       activations: str | None = None, kv_dtype: str | None = None) -> dict:
     """The bytes one decode token cannot avoid moving, derived from the config alone
     (docs/decode.md): every weight it uses read once (one embedding row; every layer's
     norms and mixer; the router, the top-k routed experts and the shared expert; the final norm
@@ -667,7 +667,8 @@ def decode_floor_bytes(cfg: ModelConfig, *, position: int, quant: dict | None = 
     and each attention layer's KV cache read for ``position + 1`` rows and one row written.
     Activations (a few KB per kernel, the 1 MB logits row) are not in the floor; the conv window
     has the activation dtype (``activations``, default the quantization's: bf16 for the real one).
-    Every weight counts at its own width (``quant_overrides``: a mixed-bit checkpoint)."""
+    Every weight counts at its own width (``quant_overrides``: a mixed-bit checkpoint). A KV row
+    is 2 head_dim bytes, or head_dim + 4 with ``kv_dtype="int8"`` (codes and a float32 scale)."""
     q = quant or REAL_QUANT
     over = q.get("quant_overrides", {})
 
@@ -690,7 +691,8 @@ def decode_floor_bytes(cfg: ModelConfig, *, position: int, quant: dict | None = 
             mixer += (qb(2 * hq * D, H, p + "qkv_proj:q", "mixer") + qb(kv * D, H, p + "qkv_proj:k", "mixer")
                       + qb(kv * D, H, p + "qkv_proj:v", "mixer") + qb(H, hq * D, p + "o_proj", "mixer"))
             mixer += 2 * 4 * D                                            # q_norm, k_norm
-            kv_bytes += 2 * kv * D * 2 * (position + 1) + 2 * kv * D * 2  # K, V read; new row written
+            row = D + 4 if kv_dtype == "int8" else 2 * D
+            kv_bytes += 2 * kv * row * (position + 1) + 2 * kv * row  # K, V read; new row written
         else:
             mixer += (qb(C, H, p + "in_proj:qkv", "mixer") + qb(Hv * Dv, H, p + "in_proj:z", "mixer")
                       + qb(Hv, H, p + "in_proj:b", "mixer") + qb(Hv, H, p + "in_proj:a", "mixer")
