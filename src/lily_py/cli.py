@@ -36,6 +36,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="context length in tokens (default: the model's max_position_embeddings; the "
                         "same on every backend; engine backends take KV cache blocks as it fills)")
     p.add_argument("--revision", default=None, help="hub revision (branch, tag or commit)")
+    p.add_argument("--kv-dtype", choices=["bfloat16", "int8"], default=None,
+                   help="KV cache element type (default bfloat16; int8: about half the cache's bytes, "
+                        "docs/memory.md)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -62,7 +65,8 @@ def _sampling_kwargs(a, turn: int = 0) -> dict:
 
 def _load(a):
     from .model import load
-    return load(a.model, backend=a.backend, context_length=a.context, revision=a.revision)
+    return load(a.model, backend=a.backend, context_length=a.context, revision=a.revision,
+                kv_dtype=getattr(a, "kv_dtype", None))
 
 
 class _CtrlC:

@@ -95,3 +95,26 @@ def test_bad_kv_dtype_and_head_dims_are_refused(ckpt, tmp_path):
     odd = make_checkpoint(tmp_path / "d32", cfg, fmt="mlx", seed=1)
     with pytest.raises(lily_py.BackendError, match=r"kv_dtype int8 needs head_dim 64, 128 or 256.*got 32"):
         lily_py.load(odd, backend=ENGINE, context_length=64, kv_dtype="int8")
+
+
+@pytest.mark.parametrize("position", [255, 131071])
+def test_decode_bytes_of_the_real_config_against_the_int8_floor(position):
+    """A decode step of the real config with the int8 cache, on the counting device: it reads the
+    KV rows at head_dim + 4 bytes (the bf16 step minus exactly (2D - (D + 4)) bytes per row read and
+    written), and moves at most 1.03x the bytes it cannot avoid with that cache (issue 26's bound at
+    128K)."""
+    from lily_py.backends.engine import count_kernels, decode_floor_bytes
+    from lily_py.config import ModelConfig
+    from lily_py.testing import REAL_TEXT_CONFIG
+    cfg = ModelConfig.from_dict({"model_type": "qwen3_5_moe", "text_config": REAL_TEXT_CONFIG})
+    s8, k8 = count_kernels(cfg, position=position, kv_dtype="int8")
+    s16, _ = count_kernels(cfg, position=position)
+    layers = sum(cfg.is_full_attention(i) for i in range(cfg.num_hidden_layers))
+    D, kvh = cfg.head_dim, cfg.num_key_value_heads
+    rows = layers * 2 * kvh * ((position + 1) + 1)  # K and V: every row read, the new one written
+    assert s16["bytes_touched"] - s8["bytes_touched"] == rows * (2 * D - (D + 4))
+    floor = decode_floor_bytes(cfg, position=position, kv_dtype="int8")["total"]
+    print(f"position {position}: int8 KV bytes_touched {s8['bytes_touched']}, floor {floor}, "
+          f"ratio {s8['bytes_touched'] / floor:.4f}")
+    assert floor <= s8["bytes_touched"] <= 1.03 * floor
+    assert "attn_decode_vec_q8_e8_bf16" in k8 and "qk_norm_rope_q8_xbf16_wf32" in k8

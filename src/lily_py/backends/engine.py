@@ -711,12 +711,13 @@ def decode_floor_bytes(cfg: ModelConfig, *, position: int, quant: dict | None = 
 
 
 def count_kernels(cfg: ModelConfig, *, position: int, sample: dict | None = None,
-                  quant: dict | None = None, activations: str | None = None) -> tuple[dict, dict]:
+                  quant: dict | None = None, activations: str | None = None,
+                  kv_dtype: str | None = None) -> tuple[dict, dict]:
     """(step counters, per-kernel totals) of one decode step at ``position`` for ``cfg`` on the
     counting device: kernel name -> dispatches, bytes_touched, threads, groups."""
     q = quant or REAL_QUANT
     spec = engine_spec(cfg, q, context_length=position + 1, prefill_chunk=1,
-                       activations=activations or checkpoint_activations(q))
+                       activations=activations or checkpoint_activations(q), kv_dtype=kv_dtype)
     eng = _core().Engine(spec, "count")
     st = eng.count(1, position, False, sample, False)
     return st, eng.count_kernels()

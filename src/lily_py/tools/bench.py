@@ -206,7 +206,8 @@ def run_mlx(path: str, ids: list[int], decode_tokens: int) -> tuple[float, float
 
 
 # ------------------------------------------------------------------------------ counted
-def count_context(cfg, context: int, decode_tokens: int, prefill_chunk: int, quant: dict | None = None) -> Row:
+def count_context(cfg, context: int, decode_tokens: int, prefill_chunk: int, quant: dict | None = None,
+                  kv_dtype: str | None = None) -> Row:
     """Counters of the steps a run at ``context`` would encode, on the counting device: the
     prefill chunks (no logits but for the last chunk) and a decode step at ``context`` that
     samples on the device and reads its token from the slot, as ``generate`` does."""
@@ -214,7 +215,7 @@ def count_context(cfg, context: int, decode_tokens: int, prefill_chunk: int, qua
     from ..backends.engine import REAL_QUANT, engine_spec
     chunk = min(prefill_chunk, context)
     spec = engine_spec(cfg, quant or REAL_QUANT, context_length=context + decode_tokens + 1,
-                       prefill_chunk=chunk)
+                       prefill_chunk=chunk, kv_dtype=kv_dtype)
     eng = _core.Engine(spec, "count")
     steps = []
     for pos in range(0, context, chunk):
@@ -227,7 +228,8 @@ def count_context(cfg, context: int, decode_tokens: int, prefill_chunk: int, qua
     # count() leaves the position at 0: the blocks of context + 1 positions, every attention layer
     B = int(spec.get("kv_block_tokens", 1024))
     layers = sum(1 for i in range(cfg.num_hidden_layers) if cfg.is_full_attention(i))
-    kv = -(-(context + 1) // B) * B * layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 2
+    row = cfg.head_dim + 4 if kv_dtype == "int8" else 2 * cfg.head_dim  # bytes of a cache row
+    kv = -(-(context + 1) // B) * B * layers * 2 * cfg.num_key_value_heads * row
     return Row(context, decode_dispatches=dec["dispatches"], decode_barriers=dec["barriers"],
                decode_bytes=dec[key], prefill_dispatches=_per_token(steps, "dispatches", context),
                prefill_barriers=_per_token(steps, "barriers", context),
@@ -339,7 +341,7 @@ def _is_gpu(device: str) -> bool:
 def bench(*, model: str | None = None, random_weights: bool = False, config: str | None = None,
           layers: int | None = None, backend: str = "auto", contexts=CONTEXTS, decode_tokens: int = 32,
           run_max_context: int | None = None, prefill_chunk: int = 4096, compare: str | None = None,
-          seed: int = 0, out=sys.stdout) -> dict:
+          seed: int = 0, kv_dtype: str | None = None, out=sys.stdout) -> dict:
     """Run the benchmark (see the module docstring); print the tables to ``out``; return the
     results as a dict (what ``--json`` writes)."""
     from .. import __version__
@@ -358,7 +360,7 @@ def bench(*, model: str | None = None, random_weights: bool = False, config: str
     contexts = sorted(set(int(c) for c in contexts))
     result = {"lily_py": __version__, "machine": f"{platform.system()} {platform.machine()}, "
               f"{os.cpu_count()} cores", "device": device, "contexts": contexts,
-              "decode_tokens": decode_tokens, "seed": seed, "tables": []}
+              "decode_tokens": decode_tokens, "seed": seed, "kv_dtype": kv_dtype or "bfloat16", "tables": []}
     tmp = None
     try:
         if random_weights:
@@ -384,7 +386,8 @@ def bench(*, model: str | None = None, random_weights: bool = False, config: str
                    "--run-max-context N forces it")
         skipped = [c for c in contexts if c not in run_ctx]
 
-        say(f"lily-py bench: lily_py {__version__}, {result['machine']}, device '{device}'")
+        say(f"lily-py bench: lily_py {__version__}, {result['machine']}, device '{device}'"
+            + (f", {kv_dtype} KV cache" if kv_dtype == "int8" else ""))
         # measured
         measured = Table("measured", f"{subject}: {describe(cfg)}", device)
         if run_ctx:
@@ -392,7 +395,7 @@ def bench(*, model: str | None = None, random_weights: bool = False, config: str
             level, quiet.level = quiet.level, logging.ERROR   # random weights: no tokenizer (expected)
             try:
                 m = load(path, backend=device, context_length=max(run_ctx) + decode_tokens + 2,
-                         prefill_chunk=min(prefill_chunk, max(run_ctx)))
+                         prefill_chunk=min(prefill_chunk, max(run_ctx)), kv_dtype=kv_dtype)
             finally:
                 quiet.setLevel(level)
             rng = np.random.default_rng(seed)
@@ -450,7 +453,7 @@ def bench(*, model: str | None = None, random_weights: bool = False, config: str
         for c in contexts:
             if c + decode_tokens + 1 > real.max_position_embeddings:
                 continue
-            counted.rows.append(count_context(real, c, decode_tokens, prefill_chunk, quant))
+            counted.rows.append(count_context(real, c, decode_tokens, prefill_chunk, quant, kv_dtype))
         if counted.rows:
             counted.bytes_key = "bytes_bound"
         say()
@@ -489,6 +492,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compare", choices=["mlx-lm"], default=None,
                    help="also run mlx-lm on the same checkpoint (where installed) and print the ratio")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts and weights")
+    p.add_argument("--kv-dtype", choices=["bfloat16", "int8"], default=None,
+                   help="KV cache element type (default bfloat16; int8: codes + a float32 scale per row)")
     p.add_argument("--json", dest="json_path", default=None, help="write the results to this file")
     p.set_defaults(func=main)
 
@@ -497,7 +502,7 @@ def main(a) -> int:
     res = bench(model=a.model, random_weights=a.random_weights, config=a.config, layers=a.layers,
                 backend=a.backend, contexts=a.contexts, decode_tokens=a.decode_tokens,
                 run_max_context=a.run_max_context, prefill_chunk=a.prefill_chunk, compare=a.compare,
-                seed=a.seed)
+                seed=a.seed, kv_dtype=a.kv_dtype)
     if a.json_path:
         with open(a.json_path, "w") as f:
             json.dump(res, f, indent=2)
