@@ -842,11 +842,34 @@ template <typename T, typename KV>
 // |O / l - exact| <= 2^-8 * sum_j w_j |v_j| <= 2^-8 max |v|; one rounding of the output to bf16.
 // Alignment (checked by the host, which otherwise takes attention_prefill_mma): q, k_cache and
 // v_cache bindings on 16-byte boundaries, q_stride a multiple of 8.
-template <uint32_t D>
+// With an int8 cache (KV = int8_t) each staged unit is 8 codes x the row's scale, rounded to bf16
+// (the tiles' operand type): one more rounding of K and V than the bf16 cache's, as large.
+inline uint32_t bf16_pair(float a, float b) {
+  return uint32_t(as_type<ushort>(bfloat(a))) | (uint32_t(as_type<ushort>(bfloat(b))) << 16);
+}
+template <typename KV>
+struct TileKv;
+template <>
+struct TileKv<bfloat> {
+  static uint4 load(const device bfloat* pool, KvRow r, uint32_t key, uint32_t D, uint32_t col) {
+    return *reinterpret_cast<const device uint4*>(pool + r.at + key * D + col);
+  }
+};
+template <>
+struct TileKv<int8_t> {
+  static uint4 load(const device int8_t* pool, KvRow r, uint32_t key, uint32_t D, uint32_t col) {
+    const uint2 c = *reinterpret_cast<const device uint2*>(pool + r.at + key * D + col);
+    const float s = KvRows<int8_t>::scale(pool, r.scale + key);
+    return uint4(bf16_pair(q8_code(c.x, 0) * s, q8_code(c.x, 1) * s), bf16_pair(q8_code(c.x, 2) * s, q8_code(c.x, 3) * s),
+                 bf16_pair(q8_code(c.y, 0) * s, q8_code(c.y, 1) * s), bf16_pair(q8_code(c.y, 2) * s, q8_code(c.y, 3) * s));
+  }
+};
+
+template <uint32_t D, typename KV>
 [[kernel]] void attention_prefill_tiles(constant AttnArgs& args [[buffer(0)]],
                                         const device bfloat* q [[buffer(1)]],
-                                        const device bfloat* k_cache [[buffer(2)]],
-                                        const device bfloat* v_cache [[buffer(3)]],
+                                        const device KV* k_cache [[buffer(2)]],
+                                        const device KV* v_cache [[buffer(3)]],
                                         const device bfloat* gate [[buffer(4)]],
                                         device bfloat* out [[buffer(5)]],
                                         const device uint32_t* block_table [[buffer(6)]],
@@ -913,12 +936,12 @@ template <uint32_t D>
   // Block kb's rows (kb, a multiple of BK <= 32, .. min(kb + BK, key_end) - 1) lie in one cache block.
   uint4 kr[PER], vr[PER];
   {
-    const uint32_t blk = kv_row_offset(block_table, args.block_shift, args.kv_heads, D, kvh, 0);
+    const KvRow blk = KvRows<KV>::row(block_table, args.block_shift, args.kv_heads, D, kvh, 0);
     for (uint32_t i = 0; i < PER; ++i) {
       const uint32_t u = t + i * NT;
       const uint32_t key = min(u / U, key_end - 1);
-      kr[i] = *reinterpret_cast<const device uint4*>(k_cache + blk + key * D + (u % U) * 8);
-      vr[i] = *reinterpret_cast<const device uint4*>(v_cache + blk + key * D + (u % U) * 8);
+      kr[i] = TileKv<KV>::load(k_cache, blk, key, D, (u % U) * 8);
+      vr[i] = TileKv<KV>::load(v_cache, blk, key, D, (u % U) * 8);
     }
   }
   for (uint32_t kb = 0, stage = 0; kb < key_end; kb += BK, stage ^= 1) {
@@ -932,12 +955,12 @@ template <uint32_t D>
     threadgroup_barrier(mem_flags::mem_threadgroup);
     if (kb + BK < key_end) {  // the next block's loads, in flight during this block's math
       const uint32_t nb = kb + BK;
-      const uint32_t blk = kv_row_offset(block_table, args.block_shift, args.kv_heads, D, kvh, nb);
+      const KvRow blk = KvRows<KV>::row(block_table, args.block_shift, args.kv_heads, D, kvh, nb);
       for (uint32_t i = 0; i < PER; ++i) {
         const uint32_t u = t + i * NT;
         const uint32_t key = min(nb + u / U, key_end - 1) - nb;
-        kr[i] = *reinterpret_cast<const device uint4*>(k_cache + blk + key * D + (u % U) * 8);
-        vr[i] = *reinterpret_cast<const device uint4*>(v_cache + blk + key * D + (u % U) * 8);
+        kr[i] = TileKv<KV>::load(k_cache, blk, key, D, (u % U) * 8);
+        vr[i] = TileKv<KV>::load(v_cache, blk, key, D, (u % U) * 8);
       }
     }
 
@@ -1056,8 +1079,11 @@ LILY_INSTANTIATE("attn_prefill_mma_f32", attention_prefill_mma<float, bfloat>)
 LILY_INSTANTIATE("attn_prefill_mma_q8_f32", attention_prefill_mma<float, int8_t>)
 LILY_INSTANTIATE("attn_prefill_mma_bf16", attention_prefill_mma<bfloat, bfloat>)
 LILY_INSTANTIATE("attn_prefill_mma_q8_bf16", attention_prefill_mma<bfloat, int8_t>)
-LILY_INSTANTIATE("attn_prefill_tiles_d64_bf16", attention_prefill_tiles<64>)
-LILY_INSTANTIATE("attn_prefill_tiles_d128_bf16", attention_prefill_tiles<128>)
-LILY_INSTANTIATE("attn_prefill_tiles_d256_bf16", attention_prefill_tiles<256>)
+LILY_INSTANTIATE("attn_prefill_tiles_d64_bf16", attention_prefill_tiles<64, bfloat>)
+LILY_INSTANTIATE("attn_prefill_tiles_q8_d64_bf16", attention_prefill_tiles<64, int8_t>)
+LILY_INSTANTIATE("attn_prefill_tiles_d128_bf16", attention_prefill_tiles<128, bfloat>)
+LILY_INSTANTIATE("attn_prefill_tiles_q8_d128_bf16", attention_prefill_tiles<128, int8_t>)
+LILY_INSTANTIATE("attn_prefill_tiles_d256_bf16", attention_prefill_tiles<256, bfloat>)
+LILY_INSTANTIATE("attn_prefill_tiles_q8_d256_bf16", attention_prefill_tiles<256, int8_t>)
 
 }  // namespace lily

@@ -232,6 +232,9 @@
   X(attn_prefill_tiles_d64_bf16,  AttnArgs, 6)                                \
   X(attn_prefill_tiles_d128_bf16, AttnArgs, 6)                                \
   X(attn_prefill_tiles_d256_bf16, AttnArgs, 6)                                \
+  X(attn_prefill_tiles_q8_d64_bf16,  AttnArgs, 6)  /* int8 KV pools */        \
+  X(attn_prefill_tiles_q8_d128_bf16, AttnArgs, 6)                             \
+  X(attn_prefill_tiles_q8_d256_bf16, AttnArgs, 6)                             \
   /* split-K decode: q, k_cache, v_cache, partial_o, partial_ml */            \
   X(attn_decode_split_f32,  AttnArgs, 6)                                      \
   X(attn_decode_split_bf16, AttnArgs, 6)                                      \

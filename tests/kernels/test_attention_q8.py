@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kernel_checks import DEVICES, F32_EPS, assert_close, rng  # noqa: F401  (fixtures)
+from kernel_checks import BF16_EPS, DEVICES, F32_EPS, assert_close, rng  # noqa: F401  (fixtures)
 from lily_py import ops
 from lily_py.ops import attention as A
 from lily_py.ops.attention import Q8Cache
@@ -109,8 +109,29 @@ def test_prefill_reads_codes_times_scale(rng, device, dtype, D, Hq, Hkv, positio
     kc, vc = q8(rng, Hkv, cap, D), q8(rng, Hkv, cap, D, 1.0)
     out, stats = A._attention_prefill(q, kc, vc, position=position, gate=g, device=device, seed=rng.seed,
                                       block_tokens=32, block_table=scrambled(rng, cap, 32))
-    assert list(stats["kernels"]) == [f"attn_prefill_mma_q8_{sfx(dtype)}"]
-    check_attention(rng, out, q, kc.values(), vc.values(), g, position, f"q8 prefill D={D}")
+    if dtype == BF16:  # the bf16 tiles (M1-M4): K and V staged as bf16(code x scale), P in bf16
+        assert list(stats["kernels"]) == [f"attn_prefill_tiles_q8_d{D}_bf16"]
+        r, smag, vmag = ref.attention(q, kc.values(), vc.values(), position=position, gate=g)
+        # K's rounding moves a score by <= 2^-9 smag, so a weight by <= 2^-8 smag relative; V's and
+        # P's roundings 2^-9 and 2^-8; the output's bf16 rounding is in rtol
+        assert_close(out, r, atol=(2.0 ** -7 + 2.0 ** -8 * smag) * vmag, rtol=2 * BF16_EPS,
+                     what=f"q8 prefill tiles D={D}", seed=rng.seed)
+    else:
+        assert list(stats["kernels"]) == [f"attn_prefill_mma_q8_{sfx(dtype)}"]
+        check_attention(rng, out, q, kc.values(), vc.values(), g, position, f"q8 prefill D={D}")
+
+
+@pytest.mark.parametrize("position,T", [(45, 50), (0, 33)])
+def test_prefill_on_a_tensor_op_device_takes_the_mma_route(rng, position, T):
+    """The M5 tensor-op attention reads bf16 pools only: an int8 cache takes the mma route there."""
+    from lily_py.testing import simulated_device
+    cap = position + T + 1
+    q, _, _, g = attn_case(rng, T, 4, 2, 64, cap, BF16)
+    kc, vc = q8(rng, 2, cap, 64), q8(rng, 2, cap, 64, 1.0)
+    with simulated_device(tensor_ops=True):
+        out, stats = A._attention_prefill(q, kc, vc, position=position, gate=g, seed=rng.seed)
+    assert list(stats["kernels"]) == ["attn_prefill_mma_q8_bf16"]
+    check_attention(rng, out, q, kc.values(), vc.values(), g, position, "q8 prefill, tensor ops")
 
 
 def test_bytes_touched_are_the_int8_rows(rng):

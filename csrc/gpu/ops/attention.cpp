@@ -354,7 +354,18 @@ void encode_attention_prefill(Encoder& enc, const AttentionOperands& op) {
   Checked c = check_attention(fn, op);
   const uint32_t group = op.q_heads / op.kv_heads;
   const bool bf = op.dtype == DType::bf16;
-  if (op.kv.q8) {  // int8 pools: the mma route reads them (codes x scale widened to fp32 as it stages)
+  const bool aligned = c.q.offset % 16 == 0 && c.k.offset % 16 == 0 && c.v.offset % 16 == 0 && c.args.q_stride % 8 == 0;
+  if (op.kv.q8 && attention_prefill_uses_tiles(op.head_dim, op.dtype, enc.tensor_ops()) && aligned) {
+    // int8 pools on the bf16 tiles: codes x scale rounded to bf16 as they are staged
+    const uint32_t D = op.head_dim;
+    encode_blocked_prefill(enc, op, c,
+                           D == 64    ? KernelId::attn_prefill_tiles_q8_d64_bf16
+                           : D == 128 ? KernelId::attn_prefill_tiles_q8_d128_bf16
+                                      : KernelId::attn_prefill_tiles_q8_d256_bf16,
+                           kAttnMmaRows / group, kAttnTilesThreads, kAttnMmaRows, kAttnTilesKeyDims / D);
+    return;
+  }
+  if (op.kv.q8) {  // int8 pools elsewhere: the mma route (codes x scale widened to fp32 as it stages)
     const uint32_t qt = kAttnMmaRows / group;
     encode_blocked_prefill(enc, op, c, bf ? KernelId::attn_prefill_mma_q8_bf16 : KernelId::attn_prefill_mma_q8_f32,
                            qt, kAttnMmaThreads, kAttnMmaRows, kAttnBlockKeys);
