@@ -256,7 +256,9 @@ void init_ops_attention(nb::module_& parent) {
             return;
           }
           const std::string sfx = bf ? "bf16" : "f32";
-          if (q8 && gpu::ops::attention_prefill_uses_tiles(op.head_dim, op.dtype, e.tensor_ops()))
+          if (q8 && gpu::ops::attention_prefill_uses_m5(op.head_dim, e.tensor_ops()))
+            prefill_kernel = "attn_prefill_m5_q8_d" + std::to_string(op.head_dim) + "_" + sfx;
+          else if (q8 && gpu::ops::attention_prefill_uses_tiles(op.head_dim, op.dtype, e.tensor_ops()))
             prefill_kernel = "attn_prefill_tiles_q8_d" + std::to_string(op.head_dim) + "_" + sfx;
           else if (q8)
             prefill_kernel = "attn_prefill_mma_q8_" + sfx;

@@ -56,23 +56,25 @@ inline uint32_t attn_m5_blocked(uint32_t row, uint32_t d) {
   return (d / CB) * ROWS * CB + row * CB + d % CB;
 }
 
-// Rounds keys kb .. kb + 32 of one KV head (bf16, D-element rows within one cache block) to half into kvs as NB
-// column blocks kvs[NB][32][D / NB] (each block a packed matmul2d operand: K in NB = 2 halves of
-// D, V in NB = 4 quarters): thread t copies row t / 4, D / 4 columns; zeros past nkeys.
-template <uint32_t D, uint32_t NB>
-inline void attn_m5_stage_kv(const device bfloat* cache, uint32_t nkeys, uint32_t t, threadgroup half* kvs) {
+// Rounds keys kb .. kb + 32 of one KV head (bf16, or int8 codes x the row's scale: KvRows; D-element
+// rows within one cache block from blk) to half into kvs as NB column blocks kvs[NB][32][D / NB]
+// (each block a packed matmul2d operand: K in NB = 2 halves of D, V in NB = 4 quarters): thread t
+// copies row t / 4, D / 4 columns; zeros past nkeys.
+template <uint32_t D, uint32_t NB, typename KV>
+inline void attn_m5_stage_kv(const device KV* cache, KvRow blk, uint32_t nkeys, uint32_t t, threadgroup half* kvs) {
   constexpr uint32_t PER = D / 4;
   const uint32_t j = t / 4, c0 = (t % 4) * PER;
-  const device bfloat* src = cache + j * D + c0;
+  const uint32_t jr = min(j, nkeys - 1);  // rows past the block's keys are staged as 0
   for (uint32_t c = 0; c < PER; ++c)
-    kvs[attn_m5_blocked<D, NB, kAttnM5BlockKeys>(j, c0 + c)] = j < nkeys ? half(float(src[c])) : half(0.0f);
+    kvs[attn_m5_blocked<D, NB, kAttnM5BlockKeys>(j, c0 + c)] =
+        j < nkeys ? half(KvRows<KV>::value(cache, blk, jr, D, c0 + c)) : half(0.0f);
 }
 
-template <typename T, uint32_t D>
+template <typename T, uint32_t D, typename KV>
 [[kernel]] void attention_prefill_m5(constant AttnArgs& args [[buffer(0)]],
                                      const device T* q [[buffer(1)]],
-                                     const device bfloat* k_cache [[buffer(2)]],
-                                     const device bfloat* v_cache [[buffer(3)]],
+                                     const device KV* k_cache [[buffer(2)]],
+                                     const device KV* v_cache [[buffer(3)]],
                                      const device T* gate [[buffer(4)]],
                                      device T* out [[buffer(5)]],
                                      const device uint32_t* block_table [[buffer(6)]],
@@ -134,8 +136,8 @@ template <typename T, uint32_t D>
   const uint32_t s_at = (c0 / KH) * R * KH + row * KH + c0 % KH;  // in S part [0][c0 / 16]
   for (uint32_t kb = 0; kb < key_end; kb += BK) {
     const uint32_t nkeys = min(BK, key_end - kb);
-    const uint32_t blk = kv_row_offset(block_table, args.block_shift, args.kv_heads, D, kvh, kb);  // one cache block
-    attn_m5_stage_kv<D, 2>(k_cache + blk, nkeys, t, kvs);
+    const KvRow blk = KvRows<KV>::row(block_table, args.block_shift, args.kv_heads, D, kvh, kb);  // one cache block
+    attn_m5_stage_kv<D, 2, KV>(k_cache, blk, nkeys, t, kvs);
     threadgroup_barrier(mem_flags::mem_threadgroup);
     op_s.run(q_t, k_t, s_t);
     threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -163,7 +165,7 @@ template <typename T, uint32_t D>
     l = l * corr + psum;
     m = m_new;
     if (t % 8 == 0) corr_s[row] = corr;
-    attn_m5_stage_kv<D, 4>(v_cache + blk, nkeys, t, kvs);
+    attn_m5_stage_kv<D, 4, KV>(v_cache, blk, nkeys, t, kvs);
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
     for (uint16_t i = 0; i < o.get_capacity(); ++i) {
@@ -192,11 +194,17 @@ template <typename T, uint32_t D>
 }
 
 // Instantiations: exactly the attn_prefill_m5 rows of csrc/gpu/kernel_ids.h.
-LILY_INSTANTIATE("attn_prefill_m5_d64_f32", attention_prefill_m5<float, 64>)
-LILY_INSTANTIATE("attn_prefill_m5_d64_bf16", attention_prefill_m5<bfloat, 64>)
-LILY_INSTANTIATE("attn_prefill_m5_d128_f32", attention_prefill_m5<float, 128>)
-LILY_INSTANTIATE("attn_prefill_m5_d128_bf16", attention_prefill_m5<bfloat, 128>)
-LILY_INSTANTIATE("attn_prefill_m5_d256_f32", attention_prefill_m5<float, 256>)
-LILY_INSTANTIATE("attn_prefill_m5_d256_bf16", attention_prefill_m5<bfloat, 256>)
+LILY_INSTANTIATE("attn_prefill_m5_d64_f32", attention_prefill_m5<float, 64, bfloat>)
+LILY_INSTANTIATE("attn_prefill_m5_q8_d64_f32", attention_prefill_m5<float, 64, int8_t>)
+LILY_INSTANTIATE("attn_prefill_m5_d64_bf16", attention_prefill_m5<bfloat, 64, bfloat>)
+LILY_INSTANTIATE("attn_prefill_m5_q8_d64_bf16", attention_prefill_m5<bfloat, 64, int8_t>)
+LILY_INSTANTIATE("attn_prefill_m5_d128_f32", attention_prefill_m5<float, 128, bfloat>)
+LILY_INSTANTIATE("attn_prefill_m5_q8_d128_f32", attention_prefill_m5<float, 128, int8_t>)
+LILY_INSTANTIATE("attn_prefill_m5_d128_bf16", attention_prefill_m5<bfloat, 128, bfloat>)
+LILY_INSTANTIATE("attn_prefill_m5_q8_d128_bf16", attention_prefill_m5<bfloat, 128, int8_t>)
+LILY_INSTANTIATE("attn_prefill_m5_d256_f32", attention_prefill_m5<float, 256, bfloat>)
+LILY_INSTANTIATE("attn_prefill_m5_q8_d256_f32", attention_prefill_m5<float, 256, int8_t>)
+LILY_INSTANTIATE("attn_prefill_m5_d256_bf16", attention_prefill_m5<bfloat, 256, bfloat>)
+LILY_INSTANTIATE("attn_prefill_m5_q8_d256_bf16", attention_prefill_m5<bfloat, 256, int8_t>)
 
 }  // namespace lily

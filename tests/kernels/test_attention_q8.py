@@ -121,17 +121,24 @@ def test_prefill_reads_codes_times_scale(rng, device, dtype, D, Hq, Hkv, positio
         check_attention(rng, out, q, kc.values(), vc.values(), g, position, f"q8 prefill D={D}")
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+@pytest.mark.parametrize("D,Hq,Hkv", [(64, 4, 2), (256, 16, 2)], ids=["d64", "real"])
 @pytest.mark.parametrize("position,T", [(45, 50), (0, 33)])
-def test_prefill_on_a_tensor_op_device_takes_the_mma_route(rng, position, T):
-    """The M5 tensor-op attention reads bf16 pools only: an int8 cache takes the mma route there."""
+def test_prefill_on_tensor_ops_reads_codes_times_scale(rng, dtype, D, Hq, Hkv, position, T):
+    """The M5 route (simulated tensor ops): K and V staged as half(code x scale), the operands of
+    matmul2d, as half(bf16) for the bf16 cache; test_attention_m5.py's bound."""
     from lily_py.testing import simulated_device
     cap = position + T + 1
-    q, _, _, g = attn_case(rng, T, 4, 2, 64, cap, BF16)
-    kc, vc = q8(rng, 2, cap, 64), q8(rng, 2, cap, 64, 1.0)
+    q, _, _, g = attn_case(rng, T, Hq, Hkv, D, cap, dtype)
+    kc, vc = q8(rng, Hkv, cap, D), q8(rng, Hkv, cap, D, 1.0)
     with simulated_device(tensor_ops=True):
-        out, stats = A._attention_prefill(q, kc, vc, position=position, gate=g, seed=rng.seed)
-    assert list(stats["kernels"]) == ["attn_prefill_mma_q8_bf16"]
-    check_attention(rng, out, q, kc.values(), vc.values(), g, position, "q8 prefill, tensor ops")
+        out, stats = A._attention_prefill(q, kc, vc, position=position, gate=g, seed=rng.seed,
+                                          block_tokens=32, block_table=scrambled(rng, cap, 32))
+    assert list(stats["kernels"]) == [f"attn_prefill_m5_q8_d{D}_{sfx(dtype)}"]
+    r, smag, vmag = ref.attention(q, kc.values(), vc.values(), position=position, gate=g)
+    # half operands: K's rounding (2^-11) moves a score by <= 2^-11 smag; q, P and V in half
+    assert_close(out, r, atol=(2.0 ** -7 + 2.0 ** -9 * smag) * vmag, rtol=2 * BF16_EPS,
+                 what=f"q8 prefill m5 D={D}", seed=rng.seed)
 
 
 def test_bytes_touched_are_the_int8_rows(rng):

@@ -118,3 +118,19 @@ def test_decode_bytes_of_the_real_config_against_the_int8_floor(position):
           f"ratio {s8['bytes_touched'] / floor:.4f}")
     assert floor <= s8["bytes_touched"] <= 1.03 * floor
     assert "attn_decode_vec_q8_e8_bf16" in k8 and "qk_norm_rope_q8_xbf16_wf32" in k8
+
+
+def test_greedy_on_the_m5_path_equals_the_int8_reference(ckpt):
+    """Simulated tensor ops: prefill attention takes attn_prefill_m5_q8 (half operands)."""
+    from engine_backend import require_emulator
+    from lily_py.testing import simulated_device
+    require_emulator("simulated tensor ops (the M5 path)")
+    with simulated_device(tensor_ops=True):
+        emu = lily_py.load(ckpt, backend=ENGINE, context_length=300, prefill_chunk=17, activations="float32", **INT8)
+    ref = lily_py.load(ckpt, backend="reference", context_length=300, kv_dtype="int8")
+    prompt = [(5 * i + 1) % emu.config.vocab_size for i in range(45)]
+    a = emu.generate_text(prompt, max_tokens=24)
+    assert a.tokens == ref.generate_text(prompt, max_tokens=24).tokens
+    kernels = {p["kernel"] for p in emu._backend.engine.pipelines}
+    assert {"attn_prefill_m5_q8_d64_f32", "attn_decode_vec_q8_e2_f32", "qk_norm_rope_q8_xf32_wf32"} <= kernels, \
+        sorted(kernels)

@@ -365,7 +365,8 @@ void encode_attention_prefill(Encoder& enc, const AttentionOperands& op) {
                            kAttnMmaRows / group, kAttnTilesThreads, kAttnMmaRows, kAttnTilesKeyDims / D);
     return;
   }
-  if (op.kv.q8) {  // int8 pools elsewhere: the mma route (codes x scale widened to fp32 as it stages)
+  if (op.kv.q8 && !attention_prefill_uses_m5(op.head_dim, enc.tensor_ops())) {
+    // int8 pools elsewhere: the mma route (codes x scale widened to fp32 as it stages)
     const uint32_t qt = kAttnMmaRows / group;
     encode_blocked_prefill(enc, op, c, bf ? KernelId::attn_prefill_mma_q8_bf16 : KernelId::attn_prefill_mma_q8_f32,
                            qt, kAttnMmaThreads, kAttnMmaRows, kAttnBlockKeys);
@@ -375,9 +376,13 @@ void encode_attention_prefill(Encoder& enc, const AttentionOperands& op) {
     // M5 (Metal 4 tensor ops, shaders/m5/attention_m5.metal): 16 rows x 32-key blocks.
     const uint32_t qt = kAttnM5Rows / group;
     const uint32_t D = op.head_dim;
-    const KernelId id = D == 64    ? (bf ? KernelId::attn_prefill_m5_d64_bf16 : KernelId::attn_prefill_m5_d64_f32)
-                        : D == 128 ? (bf ? KernelId::attn_prefill_m5_d128_bf16 : KernelId::attn_prefill_m5_d128_f32)
-                                   : (bf ? KernelId::attn_prefill_m5_d256_bf16 : KernelId::attn_prefill_m5_d256_f32);
+    const KernelId id =
+        op.kv.q8 ? (D == 64    ? (bf ? KernelId::attn_prefill_m5_q8_d64_bf16 : KernelId::attn_prefill_m5_q8_d64_f32)
+                    : D == 128 ? (bf ? KernelId::attn_prefill_m5_q8_d128_bf16 : KernelId::attn_prefill_m5_q8_d128_f32)
+                               : (bf ? KernelId::attn_prefill_m5_q8_d256_bf16 : KernelId::attn_prefill_m5_q8_d256_f32))
+        : D == 64  ? (bf ? KernelId::attn_prefill_m5_d64_bf16 : KernelId::attn_prefill_m5_d64_f32)
+        : D == 128 ? (bf ? KernelId::attn_prefill_m5_d128_bf16 : KernelId::attn_prefill_m5_d128_f32)
+                   : (bf ? KernelId::attn_prefill_m5_d256_bf16 : KernelId::attn_prefill_m5_d256_f32);
     encode_blocked_prefill(enc, op, c, id, qt, kAttnM5Threads, kAttnM5Rows, kAttnM5BlockKeys);
     return;
   }

@@ -29,8 +29,8 @@ void encode_rope(Encoder& enc, const RopeOperands& op);
 // block_tokens, head_dim]; logical block b (positions [b B, (b + 1) B)) is pool block table[b].
 // With q8 the pools are int8 (common/kv_blocks.h): per block [kv_heads, block_tokens, head_dim]
 // codes, then [kv_heads, block_tokens] float scales; written by qk_norm_rope_q8_*, read by the vec
-// decode route and the bf16 tiles (M1-M4, bf16 activations) or mma prefill routes
-// (attn_decode_vec_q8_*, attn_prefill_tiles_q8_*, attn_prefill_mma_q8_*).
+// decode route and the tensor-op (M5), bf16 tiles (M1-M4, bf16 activations) or mma prefill routes
+// (attn_decode_vec_q8_*, attn_prefill_m5_q8_*, attn_prefill_tiles_q8_*, attn_prefill_mma_q8_*).
 struct KvPaging {
   Binding table;              // uint32 [>= ceil(rows / block_tokens)] pool block of each logical block
   uint32_t block_tokens = 0;  // a power of two >= kAttnKvMinBlock
