@@ -860,8 +860,12 @@ struct TileKv<int8_t> {
   static uint4 load(const device int8_t* pool, KvRow r, uint32_t key, uint32_t D, uint32_t col) {
     const uint2 c = *reinterpret_cast<const device uint2*>(pool + r.at + key * D + col);
     const float s = KvRows<int8_t>::scale(pool, r.scale + key);
-    return uint4(bf16_pair(q8_code(c.x, 0) * s, q8_code(c.x, 1) * s), bf16_pair(q8_code(c.x, 2) * s, q8_code(c.x, 3) * s),
-                 bf16_pair(q8_code(c.y, 0) * s, q8_code(c.y, 1) * s), bf16_pair(q8_code(c.y, 2) * s, q8_code(c.y, 3) * s));
+    uint4 u;
+    u.x = bf16_pair(q8_code(c.x, 0) * s, q8_code(c.x, 1) * s);
+    u.y = bf16_pair(q8_code(c.x, 2) * s, q8_code(c.x, 3) * s);
+    u.z = bf16_pair(q8_code(c.y, 0) * s, q8_code(c.y, 1) * s);
+    u.w = bf16_pair(q8_code(c.y, 2) * s, q8_code(c.y, 3) * s);
+    return u;
   }
 };
 
