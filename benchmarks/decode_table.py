@@ -231,14 +231,13 @@ def measured_fractions(path: str) -> tuple[dict, str]:
 def estimate(cfg, positions, sample, eta: float, t_level: float, t_min: float, attn_factor: float,
              sat: float, clock: float = 1.6e9, alu_eff: float = 0.7, quiet: bool = False,
              quant: dict | None = None, measured: str | None = None,
-             kv_bytes: float = 1.0, ipk: int | None = None, kv_dtype: str | None = None) -> list:
+             ipk: int | None = None, kv_dtype: str | None = None) -> list:
     """Print (unless quiet) and return [(gpu, context, tok/s)] of the model below. ``quant``: the
     step counted at another width (lily_py.sizes.engine_quant: its own kernels, bytes and grids).
     With `measured` (a gpu_kernels.py JSON), a kernel's eta is eta x min(1, the fraction of a
     device copy it reached there): the kernel keeps on Apple the shortfall it shows on the H200.
-    ``kv_bytes`` scales the bytes of the vec attention dispatches (a what-if KV format) and
-    ``ipk`` replaces its instructions per key and KV head; ``kv_dtype`` counts the step with that
-    KV cache ("int8": its kernels and bytes)."""
+    ``ipk`` replaces the vec attention's instructions per key and KV head; ``kv_dtype`` counts the
+    step with that KV cache ("int8": its kernels and bytes)."""
     out = []
     frac, run = measured_fractions(measured) if measured else ({}, "")
     if not quiet and measured:
@@ -264,7 +263,6 @@ def estimate(cfg, positions, sample, eta: float, t_level: float, t_min: float, a
                 k = d["kernel"]
                 staged = k.startswith("attn_decode") and not k.startswith("attn_decode_vec")
                 b = d["bytes_touched"] * (attn_factor if staged else 1) / min(1.0, frac.get(k, 1.0))
-                b *= kv_bytes if k.startswith("attn_decode_vec") else 1.0
                 ti = cfg.num_key_value_heads * (pos + 1) * n_ipk / issue if k.startswith("attn_decode_vec") else 0.0
                 g, t = d["groups"], d["threads"]
                 simds = g[0] * g[1] * g[2] * ((t[0] * t[1] * t[2] + 31) // 32) / cores

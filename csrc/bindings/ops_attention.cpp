@@ -237,12 +237,13 @@ void init_ops_attention(nb::module_& parent) {
         op.out = r.output(T * Hq * D * gpu::dtype_size(op.dtype));
         nb::list kernels;
         const bool bf = op.dtype == gpu::DType::bf16;
+        auto name = [](gpu::KernelId k) { return std::string(gpu::kernel_info(k).name); };
         if (decode) {
           const gpu::ops::AttnRoute route = gpu::ops::attention_decode_route(position + 1, op.head_dim, u32(B));
           if (route.split) {
             op.scratch = r.output(gpu::ops::attention_scratch_bytes(op.q_heads, op.head_dim, position + 1, u32(B)));
             const std::string sfx = bf ? "bf16" : "f32", e = std::to_string(op.head_dim / 32);
-            kernels.append(route.vec ? std::string(q8 ? "attn_decode_vec_q8_e" : "attn_decode_vec_e") + e + "_" + sfx
+            kernels.append(route.vec ? name(gpu::ops::attention_vec_kernel(op.head_dim, op.dtype, q8))
                                      : "attn_decode_split_" + sfx);
             kernels.append(route.vec ? "attn_vec_combine_e" + e + "_" + sfx : "attn_combine_" + sfx);
           } else {
@@ -255,21 +256,8 @@ void init_ops_attention(nb::module_& parent) {
             gpu::ops::encode_attention_decode(e, op);
             return;
           }
-          const std::string sfx = bf ? "bf16" : "f32";
-          if (q8 && gpu::ops::attention_prefill_uses_m5(op.head_dim, e.tensor_ops()))
-            prefill_kernel = "attn_prefill_m5_q8_d" + std::to_string(op.head_dim) + "_" + sfx;
-          else if (q8 && gpu::ops::attention_prefill_uses_tiles(op.head_dim, op.dtype, e.tensor_ops()))
-            prefill_kernel = "attn_prefill_tiles_q8_d" + std::to_string(op.head_dim) + "_" + sfx;
-          else if (q8)
-            prefill_kernel = "attn_prefill_mma_q8_" + sfx;
-          else if (gpu::ops::attention_prefill_uses_m5(op.head_dim, e.tensor_ops()))
-            prefill_kernel = "attn_prefill_m5_d" + std::to_string(op.head_dim) + "_" + sfx;
-          else if (gpu::ops::attention_prefill_uses_tiles(op.head_dim, op.dtype, e.tensor_ops()))
-            prefill_kernel = "attn_prefill_tiles_d" + std::to_string(op.head_dim) + "_" + sfx;
-          else if (gpu::ops::attention_prefill_uses_mma(op.head_dim))
-            prefill_kernel = "attn_prefill_mma_" + sfx;
-          else
-            prefill_kernel = "attn_prefill_" + sfx;
+          // the op's buffers are fresh (offset 0) and q packed: aligned for the tiles
+          prefill_kernel = name(gpu::ops::attention_prefill_kernel(op.head_dim, op.dtype, q8, e.tensor_ops()));
           gpu::ops::encode_attention_prefill(e, op);
         });
         if (!prefill_kernel.empty()) kernels.append(prefill_kernel);

@@ -260,13 +260,7 @@ void encode_attention_decode(Encoder& enc, const AttentionOperands& op) {
   const Binding partial_ml{scratch.buffer, scratch.offset + o_bytes, ml_bytes};
   if (route.vec) {
     const uint32_t e = op.head_dim / 32;  // 2, 4 or 8
-    const KernelId pass1 =
-        op.kv.q8 ? (e == 2   ? (bf ? KernelId::attn_decode_vec_q8_e2_bf16 : KernelId::attn_decode_vec_q8_e2_f32)
-                    : e == 4 ? (bf ? KernelId::attn_decode_vec_q8_e4_bf16 : KernelId::attn_decode_vec_q8_e4_f32)
-                             : (bf ? KernelId::attn_decode_vec_q8_e8_bf16 : KernelId::attn_decode_vec_q8_e8_f32))
-        : e == 2 ? (bf ? KernelId::attn_decode_vec_e2_bf16 : KernelId::attn_decode_vec_e2_f32)
-        : e == 4 ? (bf ? KernelId::attn_decode_vec_e4_bf16 : KernelId::attn_decode_vec_e4_f32)
-                 : (bf ? KernelId::attn_decode_vec_e8_bf16 : KernelId::attn_decode_vec_e8_f32);
+    const KernelId pass1 = attention_vec_kernel(op.head_dim, op.dtype, op.kv.q8);
     const KernelId pass2 = e == 2   ? (bf ? KernelId::attn_vec_combine_e2_bf16 : KernelId::attn_vec_combine_e2_f32)
                            : e == 4 ? (bf ? KernelId::attn_vec_combine_e4_bf16 : KernelId::attn_vec_combine_e4_f32)
                                     : (bf ? KernelId::attn_vec_combine_e8_bf16 : KernelId::attn_vec_combine_e8_f32);
@@ -349,65 +343,65 @@ static void encode_blocked_prefill(Encoder& enc, const AttentionOperands& op, co
   enc.add_flops(executed * op.kv_heads, attention_useful_flops(op));
 }
 
+KernelId attention_prefill_kernel(uint32_t head_dim, DType dtype, bool q8, bool tensor_ops, bool aligned) {
+  const bool bf = dtype == DType::bf16;
+  const uint32_t D = head_dim;
+  if (attention_prefill_uses_m5(D, tensor_ops))
+    return q8 ? (D == 64    ? (bf ? KernelId::attn_prefill_m5_q8_d64_bf16 : KernelId::attn_prefill_m5_q8_d64_f32)
+                 : D == 128 ? (bf ? KernelId::attn_prefill_m5_q8_d128_bf16 : KernelId::attn_prefill_m5_q8_d128_f32)
+                            : (bf ? KernelId::attn_prefill_m5_q8_d256_bf16 : KernelId::attn_prefill_m5_q8_d256_f32))
+           : D == 64  ? (bf ? KernelId::attn_prefill_m5_d64_bf16 : KernelId::attn_prefill_m5_d64_f32)
+           : D == 128 ? (bf ? KernelId::attn_prefill_m5_d128_bf16 : KernelId::attn_prefill_m5_d128_f32)
+                      : (bf ? KernelId::attn_prefill_m5_d256_bf16 : KernelId::attn_prefill_m5_d256_f32);
+  if (attention_prefill_uses_tiles(D, dtype, tensor_ops) && aligned)
+    return q8 ? (D == 64    ? KernelId::attn_prefill_tiles_q8_d64_bf16
+                 : D == 128 ? KernelId::attn_prefill_tiles_q8_d128_bf16
+                            : KernelId::attn_prefill_tiles_q8_d256_bf16)
+           : D == 64  ? KernelId::attn_prefill_tiles_d64_bf16
+           : D == 128 ? KernelId::attn_prefill_tiles_d128_bf16
+                      : KernelId::attn_prefill_tiles_d256_bf16;
+  // int8 pools need head_dim 64, 128 or 256 (check_kv_paging), which the mma route takes
+  if (q8) return bf ? KernelId::attn_prefill_mma_q8_bf16 : KernelId::attn_prefill_mma_q8_f32;
+  if (attention_prefill_uses_mma(D)) return bf ? KernelId::attn_prefill_mma_bf16 : KernelId::attn_prefill_mma_f32;
+  return bf ? KernelId::attn_prefill_bf16 : KernelId::attn_prefill_f32;
+}
+
+KernelId attention_vec_kernel(uint32_t head_dim, DType dtype, bool q8) {
+  const bool bf = dtype == DType::bf16;
+  const uint32_t e = head_dim / 32;  // 2, 4 or 8
+  if (q8)
+    return e == 2   ? (bf ? KernelId::attn_decode_vec_q8_e2_bf16 : KernelId::attn_decode_vec_q8_e2_f32)
+           : e == 4 ? (bf ? KernelId::attn_decode_vec_q8_e4_bf16 : KernelId::attn_decode_vec_q8_e4_f32)
+                    : (bf ? KernelId::attn_decode_vec_q8_e8_bf16 : KernelId::attn_decode_vec_q8_e8_f32);
+  return e == 2   ? (bf ? KernelId::attn_decode_vec_e2_bf16 : KernelId::attn_decode_vec_e2_f32)
+         : e == 4 ? (bf ? KernelId::attn_decode_vec_e4_bf16 : KernelId::attn_decode_vec_e4_f32)
+                  : (bf ? KernelId::attn_decode_vec_e8_bf16 : KernelId::attn_decode_vec_e8_f32);
+}
+
 void encode_attention_prefill(Encoder& enc, const AttentionOperands& op) {
   const char* fn = "attention_prefill";
   Checked c = check_attention(fn, op);
   const uint32_t group = op.q_heads / op.kv_heads;
-  const bool bf = op.dtype == DType::bf16;
+  // bf16 tiles (M1-M4): 16-byte loads of q and of the caches need 16-byte aligned bindings and
+  // q rows (the engine's buffers always are); otherwise the mma route.
   const bool aligned = c.q.offset % 16 == 0 && c.k.offset % 16 == 0 && c.v.offset % 16 == 0 && c.args.q_stride % 8 == 0;
-  if (op.kv.q8 && attention_prefill_uses_tiles(op.head_dim, op.dtype, enc.tensor_ops()) && aligned) {
-    // int8 pools on the bf16 tiles: codes x scale rounded to bf16 as they are staged
-    const uint32_t D = op.head_dim;
-    encode_blocked_prefill(enc, op, c,
-                           D == 64    ? KernelId::attn_prefill_tiles_q8_d64_bf16
-                           : D == 128 ? KernelId::attn_prefill_tiles_q8_d128_bf16
-                                      : KernelId::attn_prefill_tiles_q8_d256_bf16,
-                           kAttnMmaRows / group, kAttnTilesThreads, kAttnMmaRows, kAttnTilesKeyDims / D);
-    return;
-  }
-  if (op.kv.q8 && !attention_prefill_uses_m5(op.head_dim, enc.tensor_ops())) {
-    // int8 pools elsewhere: the mma route (codes x scale widened to fp32 as it stages)
-    const uint32_t qt = kAttnMmaRows / group;
-    encode_blocked_prefill(enc, op, c, bf ? KernelId::attn_prefill_mma_q8_bf16 : KernelId::attn_prefill_mma_q8_f32,
-                           qt, kAttnMmaThreads, kAttnMmaRows, kAttnBlockKeys);
-    return;
-  }
+  const KernelId id = attention_prefill_kernel(op.head_dim, op.dtype, op.kv.q8, enc.tensor_ops(), aligned);
   if (attention_prefill_uses_m5(op.head_dim, enc.tensor_ops())) {
     // M5 (Metal 4 tensor ops, shaders/m5/attention_m5.metal): 16 rows x 32-key blocks.
-    const uint32_t qt = kAttnM5Rows / group;
-    const uint32_t D = op.head_dim;
-    const KernelId id =
-        op.kv.q8 ? (D == 64    ? (bf ? KernelId::attn_prefill_m5_q8_d64_bf16 : KernelId::attn_prefill_m5_q8_d64_f32)
-                    : D == 128 ? (bf ? KernelId::attn_prefill_m5_q8_d128_bf16 : KernelId::attn_prefill_m5_q8_d128_f32)
-                               : (bf ? KernelId::attn_prefill_m5_q8_d256_bf16 : KernelId::attn_prefill_m5_q8_d256_f32))
-        : D == 64  ? (bf ? KernelId::attn_prefill_m5_d64_bf16 : KernelId::attn_prefill_m5_d64_f32)
-        : D == 128 ? (bf ? KernelId::attn_prefill_m5_d128_bf16 : KernelId::attn_prefill_m5_d128_f32)
-                   : (bf ? KernelId::attn_prefill_m5_d256_bf16 : KernelId::attn_prefill_m5_d256_f32);
-    encode_blocked_prefill(enc, op, c, id, qt, kAttnM5Threads, kAttnM5Rows, kAttnM5BlockKeys);
+    encode_blocked_prefill(enc, op, c, id, kAttnM5Rows / group, kAttnM5Threads, kAttnM5Rows, kAttnM5BlockKeys);
     return;
   }
-  // bf16 tiles (M1-M4): 16-byte loads of q and of the caches need 16-byte aligned bindings and
-  // q rows (the engine's buffers always are); otherwise the mma route below.
-  if (attention_prefill_uses_tiles(op.head_dim, op.dtype, enc.tensor_ops()) && c.q.offset % 16 == 0 &&
-      c.k.offset % 16 == 0 && c.v.offset % 16 == 0 && c.args.q_stride % 8 == 0) {
-    const uint32_t qt = kAttnMmaRows / group;
-    const uint32_t D = op.head_dim;
-    const uint32_t bk = kAttnTilesKeyDims / D;
-    encode_blocked_prefill(enc, op, c,
-                           D == 64    ? KernelId::attn_prefill_tiles_d64_bf16
-                           : D == 128 ? KernelId::attn_prefill_tiles_d128_bf16
-                                      : KernelId::attn_prefill_tiles_d256_bf16,
-                           qt, kAttnTilesThreads, kAttnMmaRows, bk);
+  if (attention_prefill_uses_tiles(op.head_dim, op.dtype, enc.tensor_ops()) && aligned) {
+    encode_blocked_prefill(enc, op, c, id, kAttnMmaRows / group, kAttnTilesThreads, kAttnMmaRows,
+                           kAttnTilesKeyDims / op.head_dim);
     return;
   }
-  if (attention_prefill_uses_mma(op.head_dim)) {
-    const uint32_t qt = kAttnMmaRows / group;
+  if (op.kv.q8 || attention_prefill_uses_mma(op.head_dim)) {
     // 32 rows (qt * group live) against every 32-key block up to the threadgroup's last token's keys
-    encode_blocked_prefill(enc, op, c, bf ? KernelId::attn_prefill_mma_bf16 : KernelId::attn_prefill_mma_f32, qt,
-                           kAttnMmaThreads, kAttnMmaRows, kAttnBlockKeys);
+    encode_blocked_prefill(enc, op, c, id, kAttnMmaRows / group, kAttnMmaThreads, kAttnMmaRows, kAttnBlockKeys);
     return;
   }
-  enc.set_kernel(bf ? KernelId::attn_prefill_bf16 : KernelId::attn_prefill_f32);
+  enc.set_kernel(id);
   enc.set_args(c.args);
   enc.set_buffer(1, c.q);
   enc.set_buffer(2, c.k);

@@ -115,6 +115,13 @@ bool attention_prefill_uses_m5(uint32_t head_dim, bool tensor_ops);
 // head_dim 64, 128 or 256 on a device without tensor ops (and 16-byte aligned q / cache bindings,
 // q_stride % 8 == 0, checked at encode: otherwise mma); fp32 and other head dims keep mma / simd.
 bool attention_prefill_uses_tiles(uint32_t head_dim, DType dtype, bool tensor_ops);
+// The prefill kernel of a head_dim, activation dtype, cache format (q8) and device (tensor_ops),
+// with bindings that are 16-byte aligned or not (the tiles need it): the route order is m5,
+// tiles, mma, simd; every route of the bf16 cache has its int8 twin (simd excepted: int8 needs
+// head_dim 64, 128 or 256, which mma takes).
+KernelId attention_prefill_kernel(uint32_t head_dim, DType dtype, bool q8, bool tensor_ops, bool aligned = true);
+// The vec decode route's first pass (head_dim 64, 128 or 256).
+KernelId attention_vec_kernel(uint32_t head_dim, DType dtype, bool q8);
 // Prefill: one dispatch. mma: (kv_heads, ceil(tokens / (32 / group))) x 128 threads;
 // simd: (kv_heads, ceil(tokens / kAttnPrefillTokens)) x 32 * group threads.
 void encode_attention_prefill(Encoder& enc, const AttentionOperands& op);

@@ -658,6 +658,12 @@ def _qbytes(rows: int, cols: int, q: dict) -> int:
     return rows * cols * q["bits"] // 8 + 2 * rows * (cols // q["group_size"]) * s
 
 
+def kv_row_bytes(cfg: ModelConfig, kv_dtype: str | None = None) -> int:
+    """Bytes of one KV cache row (one position of one KV head, K or V): 2 head_dim (bfloat16), or
+    head_dim + 4 with ``kv_dtype="int8"`` (codes and a float32 scale; csrc ModelSpec::kv_row_bytes)."""
+    return cfg.head_dim + 4 if kv_dtype == "int8" else 2 * cfg.head_dim
+
+
 def decode_floor_bytes(cfg: ModelConfig, *, position: int, quant: dict | None = None,
                        activations: str | None = None, kv_dtype: str | None = None) -> dict:
     """The bytes one decode token cannot avoid moving, derived from the config alone
@@ -691,7 +697,7 @@ def decode_floor_bytes(cfg: ModelConfig, *, position: int, quant: dict | None = 
             mixer += (qb(2 * hq * D, H, p + "qkv_proj:q", "mixer") + qb(kv * D, H, p + "qkv_proj:k", "mixer")
                       + qb(kv * D, H, p + "qkv_proj:v", "mixer") + qb(H, hq * D, p + "o_proj", "mixer"))
             mixer += 2 * 4 * D                                            # q_norm, k_norm
-            row = D + 4 if kv_dtype == "int8" else 2 * D
+            row = kv_row_bytes(cfg, kv_dtype)
             kv_bytes += 2 * kv * row * (position + 1) + 2 * kv * row  # K, V read; new row written
         else:
             mixer += (qb(C, H, p + "in_proj:qkv", "mixer") + qb(Hv * Dv, H, p + "in_proj:z", "mixer")

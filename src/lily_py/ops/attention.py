@@ -64,7 +64,7 @@ def _check_rotary(rotary_dim, head_dim: int, theta, fn: str) -> int:
     return rd
 
 
-def _bf16_cache(a, what: str, fn: str):
+def _cache(a, what: str, fn: str):
     if isinstance(a, Q8Cache):
         c, sc = np.asarray(a.codes), np.asarray(a.scales)
         if c.dtype != np.int8 or c.ndim != 3 or sc.dtype != np.float32 or sc.shape != c.shape[:2]:
@@ -209,7 +209,7 @@ def _qk_norm_rope_append(qg, k, v, q_norm, k_norm, k_cache, v_cache, *, position
     if qn.shape != (D,) or kn.shape != (D,) or kwdt != wdt:
         raise ValueError(f"{fn}: q_norm and k_norm must be [{D}] of one dtype, got {q_norm.dtype} "
                          f"{list(q_norm.shape)} and {k_norm.dtype} {list(k_norm.shape)}")
-    kcache, vcache = _bf16_cache(k_cache, "k_cache", fn), _bf16_cache(v_cache, "v_cache", fn)
+    kcache, vcache = _cache(k_cache, "k_cache", fn), _cache(v_cache, "v_cache", fn)
     if type(kcache) is not type(vcache):
         raise ValueError(f"{fn}: k_cache and v_cache must both be bfloat16 or both Q8Cache")
     if kcache.shape[0] != Hkv or kcache.shape[2] != D or vcache.shape != kcache.shape:
@@ -272,7 +272,7 @@ def _check_attention(q, k_cache, v_cache, gate, fn, tokens_axis: bool):
         raise ValueError(f"{fn}: q must be a non-empty {want} array, got {list(q.shape)}")
     q3 = qc if tokens_axis else qc[None]
     T, Hq, D = q3.shape
-    kc, vc = _bf16_cache(k_cache, "k_cache", fn), _bf16_cache(v_cache, "v_cache", fn)
+    kc, vc = _cache(k_cache, "k_cache", fn), _cache(v_cache, "v_cache", fn)
     if type(kc) is not type(vc):
         raise ValueError(f"{fn}: k_cache and v_cache must both be bfloat16 or both Q8Cache")
     if kc.shape[2] != D or vc.shape != kc.shape or kc.shape[0] == 0:
@@ -372,7 +372,7 @@ def _attention_mixer(x, weights, k_cache, v_cache, *, position, q_heads, rotary_
     xc, dt = _float_array(x, "x", fn)
     if xc.ndim != 2 or 0 in xc.shape:
         raise ValueError(f"{fn}: x must be a non-empty [tokens, hidden] array, got {list(x.shape)}")
-    kc, vc = _bf16_cache(k_cache, "k_cache", fn), _bf16_cache(v_cache, "v_cache", fn)
+    kc, vc = _cache(k_cache, "k_cache", fn), _cache(v_cache, "v_cache", fn)
     if vc.shape != kc.shape:
         raise ValueError(f"{fn}: k_cache {list(k_cache.shape)} and v_cache {list(v_cache.shape)} differ")
     D = kc.shape[2]

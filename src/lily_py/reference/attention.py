@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .kvquant import int8_row
 from .ops import apply_partial_rope, rms_norm, rope_cos_sin, sigmoid, softmax
 
 # Bound on the float32 score block (query block x keys x heads) of one attention step.
@@ -25,7 +26,6 @@ class KVCache:
 
     def append(self, k: np.ndarray, v: np.ndarray) -> None:
         if self.quantize:  # the int8 cache: each row's values become codes * scale (float32)
-            from .kvquant import int8_row
             k, v = int8_row(k), int8_row(v)
         n = self.length + k.shape[0]
         if self.k is None or n > self.k.shape[0]:

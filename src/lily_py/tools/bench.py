@@ -212,7 +212,7 @@ def count_context(cfg, context: int, decode_tokens: int, prefill_chunk: int, qua
     prefill chunks (no logits but for the last chunk) and a decode step at ``context`` that
     samples on the device and reads its token from the slot, as ``generate`` does."""
     from .. import _core
-    from ..backends.engine import REAL_QUANT, engine_spec
+    from ..backends.engine import REAL_QUANT, engine_spec, kv_row_bytes
     chunk = min(prefill_chunk, context)
     spec = engine_spec(cfg, quant or REAL_QUANT, context_length=context + decode_tokens + 1,
                        prefill_chunk=chunk, kv_dtype=kv_dtype)
@@ -228,8 +228,7 @@ def count_context(cfg, context: int, decode_tokens: int, prefill_chunk: int, qua
     # count() leaves the position at 0: the blocks of context + 1 positions, every attention layer
     B = int(spec.get("kv_block_tokens", 1024))
     layers = sum(1 for i in range(cfg.num_hidden_layers) if cfg.is_full_attention(i))
-    row = cfg.head_dim + 4 if kv_dtype == "int8" else 2 * cfg.head_dim  # bytes of a cache row
-    kv = -(-(context + 1) // B) * B * layers * 2 * cfg.num_key_value_heads * row
+    kv = -(-(context + 1) // B) * B * layers * 2 * cfg.num_key_value_heads * kv_row_bytes(cfg, kv_dtype)
     return Row(context, decode_dispatches=dec["dispatches"], decode_barriers=dec["barriers"],
                decode_bytes=dec[key], prefill_dispatches=_per_token(steps, "dispatches", context),
                prefill_barriers=_per_token(steps, "barriers", context),
