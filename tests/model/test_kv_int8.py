@@ -35,7 +35,14 @@ def close(a, r, what):
     assert_close(a, r, atol=2.0 ** -7 * float(np.abs(r).max()), rtol=0, what=what)
 
 
-def test_int8_pools_grow_and_match_the_int8_reference(ckpt, rng):
+# Fixed ids where logits are compared with the reference: on these random-weight checkpoints about
+# one prompt in 8 puts a MoE router near-tie at some position, where rounding flips a top-k choice
+# and that row jumps past any rounding bound (tests/model/test_kv_paging.py says more).
+FIXED = 20261204
+
+
+def test_int8_pools_grow_and_match_the_int8_reference(ckpt):
+    rng = np.random.default_rng(FIXED)
     emu = lily_py.load(ckpt, backend=ENGINE, context_length=400, prefill_chunk=23, activations="float32", **INT8)
     ref = lily_py.load(ckpt, backend="reference", context_length=400, kv_dtype="int8")
     assert emu.kv_dtype == "int8"
@@ -49,10 +56,10 @@ def test_int8_pools_grow_and_match_the_int8_reference(ckpt, rng):
     assert emu.stats()["kv_bytes_in_use"] == 4 * bb
 
 
-def test_int8_cache_differs_from_bf16_by_its_rounding(ckpt, rng):
+def test_int8_cache_differs_from_bf16_by_its_rounding(ckpt):
     """The int8 engine is closer to the int8 reference than to the float32 one: the cache is
     really quantized (a kernel that ignored the codes' rounding would not be)."""
-    ids = rng.integers(0, TINY_TEXT_CONFIG["vocab_size"], size=60).tolist()
+    ids = np.random.default_rng(FIXED + 1).integers(0, TINY_TEXT_CONFIG["vocab_size"], size=60).tolist()
     emu = lily_py.load(ckpt, backend=ENGINE, context_length=128, prefill_chunk=64, activations="float32", **INT8)
     got = emu.prefill(ids)
     r8 = lily_py.load(ckpt, backend="reference", context_length=128, kv_dtype="int8").prefill(ids)
