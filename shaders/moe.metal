@@ -44,7 +44,8 @@ inline float moe_silu(float v) { return v / (1.0f + exp(-v)); }
 // moe_select: the selection of one token, by one whole simdgroup (every lane calls; k uniform):
 // softmax of row[0 .. E) in fp32, k rounds of (simd_max, simd_min of the index), renormalised in
 // slot order. Lane 0 writes sel[j] (expert of slot j), w[j] = p_j / sum p (j < k) and
-// w[k] = sigmoid(row[E]) to threadgroup memory. Shared by moe_route and the matvec kernels,
+// w[k] = sigmoid(row[E]) to threadgroup memory (a row with a NaN or infinite logit: experts still
+// distinct and below E, w[j < k] NaN). Shared by moe_route and the matvec kernels,
 // which select for themselves (identical results: the same code on the same logits).
 template <typename L>
 inline void moe_select(constant MoeArgs& args, const device L* row, uint32_t lane, threadgroup uint32_t* sel,
@@ -71,6 +72,18 @@ inline void moe_select(constant MoeArgs& args, const device L* row, uint32_t lan
   sum = simd_sum(sum);
   for (uint32_t i = 0; i < PER_LANE; ++i)
     if (lane + 32 * i < E) p[i] = p[i] / sum;
+  // A NaN probability (a NaN or infinite logit: the activations went bad upstream) ranks below
+  // every number and above a taken expert, so k distinct experts below E are always chosen (an
+  // id past E would read outside the expert stacks), and the row's weights are NaN: the output
+  // says what came in.
+  bool bad = false;
+  for (uint32_t i = 0; i < PER_LANE; ++i) {
+    if (lane + 32 * i < E && !(p[i] >= 0.0f)) {
+      p[i] = 0.5f * kTaken;
+      bad = true;
+    }
+  }
+  bad = simd_any(bad);
 
   float wsum = 0.0f;
   for (uint32_t j = 0; j < k; ++j) {  // k is uniform: every lane makes the same collectives
@@ -94,7 +107,7 @@ inline void moe_select(constant MoeArgs& args, const device L* row, uint32_t lan
     wsum += top;
   }
   if (lane == 0) {
-    for (uint32_t j = 0; j < k; ++j) w[j] = w[j] / wsum;
+    for (uint32_t j = 0; j < k; ++j) w[j] = bad ? as_type<float>(0x7FC00000u) : w[j] / wsum;
     w[k] = 1.0f / (1.0f + exp(-float(row[E])));
   }
 }

@@ -1184,6 +1184,10 @@ gpu::StepTiming Engine::time_step(uint32_t T, uint32_t position, bool all_logits
   auto enc = device_->new_timing_encoder(options, &out);
   if (!enc) fail("time_step needs a device that times dispatches (the cuda device)");
   ensure_kv(uint64_t(position) + T);
+  // The step reads KV rows [0, position] whatever the engine's own position: zeros, not the
+  // fresh pool's poison (NaN on cuda), which would make every router logit NaN.
+  for (size_t n : kv_cache_)
+    if (state_[n]->has_storage()) state_[n]->fill(0, 0, state_[n]->size());
   // Token ids 1, 2, ... (any valid ids: the time does not depend on them).
   std::vector<uint32_t> ids(T);
   for (uint32_t i = 0; i < T; ++i) ids[i] = 1 + i % (spec_.vocab - 1);

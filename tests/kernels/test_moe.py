@@ -288,6 +288,43 @@ def test_exact_ties_go_to_the_lowest_index(rng, T):
     np.testing.assert_array_equal(ids[:, :2], rids[:, :2])
 
 
+@pytest.mark.parametrize("dtype", [np.float32, BF16])
+@pytest.mark.parametrize("T", [5, 40])
+def test_nan_and_inf_activations_choose_valid_experts(rng, device, T, dtype):
+    """A NaN or infinite activation makes the router's logits NaN. The selection must still name k
+    distinct experts below E (an id past E reads outside the expert stacks: on the H200 an illegal
+    address, on the emulator a read outside a binding) with NaN weights, and leave the other
+    tokens' results as the reference's. T=5: the matvec route, T=40: the tiles."""
+    E, k = 67, 4
+    W, x_of = make_block(rng, E=E, H=64, I=32, gs=32)
+    x = x_of(T, top_k=k)
+    bad = np.zeros(T, bool)
+    bad[[0, T // 2, T - 1]] = True
+    x[0, 3] = np.nan
+    x[T // 2, 17] = np.inf
+    x[T - 1, :] = np.nan
+    x = x.astype(dtype)
+    out, ids, weights, stats = ops._moe(x, *ops.moe_weights(W), top_k=k, device=device, seed=rng.seed,
+                                        fp_traps=False)
+    assert (stats["route"] == "mv") == (T <= MV_MAX_TOKENS), stats
+    assert ((ids >= 0) & (ids < E)).all(), f"expert ids outside [0, {E}): {ids[~((ids >= 0) & (ids < E)).all(1)]}"
+    for t in range(T):
+        assert len(set(ids[t].tolist())) == k, f"token {t}: experts not distinct: {ids[t]}"
+    assert np.isnan(weights[bad, :k]).all(), "a token with a NaN logit must get NaN routing weights"
+    assert np.isnan(np.asarray(out, np.float32)[bad]).all(axis=1).all(), "a bad token's output must be NaN"
+    ok = ~bad
+    dense, mags = parts(W)
+    xs = np.asarray(x[ok], np.float32) if dtype is BF16 else x[ok]
+    want, rids, _ = ref.moe(xs, *(dense[key] for key in KEYS), top_k=k)
+    tie = near_ties(dense, xs, k)
+    if dtype is np.float32:  # bf16 rounds the logits (ties at bf16 resolution): the clean rows are checked at fp32
+        np.testing.assert_array_equal(ids[ok][~tie], rids[~tie], err_msg=f"routing differs (seed {rng.seed})")
+        bound = ref.moe_error_bound(xs, mags, dense, top_k=k)
+        assert_close(out[ok][~tie], want[~tie], atol=bound[~tie], rtol=0, what="clean tokens", seed=rng.seed)
+    else:
+        assert np.isfinite(np.asarray(out[ok], np.float32)).all()
+
+
 # ------------------------------------------------------------------------------ decode matvecs
 def mv_shapes(T, *, H, k, I, Is):
     """(grid x, grid y, grid z, threads) of moe_gate_up_mv and moe_down_mv, as docs/kernels-moe.md

@@ -25,7 +25,7 @@ timeout ${KLIMIT:-180} python3 $OLDPWD/benchmarks/gpu_kernels.py --model /tmp/ck
 timeout ${BLIMIT:-120} lily-py bench --model /tmp/ck --backend cuda --contexts ${CONTEXTS:-256,4K,32K} \
   --decode-tokens 16 --json $O/bench.json 2>&1 | tee $O/bench.txt | tail -25
 # Nsight Compute's counters for one decode step (tools/gpu/ncu_decode.py)
-[ -n "${NCU:-1}" ] && timeout ${NLIMIT:-120} ncu --clock-control none --profile-from-start off --csv \
-  --log-file $O/ncu.csv --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,l1tex__throughput.avg.pct_of_peak_sustained_active,sm__inst_issued.avg.pct_of_peak_sustained_active \
+[ "${NCU:-1}" != 0 ] && timeout ${NLIMIT:-120} ncu --clock-control none --profile-from-start off --csv \
+  --log-file $O/ncu.csv --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,l1tex__throughput.avg.pct_of_peak_sustained_active,sm__inst_issued.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum,dram__bytes_read.sum \
   python3 $OLDPWD/tools/gpu/ncu_decode.py run /tmp/ck ${NCU_POSITION:-256} > $O/ncu_run.log 2>&1; tail -3 $O/ncu_run.log
 python3 $OLDPWD/tools/gpu/ncu_decode.py table $O/ncu.csv 2>&1 | head -40
