@@ -484,6 +484,35 @@ inline float reduce_scatter8(thread const float* v, uint32_t lane) {
   return w + simd_shuffle_xor(w, ushort(1));
 }
 
+// One key of attention_vec for the 8 heads of a simdgroup: E products per head (qr [8][E] flat),
+// the 8 sums by one reduce-scatter (lane j: head j / 4), one online-softmax update with one exp
+// (the larger of (m, s) gets weight 1, the other exp(-|s - m|); first key: m = -inf, so corr = 0
+// and p = 1), then per head its correction and p broadcast from lane 4 h and E multiply-adds
+// into o [8][E] flat. Every index is a compile-time constant once unrolled: registers.
+template <uint32_t E>
+inline void vec_attend_key(thread const float* qr, thread const float* kv, thread const float* vv, float k_scale,
+                           float v_scale, uint32_t lane, thread float& m_h, thread float& l_h, thread float* o) {
+  constexpr uint32_t G = kAttnMaxGroup;
+  float dot[G];
+  for (uint32_t g = 0; g < G; ++g) {
+    dot[g] = 0.0f;
+    for (uint32_t e = 0; e < E; ++e) dot[g] += qr[g * E + e] * kv[e];
+  }
+  const float s = reduce_scatter8(dot, lane) * k_scale;
+  const bool up = s > m_h;
+  const float ex = exp(up ? m_h - s : s - m_h);
+  const float corr = up ? ex : 1.0f;
+  const float p = up ? 1.0f : ex;
+  l_h = l_h * corr + p;
+  m_h = up ? s : m_h;
+  const float pv = p * v_scale;
+  for (uint32_t g = 0; g < G; ++g) {
+    const float cg = simd_broadcast(corr, ushort(4 * g));
+    const float pg = simd_broadcast(pv, ushort(4 * g));
+    for (uint32_t d = 0; d < E; ++d) o[g * E + d] = o[g * E + d] * cg + pg * vv[d];
+  }
+}
+
 // attention_vec: first pass. Threadgroup (kv head, block) covers keys
 // [block * split_keys, min((block + 1) * split_keys, position + 1)) (never empty: the host sizes
 // the blocks); simdgroup s walks keys begin + s, begin + s + 8, ... (8 simdgroups read 8 adjacent
@@ -492,14 +521,15 @@ inline float reduce_scatter8(thread const float* v, uint32_t lane) {
 // the group's running outputs. Per key: E products per head; the 8 heads' sums by one
 // reduce-scatter (reduce_scatter8: lane j ends with head j / 4's score); one online-softmax
 // update with one exp on every lane, for head j / 4 (its running max and sum live on its quad);
-// then per head its correction and p broadcast from lane 4 h and E multiply-adds into o.
+// then per head its correction and p broadcast from lane 4 h and E multiply-adds into o
+// (vec_attend_key). Two keys per iteration: both rows loaded before either is used.
 // Unrolled over kAttnMaxGroup heads with no branch, so no private array is indexed at run time.
 // Then the 8 simdgroups' (m, l, o) are merged through threadgroup memory (one head at a time) and
 // written as the block's unnormalized partial.
 //   grid:    (kv_heads, blocks) threadgroups of kAttnVecSimds * 32 = 256 threads
 //   buffers: q [q_heads, D] T, k_cache, v_cache paged bf16 pools, block_table (buffer 6);
 //            partial_o float [q_heads, blocks, D]; partial_ml float [q_heads, blocks, 2]
-//   registers per lane: q and o 2 x 8 x E floats, m and l 2 x 8, one K and one V slice (E each)
+//   registers per lane: q and o 2 x 8 x E floats, m and l 2 x 8, two K and two V slices (E each)
 //   threadgroup memory: 8 x D floats (o) + 8 x 8 x 2 floats (m, l)
 // No integer division or modulo inside the key loop.
 template <typename T, uint32_t E, typename KV>
@@ -545,33 +575,18 @@ template <typename T, uint32_t E, typename KV>
   // update per key for all 8 heads at once, on the lanes' quads.
   float m_h = neg_inf();
   float l_h = 0.0f;
-  for (uint32_t key = simd_id; key < key_end - key_begin; key += NS) {
-    float kv[E];
-    float vv[E];
-    float k_scale, v_scale;
-    rows.load(key, kv, vv, k_scale, v_scale);
-    // Every one of the G heads, without a branch (heads past the group repeat the group's last
-    // head and are never written).
-    float dot[G];
-    for (uint32_t g = 0; g < G; ++g) {
-      dot[g] = 0.0f;
-      for (uint32_t e = 0; e < E; ++e) dot[g] += qr[g][e] * kv[e];
-    }
-    // One exp: the larger of (m, s) gets weight 1, the other exp(-|s - m|) (first key: m = -inf,
-    // so corr = 0 and p = 1).
-    const float s = reduce_scatter8(dot, lane) * k_scale;
-    const bool up = s > m_h;
-    const float ex = exp(up ? m_h - s : s - m_h);
-    const float corr = up ? ex : 1.0f;
-    const float p = up ? 1.0f : ex;
-    l_h = l_h * corr + p;
-    m_h = up ? s : m_h;
-    const float pv = p * v_scale;
-    for (uint32_t g = 0; g < G; ++g) {
-      const float cg = simd_broadcast(corr, ushort(4 * g));
-      const float pg = simd_broadcast(pv, ushort(4 * g));
-      for (uint32_t d = 0; d < E; ++d) o[g][d] = o[g][d] * cg + pg * vv[d];
-    }
+  // Two keys per iteration (keys key and key + 8 of the simdgroup's sequence): both rows' loads are
+  // issued before either key's arithmetic, so each simdgroup has two K and two V rows in flight;
+  // the keys are then taken one after the other, in the same order as one key per iteration.
+  const uint32_t n = key_end - key_begin;
+  for (uint32_t key = simd_id; key < n; key += 2 * NS) {
+    const bool two = key + NS < n;  // uniform over the simdgroup
+    float kv0[E], vv0[E], kv1[E], vv1[E];
+    float ks0, vs0, ks1, vs1;
+    rows.load(key, kv0, vv0, ks0, vs0);
+    rows.load(two ? key + NS : key, kv1, vv1, ks1, vs1);  // no second key: key's row again, unused
+    vec_attend_key<E>(&qr[0][0], kv0, vv0, ks0, vs0, lane, m_h, l_h, &o[0][0]);
+    if (two) vec_attend_key<E>(&qr[0][0], kv1, vv1, ks1, vs1, lane, m_h, l_h, &o[0][0]);
   }
   for (uint32_t g = 0; g < G; ++g) {
     m[g] = simd_broadcast(m_h, ushort(4 * g));
