@@ -68,6 +68,11 @@ FACTS = {
                    "norm_w re-read and the norm's sum of squares recomputed by each); K split over "
                    "<= 4 simdgroups, summed through threadgroup memory", "MLX qmv_fast, 8-bit, 1 row"),
     "qmv1_b4_r1": ("16 B codes (uint4), 2 B scales/biases, 4 B x", "as qmv1_b8_r1", "MLX qmv_fast, 1 row"),
+    # the *_r16 kernels: K not split (lm_head), 16 rows per threadgroup of one simdgroup
+    "qmv1_b4_r16": ("16 B codes (uint4), 2 B scales/biases, 4 B x", "16 rows per threadgroup (one simdgroup "
+                    "walks K once; x, norm_w and the norm's sum of squares once per 16 rows); 16 weight "
+                    "loads per lane in flight", "MLX qmv_fast, 16 rows, K not split"),
+    "qmv1_b8_r16": ("16 B codes (uint4), 2 B scales/biases, 4 B x", "as qmv1_b4_r16", "MLX qmv_fast, 8-bit, 16 rows"),
     "attn_decode_vec": ("16 B (uint4 = 8 bf16 of K and of V per lane per key)", "keys of a block in order, "
                         "ceil(keys / 8) per simdgroup; 8 simdgroups merged in threadgroup memory",
                         "MLX sdpa_vector 2-pass / Lily: GQA query in registers, online softmax"),
@@ -96,8 +101,9 @@ FACTS = {
 
 
 def facts(kernel: str):
-    if kernel.startswith("qmv1_") and kernel.endswith("_r1"):
-        return FACTS[kernel[:7] + "_r1"]
+    for tail in ("_r1", "_r16"):
+        if kernel.startswith("qmv1_") and kernel.endswith(tail):
+            return FACTS[kernel[:7] + tail]
     for k in sorted(FACTS, key=len, reverse=True):
         if kernel.startswith(k):
             return FACTS[k]
@@ -118,7 +124,7 @@ def roles(dispatches: list[dict], cfg: ModelConfig) -> list[str]:
         elif k.startswith("rms_norm_residual"):
             r = "post-mixer residual + norm"
         elif k.startswith("rms_norm"):
-            r = "final norm" if nxt.startswith("qmv") and dispatches[i + 1]["groups"][0] * 8 >= cfg.vocab_size \
+            r = "final norm" if nxt.startswith("qmv") and dispatches[i + 1]["groups"][0] * 16 >= cfg.vocab_size \
                 else "input norm"
         elif k.startswith(("qmv_b8", "qmv1_b8", "qmm_b8")):
             r = "router + shared gate (8-bit, post norm fused)"
@@ -128,7 +134,7 @@ def roles(dispatches: list[dict], cfg: ModelConfig) -> list[str]:
             r = "experts gate/up + SwiGLU (8 routed + shared; top-k selected in the kernel)"
         elif k.startswith("moe_down"):
             r = "experts down (+ residual)"
-        elif k.startswith("qmv") and d["groups"][0] * 8 >= cfg.vocab_size:
+        elif k.startswith("qmv") and d["groups"][0] * 16 >= cfg.vocab_size:
             r = "lm_head (final norm fused)"
         elif k.startswith("qmv"):
             if nxt.startswith(("gated_delta", "conv1d")):

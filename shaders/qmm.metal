@@ -78,7 +78,9 @@ template <typename T, typename S, int bits, typename Y = T>
 // qmv1: the single-token route (M = 1: every decode projection), after MLX's qmv_fast.
 //   grid:      ceil(N / R) threadgroups of 32 * splits threads, splits = min(4, ceil(K / B));
 //              R = kQmv1Rows = 4 rows per threadgroup, or R = 1 (the *_r1 kernels) where 4 would
-//              give fewer than kQmv1MinSimdgroups = 1280 simdgroups (the router: 257 rows)
+//              give fewer than kQmv1MinSimdgroups = 1280 simdgroups (the router: 257 rows), or
+//              R = kQmv1WideRows = 16 (the *_r16 kernels, 4 and 8 bits) where K is not split
+//              (lm_head: 15,520 threadgroups of one simdgroup; x loaded once per 16 rows)
 //   block:     B = 32 lanes x V codes (V = 128 / bits: one 16-byte load of w per lane and row at
 //              4 and 8 bits; V = 32, `bits` words, at 2, 3, 5 and 6: Qmv1Codes);
 //              simdgroup s walks K blocks s, s + splits, ...
@@ -109,7 +111,7 @@ template <typename T, typename S, int bits, typename Y = T, uint32_t R = kQmv1Ro
                      device T* h_out [[buffer(8)]],
                      device T* xn_out [[buffer(9)]],
                      LILY_KERNEL_TAIL) {
-  static_assert(R == kQmv1Rows || R == 1, "qmv1 is instantiated for 4 or 1 rows per threadgroup");
+  static_assert(R == kQmv1Rows || R == 1 || R == kQmv1WideRows, "qmv1 is instantiated for 4, 1 or 16 rows");
   constexpr uint32_t V = Qmv1Codes<bits>::V;
   constexpr uint32_t B = 32 * V;
   LILY_TG_ARRAY(float, red, [kQmv1MaxSplits * (R + 1)]);
@@ -122,9 +124,11 @@ template <typename T, typename S, int bits, typename Y = T, uint32_t R = kQmv1Ro
   const uint32_t n0 = group_pos.x * R;
 
   uint32_t row[R];  // row r loads row min(n0 + r, N - 1): the loads never wait on a branch
+  LILY_UNROLL
   for (uint32_t r = 0; r < R; ++r) row[r] = min(n0 + r, args.N - 1);
 
   float acc[R];
+  LILY_UNROLL
   for (uint32_t r = 0; r < R; ++r) acc[r] = 0.0f;
   float ss = 0.0f;
   for (uint32_t k0 = simd_id * B; k0 < K; k0 += splits * B) {
@@ -147,6 +151,7 @@ template <typename T, typename S, int bits, typename Y = T, uint32_t R = kQmv1Ro
         }
       }
       const uint32_t g = k >> args.group_shift;
+      LILY_UNROLL
       for (uint32_t r = 0; r < R; ++r) {
         const device uint32_t* wp = w + row[r] * words_per_row + k * bits / 32;
         const float sc = float(scales[row[r] * groups_per_row + g]);
@@ -156,9 +161,11 @@ template <typename T, typename S, int bits, typename Y = T, uint32_t R = kQmv1Ro
     }
   }
 
+  LILY_UNROLL
   for (uint32_t r = 0; r < R; ++r) acc[r] = simd_sum(acc[r]);
   ss = simd_sum(ss);
   if (lane == 0) {
+    LILY_UNROLL
     for (uint32_t r = 0; r < R; ++r) red[simd_id * (R + 1) + r] = acc[r];
     red[simd_id * (R + 1) + R] = ss;
   }
@@ -419,6 +426,20 @@ LILY_INSTANTIATE("qmv1_b4_xbf16_sf32_yf32_r1", qmv1<bfloat, float, 4, float, 1>)
 LILY_INSTANTIATE("qmv1_b4_xbf16_sbf16_yf32_r1", qmv1<bfloat, bfloat, 4, float, 1>)
 LILY_INSTANTIATE("qmv1_b8_xbf16_sf32_yf32_r1", qmv1<bfloat, float, 8, float, 1>)
 LILY_INSTANTIATE("qmv1_b8_xbf16_sbf16_yf32_r1", qmv1<bfloat, bfloat, 8, float, 1>)
+
+// Sixteen rows per threadgroup (qmv1_rows: K not split, 4 and 8 bits: lm_head).
+LILY_INSTANTIATE("qmv1_b4_xf32_sf32_r16", qmv1<float, float, 4, float, kQmv1WideRows>)
+LILY_INSTANTIATE("qmv1_b4_xf32_sbf16_r16", qmv1<float, bfloat, 4, float, kQmv1WideRows>)
+LILY_INSTANTIATE("qmv1_b4_xbf16_sf32_r16", qmv1<bfloat, float, 4, bfloat, kQmv1WideRows>)
+LILY_INSTANTIATE("qmv1_b4_xbf16_sbf16_r16", qmv1<bfloat, bfloat, 4, bfloat, kQmv1WideRows>)
+LILY_INSTANTIATE("qmv1_b8_xf32_sf32_r16", qmv1<float, float, 8, float, kQmv1WideRows>)
+LILY_INSTANTIATE("qmv1_b8_xf32_sbf16_r16", qmv1<float, bfloat, 8, float, kQmv1WideRows>)
+LILY_INSTANTIATE("qmv1_b8_xbf16_sf32_r16", qmv1<bfloat, float, 8, bfloat, kQmv1WideRows>)
+LILY_INSTANTIATE("qmv1_b8_xbf16_sbf16_r16", qmv1<bfloat, bfloat, 8, bfloat, kQmv1WideRows>)
+LILY_INSTANTIATE("qmv1_b4_xbf16_sf32_yf32_r16", qmv1<bfloat, float, 4, float, kQmv1WideRows>)
+LILY_INSTANTIATE("qmv1_b4_xbf16_sbf16_yf32_r16", qmv1<bfloat, bfloat, 4, float, kQmv1WideRows>)
+LILY_INSTANTIATE("qmv1_b8_xbf16_sf32_yf32_r16", qmv1<bfloat, float, 8, float, kQmv1WideRows>)
+LILY_INSTANTIATE("qmv1_b8_xbf16_sbf16_yf32_r16", qmv1<bfloat, bfloat, 8, float, kQmv1WideRows>)
 
 // 2, 3, 5 and 6 bits (bfloat16 scales; unpack_row / the generic Qmv1Codes in common/quant.h).
 LILY_INSTANTIATE("qmv_b2_xf32_sbf16", qmv<float, bfloat, 2>)

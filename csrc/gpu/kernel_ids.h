@@ -59,6 +59,19 @@
   X(qmv1_b4_xbf16_sbf16_yf32_r1, Qmv1Args, 9) \
   X(qmv1_b8_xbf16_sf32_yf32_r1, Qmv1Args, 9) \
   X(qmv1_b8_xbf16_sbf16_yf32_r1, Qmv1Args, 9) \
+  /* the same with 16 rows per threadgroup (qmv1_rows: K not split, 4 and 8 bits: lm_head) */ \
+  X(qmv1_b4_xf32_sf32_r16, Qmv1Args, 9) \
+  X(qmv1_b4_xf32_sbf16_r16, Qmv1Args, 9) \
+  X(qmv1_b4_xbf16_sf32_r16, Qmv1Args, 9) \
+  X(qmv1_b4_xbf16_sbf16_r16, Qmv1Args, 9) \
+  X(qmv1_b8_xf32_sf32_r16, Qmv1Args, 9) \
+  X(qmv1_b8_xf32_sbf16_r16, Qmv1Args, 9) \
+  X(qmv1_b8_xbf16_sf32_r16, Qmv1Args, 9) \
+  X(qmv1_b8_xbf16_sbf16_r16, Qmv1Args, 9) \
+  X(qmv1_b4_xbf16_sf32_yf32_r16, Qmv1Args, 9) \
+  X(qmv1_b4_xbf16_sbf16_yf32_r16, Qmv1Args, 9) \
+  X(qmv1_b8_xbf16_sf32_yf32_r16, Qmv1Args, 9) \
+  X(qmv1_b8_xbf16_sbf16_yf32_r16, Qmv1Args, 9) \
   /* quantized matrix-matrix, tiled (shaders/qmm.metal): x, w, scales, biases, out */ \
   X(qmm_b4_xf32_sf32,   QmmArgs, 5)                                           \
   X(qmm_b4_xf32_sbf16,  QmmArgs, 5)                                           \

@@ -42,4 +42,17 @@ using namespace metal;
 #error "shaders are compiled by Metal, by the emulator TU, by the strict pass or by NVRTC only"
 #endif
 
+// LILY_UNROLL before a loop of compile-time trip count: unroll it fully, so private arrays indexed
+// by its counter stay in registers (a loop the compiler leaves rolled indexes them at run time:
+// stack memory; the qmv1 *_r16 kernels had a 128-byte frame without it).
+#if defined(__METAL_VERSION__) || defined(__clang__)
+#define LILY_UNROLL _Pragma("clang loop unroll(full)")
+#elif defined(LILY_CUDA)
+#define LILY_UNROLL _Pragma("unroll")
+#elif defined(__GNUC__)
+#define LILY_UNROLL _Pragma("GCC unroll 64")
+#else
+#define LILY_UNROLL
+#endif
+
 #include "common/args.h"

@@ -153,7 +153,8 @@ def test_qmv1_split_rule_at_every_width():
             for k in (128, 384, 1088, 2048, 2432):
                 splits = _qmv1_splits(n, k, bits)
                 assert core.ops.qmv1_splits(n, k, bits) == splits, (n, k, bits)
-                assert core.ops.qmv1_rows(n, k, bits) == (4 if -(-n // 4) * splits >= 1280 else 1), (n, k, bits)
+                wide = -(-n // 4) >= 8 * 1280 and bits in (4, 8)  # kQmv1WideRows at 4 and 8 bits only
+                assert core.ops.qmv1_rows(n, k, bits) == (16 if wide else 4 if -(-n // 4) * splits >= 1280 else 1), (n, k, bits)
 
 
 @pytest.mark.parametrize("bits", WIDTHS)

@@ -252,11 +252,13 @@ def qmv1_splits(n, k, bits):
 
 
 def qmv1_rows(n, k, bits):
+    if -(-n // 4) >= QMV1_ONE_SPLIT_GROUPS and bits in (4, 8):
+        return 16  # kQmv1WideRows: K not split (lm_head), x loaded once per 16 rows
     return 4 if -(-n // 4) * qmv1_splits(n, k, bits) >= QMV1_MIN_SIMDGROUPS else 1
 
 
 def qmv1_name(bits, xt, rows, yf32=False):
-    return f"qmv1_b{bits}_x{xt}_sbf16{'_yf32' if yf32 else ''}{'_r1' if rows == 1 else ''}"
+    return f"qmv1_b{bits}_x{xt}_sbf16{'_yf32' if yf32 else ''}{ {1: '_r1', 4: '', 16: '_r16'}[rows]}"
 
 
 # K = 2048: 4 splits at 8 bits (4 rows from N = 1277 = 4 * 319 + 1), 2 at 4 bits (from N = 2557).
@@ -279,8 +281,9 @@ def test_qmv1_rows_rule_matches_extension():
     # the real config: the 8-bit router + shared gate takes 1 row (1028 simdgroups, not 260);
     # every other decode projection keeps 4
     assert qmv1_rows(257, 2048, 8) == 1 and -(-257 // 1) * qmv1_splits(257, 2048, 8) == 1028
-    for n, k in [(12352, 2048), (2048, 4096), (9216, 2048), (248320, 2048)]:
+    for n, k in [(12352, 2048), (2048, 4096), (9216, 2048)]:
         assert qmv1_rows(n, k, 4) == 4
+    assert qmv1_rows(248320, 2048, 4) == 16 and qmv1_rows(248320, 2048, 8) == 16  # lm_head: 15,520 threadgroups
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -330,11 +333,13 @@ def test_bf16_x_fp32_y(rng, device, m, bits, scale_dtype):
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("n,k", [(7, 192), (13, 2048), ("below", 2048), ("switch", 2048)])
+@pytest.mark.parametrize("n,k", [(7, 192), (13, 2048), ("below", 2048), ("switch", 2048), ("one_split", 1088)])
 def test_qmv1_fused_norm_bf16_x_fp32_y(rng, device, bits, n, k):
     """The decode lm_head: the final norm fused into qmv1 on the bf16 residual stream, fp32
-    logits: the bound of test_qmv1_fused_norm without the output's bf16 rounding."""
-    n = {"below": QMV1_SWITCH[bits] - 2, "switch": QMV1_SWITCH[bits]}.get(n, n)
+    logits: the bound of test_qmv1_fused_norm without the output's bf16 rounding. one_split: past
+    4 x kQmv1OneSplitGroups rows (lm_head's side): 16 rows per threadgroup, K not split, the last
+    threadgroup with 3 rows past N."""
+    n = {"below": QMV1_SWITCH[bits] - 2, "switch": QMV1_SWITCH[bits], "one_split": 4 * QMV1_ONE_SPLIT_GROUPS + 3}.get(n, n)
     gs = 64
     x, w, s, b, nw, res = norm_case(rng, n, k, bits=bits, group_size=gs, x_dtype=BF16, residual=True)
     y, _, _, stats = ops._quantized_matmul_norm(x, w, s, b, nw, bits=bits, group_size=gs, eps=1e-6,
@@ -383,8 +388,10 @@ def test_qmv1_fused_norm(rng, device, x_dtype, bits, residual, side, n, k):
         assert h is None and xn is None
 
 
-# 1 row per threadgroup (N = 9; the router's 257 x 2048 at 8 bits) and 4 (the 8-bit switch).
-@pytest.mark.parametrize("n,k,bits", [(9, 1088, 4), (257, 2048, 8), (QMV1_SWITCH[8], 2048, 8)])
+# 1 row per threadgroup (N = 9; the router's 257 x 2048 at 8 bits), 4 (the 8-bit switch) and 16
+# (K not split: lm_head's side of QMV1_ONE_SPLIT_GROUPS; threadgroup 0 writes the side outputs).
+@pytest.mark.parametrize("n,k,bits", [(9, 1088, 4), (257, 2048, 8), (QMV1_SWITCH[8], 2048, 8),
+                                      (4 * QMV1_ONE_SPLIT_GROUPS + 5, 192, 4)])
 def test_qmv1_fused_norm_independent_of_thread_order(rng, n, k, bits):
     x, w, s, b, nw, res = norm_case(rng, n, k, bits=bits, group_size=64, x_dtype=np.float32, residual=True)
     runs = [ops._quantized_matmul_norm(x, w, s, b, nw, bits=bits, group_size=64, residual=res, side=True,

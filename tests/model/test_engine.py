@@ -363,8 +363,8 @@ def test_qmv1_decode_grids_real_config(position):
     4 rows per threadgroup where that gives >= 1280 simdgroups (32 per core on a 40-core GPU), 1
     row otherwise: only the 8-bit router + shared gate (257 x 2048: 65 -> 257 threadgroups, 260 ->
     1028 simdgroups) takes the 1-row kernel; K split over min(4, ceil(K / block)) simdgroups, except
-    where the 4-row groups alone reach QMV1_ONE_SPLIT_GROUPS (lm_head: 62080 groups, one simdgroup
-    each, no split)."""
+    where the 4-row groups alone reach QMV1_ONE_SPLIT_GROUPS (lm_head: one simdgroup per 16 rows,
+    15,520 threadgroups, no split: x loaded once per 16 rows)."""
     import collections
     from lily_py.backends.engine import REAL_QUANT, _core, engine_spec
     cfg = _real_cfg()
@@ -378,7 +378,7 @@ def test_qmv1_decode_grids_real_config(position):
         ("qmv1_b4_xf32_sbf16", (3088, 1, 1), (64, 1, 1)): L - n_full,    # DeltaNet in_proj 12352 x 2048
         ("qmv1_b4_xf32_sbf16", (512, 1, 1), (128, 1, 1)): L,             # out_proj / o_proj 2048 x 4096
         ("qmv1_b4_xf32_sbf16", (2304, 1, 1), (64, 1, 1)): n_full,        # attention qkv 9216 x 2048
-        ("qmv1_b4_xf32_sbf16", (62080, 1, 1), (32, 1, 1)): 1,            # lm_head 248320 x 2048, 1 split
+        ("qmv1_b4_xf32_sbf16_r16", (15520, 1, 1), (32, 1, 1)): 1,        # lm_head 248320 x 2048, 16 rows, 1 split
         ("qmv1_b8_xf32_sbf16_r1", (257, 1, 1), (128, 1, 1)): L,          # router + shared gate 257 x 2048
     }
     assert 62080 >= _core().ops.QMV1_ONE_SPLIT_GROUPS > 3088  # only lm_head is past the threshold

@@ -47,6 +47,7 @@ uint32_t qmv1_splits(uint32_t N, uint32_t K, uint32_t bits) {
 }
 
 uint32_t qmv1_rows(uint32_t N, uint32_t K, uint32_t bits) {
+  if (ceil_div(N, kQmv1Rows) >= kQmv1OneSplitGroups && (bits == 4 || bits == 8)) return kQmv1WideRows;
   const uint64_t simdgroups = uint64_t(ceil_div(N, kQmv1Rows)) * qmv1_splits(N, K, bits);
   return simdgroups >= kQmv1MinSimdgroups ? kQmv1Rows : 1;
 }
@@ -70,6 +71,26 @@ KernelId qmv1_r1(KernelId k) {
     case K::qmv1_b8_xbf16_sf32_yf32: return K::qmv1_b8_xbf16_sf32_yf32_r1;
     case K::qmv1_b8_xbf16_sbf16_yf32: return K::qmv1_b8_xbf16_sbf16_yf32_r1;
     default: throw std::logic_error("qmv1_r1: not a qmv1 kernel");
+  }
+}
+
+// The sixteen-row twin (the *_r16 rows: K not split, 4 and 8 bits).
+KernelId qmv1_r16(KernelId k) {
+  using K = KernelId;
+  switch (k) {
+    case K::qmv1_b4_xf32_sf32: return K::qmv1_b4_xf32_sf32_r16;
+    case K::qmv1_b4_xf32_sbf16: return K::qmv1_b4_xf32_sbf16_r16;
+    case K::qmv1_b4_xbf16_sf32: return K::qmv1_b4_xbf16_sf32_r16;
+    case K::qmv1_b4_xbf16_sbf16: return K::qmv1_b4_xbf16_sbf16_r16;
+    case K::qmv1_b8_xf32_sf32: return K::qmv1_b8_xf32_sf32_r16;
+    case K::qmv1_b8_xf32_sbf16: return K::qmv1_b8_xf32_sbf16_r16;
+    case K::qmv1_b8_xbf16_sf32: return K::qmv1_b8_xbf16_sf32_r16;
+    case K::qmv1_b8_xbf16_sbf16: return K::qmv1_b8_xbf16_sbf16_r16;
+    case K::qmv1_b4_xbf16_sf32_yf32: return K::qmv1_b4_xbf16_sf32_yf32_r16;
+    case K::qmv1_b4_xbf16_sbf16_yf32: return K::qmv1_b4_xbf16_sbf16_yf32_r16;
+    case K::qmv1_b8_xbf16_sf32_yf32: return K::qmv1_b8_xbf16_sf32_yf32_r16;
+    case K::qmv1_b8_xbf16_sbf16_yf32: return K::qmv1_b8_xbf16_sbf16_yf32_r16;
+    default: throw std::logic_error("qmv1_r16: not a qmv1 kernel");
   }
 }
 
@@ -97,17 +118,18 @@ static KernelId qmm_kernel_width(QmmRoute route, uint32_t bits, DType x, DType s
 }
 
 KernelId qmm_kernel(QmmRoute route, uint32_t bits, DType x, DType s, bool y_f32, uint32_t rows, bool int8) {
-  if (route == QmmRoute::qmv1 && rows != kQmv1Rows && rows != 1)
-    throw std::invalid_argument("quantized_matmul: qmv1 rows per threadgroup must be 4 or 1");
+  if (route == QmmRoute::qmv1 && rows != kQmv1Rows && rows != 1 && rows != kQmv1WideRows)
+    throw std::invalid_argument("quantized_matmul: qmv1 rows per threadgroup must be 4, 1 or 16");
   if (bits != 4 && bits != 8) {
+    if (route == QmmRoute::qmv1 && rows == kQmv1WideRows)
+      throw std::invalid_argument("quantized_matmul: qmv1 takes 16 rows per threadgroup at 4 and 8 bits only");
     if (!qmm_width_supported(bits))
       throw std::invalid_argument("quantized_matmul: bits=" + std::to_string(bits) + " unsupported (2, 3, 4, 5, 6 or 8)");
     return qmm_kernel_width(route, bits, x, s, y_f32, route == QmmRoute::qmv1 && rows == 1);
   }
   const KernelId k = qmm_kernel4(route, bits, x, s, y_f32, int8);
   if (route != QmmRoute::qmv1 || rows == kQmv1Rows) return k;
-  if (rows != 1) throw std::invalid_argument("quantized_matmul: qmv1 rows per threadgroup must be 4 or 1");
-  return qmv1_r1(k);
+  return rows == 1 ? qmv1_r1(k) : qmv1_r16(k);
 }
 
 QmmFlops qmm_flops(uint32_t M, uint32_t N, uint32_t K, uint32_t bits, bool tensor_ops, bool bf16_tiles) {

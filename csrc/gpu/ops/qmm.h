@@ -36,7 +36,8 @@ uint32_t qmv1_splits(uint32_t N, uint32_t K, uint32_t bits);
 // >= kQmv1MinSimdgroups (32 simdgroups per core on a 40-core GPU), else 1 (the *_r1 kernels: 4x
 // the threadgroups; each re-reads x (+ residual, norm_w) and recomputes the norm's sum of squares).
 // Real config: every projection keeps 4 except the 8-bit router + shared gate (N = 257, K = 2048:
-// 65 x 4 = 260 simdgroups at 4 rows, 257 x 4 = 1028 at 1 row).
+// 65 x 4 = 260 simdgroups at 4 rows, 257 x 4 = 1028 at 1 row) and lm_head: where K is not split
+// (qmv1_splits) at 4 and 8 bits, kQmv1WideRows (16, the *_r16 kernels: 15,520 threadgroups).
 uint32_t qmv1_rows(uint32_t N, uint32_t K, uint32_t bits);
 const char* qmm_route_name(QmmRoute r);
 
@@ -106,7 +107,7 @@ struct QmmOperands {
 QmmOperands qmm_block(const QmmOperands& op, size_t i);
 
 // The kernel a route uses for these bits / dtypes; throws std::invalid_argument when unsupported.
-// rows: the qmv1 route's rows per threadgroup (qmv1_rows(N, K, bits); 4 or 1), ignored by the others.
+// rows: the qmv1 route's rows per threadgroup (qmv1_rows(N, K, bits); 4, 1 or 16), ignored by the others.
 // int8: the qmm_m5 route takes qmm_m5i8 (int8 activations) where it has it: bf16 x, 4-bit weights,
 // bf16 y (Encoder::tensor_int8(); qmm_int8_allowed).
 KernelId qmm_kernel(QmmRoute route, uint32_t bits, DType x_dtype, DType scale_dtype, bool y_f32 = false,
