@@ -201,6 +201,7 @@ class CudaBuffer final : public gpu::Buffer {
   void write(size_t offset, const void* src, size_t n) override;
   void read(size_t offset, void* dst, size_t n) override;
   void fill(size_t offset, int byte, size_t n) override;
+  void copy_from(gpu::Buffer& src, size_t src_offset, size_t offset, size_t n) override;
   CUdeviceptr address() const { return p_; }
 
  private:
@@ -344,6 +345,11 @@ class CudaDevice final : public gpu::Device {
     driver().check(driver().cuMemsetD8Async(dst, static_cast<unsigned char>(byte), n, stream_), "fill");
     written();
   }
+  void copy(CUdeviceptr dst, CUdeviceptr src, size_t n) {
+    bind();
+    driver().check(driver().cuMemcpyDtoDAsync(dst, src, n, stream_), "device-to-device copy");
+    written();
+  }
   void read(void* dst, CUdeviceptr src, size_t n) {
     bind();
     std::lock_guard<std::mutex> lock(io_mu_);
@@ -414,6 +420,15 @@ void CudaBuffer::read(size_t offset, void* dst, size_t n) {
 void CudaBuffer::fill(size_t offset, int byte, size_t n) {
   check_range(offset, n, "fill");
   if (n) dev_.fill(p_ + offset, byte, n);
+}
+
+void CudaBuffer::copy_from(gpu::Buffer& src, size_t src_offset, size_t offset, size_t n) {
+  auto* cs = dynamic_cast<CudaBuffer*>(&src);
+  if (!cs || &cs->dev_ != &dev_) return gpu::Buffer::copy_from(src, src_offset, offset, n);
+  check_range(offset, n, "copy_from");
+  if (src_offset > cs->bytes_ || n > cs->bytes_ - src_offset)
+    throw gpu::EncodeError("copy_from (source): bytes out of range");
+  if (n) dev_.copy(p_ + offset, cs->p_ + src_offset, n);
 }
 
 CUdeviceptr address_of(const gpu::Binding& b) {

@@ -36,6 +36,19 @@ void Buffer::fill(size_t offset, int byte, size_t n) {
   if (n) std::memset(p, byte, n);
 }
 
+void Buffer::copy_from(Buffer& src, size_t src_offset, size_t offset, size_t n) {
+  src.check_range(src_offset, n, "copy_from (source)");
+  check_range(offset, n, "copy_from");
+  if (n == 0) return;
+  if (contents() && src.contents()) {
+    std::memmove(static_cast<char*>(contents()) + offset, static_cast<const char*>(src.contents()) + src_offset, n);
+    return;
+  }
+  std::vector<char> tmp(n);
+  src.read(src_offset, tmp.data(), n);
+  write(offset, tmp.data(), n);
+}
+
 void Encoder::set_kernel(KernelId id) {
   if (static_cast<size_t>(id) >= kNumKernels) throw EncodeError("set_kernel: unknown kernel id");
   pending_.kernel = id;

@@ -40,6 +40,10 @@ class Buffer {
   virtual void write(size_t offset, const void* src, size_t n);
   virtual void read(size_t offset, void* dst, size_t n);
   virtual void fill(size_t offset, int byte, size_t n);
+  // Bytes [src_offset, src_offset + n) of src into [offset, offset + n) of this buffer, ordered as
+  // write: in place where the host addresses both, on the device where it holds both (cuda:
+  // cuMemcpyDtoD on its stream, never through host memory), else through a host copy.
+  virtual void copy_from(Buffer& src, size_t src_offset, size_t offset, size_t n);
   template <class T>
   T read_value(size_t offset) {
     T v;
