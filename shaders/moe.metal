@@ -41,24 +41,24 @@ inline float moe_silu(float v) { return v / (1.0f + exp(-v)); }
 //   outputs:  ids[t, j] (descending probability), weights[t, j] = p_j / sum_j p_j (sum in slot
 //             order), weights[t, k] = sigmoid(logit E) (the shared expert's weight)
 //   logits:   [T, E + 1] in the activation dtype (row E of the router matrix is the shared-expert gate)
-// moe_select: the selection of one token, by one whole simdgroup (every lane calls; k uniform):
-// softmax of row[0 .. E) in fp32, k rounds of (simd_max, simd_min of the index), renormalised in
-// slot order. Lane 0 writes sel[j] (expert of slot j), w[j] = p_j / sum p (j < k) and
-// w[k] = sigmoid(row[E]) to threadgroup memory (a row with a NaN or infinite logit: experts still
-// distinct and below E, w[j < k] NaN). Shared by moe_route and the matvec kernels,
-// which select for themselves (identical results: the same code on the same logits).
-template <typename L>
-inline void moe_select(constant MoeArgs& args, const device L* row, uint32_t lane, threadgroup uint32_t* sel,
-                       threadgroup float* w) {
-  constexpr uint32_t PER_LANE = kMoeMaxExperts / 32;
-  constexpr float kTaken = -1.0f;  // below every probability
-  const uint32_t E = args.experts, k = args.top_k;
+// The selection of one token, by one whole simdgroup (every lane calls; k uniform): softmax of
+// row[0 .. E) in fp32 (moe_probs), then rounds of (simd_max, simd_min of the index) (moe_take).
+// Every caller runs this same code on the same logits, so every kernel that selects for itself
+// gets the same experts (ties go to the lowest expert index, as in lily_py.reference.moe.route).
+constexpr float kMoeTaken = -1.0f;  // below every probability
 
-  float p[PER_LANE];
+// p[i]: the probability of expert lane + 32 i (kMoeTaken past E). A NaN probability (a NaN or
+// infinite logit: the activations went bad upstream) ranks below every number and above a taken
+// expert, so k distinct experts below E are always chosen (an id past E would read outside the
+// expert stacks). Returns whether the row had one (uniform over the simdgroup).
+template <typename L>
+inline bool moe_probs(constant MoeArgs& args, const device L* row, uint32_t lane, thread float* p) {
+  constexpr uint32_t PER_LANE = kMoeMaxExperts / 32;
+  const uint32_t E = args.experts;
   float m = -3.0e38f;
   for (uint32_t i = 0; i < PER_LANE; ++i) {
     const uint32_t e = lane + 32 * i;
-    p[i] = e < E ? float(row[e]) : kTaken;
+    p[i] = e < E ? float(row[e]) : kMoeTaken;
     if (e < E) m = max(m, p[i]);
   }
   m = simd_max(m);
@@ -72,34 +72,50 @@ inline void moe_select(constant MoeArgs& args, const device L* row, uint32_t lan
   sum = simd_sum(sum);
   for (uint32_t i = 0; i < PER_LANE; ++i)
     if (lane + 32 * i < E) p[i] = p[i] / sum;
-  // A NaN probability (a NaN or infinite logit: the activations went bad upstream) ranks below
-  // every number and above a taken expert, so k distinct experts below E are always chosen (an
-  // id past E would read outside the expert stacks), and the row's weights are NaN: the output
-  // says what came in.
   bool bad = false;
   for (uint32_t i = 0; i < PER_LANE; ++i) {
     if (lane + 32 * i < E && !(p[i] >= 0.0f)) {
-      p[i] = 0.5f * kTaken;
+      p[i] = 0.5f * kMoeTaken;
       bad = true;
     }
   }
-  bad = simd_any(bad);
+  return simd_any(bad);
+}
 
+// One round: the largest untaken probability (the lowest index among equals), marked taken.
+// Returns its expert and sets top to its probability, the same on every lane.
+inline uint32_t moe_take(thread float* p, uint32_t lane, uint32_t E, thread float& top) {
+  constexpr uint32_t PER_LANE = kMoeMaxExperts / 32;
+  float best = kMoeTaken;
+  uint32_t best_e = 0xFFFFFFFFu;
+  for (uint32_t i = 0; i < PER_LANE; ++i) {  // ascending e: the lane keeps its lowest index
+    const uint32_t e = lane + 32 * i;
+    if (e < E && p[i] > best) {
+      best = p[i];
+      best_e = e;
+    }
+  }
+  top = simd_max(best);
+  const uint32_t top_e = simd_min(best == top ? best_e : 0xFFFFFFFFu);
+  for (uint32_t i = 0; i < PER_LANE; ++i)
+    if (lane + 32 * i == top_e) p[i] = kMoeTaken;
+  return top_e;
+}
+
+// moe_select: k rounds, renormalised in slot order. Lane 0 writes sel[j] (expert of slot j),
+// w[j] = p_j / sum p (j < k) and w[k] = sigmoid(row[E]) to threadgroup memory (a row with a NaN
+// or infinite logit: experts still distinct and below E, w[j < k] NaN). moe_route and
+// moe_down_mv select with it.
+template <typename L>
+inline void moe_select(constant MoeArgs& args, const device L* row, uint32_t lane, threadgroup uint32_t* sel,
+                       threadgroup float* w) {
+  const uint32_t E = args.experts, k = args.top_k;
+  float p[kMoeMaxExperts / 32];
+  const bool bad = moe_probs<L>(args, row, lane, p);
   float wsum = 0.0f;
   for (uint32_t j = 0; j < k; ++j) {  // k is uniform: every lane makes the same collectives
-    float best = kTaken;
-    uint32_t best_e = 0xFFFFFFFFu;
-    for (uint32_t i = 0; i < PER_LANE; ++i) {  // ascending e: the lane keeps its lowest index
-      const uint32_t e = lane + 32 * i;
-      if (e < E && p[i] > best) {
-        best = p[i];
-        best_e = e;
-      }
-    }
-    const float top = simd_max(best);
-    const uint32_t top_e = simd_min(best == top ? best_e : 0xFFFFFFFFu);
-    for (uint32_t i = 0; i < PER_LANE; ++i)
-      if (lane + 32 * i == top_e) p[i] = kTaken;
+    float top;
+    const uint32_t top_e = moe_take(p, lane, E, top);
     if (lane == 0) {
       sel[j] = top_e;
       w[j] = top;
@@ -110,6 +126,20 @@ inline void moe_select(constant MoeArgs& args, const device L* row, uint32_t lan
     for (uint32_t j = 0; j < k; ++j) w[j] = bad ? as_type<float>(0x7FC00000u) : w[j] / wsum;
     w[k] = 1.0f / (1.0f + exp(-float(row[E])));
   }
+}
+
+// moe_select_slot: the expert of slot j < k alone (j + 1 rounds), in registers on every lane: no
+// threadgroup memory, no barrier (moe_gate_up_mv, which needs no weights).
+template <typename L>
+inline uint32_t moe_select_slot(constant MoeArgs& args, const device L* row, uint32_t lane, uint32_t j) {
+  float p[kMoeMaxExperts / 32];
+  moe_probs<L>(args, row, lane, p);
+  uint32_t id = 0;
+  for (uint32_t r = 0; r <= j; ++r) {  // j is uniform over the simdgroup
+    float top;
+    id = moe_take(p, lane, args.experts, top);
+  }
+  return id;
 }
 
 template <typename L>
@@ -278,8 +308,9 @@ inline void moe_load_act(const device T* p, thread float* o) {
 // (token, slot) whose matrix is looked up from the routing), on qmv1's qmv_fast layout.
 //   grid:       (ceil(max(I, Is) / kMoeMvRows), T * (k + 1)) threadgroups of 32 * splits threads,
 //               splits = min(kMoeGateUpMaxSplits, ceil(H / B)) (host: moe_mv_splits)
-//   routing:    simdgroup 0 selects the token's experts from the router logits [T, E + 1]
-//               (moe_select, the code moe_route runs) into threadgroup memory; barrier
+//   routing:    every simdgroup selects its slot's expert from the router logits [T, E + 1]
+//               (moe_select_slot: j + 1 rounds of the code moe_route runs, in registers; the
+//               shared slot selects nothing): no barrier before the loads
 //   block:      B = 32 lanes x V codes (Qmv1Codes: V = 128 / bits, one 16-byte load per lane and
 //               row, at 4 and 8 bits; V = 32, `bits` words, at 2, 3, 5, 6);
 //               simdgroup s walks the K = H blocks s, s + splits, ...; per block the lane's V
@@ -311,16 +342,13 @@ template <typename T, typename S, int bits>
   constexpr uint32_t R = kMoeMvRows;
   constexpr uint32_t V = Qmv1Codes<bits>::V;
   constexpr uint32_t B = 32 * V;
-  LILY_TG_ARRAY(uint32_t, sel_s, [kMoeMaxTopK]);
-  LILY_TG_ARRAY(float, w_s, [kMoeMaxTopK + 1]);
   LILY_TG_ARRAY(float, red, [kMoeGateUpMaxSplits * 2 * kMoeMvRows]);
   const uint32_t k = args.top_k, H = args.hidden;
   const uint32_t splits = group_size.x / 32;
   const uint32_t slot = group_pos.y, t = slot / (k + 1), j = slot - t * (k + 1);
-  const bool shared = j == k;
-  if (simd_id == 0) moe_select<T>(args, logits + t * (args.experts + 1), lane, sel_s, w_s);
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  const uint32_t g = shared ? 0u : sel_s[j];
+  const bool shared = j == k;  // uniform over the threadgroup
+  // Every simdgroup selects its slot's expert itself: no simdgroup waits at a barrier for another.
+  const uint32_t g = shared ? 0u : moe_select_slot<T>(args, logits + t * (args.experts + 1), lane, j);
   const uint32_t N = shared ? args.shared_inter : args.inter;
   const uint32_t wpr = H * bits / 32, gpr = H >> args.group_shift;
   const device uint32_t* wg = shared ? sh_gate_w : gate_w + g * N * wpr;
@@ -391,7 +419,7 @@ template <typename T, typename S, int bits>
 // the threadgroup's simdgroups.
 //   grid:       (ceil(H / kMoeMvRows), T) threadgroups of 32 * splits threads,
 //               splits = min(kMoeDownMaxSplits, ceil(C / 32)), C = K' / V chunks (host)
-//   routing:    as moe_gate_up_mv (moe_select into threadgroup memory; the same experts and
+//   routing:    simdgroup 0 selects all k (moe_select into threadgroup memory; barrier; the same experts and
 //               weights); threadgroup (0, t) also writes ids [T, k] and weights [T, k + 1]
 //   chunk:      V codes (one 16-byte load per row) of one slot: chunk c < k I / V is slot
 //               c / (I / V) (one division per chunk, outside the row loop), the rest the shared
