@@ -4,6 +4,7 @@ same bytes, and the whole step against its roofline.
 
     python3 benchmarks/gpu_kernels.py [--layers 40] [--positions 256,4096,32768] [--prefill 4096]
                                       [--repeats 20] [--trials 5] [--json FILE] [--cublas]
+                                      [--kv-dtype bfloat16|int8]
 
 Builds a random-weight MLX 4-bit checkpoint of the real Qwen3.6-35B-A3B shapes (``--layers``
 of them; the per-layer kernels are the same whatever the count), loads it on ``cuda`` and calls
@@ -111,6 +112,8 @@ def main(argv=None):
     ap.add_argument("--json", default=None)
     ap.add_argument("--cublas", action="store_true", help="time torch bf16 GEMMs of the prefill shapes")
     ap.add_argument("--model", default=None, help="a checkpoint instead of random weights")
+    ap.add_argument("--kv-dtype", default="bfloat16", choices=["bfloat16", "int8"],
+                    help="the KV cache's dtype (load(kv_dtype=...))")
     a = ap.parse_args(argv)
 
     import lily_py
@@ -131,11 +134,12 @@ def main(argv=None):
         print(f"random-weight checkpoint, real shapes, {a.layers} layers: {time.time() - t0:.1f} s")
     ctx = max(positions + [a.prefill]) + 8
     t0 = time.time()
-    m = lily_py.load(path, backend="cuda", context_length=ctx, prefill_chunk=max(a.prefill, 1), verbose=False)
+    m = lily_py.load(path, backend="cuda", context_length=ctx, prefill_chunk=max(a.prefill, 1), verbose=False,
+                     kv_dtype=a.kv_dtype)
     print(f"loaded on cuda in {time.time() - t0:.1f} s")
     e = m._backend.engine
-    result = {"device": info.get("device_name"), "layers": a.layers, "date": time.strftime("%Y-%m-%d"),
-              "decode": [], "prefill": None}
+    result = {"device": info.get("device_name"), "layers": a.layers, "kv_dtype": a.kv_dtype,
+              "date": time.strftime("%Y-%m-%d"), "decode": [], "prefill": None}
     copy_gbps = None
     for i, pos in enumerate(positions):
         t = e.time_step(1, pos, sample=GREEDY, repeats=a.repeats, trials=a.trials)
