@@ -425,9 +425,8 @@ void CudaBuffer::fill(size_t offset, int byte, size_t n) {
 void CudaBuffer::copy_from(gpu::Buffer& src, size_t src_offset, size_t offset, size_t n) {
   auto* cs = dynamic_cast<CudaBuffer*>(&src);
   if (!cs || &cs->dev_ != &dev_) return gpu::Buffer::copy_from(src, src_offset, offset, n);
+  cs->check_range(src_offset, n, "copy_from (source)");
   check_range(offset, n, "copy_from");
-  if (src_offset > cs->bytes_ || n > cs->bytes_ - src_offset)
-    throw gpu::EncodeError("copy_from (source): bytes out of range");
   if (n) dev_.copy(p_ + offset, cs->p_ + src_offset, n);
 }
 

@@ -54,44 +54,33 @@ uint32_t qmv1_rows(uint32_t N, uint32_t K, uint32_t bits) {
 
 namespace {
 
-// The one-row-per-threadgroup twin of a qmv1 kernel (kernel_ids.h: the *_r1 rows).
-KernelId qmv1_r1(KernelId k) {
-  using K = KernelId;
-  switch (k) {
-    case K::qmv1_b4_xf32_sf32: return K::qmv1_b4_xf32_sf32_r1;
-    case K::qmv1_b4_xf32_sbf16: return K::qmv1_b4_xf32_sbf16_r1;
-    case K::qmv1_b4_xbf16_sf32: return K::qmv1_b4_xbf16_sf32_r1;
-    case K::qmv1_b4_xbf16_sbf16: return K::qmv1_b4_xbf16_sbf16_r1;
-    case K::qmv1_b8_xf32_sf32: return K::qmv1_b8_xf32_sf32_r1;
-    case K::qmv1_b8_xf32_sbf16: return K::qmv1_b8_xf32_sbf16_r1;
-    case K::qmv1_b8_xbf16_sf32: return K::qmv1_b8_xbf16_sf32_r1;
-    case K::qmv1_b8_xbf16_sbf16: return K::qmv1_b8_xbf16_sbf16_r1;
-    case K::qmv1_b4_xbf16_sf32_yf32: return K::qmv1_b4_xbf16_sf32_yf32_r1;
-    case K::qmv1_b4_xbf16_sbf16_yf32: return K::qmv1_b4_xbf16_sbf16_yf32_r1;
-    case K::qmv1_b8_xbf16_sf32_yf32: return K::qmv1_b8_xbf16_sf32_yf32_r1;
-    case K::qmv1_b8_xbf16_sbf16_yf32: return K::qmv1_b8_xbf16_sbf16_yf32_r1;
-    default: throw std::logic_error("qmv1_r1: not a qmv1 kernel");
-  }
-}
+// A 4-bit or 8-bit qmv1 kernel and its twins of 1 and 16 rows per threadgroup (kernel_ids.h: the
+// *_r1 and *_r16 rows).
+struct Qmv1Twins {
+  KernelId base, r1, r16;
+};
+#define LILY_QMV1_TWINS(n) {KernelId::n, KernelId::n##_r1, KernelId::n##_r16},
+constexpr Qmv1Twins kQmv1Twins[] = {
+    LILY_QMV1_TWINS(qmv1_b4_xf32_sf32)
+    LILY_QMV1_TWINS(qmv1_b4_xf32_sbf16)
+    LILY_QMV1_TWINS(qmv1_b4_xbf16_sf32)
+    LILY_QMV1_TWINS(qmv1_b4_xbf16_sbf16)
+    LILY_QMV1_TWINS(qmv1_b8_xf32_sf32)
+    LILY_QMV1_TWINS(qmv1_b8_xf32_sbf16)
+    LILY_QMV1_TWINS(qmv1_b8_xbf16_sf32)
+    LILY_QMV1_TWINS(qmv1_b8_xbf16_sbf16)
+    LILY_QMV1_TWINS(qmv1_b4_xbf16_sf32_yf32)
+    LILY_QMV1_TWINS(qmv1_b4_xbf16_sbf16_yf32)
+    LILY_QMV1_TWINS(qmv1_b8_xbf16_sf32_yf32)
+    LILY_QMV1_TWINS(qmv1_b8_xbf16_sbf16_yf32)
+};
+#undef LILY_QMV1_TWINS
 
-// The sixteen-row twin (the *_r16 rows: K not split, 4 and 8 bits).
-KernelId qmv1_r16(KernelId k) {
-  using K = KernelId;
-  switch (k) {
-    case K::qmv1_b4_xf32_sf32: return K::qmv1_b4_xf32_sf32_r16;
-    case K::qmv1_b4_xf32_sbf16: return K::qmv1_b4_xf32_sbf16_r16;
-    case K::qmv1_b4_xbf16_sf32: return K::qmv1_b4_xbf16_sf32_r16;
-    case K::qmv1_b4_xbf16_sbf16: return K::qmv1_b4_xbf16_sbf16_r16;
-    case K::qmv1_b8_xf32_sf32: return K::qmv1_b8_xf32_sf32_r16;
-    case K::qmv1_b8_xf32_sbf16: return K::qmv1_b8_xf32_sbf16_r16;
-    case K::qmv1_b8_xbf16_sf32: return K::qmv1_b8_xbf16_sf32_r16;
-    case K::qmv1_b8_xbf16_sbf16: return K::qmv1_b8_xbf16_sbf16_r16;
-    case K::qmv1_b4_xbf16_sf32_yf32: return K::qmv1_b4_xbf16_sf32_yf32_r16;
-    case K::qmv1_b4_xbf16_sbf16_yf32: return K::qmv1_b4_xbf16_sbf16_yf32_r16;
-    case K::qmv1_b8_xbf16_sf32_yf32: return K::qmv1_b8_xbf16_sf32_yf32_r16;
-    case K::qmv1_b8_xbf16_sbf16_yf32: return K::qmv1_b8_xbf16_sbf16_yf32_r16;
-    default: throw std::logic_error("qmv1_r16: not a qmv1 kernel");
-  }
+// The twin of qmv1 kernel k with `rows` (1 or kQmv1WideRows) rows per threadgroup.
+KernelId qmv1_twin(KernelId k, uint32_t rows) {
+  for (const Qmv1Twins& t : kQmv1Twins)
+    if (t.base == k) return rows == 1 ? t.r1 : t.r16;
+  throw std::logic_error("qmv1_twin: not a qmv1 kernel");
 }
 
 KernelId qmm_kernel4(QmmRoute route, uint32_t bits, DType x, DType s, bool y_f32, bool int8);
@@ -129,7 +118,7 @@ KernelId qmm_kernel(QmmRoute route, uint32_t bits, DType x, DType s, bool y_f32,
   }
   const KernelId k = qmm_kernel4(route, bits, x, s, y_f32, int8);
   if (route != QmmRoute::qmv1 || rows == kQmv1Rows) return k;
-  return rows == 1 ? qmv1_r1(k) : qmv1_r16(k);
+  return qmv1_twin(k, rows);
 }
 
 QmmFlops qmm_flops(uint32_t M, uint32_t N, uint32_t K, uint32_t bits, bool tensor_ops, bool bf16_tiles) {
