@@ -139,7 +139,8 @@ def main() -> None:
     n = ap.parse_args().length
     edges = [e for e in (0, 100, 300, 1000, 3000, 8000, 16000, 32000) if e < n] + [n]
     with tempfile.TemporaryDirectory() as tmp:
-        model = lily_py.load(B.make(tmp), backend="reference", verbose=False)._backend.model
+        model = lily_py.load(B.make(tmp), backend="reference", verbose=False,
+                             kv_dtype="bfloat16")._backend.model
     ids = B.prompt(n).astype(np.int64)
     ref = forward(model, ids, ())
     wins = [f"{a:,}-{b:,}" for a, b in zip(edges, edges[1:])]

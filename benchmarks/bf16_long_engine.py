@@ -35,13 +35,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         ckpt = B.make(d)
         ids = B.prompt(n)
-        ref = B.last_rows(lily_py.load(ckpt, backend="reference", context_length=n)._backend, ids)
+        ref = B.last_rows(lily_py.load(ckpt, backend="reference", context_length=n, kv_dtype="bfloat16")._backend, ids)
         t0 = time.time()
         m = lily_py.load(ckpt, backend="emu", context_length=n, prefill_chunk=a.chunk, kv_dtype=a.kv_dtype)
         eng = B.errors(B.last_rows(m._backend, ids), ref)
         dt = time.time() - t0
     mx = B.errors(mlx[f"bf16_{n}"], ref)
-    print(f"{n} tokens, chunk {a.chunk}, {a.kv_dtype or 'bfloat16'} KV cache: engine bf16 mean|d| "
+    print(f"{n} tokens, chunk {a.chunk}, {m.kv_dtype} KV cache: engine bf16 mean|d| "
           f"{eng['mean_abs']:.4e} nmse {eng['nmse']:.4e} | mlx-lm bf16 mean|d| {mx['mean_abs']:.4e} "
           f"nmse {mx['nmse']:.4e} (emulator {dt:.0f} s)")
 

@@ -29,6 +29,7 @@ import argparse
 from collections import OrderedDict
 
 from lily_py import _core
+from lily_py.backends import default_kv_dtype
 from lily_py.backends.engine import REAL_QUANT, checkpoint_activations, decode_floor_bytes, engine_spec
 from lily_py.config import ModelConfig
 from lily_py.sizes import decode_weight_bytes, engine_quant, recipes, weight_bytes
@@ -243,8 +244,10 @@ def estimate(cfg, positions, sample, eta: float, t_level: float, t_min: float, a
     With `measured` (a gpu_kernels.py JSON), a kernel's eta is eta x min(1, the fraction of a
     device copy it reached there): the kernel keeps on Apple the shortfall it shows on the H200.
     ``ipk`` replaces the vec attention's instructions per key and KV head; ``kv_dtype`` counts the
-    step with that KV cache ("int8": its kernels and bytes)."""
+    step with that KV cache ("int8": its kernels and bytes; None: the engine's default)."""
     out = []
+    q8 = (kv_dtype or default_kv_dtype(cfg)) == "int8"
+    n_ipk = ipk or instr_per_key(cfg.num_attention_heads // cfg.num_key_value_heads, cfg.head_dim // 32, q8=q8)
     frac, run = measured_fractions(measured) if measured else ({}, "")
     if not quiet and measured:
         print(f"\n### per-kernel eta = {eta} x min(1, fraction of a device copy measured on {run} "
@@ -253,7 +256,7 @@ def estimate(cfg, positions, sample, eta: float, t_level: float, t_min: float, a
         print(f"\n### estimate (a model, not a measurement): eta = {eta} of peak bandwidth, occupancy "
           f"min(1, simdgroups per core / {sat:g}), t_level = {t_level * 1e6:.1f} us per dependent "
           f"level (dispatch + barrier drain), a level never shorter than t_min = {t_min * 1e6:.1f} us, "
-          f"vec attention: max(bandwidth, {instr_per_key(cfg.num_attention_heads // cfg.num_key_value_heads, cfg.head_dim // 32)} "
+          f"vec attention: max(bandwidth, {n_ipk} "
           f"instructions per key and KV head at {alu_eff:g} x cores x 4 x {clock / 1e9:g} GHz), staged attention "
           f"bytes x {attn_factor:g}; sampler "
           f"{'full ' + str(FULL) if sample else 'greedy'}\n")
@@ -264,7 +267,6 @@ def estimate(cfg, positions, sample, eta: float, t_level: float, t_min: float, a
             st, ds = step(cfg, pos, sample, quant, kv_dtype)
             by_level: dict = {}
             issue = alu_eff * cores * 4 * clock  # simd instructions per second
-            n_ipk = ipk or instr_per_key(cfg.num_attention_heads // cfg.num_key_value_heads, cfg.head_dim // 32)
             for d in ds:
                 k = d["kernel"]
                 staged = k.startswith("attn_decode") and not k.startswith("attn_decode_vec")
@@ -334,8 +336,8 @@ def int8_kv(cfg) -> tuple[float, int]:
 
 
 def long_context(cfg, a) -> None:
-    """Greedy est. tok/s at 64K, 128K and 262K on the M5 Max: the bf16 KV cache as built, the
-    8-bit KV what-if (int8_kv), the published figures, the target, and the instructions per key and
+    """Greedy est. tok/s at 64K, 128K and 262K on the M5 Max: the bf16 and the int8 KV cache (the
+    default; int8_kv), the published figures, the target, and the instructions per key and
     KV head that would reach the target with each cache (bisection on the model's ipk)."""
     sat, attn = (0.0, 1.0) if a.ideal else (a.sat, a.attn_factor)
     kw = dict(eta=a.eta, t_level=a.t_level_us * 1e-6, t_min=a.t_min_us * 1e-6, attn_factor=attn, sat=sat,
@@ -345,7 +347,7 @@ def long_context(cfg, a) -> None:
     cores, bw = GPUS[gpu]
     f8, ipk8 = int8_kv(cfg)
     ipk16 = instr_per_key(cfg.num_attention_heads // cfg.num_key_value_heads, cfg.head_dim // 32)
-    caches = {"bf16": (None, ipk16), "int8": ("int8", ipk8)}
+    caches = {"bf16": ("bfloat16", ipk16), "int8": ("int8", ipk8)}
 
     def tok(pos, kv, ipk):
         return {c: t for g, c, t in estimate(cfg, [pos], None, ipk=ipk, kv_dtype=kv, **kw) if g == gpu}[pos + 1]

@@ -91,7 +91,8 @@ def prompt_forward(name: str, transform=None):
     every quantized matmul's input (the tensor-op route's) passed through transform(x) first (None:
     unchanged); decode steps afterwards run unchanged."""
     exp = np.load(ORACLES / name / "expected.npz")
-    be, plain = lily_py.load(str(ORACLES / name / "mlx4_bf16"), backend="reference")._backend, lw.Linear.matmul
+    be, plain = lily_py.load(str(ORACLES / name / "mlx4_bf16"), backend="reference",
+                                kv_dtype="bfloat16")._backend, lw.Linear.matmul
 
     def matmul(self, x):
         return plain(self, transform(x) if self.bits is not None else x)
@@ -118,7 +119,9 @@ def run_engine(name: str, int8: bool) -> dict:
     from lily_py.testing import simulated_device
     exp = np.load(ORACLES / name / "expected.npz")
     with simulated_device(tensor_ops=True, tensor_int8=int8):
-        be = lily_py.load(str(ORACLES / name / "mlx4_bf16"), backend="emu", context_length=128)._backend
+        # the bf16 KV cache: the study isolates int8 x
+        be = lily_py.load(str(ORACLES / name / "mlx4_bf16"), backend="emu", context_length=128,
+                          kv_dtype="bfloat16")._backend
     pre = be.forward(exp["prompt"].astype(np.uint32), all_logits=True)
     return decode_and_compare(be, exp, pre)
 

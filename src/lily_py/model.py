@@ -30,7 +30,7 @@ from .prompt_cache import DEFAULT_PROMPT_CACHE_BYTES, PromptCache
 from .progress import ProgressCallback  # noqa: F401  (annotations)
 from .sampling import MAX_LOGPROBS, SamplingParams, sample, unpack_mask
 from .sampling import logprobs as token_logprobs
-from .backends import BACKENDS, auto_backend, built_with_metal, make_backend, resolve_auto  # noqa: F401  (BACKENDS, auto_backend: public names)
+from .backends import BACKENDS, auto_backend, built_with_metal, default_kv_dtype, make_backend, resolve_auto  # noqa: F401  (BACKENDS, auto_backend: public names)
 
 log = logging.getLogger("lily_py")
 
@@ -71,9 +71,10 @@ def load(path_or_repo_id: str | os.PathLike | None = None, *, backend: str = "au
     every tensor into device buffers, ``"map"`` is ``"auto"`` that fails when nothing can be mapped
     (docs/tools.md, zero copy). ``kv_block_tokens``: tokens per KV cache block on engine backends
     (a power of two >= 32; None: 1024, docs/memory.md); tests pick small blocks. ``kv_dtype``: the
-    KV cache's element type, ``"bfloat16"`` (None, the default) or ``"int8"`` (symmetric int8 with a
-    float32 scale per row and KV head: about half the cache's bytes, docs/memory.md; head_dim 64, 128
-    or 256); the reference backend then quantizes its cache the same way.
+    KV cache's element type, ``"int8"`` (symmetric int8 with a float32 scale per row and KV head:
+    about half the cache's bytes, docs/memory.md; head_dim 64, 128 or 256) or ``"bfloat16"``; None
+    (default): int8 where the head_dim allows it, else bfloat16. The reference backend stores its
+    cache the same way, so the two backends agree.
     """
     from . import hub
     from .resources import demo_path
@@ -139,6 +140,8 @@ class Model:
         if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be a positive integer, got {prefill_chunk!r}")
         prefill_chunk = min(prefill_chunk, context_length)   # scratch is sized from it
+        if kv_dtype is None:
+            kv_dtype = default_kv_dtype(config)
         self.path = path
         self.config = config
         self.weights = weights
@@ -150,7 +153,7 @@ class Model:
                                       prefill_chunk=prefill_chunk, verbose=verbose, activations=activations,
                                       weights_mode=weights_mode, kv_block_tokens=kv_block_tokens,
                                       kv_dtype=kv_dtype)
-        self.kv_dtype = kv_dtype or "bfloat16"
+        self.kv_dtype = kv_dtype
         self._history: list[int] = []
         self._last_logits: np.ndarray | None = None
         # Engine backends: the last step's logits are still on the device (fetched on demand by

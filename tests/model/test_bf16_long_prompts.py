@@ -42,7 +42,7 @@ def test_fixture_is_this_checkpoint_and_reference(ckpt):
     this module builds (so the committed bf16 rows are mlx-lm's error on it), and the fixture
     has mlx-lm's bf16 rows at 1,024 and 4,096 tokens."""
     mlx = np.load(B.FIXTURE / "mlx.npz")
-    ref = B.last_rows(lily_py.load(ckpt, backend="reference", context_length=1024)._backend, B.prompt(1024))
+    ref = B.last_rows(lily_py.load(ckpt, backend="reference", context_length=1024, kv_dtype="bfloat16")._backend, B.prompt(1024))
     d = np.abs(mlx["fp32_1024"] - ref).max()
     assert d <= 1e-4 * np.abs(ref).max(), d
     assert mlx["bf16_1024"].shape == mlx["bf16_4096"].shape == (B.ROWS, B.CONFIG["vocab_size"])
@@ -55,7 +55,7 @@ def test_bf16_error_on_long_prompts_no_larger_than_mlx_lm(ckpt, n, chunk, record
     mlx = np.load(B.FIXTURE / "mlx.npz")
     assert n > 1024 or f"fp32_{n}" in mlx
     ids = B.prompt(n)
-    ref = B.last_rows(lily_py.load(ckpt, backend="reference", context_length=n)._backend, ids)
+    ref = B.last_rows(lily_py.load(ckpt, backend="reference", context_length=n, kv_dtype="bfloat16")._backend, ids)
     if f"fp32_{n}" in mlx:
         d = np.abs(mlx[f"fp32_{n}"] - ref).max()
         assert d <= 1e-4 * np.abs(ref).max(), f"mlx-lm's fp32 rows are not this reference's: max |d| {d}"

@@ -392,9 +392,9 @@ def test_bytes_touched_real_config_against_the_floor(position):
     DeltaNet state read and written) against the floor derived from the config: at least the
     floor (it is a lower bound), within 1.03x of it at 256 context (activations, logits and the
     split-K partials are the difference)."""
-    from lily_py.backends.engine import count_kernels, decode_floor_bytes
+    from lily_py.backends.engine import count_kernels, decode_floor_bytes, kv_row_bytes
     cfg = _real_cfg()
-    st, ks = count_kernels(cfg, position=position)
+    st, ks = count_kernels(cfg, position=position)   # the default KV cache (int8: head_dim 256)
     floor = decode_floor_bytes(cfg, position=position)["total"]
     print(f"decode at {position}: bytes_touched {st['bytes_touched']}, floor {floor}, "
           f"ratio {st['bytes_touched'] / floor:.4f}, bytes_bound {st['bytes_bound']}")
@@ -403,7 +403,7 @@ def test_bytes_touched_real_config_against_the_floor(position):
     assert sum(k["dispatches"] for k in ks.values()) == st["dispatches"]
     # The KV part of the floor is exact: K and V rows [0, position] of every attention layer.
     attn = [v for n, v in ks.items() if n.startswith("attn_decode")]
-    kv_read = 2 * cfg.num_key_value_heads * cfg.head_dim * 2 * (position + 1)
+    kv_read = 2 * cfg.num_key_value_heads * kv_row_bytes(cfg) * (position + 1)
     attn_layers = sum(cfg.is_full_attention(i) for i in range(cfg.num_hidden_layers))
     assert sum(v["bytes_touched"] for v in attn) >= attn_layers * kv_read
 

@@ -55,7 +55,8 @@ def test_demo_greedy_on_the_m5_path(chunk):
     assert "qmm_m5_b4_xbf16_sbf16_yf32" in kernels, sorted(kernels)
     # the 8-bit router + shared gate of the bf16 demo: qmm_m5 too (x exact in half; fp32 x keeps qmm)
     assert any(k.startswith("qmm_m5_b8_xbf16_") for k in kernels), sorted(kernels)
-    assert any(k.startswith("attn_prefill_m5_d64_") for k in kernels), sorted(kernels)
+    # the default int8 KV cache: its M5 attention twin
+    assert any(k.startswith("attn_prefill_m5_q8_d64_") for k in kernels), sorted(kernels)
     assert not any(k.startswith("attn_prefill_mma_") for k in kernels), sorted(kernels)
     assert any(k.startswith("moe_gate_up_m5_64_b4_") for k in kernels), sorted(kernels)
     assert "moe_down_m5_32_b4_sbf16" in kernels, sorted(kernels)
@@ -82,8 +83,9 @@ def test_without_tensor_ops_the_engine_keeps_the_simdgroup_qmm():
     assert {"gd_chunk_wy_f32", "gd_chunk_state_f32"} <= kernels, sorted(kernels)
     assert any(k.startswith("gd_chunk_prep_conv_x") for k in kernels), sorted(kernels)
     assert any(k.startswith("qmm_b4_") for k in kernels)
-    # bf16 activations at the demo's head_dim: the M1-M4 bf16 attention tiles, not the M5 kernel
-    assert any(k.startswith("attn_prefill_tiles_d") for k in kernels), sorted(kernels)
+    # bf16 activations at the demo's head_dim: the M1-M4 bf16 attention tiles (their int8-cache
+    # twin, the default cache), not the M5 kernel
+    assert any(k.startswith("attn_prefill_tiles_q8_d") for k in kernels), sorted(kernels)
 
 
 _GREEDY: dict = {}

@@ -63,7 +63,7 @@ def test_int8_cache_differs_from_bf16_by_its_rounding(ckpt):
     emu = lily_py.load(ckpt, backend=ENGINE, context_length=128, prefill_chunk=64, activations="float32", **INT8)
     got = emu.prefill(ids)
     r8 = lily_py.load(ckpt, backend="reference", context_length=128, kv_dtype="int8").prefill(ids)
-    r32 = lily_py.load(ckpt, backend="reference", context_length=128).prefill(ids)
+    r32 = lily_py.load(ckpt, backend="reference", context_length=128, kv_dtype="bfloat16").prefill(ids)
     d8, d32 = np.abs(got - r8).max(), np.abs(got - r32).max()
     assert d8 < d32 / 4, (d8, d32)
 
@@ -102,6 +102,31 @@ def test_bad_kv_dtype_and_head_dims_are_refused(ckpt, tmp_path):
     odd = make_checkpoint(tmp_path / "d32", cfg, fmt="mlx", seed=1)
     with pytest.raises(lily_py.BackendError, match=r"kv_dtype int8 needs head_dim 64, 128 or 256.*got 32"):
         lily_py.load(odd, backend=ENGINE, context_length=64, kv_dtype="int8")
+    # the default falls back to the bf16 cache where the head_dim has no int8 routes
+    m = lily_py.load(odd, backend=ENGINE, context_length=64, kv_block_tokens=B)
+    assert m.kv_dtype == "bfloat16"
+    layers = sum(m.config.is_full_attention(i) for i in range(m.config.num_hidden_layers))
+    assert m._backend.engine.kv_bytes == 2 * layers * m.config.num_key_value_heads * B * 2 * 32  # bf16 rows
+
+
+def test_int8_is_the_default_on_both_backends(ckpt):
+    """kv_dtype=None is the int8 cache on the engine and on the reference (the same computation on
+    either backend): the default engine equals an explicit int8 one bit for bit, and its logits
+    are the int8 reference's, closer to it than to the bf16-cache reference."""
+    ids = np.random.default_rng(FIXED + 2).integers(0, TINY_TEXT_CONFIG["vocab_size"], size=70).tolist()
+    default = lily_py.load(ckpt, backend=ENGINE, context_length=128, prefill_chunk=32, activations="float32",
+                           kv_block_tokens=B)
+    ref = lily_py.load(ckpt, backend="reference", context_length=128)
+    assert default.kv_dtype == ref.kv_dtype == "int8"
+    assert default._backend.engine.kv_bytes == block_bytes(default)  # one block of int8 rows
+    explicit = lily_py.load(ckpt, backend=ENGINE, context_length=128, prefill_chunk=32, activations="float32",
+                            kv_dtype="int8")
+    got = default.prefill(ids, all_logits=True)
+    np.testing.assert_array_equal(got, explicit.prefill(ids, all_logits=True))
+    r8 = ref.prefill(ids, all_logits=True)
+    r16 = lily_py.load(ckpt, backend="reference", context_length=128, kv_dtype="bfloat16").prefill(ids, all_logits=True)
+    close(got, r8, "default engine vs default reference")
+    assert np.abs(got - r8).max() < np.abs(got - r16).max() / 4
 
 
 @pytest.mark.parametrize("position", [255, 131071])
@@ -115,7 +140,7 @@ def test_decode_bytes_of_the_real_config_against_the_int8_floor(position):
     from lily_py.testing import REAL_TEXT_CONFIG
     cfg = ModelConfig.from_dict({"model_type": "qwen3_5_moe", "text_config": REAL_TEXT_CONFIG})
     s8, k8 = count_kernels(cfg, position=position, kv_dtype="int8")
-    s16, _ = count_kernels(cfg, position=position)
+    s16, _ = count_kernels(cfg, position=position, kv_dtype="bfloat16")
     layers = sum(cfg.is_full_attention(i) for i in range(cfg.num_hidden_layers))
     D, kvh = cfg.head_dim, cfg.num_key_value_heads
     rows = layers * 2 * kvh * ((position + 1) + 1)  # K and V: every row read, the new one written

@@ -13,7 +13,8 @@ from tolerances import assert_close
 from engine_backend import ENGINE
 
 B = 32
-FP32 = {"activations": "float32"}
+# The bf16 cache (the int8 one, the default, has the same block tests in tests/model/test_kv_int8.py)
+FP32 = {"activations": "float32", "kv_dtype": "bfloat16"}
 
 
 @pytest.fixture(scope="module")
@@ -23,9 +24,12 @@ def ckpt(tmp_path_factory):
 
 
 def block_bytes(m):
+    """Bytes of one block of every attention layer's K and V pools, in the model's KV dtype (the
+    default here: int8 codes and a float32 scale per row; tests/model/test_kv_int8.py pins both)."""
     c = m.config
     layers = sum(c.is_full_attention(i) for i in range(c.num_hidden_layers))
-    return 2 * layers * c.num_key_value_heads * B * c.head_dim * 2  # K and V, bf16
+    row = c.head_dim + 4 if m.kv_dtype == "int8" else 2 * c.head_dim
+    return 2 * layers * c.num_key_value_heads * B * row
 
 
 def close(a, r, what):
@@ -39,7 +43,7 @@ def test_blocks_grow_straddle_and_match_the_reference(ckpt):
     # int8 KV change alike). The test is about blocks, not about draws.
     rng = np.random.default_rng(20261204)
     emu = lily_py.load(ckpt, backend=ENGINE, context_length=400, prefill_chunk=23, kv_block_tokens=B, **FP32)
-    ref = lily_py.load(ckpt, backend="reference", context_length=400)
+    ref = lily_py.load(ckpt, backend="reference", context_length=400, kv_dtype="bfloat16")
     bb = block_bytes(emu)
     assert emu.stats()["kv_bytes"] == bb and emu.stats()["kv_bytes_in_use"] == 0  # one block at load
     ids = rng.integers(0, emu.config.vocab_size, size=75).tolist()  # chunks of 23 cross 32 and 64
@@ -55,7 +59,7 @@ def test_blocks_grow_straddle_and_match_the_reference(ckpt):
 
 def test_greedy_equals_reference_past_several_blocks(ckpt):
     emu = lily_py.load(ckpt, backend=ENGINE, context_length=300, prefill_chunk=17, kv_block_tokens=B, **FP32)
-    ref = lily_py.load(ckpt, backend="reference", context_length=300)
+    ref = lily_py.load(ckpt, backend="reference", context_length=300, kv_dtype="bfloat16")
     prompt = [(7 * i + 3) % emu.config.vocab_size for i in range(41)]
     a = emu.generate_text(prompt, max_tokens=90)
     b = ref.generate_text(prompt, max_tokens=90)
@@ -83,7 +87,7 @@ def test_restore_to_a_shorter_snapshot_then_continue(ckpt, rng):
 
 def test_allocation_failure_says_what_fits_and_keeps_the_state(ckpt, rng):
     emu = lily_py.load(ckpt, backend=ENGINE, context_length=400, prefill_chunk=64, kv_block_tokens=B, **FP32)
-    ref = lily_py.load(ckpt, backend="reference", context_length=400)
+    ref = lily_py.load(ckpt, backend="reference", context_length=400, kv_dtype="bfloat16")
     emu._backend.engine.kv_limit_bytes = 3 * block_bytes(emu)  # 96 tokens
     ids = rng.integers(0, emu.config.vocab_size, size=120).tolist()
     close(emu.prefill(ids[:60]), ref.prefill(ids[:60]), "before the limit")

@@ -69,7 +69,7 @@ def test_fixture_is_a_mixed_conversion_whose_fused_parts_disagree():
 
 
 def test_reference_agrees_with_mlx_lm(expected):
-    ref = lily_py.load(CKPT, backend="reference", context_length=64)
+    ref = lily_py.load(CKPT, backend="reference", context_length=64, kv_dtype="bfloat16")
     prompt = expected["prompt"].tolist()
     want = expected["logits"]
     scale = float(np.abs(want).max())

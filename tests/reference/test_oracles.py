@@ -61,7 +61,8 @@ def expected(name: str) -> dict[str, np.ndarray]:
 
 @lru_cache(maxsize=None)
 def model(name: str, folder: str):
-    return lily_py.load(str(ORACLES / name / folder), backend="reference")
+    # the exact model, as transformers and mlx-lm compute it: an unquantized KV cache
+    return lily_py.load(str(ORACLES / name / folder), backend="reference", kv_dtype="bfloat16")
 
 
 def cases(greedy_only: bool = False) -> list:

@@ -10,9 +10,19 @@ BACKENDS = ("auto", "reference", "emu", "metal", "cuda")
 # Not for users: the engine on the counting device with host memory (nothing runs, every sampled
 # token is 0), so benchmarks can time the host side of generation (benchmarks/host_overhead.py).
 TIMING_BACKENDS = ("count_host",)
-# The KV cache's element type (None: bfloat16); "int8": codes and a float32 scale per row and KV
-# head (shaders/common/kv_blocks.h, lily_py.reference.kvquant.int8_row_codes)
+# The KV cache's element type (None: default_kv_dtype); "int8": codes and a float32 scale per row
+# and KV head (shaders/common/kv_blocks.h, lily_py.reference.kvquant.int8_row_codes)
 KV_DTYPES = (None, "bfloat16", "int8")
+# head_dims the int8 cache's attention routes take (csrc/core/engine.cpp)
+KV_INT8_HEAD_DIMS = (64, 128, 256)
+
+
+def default_kv_dtype(cfg: ModelConfig) -> str:
+    """What ``kv_dtype=None`` means for this model: "int8" where its head_dim has the int8 routes
+    (64, 128 or 256: Qwen3.6-35B-A3B's 256 and the demo's 64), else "bfloat16". The int8 cache
+    moves the logits by about a tenth of what the bf16 activations do, far inside mlx-lm's own
+    bf16 error at 4K and 32K (docs/memory.md), at half the cache's bytes."""
+    return "int8" if cfg.head_dim in KV_INT8_HEAD_DIMS else "bfloat16"
 
 
 def make_backend(name: str, cfg: ModelConfig, weights: ModelWeights, *, context_length: int,
@@ -26,6 +36,7 @@ def make_backend(name: str, cfg: ModelConfig, weights: ModelWeights, *, context_
         raise ValueError(f"activations must be 'bfloat16', 'float32' or None, got {activations!r}")
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"kv_dtype must be one of {KV_DTYPES[1:]} or None, got {kv_dtype!r}")
+    kv_dtype = kv_dtype or default_kv_dtype(cfg)
     if name not in BACKENDS and name not in TIMING_BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
     if name in ("emu", "metal", "cuda") + TIMING_BACKENDS:

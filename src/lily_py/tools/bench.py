@@ -359,7 +359,7 @@ def bench(*, model: str | None = None, random_weights: bool = False, config: str
     contexts = sorted(set(int(c) for c in contexts))
     result = {"lily_py": __version__, "machine": f"{platform.system()} {platform.machine()}, "
               f"{os.cpu_count()} cores", "device": device, "contexts": contexts,
-              "decode_tokens": decode_tokens, "seed": seed, "kv_dtype": kv_dtype or "bfloat16", "tables": []}
+              "decode_tokens": decode_tokens, "seed": seed, "kv_dtype": kv_dtype, "tables": []}
     tmp = None
     try:
         if random_weights:
@@ -374,8 +374,11 @@ def bench(*, model: str | None = None, random_weights: bool = False, config: str
             from ..resources import demo_path
             path = demo_path() if model is None else hub.resolve(model)
             subject = "bundled demo checkpoint" if model is None else f"checkpoint {model}"
+        from ..backends import default_kv_dtype
         from ..checkpoint import load_weights
         cfg, weights = load_weights(path)
+        kv_dtype = kv_dtype or default_kv_dtype(cfg)
+        result["kv_dtype"] = kv_dtype
         run_ctx = [c for c in contexts if c <= run_max_context and c + decode_tokens + 1 <= cfg.max_position_embeddings]
         why = (f"above --run-max-context {run_max_context} on '{device}'" if not gpu
                else "beyond the config's max_position_embeddings")
@@ -386,7 +389,7 @@ def bench(*, model: str | None = None, random_weights: bool = False, config: str
         skipped = [c for c in contexts if c not in run_ctx]
 
         say(f"lily-py bench: lily_py {__version__}, {result['machine']}, device '{device}'"
-            + (f", {kv_dtype} KV cache" if kv_dtype == "int8" else ""))
+            + f", {kv_dtype} KV cache")
         # measured
         measured = Table("measured", f"{subject}: {describe(cfg)}", device)
         if run_ctx:
@@ -492,7 +495,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also run mlx-lm on the same checkpoint (where installed) and print the ratio")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts and weights")
     p.add_argument("--kv-dtype", choices=["bfloat16", "int8"], default=None,
-                   help="KV cache element type (default bfloat16; int8: codes + a float32 scale per row)")
+                   help="KV cache element type (default: int8, codes + a float32 scale per row, where "
+                        "the head_dim allows it)")
     p.add_argument("--json", dest="json_path", default=None, help="write the results to this file")
     p.set_defaults(func=main)
 
