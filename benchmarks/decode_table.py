@@ -71,8 +71,8 @@ FACTS = {
     "qmv1_b4_r1": ("16 B codes (uint4), 2 B scales/biases, 4 B x", "as qmv1_b8_r1", "MLX qmv_fast, 1 row"),
     # the *_r16 kernels: K not split (lm_head), 16 rows per threadgroup of one simdgroup
     "qmv1_b4_r16": ("16 B codes (uint4), 2 B scales/biases, 4 B x", "16 rows per threadgroup (one simdgroup "
-                    "walks K once; x, norm_w and the norm's sum of squares once per 16 rows); 16 weight "
-                    "loads per lane in flight", "MLX qmv_fast, 16 rows, K not split"),
+                    "walks K once; x, norm_w and the norm's sum of squares once per 16 rows); rows loaded in "
+                    "batches of 8 (8 weight loads per lane in flight)", "MLX qmv_fast, 16 rows, K not split"),
     "qmv1_b8_r16": ("16 B codes (uint4), 2 B scales/biases, 4 B x", "as qmv1_b4_r16", "MLX qmv_fast, 8-bit, 16 rows"),
     "attn_decode_vec": ("16 B (uint4 = 8 bf16 of K and of V per lane per key)", "keys of a block in order, "
                         "ceil(keys / 8) per simdgroup; 8 simdgroups merged in threadgroup memory",

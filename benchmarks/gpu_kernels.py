@@ -112,8 +112,8 @@ def main(argv=None):
     ap.add_argument("--json", default=None)
     ap.add_argument("--cublas", action="store_true", help="time torch bf16 GEMMs of the prefill shapes")
     ap.add_argument("--model", default=None, help="a checkpoint instead of random weights")
-    ap.add_argument("--kv-dtype", default="bfloat16", choices=["bfloat16", "int8"],
-                    help="the KV cache's dtype (load(kv_dtype=...))")
+    ap.add_argument("--kv-dtype", default=None, choices=["bfloat16", "int8"],
+                    help="the KV cache's dtype (load(kv_dtype=...); default: the engine's, int8)")
     a = ap.parse_args(argv)
 
     import lily_py
@@ -138,7 +138,8 @@ def main(argv=None):
                      kv_dtype=a.kv_dtype)
     print(f"loaded on cuda in {time.time() - t0:.1f} s")
     e = m._backend.engine
-    result = {"device": info.get("device_name"), "layers": a.layers, "kv_dtype": a.kv_dtype,
+    print(f"KV cache: {m.kv_dtype}")
+    result = {"device": info.get("device_name"), "layers": a.layers, "kv_dtype": m.kv_dtype,
               "date": time.strftime("%Y-%m-%d"), "decode": [], "prefill": None}
     copy_gbps = None
     for i, pos in enumerate(positions):

@@ -151,12 +151,24 @@ template <typename T, typename S, int bits, typename Y = T, uint32_t R = kQmv1Ro
         }
       }
       const uint32_t g = k >> args.group_shift;
+      // Rows in batches of RB: every row's codes, scale and bias of the batch are loaded before
+      // any dot product, so RB independent 16-byte loads per lane are in flight (compilers keep a
+      // load next to its use otherwise: the H200's qmv1_*_r16 had one in flight, docs/gpu.md).
+      constexpr uint32_t RB = R < kQmv1LoadBatch ? R : kQmv1LoadBatch;
       LILY_UNROLL
-      for (uint32_t r = 0; r < R; ++r) {
-        const device uint32_t* wp = w + row[r] * words_per_row + k * bits / 32;
-        const float sc = float(scales[row[r] * groups_per_row + g]);
-        const float bi = float(biases[row[r] * groups_per_row + g]);
-        acc[r] = fma(sc, Qmv1Codes<bits>::dot_at(wp, xs), fma(bi, xsum, acc[r]));
+      for (uint32_t r0 = 0; r0 < R; r0 += RB) {
+        typename Qmv1Codes<bits>::Words wv[RB];
+        float sc[RB], bi[RB];
+        LILY_UNROLL
+        for (uint32_t r = 0; r < RB; ++r) {
+          wv[r] = Qmv1Codes<bits>::load(w + row[r0 + r] * words_per_row + k * bits / 32);
+          sc[r] = float(scales[row[r0 + r] * groups_per_row + g]);
+          bi[r] = float(biases[row[r0 + r] * groups_per_row + g]);
+        }
+        float dr[RB];
+        Qmv1Codes<bits>::template dot_rows<RB>(wv, xs, dr);
+        LILY_UNROLL
+        for (uint32_t r = 0; r < RB; ++r) acc[r0 + r] = fma(sc[r], dr[r], fma(bi[r], xsum, acc[r0 + r]));
       }
     }
   }

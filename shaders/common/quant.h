@@ -94,20 +94,37 @@ inline float masked_code(uint32_t v, uint32_t mask) {
   return as_type<float>((v & mask) | 0x4B000000u) - 8388608.0f;
 }
 
+// A lane's codes of one row and block, as loaded (Qmv1Codes::load): `bits` words at 2, 3, 5 and
+// 6 bits; one uint4 at 4 and 8. Loading every row's words before any dot product keeps R loads
+// in flight per lane (qmv1's row batches).
+template <int bits>
+struct Qmv1Words {
+  uint32_t w[bits];
+};
+
 template <int bits>
 struct Qmv1Codes {
   static_assert(bits >= 2 && bits <= 8 && bits != 4 && bits != 8, "4 and 8 bits: the specialisations");
   static constexpr uint32_t V = 32;
+  typedef Qmv1Words<bits> Words;
   static float scale_of(uint32_t) { return 1.0f; }
-  static float dot_at(const device uint32_t* p, thread const float* xs) {
+  static Words load(const device uint32_t* p) {
+    Words r;
+    for (uint32_t j = 0; j < uint32_t(bits); ++j) r.w[j] = p[j];
+    return r;
+  }
+  static float dot_at(const device uint32_t* p, thread const float* xs) { return dot(load(p), xs); }
+  template <uint32_t RB>
+  static void dot_rows(thread const Words* wv, thread const float* xs, thread float* out) {
+    for (uint32_t r = 0; r < RB; ++r) out[r] = dot(wv[r], xs);
+  }
+  static float dot(Words wv, thread const float* xs) {
     constexpr uint32_t mask = (1u << bits) - 1u;
-    uint32_t w[bits];
-    for (uint32_t j = 0; j < uint32_t(bits); ++j) w[j] = p[j];
     float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (uint32_t i = 0; i < V; ++i) {
       const uint32_t bit = i * bits, j = bit / 32, sh = bit % 32;
-      uint32_t v = w[j] >> sh;
-      if (sh + bits > 32) v |= w[j + 1] << (32 - sh);
+      uint32_t v = wv.w[j] >> sh;
+      if (sh + bits > 32) v |= wv.w[j + 1] << (32 - sh);
       d[i % 4] = fma(xs[i], masked_code(v, mask), d[i % 4]);
     }
     return (d[0] + d[1]) + (d[2] + d[3]);
@@ -117,24 +134,39 @@ struct Qmv1Codes {
 template <>
 struct Qmv1Codes<4> {
   static constexpr uint32_t V = 32;
+  typedef uint4 Words;
+  static uint4 load(const device uint32_t* p) { return *reinterpret_cast<const device uint4*>(p); }
   static float scale_of(uint32_t i) { return i % 4 == 0 ? 1.0f : i % 4 == 1 ? 0.0625f : i % 4 == 2 ? 0.00390625f : 0.000244140625f; }
-  // sum_i xs[i] * (code i masked in place): the 8 nibbles of a word, low half then high half.
+  // sum_i x[i] * (code i masked in place) over one word: its 8 nibbles, low half then high half.
+  static float word(uint32_t w, thread const float* x) {
+    const uint32_t lo = w & 0xffffu, hi = w >> 16;
+    float a = x[0] * masked_code(lo, 0x000fu);
+    a = fma(x[1], masked_code(lo, 0x00f0u), a);
+    a = fma(x[2], masked_code(lo, 0x0f00u), a);
+    a = fma(x[3], masked_code(lo, 0xf000u), a);
+    a = fma(x[4], masked_code(hi, 0x000fu), a);
+    a = fma(x[5], masked_code(hi, 0x00f0u), a);
+    a = fma(x[6], masked_code(hi, 0x0f00u), a);
+    return fma(x[7], masked_code(hi, 0xf000u), a);
+  }
   static float dot(uint4 wv, thread const float* xs) {
     float d[4];
-    for (uint32_t j = 0; j < 4; ++j) {
-      const uint32_t w = wv[j];
-      const uint32_t lo = w & 0xffffu, hi = w >> 16;
-      const thread float* x = xs + 8 * j;
-      float a = x[0] * masked_code(lo, 0x000fu);
-      a = fma(x[1], masked_code(lo, 0x00f0u), a);
-      a = fma(x[2], masked_code(lo, 0x0f00u), a);
-      a = fma(x[3], masked_code(lo, 0xf000u), a);
-      a = fma(x[4], masked_code(hi, 0x000fu), a);
-      a = fma(x[5], masked_code(hi, 0x00f0u), a);
-      a = fma(x[6], masked_code(hi, 0x0f00u), a);
-      d[j] = fma(x[7], masked_code(hi, 0xf000u), a);
-    }
+    for (uint32_t j = 0; j < 4; ++j) d[j] = word(wv[j], xs + 8 * j);
     return (d[0] + d[1]) + (d[2] + d[3]);
+  }
+  // dot() of RB rows, word-major: every row's first word is used at once, so a compiler issues
+  // all RB rows' loads before the first product instead of each next to its own row (ptxas did,
+  // docs/gpu.md). The same operations per row as dot(): bit-identical results.
+  template <uint32_t RB>
+  static void dot_rows(thread const uint4* wv, thread const float* xs, thread float* out) {
+    float d[RB][4];
+    LILY_UNROLL
+    for (uint32_t j = 0; j < 4; ++j) {
+      LILY_UNROLL
+      for (uint32_t r = 0; r < RB; ++r) d[r][j] = word(wv[r][j], xs + 8 * j);
+    }
+    LILY_UNROLL
+    for (uint32_t r = 0; r < RB; ++r) out[r] = (d[r][0] + d[r][1]) + (d[r][2] + d[r][3]);
   }
   static float dot_at(const device uint32_t* p, thread const float* xs) {
     return dot(*reinterpret_cast<const device uint4*>(p), xs);
@@ -143,19 +175,31 @@ struct Qmv1Codes<4> {
 template <>
 struct Qmv1Codes<8> {
   static constexpr uint32_t V = 16;
+  typedef uint4 Words;
+  static uint4 load(const device uint32_t* p) { return *reinterpret_cast<const device uint4*>(p); }
   static float scale_of(uint32_t i) { return i % 2 == 0 ? 1.0f : 0.00390625f; }
+  static float word(uint32_t w, thread const float* x) {
+    const uint32_t lo = w & 0xffffu, hi = w >> 16;
+    float a = x[0] * masked_code(lo, 0x00ffu);
+    a = fma(x[1], masked_code(lo, 0xff00u), a);
+    a = fma(x[2], masked_code(hi, 0x00ffu), a);
+    return fma(x[3], masked_code(hi, 0xff00u), a);
+  }
   static float dot(uint4 wv, thread const float* xs) {
     float d[4];
-    for (uint32_t j = 0; j < 4; ++j) {
-      const uint32_t w = wv[j];
-      const uint32_t lo = w & 0xffffu, hi = w >> 16;
-      const thread float* x = xs + 4 * j;
-      float a = x[0] * masked_code(lo, 0x00ffu);
-      a = fma(x[1], masked_code(lo, 0xff00u), a);
-      a = fma(x[2], masked_code(hi, 0x00ffu), a);
-      d[j] = fma(x[3], masked_code(hi, 0xff00u), a);
-    }
+    for (uint32_t j = 0; j < 4; ++j) d[j] = word(wv[j], xs + 4 * j);
     return (d[0] + d[1]) + (d[2] + d[3]);
+  }
+  template <uint32_t RB>  // as Qmv1Codes<4>::dot_rows
+  static void dot_rows(thread const uint4* wv, thread const float* xs, thread float* out) {
+    float d[RB][4];
+    LILY_UNROLL
+    for (uint32_t j = 0; j < 4; ++j) {
+      LILY_UNROLL
+      for (uint32_t r = 0; r < RB; ++r) d[r][j] = word(wv[r][j], xs + 4 * j);
+    }
+    LILY_UNROLL
+    for (uint32_t r = 0; r < RB; ++r) out[r] = (d[r][0] + d[r][1]) + (d[r][2] + d[r][3]);
   }
   static float dot_at(const device uint32_t* p, thread const float* xs) {
     return dot(*reinterpret_cast<const device uint4*>(p), xs);
