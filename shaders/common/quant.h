@@ -102,6 +102,22 @@ struct Qmv1Words {
   uint32_t w[bits];
 };
 
+// Codes::dot() of RB rows held as uint4 (4 and 8 bits), word-major: every row's first word is used
+// at once, so a compiler issues all RB rows' loads before the first product instead of each next
+// to its own row (ptxas did, docs/gpu.md). The same operations per row as dot(): bit-identical.
+template <typename Codes, uint32_t RB>
+inline void dot_rows_u4(thread const uint4* wv, thread const float* xs, thread float* out) {
+  constexpr uint32_t step = Codes::V / 4;  // x values per word
+  float d[RB][4];
+  LILY_UNROLL
+  for (uint32_t j = 0; j < 4; ++j) {
+    LILY_UNROLL
+    for (uint32_t r = 0; r < RB; ++r) d[r][j] = Codes::word(wv[r][j], xs + step * j);
+  }
+  LILY_UNROLL
+  for (uint32_t r = 0; r < RB; ++r) out[r] = (d[r][0] + d[r][1]) + (d[r][2] + d[r][3]);
+}
+
 template <int bits>
 struct Qmv1Codes {
   static_assert(bits >= 2 && bits <= 8 && bits != 4 && bits != 8, "4 and 8 bits: the specialisations");
@@ -154,19 +170,9 @@ struct Qmv1Codes<4> {
     for (uint32_t j = 0; j < 4; ++j) d[j] = word(wv[j], xs + 8 * j);
     return (d[0] + d[1]) + (d[2] + d[3]);
   }
-  // dot() of RB rows, word-major: every row's first word is used at once, so a compiler issues
-  // all RB rows' loads before the first product instead of each next to its own row (ptxas did,
-  // docs/gpu.md). The same operations per row as dot(): bit-identical results.
   template <uint32_t RB>
   static void dot_rows(thread const uint4* wv, thread const float* xs, thread float* out) {
-    float d[RB][4];
-    LILY_UNROLL
-    for (uint32_t j = 0; j < 4; ++j) {
-      LILY_UNROLL
-      for (uint32_t r = 0; r < RB; ++r) d[r][j] = word(wv[r][j], xs + 8 * j);
-    }
-    LILY_UNROLL
-    for (uint32_t r = 0; r < RB; ++r) out[r] = (d[r][0] + d[r][1]) + (d[r][2] + d[r][3]);
+    dot_rows_u4<Qmv1Codes<4>, RB>(wv, xs, out);
   }
   static float dot_at(const device uint32_t* p, thread const float* xs) {
     return dot(*reinterpret_cast<const device uint4*>(p), xs);
@@ -190,16 +196,9 @@ struct Qmv1Codes<8> {
     for (uint32_t j = 0; j < 4; ++j) d[j] = word(wv[j], xs + 4 * j);
     return (d[0] + d[1]) + (d[2] + d[3]);
   }
-  template <uint32_t RB>  // as Qmv1Codes<4>::dot_rows
+  template <uint32_t RB>
   static void dot_rows(thread const uint4* wv, thread const float* xs, thread float* out) {
-    float d[RB][4];
-    LILY_UNROLL
-    for (uint32_t j = 0; j < 4; ++j) {
-      LILY_UNROLL
-      for (uint32_t r = 0; r < RB; ++r) d[r][j] = word(wv[r][j], xs + 4 * j);
-    }
-    LILY_UNROLL
-    for (uint32_t r = 0; r < RB; ++r) out[r] = (d[r][0] + d[r][1]) + (d[r][2] + d[r][3]);
+    dot_rows_u4<Qmv1Codes<8>, RB>(wv, xs, out);
   }
   static float dot_at(const device uint32_t* p, thread const float* xs) {
     return dot(*reinterpret_cast<const device uint4*>(p), xs);
