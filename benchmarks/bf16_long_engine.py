@@ -1,11 +1,19 @@
-"""The engine's bf16 error on a long prompt against mlx-lm's (issue 26, item 0), at a length the
-test tier cannot afford: the emulator (default bf16 activations) and mlx-lm's committed bf16 rows
-(tests/fixtures/bf16_long), each against the fp32 NumPy reference, over the last 64 positions of
-tests/model/bf16_long.py's prompt on its real-head-dims checkpoint. The same measure as
-tests/model/test_bf16_long_prompts.py (which runs 1,024 tokens).
+"""The engine's error on long prompts against mlx-lm's and between its KV caches (issue 26, items
+0, 2 and 4), at lengths the test tier cannot afford: the engine (default bf16 activations) and
+mlx-lm's committed bf16 rows (tests/fixtures/bf16_long), each against the fp32 NumPy reference,
+over the last 64 positions of tests/model/bf16_long.py's prompt on its real-head-dims checkpoint.
+The same measure as tests/model/test_bf16_long_prompts.py.
 
-``python benchmarks/bf16_long_engine.py [--length 4096] [--chunk 4096] [--kv-dtype int8]``; 4,096
-tokens take about 12 minutes on the emulator (2 cores). mlx-lm's rows exist for 1,024 and 4,096.
+    python benchmarks/bf16_long_engine.py [--backend emu|cuda|metal] [--lengths 4096 ...]
+                                          [--chunk 4096] [--kv-dtype bfloat16 int8]
+
+The reference rows come from tests/fixtures/bf16_long/reference.npz where it has the length
+(tests/fixtures/make_bf16_long_ref.py), else are computed here up to --reference-max tokens;
+beyond that only the caches are compared with each other. mlx-lm's rows exist for 1,024 and
+4,096 tokens. 4,096 tokens take about 12 minutes on the emulator (2 cores), seconds on cuda.
+Per length and KV cache it prints the errors against the reference and mlx-lm's, and with both
+caches the int8 cache's difference from the bf16 one: mean |d|, and the rows whose greedy token
+(argmax) is the same.
 """
 from __future__ import annotations
 
@@ -24,26 +32,60 @@ import bf16_long as B  # noqa: E402
 import lily_py  # noqa: E402
 
 
+def greedy_same(a: np.ndarray, b: np.ndarray) -> str:
+    return f"{int(np.sum(a.argmax(-1) == b.argmax(-1)))}/{len(a)}"
+
+
+def fmt(e: dict) -> str:
+    return f"mean|d| {e['mean_abs']:.4e} nmse {e['nmse']:.4e}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--length", type=int, default=4096, choices=[1024, 4096])
+    ap.add_argument("--backend", default="emu")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[4096])
+    ap.add_argument("--length", type=int, dest="lengths_one", help="one length (same as --lengths N)")
     ap.add_argument("--chunk", type=int, default=4096)
-    ap.add_argument("--kv-dtype", choices=["bfloat16", "int8"], default=None)
+    ap.add_argument("--kv-dtype", nargs="+", choices=["bfloat16", "int8"], default=None,
+                    help="the KV caches to run (default: the engine's default only)")
+    ap.add_argument("--reference-max", type=int, default=4096,
+                    help="compute the reference rows up to this length when the fixture lacks them")
     a = ap.parse_args()
-    n = a.length
+    lengths = [a.lengths_one] if a.lengths_one else a.lengths
     mlx = np.load(B.FIXTURE / "mlx.npz")
+    fixed = B.FIXTURE / "reference.npz"
+    refs = dict(np.load(fixed)) if fixed.exists() else {}
+    mlx_err = {}
     with tempfile.TemporaryDirectory() as d:
         ckpt = B.make(d)
-        ids = B.prompt(n)
-        ref = B.last_rows(lily_py.load(ckpt, backend="reference", context_length=n, kv_dtype="bfloat16")._backend, ids)
-        t0 = time.time()
-        m = lily_py.load(ckpt, backend="emu", context_length=n, prefill_chunk=a.chunk, kv_dtype=a.kv_dtype)
-        eng = B.errors(B.last_rows(m._backend, ids), ref)
-        dt = time.time() - t0
-    mx = B.errors(mlx[f"bf16_{n}"], ref)
-    print(f"{n} tokens, chunk {a.chunk}, {m.kv_dtype} KV cache: engine bf16 mean|d| "
-          f"{eng['mean_abs']:.4e} nmse {eng['nmse']:.4e} | mlx-lm bf16 mean|d| {mx['mean_abs']:.4e} "
-          f"nmse {mx['nmse']:.4e} (emulator {dt:.0f} s)")
+        for n in lengths:
+            ids = B.prompt(n)
+            ref = refs.get(f"ref_{n}")
+            if ref is None and n <= a.reference_max:
+                ref = B.last_rows(lily_py.load(ckpt, backend="reference", context_length=n,
+                                               kv_dtype="bfloat16", verbose=False)._backend, ids)
+            if ref is not None and f"bf16_{n}" in mlx:
+                mlx_err[n] = B.errors(mlx[f"bf16_{n}"], ref)
+            rows = {}
+            for kv in a.kv_dtype or [None]:
+                t0 = time.time()
+                m = lily_py.load(ckpt, backend=a.backend, context_length=n, prefill_chunk=a.chunk, kv_dtype=kv,
+                                 verbose=False)
+                rows[m.kv_dtype] = got = B.last_rows(m._backend, ids)
+                dt = time.time() - t0
+                line = f"{n} tokens, chunk {a.chunk}, {m.kv_dtype} KV cache, {a.backend}:"
+                if ref is not None:
+                    line += f" engine bf16 {fmt(B.errors(got, ref))} greedy = reference {greedy_same(got, ref)}"
+                else:
+                    line += " (no reference rows at this length)"
+                if n in mlx_err:
+                    line += f" | mlx-lm bf16 {fmt(mlx_err[n])}"
+                print(line + f" ({dt:.0f} s)", flush=True)
+                del m
+            if len(rows) == 2:
+                e = B.errors(rows["int8"], rows["bfloat16"])
+                print(f"{n} tokens: int8 cache vs bf16 cache mean|d| {e['mean_abs']:.4e} max_rel {e['max_rel']:.3e} "
+                      f"greedy same {greedy_same(rows['int8'], rows['bfloat16'])}", flush=True)
 
 
 if __name__ == "__main__":

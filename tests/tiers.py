@@ -52,6 +52,8 @@ FULL_TIER: dict[str, str] = {
     "tests/model/test_bf16_long_prompts.py::test_bf16_error_on_long_prompts_no_larger_than_mlx_lm[[]*": (
         "a 1,024-token prompt on the emulator (minutes); quick keeps "
         "test_fixture_is_this_checkpoint_and_reference and tests/model/test_bf16_activations.py"),
+    "tests/model/test_bf16_long_prompts.py::test_committed_reference_rows[[]32768[]]": (
+        "the NumPy reference on a 32,768-token prompt (75 s); quick keeps the 4,096-token rows"),
     "tests/model/test_bf16_activations.py::test_float32_option_keeps_the_fp32_path[[]bf16_*": (
         "three of four checkpoints (17 s); quick keeps std4_nested_fused"),
     # tests/kernels: real-size and long shapes (the quick tier keeps the odd small shapes)

@@ -14,6 +14,7 @@ router choice that flips at that token dominates it; 64 rows give a stable mean)
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 import numpy as np
@@ -24,18 +25,31 @@ CONFIG = dict(TINY_TEXT_CONFIG, hidden_size=512, vocab_size=512, head_dim=256,
               num_attention_heads=4, num_key_value_heads=2, linear_key_head_dim=128,
               linear_value_head_dim=128, linear_num_key_heads=2, linear_num_value_heads=4,
               num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128,
-              shared_expert_intermediate_size=128, max_position_embeddings=65536)
+              shared_expert_intermediate_size=128, max_position_embeddings=262144)
 SEED, STD = 9, 0.06
 ROWS = 64
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "bf16_long"
 
 
 def make(folder) -> str:
-    return make_checkpoint(folder, CONFIG, fmt="mlx", seed=SEED, std=STD)
+    """The checkpoint, written into ``folder``; or the folder LILY_BF16_LONG_CKPT names (an earlier
+    make() copied to another machine). make_checkpoint is deterministic for a seed on one machine,
+    but other numpy / ml_dtypes versions round a few bf16 scales differently (the H200 machine's:
+    6 of them by one ulp), and the fixtures belong to these exact tensors (weights_sha256)."""
+    given = os.environ.get("LILY_BF16_LONG_CKPT")
+    return given if given else make_checkpoint(folder, CONFIG, fmt="mlx", seed=SEED, std=STD)
 
 
 def weights_sha256(folder) -> str:
-    return hashlib.sha256(Path(folder, "model.safetensors").read_bytes()).hexdigest()
+    """sha256 over the checkpoint's tensors (sorted names, dtype, shape, bytes), not the file: the
+    safetensors header's layout differs between library versions (the H200 machine's wrote other
+    bytes for the same tensors)."""
+    from safetensors.numpy import load_file
+    h = hashlib.sha256()
+    for name, t in sorted(load_file(str(Path(folder, "model.safetensors"))).items()):
+        h.update(f"{name}|{t.dtype.str}|{t.shape}|".encode())
+        h.update(np.ascontiguousarray(t).tobytes())
+    return h.hexdigest()
 
 
 def prompt(n: int) -> np.ndarray:
