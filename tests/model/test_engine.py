@@ -711,10 +711,10 @@ def test_greedy_after_chunked_prefill(real_dims_ckpt, which, chunk):
     emu = load(backend=ENGINE, context_length=256, prefill_chunk=chunk)
     assert emu._backend.activations == "bfloat16"
     cfg = emu.config
-    # bf16 prefill attention on M1-M4 (no tensor ops): the bf16 simdgroup tiles (chunks of 1 token
-    # take the decode kernels)
+    # bf16 prefill attention on M1-M4 (no tensor ops): the bf16 simdgroup tiles, their twin for the
+    # default int8 KV cache (chunks of 1 token take the decode kernels)
     if chunk > 1:
-        assert f"attn_prefill_tiles_d{cfg.head_dim}_bf16" in {p["kernel"] for p in emu._backend.engine.pipelines}
+        assert f"attn_prefill_tiles_q8_d{cfg.head_dim}_bf16" in {p["kernel"] for p in emu._backend.engine.pipelines}
     got = emu.generate_text(prompt, max_tokens=32)
     assert got.tokens == _GREEDY_REF[key]
     routes = {gated_delta_route(min(chunk, n - s), cfg.linear_key_head_dim, cfg.linear_value_head_dim)

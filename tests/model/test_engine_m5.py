@@ -117,14 +117,15 @@ def _greedy_case(which, real_dims_ckpt):
 def test_greedy_after_chunked_prefill_on_the_m5_path(real_dims_ckpt, which, chunk):
     """Greedy tokens identical to the reference for 32 steps after a prompt prefilled in chunks of
     1, 64 and 4096 on the M5 path, on the demo (head_dim 64) and on a random-weight checkpoint with
-    the real head dimensions (head_dim 256, 2 KV heads: attn_prefill_m5_d256; DeltaNet Dk = Dv =
+    the real head dimensions (head_dim 256, 2 KV heads: attn_prefill_m5_q8_d256 on the default int8
+    KV cache; DeltaNet Dk = Dv =
     128: gd_chunk_*_m5 on the 64- and 80-token prefill steps, the scan for one token)."""
     load, prompt, want = _greedy_case(which, real_dims_ckpt)
     with simulated_device(tensor_ops=True):
         emu = load(backend="emu", context_length=256, prefill_chunk=chunk)
     kernels = {p["kernel"] for p in emu._backend.engine.pipelines}
     D = emu.config.head_dim
-    assert (f"attn_prefill_m5_d{D}_f32" in kernels or f"attn_prefill_m5_d{D}_bf16" in kernels) == (chunk > 1), \
+    assert (f"attn_prefill_m5_q8_d{D}_f32" in kernels or f"attn_prefill_m5_q8_d{D}_bf16" in kernels) == (chunk > 1), \
         sorted(kernels)
     assert ({"gd_chunk_wy_m5_f32", "gd_chunk_state_m5_f32"} <= kernels) == (chunk > 1), sorted(kernels)
     got = emu.generate_text(prompt, max_tokens=32)
