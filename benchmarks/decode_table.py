@@ -29,7 +29,7 @@ import argparse
 from collections import OrderedDict
 
 from lily_py import _core
-from lily_py.backends import default_kv_dtype
+from lily_py.backends import resolve_kv_dtype
 from lily_py.backends.engine import REAL_QUANT, checkpoint_activations, decode_floor_bytes, engine_spec
 from lily_py.config import ModelConfig
 from lily_py.sizes import decode_weight_bytes, engine_quant, recipes, weight_bytes
@@ -246,7 +246,7 @@ def estimate(cfg, positions, sample, eta: float, t_level: float, t_min: float, a
     ``ipk`` replaces the vec attention's instructions per key and KV head; ``kv_dtype`` counts the
     step with that KV cache ("int8": its kernels and bytes; None: the engine's default)."""
     out = []
-    q8 = (kv_dtype or default_kv_dtype(cfg)) == "int8"
+    q8 = resolve_kv_dtype(cfg, kv_dtype) == "int8"
     n_ipk = ipk or instr_per_key(cfg.num_attention_heads // cfg.num_key_value_heads, cfg.head_dim // 32, q8=q8)
     frac, run = measured_fractions(measured) if measured else ({}, "")
     if not quiet and measured:

@@ -30,7 +30,7 @@ from .prompt_cache import DEFAULT_PROMPT_CACHE_BYTES, PromptCache
 from .progress import ProgressCallback  # noqa: F401  (annotations)
 from .sampling import MAX_LOGPROBS, SamplingParams, sample, unpack_mask
 from .sampling import logprobs as token_logprobs
-from .backends import BACKENDS, auto_backend, built_with_metal, default_kv_dtype, make_backend, resolve_auto  # noqa: F401  (BACKENDS, auto_backend: public names)
+from .backends import BACKENDS, auto_backend, built_with_metal, make_backend, resolve_auto, resolve_kv_dtype  # noqa: F401  (BACKENDS, auto_backend: public names)
 
 log = logging.getLogger("lily_py")
 
@@ -140,8 +140,7 @@ class Model:
         if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be a positive integer, got {prefill_chunk!r}")
         prefill_chunk = min(prefill_chunk, context_length)   # scratch is sized from it
-        if kv_dtype is None:
-            kv_dtype = default_kv_dtype(config)
+        kv_dtype = resolve_kv_dtype(config, kv_dtype)
         self.path = path
         self.config = config
         self.weights = weights

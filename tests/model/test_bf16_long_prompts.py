@@ -73,8 +73,13 @@ def test_bf16_error_on_long_prompts_no_larger_than_mlx_lm(ckpt, n, chunk, record
     assert m._backend.activations == "bfloat16"
     eng = B.errors(B.last_rows(m._backend, ids), ref)
     mx = B.errors(mlx[f"bf16_{n}"], ref)
-    line = (f"{n} tokens, chunk {chunk}: engine bf16 mean|d| {eng['mean_abs']:.4e} nmse {eng['nmse']:.4e} | "
-            f"mlx-lm bf16 mean|d| {mx['mean_abs']:.4e} nmse {mx['nmse']:.4e}")
+    _no_larger_than_mlx_lm(eng, mx, f"{n} tokens, chunk {chunk}: engine bf16", "mlx-lm bf16", record_property)
+
+
+def _no_larger_than_mlx_lm(eng: dict, mx: dict, what: str, mlx_what: str, record_property) -> None:
+    """Print and record the two errors, then assert the engine's mean |d| and nmse are no larger."""
+    line = (f"{what} mean|d| {eng['mean_abs']:.4e} nmse {eng['nmse']:.4e} | "
+            f"{mlx_what} mean|d| {mx['mean_abs']:.4e} nmse {mx['nmse']:.4e}")
     print(line)
     record_property("errors", line)
     assert eng["mean_abs"] <= mx["mean_abs"], line
@@ -108,13 +113,8 @@ def test_bf16_error_at_length_on_a_gpu(ckpt, n, record_property):
     m = lily_py.load(ckpt, backend=ENGINE, context_length=n, prefill_chunk=4096)
     assert m._backend.activations == "bfloat16" and m.kv_dtype == "int8"
     eng = B.errors(B.last_rows(m._backend, B.prompt(n)), ref)
-    mx = _mlx_bound(n)
-    line = (f"{n} tokens on {ENGINE}: engine mean|d| {eng['mean_abs']:.4e} nmse {eng['nmse']:.4e} | "
-            f"mlx-lm bf16 at {min(n, 4096)} mean|d| {mx['mean_abs']:.4e} nmse {mx['nmse']:.4e}")
-    print(line)
-    record_property("errors", line)
-    assert eng["mean_abs"] <= mx["mean_abs"], line
-    assert eng["nmse"] <= mx["nmse"], line
+    _no_larger_than_mlx_lm(eng, _mlx_bound(n), f"{n} tokens on {ENGINE}: engine", f"mlx-lm bf16 at {min(n, 4096)}",
+                           record_property)
 
 
 def test_int8_cache_at_128k_on_a_gpu(ckpt, record_property):

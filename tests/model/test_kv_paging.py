@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import lily_py
+from lily_py.backends.engine import kv_row_bytes
 from lily_py.testing import TINY_TEXT_CONFIG, make_checkpoint
 from tolerances import assert_close
 from engine_backend import ENGINE
@@ -28,8 +29,7 @@ def block_bytes(m):
     default here: int8 codes and a float32 scale per row; tests/model/test_kv_int8.py pins both)."""
     c = m.config
     layers = sum(c.is_full_attention(i) for i in range(c.num_hidden_layers))
-    row = c.head_dim + 4 if m.kv_dtype == "int8" else 2 * c.head_dim
-    return 2 * layers * c.num_key_value_heads * B * row
+    return 2 * layers * c.num_key_value_heads * B * kv_row_bytes(c, m.kv_dtype)
 
 
 def close(a, r, what):

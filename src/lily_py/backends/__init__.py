@@ -25,6 +25,11 @@ def default_kv_dtype(cfg: ModelConfig) -> str:
     return "int8" if cfg.head_dim in KV_INT8_HEAD_DIMS else "bfloat16"
 
 
+def resolve_kv_dtype(cfg: ModelConfig, kv_dtype: str | None) -> str:
+    """The KV cache a load with ``kv_dtype`` gets: itself when given, else the default for ``cfg``."""
+    return kv_dtype or default_kv_dtype(cfg)
+
+
 def make_backend(name: str, cfg: ModelConfig, weights: ModelWeights, *, context_length: int,
                  prefill_chunk: int, verbose: bool | None = None, activations: str | None = None,
                  weights_mode: str = "auto", kv_block_tokens: int | None = None, kv_dtype: str | None = None):
@@ -36,7 +41,7 @@ def make_backend(name: str, cfg: ModelConfig, weights: ModelWeights, *, context_
         raise ValueError(f"activations must be 'bfloat16', 'float32' or None, got {activations!r}")
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"kv_dtype must be one of {KV_DTYPES[1:]} or None, got {kv_dtype!r}")
-    kv_dtype = kv_dtype or default_kv_dtype(cfg)
+    kv_dtype = resolve_kv_dtype(cfg, kv_dtype)
     if name not in BACKENDS and name not in TIMING_BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
     if name in ("emu", "metal", "cuda") + TIMING_BACKENDS:

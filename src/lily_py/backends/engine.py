@@ -21,7 +21,7 @@ from ..checkpoint import AttentionWeights, ModelWeights
 from ..config import ModelConfig
 from ..errors import BackendError, CheckpointError, DeviceMemoryError
 from ..weights import QuantLinear
-from . import default_kv_dtype
+from . import resolve_kv_dtype
 
 # All-logits steps write at most this many rows of logits (the logits buffer is [rows, vocab]).
 LOGIT_ROWS = 64
@@ -74,7 +74,7 @@ def engine_spec(cfg: ModelConfig, quant: dict, *, context_length: int, prefill_c
                 activations: str = "float32", kv_block_tokens: int | None = None,
                 kv_dtype: str | None = None) -> dict:
     """The dict ``lily_py._core.Engine`` takes (csrc/core/model_spec.h). ``kv_dtype`` None: the
-    default for ``cfg`` (``default_kv_dtype``), as everywhere in this module."""
+    default for ``cfg`` (``resolve_kv_dtype``), as everywhere in this module."""
     if activations not in ACTIVATIONS:
         raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
     return {
@@ -91,7 +91,7 @@ def engine_spec(cfg: ModelConfig, quant: dict, *, context_length: int, prefill_c
         "context_length": int(context_length), "prefill_chunk": int(prefill_chunk),
         "logit_rows": int(min(prefill_chunk, LOGIT_ROWS)), "activations": activations,
         **({} if kv_block_tokens is None else {"kv_block_tokens": int(kv_block_tokens)}),
-        "kv_q8": (kv_dtype or default_kv_dtype(cfg)) == "int8",
+        "kv_q8": resolve_kv_dtype(cfg, kv_dtype) == "int8",
     }
 
 
@@ -664,7 +664,7 @@ def kv_row_bytes(cfg: ModelConfig, kv_dtype: str | None = None) -> int:
     """Bytes of one KV cache row (one position of one KV head, K or V): 2 head_dim (bfloat16), or
     head_dim + 4 with ``kv_dtype="int8"`` (codes and a float32 scale; csrc ModelSpec::kv_row_bytes);
     None: the default for ``cfg``."""
-    return cfg.head_dim + 4 if (kv_dtype or default_kv_dtype(cfg)) == "int8" else 2 * cfg.head_dim
+    return cfg.head_dim + 4 if resolve_kv_dtype(cfg, kv_dtype) == "int8" else 2 * cfg.head_dim
 
 
 def decode_floor_bytes(cfg: ModelConfig, *, position: int, quant: dict | None = None,

@@ -374,10 +374,10 @@ def bench(*, model: str | None = None, random_weights: bool = False, config: str
             from ..resources import demo_path
             path = demo_path() if model is None else hub.resolve(model)
             subject = "bundled demo checkpoint" if model is None else f"checkpoint {model}"
-        from ..backends import default_kv_dtype
+        from ..backends import resolve_kv_dtype
         from ..checkpoint import load_weights
         cfg, weights = load_weights(path)
-        kv_dtype = kv_dtype or default_kv_dtype(cfg)
+        kv_dtype = resolve_kv_dtype(cfg, kv_dtype)
         result["kv_dtype"] = kv_dtype
         run_ctx = [c for c in contexts if c <= run_max_context and c + decode_tokens + 1 <= cfg.max_position_embeddings]
         why = (f"above --run-max-context {run_max_context} on '{device}'" if not gpu
