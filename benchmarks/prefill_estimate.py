@@ -121,12 +121,22 @@ ASSUMPTIONS = {
     # codes (5 ops) and rescaled every 32-wide K step (~9 ops an output): 0.573 (qmm_m5i8), 0.579 and
     # 0.756 (moe_gate_up_m5i8 / moe_down_m5i8). The family's time is the largest
     # of its tensor time, this ALU time (at the ALU efficiency) and its bytes: the two units are
-    # assumed to overlap fully (optimistic). Attention and the DeltaNet chunk kernels: not counted
-    # (softmax ~6 ops per score against 512 MACs; bytes-bound kernels). The 32-row kind's 16-row
+    # assumed to overlap fully (optimistic). NEW (2026-12-04) the prefill attention (D = 256, per
+    # thread and 32-key block of 262,144 MACs, 128 threads): the int8 cache's K and V staged as
+    # codes, 8 ops a word of 4 (128 each), the softmax with the K and V row factors ~72, the rescale
+    # test 3: 330 ops, 0.161; the bf16 cache's K and V converted (3 ops a value: 192 each), softmax
+    # ~60, test 3: 0.218. O's rescale (+64) runs only in blocks where a row's running max moves,
+    # rare late in a long prompt: not counted; the sensitivity line prints the estimate with it in
+    # every block. Before (until 2026-12-04) K and V were staged as half(code x scale) at ~4 ops a
+    # value and O rescaled every block: 639 ops, 0.312 (int8), attention ALU-bound at 1.9x its
+    # tensor time. The DeltaNet chunk kernels: not counted (bytes-bound). The 32-row kind's 16-row
     # tiles: next entry.
     "tensor_alu_ops_per_mac": (("qmm_m5i8", 0.106), ("moe_gate_up_m5i8", 0.105), ("moe_down_m5i8", 0.107),
                                ("qmm_m5", 0.131), ("moe_gate_up_m5_64", 0.107), ("moe_down_m5_64", 0.123),
-                               ("moe_gate_up_m5_32", 0.168), ("moe_down_m5_32", 0.184)),
+                               ("moe_gate_up_m5_32", 0.168), ("moe_down_m5_32", 0.184),
+                               ("attn_prefill_m5_q8", 0.161), ("attn_prefill_m5", 0.218)),
+    # sensitivity (printed with --long): the attention's O rescaled in every block (+64 ops)
+    "attn_rescale_every_block_ops_per_mac": (("attn_prefill_m5_q8", 0.192), ("attn_prefill_m5", 0.249)),
     # the 32-row kind's tiles of <= 16 rows run 16 rows (BM = 16: 74 and 39 ops per thread and step
     # for 32,768 and 16,384 MACs): their MACs at these rates instead. With the MoE weights
     # dequantized in fp32 as qmm_m5 does (5 ops a code; until 2026-12-02): 0.406 and 0.422 (and
@@ -575,7 +585,9 @@ def main() -> None:
     args = ap.parse_args()
     cfg = real_config()
     if args.long:
-        print_tables(run(cfg, lengths=(65536, 131072, 262144)), brief=True)
+        res = run(cfg, lengths=(65536, 131072, 262144))
+        print_tables(res, brief=True)
+        print_attention_alu(res)
         return
     waste = ("MoE expert rows executed / useful under uniform routing (simulated): " + ", ".join(
         f"{T} tokens: M1-M4 plan {r['now']:.2f}, M5 plan {r['m5']:.2f} (one tile size per chunk: {r['before']:.2f})"
@@ -610,6 +622,21 @@ def main() -> None:
               f"; target {TARGETS[256]:,.0f} on M5 Max")
     if all(("M5 int8 opt-in", L) in res for L in (256, 4096, 32768)):
         print_int8_sensitivity(res)
+
+
+def print_attention_alu(res: dict, a: dict = ASSUMPTIONS) -> None:
+    """Long prompts: the prefill attention's tensor time against its ALU time (staging, softmax) on
+    the M5 paths, and the estimate with O rescaled in every block (attn_rescale_every_block_ops_per_mac)."""
+    every = dict(a, tensor_alu_ops_per_mac=a["attn_rescale_every_block_ops_per_mac"] + a["tensor_alu_ops_per_mac"])
+    for path in ("M5 path", "M5 int8 opt-in"):
+        parts = []
+        for L in sorted(L for p, L in res if p == path):
+            r = res[path, L]
+            name, f = next((n, f) for n, f in r["fams"].items() if n.startswith("attn_prefill_m5"))
+            tc = f["executed"] * shape_factor(name, f["unit"], a) / unit_rate("tensor", "M5 Max", a)
+            parts.append(f"{L}: {name} tensor {tc:,.1f} s, ALU {alu_time(name, f, 'M5 Max', a):,.1f} s; "
+                         f"O rescaled every block {estimate(r['fams'], r['levels'], L, 'M5 Max', every)['tps']:,.0f} tok/s")
+        print(f"  {path}, M5 Max, prefill attention (ESTIMATE): " + "; ".join(parts))
 
 
 def print_int8_sensitivity(res: dict, a: dict = ASSUMPTIONS) -> None:

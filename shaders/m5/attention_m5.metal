@@ -1,5 +1,5 @@
 // Causal prefill attention on Metal 4 tensor ops (M5 path): S = Q K^T and O += P V as matmul2d over
-// the bf16 KV cache, online softmax per row, GQA heads packed, sigmoid gate. Same buffers and args
+// the bf16 or int8 KV cache, online softmax per row, GQA heads packed, sigmoid gate. Same buffers and args
 // (AttnArgs) as attention_prefill_mma (shaders/attention.metal); host: csrc/gpu/ops/attention.cpp
 // (taken for prefill when the device reports tensor ops and head_dim is 64, 128 or 256). Compiled
 // with -std=metal4.0 into lily_m5.metallib, by the emulator, and by the strict pass against
@@ -17,28 +17,33 @@
 //   measurement ran at >= 91% of its peak (docs/tensor-ops.md, "Execution scope and tile shape"): 16
 //   rows, K >= 32. Simdgroup g below.
 //   per block of BK = 32 keys, up to the block's last token's causal end:
-//     1. K rows [32][D] (bf16 -> half, zeros past the end) -> threadgroup as two halves of D
-//        [2][32][D / 2]; barrier
+//     1. K rows [32][D] (bf16 -> half; int8: the codes, exact in half, columns permuted as Q's:
+//        attn_m5_kcol; zeros past the end) -> threadgroup as two halves of D [2][32][D / 2]; barrier
 //     2. S = Q K^T in four parts: simdgroup g multiplies Q by keys 16 (g % 2) .. + 16 over the
 //        half g / 2 of D: matmul2d_descriptor(16, 16, D / 2, false, transpose_right = true, false,
 //        multiply) into S part [g / 2][g % 2] (threadgroup float [2][2][16][16]); barrier
-//     3. softmax (thread t: row t / 8, 4 keys): s = the two D halves' sum, scale, causal mask,
-//        block max over the row's 8 threads (simd_shuffle_xor 1, 2, 4), running max m and sum l
-//        in registers, p = exp(s - m) rounded to half -> P [16][32], the row's rescale factor ->
-//        threadgroup; the V rows of the block -> the K buffer as four column blocks [4][32][D/4]
-//        (its run is done); barrier
-//     4. simdgroup g owns O's columns g D/4 .. + D/4 (an fp32 cooperative tensor [16][D/4]): its
-//        elements scaled by their row's factor (get_multidimensional_index), O_g += P V_g:
+//     3. softmax (thread t: row t / 8, 4 keys): s = the two D halves' sum, times the key's K
+//        scale (int8) and the softmax scale, causal mask, block max over the row's 8 threads
+//        (simd_shuffle_xor 1, 2, 4), running max m and sum l in registers, p = exp(s - m) (int8:
+//        times 128 x the key's V scale) rounded to half -> P [16][32], the row's rescale factor
+//        -> threadgroup; the V rows of the block (int8: codes) -> the K buffer as four column
+//        blocks [4][32][D/4] (its run is done); barrier
+//     4. simdgroup g owns O's columns g D/4 .. + D/4 (an fp32 cooperative tensor [16][D/4]): if
+//        any row's factor is not 1 (simd_any: a running max moved), its elements scaled by their
+//        row's factor (get_multidimensional_index); O_g += P V_g:
 //        matmul2d_descriptor(16, D / 4, 32, false, false, false, multiply_accumulate); barrier
 //        (the next block overwrites the K/V buffer)
-//   epilogue:  l per row -> threadgroup; barrier; each thread writes its O elements / l, times
-//              sigmoid(gate), for live rows
+//   epilogue:  l per row -> threadgroup; barrier; each thread writes its O elements / l (int8:
+//              / 128, to column attn_m5_kcol), times sigmoid(gate), for live rows
 //   threadgroup memory (D = 256): Q 8,192 + K/V 16,384 + S 4,096 + P 1,024 + 2 x 64 = 29,824 B
 //   (until 2026-12-01: 32 rows x 16-key blocks, which made O += P V a K = 16 op: 71% of the
 //   measured peak for 32 x 32 x 16 against 96% for 16 x 32 x 32)
 // Precision: Q, K, V and P are half operands (the half x half -> float row of Apple's matmul2d
-// types): bf16 K/V values are exact in half within its normal range (|v| in [2^-14, 65504]); Q and
-// P are rounded once (2^-11 relative); S, the softmax, l and O are fp32.
+// types): bf16 K/V values are exact in half within its normal range (|v| in [2^-14, 65504]), int8
+// codes always; Q and P are rounded once (2^-11 relative); S, the softmax, l and O are fp32.
+// ALU work per thread and block (D = 256, int8; issue ops, loads and stores not counted; the
+// prefill estimate's tensor_alu_ops_per_mac): K and V codes 128 each (8 a word), softmax ~71,
+// the rescale test 3 (+64 in a block where a running max moved): ~330 for 262,144 MACs.
 #include "common/lily_metal.h"
 #include "common/tensor_ops.h"
 #include "common/kv_blocks.h"
@@ -59,7 +64,7 @@ inline uint32_t attn_m5_blocked(uint32_t row, uint32_t d) {
 // Rounds keys kb .. kb + 32 of one KV head (bf16, or int8 codes x the row's scale: KvRows; D-element
 // rows within one cache block from blk) to half into kvs as NB column blocks kvs[NB][32][D / NB]
 // (each block a packed matmul2d operand: K in NB = 2 halves of D, V in NB = 4 quarters): thread t
-// copies row t / 4, D / 4 columns; zeros past nkeys.
+// copies row t / 4, D / 4 columns; zeros past nkeys. The int8 cache's V this way; its K below.
 template <uint32_t D, uint32_t NB, typename KV>
 inline void attn_m5_stage_kv(const device KV* cache, KvRow blk, uint32_t nkeys, uint32_t t, threadgroup half* kvs) {
   constexpr uint32_t PER = D / 4;
@@ -69,6 +74,66 @@ inline void attn_m5_stage_kv(const device KV* cache, KvRow blk, uint32_t nkeys, 
     kvs[attn_m5_blocked<D, NB, kAttnM5BlockKeys>(j, c0 + c)] =
         j < nkeys ? half(KvRows<KV>::value(cache, blk, jr, D, c0 + c)) : half(0.0f);
 }
+
+// The int8 cache's K and V are staged as their codes, exact in half; the row scales multiply in fp32
+// outside the ops: K's each score of its key (S is the same sum, K unrounded), V's each P weight of
+// its key (P' = p x 128 scale_v, rounded to half once where half(p) and half(code x scale) were
+// rounded before; O's epilogue takes the 1 / 128 back: docs/kernels-attention.md). The codes are
+// unpacked two at a time in half arithmetic: a word of 4 codes c0..c3 gives the half2 (c0, c2) and
+// (c1, c3), stored as staged columns 4i .. 4i + 3 in that order. attn_m5_kcol maps a column to its
+// staged position (a permutation that is its own inverse): Q is staged with it, so S is the same
+// sum, and O's columns come out permuted, written back through it.
+inline uint32_t attn_m5_kcol(const device int8_t*, uint32_t d) {
+  return (d & ~3u) | ((d & 1u) << 1) | ((d >> 1) & 1u);  // columns 1 and 2 of each 4 swapped
+}
+inline uint32_t attn_m5_kcol(const device bfloat*, uint32_t d) { return d; }
+
+// Keys kb .. kb + 32 of the int8 cache as codes into kvs[NB][32][D / NB] (K: NB = 2, V: 4): thread t
+// copies row t / 4, D / 4 columns as D / 16 words. A word's bytes are two's-complement codes; xor
+// 0x80 makes them u = c + 128 in 0..255, masked two at a time into the low mantissa bits of two
+// halves of exponent 1024 (0x6400): 1024 + u exactly, minus 1152 = c exactly. Per word: an xor, a
+// shift, 2 masks, 2 ors and 2 half2 subtractions (where 4 conversions, 4 multiplies by the scale, 4
+// conversions to half and 4 selects were).
+template <uint32_t D, uint32_t NB>
+inline void attn_m5_stage(const device int8_t* cache, KvRow blk, uint32_t nkeys, uint32_t t, threadgroup half* kvs) {
+  constexpr uint32_t PER = D / 4;
+  const uint32_t j = t / 4, c0 = (t % 4) * PER;
+  threadgroup half2* dst = reinterpret_cast<threadgroup half2*>(kvs);
+  if (j < nkeys) {
+    const device uint32_t* src = reinterpret_cast<const device uint32_t*>(cache + blk.at + j * D + c0);
+    const half2 bias = half2(half(1152.0f));
+    for (uint32_t w = 0; w < PER / 4; ++w) {
+      const uint32_t u = src[w] ^ 0x80808080u;
+      const uint32_t at = attn_m5_blocked<D, NB, kAttnM5BlockKeys>(j, c0 + 4 * w) / 2;
+      dst[at] = as_type<half2>((u & 0x00FF00FFu) | 0x64006400u) - bias;             // codes 0, 2
+      dst[at + 1] = as_type<half2>(((u >> 8) & 0x00FF00FFu) | 0x64006400u) - bias;  // codes 1, 3
+    }
+  } else {
+    for (uint32_t w = 0; w < PER / 4; ++w) {
+      const uint32_t at = attn_m5_blocked<D, NB, kAttnM5BlockKeys>(j, c0 + 4 * w) / 2;
+      dst[at] = half2(half(0.0f));
+      dst[at + 1] = half2(half(0.0f));
+    }
+  }
+}
+template <uint32_t D, uint32_t NB>
+inline void attn_m5_stage(const device bfloat* cache, KvRow blk, uint32_t nkeys, uint32_t t, threadgroup half* kvs) {
+  attn_m5_stage_kv<D, NB, bfloat>(cache, blk, nkeys, t, kvs);
+}
+
+// The factor of a score of key j of the block (K's row scale; 1 for bf16), of a P weight (128 x V's
+// row scale: exact, keeps P' = p x amax_v x 128 / 127 where half(p) was, rather than 128 times
+// smaller near half's subnormals), and of O in the epilogue.
+inline float attn_m5_k_factor(const device int8_t* cache, KvRow blk, uint32_t j) {
+  return KvRows<int8_t>::scale(cache, blk.scale + j);
+}
+inline float attn_m5_k_factor(const device bfloat*, KvRow, uint32_t) { return 1.0f; }
+inline float attn_m5_v_factor(const device int8_t* cache, KvRow blk, uint32_t j) {
+  return KvRows<int8_t>::scale(cache, blk.scale + j) * 128.0f;
+}
+inline float attn_m5_v_factor(const device bfloat*, KvRow, uint32_t) { return 1.0f; }
+inline float attn_m5_o_factor(const device int8_t*) { return 1.0f / 128.0f; }
+inline float attn_m5_o_factor(const device bfloat*) { return 1.0f; }
 
 template <typename T, uint32_t D, typename KV>
 [[kernel]] void attention_prefill_m5(constant AttnArgs& args [[buffer(0)]],
@@ -109,7 +174,7 @@ template <typename T, uint32_t D, typename KV>
     const uint32_t c0 = (t % 8) * PER;
     const device T* qr = q + row_tok * args.q_stride + row_head * D + c0;
     for (uint32_t c = 0; c < PER; ++c)
-      qs[attn_m5_blocked<D, 2, R>(row, c0 + c)] = row_live ? half(float(qr[c])) : half(0.0f);
+      qs[attn_m5_blocked<D, 2, R>(row, attn_m5_kcol(k_cache, c0 + c))] = row_live ? half(float(qr[c])) : half(0.0f);
   }
 
   const uint32_t sg_half = simd_id / 2, sg_keys = simd_id % 2, sg_cols = simd_id * CB;
@@ -137,7 +202,7 @@ template <typename T, uint32_t D, typename KV>
   for (uint32_t kb = 0; kb < key_end; kb += BK) {
     const uint32_t nkeys = min(BK, key_end - kb);
     const KvRow blk = KvRows<KV>::row(block_table, args.block_shift, args.kv_heads, D, kvh, kb);  // one cache block
-    attn_m5_stage_kv<D, 2, KV>(k_cache, blk, nkeys, t, kvs);
+    attn_m5_stage<D, 2>(k_cache, blk, nkeys, t, kvs);
     threadgroup_barrier(mem_flags::mem_threadgroup);
     op_s.run(q_t, k_t, s_t);
     threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -145,7 +210,8 @@ template <typename T, uint32_t D, typename KV>
     float sv[4];
     float block_max = attn_m5_neg_inf();
     for (uint32_t i = 0; i < 4; ++i) {
-      sv[i] = (ss[s_at + i] + ss[2 * R * KH + s_at + i]) * args.scale;
+      const float ks = attn_m5_k_factor(k_cache, blk, min(c0 + i, nkeys - 1));
+      sv[i] = (ss[s_at + i] + ss[2 * R * KH + s_at + i]) * ks * args.scale;
       if (kb + c0 + i < visible_end) block_max = max(block_max, sv[i]);
     }
     block_max = max(block_max, simd_shuffle_xor(block_max, 1));
@@ -156,7 +222,7 @@ template <typename T, uint32_t D, typename KV>
     float psum = 0.0f;
     for (uint32_t i = 0; i < 4; ++i) {
       const float p = kb + c0 + i < visible_end ? exp(sv[i] - m_new) : 0.0f;
-      ps[row * BK + c0 + i] = half(p);
+      ps[row * BK + c0 + i] = half(p * attn_m5_v_factor(v_cache, blk, min(c0 + i, nkeys - 1)));
       psum += p;
     }
     psum += simd_shuffle_xor(psum, 1);
@@ -165,13 +231,18 @@ template <typename T, uint32_t D, typename KV>
     l = l * corr + psum;
     m = m_new;
     if (t % 8 == 0) corr_s[row] = corr;
-    attn_m5_stage_kv<D, 4, KV>(v_cache, blk, nkeys, t, kvs);
+    attn_m5_stage<D, 4>(v_cache, blk, nkeys, t, kvs);
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
-    for (uint16_t i = 0; i < o.get_capacity(); ++i) {
-      if (!o.is_valid_element(i)) continue;
-      const auto idx = o.get_multidimensional_index(i);
-      o[i] *= corr_s[idx[1]];
+    // O's rows are rescaled only when a row's running max moved in this block (every row's factor
+    // is then exactly 1 otherwise: the branch is uniform over the simdgroup, whose O block spans
+    // all R rows); late in a long prompt most blocks leave every max where it was
+    if (simd_any(corr_s[lane % R] != 1.0f)) {
+      for (uint16_t i = 0; i < o.get_capacity(); ++i) {
+        if (!o.is_valid_element(i)) continue;
+        const auto idx = o.get_multidimensional_index(i);
+        o[i] *= corr_s[idx[1]];
+      }
     }
     op_o.run(p_t, v_t, o);
     threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -182,12 +253,12 @@ template <typename T, uint32_t D, typename KV>
   for (uint16_t i = 0; i < o.get_capacity(); ++i) {
     if (!o.is_valid_element(i)) continue;
     const auto idx = o.get_multidimensional_index(i);
-    const uint32_t d = sg_cols + uint32_t(idx[0]);
+    const uint32_t d = attn_m5_kcol(v_cache, sg_cols + uint32_t(idx[0]));  // O's column, staged permuted
     const uint32_t r = uint32_t(idx[1]);
     const uint32_t tok = t0 + r / group;
     if (r >= rows || tok >= args.tokens) continue;
     const uint32_t head = kvh * group + r % group;
-    float y = o[i] * corr_s[r];
+    float y = o[i] * corr_s[r] * attn_m5_o_factor(v_cache);
     if (args.use_gate != 0) y *= attn_m5_sigmoid(float(gate[tok * args.gate_stride + head * args.gate_head_stride + d]));
     out[(tok * args.q_heads + head) * D + d] = T(y);
   }

@@ -17,7 +17,7 @@ from lily_py.ops import attention as A
 from lily_py.ops.attention import Q8Cache
 from lily_py.reference import kernels as ref
 from lily_py.reference.kvquant import int8_row_codes
-from test_attention import BF16, attn_case, check_attention, qk_case, sfx
+from test_attention import BF16, attn_case, check_attention, out_rtol, qk_case, sfx
 from test_attention_paged import scrambled
 
 DTYPES = [np.dtype(np.float32), BF16]
@@ -125,9 +125,12 @@ def test_prefill_reads_codes_times_scale(rng, device, dtype, D, Hq, Hkv, positio
 @pytest.mark.parametrize("D,Hq,Hkv", [(64, 4, 2), (256, 16, 2)], ids=["d64", "real"])
 @pytest.mark.parametrize("position,T", [(45, 50), (0, 33)])
 def test_prefill_on_tensor_ops_reads_codes_times_scale(rng, dtype, D, Hq, Hkv, position, T):
-    """The M5 route (simulated tensor ops): K and V staged as half(code x scale), the operands of
-    matmul2d, as half(bf16) for the bf16 cache; test_attention_m5.py's bound."""
+    """The M5 route (simulated tensor ops): K staged as its codes (exact in half) with the row's
+    scale applied to S in fp32, V as half(code x scale); test_attention_m5.py's derived bound plus
+    V's rounding to half (relative 2^-11). A wrong column permutation of Q against the codes, or a
+    scale applied to the wrong key, moves the output by a sizeable fraction of vmag."""
     from lily_py.testing import simulated_device
+    from test_attention_m5 import HALF_EPS, m5_atol
     cap = position + T + 1
     q, _, _, g = attn_case(rng, T, Hq, Hkv, D, cap, dtype)
     kc, vc = q8(rng, Hkv, cap, D), q8(rng, Hkv, cap, D, 1.0)
@@ -135,10 +138,10 @@ def test_prefill_on_tensor_ops_reads_codes_times_scale(rng, dtype, D, Hq, Hkv, p
         out, stats = A._attention_prefill(q, kc, vc, position=position, gate=g, seed=rng.seed,
                                           block_tokens=32, block_table=scrambled(rng, cap, 32))
     assert list(stats["kernels"]) == [f"attn_prefill_m5_q8_d{D}_{sfx(dtype)}"]
-    r, smag, vmag = ref.attention(q, kc.values(), vc.values(), position=position, gate=g)
-    # half operands: K's rounding (2^-11) moves a score by <= 2^-11 smag; q, P and V in half
-    assert_close(out, r, atol=(2.0 ** -7 + 2.0 ** -9 * smag) * vmag, rtol=2 * BF16_EPS,
-                 what=f"q8 prefill m5 D={D}", seed=rng.seed)
+    r, atol, _ = m5_atol(q, kc.values(), vc.values(), g, position)
+    _, _, vmag = ref.attention(q, kc.values(), vc.values(), position=position, gate=g)
+    assert_close(out, r, atol=atol + HALF_EPS * vmag, rtol=out_rtol(dtype), what=f"q8 prefill m5 D={D}",
+                 seed=rng.seed)
 
 
 def test_bytes_touched_are_the_int8_rows(rng):
