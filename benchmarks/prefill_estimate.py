@@ -129,14 +129,18 @@ ASSUMPTIONS = {
     # rare late in a long prompt: not counted; the sensitivity line prints the estimate with it in
     # every block. Before (until 2026-12-04) K and V were staged as half(code x scale) at ~4 ops a
     # value and O rescaled every block: 639 ops, 0.312 (int8), attention ALU-bound at 1.9x its
-    # tensor time. The DeltaNet chunk kernels: not counted (bytes-bound). The 32-row kind's 16-row
+    # tensor time. The int8 opt-in's attention (attn_prefill_m5i8_q8: Q quantized per row once per
+    # threadgroup, K's codes copied with 16-byte loads, S in int32 converted per score): V 128,
+    # softmax ~76, test 3, K ~2, Q's quantization ~230 once per threadgroup (~4 a block at 4K): 213
+    # ops, 0.104. The DeltaNet chunk kernels: not counted (bytes-bound). The 32-row kind's 16-row
     # tiles: next entry.
     "tensor_alu_ops_per_mac": (("qmm_m5i8", 0.106), ("moe_gate_up_m5i8", 0.105), ("moe_down_m5i8", 0.107),
                                ("qmm_m5", 0.131), ("moe_gate_up_m5_64", 0.107), ("moe_down_m5_64", 0.123),
                                ("moe_gate_up_m5_32", 0.168), ("moe_down_m5_32", 0.184),
-                               ("attn_prefill_m5_q8", 0.161), ("attn_prefill_m5", 0.218)),
+                               ("attn_prefill_m5i8", 0.104), ("attn_prefill_m5_q8", 0.161), ("attn_prefill_m5", 0.218)),
     # sensitivity (printed with --long): the attention's O rescaled in every block (+64 ops)
-    "attn_rescale_every_block_ops_per_mac": (("attn_prefill_m5_q8", 0.192), ("attn_prefill_m5", 0.249)),
+    "attn_rescale_every_block_ops_per_mac": (("attn_prefill_m5i8", 0.135), ("attn_prefill_m5_q8", 0.192),
+                                             ("attn_prefill_m5", 0.249)),
     # the 32-row kind's tiles of <= 16 rows run 16 rows (BM = 16: 74 and 39 ops per thread and step
     # for 32,768 and 16,384 MACs): their MACs at these rates instead. With the MoE weights
     # dequantized in fp32 as qmm_m5 does (5 ops a code; until 2026-12-02): 0.406 and 0.422 (and
@@ -160,7 +164,10 @@ ASSUMPTIONS = {
     "int8_families": ("qmm_m5", "moe_gate_up_m5", "moe_down_m5"),
     # the families built with int8 activations (charged int8_speedup on the tensor units and their
     # tensor_alu_ops_per_mac on the ALUs): the projections and the MoE 64-row tiles
-    "int8_built": ("qmm_m5i8", "moe_gate_up_m5i8", "moe_down_m5i8"),
+    "int8_built": ("qmm_m5i8", "moe_gate_up_m5i8", "moe_down_m5i8", "attn_prefill_m5i8"),
+    # the share of a built int8 family's FLOPs on int8 operands (1 unless listed): the int8 opt-in's
+    # prefill attention (attn_prefill_m5i8_q8, the int8 cache) runs S = Q K^T on int8, P V on half
+    "int8_flop_share": (("attn_prefill_m5i8", 0.5),),
 }
 ASSUMPTIONS["int8_design_alu_ops_per_mac"] = dict(ASSUMPTIONS["tensor_alu_ops_per_mac"])["qmm_m5i8"]
 # MLX-LM's published prefill on an M5 Max (tok/s; mlx 0.32.2, mlx-lm 0.31.3, median of two rounds):
@@ -381,10 +388,7 @@ def estimate(fams: dict, levels: int, L: int, gpu: str, a: dict = ASSUMPTIONS) -
     bw = a["eta"] * a["bandwidth_gbs"][gpu] * 1e9
     times = {}
     for name, f in fams.items():
-        tc = (f["executed"] * shape_factor(name, f["unit"], a) / unit_rate(f["unit"], gpu, a)
-              if f["executed"] else 0.0)
-        if int8_family(name, f, a):
-            tc /= a["int8_speedup"]
+        tc = tensor_time(name, f, gpu, a)
         ta = alu_time(name, f, gpu, a)
         tb = f["bytes"] / bw
         t = max(tc, ta, tb)
@@ -404,6 +408,18 @@ def with_units(fams: dict, units: dict) -> dict:
         u = next((u for p, u in units.items() if name.startswith(p)), f["unit"])
         out[name] = dict(f, unit=u)
     return out
+
+
+def tensor_time(name: str, f: dict, gpu: str, a: dict = ASSUMPTIONS) -> float:
+    """Seconds of a family's FLOPs on its unit (for tensor ops: at its op shapes' rate, and a built
+    int8 family's int8_flop_share of them at int8_speedup)."""
+    if not f["executed"]:
+        return 0.0
+    tc = f["executed"] * shape_factor(name, f["unit"], a) / unit_rate(f["unit"], gpu, a)
+    if int8_family(name, f, a):
+        share = by_prefix(a["int8_flop_share"], name, 1.0)
+        tc *= (1.0 - share) + share / a["int8_speedup"]
+    return tc
 
 
 def int8_family(name: str, f: dict, a: dict = ASSUMPTIONS) -> bool:
@@ -633,7 +649,7 @@ def print_attention_alu(res: dict, a: dict = ASSUMPTIONS) -> None:
         for L in sorted(L for p, L in res if p == path):
             r = res[path, L]
             name, f = next((n, f) for n, f in r["fams"].items() if n.startswith("attn_prefill_m5"))
-            tc = f["executed"] * shape_factor(name, f["unit"], a) / unit_rate("tensor", "M5 Max", a)
+            tc = tensor_time(name, f, "M5 Max", a)
             parts.append(f"{L}: {name} tensor {tc:,.1f} s, ALU {alu_time(name, f, 'M5 Max', a):,.1f} s; "
                          f"O rescaled every block {estimate(r['fams'], r['levels'], L, 'M5 Max', every)['tps']:,.0f} tok/s")
         print(f"  {path}, M5 Max, prefill attention (ESTIMATE): " + "; ".join(parts))

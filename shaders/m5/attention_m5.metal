@@ -135,7 +135,69 @@ inline float attn_m5_v_factor(const device bfloat*, KvRow, uint32_t) { return 1.
 inline float attn_m5_o_factor(const device int8_t*) { return 1.0f / 128.0f; }
 inline float attn_m5_o_factor(const device bfloat*) { return 1.0f; }
 
-template <typename T, uint32_t D, typename KV>
+// How S = Q K^T is formed. Half operands (I8 = false): Q rounded to half once, in the staged column
+// order of K (attn_m5_kcol), K staged by attn_m5_stage, S in fp32. Int8 operands (I8 = true, the
+// int8 opt-in with the int8 cache: attn_prefill_m5i8_q8_*): each Q row (token, head) quantized as
+// the cache quantizes its rows (kv_q8_scale / kv_q8_code: symmetric, scale = max |q| / 127, the
+// row's 8 threads reduce the max by simd_shuffle_xor 1, 2, 4), K's codes copied as they are (16
+// bytes a load: no ALU work), S in int32 (exact) times the two row scales in fp32; the int8 x int8
+// -> int32 row of matmul2d runs at about twice the half rate (docs/tensor-ops.md). stage_q returns
+// the factor of the thread's row's scores (Q's scale; 1 for half).
+template <bool I8>
+struct AttnM5Scores;
+
+template <>
+struct AttnM5Scores<false> {
+  typedef half q_type;
+  typedef float s_type;
+  template <uint32_t D, typename T, typename KV>
+  static float stage_q(const device T* qr, bool live, uint32_t row, uint32_t c0, const device KV* k_cache,
+                       threadgroup half* qs) {
+    for (uint32_t c = 0; c < D / 8; ++c)
+      qs[attn_m5_blocked<D, 2, kAttnM5Rows>(row, attn_m5_kcol(k_cache, c0 + c))] = live ? half(float(qr[c])) : half(0.0f);
+    return 1.0f;
+  }
+  template <uint32_t D, typename KV>
+  static void stage_k(const device KV* cache, KvRow blk, uint32_t nkeys, uint32_t t, threadgroup half* kvs) {
+    attn_m5_stage<D, 2>(cache, blk, nkeys, t, kvs);
+  }
+};
+
+template <>
+struct AttnM5Scores<true> {
+  typedef int8_t q_type;
+  typedef int32_t s_type;
+  template <uint32_t D, typename T>
+  static float stage_q(const device T* qr, bool live, uint32_t row, uint32_t c0, const device int8_t*,
+                       threadgroup int8_t* qs) {
+    float amax = 0.0f;
+    for (uint32_t c = 0; c < D / 8; ++c) amax = max(amax, live ? abs(float(qr[c])) : 0.0f);
+    amax = max(amax, simd_shuffle_xor(amax, 1));
+    amax = max(amax, simd_shuffle_xor(amax, 2));
+    amax = max(amax, simd_shuffle_xor(amax, 4));
+    const float s = kv_q8_scale(amax);
+    const float inv = s > 0.0f ? 1.0f / s : 0.0f;
+    for (uint32_t c = 0; c < D / 8; ++c)
+      qs[attn_m5_blocked<D, 2, kAttnM5Rows>(row, c0 + c)] = live ? kv_q8_code(float(qr[c]), inv) : int8_t(0);
+    return s;
+  }
+  // K [2][32][D / 2] int8 in the K/V buffer: thread t copies row t / 4, D / 4 bytes (zeros past nkeys)
+  template <uint32_t D>
+  static void stage_k(const device int8_t* cache, KvRow blk, uint32_t nkeys, uint32_t t, threadgroup half* kvs) {
+    constexpr uint32_t PER = D / 4;
+    const uint32_t j = t / 4, c0 = (t % 4) * PER;
+    threadgroup uint4* dst = reinterpret_cast<threadgroup uint4*>(
+        reinterpret_cast<threadgroup int8_t*>(kvs) + attn_m5_blocked<D, 2, kAttnM5BlockKeys>(j, c0));
+    if (j < nkeys) {
+      const device uint4* src = reinterpret_cast<const device uint4*>(cache + blk.at + j * D + c0);
+      for (uint32_t w = 0; w < PER / 16; ++w) dst[w] = src[w];
+    } else {
+      for (uint32_t w = 0; w < PER / 16; ++w) dst[w] = uint4(0u);
+    }
+  }
+};
+
+template <typename T, uint32_t D, typename KV, bool I8>
 [[kernel]] void attention_prefill_m5(constant AttnArgs& args [[buffer(0)]],
                                      const device T* q [[buffer(1)]],
                                      const device KV* k_cache [[buffer(2)]],
@@ -149,9 +211,12 @@ template <typename T, uint32_t D, typename KV>
                     kAttnMaxGroup <= R,
                 "the staging maps below assume 16 rows, 32 keys, 128 threads");
   constexpr uint32_t DH = D / 2, CB = D / 4, KH = BK / 2;  // D half, O column block, S key block
-  LILY_TG_ARRAY(half, qs, [R * D]);           // Q block [D half][row][D / 2]
-  LILY_TG_ARRAY(half, kvs, [BK * D]);         // K block [D half][key][D / 2], then V [quarter][key][D / 4]
-  LILY_TG_ARRAY(float, ss, [2 * 2 * R * KH]); // S parts [D half][key block][row][key]
+  typedef AttnM5Scores<I8> Sc;
+  typedef typename Sc::q_type QE;
+  typedef typename Sc::s_type SE;
+  LILY_TG_ARRAY(QE, qs, [R * D]);             // Q block [D half][row][D / 2]
+  LILY_TG_ARRAY(half, kvs, [BK * D]);         // K block [D half][key][D / 2] (QE), then V [quarter][key][D / 4]
+  LILY_TG_ARRAY(SE, ss, [2 * 2 * R * KH]);    // S parts [D half][key block][row][key]
   LILY_TG_ARRAY(half, ps, [R * BK]);          // P [row][key]
   LILY_TG_ARRAY(float, corr_s, [R]);          // per row: rescale factor of the block, then 1 / l
 
@@ -169,13 +234,9 @@ template <typename T, uint32_t D, typename KV>
   const uint32_t row_head = kvh * group + min(row, rows - 1) % group;
   const uint32_t visible_end = args.position + row_tok + 1;  // the row sees keys < visible_end
 
-  {
-    constexpr uint32_t PER = D / 8;
-    const uint32_t c0 = (t % 8) * PER;
-    const device T* qr = q + row_tok * args.q_stride + row_head * D + c0;
-    for (uint32_t c = 0; c < PER; ++c)
-      qs[attn_m5_blocked<D, 2, R>(row, attn_m5_kcol(k_cache, c0 + c))] = row_live ? half(float(qr[c])) : half(0.0f);
-  }
+  const uint32_t cq = (t % 8) * (D / 8);  // the thread's columns of its row's Q
+  const float row_scale =
+      args.scale * Sc::template stage_q<D>(q + row_tok * args.q_stride + row_head * D + cq, row_live, row, cq, k_cache, qs);
 
   const uint32_t sg_half = simd_id / 2, sg_keys = simd_id % 2, sg_cols = simd_id * CB;
   constexpr auto desc_s = matmul2d_descriptor(int(R), int(KH), int(DH), false, true, false,
@@ -184,11 +245,11 @@ template <typename T, uint32_t D, typename KV>
                                               matmul2d_descriptor::mode::multiply_accumulate);
   matmul2d<desc_s, execution_simdgroup> op_s;
   matmul2d<desc_o, execution_simdgroup> op_o;
-  auto q_t = tensor<threadgroup half, dextents<int32_t, 2>, tensor_inline>(qs + sg_half * R * DH, dextents<int32_t, 2>(int(DH), int(R)));
-  auto k_t = tensor<threadgroup half, dextents<int32_t, 2>, tensor_inline>(kvs + sg_half * BK * DH + sg_keys * KH * DH,
-                                                                           dextents<int32_t, 2>(int(DH), int(KH)));
-  auto s_t = tensor<threadgroup float, dextents<int32_t, 2>, tensor_inline>(ss + (sg_half * 2 + sg_keys) * R * KH,
-                                                                            dextents<int32_t, 2>(int(KH), int(R)));
+  auto q_t = tensor<threadgroup QE, dextents<int32_t, 2>, tensor_inline>(qs + sg_half * R * DH, dextents<int32_t, 2>(int(DH), int(R)));
+  auto k_t = tensor<threadgroup QE, dextents<int32_t, 2>, tensor_inline>(
+      reinterpret_cast<threadgroup QE*>(kvs) + sg_half * BK * DH + sg_keys * KH * DH, dextents<int32_t, 2>(int(DH), int(KH)));
+  auto s_t = tensor<threadgroup SE, dextents<int32_t, 2>, tensor_inline>(ss + (sg_half * 2 + sg_keys) * R * KH,
+                                                                         dextents<int32_t, 2>(int(KH), int(R)));
   auto v_t = tensor<threadgroup half, dextents<int32_t, 2>, tensor_inline>(kvs + simd_id * BK * CB, dextents<int32_t, 2>(int(CB), int(BK)));
   auto p_t = tensor<threadgroup half, dextents<int32_t, 2>, tensor_inline>(ps, dextents<int32_t, 2>(int(BK), int(R)));
   auto o = op_o.template get_destination_cooperative_tensor<decltype(p_t), decltype(v_t), float>();
@@ -202,7 +263,7 @@ template <typename T, uint32_t D, typename KV>
   for (uint32_t kb = 0; kb < key_end; kb += BK) {
     const uint32_t nkeys = min(BK, key_end - kb);
     const KvRow blk = KvRows<KV>::row(block_table, args.block_shift, args.kv_heads, D, kvh, kb);  // one cache block
-    attn_m5_stage<D, 2>(k_cache, blk, nkeys, t, kvs);
+    Sc::template stage_k<D>(k_cache, blk, nkeys, t, kvs);
     threadgroup_barrier(mem_flags::mem_threadgroup);
     op_s.run(q_t, k_t, s_t);
     threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -211,7 +272,7 @@ template <typename T, uint32_t D, typename KV>
     float block_max = attn_m5_neg_inf();
     for (uint32_t i = 0; i < 4; ++i) {
       const float ks = attn_m5_k_factor(k_cache, blk, min(c0 + i, nkeys - 1));
-      sv[i] = (ss[s_at + i] + ss[2 * R * KH + s_at + i]) * ks * args.scale;
+      sv[i] = float(ss[s_at + i] + ss[2 * R * KH + s_at + i]) * ks * row_scale;
       if (kb + c0 + i < visible_end) block_max = max(block_max, sv[i]);
     }
     block_max = max(block_max, simd_shuffle_xor(block_max, 1));
@@ -264,18 +325,22 @@ template <typename T, uint32_t D, typename KV>
   }
 }
 
-// Instantiations: exactly the attn_prefill_m5 rows of csrc/gpu/kernel_ids.h.
-LILY_INSTANTIATE("attn_prefill_m5_d64_f32", attention_prefill_m5<float, 64, bfloat>)
-LILY_INSTANTIATE("attn_prefill_m5_q8_d64_f32", attention_prefill_m5<float, 64, int8_t>)
-LILY_INSTANTIATE("attn_prefill_m5_d64_bf16", attention_prefill_m5<bfloat, 64, bfloat>)
-LILY_INSTANTIATE("attn_prefill_m5_q8_d64_bf16", attention_prefill_m5<bfloat, 64, int8_t>)
-LILY_INSTANTIATE("attn_prefill_m5_d128_f32", attention_prefill_m5<float, 128, bfloat>)
-LILY_INSTANTIATE("attn_prefill_m5_q8_d128_f32", attention_prefill_m5<float, 128, int8_t>)
-LILY_INSTANTIATE("attn_prefill_m5_d128_bf16", attention_prefill_m5<bfloat, 128, bfloat>)
-LILY_INSTANTIATE("attn_prefill_m5_q8_d128_bf16", attention_prefill_m5<bfloat, 128, int8_t>)
-LILY_INSTANTIATE("attn_prefill_m5_d256_f32", attention_prefill_m5<float, 256, bfloat>)
-LILY_INSTANTIATE("attn_prefill_m5_q8_d256_f32", attention_prefill_m5<float, 256, int8_t>)
-LILY_INSTANTIATE("attn_prefill_m5_d256_bf16", attention_prefill_m5<bfloat, 256, bfloat>)
-LILY_INSTANTIATE("attn_prefill_m5_q8_d256_bf16", attention_prefill_m5<bfloat, 256, int8_t>)
+// Instantiations: exactly the attn_prefill_m5 and attn_prefill_m5i8 rows of csrc/gpu/kernel_ids.h.
+LILY_INSTANTIATE("attn_prefill_m5_d64_f32", attention_prefill_m5<float, 64, bfloat, false>)
+LILY_INSTANTIATE("attn_prefill_m5_q8_d64_f32", attention_prefill_m5<float, 64, int8_t, false>)
+LILY_INSTANTIATE("attn_prefill_m5_d64_bf16", attention_prefill_m5<bfloat, 64, bfloat, false>)
+LILY_INSTANTIATE("attn_prefill_m5_q8_d64_bf16", attention_prefill_m5<bfloat, 64, int8_t, false>)
+LILY_INSTANTIATE("attn_prefill_m5_d128_f32", attention_prefill_m5<float, 128, bfloat, false>)
+LILY_INSTANTIATE("attn_prefill_m5_q8_d128_f32", attention_prefill_m5<float, 128, int8_t, false>)
+LILY_INSTANTIATE("attn_prefill_m5_d128_bf16", attention_prefill_m5<bfloat, 128, bfloat, false>)
+LILY_INSTANTIATE("attn_prefill_m5_q8_d128_bf16", attention_prefill_m5<bfloat, 128, int8_t, false>)
+LILY_INSTANTIATE("attn_prefill_m5_d256_f32", attention_prefill_m5<float, 256, bfloat, false>)
+LILY_INSTANTIATE("attn_prefill_m5_q8_d256_f32", attention_prefill_m5<float, 256, int8_t, false>)
+LILY_INSTANTIATE("attn_prefill_m5_d256_bf16", attention_prefill_m5<bfloat, 256, bfloat, false>)
+LILY_INSTANTIATE("attn_prefill_m5_q8_d256_bf16", attention_prefill_m5<bfloat, 256, int8_t, false>)
+// the int8 opt-in (tensor_int8 devices, bf16 activations, the int8 cache): S on int8 operands
+LILY_INSTANTIATE("attn_prefill_m5i8_q8_d64_bf16", attention_prefill_m5<bfloat, 64, int8_t, true>)
+LILY_INSTANTIATE("attn_prefill_m5i8_q8_d128_bf16", attention_prefill_m5<bfloat, 128, int8_t, true>)
+LILY_INSTANTIATE("attn_prefill_m5i8_q8_d256_bf16", attention_prefill_m5<bfloat, 256, int8_t, true>)
 
 }  // namespace lily

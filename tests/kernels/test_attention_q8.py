@@ -17,6 +17,7 @@ from lily_py.ops import attention as A
 from lily_py.ops.attention import Q8Cache
 from lily_py.reference import kernels as ref
 from lily_py.reference.kvquant import int8_row_codes
+from lily_py.testing import simulated_device
 from test_attention import BF16, attn_case, check_attention, out_rtol, qk_case, sfx
 from test_attention_paged import scrambled
 
@@ -141,6 +142,34 @@ def test_prefill_on_tensor_ops_reads_codes_times_scale(rng, dtype, D, Hq, Hkv, p
     r, atol, _ = m5_atol(q, kc.values(), vc.values(), g, position)
     _, _, vmag = ref.attention(q, kc.values(), vc.values(), position=position, gate=g)
     assert_close(out, r, atol=atol + HALF_EPS * vmag, rtol=out_rtol(dtype), what=f"q8 prefill m5 D={D}",
+                 seed=rng.seed)
+
+
+@pytest.mark.parametrize("D,Hq,Hkv", [(64, 4, 2), (128, 6, 2), (256, 16, 2)], ids=["d64", "d128", "real"])
+@pytest.mark.parametrize("position,T", [(45, 50), (0, 33), (300, 7)])
+def test_prefill_int8_scores_on_the_int8_opt_in(rng, D, Hq, Hkv, position, T):
+    """The int8 opt-in (simulated tensor_int8) with the int8 cache and bf16 activations: S = Q K^T on
+    int8 operands, each Q row (token, head) quantized as the cache quantizes its rows
+    (reference.kvquant.int8_row_codes), K's codes as stored. Against the reference on that
+    quantized Q: test_attention_m5.py's derived bound plus P's rounding to half. A wrong Q scale
+    or a row reduced over the wrong threads moves the output by a sizeable fraction of vmag."""
+    from lily_py.reference.kvquant import int8_row
+    from test_attention_m5 import HALF_EPS, m5_atol
+    cap = position + T + 1
+    q, _, _, g = attn_case(rng, T, Hq, Hkv, D, cap, BF16)
+    kc, vc = q8(rng, Hkv, cap, D), q8(rng, Hkv, cap, D, 1.0)
+    table = scrambled(rng, cap, 32)
+    with simulated_device(tensor_ops=True, tensor_int8=True):
+        out, stats = A._attention_prefill(q, kc, vc, position=position, gate=g, seed=rng.seed,
+                                          block_tokens=32, block_table=table)
+        _, s32 = A._attention_prefill(q.astype(np.float32), kc, vc, position=position, gate=g.astype(np.float32),
+                                      seed=rng.seed, block_tokens=32, block_table=table)
+    assert list(stats["kernels"]) == [f"attn_prefill_m5i8_q8_d{D}_bf16"]
+    assert list(s32["kernels"]) == [f"attn_prefill_m5_q8_d{D}_f32"]  # fp32 activations: half operands
+    qq = int8_row(np.asarray(q, np.float32))
+    r, atol, _ = m5_atol(qq, kc.values(), vc.values(), g, position)
+    _, _, vmag = ref.attention(qq, kc.values(), vc.values(), position=position, gate=g)
+    assert_close(out, r, atol=atol + HALF_EPS * vmag, rtol=out_rtol(BF16), what=f"int8 scores m5i8 D={D}",
                  seed=rng.seed)
 
 

@@ -140,7 +140,8 @@ def test_greedy_on_the_int8_opt_in(real_dims_ckpt, which, chunk):
     and 4096 (the whole 100- or 80-token prompt) every bf16-x 4-bit projection of more than 8 rows
     takes qmm_m5i8 (after quantize_i8 of its x), the 8-bit router and lm_head's fp32 logits keep qmm_m5, and the MoE 64-row
     tiles (the shared expert's group holds every row of the step: 64, or 80 and 100 > 32) take
-    moe_gate_up_m5i8 / moe_down_m5i8; with chunks of 1 no step has a tile and nothing takes int8.
+    moe_gate_up_m5i8 / moe_down_m5i8, and the prefill attention on the int8 cache
+    attn_prefill_m5i8_q8 (S on int8); with chunks of 1 no step has a tile and nothing takes int8.
     Greedy tokens identical to the reference for 32 steps after the prompt (its precision against
     mlx-lm's bf16 error, which it exceeds on one checkpoint: docs/int8.md, "int8
     activations on the tensor ops")."""
@@ -155,6 +156,9 @@ def test_greedy_on_the_int8_opt_in(real_dims_ckpt, which, chunk):
         assert int8 <= kernels, sorted(kernels)
         assert {"quantize_i8_xbf16", "quantize_i8_xf32"} <= kernels, sorted(kernels)  # x's and h's codes
         assert not {"moe_gate_up_m5_64_b4_xbf16_sbf16", "moe_down_m5_64_b4_sbf16"} & kernels, sorted(kernels)
+        D = emu.config.head_dim  # the prefill attention's scores on int8 (the default int8 KV cache)
+        assert (f"attn_prefill_m5i8_q8_d{D}_bf16" in kernels) == (D in (64, 128, 256)), sorted(kernels)
+        assert not any(k.startswith("attn_prefill_m5_") for k in kernels), sorted(kernels)
     else:
         assert not any("m5i8" in k for k in kernels), sorted(kernels)
     got = emu.generate_text(prompt, max_tokens=32)

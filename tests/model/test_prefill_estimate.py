@@ -49,7 +49,9 @@ def test_int8_path_charges_exactly_the_built_int8_families():
     L, chunk = 200, 64
     f8, lv8 = pe.prompt_families(cfg, L, "int8", chunk)
     f5, _ = pe.prompt_families(cfg, L, True, chunk)
-    assert {n for n, f in f8.items() if pe.int8_family(n, f)} == {"qmm_m5i8", "moe_gate_up_m5i8_64", "moe_down_m5i8_64"}
+    assert {n for n, f in f8.items() if pe.int8_family(n, f)} == {"qmm_m5i8", "moe_gate_up_m5i8_64", "moe_down_m5i8_64",
+                                                                   "attn_prefill_m5i8_q8"}
+    assert "attn_prefill_m5_q8" in f5 and "attn_prefill_m5_q8" not in f8
     assert sum(f["useful"] for f in f8.values()) == sum(f["useful"] for f in f5.values())
     assert f8["moe_gate_up_m5i8_64"]["executed"] == f5["moe_gate_up_m5_64"]["executed"]
     a = pe.ASSUMPTIONS
@@ -65,6 +67,11 @@ def test_int8_path_charges_exactly_the_built_int8_families():
             tc /= a["int8_speedup"]
         want = max(tc, f["executed"] * ops[key] / alu, f["bytes"] / bw)
         assert e["times"][name][0] == pytest.approx(want), name
+    # the attention's S = Q K^T on int8 (half its FLOPs at int8_speedup), P V on half
+    f = f8["attn_prefill_m5i8_q8"]
+    tc = f["executed"] * pe.shape_factor("attn_prefill_m5i8_q8", "tensor", a) / pe.unit_rate("tensor", "M5 Max", a)
+    assert e["times"]["attn_prefill_m5i8_q8"][0] == pytest.approx(
+        max(tc * (0.5 + 0.5 / a["int8_speedup"]), f["executed"] * ops["attn_prefill_m5i8"] / alu, f["bytes"] / bw))
     tc = f8["moe_gate_up_m5_32"]["executed"] * pe.shape_factor("moe_gate_up_m5_32", "tensor", a) / \
         pe.unit_rate("tensor", "M5 Max", a)
     assert e["times"]["moe_gate_up_m5_32"][0] == pytest.approx(
