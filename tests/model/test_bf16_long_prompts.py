@@ -4,7 +4,8 @@ prompt, computed by the engine as loaded by default (bf16 activations, the int8 
 further from the fp32 NumPy reference than mlx-lm's own bf16 logits are (mean |d| and nmse).
 
 mlx-lm's rows are committed fixtures (tests/fixtures/make_bf16_long.py; this test never imports
-mlx): bf16 at 1,024 and 4,096 tokens, fp32 at 1,024. The checkpoint the test builds must have the
+mlx): bf16 at 1,024, 4,096 and 32,768 tokens (mlx-lm's prompt cache in steps of 2,048, as
+mlx_lm.generate prefills), fp32 at 1,024. The checkpoint the test builds must have the
 fixture's weights (sha256), and at 1,024 tokens mlx-lm's fp32 rows must equal the NumPy
 reference's (max |d| <= 1e-4 max |ref|): the two tie the committed bf16 rows to this checkpoint
 and this reference.
@@ -15,9 +16,10 @@ Lengths:
   about 12 minutes at 4,096 tokens and hours at 32K, so there these cases are skipped, saying so.
   Their fp32 reference rows are committed (tests/fixtures/make_bf16_long_ref.py); the quick tier
   recomputes the 4,096-token rows (3 s), the full tier the 32K ones (75 s).
-- Beyond 4,096 tokens the bound is mlx-lm's error at 4,096: its CPU forward takes 28 minutes
-  there and attention grows with the square of the length. benchmarks/bf16_error.py shows on the
-  reference that the bf16 error does not grow with the position (docs/bf16-error.md).
+- Beyond 32,768 tokens the bound is mlx-lm's error at 32,768: mlx on this CPU took 36 minutes
+  there (161 s at 4,096) and its attention grows with the square of the length.
+  benchmarks/bf16_error.py shows on the reference that the bf16 error does not grow with the
+  position (docs/bf16-error.md).
 - At 131,072 tokens the int8 cache's logits are also held next to the bf16 cache's.
 """
 from __future__ import annotations
@@ -50,12 +52,13 @@ def ckpt(tmp_path_factory):
 def test_fixture_is_this_checkpoint_and_reference(ckpt):
     """Quick tier: mlx-lm's fp32 rows at 1,024 tokens are the NumPy reference's on the checkpoint
     this module builds (so the committed bf16 rows are mlx-lm's error on it), and the fixture
-    has mlx-lm's bf16 rows at 1,024 and 4,096 tokens."""
+    has mlx-lm's bf16 rows at 1,024, 4,096 and 32,768 tokens."""
     mlx = np.load(B.FIXTURE / "mlx.npz")
     ref = B.last_rows(lily_py.load(ckpt, backend="reference", context_length=1024, kv_dtype="bfloat16")._backend, B.prompt(1024))
     d = np.abs(mlx["fp32_1024"] - ref).max()
     assert d <= 1e-4 * np.abs(ref).max(), d
-    assert mlx["bf16_1024"].shape == mlx["bf16_4096"].shape == (B.ROWS, B.CONFIG["vocab_size"])
+    assert mlx["bf16_1024"].shape == mlx["bf16_4096"].shape == mlx["bf16_32768"].shape == \
+        (B.ROWS, B.CONFIG["vocab_size"])
 
 
 @pytest.mark.parametrize("n,chunk", [(1024, 64)])
@@ -97,9 +100,12 @@ def test_committed_reference_rows(ckpt, n):
     assert d <= 1e-4 * np.abs(ref).max(), f"reference.npz is stale: max |d| {d}; rerun make_bf16_long_ref.py"
 
 
+MLX_LONGEST = 32768  # the longest prompt of mlx-lm's committed rows
+
+
 def _mlx_bound(n: int) -> dict:
-    """mlx-lm's own bf16 error at n tokens, or at 4,096 (the longest it has) beyond."""
-    m = min(n, 4096)
+    """mlx-lm's own bf16 error at n tokens, or at 32,768 (the longest it has) beyond."""
+    m = min(n, MLX_LONGEST)
     return B.errors(np.load(B.FIXTURE / "mlx.npz")[f"bf16_{m}"], np.load(B.FIXTURE / "reference.npz")[f"ref_{m}"])
 
 
@@ -113,13 +119,13 @@ def test_bf16_error_at_length_on_a_gpu(ckpt, n, record_property):
     m = lily_py.load(ckpt, backend=ENGINE, context_length=n, prefill_chunk=4096)
     assert m._backend.activations == "bfloat16" and m.kv_dtype == "int8"
     eng = B.errors(B.last_rows(m._backend, B.prompt(n)), ref)
-    _no_larger_than_mlx_lm(eng, _mlx_bound(n), f"{n} tokens on {ENGINE}: engine", f"mlx-lm bf16 at {min(n, 4096)}",
+    _no_larger_than_mlx_lm(eng, _mlx_bound(n), f"{n} tokens on {ENGINE}: engine", f"mlx-lm bf16 at {min(n, MLX_LONGEST)}",
                            record_property)
 
 
 def test_int8_cache_at_128k_on_a_gpu(ckpt, record_property):
     """131,072 tokens: the int8 cache's logits against the bf16 cache's (the same engine, bf16
-    activations). Bound: a tenth of mlx-lm's own bf16 error at 4,096 tokens in mean |d| (at 4K and
+    activations). Bound: a tenth of mlx-lm's own bf16 error at 32,768 tokens in mean |d| (at 4K and
     32K the int8 cache moves the logits by ~0.002 against mlx-lm's 0.25: docs/memory.md), and the
     greedy token of at least 60 of the 64 rows unchanged."""
     if ENGINE == "emu":
@@ -134,7 +140,7 @@ def test_int8_cache_at_128k_on_a_gpu(ckpt, record_property):
     assert np.isfinite(rows["int8"]).all() and np.isfinite(rows["bfloat16"]).all()
     e = B.errors(rows["int8"], rows["bfloat16"])
     same = int(np.sum(rows["int8"].argmax(-1) == rows["bfloat16"].argmax(-1)))
-    bound = _mlx_bound(4096)["mean_abs"] / 10
+    bound = _mlx_bound(MLX_LONGEST)["mean_abs"] / 10
     line = f"{n} tokens on {ENGINE}: int8 vs bf16 cache mean|d| {e['mean_abs']:.4e} (bound {bound:.4e}), greedy same {same}/64"
     print(line)
     record_property("errors", line)
