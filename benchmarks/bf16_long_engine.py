@@ -9,8 +9,8 @@ The same measure as tests/model/test_bf16_long_prompts.py.
 
 The reference rows come from tests/fixtures/bf16_long/reference.npz where it has the length
 (tests/fixtures/make_bf16_long_ref.py), else are computed here up to --reference-max tokens;
-beyond that only the caches are compared with each other. mlx-lm's rows exist for 1,024 and
-4,096 tokens. 4,096 tokens take about 12 minutes on the emulator (2 cores), seconds on cuda.
+beyond that only the caches are compared with each other. mlx-lm's rows exist for 1,024, 4,096
+and 32,768 tokens. 4,096 tokens take about 12 minutes on the emulator (2 cores), seconds on cuda.
 Per length and KV cache it prints the errors against the reference and mlx-lm's, and with both
 caches the int8 cache's difference from the bf16 one: mean |d|, and the rows whose greedy token
 (argmax) is the same.
