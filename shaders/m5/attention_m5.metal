@@ -215,7 +215,10 @@ template <typename T, uint32_t D, typename KV, bool I8>
   typedef typename Sc::q_type QE;
   typedef typename Sc::s_type SE;
   LILY_TG_ARRAY(QE, qs, [R * D]);             // Q block [D half][row][D / 2]
-  LILY_TG_ARRAY(half, kvs, [BK * D]);         // K block [D half][key][D / 2] (QE), then V [quarter][key][D / 4]
+  // K block [D half][key][D / 2] (QE), then V [quarter][key][D / 4]; declared as uint4 for the
+  // 16-byte stores of the int8 K copy (a threadgroup array is aligned to its element type)
+  LILY_TG_ARRAY(uint4, kv16, [BK * D * sizeof(half) / sizeof(uint4)]);
+  threadgroup half* kvs = reinterpret_cast<threadgroup half*>(kv16);
   LILY_TG_ARRAY(SE, ss, [2 * 2 * R * KH]);    // S parts [D half][key block][row][key]
   LILY_TG_ARRAY(half, ps, [R * BK]);          // P [row][key]
   LILY_TG_ARRAY(float, corr_s, [R]);          // per row: rescale factor of the block, then 1 / l
