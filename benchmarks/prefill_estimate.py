@@ -138,9 +138,9 @@ ASSUMPTIONS = {
                                ("qmm_m5", 0.131), ("moe_gate_up_m5_64", 0.107), ("moe_down_m5_64", 0.123),
                                ("moe_gate_up_m5_32", 0.168), ("moe_down_m5_32", 0.184),
                                ("attn_prefill_m5i8", 0.104), ("attn_prefill_m5_q8", 0.161), ("attn_prefill_m5", 0.218)),
-    # sensitivity (printed with --long): the attention's O rescaled in every block (+64 ops)
-    "attn_rescale_every_block_ops_per_mac": (("attn_prefill_m5i8", 0.135), ("attn_prefill_m5_q8", 0.192),
-                                             ("attn_prefill_m5", 0.249)),
+    # sensitivity (printed with --long): the attention's O rescaled in every block, 64 more ops per
+    # thread and block (x 128 threads / 262,144 MACs), added to each attn_prefill_m5* entry above
+    "attn_rescale_ops_per_mac": 64 * 128 / 262144,
     # the 32-row kind's tiles of <= 16 rows run 16 rows (BM = 16: 74 and 39 ops per thread and step
     # for 32,768 and 16,384 MACs): their MACs at these rates instead. With the MoE weights
     # dequantized in fp32 as qmm_m5 does (5 ops a code; until 2026-12-02): 0.406 and 0.422 (and
@@ -642,8 +642,10 @@ def main() -> None:
 
 def print_attention_alu(res: dict, a: dict = ASSUMPTIONS) -> None:
     """Long prompts: the prefill attention's tensor time against its ALU time (staging, softmax) on
-    the M5 paths, and the estimate with O rescaled in every block (attn_rescale_every_block_ops_per_mac)."""
-    every = dict(a, tensor_alu_ops_per_mac=a["attn_rescale_every_block_ops_per_mac"] + a["tensor_alu_ops_per_mac"])
+    the M5 paths, and the estimate with O rescaled in every block (attn_rescale_ops_per_mac more)."""
+    every = dict(a, tensor_alu_ops_per_mac=tuple(
+        (p, v + a["attn_rescale_ops_per_mac"] if p.startswith("attn_prefill_m5") else v)
+        for p, v in a["tensor_alu_ops_per_mac"]))
     for path in ("M5 path", "M5 int8 opt-in"):
         parts = []
         for L in sorted(L for p, L in res if p == path):

@@ -61,20 +61,6 @@ inline uint32_t attn_m5_blocked(uint32_t row, uint32_t d) {
   return (d / CB) * ROWS * CB + row * CB + d % CB;
 }
 
-// Rounds keys kb .. kb + 32 of one KV head (bf16, or int8 codes x the row's scale: KvRows; D-element
-// rows within one cache block from blk) to half into kvs as NB column blocks kvs[NB][32][D / NB]
-// (each block a packed matmul2d operand: K in NB = 2 halves of D, V in NB = 4 quarters): thread t
-// copies row t / 4, D / 4 columns; zeros past nkeys. The int8 cache's V this way; its K below.
-template <uint32_t D, uint32_t NB, typename KV>
-inline void attn_m5_stage_kv(const device KV* cache, KvRow blk, uint32_t nkeys, uint32_t t, threadgroup half* kvs) {
-  constexpr uint32_t PER = D / 4;
-  const uint32_t j = t / 4, c0 = (t % 4) * PER;
-  const uint32_t jr = min(j, nkeys - 1);  // rows past the block's keys are staged as 0
-  for (uint32_t c = 0; c < PER; ++c)
-    kvs[attn_m5_blocked<D, NB, kAttnM5BlockKeys>(j, c0 + c)] =
-        j < nkeys ? half(KvRows<KV>::value(cache, blk, jr, D, c0 + c)) : half(0.0f);
-}
-
 // The int8 cache's K and V are staged as their codes, exact in half; the row scales multiply in fp32
 // outside the ops: K's each score of its key (S is the same sum, K unrounded), V's each P weight of
 // its key (P' = p x 128 scale_v, rounded to half once where half(p) and half(code x scale) were
@@ -88,7 +74,9 @@ inline uint32_t attn_m5_kcol(const device int8_t*, uint32_t d) {
 }
 inline uint32_t attn_m5_kcol(const device bfloat*, uint32_t d) { return d; }
 
-// Keys kb .. kb + 32 of the int8 cache as codes into kvs[NB][32][D / NB] (K: NB = 2, V: 4): thread t
+// Keys kb .. kb + 32 of one KV head (rows within one cache block from blk) staged as NB packed
+// matmul2d operands kvs[NB][32][D / NB] (K: NB = 2 halves of D, V: NB = 4 quarters).
+// The int8 cache's as codes: thread t
 // copies row t / 4, D / 4 columns as D / 16 words. A word's bytes are two's-complement codes; xor
 // 0x80 makes them u = c + 128 in 0..255, masked two at a time into the low mantissa bits of two
 // halves of exponent 1024 (0x6400): 1024 + u exactly, minus 1152 = c exactly. Per word: an xor, a
@@ -116,9 +104,16 @@ inline void attn_m5_stage(const device int8_t* cache, KvRow blk, uint32_t nkeys,
     }
   }
 }
+// The bf16 cache's keys kb .. kb + 32 rounded to half the same way (one value at a time; exact
+// within half's normal range): thread t copies row t / 4, D / 4 columns; zeros past nkeys.
 template <uint32_t D, uint32_t NB>
 inline void attn_m5_stage(const device bfloat* cache, KvRow blk, uint32_t nkeys, uint32_t t, threadgroup half* kvs) {
-  attn_m5_stage_kv<D, NB, bfloat>(cache, blk, nkeys, t, kvs);
+  constexpr uint32_t PER = D / 4;
+  const uint32_t j = t / 4, c0 = (t % 4) * PER;
+  const uint32_t jr = min(j, nkeys - 1);  // rows past the block's keys are staged as 0
+  for (uint32_t c = 0; c < PER; ++c)
+    kvs[attn_m5_blocked<D, NB, kAttnM5BlockKeys>(j, c0 + c)] =
+        j < nkeys ? half(KvRows<bfloat>::value(cache, blk, jr, D, c0 + c)) : half(0.0f);
 }
 
 // The factor of a score of key j of the block (K's row scale; 1 for bf16), of a P weight (128 x V's

@@ -347,16 +347,17 @@ KernelId attention_prefill_kernel(uint32_t head_dim, DType dtype, bool q8, bool 
                                   bool tensor_int8) {
   const bool bf = dtype == DType::bf16;
   const uint32_t D = head_dim;
-  if (attention_prefill_uses_m5(D, tensor_ops) && tensor_int8 && q8 && bf)
-    return D == 64 ? KernelId::attn_prefill_m5i8_q8_d64_bf16
-                   : D == 128 ? KernelId::attn_prefill_m5i8_q8_d128_bf16 : KernelId::attn_prefill_m5i8_q8_d256_bf16;
-  if (attention_prefill_uses_m5(D, tensor_ops))
+  if (attention_prefill_uses_m5(D, tensor_ops)) {
+    if (tensor_int8 && q8 && bf)
+      return D == 64 ? KernelId::attn_prefill_m5i8_q8_d64_bf16
+                     : D == 128 ? KernelId::attn_prefill_m5i8_q8_d128_bf16 : KernelId::attn_prefill_m5i8_q8_d256_bf16;
     return q8 ? (D == 64    ? (bf ? KernelId::attn_prefill_m5_q8_d64_bf16 : KernelId::attn_prefill_m5_q8_d64_f32)
                  : D == 128 ? (bf ? KernelId::attn_prefill_m5_q8_d128_bf16 : KernelId::attn_prefill_m5_q8_d128_f32)
                             : (bf ? KernelId::attn_prefill_m5_q8_d256_bf16 : KernelId::attn_prefill_m5_q8_d256_f32))
            : D == 64  ? (bf ? KernelId::attn_prefill_m5_d64_bf16 : KernelId::attn_prefill_m5_d64_f32)
            : D == 128 ? (bf ? KernelId::attn_prefill_m5_d128_bf16 : KernelId::attn_prefill_m5_d128_f32)
                       : (bf ? KernelId::attn_prefill_m5_d256_bf16 : KernelId::attn_prefill_m5_d256_f32);
+  }
   if (attention_prefill_uses_tiles(D, dtype, tensor_ops) && aligned)
     return q8 ? (D == 64    ? KernelId::attn_prefill_tiles_q8_d64_bf16
                  : D == 128 ? KernelId::attn_prefill_tiles_q8_d128_bf16
