@@ -604,6 +604,7 @@ def main() -> None:
         res = run(cfg, lengths=(65536, 131072, 262144))
         print_tables(res, brief=True)
         print_attention_alu(res)
+        print_attention_budget(res)
         return
     waste = ("MoE expert rows executed / useful under uniform routing (simulated): " + ", ".join(
         f"{T} tokens: M1-M4 plan {r['now']:.2f}, M5 plan {r['m5']:.2f} (one tile size per chunk: {r['before']:.2f})"
@@ -655,6 +656,61 @@ def print_attention_alu(res: dict, a: dict = ASSUMPTIONS) -> None:
             parts.append(f"{L}: {name} tensor {tc:,.1f} s, ALU {alu_time(name, f, 'M5 Max', a):,.1f} s; "
                          f"O rescaled every block {estimate(r['fams'], r['levels'], L, 'M5 Max', every)['tps']:,.0f} tok/s")
         print(f"  {path}, M5 Max, prefill attention (ESTIMATE): " + "; ".join(parts))
+
+
+def attention_family(fams: dict) -> tuple[str, dict]:
+    """The prefill attention's family of an M5 path's families."""
+    return next((n, f) for n, f in fams.items() if n.startswith("attn_prefill_m5"))
+
+
+def mlx_attention_s(L: int) -> float:
+    """Seconds of MLX-LM's prefill attention at L tokens implied by its published M5 Max figures:
+    its time at L less L tokens at its 4K rate (ASSUMED: its other work per token is as at 4K, whose
+    own attention is small; so this charges MLX-LM's attention slightly less than it takes)."""
+    return L / MLX_LM_M5_MAX[L] - L / MLX_LM_M5_MAX[4096]
+
+
+def attention_budget(r: dict, L: int, gpu: str = "M5 Max", a: dict = ASSUMPTIONS) -> dict:
+    """The seconds the target at L tokens leaves a path's prefill attention after the path's other
+    work (its estimate on `gpu`; r = run()'s entry), and the useful FLOP rate the attention then needs."""
+    e = estimate(r["fams"], r["levels"], L, gpu, a)
+    name, f = attention_family(r["fams"])
+    other = e["total"] - e["times"][name][0]
+    budget = L / TARGETS[L] - other
+    return dict(name=name, useful=f["useful"], other=other, budget=budget, as_built=e["times"][name][0],
+                need=f["useful"] / budget if budget > 0 else float("inf"))
+
+
+def print_attention_budget(res: dict, path: str = "M5 path", a: dict = ASSUMPTIONS) -> None:
+    """Long prompts: the time the target leaves the M5 path's prefill attention (half precision)
+    after the path's other work, the useful FLOP rate that takes, and the rate MLX-LM's published
+    figures imply for its own attention (the same FLOPs on the same units in half precision)."""
+    peak = a["tensor_tflops"]["M5 Max"] * 1e12
+    parts = []
+    for L in sorted(L for p, L in res if p == path and L in MLX_LM_M5_MAX):
+        b = attention_budget(res[path, L], L, a=a)
+        mlx = b["useful"] / mlx_attention_s(L)
+        parts.append(f"{L}: the target's {L / TARGETS[L]:,.1f} s less the other work's {b['other']:,.1f} s leaves "
+                     f"{b['budget']:,.1f} s for {b['useful'] / 1e12:,.0f} TFLOP (as built {b['as_built']:,.1f} s, "
+                     f"{b['useful'] / b['as_built'] / 1e12:,.1f} TFLOP/s): {b['need'] / 1e12:,.1f} TFLOP/s, "
+                     f"{b['need'] / peak:.0%} of the tensor peak, {b['need'] / mlx:.2f}x the {mlx / 1e12:,.1f} "
+                     "TFLOP/s MLX-LM's figures imply")
+    print(f"  {path}, M5 Max, prefill attention's budget for the target (ESTIMATE; MLX-LM's attention "
+          "implied: its time at the length less as many tokens at its 4K rate): " + "; ".join(parts))
+    alone = []
+    for L in sorted(L for p, L in res if p == path):
+        r = res[path, L]
+        tps = estimate(with_int8_attention(r["fams"]), r["levels"], L, "M5 Max", a)["tps"]
+        alone.append(f"{L}: {tps:,.0f} tok/s" + (f" ({tps / TARGETS[L]:.2f} of the target)" if L in TARGETS else ""))
+    print(f"  {path} with the int8 opt-in's attention alone (what-if: its scores on int8, every other family "
+          "as on the M5 path), M5 Max: " + ", ".join(alone))
+
+
+def with_int8_attention(fams: dict) -> dict:
+    """What-if: the M5 path's prefill attention on the int8 cache as the int8 opt-in runs it
+    (attn_prefill_m5i8_q8: S = Q K^T on int8), every other family unchanged."""
+    return {n.replace("attn_prefill_m5_q8", "attn_prefill_m5i8_q8", 1) if n.startswith("attn_prefill_m5_q8") else n: f
+            for n, f in fams.items()}
 
 
 def print_int8_sensitivity(res: dict, a: dict = ASSUMPTIONS) -> None:

@@ -181,3 +181,26 @@ def test_run_prints_both_paths(capsys):
     assert "M5 path, prompt 130 tokens" in out and "Summary (ESTIMATE, tok/s)" in out
     assert "levels x t_level" in out and "target: 1.3 x MLX-LM" in out
     assert "M5 path, M5 Max vs the target" not in out  # 70 / 130 tokens: no published figure
+
+
+def test_attention_budget_is_the_time_that_meets_the_target():
+    """attention_budget: the path's other work plus the attention's budget is the target's time,
+    the other work is the estimate without the attention family; MLX-LM's implied attention is its
+    published time less as many tokens at its 4K rate."""
+    L = 512
+    r = pe.run(_cfg(), lengths=(L,), chunk=128)["M5 path", L]
+    b = pe.attention_budget(r, L)
+    assert b["name"].startswith("attn_prefill_m5") and b["useful"] == r["fams"][b["name"]]["useful"] > 0
+    e = pe.estimate(r["fams"], r["levels"], L, "M5 Max")
+    without = pe.estimate({n: f for n, f in r["fams"].items() if n != b["name"]}, r["levels"], L, "M5 Max")
+    assert b["as_built"] == e["times"][b["name"]][0] > 0
+    assert b["other"] == pytest.approx(without["total"])
+    assert b["other"] + b["budget"] == pytest.approx(L / pe.TARGETS[L])
+    assert b["need"] == pytest.approx(b["useful"] / b["budget"])
+    assert pe.mlx_attention_s(131072) == pytest.approx(131072 / 2237.5 - 131072 / 5165.7)
+    # the what-if of the int8 opt-in's attention alone renames only that family, which it charges
+    # as the int8 opt-in's (int8_built: half its FLOPs at the int8 rate)
+    fa = pe.with_int8_attention(r["fams"])
+    assert set(fa) ^ set(r["fams"]) == {"attn_prefill_m5_q8", "attn_prefill_m5i8_q8"}
+    assert fa["attn_prefill_m5i8_q8"] is r["fams"]["attn_prefill_m5_q8"]
+    assert pe.int8_family("attn_prefill_m5i8_q8", fa["attn_prefill_m5i8_q8"])
