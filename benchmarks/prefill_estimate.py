@@ -619,6 +619,7 @@ def main() -> None:
     print("ESTIMATE, not a measurement. Assumptions:", ASSUMPTIONS)
     print(waste)
     print_tables(res, brief=args.brief)
+    print_attention_budget(res)
     if ("M5 path", 256) in res:  # sensitivity of the short-prompt line to the 16-row tiles' rate
         a32 = dict(ASSUMPTIONS, m5_tile16_cost_rows=32)
         fams, lv = prompt_families(cfg, 256, True, 4096, a32)
@@ -681,13 +682,13 @@ def attention_budget(r: dict, L: int, gpu: str = "M5 Max", a: dict = ASSUMPTIONS
                 need=f["useful"] / budget if budget > 0 else float("inf"))
 
 
-def print_attention_budget(res: dict, path: str = "M5 path", a: dict = ASSUMPTIONS) -> None:
+def print_attention_budget(res: dict, path: str = "M5 path", a: dict = ASSUMPTIONS, min_length: int = 32768) -> None:
     """Long prompts: the time the target leaves the M5 path's prefill attention (half precision)
     after the path's other work, the useful FLOP rate that takes, and the rate MLX-LM's published
     figures imply for its own attention (the same FLOPs on the same units in half precision)."""
     peak = a["tensor_tflops"]["M5 Max"] * 1e12
     parts = []
-    for L in sorted(L for p, L in res if p == path and L in MLX_LM_M5_MAX):
+    for L in sorted(L for p, L in res if p == path and L in MLX_LM_M5_MAX and L >= min_length):
         b = attention_budget(res[path, L], L, a=a)
         mlx = b["useful"] / mlx_attention_s(L)
         parts.append(f"{L}: the target's {L / TARGETS[L]:,.1f} s less the other work's {b['other']:,.1f} s leaves "
@@ -698,7 +699,7 @@ def print_attention_budget(res: dict, path: str = "M5 path", a: dict = ASSUMPTIO
     print(f"  {path}, M5 Max, prefill attention's budget for the target (ESTIMATE; MLX-LM's attention "
           "implied: its time at the length less as many tokens at its 4K rate): " + "; ".join(parts))
     alone = []
-    for L in sorted(L for p, L in res if p == path):
+    for L in sorted(L for p, L in res if p == path and L >= min_length):
         r = res[path, L]
         tps = estimate(with_int8_attention(r["fams"]), r["levels"], L, "M5 Max", a)["tps"]
         alone.append(f"{L}: {tps:,.0f} tok/s" + (f" ({tps / TARGETS[L]:.2f} of the target)" if L in TARGETS else ""))
