@@ -49,6 +49,21 @@ TINY_TEXT_CONFIG: dict[str, Any] = {
 _DT = {"bf16": ml_dtypes.bfloat16, "f16": np.float16, "f32": np.float32}
 
 
+def _cast(x, dt) -> np.ndarray:
+    """x as dtype `dt`; to bf16 by our own round-to-nearest-even from the exact float64 value, so a
+    checkpoint's bytes do not depend on the installed ml_dtypes: 0.6 rounds float64 through float32
+    (twice, a tie of the second rounding one ulp off), 0.7 once (this function's result for every
+    finite value above the bf16 subnormals; they and overflow still round twice, through float32)."""
+    x = np.asarray(x)
+    if dt is not ml_dtypes.bfloat16:
+        return x.astype(dt)
+    u = np.ascontiguousarray(x, dtype=np.float64).view(np.uint64)
+    # keep the sign, the exponent and the 7 top mantissa bits (bits 45..51); round on bits 0..44
+    r = (u + np.uint64((1 << 44) - 1) + ((u >> np.uint64(45)) & np.uint64(1))) & ~np.uint64((1 << 45) - 1)
+    f32 = r.view(np.float64).astype(np.float32)   # exact: 8 significant bits
+    return (f32.view(np.uint32) >> np.uint32(16)).astype(np.uint16).view(ml_dtypes.bfloat16)
+
+
 def tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
     """Canonical module -> (kind, logical shape). kind: "linear", "norm" (zero-centred),
     "vector", "conv", "experts"."""
@@ -99,13 +114,13 @@ def _random_quant(rng, shape, bits, group_size, std, sdt):
     levels = (1 << bits) - 1
     unit = np.sqrt((levels + 1) ** 2 - 1) / np.sqrt(12.0)     # std of uniform codes 0..levels
     s = (std / unit) * rng.uniform(0.5, 1.5, size=(*lead, n, k // group_size))
-    scales = s.astype(sdt)
-    biases = (-s * levels / 2).astype(sdt)
+    scales = _cast(s, sdt)
+    biases = _cast(-s * levels / 2, sdt)
     return words, scales, biases
 
 
 def _dense(rng, shape, std, dt):
-    return (rng.standard_normal(shape, dtype=np.float32) * std).astype(dt)
+    return _cast(rng.standard_normal(shape, dtype=np.float32) * std, dt)
 
 
 def make_checkpoint(folder: str | os.PathLike, text_config: dict | None = None, *,
@@ -180,17 +195,17 @@ def make_checkpoint(folder: str | os.PathLike, text_config: dict | None = None, 
                     tensors[name(canon).replace(".experts.", f".experts.{e}.") + ".weight"] = w[e]
         elif kind == "norm":
             w = rng.normal(0.0, 0.1, size=shape).astype(np.float32)      # HF: zero-centred
-            tensors[name(canon) + ".weight"] = (w + 1.0 if fmt == "mlx" else w).astype(dt)
+            tensors[name(canon) + ".weight"] = _cast(w + 1.0 if fmt == "mlx" else w, dt)
         elif kind == "gated_norm":
-            tensors[name(canon) + ".weight"] = rng.uniform(0.8, 1.2, size=shape).astype(dt)
+            tensors[name(canon) + ".weight"] = _cast(rng.uniform(0.8, 1.2, size=shape), dt)
         elif kind == "conv":
-            w = rng.normal(0, 0.3, size=shape).astype(dt)
+            w = _cast(rng.normal(0, 0.3, size=shape), dt)
             tensors[name(canon) + ".weight"] = w[:, :, None] if fmt == "mlx" else w[:, None, :]
         elif kind == "vector":
             if canon.endswith("A_log"):
                 tensors[name(canon)] = np.log(rng.uniform(1, 16, size=shape)).astype(np.float32)
             else:
-                tensors[name(canon)] = rng.uniform(-1, 1, size=shape).astype(dt)
+                tensors[name(canon)] = _cast(rng.uniform(-1, 1, size=shape), dt)
     if overrides:
         raise ValueError(f"quant_overrides: no quantized module {sorted(overrides)[0]!r} in this model")
     for k, v in (extra_tensors or {}).items():

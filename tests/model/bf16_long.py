@@ -32,10 +32,10 @@ FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "bf16_long"
 
 
 def make(folder) -> str:
-    """The checkpoint, written into ``folder``; or the folder LILY_BF16_LONG_CKPT names (an earlier
-    make() copied to another machine). make_checkpoint is deterministic for a seed on one machine,
-    but other numpy / ml_dtypes versions round a few bf16 scales differently (the H200 machine's:
-    6 of them by one ulp), and the fixtures belong to these exact tensors (weights_sha256)."""
+    """The checkpoint, written into ``folder``; or the folder LILY_BF16_LONG_CKPT names (a copy of
+    an earlier make()). The fixtures belong to these exact tensors (weights_sha256): make_checkpoint
+    is deterministic for a seed and rounds to bf16 itself (testing._cast), so other numpy /
+    ml_dtypes versions write the same tensors."""
     given = os.environ.get("LILY_BF16_LONG_CKPT")
     return given if given else make_checkpoint(folder, CONFIG, fmt="mlx", seed=SEED, std=STD)
 

@@ -44,8 +44,8 @@ def ckpt(tmp_path_factory):
     meta = json.loads((B.FIXTURE / "fixture.json").read_text())
     assert B.weights_sha256(folder) == meta["weights_sha256"], \
         ("make_checkpoint wrote other tensors than the fixtures': regenerate tests/fixtures/bf16_long "
-         "(tests/fixtures/make_bf16_long.py), or on another machine point LILY_BF16_LONG_CKPT at a copy "
-         "of this machine's checkpoint (tests/model/bf16_long.py)")
+         "(tests/fixtures/make_bf16_long.py) after a deliberate change of the generator, or point "
+         "LILY_BF16_LONG_CKPT at a copy of the fixtures' checkpoint (tests/model/bf16_long.py)")
     return folder
 
 

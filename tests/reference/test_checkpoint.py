@@ -238,3 +238,32 @@ def test_linear_matmul_in_blocks_equals_dense(monkeypatch):
     np.testing.assert_allclose(lin.matmul(x), full, rtol=1e-5, atol=1e-4)
     d = DenseLinear(rng.standard_normal((77, 128)).astype(ml_dtypes.bfloat16))
     np.testing.assert_allclose(d.matmul(x), x @ d.array.astype(np.float32).T, rtol=1e-5, atol=1e-4)
+
+
+def test_make_checkpoint_rounds_bf16_once_from_the_exact_value():
+    """make_checkpoint's bf16 tensors do not depend on the installed ml_dtypes: testing._cast rounds
+    the float64 value to the nearest bf16, ties to even, in one step. Values just above a bf16
+    halfway point (by less than float32 can hold) round up, where float64 -> float32 -> bf16 (ml_dtypes
+    0.6) meets an exact tie and rounds to even, down."""
+    from lily_py.testing import _cast
+    rng = np.random.default_rng(11)
+    # random magnitudes over many binades, both signs, and float32 inputs too
+    x = rng.uniform(-1, 1, 40_001) * np.exp2(rng.integers(-60, 60, 40_001))
+    for v in (x, x.astype(np.float32)):
+        got = _cast(v, ml_dtypes.bfloat16)
+        assert got.dtype == ml_dtypes.bfloat16 and got.shape == v.shape
+        g = got.astype(np.float64)
+        # the two bf16 neighbours of each value: g is the nearer one (ties: the even mantissa)
+        ulp = np.exp2(np.floor(np.log2(np.abs(g))) - 7)
+        err = np.abs(v.astype(np.float64) - g)
+        bad = np.flatnonzero(err > ulp / 2)
+        assert bad.size == 0, f"first bad index {bad[:1]}: {v[bad[:1]]} -> {g[bad[:1]]}"
+    # halfway between the bf16 values 1 + 2^-7 k and 1 + 2^-7 (k + 1), k even, plus 2^-40
+    k = np.arange(0, 128, 2)
+    above = 1 + (k + 0.5) * 2.0 ** -7 + 2.0 ** -40
+    assert np.array_equal(_cast(above, ml_dtypes.bfloat16).astype(np.float64), 1 + (k + 1) * 2.0 ** -7)
+    # exact ties round to even
+    tie = 1 + (k + 0.5) * 2.0 ** -7
+    assert np.array_equal(_cast(tie, ml_dtypes.bfloat16).astype(np.float64), 1 + k * 2.0 ** -7)
+    assert np.array_equal(_cast(np.float64([0.0, -0.0]), ml_dtypes.bfloat16).view(np.uint16), [0, 0x8000])
+    assert _cast(np.float64([0.25]), np.float16).dtype == np.float16
