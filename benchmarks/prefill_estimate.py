@@ -129,7 +129,8 @@ ASSUMPTIONS = {
     # rare late in a long prompt: not counted; the sensitivity line prints the estimate with it in
     # every block. Before (until 2026-12-04) K and V were staged as half(code x scale) at ~4 ops a
     # value and O rescaled every block: 639 ops, 0.312 (int8), attention ALU-bound at 1.9x its
-    # tensor time. The int8 opt-in's attention (attn_prefill_m5i8_q8: Q quantized per row once per
+    # tensor time. With bf16 activations (the M5 path and the int8 opt-in) the int8 cache's attention
+    # is attn_prefill_m5i8_q8 (attn_prefill_m5_q8: fp32 activations only; Q quantized per row once per
     # threadgroup, K's codes copied with 16-byte loads, S in int32 converted per score): V 128,
     # softmax ~76, test 3, K ~2, Q's quantization ~230 once per threadgroup (~4 a block at 4K): 213
     # ops, 0.104. The DeltaNet chunk kernels: not counted (bytes-bound). The 32-row kind's 16-row
@@ -163,10 +164,12 @@ ASSUMPTIONS = {
     "int8_design_alu_ops_per_mac": None,  # qmm_m5i8's tensor_alu_ops_per_mac (set below the table)
     "int8_families": ("qmm_m5", "moe_gate_up_m5", "moe_down_m5"),
     # the families built with int8 activations (charged int8_speedup on the tensor units and their
-    # tensor_alu_ops_per_mac on the ALUs): the projections and the MoE 64-row tiles
+    # tensor_alu_ops_per_mac on the ALUs): the projections and the MoE 64-row tiles (the opt-in),
+    # the prefill attention's scores on the int8 cache (both M5 paths)
     "int8_built": ("qmm_m5i8", "moe_gate_up_m5i8", "moe_down_m5i8", "attn_prefill_m5i8"),
-    # the share of a built int8 family's FLOPs on int8 operands (1 unless listed): the int8 opt-in's
-    # prefill attention (attn_prefill_m5i8_q8, the int8 cache) runs S = Q K^T on int8, P V on half
+    # the share of a built int8 family's FLOPs on int8 operands (1 unless listed): the prefill
+    # attention on the int8 cache with bf16 activations (attn_prefill_m5i8_q8: the M5 path's and
+    # the opt-in's) runs S = Q K^T on int8, P V on half
     "int8_flop_share": (("attn_prefill_m5i8", 0.5),),
 }
 ASSUMPTIONS["int8_design_alu_ops_per_mac"] = dict(ASSUMPTIONS["tensor_alu_ops_per_mac"])["qmm_m5i8"]
@@ -683,10 +686,9 @@ def attention_budget(r: dict, L: int, gpu: str = "M5 Max", a: dict = ASSUMPTIONS
 
 
 def print_attention_budget(res: dict, path: str = "M5 path", a: dict = ASSUMPTIONS, min_length: int = 32768) -> None:
-    """Long prompts: the time the target leaves the M5 path's prefill attention (half precision)
-    after the path's other work, the useful FLOP rate that takes, and the rate MLX-LM's published
-    figures imply for its own attention (the same FLOPs on the same units in half precision)."""
-    peak = a["tensor_tflops"]["M5 Max"] * 1e12
+    """Long prompts: the time the target leaves the M5 path's prefill attention after the path's
+    other work, the useful FLOP rate that takes, and the rate MLX-LM's published figures imply for
+    its own attention (the same FLOPs on the same units, in half precision)."""
     parts = []
     for L in sorted(L for p, L in res if p == path and L in MLX_LM_M5_MAX and L >= min_length):
         b = attention_budget(res[path, L], L, a=a)
@@ -694,24 +696,10 @@ def print_attention_budget(res: dict, path: str = "M5 path", a: dict = ASSUMPTIO
         parts.append(f"{L}: the target's {L / TARGETS[L]:,.1f} s less the other work's {b['other']:,.1f} s leaves "
                      f"{b['budget']:,.1f} s for {b['useful'] / 1e12:,.0f} TFLOP (as built {b['as_built']:,.1f} s, "
                      f"{b['useful'] / b['as_built'] / 1e12:,.1f} TFLOP/s): {b['need'] / 1e12:,.1f} TFLOP/s, "
-                     f"{b['need'] / peak:.0%} of the tensor peak, {b['need'] / mlx:.2f}x the {mlx / 1e12:,.1f} "
+                     f"{b['as_built'] / b['budget']:.2f}x as built and {b['need'] / mlx:.2f}x the {mlx / 1e12:,.1f} "
                      "TFLOP/s MLX-LM's figures imply")
-    print(f"  {path}, M5 Max, prefill attention's budget for the target (ESTIMATE; MLX-LM's attention "
-          "implied: its time at the length less as many tokens at its 4K rate): " + "; ".join(parts))
-    alone = []
-    for L in sorted(L for p, L in res if p == path and L >= min_length):
-        r = res[path, L]
-        tps = estimate(with_int8_attention(r["fams"]), r["levels"], L, "M5 Max", a)["tps"]
-        alone.append(f"{L}: {tps:,.0f} tok/s" + (f" ({tps / TARGETS[L]:.2f} of the target)" if L in TARGETS else ""))
-    print(f"  {path} with the int8 opt-in's attention alone (what-if: its scores on int8, every other family "
-          "as on the M5 path), M5 Max: " + ", ".join(alone))
-
-
-def with_int8_attention(fams: dict) -> dict:
-    """What-if: the M5 path's prefill attention on the int8 cache as the int8 opt-in runs it
-    (attn_prefill_m5i8_q8: S = Q K^T on int8), every other family unchanged."""
-    return {n.replace("attn_prefill_m5_q8", "attn_prefill_m5i8_q8", 1) if n.startswith("attn_prefill_m5_q8") else n: f
-            for n, f in fams.items()}
+    print(f"  {path}, M5 Max, prefill attention's budget for the target (ESTIMATE; useful FLOPs; MLX-LM's "
+          "attention implied: its time at the length less as many tokens at its 4K rate): " + "; ".join(parts))
 
 
 def print_int8_sensitivity(res: dict, a: dict = ASSUMPTIONS) -> None:

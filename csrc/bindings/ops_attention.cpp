@@ -257,8 +257,7 @@ void init_ops_attention(nb::module_& parent) {
             return;
           }
           // the op's buffers are fresh (offset 0) and q packed: aligned for the tiles
-          prefill_kernel = name(gpu::ops::attention_prefill_kernel(op.head_dim, op.dtype, q8, e.tensor_ops(), true,
-                                                                    e.tensor_int8()));
+          prefill_kernel = name(gpu::ops::attention_prefill_kernel(op.head_dim, op.dtype, q8, e.tensor_ops(), true));
           gpu::ops::encode_attention_prefill(e, op);
         });
         if (!prefill_kernel.empty()) kernels.append(prefill_kernel);

@@ -129,12 +129,9 @@
   X(attn_prefill_m5_d256_f32,  AttnArgs, 6)                                   \
   X(attn_prefill_m5_d256_bf16, AttnArgs, 6)                                   \
   X(attn_prefill_m5_q8_d64_f32,   AttnArgs, 6)  /* int8 KV pools */            \
-  X(attn_prefill_m5_q8_d64_bf16,  AttnArgs, 6)                                \
   X(attn_prefill_m5_q8_d128_f32,  AttnArgs, 6)                                \
-  X(attn_prefill_m5_q8_d128_bf16, AttnArgs, 6)                                \
   X(attn_prefill_m5_q8_d256_f32,  AttnArgs, 6)                                \
-  X(attn_prefill_m5_q8_d256_bf16, AttnArgs, 6)                                \
-  X(attn_prefill_m5i8_q8_d64_bf16,  AttnArgs, 6) /* int8 opt-in: S on int8 */  \
+  X(attn_prefill_m5i8_q8_d64_bf16,  AttnArgs, 6) /* int8 pools, bf16: S on int8 */ \
   X(attn_prefill_m5i8_q8_d128_bf16, AttnArgs, 6)                              \
   X(attn_prefill_m5i8_q8_d256_bf16, AttnArgs, 6)                              \
   /* the chunked delta rule's wy kernel with its Gram products on tensor ops, M5 */ \
@@ -489,9 +486,8 @@ constexpr bool kernel_needs_tensor_ops(KernelId id) {
          id == KernelId::attn_prefill_m5_d64_f32 || id == KernelId::attn_prefill_m5_d64_bf16 ||
          id == KernelId::attn_prefill_m5_d128_f32 || id == KernelId::attn_prefill_m5_d128_bf16 ||
          id == KernelId::attn_prefill_m5_d256_f32 || id == KernelId::attn_prefill_m5_d256_bf16 ||
-         id == KernelId::attn_prefill_m5_q8_d64_f32 || id == KernelId::attn_prefill_m5_q8_d64_bf16 ||
-         id == KernelId::attn_prefill_m5_q8_d128_f32 || id == KernelId::attn_prefill_m5_q8_d128_bf16 ||
-         id == KernelId::attn_prefill_m5_q8_d256_f32 || id == KernelId::attn_prefill_m5_q8_d256_bf16 ||
+         id == KernelId::attn_prefill_m5_q8_d64_f32 || id == KernelId::attn_prefill_m5_q8_d128_f32 ||
+         id == KernelId::attn_prefill_m5_q8_d256_f32 ||
          id == KernelId::attn_prefill_m5i8_q8_d64_bf16 || id == KernelId::attn_prefill_m5i8_q8_d128_bf16 ||
          id == KernelId::attn_prefill_m5i8_q8_d256_bf16 || id == KernelId::gd_chunk_wy_m5_f32 || id == KernelId::gd_chunk_state_m5_f32;
 }

@@ -131,8 +131,8 @@ inline float attn_m5_o_factor(const device int8_t*) { return 1.0f / 128.0f; }
 inline float attn_m5_o_factor(const device bfloat*) { return 1.0f; }
 
 // How S = Q K^T is formed. Half operands (I8 = false): Q rounded to half once, in the staged column
-// order of K (attn_m5_kcol), K staged by attn_m5_stage, S in fp32. Int8 operands (I8 = true, the
-// int8 opt-in with the int8 cache: attn_prefill_m5i8_q8_*): each Q row (token, head) quantized as
+// order of K (attn_m5_kcol), K staged by attn_m5_stage, S in fp32. Int8 operands (I8 = true: the
+// int8 cache with bf16 activations, attn_prefill_m5i8_q8_*): each Q row (token, head) quantized as
 // the cache quantizes its rows (kv_q8_scale / kv_q8_code: symmetric, scale = max |q| / 127, the
 // row's 8 threads reduce the max by simd_shuffle_xor 1, 2, 4), K's codes copied as they are (16
 // bytes a load: no ALU work), S in int32 (exact) times the two row scales in fp32; the int8 x int8
@@ -327,16 +327,13 @@ template <typename T, uint32_t D, typename KV, bool I8>
 LILY_INSTANTIATE("attn_prefill_m5_d64_f32", attention_prefill_m5<float, 64, bfloat, false>)
 LILY_INSTANTIATE("attn_prefill_m5_q8_d64_f32", attention_prefill_m5<float, 64, int8_t, false>)
 LILY_INSTANTIATE("attn_prefill_m5_d64_bf16", attention_prefill_m5<bfloat, 64, bfloat, false>)
-LILY_INSTANTIATE("attn_prefill_m5_q8_d64_bf16", attention_prefill_m5<bfloat, 64, int8_t, false>)
 LILY_INSTANTIATE("attn_prefill_m5_d128_f32", attention_prefill_m5<float, 128, bfloat, false>)
 LILY_INSTANTIATE("attn_prefill_m5_q8_d128_f32", attention_prefill_m5<float, 128, int8_t, false>)
 LILY_INSTANTIATE("attn_prefill_m5_d128_bf16", attention_prefill_m5<bfloat, 128, bfloat, false>)
-LILY_INSTANTIATE("attn_prefill_m5_q8_d128_bf16", attention_prefill_m5<bfloat, 128, int8_t, false>)
 LILY_INSTANTIATE("attn_prefill_m5_d256_f32", attention_prefill_m5<float, 256, bfloat, false>)
 LILY_INSTANTIATE("attn_prefill_m5_q8_d256_f32", attention_prefill_m5<float, 256, int8_t, false>)
 LILY_INSTANTIATE("attn_prefill_m5_d256_bf16", attention_prefill_m5<bfloat, 256, bfloat, false>)
-LILY_INSTANTIATE("attn_prefill_m5_q8_d256_bf16", attention_prefill_m5<bfloat, 256, int8_t, false>)
-// the int8 opt-in (tensor_int8 devices, bf16 activations, the int8 cache): S on int8 operands
+// the int8 cache with bf16 activations: S on int8 operands (fp32 activations: attn_prefill_m5_q8)
 LILY_INSTANTIATE("attn_prefill_m5i8_q8_d64_bf16", attention_prefill_m5<bfloat, 64, int8_t, true>)
 LILY_INSTANTIATE("attn_prefill_m5i8_q8_d128_bf16", attention_prefill_m5<bfloat, 128, int8_t, true>)
 LILY_INSTANTIATE("attn_prefill_m5i8_q8_d256_bf16", attention_prefill_m5<bfloat, 256, int8_t, true>)

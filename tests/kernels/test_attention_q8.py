@@ -122,14 +122,15 @@ def test_prefill_reads_codes_times_scale(rng, device, dtype, D, Hq, Hkv, positio
         check_attention(rng, out, q, kc.values(), vc.values(), g, position, f"q8 prefill D={D}")
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
 @pytest.mark.parametrize("D,Hq,Hkv", [(64, 4, 2), (256, 16, 2)], ids=["d64", "real"])
 @pytest.mark.parametrize("position,T", [(45, 50), (0, 33)])
-def test_prefill_on_tensor_ops_reads_codes_times_scale(rng, dtype, D, Hq, Hkv, position, T):
-    """The M5 route (simulated tensor ops): K staged as its codes (exact in half) with the row's
-    scale applied to S in fp32, V as half(code x scale); test_attention_m5.py's derived bound plus
-    V's rounding to half (relative 2^-11). A wrong column permutation of Q against the codes, or a
-    scale applied to the wrong key, moves the output by a sizeable fraction of vmag."""
+def test_prefill_on_tensor_ops_reads_codes_times_scale(rng, D, Hq, Hkv, position, T):
+    """The M5 route (simulated tensor ops) with fp32 activations: K staged as its codes (exact in
+    half) with the row's scale applied to S in fp32, V as its codes with 128 x its scale applied to
+    P; test_attention_m5.py's derived bound plus V's rounding to half (relative 2^-11). A wrong
+    column permutation of Q against the codes, or a scale applied to the wrong key, moves the
+    output by a sizeable fraction of vmag. (bf16 activations: S on int8, the next test.)"""
+    dtype = np.float32
     from lily_py.testing import simulated_device
     from test_attention_m5 import HALF_EPS, m5_atol
     cap = position + T + 1
@@ -147,9 +148,10 @@ def test_prefill_on_tensor_ops_reads_codes_times_scale(rng, dtype, D, Hq, Hkv, p
 
 @pytest.mark.parametrize("D,Hq,Hkv", [(64, 4, 2), (128, 6, 2), (256, 16, 2)], ids=["d64", "d128", "real"])
 @pytest.mark.parametrize("position,T", [(45, 50), (0, 33), (300, 7)])
-def test_prefill_int8_scores_on_the_int8_opt_in(rng, D, Hq, Hkv, position, T):
-    """The int8 opt-in (simulated tensor_int8) with the int8 cache and bf16 activations: S = Q K^T on
-    int8 operands, each Q row (token, head) quantized as the cache quantizes its rows
+def test_prefill_int8_scores_with_bf16_activations(rng, D, Hq, Hkv, position, T):
+    """The M5 route (simulated tensor ops; the int8 opt-in takes the same kernel: the cases at
+    position 300 run with it) with the int8 cache and bf16 activations: S = Q K^T on int8 operands, each Q row (token, head)
+    quantized as the cache quantizes its rows
     (reference.kvquant.int8_row_codes), K's codes as stored. Against the reference on that
     quantized Q: test_attention_m5.py's derived bound plus P's rounding to half. A wrong Q scale
     or a row reduced over the wrong threads moves the output by a sizeable fraction of vmag."""
@@ -159,7 +161,7 @@ def test_prefill_int8_scores_on_the_int8_opt_in(rng, D, Hq, Hkv, position, T):
     q, _, _, g = attn_case(rng, T, Hq, Hkv, D, cap, BF16)
     kc, vc = q8(rng, Hkv, cap, D), q8(rng, Hkv, cap, D, 1.0)
     table = scrambled(rng, cap, 32)
-    with simulated_device(tensor_ops=True, tensor_int8=True):
+    with simulated_device(tensor_ops=True, tensor_int8=position == 300):
         out, stats = A._attention_prefill(q, kc, vc, position=position, gate=g, seed=rng.seed,
                                           block_tokens=32, block_table=table)
         _, s32 = A._attention_prefill(q.astype(np.float32), kc, vc, position=position, gate=g.astype(np.float32),

@@ -55,8 +55,8 @@ def test_demo_greedy_on_the_m5_path(chunk):
     assert "qmm_m5_b4_xbf16_sbf16_yf32" in kernels, sorted(kernels)
     # the 8-bit router + shared gate of the bf16 demo: qmm_m5 too (x exact in half; fp32 x keeps qmm)
     assert any(k.startswith("qmm_m5_b8_xbf16_") for k in kernels), sorted(kernels)
-    # the default int8 KV cache: its M5 attention twin
-    assert any(k.startswith("attn_prefill_m5_q8_d64_") for k in kernels), sorted(kernels)
+    # the default int8 KV cache with bf16 activations: the M5 attention with S on int8
+    assert "attn_prefill_m5i8_q8_d64_bf16" in kernels, sorted(kernels)
     assert not any(k.startswith("attn_prefill_mma_") for k in kernels), sorted(kernels)
     assert any(k.startswith("moe_gate_up_m5_64_b4_") for k in kernels), sorted(kernels)
     assert "moe_down_m5_32_b4_sbf16" in kernels, sorted(kernels)
@@ -117,15 +117,15 @@ def _greedy_case(which, real_dims_ckpt):
 def test_greedy_after_chunked_prefill_on_the_m5_path(real_dims_ckpt, which, chunk):
     """Greedy tokens identical to the reference for 32 steps after a prompt prefilled in chunks of
     1, 64 and 4096 on the M5 path, on the demo (head_dim 64) and on a random-weight checkpoint with
-    the real head dimensions (head_dim 256, 2 KV heads: attn_prefill_m5_q8_d256 on the default int8
-    KV cache; DeltaNet Dk = Dv =
+    the real head dimensions (head_dim 256, 2 KV heads: attn_prefill_m5i8_q8_d256 on the default
+    int8 KV cache with bf16 activations, S on int8; DeltaNet Dk = Dv =
     128: gd_chunk_*_m5 on the 64- and 80-token prefill steps, the scan for one token)."""
     load, prompt, want = _greedy_case(which, real_dims_ckpt)
     with simulated_device(tensor_ops=True):
         emu = load(backend="emu", context_length=256, prefill_chunk=chunk)
     kernels = {p["kernel"] for p in emu._backend.engine.pipelines}
     D = emu.config.head_dim
-    assert (f"attn_prefill_m5_q8_d{D}_f32" in kernels or f"attn_prefill_m5_q8_d{D}_bf16" in kernels) == (chunk > 1), \
+    assert (f"attn_prefill_m5_q8_d{D}_f32" in kernels or f"attn_prefill_m5i8_q8_d{D}_bf16" in kernels) == (chunk > 1), \
         sorted(kernels)
     assert ({"gd_chunk_wy_m5_f32", "gd_chunk_state_m5_f32"} <= kernels) == (chunk > 1), sorted(kernels)
     got = emu.generate_text(prompt, max_tokens=32)

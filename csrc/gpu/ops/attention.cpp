@@ -343,17 +343,16 @@ static void encode_blocked_prefill(Encoder& enc, const AttentionOperands& op, co
   enc.add_flops(executed * op.kv_heads, attention_useful_flops(op));
 }
 
-KernelId attention_prefill_kernel(uint32_t head_dim, DType dtype, bool q8, bool tensor_ops, bool aligned,
-                                  bool tensor_int8) {
+KernelId attention_prefill_kernel(uint32_t head_dim, DType dtype, bool q8, bool tensor_ops, bool aligned) {
   const bool bf = dtype == DType::bf16;
   const uint32_t D = head_dim;
   if (attention_prefill_uses_m5(D, tensor_ops)) {
-    if (tensor_int8 && q8 && bf)
+    if (q8 && bf)  // the int8 cache with bf16 activations: S on int8 operands
       return D == 64 ? KernelId::attn_prefill_m5i8_q8_d64_bf16
                      : D == 128 ? KernelId::attn_prefill_m5i8_q8_d128_bf16 : KernelId::attn_prefill_m5i8_q8_d256_bf16;
-    return q8 ? (D == 64    ? (bf ? KernelId::attn_prefill_m5_q8_d64_bf16 : KernelId::attn_prefill_m5_q8_d64_f32)
-                 : D == 128 ? (bf ? KernelId::attn_prefill_m5_q8_d128_bf16 : KernelId::attn_prefill_m5_q8_d128_f32)
-                            : (bf ? KernelId::attn_prefill_m5_q8_d256_bf16 : KernelId::attn_prefill_m5_q8_d256_f32))
+    return q8 ? (D == 64    ? KernelId::attn_prefill_m5_q8_d64_f32
+                 : D == 128 ? KernelId::attn_prefill_m5_q8_d128_f32
+                            : KernelId::attn_prefill_m5_q8_d256_f32)
            : D == 64  ? (bf ? KernelId::attn_prefill_m5_d64_bf16 : KernelId::attn_prefill_m5_d64_f32)
            : D == 128 ? (bf ? KernelId::attn_prefill_m5_d128_bf16 : KernelId::attn_prefill_m5_d128_f32)
                       : (bf ? KernelId::attn_prefill_m5_d256_bf16 : KernelId::attn_prefill_m5_d256_f32);
@@ -390,7 +389,7 @@ void encode_attention_prefill(Encoder& enc, const AttentionOperands& op) {
   // bf16 tiles (M1-M4): 16-byte loads of q and of the caches need 16-byte aligned bindings and
   // q rows (the engine's buffers always are); otherwise the mma route.
   const bool aligned = c.q.offset % 16 == 0 && c.k.offset % 16 == 0 && c.v.offset % 16 == 0 && c.args.q_stride % 8 == 0;
-  const KernelId id = attention_prefill_kernel(op.head_dim, op.dtype, op.kv.q8, enc.tensor_ops(), aligned, enc.tensor_int8());
+  const KernelId id = attention_prefill_kernel(op.head_dim, op.dtype, op.kv.q8, enc.tensor_ops(), aligned);
   if (attention_prefill_uses_m5(op.head_dim, enc.tensor_ops())) {
     // M5 (Metal 4 tensor ops, shaders/m5/attention_m5.metal): 16 rows x 32-key blocks.
     encode_blocked_prefill(enc, op, c, id, kAttnM5Rows / group, kAttnM5Threads, kAttnM5Rows, kAttnM5BlockKeys);

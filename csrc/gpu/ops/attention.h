@@ -118,10 +118,10 @@ bool attention_prefill_uses_tiles(uint32_t head_dim, DType dtype, bool tensor_op
 // The prefill kernel of a head_dim, activation dtype, cache format (q8) and device (tensor_ops),
 // with bindings that are 16-byte aligned or not (the tiles need it): the route order is m5,
 // tiles, mma, simd; every route of the bf16 cache has its int8 twin (simd excepted: int8 needs
-// head_dim 64, 128 or 256, which mma takes). tensor_int8 (the int8 opt-in, Encoder::tensor_int8):
-// m5 with the int8 cache and bf16 activations takes attn_prefill_m5i8_q8 (S on int8 operands).
-KernelId attention_prefill_kernel(uint32_t head_dim, DType dtype, bool q8, bool tensor_ops, bool aligned = true,
-                                  bool tensor_int8 = false);
+// head_dim 64, 128 or 256, which mma takes). m5 with the int8 cache and bf16 activations is
+// attn_prefill_m5i8_q8 (S on int8 operands, Q quantized per row as the cache quantizes K:
+// docs/kernels-attention.md); with fp32 activations attn_prefill_m5_q8 (S in half).
+KernelId attention_prefill_kernel(uint32_t head_dim, DType dtype, bool q8, bool tensor_ops, bool aligned = true);
 // The vec decode route's first pass (head_dim 64, 128 or 256).
 KernelId attention_vec_kernel(uint32_t head_dim, DType dtype, bool q8);
 // Prefill: one dispatch. mma: (kv_heads, ceil(tokens / (32 / group))) x 128 threads;
