@@ -693,6 +693,9 @@ def print_attention_budget(res: dict, path: str = "M5 path", a: dict = ASSUMPTIO
     for L in sorted(L for p, L in res if p == path and L in MLX_LM_M5_MAX and L >= min_length):
         b = attention_budget(res[path, L], L, a=a)
         mlx = b["useful"] / mlx_attention_s(L)
+        if b["budget"] <= 0:
+            parts.append(f"{L}: the other work alone ({b['other']:,.1f} s) exceeds the target's {L / TARGETS[L]:,.1f} s")
+            continue
         parts.append(f"{L}: the target's {L / TARGETS[L]:,.1f} s less the other work's {b['other']:,.1f} s leaves "
                      f"{b['budget']:,.1f} s for {b['useful'] / 1e12:,.0f} TFLOP (as built {b['as_built']:,.1f} s, "
                      f"{b['useful'] / b['as_built'] / 1e12:,.1f} TFLOP/s): {b['need'] / 1e12:,.1f} TFLOP/s, "

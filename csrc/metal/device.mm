@@ -252,9 +252,9 @@ class Context {
         return;
       }
       info_.tensor_ops = true;
-      // int8 activations on the tensor ops (qmm_m5i8, moe_*_m5i8, attn_prefill_m5i8_q8) only on
-      // request: estimated faster than the half kernels, but they exceed mlx-lm's bf16 error on
-      // one of the oracle checkpoints (docs/int8.md).
+      // int8 activations on the tensor ops (qmm_m5i8, moe_*_m5i8) only on request: estimated
+      // faster than the half kernels, but they exceed mlx-lm's bf16 error on one of the oracle
+      // checkpoints (docs/int8.md). (The int8 cache's prefill attention has int8 scores on every M5.)
       const char* i8 = std::getenv("LILY_TENSOR_INT8");
       info_.tensor_int8 = i8 != nullptr && std::string(i8) == "1";
       info_.library_path += " + " + lib;
