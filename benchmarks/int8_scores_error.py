@@ -57,7 +57,7 @@ def main() -> None:
 
             def line(x, r):
                 e = B.errors(x, r)
-                return f"{e['mean_abs']:.2e} ({e['nmse']:.1e}) {int((x.argmax(-1) == r.argmax(-1)).sum())}/{len(r)}"
+                return f"{e['mean_abs']:.2e} ({e['nmse']:.1e}) {B.greedy_same(x, r)}/{len(r)}"
             print(f"{n} tokens: int8 cache {line(kv, ref)} | int8 cache + int8 Q {line(both, ref)} | "
                   f"int8 Q's own share (vs the int8 cache) {line(both, kv)}", flush=True)
             print(f"  ({n} tokens: {time.time() - t:.0f} s)", file=sys.stderr)

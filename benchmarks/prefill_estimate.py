@@ -655,7 +655,7 @@ def print_attention_alu(res: dict, a: dict = ASSUMPTIONS) -> None:
         parts = []
         for L in sorted(L for p, L in res if p == path):
             r = res[path, L]
-            name, f = next((n, f) for n, f in r["fams"].items() if n.startswith("attn_prefill_m5"))
+            name, f = attention_family(r["fams"])
             tc = tensor_time(name, f, "M5 Max", a)
             parts.append(f"{L}: {name} tensor {tc:,.1f} s, ALU {alu_time(name, f, 'M5 Max', a):,.1f} s; "
                          f"O rescaled every block {estimate(r['fams'], r['levels'], L, 'M5 Max', every)['tps']:,.0f} tok/s")

@@ -33,8 +33,7 @@ import lily_py  # noqa: E402
 
 def line(what: str, got: np.ndarray, ref: np.ndarray) -> str:
     e = B.errors(got, ref)
-    same = int(np.sum(got.argmax(-1) == ref.argmax(-1)))
-    return f"{what}: mean|d| {e['mean_abs']:.4e} nmse {e['nmse']:.4e} greedy same {same}/{len(got)}"
+    return f"{what}: mean|d| {e['mean_abs']:.4e} nmse {e['nmse']:.4e} greedy same {B.greedy_same(got, ref)}/{len(got)}"
 
 
 def main() -> None:

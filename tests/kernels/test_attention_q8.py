@@ -131,7 +131,6 @@ def test_prefill_on_tensor_ops_reads_codes_times_scale(rng, D, Hq, Hkv, position
     column permutation of Q against the codes, or a scale applied to the wrong key, moves the
     output by a sizeable fraction of vmag. (bf16 activations: S on int8, the next test.)"""
     dtype = np.float32
-    from lily_py.testing import simulated_device
     from test_attention_m5 import HALF_EPS, m5_atol
     cap = position + T + 1
     q, _, _, g = attn_case(rng, T, Hq, Hkv, D, cap, dtype)
@@ -150,8 +149,8 @@ def test_prefill_on_tensor_ops_reads_codes_times_scale(rng, D, Hq, Hkv, position
 @pytest.mark.parametrize("position,T", [(45, 50), (0, 33), (300, 7)])
 def test_prefill_int8_scores_with_bf16_activations(rng, D, Hq, Hkv, position, T):
     """The M5 route (simulated tensor ops; the int8 opt-in takes the same kernel: the cases at
-    position 300 run with it) with the int8 cache and bf16 activations: S = Q K^T on int8 operands, each Q row (token, head)
-    quantized as the cache quantizes its rows
+    position 300 run with it) with the int8 cache and bf16 activations: S = Q K^T on int8
+    operands, each Q row (token, head) quantized as the cache quantizes its rows
     (reference.kvquant.int8_row_codes), K's codes as stored. Against the reference on that
     quantized Q: test_attention_m5.py's derived bound plus P's rounding to half. A wrong Q scale
     or a row reduced over the wrong threads moves the output by a sizeable fraction of vmag."""

@@ -65,6 +65,11 @@ def errors(got: np.ndarray, ref: np.ndarray) -> dict:
             "nmse": float(np.sum(d * d) / np.sum(r * r))}
 
 
+def greedy_same(got: np.ndarray, ref: np.ndarray) -> int:
+    """The compared rows whose greedy token (argmax) is the same in both."""
+    return int(np.sum(got.argmax(-1) == ref.argmax(-1)))
+
+
 def last_rows(backend, ids: np.ndarray) -> np.ndarray:
     """A lily_py backend's logits of the last ROWS positions: the prompt up to them in one call
     (the backend's own prefill chunks), then the last ROWS tokens with all logits."""
