@@ -52,9 +52,11 @@ FACTS = {
     "gated_delta": ("4 B q/k/v, 16 B state (float4)", "tokens in order; 1 barrier per token",
                     "one threadgroup (1024 threads) per value head"),
     "gated_delta_decode": ("16 B state (float4 load + store), 4 B conv window / input / weights",
-                           "conv taps + 1 barrier; 3 simd_sums; the last threadgroup of a head "
-                           "(atomic ticket) applies the gated norm over Dv",
+                           "conv taps + 1 barrier; 3 simd_sums; raw outputs to o_raw (the gated "
+                           "norm is the next level: MSL 3.1 orders nothing between threadgroups)",
                            "conv1d fused; each value head split by value columns (2 per simdgroup)"),
+    "gd_chunk_norm": ("4 B o_raw / z / weight", "one simdgroup per value head: simd_sum of o^2 over Dv",
+                      "gated RMSNorm over a head's columns"),
     "moe_route": ("4 B", "one simdgroup per token; top-k as k rounds of simd_max", "single simdgroup"),
     "moe_gate_up_mv": ("16 B codes, 16 B x", "its slot's expert selected in every simdgroup (no barrier); one 1024-code "
                        "block x 4 rows x 2 matrices per lane", "gather_qmv_fast / mul_mv_id (routed + shared slots)"),
@@ -142,12 +144,14 @@ def roles(dispatches: list[dict], cfg: ModelConfig) -> list[str]:
                 r = "DeltaNet in_proj (qkv, z, b, a; input norm fused)"
             elif nxt.startswith("qk_norm_rope"):
                 r = "attn qkv_proj (input norm fused)"
-            elif prev.startswith("gated_delta"):
+            elif prev.startswith(("gated_delta", "gd_chunk_norm")):
                 r = "DeltaNet out_proj"
             else:
                 r = "attn o_proj"
         elif k.startswith("gated_delta_decode"):
             r = "DeltaNet conv + recurrent step"
+        elif k.startswith("gd_chunk_norm"):
+            r = "DeltaNet gated norm"
         elif k.startswith("gated_delta"):
             r = "DeltaNet recurrent step"
         elif k.startswith("conv1d"):

@@ -205,41 +205,31 @@ template <typename T, typename W>
 //              beta are recomputed per thread; S *= decay, kv = simd_sum(S^T k) (float2),
 //              u = beta (v - kv), S += k u^T, o = simd_sum(S^T q); S written back; lanes 0, 1
 //              write o (fp32) of their column to o_raw.
-//   3. norm:   the gated RMSNorm needs |o|^2 over the head: after a device-memory barrier thread 0
-//              takes a ticket (atomic add on tickets[h]); the threadgroup that draws the last
-//              ticket reads the head's Dv raw outputs (its own and the others'), sums o^2 in a
-//              fixed order (threadgroup_sum), writes y = o rsqrt(sum/Dv + eps) norm_w silu(z) and
-//              resets tickets[h] to 0 for the next dispatch.
-//   buffers:   1 x [>= C] T (the token's conv input q | k | v), 2 z [Hv * Dv] T, 3 a [Hv] T,
-//              4 b [Hv] T, 5 conv weight [C, K] W, 6 conv_in [K-1, C] T, 7 conv_out [K-1, C] T,
-//              8 A_log [Hv] float, 9 dt_bias [Hv] W, 10 norm_weight [Dv] W,
-//              11 state [Hv, Dv, Dk] float (in place), 12 o_raw [Hv * Dv] float (scratch),
-//              13 tickets [Hv] atomic_uint (0 before and after), 14 y [Hv * Dv] T
-// Metal 3.1 has no device-scope fence: threadgroup_barrier(mem_device) orders the threadgroup's
-// o_raw stores before its ticket (and the last group's reads after it), the idiom Apple GPUs
-// run; with MSL 3.2 atomic_thread_fence(mem_device, seq_cst, thread_scope_device) is added.
+//   3. norm:   not here. The gated RMSNorm needs |o|^2 over the whole head, i.e. the columns of
+//              other threadgroups of this dispatch; MSL 3.1 gives no way to see them (device
+//              memory is coherent within a threadgroup only; a threadgroup_barrier's mem_device
+//              orders its own threadgroup; relaxed atomics order nothing). The host encodes
+//              gd_chunk_norm (shaders/gated_delta_chunk.metal) on o_raw after a barrier.
+//   buffers:   1 x [>= C] T (the token's conv input q | k | v), 2 a [Hv] T, 3 b [Hv] T,
+//              4 conv weight [C, K] W, 5 conv_in [K-1, C] T, 6 conv_out [K-1, C] T,
+//              7 A_log [Hv] float, 8 dt_bias [Hv] W, 9 state [Hv, Dv, Dk] float (in place),
+//              10 o_raw [Hv * Dv] float (the raw outputs, before the gated norm)
 template <typename T, typename W>
 [[kernel, max_total_threads_per_threadgroup(256)]] void gated_delta_decode(
     constant GdDecodeArgs& args [[buffer(0)]],
     const device T* x [[buffer(1)]],
-    const device T* z [[buffer(2)]],
-    const device T* a [[buffer(3)]],
-    const device T* b [[buffer(4)]],
-    const device W* conv_w [[buffer(5)]],
-    const device T* conv_in [[buffer(6)]],
-    device T* conv_out [[buffer(7)]],
-    const device float* A_log [[buffer(8)]],
-    const device W* dt_bias [[buffer(9)]],
-    const device W* norm_weight [[buffer(10)]],
-    device float* state [[buffer(11)]],
-    device float* o_raw [[buffer(12)]],
-    device atomic_uint* tickets [[buffer(13)]],
-    device T* y [[buffer(14)]],
+    const device T* a [[buffer(2)]],
+    const device T* b [[buffer(3)]],
+    const device W* conv_w [[buffer(4)]],
+    const device T* conv_in [[buffer(5)]],
+    device T* conv_out [[buffer(6)]],
+    const device float* A_log [[buffer(7)]],
+    const device W* dt_bias [[buffer(8)]],
+    device float* state [[buffer(9)]],
+    device float* o_raw [[buffer(10)]],
     LILY_KERNEL_TAIL) {
   LILY_TG_ARRAY(float, qk, [2 * kGdMaxDk]);
   LILY_TG_ARRAY(float, vin, [kGdDecodeMaxCols]);
-  LILY_TG_ARRAY(float, partials, [32]);
-  LILY_TG_ARRAY(uint32_t, last, [1]);
   const uint32_t Dk = args.Dk, Dv = args.Dv, C = args.C, K = args.K, hist = args.K - 1;
   const uint32_t blk = group_pos.x, h = group_pos.y;
   const uint32_t ratio = args.Hv / args.Hk, kh = h / ratio;
@@ -342,31 +332,6 @@ template <typename T, typename W>
     }
   }
   if (lane < kGdDecodeColsPerSimd && j0 + lane < Dv) o_raw[uint64_t(h) * Dv + j0 + lane] = o[lane];
-
-  // 3. the last threadgroup of the head to finish applies the gated RMSNorm to all Dv columns.
-  threadgroup_barrier(mem_flags::mem_device);
-#if defined(__METAL_VERSION__) && __METAL_VERSION__ >= 320
-  atomic_thread_fence(mem_flags::mem_device, memory_order_seq_cst, thread_scope_device);
-#endif
-  if (tid == 0)
-    last[0] = atomic_fetch_add_explicit(&tickets[h], 1u, memory_order_relaxed) + 1 == args.col_blocks ? 1u : 0u;
-  threadgroup_barrier(mem_flags::mem_device | mem_flags::mem_threadgroup);
-  if (last[0] != 0) {  // the same for every thread of the threadgroup
-#if defined(__METAL_VERSION__) && __METAL_VERSION__ >= 320
-    atomic_thread_fence(mem_flags::mem_device, memory_order_seq_cst, thread_scope_device);
-#endif
-    const uint64_t row = uint64_t(h) * Dv;
-    float part = 0.0f;
-    for (uint32_t j = tid; j < Dv; j += n) {
-      const float v = o_raw[row + j];
-      part += v * v;
-    }
-    const float total = threadgroup_sum(part, partials, lane, simd_id, n);
-    const float inv_rms = rsqrt(total / float(Dv) + args.eps);
-    for (uint32_t j = tid; j < Dv; j += n)
-      y[row + j] = T(o_raw[row + j] * inv_rms * float(norm_weight[j]) * gd_silu(float(z[row + j])));
-    if (tid == 0) atomic_store_explicit(&tickets[h], 0u, memory_order_relaxed);
-  }
 }
 
 LILY_INSTANTIATE("conv1d_xf32_wf32", conv1d<float, float>)

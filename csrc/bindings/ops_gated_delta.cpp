@@ -261,7 +261,6 @@ void init_ops_gated_delta(nb::module_& m) {
         op.norm_weight = run.input(norm_weight);
         op.state = run.input(state);
         op.o_raw = run.output(size_t(VD) * 4);
-        op.tickets = run.input(std::vector<float>(Hv, 0.0f));  // zero bits
         op.y = run.output(size_t(VD) * gpu::dtype_size(op.x_dtype));
         op.Hk = Hk;
         op.Hv = Hv;
@@ -271,18 +270,17 @@ void init_ops_gated_delta(nb::module_& m) {
         op.eps = eps;
         run.run([&](gpu::Encoder& e) { gpu::ops::encode_gated_delta_decode(e, op); });
         run.note(gpu::ops::gated_delta_decode_kernel(op.x_dtype, op.w_dtype));
+        run.note(gpu::ops::gd_chunk_kernels(false, false, op.x_dtype, op.w_dtype)[3]);
         return nb::make_tuple(run.download(op.y, op.x_dtype, {VD}),
                               run.download(op.conv_out, op.x_dtype, {K - 1, C}),
-                              run.download(op.state, gpu::DType::f32, {Hv, Dv, Dk}),
-                              run.download(op.tickets, gpu::DType::f32, {Hv}), run.stats());
+                              run.download(op.state, gpu::DType::f32, {Hv, Dv, Dk}), run.stats());
       },
       "x"_a, "z"_a, "a"_a, "b"_a, "conv_weight"_a, "conv_state"_a, "A_log"_a, "dt_bias"_a, "norm_weight"_a,
       "state"_a, nb::kw_only(), "Hk"_a, "Hv"_a, "Dk"_a, "Dv"_a, "eps"_a, "x_dtype"_a, "w_dtype"_a,
       "device"_a = "emu", "order"_a = "shuffle", "seed"_a = 0, "fp_traps"_a = true,
-      "One decode token: conv1d (window conv_state [K-1, C]) fused into the gated delta rule + gated "
-      "RMSNorm, value heads split over threadgroups by columns; returns (y [Hv*Dv], new conv_state, "
-      "state [Hv, Dv, Dk], tickets (float32 bits of the uint32 tickets, zero), stats). Use "
-      "lily_py.ops.gated_delta_decode.");
+      "One decode token: conv1d (window conv_state [K-1, C]) fused into the gated delta rule (value "
+      "heads split over threadgroups by columns), then the gated RMSNorm (a second dispatch); returns "
+      "(y [Hv*Dv], new conv_state, state [Hv, Dv, Dk], stats). Use lily_py.ops.gated_delta_decode.");
 
   m.def(
       "gated_delta_mixer",
@@ -334,7 +332,6 @@ void init_ops_gated_delta(nb::module_& m) {
         op.conv_out = run.output(size_t(T) * C * xe);
         op.o = run.output(size_t(T) * VD * xe);
         op.gd_o_raw = run.output(size_t(VD) * 4);
-        op.gd_tickets = run.input(std::vector<float>(Hv, 0.0f));  // zero bits
         op.out = run.output(size_t(T) * H * xe);
         // the engine's prefill route: chunked (with the conv fused into its prep) from 64 tokens
         const bool chunked = T > 1 && gpu::ops::gated_delta_route(T, Dk, Dv) == gpu::ops::GdRoute::chunked;
@@ -354,6 +351,7 @@ void init_ops_gated_delta(nb::module_& m) {
                                       run.enc->tensor_int8()));
         if (T == 1) {
           run.note(gpu::ops::gated_delta_decode_kernel(op.x_dtype, op.w_dtype));
+          run.note(gpu::ops::gd_chunk_kernels(false, false, op.x_dtype, op.w_dtype)[3]);
         } else if (chunked) {
           for (gpu::KernelId k : gpu::ops::gd_chunk_kernels(true, run.enc->tensor_ops(), op.x_dtype, op.w_dtype))
             run.note(k);

@@ -250,10 +250,8 @@ void build_buffers(const ModelSpec& s, Allocator& a, gpu::ModelBuffers& m_, bool
     t.x_i8 = a.scratch(gpu::ops::qmm_i8_scratch_bytes(uint32_t(T), uint32_t(widest)));
   }
   const bool any_deltanet = std::find(s.full_attention.begin(), s.full_attention.end(), 0) != s.full_attention.end();
-  if (any_deltanet) {  // the one-token route (gated_delta_decode): raw outputs and per-head tickets
+  if (any_deltanet)  // the one-token route (gated_delta_decode): raw outputs before the gated norm
     t.gd_o_raw = a.scratch(VD * 4);
-    t.gd_tickets = a.state(Hv * 4, false);
-  }
   if (any_deltanet && gpu::ops::gated_delta_route(uint32_t(T), s.lin_k_dim, s.lin_v_dim) == gpu::ops::GdRoute::chunked)
     t.gd_chunk = a.scratch(gpu::ops::gated_delta_chunk_scratch_bytes(uint32_t(T), s.lin_k_heads, s.lin_v_heads,
                                                                            s.lin_k_dim, s.lin_v_dim));

@@ -8,8 +8,9 @@
 //   math       abs min max clamp fma exp exp2 log log2 sqrt rsqrt floor ceil round rint trunc tanh
 //              sin cos pow powr select mix saturate isnan isinf isfinite dot, also in fast:: and
 //              precise:: (all precise here), as_type
-//   sync       threadgroup_barrier, simdgroup_barrier, atomic_thread_fence (memory is coherent; a
-//              mem_device fence feeds the memory-ordering model between threadgroups, runtime.h)
+//   sync       threadgroup_barrier, simdgroup_barrier, atomic_thread_fence (memory is coherent; only
+//              atomic_thread_fence(mem_device, .., thread_scope_device) feeds the memory-ordering
+//              model between threadgroups, runtime.h: a barrier orders its own threadgroup only)
 //   simd       simd_sum simd_max simd_min simd_prefix_{inclusive,exclusive}_sum simd_shuffle
 //              simd_shuffle_{up,down,xor} simd_broadcast simd_broadcast_first simd_all simd_any
 //              simd_is_first; every lane of the simdgroup must call each collective (checked)
@@ -502,10 +503,12 @@ enum memory_order { memory_order_relaxed, memory_order_acquire, memory_order_rel
                     memory_order_acq_rel, memory_order_seq_cst };
 enum thread_scope { thread_scope_thread, thread_scope_simdgroup, thread_scope_threadgroup, thread_scope_device };
 
-// MSL 3.2 fence: with mem_device, a device-scope fence of the calling thread (runtime.h: device_fence).
-inline void atomic_thread_fence(mem_flags f, memory_order, thread_scope, const char* file = __builtin_FILE(),
+// MSL 3.2 fence: with mem_device and thread_scope_device, a device-scope fence of the calling thread
+// (runtime.h: device_fence). A narrower scope orders nothing between threadgroups.
+inline void atomic_thread_fence(mem_flags f, memory_order, thread_scope scope, const char* file = __builtin_FILE(),
                                 int line = __builtin_LINE()) {
-  if (static_cast<unsigned>(f) & static_cast<unsigned>(mem_flags::mem_device)) ::lily::emu::device_fence(file, line);
+  if ((static_cast<unsigned>(f) & static_cast<unsigned>(mem_flags::mem_device)) && scope == thread_scope_device)
+    ::lily::emu::device_fence(file, line);
 }
 
 template <class T>
@@ -772,7 +775,7 @@ bool add(const char* name, const char* file) {
 // LILY_TG_ARRAY(float, tile, [32][36]): threadgroup float tile[32][36]; (at kernel scope, unconditionally)
 #define LILY_TG_ARRAY(T, name, dims)                                                  \
   T(&name) dims = *reinterpret_cast<T(*) dims>(                                       \
-      ::lily::emu::threadgroup_alloc(sizeof(T dims), alignof(T), __FILE__, __LINE__))
+      ::lily::emu::threadgroup_alloc(sizeof(T dims), alignof(T) > 16 ? alignof(T) : 16, __FILE__, __LINE__))
 
 #define LILY_KERNEL_TAIL                                                                       \
   uint3 group_pos, uint3 thread_pos, uint3 group_size, uint3 grid_pos, uint lane, uint simd_id

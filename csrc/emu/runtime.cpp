@@ -183,10 +183,8 @@ struct Ordering {
   std::vector<OrdSite> sites;
   std::vector<OrdBinding> bind;
   uint32_t tg = 0;  // running threadgroup + 1
-  std::vector<std::vector<UnitRef>> pending, thread_fenced, simd_fenced;  // per thread / simdgroup
-  std::vector<UnitRef> tg_fenced;
-  std::vector<std::vector<uintptr_t>> acq_pending, acq_thread, acq_simd;  // atomic words acquired
-  std::vector<uintptr_t> acq_tg;
+  std::vector<std::vector<UnitRef>> pending, thread_fenced;           // per thread
+  std::vector<std::vector<uintptr_t>> acq_pending, acq_thread;  // per thread: atomic words acquired
   bool watching = false;
   std::vector<std::pair<uint32_t, size_t>> stepping;  // watched pages made accessible for one instruction
   std::vector<std::pair<uint32_t, size_t>> dirty;     // pages the threadgroup stored to (made kRW)
@@ -378,8 +376,7 @@ bool ord_has(const std::vector<uintptr_t>& v, uintptr_t a) { return std::find(v.
 bool ord_readable(const Ordering& o, const OrdUnit& e, const Thread& r) {
   if (e.tg == 0 || e.tg == o.tg) return true;
   if (e.state != kPublished) return false;
-  return ord_has(o.acq_tg, e.word) || ord_has(o.acq_simd[r.ids.simd_id], e.word) ||
-         ord_has(o.acq_thread[r.index], e.word);
+  return ord_has(o.acq_thread[r.index], e.word);
 }
 
 // Threadgroup start: the tracked bindings become read-only (a thread's first store to a page
@@ -435,14 +432,15 @@ std::string ord_describe(const Ordering& o, const Thread& r) {
   const std::string after = ws.file ? "after " + site(ws.op, ws.file, ws.line) : std::string("before its first sync point");
   std::string why;
   if (e.state == kStored)
-    why = "no device-scope fence of the writer (threadgroup_barrier / simdgroup_barrier / atomic_thread_fence with "
-          "mem_flags::mem_device) follows the store before an atomic";
+    why = "no device-scope fence of the writer (atomic_thread_fence(mem_flags::mem_device, .., thread_scope_device), "
+          "MSL 3.2) follows the store before an atomic; a threadgroup_barrier / simdgroup_barrier with mem_device "
+          "orders its own threadgroup only";
   else if (e.state == kFenced)
     why = "the writer's device-scope fence after the store comes after its atomic (no atomic follows the fence, "
           "so nothing publishes the store)";
   else
     why = "the reader has not acquired it: no atomic on the word it was published through, followed by a "
-          "device-scope fence (threadgroup_barrier(mem_device) / atomic_thread_fence) of the reader, before the read";
+          "device-scope fence (atomic_thread_fence(mem_device, .., thread_scope_device)) of the reader, before the read";
   return "device memory ordering: " + ord_thread(r.ids.group_pos, r.ids.thread_pos) + " [simdgroup " +
          std::to_string(r.ids.simd_id) + " lane " + std::to_string(r.ids.lane) + "] (after " +
          (r.file ? site(r.op, r.file, r.line) : std::string("the kernel start")) + ") read byte offset " +
@@ -552,13 +550,11 @@ void note_atomic(const void* addr) {
     const auto* p = static_cast<const unsigned char*>(addr);
     if (!(p >= arena && p < arena + kArenaBytes)) w->device_atomics = true;
     if (w->ord && w->running && !(p >= arena && p < arena + kArenaBytes)) {
-      // A device atomic: the stores of the thread so far precede it; it releases what fences of
-      // the thread (and barriers it passed) ordered before it, and it may acquire for later reads.
+      // A device atomic: the stores of the thread so far precede it; it releases what the thread's
+      // device-scope fences ordered before it, and it may acquire for later reads.
       Thread& t = *w->running;
       ord_record(*w, t);
       Ordering& o = *w->ord;
-      ord_publish(o, o.tg_fenced, a);
-      ord_publish(o, o.simd_fenced[t.ids.simd_id], a);
       ord_publish(o, o.thread_fenced[t.index], a);
       if (!ord_has(o.acq_pending[t.index], a)) o.acq_pending[t.index].push_back(a);
     }
@@ -813,11 +809,6 @@ bool release_simdgroups(Group& g) {
         return false;
       }
     }
-    if (Ordering* o = t_worker->ord; o && (first->mem & kMemDevice) && std::strcmp(first->op, "simdgroup_barrier") == 0)
-      for (uint32_t i = lo; i < hi; ++i) {
-        ord_move(*o, o->pending[i], o->simd_fenced[s]);
-        ord_move_words(o->acq_pending[i], o->acq_simd[s]);
-      }
     for (uint32_t i = lo; i < hi; ++i) g.threads[i].state = St::runnable;
     progressed = true;
   }
@@ -856,15 +847,8 @@ void release_barrier(Group& g) {
              site(t.op, t.file, t.line) + " (barrier #" + std::to_string(t.barrier_seq) + ")");
       return;
     }
-  if (Ordering* o = t_worker->ord; o && std::strcmp(first->op, "threadgroup_barrier") == 0) {
-    bool dev = false;
-    for (const Thread& t : g.threads) dev |= t.state == St::at_barrier && (t.mem & kMemDevice);
-    if (dev)  // a device-scope fence of every thread of the threadgroup
-      for (uint32_t i = 0; i < g.n; ++i) {
-        ord_move(*o, o->pending[i], o->tg_fenced);
-        ord_move_words(o->acq_pending[i], o->acq_tg);
-      }
-  }
+  // A barrier's mem_device orders device memory among this threadgroup's threads only (MSL 3.1,
+  // section 6.9.1): it is no device-scope fence of the memory-ordering model.
   for (Thread& t : g.threads) t.state = St::runnable;
   // Only a barrier orders threadgroup memory: the rendezvous of a threadgroup-wide tensor op
   // (threadgroup_collective, e.g. matmul2d::run) checks uniformity but is not a barrier on a GPU,
@@ -1180,8 +1164,6 @@ void run(const Launch& L, const RunOptions& opt) {
     ord->thread_fenced.assign(n, {});
     ord->acq_pending.assign(n, {});
     ord->acq_thread.assign(n, {});
-    ord->simd_fenced.assign(nsimd, {});
-    ord->acq_simd.assign(nsimd, {});
   }
 #endif
   w.ord = ord.get();
@@ -1255,10 +1237,8 @@ void run(const Launch& L, const RunOptions& opt) {
       w.group = &g;
       if (Ordering* o = w.ord) {
         o->tg = static_cast<uint32_t>(gi + 1);
-        for (auto* v : {&o->pending, &o->thread_fenced, &o->simd_fenced}) for (auto& x : *v) x.clear();
-        for (auto* v : {&o->acq_pending, &o->acq_thread, &o->acq_simd}) for (auto& x : *v) x.clear();
-        o->tg_fenced.clear();
-        o->acq_tg.clear();
+        for (auto* v : {&o->pending, &o->thread_fenced}) for (auto& x : *v) x.clear();
+        for (auto* v : {&o->acq_pending, &o->acq_thread}) for (auto& x : *v) x.clear();
         ord_watch(*o);
       }
       run_group(w, g, opt.order, rng);

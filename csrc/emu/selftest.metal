@@ -335,12 +335,14 @@ template <typename Dummy>
 
 // Memory ordering between threadgroups (issue 23): every threadgroup stores its partial row, then
 // takes a ticket (a relaxed device atomic); the threadgroup that draws the last ticket sums all
-// rows into out and resets the counter. param: 0 correct (threadgroup_barrier(mem_device) before the
-// ticket publishes the rows, one after it acquires them); 1 BUG: no device-scope barrier before the
-// ticket; 2 BUG: the reader's barrier after the ticket is mem_threadgroup only; 3 correct with
-// per-thread fences: each thread fences, takes its own ticket, and the thread with the last ticket
-// fences again and sums; 4 BUG: as 3 with the writer's fence after its ticket; 5 BUG: as 3 with
-// no fence before the reads either (no device-scope fence at all).
+// rows into out and resets the counter. param: 0 BUG (MSL 3.1's only idiom, which gated_delta_decode
+// used until issue 39): threadgroup_barrier(mem_device) before and after the ticket; a barrier
+// orders device memory within its own threadgroup only, so nothing publishes the rows to the last
+// threadgroup; 1 BUG: as 0 with mem_threadgroup before the ticket; 2 BUG: as 0 with mem_threadgroup
+// after it; 3 correct (MSL 3.2) with per-thread fences: each thread fences
+// (atomic_thread_fence(mem_device, seq_cst, thread_scope_device)), takes its own ticket, and the
+// thread with the last ticket fences again and sums; 4 BUG: as 3 with the writer's fence after its
+// ticket; 5 BUG: as 3 with no fence before the reads either (no device-scope fence at all).
 template <typename Dummy>
 [[kernel]] void ticket_sum(constant SelftestArgs& args [[buffer(0)]],
                            const device float* x [[buffer(1)]],

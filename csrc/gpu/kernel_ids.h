@@ -172,12 +172,12 @@
   X(gated_delta_xf32_wbf16,  GatedDeltaArgs, 9)                               \
   X(gated_delta_xbf16_wf32,  GatedDeltaArgs, 9)                               \
   X(gated_delta_xbf16_wbf16, GatedDeltaArgs, 9)                               \
-  /* one decode token, conv1d fused, heads split by value columns: x, z, a, b, conv weight, */ \
-  /* conv_in, conv_out, A_log, dt_bias, norm_weight, state, o_raw, tickets, y */              \
-  X(gated_delta_decode_xf32_wf32,   GdDecodeArgs, 14)                         \
-  X(gated_delta_decode_xf32_wbf16,  GdDecodeArgs, 14)                         \
-  X(gated_delta_decode_xbf16_wf32,  GdDecodeArgs, 14)                         \
-  X(gated_delta_decode_xbf16_wbf16, GdDecodeArgs, 14)                         \
+  /* one decode token, conv1d fused, heads split by value columns (the gated norm follows as */ \
+  /* gd_chunk_norm): x, a, b, conv weight, conv_in, conv_out, A_log, dt_bias, state, o_raw */ \
+  X(gated_delta_decode_xf32_wf32,   GdDecodeArgs, 10)                         \
+  X(gated_delta_decode_xf32_wbf16,  GdDecodeArgs, 10)                         \
+  X(gated_delta_decode_xbf16_wf32,  GdDecodeArgs, 10)                         \
+  X(gated_delta_decode_xbf16_wbf16, GdDecodeArgs, 10)                         \
   /* chunked (WY) delta rule prefill (shaders/gated_delta_chunk.metal; buffers listed there) */ \
   X(gd_chunk_prep_xf32_wf32,  GdChunkArgs, 10)                                \
   X(gd_chunk_prep_xf32_wbf16, GdChunkArgs, 10)                                \

@@ -94,7 +94,6 @@ void encode_deltanet(Encoder& enc, const core::ModelSpec& spec, const Layer& L, 
   g.chunk_scratch = s.gd_chunk;
   g.x_i8 = s.x_i8;
   g.gd_o_raw = s.gd_o_raw;
-  g.gd_tickets = s.gd_tickets;
   g.out = s.mix;
   g.x_dtype = spec.activations;
   g.w_dtype = DType::f32;

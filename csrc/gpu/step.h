@@ -79,8 +79,6 @@ struct StepScratch {
   Binding x_i8;                 // int8 activation scratch of the projections (tensor_int8 devices only;
                                 // unbound: no int8): ops::qmm_i8_scratch_bytes(chunk, widest K)
   Binding gd_o_raw;             // DeltaNet decode: float32 [Hv * Dv] raw outputs before the gated norm
-  Binding gd_tickets;           // DeltaNet decode: uint32 [Hv] per-head tickets; engine *state* (zeroed
-                                // at allocation and reset), every gated_delta_decode leaves it zero
   Binding qkv, q, attn;         // attention: [chunk, 2 Hq D + 2 Hkv D], [chunk, Hq D] x2
   Binding attn_partials;        // attention decode split-K partials (for context_length keys)
   Binding moe_logits, moe_ids, moe_weights, moe_plan, moe_row_weight, moe_h, moe_y;

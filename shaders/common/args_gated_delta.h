@@ -55,8 +55,8 @@ struct GatedDeltaArgs {
 // One decode token of the whole DeltaNet core, conv1d fused (gated_delta_decode):
 //   xx = concat(conv_in [K-1, C], x [C]);  qkv[c] = silu(sum_j w[c, j] xx[j, c]) (rounded to T)
 //   conv_out = xx[1 .. K-1]  (a different buffer from conv_in: the engine's parity pair)
-//   then the rule of GatedDeltaArgs on q | k | v = qkv and the gated RMSNorm; o in fp32 scratch,
-//   y written by the last threadgroup of each value head to finish (ticket per head, reset to 0).
+//   then the rule of GatedDeltaArgs on q | k | v = qkv; o (before the gated RMSNorm) in fp32
+//   scratch, which gd_chunk_norm (GdChunkArgs, T = Tp = 1) normalises in a second dispatch.
 // Grid (col_blocks, Hv): threadgroup (blk, h) owns value columns [blk * cols, blk * cols + cols).
 struct GdDecodeArgs {
   uint32_t Hk, Hv, Dk, Dv;
@@ -66,8 +66,6 @@ struct GdDecodeArgs {
   uint32_t col_blocks;  // threadgroups per value head = ceil(Dv / cols)
   uint32_t vec4;        // 1: state columns are 16-byte aligned rows of Dk % 4 == 0 floats (float4 loads)
   float q_scale;        // Dk^-1/2 rounded to float32
-  float eps;            // gated RMSNorm epsilon
-  uint32_t conv_k;      // gd_chunk_prep_conv: conv kernel size K (<= kConvMaxKernel); 0 elsewhere
 };
 
 }  // namespace lily

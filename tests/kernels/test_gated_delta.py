@@ -20,7 +20,6 @@ Tolerances (u = 2^-24; bf16 outputs add rtol 2^-8 >= one bf16 rounding of |y|):
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -326,16 +325,16 @@ def test_gated_delta_mixer(rng, device, T, x_dtype):
     dims = dict(num_key_heads=Hk, num_value_heads=Hv, head_k_dim=Dk, head_v_dim=Dv)
     out, cs, S, stats = _gated_delta_mixer(*m.values(), **dims, eps=1e-6, device=device, seed=rng.seed)
     # Per DeltaNet layer: fused in_proj, conv1d, gated_delta, out_proj; a barrier before each consumer.
-    # One token: the conv runs inside gated_delta_decode (3 dispatches, 2 barriers).
+    # One token: the conv runs inside gated_delta_decode, its gated norm after it (4 dispatches, 3 barriers).
     # the projections' route: qmv1 | qmv (<= 8 rows) | qmm (32 x 32 tiles) | qmm_bf16 (64 x 64, bf16 x, >= 33 rows)
     route = "qmv1" if T == 1 else "qmv" if T <= 8 else "qmm_bf16" if T >= 33 and x_dtype == BF16 else "qmm"
     xs, ss = dname(x_dtype), dname(s_dtype)
     if T == 1:
-        assert stats["dispatches"] == 3 and stats["barriers"] == 2
+        assert stats["dispatches"] == 4 and stats["barriers"] == 3
         # small projections (in_proj 2 Hk Dk + 2 Hv Dv + 2 Hv = 200 rows, out_proj 128): 1 row per
         # qmv1 threadgroup (qmv1_rows: < 1280 simdgroups at 4 rows)
         assert stats["kernels"] == [f"{route}_b4_x{xs}_s{ss}_r1", f"gated_delta_decode_x{xs}_w{ss}",
-                                    f"{route}_b4_x{xs}_s{ss}_r1"]
+                                    f"gd_chunk_norm_x{xs}_w{ss}", f"{route}_b4_x{xs}_s{ss}_r1"]
     elif T < 64:
         assert stats["dispatches"] == 4 and stats["barriers"] == 3
         assert stats["kernels"] == [f"{route}_b4_x{xs}_s{ss}", f"conv1d_x{xs}_w{ss}", f"gated_delta_x{xs}_w{ss}",
@@ -418,12 +417,14 @@ def test_gated_delta_mixer_bad_input(rng):
 
 def test_gated_delta_mixer_real_dims_decode(rng):
     """One decode step of a real DeltaNet layer (hidden 2048, Hk 16, Hv 32, Dk = Dv = 128, bf16):
-    exactly 3 dispatches and 2 barriers (the numbers docs/kernels-deltanet.md quotes): the conv is fused."""
+    exactly 4 dispatches and 3 barriers (the numbers docs/kernels-deltanet.md quotes): the conv is fused
+    into the rule; the gated norm is its own dispatch (MSL 3.1 orders nothing between threadgroups)."""
     m = make_mixer(rng, 1, 2048, 16, 32, 128, 128, BF16, BF16)
     dims = dict(num_key_heads=16, num_value_heads=32, head_k_dim=128, head_v_dim=128)
     out, cs, S, stats = _gated_delta_mixer(*m.values(), **dims, seed=rng.seed)
-    assert stats["dispatches"] == 3 and stats["barriers"] == 2
-    assert stats["kernels"] == ["qmv1_b4_xbf16_sbf16", "gated_delta_decode_xbf16_wbf16", "qmv1_b4_xbf16_sbf16"]
+    assert stats["dispatches"] == 4 and stats["barriers"] == 3
+    assert stats["kernels"] == ["qmv1_b4_xbf16_sbf16", "gated_delta_decode_xbf16_wbf16", "gd_chunk_norm_xbf16_wbf16",
+                                "qmv1_b4_xbf16_sbf16"]
     in_proj = tuple(np.concatenate([m[n][i] for n in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")])
                     for i in range(3))
     outr, _, Sr = ref.gated_delta_mixer(
@@ -478,11 +479,11 @@ def make_dec(rng, Hk, Hv, Dk, Dv, x_dtype=F32, w_dtype=F32, K=4):
     return q, k, v, z, a, b, w, cs, A_log, dt_bias, norm_w, S
 
 
-def check_dec(rng, d, y, cs, S, tickets, *, what):
+def check_dec(rng, d, y, cs, S, *, what):
     """The fused step == conv1d (the device kernel: the fused conv sums the same fp32 taps in the
     same order and rounds the same way, so it is compared bit for bit through the rule's inputs)
     then the rule, against the float64 reference with check_gd's bounds; the new window is an
-    exact copy; the tickets are back to 0."""
+    exact copy."""
     q, k, v, z, a, b, w, cs0, A_log, dt_bias, norm_w, S0 = d
     Hk, Dk = q.shape
     Hv, Dv = v.shape
@@ -495,7 +496,6 @@ def check_dec(rng, d, y, cs, S, tickets, *, what):
     kc = qkv[:, Hk * Dk:2 * Hk * Dk].reshape(1, Hk, Dk)
     vc = qkv[:, 2 * Hk * Dk:].reshape(1, Hv, Dv)
     check_gd(rng, (qc, kc, vc, z[None], a[None], b[None], A_log, dt_bias, norm_w, S0), y[None], S, what=what)
-    np.testing.assert_array_equal(tickets, np.zeros(Hv, np.uint32), err_msg=f"{what}: tickets not reset")
 
 
 DEC_SHAPES = GD_SHAPES + [
@@ -510,72 +510,32 @@ DEC_SHAPES = GD_SHAPES + [
 def test_gated_delta_decode(rng, device, shape, x_dtype, w_dtype):
     Hk, Hv, Dk, Dv = shape
     d = make_dec(rng, Hk, Hv, Dk, Dv, x_dtype, w_dtype)
-    y, cs, S, tickets, stats = _gated_delta_decode(*d, device=device, seed=rng.seed)
+    y, cs, S, stats = _gated_delta_decode(*d, device=device, seed=rng.seed)
     assert y.dtype == x_dtype and cs.dtype == x_dtype and S.shape == (Hv, Dk, Dv)
-    assert stats["kernels"] == [f"gated_delta_decode_x{dname(x_dtype)}_w{dname(w_dtype)}"]
+    names = f"x{dname(x_dtype)}_w{dname(w_dtype)}"
+    assert stats["kernels"] == [f"gated_delta_decode_{names}", f"gd_chunk_norm_{names}"]
     threads, blocks = dec_grid(Dv)
-    assert stats["dispatches"] == 1 and stats["barriers"] == 0 and stats["threads"] == Hv * blocks * threads
-    check_dec(rng, d, y, cs, S, tickets, what=f"gated_delta_decode {shape}")
-
-
-def ticket_barrier_site(which):
-    """shaders/gated_delta.metal:LINE of the decode kernel's barrier that publishes the o_raw stores
-    before the ticket ("writer") or acquires them after it ("reader")."""
-    path = Path(__file__).resolve().parents[2] / "shaders/gated_delta.metal"
-    lines = path.read_text().splitlines()
-    start = next(i for i, line in enumerate(lines) if "3. the last threadgroup of the head" in line)
-    want = {"writer": "threadgroup_barrier(mem_flags::mem_device);",
-            "reader": "threadgroup_barrier(mem_flags::mem_device | mem_flags::mem_threadgroup);"}[which]
-    return "shaders/gated_delta.metal:%d" % next(i + 1 for i in range(start, len(lines)) if lines[i].strip() == want)
-
-
-@pytest.mark.skipif(not core.emu.features()["guard_pages"],
-                    reason="the memory-ordering model watches pages (LILY_EMU_SIGNALS: Linux x86-64)")
-@pytest.mark.parametrize("which", ["writer", "reader"])
-def test_gated_delta_decode_without_its_ticket_barrier_is_caught(rng, which):
-    """Issue 23: the decode kernel with the device-scope half of its ticket barrier removed (the
-    emulator ignores mem_device there, as if the source said mem_threadgroup) reads another
-    threadgroup's o_raw that nothing orders before its read: the memory-ordering model (race
-    detector on) names the reader, the writer and the byte. The unchanged kernel passes."""
-    d = make_dec(rng, 2, 4, 32, 40)  # 3 threadgroups per value head
-    core.emu.set_races_default(True)
-    try:
-        y, cs, S, tickets, _ = _gated_delta_decode(*d, seed=rng.seed)
-        check_dec(rng, d, y, cs, S, tickets, what="gated_delta_decode, races on")
-        core.emu.set_ignored_fence(ticket_barrier_site(which))
-        with pytest.raises(core.EmulatorError, match=(
-                r"gated_delta_decode_xf32_wf32 \(threadgroup \(\d,\d,0\)\): device memory ordering: threadgroup "
-                r"\(\d,\d,0\) thread \(\d+,0,0\) .* read byte offset \d+ of buffer\(12\) .* stored in this dispatch "
-                r"by threadgroup \(\d,\d,0\) thread \(\d+,0,0\)")):
-            _gated_delta_decode(*d, seed=rng.seed)
-    finally:
-        core.emu.set_ignored_fence(None)
-        core.emu.set_races_default(None)
-    # Without the detector the emulator runs threadgroups one after another: the broken kernel passes.
-    core.emu.set_ignored_fence(ticket_barrier_site(which))
-    core.emu.set_races_default(False)
-    try:
-        y, cs, S, tickets, _ = _gated_delta_decode(*d, seed=rng.seed)
-        check_dec(rng, d, y, cs, S, tickets, what="gated_delta_decode without its barrier, races off")
-    finally:
-        core.emu.set_ignored_fence(None)
-        core.emu.set_races_default(None)
+    # the rule, a barrier, then the gated norm (one simdgroup per head): MSL 3.1 orders no device
+    # memory between the rule's threadgroups, so the norm over a head's columns is its own dispatch
+    assert stats["dispatches"] == 2 and stats["barriers"] == 1
+    assert stats["threads"] == Hv * blocks * threads + Hv * 32
+    check_dec(rng, d, y, cs, S, what=f"gated_delta_decode {shape}")
 
 
 @pytest.mark.parametrize("K", [2, 5])
 def test_gated_delta_decode_kernel_sizes(rng, K):
     d = make_dec(rng, 2, 4, 32, 16, K=K)
-    y, cs, S, tickets, _ = _gated_delta_decode(*d, seed=rng.seed)
-    check_dec(rng, d, y, cs, S, tickets, what=f"gated_delta_decode K={K}")
+    y, cs, S, _ = _gated_delta_decode(*d, seed=rng.seed)
+    check_dec(rng, d, y, cs, S, what=f"gated_delta_decode K={K}")
 
 
 def test_gated_delta_decode_real_model_dims(rng):
     """The real layer: Hk 16, Hv 32, Dk = Dv = 128 (GQA: value heads 2h, 2h+1 share key head h),
     bf16: 8 threadgroups of 256 threads per value head = 256 threadgroups, 2048 simdgroups."""
     d = make_dec(rng, 16, 32, 128, 128, BF16, BF16)
-    y, cs, S, tickets, stats = _gated_delta_decode(*d, seed=rng.seed)
-    assert stats["threads"] == 32 * 8 * 256
-    check_dec(rng, d, y, cs, S, tickets, what="gated_delta_decode real dims")
+    y, cs, S, stats = _gated_delta_decode(*d, seed=rng.seed)
+    assert stats["threads"] == 32 * 8 * 256 + 32 * 32
+    check_dec(rng, d, y, cs, S, what="gated_delta_decode real dims")
 
 
 def test_gated_delta_decode_matches_the_unfused_kernels(rng):
@@ -588,13 +548,12 @@ def test_gated_delta_decode_matches_the_unfused_kernels(rng):
     for t in range(steps):
         q, k, v = rand(rng, (Hk, Dk), BF16), rand(rng, (Hk, Dk), BF16), rand(rng, (Hv, Dv), BF16)
         z, a, b = rand(rng, (Hv, Dv), BF16), rand(rng, (Hv,), BF16), rand(rng, (Hv,), BF16, 2.0)
-        y_f, cs_f, S_f, tickets, _ = _gated_delta_decode(q, k, v, z, a, b, d[6], cs_f, *d[8:11], S_f, seed=rng.seed)
+        y_f, cs_f, S_f, _ = _gated_delta_decode(q, k, v, z, a, b, d[6], cs_f, *d[8:11], S_f, seed=rng.seed)
         x = np.concatenate([q.reshape(-1), k.reshape(-1), v.reshape(-1)])[None]
         qkv, cs_u = ops.causal_conv1d(x, d[6], cs_u)
         y_u, S_u = ops.gated_delta_step(qkv[0, :Hk * Dk].reshape(Hk, Dk), qkv[0, Hk * Dk:2 * Hk * Dk].reshape(Hk, Dk),
                                         qkv[0, 2 * Hk * Dk:].reshape(Hv, Dv), z, a, b, *d[8:11], S_u)
         np.testing.assert_array_equal(cs_f.view(np.uint16), cs_u.view(np.uint16), err_msg=f"step {t}")
-        np.testing.assert_array_equal(tickets, 0, err_msg=f"step {t}")
         rel = 16 * np.sqrt((t + 2) * Dk) * F32_EPS
         assert_close(S_f, S_u, atol=rel * np.abs(S_u).max(), rtol=0, what=f"state step {t}", seed=rng.seed)
         assert_close(y_f, y_u, atol=2 * BF16_EPS * np.abs(y_u.astype(np.float32)).max(), rtol=2 * BF16_EPS,
@@ -606,13 +565,13 @@ def test_gated_delta_decode_fits_a_lower_pipeline_limit(rng, limit):
     """The grid comes from the pipeline's thread limit: under 32 / 96 / 128 threads the head is
     split over more threadgroups (Dv = 128: 64 / 22 / 16 per head) with the same results."""
     d = make_dec(rng, 1, 2, 128, 128)
-    y0, cs0, S0, _, st0 = _gated_delta_decode(*d, seed=rng.seed)
+    y0, cs0, S0, st0 = _gated_delta_decode(*d, seed=rng.seed)
     with simulated_device(max_threads={"gated_delta_decode_xf32_wf32": limit}):
-        y, cs, S, tickets, stats = _gated_delta_decode(*d, seed=rng.seed)
+        y, cs, S, stats = _gated_delta_decode(*d, seed=rng.seed)
     threads, blocks = dec_grid(128, limit)
     assert (threads, blocks) == {32: (32, 64), 96: (96, 22), 128: (128, 16)}[limit]
-    assert stats["threads"] == 2 * blocks * threads and st0["threads"] == 2 * 8 * 256
-    check_dec(rng, d, y, cs, S, tickets, what=f"gated_delta_decode under a {limit}-thread limit")
+    assert stats["threads"] == 2 * blocks * threads + 2 * 32 and st0["threads"] == 2 * 8 * 256 + 2 * 32
+    check_dec(rng, d, y, cs, S, what=f"gated_delta_decode under a {limit}-thread limit")
     np.testing.assert_array_equal(cs, cs0)
     with simulated_device(max_threads={"gated_delta_decode_xf32_wf32": 16}):
         with pytest.raises(ValueError, match="below one simdgroup"):
@@ -620,8 +579,8 @@ def test_gated_delta_decode_fits_a_lower_pipeline_limit(rng, limit):
 
 
 def test_gated_delta_decode_is_order_independent(rng):
-    """No races between the threadgroups of a head (whichever finishes last writes y): forward,
-    reverse, shuffled and 'ahead' orders give the same bits."""
+    """No races between the threadgroups of a head: forward, reverse, shuffled and 'ahead' orders
+    give the same bits."""
     d = make_dec(rng, 2, 4, 40, 36)
     runs = [_gated_delta_decode(*d, order=o, seed=rng.seed)[:4] for o in ("forward", "reverse", "shuffle", "ahead")]
     for r in runs[1:]:

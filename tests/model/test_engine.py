@@ -181,7 +181,8 @@ def _expected_counts(cfg, tokens: int, position: int = 0, logits: bool = True,
     projection and the post norm into the router (two dispatches and barriers fewer per layer);
     with one row of logits the final norm is fused into lm_head. Mixers: DeltaNet 4 dispatches /
     3 barriers inside (the chunked delta rule: 2 more of each, the conv fused into its prep; one
-    token: 3 / 2, the conv fused into gated_delta_decode); attention 4 / 3, plus one dispatch
+    token: also 4 / 3, the conv fused into gated_delta_decode and its gated norm a dispatch of its
+    own: MSL 3.1 orders nothing between threadgroups); attention 4 / 3, plus one dispatch
     and one barrier when decode attention takes two passes (the vec route of head_dim 64 / 128 /
     256 at every length; other head dims beyond 256 keys). MoE: mv route (tokens <= 8; the expert
     kernels select the experts themselves, no route dispatch) 3 / 2, tiled 10 / 9 (the three tile kinds of a stage one after another). `cfg` is a ModelConfig."""
@@ -197,8 +198,6 @@ def _expected_counts(cfg, tokens: int, position: int = 0, logits: bool = True,
             mixer = 5
         if not cfg.is_full_attention(i) and chunked:
             mixer = 6
-        if not cfg.is_full_attention(i) and tokens == 1:
-            mixer = 3
         dispatches += norms + mixer + moe
         barriers += norms + (mixer - 1) + 1 + moe_barriers + 1
     if not logits:

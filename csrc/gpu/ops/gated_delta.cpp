@@ -98,28 +98,36 @@ void encode_gated_delta_decode(Encoder& enc, const GdDecodeOperands& op) {
     fail("conv_out must not overlap conv_in (threadgroups read the window of channels another one rewrites)");
   const Binding st = need(fn, op.state, uint64_t(VD) * op.Dk * 4, "state");
   const uint32_t vec4 = op.Dk % 4 == 0 && st.offset % 16 == 0 ? 1 : 0;
-  GdDecodeArgs args{op.Hk, op.Hv, op.Dk, op.Dv, C, op.K, cols, blocks, vec4,
-                    static_cast<float>(1.0 / std::sqrt(double(op.Dk))), op.eps, 0};
+  const float q_scale = static_cast<float>(1.0 / std::sqrt(double(op.Dk)));
+  GdDecodeArgs args{op.Hk, op.Hv, op.Dk, op.Dv, C, op.K, cols, blocks, vec4, q_scale};
+  const Binding o_raw = need(fn, op.o_raw, uint64_t(VD) * 4, "o_raw");
   enc.set_kernel(kernel);
   enc.set_args(args);
   enc.set_buffer(1, need(fn, op.x, uint64_t(C) * xe, "x"));
-  enc.set_buffer(2, need(fn, op.z, uint64_t(VD) * xe, "z"));
-  enc.set_buffer(3, need(fn, op.a, uint64_t(op.Hv) * xe, "a"));
-  enc.set_buffer(4, need(fn, op.b, uint64_t(op.Hv) * xe, "b"));
-  enc.set_buffer(5, need(fn, op.conv_weight, uint64_t(C) * op.K * dtype_size(wt), "conv_weight"));
-  enc.set_buffer(6, cin);
-  enc.set_buffer(7, cout);
-  enc.set_buffer(8, need(fn, op.A_log, uint64_t(op.Hv) * 4, "A_log"));
-  enc.set_buffer(9, need(fn, op.dt_bias, uint64_t(op.Hv) * dtype_size(wt), "dt_bias"));
-  enc.set_buffer(10, need(fn, op.norm_weight, uint64_t(op.Dv) * dtype_size(wt), "norm_weight"));
-  enc.set_buffer(11, st);
-  enc.set_touched(11, 2 * uint64_t(VD) * op.Dk * 4);  // read and written in place
-  enc.set_buffer(12, need(fn, op.o_raw, uint64_t(VD) * 4, "o_raw"));
-  enc.set_buffer(13, need(fn, op.tickets, uint64_t(op.Hv) * 4, "tickets"));
-  enc.set_buffer(14, need(fn, op.y, uint64_t(VD) * xe, "y"));
+  enc.set_buffer(2, need(fn, op.a, uint64_t(op.Hv) * xe, "a"));
+  enc.set_buffer(3, need(fn, op.b, uint64_t(op.Hv) * xe, "b"));
+  enc.set_buffer(4, need(fn, op.conv_weight, uint64_t(C) * op.K * dtype_size(wt), "conv_weight"));
+  enc.set_buffer(5, cin);
+  enc.set_buffer(6, cout);
+  enc.set_buffer(7, need(fn, op.A_log, uint64_t(op.Hv) * 4, "A_log"));
+  enc.set_buffer(8, need(fn, op.dt_bias, uint64_t(op.Hv) * dtype_size(wt), "dt_bias"));
+  enc.set_buffer(9, st);
+  enc.set_touched(9, 2 * uint64_t(VD) * op.Dk * 4);  // read and written in place
+  enc.set_buffer(10, o_raw);
   enc.dispatch({blocks, op.Hv, 1}, {threads, 1, 1});
   const uint64_t f = gated_delta_useful_flops(1, op.Hv, op.Dk, op.Dv);
   enc.add_flops(f, f);
+  // The gated RMSNorm needs every column of a head, which threadgroups of the dispatch above cannot
+  // see (MSL 3.1: no device-scope ordering between threadgroups): gd_chunk_norm, one token.
+  enc.barrier();  // o_raw -> gated norm
+  GdChunkArgs na{1, 1, op.Hk, op.Hv, op.Dk, op.Dv, 0, 0, VD, q_scale, op.eps, 0};
+  enc.set_kernel(gd_chunk_kernels(false, false, xt, wt)[3]);
+  enc.set_args(na);
+  enc.set_buffer(1, o_raw);
+  enc.set_buffer(2, need(fn, op.z, uint64_t(VD) * xe, "z"));
+  enc.set_buffer(3, need(fn, op.norm_weight, uint64_t(op.Dv) * dtype_size(wt), "norm_weight"));
+  enc.set_buffer(4, need(fn, op.y, uint64_t(VD) * xe, "y"));
+  enc.dispatch({1, op.Hv, 1}, {32, 1, 1});
 }
 
 void encode_conv1d(Encoder& enc, const Conv1dOperands& op) {
@@ -440,8 +448,8 @@ void encode_gated_delta_mixer(Encoder& enc, const GatedDeltaMixerOperands& op) {
   enc.barrier();  // proj written -> read by conv1d / gated_delta_decode / gd_chunk_prep_conv (qkv columns) and the rule (z, b, a)
 
   if (op.T == 1) {  // decode: the conv fused into the rule, heads split by value columns
-    if (op.gd_o_raw.buffer == nullptr || op.gd_tickets.buffer == nullptr)
-      throw std::invalid_argument("gated_delta_mixer: one token needs gd_o_raw and gd_tickets bound");
+    if (op.gd_o_raw.buffer == nullptr)
+      throw std::invalid_argument("gated_delta_mixer: one token needs gd_o_raw bound");
     GdDecodeOperands dd;
     dd.x = op.proj;
     dd.z = at(op.proj, C);
@@ -455,7 +463,6 @@ void encode_gated_delta_mixer(Encoder& enc, const GatedDeltaMixerOperands& op) {
     dd.norm_weight = op.norm_weight;
     dd.state = op.state;
     dd.o_raw = op.gd_o_raw;
-    dd.tickets = op.gd_tickets;
     dd.y = op.o;
     dd.x_dtype = op.x_dtype;
     dd.w_dtype = op.w_dtype;

@@ -93,8 +93,10 @@ void encode_gated_delta(Encoder& enc, const GatedDeltaOperands& op);
 
 // One decode token of the DeltaNet core with conv1d fused (shaders/gated_delta.metal
 // `gated_delta_decode`): conv of the token's q | k | v against the window conv_in, new window to
-// conv_out, the gated delta rule and the gated RMSNorm; each value head split over
-// gated_delta_decode_blocks() threadgroups by value columns.
+// conv_out, the gated delta rule (each value head split over gated_delta_decode_blocks()
+// threadgroups by value columns, raw outputs to o_raw), then, after a barrier, the gated RMSNorm
+// (gd_chunk_norm of one token: a norm over a head's columns needs them all, and MSL 3.1 orders no
+// device memory between the threadgroups of one dispatch).
 struct GdDecodeOperands {
   Binding x;            // [>= C] of x_dtype: the token's conv input q | k | v (before the conv)
   Binding z, a, b;      // [Hv*Dv], [Hv], [Hv] of x_dtype
@@ -104,7 +106,6 @@ struct GdDecodeOperands {
   Binding A_log, dt_bias, norm_weight;  // as in GatedDeltaOperands
   Binding state;        // [Hv, Dv, Dk] float32, in place
   Binding o_raw;        // scratch float32 [Hv*Dv]
-  Binding tickets;      // uint32 [Hv], zero before the dispatch (and left zero after it)
   Binding y;            // [Hv*Dv] of x_dtype
   DType x_dtype = DType::f32;
   DType w_dtype = DType::f32;
@@ -118,7 +119,8 @@ KernelId gated_delta_decode_kernel(DType x_dtype, DType w_dtype);
 uint32_t gated_delta_decode_threads(uint32_t Dv, uint32_t limit);
 // Threadgroups per value head (grid x) for `threads` threads per threadgroup.
 uint32_t gated_delta_decode_blocks(uint32_t Dv, uint32_t threads);
-// One dispatch, grid (blocks, Hv), sized from enc.thread_limit(); no barrier. Throws std::invalid_argument.
+// Two dispatches, the rule (grid (blocks, Hv), sized from enc.thread_limit()) and the norm (grid
+// (1, Hv) of 32 threads), one barrier between them. Throws std::invalid_argument.
 void encode_gated_delta_decode(Encoder& enc, const GdDecodeOperands& op);
 
 // A quantized linear layer (MLX affine layout), as bound for the quantized matmul.
@@ -137,8 +139,8 @@ struct QuantLinear {
 //   qkv  = conv1d(proj[:, :C])  conv state rolled from conv_state_in to conv_state_out
 //   o    = gated_delta(qkv, z, a, b, ...)   recurrent state updated in place
 //   out  = o @ out_proj^T
-// Dispatches: T = 1 (decode): 3 (in_proj, gated_delta_decode with the conv fused, out_proj),
-// 2 barriers; needs gd_o_raw and gd_tickets. T > 1: 4 (in_proj, conv1d, gated_delta, out_proj),
+// Dispatches: T = 1 (decode): 4 (in_proj, gated_delta_decode with the conv fused, its gated norm,
+// out_proj), 3 barriers; needs gd_o_raw. T > 1: 4 (in_proj, conv1d, gated_delta, out_proj),
 // 3 barriers, one before each consumer; on the chunked route (gated_delta_route, chunk_scratch
 // bound) the delta rule takes 4 dispatches instead of 1: 7 dispatches, 6 barriers.
 struct GatedDeltaMixerOperands {
@@ -157,7 +159,6 @@ struct GatedDeltaMixerOperands {
   Binding x_i8;            // int8 activation scratch (qmm_i8_scratch_bytes(T, max(hidden, Hv*Dv))) for
                            // in_proj and out_proj; unbound: no int8
   Binding gd_o_raw;        // T = 1: scratch float32 [Hv*Dv] (raw outputs before the gated norm)
-  Binding gd_tickets;      // T = 1: uint32 [Hv], zero (state: the kernel leaves it zero)
   Binding out;             // [T, hidden] of x_dtype
   Binding in_norm;         // optional float32 [hidden] (T == 1 only): in_proj normalizes x itself
                            // (RMSNorm with this weight and in_norm_eps fused in front, qmv1 route)

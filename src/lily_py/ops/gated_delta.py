@@ -134,16 +134,16 @@ def gated_delta_decode(q, k, v, z, a, b, conv_weight, conv_state, A_log, dt_bias
     columns of the projection); the kernel applies the causal conv + SiLU against ``conv_state``
     (``[K-1, C]``, C = 2 Hk Dk + Hv Dv, x's dtype; weight ``[C, K]`` as :func:`causal_conv1d`),
     rounds the conv output to the activation dtype, then runs :func:`gated_delta_step` on it.
-    The same result as ``causal_conv1d`` followed by ``gated_delta_step``, in one dispatch whose
-    value heads are split over threadgroups by value columns."""
-    y, cs, st, _, _ = _gated_delta_decode(q, k, v, z, a, b, conv_weight, conv_state, A_log, dt_bias,
+    The same result as ``causal_conv1d`` followed by ``gated_delta_step``, in two dispatches: the
+    rule, whose value heads are split over threadgroups by value columns, then the gated norm."""
+    y, cs, st, _ = _gated_delta_decode(q, k, v, z, a, b, conv_weight, conv_state, A_log, dt_bias,
                                           norm_weight, state, eps=eps, device=device)
     return y, cs, st
 
 
 def _gated_delta_decode(q, k, v, z, a, b, conv_weight, conv_state, A_log, dt_bias, norm_weight, state, *,
                         eps=1e-6, device="emu", order="shuffle", seed=0, fp_traps=True):
-    """:func:`gated_delta_decode` plus the tickets after the run (uint32 [Hv], must be 0) and the stats."""
+    """:func:`gated_delta_decode` plus the run's stats."""
     fn = "gated_delta_decode"
     qc, x_name = _float_array(q, "q", fn)
     vc, v_name = _float_array(v, "v", fn)
@@ -179,11 +179,10 @@ def _gated_delta_decode(q, k, v, z, a, b, conv_weight, conv_state, A_log, dt_bia
         raise ValueError(f"{fn}: eps must be > 0, got {eps!r}")
     _check_device(device, fn)
     x = np.concatenate([qc.reshape(-1), kc.reshape(-1), vc.reshape(-1)])
-    y, cs, st, tickets, stats = _core().ops.gated_delta_decode(
+    y, cs, st, stats = _core().ops.gated_delta_decode(
         x, zc.reshape(-1), ac, bc, wc, csc, al, dc, nc, st, Hk=Hk, Hv=Hv, Dk=Dk, Dv=Dv, eps=float(eps),
         x_dtype=x_name, w_dtype=w_name, device=device, order=order, seed=seed, fp_traps=fp_traps)
-    return (_from_core(y, x_name).reshape(Hv, Dv), _from_core(cs, x_name), st.transpose(0, 2, 1).copy(),
-            np.asarray(tickets).view(np.uint32), stats)
+    return _from_core(y, x_name).reshape(Hv, Dv), _from_core(cs, x_name), st.transpose(0, 2, 1).copy(), stats
 
 
 def _gated_delta(q, k, v, z, a, b, A_log, dt_bias, norm_weight, state, *, eps=1e-6, chunks=None,
