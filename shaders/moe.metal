@@ -45,7 +45,7 @@ inline float moe_silu(float v) { return v / (1.0f + exp(-v)); }
 // row[0 .. E) in fp32 (moe_probs), then rounds of (simd_max, simd_min of the index) (moe_take).
 // Every caller runs this same code on the same logits, so every kernel that selects for itself
 // gets the same experts (ties go to the lowest expert index, as in lily_py.reference.moe.route).
-constexpr float kMoeTaken = -1.0f;  // below every probability
+constant constexpr float kMoeTaken = -1.0f;  // below every probability
 
 // p[i]: the probability of expert lane + 32 i (kMoeTaken past E). A NaN probability (a NaN or
 // infinite logit: the activations went bad upstream) ranks below every number and above a taken

@@ -121,7 +121,7 @@ inline void dot_rows_u4(thread const uint4* wv, thread const float* xs, thread f
 template <int bits>
 struct Qmv1Codes {
   static_assert(bits >= 2 && bits <= 8 && bits != 4 && bits != 8, "4 and 8 bits: the specialisations");
-  static constexpr uint32_t V = 32;
+  enum : uint32_t { V = 32 };  // an enumerator: MSL has no static data members outside `constant`
   typedef Qmv1Words<bits> Words;
   static float scale_of(uint32_t) { return 1.0f; }
   static Words load(const device uint32_t* p) {
@@ -149,7 +149,7 @@ struct Qmv1Codes {
 
 template <>
 struct Qmv1Codes<4> {
-  static constexpr uint32_t V = 32;
+  enum : uint32_t { V = 32 };  // an enumerator: MSL has no static data members outside `constant`
   typedef uint4 Words;
   static uint4 load(const device uint32_t* p) { return *reinterpret_cast<const device uint4*>(p); }
   static float scale_of(uint32_t i) { return i % 4 == 0 ? 1.0f : i % 4 == 1 ? 0.0625f : i % 4 == 2 ? 0.00390625f : 0.000244140625f; }
@@ -180,7 +180,7 @@ struct Qmv1Codes<4> {
 };
 template <>
 struct Qmv1Codes<8> {
-  static constexpr uint32_t V = 16;
+  enum : uint32_t { V = 16 };
   typedef uint4 Words;
   static uint4 load(const device uint32_t* p) { return *reinterpret_cast<const device uint4*>(p); }
   static float scale_of(uint32_t i) { return i % 2 == 0 ? 1.0f : 0.00390625f; }

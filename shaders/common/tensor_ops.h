@@ -49,9 +49,9 @@ inline void i8_spread_codes(uint32_t word, threadgroup uint32_t* dst) {
 // ROWS rows of a half tile (32-byte rows of codes) from row r0, as a matmul2d operand (E: int8_t
 // for x, uint8_t for the weights).
 template <typename E, int ROWS>
-inline tensor<threadgroup E, dextents<int32_t, 2>, tensor_inline> i8_half_tile(threadgroup uint4* half, uint32_t r0) {
+inline tensor<threadgroup E, dextents<int32_t, 2>, tensor_inline> i8_half_tile(threadgroup uint4* tile, uint32_t r0) {
   return tensor<threadgroup E, dextents<int32_t, 2>, tensor_inline>(
-      reinterpret_cast<threadgroup E*>(half) + r0 * kI8Group, dextents<int32_t, 2>(int(kI8Group), ROWS));
+      reinterpret_cast<threadgroup E*>(tile) + r0 * kI8Group, dextents<int32_t, 2>(int(kI8Group), ROWS));
 }
 
 // Stages one row's 64-column step of codes (two halves: 32 bytes at half_a[row], half_b[row]; the
@@ -80,17 +80,17 @@ inline void i8_stage_row(const device uint8_t* codes, const device float* sc, co
 }
 
 // Stages 16 weight codes of feature n (row `row` of the weight halves), columns 16 part2 .. + 16 of
-// half `half` of the step at k0, as bytes; and (first = true) the feature's group scale and bias.
+// half `part` of the step at k0, as bytes; and (first = true) the feature's group scale and bias.
 // Zeros for n >= N. wpr: code words per row; gpr: groups per row.
 template <typename S>
 inline void i8_stage_w16(const device uint32_t* w, const device S* sc, const device S* bi, uint32_t n, uint32_t N,
-                         uint32_t k0, uint32_t wpr, uint32_t gpr, uint32_t group_size, uint32_t row, uint32_t half,
+                         uint32_t k0, uint32_t wpr, uint32_t gpr, uint32_t group_size, uint32_t row, uint32_t part,
                          uint32_t part2, bool first, threadgroup uint4* halves, uint32_t half_stride,
                          threadgroup float* ws, threadgroup float* wb) {
   threadgroup uint32_t* dst =
-      reinterpret_cast<threadgroup uint32_t*>(halves + half * half_stride + row * (kI8Group / 16)) + part2 * 4;
+      reinterpret_cast<threadgroup uint32_t*>(halves + part * half_stride + row * (kI8Group / 16)) + part2 * 4;
   if (n < N) {
-    const device uint32_t* src = w + n * wpr + (k0 + half * kI8Group + part2 * 16) / 8;
+    const device uint32_t* src = w + n * wpr + (k0 + part * kI8Group + part2 * 16) / 8;
     i8_spread_codes(src[0], dst);
     i8_spread_codes(src[1], dst + 2);
   } else {

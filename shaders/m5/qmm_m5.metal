@@ -196,14 +196,14 @@ inline void qmm_m5i8_stage(constant QmmArgs& args, const device uint8_t* xq, con
                            uint32_t k0, uint32_t t, threadgroup uint4* xt, threadgroup uint4* wt,
                            threadgroup float* xsa, threadgroup float* xsb, threadgroup float* xsum,
                            threadgroup float* ws, threadgroup float* wb) {
-  const uint32_t row = t / 2, half = t % 2;
+  const uint32_t row = t / 2, part = t % 2;
   const uint32_t m = m0 + row, n = n0 + row;
   const uint32_t g32 = m * (args.K / kI8Group) + k0 / kI8Group;
-  i8_stage_row(xq + m * args.K + k0, i8_scales(xq, args.M, args.K) + g32, i8_sums(xq, args.M, args.K) + g32, m < args.M, row, half, xt, kI8HalfTile, xsa, xsb, xsum);
+  i8_stage_row(xq + m * args.K + k0, i8_scales(xq, args.M, args.K) + g32, i8_sums(xq, args.M, args.K) + g32, m < args.M, row, part, xt, kI8HalfTile, xsa, xsb, xsum);
   const uint32_t wpr = args.K / 8, gpr = args.K / args.group_size;
   for (uint32_t part2 = 0; part2 < 2; ++part2)
-    i8_stage_w16(w, scales, biases, n, args.N, k0, wpr, gpr, args.group_size, row, half, part2,
-                 half == 1 && part2 == 0, wt, kI8HalfTile, ws, wb);
+    i8_stage_w16(w, scales, biases, n, args.N, k0, wpr, gpr, args.group_size, row, part, part2,
+                 part == 1 && part2 == 0, wt, kI8HalfTile, ws, wb);
 }
 
 template <typename T, typename S>
