@@ -703,6 +703,8 @@ void simdgroup_multiply(simdgroup_matrix<T, 8, 8>& d, const simdgroup_matrix<T, 
 }
 
 // ---------------------------------------------------------------------------- Metal 4 tensors
+constexpr unsigned long dynamic_extent = static_cast<unsigned long>(-1);  // matmul2d_descriptor's k: from the operands
+
 template <class IndexType, int Rank>
 struct dextents {
   static_assert(Rank == 2, "rank-2 tensors only");
@@ -997,7 +999,7 @@ constexpr unsigned max_threads(const char* name) {
   LILY_CUDA_ENTRY(LILY_CUDA_CAT(LILY_CUDA_CAT(LILY_CUDA_FILE, _), __LINE__), name, __VA_ARGS__)
 
 // LILY_TG_ARRAY(float, tile, [32][36]): __shared__ float tile[32][36];
-#define LILY_TG_ARRAY(T, name, dims) __shared__ T name dims
+#define LILY_TG_ARRAY(T, name, dims) __shared__ __align__(16) T name dims
 
 #define LILY_KERNEL_TAIL \
   uint3 group_pos, uint3 thread_pos, uint3 group_size, uint3 grid_pos, uint lane, uint simd_id

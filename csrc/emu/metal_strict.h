@@ -170,7 +170,7 @@ void simdgroup_multiply(thread simdgroup_matrix<T, 8, 8>&, thread const simdgrou
 struct LilyKernelScope {};
 #define LILY_TG_ARRAY(T, name, dims)                                                                   \
   static_assert(sizeof(lily_kernel_scope_only) > 0, "threadgroup arrays only in a kernel's own scope"); \
-  static threadgroup T name dims
+  alignas(16) static threadgroup T name dims
 #define LILY_KERNEL_TAIL \
   uint3 group_pos, uint3 thread_pos, uint3 group_size, uint3 grid_pos, uint lane, uint simd_id, \
   LilyKernelScope lily_kernel_scope_only

@@ -8,7 +8,8 @@
 //    LILY_INSTANTIATE("host_name", f<...>) whose host name is a row of csrc/gpu/kernel_ids.h.
 //  * Parameters: `constant XxxArgs& args [[buffer(0)]]`, then device buffers [[buffer(1)]],
 //    [[buffer(2)]], ... in order, then LILY_KERNEL_TAIL (the built-in positions, always uint3).
-//  * Threadgroup arrays: LILY_TG_ARRAY(T, name, [n][m]) at kernel scope, unconditionally.
+//  * Threadgroup arrays: LILY_TG_ARRAY(T, name, [n][m]) at kernel scope, unconditionally (16-byte
+//    aligned: tensor operands need it).
 //  * No early return before a barrier or a simd_* collective; every lane calls every collective.
 //  * Write bfloat(x) / float(x) conversions explicitly; no MSL literal suffixes (0.5h).
 //  * Vectors: construct from one scalar (float4(0.0f)) and set components (v.y = ...); the strict
@@ -22,7 +23,8 @@ using namespace metal;
 
 #define LILY_INSTANTIATE(name, ...) \
   template [[host_name(name)]] [[kernel]] decltype(__VA_ARGS__) __VA_ARGS__;
-#define LILY_TG_ARRAY(T, name, dims) threadgroup T name dims
+// 16-byte aligned on every path: arrays that back tensor operands need it (Metal 4 tensors).
+#define LILY_TG_ARRAY(T, name, dims) alignas(16) threadgroup T name dims
 #define LILY_KERNEL_TAIL                                \
   uint3 group_pos [[threadgroup_position_in_grid]],     \
   uint3 thread_pos [[thread_position_in_threadgroup]],  \

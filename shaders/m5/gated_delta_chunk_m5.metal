@@ -124,13 +124,13 @@ template <typename F>
 //   state:     simdgroup s holds S[32 s .. + 32][c0 .. + 32] (key dims past Dk stay zero) in the fp32
 //              cooperative destination of op_ks; Sh = half(S) [128][32] in threadgroup memory
 //   per chunk (every op on one simdgroup, execution_simdgroup: docs/tensor-ops.md, "Execution scope and
-//              tile shape"; op16 = matmul2d_descriptor(16, 32, 128, false, false, false,
-//              multiply_accumulate), k = 128 = the largest Dk, operands past their extents read 0):
+//              tile shape"; op16 = matmul2d_descriptor(16, 32, dynamic_extent, false, false, false,
+//              multiply_accumulate): k from the operands, Dk for W Sh and Q Sh, 64 for P Uh):
 //              1 threads < 64: e^{G_t}, exp(G_C - G_t) -> eg; simdgroup s, tokens r0 = 16 s .. + 16:
 //                W's 16 rows rounded to half into its stage; U = u + Wh Sh (op16, into a
 //                cooperative tensor initialised from u); half(U) -> Uh [64][32];
 //                O = Q Sh (op16, Q the prep's half q in device memory); barrier
-//              2 simdgroup s: O = diag(e^G) O + P Uh (op16 again: P's 64 columns, the rest reads 0)
+//              2 simdgroup s: O = diag(e^G) O + P Uh (op16 again, k = 64: P's 64 columns)
 //                -> vo; its stage refilled with half(diag(tail) K)[64][32 s .. + 32] (packed,
 //                transposed operand); S = e^{G_C} S + Kh^T Uh (op_ks =
 //                matmul2d_descriptor(32, 32, 64, true, false, false, multiply_accumulate));
@@ -162,7 +162,8 @@ template <typename F>
   const uint32_t Dk = args.Dk, Dv = args.Dv, kh = h / (args.Hv / args.Hk);
   device float* st = state + uint64_t(h) * Dv * Dk;  // [Dv][Dk]
 
-  constexpr auto desc16 = matmul2d_descriptor(int(OR), int(NC), int(DK), false, false, false,
+  // K from the operands (dynamic): their key extent is Dk (64 or 128), not the staging's DK.
+  constexpr auto desc16 = matmul2d_descriptor(int(OR), int(NC), static_cast<int>(dynamic_extent), false, false, false,
                                               matmul2d_descriptor::mode::multiply_accumulate);
   constexpr auto desc_ks = matmul2d_descriptor(int(SR), int(NC), int(C), true, false, false,
                                                matmul2d_descriptor::mode::multiply_accumulate);
