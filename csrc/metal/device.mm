@@ -36,13 +36,16 @@
 #else
 #define LILY_SDK_MACOS15 0
 #endif
-// Metal 4 (macOS 26 SDK): lily_m5.metallib, the tensor-op kernels (shaders/m5/), is built only by
-// such an SDK's toolchain (CMakeLists.txt), and loaded only where @available says macOS 26. (A
-// binary built with an older SDK sees macOS 26 as 16.0 and has no lily_m5.metallib anyway.)
-#if defined(__MAC_26_0) && __MAC_OS_X_VERSION_MAX_ALLOWED >= __MAC_26_0
-#define LILY_SDK_MACOS26 1
+// The flags CMake compiled each metallib with (CMakeLists.txt; absent when it built none).
+#if defined(LILY_METALLIB_FLAGS)
+#define LILY_METALLIB_FLAGS_OR_NULL LILY_METALLIB_FLAGS
 #else
-#define LILY_SDK_MACOS26 0
+#define LILY_METALLIB_FLAGS_OR_NULL nullptr
+#endif
+#if defined(LILY_METALLIB_M5_FLAGS)
+#define LILY_METALLIB_M5_FLAGS_OR_NULL LILY_METALLIB_M5_FLAGS
+#else
+#define LILY_METALLIB_M5_FLAGS_OR_NULL nullptr
 #endif
 
 namespace lily::metal {
@@ -56,6 +59,12 @@ constexpr int kMinAppleFamily = 7;
 // 10 (M5: neural accelerators in every GPU core). Older families would run the same tensor ops
 // without those accelerators, where the simdgroup-matrix kernels are the measured path.
 constexpr int kTensorOpsAppleFamily = 10;
+// MTLLanguageVersion4_0 = (4 << 16) + 0 = 262144 (MTLLibrary.h of the macOS 26 SDK; the same value
+// as LanguageVersion4_0 in Apple's metal-cpp, Metal/MTLLibrary.hpp). The macOS 14.2 and 15 SDK
+// headers this file also compiles against do not declare it, hence the raw value; it is used only
+// where macos26_or_later() holds. The tensor-op shaders need it: Metal 4 defines
+// __METAL_VERSION__ 400 and __HAVE_TENSOR__, which shaders/common/tensor_ops.h requires.
+constexpr NSUInteger kMTLLanguageVersion4_0 = (4u << 16) + 0u;
 
 std::string module_dir() {
   Dl_info dl{};
@@ -96,6 +105,28 @@ int apple_family(id<MTLDevice> d) {
     if ([d supportsFamily:static_cast<MTLGPUFamily>(static_cast<NSInteger>(MTLGPUFamilyApple1) + n - 1)]) return n;
   return 0;
 }
+
+// macOS 26 or newer, whatever SDK this module and the process were built with. A process whose
+// executable was linked against a macOS 15 or older SDK may be told macOS 26 is "16.0" (Apple's
+// version compatibility, as macOS 11 was 10.16 to old binaries); no other macOS is 16.x. Nothing
+// here calls an API newer than macOS 14: the checks gate the Metal 4 language at run time.
+bool macos26_or_later() {
+  if (@available(macOS 26.0, *)) return true;
+  if (@available(macOS 16.0, *)) return true;
+  return false;
+}
+
+// One shader library as the device found it: the prebuilt metallib, else the installed
+// amalgamated source compiled at run time; lib == nil when neither worked (error says why).
+struct LoadedLibrary {
+  id<MTLLibrary> lib = nil;
+  std::string path;             // the metallib or the source file in use ("" when none)
+  std::string source;           // "metallib" | "source" | ""
+  bool metallib_installed = false;
+  std::string metallib_error;   // why an installed metallib was not used ("" when it was / none)
+  std::string error;            // why there is no library ("" when lib != nil)
+  std::string math_mode;        // how its math was compiled
+};
 
 // One per process: device, queue, library and the pipeline cache (keyed by kernel id).
 // Deliberately never destroyed: releasing Metal objects from static destructors at interpreter
@@ -183,98 +214,119 @@ class Context {
     if (!error.empty()) throw std::runtime_error(error);
   }
 
-  // Returns "" or the error. Prefers lily.metallib; falls back to compiling the shipped source
-  // when the metallib is missing or cannot be loaded (e.g. built for a newer macOS). The
-  // metallib's load error is kept in info_.metallib_error either way.
-  std::string load_library() {
-    const std::string dir = module_dir();
-    const std::string lib = dir + "/lily.metallib";
-    std::string lib_error;
-    NSURL* url = [NSURL fileURLWithPath:[NSString stringWithUTF8String:lib.c_str()]];
+  // `metallib` if it is installed and loads; else the amalgamated source `source_path` (installed
+  // beside it, csrc/metal/amalgamate.py) compiled at run time in language `version` (`lang` names
+  // it), math mode explicit as in the metallibs (precise exp/log/rsqrt, no reassociation or
+  // contraction). An installed metallib that does not load (e.g. built for a newer macOS) is kept
+  // in metallib_error either way.
+  LoadedLibrary load_library_file(const std::string& metallib, const char* metallib_flags,
+                                  const std::string& source_path, MTLLanguageVersion version, const char* lang) {
+    LoadedLibrary r;
+    NSURL* url = [NSURL fileURLWithPath:[NSString stringWithUTF8String:metallib.c_str()]];
     if ([[NSFileManager defaultManager] fileExistsAtPath:[url path]]) {
-      info_.metallib_built = true;
+      r.metallib_installed = true;
       NSError* err = nil;
-      library_ = [device_ newLibraryWithURL:url error:&err];
-      if (library_ != nil) {
-        info_.library_path = lib;
-        info_.library_source = "metallib";
-#if defined(LILY_METALLIB_FLAGS)
-        info_.math_mode = "metallib compiled with: " LILY_METALLIB_FLAGS;
-#else
-        info_.math_mode = "metallib (compile flags not recorded)";
-#endif
-        return "";
+      r.lib = [device_ newLibraryWithURL:url error:&err];
+      if (r.lib != nil) {
+        r.path = metallib;
+        r.source = "metallib";
+        r.math_mode = metallib_flags != nullptr ? std::string("metallib compiled with: ") + metallib_flags
+                                                : std::string("metallib (compile flags not recorded)");
+        return r;
       }
-      info_.metallib_error = "cannot load " + lib + ": " + describe(err);
-      lib_error = info_.metallib_error + "; ";
+      r.metallib_error = "cannot load " + metallib + ": " + describe(err);
     }
-    // Compile the amalgamated sources at run time, math mode explicit (precise exp/log/rsqrt, no
-    // reassociation or contraction), MSL 3.1 for bfloat (macOS 14).
-    const std::string src_path = dir + "/lily_shaders.metal";
-    std::ifstream in(src_path);
-    if (!in) return lib_error + "neither " + lib + " nor " + src_path + " is usable";
+    const std::string why_not_metallib = r.metallib_error.empty() ? "" : r.metallib_error + "; ";
+    std::ifstream in(source_path);
+    if (!in) {
+      r.error = why_not_metallib + "neither " + metallib + " nor " + source_path + " is usable";
+      return r;
+    }
     std::stringstream ss;
     ss << in.rdbuf();
     NSString* source = [NSString stringWithUTF8String:ss.str().c_str()];
-    if (source == nil) return lib_error + src_path + " is not UTF-8";
+    if (source == nil) {
+      r.error = why_not_metallib + source_path + " is not UTF-8";
+      return r;
+    }
     MTLCompileOptions* opts = [[MTLCompileOptions alloc] init];
-    set_math_mode(opts);
-    opts.languageVersion = MTLLanguageVersion3_1;
+    const std::string math = set_math_mode(opts);
+    opts.languageVersion = version;
     NSError* err = nil;
-    library_ = [device_ newLibraryWithSource:source options:opts error:&err];
-    if (library_ == nil) return lib_error + "compiling " + src_path + ": " + describe(err);
-    info_.library_path = src_path;
-    info_.library_source = "source";
+    r.lib = [device_ newLibraryWithSource:source options:opts error:&err];
+    if (r.lib == nil) {
+      r.error = why_not_metallib + "compiling " + source_path + " (" + lang + ") at run time: " + describe(err);
+      return r;
+    }
+    r.path = source_path;
+    r.source = "source";
+    r.math_mode = std::string(lang) + ", " + math;
+    return r;
+  }
+
+  // The base library: lily.metallib, else lily_shaders.metal compiled at run time as MSL 3.1
+  // (bfloat, macOS 14). Returns "" or the error.
+  std::string load_library() {
+    const std::string dir = module_dir();
+    LoadedLibrary r = load_library_file(dir + "/lily.metallib", LILY_METALLIB_FLAGS_OR_NULL,
+                                        dir + "/lily_shaders.metal", MTLLanguageVersion3_1, "MSL 3.1");
+    info_.metallib_built = r.metallib_installed;
+    info_.metallib_error = r.metallib_error;
+    if (r.lib == nil) return r.error;
+    library_ = r.lib;
+    info_.library_path = r.path;
+    info_.library_source = r.source;
+    info_.math_mode = r.math_mode;
     return "";
   }
 
-  // The tensor-op kernels: lily_m5.metallib (Metal 4) on an Apple10+ GPU under macOS 26+. Sets
-  // info_.tensor_ops, or info_.tensor_ops_reason to why not.
+  // The tensor-op kernels (shaders/m5/), on an Apple10+ GPU under macOS 26+ only:
+  // lily_m5.metallib (built only by a macOS 26 SDK's Metal toolchain), else lily_shaders_m5.metal
+  // compiled at run time as MSL 4.0. Sets info_.tensor_ops and appends " + <path>" to
+  // info_.library_path (a path ending in .metallib: prebuilt; .metal: compiled at run time), or
+  // sets info_.tensor_ops_reason to why not. An installed lily_m5.metallib that does not load is
+  // appended to info_.metallib_error.
   void load_library_m5(int fam) {
-    const std::string lib = module_dir() + "/lily_m5.metallib";
-    m5_path_ = lib;
     if (fam < kTensorOpsAppleFamily) {
       info_.tensor_ops_reason = "GPU family apple" + std::to_string(fam) + " < apple" +
                                 std::to_string(kTensorOpsAppleFamily) + " (M5): the simdgroup-matrix kernels are used";
       return;
     }
-#if LILY_SDK_MACOS26
-    if (@available(macOS 26.0, *)) {
-      NSURL* url = [NSURL fileURLWithPath:[NSString stringWithUTF8String:lib.c_str()]];
-      if (![[NSFileManager defaultManager] fileExistsAtPath:[url path]]) {
-        info_.tensor_ops_reason = lib + " is not installed (the build's Metal toolchain has no Metal 4)";
-        return;
-      }
-      NSError* err = nil;
-      library_m5_ = [device_ newLibraryWithURL:url error:&err];
-      if (library_m5_ == nil) {
-        info_.tensor_ops_reason = "cannot load " + lib + ": " + describe(err);
-        return;
-      }
-      info_.tensor_ops = true;
-      // int8 activations on the tensor ops (qmm_m5i8, moe_*_m5i8) only on request: estimated
-      // faster than the half kernels, but they exceed mlx-lm's bf16 error on one of the oracle
-      // checkpoints (docs/int8.md). (The int8 cache's prefill attention has int8 scores on every M5.)
-      const char* i8 = std::getenv("LILY_TENSOR_INT8");
-      info_.tensor_int8 = i8 != nullptr && std::string(i8) == "1";
-      info_.library_path += " + " + lib;
+    if (!macos26_or_later()) {
+      info_.tensor_ops_reason = "Metal 4 tensor ops need macOS 26";
       return;
     }
-    info_.tensor_ops_reason = "Metal 4 tensor ops need macOS 26";
-#else
-    info_.tensor_ops_reason = "built with " + info_.build_sdk + ", which has no Metal 4 (macOS 26 SDK)";
-#endif
+    const std::string dir = module_dir();
+    LoadedLibrary r = load_library_file(dir + "/lily_m5.metallib", LILY_METALLIB_M5_FLAGS_OR_NULL,
+                                        dir + "/lily_shaders_m5.metal",
+                                        static_cast<MTLLanguageVersion>(kMTLLanguageVersion4_0), "MSL 4.0");
+    if (!r.metallib_error.empty())
+      info_.metallib_error += (info_.metallib_error.empty() ? "" : "; ") + r.metallib_error;
+    if (r.lib == nil) {
+      info_.tensor_ops_reason = r.error;
+      return;
+    }
+    library_m5_ = r.lib;
+    m5_path_ = r.path;
+    info_.tensor_ops = true;
+    // int8 activations on the tensor ops (qmm_m5i8, moe_*_m5i8) only on request: estimated
+    // faster than the half kernels, but they exceed mlx-lm's bf16 error on one of the oracle
+    // checkpoints (docs/int8.md). (The int8 cache's prefill attention has int8 scores on every M5.)
+    const char* i8 = std::getenv("LILY_TENSOR_INT8");
+    info_.tensor_int8 = i8 != nullptr && std::string(i8) == "1";
+    info_.library_path += " + " + r.path;
+    info_.math_mode += "; lily_m5: " + r.math_mode;
   }
 
   // macOS 15+: mathMode = safe and precise math functions (the properties that replaced
   // fastMathEnabled); before that fastMathEnabled = NO (documented to mean the same safe mode).
-  void set_math_mode(MTLCompileOptions* opts) {
+  // Returns what it set.
+  static std::string set_math_mode(MTLCompileOptions* opts) {
 #if LILY_SDK_MACOS15
     if (@available(macOS 15.0, *)) {
       opts.mathMode = MTLMathModeSafe;
       opts.mathFloatingPointFunctions = MTLMathFloatingPointFunctionsPrecise;
-      info_.math_mode = "mathMode=safe, mathFloatingPointFunctions=precise";
-      return;
+      return "mathMode=safe, mathFloatingPointFunctions=precise";
     }
 #pragma clang diagnostic push
 #pragma clang diagnostic ignored "-Wdeprecated-declarations"
@@ -283,14 +335,14 @@ class Context {
 #if LILY_SDK_MACOS15
 #pragma clang diagnostic pop
 #endif
-    info_.math_mode = "fastMathEnabled=NO";
+    return "fastMathEnabled=NO";
   }
 
   id<MTLDevice> device_ = nil;
   id<MTLCommandQueue> queue_ = nil;
   id<MTLLibrary> library_ = nil;
-  id<MTLLibrary> library_m5_ = nil;  // lily_m5.metallib (tensor ops), when info_.tensor_ops
-  std::string m5_path_;
+  id<MTLLibrary> library_m5_ = nil;  // the tensor-op library, when info_.tensor_ops
+  std::string m5_path_;              // its metallib or source file
   gpu::DeviceInfo info_;
   bool supported_ = false;
   std::string library_error_;  // why no library loaded ("" when one did)

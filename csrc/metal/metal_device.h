@@ -1,11 +1,18 @@
 // The Metal device (Apple only; compiled when LILY_METAL). Plain C++ interface: the Objective-C++
 // lives in device.mm, nothing else in the project sees a Metal type.
 //
-// Library: lily.metallib next to the extension module (built from shaders/ by CMake with
-// `xcrun metal -fno-fast-math -mmacosx-version-min=<deployment target>`); where it is missing (no
-// Metal toolchain at build time) or fails to load, the shipped amalgamated source
-// lily_shaders.metal is compiled at run time (math mode safe / precise functions on macOS 15+,
-// fastMathEnabled = NO before). A metallib's load error is kept (info().metallib_error).
+// Libraries, each found the same way next to the extension module: the prebuilt metallib, else the
+// installed amalgamated source compiled at run time (math mode safe / precise functions on macOS
+// 15+, fastMathEnabled = NO before; csrc/metal/amalgamate.py, CMakeLists.txt):
+//   base:  lily.metallib (shaders/*.metal, MSL 3.1, the wheel's deployment target), else
+//          lily_shaders.metal compiled as MSL 3.1;
+//   M5:    on an Apple10+ GPU under macOS 26+ only: lily_m5.metallib (shaders/m5/*.metal, Metal 4
+//          tensor ops; only a macOS 26 SDK's Metal toolchain builds it), else lily_shaders_m5.metal
+//          compiled as MSL 4.0 (MTLLanguageVersion4_0, by raw value: older SDKs lack it).
+// info() records which: library_path is the base file, plus " + <M5 file>" when the tensor-op
+// library loaded (.metallib: prebuilt; .metal: compiled at run time); library_source is the base's
+// ("metallib" | "source"); tensor_ops_reason says why there is no M5 library; metallib_error why
+// an installed metallib (either) did not load; math_mode how each was compiled.
 // Limits: info() reports recommendedMaxWorkingSetSize and maxBufferLength; new_buffer refuses a
 // buffer over maxBufferLength; pipeline_info() creates a pipeline and reports its limits.
 // Residency: make_resident() puts buffers in an MTLResidencySet on the queue (macOS 15+ SDK and OS).

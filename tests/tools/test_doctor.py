@@ -134,7 +134,8 @@ def test_device_registry_api_is_used_where_present(monkeypatch):
              "library_path": "/x/lily_shaders.metal", "library_source": "source",
              "metallib_error": "Invalid library file", "metallib_built": True, "build_target": "macOS 14.0",
              "build_sdk": "macOS SDK 14.2", "math_mode": "fastMathEnabled=NO", "residency_set": False,
-             "simulated": False}
+             "simulated": False, "tensor_ops": False,
+             "tensor_ops_reason": "GPU family apple9 < apple10 (M5): the simdgroup-matrix kernels are used"}
     monkeypatch.setattr(lily_py, "devices", lambda: [DeviceStatus("metal", True, ""), DeviceStatus("emu", True, ""),
                                                      DeviceStatus("count", True, "")], raising=False)
     monkeypatch.setattr(lily_py, "device_info", lambda name: dict(facts, name=name), raising=False)
@@ -147,9 +148,69 @@ def test_device_registry_api_is_used_where_present(monkeypatch):
     text = out.getvalue()
     for s in ("registry        metal: usable; emu: usable; count: usable", "Apple M9 (test double)", "apple9",
               "48.0 GiB", "macOS SDK 14.2", "fastMathEnabled=NO", "Invalid library file",
-              "a lily.metallib was built but did not load    FAIL"):
+              "  library         compiled at run time from /x/lily_shaders.metal (MSL 3.1)\n",
+              "  M5 library      unavailable: GPU family apple9 < apple10 (M5): the simdgroup-matrix kernels are used\n",
+              "an installed metallib was built but did not load    FAIL"):
         assert s in text, s
+    assert "library source" not in text   # Metal: the library rows say it
     assert rep.exit_status == 1 and [c.name for c in rep.failed] == ["metallib"]
+    assert rep.to_json()["facts"]["libraries"] == {
+        "library": "compiled at run time from /x/lily_shaders.metal (MSL 3.1)",
+        "M5 library": "unavailable: GPU family apple9 < apple10 (M5): the simdgroup-matrix kernels are used"}
     monkeypatch.setattr(lily_py, "devices", lambda: [DeviceStatus("metal", False, "no Metal device")],
                         raising=False)
     assert D.device_status("metal") == (False, "no Metal device") and D.default_device() == "emu"
+
+
+# The Metal device's info (csrc/metal/device.mm, docs/metal.md "Shader libraries"): library_path is
+# the base library's file, plus " + <file>" when the M5 tensor-op library loaded (.metallib:
+# prebuilt, .metal: compiled at run time); library_source is the base's; tensor_ops_reason says why
+# there is no M5 library. Metal only exists on macOS: these are the facts it reports, as doubles.
+PKG = "/venv/lib/python3.12/site-packages/lily_py"
+
+
+@pytest.mark.parametrize("facts, rows", [
+    # the macOS 26 SDK wheel on an M5 under macOS 26: both prebuilt
+    ({"name": "metal", "library_path": f"{PKG}/lily.metallib + {PKG}/lily_m5.metallib",
+      "library_source": "metallib", "tensor_ops": True, "tensor_ops_reason": None},
+     [("library", f"prebuilt metallib {PKG}/lily.metallib"),
+      ("M5 library", f"prebuilt metallib {PKG}/lily_m5.metallib")]),
+    # the macOS 14 SDK wheel on an M5 under macOS 26: the M5 kernels compiled from the installed source
+    ({"name": "metal", "library_path": f"{PKG}/lily.metallib + {PKG}/lily_shaders_m5.metal",
+      "library_source": "metallib", "tensor_ops": True, "tensor_ops_reason": None},
+     [("library", f"prebuilt metallib {PKG}/lily.metallib"),
+      ("M5 library", f"compiled at run time from {PKG}/lily_shaders_m5.metal (MSL 4.0)")]),
+    # no Metal toolchain at build time, an M5 under macOS 26: both from source
+    ({"name": "metal", "library_path": f"{PKG}/lily_shaders.metal + {PKG}/lily_shaders_m5.metal",
+      "library_source": "source", "tensor_ops": True},
+     [("library", f"compiled at run time from {PKG}/lily_shaders.metal (MSL 3.1)"),
+      ("M5 library", f"compiled at run time from {PKG}/lily_shaders_m5.metal (MSL 4.0)")]),
+    # an M5 whose run-time compile failed: unavailable, with the device's reason
+    ({"name": "metal", "library_path": f"{PKG}/lily.metallib", "library_source": "metallib",
+      "tensor_ops": False,
+      "tensor_ops_reason": f"compiling {PKG}/lily_shaders_m5.metal (MSL 4.0) at run time: error: x"},
+     [("library", f"prebuilt metallib {PKG}/lily.metallib"),
+      ("M5 library", f"unavailable: compiling {PKG}/lily_shaders_m5.metal (MSL 4.0) at run time: error: x")]),
+    # macOS 15 on an M1
+    ({"name": "metal", "library_path": f"{PKG}/lily.metallib", "library_source": "metallib",
+      "tensor_ops": False, "tensor_ops_reason": "Metal 4 tensor ops need macOS 26"},
+     [("library", f"prebuilt metallib {PKG}/lily.metallib"),
+      ("M5 library", "unavailable: Metal 4 tensor ops need macOS 26")]),
+    # other devices: as reported (docs/tools.md's emulator output)
+    ({"name": "emu", "library_path": None, "library_source": "emulator"},
+     [("library", None), ("library source", "emulator")]),
+    ({"name": "cuda", "library_path": "/x/cuda_kernels", "library_source": "cubin", "tensor_ops": False},
+     [("library", "/x/cuda_kernels"), ("library source", "cubin")]),
+    ({}, [("library", None), ("library source", None)]),
+])
+def test_library_rows_say_how_each_library_was_found(facts, rows):
+    assert D.library_rows(facts) == rows
+
+
+def test_emulator_device_section_keeps_its_library_rows():
+    """The emulator's Device section (docs/tools.md shows it) has no Metal library rows."""
+    out = io.StringIO()
+    rep = D.run("emu", families=[], model=False, out=out)
+    text = out.getvalue()
+    assert "  library         -\n" in text and "  library source  emulator\n" in text
+    assert "M5 library" not in text and "libraries" not in rep.facts

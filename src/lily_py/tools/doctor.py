@@ -3,9 +3,11 @@
 On one device (``"metal"`` where the device registry says it is usable, else ``"emu"``, the CPU
 emulator of the Metal kernels) it reports, section by section:
 
-1. **Device**: name, GPU family, working set, metallib path and source, the metallib's load
-   error, the OS / SDK the build targeted. A device that is not usable is a failure, with the
-   registry's reason.
+1. **Device**: name, GPU family, working set, how each shader library was found (Metal: the
+   base library and the M5 tensor-op library, each a prebuilt metallib, the installed source
+   compiled at run time, or unavailable with the reason; :func:`library_rows`), an installed
+   metallib's load error, the OS / SDK the build targeted. A device that is not usable is a
+   failure, with the registry's reason.
 2. **Pipelines**: every kernel id of the host kernel table, and its pipeline limits (threads per
    threadgroup, static threadgroup memory, SIMD width) where this build reports them.
 3. **Kernels**: every kernel family of :mod:`lily_py.ops` on fresh random inputs at two shapes (a
@@ -112,6 +114,39 @@ def device_facts(name: str) -> dict:
                      library_path=info.get("library"))
     facts["compiler"] = core.compiler()
     return facts
+
+
+def library_rows(facts: dict) -> list[tuple[str, str | None]]:
+    """The Device section's library rows, from the device facts.
+
+    Metal has two shader libraries, each found the same way (``csrc/metal/device.mm``): the
+    prebuilt metallib, else the installed amalgamated source compiled at run time. The facts say
+    which: ``library_path`` is the base library's file, plus ``" + <file>"`` when the M5 tensor-op
+    library loaded; ``library_source`` is the base's (``"metallib"`` | ``"source"``);
+    ``tensor_ops_reason`` says why there is no M5 library. Rows:
+
+    - ``("library", "prebuilt metallib <path>")`` or ``"compiled at run time from <path> (MSL 3.1)"``;
+    - ``("M5 library", ...)``: the same for ``lily_m5.metallib`` / ``lily_shaders_m5.metal``
+      (MSL 4.0), or ``"unavailable: <tensor_ops_reason>"``.
+
+    Other devices (the emulator, cuda) and builds that do not report the source: the library path
+    and its source as reported."""
+    path, source = facts.get("library_path"), facts.get("library_source")
+    if source not in ("metallib", "source") or not path:
+        return [("library", path), ("library source", source)]
+
+    def how(file: str, lang: str) -> str:
+        if file.endswith(".metallib"):
+            return f"prebuilt metallib {file}"
+        return f"compiled at run time from {file} ({lang})"
+
+    base, _, m5 = path.partition(" + ")
+    rows: list[tuple[str, str | None]] = [("library", how(base, "MSL 3.1"))]
+    if facts.get("tensor_ops") and m5:
+        rows.append(("M5 library", how(m5, "MSL 4.0")))
+    else:
+        rows.append(("M5 library", f"unavailable: {facts.get('tensor_ops_reason') or 'not reported by this build'}"))
+    return rows
 
 
 def pipeline_limits(name: str) -> list[dict] | None:
@@ -498,10 +533,13 @@ def run(device: str | None = None, *, quick: bool = False, families: list[str] |
         rep.checks.append(Check("device", "facts", ok=False, detail=f"{type(e).__name__}: {e}"))
         p(f"  device facts: {type(e).__name__}: {e}    FAIL")
     f = rep.facts
+    libraries = library_rows(f)
+    if any(k == "M5 library" for k, _ in libraries):
+        f["libraries"] = dict(libraries)  # how each Metal library was found, for --json
     rows = [("name", f.get("device_name")), ("GPU family", f.get("gpu_family")),
             ("working set", "unlimited" if f.get("working_set_bytes") is None else _fmt_bytes(f["working_set_bytes"])),
             ("max buffer", "unlimited" if f.get("max_buffer_bytes") is None else _fmt_bytes(f["max_buffer_bytes"])),
-            ("library", f.get("library_path")), ("library source", f.get("library_source")),
+            *libraries,
             ("metallib error", f.get("metallib_error")), ("build target", f.get("build_target")),
             ("build SDK", f.get("build_sdk")), ("math mode", f.get("math_mode")),
             ("compiler", f.get("compiler")),
@@ -511,7 +549,7 @@ def run(device: str | None = None, *, quick: bool = False, families: list[str] |
             p(f"  {k:<16}{'-' if v is None else v}")
     if f.get("metallib_error") and f.get("metallib_built"):
         rep.checks.append(Check("device", "metallib", ok=False, detail=str(f["metallib_error"])))
-        p("  a lily.metallib was built but did not load    FAIL")
+        p("  an installed metallib was built but did not load    FAIL")
 
     # 2. pipelines
     p()
