@@ -37,7 +37,7 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 FLAGS=(-std=c++14 -fsyntax-only -Wall -Werror -Wno-unknown-attributes -Icsrc -Ishaders)
 
-# The pass must reject what Apple's compiler rejects: these two must fail to compile.
+# The pass must reject what Apple's compiler rejects: these must fail to compile.
 must_fail() {  # name, kernel source
   printf '#include "emu/metal_strict.h"\n#include "common/lily_metal.h"\nnamespace lily {\n%s\n}\n' "$2" > "$tmp/neg.cpp"
   if "$CLANG" "${FLAGS[@]}" "$tmp/neg.cpp" >/dev/null 2>&1; then
@@ -54,6 +54,11 @@ LILY_INSTANTIATE("k", k<float>)'
 must_fail "C++17 (if constexpr)" '
 template <typename T>
 [[kernel]] void k(constant uint& n [[buffer(0)]], device T* y [[buffer(1)]], LILY_KERNEL_TAIL) { if constexpr (sizeof(T) == 4) y[lane] = T(1.0f); }
+LILY_INSTANTIATE("k", k<float>)'
+
+must_fail "half as a name (a built-in type in MSL)" '
+template <typename T>
+[[kernel]] void k(constant uint& n [[buffer(0)]], device T* y [[buffer(1)]], LILY_KERNEL_TAIL) { const uint half = lane % 2; y[lane] = T(float(half)); }
 LILY_INSTANTIATE("k", k<float>)'
 
 must_fail "bfloat operands into a half accumulator (simdgroup_multiply_accumulate)" '

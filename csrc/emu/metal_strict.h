@@ -25,8 +25,10 @@ using uint = unsigned int;
 using ushort = unsigned short;
 using uchar = unsigned char;
 using ulong = unsigned long;
-using bfloat = __bf16;
-using half = _Float16;
+// half and bfloat are built-in type names in MSL (keywords, like int): macros, so a declaration
+// that uses either as a name (`uint32_t half = ...`) fails here as in Apple's compiler.
+#define bfloat __bf16
+#define half _Float16
 
 #define LILY_STRICT_VEC(T, name)                              \
   typedef T name##2 __attribute__((ext_vector_type(2)));      \

@@ -18,6 +18,8 @@
 #pragma once
 
 #if defined(__METAL_VERSION__)
+// Also compiled by the MSL semantic check (tools/msl_check, docs/msl-check.md) against stand-in
+// headers; it replaces LILY_INSTANTIATE and LILY_TG_ARRAY after this header (#pragma once).
 #include <metal_stdlib>
 using namespace metal;
 
