@@ -752,8 +752,9 @@ struct tensor_index {
   T operator[](int r) const { return v[r]; }
 };
 
-// Element e = row * n + col of the m x n destination is held by thread (e % T) of the scope as
-// its element e / T (the emulator's layout).
+// Element e = row * n + col of the m x n destination is held by thread (e % T) of the scope in
+// its slot e / T, element index slot (float, half) or capacity - 1 - slot (integers): the
+// emulator's layout (csrc/emu/tensor_ops_emu.h).
 template <class ElementType, int M, int N, int Threads>
 class cooperative_tensor {
  public:
@@ -770,7 +771,10 @@ class cooperative_tensor {
   ElementType& operator[](unsigned short i) { return e_[i]; }
   const ElementType& operator[](unsigned short i) const { return e_[i]; }
   int owner() const { return owner_; }
-  int flat(unsigned short i) const { return int(i) * Threads + owner_; }
+  static constexpr unsigned short index_of(int s) {
+    return (unsigned short)(lily_cuda::is_same_v<ElementType, int> ? kCapacity - 1 - s : s);
+  }
+  int flat(unsigned short i) const { return int(index_of(i)) * Threads + owner_; }
 
  private:
   ElementType e_[kCapacity];
@@ -858,7 +862,7 @@ class matmul2d {
         if (D.relaxed_precision) s = float(metal::half(s));
       }
       if constexpr (detail::is_coop<Dest>::value) {
-        DE& d = dest[(unsigned short)(i)];
+        DE& d = dest[Dest::index_of(i)];
         if constexpr (kInt) d = kAcc ? d + s : s;
         else d = DE(kAcc ? __fadd_rn(float(d), s) : s);
       } else {

@@ -37,8 +37,11 @@
 // the write and the run (before or after it) is reported instead of being hidden by the
 // rendezvous.
 // Cooperative destination layout (implementation defined on the GPU): element e = row * n + col
-// of the m x n tile is held by thread (e % T) of the scope as its element e / T (T = threads of
-// the scope); get_multidimensional_index(i) = {col, row}. A fresh cooperative tensor is poisoned
+// of the m x n tile is held by thread (e % T) of the scope in its slot s = e / T (T = threads of
+// the scope); get_multidimensional_index(i) = {col, row}. Slot s is element index s for float and
+// half destinations and index capacity - 1 - s for integer ones: Apple documents index pairing
+// only between destinations of one op with one element type, so a kernel that pairs an int32
+// destination with a float one by index reads the wrong elements here. A fresh cooperative tensor is poisoned
 // (NaN) until written, like uninitialised simdgroup matrices.
 #pragma once
 
@@ -126,7 +129,9 @@ class cooperative_tensor {
   ElementType& operator[](uint16_t i) { return e_[i]; }
   const ElementType& operator[](uint16_t i) const { return e_[i]; }
   int owner() const { return owner_; }
-  int flat(uint16_t i) const { return int(i) * Threads + owner_; }
+  // The element index of slot s (its inverse too: the map is an involution).
+  static constexpr uint16_t index_of(int s) { return uint16_t(std::is_integral_v<ElementType> ? kCapacity - 1 - s : s); }
+  int flat(uint16_t i) const { return int(index_of(i)) * Threads + owner_; }
 
  private:
   ElementType e_[kCapacity];
@@ -228,7 +233,7 @@ class matmul2d {
       }
       constexpr bool kAcc = D.matmul_mode == matmul2d_descriptor::mode::multiply_accumulate;
       if constexpr (detail::is_coop<Dest>::value) {
-        DE& d = dest[uint16_t(i)];
+        DE& d = dest[Dest::index_of(i)];
         if constexpr (kInt) d = kAcc ? d + s : s;
         else d = DE(kAcc ? float(d) + s : s);
       } else {

@@ -103,13 +103,28 @@ inline void i8_stage_w16(const device uint32_t* w, const device S* sc, const dev
   }
 }
 
+// The int8 routes' fp32 accumulators are int32 destination cooperative tensors of the same op as
+// the int8 products, holding float bits: an int8 x int8 matmul2d writes int32 destinations only
+// (macOS 26.1 SDK), and Apple documents that elements pair by index only between destinations of
+// one op with one element type (MPPTensorOpsMatMul2d.h: the bias example), not between an int32
+// and a float one. The emulator's layouts differ by element type, so a mixed pairing fails there.
+template <typename A>
+inline float i8_acc_get(thread A& acc, uint16_t i) {
+  return as_type<float>(acc[i]);
+}
+template <typename A>
+inline void i8_acc_set(thread A& acc, uint16_t i, float v) {
+  acc[i] = as_type<int32_t>(v);
+}
+
 // The rescale of one 64-column step (dot by reference: a cooperative tensor's operator[] is not const
-// in Apple's header): da, db (int32, the two halves) and acc (fp32) are destination cooperative
-// tensors of the same op, so element i of each is the same output (row r0 + r, feature c0 + c):
+// in Apple's header): da, db (int32, the two halves) and acc (fp32 bits in int32: i8_acc_get) are
+// destination cooperative tensors of the same op and element type, so element i of each is the same
+// output (row r0 + r, feature c0 + c):
 // acc += s_w (s_xa D_a + s_xb D_b) + b_w (s_xa C_a + s_xb C_b), i.e. x_int8 . w over the step
 // (w = s_w q + b_w, one weight group). 6 ALU ops an element: 2 converts, a multiply, 3 FMAs.
-template <typename D, typename A>
-inline void i8_rescale(thread D& da, thread D& db, thread A& acc, const threadgroup float* xsa,
+template <typename D>
+inline void i8_rescale(thread D& da, thread D& db, thread D& acc, const threadgroup float* xsa,
                        const threadgroup float* xsb, const threadgroup float* xsum, const threadgroup float* ws,
                        const threadgroup float* wb, uint32_t r0, uint32_t c0) {
   for (uint16_t i = 0; i < acc.get_capacity(); ++i) {
@@ -117,7 +132,7 @@ inline void i8_rescale(thread D& da, thread D& db, thread A& acc, const threadgr
     const auto idx = acc.get_multidimensional_index(i);
     const uint32_t r = r0 + uint32_t(idx[1]), c = c0 + uint32_t(idx[0]);
     const float dot = xsa[r] * float(da[i]) + xsb[r] * float(db[i]);
-    acc[i] = fma(wb[c], xsum[r], fma(ws[c], dot, acc[i]));
+    i8_acc_set(acc, i, fma(wb[c], xsum[r], fma(ws[c], dot, i8_acc_get(acc, i))));
   }
 }
 

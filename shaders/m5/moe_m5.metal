@@ -338,7 +338,7 @@ inline void moe_down_m5_tile(constant MoeArgs& args, const device float* row_wei
       const auto idx = acc.get_multidimensional_index(i);
       const uint32_t n = n0 + uint32_t(idx[0]);
       const uint32_t r = r0 + rb * SR + uint32_t(idx[1]);
-      if (r < r1 && n < H) y[r * H + n] = row_weight[r] * acc[i];
+      if (r < r1 && n < H) y[r * H + n] = row_weight[r] * i8_acc_get(acc, i);
     }
   }
 }
@@ -473,12 +473,12 @@ template <typename S>
   matmul2d<desc, execution_simdgroup> op;
   using XT = tensor<threadgroup int8_t, dextents<int32_t, 2>, tensor_inline>;
   using WT = tensor<threadgroup uint8_t, dextents<int32_t, 2>, tensor_inline>;
-  auto acc_g = op.template get_destination_cooperative_tensor<XT, WT, float>();
-  auto acc_u = op.template get_destination_cooperative_tensor<XT, WT, float>();
+  auto acc_g = op.template get_destination_cooperative_tensor<XT, WT, int32_t>();  // fp32 bits (i8_acc_get)
+  auto acc_u = op.template get_destination_cooperative_tensor<XT, WT, int32_t>();
   for (uint16_t i = 0; i < acc_g.get_capacity(); ++i) {
     if (!acc_g.is_valid_element(i)) continue;
-    acc_g[i] = 0.0f;
-    acc_u[i] = 0.0f;
+    i8_acc_set(acc_g, i, 0.0f);
+    i8_acc_set(acc_u, i, 0.0f);
   }
 
   for (uint32_t s = 0; s <= steps; ++s) {
@@ -523,7 +523,7 @@ template <typename S>
       const auto idx = acc_g.get_multidimensional_index(i);
       const uint32_t n = n0 + uint32_t(idx[0]);
       const uint32_t r = r0 + rb * SR + uint32_t(idx[1]);
-      if (r < r1 && n < N) h[r * args.h_stride + n] = moe_m5_silu(acc_g[i]) * acc_u[i];
+      if (r < r1 && n < N) h[r * args.h_stride + n] = moe_m5_silu(i8_acc_get(acc_g, i)) * i8_acc_get(acc_u, i);
     }
   }
 }
@@ -577,9 +577,9 @@ template <typename S>
   matmul2d<desc, execution_simdgroup> op;
   using XT = tensor<threadgroup int8_t, dextents<int32_t, 2>, tensor_inline>;
   using WT = tensor<threadgroup uint8_t, dextents<int32_t, 2>, tensor_inline>;
-  auto acc = op.template get_destination_cooperative_tensor<XT, WT, float>();
+  auto acc = op.template get_destination_cooperative_tensor<XT, WT, int32_t>();  // fp32 bits (i8_acc_get)
   for (uint16_t i = 0; i < acc.get_capacity(); ++i)
-    if (acc.is_valid_element(i)) acc[i] = 0.0f;
+    if (acc.is_valid_element(i)) i8_acc_set(acc, i, 0.0f);
 
   for (uint32_t s = 0; s <= steps; ++s) {  // as in moe_gate_up_m5i8: stage step s, multiply step s - 1
     if (s < steps) {
@@ -611,7 +611,7 @@ template <typename S>
       const auto idx = acc.get_multidimensional_index(i);
       const uint32_t n = n0 + uint32_t(idx[0]);
       const uint32_t r = r0 + rb * SR + uint32_t(idx[1]);
-      if (r < r1 && n < H) y[r * H + n] = row_weight[r] * acc[i];
+      if (r < r1 && n < H) y[r * H + n] = row_weight[r] * i8_acc_get(acc, i);
     }
   }
 }

@@ -236,9 +236,9 @@ template <typename T, typename S>
   matmul2d<desc, execution_simdgroup> op;
   using XT = tensor<threadgroup int8_t, dextents<int32_t, 2>, tensor_inline>;
   using WT = tensor<threadgroup uint8_t, dextents<int32_t, 2>, tensor_inline>;
-  auto acc = op.template get_destination_cooperative_tensor<XT, WT, float>();
+  auto acc = op.template get_destination_cooperative_tensor<XT, WT, int32_t>();  // fp32 bits (i8_acc_get)
   for (uint16_t i = 0; i < acc.get_capacity(); ++i)
-    if (acc.is_valid_element(i)) acc[i] = 0.0f;
+    if (acc.is_valid_element(i)) i8_acc_set(acc, i, 0.0f);
 
   const uint32_t steps = args.K / kI8StepK;
   qmm_m5i8_stage(args, xq, w, scales, biases, m0, n0, 0, t, xt, wt, xsa, xsb, xsum, ws, wb);
@@ -268,7 +268,7 @@ template <typename T, typename S>
     const auto idx = acc.get_multidimensional_index(i);
     const uint32_t n = n0 + sn + uint32_t(idx[0]);
     const uint32_t m = m0 + sm + uint32_t(idx[1]);
-    if (m < args.M && n < args.N) y[m * args.y_stride + n] = T(acc[i]);
+    if (m < args.M && n < args.N) y[m * args.y_stride + n] = T(i8_acc_get(acc, i));
   }
 }
 
