@@ -37,8 +37,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "same on every backend; engine backends take KV cache blocks as it fills)")
     p.add_argument("--revision", default=None, help="hub revision (branch, tag or commit)")
     p.add_argument("--kv-dtype", choices=["bfloat16", "int8"], default=None,
-                   help="KV cache element type (default int8 where the head_dim allows it: about half "
-                        "the bf16 cache's bytes, docs/memory.md)")
+                   help="KV cache element type (default bfloat16, the model's precision; int8: about "
+                        "half the bytes, a little error, head_dim 64/128/256 only; docs/memory.md)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -73,8 +73,8 @@ def load(path_or_repo_id: str | os.PathLike | None = None, *, backend: str = "au
     (a power of two >= 32; None: 1024, docs/memory.md); tests pick small blocks. ``kv_dtype``: the
     KV cache's element type, ``"int8"`` (symmetric int8 with a float32 scale per row and KV head:
     about half the cache's bytes, docs/memory.md; head_dim 64, 128 or 256) or ``"bfloat16"``; None
-    (default): int8 where the head_dim allows it, else bfloat16. The reference backend stores its
-    cache the same way, so the two backends agree.
+    (default): bfloat16, the model's precision, as mlx-lm and llama.cpp keep theirs. The reference
+    backend stores its cache the same way, so the two backends agree.
     """
     from . import hub
     from .resources import demo_path

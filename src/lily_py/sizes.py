@@ -170,7 +170,7 @@ def kv_bytes(cfg: ModelConfig, context_length: int, block_tokens: int = KV_BLOCK
              kv_dtype: str | None = None) -> int:
     """K and V of every attention layer for ``context_length`` tokens, in whole blocks of
     ``block_tokens`` (what the engine's pools hold once the context is full); rows of
-    ``kv_dtype`` (None: the engine's default for ``cfg``, int8 at head_dim 256)."""
+    ``kv_dtype`` (None: the default, bfloat16)."""
     from .backends.engine import kv_row_bytes
     tokens = -(-context_length // block_tokens) * block_tokens
     return 2 * len(cfg.full_attention_layers) * cfg.num_key_value_heads * tokens * kv_row_bytes(cfg, kv_dtype)

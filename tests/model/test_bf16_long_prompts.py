@@ -111,13 +111,13 @@ def _mlx_bound(n: int) -> dict:
 
 @pytest.mark.parametrize("n", [4096, 32768, 65536, 131072])
 def test_bf16_error_at_length_on_a_gpu(ckpt, n, record_property):
-    """The engine as loaded by default (bf16 activations, the int8 KV cache; prompt chunks of
+    """The engine as loaded by default (bf16 activations, the bf16 KV cache; prompt chunks of
     4,096) against the committed fp32 reference rows, no further than mlx-lm's bf16 rows are."""
     if ENGINE == "emu":
         pytest.skip(GPU_ONLY)
     ref = np.load(B.FIXTURE / "reference.npz")[f"ref_{n}"]
     m = lily_py.load(ckpt, backend=ENGINE, context_length=n, prefill_chunk=4096)
-    assert m._backend.activations == "bfloat16" and m.kv_dtype == "int8"
+    assert m._backend.activations == "bfloat16" and m.kv_dtype == "bfloat16"
     eng = B.errors(B.last_rows(m._backend, B.prompt(n)), ref)
     _no_larger_than_mlx_lm(eng, _mlx_bound(n), f"{n} tokens on {ENGINE}: engine", f"mlx-lm bf16 at {min(n, MLX_LONGEST)}",
                            record_property)

@@ -393,7 +393,7 @@ def test_bytes_touched_real_config_against_the_floor(position):
     split-K partials are the difference)."""
     from lily_py.backends.engine import count_kernels, decode_floor_bytes, kv_row_bytes
     cfg = _real_cfg()
-    st, ks = count_kernels(cfg, position=position)   # the default KV cache (int8: head_dim 256)
+    st, ks = count_kernels(cfg, position=position)   # the default KV cache (bf16)
     floor = decode_floor_bytes(cfg, position=position)["total"]
     print(f"decode at {position}: bytes_touched {st['bytes_touched']}, floor {floor}, "
           f"ratio {st['bytes_touched'] / floor:.4f}, bytes_bound {st['bytes_bound']}")
@@ -710,10 +710,10 @@ def test_greedy_after_chunked_prefill(real_dims_ckpt, which, chunk):
     emu = load(backend=ENGINE, context_length=256, prefill_chunk=chunk)
     assert emu._backend.activations == "bfloat16"
     cfg = emu.config
-    # bf16 prefill attention on M1-M4 (no tensor ops): the bf16 simdgroup tiles, their twin for the
-    # default int8 KV cache (chunks of 1 token take the decode kernels)
+    # bf16 prefill attention on M1-M4 (no tensor ops): the bf16 simdgroup tiles on the default bf16
+    # KV cache (chunks of 1 token take the decode kernels)
     if chunk > 1:
-        assert f"attn_prefill_tiles_q8_d{cfg.head_dim}_bf16" in {p["kernel"] for p in emu._backend.engine.pipelines}
+        assert f"attn_prefill_tiles_d{cfg.head_dim}_bf16" in {p["kernel"] for p in emu._backend.engine.pipelines}
     got = emu.generate_text(prompt, max_tokens=32)
     assert got.tokens == _GREEDY_REF[key]
     routes = {gated_delta_route(min(chunk, n - s), cfg.linear_key_head_dim, cfg.linear_value_head_dim)

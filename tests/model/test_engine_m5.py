@@ -55,8 +55,8 @@ def test_demo_greedy_on_the_m5_path(chunk):
     assert "qmm_m5_b4_xbf16_sbf16_yf32" in kernels, sorted(kernels)
     # the 8-bit router + shared gate of the bf16 demo: qmm_m5 too (x exact in half; fp32 x keeps qmm)
     assert any(k.startswith("qmm_m5_b8_xbf16_") for k in kernels), sorted(kernels)
-    # the default int8 KV cache with bf16 activations: the M5 attention with S on int8
-    assert "attn_prefill_m5i8_q8_d64_bf16" in kernels, sorted(kernels)
+    # the default (bf16) KV cache with bf16 activations: the M5 attention
+    assert "attn_prefill_m5_d64_bf16" in kernels, sorted(kernels)
     assert not any(k.startswith("attn_prefill_mma_") for k in kernels), sorted(kernels)
     assert any(k.startswith("moe_gate_up_m5_64_b4_") for k in kernels), sorted(kernels)
     assert "moe_down_m5_32_b4_sbf16" in kernels, sorted(kernels)
@@ -83,9 +83,9 @@ def test_without_tensor_ops_the_engine_keeps_the_simdgroup_qmm():
     assert {"gd_chunk_wy_f32", "gd_chunk_state_f32"} <= kernels, sorted(kernels)
     assert any(k.startswith("gd_chunk_prep_conv_x") for k in kernels), sorted(kernels)
     assert any(k.startswith("qmm_b4_") for k in kernels)
-    # bf16 activations at the demo's head_dim: the M1-M4 bf16 attention tiles (their int8-cache
-    # twin, the default cache), not the M5 kernel
-    assert any(k.startswith("attn_prefill_tiles_q8_d") for k in kernels), sorted(kernels)
+    # bf16 activations at the demo's head_dim: the M1-M4 bf16 attention tiles (on the default bf16
+    # cache), not the M5 kernel
+    assert any(k.startswith("attn_prefill_tiles_d") for k in kernels), sorted(kernels)
 
 
 _GREEDY: dict = {}
@@ -117,15 +117,15 @@ def _greedy_case(which, real_dims_ckpt):
 def test_greedy_after_chunked_prefill_on_the_m5_path(real_dims_ckpt, which, chunk):
     """Greedy tokens identical to the reference for 32 steps after a prompt prefilled in chunks of
     1, 64 and 4096 on the M5 path, on the demo (head_dim 64) and on a random-weight checkpoint with
-    the real head dimensions (head_dim 256, 2 KV heads: attn_prefill_m5i8_q8_d256 on the default
-    int8 KV cache with bf16 activations, S on int8; DeltaNet Dk = Dv =
+    the real head dimensions (head_dim 256, 2 KV heads: attn_prefill_m5_d256_bf16 on the default
+    bf16 KV cache with bf16 activations; DeltaNet Dk = Dv =
     128: gd_chunk_*_m5 on the 64- and 80-token prefill steps, the scan for one token)."""
     load, prompt, want = _greedy_case(which, real_dims_ckpt)
     with simulated_device(tensor_ops=True):
         emu = load(backend="emu", context_length=256, prefill_chunk=chunk)
     kernels = {p["kernel"] for p in emu._backend.engine.pipelines}
     D = emu.config.head_dim
-    assert (f"attn_prefill_m5_q8_d{D}_f32" in kernels or f"attn_prefill_m5i8_q8_d{D}_bf16" in kernels) == (chunk > 1), \
+    assert (f"attn_prefill_m5_d{D}_f32" in kernels or f"attn_prefill_m5_d{D}_bf16" in kernels) == (chunk > 1), \
         sorted(kernels)
     assert ({"gd_chunk_wy_m5_f32", "gd_chunk_state_m5_f32"} <= kernels) == (chunk > 1), sorted(kernels)
     got = emu.generate_text(prompt, max_tokens=32)
@@ -156,9 +156,9 @@ def test_greedy_on_the_int8_opt_in(real_dims_ckpt, which, chunk):
         assert int8 <= kernels, sorted(kernels)
         assert {"quantize_i8_xbf16", "quantize_i8_xf32"} <= kernels, sorted(kernels)  # x's and h's codes
         assert not {"moe_gate_up_m5_64_b4_xbf16_sbf16", "moe_down_m5_64_b4_sbf16"} & kernels, sorted(kernels)
-        D = emu.config.head_dim  # the prefill attention's scores on int8 (the default int8 KV cache)
-        assert (f"attn_prefill_m5i8_q8_d{D}_bf16" in kernels) == (D in (64, 128, 256)), sorted(kernels)
-        assert not any(k.startswith("attn_prefill_m5_") for k in kernels), sorted(kernels)
+        D = emu.config.head_dim  # the default bf16 KV cache: the M5 attention (scores on int8 need kv_dtype="int8")
+        assert f"attn_prefill_m5_d{D}_bf16" in kernels, sorted(kernels)
+        assert not any(k.startswith("attn_prefill_m5i8_") for k in kernels), sorted(kernels)
     else:
         assert not any("m5i8" in k for k in kernels), sorted(kernels)
     got = emu.generate_text(prompt, max_tokens=32)

@@ -102,30 +102,29 @@ def test_bad_kv_dtype_and_head_dims_are_refused(ckpt, tmp_path):
     odd = make_checkpoint(tmp_path / "d32", cfg, fmt="mlx", seed=1)
     with pytest.raises(lily_py.BackendError, match=r"kv_dtype int8 needs head_dim 64, 128 or 256.*got 32"):
         lily_py.load(odd, backend=ENGINE, context_length=64, kv_dtype="int8")
-    # the default falls back to the bf16 cache where the head_dim has no int8 routes
+    # the default (bf16) cache has no head_dim restriction
     m = lily_py.load(odd, backend=ENGINE, context_length=64, kv_block_tokens=B)
     assert m.kv_dtype == "bfloat16"
     layers = sum(m.config.is_full_attention(i) for i in range(m.config.num_hidden_layers))
     assert m._backend.engine.kv_bytes == 2 * layers * m.config.num_key_value_heads * B * 2 * 32  # bf16 rows
 
 
-def test_int8_is_the_default_on_both_backends(ckpt):
-    """kv_dtype=None is the int8 cache on the engine and on the reference (the same computation on
-    either backend): the default engine equals an explicit int8 one bit for bit, and its logits
-    are the int8 reference's, closer to it than to the bf16-cache reference."""
+def test_int8_is_one_argument_away_on_both_backends(ckpt):
+    """kv_dtype=None is the bf16 cache on the engine and on the reference (the anchors' default);
+    kv_dtype="int8" is the same int8 computation on either backend: the int8 engine's logits are
+    the int8 reference's, closer to it than to the bf16-cache reference."""
     ids = np.random.default_rng(FIXED + 2).integers(0, TINY_TEXT_CONFIG["vocab_size"], size=70).tolist()
-    default = lily_py.load(ckpt, backend=ENGINE, context_length=128, prefill_chunk=32, activations="float32",
-                           kv_block_tokens=B)
-    ref = lily_py.load(ckpt, backend="reference", context_length=128)
-    assert default.kv_dtype == ref.kv_dtype == "int8"
-    assert default._backend.engine.kv_bytes == block_bytes(default)  # one block of int8 rows
-    explicit = lily_py.load(ckpt, backend=ENGINE, context_length=128, prefill_chunk=32, activations="float32",
-                            kv_dtype="int8")
-    got = default.prefill(ids, all_logits=True)
-    np.testing.assert_array_equal(got, explicit.prefill(ids, all_logits=True))
-    r8 = ref.prefill(ids, all_logits=True)
-    r16 = lily_py.load(ckpt, backend="reference", context_length=128, kv_dtype="bfloat16").prefill(ids, all_logits=True)
-    close(got, r8, "default engine vs default reference")
+    default = lily_py.load(ckpt, backend=ENGINE, context_length=128, prefill_chunk=32, activations="float32")
+    ref_default = lily_py.load(ckpt, backend="reference", context_length=128)
+    assert default.kv_dtype == ref_default.kv_dtype == "bfloat16"
+    engine = lily_py.load(ckpt, backend=ENGINE, context_length=128, prefill_chunk=32, activations="float32",
+                          kv_dtype="int8", kv_block_tokens=B)
+    assert engine.kv_dtype == "int8"
+    assert engine._backend.engine.kv_bytes == block_bytes(engine)  # one block of int8 rows
+    got = engine.prefill(ids, all_logits=True)
+    r8 = lily_py.load(ckpt, backend="reference", context_length=128, kv_dtype="int8").prefill(ids, all_logits=True)
+    r16 = ref_default.prefill(ids, all_logits=True)
+    close(got, r8, "int8 engine vs int8 reference")
     assert np.abs(got - r8).max() < np.abs(got - r16).max() / 4
 
 

@@ -34,7 +34,7 @@ GPU_ONLY = ("the real widths take hours on the emulator; this case runs with LIL
 def _rows(ckpt, n: int, **kw) -> np.ndarray:
     m = lily_py.load(ckpt, backend=ENGINE, context_length=n, prefill_chunk=4096, **kw)
     if not kw:
-        assert m._backend.activations == "bfloat16" and m.kv_dtype == "int8"
+        assert m._backend.activations == "bfloat16" and m.kv_dtype == "bfloat16"
     return B.last_rows(m._backend, RW.prompt(n))
 
 

@@ -18,11 +18,11 @@ KV_INT8_HEAD_DIMS = (64, 128, 256)
 
 
 def default_kv_dtype(cfg: ModelConfig) -> str:
-    """What ``kv_dtype=None`` means for this model: "int8" where its head_dim has the int8 routes
-    (64, 128 or 256: Qwen3.6-35B-A3B's 256 and the demo's 64), else "bfloat16". The int8 cache
-    moves the logits by about a tenth of what the bf16 activations do, far inside mlx-lm's own
-    bf16 error at 4K and 32K (docs/memory.md), at half the cache's bytes."""
-    return "int8" if cfg.head_dim in KV_INT8_HEAD_DIMS else "bfloat16"
+    """What ``kv_dtype=None`` means: "bfloat16", the model's precision, on every backend, as
+    mlx-lm, llama.cpp and Lily keep their caches by default (so the reference backend is exact
+    and comparisons with them are at matched numerics). The int8 cache (half the bytes; head_dim
+    64, 128 or 256) is one argument away: ``kv_dtype="int8"`` (docs/memory.md)."""
+    return "bfloat16"
 
 
 def resolve_kv_dtype(cfg: ModelConfig, kv_dtype: str | None) -> str:

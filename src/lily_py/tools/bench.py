@@ -495,8 +495,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also run mlx-lm on the same checkpoint (where installed) and print the ratio")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts and weights")
     p.add_argument("--kv-dtype", choices=["bfloat16", "int8"], default=None,
-                   help="KV cache element type (default: int8, codes + a float32 scale per row, where "
-                        "the head_dim allows it)")
+                   help="KV cache element type (default: bfloat16, as mlx-lm; int8: codes + a float32 "
+                        "scale per row)")
     p.add_argument("--json", dest="json_path", default=None, help="write the results to this file")
     p.set_defaults(func=main)
 
