@@ -107,6 +107,53 @@ def tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
     return out
 
 
+# make_checkpoint(stable=True): the output projections' share of std, the number of embedding
+# directions (token id modulo), and the router's logit gap for a direction's experts.
+STABLE_OUT_SCALE = 0.25
+STABLE_PROFILES = 64   # at most: num_experts // num_experts_per_tok when fewer (disjoint expert sets)
+STABLE_ROUTER_GAP = 4.0
+_STABLE_OUTPUTS = ("self_attn.o_proj", "linear_attn.out_proj", "shared_expert.down_proj")
+
+
+def _stable_directions(cfg: ModelConfig, seed: int) -> np.ndarray:
+    """``[STABLE_PROFILES, H]`` random +-1 / sqrt(H) directions (dense, so 4-bit groups keep them)."""
+    rng = np.random.default_rng([seed, zlib.crc32(b"stable-directions")])
+    H, P = cfg.hidden_size, max(1, min(STABLE_PROFILES, cfg.num_experts // cfg.num_experts_per_tok))
+    return (rng.integers(0, 2, size=(P, H)) * 2.0 - 1.0).astype(np.float32) / np.sqrt(H)
+
+
+def _stable_embedding(rng, cfg: ModelConfig, u: np.ndarray) -> np.ndarray:
+    """Row t = 2 sqrt(H) u[t % P] + N(0, 1): the direction carries 4/5 of the row's energy."""
+    V, H = cfg.vocab_size, cfg.hidden_size
+    out = np.empty((V, H), np.float32)
+    for r0 in range(0, V, 8192):  # in row blocks: the real vocabulary is 2 GB of float32
+        r1 = min(V, r0 + 8192)
+        out[r0:r1] = 2.0 * np.sqrt(H) * u[np.arange(r0, r1) % len(u)] + rng.standard_normal((r1 - r0, H), np.float32)
+    return out
+
+
+def _stable_router(rng, cfg: ModelConfig, u: np.ndarray, std: float) -> np.ndarray:
+    """Router rows ``[E, H]``: each direction owns k experts (disjoint sets, drawn per layer by a
+    permutation); expert j's row is g * its direction (none: 0) plus N(0, std / 4). A normed hidden
+    state whose component along u[p] is the embedding's gives p's experts a logit about
+    STABLE_ROUTER_GAP above every other expert."""
+    E, H, k = cfg.num_experts, cfg.hidden_size, cfg.num_experts_per_tok
+    member = np.zeros((len(u), E), np.float32)
+    perm = rng.permutation(E)
+    for p in range(len(u)):
+        member[p, perm[p * k:(p + 1) * k]] = 1.0
+    # the normed hidden state's component along u[p] is about sqrt(H) * 2 / sqrt(5) (the embedding)
+    g = STABLE_ROUTER_GAP / (np.sqrt(H) * 2.0 / np.sqrt(5.0))
+    return g * member.T @ u + rng.standard_normal((E, H), np.float32) * (std / 4)
+
+
+def _quantize_dense(w: np.ndarray, bits: int, group_size: int, sdt):
+    """MLX affine quantization of given float weights (lily_py.reference.quant.quantize), scales
+    and biases stored in ``sdt``."""
+    from .reference.quant import quantize
+    return quantize(w, bits=bits, group_size=group_size, scale_dtype=sdt)
+
+
 def _random_quant(rng, shape, bits, group_size, std, sdt):
     """Random codes with scale/bias so that w = s*q + b has mean ~0 and the given std."""
     *lead, n, k = shape
@@ -128,20 +175,32 @@ def make_checkpoint(folder: str | os.PathLike, text_config: dict | None = None, 
                     seed: int = 0, std: float = 0.05, expert_layout: str = "fused",
                     hf_prefix: str = "model.language_model.", nested: bool = True,
                     shards: int = 1, extra_tensors: dict[str, np.ndarray] | None = None,
-                    quant_overrides: dict[str, tuple[int, int]] | None = None) -> str:
+                    quant_overrides: dict[str, tuple[int, int]] | None = None,
+                    stable: bool = False) -> str:
     """Write a random-weight checkpoint; returns the folder. See the module docstring.
 
     ``quant_overrides`` (mlx only): a mixed-bit checkpoint, as ``mlx_lm.convert --quant-predicate``
     writes one: canonical module (``layers.3.self_attn.v_proj``, ``layers.1.mlp.experts.down_proj``
     for the stacked experts, ``embed_tokens``) -> (bits, group_size), stored with those widths and
-    listed per module in the config's ``quantization``."""
+    listed per module in the config's ``quantization``.
+
+    ``stable`` (mlx only): weights under which deep comparisons measure the implementation, not
+    chaos (docs/fixtures.md, "Stable checkpoints"): every layer's output projections (o_proj,
+    out_proj, the experts' and the shared expert's down_proj) at ``STABLE_OUT_SCALE`` of ``std``,
+    so the residual stream stays near the embedding at any depth; and routing with margin: each
+    token's embedding carries one of ``STABLE_PROFILES`` directions (by token id), and each layer's
+    router rows give the ``num_experts_per_tok`` experts that layer assigns that direction a
+    logit ``STABLE_ROUTER_GAP`` above the rest."""
     overrides = dict(quant_overrides or {})
     if fmt not in ("mlx", "hf"):
         raise ValueError(f"fmt must be 'mlx' or 'hf', got {fmt!r}")
+    if stable and fmt != "mlx":
+        raise ValueError("stable=True writes MLX checkpoints only (fmt='mlx')")
     text = dict(TINY_TEXT_CONFIG if text_config is None else text_config)
     raw = {"model_type": "qwen3_5_moe", "text_config": text} if nested else \
         {"model_type": "qwen3_5_moe_text", **text}
     cfg = ModelConfig.from_dict(raw)
+    directions = _stable_directions(cfg, seed) if stable else None
     dt = _DT[dtype]
     pending_gate = None
     tensors: dict[str, np.ndarray] = {}
@@ -160,7 +219,18 @@ def make_checkpoint(folder: str | os.PathLike, text_config: dict | None = None, 
             b, g = overrides.pop(canon, (8 if kind == "linear8" else bits, group_size))
             sd = std if not canon.startswith(("embed", "lm_head")) else 1.0 if \
                 canon.startswith("embed") else std
-            if fmt == "mlx" and shape[-1] % g == 0:
+            if stable and canon.endswith(_STABLE_OUTPUTS):
+                sd = std * STABLE_OUT_SCALE
+            if stable and (canon == "embed_tokens" or canon.endswith(".mlp.gate")) and shape[-1] % g == 0:
+                dense = _stable_embedding(rng, cfg, directions) if canon == "embed_tokens" else \
+                    _stable_router(rng, cfg, directions, std)
+                w, s, bi = _quantize_dense(dense, b, g, dt)
+                tensors[name(canon) + ".weight"] = w
+                tensors[name(canon) + ".scales"] = s
+                tensors[name(canon) + ".biases"] = bi
+                if (b, g) != (bits, group_size):
+                    quant_block[name(canon)] = {"group_size": g, "bits": b}
+            elif fmt == "mlx" and shape[-1] % g == 0:
                 w, s, bi = _random_quant(rng, shape, b, g, sd, dt)
                 tensors[name(canon) + ".weight"] = w
                 tensors[name(canon) + ".scales"] = s
@@ -173,10 +243,11 @@ def make_checkpoint(folder: str | os.PathLike, text_config: dict | None = None, 
             if fmt == "mlx":
                 base = name(canon).replace(".experts.", ".switch_mlp.")
                 b, g = overrides.pop(canon, (bits, group_size))
+                esd = std * STABLE_OUT_SCALE if stable and canon.endswith("down_proj") else std
                 if shape[-1] % g:       # mlx-lm leaves such modules unquantized
-                    tensors[base + ".weight"] = _dense(rng, shape, std, dt)
+                    tensors[base + ".weight"] = _dense(rng, shape, esd, dt)
                     continue
-                w, s, bi = _random_quant(rng, shape, b, g, std, dt)
+                w, s, bi = _random_quant(rng, shape, b, g, esd, dt)
                 tensors[base + ".weight"], tensors[base + ".scales"], tensors[base + ".biases"] = w, s, bi
                 if (b, g) != (bits, group_size):
                     quant_block[base] = {"group_size": g, "bits": b}
