@@ -107,6 +107,17 @@ def tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
     return out
 
 
+def truncated(cfg: ModelConfig, weights, layers: int):
+    """(config, weights) of the first ``layers`` decoder layers of a loaded checkpoint, the same
+    arrays (nothing copied): a model whose logits are the residual stream after that layer seen
+    through the final norm and lm_head (benchmarks/depth_oracle.py)."""
+    import dataclasses
+    if not 1 <= layers <= cfg.num_hidden_layers:
+        raise ValueError(f"layers must be in [1, {cfg.num_hidden_layers}], got {layers}")
+    return (dataclasses.replace(cfg, num_hidden_layers=layers, layer_types=cfg.layer_types[:layers]),
+            dataclasses.replace(weights, layers=weights.layers[:layers]))
+
+
 # make_checkpoint(stable=True): the output projections' share of std, the number of embedding
 # directions (token id modulo), and the router's logit gap for a direction's experts.
 STABLE_OUT_SCALE = 0.25

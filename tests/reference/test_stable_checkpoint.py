@@ -21,28 +21,10 @@ def _route_and_residual(path, ids, monkeypatch):
         return route(logits, top_k)
 
     monkeypatch.setattr(ref_moe, "route", spy)
-    m = lily_py.load(path, backend="reference")
-    model = m._backend.model
-    layer_out = []
-    orig = model.hidden_states
-
-    def hidden(ids_, state):
-        # the residual after each layer: re-run the stack keeping x (the reference's own loop)
-        from lily_py.reference.model import AttentionWeights, attention_layer, rms_norm
-        c, x = model.cfg, model.w.embed.take(ids_)
-        for i, lw in enumerate(model.w.layers):
-            hn = rms_norm(x, lw.input_norm, c.rms_norm_eps)
-            mix = attention_layer(hn, lw.mixer, c, state.kv[i], state.position) \
-                if isinstance(lw.mixer, AttentionWeights) else model._deltanet(hn, lw.mixer, i, state)
-            h = x + mix
-            x = h + ref_moe.moe_block(rms_norm(h, lw.post_norm, c.rms_norm_eps), lw.moe, c.num_experts_per_tok)
-            layer_out.append(float(np.sqrt(np.mean(x.astype(np.float64) ** 2))))
-        state.position += len(ids_)
-        return rms_norm(x, model.w.norm, c.rms_norm_eps)
-
-    monkeypatch.setattr(model, "hidden_states", hidden)
-    m.prefill(ids)
-    monkeypatch.setattr(model, "hidden_states", orig)
+    model = lily_py.load(path, backend="reference")._backend.model
+    residuals: list = []
+    model.hidden_states(np.asarray(ids), model.new_state(), residuals)
+    layer_out = [float(np.sqrt(np.mean(r.astype(np.float64) ** 2))) for r in residuals]
     return np.concatenate(gaps), np.array(layer_out)
 
 

@@ -68,8 +68,10 @@ class ReferenceModel:
                                             c.linear_value_head_dim), np.float32)
         return st
 
-    def hidden_states(self, ids: np.ndarray, state: ReferenceState) -> np.ndarray:
-        """Run the decoder stack on ``ids [T]``; returns the final-normed hidden ``[T, H]``."""
+    def hidden_states(self, ids: np.ndarray, state: ReferenceState,
+                      residuals: list | None = None) -> np.ndarray:
+        """Run the decoder stack on ``ids [T]``; returns the final-normed hidden ``[T, H]``.
+        ``residuals``: a list that gets the residual stream ``[T, H]`` after each layer."""
         c = self.cfg
         x = self.w.embed.take(ids)
         for i, lw in enumerate(self.w.layers):
@@ -81,6 +83,8 @@ class ReferenceModel:
             h = x + mix
             x = h + moe_block(rms_norm(h, lw.post_norm, c.rms_norm_eps), lw.moe,
                               c.num_experts_per_tok)
+            if residuals is not None:
+                residuals.append(x.copy())
         state.position += len(ids)
         return rms_norm(x, self.w.norm, c.rms_norm_eps)
 
