@@ -16,7 +16,11 @@ The mlx-lm row is its bf16 forward of the same checkpoint and ids (tests/fixture
 the same fp32 rows; it exists for the fixture's lengths (1,024 and 4,096).
 
 ``python benchmarks/kv_quant_error.py [--length 4096] [--formats N ...]``; ``--bytes`` prints each
-format's bytes per 256-value row beside bf16's instead (no model run).
+format's bytes per 256-value row beside bf16's instead (no model run). ``--outliers`` runs no model:
+random keys of 256 channels, a few of them ``x`` times larger (real keys have such channels;
+random weights do not), and queries with the same channel scales; per format and x, the error
+of the scores q.k / 16 and of the attention output softmax(S) V (V quantized alike), relative
+to the exact ones' rms.
 """
 from __future__ import annotations
 
@@ -39,12 +43,52 @@ from lily_py.reference.kvquant import FORMATS, row_bytes  # noqa: E402
 FIXTURE = os.path.join(HERE, "..", "tests", "fixtures", "bf16_long", "mlx.npz")
 
 
+def outliers(keys: int = 4096, queries: int = 64, d: int = 256, channels: int = 4, seed: int = 0) -> None:
+    """The --outliers table (see the module docstring)."""
+    scales = (1, 8, 32)
+    print(f"{keys} keys x {d} channels, {channels} channels x times larger; {queries} queries; "
+          "rms error relative to the exact scores / attention output\n")
+    print("| KV cache | " + " | ".join(f"scores x{x} | output x{x}" for x in scales) + " |")
+    print("|---|" + "---:|" * (2 * len(scales)))
+    rows: dict[str, list[str]] = {"bf16": []}
+    rows.update({n: [] for n in FORMATS})
+    for x in scales:
+        rng = np.random.default_rng([seed, x])
+        ch = np.ones(d, np.float32)
+        ch[rng.choice(d, channels, replace=False)] = x
+        K = (rng.standard_normal((keys, d)) * ch).astype(np.float32)
+        V = rng.standard_normal((keys, d)).astype(np.float32)
+        Q = (rng.standard_normal((queries, d)) * ch / np.sqrt(ch.mean() * x)).astype(np.float32)
+        S = Q.astype(np.float64) @ K.T.astype(np.float64) / np.sqrt(d)
+
+        def attend(s, v):
+            p = np.exp(s - s.max(-1, keepdims=True))
+            return (p / p.sum(-1, keepdims=True)) @ v.astype(np.float64)
+
+        O = attend(S, V)
+
+        def rel(a, b):
+            return float(np.sqrt(np.mean((a - b) ** 2)) / np.sqrt(np.mean(b ** 2)))
+
+        import ml_dtypes
+        for name, f in [("bf16", lambda t: t.astype(ml_dtypes.bfloat16).astype(np.float32))] + list(FORMATS.items()):
+            Kq, Vq = f(K), f(V)
+            Sq = Q.astype(np.float64) @ Kq.T.astype(np.float64) / np.sqrt(d)
+            rows[name] += [f"{rel(Sq, S):.2e}", f"{rel(attend(Sq, Vq), O):.2e}"]
+    for name, r in rows.items():
+        print(f"| {name} | " + " | ".join(r) + " |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--length", type=int, default=4096)
     ap.add_argument("--formats", type=int, nargs="*", help="indices into FORMATS (default all)")
     ap.add_argument("--bytes", action="store_true", help="bytes per row of each format only")
+    ap.add_argument("--outliers", action="store_true", help="score error on keys with outlier channels")
     a = ap.parse_args()
+    if a.outliers:
+        outliers()
+        return
     if a.bytes:
         print("| KV cache | bytes per 256-value row | of bf16 |\n|---|---:|---:|\n| bf16 | 512 | 1.000 |")
         for name in FORMATS:
