@@ -46,7 +46,7 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[4096])
     ap.add_argument("--length", type=int, dest="lengths_one", help="one length (same as --lengths N)")
     ap.add_argument("--chunk", type=int, default=4096)
-    ap.add_argument("--kv-dtype", nargs="+", choices=["bfloat16", "int8"], default=None,
+    ap.add_argument("--kv-dtype", nargs="+", choices=["bfloat16", "int8", "float32"], default=None,
                     help="the KV caches to run (default: the engine's default only)")
     ap.add_argument("--reference-max", type=int, default=4096,
                     help="compute the reference rows up to this length when the fixture lacks them")

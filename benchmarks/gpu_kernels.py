@@ -112,8 +112,8 @@ def main(argv=None):
     ap.add_argument("--json", default=None)
     ap.add_argument("--cublas", action="store_true", help="time torch bf16 GEMMs of the prefill shapes")
     ap.add_argument("--model", default=None, help="a checkpoint instead of random weights")
-    ap.add_argument("--kv-dtype", default=None, choices=["bfloat16", "int8"],
-                    help="the KV cache's dtype (load(kv_dtype=...); default: the engine's, int8)")
+    ap.add_argument("--kv-dtype", default=None, choices=["bfloat16", "int8", "float32"],
+                    help="the KV cache's dtype (load(kv_dtype=...); default: the engine's, bfloat16)")
     a = ap.parse_args(argv)
 
     import lily_py

@@ -1,14 +1,15 @@
 // Gated full attention: partial RoPE, fused q/k RMSNorm + RoPE + KV-cache append, decode attention
 // (GQA-packed, single or split-K route + combine) and causal prefill attention, all over a paged
-// bf16 KV cache (pools [blocks, kv_heads, block_tokens, head_dim] read through a block table:
-// common/kv_blocks.h). Host: csrc/gpu/ops/attention.cpp. References:
+// KV cache (bf16 pools [blocks, kv_heads, block_tokens, head_dim] read through a block table, or
+// their int8 / float32 twins: common/kv_blocks.h). Host: csrc/gpu/ops/attention.cpp. References:
 // lily_py.reference.kernels (rope, qk_norm_rope, attention). Args and route constants:
 // common/args_attention.h.
 //
 // Precision policy (all kernels): inputs widened to fp32; norms, angles, dot products, softmax and
 // the weighted sum of values in fp32 with precise exp/cos/sin; each output rounded once (to the
-// activation dtype T, or to bf16 in the cache). RoPE angles are float(position) * inv_freq[i] in
-// fp32, exactly as lily_py.reference.ops.rope_cos_sin computes them (inv_freq comes from the host).
+// activation dtype T, or to bf16 in a bf16 cache; a float32 cache keeps the fp32 rows). RoPE
+// angles are float(position) * inv_freq[i] in fp32, exactly as lily_py.reference.ops.rope_cos_sin
+// computes them (inv_freq comes from the host).
 #include "common/lily_metal.h"
 #include "common/mma.h"
 #include "common/kv_blocks.h"
@@ -52,14 +53,15 @@ template <typename T>
 // qk_norm_rope: the attention layer's step between the projections and attention, one dispatch:
 //   q head rows:  q = rope(rms_norm(qg[t, h, 0:D]) * (q_norm + weight_offset)) -> q_out (T)
 //   k head rows:  k = rope(rms_norm(k[t, h]) * (k_norm + weight_offset)) -> k_cache row (h, position + t)
-//                 v[t, h] -> v_cache row (h, position + t) (bf16; rows through block_table)
+//                 v[t, h] -> v_cache row (h, position + t) (rows through block_table)
 //   grid:    (q_heads + kv_heads, tokens) threadgroups of 32 threads (one simdgroup: the sum of
 //            squares is one simd_sum, no barrier); group_pos.x < q_heads is a query head
 //   thread:  sum of squares over features lane, lane + 32, ...; then RoPE pairs as in `rope`
 //   The gate half qg[t, h, D:2D] is left where it is: attention reads it (AttnArgs.use_gate).
-// The cache rows' writer: bf16 pools take each value as it is computed; q8 pools (KV = int8_t)
-// stage the row's values in threadgroup memory, then (barrier) quantize each row with the scale of
-// its largest magnitude (simd_max over the simdgroup) and write codes and scale.
+// The cache rows' writer: bf16 and f32 pools take each value as it is computed (rounded to bf16,
+// or as is); q8 pools (KV = int8_t) stage the row's values in threadgroup memory, then (barrier)
+// quantize each row with the scale of its largest magnitude (simd_max over the simdgroup) and
+// write codes and scale.
 template <typename KV>
 struct KvWriter;
 template <>
@@ -70,6 +72,16 @@ struct KvWriter<bfloat> {
   threadgroup float* stage;
   void put_k(uint32_t c, float y) { k[row.at + c] = bfloat(y); }
   void put_v(uint32_t c, float y) { v[row.at + c] = bfloat(y); }
+  void finish(uint32_t, uint32_t) {}
+};
+template <>
+struct KvWriter<float> {
+  device float* k;
+  device float* v;
+  KvRow row;
+  threadgroup float* stage;
+  void put_k(uint32_t c, float y) { k[row.at + c] = y; }
+  void put_v(uint32_t c, float y) { v[row.at + c] = y; }
   void finish(uint32_t, uint32_t) {}
 };
 template <>
@@ -164,7 +176,8 @@ template <typename T, typename W, typename KV>
 // threadgroup and used by all group x Bq query rows.
 //   grid:     (kv_heads, ceil(tokens / Bq), splits), 32 * group threads
 //   per block of kAttnBlockKeys = 32 keys:
-//     1. all threads copy the K block (bf16) into threadgroup memory; barrier
+//     1. all threads copy the K block (bf16) into threadgroup memory; barrier (f32 pools: the
+//        rows are read from device memory where they are used, KvBlock<float>)
 //     2. lane j scores key j for each of its simdgroup's rows (dot over head_dim in fp32, q read
 //        from device memory: the same address on every lane), online-softmax update of the row's
 //        running max m and sum l (simd_max, simd_sum), p_j to threadgroup memory; barrier
@@ -182,9 +195,36 @@ struct AttnState {
   float l[Bq];
 };
 
-template <typename T, uint32_t Bq>
-inline void attend_keys(constant AttnArgs& args, const device T* q, const device bfloat* k_cache,
-                        const device bfloat* v_cache, const device uint32_t* block_table,
+// The K or V block of attend_keys. bf16 pools: staged in threadgroup memory by all threads (each
+// cache row read from device memory once per threadgroup; 32 x 256 bf16 = 16 KiB). f32 pools: the
+// same staging would take 32 KiB, the whole threadgroup limit, so each row is read from device
+// memory where it is used (the callers never read rows past the block's keys).
+template <typename KV>
+struct KvBlock;
+template <>
+struct KvBlock<bfloat> {
+  enum : uint32_t { kStage = kAttnBlockKeys * kAttnMaxHeadDim };  // bf16 elements staged
+  threadgroup bfloat* s;
+  void load(const device bfloat* pool, uint32_t blk, uint32_t nkeys, uint32_t D, uint32_t tid, uint32_t threads) {
+    for (uint32_t e = tid; e < kAttnBlockKeys * D; e += threads) {
+      const uint32_t j = e / D;
+      s[e] = j < nkeys ? pool[blk + j * D + e % D] : bfloat(0.0f);
+    }
+  }
+  float at(uint32_t j, uint32_t d, uint32_t D) const { return float(s[j * D + d]); }
+};
+template <>
+struct KvBlock<float> {
+  enum : uint32_t { kStage = 8 };  // nothing staged
+  threadgroup bfloat* s;
+  const device float* rows;  // the block's first row
+  void load(const device float* pool, uint32_t blk, uint32_t, uint32_t, uint32_t, uint32_t) { rows = pool + blk; }
+  float at(uint32_t j, uint32_t d, uint32_t D) const { return rows[j * D + d]; }
+};
+
+template <typename T, uint32_t Bq, typename KV>
+inline void attend_keys(constant AttnArgs& args, const device T* q, const device KV* k_cache,
+                        const device KV* v_cache, const device uint32_t* block_table,
                         threadgroup bfloat* kv_s, threadgroup float* p_s,
                         thread AttnState<Bq>& st, uint32_t kv_head, uint32_t t0, uint32_t key_begin,
                         uint32_t key_end, uint32_t tid, uint32_t threads, uint32_t lane, uint32_t simd_id) {
@@ -192,6 +232,7 @@ inline void attend_keys(constant AttnArgs& args, const device T* q, const device
   const uint32_t group = args.q_heads / args.kv_heads;
   const uint32_t h = kv_head * group + simd_id;
   const uint32_t rot = (2 * lane) % D;  // bank-conflict-free start of lane's dot product
+  KvBlock<KV> kv{kv_s};
 
   for (uint32_t r = 0; r < Bq; ++r) {
     st.m[r] = neg_inf();
@@ -203,11 +244,9 @@ inline void attend_keys(constant AttnArgs& args, const device T* q, const device
     const uint32_t nkeys = min(uint32_t(kAttnBlockKeys), key_end - kb);
     // Rows kb .. kb + 31 lie in one cache block (kb is a multiple of 32).
     const uint32_t blk = kv_row_offset(block_table, args.block_shift, args.kv_heads, D, kv_head, kb);
-    for (uint32_t e = tid; e < kAttnBlockKeys * D; e += threads) {
-      const uint32_t j = e / D;
-      kv_s[e] = j < nkeys ? k_cache[blk + j * D + e % D] : bfloat(0.0f);
-    }
+    kv.load(k_cache, blk, nkeys, D, tid, threads);
     threadgroup_barrier(mem_flags::mem_threadgroup);
+    const uint32_t kr = min(lane, nkeys - 1);  // lanes past the block's keys score its last one (masked)
 
     for (uint32_t r = 0; r < Bq; ++r) {
       const uint32_t t = min(t0 + r, args.tokens - 1);
@@ -219,7 +258,7 @@ inline void attend_keys(constant AttnArgs& args, const device T* q, const device
       for (uint32_t i = 0; i < D; ++i) {
         uint32_t d = i + rot;
         if (d >= D) d -= D;
-        dot += float(qr[d]) * float(kv_s[lane * D + d]);
+        dot += float(qr[d]) * kv.at(kr, d, D);
       }
       const float s = dot * args.scale;
       const float block_max = simd_max(valid ? s : neg_inf());
@@ -234,10 +273,7 @@ inline void attend_keys(constant AttnArgs& args, const device T* q, const device
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
-    for (uint32_t e = tid; e < kAttnBlockKeys * D; e += threads) {
-      const uint32_t j = e / D;
-      kv_s[e] = j < nkeys ? v_cache[blk + j * D + e % D] : bfloat(0.0f);
-    }
+    kv.load(v_cache, blk, nkeys, D, tid, threads);
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
     for (uint32_t r = 0; r < Bq; ++r) {
@@ -246,7 +282,7 @@ inline void attend_keys(constant AttnArgs& args, const device T* q, const device
         const uint32_t d = lane + 32 * i;
         if (d >= D) break;
         float acc = 0.0f;
-        for (uint32_t j = 0; j < nkeys; ++j) acc += pr[j] * float(kv_s[j * D + d]);
+        for (uint32_t j = 0; j < nkeys; ++j) acc += pr[j] * kv.at(j, d, D);
         st.o[r][i] += acc;
       }
     }
@@ -257,25 +293,25 @@ inline void attend_keys(constant AttnArgs& args, const device T* q, const device
 inline float attn_sigmoid(float g) { return 1.0f / (1.0f + exp(-g)); }
 
 // Single route (decode with <= kAttnSplitKeys keys) and prefill: normalizes, gates, writes out.
-//   buffers: q [tokens, q_heads, D] T, k_cache, v_cache paged bf16 pools, block_table (buffer 6),
-//            gate T (see AttnArgs), out [tokens, q_heads, D] T
-template <typename T, uint32_t Bq>
+//   buffers: q [tokens, q_heads, D] T, k_cache, v_cache paged KV pools (bf16 or f32), block_table
+//            (buffer 6), gate T (see AttnArgs), out [tokens, q_heads, D] T
+template <typename T, uint32_t Bq, typename KV>
 [[kernel]] void attention(constant AttnArgs& args [[buffer(0)]],
                           const device T* q [[buffer(1)]],
-                          const device bfloat* k_cache [[buffer(2)]],
-                          const device bfloat* v_cache [[buffer(3)]],
+                          const device KV* k_cache [[buffer(2)]],
+                          const device KV* v_cache [[buffer(3)]],
                           const device T* gate [[buffer(4)]],
                           device T* out [[buffer(5)]],
                           const device uint32_t* block_table [[buffer(6)]],
                           LILY_KERNEL_TAIL) {
-  LILY_TG_ARRAY(bfloat, kv_s, [kAttnBlockKeys * kAttnMaxHeadDim]);
+  LILY_TG_ARRAY(bfloat, kv_s, [KvBlock<KV>::kStage]);
   LILY_TG_ARRAY(float, p_s, [kAttnMaxGroup * Bq * kAttnBlockKeys]);
   const uint32_t t0 = group_pos.y * Bq;
   const uint32_t t_last = min(t0 + Bq, args.tokens) - 1;
   const uint32_t key_end = args.position + t_last + 1;
   AttnState<Bq> st;
-  attend_keys<T, Bq>(args, q, k_cache, v_cache, block_table, kv_s, p_s, st, group_pos.x, t0, 0, key_end,
-                     thread_pos.x, group_size.x, lane, simd_id);
+  attend_keys<T, Bq, KV>(args, q, k_cache, v_cache, block_table, kv_s, p_s, st, group_pos.x, t0, 0, key_end,
+                         thread_pos.x, group_size.x, lane, simd_id);
 
   const uint32_t D = args.head_dim;
   const uint32_t h = group_pos.x * (args.q_heads / args.kv_heads) + simd_id;
@@ -299,23 +335,23 @@ template <typename T, uint32_t Bq>
 // the splits) and writes its unnormalized partials.
 //   buffers: q, k_cache, v_cache as above; partial_o float [q_heads, splits, D];
 //            partial_ml float [q_heads, splits, 2] (running max m, sum l)
-template <typename T>
+template <typename T, typename KV>
 [[kernel]] void attention_split(constant AttnArgs& args [[buffer(0)]],
                                 const device T* q [[buffer(1)]],
-                                const device bfloat* k_cache [[buffer(2)]],
-                                const device bfloat* v_cache [[buffer(3)]],
+                                const device KV* k_cache [[buffer(2)]],
+                                const device KV* v_cache [[buffer(3)]],
                                 device float* partial_o [[buffer(4)]],
                                 device float* partial_ml [[buffer(5)]],
                                 const device uint32_t* block_table [[buffer(6)]],
                                 LILY_KERNEL_TAIL) {
-  LILY_TG_ARRAY(bfloat, kv_s, [kAttnBlockKeys * kAttnMaxHeadDim]);
+  LILY_TG_ARRAY(bfloat, kv_s, [KvBlock<KV>::kStage]);
   LILY_TG_ARRAY(float, p_s, [kAttnMaxGroup * kAttnBlockKeys]);
   const uint32_t split = group_pos.z;
   const uint32_t key_begin = split * args.split_keys;
   const uint32_t key_end = min(key_begin + args.split_keys, args.position + 1);
   AttnState<1> st;
-  attend_keys<T, 1>(args, q, k_cache, v_cache, block_table, kv_s, p_s, st, group_pos.x, 0, key_begin, key_end,
-                    thread_pos.x, group_size.x, lane, simd_id);
+  attend_keys<T, 1, KV>(args, q, k_cache, v_cache, block_table, kv_s, p_s, st, group_pos.x, 0, key_begin, key_end,
+                        thread_pos.x, group_size.x, lane, simd_id);
 
   const uint32_t D = args.head_dim;
   const uint32_t h = group_pos.x * (args.q_heads / args.kv_heads) + simd_id;
@@ -433,8 +469,9 @@ inline void vec_row_q8<2>(const device int8_t* p, thread float* out) {
 }
 
 // The vec route's cache reader: a lane's E values of key `key` of the threadgroup's block, and the
-// rows' scales (bf16: 1; q8: the codes come unscaled, the kernel applies the scales to the dot
-// product and to p, once per key rather than once per value).
+// rows' scales (bf16, f32: 1; q8: the codes come unscaled, the kernel applies the scales to the dot
+// product and to p, once per key rather than once per value). f32 rows: E floats (E = 8: two
+// 16-byte loads; 4: one; 2: one 8-byte load).
 template <uint32_t E, typename KV>
 struct VecKv;
 template <uint32_t E>
@@ -446,6 +483,19 @@ struct VecKv<E, bfloat> {
   void load(uint32_t key, thread float* kv, thread float* vv, thread float& ks, thread float& vs) const {
     VecRow<E>::bf16(k + key * (32 * E), kv);
     VecRow<E>::bf16(v + key * (32 * E), vv);
+    ks = 1.0f;
+    vs = 1.0f;
+  }
+};
+template <uint32_t E>
+struct VecKv<E, float> {
+  const device float* k;
+  const device float* v;
+  VecKv(const device float* k_cache, const device float* v_cache, KvRow r, uint32_t d0)
+      : k(k_cache + r.at + d0), v(v_cache + r.at + d0) {}
+  void load(uint32_t key, thread float* kv, thread float* vv, thread float& ks, thread float& vs) const {
+    VecRow<E>::f32(k + key * (32 * E), kv);
+    VecRow<E>::f32(v + key * (32 * E), vv);
     ks = 1.0f;
     vs = 1.0f;
   }
@@ -527,7 +577,7 @@ inline void vec_attend_key(thread const float* qr, thread const float* kv, threa
 // Then the 8 simdgroups' (m, l, o) are merged through threadgroup memory (one head at a time) and
 // written as the block's unnormalized partial.
 //   grid:    (kv_heads, blocks) threadgroups of kAttnVecSimds * 32 = 256 threads
-//   buffers: q [q_heads, D] T, k_cache, v_cache paged bf16 pools, block_table (buffer 6);
+//   buffers: q [q_heads, D] T, k_cache, v_cache paged KV pools (bf16, q8 or f32), block_table (buffer 6);
 //            partial_o float [q_heads, blocks, D]; partial_ml float [q_heads, blocks, 2]
 //   registers per lane: q and o 2 x 8 x E floats, m and l 2 x 8, two K and two V slices (E each)
 //   threadgroup memory: 8 x D floats (o) + 8 x 8 x 2 floats (m, l)
@@ -692,7 +742,10 @@ template <typename T, uint32_t E>
 //               head_dim 256), S quarter 2x2 tiles, m and l of one row
 //   threadgroup memory: q, k, S tiles 3 x 32 x 36 floats, V 32 x 132 floats, diagonals 32 x 8:
 //               31,744 bytes
-// Each K/V row is read from device memory once per threadgroup (q once per key block).
+// Each K/V row is read from device memory once per threadgroup (q once per key block). The K and V
+// tiles are fp32 whatever the pool (KvRows<KV>::value: bf16 widened, q8 code x scale, f32 as is),
+// so an f32 cache's rows reach the products unrounded (the route every f32 cache prefill takes at
+// these head dims: docs/kernels-attention.md).
 template <typename T, typename KV>
 [[kernel]] void attention_prefill_mma(constant AttnArgs& args [[buffer(0)]],
                                       const device T* q [[buffer(1)]],
@@ -1068,36 +1121,54 @@ LILY_INSTANTIATE("qk_norm_rope_q8_xf32_wf32", qk_norm_rope<float, float, int8_t>
 LILY_INSTANTIATE("qk_norm_rope_q8_xf32_wbf16", qk_norm_rope<float, bfloat, int8_t>)
 LILY_INSTANTIATE("qk_norm_rope_q8_xbf16_wf32", qk_norm_rope<bfloat, float, int8_t>)
 LILY_INSTANTIATE("qk_norm_rope_q8_xbf16_wbf16", qk_norm_rope<bfloat, bfloat, int8_t>)
-LILY_INSTANTIATE("attn_decode_f32", attention<float, 1>)
-LILY_INSTANTIATE("attn_decode_bf16", attention<bfloat, 1>)
-LILY_INSTANTIATE("attn_decode_split_f32", attention_split<float>)
-LILY_INSTANTIATE("attn_decode_split_bf16", attention_split<bfloat>)
+LILY_INSTANTIATE("qk_norm_rope_kvf32_xf32_wf32", qk_norm_rope<float, float, float>)
+LILY_INSTANTIATE("qk_norm_rope_kvf32_xf32_wbf16", qk_norm_rope<float, bfloat, float>)
+LILY_INSTANTIATE("qk_norm_rope_kvf32_xbf16_wf32", qk_norm_rope<bfloat, float, float>)
+LILY_INSTANTIATE("qk_norm_rope_kvf32_xbf16_wbf16", qk_norm_rope<bfloat, bfloat, float>)
+LILY_INSTANTIATE("attn_decode_f32", attention<float, 1, bfloat>)
+LILY_INSTANTIATE("attn_decode_bf16", attention<bfloat, 1, bfloat>)
+LILY_INSTANTIATE("attn_decode_kvf32_f32", attention<float, 1, float>)
+LILY_INSTANTIATE("attn_decode_kvf32_bf16", attention<bfloat, 1, float>)
+LILY_INSTANTIATE("attn_decode_split_f32", attention_split<float, bfloat>)
+LILY_INSTANTIATE("attn_decode_split_bf16", attention_split<bfloat, bfloat>)
+LILY_INSTANTIATE("attn_decode_split_kvf32_f32", attention_split<float, float>)
+LILY_INSTANTIATE("attn_decode_split_kvf32_bf16", attention_split<bfloat, float>)
 LILY_INSTANTIATE("attn_combine_f32", attention_combine<float>)
 LILY_INSTANTIATE("attn_combine_bf16", attention_combine<bfloat>)
 LILY_INSTANTIATE("attn_decode_vec_e2_f32", attention_vec<float, 2, bfloat>)
 LILY_INSTANTIATE("attn_decode_vec_q8_e2_f32", attention_vec<float, 2, int8_t>)
 LILY_INSTANTIATE("attn_decode_vec_e2_bf16", attention_vec<bfloat, 2, bfloat>)
 LILY_INSTANTIATE("attn_decode_vec_q8_e2_bf16", attention_vec<bfloat, 2, int8_t>)
+LILY_INSTANTIATE("attn_decode_vec_kvf32_e2_f32", attention_vec<float, 2, float>)
+LILY_INSTANTIATE("attn_decode_vec_kvf32_e2_bf16", attention_vec<bfloat, 2, float>)
 LILY_INSTANTIATE("attn_decode_vec_e4_f32", attention_vec<float, 4, bfloat>)
 LILY_INSTANTIATE("attn_decode_vec_q8_e4_f32", attention_vec<float, 4, int8_t>)
 LILY_INSTANTIATE("attn_decode_vec_e4_bf16", attention_vec<bfloat, 4, bfloat>)
 LILY_INSTANTIATE("attn_decode_vec_q8_e4_bf16", attention_vec<bfloat, 4, int8_t>)
+LILY_INSTANTIATE("attn_decode_vec_kvf32_e4_f32", attention_vec<float, 4, float>)
+LILY_INSTANTIATE("attn_decode_vec_kvf32_e4_bf16", attention_vec<bfloat, 4, float>)
 LILY_INSTANTIATE("attn_decode_vec_e8_f32", attention_vec<float, 8, bfloat>)
 LILY_INSTANTIATE("attn_decode_vec_q8_e8_f32", attention_vec<float, 8, int8_t>)
 LILY_INSTANTIATE("attn_decode_vec_e8_bf16", attention_vec<bfloat, 8, bfloat>)
 LILY_INSTANTIATE("attn_decode_vec_q8_e8_bf16", attention_vec<bfloat, 8, int8_t>)
+LILY_INSTANTIATE("attn_decode_vec_kvf32_e8_f32", attention_vec<float, 8, float>)
+LILY_INSTANTIATE("attn_decode_vec_kvf32_e8_bf16", attention_vec<bfloat, 8, float>)
 LILY_INSTANTIATE("attn_vec_combine_e2_f32", attention_vec_combine<float, 2>)
 LILY_INSTANTIATE("attn_vec_combine_e2_bf16", attention_vec_combine<bfloat, 2>)
 LILY_INSTANTIATE("attn_vec_combine_e4_f32", attention_vec_combine<float, 4>)
 LILY_INSTANTIATE("attn_vec_combine_e4_bf16", attention_vec_combine<bfloat, 4>)
 LILY_INSTANTIATE("attn_vec_combine_e8_f32", attention_vec_combine<float, 8>)
 LILY_INSTANTIATE("attn_vec_combine_e8_bf16", attention_vec_combine<bfloat, 8>)
-LILY_INSTANTIATE("attn_prefill_f32", attention<float, kAttnPrefillTokens>)
-LILY_INSTANTIATE("attn_prefill_bf16", attention<bfloat, kAttnPrefillTokens>)
+LILY_INSTANTIATE("attn_prefill_f32", attention<float, kAttnPrefillTokens, bfloat>)
+LILY_INSTANTIATE("attn_prefill_bf16", attention<bfloat, kAttnPrefillTokens, bfloat>)
+LILY_INSTANTIATE("attn_prefill_kvf32_f32", attention<float, kAttnPrefillTokens, float>)
+LILY_INSTANTIATE("attn_prefill_kvf32_bf16", attention<bfloat, kAttnPrefillTokens, float>)
 LILY_INSTANTIATE("attn_prefill_mma_f32", attention_prefill_mma<float, bfloat>)
 LILY_INSTANTIATE("attn_prefill_mma_q8_f32", attention_prefill_mma<float, int8_t>)
 LILY_INSTANTIATE("attn_prefill_mma_bf16", attention_prefill_mma<bfloat, bfloat>)
 LILY_INSTANTIATE("attn_prefill_mma_q8_bf16", attention_prefill_mma<bfloat, int8_t>)
+LILY_INSTANTIATE("attn_prefill_mma_kvf32_f32", attention_prefill_mma<float, float>)
+LILY_INSTANTIATE("attn_prefill_mma_kvf32_bf16", attention_prefill_mma<bfloat, float>)
 LILY_INSTANTIATE("attn_prefill_tiles_d64_bf16", attention_prefill_tiles<64, bfloat>)
 LILY_INSTANTIATE("attn_prefill_tiles_q8_d64_bf16", attention_prefill_tiles<64, int8_t>)
 LILY_INSTANTIATE("attn_prefill_tiles_d128_bf16", attention_prefill_tiles<128, bfloat>)

@@ -75,7 +75,7 @@ core::ModelSpec spec_from(const nb::dict& d) {
   s.context_length = get<uint32_t>(d, "context_length");
   s.prefill_chunk = get<uint32_t>(d, "prefill_chunk");
   if (d.contains("kv_block_tokens")) s.kv_block_tokens = get<uint32_t>(d, "kv_block_tokens");
-  if (d.contains("kv_q8")) s.kv_q8 = get<bool>(d, "kv_q8");
+  if (d.contains("kv_dtype")) s.kv_format = gpu::parse_kv_format(get<std::string>(d, "kv_dtype"), "kv_dtype");
   s.logit_rows = get<uint32_t>(d, "logit_rows");
   if (d.contains("activations")) s.activations = gpu::parse_dtype(get<std::string>(d, "activations"), "activations");
   return s;

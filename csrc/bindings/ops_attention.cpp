@@ -57,9 +57,10 @@ gpu::ops::QmmOperands qmm_weights(AttnRun& r, const InArray& w, const InArray& s
 // The paged cache of an op: pools [pool_blocks, Hkv, B, D] (checked by the caller) and the block
 // table uint32 [n], every entry < pool_blocks.
 // An int8 pool (common/kv_blocks.h) comes as an 8-bit array [P, Hkv, B, D + 4]: each block's bytes
-// (codes, then scales) in that many bytes; lily_py.ops.attention.q8_pool packs one.
+// (codes, then scales) in that many bytes; lily_py.ops.attention._page packs one. A float32 pool is
+// a 32-bit array [P, Hkv, B, D], a bf16 one a 16-bit array.
 gpu::ops::KvPaging kv_paging(AttnRun& r, const InArray& table, const char* fn, size_t pool_blocks, size_t B,
-                             bool q8 = false) {
+                             gpu::KvFormat format = gpu::KvFormat::bf16) {
   LILY_REQUIRE(table.ndim() == 1 && table.dtype().bits == 32 && table.shape(0) >= 1,
                std::string(fn) + ": block_table must be a 1-D uint32 array");
   const uint32_t* t = static_cast<const uint32_t*>(table.data());
@@ -71,9 +72,18 @@ gpu::ops::KvPaging kv_paging(AttnRun& r, const InArray& table, const char* fn, s
   kv.table = r.input(table);
   kv.block_tokens = u32(B);
   kv.pool_blocks = u32(pool_blocks);
-  kv.q8 = q8;
+  kv.format = format;
   return kv;
 }
+
+// The cache format of a pool array by its element width: 8 bits int8 (codes and scales), 32 float32,
+// else bf16 (16 bits, checked by the caller).
+gpu::KvFormat pool_format(const InArray& pool) {
+  const size_t bits = pool.dtype().bits;
+  return bits == 8 ? gpu::KvFormat::q8 : bits == 32 ? gpu::KvFormat::f32 : gpu::KvFormat::bf16;
+}
+size_t pool_bits(gpu::KvFormat f) { return f == gpu::KvFormat::q8 ? 8 : f == gpu::KvFormat::f32 ? 32 : 16; }
+size_t pool_row(gpu::KvFormat f, size_t D) { return f == gpu::KvFormat::q8 ? D + 4 : D; }
 
 }  // namespace
 
@@ -95,16 +105,14 @@ void init_ops_attention(nb::module_& parent) {
     return bindings::download<float>(f.data(), {f.size()});
   }, "rotary_dim"_a, "theta"_a, "float32 [rotary_dim / 2] inverse frequencies the RoPE kernels use.");
 
-  m.def("attention_prefill_route", [](uint32_t head_dim, bool tensor_ops, bool bf16) {
+  m.def("attention_prefill_route", [](uint32_t head_dim, bool tensor_ops, bool bf16, const std::string& kv_dtype) {
     const gpu::DType dt = bf16 ? gpu::DType::bf16 : gpu::DType::f32;
-    return std::string(gpu::ops::attention_prefill_uses_m5(head_dim, tensor_ops)         ? "m5"
-                       : gpu::ops::attention_prefill_uses_tiles(head_dim, dt, tensor_ops) ? "tiles"
-                       : gpu::ops::attention_prefill_uses_mma(head_dim)                  ? "mma"
-                                                                                         : "simd");
-  }, "head_dim"_a, "tensor_ops"_a = false, "bf16"_a = false,
+    const gpu::KvFormat kv = gpu::parse_kv_format(kv_dtype, "attention_prefill_route: kv_dtype");
+    return std::string(gpu::ops::prefill_route_name(gpu::ops::attention_prefill_route(head_dim, dt, kv, tensor_ops)));
+  }, "head_dim"_a, "tensor_ops"_a = false, "bf16"_a = false, "kv_dtype"_a = "bfloat16",
      "Prefill attention route for this head_dim: 'm5' (Metal 4 tensor ops: head_dim 64, 128 or 256 on a device "
      "with tensor ops), 'tiles' (bf16 activations, head_dim 64, 128 or 256, no tensor ops), 'mma' (simdgroup "
-     "matrices) or 'simd'.");
+     "matrices) or 'simd'; a float32 KV cache takes 'mma' or 'simd' on every device.");
 
   m.def("attention_decode_route", [](uint32_t length, uint32_t head_dim, uint32_t block_tokens) {
     const gpu::ops::AttnRoute r = gpu::ops::attention_decode_route(length, head_dim, block_tokens);
@@ -163,10 +171,11 @@ void init_ops_attention(nb::module_& parent) {
         check_dims(v, fn, "v", {T, Hkv, D}, xb);
         check_dims(q_norm, fn, "q_norm", {D}, wb);
         check_dims(k_norm, fn, "k_norm", {D}, wb);
-        const bool q8 = k_cache.dtype().bits == 8;
-        const size_t row = q8 ? D + 4 : D;
-        check_dims(k_cache, fn, "k_cache", {P, Hkv, B, row}, q8 ? 8 : 16);
-        check_dims(v_cache, fn, "v_cache", {P, Hkv, B, row}, q8 ? 8 : 16);
+        const gpu::KvFormat kvf = pool_format(k_cache);
+        const bool q8 = kvf == gpu::KvFormat::q8;
+        const size_t row = pool_row(kvf, D);
+        check_dims(k_cache, fn, "k_cache", {P, Hkv, B, row}, pool_bits(kvf));
+        check_dims(v_cache, fn, "v_cache", {P, Hkv, B, row}, pool_bits(kvf));
         op.tokens = u32(T);
         op.q_heads = u32(Hq);
         op.kv_heads = u32(Hkv);
@@ -176,7 +185,7 @@ void init_ops_attention(nb::module_& parent) {
         op.eps = eps;
         op.weight_offset = weight_offset;
         AttnRun r(device, order, seed, fp_traps);
-        op.kv = kv_paging(r, block_table, fn, P, B, q8);
+        op.kv = kv_paging(r, block_table, fn, P, B, kvf);
         op.qg = r.input(qg);
         op.k = r.input(k);
         op.v = r.input(v);
@@ -188,18 +197,18 @@ void init_ops_attention(nb::module_& parent) {
         op.v_cache = r.input(v_cache);
         nb::dict stats = r.run([&](gpu::Encoder& e) { gpu::ops::encode_qk_norm_rope(e, op); });
         stats["kernels"] = nb::make_tuple(
-            std::string(gpu::kernel_info(gpu::ops::qk_norm_rope_kernel(op.x_dtype, op.w_dtype, q8)).name));
+            std::string(gpu::kernel_info(gpu::ops::qk_norm_rope_kernel(op.x_dtype, op.w_dtype, kvf)).name));
         auto pool = [&](const gpu::Binding& b) {
           return q8 ? nb::cast(bindings::download<uint8_t>(*b.buffer, b.offset, {P, Hkv, B, row}))
-                    : r.download(b, gpu::DType::bf16, {P, Hkv, B, D});
+                    : r.download(b, kvf == gpu::KvFormat::f32 ? gpu::DType::f32 : gpu::DType::bf16, {P, Hkv, B, D});
         };
         return nb::make_tuple(r.download(op.q_out, op.x_dtype, {T, Hq, D}), pool(op.k_cache), pool(op.v_cache), stats);
       },
       "qg"_a, "k"_a, "v"_a, "q_norm"_a, "k_norm"_a, "k_cache"_a, "v_cache"_a, "block_table"_a, nb::kw_only(), "position"_a,
       "rotary_dim"_a, "theta"_a, "eps"_a, "weight_offset"_a, "x_dtype"_a, "w_dtype"_a, "device"_a = "emu",
       "order"_a = "shuffle", "seed"_a = 0, "fp_traps"_a = true,
-      "q/k RMSNorm + partial RoPE + KV append into the paged pools [blocks, Hkv, B, D] (bf16 as uint16, or int8: "
-      "uint8 [blocks, Hkv, B, D + 4]) through block_table; "
+      "q/k RMSNorm + partial RoPE + KV append into the paged pools [blocks, Hkv, B, D] (bf16 as uint16, float32, "
+      "or int8: uint8 [blocks, Hkv, B, D + 4]) through block_table; "
       "returns (q, k_cache, v_cache, stats). Use "
       "lily_py.ops.qk_norm_rope_append.");
 
@@ -217,16 +226,16 @@ void init_ops_attention(nb::module_& parent) {
         const size_t T = q.shape(0), Hq = q.shape(1), D = q.shape(2), P = k_cache.shape(0), Hkv = k_cache.shape(1),
                      B = k_cache.shape(2);
         check_dims(q, fn, "q", {T, Hq, D}, xb);
-        const bool q8 = k_cache.dtype().bits == 8;
-        check_dims(k_cache, fn, "k_cache", {P, Hkv, B, q8 ? D + 4 : D}, q8 ? 8 : 16);
-        check_dims(v_cache, fn, "v_cache", {P, Hkv, B, q8 ? D + 4 : D}, q8 ? 8 : 16);
+        const gpu::KvFormat kvf = pool_format(k_cache);
+        check_dims(k_cache, fn, "k_cache", {P, Hkv, B, pool_row(kvf, D)}, pool_bits(kvf));
+        check_dims(v_cache, fn, "v_cache", {P, Hkv, B, pool_row(kvf, D)}, pool_bits(kvf));
         op.tokens = u32(T);
         op.q_heads = u32(Hq);
         op.kv_heads = u32(Hkv);
         op.head_dim = u32(D);
         op.position = position;
         AttnRun r(device, order, seed, fp_traps);
-        op.kv = kv_paging(r, block_table, fn, P, B, q8);
+        op.kv = kv_paging(r, block_table, fn, P, B, kvf);
         op.q = r.input(q);
         op.k_cache = r.input(k_cache);
         op.v_cache = r.input(v_cache);
@@ -240,14 +249,11 @@ void init_ops_attention(nb::module_& parent) {
         auto name = [](gpu::KernelId k) { return std::string(gpu::kernel_info(k).name); };
         if (decode) {
           const gpu::ops::AttnRoute route = gpu::ops::attention_decode_route(position + 1, op.head_dim, u32(B));
+          kernels.append(name(gpu::ops::attention_decode_kernel(route, op.head_dim, op.dtype, kvf)));
           if (route.split) {
             op.scratch = r.output(gpu::ops::attention_scratch_bytes(op.q_heads, op.head_dim, position + 1, u32(B)));
             const std::string sfx = bf ? "bf16" : "f32", e = std::to_string(op.head_dim / 32);
-            kernels.append(route.vec ? name(gpu::ops::attention_vec_kernel(op.head_dim, op.dtype, q8))
-                                     : "attn_decode_split_" + sfx);
             kernels.append(route.vec ? "attn_vec_combine_e" + e + "_" + sfx : "attn_combine_" + sfx);
-          } else {
-            kernels.append(bf ? "attn_decode_bf16" : "attn_decode_f32");
           }
         }
         std::string prefill_kernel;  // named inside run (the encoder's tensor_ops), listed after it:
@@ -257,7 +263,7 @@ void init_ops_attention(nb::module_& parent) {
             return;
           }
           // the op's buffers are fresh (offset 0) and q packed: aligned for the tiles
-          prefill_kernel = name(gpu::ops::attention_prefill_kernel(op.head_dim, op.dtype, q8, e.tensor_ops(), true));
+          prefill_kernel = name(gpu::ops::attention_prefill_kernel(op.head_dim, op.dtype, kvf, e.tensor_ops(), true));
           gpu::ops::encode_attention_prefill(e, op);
         });
         if (!prefill_kernel.empty()) kernels.append(prefill_kernel);
@@ -267,7 +273,7 @@ void init_ops_attention(nb::module_& parent) {
       "q"_a, "k_cache"_a, "v_cache"_a, "block_table"_a, "gate"_a.none(), nb::kw_only(), "position"_a, "decode"_a, "dtype"_a,
       "device"_a = "emu", "order"_a = "shuffle", "seed"_a = 0, "fp_traps"_a = true,
       "Causal attention of q [tokens, q_heads, D] (positions position..) over the paged bf16 (or int8: uint8 "
-      "[P, Hkv, B, D + 4]) pools; returns "
+      "[P, Hkv, B, D + 4]; or float32) pools; returns "
       "(out, stats). Use lily_py.ops.attention_decode / attention_prefill.");
 
   m.def(

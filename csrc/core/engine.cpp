@@ -91,7 +91,7 @@ void ModelSpec::validate() const {
   if (context_length == 0) fail("context_length must be >= 1");
   if (kv_block_tokens < 32 || (kv_block_tokens & (kv_block_tokens - 1)) != 0)
     fail("kv_block_tokens must be a power of two >= 32, got " + num(kv_block_tokens));
-  if (kv_q8 && head_dim != 64 && head_dim != 128 && head_dim != 256 && std::count(full_attention.begin(), full_attention.end(), 1))
+  if (kv_format == gpu::KvFormat::q8 && head_dim != 64 && head_dim != 128 && head_dim != 256 && std::count(full_attention.begin(), full_attention.end(), 1))
     fail("kv_dtype int8 needs head_dim 64, 128 or 256 (the int8 attention routes), got " + num(head_dim));
   if (prefill_chunk == 0) fail("prefill_chunk must be >= 1");
   if (logit_rows == 0 || logit_rows > prefill_chunk) fail("logit_rows must be in [1, prefill_chunk]");
@@ -129,7 +129,7 @@ std::string ModelSpec::summary() const {
   o << layers << " layers (" << layers - attn << " DeltaNet, " << attn << " attention), hidden " << hidden << ", vocab "
     << vocab << ", " << experts << " experts top-" << top_k << ", context " << context_length << ", chunk "
     << prefill_chunk;
-  if (kv_q8) o << ", int8 KV cache";
+  if (kv_format != gpu::KvFormat::bf16) o << ", " << gpu::kv_format_name(kv_format) << " KV cache";
   return o.str();
 }
 
@@ -199,7 +199,7 @@ void build_buffers(const ModelSpec& s, Allocator& a, gpu::ModelBuffers& m_, bool
     L.input_norm = a.weight(p + "input_norm", H * 4);
     L.post_norm = a.weight(p + "post_norm", H * 4);
     if (L.attention) {
-      // bf16 or int8 pool of kv_pool() blocks of [kv_heads, kv_block_tokens] rows (shaders/common/kv_blocks.h)
+      // bf16, int8 or float32 pool of kv_pool() blocks of [kv_heads, kv_block_tokens] rows (shaders/common/kv_blocks.h)
       const uint64_t D = s.head_dim, kv = uint64_t(s.kv_pool()) * s.kv_heads * s.kv_block_tokens * s.kv_row_bytes();
       const uint64_t nkv = uint64_t(s.kv_heads) * D;
       L.at.qkv_proj = alloc_fused(a, s, p + "qkv_proj", kQkvParts, {2ull * s.q_heads * D, nkv, nkv}, H, s.mixer);

@@ -57,10 +57,10 @@ struct ModelSpec {
   uint32_t kv_pool_blocks = 0;      // blocks allocated per K / V pool (0: kv_blocks(), the whole context)
   uint32_t kv_blocks() const { return (context_length + kv_block_tokens - 1) / kv_block_tokens; }
   uint32_t kv_pool() const { return kv_pool_blocks ? std::min(kv_pool_blocks, kv_blocks()) : kv_blocks(); }
-  // KV cache element type: bf16, or int8 codes with a float scale per row (kv_q8; shaders/common/
-  // kv_blocks.h): bytes of one position of one KV head in a K or V pool
-  bool kv_q8 = false;
-  uint64_t kv_row_bytes() const { return kv_q8 ? uint64_t(head_dim) + 4 : 2ull * head_dim; }
+  // KV cache element type (lily_py's kv_dtype; shaders/common/kv_blocks.h): bf16, int8 codes with
+  // a float scale per row, or float32; bytes of one position of one KV head in a K or V pool
+  gpu::KvFormat kv_format = gpu::KvFormat::bf16;
+  uint64_t kv_row_bytes() const { return gpu::kv_row_bytes(kv_format, head_dim); }
   uint32_t prefill_chunk = 0;   // most tokens one step encodes (scratch is sized for it)
   uint32_t logit_rows = 0;      // most rows of logits one step writes (all_logits)
 

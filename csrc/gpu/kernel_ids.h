@@ -239,15 +239,25 @@
   X(qk_norm_rope_q8_xf32_wbf16, QkNormRopeArgs, 10) /* int8 KV pools */          \
   X(qk_norm_rope_q8_xbf16_wf32, QkNormRopeArgs, 10) /* int8 KV pools */          \
   X(qk_norm_rope_q8_xbf16_wbf16, QkNormRopeArgs, 10) /* int8 KV pools */          \
+  X(qk_norm_rope_kvf32_xf32_wf32, QkNormRopeArgs, 10) /* float32 KV pools */    \
+  X(qk_norm_rope_kvf32_xf32_wbf16, QkNormRopeArgs, 10) /* float32 KV pools */   \
+  X(qk_norm_rope_kvf32_xbf16_wf32, QkNormRopeArgs, 10) /* float32 KV pools */   \
+  X(qk_norm_rope_kvf32_xbf16_wbf16, QkNormRopeArgs, 10) /* float32 KV pools */  \
   /* q, k_cache, v_cache, gate, out */                                        \
   X(attn_decode_f32,  AttnArgs, 6)                                            \
   X(attn_decode_bf16, AttnArgs, 6)                                            \
+  X(attn_decode_kvf32_f32,  AttnArgs, 6)  /* float32 KV pools */              \
+  X(attn_decode_kvf32_bf16, AttnArgs, 6)                                      \
   X(attn_prefill_f32,  AttnArgs, 6)                                           \
   X(attn_prefill_bf16, AttnArgs, 6)                                           \
+  X(attn_prefill_kvf32_f32,  AttnArgs, 6)  /* float32 KV pools */             \
+  X(attn_prefill_kvf32_bf16, AttnArgs, 6)                                     \
   X(attn_prefill_mma_f32,  AttnArgs, 6)                                       \
   X(attn_prefill_mma_bf16, AttnArgs, 6)                                       \
   X(attn_prefill_mma_q8_f32,  AttnArgs, 6)  /* int8 KV pools */             \
   X(attn_prefill_mma_q8_bf16, AttnArgs, 6)                                    \
+  X(attn_prefill_mma_kvf32_f32,  AttnArgs, 6)  /* float32 KV pools */         \
+  X(attn_prefill_mma_kvf32_bf16, AttnArgs, 6)                                 \
   X(attn_prefill_tiles_d64_bf16,  AttnArgs, 6)                                \
   X(attn_prefill_tiles_d128_bf16, AttnArgs, 6)                                \
   X(attn_prefill_tiles_d256_bf16, AttnArgs, 6)                                \
@@ -257,6 +267,8 @@
   /* split-K decode: q, k_cache, v_cache, partial_o, partial_ml */            \
   X(attn_decode_split_f32,  AttnArgs, 6)                                      \
   X(attn_decode_split_bf16, AttnArgs, 6)                                      \
+  X(attn_decode_split_kvf32_f32,  AttnArgs, 6)  /* float32 KV pools */        \
+  X(attn_decode_split_kvf32_bf16, AttnArgs, 6)                                \
   /* partial_o, partial_ml, gate, out */                                      \
   X(attn_combine_f32,  AttnArgs, 4)                                           \
   X(attn_combine_bf16, AttnArgs, 4)                                          \
@@ -273,6 +285,12 @@
   X(attn_decode_vec_q8_e4_bf16, AttnArgs, 6) /* int8 KV pools */            \
   X(attn_decode_vec_q8_e8_f32, AttnArgs, 6) /* int8 KV pools */            \
   X(attn_decode_vec_q8_e8_bf16, AttnArgs, 6) /* int8 KV pools */            \
+  X(attn_decode_vec_kvf32_e2_f32, AttnArgs, 6) /* float32 KV pools */       \
+  X(attn_decode_vec_kvf32_e2_bf16, AttnArgs, 6) /* float32 KV pools */      \
+  X(attn_decode_vec_kvf32_e4_f32, AttnArgs, 6) /* float32 KV pools */       \
+  X(attn_decode_vec_kvf32_e4_bf16, AttnArgs, 6) /* float32 KV pools */      \
+  X(attn_decode_vec_kvf32_e8_f32, AttnArgs, 6) /* float32 KV pools */       \
+  X(attn_decode_vec_kvf32_e8_bf16, AttnArgs, 6) /* float32 KV pools */      \
   /* vec combine: partial_o, partial_ml, gate, out */                          \
   X(attn_vec_combine_e2_f32, AttnArgs, 4)                                \
   X(attn_vec_combine_e2_bf16, AttnArgs, 4)                                \

@@ -152,7 +152,7 @@ void encode_attention(Encoder& enc, const core::ModelSpec& spec, const ModelBuff
   a.kv.table = m.kv_table;
   a.kv.block_tokens = spec.kv_block_tokens;
   a.kv.pool_blocks = spec.kv_pool();
-  a.kv.q8 = spec.kv_q8;
+  a.kv.format = spec.kv_format;
   a.eps = spec.eps;
   ops::encode_attention_mixer(enc, a);
 }

@@ -1,6 +1,7 @@
 // The paged KV cache's addressing, shared by the attention kernels (shaders/attention.metal,
-// shaders/m5/attention_m5.metal). Two pool formats, one per attention layer and K / V:
+// shaders/m5/attention_m5.metal). Three pool formats, one per attention layer and K / V:
 //   bf16: [pool_blocks, kv_heads, block_tokens, head_dim] bf16;
+//   f32:  the same layout in float (kv_dtype="float32": the rows as computed, no rounding);
 //   q8:   per pool block, [kv_heads, block_tokens, head_dim] int8 codes, then [kv_heads,
 //         block_tokens] float scales (head_dim + 4 bytes a row); a row's values are
 //         float(code) * scale (symmetric int8, scale = max |x| / 127 of the row: kv_q8_scale,
@@ -13,7 +14,7 @@
 
 namespace lily {
 
-// Element offset of cache row (kv head kvh, position key) of a bf16 pool: rows key .. the end of
+// Element offset of cache row (kv head kvh, position key) of a bf16 or f32 pool: rows key .. the end of
 // its cache block follow it contiguously (head_dim elements apart).
 inline uint32_t kv_row_offset(const device uint32_t* block_table, uint32_t block_shift, uint32_t kv_heads,
                               uint32_t head_dim, uint32_t kvh, uint32_t key) {
@@ -22,7 +23,7 @@ inline uint32_t kv_row_offset(const device uint32_t* block_table, uint32_t block
   return (((blk * kv_heads + kvh) << block_shift) + in_blk) * head_dim;
 }
 
-// A cache row: `at` is the element offset of its values (bf16 elements or int8 codes), `scale` the
+// A cache row: `at` is the element offset of its values (bf16 / float elements or int8 codes), `scale` the
 // index of its scale among the pool's floats (q8 only). The rows after it in its cache block are at
 // + j * head_dim and scale + j.
 struct KvRow {
@@ -42,6 +43,17 @@ struct KvRows<bfloat> {
   // Value c of row r.at + j (j rows after r in its cache block).
   static float value(const device bfloat* pool, KvRow r, uint32_t j, uint32_t head_dim, uint32_t c) {
     return float(pool[r.at + j * head_dim + c]);
+  }
+};
+
+template <>
+struct KvRows<float> {
+  static KvRow row(const device uint32_t* block_table, uint32_t block_shift, uint32_t kv_heads, uint32_t head_dim,
+                   uint32_t kvh, uint32_t key) {
+    return KvRow{kv_row_offset(block_table, block_shift, kv_heads, head_dim, kvh, key), 0u};
+  }
+  static float value(const device float* pool, KvRow r, uint32_t j, uint32_t head_dim, uint32_t c) {
+    return pool[r.at + j * head_dim + c];
   }
 };
 

@@ -36,9 +36,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="context length in tokens (default: the model's max_position_embeddings; the "
                         "same on every backend; engine backends take KV cache blocks as it fills)")
     p.add_argument("--revision", default=None, help="hub revision (branch, tag or commit)")
-    p.add_argument("--kv-dtype", choices=["bfloat16", "int8"], default=None,
+    p.add_argument("--kv-dtype", choices=["bfloat16", "int8", "float32"], default=None,
                    help="KV cache element type (default bfloat16, the model's precision; int8: about "
-                        "half the bytes, a little error, head_dim 64/128/256 only; docs/memory.md)")
+                        "half the bytes, a little error, head_dim 64/128/256 only; float32: twice the "
+                        "bytes, K and V unrounded; docs/memory.md)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -235,7 +236,8 @@ def cmd_info(a) -> int:
                 ws, dev = lily_py.device_info("metal").get("working_set_bytes"), "metal"
         except Exception:  # noqa: BLE001 - no core / no Metal: the Mac table instead
             ws = None
-        for line in describe_fit(cfg, recipe, context_length=ctx, working_set=ws, device=dev):
+        for line in describe_fit(cfg, recipe, context_length=ctx, working_set=ws, device=dev,
+                                 kv_dtype=a.kv_dtype):
             print(line)
     try:
         import lily_py
@@ -306,6 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     i.add_argument("--model", "-m", default=None)
     i.add_argument("--context", type=int, default=None,
                    help=f"context length the memory line is for (default: {DEFAULT_CONTEXT})")
+    i.add_argument("--kv-dtype", choices=["bfloat16", "int8", "float32"], default=None,
+                   help="KV cache element type the memory lines count (default bfloat16)")
     i.set_defaults(func=cmd_info)
 
     from .serve.cli import add_parser as add_serve_parser

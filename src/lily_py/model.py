@@ -72,9 +72,11 @@ def load(path_or_repo_id: str | os.PathLike | None = None, *, backend: str = "au
     (docs/tools.md, zero copy). ``kv_block_tokens``: tokens per KV cache block on engine backends
     (a power of two >= 32; None: 1024, docs/memory.md); tests pick small blocks. ``kv_dtype``: the
     KV cache's element type, ``"int8"`` (symmetric int8 with a float32 scale per row and KV head:
-    about half the cache's bytes, docs/memory.md; head_dim 64, 128 or 256) or ``"bfloat16"``; None
-    (default): bfloat16, the model's precision, as mlx-lm and llama.cpp keep theirs. The reference
-    backend stores its cache the same way, so the two backends agree.
+    about half the cache's bytes, docs/memory.md; head_dim 64, 128 or 256), ``"float32"`` (K and V
+    unrounded, twice the bytes: with ``activations="float32"`` the engine computes what the float32
+    reference does) or ``"bfloat16"``; None (default): bfloat16, the model's precision, as mlx-lm
+    and llama.cpp keep theirs. The reference backend quantizes its cache as the int8 option does
+    and otherwise keeps float32 rows.
     """
     from . import hub
     from .resources import demo_path

@@ -154,12 +154,14 @@ def decode_weight_bytes(cfg: ModelConfig, recipe: Recipe, cls: str | None = None
 
 
 def plan(cfg: ModelConfig, *, context_length: int, prefill_chunk: int = 4096,
-         activations: str = "bfloat16") -> dict:
-    """The engine's plan (bytes of weights at 4 bits, state, scratch) for ``cfg``."""
+         activations: str = "bfloat16", kv_dtype: str | None = None) -> dict:
+    """The engine's plan (bytes of weights at 4 bits, state, scratch) for ``cfg`` with a KV cache
+    of ``kv_dtype`` (None: the default, bfloat16)."""
     from . import _core
     from .backends.engine import REAL_QUANT, engine_spec
     spec = engine_spec(cfg, REAL_QUANT, context_length=context_length,
-                       prefill_chunk=min(prefill_chunk, context_length), activations=activations)
+                       prefill_chunk=min(prefill_chunk, context_length), activations=activations,
+                       kv_dtype=kv_dtype)
     return dict(_core.plan_memory(spec))
 
 
@@ -177,21 +179,22 @@ def kv_bytes(cfg: ModelConfig, context_length: int, block_tokens: int = KV_BLOCK
 
 
 def needs(cfg: ModelConfig, recipe: Recipe, context_length: int, prefill_chunk: int = 4096,
-          activations: str = "bfloat16") -> dict:
-    """Bytes a load of ``cfg`` at ``recipe`` and ``context_length`` allocates: weights, KV cache,
-    other state (DeltaNet state, conv windows), scratch, total."""
-    p = plan(cfg, context_length=context_length, prefill_chunk=prefill_chunk, activations=activations)
-    kv = kv_bytes(cfg, context_length)
+          activations: str = "bfloat16", kv_dtype: str | None = None) -> dict:
+    """Bytes a load of ``cfg`` at ``recipe`` and ``context_length`` allocates: weights, KV cache
+    (of ``kv_dtype``), other state (DeltaNet state, conv windows), scratch, total."""
+    p = plan(cfg, context_length=context_length, prefill_chunk=prefill_chunk, activations=activations,
+             kv_dtype=kv_dtype)
+    kv = kv_bytes(cfg, context_length, kv_dtype=kv_dtype)
     w = weight_bytes(cfg, recipe)
     return {"weights": w, "kv_cache": kv, "state": p["state_bytes"] - kv, "scratch": p["scratch_bytes"],
             "total": w + p["state_bytes"] + p["scratch_bytes"]}
 
 
 def largest_context(cfg: ModelConfig, recipe: Recipe, budget: int, prefill_chunk: int = 4096,
-                    activations: str = "bfloat16") -> int:
+                    activations: str = "bfloat16", kv_dtype: str | None = None) -> int:
     """The largest context_length (<= max_position_embeddings) whose load fits ``budget`` bytes;
     0 when none does."""
-    fits = lambda c: needs(cfg, recipe, c, prefill_chunk, activations)["total"] <= budget  # noqa: E731
+    fits = lambda c: needs(cfg, recipe, c, prefill_chunk, activations, kv_dtype)["total"] <= budget  # noqa: E731
     hi = cfg.max_position_embeddings
     if fits(hi):
         return hi
@@ -223,22 +226,23 @@ def human(n: float) -> str:
 
 
 def describe_fit(cfg: ModelConfig, recipe: Recipe, *, context_length: int, prefill_chunk: int = 4096,
-                 working_set: int | None = None, device: str = "") -> list[str]:
+                 working_set: int | None = None, device: str = "", kv_dtype: str | None = None) -> list[str]:
     """Lines for ``lily-py info`` / ``load(verbose=True)``: what the load needs and the largest
     context that fits ``working_set`` (a device's recommendedMaxWorkingSetSize), or each Mac size's
-    assumed working set when there is none."""
-    n = needs(cfg, recipe, context_length, prefill_chunk)
+    assumed working set when there is none; the KV cache of ``kv_dtype`` (None: bfloat16)."""
+    n = needs(cfg, recipe, context_length, prefill_chunk, kv_dtype=kv_dtype)
+    kv_name = "" if kv_dtype in (None, "bfloat16") else f" ({kv_dtype})"
     lines = [f"memory at context {context_length} (prefill_chunk {min(prefill_chunk, context_length)}): "
-             f"weights {human(n['weights'])} + KV cache {human(n['kv_cache'])} + state {human(n['state'])} "
+             f"weights {human(n['weights'])} + KV cache{kv_name} {human(n['kv_cache'])} + state {human(n['state'])} "
              f"+ scratch {human(n['scratch'])} = {human(n['total'])} ({n['total']} bytes)"]
     if working_set:
-        c = largest_context(cfg, recipe, working_set, prefill_chunk)
+        c = largest_context(cfg, recipe, working_set, prefill_chunk, kv_dtype=kv_dtype)
         lines.append(f"{device or 'device'} working set (recommendedMaxWorkingSetSize) {human(working_set)}: "
                      + (f"the largest context that fits is {c}" if c else "the weights alone do not fit"))
     else:
         fit = []
         for g in MAC_MEMORY_GB:
-            c = largest_context(cfg, recipe, mac_working_set(g), prefill_chunk)
+            c = largest_context(cfg, recipe, mac_working_set(g), prefill_chunk, kv_dtype=kv_dtype)
             fit.append(f"{g} GB -> {c if c else 'no'}")
         lines.append("largest context that fits a Mac (assumed working set: 2/3 of memory below 36 GB, "
                      "3/4 above): " + ", ".join(fit))

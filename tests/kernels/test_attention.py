@@ -489,8 +489,8 @@ def test_bad_input_raises_clear_errors(rng):
         ops.attention_decode(q[0], kc, vc, length=11)
     with pytest.raises(ValueError, match="length must be in"):
         ops.attention_decode(q[0], kc, vc, length=0)
-    with pytest.raises(ValueError, match="k_cache must be a bfloat16 array"):
-        ops.attention_decode(q[0], kc.astype(np.float32), vc, length=3)
+    with pytest.raises(ValueError, match="k_cache must be a bfloat16 or float32 array"):
+        ops.attention_decode(q[0], kc.astype(np.float64), vc, length=3)
     with pytest.raises(ValueError, match="q_heads=4 must be a multiple of kv_heads=3"):
         ops.attention_decode(q[0], kc[:1].repeat(3, 0), vc[:1].repeat(3, 0), length=3)
     with pytest.raises(ValueError, match="gate must match q"):

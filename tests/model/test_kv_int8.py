@@ -96,7 +96,7 @@ def test_snapshot_restore_is_bit_identical(ckpt, rng):
 
 
 def test_bad_kv_dtype_and_head_dims_are_refused(ckpt, tmp_path):
-    with pytest.raises(ValueError, match=r"kv_dtype must be one of \('bfloat16', 'int8'\) or None, got 'fp8'"):
+    with pytest.raises(ValueError, match=r"kv_dtype must be one of \('bfloat16', 'int8', 'float32'\) or None, got 'fp8'"):
         lily_py.load(ckpt, backend=ENGINE, context_length=64, kv_dtype="fp8")
     cfg = dict(TINY_TEXT_CONFIG, head_dim=32)
     odd = make_checkpoint(tmp_path / "d32", cfg, fmt="mlx", seed=1)

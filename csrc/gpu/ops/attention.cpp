@@ -36,9 +36,9 @@ uint32_t check_kv_paging(const char* fn, const KvPaging& kv, uint32_t kv_heads, 
   if (B < kAttnKvMinBlock || (B & (B - 1)) != 0)
     fail(fn, "block_tokens must be a power of two >= " + std::to_string(kAttnKvMinBlock) + ", got " + std::to_string(B));
   if (kv.pool_blocks == 0) fail(fn, "the KV pool has no blocks");
-  if (uint64_t(kv.pool_blocks) * kv_heads * B * kv_row_bytes(kv.q8, head_dim) >= (uint64_t(1) << 32))
+  if (uint64_t(kv.pool_blocks) * kv_heads * B * kv_row_bytes(kv.format, head_dim) >= (uint64_t(1) << 32))
     fail(fn, "KV pool of 2^32 bytes or more per tensor");
-  if (kv.q8 && !kv_q8_supported(head_dim))
+  if (kv.format == KvFormat::q8 && !kv_q8_supported(head_dim))
     fail(fn, "an int8 KV cache needs head_dim 64, 128 or 256, got " + std::to_string(head_dim));
   const uint64_t blocks = (rows + B - 1) / B;
   if (kv.table.buffer == nullptr) fail(fn, "block_table not bound");
@@ -76,9 +76,12 @@ void encode_rope(Encoder& enc, const RopeOperands& op) {
   enc.dispatch({op.heads, op.tokens, 1}, {kRopeThreads, 1, 1});
 }
 
-KernelId qk_norm_rope_kernel(DType x, DType w, bool q8) {
+KernelId qk_norm_rope_kernel(DType x, DType w, KvFormat kv) {
   const bool xb = x == DType::bf16, wb = w == DType::bf16;
-  if (q8)
+  if (kv == KvFormat::f32)
+    return xb ? (wb ? KernelId::qk_norm_rope_kvf32_xbf16_wbf16 : KernelId::qk_norm_rope_kvf32_xbf16_wf32)
+              : (wb ? KernelId::qk_norm_rope_kvf32_xf32_wbf16 : KernelId::qk_norm_rope_kvf32_xf32_wf32);
+  if (kv == KvFormat::q8)
     return xb ? (wb ? KernelId::qk_norm_rope_q8_xbf16_wbf16 : KernelId::qk_norm_rope_q8_xbf16_wf32)
               : (wb ? KernelId::qk_norm_rope_q8_xf32_wbf16 : KernelId::qk_norm_rope_q8_xf32_wf32);
   return xb ? (wb ? KernelId::qk_norm_rope_xbf16_wbf16 : KernelId::qk_norm_rope_xbf16_wf32)
@@ -93,7 +96,7 @@ void encode_qk_norm_rope(Encoder& enc, const QkNormRopeOperands& op) {
   const uint64_t rows_end = uint64_t(op.position) + op.tokens;
   const uint32_t shift = check_kv_paging(fn, op.kv, op.kv_heads, op.head_dim, rows_end);
   const uint64_t xs = dtype_size(op.x_dtype), D = op.head_dim;
-  const uint64_t row_bytes = kv_row_bytes(op.kv.q8, op.head_dim);
+  const uint64_t row_bytes = kv_row_bytes(op.kv.format, op.head_dim);
   const uint64_t cache_bytes = uint64_t(op.kv.pool_blocks) * op.kv_heads * op.kv.block_tokens * row_bytes;
   const uint64_t table_bytes = (rows_end + op.kv.block_tokens - 1) / op.kv.block_tokens * 4;
   const uint32_t qg_row = op.q_heads * 2 * op.head_dim, kv_row = op.kv_heads * op.head_dim;
@@ -104,7 +107,7 @@ void encode_qk_norm_rope(Encoder& enc, const QkNormRopeOperands& op) {
   QkNormRopeArgs args{op.tokens, op.q_heads, op.kv_heads, op.head_dim, op.rotary_dim, op.position,
                       shift,     qg_stride,  k_stride,    v_stride,    op.eps,        op.weight_offset};
   const uint64_t rows = op.tokens - 1;
-  enc.set_kernel(qk_norm_rope_kernel(op.x_dtype, op.w_dtype, op.kv.q8));
+  enc.set_kernel(qk_norm_rope_kernel(op.x_dtype, op.w_dtype, op.kv.format));
   enc.set_args(args);
   enc.set_buffer(1, need(fn, op.qg, (rows * qg_stride + qg_row) * xs, "qg"));
   enc.set_buffer(2, need(fn, op.k, (rows * k_stride + kv_row) * xs, "k"));
@@ -194,7 +197,7 @@ Checked check_attention(const char* fn, const AttentionOperands& op) {
   a.scale = static_cast<float>(1.0 / std::sqrt(double(op.head_dim)));
   const uint64_t rows = uint64_t(op.tokens - 1);
   c.q = need(fn, op.q, (rows * a.q_stride + uint64_t(op.q_heads) * D) * xs, "q");
-  const uint64_t cache_bytes = uint64_t(op.kv.pool_blocks) * op.kv_heads * op.kv.block_tokens * kv_row_bytes(op.kv.q8, op.head_dim);
+  const uint64_t cache_bytes = uint64_t(op.kv.pool_blocks) * op.kv_heads * op.kv.block_tokens * kv_row_bytes(op.kv.format, op.head_dim);
   c.k = need(fn, op.k_cache, cache_bytes, "k_cache");
   c.v = need(fn, op.v_cache, cache_bytes, "v_cache");
   c.table = need(fn, op.kv.table, (rows_end + op.kv.block_tokens - 1) / op.kv.block_tokens * 4, "block_table");
@@ -221,7 +224,7 @@ uint64_t attention_decode_executed_flops(const AttentionOperands& op) {
 // Buffers 2 and 3 (K and V pools, bound whole): rows [0, length) of every KV head are read, and
 // buffer 6 (the block table): the entries of their blocks.
 void touch_cache_rows(Encoder& enc, const AttentionOperands& op, uint64_t length) {
-  const uint64_t bytes = length * op.kv_heads * kv_row_bytes(op.kv.q8, op.head_dim);
+  const uint64_t bytes = length * op.kv_heads * kv_row_bytes(op.kv.format, op.head_dim);
   enc.set_touched(2, bytes);
   enc.set_touched(3, bytes);
   enc.set_touched(6, (length + op.kv.block_tokens - 1) / op.kv.block_tokens * 4);
@@ -237,8 +240,9 @@ void encode_attention_decode(Encoder& enc, const AttentionOperands& op) {
   const uint32_t length = op.position + 1;
   const AttnRoute route = attention_decode_route(length, op.head_dim, op.kv.block_tokens);
   const bool bf = op.dtype == DType::bf16;
+  const KernelId pass1 = attention_decode_kernel(route, op.head_dim, op.dtype, op.kv.format);
   if (!route.split) {
-    enc.set_kernel(bf ? KernelId::attn_decode_bf16 : KernelId::attn_decode_f32);
+    enc.set_kernel(pass1);
     enc.set_args(c.args);
     enc.set_buffer(1, c.q);
     enc.set_buffer(2, c.k);
@@ -260,7 +264,6 @@ void encode_attention_decode(Encoder& enc, const AttentionOperands& op) {
   const Binding partial_ml{scratch.buffer, scratch.offset + o_bytes, ml_bytes};
   if (route.vec) {
     const uint32_t e = op.head_dim / 32;  // 2, 4 or 8
-    const KernelId pass1 = attention_vec_kernel(op.head_dim, op.dtype, op.kv.q8);
     const KernelId pass2 = e == 2   ? (bf ? KernelId::attn_vec_combine_e2_bf16 : KernelId::attn_vec_combine_e2_f32)
                            : e == 4 ? (bf ? KernelId::attn_vec_combine_e4_bf16 : KernelId::attn_vec_combine_e4_f32)
                                     : (bf ? KernelId::attn_vec_combine_e8_bf16 : KernelId::attn_vec_combine_e8_f32);
@@ -286,7 +289,7 @@ void encode_attention_decode(Encoder& enc, const AttentionOperands& op) {
     enc.dispatch({op.q_heads, e, 1}, {32 * kAttnVecSimds, 1, 1});
     return;
   }
-  enc.set_kernel(bf ? KernelId::attn_decode_split_bf16 : KernelId::attn_decode_split_f32);
+  enc.set_kernel(pass1);
   enc.set_args(c.args);
   enc.set_buffer(1, c.q);
   enc.set_buffer(2, c.k);
@@ -343,43 +346,79 @@ static void encode_blocked_prefill(Encoder& enc, const AttentionOperands& op, co
   enc.add_flops(executed * op.kv_heads, attention_useful_flops(op));
 }
 
-KernelId attention_prefill_kernel(uint32_t head_dim, DType dtype, bool q8, bool tensor_ops, bool aligned) {
-  const bool bf = dtype == DType::bf16;
-  const uint32_t D = head_dim;
-  if (attention_prefill_uses_m5(D, tensor_ops)) {
-    if (q8 && bf)  // the int8 cache with bf16 activations: S on int8 operands
-      return D == 64 ? KernelId::attn_prefill_m5i8_q8_d64_bf16
-                     : D == 128 ? KernelId::attn_prefill_m5i8_q8_d128_bf16 : KernelId::attn_prefill_m5i8_q8_d256_bf16;
-    return q8 ? (D == 64    ? KernelId::attn_prefill_m5_q8_d64_f32
-                 : D == 128 ? KernelId::attn_prefill_m5_q8_d128_f32
-                            : KernelId::attn_prefill_m5_q8_d256_f32)
-           : D == 64  ? (bf ? KernelId::attn_prefill_m5_d64_bf16 : KernelId::attn_prefill_m5_d64_f32)
-           : D == 128 ? (bf ? KernelId::attn_prefill_m5_d128_bf16 : KernelId::attn_prefill_m5_d128_f32)
-                      : (bf ? KernelId::attn_prefill_m5_d256_bf16 : KernelId::attn_prefill_m5_d256_f32);
-  }
-  if (attention_prefill_uses_tiles(D, dtype, tensor_ops) && aligned)
-    return q8 ? (D == 64    ? KernelId::attn_prefill_tiles_q8_d64_bf16
-                 : D == 128 ? KernelId::attn_prefill_tiles_q8_d128_bf16
-                            : KernelId::attn_prefill_tiles_q8_d256_bf16)
-           : D == 64  ? KernelId::attn_prefill_tiles_d64_bf16
-           : D == 128 ? KernelId::attn_prefill_tiles_d128_bf16
-                      : KernelId::attn_prefill_tiles_d256_bf16;
+PrefillRoute attention_prefill_route(uint32_t head_dim, DType dtype, KvFormat kv, bool tensor_ops, bool aligned) {
+  // f32 pools: fp32 K / V tiles (mma) or rows (simd); the m5 and tiles routes stage K / V in half
+  // and bf16, and in fp32 their stages alone pass 32 KiB (m5: 32 x 256 x 4 bytes of K / V; tiles:
+  // 2 x 2 x BK x (D + 8) x 4 = 33,792-36,864 bytes)
+  if (kv != KvFormat::f32 && attention_prefill_uses_m5(head_dim, tensor_ops)) return PrefillRoute::m5;
+  if (kv != KvFormat::f32 && attention_prefill_uses_tiles(head_dim, dtype, tensor_ops) && aligned)
+    return PrefillRoute::tiles;
   // int8 pools need head_dim 64, 128 or 256 (check_kv_paging), which the mma route takes
-  if (q8) return bf ? KernelId::attn_prefill_mma_q8_bf16 : KernelId::attn_prefill_mma_q8_f32;
-  if (attention_prefill_uses_mma(D)) return bf ? KernelId::attn_prefill_mma_bf16 : KernelId::attn_prefill_mma_f32;
+  if (kv == KvFormat::q8 || attention_prefill_uses_mma(head_dim)) return PrefillRoute::mma;
+  return PrefillRoute::simd;
+}
+
+const char* prefill_route_name(PrefillRoute r) {
+  return r == PrefillRoute::m5 ? "m5" : r == PrefillRoute::tiles ? "tiles" : r == PrefillRoute::mma ? "mma" : "simd";
+}
+
+KernelId attention_prefill_kernel(uint32_t head_dim, DType dtype, KvFormat kv, bool tensor_ops, bool aligned) {
+  const bool bf = dtype == DType::bf16, q8 = kv == KvFormat::q8, f32 = kv == KvFormat::f32;
+  const uint32_t D = head_dim;
+  switch (attention_prefill_route(D, dtype, kv, tensor_ops, aligned)) {
+    case PrefillRoute::m5:
+      if (q8 && bf)  // the int8 cache with bf16 activations: S on int8 operands
+        return D == 64 ? KernelId::attn_prefill_m5i8_q8_d64_bf16
+                       : D == 128 ? KernelId::attn_prefill_m5i8_q8_d128_bf16 : KernelId::attn_prefill_m5i8_q8_d256_bf16;
+      return q8 ? (D == 64    ? KernelId::attn_prefill_m5_q8_d64_f32
+                   : D == 128 ? KernelId::attn_prefill_m5_q8_d128_f32
+                              : KernelId::attn_prefill_m5_q8_d256_f32)
+             : D == 64  ? (bf ? KernelId::attn_prefill_m5_d64_bf16 : KernelId::attn_prefill_m5_d64_f32)
+             : D == 128 ? (bf ? KernelId::attn_prefill_m5_d128_bf16 : KernelId::attn_prefill_m5_d128_f32)
+                        : (bf ? KernelId::attn_prefill_m5_d256_bf16 : KernelId::attn_prefill_m5_d256_f32);
+    case PrefillRoute::tiles:
+      return q8 ? (D == 64    ? KernelId::attn_prefill_tiles_q8_d64_bf16
+                   : D == 128 ? KernelId::attn_prefill_tiles_q8_d128_bf16
+                              : KernelId::attn_prefill_tiles_q8_d256_bf16)
+             : D == 64  ? KernelId::attn_prefill_tiles_d64_bf16
+             : D == 128 ? KernelId::attn_prefill_tiles_d128_bf16
+                        : KernelId::attn_prefill_tiles_d256_bf16;
+    case PrefillRoute::mma:
+      if (q8) return bf ? KernelId::attn_prefill_mma_q8_bf16 : KernelId::attn_prefill_mma_q8_f32;
+      if (f32) return bf ? KernelId::attn_prefill_mma_kvf32_bf16 : KernelId::attn_prefill_mma_kvf32_f32;
+      return bf ? KernelId::attn_prefill_mma_bf16 : KernelId::attn_prefill_mma_f32;
+    case PrefillRoute::simd:
+      break;
+  }
+  if (f32) return bf ? KernelId::attn_prefill_kvf32_bf16 : KernelId::attn_prefill_kvf32_f32;
   return bf ? KernelId::attn_prefill_bf16 : KernelId::attn_prefill_f32;
 }
 
-KernelId attention_vec_kernel(uint32_t head_dim, DType dtype, bool q8) {
+KernelId attention_vec_kernel(uint32_t head_dim, DType dtype, KvFormat kv) {
   const bool bf = dtype == DType::bf16;
   const uint32_t e = head_dim / 32;  // 2, 4 or 8
-  if (q8)
+  if (kv == KvFormat::q8)
     return e == 2   ? (bf ? KernelId::attn_decode_vec_q8_e2_bf16 : KernelId::attn_decode_vec_q8_e2_f32)
            : e == 4 ? (bf ? KernelId::attn_decode_vec_q8_e4_bf16 : KernelId::attn_decode_vec_q8_e4_f32)
                     : (bf ? KernelId::attn_decode_vec_q8_e8_bf16 : KernelId::attn_decode_vec_q8_e8_f32);
+  if (kv == KvFormat::f32)
+    return e == 2   ? (bf ? KernelId::attn_decode_vec_kvf32_e2_bf16 : KernelId::attn_decode_vec_kvf32_e2_f32)
+           : e == 4 ? (bf ? KernelId::attn_decode_vec_kvf32_e4_bf16 : KernelId::attn_decode_vec_kvf32_e4_f32)
+                    : (bf ? KernelId::attn_decode_vec_kvf32_e8_bf16 : KernelId::attn_decode_vec_kvf32_e8_f32);
   return e == 2   ? (bf ? KernelId::attn_decode_vec_e2_bf16 : KernelId::attn_decode_vec_e2_f32)
          : e == 4 ? (bf ? KernelId::attn_decode_vec_e4_bf16 : KernelId::attn_decode_vec_e4_f32)
                   : (bf ? KernelId::attn_decode_vec_e8_bf16 : KernelId::attn_decode_vec_e8_f32);
+}
+
+KernelId attention_decode_kernel(const AttnRoute& route, uint32_t head_dim, DType dtype, KvFormat kv) {
+  const bool bf = dtype == DType::bf16, f32 = kv == KvFormat::f32;
+  if (route.vec) return attention_vec_kernel(head_dim, dtype, kv);
+  // int8 pools take the vec route only (check_kv_paging: head_dim 64, 128 or 256)
+  if (route.split)
+    return f32 ? (bf ? KernelId::attn_decode_split_kvf32_bf16 : KernelId::attn_decode_split_kvf32_f32)
+               : (bf ? KernelId::attn_decode_split_bf16 : KernelId::attn_decode_split_f32);
+  return f32 ? (bf ? KernelId::attn_decode_kvf32_bf16 : KernelId::attn_decode_kvf32_f32)
+             : (bf ? KernelId::attn_decode_bf16 : KernelId::attn_decode_f32);
 }
 
 void encode_attention_prefill(Encoder& enc, const AttentionOperands& op) {
@@ -389,18 +428,19 @@ void encode_attention_prefill(Encoder& enc, const AttentionOperands& op) {
   // bf16 tiles (M1-M4): 16-byte loads of q and of the caches need 16-byte aligned bindings and
   // q rows (the engine's buffers always are); otherwise the mma route.
   const bool aligned = c.q.offset % 16 == 0 && c.k.offset % 16 == 0 && c.v.offset % 16 == 0 && c.args.q_stride % 8 == 0;
-  const KernelId id = attention_prefill_kernel(op.head_dim, op.dtype, op.kv.q8, enc.tensor_ops(), aligned);
-  if (attention_prefill_uses_m5(op.head_dim, enc.tensor_ops())) {
+  const PrefillRoute route = attention_prefill_route(op.head_dim, op.dtype, op.kv.format, enc.tensor_ops(), aligned);
+  const KernelId id = attention_prefill_kernel(op.head_dim, op.dtype, op.kv.format, enc.tensor_ops(), aligned);
+  if (route == PrefillRoute::m5) {
     // M5 (Metal 4 tensor ops, shaders/m5/attention_m5.metal): 16 rows x 32-key blocks.
     encode_blocked_prefill(enc, op, c, id, kAttnM5Rows / group, kAttnM5Threads, kAttnM5Rows, kAttnM5BlockKeys);
     return;
   }
-  if (attention_prefill_uses_tiles(op.head_dim, op.dtype, enc.tensor_ops()) && aligned) {
+  if (route == PrefillRoute::tiles) {
     encode_blocked_prefill(enc, op, c, id, kAttnMmaRows / group, kAttnTilesThreads, kAttnMmaRows,
                            kAttnTilesKeyDims / op.head_dim);
     return;
   }
-  if (op.kv.q8 || attention_prefill_uses_mma(op.head_dim)) {
+  if (route == PrefillRoute::mma) {
     // 32 rows (qt * group live) against every 32-key block up to the threadgroup's last token's keys
     encode_blocked_prefill(enc, op, c, id, kAttnMmaRows / group, kAttnMmaThreads, kAttnMmaRows, kAttnBlockKeys);
     return;

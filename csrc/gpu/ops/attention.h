@@ -31,15 +31,17 @@ void encode_rope(Encoder& enc, const RopeOperands& op);
 // codes, then [kv_heads, block_tokens] float scales; written by qk_norm_rope_q8_*, read by the vec
 // decode route and the tensor-op (M5), bf16 tiles (M1-M4, bf16 activations) or mma prefill routes
 // (attn_decode_vec_q8_*, attn_prefill_m5_q8_*, attn_prefill_tiles_q8_*, attn_prefill_mma_q8_*).
+// With f32 the pools are the bf16 layout in float: written by qk_norm_rope_kvf32_*, read by the
+// decode routes (attn_decode_vec_kvf32_*, attn_decode_kvf32_*, attn_decode_split_kvf32_*) and the
+// mma or simd prefill routes on every device (attn_prefill_mma_kvf32_*, attn_prefill_kvf32_*): the
+// M5 and tiles routes stage K / V in half / bf16, and their staging in fp32 does not fit 32 KiB.
 struct KvPaging {
   Binding table;              // uint32 [>= ceil(rows / block_tokens)] pool block of each logical block
   uint32_t block_tokens = 0;  // a power of two >= kAttnKvMinBlock
   uint32_t pool_blocks = 0;   // blocks in each pool (the bound K / V ranges)
-  bool q8 = false;            // int8 pools (else bf16)
+  KvFormat format = KvFormat::bf16;
 };
-// Bytes of one cache row (one position of one KV head) of a K or V pool: 2 head_dim (bf16) or
-// head_dim + 4 (int8 codes and a float scale).
-inline uint64_t kv_row_bytes(bool q8, uint32_t head_dim) { return q8 ? uint64_t(head_dim) + 4 : 2ull * head_dim; }
+// Bytes of a cache row: kv_row_bytes(KvFormat, head_dim) in gpu/dtype.h.
 // Whether an int8 cache can serve a model of this head_dim (the vec decode and mma prefill routes).
 bool kv_q8_supported(uint32_t head_dim);
 // Checks block_tokens and the pool size; `rows` positions [0, rows) must have table entries.
@@ -53,8 +55,8 @@ struct QkNormRopeOperands {
   Binding k_norm;    // [head_dim] of w_dtype
   Binding inv_freq;  // float32 [rotary_dim / 2]
   Binding q_out;     // [tokens, q_heads, head_dim] of x_dtype
-  Binding k_cache;   // paged bf16 pool (KvPaging); rows position .. position+tokens-1 written
-  Binding v_cache;   // paged bf16 pool
+  Binding k_cache;   // paged pool (KvPaging); rows position .. position+tokens-1 written
+  Binding v_cache;   // paged pool
   KvPaging kv;
   DType x_dtype = DType::f32;
   DType w_dtype = DType::f32;
@@ -64,7 +66,7 @@ struct QkNormRopeOperands {
   float eps = 1e-6f;
   float weight_offset = 0.0f;  // 1 for zero-centred (Hugging Face) norm weights
 };
-KernelId qk_norm_rope_kernel(DType x_dtype, DType w_dtype, bool q8 = false);
+KernelId qk_norm_rope_kernel(DType x_dtype, DType w_dtype, KvFormat kv = KvFormat::bf16);
 void encode_qk_norm_rope(Encoder& enc, const QkNormRopeOperands& op);
 
 // Decode route for a context of `length` keys (the new token's included) and head_dim:
@@ -76,6 +78,8 @@ void encode_qk_norm_rope(Encoder& enc, const QkNormRopeOperands& op);
 //         attn_vec_combine_e<E>
 //  single other head_dims, length <= kAttnSplitKeys: one pass (attn_decode_*)
 //  split  other head_dims, longer: attn_decode_split_* + barrier + attn_combine_*
+// Each first pass has its twin per cache format (attention_decode_kernel); the combines read fp32
+// partials whatever the cache.
 struct AttnRoute {
   bool split = false;       // true: two passes (vec or split) with partials in the scratch
   bool vec = false;         // the vec route
@@ -87,8 +91,8 @@ AttnRoute attention_decode_route(uint32_t length, uint32_t head_dim, uint32_t bl
 
 struct AttentionOperands {
   Binding q;           // [tokens, q_heads, head_dim] of dtype, q_stride elements between tokens
-  Binding k_cache;     // paged bf16 pool (KvPaging)
-  Binding v_cache;     // paged bf16 pool
+  Binding k_cache;     // paged pool (KvPaging)
+  Binding v_cache;     // paged pool
   KvPaging kv;
   Binding gate;        // optional (buffer == nullptr: no gate): rows at gate_stride / gate_head_stride
   Binding out;         // [tokens, q_heads, head_dim] of dtype
@@ -108,6 +112,13 @@ void encode_attention_decode(Encoder& enc, const AttentionOperands& op);
 // Prefill route: "mma" (simdgroup matrices) when head_dim % 32 == 0 and, above 128, % 64 == 0
 // (64, 128, 256, ...); otherwise "simd" (scalar fp32, any head_dim <= 256).
 bool attention_prefill_uses_mma(uint32_t head_dim);
+enum class PrefillRoute : uint8_t { m5, tiles, mma, simd };
+// The route of a head_dim, activation dtype, cache format and device, with bindings that are
+// 16-byte aligned or not (the tiles need it): m5, then tiles, then mma, then simd. An f32 cache
+// takes mma or simd on every device (fp32 K / V tiles; the m5 and tiles routes stage K / V in half
+// and bf16 and do not fit 32 KiB of threadgroup memory in fp32).
+PrefillRoute attention_prefill_route(uint32_t head_dim, DType dtype, KvFormat kv, bool tensor_ops, bool aligned = true);
+const char* prefill_route_name(PrefillRoute r);
 // M5 route (Metal 4 tensor ops, shaders/m5/attention_m5.metal): on a device with tensor ops for
 // head_dim 64, 128 or 256: (kv_heads, ceil(tokens / (32 / group))) x 128 threads; before mma.
 bool attention_prefill_uses_m5(uint32_t head_dim, bool tensor_ops);
@@ -115,15 +126,17 @@ bool attention_prefill_uses_m5(uint32_t head_dim, bool tensor_ops);
 // head_dim 64, 128 or 256 on a device without tensor ops (and 16-byte aligned q / cache bindings,
 // q_stride % 8 == 0, checked at encode: otherwise mma); fp32 and other head dims keep mma / simd.
 bool attention_prefill_uses_tiles(uint32_t head_dim, DType dtype, bool tensor_ops);
-// The prefill kernel of a head_dim, activation dtype, cache format (q8) and device (tensor_ops),
-// with bindings that are 16-byte aligned or not (the tiles need it): the route order is m5,
-// tiles, mma, simd; every route of the bf16 cache has its int8 twin (simd excepted: int8 needs
-// head_dim 64, 128 or 256, which mma takes). m5 with the int8 cache and bf16 activations is
+// The prefill kernel of a head_dim, activation dtype, cache format and device (tensor_ops), with
+// bindings that are 16-byte aligned or not: attention_prefill_route's; every route of the bf16
+// cache has its int8 twin (simd excepted: int8 needs head_dim 64, 128 or 256, which mma takes),
+// the mma and simd routes their f32 twins. m5 with the int8 cache and bf16 activations is
 // attn_prefill_m5i8_q8 (S on int8 operands, Q quantized per row as the cache quantizes K:
 // docs/kernels-attention.md); with fp32 activations attn_prefill_m5_q8 (S in half).
-KernelId attention_prefill_kernel(uint32_t head_dim, DType dtype, bool q8, bool tensor_ops, bool aligned = true);
+KernelId attention_prefill_kernel(uint32_t head_dim, DType dtype, KvFormat kv, bool tensor_ops, bool aligned = true);
 // The vec decode route's first pass (head_dim 64, 128 or 256).
-KernelId attention_vec_kernel(uint32_t head_dim, DType dtype, bool q8);
+KernelId attention_vec_kernel(uint32_t head_dim, DType dtype, KvFormat kv);
+// The first pass of the decode route of a context of `length` keys (vec, single or split).
+KernelId attention_decode_kernel(const AttnRoute& route, uint32_t head_dim, DType dtype, KvFormat kv);
 // Prefill: one dispatch. mma: (kv_heads, ceil(tokens / (32 / group))) x 128 threads;
 // simd: (kv_heads, ceil(tokens / kAttnPrefillTokens)) x 32 * group threads.
 void encode_attention_prefill(Encoder& enc, const AttentionOperands& op);
@@ -144,7 +157,7 @@ struct AttentionMixerOperands {
   Binding qkv;                     // fused only: [tokens, q_heads * 2D + 2 * kv_heads * D] of dtype
   Binding q_norm, k_norm;          // [head_dim] of w_dtype
   Binding inv_freq;                // float32 [rotary_dim / 2]
-  Binding k_cache, v_cache;        // paged bf16 pools
+  Binding k_cache, v_cache;        // paged pools (KvPaging)
   KvPaging kv;
   Binding qg, k, v, q, attn;       // temporaries: [tokens, q_heads * 2D], [tokens, kv_heads * D] x2,
                                    // [tokens, q_heads * D] x2, all of dtype

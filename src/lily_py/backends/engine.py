@@ -91,7 +91,7 @@ def engine_spec(cfg: ModelConfig, quant: dict, *, context_length: int, prefill_c
         "context_length": int(context_length), "prefill_chunk": int(prefill_chunk),
         "logit_rows": int(min(prefill_chunk, LOGIT_ROWS)), "activations": activations,
         **({} if kv_block_tokens is None else {"kv_block_tokens": int(kv_block_tokens)}),
-        "kv_q8": resolve_kv_dtype(cfg, kv_dtype) == "int8",
+        "kv_dtype": resolve_kv_dtype(cfg, kv_dtype),
     }
 
 
@@ -390,6 +390,7 @@ class EngineBackend:
             raise DeviceMemoryError(str(e)) from None
         except (ValueError, core.DeviceLimitError) as e:
             raise BackendError(str(e)) from None
+        self.kv_dtype = resolve_kv_dtype(cfg, kv_dtype)
         self._say_plan(cfg, context_length, prefill_chunk, verbose)
         upload_weights(self.engine, cfg, weights, quant, verbose=verbose, tensors=tensors)
         e = self.engine
@@ -440,7 +441,7 @@ class EngineBackend:
         ws = mem.get("working_set_bytes")
         if ws:
             recipe = config_recipe(cfg)
-            fit = largest_context(cfg, recipe, ws, prefill_chunk) if recipe else None
+            fit = largest_context(cfg, recipe, ws, prefill_chunk, kv_dtype=self.kv_dtype) if recipe else None
             line += (f"; working set {human(ws)} (recommendedMaxWorkingSetSize)"
                      + (f", largest context that fits at prefill_chunk {prefill_chunk}: {fit}"
                         if fit is not None else ""))
@@ -661,10 +662,11 @@ def _qbytes(rows: int, cols: int, q: dict) -> int:
 
 
 def kv_row_bytes(cfg: ModelConfig, kv_dtype: str | None = None) -> int:
-    """Bytes of one KV cache row (one position of one KV head, K or V): 2 head_dim (bfloat16), or
-    head_dim + 4 with ``kv_dtype="int8"`` (codes and a float32 scale; csrc ModelSpec::kv_row_bytes);
-    None: the default for ``cfg``."""
-    return cfg.head_dim + 4 if resolve_kv_dtype(cfg, kv_dtype) == "int8" else 2 * cfg.head_dim
+    """Bytes of one KV cache row (one position of one KV head, K or V): 2 head_dim (bfloat16),
+    head_dim + 4 with ``kv_dtype="int8"`` (codes and a float32 scale) or 4 head_dim with
+    ``kv_dtype="float32"`` (csrc gpu::kv_row_bytes); None: the default for ``cfg``."""
+    kv = resolve_kv_dtype(cfg, kv_dtype)
+    return cfg.head_dim + 4 if kv == "int8" else (4 if kv == "float32" else 2) * cfg.head_dim
 
 
 def decode_floor_bytes(cfg: ModelConfig, *, position: int, quant: dict | None = None,
@@ -677,7 +679,8 @@ def decode_floor_bytes(cfg: ModelConfig, *, position: int, quant: dict | None = 
     Activations (a few KB per kernel, the 1 MB logits row) are not in the floor; the conv window
     has the activation dtype (``activations``, default the quantization's: bf16 for the real one).
     Every weight counts at its own width (``quant_overrides``: a mixed-bit checkpoint). A KV row
-    is 2 head_dim bytes, or head_dim + 4 with ``kv_dtype="int8"`` (codes and a float32 scale)."""
+    is ``kv_row_bytes`` (2 head_dim bytes; head_dim + 4 with ``kv_dtype="int8"``, 4 head_dim with
+    ``kv_dtype="float32"``)."""
     q = quant or REAL_QUANT
     over = q.get("quant_overrides", {})
 

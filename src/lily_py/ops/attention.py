@@ -1,7 +1,8 @@
 """Attention-family kernels over NumPy arrays (re-exported by :mod:`lily_py.ops`).
 
-The functions take the KV cache as bfloat16 ``[kv_heads, capacity, head_dim]`` (head-major) and
-hand it to the kernels paged, as the engine holds it: pools ``[blocks, kv_heads, block_tokens,
+The functions take the KV cache as bfloat16 ``[kv_heads, capacity, head_dim]`` (head-major; a
+float32 array is the engine's ``kv_dtype="float32"`` cache, a ``Q8Cache`` its int8 one) and hand
+it to the kernels paged, as the engine holds it: pools ``[blocks, kv_heads, block_tokens,
 head_dim]`` read and written through a block table (``block_tokens`` a power of two >= 32, default
 32; ``block_table`` the pool block of each logical block, default a scrambled order, so that every
 call crosses block boundaries through the table). They return new arrays (inputs are copied to the
@@ -74,10 +75,22 @@ def _cache(a, what: str, fn: str):
         if c.shape[2] not in (64, 128, 256):
             raise ValueError(f"{fn}: an int8 cache needs head_dim 64, 128 or 256, got {c.shape[2]}")
         return Q8Cache(np.ascontiguousarray(c), np.ascontiguousarray(sc))
-    if not isinstance(a, np.ndarray) or a.dtype != BFLOAT16 or a.ndim != 3:
-        raise ValueError(f"{fn}: {what} must be a bfloat16 array [kv_heads, capacity, head_dim], got "
+    if not isinstance(a, np.ndarray) or a.dtype not in (BFLOAT16, np.float32) or a.ndim != 3:
+        raise ValueError(f"{fn}: {what} must be a bfloat16 or float32 array [kv_heads, capacity, head_dim], got "
                          f"{getattr(a, 'dtype', type(a).__name__)} {list(getattr(a, 'shape', []))}")
+    if a.dtype == np.float32:  # the float32 cache: pools of float32 rows
+        return np.ascontiguousarray(a)
     return np.ascontiguousarray(a).view(np.uint16)
+
+
+def _same_format(kc, vc, fn: str) -> None:
+    if type(kc) is not type(vc) or (isinstance(kc, np.ndarray) and kc.dtype != vc.dtype):
+        raise ValueError(f"{fn}: k_cache and v_cache must both be bfloat16 or both Q8Cache (or both float32)")
+
+
+def _as_cache(pool_rows: np.ndarray) -> np.ndarray:
+    """Unpaged uint16 rows -> bfloat16; float32 rows stay float32."""
+    return pool_rows if pool_rows.dtype == np.float32 else pool_rows.view(BFLOAT16)
 
 
 BF16_NAN = 0x7fc0
@@ -86,8 +99,9 @@ ENGINE_BLOCK_TOKENS = 1024      # the engine's default tokens per KV cache block
 
 
 def _page(kc, vc, block_tokens, block_table, fn: str):
-    """[Hkv, cap, D] uint16 caches -> pools [blocks, Hkv, B, D] + uint32 table [ceil(cap / B)];
-    Q8Cache -> uint8 pools [blocks, Hkv, B, D + 4] (each block: codes, then float32 scales)."""
+    """[Hkv, cap, D] uint16 (bf16) or float32 caches -> pools [blocks, Hkv, B, D] of that dtype +
+    uint32 table [ceil(cap / B)]; Q8Cache -> uint8 pools [blocks, Hkv, B, D + 4] (each block: codes,
+    then float32 scales)."""
     B = DEFAULT_OP_BLOCK_TOKENS if block_tokens is None else _uint(block_tokens, "block_tokens", fn)
     minb = int(_core().ops.ATTN_KV_MIN_BLOCK)
     if B < minb or B & (B - 1):
@@ -123,8 +137,8 @@ def _page(kc, vc, block_tokens, block_table, fn: str):
         return pools[0], pools[1], table
     for c in (kc, vc):
         # Pool blocks outside the table hold NaN: a kernel reading them fails the call (fp traps).
-        pool = np.full((blocks, Hkv, B, D), BF16_NAN, np.uint16)
-        pad = np.zeros((Hkv, nb * B, D), np.uint16)
+        pool = np.full((blocks, Hkv, B, D), np.nan if c.dtype == np.float32 else BF16_NAN, c.dtype)
+        pad = np.zeros((Hkv, nb * B, D), c.dtype)
         pad[:, :cap] = c
         pool[table] = pad.reshape(Hkv, nb, B, D).transpose(1, 0, 2, 3)
         pools.append(pool)
@@ -210,8 +224,7 @@ def _qk_norm_rope_append(qg, k, v, q_norm, k_norm, k_cache, v_cache, *, position
         raise ValueError(f"{fn}: q_norm and k_norm must be [{D}] of one dtype, got {q_norm.dtype} "
                          f"{list(q_norm.shape)} and {k_norm.dtype} {list(k_norm.shape)}")
     kcache, vcache = _cache(k_cache, "k_cache", fn), _cache(v_cache, "v_cache", fn)
-    if type(kcache) is not type(vcache):
-        raise ValueError(f"{fn}: k_cache and v_cache must both be bfloat16 or both Q8Cache")
+    _same_format(kcache, vcache, fn)
     if kcache.shape[0] != Hkv or kcache.shape[2] != D or vcache.shape != kcache.shape:
         raise ValueError(f"{fn}: caches must be [kv_heads={Hkv}, capacity, head_dim={D}], got "
                          f"{list(k_cache.shape)} and {list(v_cache.shape)}")
@@ -230,8 +243,7 @@ def _qk_norm_rope_append(qg, k, v, q_norm, k_norm, k_cache, v_cache, *, position
     cap = kcache.shape[1]
     if isinstance(kcache, Q8Cache):
         return _from_core(q, dt), _unpage(kco, table, cap), _unpage(vco, table, cap), stats
-    return (_from_core(q, dt), _unpage(kco, table, cap).view(BFLOAT16), _unpage(vco, table, cap).view(BFLOAT16),
-            stats)
+    return _from_core(q, dt), _as_cache(_unpage(kco, table, cap)), _as_cache(_unpage(vco, table, cap)), stats
 
 
 def attention_decode_route(length: int, head_dim: int, block_tokens: int = ENGINE_BLOCK_TOKENS) -> dict:
@@ -247,13 +259,15 @@ def attention_decode_route(length: int, head_dim: int, block_tokens: int = ENGIN
                                                    _uint(block_tokens, "block_tokens", fn)))
 
 
-def attention_prefill_route(head_dim: int, *, tensor_ops: bool = False, dtype="float32") -> str:
-    """How :func:`attention_prefill` runs for ``head_dim`` and activation ``dtype`` (float32 or
-    bfloat16): ``"m5"`` (Metal 4 tensor ops, shaders/m5/attention_m5.metal: head_dim 64, 128 or
-    256 on a device with tensor ops, an M5), ``"tiles"`` (bfloat16 activations at head_dim 64, 128
-    or 256 without tensor ops: bf16 simdgroup matrices, M1-M4), ``"mma"`` (8x8 fp32 simdgroup
-    matrices; head_dim a multiple of 32, and of 64 above 128: 64, 128, 256, ...) or ``"simd"``
-    (scalar fp32)."""
+def attention_prefill_route(head_dim: int, *, tensor_ops: bool = False, dtype="float32",
+                            kv_dtype: str = "bfloat16") -> str:
+    """How :func:`attention_prefill` runs for ``head_dim``, activation ``dtype`` (float32 or
+    bfloat16) and a cache of ``kv_dtype`` ("bfloat16", "int8" or "float32"): ``"m5"`` (Metal 4
+    tensor ops, shaders/m5/attention_m5.metal: head_dim 64, 128 or 256 on a device with tensor
+    ops, an M5), ``"tiles"`` (bfloat16 activations at head_dim 64, 128 or 256 without tensor ops:
+    bf16 simdgroup matrices, M1-M4), ``"mma"`` (8x8 fp32 simdgroup matrices; head_dim a multiple
+    of 32, and of 64 above 128: 64, 128, 256, ...) or ``"simd"`` (scalar fp32). A float32 cache
+    takes mma or simd on every device (fp32 K and V operands)."""
     fn = "attention_prefill_route"
     try:
         name = np.dtype(dtype).name
@@ -261,8 +275,10 @@ def attention_prefill_route(head_dim: int, *, tensor_ops: bool = False, dtype="f
         name = None
     if name not in ("float32", "bfloat16"):
         raise ValueError(f"{fn}: dtype must be float32 or bfloat16, got {dtype!r}")
+    if kv_dtype not in ("bfloat16", "int8", "float32"):
+        raise ValueError(f"{fn}: kv_dtype must be 'bfloat16', 'int8' or 'float32', got {kv_dtype!r}")
     return str(_core().ops.attention_prefill_route(_uint(head_dim, "head_dim", fn), bool(tensor_ops),
-                                                   name == "bfloat16"))
+                                                   name == "bfloat16", kv_dtype))
 
 
 def _check_attention(q, k_cache, v_cache, gate, fn, tokens_axis: bool):
@@ -273,8 +289,7 @@ def _check_attention(q, k_cache, v_cache, gate, fn, tokens_axis: bool):
     q3 = qc if tokens_axis else qc[None]
     T, Hq, D = q3.shape
     kc, vc = _cache(k_cache, "k_cache", fn), _cache(v_cache, "v_cache", fn)
-    if type(kc) is not type(vc):
-        raise ValueError(f"{fn}: k_cache and v_cache must both be bfloat16 or both Q8Cache")
+    _same_format(kc, vc, fn)
     if kc.shape[2] != D or vc.shape != kc.shape or kc.shape[0] == 0:
         raise ValueError(f"{fn}: caches must be [kv_heads, capacity, head_dim={D}], got "
                          f"{list(k_cache.shape)} and {list(v_cache.shape)}")

@@ -53,7 +53,8 @@ class ReferenceModel:
             raise ValueError(f"kv_dtype must be 'bfloat16', 'float32', 'int8' or None, got {kv_dtype!r}")
         self.deltanet, self.chunk_size = deltanet, chunk_size
         # "int8": the cache holds each appended row quantized as the engine's int8 cache does;
-        # otherwise it keeps the float32 rows (the reference does not round to bfloat16)
+        # otherwise ("bfloat16", "float32", None) it keeps the float32 rows unrounded: the
+        # engine's kv_dtype="float32" cache, and the exact model the bf16 cache approximates
         self.kv_quantize = kv_dtype == "int8"
 
     def new_state(self) -> ReferenceState:

@@ -54,7 +54,8 @@ def cmd_serve(a) -> int:
         raise ValueError(f"--max-tokens must be >= 1, got {a.max_tokens}")
     api_key = a.api_key or os.environ.get("LILY_PY_API_KEY") or None
     from ..model import load
-    model = load(a.model, backend=a.backend, context_length=a.context, revision=a.revision)
+    model = load(a.model, backend=a.backend, context_length=a.context, revision=a.revision,
+                 kv_dtype=a.kv_dtype)
     model_id = a.model_name or (DEMO_ID if a.model is None else a.model)
     server = Server(model, model_id=model_id, api_key=api_key, max_queue=a.max_queue,
                     default_max_tokens=a.max_tokens)

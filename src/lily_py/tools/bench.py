@@ -494,9 +494,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compare", choices=["mlx-lm"], default=None,
                    help="also run mlx-lm on the same checkpoint (where installed) and print the ratio")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts and weights")
-    p.add_argument("--kv-dtype", choices=["bfloat16", "int8"], default=None,
+    p.add_argument("--kv-dtype", choices=["bfloat16", "int8", "float32"], default=None,
                    help="KV cache element type (default: bfloat16, as mlx-lm; int8: codes + a float32 "
-                        "scale per row)")
+                        "scale per row; float32: unrounded rows, twice the bytes)")
     p.add_argument("--json", dest="json_path", default=None, help="write the results to this file")
     p.set_defaults(func=main)
 
