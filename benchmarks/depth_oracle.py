@@ -12,6 +12,11 @@ smallest router margin of the layers up to d.
     python benchmarks/depth_oracle.py --make real --stable --depths 1,2,4,8,16,40 --tokens 64 \
         --backend cuda --activations float32 --kv-dtype float32
 
+``--mlx`` also runs mlx-lm in bfloat16 (as it runs a bf16 checkpoint: ``mlx_load_bf16`` of
+tests/fixtures/make_fixtures.py) on the same checkpoint and ids, its decoder layers cut to the first
+d, and prints its error beside the engine's: the bound issue 40 sets the engine's bf16 path (needs
+``mlx`` and ``mlx-lm``; on the GPU machine MLX's CUDA backend, ``mlx-cuda-13``: docs/gpu.md).
+
 ``--make real|tiny`` writes a random checkpoint (``--stable``: make_checkpoint(stable=True), routing
 with margin) to ``--out`` first; ``--model`` takes an existing one. Slow on a CPU at the real widths
 (the NumPy model dequantizes every used expert): meant for the H200 machine (docs/gpu.md).
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -27,39 +33,15 @@ import numpy as np
 
 from lily_py.backends import make_backend
 from lily_py.checkpoint import load_weights
-from lily_py.reference import moe as ref_moe
-from lily_py.reference.model import ReferenceModel
-from lily_py.reference.ops import rms_norm
 from lily_py.testing import REAL_TEXT_CONFIG, TINY_TEXT_CONFIG, make_checkpoint, truncated
 
-
-def reference_pass(cfg, weights, ids, kv_dtype):
-    """(residual after each layer [L][T, H], router margin per layer [L][T]) of one prefill."""
-    gaps: list[np.ndarray] = []
-    route = ref_moe.route
-
-    def spy(logits, top_k):
-        z = logits.astype(np.float64)
-        p = np.exp(z - z.max(-1, keepdims=True))
-        p = np.sort(p / p.sum(-1, keepdims=True), -1)[:, ::-1]
-        gaps.append((p[:, top_k - 1] - p[:, top_k]).astype(np.float32))
-        return route(logits, top_k)
-
-    ref_moe.route = spy
-    try:
-        model = ReferenceModel(cfg, weights, kv_dtype="int8" if kv_dtype == "int8" else None)
-        residuals: list[np.ndarray] = []
-        model.hidden_states(np.asarray(ids, np.int64), model.new_state(), residuals)
-    finally:
-        ref_moe.route = route
-    return residuals, gaps
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "model"))
+from depth import compare, mlx_depth_logits, reference_logits, reference_pass  # noqa: E402
 
 
-def compare(ref: np.ndarray, got: np.ndarray) -> dict:
-    d = np.abs(got.astype(np.float64) - ref.astype(np.float64))
-    return {"mean_abs": float(d.mean()), "mean_rel": float(d.mean() / np.abs(ref).mean()),
-            "max_rel": float(d.max() / np.abs(ref).max()),
-            "argmax_equal": int((got.argmax(-1) == ref.argmax(-1)).sum()), "rows": int(ref.shape[0])}
+def _version(dist: str) -> str:
+    from importlib.metadata import version
+    return version(dist)
 
 
 def main() -> None:
@@ -76,6 +58,10 @@ def main() -> None:
     p.add_argument("--activations", default="float32")
     p.add_argument("--kv-dtype", default=None)
     p.add_argument("--json", default=None)
+    p.add_argument("--mlx", action="store_true", help="also mlx-lm in bf16, its layers cut to each depth")
+    p.add_argument("--mlx-fixture", default=None,
+                   help="with --mlx: write mlx-lm's errors per depth there (tests/fixtures/depth_oracle/"
+                        "mlx_bf16.json holds the real stable checkpoint's, seed 0, 32 tokens)")
     a = p.parse_args()
     if a.make:
         t = time.time()
@@ -92,9 +78,14 @@ def main() -> None:
     t = time.time()
     residuals, gaps = reference_pass(cfg, w, ids, a.kv_dtype)
     print(f"reference: {len(residuals)} layers x {a.tokens} tokens in {time.time() - t:.1f} s", flush=True)
+    mlx = {}
+    if a.mlx:
+        t = time.time()
+        mlx = mlx_depth_logits(a.model, ids, depths)
+        print(f"mlx-lm bf16: {len(depths)} depths in {time.time() - t:.1f} s", flush=True)
     rows = []
     for d in depths:
-        ref = w.lm_head.matmul(rms_norm(residuals[d - 1], w.norm, cfg.rms_norm_eps))
+        ref = reference_logits(cfg, w, residuals[d - 1])
         cd, wd = truncated(cfg, w, d)
         eng = make_backend(a.backend, cd, wd, context_length=max(256, a.tokens), prefill_chunk=max(64, a.tokens),
                            verbose=False, activations=a.activations, kv_dtype=a.kv_dtype)
@@ -106,7 +97,19 @@ def main() -> None:
         print(f"depth {d:3d}: logits mean|d| {r['mean_abs']:.3e} ({r['mean_rel']:.2e} of mean|logit|), "
               f"max|d| {r['max_rel']:.2e} of max|logit|, argmax {r['argmax_equal']}/{r['rows']}; "
               f"router margin min {r['min_router_margin']:.2e}, {r['margins_below_1e_3']} below 1e-3", flush=True)
+        if d in mlx:
+            m = r["mlx_bf16"] = compare(ref, mlx[d])
+            print(f"           mlx-lm bf16: mean|d| {m['mean_abs']:.3e} ({m['mean_rel']:.2e} of mean|logit|), "
+                  f"max|d| {m['max_rel']:.2e} of max|logit|, argmax {m['argmax_equal']}/{m['rows']}", flush=True)
         del eng
+    if a.mlx_fixture and mlx:
+        with open(a.mlx_fixture, "w") as f:
+            json.dump({"what": "mlx-lm bf16 (mlx_load_bf16) logits vs the fp32 NumPy reference, per depth",
+                       "command": " ".join(sys.argv), "config": "real" if a.make == "real" else a.model,
+                       "stable": a.stable, "seed": a.seed, "tokens": a.tokens,
+                       "mlx": _version("mlx"), "mlx_lm": _version("mlx-lm"),
+                       "depths": {str(r["depth"]): r["mlx_bf16"] for r in rows}}, f, indent=1)
+            f.write("\n")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"model": a.model, "backend": a.backend, "activations": a.activations,

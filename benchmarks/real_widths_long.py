@@ -6,7 +6,7 @@ positions of a random prompt.
     python benchmarks/real_widths_long.py [--backend cuda] [--lengths 4096 32768 131072]
                                           [--reference-max 4096]
 
-Per length: the engine as loaded by default (bf16 activations, the int8 KV cache, chunks of 4,096)
+Per length: the engine as loaded by default (bf16 activations, the bf16 KV cache, chunks of 4,096)
 and with fp32 activations (the bf16 cache), each against the fp32 NumPy reference where one is
 computed (up to --reference-max tokens: minutes at 4K on 16 cores, hours at 128K on any CPU), and
 the default against the fp32 engine at every length: mean |d|, nmse and the rows whose greedy

@@ -54,6 +54,8 @@ FULL_TIER: dict[str, str] = {
         "test_fixture_is_this_checkpoint_and_reference and tests/model/test_bf16_activations.py"),
     "tests/model/test_bf16_long_prompts.py::test_committed_reference_rows[[]32768[]]": (
         "the NumPy reference on a 32,768-token prompt (75 s); quick keeps the 4,096-token rows"),
+    "tests/model/test_bf16_long_prompts.py::test_committed_reference_rows[[]8192[]]": (
+        "the NumPy reference on an 8,192-token prompt (10 s); quick keeps the 3,072- and 4,096-token rows"),
     "tests/model/test_bf16_activations.py::test_float32_option_keeps_the_fp32_path[[]bf16_*": (
         "three of four checkpoints (17 s); quick keeps std4_nested_fused"),
     # tests/kernels: real-size and long shapes (the quick tier keeps the odd small shapes)

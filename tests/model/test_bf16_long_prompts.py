@@ -1,10 +1,10 @@
 """The engine's bf16 error on long prompts (issue 26, items 0 and 4): on the real-head-dims random
 checkpoint of tests/model/bf16_long.py, the logits of the last 64 positions of a long random
-prompt, computed by the engine as loaded by default (bf16 activations, the int8 KV cache), are no
+prompt, computed by the engine as loaded by default (bf16 activations, the bf16 KV cache), are no
 further from the fp32 NumPy reference than mlx-lm's own bf16 logits are (mean |d| and nmse).
 
 mlx-lm's rows are committed fixtures (tests/fixtures/make_bf16_long.py; this test never imports
-mlx): bf16 at 1,024, 4,096 and 32,768 tokens (mlx-lm's prompt cache in steps of 2,048, as
+mlx): bf16 at 1,024, 3,072, 4,096, 8,192 and 32,768 tokens (mlx-lm's prompt cache in steps of 2,048, as
 mlx_lm.generate prefills), fp32 at 1,024. The checkpoint the test builds must have the
 fixture's weights (sha256), and at 1,024 tokens mlx-lm's fp32 rows must equal the NumPy
 reference's (max |d| <= 1e-4 max |ref|): the two tie the committed bf16 rows to this checkpoint
@@ -12,7 +12,7 @@ and this reference.
 
 Lengths:
 - 1,024 tokens on the emulator (full tier; minutes).
-- 4,096 to 131,072 tokens on a GPU (``LILY_TEST_ENGINE=cuda``, or metal). The emulator takes
+- 3,072 to 131,072 tokens on a GPU (``LILY_TEST_ENGINE=cuda``, or metal). The emulator takes
   about 12 minutes at 4,096 tokens and hours at 32K, so there these cases are skipped, saying so.
   Their fp32 reference rows are committed (tests/fixtures/make_bf16_long_ref.py); the quick tier
   recomputes the 4,096-token rows (3 s), the full tier the 32K ones (75 s).
@@ -34,7 +34,7 @@ import lily_py
 import bf16_long as B
 from engine_backend import ENGINE
 
-GPU_ONLY = ("4,096+ tokens take about 12 minutes on the emulator and hours at 32K; this case runs "
+GPU_ONLY = ("3,072+ tokens take 9-12 minutes on the emulator and hours at 32K; this case runs "
             "with LILY_TEST_ENGINE=cuda (or metal; docs/gpu.md)")
 
 
@@ -57,8 +57,8 @@ def test_fixture_is_this_checkpoint_and_reference(ckpt):
     ref = B.last_rows(lily_py.load(ckpt, backend="reference", context_length=1024, kv_dtype="bfloat16")._backend, B.prompt(1024))
     d = np.abs(mlx["fp32_1024"] - ref).max()
     assert d <= 1e-4 * np.abs(ref).max(), d
-    assert mlx["bf16_1024"].shape == mlx["bf16_4096"].shape == mlx["bf16_32768"].shape == \
-        (B.ROWS, B.CONFIG["vocab_size"])
+    for n in (1024, 3072, 4096, 8192, 32768):
+        assert mlx[f"bf16_{n}"].shape == (B.ROWS, B.CONFIG["vocab_size"]), n
 
 
 @pytest.mark.parametrize("n,chunk", [(1024, 64)])
@@ -89,7 +89,7 @@ def _no_larger_than_mlx_lm(eng: dict, mx: dict, what: str, mlx_what: str, record
     assert eng["nmse"] <= mx["nmse"], line
 
 
-@pytest.mark.parametrize("n", [4096, 32768])
+@pytest.mark.parametrize("n", [3072, 4096, 8192, 32768])
 def test_committed_reference_rows(ckpt, n):
     """The committed reference rows (the GPU cases' oracle) are what the reference computes now
     on the checkpoint this module builds."""
@@ -109,7 +109,7 @@ def _mlx_bound(n: int) -> dict:
     return B.errors(np.load(B.FIXTURE / "mlx.npz")[f"bf16_{m}"], np.load(B.FIXTURE / "reference.npz")[f"ref_{m}"])
 
 
-@pytest.mark.parametrize("n", [4096, 32768, 65536, 131072])
+@pytest.mark.parametrize("n", [3072, 4096, 8192, 32768, 65536, 131072])
 def test_bf16_error_at_length_on_a_gpu(ckpt, n, record_property):
     """The engine as loaded by default (bf16 activations, the bf16 KV cache; prompt chunks of
     4,096) against the committed fp32 reference rows, no further than mlx-lm's bf16 rows are."""

@@ -1,7 +1,7 @@
 """The real model's widths on long prompts (issue 26, item 4), on a GPU: tests/model/real_widths.py's
 checkpoint (the real config's hidden size, vocabulary, 256 experts, 16 / 2 attention heads of 256,
 16 / 32 DeltaNet heads of 128; 4 of its 40 layers), the last 64 positions of a random prompt, the
-engine as loaded by default (bf16 activations, the int8 KV cache, prefill chunks of 4,096).
+engine as loaded by default (bf16 activations, the bf16 KV cache, prefill chunks of 4,096).
 
 - At 4,096 tokens against the fp32 NumPy reference (computed here: about 40 s on the H200
   machine's 16 cores): the engine with fp32 activations to nmse <= 1e-6 (measured 9.5e-10), so it
