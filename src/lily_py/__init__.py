@@ -18,7 +18,7 @@ from .chat_template import ChatTemplateError
 from .sampling import SamplingParams
 from .tools.doctor import doctor
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 __all__ = [
     "load", "Model", "ModelConfig", "GenerationChunk", "GenerationStats", "GenerationResult", "TokenLogprob",

@@ -10,7 +10,7 @@ import signal
 import sys
 import time
 
-from . import __version__
+from ._version import __version__
 
 DEFAULT_MAX_TOKENS = 256          # = lily_py.model.DEFAULT_MAX_TOKENS (no heavy import here)
 DEFAULT_CONTEXT = 32768           # = lily_py.model.DEFAULT_CONTEXT

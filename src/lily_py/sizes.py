@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from .backends.spec import REAL_QUANT, engine_spec, kv_row_bytes
 from .config import ModelConfig
 
 GiB = 1 << 30
@@ -110,11 +111,10 @@ def recipes(cfg: ModelConfig) -> dict[str, Recipe]:
 
 
 def engine_quant(cfg: ModelConfig, recipe_name: str) -> dict:
-    """The engine's quantization (``lily_py.backends.engine.engine_spec``'s ``quant``) of a recipe of
+    """The engine's quantization (``lily_py.backends.spec.engine_spec``'s ``quant``) of a recipe of
     :func:`recipes`, for the counting device: uniform widths keep the router and shared-expert gate
     at 8 bits; ``mixed_3_4`` puts v_proj, the routed and shared down projections of mlx-lm's "more
     bits" layers and lm_head at 4 bits as :func:`mixed` does (``quant_overrides``)."""
-    from .backends.engine import REAL_QUANT
     gs = REAL_QUANT["mixer"]["group_size"]
     if recipe_name.startswith("mixed"):
         low, high = 3, 4
@@ -158,7 +158,6 @@ def plan(cfg: ModelConfig, *, context_length: int, prefill_chunk: int = 4096,
     """The engine's plan (bytes of weights at 4 bits, state, scratch) for ``cfg`` with a KV cache
     of ``kv_dtype`` (None: the default, bfloat16)."""
     from . import _core
-    from .backends.engine import REAL_QUANT, engine_spec
     spec = engine_spec(cfg, REAL_QUANT, context_length=context_length,
                        prefill_chunk=min(prefill_chunk, context_length), activations=activations,
                        kv_dtype=kv_dtype)
@@ -173,7 +172,6 @@ def kv_bytes(cfg: ModelConfig, context_length: int, block_tokens: int = KV_BLOCK
     """K and V of every attention layer for ``context_length`` tokens, in whole blocks of
     ``block_tokens`` (what the engine's pools hold once the context is full); rows of
     ``kv_dtype`` (None: the default, bfloat16)."""
-    from .backends.engine import kv_row_bytes
     tokens = -(-context_length // block_tokens) * block_tokens
     return 2 * len(cfg.full_attention_layers) * cfg.num_key_value_heads * tokens * kv_row_bytes(cfg, kv_dtype)
 

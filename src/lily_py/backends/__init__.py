@@ -5,31 +5,12 @@ from __future__ import annotations
 
 from ..checkpoint import ModelWeights
 from ..config import ModelConfig
+from .spec import KV_DTYPES, KV_INT8_HEAD_DIMS, default_kv_dtype, resolve_kv_dtype  # noqa: F401
 
 BACKENDS = ("auto", "reference", "emu", "metal", "cuda")
 # Not for users: the engine on the counting device with host memory (nothing runs, every sampled
 # token is 0), so benchmarks can time the host side of generation (benchmarks/host_overhead.py).
 TIMING_BACKENDS = ("count_host",)
-# The KV cache's element type (None: default_kv_dtype); "int8": codes and a float32 scale per row
-# and KV head (shaders/common/kv_blocks.h, lily_py.reference.kvquant.int8_row_codes); "float32":
-# the rows as computed, unrounded (4 head_dim bytes a row)
-KV_DTYPES = (None, "bfloat16", "int8", "float32")
-# head_dims the int8 cache's attention routes take (csrc/core/engine.cpp)
-KV_INT8_HEAD_DIMS = (64, 128, 256)
-
-
-def default_kv_dtype(cfg: ModelConfig) -> str:
-    """What ``kv_dtype=None`` means: "bfloat16", the model's precision, on every backend, as
-    mlx-lm, llama.cpp and Lily keep their caches by default (so the reference backend is exact
-    and comparisons with them are at matched numerics). The int8 cache (half the bytes; head_dim
-    64, 128 or 256) is one argument away: ``kv_dtype="int8"``, and so is the float32 one (twice
-    the bytes, no rounding of K and V): ``kv_dtype="float32"`` (docs/memory.md)."""
-    return "bfloat16"
-
-
-def resolve_kv_dtype(cfg: ModelConfig, kv_dtype: str | None) -> str:
-    """The KV cache a load with ``kv_dtype`` gets: itself when given, else the default for ``cfg``."""
-    return kv_dtype or default_kv_dtype(cfg)
 
 
 def make_backend(name: str, cfg: ModelConfig, weights: ModelWeights, *, context_length: int,

@@ -343,7 +343,7 @@ def bench(*, model: str | None = None, random_weights: bool = False, config: str
           seed: int = 0, kv_dtype: str | None = None, out=sys.stdout) -> dict:
     """Run the benchmark (see the module docstring); print the tables to ``out``; return the
     results as a dict (what ``--json`` writes)."""
-    from .. import __version__
+    from .._version import __version__
     from ..model import load
     from .doctor import default_device
     say = (lambda s="": print(s, file=out, flush=True)) if out is not None else (lambda s="": None)
