@@ -10,9 +10,11 @@ from .config import ModelConfig
 from .errors import (BackendError, BusyError, CheckpointError, ConfigError, ContextLengthError,
                      DeviceMemoryError, LilyError)
 from .generation import GenerationChunk, GenerationStats, TokenLogprob
-from .model import DEFAULT_CONTEXT, DEFAULT_MAX_TOKENS, GenerationResult, Model, load
+from .defaults import DEFAULT_CONTEXT, DEFAULT_MAX_TOKENS, DEFAULT_PROMPT_CACHE_BYTES
+from .generation import GenerationResult
+from .model import Model, load
 from .parsing import ToolCall, ToolCallError
-from .prompt_cache import DEFAULT_PROMPT_CACHE_BYTES, PromptCache
+from .prompt_cache import PromptCache
 from .resources import demo_path
 from .chat_template import ChatTemplateError
 from .sampling import SamplingParams

@@ -11,9 +11,8 @@ import sys
 import time
 
 from ._version import __version__
+from .defaults import DEFAULT_CONTEXT, DEFAULT_MAX_TOKENS  # imports nothing heavy
 
-DEFAULT_MAX_TOKENS = 256          # = lily_py.model.DEFAULT_MAX_TOKENS (no heavy import here)
-DEFAULT_CONTEXT = 32768           # = lily_py.model.DEFAULT_CONTEXT
 CHAT_HELP = ("Commands: /reset (clear the conversation), /quit or /exit (leave), /help. "
              "Ctrl-C stops a reply; Ctrl-D leaves.")
 

@@ -5,7 +5,9 @@ import numpy as np
 import pytest
 
 import lily_py
+import lily_py.prompts
 from lily_py import PromptCache
+from lily_py.prompts import system_end
 
 SYSTEM = ("You are a careful assistant for the King James Bible. Answer in one short verse, "
           "quote the book and the chapter, and never invent a verse that is not there. ") * 3
@@ -73,8 +75,8 @@ def head_len(model, msgs):
 def test_switching_conversations_and_shared_system_prompt():
     m = lily_py.load(backend="reference")
     kw = dict(max_tokens=4, enable_thinking=False)
-    sys_end = m._system_end(conv("x"), m.prompt_ids(conv("x")), None)
-    assert sys_end >= lily_py.model.SYSTEM_SNAPSHOT_MIN_TOKENS
+    sys_end = system_end(m.tokenizer, conv("x"), m.prompt_ids(conv("x")), None)
+    assert sys_end >= lily_py.prompts.SYSTEM_SNAPSHOT_MIN_TOKENS
     a1 = m.generate_text(conv("In the beginning"), **kw)
     assert a1.stats.reused_tokens == 0 and len(m.prompt_cache) == 2   # system end + prompt end
     # another conversation with the same system prompt: only its own part is prefilled
@@ -123,7 +125,7 @@ def state_bytes(model):
 @pytest.mark.parametrize("backend", ["reference", "emu"])
 def test_state_after_a_hit_is_bit_identical(backend, monkeypatch):
     # a short system prompt (the emulator is slow) that still gets its own snapshot
-    monkeypatch.setattr(lily_py.model, "SYSTEM_SNAPSHOT_MIN_TOKENS", 8)
+    monkeypatch.setattr(lily_py.prompts, "SYSTEM_SNAPSHOT_MIN_TOKENS", 8)
     kw = dict(max_tokens=3, enable_thinking=False)
     m = lily_py.load(backend=backend, context_length=256)
     a1 = conv("In the beginning", system="Answer in one verse of the Bible.")
@@ -131,7 +133,7 @@ def test_state_after_a_hit_is_bit_identical(backend, monkeypatch):
     m.generate_text(conv("And God said", system=a1[0]["content"]), **kw)   # live state elsewhere
     a2 = conv("In the beginning", "God created", "Go on", system=a1[0]["content"])
     ids = m.prompt_ids(a2, enable_thinking=False)
-    sys_end, b1, b2 = m._system_end(a2, ids, None), head_len(m, a1), head_len(m, a2)
+    sys_end, b1, b2 = system_end(m.tokenizer, a2, ids, None), head_len(m, a1), head_len(m, a2)
     assert 8 <= sys_end < b1 < b2 < len(ids) and ids[:sys_end] in m.prompt_cache
     entry = m.prompt_cache.lookup(ids, count=False)
     assert len(entry.tokens) == b1

@@ -25,12 +25,30 @@ def demo():
     (dict(top_p="1"), TypeError, "top_p must be a number"),
     (dict(stop=123), TypeError, "stop must be a string or a list of strings, got 123"),
     (dict(stop=["a", 1]), TypeError, "stop must be a string or a list of strings"),
-    (dict(max_tokens=True), ValueError, "max_tokens must be a positive integer"),
+    # a wrong type is a TypeError naming the parameter, a bad value a ValueError, for every one
+    (dict(max_tokens=True), TypeError, "max_tokens must be an integer, got True"),
+    (dict(max_tokens=0), ValueError, "max_tokens must be a positive integer"),
+    (dict(seed="abc"), TypeError, "seed must be an integer, got 'abc'"),
+    (dict(seed=-1), ValueError, "seed must be a non-negative integer"),
+    (dict(top_k="3"), TypeError, "top_k must be an integer"),
+    (dict(top_k=-1), ValueError, "top_k must be an integer >= 0"),
+    (dict(temperature=-0.5), ValueError, "temperature must be >= 0"),
+    (dict(min_p=2), ValueError, r"min_p must be in \[0, 1\]"),
+    (dict(logprobs=True, top_logprobs="2"), TypeError, "top_logprobs must be an integer"),
+    (dict(logprobs=True, top_logprobs=99), ValueError, "top_logprobs must be an integer in"),
 ])
 def test_bad_sampling_arguments_are_refused_clearly(demo, kw, exc, msg):
     with pytest.raises(exc, match=msg):
         demo.generate("In the beginning", **kw)
     assert demo.generate_text("In", max_tokens=1).tokens      # still usable
+
+
+@pytest.mark.parametrize("kw, exc", [(dict(seed="abc"), TypeError), (dict(temperature="0.7"), TypeError),
+                                     (dict(top_k=1.5), TypeError), (dict(seed=-1), ValueError),
+                                     (dict(top_p=0), ValueError)])
+def test_sampling_params_follow_the_same_rule(kw, exc):
+    with pytest.raises(exc, match=next(iter(kw))):
+        lily_py.SamplingParams(**kw)
 
 
 @pytest.mark.parametrize("msgs, exc, msg", [
