@@ -74,6 +74,7 @@ class GenerationChunk:
     raw: str = ""
     logprobs: TokenLogprob | None = None
     error: str = ""             # finish_reason "error": why (a constraint that admits no token)
+    logprobs: list[TokenLogprob] | None = None
 
 
 class StopMatcher:
@@ -117,7 +118,9 @@ class GenerationResult:
     calls when the output is parsed), the sampled ``tokens``, ``finish_reason``, ``stats``, the
     ``reasoning``, the parsed ``tool_calls`` and malformed ones (``tool_call_errors``), and
     ``raw_text``, the model's whole text before parsing (stop strings removed). A constraint
-    that reaches a dead end ends with ``finish_reason`` "error" and the reason in ``error``."""
+    that reaches a dead end ends with ``finish_reason`` "error" and the reason in ``error``.
+    ``logprobs`` (``generate_text(..., logprobs=True)``): one ``TokenLogprob`` per token of
+    ``tokens``, in order; None when logprobs were not asked for."""
     text: str
     tokens: list[int]
     finish_reason: str
@@ -127,3 +130,4 @@ class GenerationResult:
     tool_call_errors: list[ToolCallError] = field(default_factory=list)
     raw_text: str = ""
     error: str = ""             # finish_reason "error": why (a constraint that admits no token)
+    logprobs: list[TokenLogprob] | None = None

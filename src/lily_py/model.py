@@ -324,8 +324,10 @@ class Model:
 
     def generate_text(self, prompt, **kwargs) -> GenerationResult:
         """Non-streaming ``generate``: the answer text, sampled tokens, finish reason, stats,
-        reasoning, tool calls (see ``GenerationResult``)."""
+        reasoning, tool calls and, with ``logprobs=True``, each token's logprobs (see
+        ``GenerationResult``)."""
         parts, reasoning, raw, tokens, calls, errors, last = [], [], [], [], [], [], None
+        logprobs = [] if kwargs.get("logprobs") else None
         for chunk in self.generate(prompt, **kwargs):
             parts.append(chunk.text)
             reasoning.append(chunk.reasoning)
@@ -334,10 +336,12 @@ class Model:
             errors += chunk.tool_call_errors
             if chunk.token is not None:
                 tokens.append(chunk.token)
+                if logprobs is not None:
+                    logprobs.append(chunk.logprobs)
             last = chunk
         return GenerationResult("".join(parts), tokens, last.finish_reason, last.stats,
                                 "".join(reasoning), calls, errors, "".join(raw),
-                                getattr(last, "error", ""))
+                                getattr(last, "error", ""), logprobs)
 
     # ---- internals ----------------------------------------------------------------------------
     def _check_idle(self) -> None:
