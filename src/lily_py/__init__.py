@@ -10,7 +10,7 @@ from .config import ModelConfig
 from .errors import (BackendError, BusyError, CheckpointError, ConfigError, ContextLengthError,
                      DeviceMemoryError, LilyError)
 from .generation import GenerationChunk, GenerationStats, TokenLogprob
-from .defaults import DEFAULT_CONTEXT, DEFAULT_MAX_TOKENS, DEFAULT_PROMPT_CACHE_BYTES
+from .defaults import DEFAULT_MAX_TOKENS, DEFAULT_PROMPT_CACHE_BYTES
 from .generation import GenerationResult
 from .model import Model, load
 from .parsing import ToolCall, ToolCallError
@@ -27,7 +27,7 @@ __all__ = [
     "SamplingParams", "demo_path", "LilyError", "ConfigError", "CheckpointError",
     "ContextLengthError", "BackendError", "BusyError", "ChatTemplateError", "doctor", "__version__",
     "DeviceMemoryError", "DeviceStatus", "devices", "device_info", "pipeline_limits", "auto_backend",
-    "ToolCall", "ToolCallError", "PromptCache", "DEFAULT_CONTEXT", "DEFAULT_MAX_TOKENS",
+    "ToolCall", "ToolCallError", "PromptCache", "DEFAULT_MAX_TOKENS",
     "DEFAULT_PROMPT_CACHE_BYTES",
 ]
 

@@ -1,7 +1,8 @@
 """Command line: ``lily-py generate``, ``chat``, ``info``, ``serve``, ``doctor``, ``bench``, ``align``.
 
 Without ``--model`` every command uses the small demo checkpoint shipped with lily_py, so
-``lily-py generate --prompt "..."`` works on a fresh machine with no download.
+``lily-py generate --prompt "..."`` works on a fresh machine with no download. ``parser()`` builds
+the whole command line (README.md's CLI reference is generated from it: tools/api_reference.py).
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import sys
 import time
 
 from ._version import __version__
-from .defaults import DEFAULT_CONTEXT, DEFAULT_MAX_TOKENS  # imports nothing heavy
+from .defaults import DEFAULT_MAX_TOKENS  # imports nothing heavy
 
 CHAT_HELP = ("Commands: /reset (clear the conversation), /quit or /exit (leave), /help. "
              "Ctrl-C stops a reply; Ctrl-D leaves.")
@@ -227,7 +228,8 @@ def cmd_info(a) -> int:
         print("memory: unquantized; the engine runs MLX affine-quantized checkpoints (backend='reference' "
               "runs this one)")
     else:
-        ctx = min(a.context or DEFAULT_CONTEXT, cfg.max_position_embeddings)
+        # load()'s default context: the model's whole context (the KV cache grows to it in blocks)
+        ctx = min(a.context or cfg.max_position_embeddings, cfg.max_position_embeddings)
         ws, dev = None, ""
         try:
             import lily_py
@@ -278,9 +280,13 @@ def _add_tool_commands(sub) -> None:
     add_arguments(b)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="lily-py", description=__doc__.splitlines()[0],
-                                 formatter_class=_Formatter)
+DESCRIPTION = ("Fast local inference for Qwen3.6-35B-A3B. Without --model, every command uses "
+               "the small demo checkpoint bundled with lily_py.")
+
+
+def parser() -> argparse.ArgumentParser:
+    """The whole command line: every subcommand and its flags."""
+    ap = argparse.ArgumentParser(prog="lily-py", description=DESCRIPTION, formatter_class=_Formatter)
     ap.add_argument("--version", action="version", version=f"lily_py {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
@@ -306,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="checkpoint folder or hub id (default: --model, else the bundled demo)")
     i.add_argument("--model", "-m", default=None)
     i.add_argument("--context", type=int, default=None,
-                   help=f"context length the memory line is for (default: {DEFAULT_CONTEXT})")
+                   help="context length the memory line is for (default: the model's "
+                        "max_position_embeddings, load()'s default: the memory of a full context)")
     i.add_argument("--kv-dtype", choices=["bfloat16", "int8", "float32"], default=None,
                    help="KV cache element type the memory lines count (default bfloat16)")
     i.set_defaults(func=cmd_info)
@@ -314,8 +321,11 @@ def main(argv: list[str] | None = None) -> int:
     from .serve.cli import add_parser as add_serve_parser
     add_serve_parser(sub, _add_model_args)
     _add_tool_commands(sub)
+    return ap
 
-    a = ap.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
     from .errors import LilyError
     try:
         return a.func(a)

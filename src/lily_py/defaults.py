@@ -7,6 +7,5 @@ compiled core; README.md's defaults table is generated from ``load()``'s signatu
 the KV cache in blocks as positions advance, so a long limit costs memory only when used.
 """
 DEFAULT_PREFILL_CHUNK = 4096          # load(prefill_chunk=): tokens per prefill step
-DEFAULT_CONTEXT = 32768               # the context `lily-py info` sizes its memory line for
 DEFAULT_MAX_TOKENS = 256              # generate()'s and the CLI's --max-tokens default
 DEFAULT_PROMPT_CACHE_BYTES = 1 << 30  # load(prompt_cache_bytes=): the prompt cache's budget

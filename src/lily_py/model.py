@@ -19,10 +19,11 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from . import generate_args
-from .backends import BACKENDS, auto_backend, built_with_metal, make_backend, resolve_auto, resolve_kv_dtype  # noqa: F401  (BACKENDS, auto_backend: public names)
+from ._devices import auto_backend
+from .backends import BACKENDS, built_with_metal, make_backend, resolve_kv_dtype  # noqa: F401  (BACKENDS: a public name)
 from .checkpoint import ModelWeights, load_weights
 from .config import ModelConfig
-from .defaults import DEFAULT_CONTEXT, DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_CHUNK, DEFAULT_PROMPT_CACHE_BYTES  # noqa: F401
+from .defaults import DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_CHUNK, DEFAULT_PROMPT_CACHE_BYTES
 from .errors import BusyError, ContextLengthError
 from .generation import GenerationChunk, GenerationResult
 from .generation_loop import Cancelled, Guarded, stream
@@ -93,7 +94,7 @@ class Model:
                  activations: str | None = None, weights_mode: str = "auto",
                  kv_block_tokens: int | None = None, kv_dtype: str | None = None):
         if backend == "auto":
-            backend, why = resolve_auto()
+            backend, why = auto_backend()
             log.info("lily_py: backend 'auto' selected %r", backend)
             if why is not None and built_with_metal():
                 # A Mac build whose GPU path is unusable: say so once, then run on the reference.

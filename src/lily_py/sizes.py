@@ -154,13 +154,14 @@ def decode_weight_bytes(cfg: ModelConfig, recipe: Recipe, cls: str | None = None
 
 
 def plan(cfg: ModelConfig, *, context_length: int, prefill_chunk: int = 4096,
-         activations: str = "bfloat16", kv_dtype: str | None = None) -> dict:
+         activations: str = "bfloat16", kv_dtype: str | None = None,
+         kv_block_tokens: int | None = None) -> dict:
     """The engine's plan (bytes of weights at 4 bits, state, scratch) for ``cfg`` with a KV cache
     of ``kv_dtype`` (None: the default, bfloat16)."""
     from . import _core
     spec = engine_spec(cfg, REAL_QUANT, context_length=context_length,
                        prefill_chunk=min(prefill_chunk, context_length), activations=activations,
-                       kv_dtype=kv_dtype)
+                       kv_dtype=kv_dtype, kv_block_tokens=kv_block_tokens)
     return dict(_core.plan_memory(spec))
 
 
@@ -174,6 +175,29 @@ def kv_bytes(cfg: ModelConfig, context_length: int, block_tokens: int = KV_BLOCK
     ``kv_dtype`` (None: the default, bfloat16)."""
     tokens = -(-context_length // block_tokens) * block_tokens
     return 2 * len(cfg.full_attention_layers) * cfg.num_key_value_heads * tokens * kv_row_bytes(cfg, kv_dtype)
+
+
+def snapshot_bytes(cfg: ModelConfig, tokens: int, *, engine: bool = True, kv_dtype: str | None = None,
+                   activations: str = "bfloat16", block_tokens: int = KV_BLOCK_TOKENS) -> dict:
+    """Bytes of a prompt-cache snapshot of a ``tokens``-long prefix (``Model.prompt_cache``):
+    ``recurrent`` (every DeltaNet layer's state and conv window) and ``kv`` (the attention layers'
+    K and V rows), and their ``total``. The engine (``engine=True``) copies every state buffer but
+    the KV pools whole (its own plan says their bytes) and the KV pools' filled blocks: whole
+    blocks of ``block_tokens``, rows of ``kv_dtype``. The reference keeps float32 arrays: the
+    DeltaNet state, the K-1 conv positions and exactly ``tokens`` float32 KV rows (the bfloat16
+    default's values, unrounded storage)."""
+    if engine:
+        p = plan(cfg, context_length=block_tokens, prefill_chunk=min(4096, block_tokens),
+                 activations=activations, kv_dtype=kv_dtype, kv_block_tokens=block_tokens)
+        recurrent = p["state_bytes"] - kv_bytes(cfg, block_tokens, block_tokens, kv_dtype)
+        kv = kv_bytes(cfg, tokens, block_tokens, kv_dtype)
+    else:
+        n_lin = cfg.num_hidden_layers - len(cfg.full_attention_layers)
+        recurrent = 4 * n_lin * (cfg.linear_num_value_heads * cfg.linear_key_head_dim
+                                 * cfg.linear_value_head_dim
+                                 + (cfg.linear_conv_kernel_dim - 1) * cfg.linear_conv_dim)
+        kv = 2 * len(cfg.full_attention_layers) * cfg.num_key_value_heads * tokens * 4 * cfg.head_dim
+    return {"recurrent": recurrent, "kv": kv, "total": recurrent + kv}
 
 
 def needs(cfg: ModelConfig, recipe: Recipe, context_length: int, prefill_chunk: int = 4096,

@@ -171,3 +171,22 @@ def test_restoring_a_short_snapshot_never_touches_a_longer_one():
     fresh.prefill(x)
     fresh.prefill(xy[len(x):])
     assert fresh.generate_text(xy + [7], max_tokens=3).tokens == r2.tokens
+
+
+@pytest.mark.parametrize("backend", ["reference", "emu"])
+def test_snapshot_sizes_are_what_sizes_says(backend):
+    """lily_py.sizes.snapshot_bytes (the README's snapshot figures for the real model) is what a
+    snapshot measures: on the engine the KV cache in whole blocks, on the reference exact rows."""
+    from lily_py import sizes
+    block = 32
+    m = lily_py.load(backend=backend, context_length=256,
+                     kv_block_tokens=block if backend == "emu" else None)
+    b = m._backend
+    for n in (5, block, block + 1):
+        m.reset()
+        m.prefill(list(range(1, n + 1)))
+        want = sizes.snapshot_bytes(m.config, n, engine=backend != "reference", block_tokens=block)
+        assert b.snapshot_nbytes(b.snapshot()) == want["total"], n
+    if backend == "emu":   # 33 tokens take two blocks, 32 one
+        assert sizes.snapshot_bytes(m.config, block + 1, block_tokens=block)["kv"] == \
+            2 * sizes.snapshot_bytes(m.config, block, block_tokens=block)["kv"]

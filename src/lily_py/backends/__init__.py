@@ -1,8 +1,11 @@
 """Model backends, side by side: ``reference`` (the NumPy model, :mod:`.reference`) and the C++
 engine on a device, ``emu`` or ``metal`` (:mod:`.engine`). All have the same interface:
-``forward(ids, all_logits=...)``, ``reset()``, ``position``, ``valid``, ``snapshot()``, ``restore()``."""
+``forward(ids, all_logits=...)``, ``reset()``, ``position``, ``valid``, ``snapshot()``, ``restore()``.
+``backend="auto"`` is resolved by ``lily_py.auto_backend()`` (the device registry, lily_py._devices),
+the one rule every command uses."""
 from __future__ import annotations
 
+from .._devices import auto_backend  # noqa: F401  (what backend="auto" picks, and why)
 from ..checkpoint import ModelWeights
 from ..config import ModelConfig
 from .spec import KV_DTYPES, KV_INT8_HEAD_DIMS, default_kv_dtype, resolve_kv_dtype  # noqa: F401
@@ -37,21 +40,6 @@ def make_backend(name: str, cfg: ModelConfig, weights: ModelWeights, *, context_
         raise ValueError(f"weights must be 'auto', 'map' or 'copy', got {weights_mode!r}")
     from .reference import ReferenceBackend
     return ReferenceBackend(cfg, weights, kv_dtype=kv_dtype)
-
-
-def auto_backend() -> str:
-    """What ``backend="auto"`` picks: "metal" where this build has the Metal device and its
-    library and every kernel's pipeline are usable on this machine (Apple silicon, family
-    apple7+); otherwise "reference". The emulator ("emu") runs the engine's kernels at ~1e6 GPU
-    threads/s, far slower than the NumPy reference on a CPU, so it is never picked automatically
-    (docs/architecture.md, engine section). ``lily_py.auto_backend()`` also says why."""
-    return resolve_auto()[0]
-
-
-def resolve_auto() -> tuple[str, str | None]:
-    """("metal" or "reference", why Metal is not usable or None), from the device registry."""
-    from .._devices import auto_backend as pick
-    return pick()
 
 
 def built_with_metal() -> bool:
