@@ -64,6 +64,15 @@ def _sampling_kwargs(a, turn: int = 0) -> dict:
                 min_p=a.min_p, seed=seed, stop=a.stop, enable_thinking=a.enable_thinking)
 
 
+def _check_sampling(a) -> None:
+    """The sampling flags checked before the model loads (a bad --temperature fails at once, not
+    after minutes of loading), by generate()'s own checks."""
+    from . import generate_args
+    generate_args.sampling_params(a.temperature, a.top_p, a.top_k, a.min_p, a.seed)
+    generate_args.max_tokens_arg(a.max_tokens)
+    generate_args.stop_strings(a.stop)
+
+
 def _load(a):
     from .model import load
     return load(a.model, backend=a.backend, context_length=a.context, revision=a.revision,
@@ -135,6 +144,7 @@ def _stream(model, prompt, a, out, turn: int = 0) -> tuple[str, str | None]:
 
 
 def cmd_generate(a) -> int:
+    _check_sampling(a)
     model = _load(a)
     if a.prompt is None:
         # A prompt piped on stdin: the newline that ends the last line is not part of it.
@@ -155,14 +165,21 @@ def cmd_generate(a) -> int:
 
 def cmd_chat(a) -> int:
     from .errors import LilyError
+    _check_sampling(a)
     model = _load(a)
     messages = [{"role": "system", "content": a.system}] if a.system else []
     print(f"lily_py chat — {model.config.summary()} [{model.backend}]. {CHAT_HELP}",
           file=sys.stderr)
+    # The ">>> " prompt only for a person at a terminal, and never into a redirected stdout:
+    # piped input gives stdout the replies alone.
+    interactive = sys.stdin.isatty()
+    prompt = ">>> " if interactive and sys.stdout.isatty() else ""
     turn = 0
     while True:
         try:
-            line = input(">>> ")
+            if interactive and not prompt:
+                print(">>> ", end="", file=sys.stderr, flush=True)
+            line = input(prompt)
         except (EOFError, KeyboardInterrupt):
             print(file=sys.stderr)
             return 0

@@ -168,13 +168,13 @@ def test_chat_with_a_seed_gives_each_turn_its_own_seed():
     args = ("--seed", "5", "--temperature", "1.5", "--max-tokens", "12", "--no-thinking")
     p = _chat("In the beginning\n/reset\nIn the beginning\n/exit\n", *args)
     assert p.returncode == 0, p.stderr
-    replies = [l for l in p.stdout.split(">>> ") if l.strip()]
-    assert len(replies) == 2 and replies[0] != replies[1]
-    # the first turn is exactly what the API gives with the seed itself
+    # turn N has the seed 5 + N (after /reset too): the API's replies with those seeds, one per line
     m = lily_py.load(backend="reference")
-    r = m.generate_text([{"role": "user", "content": "In the beginning"}], seed=5,
-                        temperature=1.5, max_tokens=12, enable_thinking=False)
-    assert replies[0].strip() == r.text.strip()
+    msgs = [{"role": "user", "content": "In the beginning"}]
+    r = [m.generate_text(msgs, seed=5 + n, temperature=1.5, max_tokens=12, enable_thinking=False)
+         for n in (0, 1)]
+    assert r[0].text != r[1].text
+    assert p.stdout == r[0].text + "\n" + r[1].text + "\n"
 
 
 def _start(args):
