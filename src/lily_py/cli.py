@@ -73,6 +73,39 @@ def _check_sampling(a) -> None:
     generate_args.stop_strings(a.stop)
 
 
+def _utf8(text: str, where: str) -> str:
+    """``text`` from the command line or stdin, or a ValueError naming the first byte that is not
+    UTF-8. Python keeps such bytes as lone surrogates (surrogateescape); the tokenizer would
+    refuse them with "TextInputSequence must be str"."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        pass
+    try:
+        raw = text.encode("utf-8", "surrogateescape")      # the bytes as they arrived
+    except UnicodeEncodeError:                              # a surrogate no byte made
+        from .tokenizer import check_text
+        check_text(text, where)
+        raise
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{where} is not valid UTF-8 at byte {e.start} (0x{raw[e.start]:02x}); "
+                         "lily-py reads text as UTF-8") from None
+    return text
+
+
+def _stdin_keeps_bad_bytes() -> None:
+    """Read stdin as UTF-8 that keeps undecodable bytes (surrogateescape), so that _utf8 can say
+    where they are instead of the decoder failing mid-read."""
+    try:
+        if sys.stdin.encoding.lower().replace("-", "") == "utf8":
+            sys.stdin.reconfigure(errors="surrogateescape")
+    except (AttributeError, ValueError):     # not a text stream we can reconfigure (a test's StringIO)
+        pass
+
+
 def _load(a):
     from .model import load
     return load(a.model, backend=a.backend, context_length=a.context, revision=a.revision,
@@ -145,12 +178,17 @@ def _stream(model, prompt, a, out, turn: int = 0) -> tuple[str, str | None]:
 
 def cmd_generate(a) -> int:
     _check_sampling(a)
-    model = _load(a)
     if a.prompt is None:
         # A prompt piped on stdin: the newline that ends the last line is not part of it.
-        a.prompt = sys.stdin.read()
+        _stdin_keeps_bad_bytes()
+        a.prompt = _utf8(sys.stdin.read(), "the prompt on stdin")
         if a.prompt.endswith("\n"):
             a.prompt = a.prompt[:-2] if a.prompt.endswith("\r\n") else a.prompt[:-1]
+    else:
+        _utf8(a.prompt, "--prompt")
+    if a.system is not None:
+        _utf8(a.system, "--system")
+    model = _load(a)
     prompt = a.prompt if a.raw else [{"role": "user", "content": a.prompt}]
     if a.system and not a.raw:
         prompt.insert(0, {"role": "system", "content": a.system})
@@ -166,6 +204,9 @@ def cmd_generate(a) -> int:
 def cmd_chat(a) -> int:
     from .errors import LilyError
     _check_sampling(a)
+    if a.system is not None:
+        _utf8(a.system, "--system")
+    _stdin_keeps_bad_bytes()
     model = _load(a)
     messages = [{"role": "system", "content": a.system}] if a.system else []
     print(f"lily_py chat — {model.config.summary()} [{model.backend}]. {CHAT_HELP}",
@@ -174,15 +215,20 @@ def cmd_chat(a) -> int:
     # piped input gives stdout the replies alone.
     interactive = sys.stdin.isatty()
     prompt = ">>> " if interactive and sys.stdout.isatty() else ""
-    turn = 0
+    turn = n_line = 0
     while True:
         try:
             if interactive and not prompt:
                 print(">>> ", end="", file=sys.stderr, flush=True)
             line = input(prompt)
+            n_line += 1
+            _utf8(line, f"input line {n_line}")
         except (EOFError, KeyboardInterrupt):
             print(file=sys.stderr)
             return 0
+        except ValueError as e:         # not UTF-8: say where, keep the session
+            print(f"lily-py: error: {e}", file=sys.stderr)
+            continue
         if not line.strip():
             continue
         cmd = line.strip()

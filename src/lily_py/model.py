@@ -31,6 +31,7 @@ from .parsing import OutputParser, prompt_opens_reasoning
 from .progress import ProgressCallback  # noqa: F401  (annotations)
 from .prompt_cache import PromptCache
 from .prompts import chat_prompt
+from .tokenizer import check_text
 
 log = logging.getLogger("lily_py")
 
@@ -386,6 +387,7 @@ class Model:
         text = None
         if isinstance(prompt, str):
             text = prompt
+            check_text(prompt, "the prompt")
             ids = self._require_tokenizer().encode(prompt)
         elif isinstance(prompt, (list, tuple)) and prompt and not isinstance(
                 prompt[0], (int, float, np.number, list, tuple, np.ndarray)):

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 
+from .tokenizer import check_text
+
 # A system prompt / tool list at least this long gets its own prompt-cache snapshot.
 SYSTEM_SNAPSHOT_MIN_TOKENS = 128
 ROLES = ("system", "user", "assistant", "tool")
@@ -80,6 +82,13 @@ def check_messages(messages) -> None:
         if content is not None and not isinstance(content, (str, list, tuple)):
             raise TypeError(f"messages[{i}]['content'] must be a string or a list of content "
                             f"parts, got {type(content).__name__}")
+        if isinstance(content, str):
+            check_text(content, f"messages[{i}]['content']")
+        elif content is not None:
+            for j, part in enumerate(content):
+                t = part.get("text") if isinstance(part, dict) else None
+                if isinstance(t, str):
+                    check_text(t, f"messages[{i}]['content'][{j}]['text']")
 
 
 def json_tool_arguments(messages):
