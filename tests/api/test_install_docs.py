@@ -1,6 +1,6 @@
 """What the docs say about installing is true: commands that exist (lily-py is not on PyPI: extras
 install from a clone, ".[serve]"), the build's needs and time stated, and package metadata that
-describes what the package is."""
+describes what the package is (the Metal path is built, not yet run on a Mac)."""
 from __future__ import annotations
 
 import glob
@@ -35,3 +35,23 @@ def test_the_build_states_its_needs_and_its_time():
         assert s in first, s
     contributing = open(os.path.join(ROOT, "CONTRIBUTING.md"), encoding="utf-8").read()
     assert "about 1 minute" not in contributing and "pip install -v" in contributing
+
+
+def _project_field(name: str) -> str:
+    text = open(os.path.join(ROOT, "pyproject.toml"), encoding="utf-8").read()
+    project = text.split("[project]", 1)[1]
+    m = re.search(rf"^{name} = (\[[^\]]*\n\]|[^\n]*)$", project, re.M)
+    assert m, name
+    return m[1]
+
+
+def test_package_metadata():
+    desc = _project_field("description")
+    assert "not yet run" in desc and "Qwen3.6-35B-A3B" in desc
+    classifiers = re.findall(r'"([^"]+)"', _project_field("classifiers"))
+    assert "License :: OSI Approved :: Apache Software License" in classifiers
+    assert any(c.startswith("Development Status ::") for c in classifiers)
+    assert _project_field("license") == '{ text = "Apache-2.0" }'
+    text = open(os.path.join(ROOT, "pyproject.toml"), encoding="utf-8").read()
+    urls = text.split("[project.urls]", 1)[1].split("\n[", 1)[0]
+    assert re.search(r'^Homepage = "https://', urls, re.M) and re.search(r'^Issues = "https://', urls, re.M)
