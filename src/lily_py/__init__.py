@@ -10,22 +10,24 @@ from .config import ModelConfig
 from .errors import (BackendError, BusyError, CheckpointError, ConfigError, ContextLengthError,
                      DeviceMemoryError, LilyError)
 from .generation import GenerationChunk, GenerationStats, TokenLogprob
-from .model import DEFAULT_CONTEXT, DEFAULT_MAX_TOKENS, GenerationResult, Model, load
+from .defaults import DEFAULT_MAX_TOKENS, DEFAULT_PROMPT_CACHE_BYTES
+from .generation import GenerationResult
+from .model import Model, load
 from .parsing import ToolCall, ToolCallError
-from .prompt_cache import DEFAULT_PROMPT_CACHE_BYTES, PromptCache
+from .prompt_cache import PromptCache
 from .resources import demo_path
 from .chat_template import ChatTemplateError
 from .sampling import SamplingParams
 from .tools.doctor import doctor
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 __all__ = [
     "load", "Model", "ModelConfig", "GenerationChunk", "GenerationStats", "GenerationResult", "TokenLogprob",
     "SamplingParams", "demo_path", "LilyError", "ConfigError", "CheckpointError",
     "ContextLengthError", "BackendError", "BusyError", "ChatTemplateError", "doctor", "__version__",
     "DeviceMemoryError", "DeviceStatus", "devices", "device_info", "pipeline_limits", "auto_backend",
-    "ToolCall", "ToolCallError", "PromptCache", "DEFAULT_CONTEXT", "DEFAULT_MAX_TOKENS",
+    "ToolCall", "ToolCallError", "PromptCache", "DEFAULT_MAX_TOKENS",
     "DEFAULT_PROMPT_CACHE_BYTES",
 ]
 

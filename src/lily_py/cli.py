@@ -1,7 +1,8 @@
 """Command line: ``lily-py generate``, ``chat``, ``info``, ``serve``, ``doctor``, ``bench``, ``align``.
 
 Without ``--model`` every command uses the small demo checkpoint shipped with lily_py, so
-``lily-py generate --prompt "..."`` works on a fresh machine with no download.
+``lily-py generate --prompt "..."`` works on a fresh machine with no download. ``parser()`` builds
+the whole command line (README.md's CLI reference is generated from it: tools/api_reference.py).
 """
 from __future__ import annotations
 
@@ -10,10 +11,9 @@ import signal
 import sys
 import time
 
-from . import __version__
+from ._version import __version__
+from .defaults import DEFAULT_MAX_TOKENS  # imports nothing heavy
 
-DEFAULT_MAX_TOKENS = 256          # = lily_py.model.DEFAULT_MAX_TOKENS (no heavy import here)
-DEFAULT_CONTEXT = 32768           # = lily_py.model.DEFAULT_CONTEXT
 CHAT_HELP = ("Commands: /reset (clear the conversation), /quit or /exit (leave), /help. "
              "Ctrl-C stops a reply; Ctrl-D leaves.")
 
@@ -62,6 +62,48 @@ def _sampling_kwargs(a, turn: int = 0) -> dict:
     seed = None if a.seed is None else (a.seed + turn) % (1 << 63)
     return dict(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
                 min_p=a.min_p, seed=seed, stop=a.stop, enable_thinking=a.enable_thinking)
+
+
+def _check_sampling(a) -> None:
+    """The sampling flags checked before the model loads (a bad --temperature fails at once, not
+    after minutes of loading), by generate()'s own checks."""
+    from . import generate_args
+    generate_args.sampling_params(a.temperature, a.top_p, a.top_k, a.min_p, a.seed)
+    generate_args.max_tokens_arg(a.max_tokens)
+    generate_args.stop_strings(a.stop)
+
+
+def _utf8(text: str, where: str) -> str:
+    """``text`` from the command line or stdin, or a ValueError naming the first byte that is not
+    UTF-8. Python keeps such bytes as lone surrogates (surrogateescape); the tokenizer would
+    refuse them with "TextInputSequence must be str"."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        pass
+    try:
+        raw = text.encode("utf-8", "surrogateescape")      # the bytes as they arrived
+    except UnicodeEncodeError:                              # a surrogate no byte made
+        from .tokenizer import check_text
+        check_text(text, where)
+        raise
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{where} is not valid UTF-8 at byte {e.start} (0x{raw[e.start]:02x}); "
+                         "lily-py reads text as UTF-8") from None
+    return text
+
+
+def _stdin_keeps_bad_bytes() -> None:
+    """Read stdin as UTF-8 that keeps undecodable bytes (surrogateescape), so that _utf8 can say
+    where they are instead of the decoder failing mid-read."""
+    try:
+        if sys.stdin.encoding.lower().replace("-", "") == "utf8":
+            sys.stdin.reconfigure(errors="surrogateescape")
+    except (AttributeError, ValueError):     # not a text stream we can reconfigure (a test's StringIO)
+        pass
 
 
 def _load(a):
@@ -135,12 +177,18 @@ def _stream(model, prompt, a, out, turn: int = 0) -> tuple[str, str | None]:
 
 
 def cmd_generate(a) -> int:
-    model = _load(a)
+    _check_sampling(a)
     if a.prompt is None:
         # A prompt piped on stdin: the newline that ends the last line is not part of it.
-        a.prompt = sys.stdin.read()
+        _stdin_keeps_bad_bytes()
+        a.prompt = _utf8(sys.stdin.read(), "the prompt on stdin")
         if a.prompt.endswith("\n"):
             a.prompt = a.prompt[:-2] if a.prompt.endswith("\r\n") else a.prompt[:-1]
+    else:
+        _utf8(a.prompt, "--prompt")
+    if a.system is not None:
+        _utf8(a.system, "--system")
+    model = _load(a)
     prompt = a.prompt if a.raw else [{"role": "user", "content": a.prompt}]
     if a.system and not a.raw:
         prompt.insert(0, {"role": "system", "content": a.system})
@@ -155,17 +203,32 @@ def cmd_generate(a) -> int:
 
 def cmd_chat(a) -> int:
     from .errors import LilyError
+    _check_sampling(a)
+    if a.system is not None:
+        _utf8(a.system, "--system")
+    _stdin_keeps_bad_bytes()
     model = _load(a)
     messages = [{"role": "system", "content": a.system}] if a.system else []
     print(f"lily_py chat — {model.config.summary()} [{model.backend}]. {CHAT_HELP}",
           file=sys.stderr)
-    turn = 0
+    # The ">>> " prompt only for a person at a terminal, and never into a redirected stdout:
+    # piped input gives stdout the replies alone.
+    interactive = sys.stdin.isatty()
+    prompt = ">>> " if interactive and sys.stdout.isatty() else ""
+    turn = n_line = 0
     while True:
         try:
-            line = input(">>> ")
+            if interactive and not prompt:
+                print(">>> ", end="", file=sys.stderr, flush=True)
+            line = input(prompt)
+            n_line += 1
+            _utf8(line, f"input line {n_line}")
         except (EOFError, KeyboardInterrupt):
             print(file=sys.stderr)
             return 0
+        except ValueError as e:         # not UTF-8: say where, keep the session
+            print(f"lily-py: error: {e}", file=sys.stderr)
+            continue
         if not line.strip():
             continue
         cmd = line.strip()
@@ -228,7 +291,8 @@ def cmd_info(a) -> int:
         print("memory: unquantized; the engine runs MLX affine-quantized checkpoints (backend='reference' "
               "runs this one)")
     else:
-        ctx = min(a.context or DEFAULT_CONTEXT, cfg.max_position_embeddings)
+        # load()'s default context: the model's whole context (the KV cache grows to it in blocks)
+        ctx = min(a.context or cfg.max_position_embeddings, cfg.max_position_embeddings)
         ws, dev = None, ""
         try:
             import lily_py
@@ -279,9 +343,13 @@ def _add_tool_commands(sub) -> None:
     add_arguments(b)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="lily-py", description=__doc__.splitlines()[0],
-                                 formatter_class=_Formatter)
+DESCRIPTION = ("Fast local inference for Qwen3.6-35B-A3B. Without --model, every command uses "
+               "the small demo checkpoint bundled with lily_py.")
+
+
+def parser() -> argparse.ArgumentParser:
+    """The whole command line: every subcommand and its flags."""
+    ap = argparse.ArgumentParser(prog="lily-py", description=DESCRIPTION, formatter_class=_Formatter)
     ap.add_argument("--version", action="version", version=f"lily_py {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
@@ -307,7 +375,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="checkpoint folder or hub id (default: --model, else the bundled demo)")
     i.add_argument("--model", "-m", default=None)
     i.add_argument("--context", type=int, default=None,
-                   help=f"context length the memory line is for (default: {DEFAULT_CONTEXT})")
+                   help="context length the memory line is for (default: the model's "
+                        "max_position_embeddings, load()'s default: the memory of a full context)")
     i.add_argument("--kv-dtype", choices=["bfloat16", "int8", "float32"], default=None,
                    help="KV cache element type the memory lines count (default bfloat16)")
     i.set_defaults(func=cmd_info)
@@ -315,8 +384,11 @@ def main(argv: list[str] | None = None) -> int:
     from .serve.cli import add_parser as add_serve_parser
     add_serve_parser(sub, _add_model_args)
     _add_tool_commands(sub)
+    return ap
 
-    a = ap.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
     from .errors import LilyError
     try:
         return a.func(a)

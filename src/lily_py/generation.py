@@ -1,4 +1,6 @@
-"""Streaming generation objects: what ``Model.generate`` yields, and stop-string matching."""
+"""Generation objects: what ``Model.generate`` yields (``GenerationChunk``, with
+``GenerationStats`` on the last), what ``Model.generate_text`` returns (``GenerationResult``), and
+stop-string matching."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -72,6 +74,7 @@ class GenerationChunk:
     raw: str = ""
     logprobs: TokenLogprob | None = None
     error: str = ""             # finish_reason "error": why (a constraint that admits no token)
+    logprobs: list[TokenLogprob] | None = None
 
 
 class StopMatcher:
@@ -107,3 +110,24 @@ class StopMatcher:
     def flush(self) -> str:
         out, self.pending = self.pending, ""
         return out
+
+
+@dataclass
+class GenerationResult:
+    """What ``Model.generate_text`` returns: the answer ``text`` (without reasoning and tool
+    calls when the output is parsed), the sampled ``tokens``, ``finish_reason``, ``stats``, the
+    ``reasoning``, the parsed ``tool_calls`` and malformed ones (``tool_call_errors``), and
+    ``raw_text``, the model's whole text before parsing (stop strings removed). A constraint
+    that reaches a dead end ends with ``finish_reason`` "error" and the reason in ``error``.
+    ``logprobs`` (``generate_text(..., logprobs=True)``): one ``TokenLogprob`` per token of
+    ``tokens``, in order; None when logprobs were not asked for."""
+    text: str
+    tokens: list[int]
+    finish_reason: str
+    stats: GenerationStats
+    reasoning: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    tool_call_errors: list[ToolCallError] = field(default_factory=list)
+    raw_text: str = ""
+    error: str = ""             # finish_reason "error": why (a constraint that admits no token)
+    logprobs: list[TokenLogprob] | None = None

@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-DEFAULT_PROMPT_CACHE_BYTES = 1 << 30
+from .defaults import DEFAULT_PROMPT_CACHE_BYTES
 
 
 @dataclass

@@ -20,6 +20,8 @@ go to the lowest token id.
 """
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 import numpy as np
@@ -182,6 +184,23 @@ def inverse_temperature(temperature: float) -> np.float32:
         return np.float32(1.0 / float(temperature))
 
 
+def real_param(name: str, value) -> float:
+    """``value`` as a float: TypeError unless a real number (a string or a bool is not one),
+    ValueError unless finite."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    if not math.isfinite(float(value)):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def int_param(name: str, value) -> int:
+    """``value`` as an int: TypeError unless an integer (a bool, a float or a string is not one)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+    return int(value)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0     # 0 = greedy
@@ -191,17 +210,20 @@ class SamplingParams:
     seed: int | None = None      # None = a random seed drawn once per generation
 
     def __post_init__(self):
-        if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not (isinstance(self.top_k, (int, np.integer)) and not isinstance(self.top_k, bool)
-                and self.top_k >= 0):
+        # A wrong type raises TypeError naming the parameter; a value out of range, ValueError.
+        temperature = real_param("temperature", self.temperature)
+        top_k = int_param("top_k", self.top_k)
+        top_p = real_param("top_p", self.top_p)
+        min_p = real_param("min_p", self.min_p)
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+        if top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+        if not 0 < top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not (isinstance(self.min_p, (int, float)) and 0 <= self.min_p <= 1):
+        if not 0 <= min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and not (isinstance(self.seed, (int, np.integer))
-                                          and not isinstance(self.seed, bool) and self.seed >= 0):
+        if self.seed is not None and int_param("seed", self.seed) < 0:
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
 
     @property

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from .backends.spec import REAL_QUANT, engine_spec, kv_row_bytes
 from .config import ModelConfig
 
 GiB = 1 << 30
@@ -110,11 +111,10 @@ def recipes(cfg: ModelConfig) -> dict[str, Recipe]:
 
 
 def engine_quant(cfg: ModelConfig, recipe_name: str) -> dict:
-    """The engine's quantization (``lily_py.backends.engine.engine_spec``'s ``quant``) of a recipe of
+    """The engine's quantization (``lily_py.backends.spec.engine_spec``'s ``quant``) of a recipe of
     :func:`recipes`, for the counting device: uniform widths keep the router and shared-expert gate
     at 8 bits; ``mixed_3_4`` puts v_proj, the routed and shared down projections of mlx-lm's "more
     bits" layers and lm_head at 4 bits as :func:`mixed` does (``quant_overrides``)."""
-    from .backends.engine import REAL_QUANT
     gs = REAL_QUANT["mixer"]["group_size"]
     if recipe_name.startswith("mixed"):
         low, high = 3, 4
@@ -154,14 +154,14 @@ def decode_weight_bytes(cfg: ModelConfig, recipe: Recipe, cls: str | None = None
 
 
 def plan(cfg: ModelConfig, *, context_length: int, prefill_chunk: int = 4096,
-         activations: str = "bfloat16", kv_dtype: str | None = None) -> dict:
+         activations: str = "bfloat16", kv_dtype: str | None = None,
+         kv_block_tokens: int | None = None) -> dict:
     """The engine's plan (bytes of weights at 4 bits, state, scratch) for ``cfg`` with a KV cache
     of ``kv_dtype`` (None: the default, bfloat16)."""
     from . import _core
-    from .backends.engine import REAL_QUANT, engine_spec
     spec = engine_spec(cfg, REAL_QUANT, context_length=context_length,
                        prefill_chunk=min(prefill_chunk, context_length), activations=activations,
-                       kv_dtype=kv_dtype)
+                       kv_dtype=kv_dtype, kv_block_tokens=kv_block_tokens)
     return dict(_core.plan_memory(spec))
 
 
@@ -173,9 +173,31 @@ def kv_bytes(cfg: ModelConfig, context_length: int, block_tokens: int = KV_BLOCK
     """K and V of every attention layer for ``context_length`` tokens, in whole blocks of
     ``block_tokens`` (what the engine's pools hold once the context is full); rows of
     ``kv_dtype`` (None: the default, bfloat16)."""
-    from .backends.engine import kv_row_bytes
     tokens = -(-context_length // block_tokens) * block_tokens
     return 2 * len(cfg.full_attention_layers) * cfg.num_key_value_heads * tokens * kv_row_bytes(cfg, kv_dtype)
+
+
+def snapshot_bytes(cfg: ModelConfig, tokens: int, *, engine: bool = True, kv_dtype: str | None = None,
+                   activations: str = "bfloat16", block_tokens: int = KV_BLOCK_TOKENS) -> dict:
+    """Bytes of a prompt-cache snapshot of a ``tokens``-long prefix (``Model.prompt_cache``):
+    ``recurrent`` (every DeltaNet layer's state and conv window) and ``kv`` (the attention layers'
+    K and V rows), and their ``total``. The engine (``engine=True``) copies every state buffer but
+    the KV pools whole (its own plan says their bytes) and the KV pools' filled blocks: whole
+    blocks of ``block_tokens``, rows of ``kv_dtype``. The reference keeps float32 arrays: the
+    DeltaNet state, the K-1 conv positions and exactly ``tokens`` float32 KV rows (the bfloat16
+    default's values, unrounded storage)."""
+    if engine:
+        p = plan(cfg, context_length=block_tokens, prefill_chunk=min(4096, block_tokens),
+                 activations=activations, kv_dtype=kv_dtype, kv_block_tokens=block_tokens)
+        recurrent = p["state_bytes"] - kv_bytes(cfg, block_tokens, block_tokens, kv_dtype)
+        kv = kv_bytes(cfg, tokens, block_tokens, kv_dtype)
+    else:
+        n_lin = cfg.num_hidden_layers - len(cfg.full_attention_layers)
+        recurrent = 4 * n_lin * (cfg.linear_num_value_heads * cfg.linear_key_head_dim
+                                 * cfg.linear_value_head_dim
+                                 + (cfg.linear_conv_kernel_dim - 1) * cfg.linear_conv_dim)
+        kv = 2 * len(cfg.full_attention_layers) * cfg.num_key_value_heads * tokens * 4 * cfg.head_dim
+    return {"recurrent": recurrent, "kv": kv, "total": recurrent + kv}
 
 
 def needs(cfg: ModelConfig, recipe: Recipe, context_length: int, prefill_chunk: int = 4096,

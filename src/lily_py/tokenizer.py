@@ -77,6 +77,21 @@ def _token_content(value: Any, *, where: str) -> str | None:
     raise ValueError(f"{where}: expected a token string or {{'content': str, ...}}, got {value!r}")
 
 
+def check_text(text: str, what: str = "the text") -> None:
+    """ValueError saying where ``text`` is not valid Unicode: a lone surrogate, which no UTF-8
+    encodes (the tokenizer would refuse it with "TextInputSequence must be str"). Python makes one
+    of every byte it could not decode with ``surrogateescape`` (command-line arguments, pipes),
+    U+DC80..U+DCFF for bytes 0x80..0xFF: the message names that byte."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        c = ord(text[e.start])
+        byte = f" (the byte 0x{c - 0xDC00:02x}, not valid UTF-8, as Python keeps it)" \
+            if 0xDC80 <= c <= 0xDCFF else ""
+        raise ValueError(f"{what} contains a lone surrogate U+{c:04X} at index {e.start}{byte}; "
+                         "text must be valid Unicode") from None
+
+
 class Tokenizer:
     """Text <-> token ids for one checkpoint, plus its chat template.
 
@@ -206,6 +221,7 @@ class Tokenizer:
         """Token ids of ``text``; special tokens written in the text (``<|im_start|>``) become their ids."""
         if not isinstance(text, str):
             raise TypeError(f"encode() expects a str, got {type(text).__name__}")
+        check_text(text, "the text to encode")
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = False) -> str:

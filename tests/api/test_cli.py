@@ -2,6 +2,8 @@
 import subprocess
 import sys
 
+import pytest
+
 import lily_py
 from lily_py.cli import main
 
@@ -44,9 +46,23 @@ def test_chat_session_over_stdin(chat_ckpt):
                        input="Hello\nAgain\n/reset\nThird\n/exit\n", capture_output=True,
                        text=True, timeout=300)
     assert p.returncode == 0, p.stderr
-    assert p.stdout.count(">>> ") == 5
+    # piped: no ">>> " prompts anywhere; stdout carries the three replies alone
+    assert ">>>" not in p.stdout and ">>>" not in p.stderr and p.stdout.count("\n") == 3
     assert "(conversation cleared)" in p.stderr
     # turn 2 reused the state of turn 1
     stats = [l for l in p.stderr.splitlines() if l.startswith("[")]
     assert len(stats) == 3 and "(0 reused" in stats[0] and "(0 reused" not in stats[1]
     assert "(0 reused" in stats[2]
+
+
+@pytest.mark.parametrize("flags, msg", [
+    (["--temperature", "-1"], "temperature must be >= 0"), (["--top-p", "0"], "top_p must be in"),
+    (["--max-tokens", "0"], "max_tokens must be a positive integer"),
+    (["--seed", "-3"], "seed must be a non-negative integer")])
+@pytest.mark.parametrize("cmd", ["generate", "chat"])
+def test_sampling_flags_are_checked_before_the_model_loads(monkeypatch, capsys, cmd, flags, msg):
+    import lily_py.model
+    monkeypatch.setattr(lily_py.model, "load", lambda *a, **k: pytest.fail("loaded before checking"))
+    assert main([cmd, "-p", "x", *flags] if cmd == "generate" else [cmd, *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("lily-py: error:") and msg in err

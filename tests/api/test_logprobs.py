@@ -81,3 +81,19 @@ def test_logprobs_off_and_zero_top(demo):
 def test_bad_logprob_arguments(demo, kw, exc, msg):
     with pytest.raises(exc, match=msg):
         demo.generate(PROMPT, max_tokens=2, **kw)
+
+
+@pytest.mark.parametrize("backend", ["reference", "emu"])
+def test_generate_text_carries_the_logprobs(backend):
+    """generate_text(logprobs=True) keeps what the chunks carry: one TokenLogprob per token, in
+    order, equal to the streamed ones; without logprobs the field is None."""
+    m = _load(backend)
+    kw = dict(max_tokens=4, temperature=0.9, top_k=10, seed=11)
+    streamed = [c.logprobs for c in m.generate(PROMPT, logprobs=True, top_logprobs=3, **kw)
+                if c.token is not None]
+    r = m.generate_text(PROMPT, logprobs=True, top_logprobs=3, **kw)
+    assert r.logprobs is not None and len(r.logprobs) == len(r.tokens) == len(streamed)
+    assert [lp.token for lp in r.logprobs] == r.tokens
+    assert [(lp.logprob, lp.top) for lp in r.logprobs] == [(lp.logprob, lp.top) for lp in streamed]
+    assert all(len(lp.top) == 3 and lp.logprob <= 0 for lp in r.logprobs)
+    assert m.generate_text(PROMPT, **kw).logprobs is None

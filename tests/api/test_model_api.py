@@ -219,12 +219,15 @@ def test_backends(ckpt):
 def test_auto_picks_metal_only_where_a_capable_gpu_exists(monkeypatch):
     import types
     import lily_py._core as core
-    from lily_py.model import auto_backend
-    assert auto_backend() == ("metal" if core.registry.check_usable("metal") == "" else "reference")
+    import lily_py.backends
+    import lily_py.model
+    # one function, one answer: (the pick, why Metal is not usable or None), wherever it is imported
+    assert lily_py.auto_backend is lily_py.backends.auto_backend is lily_py.model.auto_backend
+    usable = core.registry.check_usable("metal") == ""
+    assert lily_py.auto_backend() == (("metal", None) if usable else ("reference", core.registry.check_usable("metal")))
     # The device registry decides (device, library and every pipeline usable: "" = no reason).
     monkeypatch.setattr(core, "registry", types.SimpleNamespace(check_usable=lambda name: ""))
-    assert auto_backend() == "metal"
+    assert lily_py.auto_backend() == ("metal", None)
     monkeypatch.setattr(core, "registry", types.SimpleNamespace(
         check_usable=lambda name: "Metal library: cannot load lily.metallib"))
-    assert auto_backend() == "reference"
     assert lily_py.auto_backend() == ("reference", "Metal library: cannot load lily.metallib")

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import lily_py
+import lily_py.generation_loop
 from lily_py.parsing import OutputParser, ToolCall, ToolCallError, parse_tool_call, \
     prompt_opens_reasoning
 
@@ -180,7 +181,7 @@ def test_value_conversion_by_schema():
 def scripted(monkeypatch, tokens):
     """Make the sampler return ``tokens`` in order (the reference backend samples on the host)."""
     it = iter(tokens)
-    monkeypatch.setattr(lily_py.model, "sample", lambda *a, **k: next(it))
+    monkeypatch.setattr(lily_py.generation_loop, "sample", lambda *a, **k: next(it))
 
 
 class NullBackend:

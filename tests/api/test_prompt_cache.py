@@ -5,7 +5,9 @@ import numpy as np
 import pytest
 
 import lily_py
+import lily_py.prompts
 from lily_py import PromptCache
+from lily_py.prompts import system_end
 
 SYSTEM = ("You are a careful assistant for the King James Bible. Answer in one short verse, "
           "quote the book and the chapter, and never invent a verse that is not there. ") * 3
@@ -73,8 +75,8 @@ def head_len(model, msgs):
 def test_switching_conversations_and_shared_system_prompt():
     m = lily_py.load(backend="reference")
     kw = dict(max_tokens=4, enable_thinking=False)
-    sys_end = m._system_end(conv("x"), m.prompt_ids(conv("x")), None)
-    assert sys_end >= lily_py.model.SYSTEM_SNAPSHOT_MIN_TOKENS
+    sys_end = system_end(m.tokenizer, conv("x"), m.prompt_ids(conv("x")), None)
+    assert sys_end >= lily_py.prompts.SYSTEM_SNAPSHOT_MIN_TOKENS
     a1 = m.generate_text(conv("In the beginning"), **kw)
     assert a1.stats.reused_tokens == 0 and len(m.prompt_cache) == 2   # system end + prompt end
     # another conversation with the same system prompt: only its own part is prefilled
@@ -123,7 +125,7 @@ def state_bytes(model):
 @pytest.mark.parametrize("backend", ["reference", "emu"])
 def test_state_after_a_hit_is_bit_identical(backend, monkeypatch):
     # a short system prompt (the emulator is slow) that still gets its own snapshot
-    monkeypatch.setattr(lily_py.model, "SYSTEM_SNAPSHOT_MIN_TOKENS", 8)
+    monkeypatch.setattr(lily_py.prompts, "SYSTEM_SNAPSHOT_MIN_TOKENS", 8)
     kw = dict(max_tokens=3, enable_thinking=False)
     m = lily_py.load(backend=backend, context_length=256)
     a1 = conv("In the beginning", system="Answer in one verse of the Bible.")
@@ -131,7 +133,7 @@ def test_state_after_a_hit_is_bit_identical(backend, monkeypatch):
     m.generate_text(conv("And God said", system=a1[0]["content"]), **kw)   # live state elsewhere
     a2 = conv("In the beginning", "God created", "Go on", system=a1[0]["content"])
     ids = m.prompt_ids(a2, enable_thinking=False)
-    sys_end, b1, b2 = m._system_end(a2, ids, None), head_len(m, a1), head_len(m, a2)
+    sys_end, b1, b2 = system_end(m.tokenizer, a2, ids, None), head_len(m, a1), head_len(m, a2)
     assert 8 <= sys_end < b1 < b2 < len(ids) and ids[:sys_end] in m.prompt_cache
     entry = m.prompt_cache.lookup(ids, count=False)
     assert len(entry.tokens) == b1
@@ -169,3 +171,22 @@ def test_restoring_a_short_snapshot_never_touches_a_longer_one():
     fresh.prefill(x)
     fresh.prefill(xy[len(x):])
     assert fresh.generate_text(xy + [7], max_tokens=3).tokens == r2.tokens
+
+
+@pytest.mark.parametrize("backend", ["reference", "emu"])
+def test_snapshot_sizes_are_what_sizes_says(backend):
+    """lily_py.sizes.snapshot_bytes (the README's snapshot figures for the real model) is what a
+    snapshot measures: on the engine the KV cache in whole blocks, on the reference exact rows."""
+    from lily_py import sizes
+    block = 32
+    m = lily_py.load(backend=backend, context_length=256,
+                     kv_block_tokens=block if backend == "emu" else None)
+    b = m._backend
+    for n in (5, block, block + 1):
+        m.reset()
+        m.prefill(list(range(1, n + 1)))
+        want = sizes.snapshot_bytes(m.config, n, engine=backend != "reference", block_tokens=block)
+        assert b.snapshot_nbytes(b.snapshot()) == want["total"], n
+    if backend == "emu":   # 33 tokens take two blocks, 32 one
+        assert sizes.snapshot_bytes(m.config, block + 1, block_tokens=block)["kv"] == \
+            2 * sizes.snapshot_bytes(m.config, block, block_tokens=block)["kv"]

@@ -25,12 +25,30 @@ def demo():
     (dict(top_p="1"), TypeError, "top_p must be a number"),
     (dict(stop=123), TypeError, "stop must be a string or a list of strings, got 123"),
     (dict(stop=["a", 1]), TypeError, "stop must be a string or a list of strings"),
-    (dict(max_tokens=True), ValueError, "max_tokens must be a positive integer"),
+    # a wrong type is a TypeError naming the parameter, a bad value a ValueError, for every one
+    (dict(max_tokens=True), TypeError, "max_tokens must be an integer, got True"),
+    (dict(max_tokens=0), ValueError, "max_tokens must be a positive integer"),
+    (dict(seed="abc"), TypeError, "seed must be an integer, got 'abc'"),
+    (dict(seed=-1), ValueError, "seed must be a non-negative integer"),
+    (dict(top_k="3"), TypeError, "top_k must be an integer"),
+    (dict(top_k=-1), ValueError, "top_k must be an integer >= 0"),
+    (dict(temperature=-0.5), ValueError, "temperature must be >= 0"),
+    (dict(min_p=2), ValueError, r"min_p must be in \[0, 1\]"),
+    (dict(logprobs=True, top_logprobs="2"), TypeError, "top_logprobs must be an integer"),
+    (dict(logprobs=True, top_logprobs=99), ValueError, "top_logprobs must be an integer in"),
 ])
 def test_bad_sampling_arguments_are_refused_clearly(demo, kw, exc, msg):
     with pytest.raises(exc, match=msg):
         demo.generate("In the beginning", **kw)
     assert demo.generate_text("In", max_tokens=1).tokens      # still usable
+
+
+@pytest.mark.parametrize("kw, exc", [(dict(seed="abc"), TypeError), (dict(temperature="0.7"), TypeError),
+                                     (dict(top_k=1.5), TypeError), (dict(seed=-1), ValueError),
+                                     (dict(top_p=0), ValueError)])
+def test_sampling_params_follow_the_same_rule(kw, exc):
+    with pytest.raises(exc, match=next(iter(kw))):
+        lily_py.SamplingParams(**kw)
 
 
 @pytest.mark.parametrize("msgs, exc, msg", [
@@ -116,7 +134,6 @@ def test_max_tokens_default_is_the_same_and_help_shows_defaults(capsys):
     import lily_py.cli as cli
     assert inspect.signature(lily_py.Model.generate).parameters["max_tokens"].default == \
         lily_py.DEFAULT_MAX_TOKENS == cli.DEFAULT_MAX_TOKENS == 256
-    assert cli.DEFAULT_CONTEXT == lily_py.DEFAULT_CONTEXT
     with pytest.raises(SystemExit):
         main(["generate", "--help"])
     out = " ".join(capsys.readouterr().out.split())
@@ -151,13 +168,13 @@ def test_chat_with_a_seed_gives_each_turn_its_own_seed():
     args = ("--seed", "5", "--temperature", "1.5", "--max-tokens", "12", "--no-thinking")
     p = _chat("In the beginning\n/reset\nIn the beginning\n/exit\n", *args)
     assert p.returncode == 0, p.stderr
-    replies = [l for l in p.stdout.split(">>> ") if l.strip()]
-    assert len(replies) == 2 and replies[0] != replies[1]
-    # the first turn is exactly what the API gives with the seed itself
+    # turn N has the seed 5 + N (after /reset too): the API's replies with those seeds, one per line
     m = lily_py.load(backend="reference")
-    r = m.generate_text([{"role": "user", "content": "In the beginning"}], seed=5,
-                        temperature=1.5, max_tokens=12, enable_thinking=False)
-    assert replies[0].strip() == r.text.strip()
+    msgs = [{"role": "user", "content": "In the beginning"}]
+    r = [m.generate_text(msgs, seed=5 + n, temperature=1.5, max_tokens=12, enable_thinking=False)
+         for n in (0, 1)]
+    assert r[0].text != r[1].text
+    assert p.stdout == r[0].text + "\n" + r[1].text + "\n"
 
 
 def _start(args):

@@ -96,11 +96,13 @@ def test_temperature_sharpens():
     assert abs(cold[0] / n - 0.835) < 0.03, cold
 
 
-@pytest.mark.parametrize("kw, msg", [
-    (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(top_p=1.5), "top_p"),
-    (dict(top_k=-2), "top_k"), (dict(min_p=2), "min_p"), (dict(seed=-1), "seed"),
-    (dict(seed=True), "seed"), (dict(top_k=1.5), "top_k"),
+@pytest.mark.parametrize("kw, exc, msg", [
+    (dict(temperature=-1), ValueError, "temperature"), (dict(top_p=0), ValueError, "top_p"),
+    (dict(top_p=1.5), ValueError, "top_p"), (dict(top_k=-2), ValueError, "top_k"),
+    (dict(min_p=2), ValueError, "min_p"), (dict(seed=-1), ValueError, "seed"),
+    # a wrong type: TypeError naming the parameter
+    (dict(seed=True), TypeError, "seed"), (dict(top_k=1.5), TypeError, "top_k"),
 ])
-def test_bad_params(kw, msg):
-    with pytest.raises(ValueError, match=msg):
+def test_bad_params(kw, exc, msg):
+    with pytest.raises(exc, match=msg):
         SamplingParams(**kw)

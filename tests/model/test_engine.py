@@ -757,7 +757,7 @@ def test_prompt_without_new_tokens_samples_the_host_row_on_the_device(dn_ckpt, m
     state itself, or a prompt-cache hit after reset) has its logits row on the host; the device
     samples that row with the sampler alone (Engine.sample_row), never NumPy; the tokens equal
     the reference's."""
-    import lily_py.model as model_mod
+    import lily_py.generation_loop as loop
     emu, ref = _pair(dn_ckpt)
     prompt = [9, 8, 7, 6]
     kw = dict(max_tokens=3, seed=3, **opts)
@@ -769,8 +769,8 @@ def test_prompt_without_new_tokens_samples_the_host_row_on_the_device(dn_ckpt, m
     copied = eng.logit_bytes_copied
     b2 = ref.generate_text(state, max_tokens=6, seed=4, **opts)
     host_calls = []
-    real_sample = model_mod.sample
-    monkeypatch.setattr(model_mod, "sample", lambda *a, **k: host_calls.append(1) or real_sample(*a, **k))
+    real_sample = loop.sample
+    monkeypatch.setattr(loop, "sample", lambda *a, **k: host_calls.append(1) or real_sample(*a, **k))
     a2 = emu.generate_text(state, max_tokens=6, seed=4, **opts)
     assert a2.stats.reused_tokens == len(state) and a2.stats.prefilled_tokens == 0
     assert a2.tokens == b2.tokens and host_calls == []

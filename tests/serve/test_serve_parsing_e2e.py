@@ -10,7 +10,7 @@ import json
 import pytest
 
 import lily_py
-import lily_py.model
+import lily_py.generation_loop
 
 REASONING = "A verse."
 ANSWER = "Look."
@@ -34,7 +34,7 @@ def scripted(demo, monkeypatch):
         steps.append(n)
         return script[n]
 
-    monkeypatch.setattr(lily_py.model, "sample", sample)
+    monkeypatch.setattr(lily_py.generation_loop, "sample", sample)
     return script, steps
 
 

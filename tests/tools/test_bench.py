@@ -65,6 +65,20 @@ def test_reference_backend_has_timings_but_no_counters():
     assert "no counters: backend 'reference' has none" in out.getvalue()
 
 
+def test_auto_is_loads_rule_and_the_default_is_the_engine(monkeypatch):
+    """--backend auto picks what load(backend="auto") picks (lily_py.auto_backend(): reference
+    where Metal is not usable); no --backend measures the engine (metal, else emu)."""
+    import lily_py
+    out = io.StringIO()
+    res = B.bench(backend="auto", contexts=[8], decode_tokens=1, out=out)
+    assert res["device"] == lily_py.auto_backend()[0]
+    monkeypatch.setattr(B, "measure_load", lambda path, device: {})
+    monkeypatch.setattr(B, "format_load", lambda load, device: "")
+    res = B.bench(contexts=[8], decode_tokens=1, out=io.StringIO())
+    from lily_py.tools.doctor import default_device
+    assert res["device"] == default_device() and res["device"] != "reference"
+
+
 def test_compare_without_mlx_lm_says_so(monkeypatch):
     import builtins
     real_import = builtins.__import__

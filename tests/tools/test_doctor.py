@@ -12,6 +12,7 @@ import pytest
 
 import lily_py
 import lily_py._core  # noqa: F401  (the extension: a missing build fails loudly)
+import lily_py._devices
 from lily_py.tools import doctor as D
 
 FAMILIES = ["quantized_matmul", "rms_norm", "embedding", "swiglu/sigmoid_mul", "sampling",
@@ -85,18 +86,18 @@ def test_unusable_device_fails_with_the_reason():
 def test_pipeline_limits_table_and_missing_api(monkeypatch):
     out = io.StringIO()
     names = [k["name"] for k in lily_py._core.kernel_table()]
-    monkeypatch.delattr(lily_py, "pipeline_limits", raising=False)    # a build without the API
+    monkeypatch.delattr(lily_py._devices, "pipeline_limits", raising=False)    # a build without the API
     rep = D.run("emu", families=[], model=False, out=out)
     assert "pipeline limits: not reported by this build" in out.getvalue() and rep.exit_status == 0
     same = [{"kernel": n, "max_threads": 1024, "static_threadgroup_bytes": None, "simd_width": 32} for n in names]
-    monkeypatch.setattr(lily_py, "pipeline_limits", lambda dev: same, raising=False)
+    monkeypatch.setattr(lily_py._devices, "pipeline_limits", lambda dev: same, raising=False)
     out = io.StringIO()
     assert D.run("emu", families=[], model=False, out=out).exit_status == 0
     assert ("every kernel id: max threads per threadgroup 1024, static threadgroup memory not known before a "
             "run, SIMD width 32") in out.getvalue()
     limits = [{"kernel": n, "max_threads": 1024 if i % 2 else 896, "static_threadgroup_bytes": 4096,
                "simd_width": 32} for i, n in enumerate(names)]
-    monkeypatch.setattr(lily_py, "pipeline_limits", lambda dev: limits, raising=False)
+    monkeypatch.setattr(lily_py._devices, "pipeline_limits", lambda dev: limits, raising=False)
     out = io.StringIO()
     rep = D.run("emu", families=[], model=False, out=out)
     assert rep.exit_status == 0 and rep.limits == limits
@@ -104,7 +105,7 @@ def test_pipeline_limits_table_and_missing_api(monkeypatch):
     limits[0] = dict(limits[0], static_threadgroup_bytes=40 * 1024)     # over Apple's 32 KiB
     rep = D.run("emu", families=[], model=False, out=io.StringIO())
     assert rep.exit_status == 1 and names[0] in rep.failed[0].detail
-    monkeypatch.setattr(lily_py, "pipeline_limits", lambda dev: limits[1:], raising=False)
+    monkeypatch.setattr(lily_py._devices, "pipeline_limits", lambda dev: limits[1:], raising=False)
     rep = D.run("emu", families=[], model=False, out=io.StringIO())
     assert rep.exit_status == 1 and "no limits for" in rep.failed[0].detail
 
@@ -136,10 +137,10 @@ def test_device_registry_api_is_used_where_present(monkeypatch):
              "build_sdk": "macOS SDK 14.2", "math_mode": "fastMathEnabled=NO", "residency_set": False,
              "simulated": False, "tensor_ops": False,
              "tensor_ops_reason": "GPU family apple9 < apple10 (M5): the simdgroup-matrix kernels are used"}
-    monkeypatch.setattr(lily_py, "devices", lambda: [DeviceStatus("metal", True, ""), DeviceStatus("emu", True, ""),
+    monkeypatch.setattr(lily_py._devices, "devices", lambda: [DeviceStatus("metal", True, ""), DeviceStatus("emu", True, ""),
                                                      DeviceStatus("count", True, "")], raising=False)
-    monkeypatch.setattr(lily_py, "device_info", lambda name: dict(facts, name=name), raising=False)
-    monkeypatch.setattr(lily_py, "pipeline_limits", lambda name: [
+    monkeypatch.setattr(lily_py._devices, "device_info", lambda name: dict(facts, name=name), raising=False)
+    monkeypatch.setattr(lily_py._devices, "pipeline_limits", lambda name: [
         {"kernel": k["name"], "max_threads": 1024, "static_threadgroup_bytes": 0, "simd_width": 32}
         for k in lily_py._core.kernel_table()], raising=False)
     assert D.default_device() == "metal"
@@ -157,7 +158,7 @@ def test_device_registry_api_is_used_where_present(monkeypatch):
     assert rep.to_json()["facts"]["libraries"] == {
         "library": "compiled at run time from /x/lily_shaders.metal (MSL 3.1)",
         "M5 library": "unavailable: GPU family apple9 < apple10 (M5): the simdgroup-matrix kernels are used"}
-    monkeypatch.setattr(lily_py, "devices", lambda: [DeviceStatus("metal", False, "no Metal device")],
+    monkeypatch.setattr(lily_py._devices, "devices", lambda: [DeviceStatus("metal", False, "no Metal device")],
                         raising=False)
     assert D.device_status("metal") == (False, "no Metal device") and D.default_device() == "emu"
 

@@ -1,35 +1,19 @@
 """Model backends, side by side: ``reference`` (the NumPy model, :mod:`.reference`) and the C++
 engine on a device, ``emu`` or ``metal`` (:mod:`.engine`). All have the same interface:
-``forward(ids, all_logits=...)``, ``reset()``, ``position``, ``valid``, ``snapshot()``, ``restore()``."""
+``forward(ids, all_logits=...)``, ``reset()``, ``position``, ``valid``, ``snapshot()``, ``restore()``.
+``backend="auto"`` is resolved by ``lily_py.auto_backend()`` (the device registry, lily_py._devices),
+the one rule every command uses."""
 from __future__ import annotations
 
+from .._devices import auto_backend  # noqa: F401  (what backend="auto" picks, and why)
 from ..checkpoint import ModelWeights
 from ..config import ModelConfig
+from .spec import KV_DTYPES, KV_INT8_HEAD_DIMS, default_kv_dtype, resolve_kv_dtype  # noqa: F401
 
 BACKENDS = ("auto", "reference", "emu", "metal", "cuda")
 # Not for users: the engine on the counting device with host memory (nothing runs, every sampled
 # token is 0), so benchmarks can time the host side of generation (benchmarks/host_overhead.py).
 TIMING_BACKENDS = ("count_host",)
-# The KV cache's element type (None: default_kv_dtype); "int8": codes and a float32 scale per row
-# and KV head (shaders/common/kv_blocks.h, lily_py.reference.kvquant.int8_row_codes); "float32":
-# the rows as computed, unrounded (4 head_dim bytes a row)
-KV_DTYPES = (None, "bfloat16", "int8", "float32")
-# head_dims the int8 cache's attention routes take (csrc/core/engine.cpp)
-KV_INT8_HEAD_DIMS = (64, 128, 256)
-
-
-def default_kv_dtype(cfg: ModelConfig) -> str:
-    """What ``kv_dtype=None`` means: "bfloat16", the model's precision, on every backend, as
-    mlx-lm, llama.cpp and Lily keep their caches by default (so the reference backend is exact
-    and comparisons with them are at matched numerics). The int8 cache (half the bytes; head_dim
-    64, 128 or 256) is one argument away: ``kv_dtype="int8"``, and so is the float32 one (twice
-    the bytes, no rounding of K and V): ``kv_dtype="float32"`` (docs/memory.md)."""
-    return "bfloat16"
-
-
-def resolve_kv_dtype(cfg: ModelConfig, kv_dtype: str | None) -> str:
-    """The KV cache a load with ``kv_dtype`` gets: itself when given, else the default for ``cfg``."""
-    return kv_dtype or default_kv_dtype(cfg)
 
 
 def make_backend(name: str, cfg: ModelConfig, weights: ModelWeights, *, context_length: int,
@@ -56,21 +40,6 @@ def make_backend(name: str, cfg: ModelConfig, weights: ModelWeights, *, context_
         raise ValueError(f"weights must be 'auto', 'map' or 'copy', got {weights_mode!r}")
     from .reference import ReferenceBackend
     return ReferenceBackend(cfg, weights, kv_dtype=kv_dtype)
-
-
-def auto_backend() -> str:
-    """What ``backend="auto"`` picks: "metal" where this build has the Metal device and its
-    library and every kernel's pipeline are usable on this machine (Apple silicon, family
-    apple7+); otherwise "reference". The emulator ("emu") runs the engine's kernels at ~1e6 GPU
-    threads/s, far slower than the NumPy reference on a CPU, so it is never picked automatically
-    (docs/architecture.md, engine section). ``lily_py.auto_backend()`` also says why."""
-    return resolve_auto()[0]
-
-
-def resolve_auto() -> tuple[str, str | None]:
-    """("metal" or "reference", why Metal is not usable or None), from the device registry."""
-    from .._devices import auto_backend as pick
-    return pick()
 
 
 def built_with_metal() -> bool:

@@ -338,18 +338,21 @@ def _is_gpu(device: str) -> bool:
 
 
 def bench(*, model: str | None = None, random_weights: bool = False, config: str | None = None,
-          layers: int | None = None, backend: str = "auto", contexts=CONTEXTS, decode_tokens: int = 32,
+          layers: int | None = None, backend: str | None = None, contexts=CONTEXTS, decode_tokens: int = 32,
           run_max_context: int | None = None, prefill_chunk: int = 4096, compare: str | None = None,
           seed: int = 0, kv_dtype: str | None = None, out=sys.stdout) -> dict:
     """Run the benchmark (see the module docstring); print the tables to ``out``; return the
-    results as a dict (what ``--json`` writes)."""
-    from .. import __version__
+    results as a dict (what ``--json`` writes). ``backend``: None measures the engine on
+    :func:`lily_py.tools.doctor.default_device` (metal where usable, else emu); "auto" is what
+    ``load(backend="auto")`` picks (``lily_py.auto_backend()``); or a backend's name."""
+    from .._version import __version__
     from ..model import load
     from .doctor import default_device
     say = (lambda s="": print(s, file=out, flush=True)) if out is not None else (lambda s="": None)
     if model is not None and random_weights:
         raise ValueError("bench: give --model or --random-weights, not both")
-    device = default_device() if backend == "auto" else backend
+    from .._devices import auto_backend
+    device = default_device() if backend is None else auto_backend()[0] if backend == "auto" else backend
     gpu = _is_gpu(device)   # a real GPU runs the real shapes and every context by default
     if config is None:
         config = "real" if gpu else "tiny"
@@ -483,8 +486,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="shapes for --random-weights: real Qwen3.6-35B-A3B (default on Metal and cuda) or a "
                         "tiny config of the same architecture (default elsewhere)")
     p.add_argument("--layers", type=int, default=None, help="override the number of layers")
-    p.add_argument("--backend", default="auto", choices=["auto", "metal", "emu", "reference", "cuda"],
-                   help="device that runs the measured rows (auto: metal where usable, else emu)")
+    p.add_argument("--backend", default=None, choices=["auto", "metal", "emu", "reference", "cuda"],
+                   help="what runs the measured rows (default: the engine on metal where usable, else "
+                        "on emu; auto: what load() picks, metal where usable, else reference)")
     p.add_argument("--contexts", type=parse_contexts, default=list(CONTEXTS),
                    help="prompt lengths, e.g. 256,4K,32K,128K (default)")
     p.add_argument("--decode-tokens", type=int, default=32, help="greedy tokens decoded per context")

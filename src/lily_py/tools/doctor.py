@@ -47,9 +47,9 @@ def _out_rtol(dtype) -> float:
 
 
 # ------------------------------------------------------------------------------ device adapter
-# The device registry API (issue 13, /work/notes/device_api.md: lily_py.devices(),
-# lily_py.device_info(), lily_py.pipeline_limits()) may be absent from a build: these adapters
-# fall back to what lily_py._core reports, and say so.
+# The device registry API (lily_py._devices: devices(), device_info(), pipeline_limits(); issue
+# 13) may be absent from a build: these adapters fall back to what lily_py._core reports, and say
+# so. They import lily_py._devices, never the package (lily_py imports this module).
 
 def _core():
     from .. import _core
@@ -57,8 +57,8 @@ def _core():
 
 
 def _registry() -> list | None:
-    import lily_py
-    fn = getattr(lily_py, "devices", None)
+    from .. import _devices
+    fn = getattr(_devices, "devices", None)
     if not callable(fn):
         return None
     try:
@@ -96,8 +96,8 @@ def default_device() -> str:
 def device_facts(name: str) -> dict:
     """Facts about a usable device: the registry's ``device_info`` where present, else what the
     core reports (keys as in device_api.md; None where unknown)."""
-    import lily_py
-    fn = getattr(lily_py, "device_info", None)
+    from .. import _devices
+    fn = getattr(_devices, "device_info", None)
     if callable(fn):
         return dict(fn(name))
     core = _core()
@@ -152,8 +152,8 @@ def library_rows(facts: dict) -> list[tuple[str, str | None]]:
 def pipeline_limits(name: str) -> list[dict] | None:
     """Per kernel id: max_threads, static_threadgroup_bytes, simd_width; None when this build
     does not report them."""
-    import lily_py
-    fn = getattr(lily_py, "pipeline_limits", None)
+    from .. import _devices
+    fn = getattr(_devices, "pipeline_limits", None)
     return [dict(d) for d in fn(name)] if callable(fn) else None
 
 
@@ -506,7 +506,7 @@ def run(device: str | None = None, *, quick: bool = False, families: list[str] |
         model: bool = True, seed: int | None = None, out: TextIO | None = sys.stdout) -> Report:
     """Run every check on ``device`` (default: :func:`default_device`), printing the tables to
     ``out`` as they complete (None: silent). Returns the :class:`Report`."""
-    from .. import __version__
+    from .._version import __version__
     device = device or default_device()
     seed = secrets.randbits(63) if seed is None else int(seed)
     rep = Report(device=device, quick=quick, seed=seed)
