@@ -288,6 +288,9 @@ class Model:
         constrain the answer (after ``</think>``, as ``response_format``) to well-formed Qwen3.6
         tool calls whose arguments match the tool's parameter schema (llguidance).
         ``parallel_tool_calls=False``: "required" forces exactly one call.
+        The generator's ``prompt_tokens`` is the prompt's length in tokens, known before the
+        first chunk (the prompt is rendered and tokenized by this call; prefill starts at the
+        first ``next``).
         """
         if not isinstance(logprobs, bool):
             raise TypeError(f"logprobs must be True or False, got {logprobs!r}")
@@ -352,7 +355,7 @@ class Model:
         except BaseException:
             self._generating = False
             raise
-        return _Guarded(gen, self)
+        return _Guarded(gen, self, len(ids))
 
     def cancel(self) -> None:
         """Stop the running generation from any thread: it ends at the next token (or between
@@ -496,16 +499,19 @@ class Model:
             """The chunk for the raw ``text``: split by the parser; on the last chunk
             (``finish``), the parser is flushed and the finish reason becomes "tool_calls" when
             an EOS / stop string ended a generation that called tools."""
+            stop = matcher.matched if finish == "stop" else ""
             if parser is None:
                 return GenerationChunk(text, tok, finish, None if finish is None else stats(n),
-                                       raw=text, logprobs=lp)
+                                       raw=text, logprobs=lp, stop_sequence=stop)
             d = parser.push(text)
+            section = parser.section
             if finish is not None:
                 d += parser.finish()
                 if finish == "stop" and parser.n_tool_calls:
                     finish = "tool_calls"
             return GenerationChunk(d.text, tok, finish, None if finish is None else stats(n),
-                                   d.reasoning, d.tool_calls, d.errors, raw=text, logprobs=lp)
+                                   d.reasoning, d.tool_calls, d.errors, raw=text, logprobs=lp,
+                                   stop_sequence=stop, section=section)
 
         def host_logprob(row: np.ndarray, t: int) -> TokenLogprob:
             valid = min(n_ids, row.shape[-1])
@@ -955,9 +961,10 @@ class _Guarded:
     """Wraps the generation generator so that the model is released however iteration ends
     (exhausted, closed early, garbage-collected, or an exception)."""
 
-    def __init__(self, gen: Iterator[GenerationChunk], model: Model):
+    def __init__(self, gen: Iterator[GenerationChunk], model: Model, prompt_tokens: int):
         self._gen, self._model = gen, model
         self._released = False
+        self.prompt_tokens = prompt_tokens      # tokens in the rendered prompt, known at once
 
     def __iter__(self):
         return self
