@@ -268,8 +268,9 @@ class Server:
             if kind == ERROR:
                 raise api_error(value)
             if kind == CHUNK:
-                if getattr(value, "logprobs", None) is not None:
-                    lps.append(value.logprobs)
+                lp = protocol.answer_logprob(value, req.kind)
+                if lp is not None:
+                    lps.append(lp)
                 if req.kind == "chat":
                     d = protocol.chunk_delta(value)
                     saw_calls |= "tool_calls" in d
@@ -340,7 +341,7 @@ class Server:
                 return
             if value.finish_reason is not None:
                 reason, stats = value.finish_reason, value.stats
-            lp = getattr(value, "logprobs", None) if req.logprobs else None
+            lp = protocol.answer_logprob(value, req.kind) if req.logprobs else None
             if chat:
                 d = protocol.chunk_delta(value)
                 saw_calls |= "tool_calls" in d
