@@ -182,6 +182,24 @@ def test_finish_reasons_map_to_openai(inproc):
     assert r.choices[0].finish_reason == "tool_calls"
 
 
+def test_chat_without_max_tokens_gets_the_default_cap(inproc):
+    """A chat request without max_tokens stops at the server's cap (--max-tokens), not at the
+    end of the context; a completion keeps OpenAI's 16."""
+    from lily_py.serve.app import DEFAULT_MAX_TOKENS
+    from lily_py.serve.cli import DEFAULT_MAX_TOKENS as CLI_DEFAULT
+    assert DEFAULT_MAX_TOKENS == CLI_DEFAULT == 32768
+    done = [Chunk(text="x", finish_reason="stop", stats=stats(1))]
+    model = ScriptedModel(done)
+    s = inproc(model)
+    s.client().chat.completions.create(model="scripted", messages=MSGS)
+    s.client().completions.create(model="scripted", prompt="p")
+    assert [kw["max_tokens"] for _, kw in model.calls] == [DEFAULT_MAX_TOKENS, 16]
+    model = ScriptedModel(done)
+    s = inproc(model, default_max_tokens=100)
+    s.client().chat.completions.create(model="scripted", messages=MSGS)
+    assert model.calls[0][1]["max_tokens"] == 100
+
+
 def test_constraint_dead_end_is_an_error_not_a_stop(inproc):
     """finish_reason "error" (a constraint with no allowed token, not at an accepting state):
     a 500 error object, as vLLM answers a generation that finished with an error; streamed,

@@ -30,6 +30,8 @@ from .scheduler import CHUNK, DONE, ERROR, Job, QueueFull, Scheduler, ShuttingDo
 log = logging.getLogger("lily_py.serve")
 
 MAX_BODY_BYTES = 32 << 20
+# A chat request without max_tokens stops here (or at the end of the context, if sooner).
+DEFAULT_MAX_TOKENS = 32768
 SHUTTING_DOWN = APIError(503, "the server is shutting down; the request was stopped",
                          code="server_shutdown")
 
@@ -92,7 +94,9 @@ class Server:
     """State of one served model; ``app`` is its Starlette application."""
 
     def __init__(self, model, *, model_id: str, api_key: str | None = None, max_queue: int = 16,
-                 default_max_tokens: int | None = None):
+                 default_max_tokens: int | None = DEFAULT_MAX_TOKENS):
+        """``default_max_tokens``: the cap of a chat request without max_tokens (None: the end
+        of the context)."""
         self.model, self.model_id, self.api_key = model, model_id, api_key
         self.default_max_tokens = default_max_tokens
         self.created = int(time.time())
@@ -191,7 +195,8 @@ class Server:
         return await self._generate(request, protocol.parse_completion)
 
     def _kwargs(self, req: protocol.GenRequest) -> dict:
-        max_tokens = req.max_tokens or self.default_max_tokens or self.model.context_length
+        cap = self.default_max_tokens if req.kind == "chat" else None
+        max_tokens = req.max_tokens or cap or self.model.context_length
         kw = dict(max_tokens=max_tokens, **req.sampling)
         if req.kind == "chat":
             ctk = dict(req.chat_template_kwargs)

@@ -9,6 +9,7 @@ import socket
 import sys
 
 DEMO_ID = "lily-py-demo"
+DEFAULT_MAX_TOKENS = 32768          # = lily_py.serve.app.DEFAULT_MAX_TOKENS (no starlette here)
 
 
 def add_parser(sub, add_model_args) -> argparse.ArgumentParser:
@@ -28,9 +29,10 @@ def add_parser(sub, add_model_args) -> argparse.ArgumentParser:
                    "or no key)")
     s.add_argument("--max-queue", type=int, default=16,
                    help="requests that may wait behind the running one; more get 503 (default: 16)")
-    s.add_argument("--max-tokens", type=int, default=None,
-                   help="max_tokens of a chat request that gives none (default: until the end "
-                   "of the context)")
+    s.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+                   help="max_tokens of an OpenAI chat request that gives none (default: "
+                   f"{DEFAULT_MAX_TOKENS}, or the end of the context if sooner; /v1/completions "
+                   "requests default to 16)")
     s.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds to let running requests finish on SIGINT/SIGTERM (default: 10)")
     s.add_argument("--log-level", default="info",
