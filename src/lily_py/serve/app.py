@@ -94,10 +94,15 @@ class Server:
     """State of one served model; ``app`` is its Starlette application."""
 
     def __init__(self, model, *, model_id: str, api_key: str | None = None, max_queue: int = 16,
-                 default_max_tokens: int | None = DEFAULT_MAX_TOKENS):
-        """``default_max_tokens``: the cap of a chat request without max_tokens (None: the end
-        of the context)."""
+                 default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
+                 served_names: list[str] | None = None):
+        """``model_id``: the id /v1/models lists first. ``served_names``: None (the default)
+        serves the model under any name a request gives; a list accepts only ``model_id`` and
+        those names (others: 404). ``default_max_tokens``: the cap of a chat request without
+        max_tokens (None: the end of the context)."""
         self.model, self.model_id, self.api_key = model, model_id, api_key
+        self.names = None if served_names is None else list(dict.fromkeys([model_id,
+                                                                            *served_names]))
         self.default_max_tokens = default_max_tokens
         self.created = int(time.time())
         self.scheduler = Scheduler(model, max_queue)
@@ -134,15 +139,19 @@ class Server:
         self.scheduler.stop()
 
     def _auth(self, request: Request) -> None:
+        """The API key as OpenAI's clients send it (``Authorization: Bearer KEY``) or as
+        Anthropic's do (``x-api-key: KEY``); either one matching is enough."""
         if self.api_key is None:
             return
-        got = request.headers.get("authorization", "")
-        scheme, _, token = got.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
-                                                                 self.api_key.encode()):
-            raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' "
-                           "with the key given to lily-py serve --api-key",
-                           code="invalid_api_key")
+        key = self.api_key.encode()
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key):
+            return
+        if hmac.compare_digest(request.headers.get("x-api-key", "").strip().encode(), key):
+            return
+        raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' or "
+                       "'x-api-key: <key>' with the key given to lily-py serve --api-key",
+                       code="invalid_api_key")
 
     async def _json(self, request: Request):
         raw = await request.body()
@@ -162,30 +171,35 @@ class Server:
                              "context_length": getattr(self.model, "context_length", None),
                              **self.scheduler.status()})
 
-    def _model_card(self) -> dict:
-        return {"id": self.model_id, "object": "model", "created": self.created,
-                "owned_by": "lily-py"}
+    def _model_card(self, name: str) -> dict:
+        """A model object in OpenAI's shape and Anthropic's at once (each client reads its own
+        fields): id, object, created, owned_by; type, display_name, created_at."""
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "lily-py",
+                "type": "model", "display_name": name,
+                "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.created))}
 
     async def models(self, request: Request):
         try:
             self._auth(request)
         except APIError as e:
             return error_response(e)
-        return JSONResponse({"object": "list", "data": [self._model_card()]})
+        names = self.names or [self.model_id]
+        return JSONResponse({"object": "list", "data": [self._model_card(n) for n in names],
+                             "has_more": False, "first_id": names[0], "last_id": names[-1]})
 
     async def model_info(self, request: Request):
         try:
             self._auth(request)
-            if request.path_params["model_id"] != self.model_id:
-                raise self._no_model(request.path_params["model_id"])
+            self._check_model(request.path_params["model_id"])
         except APIError as e:
             return error_response(e)
-        return JSONResponse(self._model_card())
+        return JSONResponse(self._model_card(request.path_params["model_id"]))
 
-    def _no_model(self, name: str) -> APIError:
-        return APIError(404, f"the model {name!r} is not served here; this server serves "
-                        f"{self.model_id!r} (GET /v1/models)", param="model",
-                        code="model_not_found")
+    def _check_model(self, name: str) -> None:
+        if self.names is not None and name not in self.names:
+            raise APIError(404, f"the model {name!r} is not served here; this server serves "
+                           f"{', '.join(map(repr, self.names))} (GET /v1/models)", param="model",
+                           code="model_not_found")
 
     # ---- generation -------------------------------------------------------------------------
     async def chat(self, request: Request):
@@ -225,8 +239,7 @@ class Server:
         try:
             self._auth(request)
             req = parse(await self._json(request))
-            if req.model != self.model_id:
-                raise self._no_model(req.model)
+            self._check_model(req.model)
             if req.kind == "chat" and getattr(self.model.tokenizer, "chat_template", None) is None:
                 raise protocol.bad("this model has no chat template; use /v1/completions",
                                    "messages", "no_chat_template")
@@ -287,7 +300,7 @@ class Server:
                 if value.finish_reason is not None:
                     reason, stats = value.finish_reason, value.stats
         head = {"id": protocol.new_id(req.kind), "created": protocol.created(),
-                "model": self.model_id, "system_fingerprint": self._fingerprint()}
+                "model": req.model, "system_fingerprint": self._fingerprint()}
         fr = protocol.finish_reason(reason, saw_calls)
         if req.kind == "chat":
             if message["content"] is None and not saw_calls:
@@ -312,7 +325,7 @@ class Server:
         """The data lines of a streamed answer (dicts, then "[DONE]")."""
         chat = req.kind == "chat"
         head = {"id": protocol.new_id(req.kind), "object": "chat.completion.chunk" if chat
-                else "text_completion", "created": protocol.created(), "model": self.model_id,
+                else "text_completion", "created": protocol.created(), "model": req.model,
                 "system_fingerprint": self._fingerprint()}
 
         tk = self.model.tokenizer
