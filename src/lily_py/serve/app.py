@@ -2,14 +2,18 @@
 
     app = build_app(model, model_id="lily-py-demo")      # any ASGI server runs it; see cli.py
 
-Every generation goes through the ``Scheduler`` (one at a time per model, bounded FIFO queue).
-Each request watches its connection: when the client goes away, its job is cancelled (taken out
-of the queue, or stopped at the next token, the generator closed and the model freed).
+Two wire formats share one generation path: OpenAI's (``protocol``: /v1/chat/completions,
+/v1/completions) and Anthropic's (``anthropic``: /v1/messages), whose requests become the same
+``GenRequest``. Every generation goes through the ``Scheduler`` (one at a time per model, bounded
+FIFO queue). Each request watches its connection: when the client goes away, its job is
+cancelled (taken out of the queue, or stopped at the next token, the generator closed and the
+model freed).
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import inspect
 import json
@@ -23,7 +27,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from .. import __version__
-from . import protocol
+from . import anthropic, protocol
 from .protocol import APIError
 from .scheduler import CHUNK, DONE, ERROR, Job, QueueFull, Scheduler, ShuttingDown
 
@@ -32,6 +36,7 @@ log = logging.getLogger("lily_py.serve")
 MAX_BODY_BYTES = 32 << 20
 # A chat request without max_tokens stops here (or at the end of the context, if sooner).
 DEFAULT_MAX_TOKENS = 32768
+PING_SECONDS = 10.0         # an Anthropic stream sends a ping after this long without an event
 SHUTTING_DOWN = APIError(503, "the server is shutting down; the request was stopped",
                          code="server_shutdown")
 
@@ -43,6 +48,12 @@ class ClientGone(Exception):
 def error_response(e: APIError) -> JSONResponse:
     headers = {"Retry-After": "1"} if e.status == 503 else None
     return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+def anthropic_error_response(e: APIError) -> JSONResponse:
+    status, body = anthropic.error_body(e)
+    headers = {"Retry-After": "1"} if e.status == 503 else None
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def api_error(e: BaseException, param: str | None = None) -> APIError:
@@ -79,15 +90,18 @@ async def _disconnected(receive) -> None:
             return
 
 
-async def _next_event(job: Job, watcher: asyncio.Task):
+async def _next_event(job: Job, watcher: asyncio.Task, timeout: float | None = None):
+    """The job's next event; None when ``timeout`` seconds pass without one."""
     if watcher.done():
         raise ClientGone()
     get = asyncio.ensure_future(job.events.get())
-    await asyncio.wait({get, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    await asyncio.wait({get, watcher}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
     if get.done():
         return get.result()
     get.cancel()
-    raise ClientGone()
+    if watcher.done():
+        raise ClientGone()
+    return None
 
 
 class Server:
@@ -106,6 +120,8 @@ class Server:
         self.default_max_tokens = default_max_tokens
         self.created = int(time.time())
         self.scheduler = Scheduler(model, max_queue)
+        # Sampling of a Messages request that leaves it out: the checkpoint's own defaults.
+        self.sampling_defaults = anthropic.generation_defaults(getattr(model, "path", None))
         params = inspect.signature(model.generate).parameters
         self._accepts = set(params) if not any(
             p.kind == p.VAR_KEYWORD for p in params.values()) else None
@@ -114,7 +130,9 @@ class Server:
                     Route("/v1/models", self.models),
                     Route("/v1/models/{model_id:path}", self.model_info),
                     Route("/v1/chat/completions", self.chat, methods=["POST"]),
-                    Route("/v1/completions", self.completions, methods=["POST"])],
+                    Route("/v1/completions", self.completions, methods=["POST"]),
+                    Route("/v1/messages", self.messages, methods=["POST"]),
+                    Route("/v1/messages/count_tokens", self.count_tokens, methods=["POST"])],
             exception_handlers={HTTPException: self._http_error, Exception: self._internal},
             lifespan=self._lifespan)
 
@@ -128,12 +146,19 @@ class Server:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         msg = (f"no route {request.method} {request.url.path}" if exc.status_code in (404, 405)
                else exc.detail)
-        return error_response(APIError(exc.status_code, msg, code=code,
-                                       type="invalid_request_error"))
+        return self._error_response(request)(APIError(exc.status_code, msg, code=code,
+                                                      type="invalid_request_error"))
 
     async def _internal(self, request, exc: Exception):
         log.exception("unhandled error")
-        return error_response(api_error(exc))
+        return self._error_response(request)(api_error(exc))
+
+    @staticmethod
+    def _error_response(request: Request):
+        """Anthropic's error shape on its routes (/v1/messages...), OpenAI's elsewhere."""
+        if request.url.path.startswith("/v1/messages"):
+            return anthropic_error_response
+        return error_response
 
     def shutdown(self) -> None:
         self.scheduler.stop()
@@ -208,6 +233,36 @@ class Server:
     async def completions(self, request: Request):
         return await self._generate(request, protocol.parse_completion)
 
+    async def messages(self, request: Request):
+        return await self._generate(request, functools.partial(
+            anthropic.parse_messages, defaults=self.sampling_defaults), messages=True)
+
+    async def count_tokens(self, request: Request):
+        """``{"input_tokens": N}``: the prompt's length as /v1/messages would render it (chat
+        template, tools, thinking switch); not queued behind generations."""
+        try:
+            self._auth(request)
+            req = anthropic.parse_count_tokens(await self._json(request))
+            self._check_model(req.model)
+            self._require_template()
+            n = await asyncio.get_running_loop().run_in_executor(None, self._count, req)
+        except Exception as e:         # also ChatTemplateError
+            return anthropic_error_response(api_error(e, "messages"))
+        return JSONResponse({"input_tokens": n})
+
+    def _count(self, req: protocol.GenRequest) -> int:
+        """Tokens of the prompt ``generate`` would feed (a prompt longer than the context is
+        counted too: the answer is how much to cut)."""
+        tok = self.model.tokenizer
+        return len(tok.encode(tok.apply_chat_template(
+            req.prompt, add_generation_prompt=True, tools=req.tools,
+            enable_thinking=req.chat_template_kwargs["enable_thinking"])))
+
+    def _require_template(self) -> None:
+        if getattr(self.model.tokenizer, "chat_template", None) is None:
+            raise protocol.bad("this model has no chat template; use /v1/completions",
+                               "messages", "no_chat_template")
+
     def _kwargs(self, req: protocol.GenRequest) -> dict:
         cap = self.default_max_tokens if req.kind == "chat" else None
         max_tokens = req.max_tokens or cap or self.model.context_length
@@ -235,30 +290,38 @@ class Server:
             kw = {k: v for k, v in kw.items() if k in self._accepts}
         return kw
 
-    async def _generate(self, request: Request, parse):
+    async def _generate(self, request: Request, parse, messages: bool = False):
+        """Validate, queue, then answer: streamed or whole, in OpenAI's format or (``messages``)
+        Anthropic's."""
+        answer_error = anthropic_error_response if messages else error_response
         try:
             self._auth(request)
             req = parse(await self._json(request))
             self._check_model(req.model)
-            if req.kind == "chat" and getattr(self.model.tokenizer, "chat_template", None) is None:
-                raise protocol.bad("this model has no chat template; use /v1/completions",
-                                   "messages", "no_chat_template")
+            if req.kind == "chat":
+                self._require_template()
             job = Job(req.prompt, self._kwargs(req), asyncio.get_running_loop())
             self.scheduler.submit(job)
         except (APIError, QueueFull) as e:
-            return error_response(api_error(e))
+            return answer_error(api_error(e))
 
         watcher = asyncio.ensure_future(_disconnected(request.receive))
         param = "messages" if req.kind == "chat" else "prompt"
         handed_over = False
         try:
-            kind, value = await _next_event(job, watcher)     # START or ERROR
+            kind, value = await _next_event(job, watcher)     # START (prompt tokens) or ERROR
             if kind == ERROR:
                 msg = str(value)
                 for field_name in ("response_format", "tool_choice"):
                     if msg.startswith(field_name + ":"):
                         param = field_name      # the compiler's message about that field
-                return error_response(api_error(value, param))
+                return answer_error(api_error(value, param))
+            if messages and req.stream:
+                handed_over = True
+                return _SSE(self._message_events(req, job, watcher, value), job, watcher,
+                            named=True)
+            if messages:
+                return JSONResponse(await self._collect_message(req, job, watcher))
             if req.stream:
                 handed_over = True
                 return _SSE(self._sse_events(req, job, watcher), job, watcher)
@@ -266,10 +329,10 @@ class Server:
         except ClientGone:
             return JSONResponse({}, status_code=499)      # nobody reads it
         except APIError as e:
-            return error_response(e)
+            return answer_error(e)
         except asyncio.CancelledError:
             # uvicorn's shutdown timeout ran out: answer instead of dying with a traceback
-            return error_response(SHUTTING_DOWN)
+            return answer_error(SHUTTING_DOWN)
         finally:
             if not handed_over:
                 job.cancel()
@@ -317,6 +380,60 @@ class Server:
             choice["logprobs"] = protocol.completion_logprobs(self.model.tokenizer, lps)
         return {**head, "object": "text_completion", "choices": [choice],
                 "usage": protocol.usage(stats)}
+
+    async def _collect_message(self, req, job, watcher) -> dict:
+        blocks = anthropic.Blocks(req.thinking)
+        reason, stats, stop = None, None, ""
+        while True:
+            kind, value = await _next_event(job, watcher)
+            if kind == DONE:
+                break
+            if kind == ERROR:
+                raise api_error(value)
+            if value.finish_reason == "error":
+                raise dead_end_error(value)
+            blocks.feed(value)
+            if value.finish_reason is not None:
+                reason, stats = value.finish_reason, value.stats
+                stop = getattr(value, "stop_sequence", "")
+        blocks.finish()
+        sr, seq = anthropic.stop_reason(reason, blocks.saw_tool_use, stop)
+        return anthropic.message(anthropic.new_message_id(), req.model, blocks.content, sr, seq,
+                                 anthropic.usage(stats))
+
+    async def _message_events(self, req, job, watcher, prompt_tokens: int | None):
+        """Anthropic's stream: message_start, ping, the blocks' events, message_delta (stop
+        reason, usage), message_stop; a ping after PING_SECONDS without an event (a long
+        prefill); an error event if the generation fails."""
+        start = anthropic.message(anthropic.new_message_id(), req.model, [], None, None,
+                                  anthropic.usage(None, prompt_tokens))
+        yield {"type": "message_start", "message": start}
+        yield {"type": "ping"}
+        blocks = anthropic.Blocks(req.thinking)
+        reason, stats, stop = None, None, ""
+        while True:
+            event = await _next_event(job, watcher, PING_SECONDS)
+            if event is None:
+                yield {"type": "ping"}
+                continue
+            kind, value = event
+            if kind == DONE:
+                break
+            if kind == ERROR or value.finish_reason == "error":
+                e = api_error(value) if kind == ERROR else dead_end_error(value)
+                yield anthropic.error_body(e)[1]
+                return
+            for ev in blocks.feed(value):
+                yield ev
+            if value.finish_reason is not None:
+                reason, stats = value.finish_reason, value.stats
+                stop = getattr(value, "stop_sequence", "")
+        for ev in blocks.finish():
+            yield ev
+        sr, seq = anthropic.stop_reason(reason, blocks.saw_tool_use, stop)
+        yield {"type": "message_delta", "delta": {"stop_reason": sr, "stop_sequence": seq},
+               "usage": anthropic.usage(stats)}
+        yield {"type": "message_stop"}
 
     def _fingerprint(self) -> str:
         return f"lily-py-{__version__}-{getattr(self.model, 'backend', '?')}"
@@ -376,10 +493,18 @@ class Server:
 
 class _SSE:
     """A server-sent-events answer; cancels its job when the client goes away or when the
-    response ends in any way."""
+    response ends in any way. OpenAI's events are ``data:`` lines ending with ``[DONE]``;
+    Anthropic's (``named``) are named by their ``type``: ``event: TYPE`` then ``data:``."""
 
-    def __init__(self, events, job: Job, watcher: asyncio.Task):
+    def __init__(self, events, job: Job, watcher: asyncio.Task, named: bool = False):
         self.events, self.job, self.watcher = events, job, watcher
+        self.named = named
+
+    def _frame(self, data) -> bytes:
+        line = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+        if self.named:
+            return f"event: {data['type']}\ndata: {line}\n\n".encode()
+        return f"data: {line}\n\n".encode()
 
     async def __call__(self, scope, receive, send) -> None:
         await send({"type": "http.response.start", "status": 200,
@@ -388,18 +513,18 @@ class _SSE:
                                 (b"x-accel-buffering", b"no")]})
         try:
             async for data in self.events:
-                line = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
-                await send({"type": "http.response.body",
-                            "body": f"data: {line}\n\n".encode(), "more_body": True})
+                await send({"type": "http.response.body", "body": self._frame(data),
+                            "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except (ClientGone, OSError):
             pass        # the client left: nothing more to send
         except asyncio.CancelledError:
             # uvicorn's shutdown timeout ran out: end the stream with an error event
+            last = [anthropic.error_body(SHUTTING_DOWN)[1]] if self.named else \
+                [SHUTTING_DOWN.body(), "[DONE]"]
             with contextlib.suppress(Exception):
-                await send({"type": "http.response.body", "more_body": False, "body":
-                            f"data: {json.dumps(SHUTTING_DOWN.body())}\n\ndata: [DONE]\n\n"
-                            .encode()})
+                await send({"type": "http.response.body", "more_body": False,
+                            "body": b"".join(self._frame(d) for d in last)})
         finally:
             self.job.cancel()
             self.watcher.cancel()

@@ -9,14 +9,15 @@ import socket
 import sys
 
 DEMO_ID = "lily-py-demo"
+INSTALL = 'pip install "lily-py[serve]"'
 DEFAULT_MAX_TOKENS = 32768          # = lily_py.serve.app.DEFAULT_MAX_TOKENS (no starlette here)
 
 
 def add_parser(sub, add_model_args) -> argparse.ArgumentParser:
-    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server",
+    s = sub.add_parser("serve", help="OpenAI- and Anthropic-compatible HTTP server",
                        description="Serve one model over the OpenAI API (/v1/chat/completions, "
-                       "/v1/completions, /v1/models, /health). Needs the serve extra: "
-                       "pip install \"lily-py[serve]\".")
+                       "/v1/completions, /v1/models) and Anthropic's Messages API (/v1/messages, "
+                       f"/v1/messages/count_tokens), with /health. Needs the serve extra: {INSTALL}.")
     add_model_args(s)
     s.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default: 127.0.0.1, loopback only)")
@@ -34,8 +35,8 @@ def add_parser(sub, add_model_args) -> argparse.ArgumentParser:
                    help="requests that may wait behind the running one; more get 503 (default: 16)")
     s.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
                    help="max_tokens of an OpenAI chat request that gives none (default: "
-                   f"{DEFAULT_MAX_TOKENS}, or the end of the context if sooner; /v1/completions "
-                   "requests default to 16)")
+                   f"{DEFAULT_MAX_TOKENS}, or the end of the context if sooner; /v1/messages "
+                   "requests always give max_tokens, /v1/completions default to 16)")
     s.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds to let running requests finish on SIGINT/SIGTERM (default: 10)")
     s.add_argument("--log-level", default="info",
@@ -50,8 +51,8 @@ def cmd_serve(a) -> int:
         import uvicorn
         from .app import Server
     except ImportError as e:
-        print(f"lily-py: error: lily-py serve needs the serve extra ({e}): "
-              "pip install \"lily-py[serve]\"", file=sys.stderr)
+        print(f"lily-py: error: lily-py serve needs the serve extra ({e}): {INSTALL}",
+              file=sys.stderr)
         return 2
     if a.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {a.max_queue}")
