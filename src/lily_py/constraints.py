@@ -1,7 +1,7 @@
 """Constrained decoding: OpenAI ``response_format`` (and regex, Lark, choices) compiled by
 llguidance into a token matcher; the sampler takes its allowed set (docs/structured.md).
 
-llguidance is an optional dependency (the ``structured`` extra): ``pip install 'lily-py[structured]'``.
+llguidance is an optional dependency (the ``structured`` extra): ``pip install ".[structured]"``.
 """
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ def _llguidance():
     try:
         import llguidance
     except ImportError:
-        raise ImportError("response_format needs llguidance: pip install 'lily-py[structured]'") from None
+        raise ImportError('response_format needs llguidance: pip install ".[structured]" (from a '
+                          'clone of lily_py)') from None
     return llguidance
 
 

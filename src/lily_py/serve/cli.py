@@ -9,7 +9,7 @@ import socket
 import sys
 
 DEMO_ID = "lily-py-demo"
-INSTALL = 'pip install "lily-py[serve]"'
+INSTALL = 'pip install ".[serve]" (from a clone of lily_py)'
 DEFAULT_MAX_TOKENS = 32768          # = lily_py.serve.app.DEFAULT_MAX_TOKENS (no starlette here)
 
 
