@@ -62,7 +62,11 @@ class GenerationChunk:
     "context_length" (the context is full), "cancelled" (``Model.cancel()``) or "error" (a
     constraint reached a dead end: no token allowed and not at an accepting state; ``error``
     says why); the last chunk also carries ``stats``. ``raw`` is this step's text before parsing. ``logprobs``: the
-    sampled token's ``TokenLogprob`` when ``generate(logprobs=True)``.
+    sampled token's ``TokenLogprob`` when ``generate(logprobs=True)``. ``stop_sequence``: on a
+    last chunk that a ``stop`` string ended, that string. ``section``: the part of a parsed
+    output this chunk's text belongs to: "reasoning" (including the ``</think>`` tag),
+    "content" (answer text), "tool_call" (a ``<tool_call>`` block) or "whitespace" (newlines
+    the parser drops around the tags); "" when the output is not parsed.
     """
     text: str
     token: int | None
@@ -74,7 +78,8 @@ class GenerationChunk:
     raw: str = ""
     logprobs: TokenLogprob | None = None
     error: str = ""             # finish_reason "error": why (a constraint that admits no token)
-    logprobs: list[TokenLogprob] | None = None
+    stop_sequence: str = ""     # the stop string that ended the generation
+    section: str = ""           # "reasoning" | "content" | "tool_call" | "whitespace" | ""
 
 
 class StopMatcher:
@@ -87,6 +92,7 @@ class StopMatcher:
     def __init__(self, stops: list[str]):
         self.stops = [s for s in stops if s]
         self.pending = ""
+        self.matched = ""       # the stop string found, once push() has returned stopped
 
     def push(self, piece: str) -> tuple[str, bool]:
         if not self.stops:
@@ -95,6 +101,7 @@ class StopMatcher:
         hits = [(buf.find(s), s) for s in self.stops if s in buf]
         if hits:
             pos = min(h[0] for h in hits)
+            self.matched = next(s for p, s in hits if p == pos)
             self.pending = ""
             return buf[:pos], True
         # Keep the longest suffix of buf that is a proper prefix of some stop string.

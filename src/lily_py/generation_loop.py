@@ -146,16 +146,19 @@ def stream(m, ids: list[int], points: list[int], params: SamplingParams,
         """The chunk for the raw ``text``: split by the parser; on the last chunk
         (``finish``), the parser is flushed and the finish reason becomes "tool_calls" when
         an EOS / stop string ended a generation that called tools."""
+        stop = matcher.matched if finish == "stop" else ""
         if parser is None:
             return GenerationChunk(text, tok, finish, None if finish is None else stats(n),
-                                   raw=text, logprobs=lp)
+                                   raw=text, logprobs=lp, stop_sequence=stop)
         d = parser.push(text)
+        section = parser.section
         if finish is not None:
             d += parser.finish()
             if finish == "stop" and parser.n_tool_calls:
                 finish = "tool_calls"
         return GenerationChunk(d.text, tok, finish, None if finish is None else stats(n),
-                               d.reasoning, d.tool_calls, d.errors, raw=text, logprobs=lp)
+                               d.reasoning, d.tool_calls, d.errors, raw=text, logprobs=lp,
+                               stop_sequence=stop, section=section)
 
     def host_logprob(row: np.ndarray, t: int) -> TokenLogprob:
         valid = min(n_ids, row.shape[-1])
@@ -343,9 +346,10 @@ class Guarded:
     """Wraps the generation generator so that the model is released however iteration ends
     (exhausted, closed early, garbage-collected, or an exception)."""
 
-    def __init__(self, gen: Iterator[GenerationChunk], model):
+    def __init__(self, gen: Iterator[GenerationChunk], model, prompt_tokens: int):
         self._gen, self._model = gen, model
         self._released = False
+        self.prompt_tokens = prompt_tokens      # tokens in the rendered prompt, known at once
 
     def __iter__(self):
         return self

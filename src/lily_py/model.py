@@ -260,6 +260,9 @@ class Model:
         constrain the answer (after ``</think>``, as ``response_format``) to well-formed Qwen3.6
         tool calls whose arguments match the tool's parameter schema (llguidance).
         ``parallel_tool_calls=False``: "required" forces exactly one call.
+        The generator's ``prompt_tokens`` is the prompt's length in tokens, known before the
+        first chunk (the prompt is rendered and tokenized by this call; prefill starts at the
+        first ``next``).
         """
         lp_top = generate_args.logprobs_top(logprobs, top_logprobs)
         constraint = None
@@ -307,7 +310,7 @@ class Model:
         except BaseException:
             self._generating = False
             raise
-        return Guarded(gen, self)
+        return Guarded(gen, self, len(ids))
 
     def cancel(self) -> None:
         """Stop the running generation from any thread: it ends at the next token (or between

@@ -258,8 +258,15 @@ class OutputParser:
         self.at_start = True        # at the start of a section: leading newlines are dropped
         self.calls = 0              # tool calls seen (parsed or not), for indices
         self.n_tool_calls = 0       # parsed ones
+        self.section = ""           # where the last pushed piece belongs (see push)
 
     def push(self, piece: str) -> ParsedDelta:
+        """Parse the next piece of output. Afterwards ``section`` says where the piece belongs:
+        "reasoning" (inside ``<think>``, its closing tag included), "tool_call" (a
+        ``<tool_call>`` block, its opening tag included), "whitespace" (newlines dropped at the
+        start of the answer) or "content" (the answer; also text held back that may still be
+        dropped, such as the newlines before a ``<tool_call>``)."""
+        before = self.mode
         self.buf += piece
         out = ParsedDelta()
         while self.buf:
@@ -271,6 +278,14 @@ class OutputParser:
                     break
             elif not self._content(out):
                 break
+        if before == "reasoning" or (before == "content" and self.mode == "reasoning"):
+            self.section = "reasoning"
+        elif before == "tool" or self.mode == "tool":
+            self.section = "tool_call"
+        elif not out.text and self.at_start and not self.buf:
+            self.section = "whitespace"
+        else:
+            self.section = "content"
         return out
 
     def finish(self) -> ParsedDelta:

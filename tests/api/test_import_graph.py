@@ -30,6 +30,8 @@ def modules() -> dict[str, tuple[str, bool]]:
                 out[f"{rel}.{f[:-3]}"] = (os.path.join(dirpath, f), False)
             elif f.endswith((".so", ".pyd")):
                 out[f"{rel}.{f.split('.')[0]}"] = ("", False)   # compiled: imports nothing of ours
+    # The C++ extension is built into the installed package, not into src/ (a clone has none).
+    out.setdefault(f"{PACKAGE}._core", ("", False))
     return out
 
 

@@ -248,6 +248,44 @@ def test_generate_end_to_end_with_a_scripted_model(monkeypatch, tok):
     assert len(r.tool_call_errors) == 1 and r.tool_call_errors[0].raw.startswith("<tool_call>")
 
 
+def test_section_of_each_pushed_piece():
+    """Where each piece (a token's text) belongs: what the server's chat logprobs keep
+    ("content") and drop (reasoning, tags, tool calls, the newlines after </think>)."""
+    p = OutputParser(reasoning=True, tools=TOOLS)
+    pieces = ["Need", " it.", "\n", "</think>", "\n\n", "Sure", ".", "\n\n", "<tool_call>",
+              "\n<function=search>\n<parameter=query>\nx\n</parameter>\n</function>\n",
+              "</tool_call>", "\n", "Done"]
+    got = []
+    for piece in pieces:
+        p.push(piece)
+        got.append(p.section)
+    assert got == ["reasoning"] * 4 + ["whitespace", "content", "content", "content"] + \
+        ["tool_call"] * 3 + ["whitespace", "content"]
+    p = OutputParser(reasoning=False)
+    p.push("\n")
+    assert p.section == "whitespace"
+    p.push("<think>")
+    assert p.section == "reasoning"
+
+
+def test_generate_reports_the_stop_string_sections_and_prompt_length():
+    m = lily_py.load(backend="reference", context_length=256)
+    msgs = [{"role": "user", "content": "In the beginning"}]
+    full = m.generate_text(msgs, max_tokens=12, enable_thinking=False).text
+    word = full.split()[2]
+    chunks = list(m.generate(msgs, max_tokens=12, enable_thinking=False, stop=["zzz", word]))
+    assert chunks[-1].finish_reason == "stop" and chunks[-1].stop_sequence == word
+    assert {c.section for c in chunks} == {"content"}
+    assert all(c.stop_sequence == "" for c in chunks[:-1])
+    g = m.generate(msgs, max_tokens=6, enable_thinking=True)
+    assert g.prompt_tokens == len(m.prompt_ids(msgs, enable_thinking=True))   # before prefill
+    chunks = list(g)
+    assert chunks[-1].stats.prompt_tokens == g.prompt_tokens
+    assert [c.section for c in chunks[:2]] == ["reasoning", "reasoning"]    # "\n", "</think>"
+    assert chunks[-1].finish_reason == "length" and chunks[-1].stop_sequence == ""
+    assert {c.section for c in m.generate("In the beginning", max_tokens=2)} == {""}
+
+
 def test_chat_output_of_the_demo_model_has_no_think_tags():
     m = lily_py.load(backend="reference")
     msgs = [{"role": "user", "content": "In the beginning"}]

@@ -23,6 +23,9 @@ def test_stop_across_pieces():
 
 def test_earliest_stop_wins():
     assert run(["xx BB AA"], ["AA", "BB"]) == ("xx ", True)
+    m = StopMatcher(["AA", "BB"])
+    assert m.matched == "" and m.push("xx B") == ("xx ", False) and m.matched == ""
+    assert m.push("B AA") == ("", True) and m.matched == "BB"     # which one: the earliest
 
 
 def test_no_stop_returns_everything():

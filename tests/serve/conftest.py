@@ -84,6 +84,12 @@ class ServeProcess:
         return openai.OpenAI(base_url=self.base + "/v1", api_key=kw.pop("api_key", "unused"),
                              max_retries=0, timeout=REQUEST_TIMEOUT, **kw)
 
+    def anthropic(self, **kw):
+        """The official ``anthropic`` client on this server (it appends /v1/messages)."""
+        import anthropic
+        return anthropic.Anthropic(base_url=self.base, api_key=kw.pop("api_key", "unused"),
+                                   max_retries=0, timeout=REQUEST_TIMEOUT, **kw)
+
     def stop(self, sig=signal.SIGINT, timeout: float = 30.0) -> int:
         self.proc.send_signal(sig)
         try:
@@ -139,6 +145,11 @@ class ThreadServer:
         import openai
         return openai.OpenAI(base_url=self.base + "/v1", api_key=kw.pop("api_key", "unused"),
                              max_retries=0, timeout=30, **kw)
+
+    def anthropic(self, **kw):
+        import anthropic
+        return anthropic.Anthropic(base_url=self.base, api_key=kw.pop("api_key", "unused"),
+                                   max_retries=0, timeout=30, **kw)
 
     def status(self) -> dict:
         return self.server.scheduler.status()

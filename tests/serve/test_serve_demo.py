@@ -203,9 +203,9 @@ def test_errors_are_openai_error_objects(server):
     assert e.value.body["code"] == "context_length_exceeded"
     assert f"the context length is {CONTEXT}" in str(e.value)
 
-    with pytest.raises(openai.NotFoundError) as e:
-        c.chat.completions.create(model="gpt-4o", messages=msgs)
-    assert e.value.body["code"] == "model_not_found" and DEMO in str(e.value)
+    # any model name is served by default (an agent sends the name it was configured with)
+    r = c.chat.completions.create(model="gpt-4o", messages=msgs, max_tokens=1, temperature=0)
+    assert r.model == "gpt-4o" and r.usage.completion_tokens == 1
 
     with pytest.raises(openai.BadRequestError) as e:
         c.chat.completions.create(model=DEMO, messages=msgs, n=2)
@@ -272,15 +272,23 @@ def test_client_that_disconnects_mid_stream(server, local):
 
 
 def test_api_key_and_graceful_shutdown(serve_factory):
-    srv = serve_factory("--api-key", "s3cret", "--context", str(CONTEXT))
+    srv = serve_factory("--api-key", "s3cret", "--context", str(CONTEXT), "--model-name", DEMO,
+                        "--served-model-name", "qwen3.6")
     with pytest.raises(openai.AuthenticationError) as e:
         srv.client(api_key="wrong").models.list()
     assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
-    status, body = post(srv, "/v1/completions", b'{"model": "lily-py-demo", "prompt": "x"}')
+    one = b'{"model": "qwen3.6", "prompt": "x", "max_tokens": 1}'
+    status, body = post(srv, "/v1/completions", one)
     assert status == 401
+    status, body = post(srv, "/v1/completions", one, headers={"x-api-key": "s3cret"})
+    assert status == 200 and body["model"] == "qwen3.6"       # Anthropic's header works too
     assert srv.health()["status"] == "ok"           # /health needs no key
     c = srv.client(api_key="s3cret")
-    assert [m.id for m in c.models.list().data] == [DEMO]
+    # --served-model-name: only these names (and --model-name, listed first)
+    assert [m.id for m in c.models.list().data] == [DEMO, "qwen3.6"]
+    with pytest.raises(openai.NotFoundError) as e:
+        c.completions.create(model="gpt-4o", prompt="x", max_tokens=1)
+    assert e.value.body["code"] == "model_not_found" and "'qwen3.6'" in str(e.value)
     # SIGTERM while a stream runs: the stream still ends properly, then the process exits 0.
     want = c.completions.create(model=DEMO, prompt="In the beginning", max_tokens=6,
                                 temperature=0).choices[0].text

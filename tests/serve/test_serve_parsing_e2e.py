@@ -76,3 +76,23 @@ def test_tool_call_and_reasoning_streamed(demo, scripted, inproc):
             assert "<" not in text and ">" not in text, text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
     assert chunks[-1].usage.completion_tokens == len(script)
+
+
+def test_logprobs_cover_the_content_only(demo, scripted, inproc):
+    """``logprobs.content`` holds the tokens of ``content``: not the reasoning (nor its
+    ``</think>``), not the tool call, not the newlines the parser drops after ``</think>``. (The
+    newlines before ``<tool_call>`` stay: while they are written they may still be content.)"""
+    script, _ = scripted
+    s = inproc(demo, model_id="lily-py-demo")
+    kw = dict(model="lily-py-demo", messages=MSGS, max_tokens=100, temperature=0, logprobs=True,
+              top_logprobs=2)
+    r = s.client().chat.completions.create(**kw)
+    entries = r.choices[0].logprobs.content
+    assert r.choices[0].message.content == ANSWER
+    assert "".join(e.token for e in entries) == ANSWER + "\n\n"
+    assert all(len(e.top_logprobs) == 2 for e in entries)
+    assert r.usage.completion_tokens == len(script) > len(entries)
+    streamed = [e for c in s.client().chat.completions.create(stream=True, **kw)
+                if c.choices and c.choices[0].logprobs is not None
+                for e in c.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in entries]

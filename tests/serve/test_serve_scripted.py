@@ -182,6 +182,77 @@ def test_finish_reasons_map_to_openai(inproc):
     assert r.choices[0].finish_reason == "tool_calls"
 
 
+def test_chat_without_max_tokens_gets_the_default_cap(inproc):
+    """A chat request without max_tokens stops at the server's cap (--max-tokens), not at the
+    end of the context; a completion keeps OpenAI's 16."""
+    from lily_py.serve.app import DEFAULT_MAX_TOKENS
+    from lily_py.serve.cli import DEFAULT_MAX_TOKENS as CLI_DEFAULT
+    assert DEFAULT_MAX_TOKENS == CLI_DEFAULT == 32768
+    done = [Chunk(text="x", finish_reason="stop", stats=stats(1))]
+    model = ScriptedModel(done)
+    s = inproc(model)
+    s.client().chat.completions.create(model="scripted", messages=MSGS)
+    s.client().completions.create(model="scripted", prompt="p")
+    assert [kw["max_tokens"] for _, kw in model.calls] == [DEFAULT_MAX_TOKENS, 16]
+    model = ScriptedModel(done)
+    s = inproc(model, default_max_tokens=100)
+    s.client().chat.completions.create(model="scripted", messages=MSGS)
+    assert model.calls[0][1]["max_tokens"] == 100
+
+
+def test_messages_reasoning_and_tool_use(inproc, tmp_path):
+    """/v1/messages around the same script: thinking, text and tool_use blocks, whole and
+    streamed; sampling fields left out come from the checkpoint's generation_config.json."""
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps({"temperature": 0.6, "top_p": 0.95, "top_k": 20}))
+    model = ScriptedModel(TOOL_SCRIPT)
+    model.path = str(tmp_path)
+    c = inproc(model).anthropic()
+    tools = [{"name": "get_weather", "description": "Current weather",
+              "input_schema": TOOLS[0]["function"]["parameters"]}]
+    r = c.messages.create(model="claude-sonnet-4-5", max_tokens=20, messages=MSGS, tools=tools,
+                          thinking={"type": "enabled", "budget_tokens": 1024},
+                          extra_body={"top_p": 0.5})
+    assert [b.type for b in r.content] == ["thinking", "text", "tool_use"]
+    assert r.content[0].thinking == "The user wants the weather."
+    assert r.content[1].text == "Let me check."
+    assert r.content[2].input == {"city": "Paris", "days": 2} and r.content[2].id.startswith(
+        "toolu_")
+    assert r.stop_reason == "tool_use"
+    assert (r.usage.input_tokens, r.usage.cache_read_input_tokens, r.usage.output_tokens) == \
+        (7, 4, 9)
+    prompt, kw = model.calls[0]
+    assert prompt == MSGS and kw["tools"] == [{"type": "function", "function": {
+        "name": "get_weather", "parameters": TOOLS[0]["function"]["parameters"],
+        "description": "Current weather"}}]
+    assert (kw["max_tokens"], kw["enable_thinking"]) == (20, True)
+    assert (kw["temperature"], kw["top_p"], kw["top_k"]) == (0.6, 0.5, 20)
+    with c.messages.stream(model="m", max_tokens=20, messages=MSGS, tools=tools,
+                           thinking={"type": "enabled", "budget_tokens": 1024}) as st:
+        kinds = [e.type for e in st if e.type in ("thinking", "text", "input_json")]
+        final = st.get_final_message()
+    assert kinds == ["thinking", "thinking", "text", "input_json"]
+    assert [b.model_dump(exclude={"id"}, exclude_none=True) for b in final.content] == \
+        [b.model_dump(exclude={"id"}, exclude_none=True) for b in r.content]
+
+
+def test_messages_dead_end_is_an_error_event(inproc):
+    import anthropic
+    why = "the constraint admits no token here (a dead end: ...)"
+    script = [Chunk(text='{"a":'), Chunk(token=None, finish_reason="error", stats=stats(3),
+                                         error=why)]
+    s = inproc(ScriptedModel(script))
+    with pytest.raises(anthropic.InternalServerError) as e:
+        s.anthropic().messages.create(model="m", max_tokens=5, messages=MSGS)
+    assert e.value.body["error"]["type"] == "api_error" and why in str(e.value)
+    s = inproc(ScriptedModel(script))
+    with pytest.raises(anthropic.APIStatusError) as e:
+        with s.anthropic().messages.stream(model="m", max_tokens=5, messages=MSGS) as st:
+            for _ in st:
+                pass
+    assert why in str(e.value)
+
+
 def test_constraint_dead_end_is_an_error_not_a_stop(inproc):
     """finish_reason "error" (a constraint with no allowed token, not at an accepting state):
     a 500 error object, as vLLM answers a generation that finished with an error; streamed,

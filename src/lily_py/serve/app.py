@@ -2,14 +2,18 @@
 
     app = build_app(model, model_id="lily-py-demo")      # any ASGI server runs it; see cli.py
 
-Every generation goes through the ``Scheduler`` (one at a time per model, bounded FIFO queue).
-Each request watches its connection: when the client goes away, its job is cancelled (taken out
-of the queue, or stopped at the next token, the generator closed and the model freed).
+Two wire formats share one generation path: OpenAI's (``protocol``: /v1/chat/completions,
+/v1/completions) and Anthropic's (``anthropic``: /v1/messages), whose requests become the same
+``GenRequest``. Every generation goes through the ``Scheduler`` (one at a time per model, bounded
+FIFO queue). Each request watches its connection: when the client goes away, its job is
+cancelled (taken out of the queue, or stopped at the next token, the generator closed and the
+model freed).
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import inspect
 import json
@@ -23,13 +27,16 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from .. import __version__
-from . import protocol
+from . import anthropic, protocol
 from .protocol import APIError
 from .scheduler import CHUNK, DONE, ERROR, Job, QueueFull, Scheduler, ShuttingDown
 
 log = logging.getLogger("lily_py.serve")
 
 MAX_BODY_BYTES = 32 << 20
+# A chat request without max_tokens stops here (or at the end of the context, if sooner).
+DEFAULT_MAX_TOKENS = 32768
+PING_SECONDS = 10.0         # an Anthropic stream sends a ping after this long without an event
 SHUTTING_DOWN = APIError(503, "the server is shutting down; the request was stopped",
                          code="server_shutdown")
 
@@ -41,6 +48,12 @@ class ClientGone(Exception):
 def error_response(e: APIError) -> JSONResponse:
     headers = {"Retry-After": "1"} if e.status == 503 else None
     return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+def anthropic_error_response(e: APIError) -> JSONResponse:
+    status, body = anthropic.error_body(e)
+    headers = {"Retry-After": "1"} if e.status == 503 else None
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def api_error(e: BaseException, param: str | None = None) -> APIError:
@@ -77,26 +90,38 @@ async def _disconnected(receive) -> None:
             return
 
 
-async def _next_event(job: Job, watcher: asyncio.Task):
+async def _next_event(job: Job, watcher: asyncio.Task, timeout: float | None = None):
+    """The job's next event; None when ``timeout`` seconds pass without one."""
     if watcher.done():
         raise ClientGone()
     get = asyncio.ensure_future(job.events.get())
-    await asyncio.wait({get, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    await asyncio.wait({get, watcher}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
     if get.done():
         return get.result()
     get.cancel()
-    raise ClientGone()
+    if watcher.done():
+        raise ClientGone()
+    return None
 
 
 class Server:
     """State of one served model; ``app`` is its Starlette application."""
 
     def __init__(self, model, *, model_id: str, api_key: str | None = None, max_queue: int = 16,
-                 default_max_tokens: int | None = None):
+                 default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
+                 served_names: list[str] | None = None):
+        """``model_id``: the id /v1/models lists first. ``served_names``: None (the default)
+        serves the model under any name a request gives; a list accepts only ``model_id`` and
+        those names (others: 404). ``default_max_tokens``: the cap of a chat request without
+        max_tokens (None: the end of the context)."""
         self.model, self.model_id, self.api_key = model, model_id, api_key
+        self.names = None if served_names is None else list(dict.fromkeys([model_id,
+                                                                            *served_names]))
         self.default_max_tokens = default_max_tokens
         self.created = int(time.time())
         self.scheduler = Scheduler(model, max_queue)
+        # Sampling of a Messages request that leaves it out: the checkpoint's own defaults.
+        self.sampling_defaults = anthropic.generation_defaults(getattr(model, "path", None))
         params = inspect.signature(model.generate).parameters
         self._accepts = set(params) if not any(
             p.kind == p.VAR_KEYWORD for p in params.values()) else None
@@ -105,7 +130,9 @@ class Server:
                     Route("/v1/models", self.models),
                     Route("/v1/models/{model_id:path}", self.model_info),
                     Route("/v1/chat/completions", self.chat, methods=["POST"]),
-                    Route("/v1/completions", self.completions, methods=["POST"])],
+                    Route("/v1/completions", self.completions, methods=["POST"]),
+                    Route("/v1/messages", self.messages, methods=["POST"]),
+                    Route("/v1/messages/count_tokens", self.count_tokens, methods=["POST"])],
             exception_handlers={HTTPException: self._http_error, Exception: self._internal},
             lifespan=self._lifespan)
 
@@ -119,26 +146,37 @@ class Server:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         msg = (f"no route {request.method} {request.url.path}" if exc.status_code in (404, 405)
                else exc.detail)
-        return error_response(APIError(exc.status_code, msg, code=code,
-                                       type="invalid_request_error"))
+        return self._error_response(request)(APIError(exc.status_code, msg, code=code,
+                                                      type="invalid_request_error"))
 
     async def _internal(self, request, exc: Exception):
         log.exception("unhandled error")
-        return error_response(api_error(exc))
+        return self._error_response(request)(api_error(exc))
+
+    @staticmethod
+    def _error_response(request: Request):
+        """Anthropic's error shape on its routes (/v1/messages...), OpenAI's elsewhere."""
+        if request.url.path.startswith("/v1/messages"):
+            return anthropic_error_response
+        return error_response
 
     def shutdown(self) -> None:
         self.scheduler.stop()
 
     def _auth(self, request: Request) -> None:
+        """The API key as OpenAI's clients send it (``Authorization: Bearer KEY``) or as
+        Anthropic's do (``x-api-key: KEY``); either one matching is enough."""
         if self.api_key is None:
             return
-        got = request.headers.get("authorization", "")
-        scheme, _, token = got.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
-                                                                 self.api_key.encode()):
-            raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' "
-                           "with the key given to lily-py serve --api-key",
-                           code="invalid_api_key")
+        key = self.api_key.encode()
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key):
+            return
+        if hmac.compare_digest(request.headers.get("x-api-key", "").strip().encode(), key):
+            return
+        raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' or "
+                       "'x-api-key: <key>' with the key given to lily-py serve --api-key",
+                       code="invalid_api_key")
 
     async def _json(self, request: Request):
         raw = await request.body()
@@ -158,30 +196,35 @@ class Server:
                              "context_length": getattr(self.model, "context_length", None),
                              **self.scheduler.status()})
 
-    def _model_card(self) -> dict:
-        return {"id": self.model_id, "object": "model", "created": self.created,
-                "owned_by": "lily-py"}
+    def _model_card(self, name: str) -> dict:
+        """A model object in OpenAI's shape and Anthropic's at once (each client reads its own
+        fields): id, object, created, owned_by; type, display_name, created_at."""
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "lily-py",
+                "type": "model", "display_name": name,
+                "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.created))}
 
     async def models(self, request: Request):
         try:
             self._auth(request)
         except APIError as e:
             return error_response(e)
-        return JSONResponse({"object": "list", "data": [self._model_card()]})
+        names = self.names or [self.model_id]
+        return JSONResponse({"object": "list", "data": [self._model_card(n) for n in names],
+                             "has_more": False, "first_id": names[0], "last_id": names[-1]})
 
     async def model_info(self, request: Request):
         try:
             self._auth(request)
-            if request.path_params["model_id"] != self.model_id:
-                raise self._no_model(request.path_params["model_id"])
+            self._check_model(request.path_params["model_id"])
         except APIError as e:
             return error_response(e)
-        return JSONResponse(self._model_card())
+        return JSONResponse(self._model_card(request.path_params["model_id"]))
 
-    def _no_model(self, name: str) -> APIError:
-        return APIError(404, f"the model {name!r} is not served here; this server serves "
-                        f"{self.model_id!r} (GET /v1/models)", param="model",
-                        code="model_not_found")
+    def _check_model(self, name: str) -> None:
+        if self.names is not None and name not in self.names:
+            raise APIError(404, f"the model {name!r} is not served here; this server serves "
+                           f"{', '.join(map(repr, self.names))} (GET /v1/models)", param="model",
+                           code="model_not_found")
 
     # ---- generation -------------------------------------------------------------------------
     async def chat(self, request: Request):
@@ -190,8 +233,39 @@ class Server:
     async def completions(self, request: Request):
         return await self._generate(request, protocol.parse_completion)
 
+    async def messages(self, request: Request):
+        return await self._generate(request, functools.partial(
+            anthropic.parse_messages, defaults=self.sampling_defaults), messages=True)
+
+    async def count_tokens(self, request: Request):
+        """``{"input_tokens": N}``: the prompt's length as /v1/messages would render it (chat
+        template, tools, thinking switch); not queued behind generations."""
+        try:
+            self._auth(request)
+            req = anthropic.parse_count_tokens(await self._json(request))
+            self._check_model(req.model)
+            self._require_template()
+            n = await asyncio.get_running_loop().run_in_executor(None, self._count, req)
+        except Exception as e:         # also ChatTemplateError
+            return anthropic_error_response(api_error(e, "messages"))
+        return JSONResponse({"input_tokens": n})
+
+    def _count(self, req: protocol.GenRequest) -> int:
+        """Tokens of the prompt ``generate`` would feed (a prompt longer than the context is
+        counted too: the answer is how much to cut)."""
+        tok = self.model.tokenizer
+        return len(tok.encode(tok.apply_chat_template(
+            req.prompt, add_generation_prompt=True, tools=req.tools,
+            enable_thinking=req.chat_template_kwargs["enable_thinking"])))
+
+    def _require_template(self) -> None:
+        if getattr(self.model.tokenizer, "chat_template", None) is None:
+            raise protocol.bad("this model has no chat template; use /v1/completions",
+                               "messages", "no_chat_template")
+
     def _kwargs(self, req: protocol.GenRequest) -> dict:
-        max_tokens = req.max_tokens or self.default_max_tokens or self.model.context_length
+        cap = self.default_max_tokens if req.kind == "chat" else None
+        max_tokens = req.max_tokens or cap or self.model.context_length
         kw = dict(max_tokens=max_tokens, **req.sampling)
         if req.kind == "chat":
             ctk = dict(req.chat_template_kwargs)
@@ -216,31 +290,38 @@ class Server:
             kw = {k: v for k, v in kw.items() if k in self._accepts}
         return kw
 
-    async def _generate(self, request: Request, parse):
+    async def _generate(self, request: Request, parse, messages: bool = False):
+        """Validate, queue, then answer: streamed or whole, in OpenAI's format or (``messages``)
+        Anthropic's."""
+        answer_error = anthropic_error_response if messages else error_response
         try:
             self._auth(request)
             req = parse(await self._json(request))
-            if req.model != self.model_id:
-                raise self._no_model(req.model)
-            if req.kind == "chat" and getattr(self.model.tokenizer, "chat_template", None) is None:
-                raise protocol.bad("this model has no chat template; use /v1/completions",
-                                   "messages", "no_chat_template")
+            self._check_model(req.model)
+            if req.kind == "chat":
+                self._require_template()
             job = Job(req.prompt, self._kwargs(req), asyncio.get_running_loop())
             self.scheduler.submit(job)
         except (APIError, QueueFull) as e:
-            return error_response(api_error(e))
+            return answer_error(api_error(e))
 
         watcher = asyncio.ensure_future(_disconnected(request.receive))
         param = "messages" if req.kind == "chat" else "prompt"
         handed_over = False
         try:
-            kind, value = await _next_event(job, watcher)     # START or ERROR
+            kind, value = await _next_event(job, watcher)     # START (prompt tokens) or ERROR
             if kind == ERROR:
                 msg = str(value)
                 for field_name in ("response_format", "tool_choice"):
                     if msg.startswith(field_name + ":"):
                         param = field_name      # the compiler's message about that field
-                return error_response(api_error(value, param))
+                return answer_error(api_error(value, param))
+            if messages and req.stream:
+                handed_over = True
+                return _SSE(self._message_events(req, job, watcher, value), job, watcher,
+                            named=True)
+            if messages:
+                return JSONResponse(await self._collect_message(req, job, watcher))
             if req.stream:
                 handed_over = True
                 return _SSE(self._sse_events(req, job, watcher), job, watcher)
@@ -248,10 +329,10 @@ class Server:
         except ClientGone:
             return JSONResponse({}, status_code=499)      # nobody reads it
         except APIError as e:
-            return error_response(e)
+            return answer_error(e)
         except asyncio.CancelledError:
             # uvicorn's shutdown timeout ran out: answer instead of dying with a traceback
-            return error_response(SHUTTING_DOWN)
+            return answer_error(SHUTTING_DOWN)
         finally:
             if not handed_over:
                 job.cancel()
@@ -268,8 +349,9 @@ class Server:
             if kind == ERROR:
                 raise api_error(value)
             if kind == CHUNK:
-                if getattr(value, "logprobs", None) is not None:
-                    lps.append(value.logprobs)
+                lp = protocol.answer_logprob(value, req.kind)
+                if lp is not None:
+                    lps.append(lp)
                 if req.kind == "chat":
                     d = protocol.chunk_delta(value)
                     saw_calls |= "tool_calls" in d
@@ -281,7 +363,7 @@ class Server:
                 if value.finish_reason is not None:
                     reason, stats = value.finish_reason, value.stats
         head = {"id": protocol.new_id(req.kind), "created": protocol.created(),
-                "model": self.model_id, "system_fingerprint": self._fingerprint()}
+                "model": req.model, "system_fingerprint": self._fingerprint()}
         fr = protocol.finish_reason(reason, saw_calls)
         if req.kind == "chat":
             if message["content"] is None and not saw_calls:
@@ -299,6 +381,60 @@ class Server:
         return {**head, "object": "text_completion", "choices": [choice],
                 "usage": protocol.usage(stats)}
 
+    async def _collect_message(self, req, job, watcher) -> dict:
+        blocks = anthropic.Blocks(req.thinking)
+        reason, stats, stop = None, None, ""
+        while True:
+            kind, value = await _next_event(job, watcher)
+            if kind == DONE:
+                break
+            if kind == ERROR:
+                raise api_error(value)
+            if value.finish_reason == "error":
+                raise dead_end_error(value)
+            blocks.feed(value)
+            if value.finish_reason is not None:
+                reason, stats = value.finish_reason, value.stats
+                stop = getattr(value, "stop_sequence", "")
+        blocks.finish()
+        sr, seq = anthropic.stop_reason(reason, blocks.saw_tool_use, stop)
+        return anthropic.message(anthropic.new_message_id(), req.model, blocks.content, sr, seq,
+                                 anthropic.usage(stats))
+
+    async def _message_events(self, req, job, watcher, prompt_tokens: int | None):
+        """Anthropic's stream: message_start, ping, the blocks' events, message_delta (stop
+        reason, usage), message_stop; a ping after PING_SECONDS without an event (a long
+        prefill); an error event if the generation fails."""
+        start = anthropic.message(anthropic.new_message_id(), req.model, [], None, None,
+                                  anthropic.usage(None, prompt_tokens))
+        yield {"type": "message_start", "message": start}
+        yield {"type": "ping"}
+        blocks = anthropic.Blocks(req.thinking)
+        reason, stats, stop = None, None, ""
+        while True:
+            event = await _next_event(job, watcher, PING_SECONDS)
+            if event is None:
+                yield {"type": "ping"}
+                continue
+            kind, value = event
+            if kind == DONE:
+                break
+            if kind == ERROR or value.finish_reason == "error":
+                e = api_error(value) if kind == ERROR else dead_end_error(value)
+                yield anthropic.error_body(e)[1]
+                return
+            for ev in blocks.feed(value):
+                yield ev
+            if value.finish_reason is not None:
+                reason, stats = value.finish_reason, value.stats
+                stop = getattr(value, "stop_sequence", "")
+        for ev in blocks.finish():
+            yield ev
+        sr, seq = anthropic.stop_reason(reason, blocks.saw_tool_use, stop)
+        yield {"type": "message_delta", "delta": {"stop_reason": sr, "stop_sequence": seq},
+               "usage": anthropic.usage(stats)}
+        yield {"type": "message_stop"}
+
     def _fingerprint(self) -> str:
         return f"lily-py-{__version__}-{getattr(self.model, 'backend', '?')}"
 
@@ -306,7 +442,7 @@ class Server:
         """The data lines of a streamed answer (dicts, then "[DONE]")."""
         chat = req.kind == "chat"
         head = {"id": protocol.new_id(req.kind), "object": "chat.completion.chunk" if chat
-                else "text_completion", "created": protocol.created(), "model": self.model_id,
+                else "text_completion", "created": protocol.created(), "model": req.model,
                 "system_fingerprint": self._fingerprint()}
 
         tk = self.model.tokenizer
@@ -340,7 +476,7 @@ class Server:
                 return
             if value.finish_reason is not None:
                 reason, stats = value.finish_reason, value.stats
-            lp = getattr(value, "logprobs", None) if req.logprobs else None
+            lp = protocol.answer_logprob(value, req.kind) if req.logprobs else None
             if chat:
                 d = protocol.chunk_delta(value)
                 saw_calls |= "tool_calls" in d
@@ -357,10 +493,18 @@ class Server:
 
 class _SSE:
     """A server-sent-events answer; cancels its job when the client goes away or when the
-    response ends in any way."""
+    response ends in any way. OpenAI's events are ``data:`` lines ending with ``[DONE]``;
+    Anthropic's (``named``) are named by their ``type``: ``event: TYPE`` then ``data:``."""
 
-    def __init__(self, events, job: Job, watcher: asyncio.Task):
+    def __init__(self, events, job: Job, watcher: asyncio.Task, named: bool = False):
         self.events, self.job, self.watcher = events, job, watcher
+        self.named = named
+
+    def _frame(self, data) -> bytes:
+        line = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+        if self.named:
+            return f"event: {data['type']}\ndata: {line}\n\n".encode()
+        return f"data: {line}\n\n".encode()
 
     async def __call__(self, scope, receive, send) -> None:
         await send({"type": "http.response.start", "status": 200,
@@ -369,18 +513,18 @@ class _SSE:
                                 (b"x-accel-buffering", b"no")]})
         try:
             async for data in self.events:
-                line = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
-                await send({"type": "http.response.body",
-                            "body": f"data: {line}\n\n".encode(), "more_body": True})
+                await send({"type": "http.response.body", "body": self._frame(data),
+                            "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except (ClientGone, OSError):
             pass        # the client left: nothing more to send
         except asyncio.CancelledError:
             # uvicorn's shutdown timeout ran out: end the stream with an error event
+            last = [anthropic.error_body(SHUTTING_DOWN)[1]] if self.named else \
+                [SHUTTING_DOWN.body(), "[DONE]"]
             with contextlib.suppress(Exception):
-                await send({"type": "http.response.body", "more_body": False, "body":
-                            f"data: {json.dumps(SHUTTING_DOWN.body())}\n\ndata: [DONE]\n\n"
-                            .encode()})
+                await send({"type": "http.response.body", "more_body": False,
+                            "body": b"".join(self._frame(d) for d in last)})
         finally:
             self.job.cancel()
             self.watcher.cancel()

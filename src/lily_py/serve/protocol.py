@@ -471,6 +471,16 @@ def chunk_delta(chunk) -> dict:
     return d
 
 
+def answer_logprob(chunk, kind: str):
+    """The chunk's ``TokenLogprob`` where the answer's logprobs include it: every token of a
+    completion; of a chat, the tokens of ``content`` only (not the reasoning, the tool-call
+    blocks or the newlines the parser drops around them)."""
+    lp = getattr(chunk, "logprobs", None)
+    if kind == "chat" and getattr(chunk, "section", "") not in ("", "content"):
+        return None
+    return lp
+
+
 def merge_delta(message: dict, d: dict) -> None:
     """Accumulate deltas into a non-streamed ``message``."""
     for k in ("content", "reasoning_content"):

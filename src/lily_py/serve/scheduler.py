@@ -133,7 +133,7 @@ class Scheduler:
                 self.counts["failed"] += 1
             job.post(ERROR, e)
             return
-        job.post(START)
+        job.post(START, getattr(gen, "prompt_tokens", None))
         outcome = "completed"
         try:
             for chunk in gen:
