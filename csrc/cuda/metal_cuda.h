@@ -3,10 +3,12 @@
 // Compiled by csrc/cuda/nvrtc_build.py with -default-device (the shaders' unannotated functions
 // are device functions) into the cuda device's kernel module. The shaders are unchanged: their
 // common/lily_metal.h takes its third branch (LILY_CUDA). Mapping:
-//   types      bfloat (struct, round-to-nearest-even as the emulator), half (a struct over PTX conversions), vectors of
-//              their own (lily_float4, ... behind the MSL names: CUDA's float4 has no operator[]),
+//   types      bfloat and the vectors: csrc/msl/msl_values.h (shared with the emulator; the vectors
+//              behind the MSL names as lily_float4, ...: CUDA's float4 has no operator[]); half (a
+//              struct over PTX conversions),
 //              uint/ushort/uchar/ulong; no C++ library (NVRTC has none): the few traits below
-//   math       the emulator's list, on CUDA's float functions (fast:: and precise:: the same)
+//   math       csrc/msl/msl_values.h: the emulator's list, on CUDA's float functions (fast:: and
+//              precise:: the same)
 //   sync       threadgroup_barrier -> __syncthreads, preceded and followed by __threadfence when
 //              the flags include mem_device (the DeltaNet ticket publishes to other threadgroups);
 //              simdgroup_barrier -> __syncwarp; atomic_thread_fence -> __threadfence
@@ -17,7 +19,8 @@
 //              the next column); multiply gathers rows and columns by shuffles and sums
 //              k = 0..7 in order in fp32 with one rounding per multiply and add, as the emulator
 //   tensors    matmul2d with the emulator's semantics (csrc/emu/tensor_ops_emu.h): each thread of
-//              the scope computes its destination elements e = i * T + thread, k in order
+//              the scope computes its destination elements e = i * T + thread, k in order (the
+//              element loop of csrc/msl/msl_values.h)
 //   kernels    every entry is __launch_bounds__(max_threads(name)): 1024 (Apple's threadgroup limit)
 //              except the kernels the host never gives more than 64-256 threads (a bound of 1024
 //              caps a thread at 64 registers: `nvrtc_build.py --usage` prints the spills); a
@@ -126,272 +129,21 @@ struct half {
 };
 static_assert(sizeof(half) == 2, "half is 2 bytes");
 
-// ---------------------------------------------------------------------------- bfloat
-struct bfloat {
-  unsigned short bits;
-  bfloat() = default;
-  explicit bfloat(float f) : bits(from_float(f)) {}
-  explicit bfloat(double d) : bfloat(static_cast<float>(d)) {}
-  explicit bfloat(int i) : bfloat(static_cast<float>(i)) {}
-  explicit bfloat(unsigned i) : bfloat(static_cast<float>(i)) {}
-  explicit bfloat(half h) : bfloat(float(h)) {}
-  operator float() const { return __uint_as_float(static_cast<unsigned>(bits) << 16); }
+}  // namespace metal
 
-  static unsigned short from_float(float f) {
-    unsigned u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<unsigned short>((u >> 16) | 0x40u);  // NaN
-    u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest, ties to even
-    return static_cast<unsigned short>(u >> 16);
-  }
-};
-static_assert(sizeof(bfloat) == 2, "bfloat is 2 bytes");
-
-// ---------------------------------------------------------------------------- vectors
-template <class T, int N>
-struct vec_storage;
-template <class T>
-struct alignas(2 * sizeof(T)) vec_storage<T, 2> {
-  union {
-    struct { T x, y; };
-    T v[2];
-  };
-};
-template <class T>
-struct alignas(4 * sizeof(T)) vec_storage<T, 3> {
-  union {
-    struct { T x, y, z; };
-    T v[4];
-  };
-};
-template <class T>
-struct alignas(4 * sizeof(T)) vec_storage<T, 4> {
-  union {
-    struct { T x, y, z, w; };
-    T v[4];
-  };
-};
-
-template <class T, int N>
-struct vec;
-template <class U>
-struct vec_info {
-  static constexpr int size = 1;
-};
-template <class U, int M>
-struct vec_info<vec<U, M>> {
-  static constexpr int size = M;
-};
-
-template <class T, int N>
-struct vec : vec_storage<T, N> {
-  using value_type = T;
-  vec() = default;
-  vec(T s) {
-    for (int i = 0; i < N; ++i) this->v[i] = s;
-  }
-  template <class A, class B, class... C>
-  vec(const A& a, const B& b, const C&... c) {
-    static_assert(vec_info<A>::size + vec_info<B>::size + (vec_info<C>::size + ... + 0) == N,
-                  "vector constructor: component count must equal the vector size");
-    int k = 0;
-    put(k, a);
-    put(k, b);
-    (put(k, c), ...);
-  }
-  template <class U>
-  explicit vec(const vec<U, N>& o) {
-    for (int i = 0; i < N; ++i) this->v[i] = static_cast<T>(o.v[i]);
-  }
-  T& operator[](int i) { return this->v[i]; }
-  const T& operator[](int i) const { return this->v[i]; }
-
- private:
-  template <class U>
-  void put(int& k, const U& u) {
-    if constexpr (vec_info<U>::size == 1) {
-      this->v[k++] = static_cast<T>(u);
-    } else {
-      for (int i = 0; i < vec_info<U>::size; ++i) this->v[k++] = static_cast<T>(u.v[i]);
-    }
-  }
-};
-
-#define LILY_VEC_BINOP(op)                                                                  \
-  template <class T, int N>                                                                 \
-  vec<T, N> operator op(const vec<T, N>& a, const vec<T, N>& b) {                           \
-    vec<T, N> r;                                                                            \
-    for (int i = 0; i < N; ++i) r.v[i] = static_cast<T>(a.v[i] op b.v[i]);                  \
-    return r;                                                                               \
-  }                                                                                         \
-  template <class T, int N, class S, class = lily_cuda::enable_if_t<lily_cuda::is_scalar_v<S>>> \
-  vec<T, N> operator op(const vec<T, N>& a, S s) {                                          \
-    return a op vec<T, N>(static_cast<T>(s));                                               \
-  }                                                                                         \
-  template <class T, int N, class S, class = lily_cuda::enable_if_t<lily_cuda::is_scalar_v<S>>> \
-  vec<T, N> operator op(S s, const vec<T, N>& a) {                                          \
-    return vec<T, N>(static_cast<T>(s)) op a;                                               \
-  }                                                                                         \
-  template <class T, int N, class S>                                                        \
-  vec<T, N>& operator op##=(vec<T, N>& a, const S& b) {                                     \
-    a = a op b;                                                                             \
-    return a;                                                                               \
-  }
-LILY_VEC_BINOP(+)
-LILY_VEC_BINOP(-)
-LILY_VEC_BINOP(*)
-LILY_VEC_BINOP(/)
-LILY_VEC_BINOP(&)
-LILY_VEC_BINOP(|)
-LILY_VEC_BINOP(^)
-LILY_VEC_BINOP(<<)
-LILY_VEC_BINOP(>>)
-#undef LILY_VEC_BINOP
-
-template <class T, int N>
-vec<T, N> operator-(const vec<T, N>& a) {
-  vec<T, N> r;
-  for (int i = 0; i < N; ++i) r.v[i] = -a.v[i];
-  return r;
+// What csrc/msl/msl_values.h asks of its device.
+namespace lily_msl {
+__device__ inline unsigned thread_in_group() {
+  return threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
 }
+__device__ inline void poison_fresh(void*, unsigned long) {}  // a fresh cooperative tensor: as it comes
+}  // namespace lily_msl
 
-// ---------------------------------------------------------------------------- math
-namespace detail {
-inline float f_exp(float x) { return ::expf(x); }
-inline float f_exp2(float x) { return ::exp2f(x); }
-inline float f_log(float x) { return ::logf(x); }
-inline float f_log2(float x) { return ::log2f(x); }
-inline float f_sqrt(float x) { return ::sqrtf(x); }
-inline float f_rsqrt(float x) { return 1.0f / ::sqrtf(x); }
-inline float f_floor(float x) { return ::floorf(x); }
-inline float f_ceil(float x) { return ::ceilf(x); }
-inline float f_round(float x) { return ::roundf(x); }
-inline float f_rint(float x) { return ::rintf(x); }
-inline float f_trunc(float x) { return ::truncf(x); }
-inline float f_tanh(float x) { return ::tanhf(x); }
-inline float f_sin(float x) { return ::sinf(x); }
-inline float f_cos(float x) { return ::cosf(x); }
-inline float f_saturate(float x) { return ::fminf(::fmaxf(x, 0.0f), 1.0f); }
-}  // namespace detail
+// bfloat, the vectors, the math, Metal 4 tensors and matmul2d's element loop: MSL value semantics
+// shared with the emulator.
+#include "msl/msl_values.h"
 
-#define LILY_MATH1(name)                                                            \
-  template <class T>                                                                \
-  T name(T x) {                                                                     \
-    if constexpr (vec_info<T>::size > 1) {                                          \
-      T r;                                                                          \
-      for (int i = 0; i < vec_info<T>::size; ++i) r.v[i] = name(x.v[i]);           \
-      return r;                                                                     \
-    } else {                                                                        \
-      return static_cast<T>(::metal::detail::f_##name(static_cast<float>(x)));      \
-    }                                                                               \
-  }
-#define LILY_MATH_FUNCS \
-  LILY_MATH1(exp) LILY_MATH1(exp2) LILY_MATH1(log) LILY_MATH1(log2) LILY_MATH1(sqrt) LILY_MATH1(rsqrt) \
-  LILY_MATH1(floor) LILY_MATH1(ceil) LILY_MATH1(round) LILY_MATH1(rint) LILY_MATH1(trunc)             \
-  LILY_MATH1(tanh) LILY_MATH1(sin) LILY_MATH1(cos) LILY_MATH1(saturate)
-LILY_MATH_FUNCS
-namespace precise {
-LILY_MATH_FUNCS
-}
-namespace fast {
-LILY_MATH_FUNCS
-}
-#undef LILY_MATH_FUNCS
-#undef LILY_MATH1
-
-template <class T>
-T abs(T x) {
-  if constexpr (vec_info<T>::size > 1) {
-    T r;
-    for (int i = 0; i < vec_info<T>::size; ++i) r.v[i] = abs(x.v[i]);
-    return r;
-  } else if constexpr (lily_cuda::is_float_v<T>) {
-    return ::fabsf(x);
-  } else if constexpr (lily_cuda::is_scalar_v<T> && lily_cuda::is_unsigned_v<T>) {
-    return x;
-  } else if constexpr (lily_cuda::is_scalar_v<T>) {
-    return x < 0 ? -x : x;
-  } else {
-    return T(::fabsf(float(x)));
-  }
-}
-template <class T>
-T fabs(T x) { return abs(x); }
-
-// MSL max/min on floats return the non-NaN operand (fmax/fmin).
-template <class T>
-T max(T a, T b) {
-  if constexpr (vec_info<T>::size > 1) {
-    T r;
-    for (int i = 0; i < vec_info<T>::size; ++i) r.v[i] = max(a.v[i], b.v[i]);
-    return r;
-  } else if constexpr (lily_cuda::is_float_v<T>) {
-    return ::fmaxf(a, b);
-  } else if constexpr (lily_cuda::is_scalar_v<T>) {
-    return a < b ? b : a;
-  } else {
-    return T(::fmaxf(float(a), float(b)));
-  }
-}
-template <class T>
-T min(T a, T b) {
-  if constexpr (vec_info<T>::size > 1) {
-    T r;
-    for (int i = 0; i < vec_info<T>::size; ++i) r.v[i] = min(a.v[i], b.v[i]);
-    return r;
-  } else if constexpr (lily_cuda::is_float_v<T>) {
-    return ::fminf(a, b);
-  } else if constexpr (lily_cuda::is_scalar_v<T>) {
-    return b < a ? b : a;
-  } else {
-    return T(::fminf(float(a), float(b)));
-  }
-}
-template <class T>
-T fmax(T a, T b) { return max(a, b); }
-template <class T>
-T fmin(T a, T b) { return min(a, b); }
-template <class T>
-T clamp(T x, T lo, T hi) { return min(max(x, lo), hi); }
-template <class T>
-T fma(T a, T b, T c) {
-  if constexpr (vec_info<T>::size > 1) {
-    T r;
-    for (int i = 0; i < vec_info<T>::size; ++i) r.v[i] = fma(a.v[i], b.v[i], c.v[i]);
-    return r;
-  } else if constexpr (lily_cuda::is_same_v<T, half>) {
-    unsigned short r;
-    asm("fma.rn.f16 %0, %1, %2, %3;" : "=h"(r) : "h"(a.bits), "h"(b.bits), "h"(c.bits));
-    half h;
-    h.bits = r;
-    return h;
-  } else {
-    return ::fmaf(a, b, c);
-  }
-}
-template <class T>
-T pow(T a, T b) { return T(::powf(float(a), float(b))); }
-template <class T>
-T powr(T a, T b) { return T(::powf(float(a), float(b))); }
-template <class T>
-T mix(T a, T b, T t) { return a + (b - a) * t; }
-template <class T>
-T select(T a, T b, bool c) { return c ? b : a; }
-template <class T>
-bool isnan(T x) { return ::isnan(static_cast<float>(x)); }
-template <class T>
-bool isinf(T x) { return ::isinf(static_cast<float>(x)); }
-template <class T>
-bool isfinite(T x) { return ::isfinite(static_cast<float>(x)); }
-template <class T, int N>
-T dot(const vec<T, N>& a, const vec<T, N>& b) {
-  T s = a.v[0] * b.v[0];
-  for (int i = 1; i < N; ++i) s += a.v[i] * b.v[i];
-  return s;
-}
-template <class To, class From>
-To as_type(const From& f) {
-  return lily_cuda::bit_cast<To>(f);
-}
+namespace metal {
 
 template <class T>
 struct numeric_limits;
@@ -573,13 +325,6 @@ inline bool simd_any(bool b) { return __any_sync(detail::simd_mask(), b); }
 inline bool simd_is_first() { return detail::lane_id() == 0; }
 
 // ---------------------------------------------------------------------------- atomics
-template <class T>
-struct atomic {
-  T value;
-};
-using atomic_int = atomic<int>;
-using atomic_uint = atomic<unsigned int>;
-using atomic_float = atomic<float>;
 
 template <class T, class U>
 void atomic_store_explicit(volatile atomic<T>* a, U v, memory_order) {
@@ -702,110 +447,14 @@ void simdgroup_multiply(simdgroup_matrix<T, 8, 8>& d, const simdgroup_matrix<T, 
   simdgroup_multiply_accumulate(d, a, b, make_filled_simdgroup_matrix<T, 8, 8>(T(0.0f)));
 }
 
-// ---------------------------------------------------------------------------- Metal 4 tensors
-constexpr unsigned long dynamic_extent = static_cast<unsigned long>(-1);  // matmul2d_descriptor's k: from the operands
-
-template <class IndexType, int Rank>
-struct dextents {
-  static_assert(Rank == 2, "rank-2 tensors only");
-  using index_type = IndexType;
-  IndexType e[Rank];
-  dextents(IndexType e0, IndexType e1) : e{e0, e1} {}
-  IndexType extent(int r) const { return e[r]; }
-};
-struct tensor_inline {};
-
-template <class ElementType, class Extents, class DescriptorType = tensor_inline>
-class tensor {
- public:
-  using element_type = ElementType;
-  using extents_type = Extents;
-  using index_type = typename Extents::index_type;
-  tensor(ElementType* data, Extents ext) : data_(data), ext_(ext) {}
-  ElementType* data() const { return data_; }
-  Extents extents() const { return ext_; }
-  index_type get_extent(int r) const { return ext_.extent(r); }
-  float at(long i0, long i1) const {
-    if (i0 < 0 || i1 < 0 || i0 >= long(ext_.extent(0)) || i1 >= long(ext_.extent(1))) return 0.0f;
-    return static_cast<float>(data_[i1 * long(ext_.extent(0)) + i0]);
-  }
-  int at_int(long i0, long i1) const {
-    if (i0 < 0 || i1 < 0 || i0 >= long(ext_.extent(0)) || i1 >= long(ext_.extent(1))) return 0;
-    return static_cast<int>(data_[i1 * long(ext_.extent(0)) + i0]);
-  }
-
- private:
-  ElementType* data_;
-  Extents ext_;
-};
-
-template <int N>
-struct execution_simdgroups {
-  static constexpr int simdgroups = N;
-};
-struct execution_simdgroup {
-  static constexpr int simdgroups = 1;
-};
-template <class T, int Rank>
-struct tensor_index {
-  T v[Rank];
-  T operator[](int r) const { return v[r]; }
-};
-
-// Element e = row * n + col of the m x n destination is held by thread (e % T) of the scope in
-// its slot e / T, element index slot (float, half) or capacity - 1 - slot (integers): the
-// emulator's layout (csrc/emu/tensor_ops_emu.h).
-template <class ElementType, int M, int N, int Threads>
-class cooperative_tensor {
- public:
-  using element_type = ElementType;
-  static constexpr int kCapacity = (M * N + Threads - 1) / Threads;
-  cooperative_tensor()
-      : owner_((threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z)) % Threads) {}
-  static constexpr unsigned short get_capacity() { return (unsigned short)(kCapacity); }
-  bool is_valid_element(unsigned short i) const { return i < kCapacity && flat(i) < M * N; }
-  tensor_index<int, 2> get_multidimensional_index(unsigned short i) const {
-    const int f = flat(i);
-    return {{f % N, f / N}};
-  }
-  ElementType& operator[](unsigned short i) { return e_[i]; }
-  const ElementType& operator[](unsigned short i) const { return e_[i]; }
-  int owner() const { return owner_; }
-  static constexpr unsigned short index_of(int s) {
-    return (unsigned short)(lily_cuda::is_same_v<ElementType, int> ? kCapacity - 1 - s : s);
-  }
-  int flat(unsigned short i) const { return int(index_of(i)) * Threads + owner_; }
-
- private:
-  ElementType e_[kCapacity];
-  int owner_;
-};
-
 }  // namespace metal
 
 namespace mpp::tensor_ops {
-
-struct matmul2d_descriptor {
-  enum class mode { multiply, multiply_accumulate };
-  int m, n, k;
-  bool transpose_left, transpose_right;
-  bool relaxed_precision;
-  mode matmul_mode;
-  constexpr matmul2d_descriptor(int m_, int n_, int k_ = -1, bool transpose_left_ = false,
-                                bool transpose_right_ = false, bool relaxed_precision_ = false,
-                                mode matmul_mode_ = mode::multiply)
-      : m(m_), n(n_), k(k_), transpose_left(transpose_left_), transpose_right(transpose_right_),
-        relaxed_precision(relaxed_precision_), matmul_mode(matmul_mode_) {}
-};
 
 namespace detail {
 template <class T>
 inline constexpr bool is_int8 = lily_cuda::is_same_v<lily_cuda::remove_cv_t<T>, signed char> ||
                                 lily_cuda::is_same_v<lily_cuda::remove_cv_t<T>, unsigned char>;
-template <class T>
-struct is_coop : lily_cuda::false_type {};
-template <class E, int M, int N, int Th>
-struct is_coop<metal::cooperative_tensor<E, M, N, Th>> : lily_cuda::true_type {};
 }  // namespace detail
 
 // The emulator's semantics (csrc/emu/tensor_ops_emu.h): destination[m x n] = left * right (or +=),
@@ -813,25 +462,14 @@ struct is_coop<metal::cooperative_tensor<E, M, N, Th>> : lily_cuda::true_type {}
 // each output sum_k float(a) * float(b) in fp32, k in order; relaxed_precision rounds the sum to
 // half before it is added.
 template <matmul2d_descriptor D, class Scope>
-class matmul2d {
-  static constexpr int kThreads = Scope::simdgroups * 32;
+class matmul2d : public detail::matmul2d_base<D, Scope> {
+  static constexpr int kThreads = detail::matmul2d_base<D, Scope>::kThreads;
 
  public:
-  static constexpr matmul2d_descriptor descriptor = D;
-  using scope = Scope;
-  template <class Left, class Right, class ElementType>
-  using destination_t = metal::cooperative_tensor<ElementType, D.m, D.n, kThreads>;
-
-  template <class Left, class Right, class ElementType>
-  destination_t<Left, Right, ElementType> get_destination_cooperative_tensor() const {
-    return destination_t<Left, Right, ElementType>();
-  }
-
   template <class Left, class Right, class Dest>
   void run(Left& left, Right& right, Dest& dest) const {
     using LE = typename Left::element_type;
     using RE = typename Right::element_type;
-    using DE = lily_cuda::remove_cv_t<typename Dest::element_type>;
     constexpr bool kInt = detail::is_int8<LE> && detail::is_int8<RE>;
     using Acc = lily_cuda::conditional_t<kInt, int, float>;
     // The threads of the scope enter together (execution-scope uniform): operands written before
@@ -842,35 +480,10 @@ class matmul2d {
     const int K = D.k < 0 ? lk : D.k;
     const int me = int((threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z)) % kThreads);
     constexpr int kMine = (D.m * D.n + kThreads - 1) / kThreads;
-    constexpr bool kAcc = D.matmul_mode == matmul2d_descriptor::mode::multiply_accumulate;
     for (int i = 0; i < kMine; ++i) {
       const int f = i * kThreads + me;
       if (f >= D.m * D.n) break;
-      const long col = f % D.n, row = f / D.n;
-      Acc s = Acc(0);
-      for (long k = 0; k < K; ++k) {
-        if constexpr (kInt) {
-          s += (D.transpose_left ? left.at_int(row, k) : left.at_int(k, row)) *
-               (D.transpose_right ? right.at_int(k, col) : right.at_int(col, k));
-        } else {
-          const float a = D.transpose_left ? left.at(row, k) : left.at(k, row);
-          const float b = D.transpose_right ? right.at(k, col) : right.at(col, k);
-          s = __fadd_rn(s, __fmul_rn(a, b));
-        }
-      }
-      if constexpr (!kInt) {
-        if (D.relaxed_precision) s = float(metal::half(s));
-      }
-      if constexpr (detail::is_coop<Dest>::value) {
-        DE& d = dest[Dest::index_of(i)];
-        if constexpr (kInt) d = kAcc ? d + s : s;
-        else d = DE(kAcc ? __fadd_rn(float(d), s) : s);
-      } else {
-        if (col >= long(dest.get_extent(0)) || row >= long(dest.get_extent(1))) continue;
-        auto& d = dest.data()[row * long(dest.get_extent(0)) + col];
-        if constexpr (kInt) d = kAcc ? d + s : s;
-        else d = DE(kAcc ? __fadd_rn(float(d), s) : s);
-      }
+      detail::matmul2d_store<D>(dest, i, f, detail::matmul2d_element<D, Acc>(left, right, K, f / D.n, f % D.n));
     }
     if constexpr (lily_cuda::is_same_v<Scope, metal::execution_simdgroup>) __syncwarp();
     else __syncthreads();
@@ -1005,14 +618,5 @@ constexpr unsigned max_threads(const char* name) {
 // LILY_TG_ARRAY(float, tile, [32][36]): __shared__ float tile[32][36];
 #define LILY_TG_ARRAY(T, name, dims) __shared__ __align__(16) T name dims
 
-#define LILY_KERNEL_TAIL \
-  uint3 group_pos, uint3 thread_pos, uint3 group_size, uint3 grid_pos, uint lane, uint simd_id
-
-// MSL address spaces and function qualifiers. `constant` is read-only, as in MSL.
-#define device
-#define threadgroup
-#define thread
-#define constant const
-#define kernel
-
-
+// LILY_KERNEL_TAIL and the address-space macros, last.
+#include "msl/msl_address_spaces.h"

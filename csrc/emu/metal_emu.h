@@ -4,10 +4,11 @@
 // macros at the end of this file would break them). Implemented here:
 //   types      bfloat (struct, round-to-nearest-even), half (_Float16 where the compiler has it),
 //              vec<T,2|3|4> (float2..4, int2..4, uint2..4, ...; .x .y .z .w and [i], no swizzles),
-//              uint/ushort/uchar/ulong
+//              uint/ushort/uchar/ulong; bfloat and the vectors are csrc/msl/msl_values.h (shared
+//              with the cuda device)
 //   math       abs min max clamp fma exp exp2 log log2 sqrt rsqrt floor ceil round rint trunc tanh
 //              sin cos pow powr select mix saturate isnan isinf isfinite dot, also in fast:: and
-//              precise:: (all precise here), as_type
+//              precise:: (all precise here), as_type (csrc/msl/msl_values.h: the C library)
 //   sync       threadgroup_barrier, simdgroup_barrier, atomic_thread_fence (memory is coherent; only
 //              atomic_thread_fence(mem_device, .., thread_scope_device) feeds the memory-ordering
 //              model between threadgroups, runtime.h: a barrier orders its own threadgroup only)
@@ -21,7 +22,8 @@
 //              (matrix_origin must be 0), simdgroup_multiply(_accumulate) (bfloat / half operands
 //              into float accumulators too)
 //   tensors    Metal 4 tensor_inline tensors, cooperative tensors and mpp::tensor_ops::matmul2d
-//              (csrc/emu/tensor_ops_emu.h: semantics, scope checks and rounding stated there)
+//              (csrc/emu/tensor_ops_emu.h: semantics, scope checks and rounding stated there;
+//              the element loop is csrc/msl/msl_values.h's)
 //   kernels    LILY_INSTANTIATE registers a kernel under its host name; LILY_TG_ARRAY declares a
 //              threadgroup array (shared by the threadgroup, poisoned with signalling NaN);
 //              LILY_KERNEL_TAIL is the fixed list of built-in thread-position parameters.
@@ -54,97 +56,19 @@ using std::numeric_limits;
 using half = _Float16;
 #endif
 
-// ---------------------------------------------------------------------------- bfloat
-struct bfloat {
-  uint16_t bits;
-  bfloat() = default;
-  explicit constexpr bfloat(float f) : bits(from_float(f)) {}
-  explicit constexpr bfloat(double d) : bfloat(static_cast<float>(d)) {}
-  explicit constexpr bfloat(int i) : bfloat(static_cast<float>(i)) {}
-  explicit constexpr bfloat(unsigned i) : bfloat(static_cast<float>(i)) {}
-  constexpr operator float() const { return std::bit_cast<float>(uint32_t(bits) << 16); }
+}  // namespace metal
 
-  static constexpr uint16_t from_float(float f) {
-    uint32_t u = std::bit_cast<uint32_t>(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // NaN
-    u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest, ties to even
-    return static_cast<uint16_t>(u >> 16);
-  }
-};
-static_assert(sizeof(bfloat) == 2);
+// What csrc/msl/msl_values.h asks of its device.
+namespace lily_msl {
+inline uint32_t thread_in_group() { return ::lily::emu::thread_index_in_group(); }
+inline void poison_fresh(void* p, size_t bytes) { std::memset(p, 0xFF, bytes); }  // NaN until written
+}  // namespace lily_msl
 
-// ---------------------------------------------------------------------------- vectors
-template <class T, int N>
-struct vec_storage;
-template <class T>
-struct alignas(2 * sizeof(T)) vec_storage<T, 2> {
-  union {
-    struct { T x, y; };
-    T v[2];
-  };
-};
-template <class T>
-struct alignas(4 * sizeof(T)) vec_storage<T, 3> {
-  union {
-    struct { T x, y, z; };
-    T v[4];
-  };
-};
-template <class T>
-struct alignas(4 * sizeof(T)) vec_storage<T, 4> {
-  union {
-    struct { T x, y, z, w; };
-    T v[4];
-  };
-};
+// bfloat, the vectors, the math, Metal 4 tensors and matmul2d's element loop: MSL value semantics
+// shared with the cuda device.
+#include "msl/msl_values.h"  // NOLINT(build/include_order): needs metal::half above
 
-template <class T, int N>
-struct vec;
-
-template <class U>
-struct vec_info {
-  static constexpr int size = 1;
-};
-template <class U, int M>
-struct vec_info<vec<U, M>> {
-  static constexpr int size = M;
-};
-
-template <class T, int N>
-struct vec : vec_storage<T, N> {
-  using value_type = T;
-  vec() = default;
-  constexpr vec(T s) {  // broadcast (MSL: float4(1.0f))
-    for (int i = 0; i < N; ++i) this->v[i] = s;
-  }
-  // Component-wise construction from scalars and smaller vectors: float4(a, b, c, d),
-  // float4(float2, float2), float4(float3, w), uint3(x, y, z).
-  template <class A, class B, class... C>
-  constexpr vec(const A& a, const B& b, const C&... c) {
-    static_assert(vec_info<A>::size + vec_info<B>::size + (vec_info<C>::size + ... + 0) == N,
-                  "vector constructor: component count must equal the vector size");
-    int k = 0;
-    put(k, a);
-    put(k, b);
-    (put(k, c), ...);
-  }
-  template <class U>
-  explicit constexpr vec(const vec<U, N>& o) {  // conversion: float4(int4) converts each value
-    for (int i = 0; i < N; ++i) this->v[i] = static_cast<T>(o.v[i]);
-  }
-  constexpr T& operator[](int i) { return this->v[i]; }
-  constexpr const T& operator[](int i) const { return this->v[i]; }
-
- private:
-  template <class U>
-  constexpr void put(int& k, const U& u) {
-    if constexpr (vec_info<U>::size == 1) {
-      this->v[k++] = static_cast<T>(u);
-    } else {
-      for (int i = 0; i < vec_info<U>::size; ++i) this->v[k++] = static_cast<T>(u.v[i]);
-    }
-  }
-};
+namespace metal {
 
 #define LILY_VEC_TYPES(T, name) \
   using name##2 = vec<T, 2>;    \
@@ -163,176 +87,6 @@ LILY_VEC_TYPES(uint64_t, ulong)
 LILY_VEC_TYPES(_Float16, half)
 #endif
 #undef LILY_VEC_TYPES
-
-#define LILY_VEC_BINOP(op)                                                             \
-  template <class T, int N>                                                            \
-  constexpr vec<T, N> operator op(const vec<T, N>& a, const vec<T, N>& b) {            \
-    vec<T, N> r;                                                                       \
-    for (int i = 0; i < N; ++i) r.v[i] = static_cast<T>(a.v[i] op b.v[i]);             \
-    return r;                                                                          \
-  }                                                                                    \
-  template <class T, int N, class S, class = std::enable_if_t<std::is_arithmetic_v<S>>> \
-  constexpr vec<T, N> operator op(const vec<T, N>& a, S s) {                           \
-    return a op vec<T, N>(static_cast<T>(s));                                          \
-  }                                                                                    \
-  template <class T, int N, class S, class = std::enable_if_t<std::is_arithmetic_v<S>>> \
-  constexpr vec<T, N> operator op(S s, const vec<T, N>& a) {                           \
-    return vec<T, N>(static_cast<T>(s)) op a;                                          \
-  }                                                                                    \
-  template <class T, int N, class S>                                                   \
-  constexpr vec<T, N>& operator op##=(vec<T, N>& a, const S& b) {                      \
-    a = a op b;                                                                        \
-    return a;                                                                          \
-  }
-LILY_VEC_BINOP(+)
-LILY_VEC_BINOP(-)
-LILY_VEC_BINOP(*)
-LILY_VEC_BINOP(/)
-LILY_VEC_BINOP(&)
-LILY_VEC_BINOP(|)
-LILY_VEC_BINOP(^)
-LILY_VEC_BINOP(<<)
-LILY_VEC_BINOP(>>)
-#undef LILY_VEC_BINOP
-
-template <class T, int N>
-constexpr vec<T, N> operator-(const vec<T, N>& a) {
-  vec<T, N> r;
-  for (int i = 0; i < N; ++i) r.v[i] = -a.v[i];
-  return r;
-}
-
-// ---------------------------------------------------------------------------- math
-// Templates (not overloads) so the C library's float overloads stay unambiguous; vectors apply
-// the scalar function per component.
-#define LILY_MATH1(name, expr)                                     \
-  template <class T>                                               \
-  inline T name(T x) {                                             \
-    if constexpr (vec_info<T>::size > 1) {                         \
-      T r;                                                         \
-      for (int i = 0; i < vec_info<T>::size; ++i) r.v[i] = name(x.v[i]); \
-      return r;                                                    \
-    } else if constexpr (std::is_same_v<T, bfloat>) {              \
-      return bfloat(name(static_cast<float>(x)));                  \
-    } else {                                                       \
-      return static_cast<T>(expr);                                 \
-    }                                                              \
-  }
-#define LILY_MATH_FUNCS                                           \
-  LILY_MATH1(exp, std::exp(x))                                    \
-  LILY_MATH1(exp2, std::exp2(x))                                  \
-  LILY_MATH1(log, std::log(x))                                    \
-  LILY_MATH1(log2, std::log2(x))                                  \
-  LILY_MATH1(sqrt, std::sqrt(x))                                  \
-  LILY_MATH1(rsqrt, 1.0f / std::sqrt(x))                          \
-  LILY_MATH1(floor, std::floor(x))                                \
-  LILY_MATH1(ceil, std::ceil(x))                                  \
-  LILY_MATH1(round, std::round(x))                                \
-  LILY_MATH1(rint, std::rint(x))                                  \
-  LILY_MATH1(trunc, std::trunc(x))                                \
-  LILY_MATH1(tanh, std::tanh(x))                                  \
-  LILY_MATH1(sin, std::sin(x))                                    \
-  LILY_MATH1(cos, std::cos(x))                                    \
-  LILY_MATH1(saturate, std::fmin(std::fmax(x, T(0)), T(1)))
-LILY_MATH_FUNCS
-namespace precise {
-LILY_MATH_FUNCS
-}
-namespace fast {
-LILY_MATH_FUNCS
-}
-#undef LILY_MATH_FUNCS
-#undef LILY_MATH1
-
-template <class T>
-inline T abs(T x) {
-  if constexpr (vec_info<T>::size > 1) {
-    T r;
-    for (int i = 0; i < vec_info<T>::size; ++i) r.v[i] = abs(x.v[i]);
-    return r;
-  } else if constexpr (std::is_floating_point_v<T>) {
-    return std::fabs(x);
-  } else if constexpr (std::is_unsigned_v<T>) {
-    return x;
-  } else {
-    return x < 0 ? -x : x;
-  }
-}
-template <class T>
-inline T fabs(T x) { return abs(x); }
-
-// MSL max/min on floats return the non-NaN operand (fmax/fmin).
-template <class T>
-inline T max(T a, T b) {
-  if constexpr (vec_info<T>::size > 1) {
-    T r;
-    for (int i = 0; i < vec_info<T>::size; ++i) r.v[i] = max(a.v[i], b.v[i]);
-    return r;
-  } else if constexpr (std::is_floating_point_v<T>) {
-    return std::fmax(a, b);
-  } else if constexpr (std::is_same_v<T, bfloat>) {
-    return bfloat(std::fmax(float(a), float(b)));
-  } else {
-    return a < b ? b : a;
-  }
-}
-template <class T>
-inline T min(T a, T b) {
-  if constexpr (vec_info<T>::size > 1) {
-    T r;
-    for (int i = 0; i < vec_info<T>::size; ++i) r.v[i] = min(a.v[i], b.v[i]);
-    return r;
-  } else if constexpr (std::is_floating_point_v<T>) {
-    return std::fmin(a, b);
-  } else if constexpr (std::is_same_v<T, bfloat>) {
-    return bfloat(std::fmin(float(a), float(b)));
-  } else {
-    return b < a ? b : a;
-  }
-}
-template <class T>
-inline T fmax(T a, T b) { return max(a, b); }
-template <class T>
-inline T fmin(T a, T b) { return min(a, b); }
-template <class T>
-inline T clamp(T x, T lo, T hi) { return min(max(x, lo), hi); }
-template <class T>
-inline T fma(T a, T b, T c) {
-  if constexpr (vec_info<T>::size > 1) {
-    T r;
-    for (int i = 0; i < vec_info<T>::size; ++i) r.v[i] = fma(a.v[i], b.v[i], c.v[i]);
-    return r;
-  } else if constexpr (std::is_same_v<T, half>) {  // the fused a * b + c rounded once to half: the
-    return T(std::fma(double(a), double(b), double(c)));  // double fma is exact for half operands
-  } else {                                                // (22-bit product) but for far-apart sums
-    return std::fma(a, b, c);
-  }
-}
-template <class T>
-inline T pow(T a, T b) { return std::pow(a, b); }
-template <class T>
-inline T powr(T a, T b) { return std::pow(a, b); }
-template <class T>
-inline T mix(T a, T b, T t) { return a + (b - a) * t; }
-template <class T>
-inline T select(T a, T b, bool c) { return c ? b : a; }
-template <class T>
-inline bool isnan(T x) { return std::isnan(static_cast<float>(x)); }
-template <class T>
-inline bool isinf(T x) { return std::isinf(static_cast<float>(x)); }
-template <class T>
-inline bool isfinite(T x) { return std::isfinite(static_cast<float>(x)); }
-template <class T, int N>
-inline T dot(const vec<T, N>& a, const vec<T, N>& b) {
-  T s = a.v[0] * b.v[0];
-  for (int i = 1; i < N; ++i) s += a.v[i] * b.v[i];
-  return s;
-}
-template <class To, class From>
-inline To as_type(const From& f) {
-  static_assert(sizeof(To) == sizeof(From), "as_type: sizes differ");
-  return std::bit_cast<To>(f);
-}
 
 // ---------------------------------------------------------------------------- synchronisation
 enum class mem_flags : unsigned { mem_none = 0, mem_device = 1, mem_threadgroup = 2, mem_texture = 4 };
@@ -511,13 +265,6 @@ inline void atomic_thread_fence(mem_flags f, memory_order, thread_scope scope, c
     ::lily::emu::device_fence(file, line);
 }
 
-template <class T>
-struct atomic {
-  T value;
-};
-using atomic_int = atomic<int>;
-using atomic_uint = atomic<unsigned int>;
-using atomic_float = atomic<float>;
 
 template <class T, class U>
 inline void atomic_store_explicit(volatile atomic<T>* a, U v, memory_order) {
@@ -777,12 +524,5 @@ bool add(const char* name, const char* file) {
   T(&name) dims = *reinterpret_cast<T(*) dims>(                                       \
       ::lily::emu::threadgroup_alloc(sizeof(T dims), alignof(T) > 16 ? alignof(T) : 16, __FILE__, __LINE__))
 
-#define LILY_KERNEL_TAIL                                                                       \
-  uint3 group_pos, uint3 thread_pos, uint3 group_size, uint3 grid_pos, uint lane, uint simd_id
-
-// MSL address spaces and function qualifiers. `constant` is read-only, as in MSL.
-#define device
-#define threadgroup
-#define thread
-#define constant const
-#define kernel
+// LILY_KERNEL_TAIL and the address-space macros, last.
+#include "msl/msl_address_spaces.h"

@@ -2,7 +2,8 @@
 // (shaders/common/tensor_ops.h includes this in the emulator; csrc/emu/tensor_ops_strict.h has
 // the same declarations for the strict pass). Included by csrc/emu/metal_emu.h before its
 // address-space macros. Sources for the API and its semantics: docs/tensor-ops.md, "Metal 4 tensor
-// ops (M5)".
+// ops (M5)". The tensor types and matmul2d's element loop are csrc/msl/msl_values.h (shared with the
+// cuda device); this file adds the emulator's matmul2d: its scope checks and rendezvous.
 //
 //   metal::dextents<I, 2>(e0, e1)       extents, e0 the innermost (contiguous) dimension
 //   metal::tensor_inline                a tensor over a pointer it does not own
@@ -23,7 +24,8 @@
 // as 0 and destination elements outside its extents are not written (the header's edge checking).
 // Types: the header's rows (half, half) -> float or half, and (int8_t or uint8_t, int8_t or uint8_t)
 // -> int32_t (the int8 rows with an integer destination; exact: 8-bit products summed in 32 bits).
-// Precision (the emulator's choice, stated): each output is sum_k float(a) * float(b) in fp32,
+// Precision (the emulator's choice, stated; the element loop is csrc/msl/msl_values.h's, which the
+// cuda device runs too): each output is sum_k float(a) * float(b) in fp32,
 // k = 0.. in order (half x half products are exact in fp32), then added to the destination in
 // fp32 and rounded to its type. relaxed_precision = true (documented only as "allow the
 // implementation to sacrifice accuracy for performance") is modelled as that sum rounded to half
@@ -51,119 +53,15 @@
 #include <type_traits>
 
 #include "emu/runtime.h"
-
-namespace metal {
-
-inline constexpr size_t dynamic_extent = static_cast<size_t>(-1);
-
-template <class IndexType, size_t Rank>
-struct dextents {
-  static_assert(Rank == 2, "the emulator implements rank-2 tensors");
-  using index_type = IndexType;
-  IndexType e[Rank];
-  constexpr dextents(IndexType e0, IndexType e1) : e{e0, e1} {}
-  static constexpr size_t rank() { return Rank; }
-  constexpr IndexType extent(size_t r) const { return e[r]; }
-};
-
-struct tensor_inline {};
-
-template <class ElementType, class Extents, class DescriptorType = tensor_inline>
-class tensor {
-  static_assert(std::is_same_v<DescriptorType, tensor_inline>, "the emulator implements tensor_inline tensors");
-
- public:
-  using element_type = ElementType;
-  using extents_type = Extents;
-  using index_type = typename Extents::index_type;
-  tensor(ElementType* data, Extents ext) : data_(data), ext_(ext) {}
-  ElementType* data() const { return data_; }
-  constexpr Extents extents() const { return ext_; }
-  index_type get_extent(size_t r) const { return ext_.extent(r); }
-  // Element (i0, i1): 0 outside the extents (edge checking).
-  float at(long i0, long i1) const {
-    if (i0 < 0 || i1 < 0 || i0 >= long(ext_.extent(0)) || i1 >= long(ext_.extent(1))) return 0.0f;
-    return static_cast<float>(data_[i1 * long(ext_.extent(0)) + i0]);
-  }
-  // The same, as an integer (the int8 rows).
-  int32_t at_int(long i0, long i1) const {
-    if (i0 < 0 || i1 < 0 || i0 >= long(ext_.extent(0)) || i1 >= long(ext_.extent(1))) return 0;
-    return static_cast<int32_t>(data_[i1 * long(ext_.extent(0)) + i0]);
-  }
-
- private:
-  ElementType* data_;
-  Extents ext_;
-};
-
-template <int N>
-struct execution_simdgroups {
-  static_assert(N >= 1, "execution_simdgroups<N> needs N >= 1");
-  static constexpr int simdgroups = N;
-};
-struct execution_simdgroup {
-  static constexpr int simdgroups = 1;
-};
-
-template <class T, int Rank>
-struct tensor_index {  // what get_multidimensional_index returns: index[0], index[1]
-  T v[Rank];
-  constexpr T operator[](int r) const { return v[r]; }
-};
-
-// A matmul2d destination held in the threads of the op's scope (layout: see the header comment).
-template <class ElementType, int M, int N, int Threads>
-class cooperative_tensor {
- public:
-  using element_type = ElementType;
-  static constexpr int kCapacity = (M * N + Threads - 1) / Threads;
-  cooperative_tensor() : owner_(::lily::emu::thread_index_in_group() % Threads) {
-    std::memset(static_cast<void*>(e_), 0xFF, sizeof e_);  // NaN until written
-  }
-  static constexpr uint16_t get_capacity() { return uint16_t(kCapacity); }
-  bool is_valid_element(uint16_t i) const { return i < kCapacity && flat(i) < M * N; }
-  tensor_index<int, 2> get_multidimensional_index(uint16_t i) const {
-    const int f = flat(i);
-    return {{f % N, f / N}};
-  }
-  ElementType& operator[](uint16_t i) { return e_[i]; }
-  const ElementType& operator[](uint16_t i) const { return e_[i]; }
-  int owner() const { return owner_; }
-  // The element index of slot s (its inverse too: the map is an involution).
-  static constexpr uint16_t index_of(int s) { return uint16_t(std::is_integral_v<ElementType> ? kCapacity - 1 - s : s); }
-  int flat(uint16_t i) const { return int(index_of(i)) * Threads + owner_; }
-
- private:
-  ElementType e_[kCapacity];
-  int owner_;
-};
-
-}  // namespace metal
+#include "msl/msl_values.h"  // matmul2d_descriptor and its element loop (after metal_emu.h's half)
 
 namespace mpp::tensor_ops {
-
-struct matmul2d_descriptor {
-  enum class mode { multiply, multiply_accumulate };
-  int m, n, k;
-  bool transpose_left, transpose_right;
-  bool relaxed_precision;
-  mode matmul_mode;
-  constexpr matmul2d_descriptor(int m_, int n_, int k_ = -1, bool transpose_left_ = false,
-                                bool transpose_right_ = false, bool relaxed_precision_ = false,
-                                mode matmul_mode_ = mode::multiply)
-      : m(m_), n(n_), k(k_), transpose_left(transpose_left_), transpose_right(transpose_right_),
-        relaxed_precision(relaxed_precision_), matmul_mode(matmul_mode_) {}
-};
 
 namespace detail {
 template <class T>
 inline constexpr bool is_half = std::is_same_v<std::remove_cv_t<T>, metal::half>;
 template <class T>
 inline constexpr bool is_int8 = std::is_same_v<std::remove_cv_t<T>, int8_t> || std::is_same_v<std::remove_cv_t<T>, uint8_t>;
-template <class T>
-struct is_coop : std::false_type {};
-template <class E, int M, int N, int Th>
-struct is_coop<metal::cooperative_tensor<E, M, N, Th>> : std::true_type {};
 template <class T>
 struct coop_shape;
 template <class E, int M, int N, int Th>
@@ -173,22 +71,11 @@ struct coop_shape<metal::cooperative_tensor<E, M, N, Th>> {
 }  // namespace detail
 
 template <matmul2d_descriptor D, class Scope>
-class matmul2d {
-  static_assert(D.m > 0 && D.n > 0, "matmul2d_descriptor: m and n must be positive");
-  static constexpr int kThreads = Scope::simdgroups * int(::lily::emu::kSimdWidth);
+class matmul2d : public detail::matmul2d_base<D, Scope> {
+  static constexpr int kThreads = detail::matmul2d_base<D, Scope>::kThreads;
+  static_assert(::lily::emu::kSimdWidth == 32, "matmul2d_base counts 32 threads per simdgroup");
 
  public:
-  static constexpr matmul2d_descriptor descriptor = D;
-  using scope = Scope;
-
-  template <class Left, class Right, class ElementType>
-  using destination_t = metal::cooperative_tensor<ElementType, D.m, D.n, kThreads>;
-
-  template <class Left, class Right, class ElementType>
-  destination_t<Left, Right, ElementType> get_destination_cooperative_tensor() const {
-    return destination_t<Left, Right, ElementType>();
-  }
-
   template <class Left, class Right, class Dest>
   void run(Left& left, Right& right, Dest& dest, const char* file = __builtin_FILE(),
            int line = __builtin_LINE()) const {
@@ -227,22 +114,7 @@ class matmul2d {
     for (int i = 0; i < kMine; ++i) {
       const int f = i * kThreads + int(me);
       if (f >= D.m * D.n) break;
-      Acc s = after[i];
-      if constexpr (!kInt) {
-        if (D.relaxed_precision) s = float(metal::half(s));
-      }
-      constexpr bool kAcc = D.matmul_mode == matmul2d_descriptor::mode::multiply_accumulate;
-      if constexpr (detail::is_coop<Dest>::value) {
-        DE& d = dest[Dest::index_of(i)];
-        if constexpr (kInt) d = kAcc ? d + s : s;
-        else d = DE(kAcc ? float(d) + s : s);
-      } else {
-        const long col = f % D.n, row = f / D.n;
-        if (col >= long(dest.get_extent(0)) || row >= long(dest.get_extent(1))) continue;
-        auto& d = dest.data()[row * long(dest.get_extent(0)) + col];
-        if constexpr (kInt) d = kAcc ? d + s : s;
-        else d = DE(kAcc ? float(d) + s : s);
-      }
+      detail::matmul2d_store<D>(dest, i, f, after[i]);
     }
   }
 
@@ -284,19 +156,7 @@ class matmul2d {
         out[i] = Acc(0);
         continue;
       }
-      const long col = f % D.n, row = f / D.n;
-      Acc s = Acc(0);
-      for (long k = 0; k < K; ++k) {
-        if constexpr (std::is_same_v<Acc, int32_t>) {
-          s += (D.transpose_left ? l.at_int(row, k) : l.at_int(k, row)) *
-               (D.transpose_right ? r.at_int(k, col) : r.at_int(col, k));
-        } else {
-          const float a = D.transpose_left ? l.at(row, k) : l.at(k, row);
-          const float b = D.transpose_right ? r.at(k, col) : r.at(col, k);
-          s += a * b;
-        }
-      }
-      out[i] = s;
+      out[i] = detail::matmul2d_element<D, Acc>(l, r, K, f / D.n, f % D.n);
     }
   }
 };

@@ -7,6 +7,8 @@
 // (.ci/checks/strict_shaders.sh); their sources keep to what Metal 4 (C++17 based) accepts.
 #pragma once
 
+#include "msl/matmul2d_descriptor.h"
+
 namespace metal {
 
 constexpr size_t dynamic_extent = static_cast<size_t>(-1);
@@ -54,19 +56,6 @@ class cooperative_tensor {
 
 namespace mpp {
 namespace tensor_ops {
-
-struct matmul2d_descriptor {
-  enum class mode { multiply, multiply_accumulate };
-  int m, n, k;
-  bool transpose_left, transpose_right;
-  bool relaxed_precision;
-  mode matmul_mode;
-  constexpr matmul2d_descriptor(int m_, int n_, int k_ = -1, bool transpose_left_ = false,
-                                bool transpose_right_ = false, bool relaxed_precision_ = false,
-                                mode matmul_mode_ = mode::multiply)
-      : m(m_), n(n_), k(k_), transpose_left(transpose_left_), transpose_right(transpose_right_),
-        relaxed_precision(relaxed_precision_), matmul_mode(matmul_mode_) {}
-};
 
 template <matmul2d_descriptor D, class Scope>
 class matmul2d {
