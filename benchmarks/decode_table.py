@@ -213,7 +213,7 @@ def table(cfg, position, sample, markdown: bool, quant: dict | None = None) -> N
 
 
 def instr_per_key(group: int, e: int, q8: bool = False) -> int:
-    """Simd instructions per key per KV head in attention_vec's key loop (shaders/attention.metal),
+    """Simd instructions per key per KV head in attention_vec's key loop (shaders/attention_decode.metal),
     counted from the source, per simdgroup: the K and V loads (bf16: 2 wide loads; int8: 2 and the
     rows' 2 scales), the widening of 2E values (bf16: 1 each; int8 codes: shift, shift, convert),
     per query head of the group E FMAs for the dot, reduce_scatter8 (16 + 8 + 4 + 4: selects,

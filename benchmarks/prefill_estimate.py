@@ -229,7 +229,7 @@ def remainder_tile(rem: int, tensor_ops: bool, tile16_cost: int = 16) -> tuple[s
 def moe_split(cfg: ModelConfig, T: int, layers: int, seed: int = 0, tensor_ops: bool = False,
               tile16_cost: int = 16) -> dict:
     """MoE expert work of `layers` layers for a chunk of T tokens by tile kind under uniform random
-    routing, following moe_plan (shaders/moe.metal): each group (expert, and the shared group of
+    routing, following moe_plan (shaders/moe_plan.metal): each group (expert, and the shared group of
     all T rows) of c rows takes c // 64 64-row tiles and its remainder one tile by remainder_tile.
     Returns {(stage, kind): dict(executed, useful, rows, weight_bytes, executed16, executed16_true)}
     with stage gate_up / down, kind 64 / 32 / few; executed as moe_expert_flops_from_tiles (whole

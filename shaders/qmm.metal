@@ -304,7 +304,7 @@ template <typename T, typename S, int bits, typename Y = T>
 // 16-byte boundaries.
 
 // Staging helpers (QmmXRegs, qmm_bf16_load / qmm_bf16_store): common/qmm_bf16.h, shared with
-// the MoE grouped bf16 tiles (moe.metal).
+// the MoE grouped bf16 tiles (moe_prefill_bf16.metal).
 
 template <typename T, typename S, int bits>
 [[kernel]] void qmm_bf16(constant QmmArgs& args [[buffer(0)]],

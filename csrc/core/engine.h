@@ -43,7 +43,7 @@ class SampleError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-// Sampling fused into a step (the device sampler, shaders/sampling.metal).
+// Sampling fused into a step (the device sampler, shaders/sampling*.metal).
 struct StepSampling {
   bool enabled = false;
   gpu::ops::SampleParams params;
@@ -64,7 +64,7 @@ struct EngineCounters {
 
 // The quantization the engine's kernels take (ModelSpec::validate refuses others; lily_py checks
 // every tensor against these first, naming the tensor): kEngineBits for the quantized matmuls and
-// the embedding, kEngineExpertBits for the MoE expert kernels (shaders/moe.metal).
+// the embedding, kEngineExpertBits for the MoE expert kernels (shaders/moe_*.metal).
 inline constexpr uint32_t kEngineBits[] = {2, 3, 4, 5, 6, 8};
 inline constexpr uint32_t kEngineExpertBits[] = {2, 3, 4, 5, 6, 8};
 inline constexpr uint32_t kEngineGroupSizes[] = {32, 64, 128};

@@ -185,7 +185,7 @@ bool graphs_on() {
   return !(e && std::string(e) == "0");
 }
 
-struct Buffers {  // csrc/cuda/metal_cuda.h lily_cuda::Buffers
+struct Buffers {  // csrc/cuda/metal_cuda_entry.h lily_cuda::Buffers
   void* p[gpu::kMaxBuffers];
 };
 

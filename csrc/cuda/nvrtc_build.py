@@ -27,9 +27,11 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SHADERS = [
-    "attention.metal", "elementwise.metal", "embedding.metal", "gated_delta.metal",
-    "gated_delta_chunk.metal", "moe.metal", "norm.metal", "qmm.metal", "m5/qmm_m5.metal",
-    "m5/moe_m5.metal", "m5/attention_m5.metal", "m5/gated_delta_chunk_m5.metal", "sampling.metal",
+    "attention.metal", "attention_decode.metal", "attention_prefill.metal", "elementwise.metal",
+    "embedding.metal", "gated_delta.metal", "gated_delta_chunk.metal", "moe_plan.metal",
+    "moe_decode.metal", "moe_prefill.metal", "moe_prefill_bf16.metal", "norm.metal", "qmm.metal",
+    "m5/qmm_m5.metal", "m5/moe_m5.metal", "m5/attention_m5.metal", "m5/gated_delta_chunk_m5.metal",
+    "sampling.metal", "sampling_buckets.metal", "sampling_logprobs.metal",
 ]
 TOOLS = -1  # the job index of csrc/cuda/tools.cu (the device's own timing kernels)
 TOOL_ENTRIES = ["lily_cuda_empty", "lily_cuda_stream_read"]

@@ -20,11 +20,16 @@
 
 // clang-format off
 #include "attention.metal"
+#include "attention_decode.metal"
+#include "attention_prefill.metal"
 #include "elementwise.metal"
 #include "embedding.metal"
 #include "gated_delta.metal"
 #include "gated_delta_chunk.metal"
-#include "moe.metal"
+#include "moe_plan.metal"
+#include "moe_decode.metal"
+#include "moe_prefill.metal"
+#include "moe_prefill_bf16.metal"
 #include "norm.metal"
 #include "qmm.metal"
 #include "m5/qmm_m5.metal"
@@ -32,6 +37,8 @@
 #include "m5/attention_m5.metal"
 #include "m5/gated_delta_chunk_m5.metal"
 #include "sampling.metal"
+#include "sampling_buckets.metal"
+#include "sampling_logprobs.metal"
 #include "emu/selftest.metal"
 #include "emu/selftest_m5.metal"
 // clang-format on

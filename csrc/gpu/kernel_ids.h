@@ -203,7 +203,7 @@
   X(gd_chunk_prep_conv_q16_xf32_wbf16,  GdChunkArgs, 13) \
   X(gd_chunk_prep_conv_q16_xbf16_wf32,  GdChunkArgs, 13) \
   X(gd_chunk_prep_conv_q16_xbf16_wbf16, GdChunkArgs, 13) \
-  /* mixture of experts (shaders/moe.metal; buffers listed in the shader) */  \
+  /* mixture of experts (shaders/moe_*.metal; buffers listed in the shader) */ \
   X(moe_route,                       MoeArgs, 3)                              \
   X(moe_plan,                        MoeArgs, 5)                              \
   X(moe_gate_up_mv_b4_xf32_sbf16,    MoeArgs, 15)                             \
@@ -227,7 +227,7 @@
   X(moe_gate_up_bf16_32_b4_xbf16_sbf16, MoeArgs, 15)                          \
   X(moe_down_bf16_64_b4_sbf16,       MoeArgs, 10)                             \
   X(moe_down_bf16_32_b4_sbf16,       MoeArgs, 10)                             \
-  /* attention (shaders/attention.metal): rope: x, inv_freq, y */             \
+  /* attention (shaders/attention*.metal): rope: x, inv_freq, y */            \
   X(rope_f32,  RopeArgs, 3)                                                   \
   X(rope_bf16, RopeArgs, 3)                                                   \
   /* qg, k, v, q_norm, k_norm, inv_freq, q_out, k_cache, v_cache */          \
@@ -298,7 +298,7 @@
   X(attn_vec_combine_e4_bf16, AttnArgs, 4)                                \
   X(attn_vec_combine_e8_f32, AttnArgs, 4)                                \
   X(attn_vec_combine_e8_bf16, AttnArgs, 4)                                \
-  /* argmax / sampling (shaders/sampling.metal; host csrc/gpu/ops/sampling.cpp) */ \
+  /* argmax / sampling (shaders/sampling*.metal; host csrc/gpu/ops/sampling.cpp) */ \
   X(sample_max_partial_f32,    SampleArgs, 3) /* logits (masked in place), partials, mask */ \
   X(sample_max_final,          SampleArgs, 4) /* partials, state, ids, chosen_logit */ \
   X(sample_max_final_buckets,  SampleArgs, 3) /* partials, state, hist (zeroed) */ \
@@ -315,7 +315,7 @@
   X(sample_noise,              SampleArgs, 1) /* out */ \
   /* 2, 3, 5 and 6 bits (bfloat16 scales): the dense matvecs, qmm's fp32 tiles and the embedding
      (shaders/qmm.metal, embedding.metal); 2, 3, 5, 6 and 8 bits: the MoE matvec, fp32 tile and
-     few-row kernels (moe.metal). 4 bits: the rows above; the bf16 and tensor-op tiles are 4/8-bit. */ \
+     few-row kernels (moe_prefill.metal). 4 bits: the rows above; the bf16 and tensor-op tiles are 4/8-bit. */ \
   X(qmv_b2_xf32_sbf16, QmmArgs, 5) \
   X(qmv1_b2_xf32_sbf16, Qmv1Args, 9) \
   X(qmv1_b2_xf32_sbf16_r1, Qmv1Args, 9) \

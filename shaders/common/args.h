@@ -143,8 +143,8 @@ struct ElementwiseArgs {
 }  // namespace lily
 #include "common/args_gated_delta.h"  // Gated DeltaNet (conv1d, gated_delta)
 
-#include "common/args_moe.h"  // mixture of experts (shaders/moe.metal)
+#include "common/args_moe.h"  // mixture of experts (shaders/moe_*.metal)
 
 #include "common/args_attention.h"  // attention family: rope, qk norm, KV cache, decode/prefill
 
-#include "common/args_sampling.h"  // argmax / sampling (shaders/sampling.metal)
+#include "common/args_sampling.h"  // argmax / sampling (shaders/sampling*.metal)

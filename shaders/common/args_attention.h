@@ -1,4 +1,4 @@
-// Argument structs and route constants of the attention family (shaders/attention.metal, host:
+// Argument structs and route constants of the attention family (shaders/attention*.metal, host:
 // csrc/gpu/ops/attention.cpp). Included once from common/args.h; compiled by the shaders (Metal,
 // emulator, strict pass) and by the host.
 #pragma once

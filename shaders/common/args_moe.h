@@ -1,4 +1,4 @@
-// Mixture-of-experts kernel arguments (shaders/moe.metal, host: csrc/gpu/ops/moe.cpp).
+// Mixture-of-experts kernel arguments (shaders/moe_*.metal, host: csrc/gpu/ops/moe.cpp).
 // Included by common/args.h; compiled by the shaders, the host and the emulator alike.
 //
 // Row spaces (must match csrc/gpu/ops/moe.cpp and lily_py/_ops_moe.py):

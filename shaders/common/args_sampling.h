@@ -1,4 +1,4 @@
-// Args struct and records of the argmax / sampling kernels (shaders/sampling.metal, host:
+// Args struct and records of the argmax / sampling kernels (shaders/sampling*.metal, host:
 // csrc/gpu/ops/sampling.cpp). Included from common/args.h. Only 32-bit fields: 64-bit masses are
 // stored as (lo, hi) pairs, so host, emulator and Metal agree on every layout.
 #pragma once
@@ -15,7 +15,7 @@ enum : uint32_t {
   kSampleMergeThreads = 256,                       // the small-k merge kernel (one per row)
   // The bucket route (any other filter): a histogram of the scaled logits over kSampleHistBins
   // monotone buckets, the cutoff buckets found from it, their entries collected, the cutoff
-  // resolved exactly among them (shaders/sampling.metal, "The bucket route").
+  // resolved exactly among them (shaders/sampling_buckets.metal, "The bucket route").
   kSampleHistBins = 1024,                          // buckets (bin 0: the largest s)
   kSampleTailBin = 1022,                           // finite s beyond the last tier
   kSampleInfBin = 1023,                            // s = -inf

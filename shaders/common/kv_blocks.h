@@ -1,4 +1,4 @@
-// The paged KV cache's addressing, shared by the attention kernels (shaders/attention.metal,
+// The paged KV cache's addressing, shared by the attention kernels (shaders/attention*.metal,
 // shaders/m5/attention_m5.metal). Three pool formats, one per attention layer and K / V:
 //   bf16: [pool_blocks, kv_heads, block_tokens, head_dim] bf16;
 //   f32:  the same layout in float (kv_dtype="float32": the rows as computed, no rounding);

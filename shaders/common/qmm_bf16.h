@@ -1,5 +1,5 @@
 // Staging helpers of the M1-M4 bf16 simdgroup GEMM tiles: qmm_bf16 (qmm.metal) and the MoE
-// grouped bf16 tiles (moe_gate_up_mm_bf16 / moe_down_mm_bf16, moe.metal). A staging thread owns one
+// grouped bf16 tiles (moe_gate_up_mm_bf16 / moe_down_mm_bf16, moe_prefill_bf16.metal). A staging thread owns one
 // row of a tile and its kQmmBf16TileK = 16 columns of a K step: 16 activations (QmmXRegs: two
 // 16-byte loads for bf16, copied as is; four for fp32, rounded to bf16) or 16 dequantized weights
 // (one 16-byte load of 128 / bits codes every 128 / bits / 16 steps, s * q + b in fp32 rounded to

@@ -56,7 +56,7 @@ inline void unpack_row(const device uint32_t* row, uint32_t k, thread float* q) 
   }
 }
 
-// Single-token matvec codes (qmv1 in qmm.metal, moe_gate_up_mv / moe_down_mv in moe.metal), after
+// Single-token matvec codes (qmv1 in qmm.metal, moe_gate_up_mv / moe_down_mv in moe_decode.metal), after
 // MLX's qmv_fast: a lane holds V = 128 / bits codes of a row = one 16-byte (uint4) load. The V
 // activations are pre-scaled by scale_of(i) (16^-(i % 4) at 4 bits, 256^-(i % 2) at 8 bits; exact:
 // powers of two) so that code i is masked in place, never shifted: dot(wv, xs) = sum_i x_i q_i.

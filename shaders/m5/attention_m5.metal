@@ -1,6 +1,6 @@
 // Causal prefill attention on Metal 4 tensor ops (M5 path): S = Q K^T and O += P V as matmul2d over
 // the bf16 or int8 KV cache, online softmax per row, GQA heads packed, sigmoid gate. Same buffers and args
-// (AttnArgs) as attention_prefill_mma (shaders/attention.metal); host: csrc/gpu/ops/attention.cpp
+// (AttnArgs) as attention_prefill_mma (shaders/attention_prefill.metal); host: csrc/gpu/ops/attention.cpp
 // (taken for prefill when the device reports tensor ops and head_dim is 64, 128 or 256). Compiled
 // with -std=metal4.0 into lily_m5.metallib, by the emulator, and by the strict pass against
 // csrc/emu/tensor_ops_strict.h. Reference: lily_py.reference.kernels.attention. The structure

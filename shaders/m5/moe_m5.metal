@@ -1,5 +1,5 @@
 // MoE grouped expert matmuls on Metal 4 tensor ops (M5 path): the 64- and 32-row tiles of the
-// tiled route (shaders/moe.metal, moe_gate_up_mm / moe_down_mm) with matmul2d instead of 8x8
+// tiled route (shaders/moe_prefill.metal, moe_gate_up_mm / moe_down_mm) with matmul2d instead of 8x8
 // simdgroup matrices. Same buffers, args (MoeArgs), grid, plan lists and outputs as those kernels;
 // host: csrc/gpu/ops/moe.cpp (taken for the 64- and 32-row kinds when the device reports tensor
 // ops; the few-row kind keeps its matvec kernels). Compiled with -std=metal4.0 into
@@ -38,7 +38,7 @@
 // Precision: operands half (the half x half -> float row of Apple's matmul2d types): x, h and the
 // dequantized weights are rounded to half once (the weights as half fma(s, q, b) of the group's
 // scale and bias in half); products and accumulation fp32; SwiGLU and the routing weight in fp32 as
-// in moe.metal.
+// in moe_prefill.metal.
 #include "common/lily_metal.h"
 #include "common/quant.h"
 #include "common/tensor_ops.h"
@@ -617,7 +617,7 @@ template <typename S>
 }
 
 // Instantiations: exactly the moe *_m5 rows of csrc/gpu/kernel_ids.h (activations fp32, scales
-// bf16, 4-bit experts, as the simdgroup kernels of moe.metal).
+// bf16, 4-bit experts, as the simdgroup kernels of moe_prefill_bf16.metal).
 LILY_INSTANTIATE("moe_gate_up_m5_64_b4_xf32_sbf16", moe_gate_up_m5<float, bfloat, 4, 64>)
 LILY_INSTANTIATE("moe_gate_up_m5_32_b4_xf32_sbf16", moe_gate_up_m5<float, bfloat, 4, 32>)
 LILY_INSTANTIATE("moe_gate_up_m5_64_b4_xbf16_sbf16", moe_gate_up_m5<bfloat, bfloat, 4, 64>)

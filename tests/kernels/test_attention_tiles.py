@@ -1,4 +1,4 @@
-"""The M1-M4 bf16 tiles route of lily_py.ops.attention_prefill (shaders/attention.metal
+"""The M1-M4 bf16 tiles route of lily_py.ops.attention_prefill (shaders/attention_prefill.metal
 attention_prefill_tiles: bf16 Q / K / V / P operands of simdgroup_bfloat8x8 products into fp32
 simdgroup_float8x8 accumulators) on the emulator, vs lily_py.reference.kernels.attention (float64).
 

@@ -149,7 +149,7 @@ def expected_route(T, k):
 
 
 def expected_tiles(ids, E, m5=False):
-    """The plan's tiles by load (shaders/moe.metal moe_plan), from the routing: per group (each
+    """The plan's tiles by load (shaders/moe_plan.metal moe_plan), from the routing: per group (each
     expert, and the shared group holding every token) 64-row tiles, and the remainder r in a
     few-row tile (r <= 16; r <= 2 with tensor ops, m5), a 32-row tile (r <= 32) or one more 64-row
     tile; "16": the 32-row tiles of r <= 16 rows (they run 16 rows on M5)."""

@@ -1,4 +1,4 @@
-"""The MoE tiled route's M1-M4 bf16 tiles (moe_gate_up_bf16 / moe_down_bf16, shaders/moe.metal:
+"""The MoE tiled route's M1-M4 bf16 tiles (moe_gate_up_bf16 / moe_down_bf16, shaders/moe_prefill_bf16.metal:
 qmm_bf16's design) on the emulator, vs a float64 NumPy reference of their exact semantics.
 
 Semantics given the bf16 operands: in the 64- and 32-row tiles the gathered x rows (already bf16)

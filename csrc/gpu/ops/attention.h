@@ -1,5 +1,6 @@
 // Gated-attention kernels: partial RoPE, fused q/k norm + RoPE + KV append, decode attention
-// (single or split-K route) and causal prefill attention. Kernels: shaders/attention.metal.
+// (single or split-K route) and causal prefill attention. Kernels: shaders/attention.metal,
+// attention_decode.metal, attention_prefill.metal.
 // Route and tile constants: shaders/common/args_attention.h.
 #pragma once
 #include <cstdint>
@@ -122,7 +123,7 @@ const char* prefill_route_name(PrefillRoute r);
 // M5 route (Metal 4 tensor ops, shaders/m5/attention_m5.metal): on a device with tensor ops for
 // head_dim 64, 128 or 256: (kv_heads, ceil(tokens / (32 / group))) x 128 threads; before mma.
 bool attention_prefill_uses_m5(uint32_t head_dim, bool tensor_ops);
-// M1-M4 bf16 tiles route (shaders/attention.metal attention_prefill_tiles): bf16 activations at
+// M1-M4 bf16 tiles route (shaders/attention_prefill.metal attention_prefill_tiles): bf16 activations at
 // head_dim 64, 128 or 256 on a device without tensor ops (and 16-byte aligned q / cache bindings,
 // q_stride % 8 == 0, checked at encode: otherwise mma); fp32 and other head dims keep mma / simd.
 bool attention_prefill_uses_tiles(uint32_t head_dim, DType dtype, bool tensor_ops);

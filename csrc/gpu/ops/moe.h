@@ -1,5 +1,6 @@
 // Mixture-of-experts block on the device: router, routing plan, expert matmuls, combine.
-// Kernels: shaders/moe.metal (+ the router logits through qmm.metal). Args and route constants:
+// Kernels: shaders/moe_plan.metal, moe_decode.metal, moe_prefill.metal, moe_prefill_bf16.metal
+// (+ the router logits through qmm.metal). Args and route constants:
 // shaders/common/args_moe.h. Everything is encoded into the caller's encoder with barriers
 // between dependent dispatches; no step reads device memory on the host or waits for the GPU:
 // every buffer size and grid comes from bounds known on the host (tokens, top_k, experts).

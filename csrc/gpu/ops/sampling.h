@@ -1,5 +1,6 @@
 // Argmax and sampling over rows of logits, writing the chosen token id into a device slot.
-// Kernels: shaders/sampling.metal. Constants and records: shaders/common/args_sampling.h.
+// Kernels: shaders/sampling.metal, sampling_buckets.metal, sampling_logprobs.metal. Constants and
+// records: shaders/common/args_sampling.h.
 // Reference: lily_py.sampling (sample / keep_mask), reproduced bit for bit.
 #pragma once
 #include <cstdint>

@@ -1,0 +1,264 @@
+// Mixture of experts, the matvec route (decode, T <= kMoeMvMaxTokens): moe_gate_up_mv and
+// moe_down_mv, each selecting its experts from the router logits itself (common/moe.h), no
+// moe_route level: router logits (qmv1 / qmv, qmm.metal) -> moe_gate_up_mv -> moe_down_mv.
+// Buffers of quantized matrices follow MLX's affine layout (common/quant.h): routed experts
+// stacked [E, N, K * bits / 32] with scales/biases [E, N, K / group_size], the shared expert's
+// [N, K * bits / 32]; the shared expert is one more slot (index E) with weight sigmoid(logit E).
+//
+// Precision (every kernel): codes, scales, biases and activations widened to fp32; dot products,
+// softmax, SwiGLU, routing weights and sums in fp32 (no fast math); nothing dequantized reaches
+// device memory; the intermediate h and the per-row expert outputs y are fp32; out is rounded to
+// T once. The block's routes: shaders/moe_plan.metal. Reference: lily_py.reference.kernels.moe_route
+// / moe (which match lily_py.reference.moe). Host: csrc/gpu/ops/moe.cpp.
+#include "common/lily_metal.h"
+#include "common/moe.h"
+#include "common/quant.h"
+
+namespace lily {
+
+// ---------------------------------------------------------------------------------------------
+// Matvec route helpers. Activations enter the 16-byte-load dot product of Qmv1Codes
+// (common/quant.h) pre-scaled, so 4-bit codes are masked in place (MLX qmv_fast's trick).
+// V values of x at p (16-byte aligned: p is a row start plus a multiple of 32 elements).
+// 16-byte loads (load8): bf16 8 per load, float 4 per load.
+template <uint32_t V, typename T>
+inline void moe_load_act(const device T* p, thread float* o) {
+  for (uint32_t i = 0; i < V; i += 8) load8(p + i, o + i);
+}
+
+// ---------------------------------------------------------------------------------------------
+// moe_gate_up_mv: decode / matvec route. h[slot, n] = silu(gate_g[n] . x_t) * (up_g[n] . x_t)
+// for the k selected experts and the shared expert of every token; reads only those experts.
+// Design: MLX gather_qmv_fast / llama.cpp kernel_mul_mv_id (a dense single-row matvec per
+// (token, slot) whose matrix is looked up from the routing), on qmv1's qmv_fast layout.
+//   grid:       (ceil(max(I, Is) / kMoeMvRows), T * (k + 1)) threadgroups of 32 * splits threads,
+//               splits = min(kMoeGateUpMaxSplits, ceil(H / B)) (host: moe_mv_splits)
+//   routing:    every simdgroup selects its slot's expert from the router logits [T, E + 1]
+//               (moe_select_slot: j + 1 rounds of the code moe_route runs, in registers; the
+//               shared slot selects nothing): no barrier before the loads
+//   block:      B = 32 lanes x V codes (Qmv1Codes: V = 128 / bits, one 16-byte load per lane and
+//               row, at 4 and 8 bits; V = 32, `bits` words, at 2, 3, 5, 6);
+//               simdgroup s walks the K = H blocks s, s + splits, ...; per block the lane's V
+//               values of x are loaded once (16-byte loads), summed once for the bias term,
+//               pre-scaled (Qmv1Codes::scale_of) and reused by the kMoeMvRows gate rows and
+//               kMoeMvRows up rows: 8 independent 16-byte weight loads per lane in flight
+//   rows:       rows past N load row N - 1 (no branch before a load); only the store is
+//               guarded. Threadgroups wholly past N (the narrower of I and Is) load nothing.
+//   reduction:  ag[R], au[R] (compile-time indexed: registers), simd_sum, then over the splits
+//               through threadgroup memory in order; thread r < R applies SwiGLU, writes h
+template <typename T, typename S, int bits>
+[[kernel]] void moe_gate_up_mv(constant MoeArgs& args [[buffer(0)]],
+                               const device T* x [[buffer(1)]],
+                               const device T* logits [[buffer(2)]],
+                               const device uint32_t* gate_w [[buffer(3)]],
+                               const device S* gate_s [[buffer(4)]],
+                               const device S* gate_b [[buffer(5)]],
+                               const device uint32_t* up_w [[buffer(6)]],
+                               const device S* up_s [[buffer(7)]],
+                               const device S* up_b [[buffer(8)]],
+                               const device uint32_t* sh_gate_w [[buffer(9)]],
+                               const device S* sh_gate_s [[buffer(10)]],
+                               const device S* sh_gate_b [[buffer(11)]],
+                               const device uint32_t* sh_up_w [[buffer(12)]],
+                               const device S* sh_up_s [[buffer(13)]],
+                               const device S* sh_up_b [[buffer(14)]],
+                               device float* h [[buffer(15)]],
+                               LILY_KERNEL_TAIL) {
+  constexpr uint32_t R = kMoeMvRows;
+  constexpr uint32_t V = Qmv1Codes<bits>::V;
+  constexpr uint32_t B = 32 * V;
+  LILY_TG_ARRAY(float, red, [kMoeGateUpMaxSplits * 2 * kMoeMvRows]);
+  const uint32_t k = args.top_k, H = args.hidden;
+  const uint32_t splits = group_size.x / 32;
+  const uint32_t slot = group_pos.y, t = slot / (k + 1), j = slot - t * (k + 1);
+  const bool shared = j == k;  // uniform over the threadgroup
+  // Every simdgroup selects its slot's expert itself: no simdgroup waits at a barrier for another.
+  const uint32_t g = shared ? 0u : moe_select_slot<T>(args, logits + t * (args.experts + 1), lane, j);
+  const uint32_t N = shared ? args.shared_inter : args.inter;
+  const uint32_t wpr = H * bits / 32, gpr = H >> args.group_shift;
+  const device uint32_t* wg = shared ? sh_gate_w : gate_w + g * N * wpr;
+  const device S* sg = shared ? sh_gate_s : gate_s + g * N * gpr;
+  const device S* bg = shared ? sh_gate_b : gate_b + g * N * gpr;
+  const device uint32_t* wu = shared ? sh_up_w : up_w + g * N * wpr;
+  const device S* su = shared ? sh_up_s : up_s + g * N * gpr;
+  const device S* bu = shared ? sh_up_b : up_b + g * N * gpr;
+  const device T* xt = x + t * H;
+  const uint32_t n0 = group_pos.x * R;
+  const uint32_t K_end = n0 < N ? H : 0u;  // uniform over the threadgroup
+
+  uint32_t row[R];
+  for (uint32_t r = 0; r < R; ++r) row[r] = min(n0 + r, N - 1);
+  float ag[R], au[R];
+  for (uint32_t r = 0; r < R; ++r) {
+    ag[r] = 0.0f;
+    au[r] = 0.0f;
+  }
+  for (uint32_t k0 = simd_id * B; k0 < K_end; k0 += splits * B) {
+    const uint32_t kk = k0 + lane * V;
+    if (kk < H) {  // only a last, partial block diverges (H is a multiple of 32)
+      float xv[V];
+      moe_load_act<V>(xt + kk, xv);
+      float xs[V];
+      float xsum = 0.0f;
+      for (uint32_t i = 0; i < V; ++i) {
+        xsum += xv[i];
+        xs[i] = xv[i] * Qmv1Codes<bits>::scale_of(i);
+      }
+      const uint32_t gi = kk >> args.group_shift;
+      const uint32_t wo = kk * bits / 32;
+      for (uint32_t r = 0; r < R; ++r) {
+        const float dg = Qmv1Codes<bits>::dot_at(wg + row[r] * wpr + wo, xs);
+        const float du = Qmv1Codes<bits>::dot_at(wu + row[r] * wpr + wo, xs);
+        ag[r] = fma(float(sg[row[r] * gpr + gi]), dg, fma(float(bg[row[r] * gpr + gi]), xsum, ag[r]));
+        au[r] = fma(float(su[row[r] * gpr + gi]), du, fma(float(bu[row[r] * gpr + gi]), xsum, au[r]));
+      }
+    }
+  }
+  for (uint32_t r = 0; r < R; ++r) {
+    ag[r] = simd_sum(ag[r]);
+    au[r] = simd_sum(au[r]);
+  }
+  if (lane == 0) {
+    for (uint32_t r = 0; r < R; ++r) {
+      red[simd_id * 2 * R + r] = ag[r];
+      red[simd_id * 2 * R + R + r] = au[r];
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (thread_pos.x < R && n0 + thread_pos.x < N) {
+    float G = 0.0f, U = 0.0f;
+    for (uint32_t s = 0; s < splits; ++s) {
+      G += red[s * 2 * R + thread_pos.x];
+      U += red[s * 2 * R + R + thread_pos.x];
+    }
+    h[slot * args.h_stride + n0 + thread_pos.x] = moe_silu(G) * U;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// moe_down_mv: decode / matvec route. out[t, n] = (residual[t, n]) + sum_j w_j (down_g[n] . h_slot)
+// over the k routed slots then the shared slot (w_k = sigmoid gate): down projection, routing
+// weights, shared expert and residual add in one dispatch.
+// Design: as moe_gate_up_mv; the k + 1 products of a row are one dot product over the
+// concatenated K' = k I + Is (every slot's h pre-multiplied by its routing weight), split over
+// the threadgroup's simdgroups.
+//   grid:       (ceil(H / kMoeMvRows), T) threadgroups of 32 * splits threads,
+//               splits = min(kMoeDownMaxSplits, ceil(C / 32)), C = K' / V chunks (host)
+//   routing:    simdgroup 0 selects all k (moe_select into threadgroup memory; barrier; the same experts and
+//               weights); threadgroup (0, t) also writes ids [T, k] and weights [T, k + 1]
+//   chunk:      V codes (one 16-byte load per row) of one slot: chunk c < k I / V is slot
+//               c / (I / V) (one division per chunk, outside the row loop), the rest the shared
+//               slot. Lane l of simdgroup s takes chunks s * 32 + l, + 32 splits, ...: every lane
+//               of the threadgroup busy while chunks last (real config: 144 chunks, 160 lanes)
+//   per chunk:  the V values of h (float4 loads) times w_j, summed once, pre-scaled; kMoeMvRows
+//               rows of that slot's expert: 4 independent 16-byte weight loads in flight
+//   rows:       rows past H load row H - 1; only the store is guarded
+//   reduction:  acc[R] in registers, simd_sum, over the splits through threadgroup memory in
+//               order, + residual, rounded to T once
+template <typename T, typename S, int bits>
+[[kernel]] void moe_down_mv(constant MoeArgs& args [[buffer(0)]],
+                            const device T* logits [[buffer(1)]],
+                            device uint32_t* ids [[buffer(2)]],
+                            device float* weights [[buffer(3)]],
+                            const device float* h [[buffer(4)]],
+                            const device uint32_t* down_w [[buffer(5)]],
+                            const device S* down_s [[buffer(6)]],
+                            const device S* down_b [[buffer(7)]],
+                            const device uint32_t* sh_down_w [[buffer(8)]],
+                            const device S* sh_down_s [[buffer(9)]],
+                            const device S* sh_down_b [[buffer(10)]],
+                            const device T* residual [[buffer(11)]],
+                            device T* out [[buffer(12)]],
+                            LILY_KERNEL_TAIL) {
+  constexpr uint32_t R = kMoeMvRows;
+  constexpr uint32_t V = Qmv1Codes<bits>::V;
+  LILY_TG_ARRAY(uint32_t, sel_s, [kMoeMaxTopK]);
+  LILY_TG_ARRAY(float, w_s, [kMoeMaxTopK + 1]);
+  LILY_TG_ARRAY(float, red, [kMoeDownMaxSplits * kMoeMvRows]);
+  const uint32_t k = args.top_k, H = args.hidden, t = group_pos.y;
+  const uint32_t splits = group_size.x / 32;
+  if (simd_id == 0) moe_select<T>(args, logits + t * (args.experts + 1), lane, sel_s, w_s);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (group_pos.x == 0 && thread_pos.x == 0) {  // the routing, for callers and tests
+    for (uint32_t j = 0; j < k; ++j) {
+      ids[t * k + j] = sel_s[j];
+      weights[t * (k + 1) + j] = w_s[j];
+    }
+    weights[t * (k + 1) + k] = w_s[k];
+  }
+  const uint32_t cI = args.inter / V, routed = k * cI, C = routed + args.shared_inter / V;
+  const uint32_t wpI = args.inter * bits / 32, gpI = args.inter >> args.group_shift;
+  const uint32_t wpS = args.shared_inter * bits / 32, gpS = args.shared_inter >> args.group_shift;
+  const uint32_t n0 = group_pos.x * R;
+
+  uint32_t row[R];
+  for (uint32_t r = 0; r < R; ++r) row[r] = min(n0 + r, H - 1);
+  float acc[R];
+  for (uint32_t r = 0; r < R; ++r) acc[r] = 0.0f;
+  for (uint32_t c = simd_id * 32 + lane; c < C; c += splits * 32) {
+    const bool shared = c >= routed;
+    const uint32_t j = shared ? k : c / cI;
+    const uint32_t kk = (shared ? c - routed : c - j * cI) * V;  // first code in the slot's K
+    const uint32_t g = shared ? 0u : sel_s[j];
+    const float wj = w_s[j];
+    const uint32_t wpr = shared ? wpS : wpI, gpr = shared ? gpS : gpI;
+    const device uint32_t* w = shared ? sh_down_w : down_w + g * H * wpI;
+    const device S* sc = shared ? sh_down_s : down_s + g * H * gpI;
+    const device S* bi = shared ? sh_down_b : down_b + g * H * gpI;
+    float hv[V];
+    moe_load_act<V>(h + (t * (k + 1) + j) * args.h_stride + kk, hv);
+    float xs[V];
+    float hsum = 0.0f;
+    for (uint32_t i = 0; i < V; ++i) {
+      const float v = wj * hv[i];
+      hsum += v;
+      xs[i] = v * Qmv1Codes<bits>::scale_of(i);
+    }
+    const uint32_t gi = kk >> args.group_shift;
+    const uint32_t wo = kk * bits / 32;
+    for (uint32_t r = 0; r < R; ++r) {
+      const float d = Qmv1Codes<bits>::dot_at(w + row[r] * wpr + wo, xs);
+      acc[r] = fma(float(sc[row[r] * gpr + gi]), d, fma(float(bi[row[r] * gpr + gi]), hsum, acc[r]));
+    }
+  }
+  for (uint32_t r = 0; r < R; ++r) acc[r] = simd_sum(acc[r]);
+  if (lane == 0)
+    for (uint32_t r = 0; r < R; ++r) red[simd_id * R + r] = acc[r];
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  const uint32_t n = n0 + thread_pos.x;
+  if (thread_pos.x < R && n < H) {
+    float total = 0.0f;
+    for (uint32_t s = 0; s < splits; ++s) total += red[s * R + thread_pos.x];
+    const float v = args.has_residual ? total + float(residual[t * H + n]) : total;
+    out[t * H + n] = T(v);
+  }
+}
+
+// Instantiations: the matvec rows of csrc/gpu/kernel_ids.h (2 to 8-bit experts, fp32 and bf16
+// activations, bf16 scales).
+LILY_INSTANTIATE("moe_gate_up_mv_b4_xf32_sbf16", moe_gate_up_mv<float, bfloat, 4>)
+LILY_INSTANTIATE("moe_down_mv_b4_xf32_sbf16", moe_down_mv<float, bfloat, 4>)
+LILY_INSTANTIATE("moe_gate_up_mv_b4_xbf16_sbf16", moe_gate_up_mv<bfloat, bfloat, 4>)
+LILY_INSTANTIATE("moe_down_mv_b4_xbf16_sbf16", moe_down_mv<bfloat, bfloat, 4>)
+LILY_INSTANTIATE("moe_gate_up_mv_b2_xf32_sbf16", moe_gate_up_mv<float, bfloat, 2>)
+LILY_INSTANTIATE("moe_down_mv_b2_xf32_sbf16", moe_down_mv<float, bfloat, 2>)
+LILY_INSTANTIATE("moe_gate_up_mv_b2_xbf16_sbf16", moe_gate_up_mv<bfloat, bfloat, 2>)
+LILY_INSTANTIATE("moe_down_mv_b2_xbf16_sbf16", moe_down_mv<bfloat, bfloat, 2>)
+LILY_INSTANTIATE("moe_gate_up_mv_b3_xf32_sbf16", moe_gate_up_mv<float, bfloat, 3>)
+LILY_INSTANTIATE("moe_down_mv_b3_xf32_sbf16", moe_down_mv<float, bfloat, 3>)
+LILY_INSTANTIATE("moe_gate_up_mv_b3_xbf16_sbf16", moe_gate_up_mv<bfloat, bfloat, 3>)
+LILY_INSTANTIATE("moe_down_mv_b3_xbf16_sbf16", moe_down_mv<bfloat, bfloat, 3>)
+LILY_INSTANTIATE("moe_gate_up_mv_b5_xf32_sbf16", moe_gate_up_mv<float, bfloat, 5>)
+LILY_INSTANTIATE("moe_down_mv_b5_xf32_sbf16", moe_down_mv<float, bfloat, 5>)
+LILY_INSTANTIATE("moe_gate_up_mv_b5_xbf16_sbf16", moe_gate_up_mv<bfloat, bfloat, 5>)
+LILY_INSTANTIATE("moe_down_mv_b5_xbf16_sbf16", moe_down_mv<bfloat, bfloat, 5>)
+LILY_INSTANTIATE("moe_gate_up_mv_b6_xf32_sbf16", moe_gate_up_mv<float, bfloat, 6>)
+LILY_INSTANTIATE("moe_down_mv_b6_xf32_sbf16", moe_down_mv<float, bfloat, 6>)
+LILY_INSTANTIATE("moe_gate_up_mv_b6_xbf16_sbf16", moe_gate_up_mv<bfloat, bfloat, 6>)
+LILY_INSTANTIATE("moe_down_mv_b6_xbf16_sbf16", moe_down_mv<bfloat, bfloat, 6>)
+LILY_INSTANTIATE("moe_gate_up_mv_b8_xf32_sbf16", moe_gate_up_mv<float, bfloat, 8>)
+LILY_INSTANTIATE("moe_down_mv_b8_xf32_sbf16", moe_down_mv<float, bfloat, 8>)
+LILY_INSTANTIATE("moe_gate_up_mv_b8_xbf16_sbf16", moe_gate_up_mv<bfloat, bfloat, 8>)
+LILY_INSTANTIATE("moe_down_mv_b8_xbf16_sbf16", moe_down_mv<bfloat, bfloat, 8>)
+
+}  // namespace lily
