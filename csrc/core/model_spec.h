@@ -24,7 +24,7 @@ struct QuantSpec {
 // The parts of the projections row-concatenated at load (fused uploads), in row order. Their
 // names in ModelSpec::quant_overrides are "<fused>:<part>" ("layers.3.qkv_proj:v"). Parts that
 // agree in quantization share one weight and one dispatch; where they differ, each run of
-// agreeing neighbours is its own weight "<fused>:<part>+<part>" (core/engine.cpp alloc_fused),
+// agreeing neighbours is its own weight "<fused>:<part>+<part>" (core/engine_buffers.cpp alloc_fused),
 // one dispatch each.
 inline constexpr const char* kQkvParts[] = {"q", "k", "v"};                       // attention qkv_proj
 inline constexpr const char* kInProjParts[] = {"qkv", "z", "b", "a"};             // DeltaNet in_proj

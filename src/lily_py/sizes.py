@@ -40,7 +40,7 @@ class Matrix:
 
 
 def inventory(cfg: ModelConfig) -> list[Matrix]:
-    """Every weight the engine holds for ``cfg`` (the same matrices as csrc/core/engine.cpp
+    """Every weight the engine holds for ``cfg`` (the same matrices as csrc/core/engine_buffers.cpp
     build_buffers; the fused ones listed by part)."""
     H, V, E = cfg.hidden_size, cfg.vocab_size, cfg.num_experts
     I, Is, k = cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size, cfg.num_experts_per_tok

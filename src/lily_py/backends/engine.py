@@ -86,7 +86,7 @@ def fused_runs(parts: list[tuple[str, object]]) -> list[tuple[str, list[object]]
     """How a projection fused at load from ``parts`` ([(part name, Linear)] in row order) is
     uploaded: [(label, [Linear])] - one run of every part when they agree in quantization (the
     fused route: one weight, one dispatch), else one run per group of agreeing neighbours (the
-    split route). Must match csrc/core/engine.cpp alloc_fused."""
+    split route). Must match csrc/core/engine_buffers.cpp alloc_fused."""
     runs: list[tuple[str, list[object], dict]] = []
     for part, lin in parts:
         q = _quant(lin, part)
@@ -266,7 +266,7 @@ def check_kernel_widths(tensors, w: ModelWeights | None = None) -> None:
 
 
 # The MoE kernels read the routed and the shared expert in one dispatch per stage: the matrices
-# of a stage must agree in quantization (csrc/core/engine.cpp ModelSpec::validate).
+# of a stage must agree in quantization (csrc/core/engine_spec.cpp ModelSpec::validate).
 MOE_STAGES = (("experts.gate", "experts.up", "shared.gate", "shared.up"), ("experts.down", "shared.down"))
 
 

@@ -16,7 +16,7 @@ LOGIT_ROWS = 64
 # and KV head (shaders/common/kv_blocks.h, lily_py.reference.kvquant.int8_row_codes); "float32":
 # the rows as computed, unrounded (4 head_dim bytes a row)
 KV_DTYPES = (None, "bfloat16", "int8", "float32")
-# head_dims the int8 cache's attention routes take (csrc/core/engine.cpp)
+# head_dims the int8 cache's attention routes take (csrc/core/engine_spec.cpp)
 KV_INT8_HEAD_DIMS = (64, 128, 256)
 
 
