@@ -215,13 +215,14 @@ def table(cfg, position, sample, markdown: bool, quant: dict | None = None) -> N
 def instr_per_key(group: int, e: int, q8: bool = False) -> int:
     """Simd instructions per key per KV head in attention_vec's key loop (shaders/attention_decode.metal),
     counted from the source, per simdgroup: the K and V loads (bf16: 2 wide loads; int8: 2 and the
-    rows' 2 scales), the widening of 2E values (bf16: 1 each; int8 codes: shift, shift, convert),
-    per query head of the group E FMAs for the dot, reduce_scatter8 (16 + 8 + 4 + 4: selects,
-    shuffles and adds), one online-softmax update for all heads (compare, subtract, select, exp at
-    ~4, 2 selects, l: ~10; int8: +2 for the scales), per head 2 broadcasts (corr, p) and 2E for o =
-    o*corr + p*v; ~4 of loop overhead. Real config (group 8, E 8): 272 bf16, 308 int8."""
+    rows' 2 scales), the widening of 2E values (bf16: 1 each; int8 codes by the magic number: shift,
+    and-or, subtract), per query head of the group E FMAs for the dot, reduce_scatter8 (16 + 8 + 4 +
+    4: selects, shuffles and adds), the lazy-base softmax for all heads (compare and vote, subtract,
+    exp at ~4, l: ~8; the rare rebase not counted; int8: +2 for the scales), per head 1 broadcast
+    (p) and E FMAs for o += p v; ~4 of loop overhead. Real config (group 8, E 8): 198 bf16, 234 int8
+    (272 and 308 before the lazy base and the fused multiply-adds)."""
     loads, widen, scales = (4, 3 * 2 * e, 2) if q8 else (2, 2 * e, 0)
-    return loads + widen + group * e + 32 + 10 + scales + group * (2 + 2 * e) + 4
+    return loads + widen + group * e + 32 + 8 + scales + group * (1 + e) + 4
 
 
 def measured_fractions(path: str) -> tuple[dict, str]:

@@ -18,121 +18,136 @@ namespace lily {
 // ---------------------------------------------------------------------------------------------
 // Decode, vec route (head_dim = 32 * E, E = 2, 4 or 8), after MLX's sdpa_vector and Lily's decode
 // attention: no threadgroup staging of K/V, every lane holds E consecutive dims of the head.
-// Wide loads of E bf16 (E = 8: one 16-byte load; 4: 8 bytes; 2: 4 bytes) and of E floats.
-template <uint32_t E>
-struct VecRow;
-template <>
-struct VecRow<2> {
-  static void bf16(const device bfloat* p, thread float* out) {
-    const uint32_t u = *reinterpret_cast<const device uint32_t*>(p);
-    out[0] = as_type<float>(u << 16);
-    out[1] = as_type<float>(u & 0xffff0000u);
-  }
-  static void f32(const device float* p, thread float* out) {
-    const float2 v = *reinterpret_cast<const device float2*>(p);
-    out[0] = v.x;
-    out[1] = v.y;
-  }
-};
-template <>
-struct VecRow<4> {
-  static void bf16(const device bfloat* p, thread float* out) {
-    const uint2 u = *reinterpret_cast<const device uint2*>(p);
-    out[0] = as_type<float>(u.x << 16);
-    out[1] = as_type<float>(u.x & 0xffff0000u);
-    out[2] = as_type<float>(u.y << 16);
-    out[3] = as_type<float>(u.y & 0xffff0000u);
-  }
-  static void f32(const device float* p, thread float* out) {
-    const float4 v = *reinterpret_cast<const device float4*>(p);
-    out[0] = v.x;
-    out[1] = v.y;
-    out[2] = v.z;
-    out[3] = v.w;
-  }
-};
-template <>
-struct VecRow<8> {
-  static void bf16(const device bfloat* p, thread float* out) {
-    const uint4 u = *reinterpret_cast<const device uint4*>(p);
-    out[0] = as_type<float>(u.x << 16);
-    out[1] = as_type<float>(u.x & 0xffff0000u);
-    out[2] = as_type<float>(u.y << 16);
-    out[3] = as_type<float>(u.y & 0xffff0000u);
-    out[4] = as_type<float>(u.z << 16);
-    out[5] = as_type<float>(u.z & 0xffff0000u);
-    out[6] = as_type<float>(u.w << 16);
-    out[7] = as_type<float>(u.w & 0xffff0000u);
-  }
-  static void f32(const device float* p, thread float* out) {
-    VecRow<4>::f32(p, out);
-    VecRow<4>::f32(p + 4, out + 4);
-  }
-};
-
-// int8 codes: E consecutive codes (E bytes: one 2-, 4- or 8-byte load) times the row's scale.
-template <uint32_t E>
-inline void vec_row_q8(const device int8_t* p, thread float* out) {
-  // E / 4 words of 4 codes (E = 4, 8; E = 2 below: one 2-byte load)
-  for (uint32_t w = 0; w < E / 4; ++w) {
-    const uint32_t u = reinterpret_cast<const device uint32_t*>(p)[w];
-    for (uint32_t b = 0; b < 4; ++b) out[4 * w + b] = q8_code(u, b);
-  }
-}
-template <>
-inline void vec_row_q8<2>(const device int8_t* p, thread float* out) {
-  const uint32_t u = uint32_t(*reinterpret_cast<const device ushort*>(p));
-  out[0] = q8_code(u, 0);
-  out[1] = q8_code(u, 1);
-}
-
-// The vec route's cache reader: a lane's E values of key `key` of the threadgroup's block, and the
-// rows' scales (bf16, f32: 1; q8: the codes come unscaled, the kernel applies the scales to the dot
-// product and to p, once per key rather than once per value). f32 rows: E floats (E = 8: two
-// 16-byte loads; 4: one; 2: one 8-byte load).
+// A lane's slice of a K or V row is fetched as raw words (VecWords: E bf16 = one 4-, 8- or 16-byte
+// load; E int8 codes = one 2-, 4- or 8-byte load; E floats = one or two 8- / 16-byte loads) and
+// widened to floats only when its key is taken, so the rows of the next keys can be in flight
+// (in registers as words, half the registers of floats for bf16) while this key's arithmetic runs.
+// A slice is n loads of one word type (n = 2 only for E = 8 floats).
 template <uint32_t E, typename KV>
-struct VecKv;
-template <uint32_t E>
-struct VecKv<E, bfloat> {
-  const device bfloat* k;
-  const device bfloat* v;
-  VecKv(const device bfloat* k_cache, const device bfloat* v_cache, KvRow r, uint32_t d0)
-      : k(k_cache + r.at + d0), v(v_cache + r.at + d0) {}
-  void load(uint32_t key, thread float* kv, thread float* vv, thread float& ks, thread float& vs) const {
-    VecRow<E>::bf16(k + key * (32 * E), kv);
-    VecRow<E>::bf16(v + key * (32 * E), vv);
-    ks = 1.0f;
-    vs = 1.0f;
-  }
+struct VecWords;
+template <>
+struct VecWords<2, bfloat> { typedef uint32_t type; enum { n = 1 }; };
+template <>
+struct VecWords<4, bfloat> { typedef uint2 type; enum { n = 1 }; };
+template <>
+struct VecWords<8, bfloat> { typedef uint4 type; enum { n = 1 }; };
+template <>
+struct VecWords<2, int8_t> { typedef ushort type; enum { n = 1 }; };
+template <>
+struct VecWords<4, int8_t> { typedef uint32_t type; enum { n = 1 }; };
+template <>
+struct VecWords<8, int8_t> { typedef uint2 type; enum { n = 1 }; };
+template <>
+struct VecWords<2, float> { typedef float2 type; enum { n = 1 }; };
+template <>
+struct VecWords<4, float> { typedef float4 type; enum { n = 1 }; };
+template <>
+struct VecWords<8, float> { typedef float4 type; enum { n = 2 }; };
+
+// Words -> E floats (bf16: the high half of a float; int8: the codes, unscaled).
+inline void vec_unpack(uint32_t u, thread float* out) {
+  out[0] = as_type<float>(u << 16);
+  out[1] = as_type<float>(u & 0xffff0000u);
+}
+inline void vec_unpack(uint2 u, thread float* out) {
+  vec_unpack(u.x, out);
+  vec_unpack(u.y, out + 2);
+}
+inline void vec_unpack(uint4 u, thread float* out) {
+  vec_unpack(u.x, out);
+  vec_unpack(u.y, out + 2);
+  vec_unpack(u.z, out + 4);
+  vec_unpack(u.w, out + 6);
+}
+// int8 codes by the magic number: a byte b = code + 128 (the word's sign bits flipped) under the
+// exponent of 2^23 is the float 2^23 + b exactly, so subtracting 2^23 + 128 gives the code exactly:
+// a shift-and-or and a subtract per code, no integer-to-float conversion (a quarter-rate
+// instruction on NVIDIA's GPUs). The same values as q8_code, bit for bit.
+inline float q8_magic(uint32_t biased, uint32_t byte) {
+  return as_type<float>(0x4B000000u | ((biased >> (8u * byte)) & 0xffu)) - 8388736.0f;
+}
+inline void vec_unpack_q8(ushort u, thread float* out) {
+  const uint32_t b = uint32_t(u) ^ 0x8080u;
+  out[0] = q8_magic(b, 0);
+  out[1] = q8_magic(b, 1);
+}
+inline void vec_unpack_q8(uint32_t u, thread float* out) {
+  const uint32_t b = u ^ 0x80808080u;
+  for (uint32_t i = 0; i < 4; ++i) out[i] = q8_magic(b, i);
+}
+inline void vec_unpack_q8(uint2 u, thread float* out) {
+  vec_unpack_q8(u.x, out);
+  vec_unpack_q8(u.y, out + 4);
+}
+inline void vec_unpack(float2 v, thread float* out) {
+  out[0] = v.x;
+  out[1] = v.y;
+}
+inline void vec_unpack(float4 v, thread float* out) {
+  out[0] = v.x;
+  out[1] = v.y;
+  out[2] = v.z;
+  out[3] = v.w;
+}
+
+// One key's slices of a lane: the K and V words and the rows' scales (bf16, f32: 1; q8: the codes
+// come unscaled, the kernel applies the scales to the dot product and to p, once per key rather
+// than once per value).
+template <uint32_t E, typename KV>
+struct VecKey {
+  typename VecWords<E, KV>::type k[VecWords<E, KV>::n];
+  typename VecWords<E, KV>::type v[VecWords<E, KV>::n];
+  float ks;
+  float vs;
 };
-template <uint32_t E>
-struct VecKv<E, float> {
-  const device float* k;
-  const device float* v;
-  VecKv(const device float* k_cache, const device float* v_cache, KvRow r, uint32_t d0)
-      : k(k_cache + r.at + d0), v(v_cache + r.at + d0) {}
-  void load(uint32_t key, thread float* kv, thread float* vv, thread float& ks, thread float& vs) const {
-    VecRow<E>::f32(k + key * (32 * E), kv);
-    VecRow<E>::f32(v + key * (32 * E), vv);
-    ks = 1.0f;
-    vs = 1.0f;
+
+// The vec route's cache reader over the threadgroup's block: fetch() issues the loads of key
+// `key`, unpack() widens them.
+template <uint32_t E, typename KV>
+struct VecKv {
+  typedef typename VecWords<E, KV>::type W;
+  enum { N = VecWords<E, KV>::n };
+  const device W* k;
+  const device W* v;
+  VecKv(const device KV* k_cache, const device KV* v_cache, KvRow r, uint32_t d0)
+      : k(reinterpret_cast<const device W*>(k_cache + r.at + d0)),
+        v(reinterpret_cast<const device W*>(v_cache + r.at + d0)) {}
+  void fetch(uint32_t key, thread VecKey<E, KV>& r) const {
+    for (uint32_t i = 0; i < N; ++i) {  // a row is 32 lanes' slices of N words
+      r.k[i] = k[key * 32 * N + i];
+      r.v[i] = v[key * 32 * N + i];
+    }
+    r.ks = 1.0f;
+    r.vs = 1.0f;
+  }
+  static void unpack(thread const VecKey<E, KV>& r, thread float* kv, thread float* vv) {
+    for (uint32_t i = 0; i < N; ++i) {
+      vec_unpack(r.k[i], kv + i * (E / N));
+      vec_unpack(r.v[i], vv + i * (E / N));
+    }
   }
 };
 template <uint32_t E>
 struct VecKv<E, int8_t> {
-  const device int8_t* k;
-  const device int8_t* v;
+  typedef typename VecWords<E, int8_t>::type W;
+  const device W* k;
+  const device W* v;
   const device float* ks;
   const device float* vs;
   VecKv(const device int8_t* k_cache, const device int8_t* v_cache, KvRow r, uint32_t d0)
-      : k(k_cache + r.at + d0), v(v_cache + r.at + d0),
+      : k(reinterpret_cast<const device W*>(k_cache + r.at + d0)),
+        v(reinterpret_cast<const device W*>(v_cache + r.at + d0)),
         ks(reinterpret_cast<const device float*>(k_cache) + r.scale),
         vs(reinterpret_cast<const device float*>(v_cache) + r.scale) {}
-  void load(uint32_t key, thread float* kv, thread float* vv, thread float& k_scale, thread float& v_scale) const {
-    vec_row_q8<E>(k + key * (32 * E), kv);
-    vec_row_q8<E>(v + key * (32 * E), vv);
-    k_scale = ks[key];
-    v_scale = vs[key];
+  void fetch(uint32_t key, thread VecKey<E, int8_t>& r) const {
+    r.k[0] = k[key * 32];
+    r.v[0] = v[key * 32];
+    r.ks = ks[key];
+    r.vs = vs[key];
+  }
+  static void unpack(thread const VecKey<E, int8_t>& r, thread float* kv, thread float* vv) {
+    vec_unpack_q8(r.k[0], kv);
+    vec_unpack_q8(r.v[0], vv);
   }
 };
 
@@ -153,10 +168,17 @@ inline float reduce_scatter8(thread const float* v, uint32_t lane) {
 }
 
 // One key of attention_vec for the 8 heads of a simdgroup: E products per head (qr [8][E] flat),
-// the 8 sums by one reduce-scatter (lane j: head j / 4), one online-softmax update with one exp
-// (the larger of (m, s) gets weight 1, the other exp(-|s - m|); first key: m = -inf, so corr = 0
-// and p = 1), then per head its correction and p broadcast from lane 4 h and E multiply-adds
-// into o [8][E] flat. Every index is a compile-time constant once unrolled: registers.
+// the 8 sums by one reduce-scatter (lane j: head j / 4), then the online softmax with a lazy base
+// (after FlashAttention-3): m_h is not the running maximum but a base that trails it by at most
+// kAttnVecRebase, so p = exp(s - m_h) <= e^8 and o, l stay finite in fp32. Only when some head's
+// score passes its base by more than that (simd_any: uniform, so the broadcasts below are too)
+// are the bases raised to the maxima and every head's o and l scaled by exp(old - new) (first key:
+// base -inf, so the factor is 0 and p = 1). The merge and the combine use the base as the max:
+// o / l is the same quotient. Per key otherwise: one exp, then per head p broadcast from lane 4 h
+// and E fused multiply-adds into o [8][E] flat (no multiply by a factor of 1); the products of
+// the scores are fused multiply-adds too (fma: one instruction on Apple's and NVIDIA's GPUs, one
+// rounding). Every index is a
+// compile-time constant once unrolled: registers.
 template <uint32_t E>
 inline void vec_attend_key(thread const float* qr, thread const float* kv, thread const float* vv, float k_scale,
                            float v_scale, uint32_t lane, thread float& m_h, thread float& l_h, thread float* o) {
@@ -164,20 +186,25 @@ inline void vec_attend_key(thread const float* qr, thread const float* kv, threa
   float dot[G];
   for (uint32_t g = 0; g < G; ++g) {
     dot[g] = 0.0f;
-    for (uint32_t e = 0; e < E; ++e) dot[g] += qr[g * E + e] * kv[e];
+    for (uint32_t e = 0; e < E; ++e) dot[g] = fma(qr[g * E + e], kv[e], dot[g]);
   }
   const float s = reduce_scatter8(dot, lane) * k_scale;
-  const bool up = s > m_h;
-  const float ex = exp(up ? m_h - s : s - m_h);
-  const float corr = up ? ex : 1.0f;
-  const float p = up ? 1.0f : ex;
-  l_h = l_h * corr + p;
-  m_h = up ? s : m_h;
+  if (simd_any(s > m_h + float(kAttnVecRebase))) {
+    const float base = max(m_h, s);
+    const float corr = exp(m_h - base);
+    l_h *= corr;
+    m_h = base;
+    for (uint32_t g = 0; g < G; ++g) {
+      const float cg = simd_broadcast(corr, ushort(4 * g));
+      for (uint32_t d = 0; d < E; ++d) o[g * E + d] *= cg;
+    }
+  }
+  const float p = exp(s - m_h);
+  l_h += p;
   const float pv = p * v_scale;
   for (uint32_t g = 0; g < G; ++g) {
-    const float cg = simd_broadcast(corr, ushort(4 * g));
     const float pg = simd_broadcast(pv, ushort(4 * g));
-    for (uint32_t d = 0; d < E; ++d) o[g * E + d] = o[g * E + d] * cg + pg * vv[d];
+    for (uint32_t d = 0; d < E; ++d) o[g * E + d] = fma(pg, vv[d], o[g * E + d]);
   }
 }
 
@@ -188,16 +215,18 @@ inline void vec_attend_key(thread const float* qr, thread const float* kv, threa
 // head's group (pre-scaled by the softmax scale, in registers), of one K row and one V row, and of
 // the group's running outputs. Per key: E products per head; the 8 heads' sums by one
 // reduce-scatter (reduce_scatter8: lane j ends with head j / 4's score); one online-softmax
-// update with one exp on every lane, for head j / 4 (its running max and sum live on its quad);
-// then per head its correction and p broadcast from lane 4 h and E multiply-adds into o
-// (vec_attend_key). Two keys per iteration: both rows loaded before either is used.
+// update with one exp on every lane, for head j / 4 (its base and sum live on its quad), the
+// bases raised only when a score passes one by more than kAttnVecRebase; then per head p
+// broadcast from lane 4 h and E multiply-adds into o (vec_attend_key). Two keys per iteration,
+// the next two keys' rows fetched before this pair's arithmetic.
 // Unrolled over kAttnMaxGroup heads with no branch, so no private array is indexed at run time.
 // Then the 8 simdgroups' (m, l, o) are merged through threadgroup memory (one head at a time) and
 // written as the block's unnormalized partial.
 //   grid:    (kv_heads, blocks) threadgroups of kAttnVecSimds * 32 = 256 threads
 //   buffers: q [q_heads, D] T, k_cache, v_cache paged KV pools (bf16, q8 or f32), block_table (buffer 6);
 //            partial_o float [q_heads, blocks, D]; partial_ml float [q_heads, blocks, 2]
-//   registers per lane: q and o 2 x 8 x E floats, m and l 2 x 8, two K and two V slices (E each)
+//   registers per lane: q and o 2 x 8 x E floats, m and l 2 x 8, four K and four V slices as
+//   words (two keys' taken, two keys' in flight) and one K and one V slice as E floats
 //   threadgroup memory: 8 x D floats (o) + 8 x 8 x 2 floats (m, l)
 // No integer division or modulo inside the key loop.
 template <typename T, uint32_t E, typename KV>
@@ -243,18 +272,30 @@ template <typename T, uint32_t E, typename KV>
   // update per key for all 8 heads at once, on the lanes' quads.
   float m_h = neg_inf();
   float l_h = 0.0f;
-  // Two keys per iteration (keys key and key + 8 of the simdgroup's sequence): both rows' loads are
-  // issued before either key's arithmetic, so each simdgroup has two K and two V rows in flight;
-  // the keys are then taken one after the other, in the same order as one key per iteration.
+  // Two keys per iteration (keys key and key + 8 of the simdgroup's sequence), taken one after the
+  // other in the sequence's order; the next pair's rows are fetched before this pair's arithmetic,
+  // so each simdgroup has up to four K and four V rows in flight. A fetch past the simdgroup's
+  // last key reads a row of its own instead (never used): no read past the block's keys.
   const uint32_t n = key_end - key_begin;
+  VecKey<E, KV> a0, a1;
+  if (simd_id < n) {
+    rows.fetch(simd_id, a0);
+    rows.fetch(simd_id + NS < n ? simd_id + NS : simd_id, a1);
+  }
   for (uint32_t key = simd_id; key < n; key += 2 * NS) {
-    const bool two = key + NS < n;  // uniform over the simdgroup
-    float kv0[E], vv0[E], kv1[E], vv1[E];
-    float ks0, vs0, ks1, vs1;
-    rows.load(key, kv0, vv0, ks0, vs0);
-    rows.load(two ? key + NS : key, kv1, vv1, ks1, vs1);  // no second key: key's row again, unused
-    vec_attend_key<E>(&qr[0][0], kv0, vv0, ks0, vs0, lane, m_h, l_h, &o[0][0]);
-    if (two) vec_attend_key<E>(&qr[0][0], kv1, vv1, ks1, vs1, lane, m_h, l_h, &o[0][0]);
+    const uint32_t next = key + 2 * NS;
+    VecKey<E, KV> b0, b1;
+    rows.fetch(next < n ? next : key, b0);
+    rows.fetch(next + NS < n ? next + NS : key, b1);
+    float kv[E], vv[E];
+    VecKv<E, KV>::unpack(a0, kv, vv);
+    vec_attend_key<E>(&qr[0][0], kv, vv, a0.ks, a0.vs, lane, m_h, l_h, &o[0][0]);
+    if (key + NS < n) {  // uniform over the simdgroup
+      VecKv<E, KV>::unpack(a1, kv, vv);
+      vec_attend_key<E>(&qr[0][0], kv, vv, a1.ks, a1.vs, lane, m_h, l_h, &o[0][0]);
+    }
+    a0 = b0;
+    a1 = b1;
   }
   for (uint32_t g = 0; g < G; ++g) {
     m[g] = simd_broadcast(m_h, ushort(4 * g));

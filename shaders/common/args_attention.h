@@ -29,6 +29,7 @@ enum : uint32_t {
   kAttnVecSimds = 8,         // simdgroups per threadgroup (256 threads), each walks every 8th key
   kAttnVecMaxBlocks = 80,    // key blocks per KV head: 2 KV heads x 80 x 8 = 1280 simdgroups = 32
                              // per core on a 40-core GPU; a block holds >= kAttnVecSimds keys
+  kAttnVecRebase = 8,        // the softmax base trails a score by at most this (p <= e^8)
   // paged KV cache (common/kv_blocks.h): tokens per cache block are a power of two >= this, so
   // no kernel's 32-key block straddles two cache blocks
   kAttnKvMinBlock = 32,

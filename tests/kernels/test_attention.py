@@ -243,6 +243,42 @@ def test_attention_decode_split_cap(rng, device, length):
     check_attention(rng, out[None], q, kc, vc, g, length - 1, f"decode L={length}")
 
 
+def rising_case(rng, Hq, Hkv, D, length, dtype):
+    """Scores that climb from about -1.3 sqrt(D) to 4 sqrt(D) along the keys, with noise: the
+    softmax base of the vec route (kAttnVecRebase) must move many times within each simdgroup's
+    keys, where random inputs move it only at the first key."""
+    u = rng.choice([-1.0, 1.0], size=D)
+    q = (u + 0.1 * rng.standard_normal((1, Hq, D))).astype(np.float32).astype(dtype)
+    c = np.linspace(-1.3, 4.0, length + 1)
+    c[: length // 3] = rng.permutation(c[: length // 3])  # falling and rising too
+    kc = (c[None, :, None] * u + 0.3 * rng.standard_normal((Hkv, length + 1, D))).astype(np.float32)
+    vc = rng.standard_normal((Hkv, length + 1, D)).astype(np.float32)
+    return q, kc, vc, rand(rng, (1, Hq, D), dtype, 2.0)
+
+
+@pytest.mark.parametrize("kv", ["bf16", "q8", "f32"])
+@pytest.mark.parametrize("D,Hq,Hkv,length", [(64, 6, 2, 700), (128, 4, 1, 77), (256, 16, 2, 3001)],
+                         ids=["e2", "e4", "e8"])
+def test_attention_decode_vec_rising_scores(rng, device, kv, D, Hq, Hkv, length):
+    from test_attention_q8 import Q8Cache
+    q, kc, vc, g = rising_case(rng, Hq, Hkv, D, length, np.float32)
+    if kv == "bf16":
+        kc, vc = kc.astype(BF16), vc.astype(BF16)
+        kref, vref = kc, vc
+    elif kv == "q8":
+        kc, vc = Q8Cache.quantize(kc), Q8Cache.quantize(vc)
+        kref, vref = kc.values(), vc.values()
+    else:
+        kref, vref = kc, vc
+    out, stats = A._attention_decode(q[0], kc, vc, length=length, gate=g[0], device=device, seed=rng.seed)
+    pre = {"bf16": "", "q8": "q8_", "f32": "kvf32_"}[kv]
+    assert list(stats["kernels"])[0] == f"attn_decode_vec_{pre}e{D // 32}_f32"
+    G = Hq // Hkv
+    s = np.stack([np.asarray(kref[h, :length], np.float32) @ np.asarray(q[0, h * G], np.float32) for h in range(Hkv)])
+    assert (s.max() - s[:, :8].max()) / np.sqrt(D) > 3 * 8, "the scores do not climb past the base three times"
+    check_attention(rng, out[None], q, kref, vref, g, length - 1, f"rising scores {kv} D={D} L={length}")
+
+
 def test_attention_decode_ignores_rows_past_length(rng):
     q, kc, vc, g = attn_case(rng, 1, 4, 2, 64, 300, np.float32)
     a = ops.attention_decode(q[0], kc, vc, length=270, gate=g[0])
