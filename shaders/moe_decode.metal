@@ -1,6 +1,7 @@
-// Mixture of experts, the matvec route (decode, T <= kMoeMvMaxTokens): moe_gate_up_mv and
-// moe_down_mv, each selecting its experts from the router logits itself (common/moe.h), no
-// moe_route level: router logits (qmv1 / qmv, qmm.metal) -> moe_gate_up_mv -> moe_down_mv.
+// Mixture of experts, the matvec route (decode, T <= kMoeMvMaxTokens): moe_gate_up_mv selects
+// each slot's expert from the router logits itself (common/moe.h) and writes the token's routing
+// (ids, weights) once; moe_down_mv reads it. No moe_route level: router logits (qmv1 / qmv,
+// qmm.metal) -> moe_gate_up_mv -> moe_down_mv.
 // Buffers of quantized matrices follow MLX's affine layout (common/quant.h): routed experts
 // stacked [E, N, K * bits / 32] with scales/biases [E, N, K / group_size], the shared expert's
 // [N, K * bits / 32]; the shared expert is one more slot (index E) with weight sigmoid(logit E).
@@ -35,7 +36,9 @@ inline void moe_load_act(const device T* p, thread float* o) {
 //               splits = min(kMoeGateUpMaxSplits, ceil(H / B)) (host: moe_mv_splits)
 //   routing:    every simdgroup selects its slot's expert from the router logits [T, E + 1]
 //               (moe_select_slot: j + 1 rounds of the code moe_route runs, in registers; the
-//               shared slot selects nothing): no barrier before the loads
+//               shared slot selects nothing): no barrier before the loads. Simdgroup 0 of the
+//               shared slot's first threadgroup also runs moe_select for the whole token and
+//               writes ids [T, k] and weights [T, k + 1] (moe_down_mv's routing)
 //   block:      B = 32 lanes x V codes (Qmv1Codes: V = 128 / bits, one 16-byte load per lane and
 //               row, at 4 and 8 bits; V = 32, `bits` words, at 2, 3, 5, 6);
 //               simdgroup s walks the K = H blocks s, s + splits, ...; per block the lane's V
@@ -63,15 +66,32 @@ template <typename T, typename S, int bits>
                                const device S* sh_up_s [[buffer(13)]],
                                const device S* sh_up_b [[buffer(14)]],
                                device float* h [[buffer(15)]],
+                               device uint32_t* ids [[buffer(16)]],
+                               device float* weights [[buffer(17)]],
                                LILY_KERNEL_TAIL) {
   constexpr uint32_t R = kMoeMvRows;
   constexpr uint32_t V = Qmv1Codes<bits>::V;
   constexpr uint32_t B = 32 * V;
   LILY_TG_ARRAY(float, red, [kMoeGateUpMaxSplits * 2 * kMoeMvRows]);
+  LILY_TG_ARRAY(uint32_t, sel_s, [kMoeMaxTopK]);
+  LILY_TG_ARRAY(float, w_s, [kMoeMaxTopK + 1]);
   const uint32_t k = args.top_k, H = args.hidden;
   const uint32_t splits = group_size.x / 32;
   const uint32_t slot = group_pos.y, t = slot / (k + 1), j = slot - t * (k + 1);
   const bool shared = j == k;  // uniform over the threadgroup
+  // The token's whole routing (experts and weights, for moe_down_mv, callers and tests): simdgroup
+  // 0 of the shared slot's first threadgroup, whose own loads need no selection; lane 0 writes
+  // sel_s / w_s and reads back only what it wrote itself, so no barrier.
+  if (shared && group_pos.x == 0 && simd_id == 0) {
+    moe_select<T>(args, logits + t * (args.experts + 1), lane, sel_s, w_s);
+    if (lane == 0) {
+      for (uint32_t i = 0; i < k; ++i) {
+        ids[t * k + i] = sel_s[i];
+        weights[t * (k + 1) + i] = w_s[i];
+      }
+      weights[t * (k + 1) + k] = w_s[k];
+    }
+  }
   // Every simdgroup selects its slot's expert itself: no simdgroup waits at a barrier for another.
   const uint32_t g = shared ? 0u : moe_select_slot<T>(args, logits + t * (args.experts + 1), lane, j);
   const uint32_t N = shared ? args.shared_inter : args.inter;
@@ -144,8 +164,8 @@ template <typename T, typename S, int bits>
 // the threadgroup's simdgroups.
 //   grid:       (ceil(H / kMoeMvRows), T) threadgroups of 32 * splits threads,
 //               splits = min(kMoeDownMaxSplits, ceil(C / 32)), C = K' / V chunks (host)
-//   routing:    simdgroup 0 selects all k (moe_select into threadgroup memory; barrier; the same experts and
-//               weights); threadgroup (0, t) also writes ids [T, k] and weights [T, k + 1]
+//   routing:    read from ids [T, k] and weights [T, k + 1], which moe_gate_up_mv wrote (the
+//               barrier between the two is h's): no selection and no barrier before the loads
 //   chunk:      V codes (one 16-byte load per row) of one slot: chunk c < k I / V is slot
 //               c / (I / V) (one division per chunk, outside the row loop), the rest the shared
 //               slot. Lane l of simdgroup s takes chunks s * 32 + l, + 32 splits, ...: every lane
@@ -157,35 +177,23 @@ template <typename T, typename S, int bits>
 //               order, + residual, rounded to T once
 template <typename T, typename S, int bits>
 [[kernel]] void moe_down_mv(constant MoeArgs& args [[buffer(0)]],
-                            const device T* logits [[buffer(1)]],
-                            device uint32_t* ids [[buffer(2)]],
-                            device float* weights [[buffer(3)]],
-                            const device float* h [[buffer(4)]],
-                            const device uint32_t* down_w [[buffer(5)]],
-                            const device S* down_s [[buffer(6)]],
-                            const device S* down_b [[buffer(7)]],
-                            const device uint32_t* sh_down_w [[buffer(8)]],
-                            const device S* sh_down_s [[buffer(9)]],
-                            const device S* sh_down_b [[buffer(10)]],
-                            const device T* residual [[buffer(11)]],
-                            device T* out [[buffer(12)]],
+                            const device uint32_t* ids [[buffer(1)]],
+                            const device float* weights [[buffer(2)]],
+                            const device float* h [[buffer(3)]],
+                            const device uint32_t* down_w [[buffer(4)]],
+                            const device S* down_s [[buffer(5)]],
+                            const device S* down_b [[buffer(6)]],
+                            const device uint32_t* sh_down_w [[buffer(7)]],
+                            const device S* sh_down_s [[buffer(8)]],
+                            const device S* sh_down_b [[buffer(9)]],
+                            const device T* residual [[buffer(10)]],
+                            device T* out [[buffer(11)]],
                             LILY_KERNEL_TAIL) {
   constexpr uint32_t R = kMoeMvRows;
   constexpr uint32_t V = Qmv1Codes<bits>::V;
-  LILY_TG_ARRAY(uint32_t, sel_s, [kMoeMaxTopK]);
-  LILY_TG_ARRAY(float, w_s, [kMoeMaxTopK + 1]);
   LILY_TG_ARRAY(float, red, [kMoeDownMaxSplits * kMoeMvRows]);
   const uint32_t k = args.top_k, H = args.hidden, t = group_pos.y;
   const uint32_t splits = group_size.x / 32;
-  if (simd_id == 0) moe_select<T>(args, logits + t * (args.experts + 1), lane, sel_s, w_s);
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  if (group_pos.x == 0 && thread_pos.x == 0) {  // the routing, for callers and tests
-    for (uint32_t j = 0; j < k; ++j) {
-      ids[t * k + j] = sel_s[j];
-      weights[t * (k + 1) + j] = w_s[j];
-    }
-    weights[t * (k + 1) + k] = w_s[k];
-  }
   const uint32_t cI = args.inter / V, routed = k * cI, C = routed + args.shared_inter / V;
   const uint32_t wpI = args.inter * bits / 32, gpI = args.inter >> args.group_shift;
   const uint32_t wpS = args.shared_inter * bits / 32, gpS = args.shared_inter >> args.group_shift;
@@ -199,8 +207,8 @@ template <typename T, typename S, int bits>
     const bool shared = c >= routed;
     const uint32_t j = shared ? k : c / cI;
     const uint32_t kk = (shared ? c - routed : c - j * cI) * V;  // first code in the slot's K
-    const uint32_t g = shared ? 0u : sel_s[j];
-    const float wj = w_s[j];
+    const uint32_t g = shared ? 0u : ids[t * k + j];
+    const float wj = weights[t * (k + 1) + j];
     const uint32_t wpr = shared ? wpS : wpI, gpr = shared ? gpS : gpI;
     const device uint32_t* w = shared ? sh_down_w : down_w + g * H * wpI;
     const device S* sc = shared ? sh_down_s : down_s + g * H * gpI;

@@ -44,7 +44,7 @@ using lily_ulong2 = metal::vec<unsigned long long, 2>;
 
 // ---------------------------------------------------------------------------- kernel entries
 namespace lily_cuda {
-inline constexpr int kMaxBuffers = 15;  // as the emulator (csrc/emu/runtime.h kMaxKernelBuffers)
+inline constexpr int kMaxBuffers = 17;  // as the emulator (csrc/emu/runtime.h kMaxKernelBuffers)
 struct Buffers {
   void* p[kMaxBuffers];
 };

@@ -31,7 +31,7 @@ struct ThreadIds {
   uint32_t simd_id;        // [[simdgroup_index_in_threadgroup]]
 };
 
-inline constexpr uint32_t kMaxKernelBuffers = 15;
+inline constexpr uint32_t kMaxKernelBuffers = 17;
 
 struct BufferParam {
   bool read_only;      // declared as pointer to const (e.g. `const device float*`)

@@ -63,7 +63,7 @@ struct Binding {
   size_t bytes = 0;
 };
 
-inline constexpr uint32_t kMaxBuffers = 15;   // buffer indices 1..15 (0 holds the args struct)
+inline constexpr uint32_t kMaxBuffers = 17;   // buffer indices 1..17 (0 holds the args struct; Metal allows 31)
 inline constexpr size_t kMaxArgsBytes = 256;  // args structs go through setBytes
 
 // Which unit of the GPU does a dispatch's arithmetic (for estimates by unit; the counters only

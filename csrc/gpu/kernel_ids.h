@@ -206,8 +206,8 @@
   /* mixture of experts (shaders/moe_*.metal; buffers listed in the shader) */ \
   X(moe_route,                       MoeArgs, 3)                              \
   X(moe_plan,                        MoeArgs, 5)                              \
-  X(moe_gate_up_mv_b4_xf32_sbf16,    MoeArgs, 15)                             \
-  X(moe_down_mv_b4_xf32_sbf16,       MoeArgs, 12)                             \
+  X(moe_gate_up_mv_b4_xf32_sbf16, MoeArgs, 17)                             \
+  X(moe_down_mv_b4_xf32_sbf16, MoeArgs, 11)                             \
   X(moe_gate_up_mm32_b4_xf32_sbf16,  MoeArgs, 15)                             \
   X(moe_gate_up_mm64_b4_xf32_sbf16,  MoeArgs, 15)                             \
   X(moe_down_mm32_b4_sbf16,          MoeArgs, 10)                             \
@@ -216,8 +216,8 @@
   X(moe_down_few_b4_sbf16,           MoeArgs, 10)                             \
   X(moe_combine_xf32,                MoeArgs, 4)                              \
   X(moe_route_xbf16, MoeArgs, 3) \
-  X(moe_gate_up_mv_b4_xbf16_sbf16, MoeArgs, 15) \
-  X(moe_down_mv_b4_xbf16_sbf16, MoeArgs, 12) \
+  X(moe_gate_up_mv_b4_xbf16_sbf16, MoeArgs, 17) \
+  X(moe_down_mv_b4_xbf16_sbf16, MoeArgs, 11) \
   X(moe_gate_up_mm32_b4_xbf16_sbf16, MoeArgs, 15) \
   X(moe_gate_up_mm64_b4_xbf16_sbf16, MoeArgs, 15) \
   X(moe_gate_up_few_b4_xbf16_sbf16, MoeArgs, 15) \
@@ -372,65 +372,65 @@
   X(qmv1_b6_xbf16_sbf16_yf32, Qmv1Args, 9) \
   X(qmv1_b6_xbf16_sbf16_yf32_r1, Qmv1Args, 9) \
   X(qmm_b6_xbf16_sbf16_yf32, QmmArgs, 5) \
-  X(moe_gate_up_mv_b2_xf32_sbf16, MoeArgs, 15) \
-  X(moe_down_mv_b2_xf32_sbf16, MoeArgs, 12) \
+  X(moe_gate_up_mv_b2_xf32_sbf16, MoeArgs, 17) \
+  X(moe_down_mv_b2_xf32_sbf16, MoeArgs, 11) \
   X(moe_gate_up_mm32_b2_xf32_sbf16, MoeArgs, 15) \
   X(moe_gate_up_mm64_b2_xf32_sbf16, MoeArgs, 15) \
   X(moe_gate_up_few_b2_xf32_sbf16, MoeArgs, 15) \
-  X(moe_gate_up_mv_b2_xbf16_sbf16, MoeArgs, 15) \
-  X(moe_down_mv_b2_xbf16_sbf16, MoeArgs, 12) \
+  X(moe_gate_up_mv_b2_xbf16_sbf16, MoeArgs, 17) \
+  X(moe_down_mv_b2_xbf16_sbf16, MoeArgs, 11) \
   X(moe_gate_up_mm32_b2_xbf16_sbf16, MoeArgs, 15) \
   X(moe_gate_up_mm64_b2_xbf16_sbf16, MoeArgs, 15) \
   X(moe_gate_up_few_b2_xbf16_sbf16, MoeArgs, 15) \
   X(moe_down_mm32_b2_sbf16, MoeArgs, 10) \
   X(moe_down_mm64_b2_sbf16, MoeArgs, 10) \
   X(moe_down_few_b2_sbf16, MoeArgs, 10) \
-  X(moe_gate_up_mv_b3_xf32_sbf16, MoeArgs, 15) \
-  X(moe_down_mv_b3_xf32_sbf16, MoeArgs, 12) \
+  X(moe_gate_up_mv_b3_xf32_sbf16, MoeArgs, 17) \
+  X(moe_down_mv_b3_xf32_sbf16, MoeArgs, 11) \
   X(moe_gate_up_mm32_b3_xf32_sbf16, MoeArgs, 15) \
   X(moe_gate_up_mm64_b3_xf32_sbf16, MoeArgs, 15) \
   X(moe_gate_up_few_b3_xf32_sbf16, MoeArgs, 15) \
-  X(moe_gate_up_mv_b3_xbf16_sbf16, MoeArgs, 15) \
-  X(moe_down_mv_b3_xbf16_sbf16, MoeArgs, 12) \
+  X(moe_gate_up_mv_b3_xbf16_sbf16, MoeArgs, 17) \
+  X(moe_down_mv_b3_xbf16_sbf16, MoeArgs, 11) \
   X(moe_gate_up_mm32_b3_xbf16_sbf16, MoeArgs, 15) \
   X(moe_gate_up_mm64_b3_xbf16_sbf16, MoeArgs, 15) \
   X(moe_gate_up_few_b3_xbf16_sbf16, MoeArgs, 15) \
   X(moe_down_mm32_b3_sbf16, MoeArgs, 10) \
   X(moe_down_mm64_b3_sbf16, MoeArgs, 10) \
   X(moe_down_few_b3_sbf16, MoeArgs, 10) \
-  X(moe_gate_up_mv_b5_xf32_sbf16, MoeArgs, 15) \
-  X(moe_down_mv_b5_xf32_sbf16, MoeArgs, 12) \
+  X(moe_gate_up_mv_b5_xf32_sbf16, MoeArgs, 17) \
+  X(moe_down_mv_b5_xf32_sbf16, MoeArgs, 11) \
   X(moe_gate_up_mm32_b5_xf32_sbf16, MoeArgs, 15) \
   X(moe_gate_up_mm64_b5_xf32_sbf16, MoeArgs, 15) \
   X(moe_gate_up_few_b5_xf32_sbf16, MoeArgs, 15) \
-  X(moe_gate_up_mv_b5_xbf16_sbf16, MoeArgs, 15) \
-  X(moe_down_mv_b5_xbf16_sbf16, MoeArgs, 12) \
+  X(moe_gate_up_mv_b5_xbf16_sbf16, MoeArgs, 17) \
+  X(moe_down_mv_b5_xbf16_sbf16, MoeArgs, 11) \
   X(moe_gate_up_mm32_b5_xbf16_sbf16, MoeArgs, 15) \
   X(moe_gate_up_mm64_b5_xbf16_sbf16, MoeArgs, 15) \
   X(moe_gate_up_few_b5_xbf16_sbf16, MoeArgs, 15) \
   X(moe_down_mm32_b5_sbf16, MoeArgs, 10) \
   X(moe_down_mm64_b5_sbf16, MoeArgs, 10) \
   X(moe_down_few_b5_sbf16, MoeArgs, 10) \
-  X(moe_gate_up_mv_b6_xf32_sbf16, MoeArgs, 15) \
-  X(moe_down_mv_b6_xf32_sbf16, MoeArgs, 12) \
+  X(moe_gate_up_mv_b6_xf32_sbf16, MoeArgs, 17) \
+  X(moe_down_mv_b6_xf32_sbf16, MoeArgs, 11) \
   X(moe_gate_up_mm32_b6_xf32_sbf16, MoeArgs, 15) \
   X(moe_gate_up_mm64_b6_xf32_sbf16, MoeArgs, 15) \
   X(moe_gate_up_few_b6_xf32_sbf16, MoeArgs, 15) \
-  X(moe_gate_up_mv_b6_xbf16_sbf16, MoeArgs, 15) \
-  X(moe_down_mv_b6_xbf16_sbf16, MoeArgs, 12) \
+  X(moe_gate_up_mv_b6_xbf16_sbf16, MoeArgs, 17) \
+  X(moe_down_mv_b6_xbf16_sbf16, MoeArgs, 11) \
   X(moe_gate_up_mm32_b6_xbf16_sbf16, MoeArgs, 15) \
   X(moe_gate_up_mm64_b6_xbf16_sbf16, MoeArgs, 15) \
   X(moe_gate_up_few_b6_xbf16_sbf16, MoeArgs, 15) \
   X(moe_down_mm32_b6_sbf16, MoeArgs, 10) \
   X(moe_down_mm64_b6_sbf16, MoeArgs, 10) \
   X(moe_down_few_b6_sbf16, MoeArgs, 10) \
-  X(moe_gate_up_mv_b8_xf32_sbf16, MoeArgs, 15) \
-  X(moe_down_mv_b8_xf32_sbf16, MoeArgs, 12) \
+  X(moe_gate_up_mv_b8_xf32_sbf16, MoeArgs, 17) \
+  X(moe_down_mv_b8_xf32_sbf16, MoeArgs, 11) \
   X(moe_gate_up_mm32_b8_xf32_sbf16, MoeArgs, 15) \
   X(moe_gate_up_mm64_b8_xf32_sbf16, MoeArgs, 15) \
   X(moe_gate_up_few_b8_xf32_sbf16, MoeArgs, 15) \
-  X(moe_gate_up_mv_b8_xbf16_sbf16, MoeArgs, 15) \
-  X(moe_down_mv_b8_xbf16_sbf16, MoeArgs, 12) \
+  X(moe_gate_up_mv_b8_xbf16_sbf16, MoeArgs, 17) \
+  X(moe_down_mv_b8_xbf16_sbf16, MoeArgs, 11) \
   X(moe_gate_up_mm32_b8_xbf16_sbf16, MoeArgs, 15) \
   X(moe_gate_up_mm64_b8_xbf16_sbf16, MoeArgs, 15) \
   X(moe_gate_up_few_b8_xbf16_sbf16, MoeArgs, 15) \

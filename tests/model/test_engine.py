@@ -425,9 +425,10 @@ def test_bytes_touched_counts_routed_experts_and_touched_rows(attn_ckpt, activat
     gate_up = [v for n, v in ks.items() if n.startswith("moe_gate_up")][0]
     L = cfg.num_hidden_layers
     sh = shared * H // 2 + 2 * 2 * shared * (H // gs)
-    # x, the router logits (each threadgroup selects the experts itself), h
-    x, logits, h = xe * H, xe * (E + 1), 4 * (k + 1) * max(I, shared)
-    assert gate_up["bytes_touched"] == L * (2 * k * expert + 2 * sh + x + logits + h)
+    # x, the router logits (each threadgroup selects the experts itself), h, and the routing it
+    # writes for moe_down_mv (ids [k] uint32, weights [k + 1] float)
+    x, logits, h, routing = xe * H, xe * (E + 1), 4 * (k + 1) * max(I, shared), 4 * k + 4 * (k + 1)
+    assert gate_up["bytes_touched"] == L * (2 * k * expert + 2 * sh + x + logits + h + routing)
     dn = [v for n, v in ks.items() if n.startswith("gated_delta_decode_x")][0]
     Hv, Dv, Dk = cfg.linear_num_value_heads, cfg.linear_value_head_dim, cfg.linear_key_head_dim
     state = Hv * Dv * Dk * 4

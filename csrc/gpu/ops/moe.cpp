@@ -333,28 +333,30 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
       throw EncodeError("moe (mv route): x at byte offset " + std::to_string(op.x.offset) + " and scratch.h at " +
                         std::to_string(op.scratch.h.offset) + " must be multiples of 16 (16-byte loads)");
     // 2. gate + up + SwiGLU of the selected experts and the shared expert, per slot; every
-    // threadgroup selects its token's experts from the logits itself (no route level)
+    // threadgroup selects its token's experts from the logits itself (no route level), and one
+    // simdgroup per token writes the routing (ids, weights) for down
     enc.set_kernel(width_kernel(xb ? WidthFamily::moe_gate_up_mv_xbf16 : WidthFamily::moe_gate_up_mv_xf32, op.bits));
     enc.set_args(a);
     enc.set_buffer(1, range(op.x, act, "x"));
     enc.set_buffer(2, range(op.scratch.logits, sb.logits, "scratch.logits"));
     bind_gate_up();
+    enc.set_buffer(16, range(op.scratch.ids, sb.ids, "scratch.ids"));
+    enc.set_buffer(17, range(op.scratch.weights, sb.weights, "scratch.weights"));
     const MoeMvShape sh = moe_mv_shape(H, k, I, Is, op.bits);
     enc.dispatch({ceil_div(a.h_stride, kMoeMvRows), T * (k + 1), 1}, {32 * sh.gate_up_splits, 1, 1});
     enc.add_flops(flops.gate_up_executed, flops.gate_up_useful);
-    enc.barrier();  // h -> down
-    // 3. down projection x routing weights, shared expert x gate, residual add (selects the
-    // experts from the logits again; writes ids and weights)
+    enc.barrier();  // h, ids, weights -> down
+    // 3. down projection x routing weights, shared expert x gate, residual add (the routing as
+    // gate/up wrote it)
     enc.set_kernel(width_kernel(xb ? WidthFamily::moe_down_mv_xbf16 : WidthFamily::moe_down_mv_xf32, down_bits(op)));
     enc.set_args(ad);
-    enc.set_buffer(1, range(op.scratch.logits, sb.logits, "scratch.logits"));
-    enc.set_buffer(2, range(op.scratch.ids, sb.ids, "scratch.ids"));
-    enc.set_buffer(3, range(op.scratch.weights, sb.weights, "scratch.weights"));
-    enc.set_buffer(4, range(op.scratch.h, sb.h, "scratch.h"));
-    bind_quant(enc, 5, op.down, qd(E, H, I), "down", used, E);
-    bind_quant(enc, 8, op.shared_down, qd(1, H, Is), "shared_down");
-    enc.set_buffer(11, residual);
-    enc.set_buffer(12, range(op.out, act, "out"));
+    enc.set_buffer(1, range(op.scratch.ids, sb.ids, "scratch.ids"));
+    enc.set_buffer(2, range(op.scratch.weights, sb.weights, "scratch.weights"));
+    enc.set_buffer(3, range(op.scratch.h, sb.h, "scratch.h"));
+    bind_quant(enc, 4, op.down, qd(E, H, I), "down", used, E);
+    bind_quant(enc, 7, op.shared_down, qd(1, H, Is), "shared_down");
+    enc.set_buffer(10, residual);
+    enc.set_buffer(11, range(op.out, act, "out"));
     const MoeMvShape shd = moe_mv_shape(H, k, I, Is, down_bits(op));
     enc.dispatch({ceil_div(H, kMoeMvRows), T, 1}, {32 * shd.down_splits, 1, 1});
     enc.add_flops(flops.down_executed, flops.down_useful);
