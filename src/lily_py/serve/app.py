@@ -104,6 +104,20 @@ async def _next_event(job: Job, watcher: asyncio.Task, timeout: float | None = N
     return None
 
 
+async def _chunks(job: Job, watcher: asyncio.Task):
+    """The job's chunks until it is done (after its START event), for the collecting (not
+    streaming) answers: an ERROR event or a chunk that finished with "error" raises APIError."""
+    while True:
+        kind, value = await _next_event(job, watcher)
+        if kind == DONE:
+            return
+        if kind == ERROR:
+            raise api_error(value)
+        if value.finish_reason == "error":
+            raise dead_end_error(value)
+        yield value
+
+
 class Server:
     """State of one served model; ``app`` is its Starlette application."""
 
@@ -342,26 +356,18 @@ class Server:
         message: dict = {"role": "assistant", "content": None}
         text, reason, stats, saw_calls = [], None, None, False
         lps = []
-        while True:
-            kind, value = await _next_event(job, watcher)
-            if kind == DONE:
-                break
-            if kind == ERROR:
-                raise api_error(value)
-            if kind == CHUNK:
-                lp = protocol.answer_logprob(value, req.kind)
-                if lp is not None:
-                    lps.append(lp)
-                if req.kind == "chat":
-                    d = protocol.chunk_delta(value)
-                    saw_calls |= "tool_calls" in d
-                    protocol.merge_delta(message, d)
-                else:
-                    text.append(value.text)
-                if value.finish_reason == "error":
-                    raise dead_end_error(value)
-                if value.finish_reason is not None:
-                    reason, stats = value.finish_reason, value.stats
+        async for value in _chunks(job, watcher):
+            lp = protocol.answer_logprob(value, req.kind)
+            if lp is not None:
+                lps.append(lp)
+            if req.kind == "chat":
+                d = protocol.chunk_delta(value)
+                saw_calls |= "tool_calls" in d
+                protocol.merge_delta(message, d)
+            else:
+                text.append(value.text)
+            if value.finish_reason is not None:
+                reason, stats = value.finish_reason, value.stats
         head = {"id": protocol.new_id(req.kind), "created": protocol.created(),
                 "model": req.model, "system_fingerprint": self._fingerprint()}
         fr = protocol.finish_reason(reason, saw_calls)
@@ -384,14 +390,7 @@ class Server:
     async def _collect_message(self, req, job, watcher) -> dict:
         blocks = anthropic.Blocks(req.thinking)
         reason, stats, stop = None, None, ""
-        while True:
-            kind, value = await _next_event(job, watcher)
-            if kind == DONE:
-                break
-            if kind == ERROR:
-                raise api_error(value)
-            if value.finish_reason == "error":
-                raise dead_end_error(value)
+        async for value in _chunks(job, watcher):
             blocks.feed(value)
             if value.finish_reason is not None:
                 reason, stats = value.finish_reason, value.stats
