@@ -231,6 +231,18 @@ void resume(Worker& w, Group& g, Thread& t) {
   if (g.races && g.error.empty()) tg_record_writes(g, t);
 }
 
+// After a pass over the threads: true when the group is finished (every thread done) or failed;
+// otherwise a collective or the barrier is released for the next pass.
+static bool pass_ends_group(Group& g) {
+  bool all_done = true;
+  for (const Thread& t : g.threads) all_done &= t.state == St::done;
+  if (all_done) return true;
+  if (release_simdgroups(g)) return false;
+  if (!g.error.empty()) return true;
+  release_barrier(g);
+  return !g.error.empty();
+}
+
 // Order::ahead: each simdgroup in turn runs until none of its lanes can move (all at a threadgroup
 // barrier, returned, or stuck at a divergent collective), then the barrier is released.
 void run_group_ahead(Worker& w, Group& g, std::mt19937_64& rng) {
@@ -252,13 +264,7 @@ void run_group_ahead(Worker& w, Group& g, std::mt19937_64& rng) {
         if (!g.error.empty()) return;
       }
     }
-    bool all_done = true;
-    for (const Thread& t : g.threads) all_done &= t.state == St::done;
-    if (all_done) return;
-    if (release_simdgroups(g)) continue;
-    if (!g.error.empty()) return;
-    release_barrier(g);
-    if (!g.error.empty()) return;
+    if (pass_ends_group(g)) return;
   }
 }
 
@@ -273,13 +279,7 @@ void run_group(Worker& w, Group& g, Order policy, std::mt19937_64& rng) {
       resume(w, g, t);
       if (!g.error.empty()) return;
     }
-    bool all_done = true;
-    for (const Thread& t : g.threads) all_done &= t.state == St::done;
-    if (all_done) return;
-    if (release_simdgroups(g)) continue;
-    if (!g.error.empty()) return;
-    release_barrier(g);
-    if (!g.error.empty()) return;
+    if (pass_ends_group(g)) return;
   }
 }
 

@@ -68,44 +68,46 @@ def _obj(v, path: str) -> dict:
     return v
 
 
-def _str(obj: dict, name: str, where: str, *, required: bool = True) -> str | None:
-    v = obj.get(name)
+def _field(obj: dict, name: str, where: str, required: bool):
+    """obj[name] (None when absent: "field required" if it must be there) and its path in the
+    request, for the messages."""
     path = f"{where}.{name}" if where else name
-    if v is None:
-        if required:
-            raise bad(path, "field required")
-        return None
-    if not isinstance(v, str):
+    v = obj.get(name)
+    if v is None and required:
+        raise bad(path, "field required")
+    return v, path
+
+
+def _str(obj: dict, name: str, where: str, *, required: bool = True) -> str | None:
+    v, path = _field(obj, name, where, required)
+    if v is not None and not isinstance(v, str):
         raise bad(path, f"must be a string, got {_type_name(v)}")
     return v
 
 
 def _bool(obj: dict, name: str, where: str = "", default: bool = False) -> bool:
-    v = obj.get(name)
+    v, path = _field(obj, name, where, False)
     if v is None:
         return default
     if not isinstance(v, bool):
-        raise bad(f"{where}.{name}" if where else name, f"must be a boolean, got {_type_name(v)}")
+        raise bad(path, f"must be a boolean, got {_type_name(v)}")
     return v
 
 
 def _number(body: dict, name: str, lo: float, hi: float, *, lo_open: bool = False):
-    v = body.get(name)
+    v, path = _field(body, name, "", False)
     if v is None:
         return None
     if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise bad(name, f"must be a number, got {_type_name(v)} {json.dumps(v)}")
+        raise bad(path, f"must be a number, got {_type_name(v)} {json.dumps(v)}")
     if not math.isfinite(v) or v < lo or v > hi or (lo_open and v == lo):
-        raise bad(name, f"must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {v!r}")
+        raise bad(path, f"must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {v!r}")
     return float(v)
 
 
 def _integer(obj: dict, name: str, lo: int, where: str = "", *, required: bool = False):
-    v = obj.get(name)
-    path = f"{where}.{name}" if where else name
+    v, path = _field(obj, name, where, required)
     if v is None:
-        if required:
-            raise bad(path, "field required")
         return None
     if isinstance(v, bool) or not isinstance(v, int):
         raise bad(path, f"must be an integer, got {_type_name(v)} {json.dumps(v)}")
