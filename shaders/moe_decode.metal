@@ -27,6 +27,41 @@ inline void moe_load_act(const device T* p, thread float* o) {
   for (uint32_t i = 0; i < V; i += 8) load8(p + i, o + i);
 }
 
+// The K loop of moe_gate_up_mv at `bits`: simdgroup s walks the blocks s, s + splits, ... of
+// B = 32 x V codes; ag[r] / au[r] collect the lane's part of gate and up row row[r].
+template <typename T, typename S, int bits>
+inline void moe_gate_up_mv_blocks(const device T* xt, const device uint32_t* wg, const device S* sg,
+                                  const device S* bg, const device uint32_t* wu, const device S* su,
+                                  const device S* bu, const thread uint32_t* row, uint32_t H, uint32_t group_shift,
+                                  uint32_t K_end, uint32_t splits, uint32_t simd_id, uint32_t lane,
+                                  thread float* ag, thread float* au) {
+  constexpr uint32_t R = kMoeMvRows;
+  constexpr uint32_t V = Qmv1Codes<bits>::V;
+  constexpr uint32_t B = 32 * V;
+  const uint32_t wpr = H * bits / 32, gpr = H >> group_shift;
+  for (uint32_t k0 = simd_id * B; k0 < K_end; k0 += splits * B) {
+    const uint32_t kk = k0 + lane * V;
+    if (kk < H) {  // only a last, partial block diverges (H is a multiple of 32)
+      float xv[V];
+      moe_load_act<V>(xt + kk, xv);
+      float xs[V];
+      float xsum = 0.0f;
+      for (uint32_t i = 0; i < V; ++i) {
+        xsum += xv[i];
+        xs[i] = xv[i] * Qmv1Codes<bits>::scale_of(i);
+      }
+      const uint32_t gi = kk >> group_shift;
+      const uint32_t wo = kk * bits / 32;
+      for (uint32_t r = 0; r < R; ++r) {
+        const float dg = Qmv1Codes<bits>::dot_at(wg + row[r] * wpr + wo, xs);
+        const float du = Qmv1Codes<bits>::dot_at(wu + row[r] * wpr + wo, xs);
+        ag[r] = fma(float(sg[row[r] * gpr + gi]), dg, fma(float(bg[row[r] * gpr + gi]), xsum, ag[r]));
+        au[r] = fma(float(su[row[r] * gpr + gi]), du, fma(float(bu[row[r] * gpr + gi]), xsum, au[r]));
+      }
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // moe_gate_up_mv: decode / matvec route. h[slot, n] = silu(gate_g[n] . x_t) * (up_g[n] . x_t)
 // for the k selected experts and the shared expert of every token; reads only those experts.
@@ -49,7 +84,10 @@ inline void moe_load_act(const device T* p, thread float* o) {
 //               guarded. Threadgroups wholly past N (the narrower of I and Is) load nothing.
 //   reduction:  ag[R], au[R] (compile-time indexed: registers), simd_sum, then over the splits
 //               through threadgroup memory in order; thread r < R applies SwiGLU, writes h
-template <typename T, typename S, int bits>
+//   widths:     the routed experts at `bits`, the shared slot at `sbits` (a mixed checkpoint; its
+//               threadgroups run their own blocks, B = 32 x Qmv1Codes<sbits>::V); sbits == bits
+//               compiles one loop
+template <typename T, typename S, int bits, int sbits>
 [[kernel]] void moe_gate_up_mv(constant MoeArgs& args [[buffer(0)]],
                                const device T* x [[buffer(1)]],
                                const device T* logits [[buffer(2)]],
@@ -70,8 +108,6 @@ template <typename T, typename S, int bits>
                                device float* weights [[buffer(17)]],
                                LILY_KERNEL_TAIL) {
   constexpr uint32_t R = kMoeMvRows;
-  constexpr uint32_t V = Qmv1Codes<bits>::V;
-  constexpr uint32_t B = 32 * V;
   LILY_TG_ARRAY(float, red, [kMoeGateUpMaxSplits * 2 * kMoeMvRows]);
   LILY_TG_ARRAY(uint32_t, sel_s, [kMoeMaxTopK]);
   LILY_TG_ARRAY(float, w_s, [kMoeMaxTopK + 1]);
@@ -95,7 +131,7 @@ template <typename T, typename S, int bits>
   // Every simdgroup selects its slot's expert itself: no simdgroup waits at a barrier for another.
   const uint32_t g = shared ? 0u : moe_select_slot<T>(args, logits + t * (args.experts + 1), lane, j);
   const uint32_t N = shared ? args.shared_inter : args.inter;
-  const uint32_t wpr = H * bits / 32, gpr = H >> args.group_shift;
+  const uint32_t wpr = H * bits / 32, gpr = H >> args.group_shift;  // the routed experts' rows
   const device uint32_t* wg = shared ? sh_gate_w : gate_w + g * N * wpr;
   const device S* sg = shared ? sh_gate_s : gate_s + g * N * gpr;
   const device S* bg = shared ? sh_gate_b : gate_b + g * N * gpr;
@@ -113,27 +149,12 @@ template <typename T, typename S, int bits>
     ag[r] = 0.0f;
     au[r] = 0.0f;
   }
-  for (uint32_t k0 = simd_id * B; k0 < K_end; k0 += splits * B) {
-    const uint32_t kk = k0 + lane * V;
-    if (kk < H) {  // only a last, partial block diverges (H is a multiple of 32)
-      float xv[V];
-      moe_load_act<V>(xt + kk, xv);
-      float xs[V];
-      float xsum = 0.0f;
-      for (uint32_t i = 0; i < V; ++i) {
-        xsum += xv[i];
-        xs[i] = xv[i] * Qmv1Codes<bits>::scale_of(i);
-      }
-      const uint32_t gi = kk >> args.group_shift;
-      const uint32_t wo = kk * bits / 32;
-      for (uint32_t r = 0; r < R; ++r) {
-        const float dg = Qmv1Codes<bits>::dot_at(wg + row[r] * wpr + wo, xs);
-        const float du = Qmv1Codes<bits>::dot_at(wu + row[r] * wpr + wo, xs);
-        ag[r] = fma(float(sg[row[r] * gpr + gi]), dg, fma(float(bg[row[r] * gpr + gi]), xsum, ag[r]));
-        au[r] = fma(float(su[row[r] * gpr + gi]), du, fma(float(bu[row[r] * gpr + gi]), xsum, au[r]));
-      }
-    }
-  }
+  if (sbits != bits && shared)
+    moe_gate_up_mv_blocks<T, S, sbits>(xt, wg, sg, bg, wu, su, bu, row, H, args.group_shift, K_end, splits, simd_id,
+                                       lane, ag, au);
+  else
+    moe_gate_up_mv_blocks<T, S, bits>(xt, wg, sg, bg, wu, su, bu, row, H, args.group_shift, K_end, splits, simd_id,
+                                      lane, ag, au);
   for (uint32_t r = 0; r < R; ++r) {
     ag[r] = simd_sum(ag[r]);
     au[r] = simd_sum(au[r]);
@@ -152,6 +173,30 @@ template <typename T, typename S, int bits>
       U += red[s * 2 * R + R + thread_pos.x];
     }
     h[slot * args.h_stride + n0 + thread_pos.x] = moe_silu(G) * U;
+  }
+}
+
+// One chunk of moe_down_mv at `bits`: the V values of h at hp times the slot's routing weight wj,
+// summed once, pre-scaled; acc[r] += the dot product with row row[r] of the slot's expert w.
+template <typename S, int bits>
+inline void moe_down_mv_chunk(const device float* hp, float wj, const device uint32_t* w, const device S* sc,
+                              const device S* bi, uint32_t wpr, uint32_t gpr, uint32_t kk, uint32_t group_shift,
+                              const thread uint32_t* row, thread float* acc) {
+  constexpr uint32_t V = Qmv1Codes<bits>::V;
+  float hv[V];
+  moe_load_act<V>(hp, hv);
+  float xs[V];
+  float hsum = 0.0f;
+  for (uint32_t i = 0; i < V; ++i) {
+    const float v = wj * hv[i];
+    hsum += v;
+    xs[i] = v * Qmv1Codes<bits>::scale_of(i);
+  }
+  const uint32_t gi = kk >> group_shift;
+  const uint32_t wo = kk * bits / 32;
+  for (uint32_t r = 0; r < kMoeMvRows; ++r) {
+    const float d = Qmv1Codes<bits>::dot_at(w + row[r] * wpr + wo, xs);
+    acc[r] = fma(float(sc[row[r] * gpr + gi]), d, fma(float(bi[row[r] * gpr + gi]), hsum, acc[r]));
   }
 }
 
@@ -175,7 +220,9 @@ template <typename T, typename S, int bits>
 //   rows:       rows past H load row H - 1; only the store is guarded
 //   reduction:  acc[R] in registers, simd_sum, over the splits through threadgroup memory in
 //               order, + residual, rounded to T once
-template <typename T, typename S, int bits>
+//   widths:     the routed chunks at `bits`, then the shared slot's at `sbits` (V_s codes each:
+//               C = k I / V + Is / V_s); a lane walks its routed chunks, then its shared ones
+template <typename T, typename S, int bits, int sbits>
 [[kernel]] void moe_down_mv(constant MoeArgs& args [[buffer(0)]],
                             const device uint32_t* ids [[buffer(1)]],
                             const device float* weights [[buffer(2)]],
@@ -190,44 +237,32 @@ template <typename T, typename S, int bits>
                             device T* out [[buffer(11)]],
                             LILY_KERNEL_TAIL) {
   constexpr uint32_t R = kMoeMvRows;
-  constexpr uint32_t V = Qmv1Codes<bits>::V;
+  constexpr uint32_t V = Qmv1Codes<bits>::V, Vs = Qmv1Codes<sbits>::V;
   LILY_TG_ARRAY(float, red, [kMoeDownMaxSplits * kMoeMvRows]);
   const uint32_t k = args.top_k, H = args.hidden, t = group_pos.y;
   const uint32_t splits = group_size.x / 32;
-  const uint32_t cI = args.inter / V, routed = k * cI, C = routed + args.shared_inter / V;
+  const uint32_t cI = args.inter / V, routed = k * cI, C = routed + args.shared_inter / Vs;
   const uint32_t wpI = args.inter * bits / 32, gpI = args.inter >> args.group_shift;
-  const uint32_t wpS = args.shared_inter * bits / 32, gpS = args.shared_inter >> args.group_shift;
+  const uint32_t wpS = args.shared_inter * sbits / 32, gpS = args.shared_inter >> args.group_shift;
   const uint32_t n0 = group_pos.x * R;
 
   uint32_t row[R];
   for (uint32_t r = 0; r < R; ++r) row[r] = min(n0 + r, H - 1);
   float acc[R];
   for (uint32_t r = 0; r < R; ++r) acc[r] = 0.0f;
-  for (uint32_t c = simd_id * 32 + lane; c < C; c += splits * 32) {
-    const bool shared = c >= routed;
-    const uint32_t j = shared ? k : c / cI;
-    const uint32_t kk = (shared ? c - routed : c - j * cI) * V;  // first code in the slot's K
-    const uint32_t g = shared ? 0u : ids[t * k + j];
-    const float wj = weights[t * (k + 1) + j];
-    const uint32_t wpr = shared ? wpS : wpI, gpr = shared ? gpS : gpI;
-    const device uint32_t* w = shared ? sh_down_w : down_w + g * H * wpI;
-    const device S* sc = shared ? sh_down_s : down_s + g * H * gpI;
-    const device S* bi = shared ? sh_down_b : down_b + g * H * gpI;
-    float hv[V];
-    moe_load_act<V>(h + (t * (k + 1) + j) * args.h_stride + kk, hv);
-    float xs[V];
-    float hsum = 0.0f;
-    for (uint32_t i = 0; i < V; ++i) {
-      const float v = wj * hv[i];
-      hsum += v;
-      xs[i] = v * Qmv1Codes<bits>::scale_of(i);
-    }
-    const uint32_t gi = kk >> args.group_shift;
-    const uint32_t wo = kk * bits / 32;
-    for (uint32_t r = 0; r < R; ++r) {
-      const float d = Qmv1Codes<bits>::dot_at(w + row[r] * wpr + wo, xs);
-      acc[r] = fma(float(sc[row[r] * gpr + gi]), d, fma(float(bi[row[r] * gpr + gi]), hsum, acc[r]));
-    }
+  uint32_t c = simd_id * 32 + lane;
+  for (; c < routed; c += splits * 32) {
+    const uint32_t j = c / cI;
+    const uint32_t kk = (c - j * cI) * V;  // first code in the slot's K
+    const uint32_t g = ids[t * k + j];
+    moe_down_mv_chunk<S, bits>(h + (t * (k + 1) + j) * args.h_stride + kk, weights[t * (k + 1) + j],
+                               down_w + g * H * wpI, down_s + g * H * gpI, down_b + g * H * gpI, wpI, gpI, kk,
+                               args.group_shift, row, acc);
+  }
+  for (; c < C; c += splits * 32) {  // the shared slot
+    const uint32_t kk = (c - routed) * Vs;
+    moe_down_mv_chunk<S, sbits>(h + (t * (k + 1) + k) * args.h_stride + kk, weights[t * (k + 1) + k], sh_down_w,
+                                sh_down_s, sh_down_b, wpS, gpS, kk, args.group_shift, row, acc);
   }
   for (uint32_t r = 0; r < R; ++r) acc[r] = simd_sum(acc[r]);
   if (lane == 0)
@@ -244,29 +279,49 @@ template <typename T, typename S, int bits>
 
 // Instantiations: the matvec rows of csrc/gpu/kernel_ids.h (2 to 8-bit experts, fp32 and bf16
 // activations, bf16 scales).
-LILY_INSTANTIATE("moe_gate_up_mv_b4_xf32_sbf16", moe_gate_up_mv<float, bfloat, 4>)
-LILY_INSTANTIATE("moe_down_mv_b4_xf32_sbf16", moe_down_mv<float, bfloat, 4>)
-LILY_INSTANTIATE("moe_gate_up_mv_b4_xbf16_sbf16", moe_gate_up_mv<bfloat, bfloat, 4>)
-LILY_INSTANTIATE("moe_down_mv_b4_xbf16_sbf16", moe_down_mv<bfloat, bfloat, 4>)
-LILY_INSTANTIATE("moe_gate_up_mv_b2_xf32_sbf16", moe_gate_up_mv<float, bfloat, 2>)
-LILY_INSTANTIATE("moe_down_mv_b2_xf32_sbf16", moe_down_mv<float, bfloat, 2>)
-LILY_INSTANTIATE("moe_gate_up_mv_b2_xbf16_sbf16", moe_gate_up_mv<bfloat, bfloat, 2>)
-LILY_INSTANTIATE("moe_down_mv_b2_xbf16_sbf16", moe_down_mv<bfloat, bfloat, 2>)
-LILY_INSTANTIATE("moe_gate_up_mv_b3_xf32_sbf16", moe_gate_up_mv<float, bfloat, 3>)
-LILY_INSTANTIATE("moe_down_mv_b3_xf32_sbf16", moe_down_mv<float, bfloat, 3>)
-LILY_INSTANTIATE("moe_gate_up_mv_b3_xbf16_sbf16", moe_gate_up_mv<bfloat, bfloat, 3>)
-LILY_INSTANTIATE("moe_down_mv_b3_xbf16_sbf16", moe_down_mv<bfloat, bfloat, 3>)
-LILY_INSTANTIATE("moe_gate_up_mv_b5_xf32_sbf16", moe_gate_up_mv<float, bfloat, 5>)
-LILY_INSTANTIATE("moe_down_mv_b5_xf32_sbf16", moe_down_mv<float, bfloat, 5>)
-LILY_INSTANTIATE("moe_gate_up_mv_b5_xbf16_sbf16", moe_gate_up_mv<bfloat, bfloat, 5>)
-LILY_INSTANTIATE("moe_down_mv_b5_xbf16_sbf16", moe_down_mv<bfloat, bfloat, 5>)
-LILY_INSTANTIATE("moe_gate_up_mv_b6_xf32_sbf16", moe_gate_up_mv<float, bfloat, 6>)
-LILY_INSTANTIATE("moe_down_mv_b6_xf32_sbf16", moe_down_mv<float, bfloat, 6>)
-LILY_INSTANTIATE("moe_gate_up_mv_b6_xbf16_sbf16", moe_gate_up_mv<bfloat, bfloat, 6>)
-LILY_INSTANTIATE("moe_down_mv_b6_xbf16_sbf16", moe_down_mv<bfloat, bfloat, 6>)
-LILY_INSTANTIATE("moe_gate_up_mv_b8_xf32_sbf16", moe_gate_up_mv<float, bfloat, 8>)
-LILY_INSTANTIATE("moe_down_mv_b8_xf32_sbf16", moe_down_mv<float, bfloat, 8>)
-LILY_INSTANTIATE("moe_gate_up_mv_b8_xbf16_sbf16", moe_gate_up_mv<bfloat, bfloat, 8>)
-LILY_INSTANTIATE("moe_down_mv_b8_xbf16_sbf16", moe_down_mv<bfloat, bfloat, 8>)
+LILY_INSTANTIATE("moe_gate_up_mv_b4_xf32_sbf16", moe_gate_up_mv<float, bfloat, 4, 4>)
+LILY_INSTANTIATE("moe_down_mv_b4_xf32_sbf16", moe_down_mv<float, bfloat, 4, 4>)
+LILY_INSTANTIATE("moe_gate_up_mv_b4_xbf16_sbf16", moe_gate_up_mv<bfloat, bfloat, 4, 4>)
+LILY_INSTANTIATE("moe_down_mv_b4_xbf16_sbf16", moe_down_mv<bfloat, bfloat, 4, 4>)
+LILY_INSTANTIATE("moe_gate_up_mv_b2_xf32_sbf16", moe_gate_up_mv<float, bfloat, 2, 2>)
+LILY_INSTANTIATE("moe_down_mv_b2_xf32_sbf16", moe_down_mv<float, bfloat, 2, 2>)
+LILY_INSTANTIATE("moe_gate_up_mv_b2_xbf16_sbf16", moe_gate_up_mv<bfloat, bfloat, 2, 2>)
+LILY_INSTANTIATE("moe_down_mv_b2_xbf16_sbf16", moe_down_mv<bfloat, bfloat, 2, 2>)
+LILY_INSTANTIATE("moe_gate_up_mv_b3_xf32_sbf16", moe_gate_up_mv<float, bfloat, 3, 3>)
+LILY_INSTANTIATE("moe_down_mv_b3_xf32_sbf16", moe_down_mv<float, bfloat, 3, 3>)
+LILY_INSTANTIATE("moe_gate_up_mv_b3_xbf16_sbf16", moe_gate_up_mv<bfloat, bfloat, 3, 3>)
+LILY_INSTANTIATE("moe_down_mv_b3_xbf16_sbf16", moe_down_mv<bfloat, bfloat, 3, 3>)
+LILY_INSTANTIATE("moe_gate_up_mv_b5_xf32_sbf16", moe_gate_up_mv<float, bfloat, 5, 5>)
+LILY_INSTANTIATE("moe_down_mv_b5_xf32_sbf16", moe_down_mv<float, bfloat, 5, 5>)
+LILY_INSTANTIATE("moe_gate_up_mv_b5_xbf16_sbf16", moe_gate_up_mv<bfloat, bfloat, 5, 5>)
+LILY_INSTANTIATE("moe_down_mv_b5_xbf16_sbf16", moe_down_mv<bfloat, bfloat, 5, 5>)
+LILY_INSTANTIATE("moe_gate_up_mv_b6_xf32_sbf16", moe_gate_up_mv<float, bfloat, 6, 6>)
+LILY_INSTANTIATE("moe_down_mv_b6_xf32_sbf16", moe_down_mv<float, bfloat, 6, 6>)
+LILY_INSTANTIATE("moe_gate_up_mv_b6_xbf16_sbf16", moe_gate_up_mv<bfloat, bfloat, 6, 6>)
+LILY_INSTANTIATE("moe_down_mv_b6_xbf16_sbf16", moe_down_mv<bfloat, bfloat, 6, 6>)
+LILY_INSTANTIATE("moe_gate_up_mv_b8_xf32_sbf16", moe_gate_up_mv<float, bfloat, 8, 8>)
+LILY_INSTANTIATE("moe_down_mv_b8_xf32_sbf16", moe_down_mv<float, bfloat, 8, 8>)
+LILY_INSTANTIATE("moe_gate_up_mv_b8_xbf16_sbf16", moe_gate_up_mv<bfloat, bfloat, 8, 8>)
+LILY_INSTANTIATE("moe_down_mv_b8_xbf16_sbf16", moe_down_mv<bfloat, bfloat, 8, 8>)
+
+
+// Mixed checkpoints: routed experts at b, the shared expert at s (csrc/gpu/kernel_ids.h,
+// kMoeSharedWidths: the pairs built).
+LILY_INSTANTIATE("moe_gate_up_mv_b2s6_xf32_sbf16", moe_gate_up_mv<float, bfloat, 2, 6>)
+LILY_INSTANTIATE("moe_down_mv_b2s6_xf32_sbf16", moe_down_mv<float, bfloat, 2, 6>)
+LILY_INSTANTIATE("moe_gate_up_mv_b2s6_xbf16_sbf16", moe_gate_up_mv<bfloat, bfloat, 2, 6>)
+LILY_INSTANTIATE("moe_down_mv_b2s6_xbf16_sbf16", moe_down_mv<bfloat, bfloat, 2, 6>)
+LILY_INSTANTIATE("moe_gate_up_mv_b3s6_xf32_sbf16", moe_gate_up_mv<float, bfloat, 3, 6>)
+LILY_INSTANTIATE("moe_down_mv_b3s6_xf32_sbf16", moe_down_mv<float, bfloat, 3, 6>)
+LILY_INSTANTIATE("moe_gate_up_mv_b3s6_xbf16_sbf16", moe_gate_up_mv<bfloat, bfloat, 3, 6>)
+LILY_INSTANTIATE("moe_down_mv_b3s6_xbf16_sbf16", moe_down_mv<bfloat, bfloat, 3, 6>)
+LILY_INSTANTIATE("moe_gate_up_mv_b4s6_xf32_sbf16", moe_gate_up_mv<float, bfloat, 4, 6>)
+LILY_INSTANTIATE("moe_down_mv_b4s6_xf32_sbf16", moe_down_mv<float, bfloat, 4, 6>)
+LILY_INSTANTIATE("moe_gate_up_mv_b4s6_xbf16_sbf16", moe_gate_up_mv<bfloat, bfloat, 4, 6>)
+LILY_INSTANTIATE("moe_down_mv_b4s6_xbf16_sbf16", moe_down_mv<bfloat, bfloat, 4, 6>)
+LILY_INSTANTIATE("moe_gate_up_mv_b4s8_xf32_sbf16", moe_gate_up_mv<float, bfloat, 4, 8>)
+LILY_INSTANTIATE("moe_down_mv_b4s8_xf32_sbf16", moe_down_mv<float, bfloat, 4, 8>)
+LILY_INSTANTIATE("moe_gate_up_mv_b4s8_xbf16_sbf16", moe_gate_up_mv<bfloat, bfloat, 4, 8>)
+LILY_INSTANTIATE("moe_down_mv_b4s8_xbf16_sbf16", moe_down_mv<bfloat, bfloat, 4, 8>)
 
 }  // namespace lily

@@ -29,7 +29,9 @@ namespace lily {
 //            multiplies its (BM/2) x 16 quarter into two accumulators (gate, up) with
 //            common/mma.h, barrier. Epilogue: gate and up tiles through threadgroup memory,
 //            SwiGLU, masked write of h (fp32).
-template <typename T, typename S, int bits, int BM>
+//   widths:  the routed experts at `bits`, the shared expert (group E) at `sbits` (a mixed
+//            checkpoint: the branch is uniform over the threadgroup; sbits == bits compiles one)
+template <typename T, typename S, int bits, int sbits, int BM>
 [[kernel]] void moe_gate_up_mm(constant MoeArgs& args [[buffer(0)]],
                                const device T* x [[buffer(1)]],
                                const device uint32_t* plan [[buffer(2)]],
@@ -66,7 +68,8 @@ template <typename T, typename S, int bits, int BM>
   const uint32_t n0 = group_pos.x * BN;
   const uint32_t H = args.hidden;
   const uint32_t K_end = (active && n0 < N) ? H : 0u;  // uniform: no work, no barrier mismatch
-  const uint32_t wpr = H * bits / 32, gpr = H / args.group_size;
+  const bool own = sbits != bits && shared;  // the shared expert at its own width
+  const uint32_t wpr = H * (own ? sbits : bits) / 32, gpr = H / args.group_size;
   const device uint32_t* wg = shared ? sh_gate_w : gate_w + g * N * wpr;
   const device S* sg = shared ? sh_gate_s : gate_s + g * N * gpr;
   const device S* bg = shared ? sh_gate_b : gate_b + g * N * gpr;
@@ -100,10 +103,12 @@ template <typename T, typename S, int bits, int BM>
     if (n < N) {
       const uint32_t gi = n * gpr + (k0 + col) / args.group_size;
       float q[8];
-      unpack_row<bits, 8>(wg + n * wpr, k0 + col, q);
+      if (own) unpack_row<sbits, 8>(wg + n * wpr, k0 + col, q);
+      else unpack_row<bits, 8>(wg + n * wpr, k0 + col, q);
       const float s1 = float(sg[gi]), b1 = float(bg[gi]);
       for (uint32_t c = 0; c < 8; ++c) wgt[(tp / 4) * LD + col + c] = s1 * q[c] + b1;
-      unpack_row<bits, 8>(wu + n * wpr, k0 + col, q);
+      if (own) unpack_row<sbits, 8>(wu + n * wpr, k0 + col, q);
+      else unpack_row<bits, 8>(wu + n * wpr, k0 + col, q);
       const float s2 = float(su[gi]), b2 = float(bu[gi]);
       for (uint32_t c = 0; c < 8; ++c) wut[(tp / 4) * LD + col + c] = s2 * q[c] + b2;
     } else {
@@ -143,7 +148,8 @@ template <typename T, typename S, int bits, int BM>
 //   tile:    as moe_gate_up_mm with one matrix: K = I (Is for the shared group), the rows of h
 //            are contiguous [r0, r1); epilogue through threadgroup memory, scaled by the row's
 //            routing weight (the sigmoid gate for shared rows), masked write.
-template <typename S, int bits, int BM>
+//   widths:  as moe_gate_up_mm (the shared expert's down at `sbits`)
+template <typename S, int bits, int sbits, int BM>
 [[kernel]] void moe_down_mm(constant MoeArgs& args [[buffer(0)]],
                             const device uint32_t* plan [[buffer(1)]],
                             const device float* row_weight [[buffer(2)]],
@@ -174,7 +180,8 @@ template <typename S, int bits, int BM>
   const uint32_t K = shared ? args.shared_inter : args.inter;
   const uint32_t n0 = group_pos.x * BN;
   const uint32_t K_end = active ? K : 0u;
-  const uint32_t wpr = K * bits / 32, gpr = K / args.group_size;
+  const bool own = sbits != bits && shared;  // the shared expert at its own width
+  const uint32_t wpr = K * (own ? sbits : bits) / 32, gpr = K / args.group_size;
   const device uint32_t* w = shared ? sh_down_w : down_w + g * H * wpr;
   const device S* sc = shared ? sh_down_s : down_s + g * H * gpr;
   const device S* bi = shared ? sh_down_b : down_b + g * H * gpr;
@@ -196,7 +203,8 @@ template <typename S, int bits, int BM>
     if (n < H) {
       const uint32_t gi = n * gpr + (k0 + col) / args.group_size;
       float q[8];
-      unpack_row<bits, 8>(w + n * wpr, k0 + col, q);
+      if (own) unpack_row<sbits, 8>(w + n * wpr, k0 + col, q);
+      else unpack_row<bits, 8>(w + n * wpr, k0 + col, q);
       const float s = float(sc[gi]), b = float(bi[gi]);
       for (uint32_t c = 0; c < 8; ++c) ws[(tp / 4) * LD + col + c] = s * q[c] + b;
     } else {
@@ -223,6 +231,44 @@ template <typename S, int bits, int BM>
   }
 }
 
+// The K loop of a few-row gate/up block at `bits`: strips of strip_codes<bits>() codes per lane;
+// ag[m][r] / au[m][r] += s * dot(x, q) + b * sum(x) for row m of the block and feature n0 + r.
+template <typename T, typename S, int bits>
+inline void moe_few_gate_up_strips(const device T* x, const thread uint32_t* tok, uint32_t rows,
+                                   const device uint32_t* wg, const device S* sg, const device S* bg,
+                                   const device uint32_t* wu, const device S* su, const device S* bu,
+                                   uint32_t n0, uint32_t N, uint32_t H, uint32_t K_end, uint32_t group_size,
+                                   uint32_t lane, thread float4* ag, thread float4* au) {
+  constexpr uint32_t V = strip_codes<bits>(), step = 32 * V;
+  const uint32_t wpr = H * bits / 32, gpr = H / group_size;
+  for (uint32_t kk = lane * V; kk < K_end; kk += step) {
+    const uint32_t grp = kk / group_size;  // the strip lies inside one group
+    for (uint32_t r = 0; r < kMoeMvRowsPerSimd; ++r) {
+      const uint32_t n = n0 + r;
+      if (n >= N) break;
+      float qg[V];
+      float qu[V];
+      unpack_row<bits, V>(wg + n * wpr, kk, qg);
+      unpack_row<bits, V>(wu + n * wpr, kk, qu);
+      const float s1 = float(sg[n * gpr + grp]), b1 = float(bg[n * gpr + grp]);
+      const float s2 = float(su[n * gpr + grp]), b2 = float(bu[n * gpr + grp]);
+      for (uint32_t m = 0; m < kMoeFewBlockRows; ++m) {
+        if (m >= rows) break;
+        const device T* xm = x + tok[m] * H + kk;
+        float dg = 0.0f, du = 0.0f, xsum = 0.0f;
+        for (uint32_t i = 0; i < V; ++i) {
+          const float xv = float(xm[i]);
+          dg += xv * qg[i];
+          du += xv * qu[i];
+          xsum += xv;
+        }
+        ag[m][r] += s1 * dg + b1 * xsum;
+        au[m][r] += s2 * du + b2 * xsum;
+      }
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // moe_gate_up_few: tiled route, the few-row tiles (a group's remainder of <= args.few_rows <= 16
 // rows, e.g. an expert that received few tokens): matvec-style, like qmv (qmm.metal), every
@@ -235,7 +281,8 @@ template <typename S, int bits, int BM>
 //   lane:       strips of strip_codes<bits>() codes per step; per (feature, row): s * dot(x, q) + b * sum(x);
 //               one simd_sum(float4) per row and matrix; lane 0 writes h = silu(gate) * up
 //   buffers:    as moe_gate_up_mm (x rows gathered through the plan's row -> token map)
-template <typename T, typename S, int bits>
+//   widths:     as moe_gate_up_mm: the shared group's strips at `sbits` (its own strip size)
+template <typename T, typename S, int bits, int sbits>
 [[kernel]] void moe_gate_up_few(constant MoeArgs& args [[buffer(0)]],
                                 const device T* x [[buffer(1)]],
                                 const device uint32_t* plan [[buffer(2)]],
@@ -253,7 +300,7 @@ template <typename T, typename S, int bits>
                                 const device S* sh_up_b [[buffer(14)]],
                                 device float* h [[buffer(15)]],
                                 LILY_KERNEL_TAIL) {
-  constexpr uint32_t V = strip_codes<bits>(), step = 32 * V, FEW = kMoeFewBlockRows;
+  constexpr uint32_t FEW = kMoeFewBlockRows;
   const uint32_t tile = group_pos.y;
   const uint32_t list = moe_plan_list_few(args.max_tiles, args.max_few);
   const bool active = tile < plan[2];  // uniform over the threadgroup
@@ -261,6 +308,7 @@ template <typename T, typename S, int bits>
   const uint32_t r0 = active ? plan[list + 3 * tile + 1] : 0u;
   const uint32_t rows_all = active ? plan[list + 3 * tile + 2] - r0 : 0u;  // <= args.few_rows
   const bool shared = g == args.experts;
+  const bool own = sbits != bits && shared;  // the shared expert at its own width
   const uint32_t N = shared ? args.shared_inter : args.inter;
   const uint32_t H = args.hidden, wpr = H * bits / 32, gpr = H / args.group_size;
   const device uint32_t* wg = shared ? sh_gate_w : gate_w + g * N * wpr;
@@ -283,32 +331,8 @@ template <typename T, typename S, int bits>
       ag[m] = float4(0.0f);
       au[m] = float4(0.0f);
     }
-    for (uint32_t kk = lane * V; kk < K_end; kk += step) {
-      const uint32_t grp = kk / args.group_size;  // the strip lies inside one group
-      for (uint32_t r = 0; r < kMoeMvRowsPerSimd; ++r) {
-        const uint32_t n = n0 + r;
-        if (n >= N) break;
-        float qg[V];
-        float qu[V];
-        unpack_row<bits, V>(wg + n * wpr, kk, qg);
-        unpack_row<bits, V>(wu + n * wpr, kk, qu);
-        const float s1 = float(sg[n * gpr + grp]), b1 = float(bg[n * gpr + grp]);
-        const float s2 = float(su[n * gpr + grp]), b2 = float(bu[n * gpr + grp]);
-        for (uint32_t m = 0; m < FEW; ++m) {
-          if (m >= rows) break;
-          const device T* xm = x + tok[m] * H + kk;
-          float dg = 0.0f, du = 0.0f, xsum = 0.0f;
-          for (uint32_t i = 0; i < V; ++i) {
-            const float xv = float(xm[i]);
-            dg += xv * qg[i];
-            du += xv * qu[i];
-            xsum += xv;
-          }
-          ag[m][r] += s1 * dg + b1 * xsum;
-          au[m][r] += s2 * du + b2 * xsum;
-        }
-      }
-    }
+    if (own) moe_few_gate_up_strips<T, S, sbits>(x, tok, rows, wg, sg, bg, wu, su, bu, n0, N, H, K_end, args.group_size, lane, ag, au);
+    else moe_few_gate_up_strips<T, S, bits>(x, tok, rows, wg, sg, bg, wu, su, bu, n0, N, H, K_end, args.group_size, lane, ag, au);
     for (uint32_t m = 0; m < FEW; ++m) {  // rows is uniform: every lane makes the same collectives
       if (m >= rows) break;
       const float4 G = simd_sum(ag[m]);
@@ -321,13 +345,45 @@ template <typename T, typename S, int bits>
   }
 }
 
+// The K loop of a few-row down block at `bits` (K = I, or Is for the shared group): acc[m][r] +=
+// s * dot(h, q) + b * sum(h) for row m of the block (h rows at hb + m * h_stride) and feature n0 + r.
+template <typename S, int bits>
+inline void moe_few_down_strips(const device float* hb, uint32_t h_stride, uint32_t rows,
+                                const device uint32_t* w, const device S* sc, const device S* bi,
+                                uint32_t n0, uint32_t H, uint32_t K, uint32_t K_end, uint32_t group_size,
+                                uint32_t lane, thread float4* acc) {
+  constexpr uint32_t V = strip_codes<bits>(), step = 32 * V;
+  const uint32_t wpr = K * bits / 32, gpr = K / group_size;
+  for (uint32_t kk = lane * V; kk < K_end; kk += step) {
+    const uint32_t grp = kk / group_size;
+    for (uint32_t r = 0; r < kMoeMvRowsPerSimd; ++r) {
+      const uint32_t n = n0 + r;
+      if (n >= H) break;
+      float q[V];
+      unpack_row<bits, V>(w + n * wpr, kk, q);
+      const float s = float(sc[n * gpr + grp]), b = float(bi[n * gpr + grp]);
+      for (uint32_t m = 0; m < kMoeFewBlockRows; ++m) {
+        if (m >= rows) break;
+        const device float* hm = hb + m * h_stride + kk;
+        float dot = 0.0f, hsum = 0.0f;
+        for (uint32_t i = 0; i < V; ++i) {
+          dot += hm[i] * q[i];
+          hsum += hm[i];
+        }
+        acc[m][r] += s * dot + b * hsum;
+      }
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // moe_down_few: tiled route, the few-row tiles of the down projection. y[row, n] =
 // row_weight[row] * (h[row] . down_g[n]) for the tile's rows (<= 16, in blocks of <= 8),
 // matvec-style as above.
 //   grid:       (ceil(H / 8), max_few) threadgroups of 64 threads (2 simdgroups x 4 features)
 //   buffers:    as moe_down_mm
-template <typename S, int bits>
+//   widths:     as moe_gate_up_few
+template <typename S, int bits, int sbits>
 [[kernel]] void moe_down_few(constant MoeArgs& args [[buffer(0)]],
                              const device uint32_t* plan [[buffer(1)]],
                              const device float* row_weight [[buffer(2)]],
@@ -340,7 +396,7 @@ template <typename S, int bits>
                              const device S* sh_down_b [[buffer(9)]],
                              device float* y [[buffer(10)]],
                              LILY_KERNEL_TAIL) {
-  constexpr uint32_t V = strip_codes<bits>(), step = 32 * V, FEW = kMoeFewBlockRows;
+  constexpr uint32_t FEW = kMoeFewBlockRows;
   const uint32_t tile = group_pos.y;
   const uint32_t list = moe_plan_list_few(args.max_tiles, args.max_few);
   const bool active = tile < plan[2];
@@ -350,6 +406,7 @@ template <typename S, int bits>
   const bool shared = g == args.experts;
   const uint32_t H = args.hidden;
   const uint32_t K = shared ? args.shared_inter : args.inter;
+  const bool own = sbits != bits && shared;  // the shared expert at its own width
   const uint32_t wpr = K * bits / 32, gpr = K / args.group_size;
   const device uint32_t* w = shared ? sh_down_w : down_w + g * H * wpr;
   const device S* sc = shared ? sh_down_s : down_s + g * H * gpr;
@@ -361,26 +418,9 @@ template <typename S, int bits>
 
     float4 acc[FEW];
     for (uint32_t m = 0; m < FEW; ++m) acc[m] = float4(0.0f);
-    for (uint32_t kk = lane * V; kk < K_end; kk += step) {
-      const uint32_t grp = kk / args.group_size;
-      for (uint32_t r = 0; r < kMoeMvRowsPerSimd; ++r) {
-        const uint32_t n = n0 + r;
-        if (n >= H) break;
-        float q[V];
-        unpack_row<bits, V>(w + n * wpr, kk, q);
-        const float s = float(sc[n * gpr + grp]), b = float(bi[n * gpr + grp]);
-        for (uint32_t m = 0; m < FEW; ++m) {
-          if (m >= rows) break;
-          const device float* hm = h + (rb + m) * args.h_stride + kk;
-          float dot = 0.0f, hsum = 0.0f;
-          for (uint32_t i = 0; i < V; ++i) {
-            dot += hm[i] * q[i];
-            hsum += hm[i];
-          }
-          acc[m][r] += s * dot + b * hsum;
-        }
-      }
-    }
+    const device float* hb = h + rb * args.h_stride;
+    if (own) moe_few_down_strips<S, sbits>(hb, args.h_stride, rows, w, sc, bi, n0, H, K, K_end, args.group_size, lane, acc);
+    else moe_few_down_strips<S, bits>(hb, args.h_stride, rows, w, sc, bi, n0, H, K, K_end, args.group_size, lane, acc);
     for (uint32_t m = 0; m < FEW; ++m) {  // rows is uniform
       if (m >= rows) break;
       const float4 total = simd_sum(acc[m]);
@@ -395,59 +435,99 @@ template <typename S, int bits>
 
 // Instantiations: the fp32-tile and few-row rows of csrc/gpu/kernel_ids.h (2 to 8-bit experts,
 // fp32 and bf16 activations; the down kernels read the fp32 h).
-LILY_INSTANTIATE("moe_gate_up_mm32_b4_xf32_sbf16", moe_gate_up_mm<float, bfloat, 4, 32>)
-LILY_INSTANTIATE("moe_gate_up_mm64_b4_xf32_sbf16", moe_gate_up_mm<float, bfloat, 4, 64>)
-LILY_INSTANTIATE("moe_down_mm32_b4_sbf16", moe_down_mm<bfloat, 4, 32>)
-LILY_INSTANTIATE("moe_down_mm64_b4_sbf16", moe_down_mm<bfloat, 4, 64>)
-LILY_INSTANTIATE("moe_gate_up_few_b4_xf32_sbf16", moe_gate_up_few<float, bfloat, 4>)
-LILY_INSTANTIATE("moe_down_few_b4_sbf16", moe_down_few<bfloat, 4>)
-LILY_INSTANTIATE("moe_gate_up_mm32_b4_xbf16_sbf16", moe_gate_up_mm<bfloat, bfloat, 4, 32>)
-LILY_INSTANTIATE("moe_gate_up_mm64_b4_xbf16_sbf16", moe_gate_up_mm<bfloat, bfloat, 4, 64>)
-LILY_INSTANTIATE("moe_gate_up_few_b4_xbf16_sbf16", moe_gate_up_few<bfloat, bfloat, 4>)
-LILY_INSTANTIATE("moe_gate_up_mm32_b2_xf32_sbf16", moe_gate_up_mm<float, bfloat, 2, 32>)
-LILY_INSTANTIATE("moe_gate_up_mm64_b2_xf32_sbf16", moe_gate_up_mm<float, bfloat, 2, 64>)
-LILY_INSTANTIATE("moe_gate_up_few_b2_xf32_sbf16", moe_gate_up_few<float, bfloat, 2>)
-LILY_INSTANTIATE("moe_gate_up_mm32_b2_xbf16_sbf16", moe_gate_up_mm<bfloat, bfloat, 2, 32>)
-LILY_INSTANTIATE("moe_gate_up_mm64_b2_xbf16_sbf16", moe_gate_up_mm<bfloat, bfloat, 2, 64>)
-LILY_INSTANTIATE("moe_gate_up_few_b2_xbf16_sbf16", moe_gate_up_few<bfloat, bfloat, 2>)
-LILY_INSTANTIATE("moe_down_mm32_b2_sbf16", moe_down_mm<bfloat, 2, 32>)
-LILY_INSTANTIATE("moe_down_mm64_b2_sbf16", moe_down_mm<bfloat, 2, 64>)
-LILY_INSTANTIATE("moe_down_few_b2_sbf16", moe_down_few<bfloat, 2>)
-LILY_INSTANTIATE("moe_gate_up_mm32_b3_xf32_sbf16", moe_gate_up_mm<float, bfloat, 3, 32>)
-LILY_INSTANTIATE("moe_gate_up_mm64_b3_xf32_sbf16", moe_gate_up_mm<float, bfloat, 3, 64>)
-LILY_INSTANTIATE("moe_gate_up_few_b3_xf32_sbf16", moe_gate_up_few<float, bfloat, 3>)
-LILY_INSTANTIATE("moe_gate_up_mm32_b3_xbf16_sbf16", moe_gate_up_mm<bfloat, bfloat, 3, 32>)
-LILY_INSTANTIATE("moe_gate_up_mm64_b3_xbf16_sbf16", moe_gate_up_mm<bfloat, bfloat, 3, 64>)
-LILY_INSTANTIATE("moe_gate_up_few_b3_xbf16_sbf16", moe_gate_up_few<bfloat, bfloat, 3>)
-LILY_INSTANTIATE("moe_down_mm32_b3_sbf16", moe_down_mm<bfloat, 3, 32>)
-LILY_INSTANTIATE("moe_down_mm64_b3_sbf16", moe_down_mm<bfloat, 3, 64>)
-LILY_INSTANTIATE("moe_down_few_b3_sbf16", moe_down_few<bfloat, 3>)
-LILY_INSTANTIATE("moe_gate_up_mm32_b5_xf32_sbf16", moe_gate_up_mm<float, bfloat, 5, 32>)
-LILY_INSTANTIATE("moe_gate_up_mm64_b5_xf32_sbf16", moe_gate_up_mm<float, bfloat, 5, 64>)
-LILY_INSTANTIATE("moe_gate_up_few_b5_xf32_sbf16", moe_gate_up_few<float, bfloat, 5>)
-LILY_INSTANTIATE("moe_gate_up_mm32_b5_xbf16_sbf16", moe_gate_up_mm<bfloat, bfloat, 5, 32>)
-LILY_INSTANTIATE("moe_gate_up_mm64_b5_xbf16_sbf16", moe_gate_up_mm<bfloat, bfloat, 5, 64>)
-LILY_INSTANTIATE("moe_gate_up_few_b5_xbf16_sbf16", moe_gate_up_few<bfloat, bfloat, 5>)
-LILY_INSTANTIATE("moe_down_mm32_b5_sbf16", moe_down_mm<bfloat, 5, 32>)
-LILY_INSTANTIATE("moe_down_mm64_b5_sbf16", moe_down_mm<bfloat, 5, 64>)
-LILY_INSTANTIATE("moe_down_few_b5_sbf16", moe_down_few<bfloat, 5>)
-LILY_INSTANTIATE("moe_gate_up_mm32_b6_xf32_sbf16", moe_gate_up_mm<float, bfloat, 6, 32>)
-LILY_INSTANTIATE("moe_gate_up_mm64_b6_xf32_sbf16", moe_gate_up_mm<float, bfloat, 6, 64>)
-LILY_INSTANTIATE("moe_gate_up_few_b6_xf32_sbf16", moe_gate_up_few<float, bfloat, 6>)
-LILY_INSTANTIATE("moe_gate_up_mm32_b6_xbf16_sbf16", moe_gate_up_mm<bfloat, bfloat, 6, 32>)
-LILY_INSTANTIATE("moe_gate_up_mm64_b6_xbf16_sbf16", moe_gate_up_mm<bfloat, bfloat, 6, 64>)
-LILY_INSTANTIATE("moe_gate_up_few_b6_xbf16_sbf16", moe_gate_up_few<bfloat, bfloat, 6>)
-LILY_INSTANTIATE("moe_down_mm32_b6_sbf16", moe_down_mm<bfloat, 6, 32>)
-LILY_INSTANTIATE("moe_down_mm64_b6_sbf16", moe_down_mm<bfloat, 6, 64>)
-LILY_INSTANTIATE("moe_down_few_b6_sbf16", moe_down_few<bfloat, 6>)
-LILY_INSTANTIATE("moe_gate_up_mm32_b8_xf32_sbf16", moe_gate_up_mm<float, bfloat, 8, 32>)
-LILY_INSTANTIATE("moe_gate_up_mm64_b8_xf32_sbf16", moe_gate_up_mm<float, bfloat, 8, 64>)
-LILY_INSTANTIATE("moe_gate_up_few_b8_xf32_sbf16", moe_gate_up_few<float, bfloat, 8>)
-LILY_INSTANTIATE("moe_gate_up_mm32_b8_xbf16_sbf16", moe_gate_up_mm<bfloat, bfloat, 8, 32>)
-LILY_INSTANTIATE("moe_gate_up_mm64_b8_xbf16_sbf16", moe_gate_up_mm<bfloat, bfloat, 8, 64>)
-LILY_INSTANTIATE("moe_gate_up_few_b8_xbf16_sbf16", moe_gate_up_few<bfloat, bfloat, 8>)
-LILY_INSTANTIATE("moe_down_mm32_b8_sbf16", moe_down_mm<bfloat, 8, 32>)
-LILY_INSTANTIATE("moe_down_mm64_b8_sbf16", moe_down_mm<bfloat, 8, 64>)
-LILY_INSTANTIATE("moe_down_few_b8_sbf16", moe_down_few<bfloat, 8>)
+LILY_INSTANTIATE("moe_gate_up_mm32_b4_xf32_sbf16", moe_gate_up_mm<float, bfloat, 4, 4, 32>)
+LILY_INSTANTIATE("moe_gate_up_mm64_b4_xf32_sbf16", moe_gate_up_mm<float, bfloat, 4, 4, 64>)
+LILY_INSTANTIATE("moe_down_mm32_b4_sbf16", moe_down_mm<bfloat, 4, 4, 32>)
+LILY_INSTANTIATE("moe_down_mm64_b4_sbf16", moe_down_mm<bfloat, 4, 4, 64>)
+LILY_INSTANTIATE("moe_gate_up_few_b4_xf32_sbf16", moe_gate_up_few<float, bfloat, 4, 4>)
+LILY_INSTANTIATE("moe_down_few_b4_sbf16", moe_down_few<bfloat, 4, 4>)
+LILY_INSTANTIATE("moe_gate_up_mm32_b4_xbf16_sbf16", moe_gate_up_mm<bfloat, bfloat, 4, 4, 32>)
+LILY_INSTANTIATE("moe_gate_up_mm64_b4_xbf16_sbf16", moe_gate_up_mm<bfloat, bfloat, 4, 4, 64>)
+LILY_INSTANTIATE("moe_gate_up_few_b4_xbf16_sbf16", moe_gate_up_few<bfloat, bfloat, 4, 4>)
+LILY_INSTANTIATE("moe_gate_up_mm32_b2_xf32_sbf16", moe_gate_up_mm<float, bfloat, 2, 2, 32>)
+LILY_INSTANTIATE("moe_gate_up_mm64_b2_xf32_sbf16", moe_gate_up_mm<float, bfloat, 2, 2, 64>)
+LILY_INSTANTIATE("moe_gate_up_few_b2_xf32_sbf16", moe_gate_up_few<float, bfloat, 2, 2>)
+LILY_INSTANTIATE("moe_gate_up_mm32_b2_xbf16_sbf16", moe_gate_up_mm<bfloat, bfloat, 2, 2, 32>)
+LILY_INSTANTIATE("moe_gate_up_mm64_b2_xbf16_sbf16", moe_gate_up_mm<bfloat, bfloat, 2, 2, 64>)
+LILY_INSTANTIATE("moe_gate_up_few_b2_xbf16_sbf16", moe_gate_up_few<bfloat, bfloat, 2, 2>)
+LILY_INSTANTIATE("moe_down_mm32_b2_sbf16", moe_down_mm<bfloat, 2, 2, 32>)
+LILY_INSTANTIATE("moe_down_mm64_b2_sbf16", moe_down_mm<bfloat, 2, 2, 64>)
+LILY_INSTANTIATE("moe_down_few_b2_sbf16", moe_down_few<bfloat, 2, 2>)
+LILY_INSTANTIATE("moe_gate_up_mm32_b3_xf32_sbf16", moe_gate_up_mm<float, bfloat, 3, 3, 32>)
+LILY_INSTANTIATE("moe_gate_up_mm64_b3_xf32_sbf16", moe_gate_up_mm<float, bfloat, 3, 3, 64>)
+LILY_INSTANTIATE("moe_gate_up_few_b3_xf32_sbf16", moe_gate_up_few<float, bfloat, 3, 3>)
+LILY_INSTANTIATE("moe_gate_up_mm32_b3_xbf16_sbf16", moe_gate_up_mm<bfloat, bfloat, 3, 3, 32>)
+LILY_INSTANTIATE("moe_gate_up_mm64_b3_xbf16_sbf16", moe_gate_up_mm<bfloat, bfloat, 3, 3, 64>)
+LILY_INSTANTIATE("moe_gate_up_few_b3_xbf16_sbf16", moe_gate_up_few<bfloat, bfloat, 3, 3>)
+LILY_INSTANTIATE("moe_down_mm32_b3_sbf16", moe_down_mm<bfloat, 3, 3, 32>)
+LILY_INSTANTIATE("moe_down_mm64_b3_sbf16", moe_down_mm<bfloat, 3, 3, 64>)
+LILY_INSTANTIATE("moe_down_few_b3_sbf16", moe_down_few<bfloat, 3, 3>)
+LILY_INSTANTIATE("moe_gate_up_mm32_b5_xf32_sbf16", moe_gate_up_mm<float, bfloat, 5, 5, 32>)
+LILY_INSTANTIATE("moe_gate_up_mm64_b5_xf32_sbf16", moe_gate_up_mm<float, bfloat, 5, 5, 64>)
+LILY_INSTANTIATE("moe_gate_up_few_b5_xf32_sbf16", moe_gate_up_few<float, bfloat, 5, 5>)
+LILY_INSTANTIATE("moe_gate_up_mm32_b5_xbf16_sbf16", moe_gate_up_mm<bfloat, bfloat, 5, 5, 32>)
+LILY_INSTANTIATE("moe_gate_up_mm64_b5_xbf16_sbf16", moe_gate_up_mm<bfloat, bfloat, 5, 5, 64>)
+LILY_INSTANTIATE("moe_gate_up_few_b5_xbf16_sbf16", moe_gate_up_few<bfloat, bfloat, 5, 5>)
+LILY_INSTANTIATE("moe_down_mm32_b5_sbf16", moe_down_mm<bfloat, 5, 5, 32>)
+LILY_INSTANTIATE("moe_down_mm64_b5_sbf16", moe_down_mm<bfloat, 5, 5, 64>)
+LILY_INSTANTIATE("moe_down_few_b5_sbf16", moe_down_few<bfloat, 5, 5>)
+LILY_INSTANTIATE("moe_gate_up_mm32_b6_xf32_sbf16", moe_gate_up_mm<float, bfloat, 6, 6, 32>)
+LILY_INSTANTIATE("moe_gate_up_mm64_b6_xf32_sbf16", moe_gate_up_mm<float, bfloat, 6, 6, 64>)
+LILY_INSTANTIATE("moe_gate_up_few_b6_xf32_sbf16", moe_gate_up_few<float, bfloat, 6, 6>)
+LILY_INSTANTIATE("moe_gate_up_mm32_b6_xbf16_sbf16", moe_gate_up_mm<bfloat, bfloat, 6, 6, 32>)
+LILY_INSTANTIATE("moe_gate_up_mm64_b6_xbf16_sbf16", moe_gate_up_mm<bfloat, bfloat, 6, 6, 64>)
+LILY_INSTANTIATE("moe_gate_up_few_b6_xbf16_sbf16", moe_gate_up_few<bfloat, bfloat, 6, 6>)
+LILY_INSTANTIATE("moe_down_mm32_b6_sbf16", moe_down_mm<bfloat, 6, 6, 32>)
+LILY_INSTANTIATE("moe_down_mm64_b6_sbf16", moe_down_mm<bfloat, 6, 6, 64>)
+LILY_INSTANTIATE("moe_down_few_b6_sbf16", moe_down_few<bfloat, 6, 6>)
+LILY_INSTANTIATE("moe_gate_up_mm32_b8_xf32_sbf16", moe_gate_up_mm<float, bfloat, 8, 8, 32>)
+LILY_INSTANTIATE("moe_gate_up_mm64_b8_xf32_sbf16", moe_gate_up_mm<float, bfloat, 8, 8, 64>)
+LILY_INSTANTIATE("moe_gate_up_few_b8_xf32_sbf16", moe_gate_up_few<float, bfloat, 8, 8>)
+LILY_INSTANTIATE("moe_gate_up_mm32_b8_xbf16_sbf16", moe_gate_up_mm<bfloat, bfloat, 8, 8, 32>)
+LILY_INSTANTIATE("moe_gate_up_mm64_b8_xbf16_sbf16", moe_gate_up_mm<bfloat, bfloat, 8, 8, 64>)
+LILY_INSTANTIATE("moe_gate_up_few_b8_xbf16_sbf16", moe_gate_up_few<bfloat, bfloat, 8, 8>)
+LILY_INSTANTIATE("moe_down_mm32_b8_sbf16", moe_down_mm<bfloat, 8, 8, 32>)
+LILY_INSTANTIATE("moe_down_mm64_b8_sbf16", moe_down_mm<bfloat, 8, 8, 64>)
+LILY_INSTANTIATE("moe_down_few_b8_sbf16", moe_down_few<bfloat, 8, 8>)
+
+
+// Mixed checkpoints: routed experts at b, the shared expert at s (csrc/gpu/kernel_ids.h,
+// kMoeSharedWidths: the pairs built).
+LILY_INSTANTIATE("moe_gate_up_mm32_b2s6_xf32_sbf16", moe_gate_up_mm<float, bfloat, 2, 6, 32>)
+LILY_INSTANTIATE("moe_gate_up_mm64_b2s6_xf32_sbf16", moe_gate_up_mm<float, bfloat, 2, 6, 64>)
+LILY_INSTANTIATE("moe_gate_up_few_b2s6_xf32_sbf16", moe_gate_up_few<float, bfloat, 2, 6>)
+LILY_INSTANTIATE("moe_gate_up_mm32_b2s6_xbf16_sbf16", moe_gate_up_mm<bfloat, bfloat, 2, 6, 32>)
+LILY_INSTANTIATE("moe_gate_up_mm64_b2s6_xbf16_sbf16", moe_gate_up_mm<bfloat, bfloat, 2, 6, 64>)
+LILY_INSTANTIATE("moe_gate_up_few_b2s6_xbf16_sbf16", moe_gate_up_few<bfloat, bfloat, 2, 6>)
+LILY_INSTANTIATE("moe_down_mm32_b2s6_sbf16", moe_down_mm<bfloat, 2, 6, 32>)
+LILY_INSTANTIATE("moe_down_mm64_b2s6_sbf16", moe_down_mm<bfloat, 2, 6, 64>)
+LILY_INSTANTIATE("moe_down_few_b2s6_sbf16", moe_down_few<bfloat, 2, 6>)
+LILY_INSTANTIATE("moe_gate_up_mm32_b3s6_xf32_sbf16", moe_gate_up_mm<float, bfloat, 3, 6, 32>)
+LILY_INSTANTIATE("moe_gate_up_mm64_b3s6_xf32_sbf16", moe_gate_up_mm<float, bfloat, 3, 6, 64>)
+LILY_INSTANTIATE("moe_gate_up_few_b3s6_xf32_sbf16", moe_gate_up_few<float, bfloat, 3, 6>)
+LILY_INSTANTIATE("moe_gate_up_mm32_b3s6_xbf16_sbf16", moe_gate_up_mm<bfloat, bfloat, 3, 6, 32>)
+LILY_INSTANTIATE("moe_gate_up_mm64_b3s6_xbf16_sbf16", moe_gate_up_mm<bfloat, bfloat, 3, 6, 64>)
+LILY_INSTANTIATE("moe_gate_up_few_b3s6_xbf16_sbf16", moe_gate_up_few<bfloat, bfloat, 3, 6>)
+LILY_INSTANTIATE("moe_down_mm32_b3s6_sbf16", moe_down_mm<bfloat, 3, 6, 32>)
+LILY_INSTANTIATE("moe_down_mm64_b3s6_sbf16", moe_down_mm<bfloat, 3, 6, 64>)
+LILY_INSTANTIATE("moe_down_few_b3s6_sbf16", moe_down_few<bfloat, 3, 6>)
+LILY_INSTANTIATE("moe_gate_up_mm32_b4s6_xf32_sbf16", moe_gate_up_mm<float, bfloat, 4, 6, 32>)
+LILY_INSTANTIATE("moe_gate_up_mm64_b4s6_xf32_sbf16", moe_gate_up_mm<float, bfloat, 4, 6, 64>)
+LILY_INSTANTIATE("moe_gate_up_few_b4s6_xf32_sbf16", moe_gate_up_few<float, bfloat, 4, 6>)
+LILY_INSTANTIATE("moe_gate_up_mm32_b4s6_xbf16_sbf16", moe_gate_up_mm<bfloat, bfloat, 4, 6, 32>)
+LILY_INSTANTIATE("moe_gate_up_mm64_b4s6_xbf16_sbf16", moe_gate_up_mm<bfloat, bfloat, 4, 6, 64>)
+LILY_INSTANTIATE("moe_gate_up_few_b4s6_xbf16_sbf16", moe_gate_up_few<bfloat, bfloat, 4, 6>)
+LILY_INSTANTIATE("moe_down_mm32_b4s6_sbf16", moe_down_mm<bfloat, 4, 6, 32>)
+LILY_INSTANTIATE("moe_down_mm64_b4s6_sbf16", moe_down_mm<bfloat, 4, 6, 64>)
+LILY_INSTANTIATE("moe_down_few_b4s6_sbf16", moe_down_few<bfloat, 4, 6>)
+LILY_INSTANTIATE("moe_gate_up_mm32_b4s8_xf32_sbf16", moe_gate_up_mm<float, bfloat, 4, 8, 32>)
+LILY_INSTANTIATE("moe_gate_up_mm64_b4s8_xf32_sbf16", moe_gate_up_mm<float, bfloat, 4, 8, 64>)
+LILY_INSTANTIATE("moe_gate_up_few_b4s8_xf32_sbf16", moe_gate_up_few<float, bfloat, 4, 8>)
+LILY_INSTANTIATE("moe_gate_up_mm32_b4s8_xbf16_sbf16", moe_gate_up_mm<bfloat, bfloat, 4, 8, 32>)
+LILY_INSTANTIATE("moe_gate_up_mm64_b4s8_xbf16_sbf16", moe_gate_up_mm<bfloat, bfloat, 4, 8, 64>)
+LILY_INSTANTIATE("moe_gate_up_few_b4s8_xbf16_sbf16", moe_gate_up_few<bfloat, bfloat, 4, 8>)
+LILY_INSTANTIATE("moe_down_mm32_b4s8_sbf16", moe_down_mm<bfloat, 4, 8, 32>)
+LILY_INSTANTIATE("moe_down_mm64_b4s8_sbf16", moe_down_mm<bfloat, 4, 8, 64>)
+LILY_INSTANTIATE("moe_down_few_b4s8_sbf16", moe_down_few<bfloat, 4, 8>)
 
 }  // namespace lily

@@ -17,6 +17,7 @@
 #include "bindings/arrays.h"
 #include "core/device_registry.h"
 #include "core/engine.h"
+#include "gpu/ops/moe.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -161,9 +162,13 @@ void init_engine(nb::module_& m) {
         d["bits"] = std::vector<uint32_t>(std::begin(core::kEngineBits), std::end(core::kEngineBits));
         d["expert_bits"] = std::vector<uint32_t>(std::begin(core::kEngineExpertBits), std::end(core::kEngineExpertBits));
         d["group_sizes"] = std::vector<uint32_t>(std::begin(core::kEngineGroupSizes), std::end(core::kEngineGroupSizes));
+        nb::list pairs;  // (routed, shared) expert widths of one MoE stage the kernels take, unequal
+        for (auto [b, s] : gpu::ops::moe_shared_widths()) pairs.append(nb::make_tuple(b, s));
+        d["moe_shared_widths"] = pairs;
         return d;
       },
-      "The bit widths and group sizes the engine's kernels take.");
+      "The bit widths and group sizes the engine's kernels take (moe_shared_widths: the (routed, "
+      "shared) expert widths of a mixed MoE stage).");
   m.def(
       "plan_memory",
       [](nb::dict spec, bool int8) {

@@ -54,7 +54,7 @@ void init_ops_moe(nb::module_& m) {
       [](InArray x, std::vector<InArray> mats, std::optional<InArray> residual, uint32_t top_k,
          uint32_t group_size, uint32_t router_bits, uint32_t router_group_size, const std::string& router_scale_dtype,
          const std::string& x_dtype, const std::string& device, const std::string& order, uint64_t seed,
-         bool fp_traps, uint32_t bits, uint32_t down_bits) {
+         bool fp_traps, uint32_t bits, uint32_t down_bits, uint32_t shared_bits, uint32_t shared_down_bits) {
         // mats: router (w, s, b) [E + 1, H], gate, up, down (stacked), shared gate, up, down.
         LILY_REQUIRE(mats.size() == 21, "moe: expected 21 quantized arrays (7 matrices x (w, scales, biases))");
         const gpu::DType xt = gpu::parse_dtype(x_dtype, "moe: x");
@@ -78,6 +78,8 @@ void init_ops_moe(nb::module_& m) {
         op.router_bits = router_bits;
         op.bits = bits;            // gate / up (routed and shared)
         op.down_bits = down_bits;  // down (routed and shared); 0: as gate / up
+        op.shared_bits = shared_bits;            // the shared expert's gate / up; 0: as the routed
+        op.shared_down_bits = shared_down_bits;  // its down; 0: as the routed down
         op.router_group_size = router_group_size;
         op.x_dtype = xt;
         op.router_scale_dtype = gpu::parse_dtype(router_scale_dtype, "moe: router scales");
@@ -179,7 +181,7 @@ void init_ops_moe(nb::module_& m) {
       },
       "x"_a, "mats"_a, "residual"_a.none(), nb::kw_only(), "top_k"_a, "group_size"_a, "router_bits"_a,
       "router_group_size"_a, "router_scale_dtype"_a, "x_dtype"_a = "float32", "device"_a = "emu", "order"_a = "shuffle", "seed"_a = 0,
-      "fp_traps"_a = true, "bits"_a = 4, "down_bits"_a = 0,
+      "fp_traps"_a = true, "bits"_a = 4, "down_bits"_a = 0, "shared_bits"_a = 0, "shared_down_bits"_a = 0,
       "The MoE block on a device; returns (out, ids, weights, stats). bfloat16 scales and activations travel as uint16. "
       "Use lily_py.ops.moe.");
 }

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "core/engine_internal.h"
+#include "gpu/ops/moe.h"
 
 namespace lily::core {
 
@@ -81,16 +82,33 @@ void ModelSpec::validate() const {
     check_quant(q, name, it->second);
   }
   // The MoE kernels read the routed and the shared expert in one dispatch per stage: gate + up
-  // (experts.gate, experts.up, shared.gate, shared.up) and down (experts.down, shared.down).
+  // (experts.gate, experts.up, shared.gate, shared.up) and down (experts.down, shared.down). The
+  // routed matrices of a stage agree, and so do the shared ones; the shared expert may have its
+  // own width where a kernel is built for the pair (gpu::ops::moe_shared_width_built), in the
+  // stage's group size.
   for (uint32_t i = 0; i < layers; ++i) {
     const std::string p = "layers." + num(i) + ".";
     for (const auto& stage : {std::vector<std::string>{"experts.gate", "experts.up", "shared.gate", "shared.up"},
                               std::vector<std::string>{"experts.down", "shared.down"}}) {
       const QuantSpec& first = quant(p + stage[0], experts_q);
-      for (const std::string& w : stage)
-        if (!(quant(p + w, experts_q) == first))
-          fail(p + w + " is " + describe(quant(p + w, experts_q)) + " but " + p + stage[0] + " is " + describe(first) +
-               ": one MoE kernel reads both (the stage's matrices must agree in quantization)");
+      const QuantSpec& shared = quant(p + (stage.size() == 4 ? stage[2] : stage[1]), experts_q);
+      for (const std::string& w : stage) {
+        const QuantSpec& q = quant(p + w, experts_q);
+        const bool is_shared = w.starts_with("shared.");
+        const QuantSpec& want = is_shared ? shared : first;
+        QuantSpec as_routed = q;
+        as_routed.bits = first.bits;
+        if (!(q == want) || !(as_routed == first))
+          fail(p + w + " is " + describe(q) + " but " + p + stage[0] + " is " + describe(first) +
+               ": one MoE kernel reads both (the routed matrices of a stage must agree in quantization, the "
+               "shared ones too, and the shared expert may differ from the routed ones in bits only)");
+      }
+      if (shared.bits != first.bits && !gpu::ops::moe_shared_width_built(first.bits, shared.bits)) {
+        std::string built;
+        for (auto [b, sb] : gpu::ops::moe_shared_widths()) built += (built.empty() ? "" : ", ") + num(b) + "/" + num(sb);
+        fail(p + stage.back() + " is " + describe(shared) + " but " + p + stage[0] + " is " + describe(first) +
+             ": the MoE kernels take the shared expert at its own width for routed/shared bits " + built);
+      }
     }
   }
   if (!(eps > 0)) fail("eps must be > 0");

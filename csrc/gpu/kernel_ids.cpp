@@ -36,31 +36,47 @@ static_assert(sizeof(kWidthPatterns) / sizeof(kWidthPatterns[0]) == size_t(Width
               "one pattern per WidthFamily");
 constexpr uint32_t kMaxBits = 8;
 
-std::string width_name(WidthFamily f, uint32_t bits) {
+
+std::string width_name(WidthFamily f, uint32_t bits, uint32_t sbits) {
   const WidthPattern& p = kWidthPatterns[size_t(f)];
-  return std::string(p.head) + "_b" + std::to_string(bits) + p.tail;
+  const std::string s = sbits != 0 && sbits != bits ? "s" + std::to_string(sbits) : "";
+  return std::string(p.head) + "_b" + std::to_string(bits) + s + p.tail;
+}
+
+// table[f][bits][sbits]: the kernel, or kNumKernels where none is built (filled once, thread-safe);
+// sbits == bits is the uniform kernel.
+const auto& width_table() {
+  using Table = std::array<std::array<std::array<uint16_t, kMaxBits + 1>, kMaxBits + 1>, size_t(WidthFamily::count)>;
+  static const Table table = [] {
+    Table t{};
+    for (size_t f = 0; f < t.size(); ++f)
+      for (uint32_t b = 0; b <= kMaxBits; ++b)
+        for (uint32_t s = 0; s <= kMaxBits; ++s) {
+          const auto id = b >= 2 && s >= 2 ? find_kernel(width_name(WidthFamily(f), b, s)) : std::nullopt;
+          t[f][b][s] = id ? uint16_t(*id) : uint16_t(kNumKernels);
+        }
+    return t;
+  }();
+  return table;
 }
 
 }  // namespace
 
-KernelId width_kernel(WidthFamily family, uint32_t bits) {
-  // table[f][bits]: the kernel, or kNumKernels where none is built (filled once, thread-safe).
-  static const auto table = [] {
-    std::array<std::array<uint16_t, kMaxBits + 1>, size_t(WidthFamily::count)> t{};
-    for (size_t f = 0; f < t.size(); ++f)
-      for (uint32_t b = 0; b <= kMaxBits; ++b) {
-        const auto id = b >= 2 ? find_kernel(width_name(WidthFamily(f), b)) : std::nullopt;
-        t[f][b] = id ? uint16_t(*id) : uint16_t(kNumKernels);
-      }
-    return t;
-  }();
-  if (bits <= kMaxBits && table[size_t(family)][bits] != kNumKernels)
-    return KernelId(table[size_t(family)][bits]);
+bool width_kernel_built(WidthFamily family, uint32_t bits, uint32_t shared_bits) {
+  const uint32_t s = shared_bits ? shared_bits : bits;
+  return bits <= kMaxBits && s <= kMaxBits && width_table()[size_t(family)][bits][s] != kNumKernels;
+}
+
+KernelId width_kernel(WidthFamily family, uint32_t bits, uint32_t shared_bits) {
+  const uint32_t s = shared_bits ? shared_bits : bits;
+  if (width_kernel_built(family, bits, s)) return KernelId(width_table()[size_t(family)][bits][s]);
   std::string built;
   for (uint32_t b = 2; b <= kMaxBits; ++b)
-    if (table[size_t(family)][b] != kNumKernels) built += (built.empty() ? "" : ", ") + std::to_string(b);
-  throw std::invalid_argument("no kernel " + width_name(family, bits) + ": " + kWidthPatterns[size_t(family)].head +
-                              " is built for bits " + built + " with bfloat16 scales");
+    for (uint32_t c = 2; c <= kMaxBits; ++c)
+      if (width_table()[size_t(family)][b][c] != kNumKernels)
+        built += (built.empty() ? "" : ", ") + (b == c ? std::to_string(b) : std::to_string(b) + "/" + std::to_string(c));
+  throw std::invalid_argument("no kernel " + width_name(family, bits, s) + ": " + kWidthPatterns[size_t(family)].head +
+                              " is built for bits " + built + " (b/s: routed / shared expert) with bfloat16 scales");
 }
 
 }  // namespace lily::gpu

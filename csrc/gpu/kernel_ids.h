@@ -436,7 +436,61 @@
   X(moe_gate_up_few_b8_xbf16_sbf16, MoeArgs, 15) \
   X(moe_down_mm32_b8_sbf16, MoeArgs, 10) \
   X(moe_down_mm64_b8_sbf16, MoeArgs, 10) \
-  X(moe_down_few_b8_sbf16, MoeArgs, 10)
+  X(moe_down_few_b8_sbf16, MoeArgs, 10) \
+  /* The MoE kernels of mixed checkpoints: routed experts at b bits, the shared expert at s   */ \
+  /* (moe_decode.metal, moe_prefill.metal; width_kernel(family, b, s)) */ \
+  X(moe_gate_up_mv_b2s6_xf32_sbf16, MoeArgs, 17) \
+  X(moe_down_mv_b2s6_xf32_sbf16, MoeArgs, 11) \
+  X(moe_gate_up_mm32_b2s6_xf32_sbf16, MoeArgs, 15) \
+  X(moe_gate_up_mm64_b2s6_xf32_sbf16, MoeArgs, 15) \
+  X(moe_gate_up_few_b2s6_xf32_sbf16, MoeArgs, 15) \
+  X(moe_gate_up_mv_b2s6_xbf16_sbf16, MoeArgs, 17) \
+  X(moe_down_mv_b2s6_xbf16_sbf16, MoeArgs, 11) \
+  X(moe_gate_up_mm32_b2s6_xbf16_sbf16, MoeArgs, 15) \
+  X(moe_gate_up_mm64_b2s6_xbf16_sbf16, MoeArgs, 15) \
+  X(moe_gate_up_few_b2s6_xbf16_sbf16, MoeArgs, 15) \
+  X(moe_down_mm32_b2s6_sbf16, MoeArgs, 10) \
+  X(moe_down_mm64_b2s6_sbf16, MoeArgs, 10) \
+  X(moe_down_few_b2s6_sbf16, MoeArgs, 10) \
+  X(moe_gate_up_mv_b3s6_xf32_sbf16, MoeArgs, 17) \
+  X(moe_down_mv_b3s6_xf32_sbf16, MoeArgs, 11) \
+  X(moe_gate_up_mm32_b3s6_xf32_sbf16, MoeArgs, 15) \
+  X(moe_gate_up_mm64_b3s6_xf32_sbf16, MoeArgs, 15) \
+  X(moe_gate_up_few_b3s6_xf32_sbf16, MoeArgs, 15) \
+  X(moe_gate_up_mv_b3s6_xbf16_sbf16, MoeArgs, 17) \
+  X(moe_down_mv_b3s6_xbf16_sbf16, MoeArgs, 11) \
+  X(moe_gate_up_mm32_b3s6_xbf16_sbf16, MoeArgs, 15) \
+  X(moe_gate_up_mm64_b3s6_xbf16_sbf16, MoeArgs, 15) \
+  X(moe_gate_up_few_b3s6_xbf16_sbf16, MoeArgs, 15) \
+  X(moe_down_mm32_b3s6_sbf16, MoeArgs, 10) \
+  X(moe_down_mm64_b3s6_sbf16, MoeArgs, 10) \
+  X(moe_down_few_b3s6_sbf16, MoeArgs, 10) \
+  X(moe_gate_up_mv_b4s6_xf32_sbf16, MoeArgs, 17) \
+  X(moe_down_mv_b4s6_xf32_sbf16, MoeArgs, 11) \
+  X(moe_gate_up_mm32_b4s6_xf32_sbf16, MoeArgs, 15) \
+  X(moe_gate_up_mm64_b4s6_xf32_sbf16, MoeArgs, 15) \
+  X(moe_gate_up_few_b4s6_xf32_sbf16, MoeArgs, 15) \
+  X(moe_gate_up_mv_b4s6_xbf16_sbf16, MoeArgs, 17) \
+  X(moe_down_mv_b4s6_xbf16_sbf16, MoeArgs, 11) \
+  X(moe_gate_up_mm32_b4s6_xbf16_sbf16, MoeArgs, 15) \
+  X(moe_gate_up_mm64_b4s6_xbf16_sbf16, MoeArgs, 15) \
+  X(moe_gate_up_few_b4s6_xbf16_sbf16, MoeArgs, 15) \
+  X(moe_down_mm32_b4s6_sbf16, MoeArgs, 10) \
+  X(moe_down_mm64_b4s6_sbf16, MoeArgs, 10) \
+  X(moe_down_few_b4s6_sbf16, MoeArgs, 10) \
+  X(moe_gate_up_mv_b4s8_xf32_sbf16, MoeArgs, 17) \
+  X(moe_down_mv_b4s8_xf32_sbf16, MoeArgs, 11) \
+  X(moe_gate_up_mm32_b4s8_xf32_sbf16, MoeArgs, 15) \
+  X(moe_gate_up_mm64_b4s8_xf32_sbf16, MoeArgs, 15) \
+  X(moe_gate_up_few_b4s8_xf32_sbf16, MoeArgs, 15) \
+  X(moe_gate_up_mv_b4s8_xbf16_sbf16, MoeArgs, 17) \
+  X(moe_down_mv_b4s8_xbf16_sbf16, MoeArgs, 11) \
+  X(moe_gate_up_mm32_b4s8_xbf16_sbf16, MoeArgs, 15) \
+  X(moe_gate_up_mm64_b4s8_xbf16_sbf16, MoeArgs, 15) \
+  X(moe_gate_up_few_b4s8_xbf16_sbf16, MoeArgs, 15) \
+  X(moe_down_mm32_b4s8_sbf16, MoeArgs, 10) \
+  X(moe_down_mm64_b4s8_sbf16, MoeArgs, 10) \
+  X(moe_down_few_b4s8_sbf16, MoeArgs, 10)
 // clang-format on
 
 namespace lily::gpu {
@@ -471,9 +525,11 @@ constexpr const KernelInfo& kernel_info(KernelId id) {
 std::optional<KernelId> find_kernel(std::string_view name);
 
 // Kernels built at several weight widths under one name pattern: `<head>_b<bits><tail>`
-// (e.g. qmv1_b3_xbf16_sbf16_r1). width_kernel looks each up once (a table filled on first use)
-// and throws std::invalid_argument naming the kernel and the widths it is built for when there is
-// none at `bits` (2..8).
+// (e.g. qmv1_b3_xbf16_sbf16_r1); the MoE expert kernels of a mixed checkpoint, whose shared
+// expert has its own width, `<head>_b<bits>s<shared_bits><tail>` (moe_gate_up_mv_b3s6_xbf16_sbf16;
+// shared_bits 0 or == bits: the uniform kernel). width_kernel looks each up once (a table filled
+// on first use) and throws std::invalid_argument naming the kernel and the widths it is built for
+// when there is none (2..8).
 enum class WidthFamily : uint8_t {
   qmv_xf32, qmv_xbf16, qmv_xbf16_yf32,
   qmv1_xf32, qmv1_xbf16, qmv1_xbf16_yf32, qmv1_xf32_r1, qmv1_xbf16_r1, qmv1_xbf16_yf32_r1,
@@ -484,7 +540,8 @@ enum class WidthFamily : uint8_t {
   moe_gate_up_few_xf32, moe_gate_up_few_xbf16, moe_down_mm32, moe_down_mm64, moe_down_few,
   count
 };
-KernelId width_kernel(WidthFamily family, uint32_t bits);
+KernelId width_kernel(WidthFamily family, uint32_t bits, uint32_t shared_bits = 0);
+bool width_kernel_built(WidthFamily family, uint32_t bits, uint32_t shared_bits = 0);
 
 // Kernels built from shaders/m5/ (Metal 4 tensor ops, lily_m5.metallib): a device has their
 // pipelines only when its DeviceInfo::tensor_ops is true; loops over kKernelTable skip them

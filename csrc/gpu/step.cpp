@@ -191,10 +191,12 @@ void encode_moe_block(Encoder& enc, const core::ModelSpec& spec, const Layer& L,
   m.top_k = spec.top_k;
   m.inter = spec.moe_inter;
   m.shared_inter = spec.shared_inter;
-  m.bits = L.moe.gate.q.bits;  // the gate/up stage (ModelSpec::validate: gate, up and shared gate/up agree)
-  m.group_size = L.moe.gate.q.group_size;
-  m.down_bits = L.moe.down.q.bits;  // the down stage (down and shared down agree)
+  m.bits = L.moe.gate.q.bits;  // the gate/up stage (ModelSpec::validate: gate and up agree, shared gate
+  m.group_size = L.moe.gate.q.group_size;  // and up too, in the same group size)
+  m.shared_bits = L.moe.shared_gate.q.bits;
+  m.down_bits = L.moe.down.q.bits;  // the down stage
   m.down_group_size = L.moe.down.q.group_size;
+  m.shared_down_bits = L.moe.shared_down.q.bits;
   m.router_bits = L.moe.router.front().q.bits;
   m.router_group_size = L.moe.router.front().q.group_size;
   ops::encode_moe(enc, m);

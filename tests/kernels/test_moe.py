@@ -52,9 +52,11 @@ def quantized(rng, shape, bits, gs, scale=0.1, fill=None):
     return QuantLinear(*quant.quantize(w, bits=bits, group_size=gs, scale_dtype=BF16), bits, gs)
 
 
-def make_block(rng, *, E, H, I, Is=None, gs=64, load="uniform", bits=4, down_bits=None):
+def make_block(rng, *, E, H, I, Is=None, gs=64, load="uniform", bits=4, down_bits=None, shared_bits=None,
+               shared_down_bits=None):
     """A quantized MoE block (router 8-bit, experts `bits`-bit with the down matrices at
-    `down_bits` (default `bits`), bf16 scales) and its x generator.
+    `down_bits` (default `bits`), the shared expert's gate/up at `shared_bits` and its down at
+    `shared_down_bits` (default: the routed widths), bf16 scales) and its x generator.
 
     load: "uniform" (random router), "skewed" (expert 0 is every token's first choice) or
     "few" (only experts 0..2 are ever chosen for top_k <= 3: many empty experts)."""
@@ -68,8 +70,10 @@ def make_block(rng, *, E, H, I, Is=None, gs=64, load="uniform", bits=4, down_bit
         router=quantized(rng, (E, H), 8, gs, fill=r),
         gate_proj=quantized(rng, (E, I, H), bits, gs), up_proj=quantized(rng, (E, I, H), bits, gs),
         down_proj=quantized(rng, (E, H, I), down_bits or bits, gs),
-        shared_gate_proj=quantized(rng, (Is, H), bits, gs), shared_up_proj=quantized(rng, (Is, H), bits, gs),
-        shared_down_proj=quantized(rng, (H, Is), down_bits or bits, gs), shared_expert_gate=quantized(rng, (1, H), 8, gs))
+        shared_gate_proj=quantized(rng, (Is, H), shared_bits or bits, gs),
+        shared_up_proj=quantized(rng, (Is, H), shared_bits or bits, gs),
+        shared_down_proj=quantized(rng, (H, Is), shared_down_bits or down_bits or bits, gs),
+        shared_expert_gate=quantized(rng, (1, H), 8, gs))
     offset = 0.0 if load == "uniform" else 1.0
     gates = {"router": W.router.dense(), "shared_gate": W.shared_expert_gate.dense()}
 
@@ -533,9 +537,16 @@ def test_7bit_experts_rejected(rng):
 
 
 def test_gate_up_widths_must_agree(rng):
+    """The routed gate and up share one width, and so do the shared expert's (which may differ
+    from the routed ones: tests/kernels/test_quant_widths.py)."""
     W, x_of = make_block(rng, E=5, H=64, I=32, gs=32)
     W.up_proj = quantized(rng, (5, 32, 64), 8, 32)
-    with pytest.raises(ValueError, match=r"gate/up matrices .* must share one width"):
+    with pytest.raises(ValueError, match=r"routed gate/up matrices must share one width"):
+        ops.moe(x_of(1), *ops.moe_weights(W), top_k=2)
+    W, x_of = make_block(rng, E=5, H=64, I=32, gs=32)
+    W.shared_up_proj = quantized(rng, (32, 64), 6, 32)
+    with pytest.raises(ValueError, match=r"and the shared expert's gate/up another; got .*"
+                                         r"shared_expert\['up_proj'\] 6-bit"):
         ops.moe(x_of(1), *ops.moe_weights(W), top_k=2)
 
 

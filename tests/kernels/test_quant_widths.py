@@ -16,9 +16,11 @@ import numpy as np
 import pytest
 
 from kernel_checks import DEVICES, F32_EPS, assert_close, rng  # noqa: F401  (fixtures)
+from lily_py import _core as core
 from lily_py import ops
 from lily_py.reference import kernels as ref_kernels
 from lily_py.reference import quant
+import test_moe
 from test_moe import check as moe_check
 from test_moe import make_block
 from test_quantized_matmul import BF16, check, make_case
@@ -136,6 +138,79 @@ def test_moe_widths_on_a_tensor_op_device_take_the_fp32_tiles(rng, bits):
     with simulated_device(tensor_ops=True):
         _, _, stats = moe_check(rng, W, x_of(40, 2), 2)
     assert stats["kernels"][3] == f"moe_gate_up_mm64_b{bits}_xf32_sbf16"
+
+
+SHARED_WIDTHS = [(2, 6), (3, 6), (4, 6), (4, 8)]  # (routed, shared): issue 41 item 4
+
+
+def test_shared_width_pairs_are_the_built_ones():
+    assert sorted(map(tuple, core.engine_quant_support()["moe_shared_widths"])) == SHARED_WIDTHS
+
+
+@pytest.mark.parametrize("bits,sbits", SHARED_WIDTHS)
+@pytest.mark.parametrize("T", [1, 5, 12, 24, 40], ids=["mv1", "mv5", "few", "t32", "t64"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_moe_shared_expert_at_its_own_width(rng, bits, sbits, T, device):
+    """A mixed checkpoint's MoE (routed experts at `bits`, the shared expert at `sbits` in both
+    stages) on the matvecs and on the tiled route, where T puts the shared group (T rows) in the
+    few-row (12), the 32-row (24) and the 64-row (40) kind, against the float64 reference."""
+    W, x_of = make_block(rng, E=7, H=128, I=64, Is=96, gs=32, bits=bits, shared_bits=sbits, shared_down_bits=sbits)
+    _, _, stats = moe_check(rng, W, x_of(T, 2), 2, device=device)
+    t = f"b{bits}s{sbits}"
+    if T <= 8:
+        assert stats["route"] == "mv" and stats["kernels"][1:] == [f"moe_gate_up_mv_{t}_xf32_sbf16",
+                                                                   f"moe_down_mv_{t}_xf32_sbf16"]
+    else:
+        assert stats["route"] == "tiled" and stats["kernels"][3:9] == [
+            f"moe_gate_up_mm64_{t}_xf32_sbf16", f"moe_gate_up_mm32_{t}_xf32_sbf16", f"moe_gate_up_few_{t}_xf32_sbf16",
+            f"moe_down_mm64_{t}_sbf16", f"moe_down_mm32_{t}_sbf16", f"moe_down_few_{t}_sbf16"]
+
+
+def _check_bf16(rng, W, x, top_k):
+    """The block on bfloat16 activations against the float64 reference on the same (bf16) values:
+    tokens routed as the reference routes them, within the fp32 bound plus the bfloat16 rounding of
+    the router logits' consequences and of the output (2^-7 of each token's largest |output|)."""
+    out, ids, _, stats = ops._moe(x, *ops.moe_weights(W), top_k=top_k, seed=rng.seed)
+    xs = np.asarray(x, np.float32)
+    dense, mags = test_moe.parts(W)
+    want, rids, _ = ref_kernels.moe(xs, *(dense[k] for k in test_moe.KEYS), top_k=top_k)
+    same = (np.sort(ids, 1) == np.sort(rids, 1)).all(1)
+    assert same.mean() >= 0.75, f"only {same.sum()} of {len(x)} tokens routed as the reference (seed {rng.seed})"
+    bound = ref_kernels.moe_error_bound(xs, mags, dense, top_k=top_k)
+    scale = np.abs(want).max(axis=1, keepdims=True) * 2.0 ** -7
+    assert_close(np.asarray(out, np.float32)[same], want[same], atol=(bound + scale)[same], rtol=0,
+                 what="moe bf16 x", seed=rng.seed)
+    return stats
+
+
+@pytest.mark.parametrize("T", [1, 40])
+def test_moe_shared_width_in_one_stage_only(rng, T):
+    """The down stage 6-bit throughout (routed and shared), gate/up routed 3-bit and shared 6-bit
+    (the shared expert at its own width in one stage), on bfloat16 activations."""
+    W, x_of = make_block(rng, E=7, H=128, I=64, Is=96, gs=32, bits=3, down_bits=6, shared_bits=6)
+    stats = _check_bf16(rng, W, x_of(T, 2).astype(BF16), 2)
+    want = (["moe_gate_up_mv_b3s6_xbf16_sbf16", "moe_down_mv_b6_xbf16_sbf16"] if T == 1 else
+            ["moe_gate_up_mm64_b3s6_xbf16_sbf16", "moe_down_mm64_b6_sbf16"])
+    assert [k for k in stats["kernels"] if k in want] == want
+
+
+def test_moe_mixed_4_8_takes_the_fp32_tiles_on_tensor_op_and_bf16_devices(rng):
+    """Uniform 4-bit experts take the M5 tensor-op tiles (and the bf16 tiles with bf16 x); with the
+    shared expert at 8 bits the block takes the fp32 tiles built for the pair."""
+    from lily_py.testing import simulated_device
+    W, x_of = make_block(rng, E=7, H=128, I=64, Is=96, gs=32, bits=4, shared_bits=8, shared_down_bits=8)
+    with simulated_device(tensor_ops=True):
+        _, _, stats = moe_check(rng, W, x_of(40, 2), 2)
+    assert stats["kernels"][3] == "moe_gate_up_mm64_b4s8_xf32_sbf16"
+    stats = _check_bf16(rng, W, x_of(40, 2).astype(BF16), 2)
+    assert stats["kernels"][3] == "moe_gate_up_mm64_b4s8_xbf16_sbf16"
+
+
+def test_moe_unbuilt_shared_width_is_refused_with_the_built_pairs(rng):
+    W, x_of = make_block(rng, E=7, H=128, I=64, Is=96, gs=32, bits=3, shared_bits=5)
+    with pytest.raises(ValueError, match=r"routed experts are 3-bit and its shared expert 5-bit: .* routed/shared "
+                                         r"bits 2/6, 3/6, 4/6, 4/8"):
+        ops.moe(x_of(1), *ops.moe_weights(W), top_k=2)
 
 
 # ------------------------------------------------------------------------------ more qmv1 / fp32 y

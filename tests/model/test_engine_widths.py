@@ -1,5 +1,6 @@
 """Random-weight checkpoints at every MLX affine width the engine did not take before (2, 3, 5 and
-6 bits), and one mixed recipe of them, on the engine against the reference (issue 25 item 1):
+6 bits), one mixed recipe of them, and routed experts at 3 bits with the rest at 6 (the shared
+expert at its own width), on the engine against the reference (issue 25 item 1):
 greedy decode after prefill chunks of 1, 64 and 4096 tokens, on both matmul paths (M1-M4
 simdgroup tiles, and the M5 path with tensor ops, where these widths take the fp32 tiles).
 
@@ -26,8 +27,12 @@ MIXED = {"layers.3.self_attn.q_proj": (5, 64), "layers.3.self_attn.v_proj": (6, 
          "layers.1.mlp.shared_expert.down_proj": (6, 64), "layers.2.mlp.experts.gate_proj": (5, 64),
          "layers.2.mlp.experts.up_proj": (5, 64), "layers.2.mlp.shared_expert.gate_proj": (5, 64),
          "layers.2.mlp.shared_expert.up_proj": (5, 64), "lm_head": (6, 64), "embed_tokens": (5, 32)}
+# Routed experts 3-bit, everything else (the shared expert included) 6-bit: the recipe for a 24 GB
+# Mac (issue 41 item 4); the MoE kernels read the shared expert at its own width.
+ROUTED3 = {f"layers.{i}.mlp.experts.{m}": (3, 64) for i in range(4) for m in ("gate_proj", "up_proj", "down_proj")}
 WIDTHS = {"2bit": dict(bits=2), "3bit": dict(bits=3), "5bit": dict(bits=5), "6bit": dict(bits=6),
-          "mixed": dict(bits=3, quant_overrides=MIXED)}
+          "mixed": dict(bits=3, quant_overrides=MIXED), "routed3_shared6": dict(bits=6, quant_overrides=ROUTED3)}
+MOE_WIDTH = {"routed3_shared6": "b3s6"}  # the expert kernels' width tag (default: b<bits>)
 
 
 @pytest.fixture(scope="module", params=list(WIDTHS))
@@ -54,7 +59,11 @@ def test_engine_greedy_equals_reference(ckpt, chunk, tensor_ops):
     emu = _load(path, chunk, tensor_ops)
     kernels = {p["kernel"] for p in emu._backend.engine.pipelines}
     bits = WIDTHS[name]["bits"]
-    assert any(k.startswith(f"moe_gate_up_mv_b{bits}_") for k in kernels), sorted(kernels)
+    moe = MOE_WIDTH.get(name, f"b{bits}")
+    assert any(k.startswith(f"moe_gate_up_mv_{moe}_") for k in kernels), sorted(kernels)
+    assert any(k.startswith(f"moe_down_mv_{moe}_") for k in kernels), sorted(kernels)
+    if chunk > 1:  # the prompt's chunks take the expert kernels of the shared width too
+        assert any(k.startswith(f"moe_gate_up_mm64_{moe}_") for k in kernels), sorted(kernels)
     if chunk > 1:  # the prompt's chunks take the fp32 tiles at these widths, on either path
         assert any(k.startswith(f"qmm_b{bits}_") for k in kernels), sorted(kernels)
     ref = lily_py.load(path, backend="reference", context_length=128)

@@ -222,6 +222,25 @@ def test_moe_stage_whose_matrices_disagree_names_both(tmp_path):
         lily_py.load(p, backend=ENGINE, context_length=16)
 
 
+@pytest.mark.parametrize("overrides,msg", [
+    ({"layers.1.mlp.shared_expert.gate_proj": (5, 64), "layers.1.mlp.shared_expert.up_proj": (5, 64)},
+     r"layers.1.mlp.shared_expert.gate_proj is 5-bit but layers.1.mlp.switch_mlp.gate_proj is 4-bit; the "
+     r"engine's MoE kernels take the shared expert at its own width for routed/shared bits 2/6, 3/6, 4/6, 4/8"),
+    ({"layers.1.mlp.shared_expert.gate_proj": (6, 64)},
+     r"layers.1.mlp.shared_expert.up_proj is 4-bit group 64 but layers.1.mlp.shared_expert.gate_proj is 6-bit "
+     r"group 64; .* the shared ones too"),
+    ({"layers.1.mlp.shared_expert.down_proj": (6, 32)},
+     r"layers.1.mlp.shared_expert.down_proj is 6-bit group 32 but layers.1.mlp.switch_mlp.down_proj is 4-bit "
+     r"group 64; .* the shared expert may differ in bits only"),
+], ids=["pair_not_built", "shared_gate_up_differ", "shared_group_size"])
+def test_shared_expert_width_the_kernels_cannot_read_is_refused(tmp_path, overrides, msg):
+    """The shared expert may have its own width (tests/model/test_engine_widths.py: routed 3-bit,
+    shared 6-bit), but only for the built pairs, with its gate and up alike, in the stage's group size."""
+    p = _mixed(tmp_path, overrides)
+    with pytest.raises(CheckpointError, match=msg):
+        lily_py.load(p, backend=ENGINE, context_length=16)
+
+
 def test_engine_spec_refuses_bad_overrides():
     cfg, w = load_weights(CKPT)
     q = checkpoint_quant(w)
@@ -231,7 +250,13 @@ def test_engine_spec_refuses_bad_overrides():
            ({"layers.1.experts.gate": dict(q["experts_q"], group_size=96)},
             r"layers.1.experts.gate: group_size=96 unsupported \(32/64/128\)"),
            ({"layers.1.shared.down": dict(q["experts_q"], group_size=32)},
-            r"layers.1.shared.down is 4-bit group 32 but layers.1.experts.down is 4-bit group 64")]
+            r"layers.1.shared.down is 4-bit group 32 but layers.1.experts.down is 4-bit group 64"),
+           ({"layers.1.shared.gate": dict(q["experts_q"], bits=5), "layers.1.shared.up": dict(q["experts_q"], bits=5)},
+            r"layers.1.shared.up is 5-bit group 64 but layers.1.experts.gate is 4-bit group 64: the MoE kernels "
+            r"take the shared expert at its own width for routed/shared bits 2/6, 3/6, 4/6, 4/8"),
+           ({"layers.1.shared.gate": dict(q["experts_q"], bits=6)},
+            r"layers.1.shared.up is 4-bit group 64 but layers.1.experts.gate is 4-bit group 64: one MoE kernel "
+            r"reads both \(the routed matrices of a stage must agree")]
     for overrides, msg in bad:
         spec = engine_spec(cfg, dict(q, quant_overrides=overrides), context_length=16, prefill_chunk=4)
         with pytest.raises(ValueError, match=msg):

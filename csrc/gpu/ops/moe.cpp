@@ -50,6 +50,10 @@ void bind_quant(Encoder& enc, uint32_t first, const QuantMatrix& m, QuantBytes b
 
 uint32_t down_bits(const MoeOperands& op) { return op.down_bits ? op.down_bits : op.bits; }
 uint32_t down_group(const MoeOperands& op) { return op.down_group_size ? op.down_group_size : op.group_size; }
+uint32_t shared_bits(const MoeOperands& op) { return op.shared_bits ? op.shared_bits : op.bits; }
+uint32_t shared_down_bits(const MoeOperands& op) { return op.shared_down_bits ? op.shared_down_bits : down_bits(op); }
+// The shared expert at its own width in either stage: the fp32 tiles only (see moe.h).
+bool mixed_widths(const MoeOperands& op) { return shared_bits(op) != op.bits || shared_down_bits(op) != down_bits(op); }
 
 // The down stage's args: its own group size (mixed-bit checkpoints).
 MoeArgs down_args(MoeArgs a, const MoeOperands& op) {
@@ -88,12 +92,32 @@ MoeRoute moe_route(uint32_t tokens, uint32_t /*top_k*/) {
   return tokens <= kMoeMvMaxTokens ? MoeRoute::mv : MoeRoute::tiled;
 }
 
-MoeMvShape moe_mv_shape(uint32_t H, uint32_t top_k, uint32_t I, uint32_t Is, uint32_t bits) {
+MoeMvShape moe_mv_shape(uint32_t H, uint32_t top_k, uint32_t I, uint32_t Is, uint32_t bits, uint32_t shared_bits) {
   const uint32_t V = qmv1_lane_codes(bits);  // codes per lane and row (Qmv1Codes::V)
+  const uint32_t Vs = qmv1_lane_codes(shared_bits ? shared_bits : bits);
   MoeMvShape s;
   s.gate_up_splits = std::max(1u, std::min<uint32_t>(kMoeGateUpMaxSplits, ceil_div(H, 32 * V)));
-  s.down_splits = std::max(1u, std::min<uint32_t>(kMoeDownMaxSplits, ceil_div(top_k * (I / V) + Is / V, 32)));
+  s.down_splits = std::max(1u, std::min<uint32_t>(kMoeDownMaxSplits, ceil_div(top_k * (I / V) + Is / Vs, 32)));
   return s;
+}
+
+bool moe_shared_width_built(uint32_t bits, uint32_t shared_bits) {
+  for (WidthFamily f : {WidthFamily::moe_gate_up_mv_xf32, WidthFamily::moe_gate_up_mv_xbf16, WidthFamily::moe_down_mv_xf32,
+                        WidthFamily::moe_down_mv_xbf16, WidthFamily::moe_gate_up_mm32_xf32,
+                        WidthFamily::moe_gate_up_mm32_xbf16, WidthFamily::moe_gate_up_mm64_xf32,
+                        WidthFamily::moe_gate_up_mm64_xbf16, WidthFamily::moe_gate_up_few_xf32,
+                        WidthFamily::moe_gate_up_few_xbf16, WidthFamily::moe_down_mm32, WidthFamily::moe_down_mm64,
+                        WidthFamily::moe_down_few})
+    if (!width_kernel_built(f, bits, shared_bits)) return false;
+  return true;
+}
+
+std::vector<std::pair<uint32_t, uint32_t>> moe_shared_widths() {
+  std::vector<std::pair<uint32_t, uint32_t>> v;
+  for (uint32_t b = 2; b <= 8; ++b)
+    for (uint32_t s = 2; s <= 8; ++s)
+      if (s != b && moe_shared_width_built(b, s)) v.emplace_back(b, s);
+  return v;
 }
 
 const char* moe_route_name(MoeRoute r) { return r == MoeRoute::mv ? "mv" : "tiled"; }
@@ -190,6 +214,14 @@ void validate(const MoeOperands& op) {
   const uint32_t dbits = down_bits(op), dgs = down_group(op);
   for (uint32_t b : {op.bits, dbits})
     if (!qmm_width_supported(b)) fail("expert bits=" + num(b) + " unsupported (2, 3, 4, 5, 6 or 8)");
+  for (auto [b, s, what] : {std::tuple{op.bits, shared_bits(op), "gate/up"}, {dbits, shared_down_bits(op), "down"}})
+    if (s != b && !moe_shared_width_built(b, s))
+    {
+      std::string built;
+      for (auto [rb, sb] : moe_shared_widths()) built += (built.empty() ? "" : ", ") + num(rb) + "/" + num(sb);
+      fail(std::string("the ") + what + " stage's routed experts are " + num(b) + "-bit and its shared expert " +
+           num(s) + "-bit: the shared expert at its own width is built for routed/shared bits " + built);
+    }
   if (op.scale_dtype != DType::bf16) fail("expert scales/biases must be bfloat16");
   for (uint32_t gs : {op.group_size, dgs})
     if (gs != 32 && gs != 64 && gs != 128) fail("group_size=" + num(gs) + " unsupported (32, 64 or 128)");
@@ -228,14 +260,14 @@ void validate(const MoeOperands& op) {
   check(op.gate, q(E, I, H), "gate");
   check(op.up, q(E, I, H), "up");
   check(op.down, qd(E, H, I), "down");
-  check(op.shared_gate, q(1, Is, H), "shared_gate");
-  check(op.shared_up, q(1, Is, H), "shared_up");
-  check(op.shared_down, qd(1, H, Is), "shared_down");
+  check(op.shared_gate, quant_bytes(1, Is, H, shared_bits(op), op.group_size, op.scale_dtype), "shared_gate");
+  check(op.shared_up, quant_bytes(1, Is, H, shared_bits(op), op.group_size, op.scale_dtype), "shared_up");
+  check(op.shared_down, quant_bytes(1, H, Is, shared_down_bits(op), dgs, op.scale_dtype), "shared_down");
   // The router goes through quantized_matmul, which validates bits / group size / bytes itself.
 }
 
 bool moe_bf16_tiles_allowed(const MoeOperands& op) {
-  if (op.x_dtype != DType::bf16 || op.bits != 4 || down_bits(op) != 4) return false;  // bf16 tiles: 4-bit
+  if (op.x_dtype != DType::bf16 || op.bits != 4 || down_bits(op) != 4 || mixed_widths(op)) return false;  // 4-bit
   for (const Binding& b : {op.x, op.scratch.h, op.gate.w, op.up.w, op.down.w, op.shared_gate.w, op.shared_up.w,
                            op.shared_down.w})
     if (b.offset % 16 != 0) return false;
@@ -250,7 +282,8 @@ bool moe_int8_allowed(const MoeOperands& op) {
   // 16-byte aligned (uint4 loads), large enough; else the half tiles, never an error.
   const MoeScratchBytes sb = moe_scratch_bytes(op);
   auto fits = [](const Binding& b, uint64_t bytes) { return b.buffer != nullptr && b.offset % 16 == 0 && b.bytes >= bytes; };
-  return op.x_dtype == DType::bf16 && op.bits == 4 && down_bits(op) == 4 && op.group_size % kI8StepK == 0 &&
+  return op.x_dtype == DType::bf16 && op.bits == 4 && down_bits(op) == 4 && !mixed_widths(op) &&
+         op.group_size % kI8StepK == 0 &&
          down_group(op) % kI8StepK == 0 && op.hidden % kI8StepK == 0 &&
          op.inter == op.shared_inter && op.inter % kI8StepK == 0 && op.norm_weight.buffer == nullptr &&
          fits(op.scratch.x_i8, sb.x_i8) && fits(op.scratch.h_i8, sb.h_i8);
@@ -261,7 +294,7 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
   const MoeRoute route = moe_route(op.tokens, op.top_k);
   // M5 plan and tile kernels (see step 4); the tensor-op tiles are 4-bit: other widths take the
   // M1-M4 plan and the fp32 tiles on every device
-  const bool m5 = enc.tensor_ops() && op.bits == 4 && down_bits(op) == 4;
+  const bool m5 = enc.tensor_ops() && op.bits == 4 && down_bits(op) == 4 && !mixed_widths(op);
   const MoeArgs a = make_args(op, route, m5);
   const MoeArgs ad = down_args(a, op);  // the down stage's group size
   const MoeScratchBytes sb = moe_scratch_bytes(op);
@@ -275,6 +308,9 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
   const auto qd = [&](uint64_t c, uint64_t N, uint64_t K) {
     return quant_bytes(c, N, K, down_bits(op), down_group(op), op.scale_dtype);
   };
+  const QuantBytes qsh = quant_bytes(1, Is, H, shared_bits(op), op.group_size, op.scale_dtype);  // shared gate, up
+  const QuantBytes qshd = quant_bytes(1, H, Is, shared_down_bits(op), down_group(op), op.scale_dtype);
+  const uint32_t sb_gu = shared_bits(op), sb_d = shared_down_bits(op);
   const Binding residual = range(op.residual.buffer ? op.residual : op.x, act, "residual");
   const MoeFlops flops = moe_expert_flops(T, k, E, H, I, Is, m5);
   // Experts the gathers read: top_k distinct per token, so exactly k at T = 1; for T > 1 the
@@ -322,8 +358,8 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
   auto bind_gate_up = [&] {
     bind_quant(enc, 3, op.gate, q(E, I, H), "gate", used, E);
     bind_quant(enc, 6, op.up, q(E, I, H), "up", used, E);
-    bind_quant(enc, 9, op.shared_gate, q(1, Is, H), "shared_gate");
-    bind_quant(enc, 12, op.shared_up, q(1, Is, H), "shared_up");
+    bind_quant(enc, 9, op.shared_gate, qsh, "shared_gate");
+    bind_quant(enc, 12, op.shared_up, qsh, "shared_up");
     enc.set_buffer(15, range(op.scratch.h, sb.h, "scratch.h"));
   };
 
@@ -335,7 +371,7 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
     // 2. gate + up + SwiGLU of the selected experts and the shared expert, per slot; every
     // threadgroup selects its token's experts from the logits itself (no route level), and one
     // simdgroup per token writes the routing (ids, weights) for down
-    enc.set_kernel(width_kernel(xb ? WidthFamily::moe_gate_up_mv_xbf16 : WidthFamily::moe_gate_up_mv_xf32, op.bits));
+    enc.set_kernel(width_kernel(xb ? WidthFamily::moe_gate_up_mv_xbf16 : WidthFamily::moe_gate_up_mv_xf32, op.bits, sb_gu));
     enc.set_args(a);
     enc.set_buffer(1, range(op.x, act, "x"));
     enc.set_buffer(2, range(op.scratch.logits, sb.logits, "scratch.logits"));
@@ -348,16 +384,16 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
     enc.barrier();  // h, ids, weights -> down
     // 3. down projection x routing weights, shared expert x gate, residual add (the routing as
     // gate/up wrote it)
-    enc.set_kernel(width_kernel(xb ? WidthFamily::moe_down_mv_xbf16 : WidthFamily::moe_down_mv_xf32, down_bits(op)));
+    enc.set_kernel(width_kernel(xb ? WidthFamily::moe_down_mv_xbf16 : WidthFamily::moe_down_mv_xf32, down_bits(op), sb_d));
     enc.set_args(ad);
     enc.set_buffer(1, range(op.scratch.ids, sb.ids, "scratch.ids"));
     enc.set_buffer(2, range(op.scratch.weights, sb.weights, "scratch.weights"));
     enc.set_buffer(3, range(op.scratch.h, sb.h, "scratch.h"));
     bind_quant(enc, 4, op.down, qd(E, H, I), "down", used, E);
-    bind_quant(enc, 7, op.shared_down, qd(1, H, Is), "shared_down");
+    bind_quant(enc, 7, op.shared_down, qshd, "shared_down");
     enc.set_buffer(10, residual);
     enc.set_buffer(11, range(op.out, act, "out"));
-    const MoeMvShape shd = moe_mv_shape(H, k, I, Is, down_bits(op));
+    const MoeMvShape shd = moe_mv_shape(H, k, I, Is, down_bits(op), sb_d);
     enc.dispatch({ceil_div(H, kMoeMvRows), T, 1}, {32 * shd.down_splits, 1, 1});
     enc.add_flops(flops.down_executed, flops.down_useful);
     return;
@@ -407,21 +443,21 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
   } kinds[3] = {{i8   ? KernelId::moe_gate_up_m5i8_64_b4_xbf16_sbf16
                 : m5 ? (xb ? KernelId::moe_gate_up_m5_64_b4_xbf16_sbf16 : KernelId::moe_gate_up_m5_64_b4_xf32_sbf16)
                 : bt ? KernelId::moe_gate_up_bf16_64_b4_xbf16_sbf16
-                    : width_kernel(xb ? WidthFamily::moe_gate_up_mm64_xbf16 : WidthFamily::moe_gate_up_mm64_xf32, op.bits),
+                    : width_kernel(xb ? WidthFamily::moe_gate_up_mm64_xbf16 : WidthFamily::moe_gate_up_mm64_xf32, op.bits, sb_gu),
                  i8   ? KernelId::moe_down_m5i8_64_b4_sbf16
                  : m5 ? KernelId::moe_down_m5_64_b4_sbf16
                  : bt ? KernelId::moe_down_bf16_64_b4_sbf16
-                      : width_kernel(WidthFamily::moe_down_mm64, down_bits(op)),
+                      : width_kernel(WidthFamily::moe_down_mm64, down_bits(op), sb_d),
                  tb.t64, kMoeTileN, false},
                 {m5 ? (xb ? KernelId::moe_gate_up_m5_32_b4_xbf16_sbf16 : KernelId::moe_gate_up_m5_32_b4_xf32_sbf16)
                 : bt ? KernelId::moe_gate_up_bf16_32_b4_xbf16_sbf16
-                    : width_kernel(xb ? WidthFamily::moe_gate_up_mm32_xbf16 : WidthFamily::moe_gate_up_mm32_xf32, op.bits),
+                    : width_kernel(xb ? WidthFamily::moe_gate_up_mm32_xbf16 : WidthFamily::moe_gate_up_mm32_xf32, op.bits, sb_gu),
                  m5   ? KernelId::moe_down_m5_32_b4_sbf16
                  : bt ? KernelId::moe_down_bf16_32_b4_sbf16
-                      : width_kernel(WidthFamily::moe_down_mm32, down_bits(op)),
+                      : width_kernel(WidthFamily::moe_down_mm32, down_bits(op), sb_d),
                  tb.t32, kMoeTileN, false},
-                {width_kernel(xb ? WidthFamily::moe_gate_up_few_xbf16 : WidthFamily::moe_gate_up_few_xf32, op.bits),
-                 width_kernel(WidthFamily::moe_down_few, down_bits(op)), tb.few, kMoeMvRowsPerSimd * kMoeMvSimdsPerGroup, true}};
+                {width_kernel(xb ? WidthFamily::moe_gate_up_few_xbf16 : WidthFamily::moe_gate_up_few_xf32, op.bits, sb_gu),
+                 width_kernel(WidthFamily::moe_down_few, down_bits(op), sb_d), tb.few, kMoeMvRowsPerSimd * kMoeMvSimdsPerGroup, true}};
   // bytes_touched: each tile kind is counted as reading all `used` experts (an upper bound:
   // the kinds split the experts between them on the device).
   for (const auto& kd : kinds) {
@@ -458,7 +494,7 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
     if (i8 && &kd == &kinds[0]) enc.set_buffer(3, range(op.scratch.h_i8, sb.h_i8, "scratch.h_i8"));
     else enc.set_buffer(3, range(op.scratch.h, sb.h, "scratch.h"));
     bind_quant(enc, 4, op.down, qd(E, H, I), "down", used, E);
-    bind_quant(enc, 7, op.shared_down, qd(1, H, Is), "shared_down");
+    bind_quant(enc, 7, op.shared_down, qshd, "shared_down");
     enc.set_buffer(10, range(op.scratch.y, sb.y, "scratch.y"));
     enc.dispatch({ceil_div(H, kd.cols), std::max(kd.bound, 1u), 1},
                  {32 * (few ? kMoeMvSimdsPerGroup : kMoeTileSimds), 1, 1});

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "gpu/dtype.h"
@@ -33,7 +34,14 @@ MoeRoute moe_route(uint32_t tokens, uint32_t top_k);
 struct MoeMvShape {
   uint32_t gate_up_splits = 1, down_splits = 1;
 };
-MoeMvShape moe_mv_shape(uint32_t H, uint32_t top_k, uint32_t I, uint32_t Is, uint32_t bits);
+// shared_bits: the shared slot's width in moe_down_mv (its chunks hold Qmv1Codes<shared_bits>::V
+// codes); 0: bits.
+MoeMvShape moe_mv_shape(uint32_t H, uint32_t top_k, uint32_t I, uint32_t Is, uint32_t bits, uint32_t shared_bits = 0);
+// Whether the expert kernels of every route are built for routed experts at `bits` and the shared
+// expert at `shared_bits` (equal widths: every width the engine takes).
+bool moe_shared_width_built(uint32_t bits, uint32_t shared_bits);
+// Every (routed, shared) pair of unequal widths built, ascending.
+std::vector<std::pair<uint32_t, uint32_t>> moe_shared_widths();
 const char* moe_route_name(MoeRoute r);
 uint32_t moe_tile_rows(MoeRoute r);  // the largest tile: 0 for mv, 64 for tiled
 
@@ -116,6 +124,10 @@ struct MoeOperands {
   // Mixed-bit checkpoints: the down stage's quantization (down and shared_down; one kernel reads
   // both), 0: bits / group_size. The gate/up stage (gate, up, shared_gate, shared_up) has one.
   uint32_t down_bits = 0, down_group_size = 0;
+  // The shared expert at its own width (a mixed checkpoint whose routed experts are narrower):
+  // shared_gate / shared_up at shared_bits, shared_down at shared_down_bits, 0: as the stage's
+  // routed experts. Same group sizes as the stage's. Built pairs: moe_shared_width_built.
+  uint32_t shared_bits = 0, shared_down_bits = 0;
   // Optional: the router's rows as blocks of different quantization (router | shared gate of a
   // mixed-bit checkpoint; QmmOperands::blocks); router.w and router_bits are then ignored.
   std::vector<QmmBlock> router_blocks;
@@ -138,6 +150,8 @@ void validate(const MoeOperands& op);
 // moe_down_bf16) when this holds and the device has no tensor ops: bf16 activations and 16-byte
 // aligned bindings of x, h and every expert matrix's codes.
 bool moe_bf16_tiles_allowed(const MoeOperands& op);
+// Mixed expert widths (shared_bits / shared_down_bits unlike the routed experts') take the fp32
+// tiles on every device: the bf16, tensor-op and int8 tiles are built for uniform 4-bit experts.
 // Whether the 64-row tiles may take int8 activations on M5 (with Encoder::tensor_int8;
 // moe_gate_up_m5i8 / moe_down_m5i8): bf16 activations, 4-bit experts with a group size that 64
 // divides, H and I = Is multiples of 64 (h is quantized as [R, I] rows), scratch.x_i8 and

@@ -265,26 +265,44 @@ def check_kernel_widths(tensors, w: ModelWeights | None = None) -> None:
         check_moe_stages(w)
 
 
-# The MoE kernels read the routed and the shared expert in one dispatch per stage: the matrices
-# of a stage must agree in quantization (csrc/core/engine_spec.cpp ModelSpec::validate).
+# The MoE kernels read the routed and the shared expert in one dispatch per stage: the routed
+# matrices of a stage agree in quantization, and so do the shared ones; the shared expert may have
+# its own width for the (routed, shared) pairs the kernels are built for, in the stage's group size
+# (csrc/core/engine_spec.cpp ModelSpec::validate).
 MOE_STAGES = (("experts.gate", "experts.up", "shared.gate", "shared.up"), ("experts.down", "shared.down"))
 
 
 def check_moe_stages(w: ModelWeights) -> None:
-    """CheckpointError naming the first two modules of one MoE stage that differ in bits or group
-    size (a mixed-bit checkpoint the engine's MoE kernels cannot run)."""
+    """CheckpointError naming the first two modules of one MoE stage whose quantization the
+    engine's MoE kernels cannot read together (a mixed-bit checkpoint: routed matrices that differ,
+    shared ones that differ, a different group size, or a (routed, shared) width pair not built)."""
+    pairs = {tuple(p) for p in _core().engine_quant_support()["moe_shared_widths"]}
+    built = ", ".join(f"{b}/{s}" for b, s in sorted(pairs))
     parts = {name: (lin, module) for name, _cls, lin, module in quant_parts(w)}
     for i in range(len(w.layers)):
         for stage in MOE_STAGES:
             (l0, m0) = parts[f"layers.{i}.{stage[0]}"]
+            shared = [s for s in stage if s.startswith("shared.")]
+            (ls, ms) = parts[f"layers.{i}.{shared[0]}"]
             for other in stage[1:]:
                 lin, module = parts[f"layers.{i}.{other}"]
-                if _quant(lin, module) != _quant(l0, m0):
-                    raise CheckpointError(
-                        f"{module} is {lin.bits}-bit group {lin.group_size} but {m0} is {l0.bits}-bit "
-                        f"group {l0.group_size}; the engine's MoE kernels read "
-                        f"{', '.join(parts[f'layers.{i}.{s}'][1] for s in stage)} in one dispatch, so "
-                        "they must agree in quantization (backend='reference' runs it)")
+                ref, ref_module = (ls, ms) if other in shared else (l0, m0)
+                q = _quant(lin, module)
+                if q == _quant(ref, ref_module):  # then compare all but the bits with the routed ones
+                    ref, ref_module = l0, m0
+                    if {**q, "bits": 0} == {**_quant(l0, m0), "bits": 0}:
+                        continue
+                raise CheckpointError(
+                    f"{module} is {lin.bits}-bit group {lin.group_size} but {ref_module} is {ref.bits}-bit "
+                    f"group {ref.group_size}; the engine's MoE kernels read "
+                    f"{', '.join(parts[f'layers.{i}.{s}'][1] for s in stage)} in one dispatch: the routed "
+                    "matrices must agree in quantization, the shared ones too, and the shared expert may "
+                    "differ in bits only (backend='reference' runs it)")
+            if ls.bits != l0.bits and (l0.bits, ls.bits) not in pairs:
+                raise CheckpointError(
+                    f"{ms} is {ls.bits}-bit but {m0} is {l0.bits}-bit; the engine's MoE kernels take the "
+                    f"shared expert at its own width for routed/shared bits {built} (backend='reference' "
+                    "runs every pair)")
 
 
 def upload_weights(engine, cfg: ModelConfig, w: ModelWeights, quant: dict, *,

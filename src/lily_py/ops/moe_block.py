@@ -8,7 +8,8 @@ Packing (MLX affine layout, what an MLX-format ``qwen3_5_moe`` checkpoint stores
   ``mlp.switch_mlp.*`` tensors, 4-bit, ``w`` uint32 ``[E, N, K * 4 / 32]``, scales/biases bfloat16
   ``[E, N, K / group_size]``.
 * ``shared_expert``: a mapping with ``"gate_proj"``, ``"up_proj"`` (``[Is, H]``), ``"down_proj"``
-  (``[H, Is]``) - ``mlp.shared_expert.*``, 4-bit like the experts - and ``"gate"``: the
+  (``[H, Is]``) - ``mlp.shared_expert.*``, 4-bit like the experts or at its own width (a mixed
+  checkpoint: routed/shared bits 2/6, 3/6, 4/6, 4/8; ``engine_quant_support()``) - and ``"gate"``: the
   ``mlp.shared_expert_gate`` ``[1, H]``, quantized like the router (same bits, group size and
   scale dtype): it is appended to the router as row ``E`` so one matmul gives every logit.
 
@@ -146,12 +147,15 @@ def _moe(x, router, experts, shared_expert, *, top_k, residual=None, device="emu
                     ("shared_expert", su), ("shared_expert", sd)):
         if t[1].dtype != BFLOAT16:
             raise ValueError(f"{FN}: {name} scales/biases must be bfloat16 (as in the checkpoint), got {t[1].dtype}")
-    gu_bits = {layouts[n][0] for n in ("experts['gate_proj']", "experts['up_proj']", "shared_expert['gate_proj']",
-                                        "shared_expert['up_proj']")}
-    dn_bits = {layouts[n][0] for n in ("experts['down_proj']", "shared_expert['down_proj']")}
-    if len(gu_bits) != 1 or len(dn_bits) != 1:
-        raise ValueError(f"{FN}: the gate/up matrices (routed and shared) must share one width and the down "
-                         f"matrices another; got " + ", ".join(f"{n} {b}-bit" for n, (b, _) in layouts.items()))
+    # One width per stage for the routed matrices and one for the shared ones; the shared expert
+    # may have its own width (pairs: engine_quant_support()["moe_shared_widths"]).
+    widths = {stage: ({layouts[f"experts[{n!r}]"][0] for n in names},
+                      {layouts[f"shared_expert[{n!r}]"][0] for n in names})
+              for stage, names in (("gate/up", ("gate_proj", "up_proj")), ("down", ("down_proj",)))}
+    if any(len(routed) != 1 or len(shared) != 1 for routed, shared in widths.values()):
+        raise ValueError(f"{FN}: the routed gate/up matrices must share one width, and the shared expert's "
+                         f"gate/up another; got " + ", ".join(f"{n} {b}-bit" for n, (b, _) in layouts.items()))
+    (gu_bits, sgu_bits), (dn_bits, sdn_bits) = ((ro.pop(), sh.pop()) for ro, sh in widths.values())
     top_k = int(top_k)
     if not 1 <= top_k <= min(E, 16):
         raise ValueError(f"{FN}: top_k must be in [1, min(E={E}, 16)], got {top_k}")
@@ -182,7 +186,7 @@ def _moe(x, router, experts, shared_expert, *, top_k, residual=None, device="emu
         raw(x).reshape(T, H), mats, res, top_k=top_k, group_size=layouts["experts['gate_proj']"][1],
         router_bits=rb, router_group_size=rgs, router_scale_dtype=_SCALE_DTYPES[r[1].dtype],
         x_dtype="bfloat16" if xb else "float32", device=device, order=order, seed=seed, fp_traps=fp_traps,
-        bits=gu_bits.pop(), down_bits=dn_bits.pop())
+        bits=gu_bits, down_bits=dn_bits, shared_bits=sgu_bits, shared_down_bits=sdn_bits)
     if xb:
         out = out.view(BFLOAT16)
     return out.reshape(x.shape), ids.reshape(*lead, top_k), weights.reshape(*lead, top_k + 1), stats
