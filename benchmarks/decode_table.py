@@ -225,21 +225,36 @@ def instr_per_key(group: int, e: int, q8: bool = False) -> int:
     return loads + widen + group * e + 32 + 8 + scales + group * (1 + e) + 4
 
 
-def measured_fractions(path: str, by: str = "copy") -> tuple[dict, str]:
-    """{kernel: fraction of a device copy (by="copy") or of a streaming read (by="read") of its
-    bytes it reached} from a benchmarks/gpu_kernels.py --json file (the decode rows, each kernel's
-    time summed over its dispatches; the largest context's attention, the first row's otherwise),
-    and a line naming the run. A copy of a small dispatch is slower than a read of it, so the copy
-    fraction flatters a kernel; the read fraction is the stricter reading."""
+def measured_fractions(paths, by: str = "copy") -> tuple[dict, dict, str]:
+    """From benchmarks/gpu_kernels.py --json files: ({kernel: fraction of a device copy (by="copy")
+    or of a streaming read (by="read") of its bytes it reached}, from the first file's first decode
+    row; {context: {attention kernel: fraction}} from every decode row of every file), and a line
+    naming the runs. A copy of a small dispatch is slower than a read of it, so the copy fraction
+    flatters a kernel; the read fraction is the stricter reading."""
     import json
-    with open(path) as f:
-        d = json.load(f)
-    frac = {}
-    for row in d["decode"]:   # later rows (longer contexts) overwrite: attention at its longest
-        for k, r in row["kernels"].items():
-            if k not in frac or k.startswith("attn_"):
-                frac[k] = r[f"{by}_us"] / r["us"] if r["us"] > 0 else 1.0
-    return frac, f"{d.get('device')}, {d.get('date')}, {d.get('layers')} layers"
+    frac, attn, runs = {}, {}, []
+    for path in [paths] if isinstance(paths, str) else paths:
+        with open(path) as f:
+            d = json.load(f)
+        runs.append(f"{d.get('device')}, {d.get('date')}, {d.get('layers')} layers ({path})")
+        for row in d["decode"]:
+            ctx = int(row["label"].rsplit(" ", 1)[1])
+            for k, r in row["kernels"].items():
+                fr = r[f"{by}_us"] / r["us"] if r["us"] > 0 else 1.0
+                if k.startswith("attn_"):
+                    attn.setdefault(ctx, {})[k] = fr
+                elif k not in frac:
+                    frac[k] = fr
+    return frac, attn, "; ".join(runs)
+
+
+def attention_at(attn: dict, context: int) -> tuple[dict, int]:
+    """The attention fractions measured at the context nearest to `context` (in log2), and that context."""
+    import math
+    if not attn:
+        return {}, 0
+    ctx = min(attn, key=lambda c: (abs(math.log2(c) - math.log2(context)), c))
+    return attn[ctx], ctx
 
 
 def estimate(cfg, positions, sample, eta: float, t_level: float, t_min: float, attn_factor: float,
@@ -256,11 +271,12 @@ def estimate(cfg, positions, sample, eta: float, t_level: float, t_min: float, a
     out = []
     q8 = resolve_kv_dtype(cfg, kv_dtype) == "int8"
     n_ipk = ipk or instr_per_key(cfg.num_attention_heads // cfg.num_key_value_heads, cfg.head_dim // 32, q8=q8)
-    frac, run = measured_fractions(measured, measured_by) if measured else ({}, "")
+    frac, attn, run = measured_fractions(measured, measured_by) if measured else ({}, {}, "")
     if not quiet and measured:
         what = "a device copy" if measured_by == "copy" else "a streaming read"
-        print(f"\n### per-kernel eta = {eta} x min(1, fraction of {what} measured on {run} "
-              f"({measured})); kernels not measured keep {eta}")
+        ctxs = ", ".join(f"{attention_at(attn, p + 1)[1]}" for p in positions)
+        print(f"\n### per-kernel eta = {eta} x min(1, fraction of {what} measured on {run}); the "
+              f"attention's at the measured context nearest each row's ({ctxs}); kernels not measured keep {eta}")
     if not quiet:
         print(f"\n### estimate (a model, not a measurement): eta = {eta} of peak bandwidth, occupancy "
           f"min(1, simdgroups per core / {sat:g}), t_level = {t_level * 1e6:.1f} us per dependent "
@@ -274,12 +290,13 @@ def estimate(cfg, positions, sample, eta: float, t_level: float, t_min: float, a
     for gpu, (cores, bw) in GPUS.items():
         for pos in positions:
             st, ds = step(cfg, pos, sample, quant, kv_dtype)
+            fk = {**frac, **attention_at(attn, pos + 1)[0]}
             by_level: dict = {}
             issue = alu_eff * cores * 4 * clock  # simd instructions per second
             for d in ds:
                 k = d["kernel"]
                 staged = k.startswith("attn_decode") and not k.startswith("attn_decode_vec")
-                b = d["bytes_touched"] * (attn_factor if staged else 1) / min(1.0, frac.get(k, 1.0))
+                b = d["bytes_touched"] * (attn_factor if staged else 1) / min(1.0, fk.get(k, 1.0))
                 ti = cfg.num_key_value_heads * (pos + 1) * n_ipk / issue if k.startswith("attn_decode_vec") else 0.0
                 g, t = d["groups"], d["threads"]
                 simds = g[0] * g[1] * g[2] * ((t[0] * t[1] * t[2] + 31) // 32) / cores
@@ -404,6 +421,47 @@ def long_context(cfg, a) -> None:
           f"int8 KV (attn_decode_vec_q8): bytes x {f8:.3f}, {ipk8} instructions per key (int8_kv).")
 
 
+# MLX-LM's published decode on an M5 Max, tok/s (docs/decode.md; PUBLISHED_LONG for 64K / 128K).
+PUBLISHED_MLX_LM = {256: 148.5, 4096: 145.6, 32768: 118.2, **{c: m for c, (_, m) in PUBLISHED_LONG.items()}}
+TARGET_CONTEXTS = [255, 4095, 32767, 65535, 131071]
+
+
+def target_table(cfg, a) -> None:
+    """Issue 41's target table: the greedy estimate on the M5 Max with the measured per-kernel
+    efficiencies (--measured: gpu_kernels.py JSONs, split by their kv_dtype), read by the copy and
+    by the read fraction, with the bf16 KV cache (MLX-LM's numerics) and the int8 one, against
+    1.5x MLX-LM's published figures at 256 / 4K / 32K / 64K / 128K."""
+    import json
+    files: dict = {}
+    for path in a.measured or []:
+        with open(path) as f:
+            files.setdefault(json.load(f).get("kv_dtype"), []).append(path)
+    sat, attn = (0.0, 1.0) if a.ideal else (a.sat, a.attn_factor)
+    kw = dict(eta=a.eta, t_level=a.t_level_us * 1e-6, t_min=a.t_min_us * 1e-6, attn_factor=attn, sat=sat,
+              clock=a.clock_ghz * 1e9, alu_eff=a.alu_eff, quiet=True)
+    gpu = next(iter(GPUS))
+    cols = {}
+    for kv, name in (("bfloat16", "bf16"), ("int8", "int8")):
+        if kv not in files:
+            continue
+        for by in ("copy", "read"):
+            res = estimate(cfg, TARGET_CONTEXTS, None, measured=files[kv], measured_by=by, kv_dtype=kv, **kw)
+            cols[f"{name} KV, {by}"] = {c: t for g, c, t in res if g == gpu}
+        _, att, run = measured_fractions(files[kv])
+        near = ", ".join(f"{p + 1} from {attention_at(att, p + 1)[1]}" for p in TARGET_CONTEXTS)
+        print(f"{name} KV: measured on {run}; the attention's fraction at the measured context nearest each ({near})")
+    print(f"\n{gpu}, greedy decode, ESTIMATE with each kernel's measured fraction (a model, not a measurement; "
+          f"MLX-LM: published). Target: {LONG_TARGET}x MLX-LM.\n")
+    print("| context | " + " | ".join(f"est. {c}" for c in cols) + " | MLX-LM | target | "
+          + " | ".join(f"{c} / MLX-LM" for c in cols) + " |")
+    print("|---|" + "---|" * (2 * len(cols) + 2))
+    for pos in TARGET_CONTEXTS:
+        c = pos + 1
+        m = PUBLISHED_MLX_LM[c]
+        print(f"| {c} | " + " | ".join(f"{v[c]:.0f}" for v in cols.values()) + f" | {m} | {LONG_TARGET * m:.0f} | "
+              + " | ".join(f"{v[c] / m:.2f}x" for v in cols.values()) + " |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--positions", type=int, nargs="*", default=[255, 4095, 32767])
@@ -418,8 +476,9 @@ def main() -> None:
     ap.add_argument("--alu-eff", type=float, default=0.7, help="fraction of the issue rate a kernel reaches")
     ap.add_argument("--ideal", action="store_true",
                     help="no occupancy penalty (sat 0) and staged attention at its roofline (factor 1)")
-    ap.add_argument("--measured", default=None,
-                    help="a benchmarks/gpu_kernels.py --json file: per-kernel eta from the GPU's fractions of copy speed")
+    ap.add_argument("--measured", default=None, nargs="+",
+                    help="benchmarks/gpu_kernels.py --json files: per-kernel eta from the GPU's fractions of copy "
+                         "speed (the attention's from the measured context nearest each position)")
     ap.add_argument("--measured-by", choices=["copy", "read"], default="copy",
                     help="with --measured: the fraction of a device copy (default) or of a streaming read")
     ap.add_argument("--no-table", action="store_true")
@@ -431,12 +490,18 @@ def main() -> None:
                          "checkpoint's: the step counted with that width's kernels (lily_py.sizes.engine_quant)")
     ap.add_argument("--widths", action="store_true",
                     help="only the greedy estimate at every width (2, 3, mixed 3/4, 4, 8 bits)")
+    ap.add_argument("--targets", action="store_true",
+                    help="only issue 41's target table: the measured estimate (--measured JSONs of both KV dtypes) "
+                         "at 256 / 4K / 32K / 64K / 128K against 1.5x MLX-LM")
     ap.add_argument("--long", action="store_true",
                     help="only the long-context table: 64K, 128K, 262K, bf16 and 8-bit KV, published figures")
     a = ap.parse_args()
     cfg = ModelConfig.from_dict({"model_type": "qwen3_5_moe", "text_config": dict(REAL_TEXT_CONFIG)})
     if a.long:
         long_context(cfg, a)
+        return
+    if a.targets:
+        target_table(cfg, a)
         return
     if a.sensitivity:
         sensitivity(cfg, a.positions, a)
