@@ -361,13 +361,19 @@ def int8_kv(cfg) -> tuple[float, int]:
     return (D + 4) / (2 * D), instr_per_key(group, D // 32, q8=True)
 
 
+def quiet_estimate_args(a) -> dict:
+    """estimate()'s model arguments from the command line (--ideal: no occupancy penalty, staged
+    attention at its roofline), printing nothing."""
+    sat, attn = (0.0, 1.0) if a.ideal else (a.sat, a.attn_factor)
+    return dict(eta=a.eta, t_level=a.t_level_us * 1e-6, t_min=a.t_min_us * 1e-6, attn_factor=attn, sat=sat,
+                clock=a.clock_ghz * 1e9, alu_eff=a.alu_eff, quiet=True)
+
+
 def long_context(cfg, a) -> None:
     """Greedy est. tok/s at 64K, 128K and 262K on the M5 Max: the bf16 KV cache (the default, the
     numerics of the published figures) and the int8 one (int8_kv), the published figures, the target, and the instructions per key and
     KV head that would reach the target with each cache (bisection on the model's ipk)."""
-    sat, attn = (0.0, 1.0) if a.ideal else (a.sat, a.attn_factor)
-    kw = dict(eta=a.eta, t_level=a.t_level_us * 1e-6, t_min=a.t_min_us * 1e-6, attn_factor=attn, sat=sat,
-              clock=a.clock_ghz * 1e9, alu_eff=a.alu_eff, quiet=True)
+    kw = quiet_estimate_args(a)
     positions = [65535, 131071, 262143]
     gpu = next(iter(GPUS))
     cores, bw = GPUS[gpu]
@@ -436,9 +442,7 @@ def target_table(cfg, a) -> None:
     for path in a.measured or []:
         with open(path) as f:
             files.setdefault(json.load(f).get("kv_dtype"), []).append(path)
-    sat, attn = (0.0, 1.0) if a.ideal else (a.sat, a.attn_factor)
-    kw = dict(eta=a.eta, t_level=a.t_level_us * 1e-6, t_min=a.t_min_us * 1e-6, attn_factor=attn, sat=sat,
-              clock=a.clock_ghz * 1e9, alu_eff=a.alu_eff, quiet=True)
+    kw = quiet_estimate_args(a)
     gpu = next(iter(GPUS))
     cols = {}
     for kv, name in (("bfloat16", "bf16"), ("int8", "int8")):

@@ -94,21 +94,16 @@ void ModelSpec::validate() const {
       const QuantSpec& shared = quant(p + (stage.size() == 4 ? stage[2] : stage[1]), experts_q);
       for (const std::string& w : stage) {
         const QuantSpec& q = quant(p + w, experts_q);
-        const bool is_shared = w.starts_with("shared.");
-        const QuantSpec& want = is_shared ? shared : first;
-        QuantSpec as_routed = q;
-        as_routed.bits = first.bits;
-        if (!(q == want) || !(as_routed == first))
+        const QuantSpec& want = w.starts_with("shared.") ? shared : first;
+        if (!(q == want) || q.group_size != first.group_size || q.scale_dtype != first.scale_dtype)
           fail(p + w + " is " + describe(q) + " but " + p + stage[0] + " is " + describe(first) +
                ": one MoE kernel reads both (the routed matrices of a stage must agree in quantization, the "
                "shared ones too, and the shared expert may differ from the routed ones in bits only)");
       }
-      if (shared.bits != first.bits && !gpu::ops::moe_shared_width_built(first.bits, shared.bits)) {
-        std::string built;
-        for (auto [b, sb] : gpu::ops::moe_shared_widths()) built += (built.empty() ? "" : ", ") + num(b) + "/" + num(sb);
+      if (shared.bits != first.bits && !gpu::ops::moe_shared_width_built(first.bits, shared.bits))
         fail(p + stage.back() + " is " + describe(shared) + " but " + p + stage[0] + " is " + describe(first) +
-             ": the MoE kernels take the shared expert at its own width for routed/shared bits " + built);
-      }
+             ": the MoE kernels take the shared expert at its own width for routed/shared bits " +
+             gpu::ops::moe_shared_widths_text());
     }
   }
   if (!(eps > 0)) fail("eps must be > 0");

@@ -36,7 +36,6 @@ static_assert(sizeof(kWidthPatterns) / sizeof(kWidthPatterns[0]) == size_t(Width
               "one pattern per WidthFamily");
 constexpr uint32_t kMaxBits = 8;
 
-
 std::string width_name(WidthFamily f, uint32_t bits, uint32_t sbits) {
   const WidthPattern& p = kWidthPatterns[size_t(f)];
   const std::string s = sbits != 0 && sbits != bits ? "s" + std::to_string(sbits) : "";

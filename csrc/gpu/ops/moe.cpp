@@ -120,6 +120,12 @@ std::vector<std::pair<uint32_t, uint32_t>> moe_shared_widths() {
   return v;
 }
 
+std::string moe_shared_widths_text() {
+  std::string t;
+  for (auto [b, s] : moe_shared_widths()) t += (t.empty() ? "" : ", ") + std::to_string(b) + "/" + std::to_string(s);
+  return t;
+}
+
 const char* moe_route_name(MoeRoute r) { return r == MoeRoute::mv ? "mv" : "tiled"; }
 
 uint32_t moe_tile_rows(MoeRoute r) { return r == MoeRoute::mv ? 0 : 64; }
@@ -216,12 +222,9 @@ void validate(const MoeOperands& op) {
     if (!qmm_width_supported(b)) fail("expert bits=" + num(b) + " unsupported (2, 3, 4, 5, 6 or 8)");
   for (auto [b, s, what] : {std::tuple{op.bits, shared_bits(op), "gate/up"}, {dbits, shared_down_bits(op), "down"}})
     if (s != b && !moe_shared_width_built(b, s))
-    {
-      std::string built;
-      for (auto [rb, sb] : moe_shared_widths()) built += (built.empty() ? "" : ", ") + num(rb) + "/" + num(sb);
       fail(std::string("the ") + what + " stage's routed experts are " + num(b) + "-bit and its shared expert " +
-           num(s) + "-bit: the shared expert at its own width is built for routed/shared bits " + built);
-    }
+           num(s) + "-bit: the shared expert at its own width is built for routed/shared bits " +
+           moe_shared_widths_text());
   if (op.scale_dtype != DType::bf16) fail("expert scales/biases must be bfloat16");
   for (uint32_t gs : {op.group_size, dgs})
     if (gs != 32 && gs != 64 && gs != 128) fail("group_size=" + num(gs) + " unsupported (32, 64 or 128)");

@@ -40,8 +40,10 @@ MoeMvShape moe_mv_shape(uint32_t H, uint32_t top_k, uint32_t I, uint32_t Is, uin
 // Whether the expert kernels of every route are built for routed experts at `bits` and the shared
 // expert at `shared_bits` (equal widths: every width the engine takes).
 bool moe_shared_width_built(uint32_t bits, uint32_t shared_bits);
-// Every (routed, shared) pair of unequal widths built, ascending.
+// Every (routed, shared) pair of unequal widths built, ascending; and the same as "2/6, 3/6, ..."
+// (for messages).
 std::vector<std::pair<uint32_t, uint32_t>> moe_shared_widths();
+std::string moe_shared_widths_text();
 const char* moe_route_name(MoeRoute r);
 uint32_t moe_tile_rows(MoeRoute r);  // the largest tile: 0 for mv, 64 for tiled
 
