@@ -6,6 +6,7 @@
 // bf16), written to threadgroup memory as two 16-byte stores. Rounding: to nearest even, once.
 #pragma once
 #include "common/lily_metal.h"
+#include "common/quant.h"
 
 namespace lily {
 
@@ -51,7 +52,7 @@ struct QmmXRegs<float> {
 template <int bits>
 inline uint32_t qmm_bf16_dq2(uint32_t wd, uint32_t j, float s, float b) {
   constexpr uint32_t mask = (1u << bits) - 1u;
-  return qmm_pack_bf16(s * float((wd >> (j * bits)) & mask) + b, s * float((wd >> ((j + 1) * bits)) & mask) + b);
+  return qmm_pack_bf16(s * masked_code(wd >> (j * bits), mask) + b, s * masked_code(wd >> ((j + 1) * bits), mask) + b);
 }
 
 // 16 consecutive codes in words w0, w1 (4-bit: 8 codes each) or w0..w3 (8-bit: 4 each), as 16 bf16.

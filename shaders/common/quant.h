@@ -9,6 +9,14 @@
 
 namespace lily {
 
+// A code masked in place (v & mask < 2^23) as a float: OR-ed into the mantissa of 2^23 it gives
+// 2^23 + (v & mask) exactly, and subtracting 2^23 is exact. One logic operation and one add per
+// code instead of an integer-to-float conversion (a quarter- to eighth-rate instruction on many
+// GPUs: on the H200 it bound qmv1, docs/gpu.md). Every unpacking of codes goes through it.
+inline float masked_code(uint32_t v, uint32_t mask) {
+  return as_type<float>((v & mask) | 0x4B000000u) - 8388608.0f;
+}
+
 // Codes [k, k + count) of one row as floats; `words` points at the word holding code k, and k is
 // a multiple of count (count * bits is a multiple of 32, so no code straddles the loaded words).
 // Widths that divide 32 (2, 4, 8) only: unpack_row takes every width.
@@ -18,7 +26,7 @@ inline void unpack_codes(const device uint32_t* words, thread float* q) {
   constexpr uint32_t per_word = 32 / bits;
   constexpr uint32_t mask = (1u << bits) - 1u;
   for (uint32_t i = 0; i < uint32_t(count); ++i)
-    q[i] = float((words[i / per_word] >> ((i % per_word) * bits)) & mask);
+    q[i] = masked_code(words[i / per_word] >> ((i % per_word) * bits), mask);
 }
 
 // Codes per lane per step of the strip kernels (qmv, moe_*_few): two words at 2, 4 and 8 bits;
@@ -39,11 +47,11 @@ inline void unpack_row(const device uint32_t* row, uint32_t k, thread float* q) 
     constexpr uint32_t mask = (1u << bits) - 1u;
     const device uint32_t* words = row + k * bits / 32;
     for (uint32_t i = 0; i < uint32_t(count); ++i)
-      q[i] = float((words[i / per_word] >> ((i % per_word) * bits)) & mask);
+      q[i] = masked_code(words[i / per_word] >> ((i % per_word) * bits), mask);
     return;
   }
   static_assert(count % 8 == 0, "8-code strips");
-  constexpr ulong mask = (ulong(1) << bits) - 1;
+  constexpr uint32_t mask = (1u << bits) - 1u;
   for (uint32_t c = 0; c < uint32_t(count); c += 8) {
     const uint32_t bit0 = (k + c) * bits;  // a multiple of 8
     const device uint32_t* p = row + bit0 / 32;
@@ -52,7 +60,7 @@ inline void unpack_row(const device uint32_t* row, uint32_t k, thread float* q) 
     if (end > 32) v |= ulong(p[1]) << 32;
     v >>= sh;
     if (end > 64) v |= ulong(p[2]) << (64 - sh);
-    for (uint32_t i = 0; i < 8; ++i) q[c + i] = float(uint32_t((v >> (i * bits)) & mask));
+    for (uint32_t i = 0; i < 8; ++i) q[c + i] = masked_code(uint32_t(v >> (i * bits)), mask);
   }
 }
 
@@ -85,14 +93,6 @@ inline void load8(const device float* p, thread float* out) {
 // widened with masked_code; activations unscaled (scale_of = 1).
 template <int bits>
 struct Qmv1Codes;
-// A code masked in place (v & mask, v < 2^16) as a float: OR-ed into the mantissa of 2^23 it gives
-// 2^23 + (v & mask) exactly, and subtracting 2^23 is exact. One logic operation and one add per
-// code instead of an integer-to-float conversion (a quarter- to eighth-rate instruction on many
-// GPUs: on the H200 it bound qmv1, docs/gpu.md); the products accumulate with fma, four
-// independent chains per 16-byte load.
-inline float masked_code(uint32_t v, uint32_t mask) {
-  return as_type<float>((v & mask) | 0x4B000000u) - 8388608.0f;
-}
 
 // A lane's codes of one row and block, as loaded (Qmv1Codes::load): `bits` words at 2, 3, 5 and
 // 6 bits; one uint4 at 4 and 8. Loading every row's words before any dot product keeps R loads
