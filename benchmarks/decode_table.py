@@ -63,10 +63,13 @@ FACTS = {
     "moe_down_mv": ("16 B codes, 16 B h", "routing read from gate/up's ids and weights; one 32-code chunk of the k + 1 slots' "
                     "K' x 4 rows per lane; splits summed in tg memory", "gather_qmv_fast, split-K over slots"),
     "qk_norm_rope": ("4 B", "-", "one simdgroup per head"),
-    "qmv1_b4": ("16 B codes (uint4), 2 B scales/biases, 4 B x", "4 rows per threadgroup; K split over "
-                "<= 4 simdgroups, summed through threadgroup memory (not split for lm_head)", "MLX qmv_fast (single token; norm fused)"),
+    # kQmv1Rows (shaders/common/args.h) rows per threadgroup, read from the extension
+    "qmv1_b4": ("16 B codes (uint4), 2 B scales/biases, 4 B x", f"{_core.ops.QMV1_ROWS} rows per threadgroup; K split "
+                "over <= 4 simdgroups, summed through threadgroup memory (not split for lm_head)",
+                "MLX qmv_fast (single token; norm fused)"),
     "qmv1_b8": ("16 B codes (uint4), 2 B scales/biases, 4 B x", "as qmv1_b4", "MLX qmv_fast, 8-bit"),
-    # the *_r1 kernels: 1 row per threadgroup where 4 rows would give < 1280 simdgroups (qmv1_rows)
+    # the *_r1 kernels: 1 row per threadgroup where QMV1_ROWS rows would give < QMV1_MIN_SIMDGROUPS
+    # simdgroups (qmv1_rows)
     "qmv1_b8_r1": ("16 B codes (uint4), 2 B scales/biases, 4 B x", "1 row per threadgroup (x, residual, "
                    "norm_w re-read and the norm's sum of squares recomputed by each); K split over "
                    "<= 4 simdgroups, summed through threadgroup memory", "MLX qmv_fast, 8-bit, 1 row"),

@@ -77,8 +77,8 @@ template <typename T, typename S, int bits, typename Y = T>
 // ---------------------------------------------------------------------------------------------
 // qmv1: the single-token route (M = 1: every decode projection), after MLX's qmv_fast.
 //   grid:      ceil(N / R) threadgroups of 32 * splits threads, splits = min(4, ceil(K / B));
-//              R = kQmv1Rows = 4 rows per threadgroup, or R = 1 (the *_r1 kernels) where 4 would
-//              give fewer than kQmv1MinSimdgroups = 1280 simdgroups (the router: 257 rows), or
+//              R = kQmv1Rows = 8 rows per threadgroup, or R = 1 (the *_r1 kernels) where 8 would
+//              give fewer than kQmv1MinSimdgroups = 1024 simdgroups (the router: 257 rows), or
 //              R = kQmv1WideRows = 16 (the *_r16 kernels, 4 and 8 bits) where K is not split
 //              (lm_head: 15,520 threadgroups of one simdgroup; x loaded once per 16 rows)
 //   block:     B = 32 lanes x V codes (V = 128 / bits: one 16-byte load of w per lane and row at
@@ -111,7 +111,7 @@ template <typename T, typename S, int bits, typename Y = T, uint32_t R = kQmv1Ro
                      device T* h_out [[buffer(8)]],
                      device T* xn_out [[buffer(9)]],
                      LILY_KERNEL_TAIL) {
-  static_assert(R == kQmv1Rows || R == 1 || R == kQmv1WideRows, "qmv1 is instantiated for 4, 1 or 16 rows");
+  static_assert(R == kQmv1Rows || R == 1 || R == kQmv1WideRows, "qmv1 is instantiated for 8, 1 or 16 rows");
   constexpr uint32_t V = Qmv1Codes<bits>::V;
   constexpr uint32_t B = 32 * V;
   LILY_TG_ARRAY(float, red, [kQmv1MaxSplits * (R + 1)]);

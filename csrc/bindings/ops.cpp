@@ -156,8 +156,10 @@ void init_ops(nb::module_& parent) {
         "bf16_tiles), or 'qmm_m5' (4- or 8-bit, on a device with Metal 4 tensor ops).");
   m.def("qmv1_rows", [](uint32_t N, uint32_t K, uint32_t bits) { return gpu::ops::qmv1_rows(N, K, bits); },
         "N"_a, "K"_a, "bits"_a,
-        "Rows per threadgroup of the qmv1 route (M = 1): 4, or 1 where ceil(N / 4) * splits simdgroups "
-        "would fall short of QMV1_MIN_SIMDGROUPS (the *_r1 kernels).");
+        "Rows per threadgroup of the qmv1 route (M = 1): QMV1_ROWS, 1 where ceil(N / QMV1_ROWS) * splits "
+        "simdgroups would fall short of QMV1_MIN_SIMDGROUPS (the *_r1 kernels), or 16 where "
+        "ceil(N / QMV1_ROWS) >= QMV1_ONE_SPLIT_GROUPS at 4 and 8 bits (K not split: the *_r16 kernels).");
+  m.attr("QMV1_ROWS") = static_cast<uint32_t>(kQmv1Rows);
   m.attr("QMV1_MIN_SIMDGROUPS") = static_cast<uint32_t>(kQmv1MinSimdgroups);
   m.attr("QMV1_ONE_SPLIT_GROUPS") = static_cast<uint32_t>(kQmv1OneSplitGroups);
   m.def("qmv1_splits", [](uint32_t N, uint32_t K, uint32_t bits) { return gpu::ops::qmv1_splits(N, K, bits); },

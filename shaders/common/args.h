@@ -61,16 +61,16 @@ inline uint32_t i8_sums_offset(uint32_t rows, uint32_t K) { return rows * K + ro
 // `splits` simdgroups that split K into 16-byte-per-lane blocks. R (compile time: the accumulators
 // stay in registers) is kQmv1Rows, or 1 (the *_r1 kernels) when ceil(N / kQmv1Rows) * splits
 // simdgroups would fall short of kQmv1MinSimdgroups (qmv1_rows in csrc/gpu/ops/qmm.cpp). Where the
-// rows alone give kQmv1OneSplitGroups threadgroups (8 x 1280: lm_head's 62,080) K is not split:
+// rows alone give kQmv1OneSplitGroups threadgroups (4 x 1280, N >= 40,960: lm_head's 31,040) K is not split:
 // one simdgroup walks the row's K, with no threadgroup reduction, over kQmv1WideRows rows at 4 and
 // 8 bits (the *_r16 kernels: x's per-block loads, conversions and the norm's sum of squares done
-// once per 16 rows, not 4). Each lane loads its rows' codes, scales and biases in batches of
+// once per 16 rows, not 8). Each lane loads its rows' codes, scales and biases in batches of
 // kQmv1LoadBatch before their dot products: that many independent 16-byte loads in flight.
 enum : uint32_t {
-  kQmv1Rows = 4,       // output rows per threadgroup (every simdgroup works on all of them)
-  kQmv1MinSimdgroups = 1280,  // 32 simdgroups per core in flight on a 40-core GPU (issue 10)
+  kQmv1Rows = 8,       // output rows per threadgroup (every simdgroup works on all of them)
+  kQmv1MinSimdgroups = 1024,  // 25.6 simdgroups per core on a 40-core GPU: out_proj's 256 x 4 keeps 8 rows
   kQmv1MaxSplits = 4,  // simdgroups per threadgroup (K split): min(this, K / block)
-  kQmv1OneSplitGroups = 8 * 1280,  // threadgroups (N / kQmv1Rows) from which K is not split (lm_head)
+  kQmv1OneSplitGroups = 4 * 1280,  // threadgroups (N / kQmv1Rows) from which K is not split (lm_head)
   kQmv1WideRows = 16,  // rows per threadgroup where K is not split, at 4 and 8 bits (lm_head)
   kQmv1LoadBatch = 8,  // rows whose codes qmv1 loads before their dot products (loads in flight)
   kQmv1Norm = 1u,      // flags: RMSNorm in front (norm_w, eps); y = rsqrt(mean(h^2) + eps) * (w . (h * norm_w))

@@ -331,8 +331,8 @@ def test_gated_delta_mixer(rng, device, T, x_dtype):
     xs, ss = dname(x_dtype), dname(s_dtype)
     if T == 1:
         assert stats["dispatches"] == 4 and stats["barriers"] == 3
-        # small projections (in_proj 2 Hk Dk + 2 Hv Dv + 2 Hv = 200 rows, out_proj 128): 1 row per
-        # qmv1 threadgroup (qmv1_rows: < 1280 simdgroups at 4 rows)
+        # small projections (in_proj 2 Hk Dk + 2 Hv Dv + 2 Hv = 200 rows, out_proj 128; one split at
+        # K = 128 and 64): 1 row per qmv1 threadgroup (qmv1_rows: 25 and 16 simdgroups at 8 rows, < 1024)
         assert stats["kernels"] == [f"{route}_b4_x{xs}_s{ss}_r1", f"gated_delta_decode_x{xs}_w{ss}",
                                     f"gd_chunk_norm_x{xs}_w{ss}", f"{route}_b4_x{xs}_s{ss}_r1"]
     elif T < 64:

@@ -40,7 +40,7 @@ def test_quantized_matmul_every_route(rng, bits, group_size, m, x_dtype, device)
     _, stats = check(rng, x, w, s, b, bits=bits, group_size=group_size, device=device)
     route = {1: "qmv1", 3: "qmv", 37: "qmm"}[m]
     name = f"{route}_b{bits}_{'xbf16' if x_dtype == BF16 else 'xf32'}_sbf16"
-    # 45 rows: qmv1 takes one row per threadgroup (qmv1_rows: too few simdgroups at 4)
+    # 45 rows: qmv1 takes one row per threadgroup (qmv1_rows: ceil(45 / 8) x 1 split = 6 < 1024 simdgroups at 8)
     assert stats["kernels"] == [name + ("_r1" if m == 1 else "")]
 
 
@@ -218,30 +218,31 @@ def test_moe_unbuilt_shared_width_is_refused_with_the_built_pairs(rng):
 def _qmv1_splits(n, k, bits):
     # blocks of 32 lanes x V codes: V = 128 / bits at 4 and 8 bits, 32 at 2, 3, 5 and 6
     v = 128 // bits if bits in (4, 8) else 32
-    return 1 if -(-n // 4) >= 8 * 1280 else min(4, -(-k // (32 * v)))
+    return 1 if -(-n // 8) >= 4 * 1280 else min(4, -(-k // (32 * v)))
 
 
 def test_qmv1_split_rule_at_every_width():
     import lily_py._core as core
     for bits in (2, 3, 4, 5, 6, 8):
-        for n in (1, 45, 1277, 1707, 2557, 40961):
+        for n in (1, 45, 2041, 2728, 2729, 2731, 4089, 8185, 40952, 40953, 40961):
             for k in (128, 384, 1088, 2048, 2432):
                 splits = _qmv1_splits(n, k, bits)
                 assert core.ops.qmv1_splits(n, k, bits) == splits, (n, k, bits)
-                wide = -(-n // 4) >= 8 * 1280 and bits in (4, 8)  # kQmv1WideRows at 4 and 8 bits only
-                assert core.ops.qmv1_rows(n, k, bits) == (16 if wide else 4 if -(-n // 4) * splits >= 1280 else 1), (n, k, bits)
+                wide = -(-n // 8) >= 4 * 1280 and bits in (4, 8)  # kQmv1WideRows at 4 and 8 bits only
+                assert core.ops.qmv1_rows(n, k, bits) == (16 if wide else 8 if -(-n // 8) * splits >= 1024 else 1), (n, k, bits)
 
 
 @pytest.mark.parametrize("bits", WIDTHS)
 @pytest.mark.parametrize("device", DEVICES)
-def test_qmv1_four_rows_and_three_splits(rng, bits, device):
-    """The 4-row qmv1 kernels (N past the 1-row switch: ceil(1707 / 4) x 3 splits = 1281 >= 1280
-    simdgroups); K = 2432: 3 splits of 1024-code blocks, the last one partial."""
-    n, k = 1707, 2432
+def test_qmv1_eight_rows_and_three_splits(rng, bits, device):
+    """The 8-row qmv1 kernels (N past the 1-row switch: ceil(2731 / 8) x 3 splits = 1026 >= 1024
+    simdgroups, the last threadgroup with 3 rows); K = 2432: 3 splits of 1024-code blocks, the last
+    one partial."""
+    n, k = 2731, 2432
     x, w, s, b = make_case(rng, 1, n, k, bits=bits, group_size=128, x_dtype=BF16, scale_dtype=BF16)
     _, stats = check(rng, x, w, s, b, bits=bits, group_size=128, device=device)
     assert stats["kernels"] == [f"qmv1_b{bits}_xbf16_sbf16"]
-    assert stats["threads"] == -(-n // 4) * 32 * 3
+    assert stats["threads"] == -(-n // 8) * 32 * 3
 
 
 @pytest.mark.parametrize("bits", WIDTHS)

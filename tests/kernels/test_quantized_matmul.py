@@ -240,49 +240,62 @@ def test_qmm_bf16_rounds_operands_where_stated(rng):
 # The single-token route: K split over min(4, ceil(K / block)) simdgroups (block = 1024 codes at 4
 # bits, 512 at 8): K = 64 (one partial block, most lanes idle), 1088 (a full and a partial block,
 # 2 simdgroups), 2048 and 4096 + 128 (4 simdgroups, several blocks each, a partial last one).
-# Rows per threadgroup (qmv1_rows): 4 when ceil(N / 4) * splits >= QMV1_MIN_SIMDGROUPS (1280: 32
-# simdgroups per core on a 40-core GPU), else 1 (the *_r1 kernels). Small N (1, 5, 37) take 1 row;
-# the switch is tested from both sides at odd N (QMV1_SWITCH: the smallest N that keeps 4 rows).
-QMV1_MIN_SIMDGROUPS = 1280  # must match kQmv1MinSimdgroups (checked below)
-QMV1_ONE_SPLIT_GROUPS = 8 * 1280  # kQmv1OneSplitGroups: from ceil(N / 4) this, K is not split (lm_head)
+# Rows per threadgroup (qmv1_rows): QMV1_ROWS = 8 when ceil(N / 8) * splits >= QMV1_MIN_SIMDGROUPS
+# (1024: 25.6 simdgroups per core on a 40-core GPU), else 1 (the *_r1 kernels). Small N (1, 5, 37)
+# take 1 row; the switch is tested from both sides at odd N (QMV1_SWITCH: the smallest N that
+# keeps 8 rows).
+QMV1_ROWS = 8  # must match kQmv1Rows (checked below)
+QMV1_MIN_SIMDGROUPS = 1024  # must match kQmv1MinSimdgroups (checked below)
+QMV1_ONE_SPLIT_GROUPS = 4 * 1280  # kQmv1OneSplitGroups: from ceil(N / 8) this (N > 40,952), K is not split (lm_head)
 
 
 def qmv1_splits(n, k, bits):
-    return 1 if -(-n // 4) >= QMV1_ONE_SPLIT_GROUPS else min(4, -(-k // (32 * 128 // bits)))
+    return 1 if -(-n // QMV1_ROWS) >= QMV1_ONE_SPLIT_GROUPS else min(4, -(-k // (32 * 128 // bits)))
 
 
 def qmv1_rows(n, k, bits):
-    if -(-n // 4) >= QMV1_ONE_SPLIT_GROUPS and bits in (4, 8):
+    if -(-n // QMV1_ROWS) >= QMV1_ONE_SPLIT_GROUPS and bits in (4, 8):
         return 16  # kQmv1WideRows: K not split (lm_head), x loaded once per 16 rows
-    return 4 if -(-n // 4) * qmv1_splits(n, k, bits) >= QMV1_MIN_SIMDGROUPS else 1
+    return QMV1_ROWS if -(-n // QMV1_ROWS) * qmv1_splits(n, k, bits) >= QMV1_MIN_SIMDGROUPS else 1
 
 
 def qmv1_name(bits, xt, rows, yf32=False):
-    return f"qmv1_b{bits}_x{xt}_sbf16{'_yf32' if yf32 else ''}{ {1: '_r1', 4: '', 16: '_r16'}[rows]}"
+    return f"qmv1_b{bits}_x{xt}_sbf16{'_yf32' if yf32 else ''}{ {1: '_r1', QMV1_ROWS: '', 16: '_r16'}[rows]}"
 
 
-# K = 2048: 4 splits at 8 bits (4 rows from N = 1277 = 4 * 319 + 1), 2 at 4 bits (from N = 2557).
-QMV1_SWITCH = {8: 1277, 4: 2557}
+# K = 2048: 4 splits at 8 bits (8 rows from N = 2041 = 8 * 255 + 1: 256 x 4 = 1024 simdgroups),
+# 2 at 4 bits (from N = 4089 = 8 * 511 + 1: 512 x 2).
+QMV1_SWITCH = {8: 2041, 4: 4089}
 
 
 def test_qmv1_rows_rule_matches_extension():
     import lily_py._core as core
+    assert core.ops.QMV1_ROWS == QMV1_ROWS
     assert core.ops.QMV1_MIN_SIMDGROUPS == QMV1_MIN_SIMDGROUPS
     assert core.ops.QMV1_ONE_SPLIT_GROUPS == QMV1_ONE_SPLIT_GROUPS
     for bits in (4, 8):
-        for n in (1, 5, 257, 1275, 1276, 1277, 2555, 2557, 12352, 40957, 40960, 248320):
-            for k in (64, 1088, 2048, 4096):
+        for k in (64, 1088, 2048, 4096):
+            # the smallest N that keeps QMV1_ROWS at this K (splits from K alone below lm_head's side)
+            groups = -(-QMV1_MIN_SIMDGROUPS // min(4, -(-k // (32 * 128 // bits))))
+            sw = QMV1_ROWS * (groups - 1) + 1
+            for n in (1, 5, 257, 2039, 2040, 2041, 4087, 4088, 4089, 12352, 40952, 40953, 40960, 248320,
+                      sw - 1, sw):
                 assert core.ops.qmv1_rows(n, k, bits) == qmv1_rows(n, k, bits), (n, k, bits)
                 assert core.ops.qmv1_splits(n, k, bits) == qmv1_splits(n, k, bits), (n, k, bits)
+            assert qmv1_rows(sw - 1, k, bits) == 1 and qmv1_rows(sw, k, bits) == QMV1_ROWS, (sw, k, bits)
         sw = QMV1_SWITCH[bits]
-        assert qmv1_rows(sw - 2, 2048, bits) == 1 and qmv1_rows(sw, 2048, bits) == 4
-    # lm_head (N = 248320, K = 2048): one simdgroup per 4 rows walks all of K
-    assert qmv1_splits(248320, 2048, 4) == 1 and qmv1_splits(40956, 2048, 4) == 2
-    # the real config: the 8-bit router + shared gate takes 1 row (1028 simdgroups, not 260);
-    # every other decode projection keeps 4
+        assert qmv1_rows(sw - 1, 2048, bits) == 1 and qmv1_rows(sw, 2048, bits) == 8
+    # lm_head (N = 248320, K = 2048): one simdgroup per 16 rows walks all of K; K is not split from
+    # ceil(N / 8) >= 5120 (N = 40,953)
+    assert qmv1_splits(248320, 2048, 4) == 1 and qmv1_splits(40953, 2048, 4) == 1
+    assert qmv1_splits(40952, 2048, 4) == 2
+    # the real config: the 8-bit router + shared gate takes 1 row (1028 simdgroups, not 33 x 4 =
+    # 132); every other decode projection keeps 8 (out_proj / o_proj 2048 x 4096: 256 x 4 = 1024,
+    # exactly QMV1_MIN_SIMDGROUPS)
     assert qmv1_rows(257, 2048, 8) == 1 and -(-257 // 1) * qmv1_splits(257, 2048, 8) == 1028
     for n, k in [(12352, 2048), (2048, 4096), (9216, 2048)]:
-        assert qmv1_rows(n, k, 4) == 4
+        assert qmv1_rows(n, k, 4) == 8
+    assert -(-2048 // 8) * qmv1_splits(2048, 4096, 4) == 1024
     assert qmv1_rows(248320, 2048, 4) == 16 and qmv1_rows(248320, 2048, 8) == 16  # lm_head: 15,520 threadgroups
 
 
@@ -290,8 +303,9 @@ def test_qmv1_rows_rule_matches_extension():
 @pytest.mark.parametrize("n,k,group_size", [(1, 64, 64), (5, 1088, 64), (37, 2048, 32), (6, 4224, 128),
                                             ("below", 2048, 64), ("switch", 2048, 64), ("one_split", 1088, 64)])
 def test_qmv1_shapes_and_splits(rng, device, bits, n, k, group_size):
-    # one_split: N past 4 x kQmv1OneSplitGroups rows, so one simdgroup walks a full and a partial block
-    n = {"below": QMV1_SWITCH[bits] - 2, "switch": QMV1_SWITCH[bits], "one_split": 4 * QMV1_ONE_SPLIT_GROUPS + 1}.get(n, n)
+    # one_split: N past QMV1_ROWS x kQmv1OneSplitGroups rows, so one simdgroup walks a full and a partial block
+    n = {"below": QMV1_SWITCH[bits] - 2, "switch": QMV1_SWITCH[bits],
+         "one_split": QMV1_ROWS * QMV1_ONE_SPLIT_GROUPS + 1}.get(n, n)
     x, w, s, b = make_case(rng, 1, n, k, bits=bits, group_size=group_size, x_dtype=np.float32, scale_dtype=BF16)
     _, stats = check(rng, x, w, s, b, bits=bits, group_size=group_size, device=device)
     rows = qmv1_rows(n, k, bits)
@@ -337,9 +351,10 @@ def test_bf16_x_fp32_y(rng, device, m, bits, scale_dtype):
 def test_qmv1_fused_norm_bf16_x_fp32_y(rng, device, bits, n, k):
     """The decode lm_head: the final norm fused into qmv1 on the bf16 residual stream, fp32
     logits: the bound of test_qmv1_fused_norm without the output's bf16 rounding. one_split: past
-    4 x kQmv1OneSplitGroups rows (lm_head's side): 16 rows per threadgroup, K not split, the last
-    threadgroup with 3 rows past N."""
-    n = {"below": QMV1_SWITCH[bits] - 2, "switch": QMV1_SWITCH[bits], "one_split": 4 * QMV1_ONE_SPLIT_GROUPS + 3}.get(n, n)
+    QMV1_ROWS x kQmv1OneSplitGroups rows (lm_head's side): 16 rows per threadgroup, K not split,
+    the last threadgroup with 3 rows of N."""
+    n = {"below": QMV1_SWITCH[bits] - 2, "switch": QMV1_SWITCH[bits],
+         "one_split": QMV1_ROWS * QMV1_ONE_SPLIT_GROUPS + 3}.get(n, n)
     gs = 64
     x, w, s, b, nw, res = norm_case(rng, n, k, bits=bits, group_size=gs, x_dtype=BF16, residual=True)
     y, _, _, stats = ops._quantized_matmul_norm(x, w, s, b, nw, bits=bits, group_size=gs, eps=1e-6,
@@ -388,10 +403,10 @@ def test_qmv1_fused_norm(rng, device, x_dtype, bits, residual, side, n, k):
         assert h is None and xn is None
 
 
-# 1 row per threadgroup (N = 9; the router's 257 x 2048 at 8 bits), 4 (the 8-bit switch) and 16
+# 1 row per threadgroup (N = 9; the router's 257 x 2048 at 8 bits), 8 (the 8-bit switch) and 16
 # (K not split: lm_head's side of QMV1_ONE_SPLIT_GROUPS; threadgroup 0 writes the side outputs).
 @pytest.mark.parametrize("n,k,bits", [(9, 1088, 4), (257, 2048, 8), (QMV1_SWITCH[8], 2048, 8),
-                                      (4 * QMV1_ONE_SPLIT_GROUPS + 5, 192, 4)])
+                                      (QMV1_ROWS * QMV1_ONE_SPLIT_GROUPS + 5, 192, 4)])
 def test_qmv1_fused_norm_independent_of_thread_order(rng, n, k, bits):
     x, w, s, b, nw, res = norm_case(rng, n, k, bits=bits, group_size=64, x_dtype=np.float32, residual=True)
     runs = [ops._quantized_matmul_norm(x, w, s, b, nw, bits=bits, group_size=64, residual=res, side=True,

@@ -359,10 +359,10 @@ def test_moe_decode_grids_real_config(position):
 @pytest.mark.parametrize("position", [0, 255])
 def test_qmv1_decode_grids_real_config(position):
     """Every qmv1 dispatch of a real 35B decode step on the counting device (docs/kernels-matmul.md qmv1):
-    4 rows per threadgroup where that gives >= 1280 simdgroups (32 per core on a 40-core GPU), 1
-    row otherwise: only the 8-bit router + shared gate (257 x 2048: 65 -> 257 threadgroups, 260 ->
+    8 rows per threadgroup where that gives >= 1024 simdgroups (25.6 per core on a 40-core GPU), 1
+    row otherwise: only the 8-bit router + shared gate (257 x 2048: 33 -> 257 threadgroups, 132 ->
     1028 simdgroups) takes the 1-row kernel; K split over min(4, ceil(K / block)) simdgroups, except
-    where the 4-row groups alone reach QMV1_ONE_SPLIT_GROUPS (lm_head: one simdgroup per 16 rows,
+    where the 8-row groups alone reach QMV1_ONE_SPLIT_GROUPS (lm_head: one simdgroup per 16 rows,
     15,520 threadgroups, no split: x loaded once per 16 rows)."""
     import collections
     from lily_py.backends.engine import REAL_QUANT, _core, engine_spec
@@ -374,15 +374,19 @@ def test_qmv1_decode_grids_real_config(position):
     L = cfg.num_hidden_layers
     n_full = sum(t == "full_attention" for t in cfg.layer_types)  # 10 attention, 30 DeltaNet layers
     assert got == {
-        ("qmv1_b4_xf32_sbf16", (3088, 1, 1), (64, 1, 1)): L - n_full,    # DeltaNet in_proj 12352 x 2048
-        ("qmv1_b4_xf32_sbf16", (512, 1, 1), (128, 1, 1)): L,             # out_proj / o_proj 2048 x 4096
-        ("qmv1_b4_xf32_sbf16", (2304, 1, 1), (64, 1, 1)): n_full,        # attention qkv 9216 x 2048
+        ("qmv1_b4_xf32_sbf16", (1544, 1, 1), (64, 1, 1)): L - n_full,    # DeltaNet in_proj 12352 x 2048
+        ("qmv1_b4_xf32_sbf16", (256, 1, 1), (128, 1, 1)): L,             # out_proj / o_proj 2048 x 4096
+        ("qmv1_b4_xf32_sbf16", (1152, 1, 1), (64, 1, 1)): n_full,        # attention qkv 9216 x 2048
         ("qmv1_b4_xf32_sbf16_r16", (15520, 1, 1), (32, 1, 1)): 1,        # lm_head 248320 x 2048, 16 rows, 1 split
         ("qmv1_b8_xf32_sbf16_r1", (257, 1, 1), (128, 1, 1)): L,          # router + shared gate 257 x 2048
     }
-    assert 62080 >= _core().ops.QMV1_ONE_SPLIT_GROUPS > 3088  # only lm_head is past the threshold
+    ops = _core().ops
+    assert ops.QMV1_ROWS == 8 and ops.QMV1_MIN_SIMDGROUPS == 1024
+    # only lm_head is past the threshold: 31,040 8-row groups against in_proj's 1544
+    assert -(-cfg.vocab_size // ops.QMV1_ROWS) >= ops.QMV1_ONE_SPLIT_GROUPS > 1544
     for (_, g, t), _n in got.items():
-        assert g[0] * t[0] // 32 >= 1028  # router 1028 (25.7 per core at 40 cores); the others >= 2048
+        # out_proj / o_proj 1024 (25.6 per core at 40 cores), router 1028 (25.7); the others >= 2304
+        assert g[0] * t[0] // 32 >= ops.QMV1_MIN_SIMDGROUPS
 
 
 @pytest.mark.parametrize("position", [255, 4095, 32767])

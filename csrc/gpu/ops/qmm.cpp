@@ -108,7 +108,8 @@ static KernelId qmm_kernel_width(QmmRoute route, uint32_t bits, DType x, DType s
 
 KernelId qmm_kernel(QmmRoute route, uint32_t bits, DType x, DType s, bool y_f32, uint32_t rows, bool int8) {
   if (route == QmmRoute::qmv1 && rows != kQmv1Rows && rows != 1 && rows != kQmv1WideRows)
-    throw std::invalid_argument("quantized_matmul: qmv1 rows per threadgroup must be 4, 1 or 16");
+    throw std::invalid_argument("quantized_matmul: qmv1 rows per threadgroup must be " + std::to_string(kQmv1Rows) +
+                                ", 1 or " + std::to_string(kQmv1WideRows));
   if (bits != 4 && bits != 8) {
     if (route == QmmRoute::qmv1 && rows == kQmv1WideRows)
       throw std::invalid_argument("quantized_matmul: qmv1 takes 16 rows per threadgroup at 4 and 8 bits only");

@@ -30,13 +30,14 @@ constexpr bool qmm_width_supported(uint32_t bits) { return bits >= 2 && bits <= 
 // at 4 and 8 bits, 32 codes (`bits` words) at the other widths.
 constexpr uint32_t qmv1_lane_codes(uint32_t bits) { return bits == 4 || bits == 8 ? 128 / bits : 32; }
 // Simdgroups per threadgroup of the qmv1 route (they split K): min(kQmv1MaxSplits, ceil(K / block)),
-// or 1 where ceil(N / 4) >= kQmv1OneSplitGroups (lm_head).
+// or 1 where ceil(N / 8) >= kQmv1OneSplitGroups (N > 40,952: lm_head).
 uint32_t qmv1_splits(uint32_t N, uint32_t K, uint32_t bits);
-// Rows per threadgroup of the qmv1 route: kQmv1Rows (4) when ceil(N / 4) * qmv1_splits(N, K, bits)
-// >= kQmv1MinSimdgroups (32 simdgroups per core on a 40-core GPU), else 1 (the *_r1 kernels: 4x
-// the threadgroups; each re-reads x (+ residual, norm_w) and recomputes the norm's sum of squares).
-// Real config: every projection keeps 4 except the 8-bit router + shared gate (N = 257, K = 2048:
-// 65 x 4 = 260 simdgroups at 4 rows, 257 x 4 = 1028 at 1 row) and lm_head: where K is not split
+// Rows per threadgroup of the qmv1 route: kQmv1Rows (8) when ceil(N / 8) * qmv1_splits(N, K, bits)
+// >= kQmv1MinSimdgroups (1024: 25.6 simdgroups per core on a 40-core GPU), else 1 (the *_r1
+// kernels: up to 8x the threadgroups; each re-reads x (+ residual, norm_w) and recomputes the
+// norm's sum of squares). Real config: every projection keeps 8 (out_proj / o_proj, 2048 x 4096:
+// 256 x 4 = 1024 simdgroups) except the 8-bit router + shared gate (N = 257, K = 2048: 33 x 4 =
+// 132 simdgroups at 8 rows, 257 x 4 = 1028 at 1 row) and lm_head: where K is not split
 // (qmv1_splits) at 4 and 8 bits, kQmv1WideRows (16, the *_r16 kernels: 15,520 threadgroups).
 uint32_t qmv1_rows(uint32_t N, uint32_t K, uint32_t bits);
 const char* qmm_route_name(QmmRoute r);
@@ -107,7 +108,7 @@ struct QmmOperands {
 QmmOperands qmm_block(const QmmOperands& op, size_t i);
 
 // The kernel a route uses for these bits / dtypes; throws std::invalid_argument when unsupported.
-// rows: the qmv1 route's rows per threadgroup (qmv1_rows(N, K, bits); 4, 1 or 16), ignored by the others.
+// rows: the qmv1 route's rows per threadgroup (qmv1_rows(N, K, bits); 8, 1 or 16), ignored by the others.
 // int8: the qmm_m5 route takes qmm_m5i8 (int8 activations) where it has it: bf16 x, 4-bit weights,
 // bf16 y (Encoder::tensor_int8(); qmm_int8_allowed).
 KernelId qmm_kernel(QmmRoute route, uint32_t bits, DType x_dtype, DType scale_dtype, bool y_f32 = false,
