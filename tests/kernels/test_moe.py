@@ -292,6 +292,35 @@ def test_exact_ties_go_to_the_lowest_index(rng, T):
     np.testing.assert_array_equal(ids[:, :2], rids[:, :2])
 
 
+# Exact ties at every rank: the router's rows come from a pool of about E / 4 distinct rows, so
+# each probability is shared by about 4 experts. The selection must give the reference's order
+# (equal probabilities: the lowest index first) at every rank, k = 12 included, and
+# moe_gate_up_mv (which selects per slot) must agree with the routing it writes: the outputs are
+# checked too.
+@pytest.mark.parametrize("E,top_k", [(40, 3), (256, 8), (256, 12), (300, 8)])
+@pytest.mark.parametrize("T", [1, 5, 33])
+def test_selection_with_exact_ties_at_every_rank(rng, device, E, top_k, T):
+    W, _ = make_block(rng, E=E, H=64, I=32, gs=32)
+    pool = rng.standard_normal((E // 4 + 1, 64)).astype(np.float32) * 0.1
+    W.router = quantized(rng, (E, 64), 8, 32, fill=pool[rng.integers(0, len(pool), E)])
+    dense, mags = parts(W)
+    x = (rng.standard_normal((T, 64)) * 0.5).astype(np.float32)
+    out, ids, weights, stats = ops._moe(x, *ops.moe_weights(W), top_k=top_k, seed=rng.seed, device=device)
+    assert stats["route"] == expected_route(T, top_k)
+    want, rids, _ = ref.moe(x, *(dense[k] for k in KEYS), top_k=top_k)
+    logits = ref.moe_logits(x, dense["router"], dense["shared_gate"])[:, :-1]
+    p = np.exp(logits - logits.max(1, keepdims=True))
+    top = -np.sort(-p, axis=1)[:, :top_k + 1]
+    gap = -np.diff(top, axis=1)
+    ok = ~((gap > 0) & (gap < TIE_MARGIN * top[:, :-1])).any(axis=1)  # exact ties kept, near ones not
+    assert ok.sum() >= max(1, T // 2), f"too few rows without a near-tie ({ok.sum()} of {T}, seed {rng.seed})"
+    assert (gap[ok] == 0).any(), f"no exact tie among the top {top_k + 1}: the test tests nothing (seed {rng.seed})"
+    what = f"E={E} k={top_k} T={T} route={stats['route']}"
+    np.testing.assert_array_equal(ids[ok], rids[ok], err_msg=f"{what}: routing differs (seed {rng.seed})")
+    bound = ref.moe_error_bound(x, mags, dense, top_k=top_k)
+    assert_close(out[ok], want[ok], atol=bound[ok], rtol=0, what=what, seed=rng.seed)
+
+
 @pytest.mark.parametrize("dtype", [np.float32, BF16])
 @pytest.mark.parametrize("T", [5, 40])
 def test_nan_and_inf_activations_choose_valid_experts(rng, device, T, dtype):
