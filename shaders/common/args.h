@@ -61,7 +61,7 @@ inline uint32_t i8_sums_offset(uint32_t rows, uint32_t K) { return rows * K + ro
 // `splits` simdgroups that split K into 16-byte-per-lane blocks. R (compile time: the accumulators
 // stay in registers) is kQmv1Rows, or 1 (the *_r1 kernels) when ceil(N / kQmv1Rows) * splits
 // simdgroups would fall short of kQmv1MinSimdgroups (qmv1_rows in csrc/gpu/ops/qmm.cpp). Where the
-// rows alone give kQmv1OneSplitGroups threadgroups (4 x 1280, N >= 40,960: lm_head's 31,040) K is not split:
+// rows alone give kQmv1OneSplitGroups threadgroups (4 x 1280, N > 40,952: lm_head's 31,040) K is not split:
 // one simdgroup walks the row's K, with no threadgroup reduction, over kQmv1WideRows rows at 4 and
 // 8 bits (the *_r16 kernels: x's per-block loads, conversions and the norm's sum of squares done
 // once per 16 rows, not 8). Each lane loads its rows' codes, scales and biases in batches of
