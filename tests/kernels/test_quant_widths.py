@@ -23,7 +23,7 @@ from lily_py.reference import quant
 import test_moe
 from test_moe import check as moe_check
 from test_moe import make_block
-from test_quantized_matmul import BF16, check, make_case
+from test_quantized_matmul import BF16, check, make_case, qmv1_rows, qmv1_splits
 
 WIDTHS = (2, 3, 5, 6)  # the generic widths; 4 and 8 keep their own tests
 FIXTURE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "mlx_widths", "mlx_widths.npz")
@@ -215,21 +215,13 @@ def test_moe_unbuilt_shared_width_is_refused_with_the_built_pairs(rng):
 
 # ------------------------------------------------------------------------------ more qmv1 / fp32 y
 # (cross-checks written independently of the kernels above, feat/bits2)
-def _qmv1_splits(n, k, bits):
-    # blocks of 32 lanes x V codes: V = 128 / bits at 4 and 8 bits, 32 at 2, 3, 5 and 6
-    v = 128 // bits if bits in (4, 8) else 32
-    return 1 if -(-n // 8) >= 4 * 1280 else min(4, -(-k // (32 * v)))
-
-
 def test_qmv1_split_rule_at_every_width():
     import lily_py._core as core
     for bits in (2, 3, 4, 5, 6, 8):
         for n in (1, 45, 2041, 2728, 2729, 2731, 4089, 8185, 40952, 40953, 40961):
             for k in (128, 384, 1088, 2048, 2432):
-                splits = _qmv1_splits(n, k, bits)
-                assert core.ops.qmv1_splits(n, k, bits) == splits, (n, k, bits)
-                wide = -(-n // 8) >= 4 * 1280 and bits in (4, 8)  # kQmv1WideRows at 4 and 8 bits only
-                assert core.ops.qmv1_rows(n, k, bits) == (16 if wide else 8 if -(-n // 8) * splits >= 1024 else 1), (n, k, bits)
+                assert core.ops.qmv1_splits(n, k, bits) == qmv1_splits(n, k, bits), (n, k, bits)
+                assert core.ops.qmv1_rows(n, k, bits) == qmv1_rows(n, k, bits), (n, k, bits)  # 16: 4 and 8 bits only
 
 
 @pytest.mark.parametrize("bits", WIDTHS)

@@ -250,7 +250,9 @@ QMV1_ONE_SPLIT_GROUPS = 4 * 1280  # kQmv1OneSplitGroups: from ceil(N / 8) this (
 
 
 def qmv1_splits(n, k, bits):
-    return 1 if -(-n // QMV1_ROWS) >= QMV1_ONE_SPLIT_GROUPS else min(4, -(-k // (32 * 128 // bits)))
+    # blocks of 32 lanes x V codes: V = 128 / bits at 4 and 8 bits, 32 at 2, 3, 5 and 6
+    v = 128 // bits if bits in (4, 8) else 32
+    return 1 if -(-n // QMV1_ROWS) >= QMV1_ONE_SPLIT_GROUPS else min(4, -(-k // (32 * v)))
 
 
 def qmv1_rows(n, k, bits):

@@ -112,7 +112,8 @@ KernelId qmm_kernel(QmmRoute route, uint32_t bits, DType x, DType s, bool y_f32,
                                 ", 1 or " + std::to_string(kQmv1WideRows));
   if (bits != 4 && bits != 8) {
     if (route == QmmRoute::qmv1 && rows == kQmv1WideRows)
-      throw std::invalid_argument("quantized_matmul: qmv1 takes 16 rows per threadgroup at 4 and 8 bits only");
+      throw std::invalid_argument("quantized_matmul: qmv1 takes " + std::to_string(kQmv1WideRows) +
+                                  " rows per threadgroup at 4 and 8 bits only");
     if (!qmm_width_supported(bits))
       throw std::invalid_argument("quantized_matmul: bits=" + std::to_string(bits) + " unsupported (2, 3, 4, 5, 6 or 8)");
     return qmm_kernel_width(route, bits, x, s, y_f32, route == QmmRoute::qmv1 && rows == 1);
