@@ -16,14 +16,18 @@
 namespace lily {
 
 // ---------------------------------------------------------------------------------------------
-// qmv: the small-M route (M <= kQmvMaxRows; decode and tiny expert batches).
-//   grid:        ceil(N / 8) threadgroups of 64 threads (kQmvSimdsPerGroup = 2 simdgroups)
-//   simdgroup:   kQmvRowsPerSimd = 4 consecutive output features n0..n0+3, for all M rows of x
-//   lane:        a strip of V codes per row per step (strip_codes: 16 at 4 bits, 8 at 8: 8 bytes),
-//                strips of the 32 lanes are consecutive; the simdgroup walks K in 32*V steps
-//   reduction:   per group-strip s * dot(x, q) + b * sum(x), accumulated per lane, then one
-//                simd_sum(float4) per row of x; lane 0 writes the 4 outputs.
-// Every weight byte is read once per dispatch whatever M is.
+// qmv: the small-M route (2 <= M <= kQmvMaxRows: a batched decode step, tiny chunks). Every weight
+// byte is loaded once and every code unpacked once for all M rows of x.
+//   grid:      ceil(N / kQmvRows) threadgroups of 32 * splits threads (qmv_splits: min(kQmv1MaxSplits,
+//              ceil(K / B)), 1 for lm_head-sized N)
+//   block:     B = 32 lanes x kQmvLaneCodes (8) codes; simdgroup s walks K blocks s, s + splits, ...
+//   per block: the lane unpacks its 8 codes of each of the kQmvRows rows once (unpack_row: every
+//              width 2..8, exact values), with their scale and bias; then for each row m of x its 8
+//              values (one 16-byte load8 at bf16: x 16-byte aligned, the host checks) and their sum,
+//              and 8 fma per row of w: s * dot(x, q) + b * sum(x) into acc[m][r].
+//   rows:      rows past N load row N - 1; only the store is guarded. Rows of x past M are skipped
+//              by a uniform branch (acc[m][r] stays compile-time indexed: registers).
+//   reduction: simd_sum of acc[m][r], then over the splits through threadgroup memory in order.
 template <typename T, typename S, int bits, typename Y = T>
 [[kernel]] void qmv(constant QmmArgs& args [[buffer(0)]],
                     const device T* x [[buffer(1)]],
@@ -32,45 +36,72 @@ template <typename T, typename S, int bits, typename Y = T>
                     const device S* biases [[buffer(4)]],
                     device Y* y [[buffer(5)]],
                     LILY_KERNEL_TAIL) {
-  constexpr uint32_t V = strip_codes<bits>();  // codes per lane per step (common/quant.h)
-  constexpr uint32_t step = 32 * V;         // codes per simdgroup per step
-  const uint32_t K = args.K;
+  constexpr uint32_t V = kQmvLaneCodes;
+  constexpr uint32_t B = 32 * V;
+  constexpr uint32_t R = kQmvRows;
+  constexpr uint32_t MR = kQmvMaxRows;
+  LILY_TG_ARRAY(float, red, [kQmv1MaxSplits * kQmvMaxRows * kQmvRows]);
+  const uint32_t K = args.K, M = args.M;
+  const uint32_t splits = group_size.x / 32;
   const uint32_t words_per_row = K * bits / 32;
   const uint32_t groups_per_row = K / args.group_size;
-  const uint32_t n0 = (group_pos.x * kQmvSimdsPerGroup + simd_id) * kQmvRowsPerSimd;
+  const uint32_t n0 = group_pos.x * R;
 
-  float4 acc[kQmvMaxRows];
-  for (uint32_t m = 0; m < kQmvMaxRows; ++m) acc[m] = float4(0.0f);
-
-  for (uint32_t k = lane * V; k < K; k += step) {
-    const uint32_t g = k / args.group_size;  // the strip lies inside one group (V divides 32)
-    for (uint32_t r = 0; r < kQmvRowsPerSimd; ++r) {
-      const uint32_t n = n0 + r;
-      if (n >= args.N) break;
-      float q[V];
-      unpack_row<bits, V>(w + n * words_per_row, k, q);
-      const float s = float(scales[n * groups_per_row + g]);
-      const float b = float(biases[n * groups_per_row + g]);
-      for (uint32_t m = 0; m < args.M; ++m) {
-        const device T* xm = x + m * args.x_stride + k;
-        float dot = 0.0f;
-        float xsum = 0.0f;
-        for (uint32_t i = 0; i < V; ++i) {
-          const float xv = float(xm[i]);
-          dot += xv * q[i];
-          xsum += xv;
+  uint32_t row[R];
+  LILY_UNROLL
+  for (uint32_t r = 0; r < R; ++r) row[r] = min(n0 + r, args.N - 1);
+  float acc[MR][R];
+  LILY_UNROLL
+  for (uint32_t m = 0; m < MR; ++m) {
+    LILY_UNROLL
+    for (uint32_t r = 0; r < R; ++r) acc[m][r] = 0.0f;
+  }
+  for (uint32_t k0 = simd_id * B; k0 < K; k0 += splits * B) {
+    const uint32_t k = k0 + lane * V;
+    if (k < K) {  // only a last, partial block diverges (K is a multiple of 32, k of 8)
+      const uint32_t g = k / args.group_size;  // the 8 codes lie in one group
+      float q[R][V], sc[R], bi[R];
+      LILY_UNROLL
+      for (uint32_t r = 0; r < R; ++r) {
+        unpack_row<bits, V>(w + row[r] * words_per_row, k, q[r]);
+        sc[r] = float(scales[row[r] * groups_per_row + g]);
+        bi[r] = float(biases[row[r] * groups_per_row + g]);
+      }
+      LILY_UNROLL
+      for (uint32_t m = 0; m < MR; ++m) {
+        if (m < M) {
+          float xv[V];
+          load8(x + m * args.x_stride + k, xv);
+          float xsum = 0.0f;
+          for (uint32_t i = 0; i < V; ++i) xsum += xv[i];
+          LILY_UNROLL
+          for (uint32_t r = 0; r < R; ++r) {
+            float d = 0.0f;
+            for (uint32_t i = 0; i < V; ++i) d = fma(xv[i], q[r][i], d);
+            acc[m][r] = fma(sc[r], d, fma(bi[r], xsum, acc[m][r]));
+          }
         }
-        acc[m][r] += s * dot + b * xsum;
       }
     }
   }
 
-  for (uint32_t m = 0; m < args.M; ++m) {  // args.M is uniform: every lane makes the same calls
-    const float4 total = simd_sum(acc[m]);
-    if (lane == 0) {
-      for (uint32_t r = 0; r < kQmvRowsPerSimd; ++r)
-        if (n0 + r < args.N) y[m * args.y_stride + n0 + r] = Y(total[r]);
+  LILY_UNROLL
+  for (uint32_t m = 0; m < MR; ++m) {
+    if (m < M) {
+      LILY_UNROLL
+      for (uint32_t r = 0; r < R; ++r) {
+        const float t = simd_sum(acc[m][r]);
+        if (lane == 0) red[(simd_id * MR + m) * R + r] = t;
+      }
     }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (uint32_t i = thread_pos.x; i < M * R; i += group_size.x) {
+    const uint32_t m = i / R, r = i % R;
+    if (n0 + r >= args.N) continue;
+    float total = 0.0f;
+    for (uint32_t s = 0; s < splits; ++s) total += red[(s * MR + m) * R + r];
+    y[m * args.y_stride + n0 + r] = Y(total);
   }
 }
 

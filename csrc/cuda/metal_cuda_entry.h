@@ -83,7 +83,7 @@ namespace lily_cuda {
 // then spilled to local memory. Metal's compiler makes this choice itself and reports
 // maxTotalThreadsPerThreadgroup; here cuFuncGetAttribute reports the bound and the engine checks
 // every dispatch against it at load (DeviceLimitError), as on Metal. The numbers are the host's:
-// kAttnVecSimds * 32, kQmv1MaxSplits * 32, kQmvSimdsPerGroup * 32, kMoeGateUpMaxSplits * 32,
+// kAttnVecSimds * 32, kQmv1MaxSplits * 32 (qmv1 and qmv), kMoeGateUpMaxSplits * 32,
 // kMoeDownMaxSplits * 32.
 constexpr bool starts_with(const char* s, const char* p) {
   for (; *p; ++s, ++p)
@@ -93,7 +93,7 @@ constexpr bool starts_with(const char* s, const char* p) {
 constexpr unsigned max_threads(const char* name) {
   return starts_with(name, "attn_decode_vec_")       ? 256u
          : starts_with(name, "qmv1_")                ? 128u
-         : starts_with(name, "qmv_")                 ? 64u
+         : starts_with(name, "qmv_")                 ? 128u
          : starts_with(name, "moe_gate_up_mv_")      ? 128u
          : starts_with(name, "moe_down_mv_")         ? 256u
          : starts_with(name, "gated_delta_decode_")  ? 256u  // kGdDecodeThreads

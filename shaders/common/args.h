@@ -13,8 +13,8 @@ namespace lily {
 // ---- quantized matmul (shaders/qmm.metal, host: csrc/gpu/ops/qmm.cpp) ----------------------
 enum : uint32_t {
   kQmvMaxRows = 8,        // qmv route handles M <= kQmvMaxRows rows of x per dispatch
-  kQmvRowsPerSimd = 4,    // output features per simdgroup in qmv
-  kQmvSimdsPerGroup = 2,  // simdgroups per threadgroup in qmv
+  kQmvRows = 4,           // output features per threadgroup in qmv (every simdgroup works on all of them)
+  kQmvLaneCodes = 8,      // codes of a row per lane per K block in qmv (unpacked once for every row of x)
   kQmmTileM = 32,         // qmm output tile: rows of x
   kQmmTileN = 32,         // qmm output tile: output features
   kQmmTileK = 32,         // qmm K step (must divide every supported group size)

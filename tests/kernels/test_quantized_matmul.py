@@ -163,7 +163,9 @@ def test_counters_report_exact_bytes(rng):
     _, stats = ops._quantized_matmul(x, w, s, b, bits=4, group_size=64)
     assert stats["dispatches"] == 1 and stats["barriers"] == 0
     assert stats["bytes_bound"] == x.nbytes + w.nbytes + s.nbytes + b.nbytes + m * n * 2
-    assert stats["threads"] == -(-n // 8) * 64  # qmv: 8 rows per 64-thread threadgroup
+    # qmv: kQmvRows (4) rows per threadgroup of 32 * splits threads, K split in blocks of 256
+    # codes (32 lanes x 8), at most 4 (qmv_splits)
+    assert stats["threads"] == -(-n // 4) * 32 * min(4, -(-k // 256))
 
 
 # ------------------------------------------------------------------------------ qmm_bf16

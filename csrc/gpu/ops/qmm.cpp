@@ -46,6 +46,11 @@ uint32_t qmv1_splits(uint32_t N, uint32_t K, uint32_t bits) {
   return std::min<uint32_t>(kQmv1MaxSplits, (K + block - 1) / block);
 }
 
+uint32_t qmv_splits(uint32_t N, uint32_t K) {
+  if (ceil_div(N, kQmv1Rows) >= kQmv1OneSplitGroups) return 1;  // lm_head: rows give the parallelism
+  return std::min<uint32_t>(kQmv1MaxSplits, ceil_div(K, 32 * kQmvLaneCodes));
+}
+
 uint32_t qmv1_rows(uint32_t N, uint32_t K, uint32_t bits) {
   if (ceil_div(N, kQmv1Rows) >= kQmv1OneSplitGroups && (bits == 4 || bits == 8)) return kQmv1WideRows;
   const uint64_t simdgroups = uint64_t(ceil_div(N, kQmv1Rows)) * qmv1_splits(N, K, bits);
@@ -387,6 +392,13 @@ void encode_quantized_matmul(Encoder& enc, const QmmOperands& op) {
     encode_quantize_i8(enc, op.x, op.M, op.K, args.x_stride, op.x_i8);
     enc.barrier();  // x_i8
   }
+  if (route == QmmRoute::qmv) {  // 16-byte loads of x (load8): every row's start must be aligned
+    const uint64_t stride_bytes = uint64_t(args.x_stride) * xe;
+    if (op.x.offset % 16 != 0 || (op.M > 1 && stride_bytes % 16 != 0))
+      throw EncodeError("quantized_matmul (qmv): x is bound at byte offset " + std::to_string(op.x.offset) +
+                        " with rows " + std::to_string(stride_bytes) + " bytes apart; both must be multiples of 16 "
+                        "(its 16-byte loads)");
+  }
   enc.set_kernel(qmm_kernel(route, op.bits, op.x_dtype, op.scale_dtype, op.y_f32, kQmv1Rows, int8));
   enc.set_args(args);
   // Bind exactly the bytes the kernel reads, so counters report true weight traffic.
@@ -398,8 +410,7 @@ void encode_quantized_matmul(Encoder& enc, const QmmOperands& op) {
   enc.set_buffer(5, range(op.y, ((uint64_t(op.M) - 1) * args.y_stride + op.N) * ye));
   const QmmFlops f = qmm_flops(op.M, op.N, op.K, op.bits, tensor_ops, bf16_tiles);
   if (route == QmmRoute::qmv) {
-    enc.dispatch({ceil_div(op.N, kQmvRowsPerSimd * kQmvSimdsPerGroup), 1, 1},
-                 {32 * kQmvSimdsPerGroup, 1, 1});
+    enc.dispatch({ceil_div(op.N, kQmvRows), 1, 1}, {32 * qmv_splits(op.N, op.K), 1, 1});
   } else if (route == QmmRoute::qmm_bf16) {
     enc.dispatch({ceil_div(op.N, kQmmBf16TileN), ceil_div(op.M, kQmmBf16TileM), 1},
                  {32 * kQmmBf16SimdsPerGroup, 1, 1});

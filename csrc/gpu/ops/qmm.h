@@ -40,6 +40,9 @@ uint32_t qmv1_splits(uint32_t N, uint32_t K, uint32_t bits);
 // 132 simdgroups at 8 rows, 257 x 4 = 1028 at 1 row) and lm_head: where K is not split
 // (qmv1_splits) at 4 and 8 bits, kQmv1WideRows (16, the *_r16 kernels: 15,520 threadgroups).
 uint32_t qmv1_rows(uint32_t N, uint32_t K, uint32_t bits);
+// Simdgroups per threadgroup of the qmv route (K split in blocks of 32 lanes x kQmvLaneCodes):
+// min(kQmv1MaxSplits, ceil(K / 256)), 1 where ceil(N / 8) >= kQmv1OneSplitGroups (as qmv1).
+uint32_t qmv_splits(uint32_t N, uint32_t K);
 const char* qmm_route_name(QmmRoute r);
 
 // FLOPs (2 per multiply-add) of y = x @ w^T: useful 2 M N K; executed includes the tile padding
