@@ -152,6 +152,38 @@ core::StepSampling sampling_from(nb::object sample, bool from_slot) {
   return s;
 }
 
+// time_step() / time_batch() as a dict (docs/gpu.md, "Timing").
+static nb::dict timing_dict(const gpu::StepTiming& t) {
+  nb::dict out;
+  out["step_us"] = t.step_us;
+  out["step_us_min"] = t.step_us_min;
+  out["step_us_max"] = t.step_us_max;
+  out["empty_us"] = t.empty_us;
+  out["levels"] = t.levels;
+  out["nodes"] = t.nodes;
+  out["copy_gbps"] = t.copy_gbps;
+  out["read_gbps"] = t.read_gbps;
+  nb::list ds;
+  for (const gpu::DispatchTime& d : t.dispatches) {
+    nb::dict x;
+    x["kernel"] = std::string(gpu::kernel_info(d.record.kernel).name);
+    x["groups"] = nb::make_tuple(d.record.groups.x, d.record.groups.y, d.record.groups.z);
+    x["threads"] = nb::make_tuple(d.record.threads.x, d.record.threads.y, d.record.threads.z);
+    x["level"] = d.record.level;
+    x["bytes_touched"] = d.record.bytes_touched;
+    x["flops_useful"] = d.record.flops_useful;
+    x["unit"] = gpu::exec_unit_name(d.record.unit);
+    x["us"] = d.us;
+    x["us_min"] = d.us_min;
+    x["us_max"] = d.us_max;
+    x["copy_us"] = d.copy_us;
+    x["read_us"] = d.read_us;
+    ds.append(x);
+  }
+  out["dispatches"] = ds;
+  return out;
+}
+
 void init_engine(nb::module_& m) {
   nb::exception<core::SampleError>(m, "SampleError", PyExc_FloatingPointError);
   nb::exception<core::DeviceMemoryError>(m, "DeviceMemoryError", PyExc_MemoryError);
@@ -513,34 +545,7 @@ void init_engine(nb::module_& m) {
               nb::gil_scoped_release release;
               t = e.time_step(T, position, all_logits, sampling, o);
             }
-            nb::dict out;
-            out["step_us"] = t.step_us;
-            out["step_us_min"] = t.step_us_min;
-            out["step_us_max"] = t.step_us_max;
-            out["empty_us"] = t.empty_us;
-            out["levels"] = t.levels;
-            out["nodes"] = t.nodes;
-            out["copy_gbps"] = t.copy_gbps;
-            out["read_gbps"] = t.read_gbps;
-            nb::list ds;
-            for (const gpu::DispatchTime& d : t.dispatches) {
-              nb::dict x;
-              x["kernel"] = std::string(gpu::kernel_info(d.record.kernel).name);
-              x["groups"] = nb::make_tuple(d.record.groups.x, d.record.groups.y, d.record.groups.z);
-              x["threads"] = nb::make_tuple(d.record.threads.x, d.record.threads.y, d.record.threads.z);
-              x["level"] = d.record.level;
-              x["bytes_touched"] = d.record.bytes_touched;
-              x["flops_useful"] = d.record.flops_useful;
-              x["unit"] = gpu::exec_unit_name(d.record.unit);
-              x["us"] = d.us;
-              x["us_min"] = d.us_min;
-              x["us_max"] = d.us_max;
-              x["copy_us"] = d.copy_us;
-              x["read_us"] = d.read_us;
-              ds.append(x);
-            }
-            out["dispatches"] = ds;
-            return out;
+            return timing_dict(t);
           },
           "tokens"_a, "position"_a = 0, "all_logits"_a = false, "sample"_a = nb::none(), "repeats"_a = 20,
           "trials"_a = 5, "per_dispatch"_a = true,
@@ -589,6 +594,67 @@ void init_engine(nb::module_& m) {
           },
           "Every dispatch of the last count(): kernel, groups, threads, bytes_touched, bytes_bound, level, "
           "unit, flops_executed, flops_useful (the add_flops called right after it).")
+      .def("add_sequence", &core::Engine::add_sequence,
+           "A new empty sequence (its own DeltaNet state, conv windows and KV pools); returns its id.")
+      .def("select_sequence", &core::Engine::select_sequence, "id"_a,
+           "Make sequence `id` the active one (forward, snapshot, restore, reset act on it); no copy.")
+      .def("drop_sequence", &core::Engine::drop_sequence, "id"_a, "Free a sequence's buffers (not the active one).")
+      .def_prop_ro("active_sequence", &core::Engine::active_sequence)
+      .def_prop_ro("sequences", &core::Engine::sequences)
+      .def("sequence_position", &core::Engine::sequence_position, "id"_a)
+      .def("sequence_valid", &core::Engine::sequence_valid, "id"_a)
+      .def_prop_ro("max_batch", &core::Engine::max_batch)
+      .def(
+          "decode_batch",
+          [](core::Engine& e, IdArray seqs, IdArray ids, bool fetch) -> nb::tuple {
+            const uint32_t B = uint32_t(ids.shape(0)), V = e.spec().vocab;
+            if (seqs.shape(0) != ids.shape(0))
+              throw std::invalid_argument("decode_batch: " + std::to_string(seqs.shape(0)) + " sequences for " +
+                                          std::to_string(ids.shape(0)) + " token ids");
+            float* out = fetch ? new float[size_t(B) * V + 1] : nullptr;
+            core::StepStats st;
+            try {
+              nb::gil_scoped_release release;
+              st = e.decode_batch(seqs.data(), ids.data(), B, out);
+            } catch (...) {
+              delete[] out;
+              throw;
+            }
+            if (!fetch) return nb::make_tuple(nb::none(), stats_dict(st));
+            nb::capsule owner(out, [](void* p) noexcept { delete[] static_cast<float*>(p); });
+            size_t shape[2] = {B, V};
+            return nb::make_tuple(nb::ndarray<nb::numpy, float>(out, 2, shape, owner), stats_dict(st));
+          },
+          "seqs"_a, "ids"_a, "fetch"_a = true,
+          "One token for each of B distinct sequences in one step: ids[t] (uint32) fed to sequence "
+          "seqs[t] (uint32); returns (float32 logits [B, V], row t for seqs[t], stats). B == 1 is the "
+          "single-stream step. Leaves the batch's last sequence active.")
+      .def(
+          "count_batch", [](core::Engine& e, uint32_t B, uint32_t position) { return stats_dict(e.count_batch(B, position)); },
+          "batch"_a, "position"_a = 0, "Counters of a batched step of `batch` sequences at `position` (counting device).")
+      .def(
+          "check_batch",
+          [](core::Engine& e, uint32_t B, uint32_t position, int64_t skip) {
+            return stats_dict(e.check_batch(B, position, skip));
+          },
+          "batch"_a, "position"_a = 0, "skip_barrier"_a = -1,
+          "Emulator only: check() of a batched step of `batch` sequences at `position`.")
+      .def(
+          "time_batch",
+          [](core::Engine& e, uint32_t B, uint32_t position, uint32_t repeats, uint32_t trials, bool per_dispatch) {
+            gpu::TimingOptions o;
+            o.repeats = repeats;
+            o.trials = trials;
+            o.per_dispatch = per_dispatch;
+            gpu::StepTiming t;
+            {
+              nb::gil_scoped_release release;
+              t = e.time_batch(B, position, o);
+            }
+            return timing_dict(t);
+          },
+          "batch"_a, "position"_a = 0, "repeats"_a = 20, "trials"_a = 5, "per_dispatch"_a = true,
+          "cuda only: time_step() of a batched step of `batch` sequences at `position`.")
       .def("last_stats", [](const core::Engine& e) { return stats_dict(e.last_stats()); })
       .def("reset", &core::Engine::reset)
       .def("snapshot", &core::Engine::snapshot)

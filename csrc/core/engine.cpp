@@ -41,8 +41,10 @@ void Engine::discard_inflight() {
 }
 
 Engine::InFlight Engine::encode(uint32_t T, uint32_t position, bool all_logits, const StepSampling& sampling,
-                                bool want_logits, std::unique_ptr<gpu::Encoder> enc) {
+                                bool want_logits, std::unique_ptr<gpu::Encoder> enc,
+                                const std::vector<gpu::SeqState>* batch) {
   gpu::StepParams p;
+  p.batch = batch;
   p.logits = want_logits;
   p.sample = sampling.enabled;
   p.sample_params = sampling.params;

@@ -222,6 +222,38 @@ class Engine {
   // Every dispatch of the last count(), in order.
   const std::vector<gpu::DispatchRecord>& counted_dispatches() const { return counted_dispatches_; }
 
+  // Sequences: independent conversations over the same weights and scratch (engine_batch.cpp).
+  // The engine starts with sequence 0 active; forward(), submit(), snapshot(), restore(), reset()
+  // and position() act on the active sequence. Each sequence owns its DeltaNet state, conv windows
+  // and KV pools (grown as its own conversation grows).
+  static constexpr uint32_t kMaxBatch = 8;
+  // A new empty sequence (state zeroed, KV pools at one block); returns its id. DeviceMemoryError
+  // when its state does not fit beside what is allocated.
+  uint32_t add_sequence();
+  // Makes `id` the active sequence (its buffers swap in: nothing is copied). Needs no step in
+  // flight; the last step's logits and device token belong to the old one (has_last_logits false).
+  void select_sequence(uint32_t id);
+  void drop_sequence(uint32_t id);  // frees its buffers; not the active one
+  uint32_t active_sequence() const { return active_; }
+  std::vector<uint32_t> sequences() const;  // ascending
+  uint32_t sequence_position(uint32_t id) const;
+  bool sequence_valid(uint32_t id) const;
+  // The most sequences one batched step feeds: min(kMaxBatch, prefill_chunk, logit_rows).
+  uint32_t max_batch() const;
+  // One token for each of B distinct sequences in one step (one command buffer, one host wait):
+  // ids[t] is fed to sequence seqs[t]; float32 logits [B, vocab], row t for seqs[t] (may be null
+  // on the counting device). Every weight byte is read once for the B tokens; the DeltaNet rule
+  // and attention run per sequence on its own state, in the levels of one token. B == 1 is
+  // forward() of that sequence (today's single-stream step). Leaves the last sequence of the
+  // batch active. Validation failures throw before anything is encoded; a device error marks
+  // every sequence of the batch invalid.
+  StepStats decode_batch(const uint32_t* seqs, const uint32_t* ids, uint32_t B, float* logits);
+  // count() / check() / time_step() of a batched step of B sequences each at `position` (B - 1
+  // temporary sequences, dropped after; time_batch resets the active one as time_step does).
+  StepStats count_batch(uint32_t B, uint32_t position);
+  StepStats check_batch(uint32_t B, uint32_t position, int64_t skip_barrier = -1);
+  gpu::StepTiming time_batch(uint32_t B, uint32_t position, const gpu::TimingOptions& options);
+
   void reset();
   Snapshot snapshot() const;
   void restore(const Snapshot& snap);
@@ -256,7 +288,26 @@ class Engine {
     bool sampled = false, masked = false;
   };
   InFlight encode(uint32_t T, uint32_t position, bool all_logits, const StepSampling& sampling, bool want_logits,
-                  std::unique_ptr<gpu::Encoder> enc = nullptr);
+                  std::unique_ptr<gpu::Encoder> enc = nullptr, const std::vector<gpu::SeqState>* batch = nullptr);
+  // Sequences that are not active: their state buffers (Engine::state_ order), position, conv
+  // parity, KV pool blocks and validity.
+  struct Parked {
+    std::vector<std::unique_ptr<gpu::Buffer>> state;
+    uint32_t position = 0, conv_parity = 0, pool_blocks = 1;
+    bool valid = true;
+  };
+  std::map<uint32_t, Parked> parked_;
+  uint32_t active_ = 0, next_sequence_ = 1;
+  void swap_active(Parked& p);  // exchanges the active sequence's members with p's, rebinds m_
+  void rebind_state();          // points m_'s state bindings at state_ (build_buffers' order)
+  // The batched step's bindings of sequence `id` (its scratch: row `index` of the batch scratch).
+  gpu::SeqState seq_state(uint32_t id, uint32_t index, uint32_t position) const;
+  uint64_t sequence_state_bytes(uint32_t pool_blocks) const;
+  std::unique_ptr<gpu::Buffer> batch_o_raw_, batch_partials_;  // batched decode scratch (first extra sequence)
+  uint64_t batch_partials_bytes_ = 0;  // per sequence
+  // Runs `fn` on a batch of B sequences at `position` (B - 1 temporary ones), then drops them.
+  template <class Fn>
+  auto with_temporary_batch(uint32_t B, uint32_t position, Fn fn);
   // After the wait: the MoE tiled route's flops_executed from the tiles each plan made.
   void correct_moe_flops(StepStats& st, uint32_t slot) const;
   void require_idle(const char* what) const;

@@ -71,7 +71,7 @@ ops::QuantMatrix quant_matrix(const QuantWeight& w) { return ops::QuantMatrix{w.
 // fold_norm: the layer's input norm is fused into the mixer's first projection (decode), which
 // then reads x (not xn).
 void encode_deltanet(Encoder& enc, const core::ModelSpec& spec, const Layer& L, const StepScratch& s,
-                     const StepParams& p, bool fold_norm) {
+                     const StepParams& p, bool fold_norm, uint32_t layer) {
   const uint32_t T = p.tokens;
   ops::GatedDeltaMixerOperands g;
   g.x = fold_norm ? s.x : s.xn;
@@ -95,6 +95,11 @@ void encode_deltanet(Encoder& enc, const core::ModelSpec& spec, const Layer& L, 
   g.x_i8 = s.x_i8;
   g.gd_o_raw = s.gd_o_raw;
   g.out = s.mix;
+  if (p.batch)
+    for (const SeqState& sq : *p.batch) {
+      const SeqLayerState& ls = sq.layers.at(layer);
+      g.seqs.push_back({ls.conv_state[sq.conv_parity], ls.conv_state[1 - sq.conv_parity], ls.state, sq.gd_o_raw});
+    }
   g.x_dtype = spec.activations;
   g.w_dtype = DType::f32;
   g.T = T;
@@ -109,7 +114,7 @@ void encode_deltanet(Encoder& enc, const core::ModelSpec& spec, const Layer& L, 
 }
 
 void encode_attention(Encoder& enc, const core::ModelSpec& spec, const ModelBuffers& m, const Layer& L,
-                      const StepScratch& s, const StepParams& p, bool fold_norm) {
+                      const StepScratch& s, const StepParams& p, bool fold_norm, uint32_t layer) {
   auto weights = [&](const QuantWeight& w) {
     ops::QmmOperands q;
     q.w = w.w;
@@ -154,6 +159,11 @@ void encode_attention(Encoder& enc, const core::ModelSpec& spec, const ModelBuff
   a.kv.pool_blocks = spec.kv_pool();
   a.kv.format = spec.kv_format;
   a.eps = spec.eps;
+  if (p.batch)
+    for (const SeqState& sq : *p.batch) {
+      const SeqLayerState& ls = sq.layers.at(layer);
+      a.seqs.push_back({ls.k_cache, ls.v_cache, sq.pool_blocks, sq.position, sq.attn_partials});
+    }
   ops::encode_attention_mixer(enc, a);
 }
 
@@ -219,6 +229,9 @@ void encode_step(Encoder& enc, const core::ModelSpec& spec, const ModelBuffers& 
   const uint64_t row = uint64_t(H) * xe;
   StepScratch t = s;  // the activations narrowed to T rows (ops bind exactly what they touch)
   if (p.ids_from_slot && T != 1) throw std::invalid_argument("engine step: ids_from_slot needs exactly one token");
+  if (p.batch && (p.batch->size() != T || T < 2 || !p.all_logits || p.sample || p.ids_from_slot))
+    throw std::invalid_argument("engine step: a batched decode step feeds one token to each of >= 2 sequences, "
+                                "with all_logits and without sampling");
   if (p.slot > 1) throw std::invalid_argument("engine step: slot must be 0 or 1");
   t.ids = p.ids_from_slot ? Binding{s.token_slot.buffer, s.token_slot.offset + (1 - p.slot) * 4, 4}
                           : Binding{s.ids.buffer, s.ids.offset, uint64_t(T) * 4};
@@ -271,8 +284,8 @@ void encode_step(Encoder& enc, const core::ModelSpec& spec, const ModelBuffers& 
       enc.barrier();  // xn -> mixer projections
     }
 
-    if (L.attention) encode_attention(enc, spec, m, L, t, p, fold);
-    else encode_deltanet(enc, spec, L, t, p, fold);
+    if (L.attention) encode_attention(enc, spec, m, L, t, p, fold, uint32_t(li));
+    else encode_deltanet(enc, spec, L, t, p, fold, uint32_t(li));
     enc.barrier();  // mix (out_proj) -> residual + post norm (fold: -> router, which reads mix and x)
 
     if (!fold) {

@@ -102,6 +102,20 @@ struct ModelBuffers {
   StepScratch s;
 };
 
+// One sequence of a batched decode step (StepParams::batch): its state, per layer in m.layers'
+// order (DeltaNet layers: conv windows and recurrent state; attention layers: KV pools), its
+// position and conv parity, and scratch of its own (the decode rule's raw outputs, the attention
+// partials). The engine fills them from each sequence's buffers.
+struct SeqLayerState {
+  Binding conv_state[2], state;  // DeltaNet layers
+  Binding k_cache, v_cache;      // attention layers
+};
+struct SeqState {
+  uint32_t position = 0, conv_parity = 0, pool_blocks = 0;
+  std::vector<SeqLayerState> layers;
+  Binding gd_o_raw, attn_partials;
+};
+
 struct StepParams {
   uint32_t tokens = 1;       // T: 1..spec.prefill_chunk
   uint32_t position = 0;     // tokens already in the state
@@ -116,6 +130,9 @@ struct StepParams {
   ops::SampleParams sample_params;
   uint32_t valid_vocab = 0;    // ids >= valid_vocab are never sampled (0: vocab)
   bool masked = false;         // the sampler applies token_mask[slot] (the host wrote it before the commit)
+  // Batched decode: token t (tokens = batch->size() >= 2) is the one token of sequence (*batch)[t];
+  // position and conv_parity above are unused. Needs all_logits (row t: sequence t) and no sampling.
+  const std::vector<SeqState>* batch = nullptr;
 };
 
 // Dispatch and barrier counts of one step are whatever the encoder counts (Encoder::counters);

@@ -232,7 +232,7 @@ void touch_cache_rows(Encoder& enc, const AttentionOperands& op, uint64_t length
 
 }  // namespace
 
-void encode_attention_decode(Encoder& enc, const AttentionOperands& op) {
+void encode_attention_decode(Encoder& enc, const AttentionOperands& op, AttnDecodePhase phase) {
   const char* fn = "attention_decode";
   if (op.tokens != 1) fail(fn, "decode attends one query token, got " + std::to_string(op.tokens));
   Checked c = check_attention(fn, op);
@@ -241,7 +241,9 @@ void encode_attention_decode(Encoder& enc, const AttentionOperands& op) {
   const AttnRoute route = attention_decode_route(length, op.head_dim, op.kv.block_tokens);
   const bool bf = op.dtype == DType::bf16;
   const KernelId pass1 = attention_decode_kernel(route, op.head_dim, op.dtype, op.kv.format);
+  const bool first = phase != AttnDecodePhase::combine, second = phase != AttnDecodePhase::first;
   if (!route.split) {
+    if (!first) return;
     enc.set_kernel(pass1);
     enc.set_args(c.args);
     enc.set_buffer(1, c.q);
@@ -267,19 +269,22 @@ void encode_attention_decode(Encoder& enc, const AttentionOperands& op) {
     const KernelId pass2 = e == 2   ? (bf ? KernelId::attn_vec_combine_e2_bf16 : KernelId::attn_vec_combine_e2_f32)
                            : e == 4 ? (bf ? KernelId::attn_vec_combine_e4_bf16 : KernelId::attn_vec_combine_e4_f32)
                                     : (bf ? KernelId::attn_vec_combine_e8_bf16 : KernelId::attn_vec_combine_e8_f32);
-    enc.set_kernel(pass1);
-    enc.set_args(c.args);
-    enc.set_buffer(1, c.q);
-    enc.set_buffer(2, c.k);
-    enc.set_buffer(3, c.v);
-    enc.set_buffer(4, partial_o);
-    enc.set_buffer(5, partial_ml);
-    enc.set_buffer(6, c.table);
-    touch_cache_rows(enc, op, length);
-    enc.dispatch({op.kv_heads, route.splits, 1}, {32 * kAttnVecSimds, 1, 1});
-    // Every simdgroup scores exactly the keys of its block: no padding.
-    enc.add_flops(attention_useful_flops(op), attention_useful_flops(op));
-    enc.barrier();  // partial_o, partial_ml -> combine
+    if (first) {
+      enc.set_kernel(pass1);
+      enc.set_args(c.args);
+      enc.set_buffer(1, c.q);
+      enc.set_buffer(2, c.k);
+      enc.set_buffer(3, c.v);
+      enc.set_buffer(4, partial_o);
+      enc.set_buffer(5, partial_ml);
+      enc.set_buffer(6, c.table);
+      touch_cache_rows(enc, op, length);
+      enc.dispatch({op.kv_heads, route.splits, 1}, {32 * kAttnVecSimds, 1, 1});
+      // Every simdgroup scores exactly the keys of its block: no padding.
+      enc.add_flops(attention_useful_flops(op), attention_useful_flops(op));
+    }
+    if (!second) return;
+    if (first) enc.barrier();  // partial_o, partial_ml -> combine
     enc.set_kernel(pass2);
     enc.set_args(c.args);
     enc.set_buffer(1, partial_o);
@@ -289,17 +294,21 @@ void encode_attention_decode(Encoder& enc, const AttentionOperands& op) {
     enc.dispatch({op.q_heads, e, 1}, {32 * kAttnVecSimds, 1, 1});
     return;
   }
-  enc.set_kernel(pass1);
-  enc.set_args(c.args);
-  enc.set_buffer(1, c.q);
-  enc.set_buffer(2, c.k);
-  enc.set_buffer(3, c.v);
-  enc.set_buffer(4, partial_o);
-  enc.set_buffer(5, partial_ml);
-  enc.set_buffer(6, c.table);
-  touch_cache_rows(enc, op, length);
-  enc.dispatch({op.kv_heads, 1, route.splits}, {32 * group, 1, 1});
-  enc.barrier();  // partial_o, partial_ml -> combine
+  if (first) {
+    enc.set_kernel(pass1);
+    enc.set_args(c.args);
+    enc.set_buffer(1, c.q);
+    enc.set_buffer(2, c.k);
+    enc.set_buffer(3, c.v);
+    enc.set_buffer(4, partial_o);
+    enc.set_buffer(5, partial_ml);
+    enc.set_buffer(6, c.table);
+    touch_cache_rows(enc, op, length);
+    enc.dispatch({op.kv_heads, 1, route.splits}, {32 * group, 1, 1});
+    enc.add_flops(attention_decode_executed_flops(op), attention_useful_flops(op));
+  }
+  if (!second) return;
+  if (first) enc.barrier();  // partial_o, partial_ml -> combine
   enc.set_kernel(bf ? KernelId::attn_combine_bf16 : KernelId::attn_combine_f32);
   enc.set_args(c.args);
   enc.set_buffer(1, partial_o);
@@ -307,7 +316,6 @@ void encode_attention_decode(Encoder& enc, const AttentionOperands& op) {
   enc.set_buffer(3, c.gate);
   enc.set_buffer(4, c.out);
   enc.dispatch({op.q_heads, 1, 1}, {32, 1, 1});
-  enc.add_flops(attention_decode_executed_flops(op), attention_useful_flops(op));
 }
 
 bool attention_prefill_uses_mma(uint32_t head_dim) {
@@ -466,6 +474,85 @@ void encode_attention_prefill(Encoder& enc, const AttentionOperands& op) {
   enc.add_flops(executed * op.kv_heads, attention_useful_flops(op));
 }
 
+namespace {
+
+// Batched decode: token t of qg / k / v (rows `stride` / `kv_stride` elements apart) is sequence
+// t's one token. Every sequence's q/k norm + RoPE + KV append, a barrier, every first pass, a
+// barrier (where any route splits), every combine: the levels of one token.
+void encode_batched_attention(Encoder& enc, const AttentionMixerOperands& op, const Binding& qg, const Binding& k,
+                              const Binding& v, uint32_t stride, uint32_t kv_stride) {
+  const char* fn = "attention_mixer";
+  const uint32_t T = op.tokens, D = op.head_dim;
+  if (op.seqs.size() != T)
+    fail(fn, std::to_string(op.seqs.size()) + " sequences for " + std::to_string(T) + " tokens (one token each)");
+  const uint64_t xs = dtype_size(op.dtype), qd = uint64_t(op.q_heads) * D;
+  auto from = [&](const Binding& b, uint64_t elems) {  // b from element `elems` on
+    if (b.bytes < elems * xs) fail(fn, "temporary too small for the batch");
+    return Binding{b.buffer, b.offset + elems * xs, b.bytes - elems * xs};
+  };
+  auto paging = [&](const AttnSequence& sq) {
+    KvPaging kv = op.kv;
+    kv.pool_blocks = sq.pool_blocks;
+    return kv;
+  };
+  for (uint32_t t = 0; t < T; ++t) {
+    const AttnSequence& sq = op.seqs[t];
+    QkNormRopeOperands n;
+    n.qg = from(qg, uint64_t(t) * stride);
+    n.k = from(k, uint64_t(t) * kv_stride);
+    n.v = from(v, uint64_t(t) * kv_stride);
+    n.q_norm = op.q_norm;
+    n.k_norm = op.k_norm;
+    n.inv_freq = op.inv_freq;
+    n.q_out = Binding{op.q.buffer, op.q.offset + t * qd * xs, qd * xs};
+    n.k_cache = sq.k_cache;
+    n.v_cache = sq.v_cache;
+    n.x_dtype = op.dtype;
+    n.w_dtype = op.w_dtype;
+    n.tokens = 1;
+    n.q_heads = op.q_heads;
+    n.kv_heads = op.kv_heads;
+    n.head_dim = D;
+    n.rotary_dim = op.rotary_dim;
+    n.position = sq.position;
+    n.kv = paging(sq);
+    n.eps = op.eps;
+    n.weight_offset = op.weight_offset;
+    encode_qk_norm_rope(enc, n);
+  }
+  enc.barrier();  // q, k_cache, v_cache of every sequence -> attention
+  auto attn = [&](uint32_t t) {
+    const AttnSequence& sq = op.seqs[t];
+    AttentionOperands a;
+    a.q = Binding{op.q.buffer, op.q.offset + t * qd * xs, qd * xs};
+    a.k_cache = sq.k_cache;
+    a.v_cache = sq.v_cache;
+    const Binding g = from(qg, uint64_t(t) * stride + D);  // the gate: the second half of each head's row
+    a.gate = Binding{g.buffer, g.offset, std::min<uint64_t>(g.bytes, (2 * qd - D) * xs)};
+    a.gate_head_stride = 2 * D;
+    a.out = Binding{op.attn.buffer, op.attn.offset + t * qd * xs, qd * xs};
+    a.scratch = sq.scratch;
+    a.dtype = op.dtype;
+    a.tokens = 1;
+    a.q_heads = op.q_heads;
+    a.kv_heads = op.kv_heads;
+    a.head_dim = D;
+    a.position = sq.position;
+    a.kv = paging(sq);
+    return a;
+  };
+  bool split = false;
+  for (uint32_t t = 0; t < T; ++t) {
+    encode_attention_decode(enc, attn(t), AttnDecodePhase::first);
+    split = split || attention_decode_route(op.seqs[t].position + 1, D, op.kv.block_tokens).split;
+  }
+  if (!split) return;
+  enc.barrier();  // partials of every sequence -> its combine
+  for (uint32_t t = 0; t < T; ++t) encode_attention_decode(enc, attn(t), AttnDecodePhase::combine);
+}
+
+}  // namespace
+
 void encode_attention_mixer(Encoder& enc, const AttentionMixerOperands& op) {
   const char* fn = "attention_mixer";
   if (op.tokens == 0 || op.hidden == 0) fail(fn, "empty shape");
@@ -514,6 +601,12 @@ void encode_attention_mixer(Encoder& enc, const AttentionMixerOperands& op) {
     proj(op.v_proj, op.x, op.v, op.hidden, nkv, "v_proj", true);
   }
   enc.barrier();  // qg, k, v -> qk_norm_rope
+  if (!op.seqs.empty()) {
+    encode_batched_attention(enc, op, qg, k, v, fused ? qg_stride : nq, fused ? kv_stride : nkv);
+    enc.barrier();  // gated attention output of every sequence -> o_proj
+    proj(op.o_proj, op.attn, op.out, op.q_heads * D, op.hidden, "o_proj");
+    return;
+  }
 
   QkNormRopeOperands n;
   n.qg = qg;

@@ -109,7 +109,11 @@ struct AttentionOperands {
 // every context up to `length` keys at cache blocks of block_tokens.
 uint64_t attention_scratch_bytes(uint32_t q_heads, uint32_t head_dim, uint32_t length, uint32_t block_tokens);
 // Decode (tokens == 1): one dispatch, or two passes + barrier (route from position + 1, head_dim).
-void encode_attention_decode(Encoder& enc, const AttentionOperands& op);
+// phase first / combine: only the first pass (the single route's one dispatch) or only the
+// combine (nothing on the single route), no barrier: batched decode encodes every sequence's first
+// pass, one barrier, every combine.
+enum class AttnDecodePhase : uint8_t { both, first, combine };
+void encode_attention_decode(Encoder& enc, const AttentionOperands& op, AttnDecodePhase phase = AttnDecodePhase::both);
 // Prefill route: "mma" (simdgroup matrices) when head_dim % 32 == 0 and, above 128, % 64 == 0
 // (64, 128, 256, ...); otherwise "simd" (scalar fp32, any head_dim <= 256).
 bool attention_prefill_uses_mma(uint32_t head_dim);
@@ -150,6 +154,16 @@ void encode_attention_prefill(Encoder& enc, const AttentionOperands& op);
 // With qkv_proj bound (q_proj, k_proj and v_proj row-concatenated at load, [Nq + 2 Nkv, hidden])
 // the three projections are one dispatch into the qkv temporary, read in place with strides.
 // The projections' QmmOperands carry the weights (their x / y / M are filled in here).
+// One sequence of a batched decode step: its KV pools and position, its split-route partials.
+struct AttnSequence {
+  Binding k_cache, v_cache;  // paged pools of pool_blocks blocks (the table: AttentionMixerOperands::kv)
+  uint32_t pool_blocks = 0;
+  uint32_t position = 0;     // tokens already in this sequence; its token goes to row `position`
+  Binding scratch;           // attention_scratch_bytes() for its context, its own
+};
+// Batched decode (seqs bound, tokens = seqs.size() > 1: token t is sequence t's one token): the
+// projections over every row (each weight byte read once), then per sequence q/k norm + RoPE + KV
+// append, attention (first passes, barrier, combines) on its own pools: the levels of one token.
 struct AttentionMixerOperands {
   Binding x;                       // [tokens, hidden] of dtype
   QmmOperands q_proj, k_proj, v_proj, o_proj;  // weights, bits, group size, scale dtype
@@ -166,6 +180,7 @@ struct AttentionMixerOperands {
   Binding x_i8;                    // int8 activation scratch (qmm_i8_scratch_bytes(tokens, max(hidden,
                                    // q_heads * D))) for the fused qkv_proj and o_proj; unbound: no int8
   Binding out;                     // [tokens, hidden] of dtype
+  std::vector<AttnSequence> seqs;  // batched decode: one per token (k_cache, v_cache, position, scratch unused)
   Binding in_norm;                 // optional float32 [hidden] (tokens == 1 only): the projections
                                    // normalize x themselves (RMSNorm fused in front, qmv1 route)
   float in_norm_eps = 1e-6f;

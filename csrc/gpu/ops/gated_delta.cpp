@@ -75,7 +75,7 @@ uint32_t gated_delta_decode_blocks(uint32_t Dv, uint32_t threads) {
   return ceil_div(Dv, threads / 32 * kGdDecodeColsPerSimd);
 }
 
-void encode_gated_delta_decode(Encoder& enc, const GdDecodeOperands& op) {
+void encode_gated_delta_decode(Encoder& enc, const GdDecodeOperands& op, GdDecodePhase phase) {
   const char* fn = "gated_delta_decode";
   auto fail = [&](const std::string& m) { throw std::invalid_argument(std::string(fn) + ": " + m); };
   if (op.Hk == 0 || op.Hv == 0 || op.Dk == 0 || op.Dv == 0) fail("empty shape");
@@ -101,25 +101,28 @@ void encode_gated_delta_decode(Encoder& enc, const GdDecodeOperands& op) {
   const float q_scale = static_cast<float>(1.0 / std::sqrt(double(op.Dk)));
   GdDecodeArgs args{op.Hk, op.Hv, op.Dk, op.Dv, C, op.K, cols, blocks, vec4, q_scale};
   const Binding o_raw = need(fn, op.o_raw, uint64_t(VD) * 4, "o_raw");
-  enc.set_kernel(kernel);
-  enc.set_args(args);
-  enc.set_buffer(1, need(fn, op.x, uint64_t(C) * xe, "x"));
-  enc.set_buffer(2, need(fn, op.a, uint64_t(op.Hv) * xe, "a"));
-  enc.set_buffer(3, need(fn, op.b, uint64_t(op.Hv) * xe, "b"));
-  enc.set_buffer(4, need(fn, op.conv_weight, uint64_t(C) * op.K * dtype_size(wt), "conv_weight"));
-  enc.set_buffer(5, cin);
-  enc.set_buffer(6, cout);
-  enc.set_buffer(7, need(fn, op.A_log, uint64_t(op.Hv) * 4, "A_log"));
-  enc.set_buffer(8, need(fn, op.dt_bias, uint64_t(op.Hv) * dtype_size(wt), "dt_bias"));
-  enc.set_buffer(9, st);
-  enc.set_touched(9, 2 * uint64_t(VD) * op.Dk * 4);  // read and written in place
-  enc.set_buffer(10, o_raw);
-  enc.dispatch({blocks, op.Hv, 1}, {threads, 1, 1});
-  const uint64_t f = gated_delta_useful_flops(1, op.Hv, op.Dk, op.Dv);
-  enc.add_flops(f, f);
+  if (phase != GdDecodePhase::norm) {
+    enc.set_kernel(kernel);
+    enc.set_args(args);
+    enc.set_buffer(1, need(fn, op.x, uint64_t(C) * xe, "x"));
+    enc.set_buffer(2, need(fn, op.a, uint64_t(op.Hv) * xe, "a"));
+    enc.set_buffer(3, need(fn, op.b, uint64_t(op.Hv) * xe, "b"));
+    enc.set_buffer(4, need(fn, op.conv_weight, uint64_t(C) * op.K * dtype_size(wt), "conv_weight"));
+    enc.set_buffer(5, cin);
+    enc.set_buffer(6, cout);
+    enc.set_buffer(7, need(fn, op.A_log, uint64_t(op.Hv) * 4, "A_log"));
+    enc.set_buffer(8, need(fn, op.dt_bias, uint64_t(op.Hv) * dtype_size(wt), "dt_bias"));
+    enc.set_buffer(9, st);
+    enc.set_touched(9, 2 * uint64_t(VD) * op.Dk * 4);  // read and written in place
+    enc.set_buffer(10, o_raw);
+    enc.dispatch({blocks, op.Hv, 1}, {threads, 1, 1});
+    const uint64_t f = gated_delta_useful_flops(1, op.Hv, op.Dk, op.Dv);
+    enc.add_flops(f, f);
+  }
+  if (phase == GdDecodePhase::rule) return;
   // The gated RMSNorm needs every column of a head, which threadgroups of the dispatch above cannot
   // see (MSL 3.1: no device-scope ordering between threadgroups): gd_chunk_norm, one token.
-  enc.barrier();  // o_raw -> gated norm
+  if (phase == GdDecodePhase::both) enc.barrier();  // o_raw -> gated norm
   GdChunkArgs na{1, 1, op.Hk, op.Hv, op.Dk, op.Dv, 0, 0, VD, q_scale, op.eps, 0};
   enc.set_kernel(gd_chunk_kernels(false, false, xt, wt)[3]);
   enc.set_args(na);
@@ -447,23 +450,26 @@ void encode_gated_delta_mixer(Encoder& enc, const GatedDeltaMixerOperands& op) {
   encode_quantized_matmul(enc, in);
   enc.barrier();  // proj written -> read by conv1d / gated_delta_decode / gd_chunk_prep_conv (qkv columns) and the rule (z, b, a)
 
-  if (op.T == 1) {  // decode: the conv fused into the rule, heads split by value columns
-    if (op.gd_o_raw.buffer == nullptr)
-      throw std::invalid_argument("gated_delta_mixer: one token needs gd_o_raw bound");
+  // Decode: the conv fused into the rule, heads split by value columns. Token t's row of proj and
+  // of o, with sequence state `sq` (batched) or the layer's own (one token).
+  auto decode_op = [&](uint32_t t, const GdSequence& sq) {
+    // (one token: the whole bindings, as bound before batching: the same bytes_bound)
+    const bool one = op.seqs.empty();
+    const Binding row = one ? op.proj : Binding{op.proj.buffer, op.proj.offset + uint64_t(t) * P * xe, uint64_t(P) * xe};
     GdDecodeOperands dd;
-    dd.x = op.proj;
-    dd.z = at(op.proj, C);
-    dd.b = at(op.proj, C + VD);
-    dd.a = at(op.proj, C + VD + op.Hv);
+    dd.x = row;
+    dd.z = at(row, C);
+    dd.b = at(row, C + VD);
+    dd.a = at(row, C + VD + op.Hv);
     dd.conv_weight = op.conv_weight;
-    dd.conv_in = op.conv_state_in;
-    dd.conv_out = op.conv_state_out;
+    dd.conv_in = sq.conv_state_in;
+    dd.conv_out = sq.conv_state_out;
     dd.A_log = op.A_log;
     dd.dt_bias = op.dt_bias;
     dd.norm_weight = op.norm_weight;
-    dd.state = op.state;
-    dd.o_raw = op.gd_o_raw;
-    dd.y = op.o;
+    dd.state = sq.state;
+    dd.o_raw = sq.o_raw;
+    dd.y = one ? op.o : Binding{op.o.buffer, op.o.offset + uint64_t(t) * VD * xe, uint64_t(VD) * xe};
     dd.x_dtype = op.x_dtype;
     dd.w_dtype = op.w_dtype;
     dd.Hk = op.Hk;
@@ -472,7 +478,19 @@ void encode_gated_delta_mixer(Encoder& enc, const GatedDeltaMixerOperands& op) {
     dd.Dv = op.Dv;
     dd.K = op.K;
     dd.eps = op.eps;
-    encode_gated_delta_decode(enc, dd);
+    return dd;
+  };
+  if (!op.seqs.empty()) {  // batched decode: every rule, one barrier, every norm
+    if (op.seqs.size() != op.T)
+      throw std::invalid_argument("gated_delta_mixer: " + std::to_string(op.seqs.size()) + " sequences for " +
+                                  std::to_string(op.T) + " tokens (one token each)");
+    for (uint32_t t = 0; t < op.T; ++t) encode_gated_delta_decode(enc, decode_op(t, op.seqs[t]), GdDecodePhase::rule);
+    enc.barrier();  // o_raw of every sequence -> its gated norm
+    for (uint32_t t = 0; t < op.T; ++t) encode_gated_delta_decode(enc, decode_op(t, op.seqs[t]), GdDecodePhase::norm);
+  } else if (op.T == 1) {
+    if (op.gd_o_raw.buffer == nullptr)
+      throw std::invalid_argument("gated_delta_mixer: one token needs gd_o_raw bound");
+    encode_gated_delta_decode(enc, decode_op(0, GdSequence{op.conv_state_in, op.conv_state_out, op.state, op.gd_o_raw}));
   } else if (op.chunk_scratch.buffer && gated_delta_route(op.T, op.Dk, op.Dv) == GdRoute::chunked) {
     // prefill, chunked: the conv fused into the prep (gd_chunk_prep_conv reads proj's qkv columns)
     GatedDeltaOperands gd = gated_delta_operands(op, at, C, VD, P);

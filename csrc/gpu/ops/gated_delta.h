@@ -121,7 +121,10 @@ uint32_t gated_delta_decode_threads(uint32_t Dv, uint32_t limit);
 uint32_t gated_delta_decode_blocks(uint32_t Dv, uint32_t threads);
 // Two dispatches, the rule (grid (blocks, Hv), sized from enc.thread_limit()) and the norm (grid
 // (1, Hv) of 32 threads), one barrier between them. Throws std::invalid_argument.
-void encode_gated_delta_decode(Encoder& enc, const GdDecodeOperands& op);
+// phase rule / norm: only that dispatch, no barrier (batched decode: the rules of every sequence,
+// one barrier, then their norms, so B sequences take the levels of one).
+enum class GdDecodePhase : uint8_t { both, rule, norm };
+void encode_gated_delta_decode(Encoder& enc, const GdDecodeOperands& op, GdDecodePhase phase = GdDecodePhase::both);
 
 // A quantized linear layer (MLX affine layout), as bound for the quantized matmul.
 struct QuantLinear {
@@ -139,10 +142,20 @@ struct QuantLinear {
 //   qkv  = conv1d(proj[:, :C])  conv state rolled from conv_state_in to conv_state_out
 //   o    = gated_delta(qkv, z, a, b, ...)   recurrent state updated in place
 //   out  = o @ out_proj^T
+// Batched decode (seqs bound, T = seqs.size() > 1: token t belongs to sequence t, each with its own
+// state and conv window): in_proj and out_proj over the T rows (every weight byte read once),
+// between them one gated_delta_decode rule per sequence, a barrier, one norm per sequence: the
+// levels of one token, 2 T + 2 dispatches.
 // Dispatches: T = 1 (decode): 4 (in_proj, gated_delta_decode with the conv fused, its gated norm,
 // out_proj), 3 barriers; needs gd_o_raw. T > 1: 4 (in_proj, conv1d, gated_delta, out_proj),
 // 3 barriers, one before each consumer; on the chunked route (gated_delta_route, chunk_scratch
 // bound) the delta rule takes 4 dispatches instead of 1: 7 dispatches, 6 barriers.
+// One sequence of a batched decode step: its recurrent state, conv windows and raw-output scratch.
+struct GdSequence {
+  Binding conv_state_in, conv_state_out;  // [K-1, C] of x_dtype each, distinct
+  Binding state;                          // [Hv, Dv, Dk] float32, in place
+  Binding o_raw;                          // scratch float32 [Hv*Dv], its own
+};
 struct GatedDeltaMixerOperands {
   Binding x;               // [T, hidden] of x_dtype
   QuantLinear in_proj;     // [C + Hv*Dv + 2*Hv, hidden]
@@ -160,6 +173,7 @@ struct GatedDeltaMixerOperands {
                            // in_proj and out_proj; unbound: no int8
   Binding gd_o_raw;        // T = 1: scratch float32 [Hv*Dv] (raw outputs before the gated norm)
   Binding out;             // [T, hidden] of x_dtype
+  std::vector<GdSequence> seqs;  // batched decode: one per token (conv_state_*, state, gd_o_raw unused)
   Binding in_norm;         // optional float32 [hidden] (T == 1 only): in_proj normalizes x itself
                            // (RMSNorm with this weight and in_norm_eps fused in front, qmv1 route)
   float in_norm_eps = 1e-6f;

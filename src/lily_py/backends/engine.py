@@ -607,6 +607,22 @@ def count_step(cfg: ModelConfig, *, tokens: int = 1, position: int = 0, all_logi
     return eng.count(tokens, position, all_logits)
 
 
+def count_batch_step(cfg: ModelConfig, *, batch: int, position: int = 0, quant: dict | None = None,
+                     context_length: int | None = None, activations: str | None = None) -> dict:
+    """Counters of one batched decode step (``batch`` sequences, one token each, every one at
+    ``position``) for ``cfg`` on the counting device; ``batch`` 1 is the single-stream decode step.
+    The routed experts count as ``min(experts, batch * top_k)`` distinct ones a layer (the bound:
+    no two sequences share an expert)."""
+    if batch == 1:
+        return count_step(cfg, tokens=1, position=position, quant=quant, context_length=context_length,
+                          activations=activations)
+    q = quant or REAL_QUANT
+    spec = engine_spec(cfg, q, context_length=context_length or position + 1, prefill_chunk=batch,
+                       activations=activations or checkpoint_activations(q))
+    eng = _core().Engine(spec, "count")
+    return eng.count_batch(batch, position)
+
+
 def count_dispatches(cfg: ModelConfig, *, tokens: int = 1, position: int = 0, all_logits: bool = False,
                      quant: dict | None = None, prefill_chunk: int | None = None,
                      context_length: int | None = None, activations: str | None = None,

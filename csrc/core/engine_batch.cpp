@@ -1,0 +1,345 @@
+// Sequences and batched decode: several conversations over one set of weights. The active
+// sequence's state lives in the engine's own members (state_, position_, conv_parity_, the KV pool
+// size in spec_), so every single-stream path is unchanged; the others are parked (Parked) and
+// swap in without a copy. decode_batch() feeds one token to each of B sequences in one step:
+// the projections, router, experts and lm_head over B rows (each weight byte read once), the
+// DeltaNet rule and attention per sequence on its own buffers (gpu::SeqState, StepParams::batch).
+#include <algorithm>
+#include <set>
+#include <string>
+
+#include "core/engine.h"
+#include "core/engine_internal.h"
+#include "gpu/ops/attention.h"
+
+namespace lily::core {
+
+using detail::fail;
+using detail::num;
+
+void Engine::rebind_state() {
+  // build_buffers allocates the state in layer order: attention layers K then V pool, DeltaNet
+  // layers conv window 0, conv window 1, recurrent state (engine_buffers.cpp).
+  size_t i = 0;
+  auto next = [&](const gpu::Binding& old) {
+    if (i >= state_.size()) fail("state buffers do not match the layers");
+    gpu::Buffer* b = state_[i++].get();
+    return gpu::Binding{b, 0, is_kv(i - 1) ? b->size() : old.bytes};
+  };
+  for (gpu::Layer& L : m_.layers) {
+    if (L.attention) {
+      L.at.k_cache = next(L.at.k_cache);
+      L.at.v_cache = next(L.at.v_cache);
+    } else {
+      L.dn.conv_state[0] = next(L.dn.conv_state[0]);
+      L.dn.conv_state[1] = next(L.dn.conv_state[1]);
+      L.dn.state = next(L.dn.state);
+    }
+  }
+  if (i != state_.size()) fail("state buffers do not match the layers");
+}
+
+void Engine::swap_active(Parked& p) {
+  std::swap(state_, p.state);
+  std::swap(position_, p.position);
+  std::swap(conv_parity_, p.conv_parity);
+  std::swap(valid_, p.valid);
+  const uint32_t blocks = spec_.kv_pool();
+  spec_.kv_pool_blocks = p.pool_blocks;
+  p.pool_blocks = blocks;
+  failed_ = false;
+  have_token_ = false;  // the device slot and the logits rows hold the other sequence's
+  last_rows_ = 0;
+  rebind_state();
+}
+
+uint64_t Engine::sequence_state_bytes(uint32_t pool_blocks) const {
+  uint64_t n = 0;
+  for (size_t i = 0; i < state_.size(); ++i)
+    if (!is_kv(i)) n += state_[i]->size();
+  return n + uint64_t(pool_blocks) * kv_block_bytes();
+}
+
+uint32_t Engine::add_sequence() {
+  require_idle("add_sequence");
+  const ModelSpec& s = spec_;
+  const bool scratch = !batch_o_raw_;
+  uint64_t bytes = sequence_state_bytes(1);
+  const uint64_t VD = uint64_t(s.lin_v_heads) * s.lin_v_dim;
+  // The batch scratch (once, with the first extra sequence): each of kMaxBatch sequences' decode
+  // raw outputs and attention partials for the whole context.
+  const uint64_t partials =
+      kv_cache_.empty() ? 0
+                        : gpu::ops::attention_scratch_bytes(s.q_heads, s.head_dim, s.context_length, s.kv_block_tokens);
+  const uint64_t per_sequence = std::max<uint64_t>(VD * 4, 4) + std::max<uint64_t>(partials, 4);
+  const uint64_t scratch_bytes = scratch ? kMaxBatch * per_sequence : 0;
+  if (memory_.working_set_bytes && memory_.total() + bytes + scratch_bytes > memory_.working_set_bytes)
+    throw DeviceMemoryError("engine: a new sequence needs " + num(bytes + scratch_bytes) + " bytes of state, but " +
+                            num(memory_.total()) + " of the device's " + num(memory_.working_set_bytes) +
+                            " bytes are taken (drop a sequence, or reset one to free its KV blocks)");
+  Parked p;
+  try {
+    for (size_t i = 0; i < state_.size(); ++i) {
+      const uint64_t n = is_kv(i) ? uint64_t(spec_.kv_heads) * s.kv_block_tokens * s.kv_row_bytes() : state_[i]->size();
+      p.state.push_back(device_->new_buffer(n));
+      if (p.state.back()->has_storage()) p.state.back()->fill(0, 0, n);
+    }
+    if (scratch) {
+      batch_o_raw_ = device_->new_buffer(kMaxBatch * std::max<uint64_t>(VD * 4, 4));
+      batch_partials_ = device_->new_buffer(kMaxBatch * std::max<uint64_t>(partials, 4));
+      batch_partials_bytes_ = partials;
+      memory_.scratch_bytes += scratch_bytes;
+    }
+  } catch (const DeviceMemoryError&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw DeviceMemoryError("engine: cannot allocate a new sequence's state (" + num(bytes) + " bytes): " + e.what());
+  }
+  memory_.state_bytes += bytes;
+  const uint32_t id = next_sequence_++;
+  parked_.emplace(id, std::move(p));
+  return id;
+}
+
+void Engine::select_sequence(uint32_t id) {
+  if (id == active_) return;
+  require_idle("select_sequence");
+  auto it = parked_.find(id);
+  if (it == parked_.end()) fail("select_sequence: no sequence " + num(id));
+  Parked p = std::move(it->second);
+  parked_.erase(it);
+  swap_active(p);  // p now holds the old active sequence
+  parked_.emplace(active_, std::move(p));
+  active_ = id;
+}
+
+void Engine::drop_sequence(uint32_t id) {
+  require_idle("drop_sequence");
+  if (id == active_) fail("drop_sequence: sequence " + num(id) + " is the active one; select another first");
+  auto it = parked_.find(id);
+  if (it == parked_.end()) fail("drop_sequence: no sequence " + num(id));
+  memory_.state_bytes -= sequence_state_bytes(it->second.pool_blocks);
+  parked_.erase(it);
+}
+
+std::vector<uint32_t> Engine::sequences() const {
+  std::vector<uint32_t> out{active_};
+  for (const auto& [id, p] : parked_) out.push_back(id);
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+uint32_t Engine::sequence_position(uint32_t id) const {
+  if (id == active_) return position_;
+  auto it = parked_.find(id);
+  if (it == parked_.end()) fail("no sequence " + num(id));
+  return it->second.position;
+}
+
+bool Engine::sequence_valid(uint32_t id) const {
+  if (id == active_) return valid_;
+  auto it = parked_.find(id);
+  if (it == parked_.end()) fail("no sequence " + num(id));
+  return it->second.valid;
+}
+
+uint32_t Engine::max_batch() const { return std::min({kMaxBatch, spec_.prefill_chunk, spec_.logit_rows}); }
+
+gpu::SeqState Engine::seq_state(uint32_t id, uint32_t index, uint32_t position) const {
+  gpu::SeqState q;
+  const std::vector<std::unique_ptr<gpu::Buffer>>* st = &state_;
+  q.conv_parity = conv_parity_;
+  q.pool_blocks = spec_.kv_pool();
+  if (id != active_) {
+    const Parked& p = parked_.at(id);
+    st = &p.state;
+    q.conv_parity = p.conv_parity;
+    q.pool_blocks = p.pool_blocks;
+  }
+  q.position = position;
+  size_t i = 0;
+  auto next = [&](const gpu::Binding& like) {
+    gpu::Buffer* b = (*st)[i].get();
+    return gpu::Binding{b, 0, is_kv(i++) ? b->size() : like.bytes};
+  };
+  for (const gpu::Layer& L : m_.layers) {
+    gpu::SeqLayerState ls;
+    if (L.attention) {
+      ls.k_cache = next(L.at.k_cache);
+      ls.v_cache = next(L.at.v_cache);
+    } else {
+      ls.conv_state[0] = next(L.dn.conv_state[0]);
+      ls.conv_state[1] = next(L.dn.conv_state[1]);
+      ls.state = next(L.dn.state);
+    }
+    q.layers.push_back(ls);
+  }
+  const ModelSpec& s = spec_;
+  const uint64_t VD = uint64_t(s.lin_v_heads) * s.lin_v_dim * 4;
+  if (batch_o_raw_) q.gd_o_raw = gpu::Binding{batch_o_raw_.get(), index * std::max<uint64_t>(VD, 4), VD};
+  if (batch_partials_)
+    q.attn_partials = gpu::Binding{batch_partials_.get(), index * std::max<uint64_t>(batch_partials_bytes_, 4),
+                                   batch_partials_bytes_};
+  return q;
+}
+
+StepStats Engine::decode_batch(const uint32_t* seqs, const uint32_t* ids, uint32_t B, float* logits) {
+  require_idle("decode_batch");
+  if (B == 0 || B > max_batch())
+    fail("decode_batch: " + num(B) + " sequences outside [1, max_batch=" + num(max_batch()) + "]");
+  std::set<uint32_t> seen;
+  for (uint32_t t = 0; t < B; ++t) {
+    const uint32_t id = seqs[t];
+    if (!seen.insert(id).second) fail("decode_batch: sequence " + num(id) + " appears twice");
+    if (id != active_ && !parked_.count(id)) fail("decode_batch: no sequence " + num(id) + " (index " + num(t) + ")");
+    if (!sequence_valid(id))
+      fail("decode_batch: sequence " + num(id) + " is invalid after a failed step: reset or restore it first");
+    if (uint64_t(sequence_position(id)) + 1 > spec_.context_length)
+      fail("decode_batch: sequence " + num(id) + " at position " + num(sequence_position(id)) +
+           " has no room left in context_length " + num(spec_.context_length));
+    if (ids[t] >= spec_.vocab)
+      fail("decode_batch: token id " + num(ids[t]) + " at index " + num(t) + " outside [0, " + num(spec_.vocab) + ")");
+  }
+  if (B == 1) {  // today's single-stream step: the same levels and bytes
+    select_sequence(seqs[0]);
+    return forward(ids, 1, false, logits);
+  }
+  for (uint32_t t = 0; t < B; ++t) {  // every sequence's KV blocks first: throws before any state changes
+    select_sequence(seqs[t]);
+    ensure_kv(uint64_t(position_) + 1);
+  }
+  std::vector<gpu::SeqState> states;
+  for (uint32_t t = 0; t < B; ++t) states.push_back(seq_state(seqs[t], t, sequence_position(seqs[t])));
+  if (m_.s.ids.buffer->has_storage()) m_.s.ids.buffer->write(m_.s.ids.offset, ids, size_t(B) * 4);
+  auto set_valid = [&](uint32_t id, bool v) {
+    if (id == active_) valid_ = v;
+    else parked_.at(id).valid = v;
+  };
+  for (uint32_t t = 0; t < B; ++t) set_valid(seqs[t], false);  // until the step finished
+  last_rows_ = 0;
+  StepStats st;
+  try {
+    InFlight f = encode(B, 0, true, StepSampling{}, true, nullptr, &states);
+    counters_.commits += 1;
+    counters_.idle_commits += 1;
+    counters_.host_waits += 1;
+    f.enc->wait();
+    st = f.st;
+  } catch (...) {
+    failed_ = false;
+    throw;  // every sequence of the batch stays invalid until reset / restore
+  }
+  for (uint32_t t = 0; t < B; ++t) {
+    const uint32_t id = seqs[t];
+    set_valid(id, true);
+    if (id == active_) {
+      position_ += 1;
+      conv_parity_ = 1 - conv_parity_;
+    } else {
+      Parked& p = parked_.at(id);
+      p.position += 1;
+      p.conv_parity = 1 - p.conv_parity;
+    }
+  }
+  st.host_waits = st.waits_in_step + 1;
+  const size_t V = spec_.vocab;
+  gpu::Buffer& lb = *m_.s.logits.buffer;
+  if (logits && lb.has_storage()) {
+    lb.read(m_.s.logits.offset, logits, size_t(B) * V * 4);
+    logit_bytes_copied_ += uint64_t(B) * V * 4;
+  }
+  last_ = st;
+  return st;
+}
+
+template <class Fn>
+auto Engine::with_temporary_batch(uint32_t B, uint32_t position, Fn fn) {
+  require_idle("a batched step");
+  if (B < 2 || B > max_batch())
+    fail("batched step: " + num(B) + " sequences outside [2, max_batch=" + num(max_batch()) + "]");
+  if (uint64_t(position) + 1 > spec_.context_length)
+    fail("batched step: position " + num(position) + " + 1 exceeds context_length " + num(spec_.context_length));
+  const uint32_t home = active_;
+  std::vector<uint32_t> ids{home}, temp;
+  struct Cleanup {  // the temporary sequences go, the original is active again, whatever happens
+    Engine& e;
+    uint32_t home;
+    std::vector<uint32_t>& temp;
+    ~Cleanup() {
+      try {
+        e.select_sequence(home);
+        for (uint32_t id : temp) e.drop_sequence(id);
+      } catch (...) {
+      }
+    }
+  } cleanup{*this, home, temp};
+  for (uint32_t i = 1; i < B; ++i) {
+    temp.push_back(add_sequence());
+    ids.push_back(temp.back());
+  }
+  for (uint32_t id : ids) {
+    select_sequence(id);
+    ensure_kv(uint64_t(position) + 1);
+  }
+  select_sequence(home);
+  std::vector<gpu::SeqState> states;
+  for (uint32_t t = 0; t < B; ++t) states.push_back(seq_state(ids[t], t, position));
+  return fn(states, ids);
+}
+
+StepStats Engine::count_batch(uint32_t B, uint32_t position) {
+  if (!std::string_view(device_->name()).starts_with("count"))
+    fail("count_batch() runs on the counting device only (device 'count' or 'count_host')");
+  return with_temporary_batch(B, position, [&](const std::vector<gpu::SeqState>& states, const std::vector<uint32_t>&) {
+    recording_ = true;
+    InFlight f;
+    try {
+      f = encode(B, 0, true, StepSampling{}, true, nullptr, &states);
+    } catch (...) {
+      recording_ = false;
+      throw;
+    }
+    recording_ = false;
+    f.enc->record = nullptr;
+    const gpu::Counters& c = f.enc->counters();
+    counted_kernels_.assign(std::begin(c.kernels), std::end(c.kernels));
+    last_ = f.st;
+    return f.st;
+  });
+}
+
+StepStats Engine::check_batch(uint32_t B, uint32_t position, int64_t skip) {
+  return with_temporary_batch(B, position, [&](const std::vector<gpu::SeqState>& states, const std::vector<uint32_t>&) {
+    auto enc = device_->new_checking_encoder(skip, false);
+    if (!enc) fail("check_batch() needs a device that checks plans (the emulator, device 'emu')");
+    return encode(B, 0, true, StepSampling{}, true, std::move(enc), &states).st;
+  });
+}
+
+gpu::StepTiming Engine::time_batch(uint32_t B, uint32_t position, const gpu::TimingOptions& options) {
+  gpu::StepTiming out;
+  auto enc = device_->new_timing_encoder(options, &out);
+  if (!enc) fail("time_batch needs a device that times dispatches (the cuda device)");
+  with_temporary_batch(B, position, [&](const std::vector<gpu::SeqState>& states, const std::vector<uint32_t>&) {
+    // Every sequence reads KV rows [0, position]: zeros, not a fresh pool's poison (see time_step).
+    for (const gpu::SeqState& q : states)
+      for (const gpu::SeqLayerState& ls : q.layers)
+        for (const gpu::Binding* b : {&ls.k_cache, &ls.v_cache})
+          if (b->buffer && b->buffer->has_storage()) b->buffer->fill(0, 0, b->buffer->size());
+    std::vector<uint32_t> tok(B);
+    for (uint32_t i = 0; i < B; ++i) tok[i] = 1 + i % (spec_.vocab - 1);
+    if (m_.s.ids.buffer->has_storage()) m_.s.ids.buffer->write(m_.s.ids.offset, tok.data(), size_t(B) * 4);
+    try {
+      InFlight f = encode(B, 0, true, StepSampling{}, true, std::move(enc), &states);
+      f.enc->wait();
+    } catch (...) {
+      reset();
+      throw;
+    }
+    return 0;
+  });
+  reset();  // the step ran many times over the state: start again
+  return out;
+}
+
+}  // namespace lily::core
