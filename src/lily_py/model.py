@@ -21,6 +21,7 @@ import numpy as np
 from . import generate_args
 from ._devices import auto_backend
 from .backends import BACKENDS, built_with_metal, make_backend, resolve_kv_dtype  # noqa: F401  (BACKENDS: a public name)
+from .batch import DEFAULT_PREFILL_STEP, BatchGeneration, generate_batch
 from .checkpoint import ModelWeights, load_weights
 from .config import ModelConfig
 from .defaults import DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_CHUNK, DEFAULT_PROMPT_CACHE_BYTES
@@ -311,6 +312,36 @@ class Model:
             self._generating = False
             raise
         return Guarded(gen, self, len(ids))
+
+    def generate_batch(self, prompts, *, max_tokens: int = DEFAULT_MAX_TOKENS, temperature: float = 0.0,
+                       top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int | None = None,
+                       stop: Sequence[str] | str | None = None, enable_thinking: bool | None = None,
+                       tools: list | None = None, chat_template_kwargs: dict | None = None,
+                       parse_output: bool | None = None, max_batch: int | None = None,
+                       prefill_step: int = DEFAULT_PREFILL_STEP) -> "BatchGeneration":
+        """Generate for several prompts at once: an iterator of ``(index, GenerationChunk)``,
+        ``index`` being the prompt's position in ``prompts`` (docs/batching.md).
+
+        Each item of ``prompts`` is what ``generate`` takes (a string, chat messages, token ids)
+        or a dict with a ``"prompt"`` key and any of ``max_tokens``, ``temperature``, ``top_p``,
+        ``top_k``, ``min_p``, ``seed``, ``stop``, ``enable_thinking``, ``tools``,
+        ``chat_template_kwargs``, ``parse_output`` for that request alone; the keyword arguments
+        are the defaults of every request and mean what they mean for ``generate``. Up to
+        ``max_batch`` requests (default and most: the engine's ``max_batch``, 8) decode together,
+        one token each per step, every weight byte read once per step; the rest wait in order
+        and start as places free. A prompt that starts while others decode is prefilled
+        ``prefill_step`` tokens between two of their steps. The model's own conversation is
+        left as it was (each request runs on a sequence of its own). ``cancel(index)`` on the
+        returned object ends one request ("cancelled") and leaves the others; ``close()`` ends
+        all. Engine backends only (``emu``, ``metal``, ``cuda``): NotImplementedError on the
+        reference backend. A prompt's longest prefix in the prompt cache is restored, as in
+        ``generate``. Not taken here: logprobs, response_format and tool_choice (``generate``
+        has them).
+        """
+        return generate_batch(self, prompts, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                              top_k=top_k, min_p=min_p, seed=seed, stop=stop, enable_thinking=enable_thinking,
+                              tools=tools, chat_template_kwargs=chat_template_kwargs,
+                              parse_output=parse_output, max_batch=max_batch, prefill_step=prefill_step)
 
     def cancel(self) -> None:
         """Stop the running generation from any thread: it ends at the next token (or between

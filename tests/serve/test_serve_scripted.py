@@ -320,7 +320,9 @@ def test_queue_full_is_503_and_fifo(inproc):
     # the worker releases its slot just after the response's last byte: wait for it
     wait_for(lambda: s.status()["running"] == 0)
     assert s.status() == {"running": 0, "queued": 0, "max_queue": 1, "completed": 2,
-                          "cancelled": 0, "failed": 0, "rejected": 1}
+                          "cancelled": 0, "failed": 0, "rejected": 1,
+                          # a scripted model has no batched step: one request at a time
+                          "max_batch": 1, "batched_steps": 0, "peak_batch": 0}
 
 
 def test_disconnect_while_queued_leaves_the_queue(inproc):

@@ -27,6 +27,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from .. import __version__
+from ..batch import DEFAULT_PREFILL_STEP
 from . import anthropic, protocol
 from .protocol import APIError
 from .scheduler import CHUNK, DONE, ERROR, Job, QueueFull, Scheduler, ShuttingDown
@@ -123,17 +124,20 @@ class Server:
 
     def __init__(self, model, *, model_id: str, api_key: str | None = None, max_queue: int = 16,
                  default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
-                 served_names: list[str] | None = None):
+                 served_names: list[str] | None = None, max_batch: int | None = None,
+                 prefill_step: int = DEFAULT_PREFILL_STEP):
         """``model_id``: the id /v1/models lists first. ``served_names``: None (the default)
         serves the model under any name a request gives; a list accepts only ``model_id`` and
         those names (others: 404). ``default_max_tokens``: the cap of a chat request without
-        max_tokens (None: the end of the context)."""
+        max_tokens (None: the end of the context). ``max_batch``: requests decoded together
+        (None: the engine's most, 8, or 1 on a model without the batched step; 1: one at a
+        time); ``prefill_step``: prompt tokens prefilled between two batched steps."""
         self.model, self.model_id, self.api_key = model, model_id, api_key
         self.names = None if served_names is None else list(dict.fromkeys([model_id,
                                                                             *served_names]))
         self.default_max_tokens = default_max_tokens
         self.created = int(time.time())
-        self.scheduler = Scheduler(model, max_queue)
+        self.scheduler = Scheduler(model, max_queue, max_batch, prefill_step)
         # Sampling of a Messages request that leaves it out: the checkpoint's own defaults.
         self.sampling_defaults = anthropic.generation_defaults(getattr(model, "path", None))
         params = inspect.signature(model.generate).parameters

@@ -8,6 +8,8 @@ import signal
 import socket
 import sys
 
+from ..batch import DEFAULT_PREFILL_STEP
+
 DEMO_ID = "lily-py-demo"
 INSTALL = 'pip install ".[serve]" (from a clone of lily_py)'
 DEFAULT_MAX_TOKENS = 32768          # = lily_py.serve.app.DEFAULT_MAX_TOKENS (no starlette here)
@@ -33,6 +35,13 @@ def add_parser(sub, add_model_args) -> argparse.ArgumentParser:
                    "(default: $LILY_PY_API_KEY, or no key)")
     s.add_argument("--max-queue", type=int, default=16,
                    help="requests that may wait behind the running one; more get 503 (default: 16)")
+    s.add_argument("--max-batch", type=int, default=None,
+                   help="requests decoded together in one step (default: the engine's most, 8; "
+                        "1: one request at a time)")
+    s.add_argument("--prefill-step", type=int, default=DEFAULT_PREFILL_STEP,
+                   help="prompt tokens prefilled between two decode steps of running requests "
+                        f"(default: {DEFAULT_PREFILL_STEP}; smaller keeps their pace steadier, "
+                        "larger prefills a new prompt sooner)")
     s.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
                    help="max_tokens of an OpenAI chat request that gives none (default: "
                    f"{DEFAULT_MAX_TOKENS}, or the end of the context if sooner; /v1/messages "
@@ -66,8 +75,11 @@ def cmd_serve(a) -> int:
     if served is not None and not all(served):
         raise ValueError("--served-model-name must not be empty")
     model_id = a.model_name or (served[0] if served else DEMO_ID if a.model is None else a.model)
+    if a.max_batch is not None and a.max_batch < 1:
+        raise ValueError(f"--max-batch must be >= 1, got {a.max_batch}")
     server = Server(model, model_id=model_id, api_key=api_key, max_queue=a.max_queue,
-                    default_max_tokens=a.max_tokens, served_names=served)
+                    default_max_tokens=a.max_tokens, served_names=served,
+                    max_batch=a.max_batch, prefill_step=a.prefill_step)
 
     # Bind here so that --port 0 works and the address printed is the real one.
     family = socket.AF_INET6 if ":" in a.host else socket.AF_INET
@@ -83,7 +95,7 @@ def cmd_serve(a) -> int:
     names = ("only " + ", ".join(map(repr, server.names)) if server.names
              else "any model name")
     print(f"lily-py serve: model {model_id!r} ({model.config.summary()}; backend {model.backend}, "
-          f"context {model.context_length}) at http://{shown}:{port}/v1"
+          f"context {model.context_length}; {server.scheduler.max_batch} requests at once) at http://{shown}:{port}/v1"
           f"{' (API key required)' if api_key else ''}; accepts {names}", file=sys.stderr,
           flush=True)
     if not api_key and not ipaddress.ip_address(host).is_loopback:
