@@ -84,11 +84,18 @@ def fma32(a, b, c) -> np.ndarray:
     with np.errstate(invalid="ignore", over="ignore"):
         p = a * b
         s = p + c
-        bp = s - c
-        err = (p - bp) + (c - (s - bp))
-        bits = np.asarray(s).view(np.uint64)
-        fix = np.isfinite(s) & (err != 0) & ((bits & np.uint64(1)) == 0)
-        s = np.where(fix, np.nextafter(s, np.where(err > 0, np.inf, -np.inf)), s)
+        # Rounding s to 24 bits can only differ from rounding the exact sum where s sits exactly
+        # halfway between two float32 (its low 29 mantissa bits 1 followed by zeros); elsewhere
+        # s.astype(float32) is already correct. Only those entries need the round-to-odd fix
+        # (and results in float32's subnormal range, whose rounding bit is elsewhere).
+        half = ((np.asarray(s).view(np.uint64) & np.uint64(0x1FFFFFFF)) == np.uint64(0x10000000)) \
+            | (np.abs(s) < 2.0 ** -125)    # float32's subnormals round at another bit
+        if half.any():
+            bp = s - c
+            err = (p - bp) + (c - (s - bp))
+            bits = np.asarray(s).view(np.uint64)
+            fix = half & np.isfinite(s) & (err != 0) & ((bits & np.uint64(1)) == 0)
+            s = np.where(fix, np.nextafter(s, np.where(err > 0, np.inf, -np.inf)), s)
     return s.astype(np.float32)
 
 
@@ -285,11 +292,140 @@ def unpack_mask(words, n: int) -> np.ndarray:
     return np.unpackbits(w.view(np.uint8), bitorder="little")[:n].astype(bool)
 
 
+def _checked(logits, allowed) -> np.ndarray:
+    logits = np.asarray(logits, dtype=np.float32)
+    if allowed is not None:
+        a = np.asarray(allowed)
+        a = unpack_mask(a, logits.shape[0]) if a.dtype == np.uint32 else a.astype(bool)
+        if a.shape != logits.shape:
+            raise ValueError(f"allowed has shape {a.shape}, logits {logits.shape}")
+        logits = np.where(a, logits, np.float32(-np.inf)).astype(np.float32)
+    if np.isnan(logits).any() or np.isposinf(logits).any() or np.isneginf(logits).all():
+        bad = int(np.flatnonzero(~np.isfinite(logits) & ~np.isneginf(logits))[0]) \
+            if not np.isneginf(logits).all() else 0
+        raise FloatingPointError(f"logits contain a non-finite value at token id {bad}: "
+                                 f"{logits[bad]} (numerical failure in the model)")
+    return logits
+
+
+def _top_k_set(s: np.ndarray, top_k: int) -> np.ndarray:
+    """Ids (ascending) of the first ``top_k`` entries of the stable order (most likely first,
+    ties by lowest id)."""
+    n = s.shape[0]
+    v = np.partition(s, n - top_k)[n - top_k]                   # the k-th largest value
+    above = np.flatnonzero(s > v)
+    at = np.flatnonzero(s == v)[:top_k - above.shape[0]]
+    return np.sort(np.concatenate([above, at]))
+
+
+def _top_p_prefix(s: np.ndarray, ids: np.ndarray, top_p: float) -> np.ndarray:
+    """Of ``ids`` (the top-k set, or every entry of nonzero mass), those top-p keeps: the
+    entries whose mass strictly before them in the stable order is < the limit (a prefix)."""
+    order = ids[np.argsort(-s[ids], kind="stable")]
+    so = s[order]
+    if order.shape[0] > 1024:
+        # The masses in float64 with the library exp first, each within err of the exact one
+        # (exp32 is within a few ulp; float64 sums add at most n ulp of Z): where every entry is
+        # surely in or surely out whatever the exact values in those bounds, that is the answer.
+        q = np.floor(np.exp(so.astype(np.float64)) * 2.0 ** MASS_BITS)
+        z = float(q.sum())
+        err = float((2.0 + q * 2.0 ** -18).sum()) + 2.0 * q.shape[0] * z * 2.0 ** -52
+        before = np.cumsum(q) - q
+        lo = top_p_limit(max(int(z - err), 0), top_p)
+        hi = top_p_limit(int(z + err) + 1, top_p)
+        sure_in, sure_out = before + err < lo, before - err >= hi
+        if (sure_in | sure_out).all():
+            return order[sure_in]
+    q = mass_fixed(so)
+    before = np.cumsum(q) - q
+    limit = top_p_limit(int(q.sum()), top_p)
+    return order[before < np.uint64(limit)]
+
+
 def sample(logits: np.ndarray, params: SamplingParams, step: int, seed: int,
            allowed: np.ndarray | None = None) -> int:
     """Choose the next token from ``logits [V]`` (float32). ``allowed`` (bool [V] or a packed
     bitset, ``pack_mask``): a constraint's allowed tokens; every other logit becomes -inf first
-    (probability zero, as the device's masked max pass does), then the rule is unchanged."""
+    (probability zero, as the device's masked max pass does), then the rule is unchanged.
+
+    The rule is ``sample_full``'s (bit for bit: tests/api/test_sampling.py), computed from the
+    entries that can win: z = s + Gumbel noise, the noise is at most ``GUMBEL_MAX``, and the most
+    likely entry is always kept, so an entry with s + GUMBEL_MAX below its z never wins. The
+    top-k set comes from a partition, the top-p prefix from a sort of the top-k set (or of the
+    entries of nonzero mass), the noise only for the candidates: a few ms for a 248,320-entry
+    row instead of a quarter of a second."""
+    logits = _checked(logits, allowed)
+    inv_t = inverse_temperature(params.temperature) if not params.greedy else np.float32(np.inf)
+    if np.isinf(inv_t):
+        return int(np.argmax(logits))                             # greedy: ties to the lowest id
+    n = logits.shape[0]
+    top = logits.max()
+    with np.errstate(over="ignore", invalid="ignore"):
+        s = (logits - top) * inv_t
+    s = np.where(np.isneginf(logits), np.float32(-np.inf), s).astype(np.float32)
+    s = (s - s.max()).astype(np.float32)                          # as keep_mask: exact no-op
+    a = int(np.argmax(s))                                         # always kept
+    ids_a = np.array([a])
+    z_a = float(_z(logits, top, inv_t, seed, step, ids_a)[0])
+    # s + noise (one fma rounding) < z_a for every entry below this, with a wide margin
+    bound = z_a - float(GUMBEL_MAX) - 2.0 ** -10 * (abs(z_a) + float(GUMBEL_MAX) + 1.0)
+    cand = np.flatnonzero(s >= np.float32(bound))
+    keep = np.ones(cand.shape[0], dtype=bool)
+    top_k = params.top_k if params.top_k and params.top_k < n else 0
+    if top_k:
+        t_set = _top_k_set(s, top_k)
+        keep &= np.isin(cand, t_set, assume_unique=True)
+    if params.top_p < 1.0:
+        if top_k:
+            kept = _top_p_prefix(s, t_set, params.top_p)
+            keep &= np.isin(cand, kept, assume_unique=True)
+        else:
+            live = np.flatnonzero(s >= np.float32(EXP_MIN))       # mass 0 below (exp32)
+            kept = _top_p_prefix(s, live, params.top_p)
+            if kept.shape[0] < live.shape[0]:
+                keep &= np.isin(cand, kept, assume_unique=True)
+            else:   # everything of nonzero mass is kept: the zero-mass entries decide alone
+                q_total = int(mass_fixed(s[live]).sum())
+                zero_kept = q_total < top_p_limit(q_total, params.top_p)
+                keep &= np.isin(cand, kept, assume_unique=True) | (zero_kept & (s[cand] < EXP_MIN))
+    if params.min_p > 0.0:
+        keep &= s[cand] >= min_p_threshold(params.min_p)
+    keep |= cand == a
+    ids = cand[keep]
+    if ids.shape[0] > 64:
+        # z in float64 first (within 1e-6 of the exact float32 z), then exactly where it is
+        # within a wide margin of the best: the exact winner is among those.
+        z64 = (logits[ids] - top).astype(np.float64) * float(inv_t) + _gumbel64(seed, step, ids)
+        best = float(z64.max())
+        ids = ids[z64 >= best - 2.0 ** -10 * (1.0 + abs(best))]
+    z = _z(logits, top, inv_t, seed, step, ids)
+    return int(ids[np.argmax(z)])                                 # ties to the lowest id
+
+
+def _uniform_at(seed: int, step: int, ids: np.ndarray) -> np.ndarray:
+    """``uniform(seed, step, n)[ids]``."""
+    u = hash32(ids.astype(np.uint32) * _GOLDEN ^ sample_key(seed, step))
+    return ((u >> np.uint32(9)).astype(np.float32) + np.float32(0.5)) * np.float32(2.0 ** -23)
+
+
+def _gumbel64(seed: int, step: int, ids: np.ndarray) -> np.ndarray:
+    """The Gumbel noise at ``ids`` in float64 with the library log (not bit-exact)."""
+    return -np.log(-np.log(_uniform_at(seed, step, ids).astype(np.float64)))
+
+
+def _z(logits, top, inv_t, seed: int, step: int, ids: np.ndarray) -> np.ndarray:
+    """z = fma(l - max, inv_t, gumbel) at ``ids`` (-inf where l is), as ``sample_full``."""
+    g = -log32(-log32(_uniform_at(seed, step, ids)))
+    lo = logits[ids]
+    with np.errstate(over="ignore", invalid="ignore"):
+        z = fma32(lo - top, inv_t, g)
+    return np.where(np.isneginf(lo), np.float32(-np.inf), z)
+
+
+def sample_full(logits: np.ndarray, params: SamplingParams, step: int, seed: int,
+           allowed: np.ndarray | None = None) -> int:
+    """The sampling rule written out over the whole vocabulary (the definition ``sample`` and the
+    device follow; ``sample`` computes the same choice from the few entries that can win)."""
     logits = np.asarray(logits, dtype=np.float32)
     if allowed is not None:
         a = np.asarray(allowed)
@@ -337,3 +473,7 @@ def logprobs(logits: np.ndarray, token: int, top: int) -> tuple[float, np.ndarra
     order = np.lexsort((np.arange(x.shape[0]), -s.astype(np.float64)))[:k]
     return (float(np.float32(s[token] - lz)), order.astype(np.int64),
             (s[order].astype(np.float64) - lz).astype(np.float32))
+
+
+# The largest Gumbel noise: u at its largest, (2^23 - 0.5) 2^-23 (``uniform``): about 16.6.
+GUMBEL_MAX = np.float32(-log32(-log32(np.float32((2.0 ** 23 - 0.5) * 2.0 ** -23))))

@@ -106,3 +106,44 @@ def test_temperature_sharpens():
 def test_bad_params(kw, exc, msg):
     with pytest.raises(exc, match=msg):
         SamplingParams(**kw)
+
+
+def _rows(rng, count):
+    """Logit rows that stress the fast sampler: odd sizes, flat and peaked, ties, -inf entries."""
+    for t in range(count):
+        n = int(rng.choice([7, 33, 1001, 4097, 9001]))
+        row = (rng.standard_normal(n) * float(rng.choice([0.1, 1, 3, 10, 30]))).astype(np.float32)
+        if t % 3 == 0:
+            row = np.round(row).astype(np.float32)          # ties everywhere
+        if t % 7 == 0:
+            row[rng.integers(0, n, n // 3)] = -np.inf       # masked entries
+        if t % 11 == 0:
+            row[:] = np.float32(1.5)                        # all equal
+        yield row
+
+
+def test_sample_equals_the_full_vocabulary_rule():
+    """``sample`` (candidates only, float64 screens) chooses what ``sample_full`` (every entry,
+    the device's rule) chooses: every filter combination, ties, -inf entries, sizes past the
+    float64 screens' thresholds, and a full 248,320-entry row."""
+    from lily_py.sampling import pack_mask, sample_full
+    rng = np.random.default_rng()
+    checked = 0
+    rows = list(_rows(rng, 150)) + [(rng.standard_normal(248_320) * 3).astype(np.float32)]
+    for row in rows:
+        n = row.shape[0]
+        p = SamplingParams(temperature=float(rng.choice([0.05, 0.3, 0.7, 1.0, 2.0])),
+                           top_k=int(rng.choice([0, 1, 2, 20, 64, n, n + 5])),
+                           top_p=float(rng.choice([1.0, 0.95, 0.5, 0.01, 0.999999])),
+                           min_p=float(rng.choice([0.0, 0.0, 0.05, 0.5])))
+        allowed = pack_mask(rng.random(n) < 0.7) if rng.random() < 0.2 else None
+        if allowed is not None and np.isneginf(np.where(
+                np.unpackbits(allowed.view(np.uint8), bitorder="little")[:n].astype(bool), row, -np.inf)).all():
+            allowed = None
+        for step in range(2):
+            seed = int(rng.integers(0, 2 ** 63))
+            fast = sample(row, p, step, seed, allowed)
+            full = sample_full(row, p, step, seed, allowed)
+            assert fast == full, (n, p, step, seed, fast, full)
+            checked += 1
+    assert checked == 2 * len(rows)
