@@ -232,10 +232,14 @@ StepStats Engine::count(uint32_t T, uint32_t position, bool all_logits, const St
   if (!std::string_view(device_->name()).starts_with("count"))
     fail("count() runs on the counting device only (device 'count' or 'count_host')");
   ensure_kv(uint64_t(position) + T);
+  return record_counted([&] { return encode(T, position, all_logits, sampling, want_logits); });
+}
+
+StepStats Engine::record_counted(const std::function<InFlight()>& encode_step) {
   recording_ = true;
   InFlight f;
   try {
-    f = encode(T, position, all_logits, sampling, want_logits);
+    f = encode_step();
   } catch (...) {
     recording_ = false;
     throw;

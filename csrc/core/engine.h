@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <stdexcept>
 #include <memory>
@@ -289,6 +290,8 @@ class Engine {
   };
   InFlight encode(uint32_t T, uint32_t position, bool all_logits, const StepSampling& sampling, bool want_logits,
                   std::unique_ptr<gpu::Encoder> enc = nullptr, const std::vector<gpu::SeqState>* batch = nullptr);
+  // Run encode_step on the counting device with the recorder on; keep its kernels and stats.
+  StepStats record_counted(const std::function<InFlight()>& encode_step);
   // Sequences that are not active: their state buffers (Engine::state_ order), position, conv
   // parity, KV pool blocks and validity.
   struct Parked {

@@ -291,20 +291,7 @@ StepStats Engine::count_batch(uint32_t B, uint32_t position) {
   if (!std::string_view(device_->name()).starts_with("count"))
     fail("count_batch() runs on the counting device only (device 'count' or 'count_host')");
   return with_temporary_batch(B, position, [&](const std::vector<gpu::SeqState>& states, const std::vector<uint32_t>&) {
-    recording_ = true;
-    InFlight f;
-    try {
-      f = encode(B, 0, true, StepSampling{}, true, nullptr, &states);
-    } catch (...) {
-      recording_ = false;
-      throw;
-    }
-    recording_ = false;
-    f.enc->record = nullptr;
-    const gpu::Counters& c = f.enc->counters();
-    counted_kernels_.assign(std::begin(c.kernels), std::end(c.kernels));
-    last_ = f.st;
-    return f.st;
+    return record_counted([&] { return encode(B, 0, true, StepSampling{}, true, nullptr, &states); });
   });
 }
 

@@ -426,18 +426,7 @@ def sample_full(logits: np.ndarray, params: SamplingParams, step: int, seed: int
            allowed: np.ndarray | None = None) -> int:
     """The sampling rule written out over the whole vocabulary (the definition ``sample`` and the
     device follow; ``sample`` computes the same choice from the few entries that can win)."""
-    logits = np.asarray(logits, dtype=np.float32)
-    if allowed is not None:
-        a = np.asarray(allowed)
-        a = unpack_mask(a, logits.shape[0]) if a.dtype == np.uint32 else a.astype(bool)
-        if a.shape != logits.shape:
-            raise ValueError(f"allowed has shape {a.shape}, logits {logits.shape}")
-        logits = np.where(a, logits, np.float32(-np.inf)).astype(np.float32)
-    if np.isnan(logits).any() or np.isposinf(logits).any() or np.isneginf(logits).all():
-        bad = int(np.flatnonzero(~np.isfinite(logits) & ~np.isneginf(logits))[0]) \
-            if not np.isneginf(logits).all() else 0
-        raise FloatingPointError(f"logits contain a non-finite value at token id {bad}: "
-                                 f"{logits[bad]} (numerical failure in the model)")
+    logits = _checked(logits, allowed)
     inv_t = inverse_temperature(params.temperature) if not params.greedy else np.float32(np.inf)
     if np.isinf(inv_t):
         return int(np.argmax(logits))                             # greedy: ties to the lowest id

@@ -230,6 +230,21 @@ void touch_cache_rows(Encoder& enc, const AttentionOperands& op, uint64_t length
   enc.set_touched(6, (length + op.kv.block_tokens - 1) / op.kv.block_tokens * 4);
 }
 
+// The bindings of a decode pass over the cache: q, k, v, the block table, and buffers 4 and 5
+// (the gate and the output unsplit; the split's partials otherwise).
+void bind_first_pass(Encoder& enc, KernelId kernel, const Checked& c, const Binding& out4, const Binding& out5,
+                     const AttentionOperands& op, uint64_t length) {
+  enc.set_kernel(kernel);
+  enc.set_args(c.args);
+  enc.set_buffer(1, c.q);
+  enc.set_buffer(2, c.k);
+  enc.set_buffer(3, c.v);
+  enc.set_buffer(4, out4);
+  enc.set_buffer(5, out5);
+  enc.set_buffer(6, c.table);
+  touch_cache_rows(enc, op, length);
+}
+
 }  // namespace
 
 void encode_attention_decode(Encoder& enc, const AttentionOperands& op, AttnDecodePhase phase) {
@@ -244,15 +259,7 @@ void encode_attention_decode(Encoder& enc, const AttentionOperands& op, AttnDeco
   const bool first = phase != AttnDecodePhase::combine, second = phase != AttnDecodePhase::first;
   if (!route.split) {
     if (!first) return;
-    enc.set_kernel(pass1);
-    enc.set_args(c.args);
-    enc.set_buffer(1, c.q);
-    enc.set_buffer(2, c.k);
-    enc.set_buffer(3, c.v);
-    enc.set_buffer(4, c.gate);
-    enc.set_buffer(5, c.out);
-    enc.set_buffer(6, c.table);
-    touch_cache_rows(enc, op, length);
+    bind_first_pass(enc, pass1, c, c.gate, c.out, op, length);
     enc.dispatch({op.kv_heads, 1, 1}, {32 * group, 1, 1});
     enc.add_flops(attention_decode_executed_flops(op), attention_useful_flops(op));
     return;
@@ -270,15 +277,7 @@ void encode_attention_decode(Encoder& enc, const AttentionOperands& op, AttnDeco
                            : e == 4 ? (bf ? KernelId::attn_vec_combine_e4_bf16 : KernelId::attn_vec_combine_e4_f32)
                                     : (bf ? KernelId::attn_vec_combine_e8_bf16 : KernelId::attn_vec_combine_e8_f32);
     if (first) {
-      enc.set_kernel(pass1);
-      enc.set_args(c.args);
-      enc.set_buffer(1, c.q);
-      enc.set_buffer(2, c.k);
-      enc.set_buffer(3, c.v);
-      enc.set_buffer(4, partial_o);
-      enc.set_buffer(5, partial_ml);
-      enc.set_buffer(6, c.table);
-      touch_cache_rows(enc, op, length);
+      bind_first_pass(enc, pass1, c, partial_o, partial_ml, op, length);
       enc.dispatch({op.kv_heads, route.splits, 1}, {32 * kAttnVecSimds, 1, 1});
       // Every simdgroup scores exactly the keys of its block: no padding.
       enc.add_flops(attention_useful_flops(op), attention_useful_flops(op));
@@ -295,15 +294,7 @@ void encode_attention_decode(Encoder& enc, const AttentionOperands& op, AttnDeco
     return;
   }
   if (first) {
-    enc.set_kernel(pass1);
-    enc.set_args(c.args);
-    enc.set_buffer(1, c.q);
-    enc.set_buffer(2, c.k);
-    enc.set_buffer(3, c.v);
-    enc.set_buffer(4, partial_o);
-    enc.set_buffer(5, partial_ml);
-    enc.set_buffer(6, c.table);
-    touch_cache_rows(enc, op, length);
+    bind_first_pass(enc, pass1, c, partial_o, partial_ml, op, length);
     enc.dispatch({op.kv_heads, 1, route.splits}, {32 * group, 1, 1});
     enc.add_flops(attention_decode_executed_flops(op), attention_useful_flops(op));
   }
