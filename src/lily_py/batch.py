@@ -21,6 +21,8 @@ rounding (the qmv route over B rows instead of qmv1 with the norms fused in; doc
 from __future__ import annotations
 
 import collections
+import concurrent.futures
+import os
 import secrets
 import threading
 import time
@@ -114,6 +116,18 @@ def check_batch_args(m, max_batch, prefill_step) -> tuple[int, int]:
     if prefill_step < 1:
         raise ValueError(f"prefill_step must be a positive number of tokens, got {prefill_step}")
     return max_batch, prefill_step
+
+
+_POOL: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _pool() -> concurrent.futures.ThreadPoolExecutor:
+    """The threads that sample a batched step's rows (one per row, at most 8)."""
+    global _POOL
+    if _POOL is None:
+        _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1),
+                                                      thread_name_prefix="lily-py-sample")
+    return _POOL
 
 
 class Batcher:
@@ -312,8 +326,14 @@ class Batcher:
         logits, _ = e.decode_batch(seqs, toks)
         self.steps += 1
         self.peak = max(self.peak, len(seqs))
-        for i, r in enumerate(list(self._decoding)):
-            c = self._sample(r, logits[i], e.sequence_position(r.seq))
+        rows = list(self._decoding)
+        picks = [None] * len(rows)
+        sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if len(sampled) > 1:   # numpy releases the GIL: the rows' samplers run side by side
+            for i, tok in zip(sampled, _pool().map(lambda i: self._pick(rows[i], logits[i]), sampled)):
+                picks[i] = tok
+        for i, r in enumerate(rows):
+            c = self._sample(r, logits[i], e.sequence_position(r.seq), picks[i])
             if c.finish_reason is not None:
                 self._decoding.remove(r)
                 self._finish(r)
@@ -343,12 +363,18 @@ class Batcher:
         return GenerationChunk(d.text, tok, finish, stats, d.reasoning, d.tool_calls, d.errors,
                                raw=text, stop_sequence=stop, section=section)
 
-    def _sample(self, r: Request, row: np.ndarray, position: int) -> GenerationChunk:
-        """Sample r's next token from its logits row; the chunk it makes (finished or not)."""
+    def _pick(self, r: Request, row: np.ndarray) -> int:
+        """r's next token from its logits row (no state changes: safe on a worker thread)."""
         if self._valid < row.shape[-1]:
             row = row.copy()
             row[self._valid:] = -np.inf
-        tok = sample(row, r.params, r.n, r.seed)
+        return sample(row, r.params, r.n, r.seed)
+
+    def _sample(self, r: Request, row: np.ndarray, position: int, tok: int | None = None) -> GenerationChunk:
+        """Sample r's next token from its logits row (``tok``: already picked); the chunk it
+        makes (finished or not)."""
+        if tok is None:
+            tok = self._pick(r, row)
         r.tok = tok
         r.n += 1
         if tok in self._eos:
