@@ -124,8 +124,9 @@ def _rows(rng, count):
 
 def test_sample_equals_the_full_vocabulary_rule():
     """``sample`` (candidates only, float64 screens) chooses what ``sample_full`` (every entry,
-    the device's rule) chooses: every filter combination, ties, -inf entries, sizes past the
-    float64 screens' thresholds, and a full 248,320-entry row."""
+    the device's rule) chooses: every filter combination, ties, -inf entries (also inside a
+    top-k set past the top-p screen's 1,024), sizes past the float64 screens' thresholds, and a
+    full 248,320-entry row."""
     from lily_py.sampling import pack_mask, sample_full
     rng = np.random.default_rng()
     checked = 0
@@ -133,7 +134,7 @@ def test_sample_equals_the_full_vocabulary_rule():
     for row in rows:
         n = row.shape[0]
         p = SamplingParams(temperature=float(rng.choice([0.05, 0.3, 0.7, 1.0, 2.0])),
-                           top_k=int(rng.choice([0, 1, 2, 20, 64, n, n + 5])),
+                           top_k=int(rng.choice([0, 1, 2, 20, 64, 2000, n, n + 5])),
                            top_p=float(rng.choice([1.0, 0.95, 0.5, 0.01, 0.999999])),
                            min_p=float(rng.choice([0.0, 0.0, 0.05, 0.5])))
         allowed = pack_mask(rng.random(n) < 0.7) if rng.random() < 0.2 else None
@@ -147,3 +148,10 @@ def test_sample_equals_the_full_vocabulary_rule():
             assert fast == full, (n, p, step, seed, fast, full)
             checked += 1
     assert checked == 2 * len(rows)
+    # a top-k set larger than the finite entries: -inf entries inside it, past 1,024
+    row = (rng.standard_normal(3001) * 3).astype(np.float32)
+    row[rng.permutation(3001)[:2000]] = -np.inf
+    for top_p in (0.9, 0.3):
+        p = SamplingParams(temperature=1.0, top_k=2500, top_p=top_p)
+        for step in range(4):
+            assert sample(row, p, step, 11) == sample_full(row, p, step, 11), (top_p, step)
