@@ -61,6 +61,7 @@ class Request:
     fed: int = 0                  # prompt tokens in the sequence's state
     cached: int = 0               # of those, restored from the prompt cache
     first: np.ndarray | None = None  # logits of a whole prompt restored from the cache
+    looked_up: bool = False       # the prompt cache was consulted
     n: int = 0                    # tokens sampled
     tok: int = -1                 # the last sampled token (fed by the next decode step)
     detok: object = None
@@ -246,7 +247,6 @@ class Batcher:
             r.t0 = time.perf_counter()
             r.detok = self._m.tokenizer.detokenizer() if self._m.tokenizer is not None else None
             r.matcher = StopMatcher(r.stops)
-            self._restore(r)
             self._prefilling.append(r)
         for r in [r for r in self._prefilling if self._is_cancelled(r.key)]:
             self._prefilling.remove(r)
@@ -298,6 +298,9 @@ class Batcher:
         """Feed up to ``budget`` more tokens of r's prompt (one engine step); the tokens fed. The
         logits of its last token go to ``self._first`` when the prompt is complete."""
         m, e = self._m, self._e
+        if not r.looked_up:           # at its first chunk, so that it finds what the prompts
+            r.looked_up = True        # prefilled before it (in this round too) snapshotted
+            self._restore(r)
         if r.fed == len(r.ids):       # the whole prompt came from the prompt cache
             self._first = r.first
             return 0

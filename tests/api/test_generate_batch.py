@@ -141,6 +141,12 @@ def test_prompt_cache_in_a_batch(model):
     r = model.generate_text(chats[1], max_tokens=MAX_TOKENS)
     assert r.stats.cached_tokens > 0 and r.tokens == want[1].tokens
     cache.clear()
+    # the same conversation twice in one batch: the second finds what the first snapshotted
+    toks, _, last, _ = run(model.generate_batch([chats[2], chats[2]], max_tokens=MAX_TOKENS))
+    assert toks[0] == toks[1] == want[2].tokens
+    assert len(cache) == 1 and last[0].stats.cached_tokens == 0
+    assert last[1].stats.cached_tokens == len(cache.entries()[0].tokens) > 0
+    cache.clear()
 
 
 def test_bad_arguments_name_the_request(model):
