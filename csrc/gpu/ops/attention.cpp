@@ -467,6 +467,34 @@ void encode_attention_prefill(Encoder& enc, const AttentionOperands& op) {
 
 namespace {
 
+// What a layer's q/k norm + RoPE and its attention take from the mixer's operands, the same for
+// one sequence or a batch; the callers add the bindings, position and paging.
+QkNormRopeOperands shared_qk_norm_rope(const AttentionMixerOperands& op) {
+  QkNormRopeOperands n;
+  n.q_norm = op.q_norm;
+  n.k_norm = op.k_norm;
+  n.inv_freq = op.inv_freq;
+  n.x_dtype = op.dtype;
+  n.w_dtype = op.w_dtype;
+  n.q_heads = op.q_heads;
+  n.kv_heads = op.kv_heads;
+  n.head_dim = op.head_dim;
+  n.rotary_dim = op.rotary_dim;
+  n.eps = op.eps;
+  n.weight_offset = op.weight_offset;
+  return n;
+}
+
+AttentionOperands shared_attention(const AttentionMixerOperands& op) {
+  AttentionOperands a;
+  a.gate_head_stride = 2 * op.head_dim;  // the gate: the second half of each head's row
+  a.dtype = op.dtype;
+  a.q_heads = op.q_heads;
+  a.kv_heads = op.kv_heads;
+  a.head_dim = op.head_dim;
+  return a;
+}
+
 // Batched decode: token t of qg / k / v (rows `stride` / `kv_stride` elements apart) is sequence
 // t's one token. Every sequence's q/k norm + RoPE + KV append, a barrier, every first pass, a
 // barrier (where any route splits), every combine: the levels of one token.
@@ -481,6 +509,7 @@ void encode_batched_attention(Encoder& enc, const AttentionMixerOperands& op, co
     if (b.bytes < elems * xs) fail(fn, "temporary too small for the batch");
     return Binding{b.buffer, b.offset + elems * xs, b.bytes - elems * xs};
   };
+  auto q_row = [&](uint32_t t) { return Binding{op.q.buffer, op.q.offset + t * qd * xs, qd * xs}; };
   auto paging = [&](const AttnSequence& sq) {
     KvPaging kv = op.kv;
     kv.pool_blocks = sq.pool_blocks;
@@ -488,46 +517,30 @@ void encode_batched_attention(Encoder& enc, const AttentionMixerOperands& op, co
   };
   for (uint32_t t = 0; t < T; ++t) {
     const AttnSequence& sq = op.seqs[t];
-    QkNormRopeOperands n;
+    QkNormRopeOperands n = shared_qk_norm_rope(op);
     n.qg = from(qg, uint64_t(t) * stride);
     n.k = from(k, uint64_t(t) * kv_stride);
     n.v = from(v, uint64_t(t) * kv_stride);
-    n.q_norm = op.q_norm;
-    n.k_norm = op.k_norm;
-    n.inv_freq = op.inv_freq;
-    n.q_out = Binding{op.q.buffer, op.q.offset + t * qd * xs, qd * xs};
+    n.q_out = q_row(t);
     n.k_cache = sq.k_cache;
     n.v_cache = sq.v_cache;
-    n.x_dtype = op.dtype;
-    n.w_dtype = op.w_dtype;
     n.tokens = 1;
-    n.q_heads = op.q_heads;
-    n.kv_heads = op.kv_heads;
-    n.head_dim = D;
-    n.rotary_dim = op.rotary_dim;
     n.position = sq.position;
     n.kv = paging(sq);
-    n.eps = op.eps;
-    n.weight_offset = op.weight_offset;
     encode_qk_norm_rope(enc, n);
   }
   enc.barrier();  // q, k_cache, v_cache of every sequence -> attention
   auto attn = [&](uint32_t t) {
     const AttnSequence& sq = op.seqs[t];
-    AttentionOperands a;
-    a.q = Binding{op.q.buffer, op.q.offset + t * qd * xs, qd * xs};
+    AttentionOperands a = shared_attention(op);
+    a.q = q_row(t);
     a.k_cache = sq.k_cache;
     a.v_cache = sq.v_cache;
-    const Binding g = from(qg, uint64_t(t) * stride + D);  // the gate: the second half of each head's row
+    const Binding g = from(qg, uint64_t(t) * stride + D);
     a.gate = Binding{g.buffer, g.offset, std::min<uint64_t>(g.bytes, (2 * qd - D) * xs)};
-    a.gate_head_stride = 2 * D;
     a.out = Binding{op.attn.buffer, op.attn.offset + t * qd * xs, qd * xs};
     a.scratch = sq.scratch;
-    a.dtype = op.dtype;
     a.tokens = 1;
-    a.q_heads = op.q_heads;
-    a.kv_heads = op.kv_heads;
-    a.head_dim = D;
     a.position = sq.position;
     a.kv = paging(sq);
     return a;
@@ -599,48 +612,32 @@ void encode_attention_mixer(Encoder& enc, const AttentionMixerOperands& op) {
     return;
   }
 
-  QkNormRopeOperands n;
+  QkNormRopeOperands n = shared_qk_norm_rope(op);
   n.qg = qg;
   n.k = k;
   n.v = v;
   n.qg_stride = qg_stride;
   n.k_stride = kv_stride;
   n.v_stride = kv_stride;
-  n.q_norm = op.q_norm;
-  n.k_norm = op.k_norm;
-  n.inv_freq = op.inv_freq;
   n.q_out = op.q;
   n.k_cache = op.k_cache;
   n.v_cache = op.v_cache;
-  n.x_dtype = op.dtype;
-  n.w_dtype = op.w_dtype;
   n.tokens = T;
-  n.q_heads = op.q_heads;
-  n.kv_heads = op.kv_heads;
-  n.head_dim = D;
-  n.rotary_dim = op.rotary_dim;
   n.position = op.position;
   n.kv = op.kv;
-  n.eps = op.eps;
-  n.weight_offset = op.weight_offset;
   encode_qk_norm_rope(enc, n);
   enc.barrier();  // q, k_cache, v_cache -> attention
 
-  AttentionOperands a;
+  AttentionOperands a = shared_attention(op);
   a.q = op.q;
   a.k_cache = op.k_cache;
   a.v_cache = op.v_cache;
   // The gate is the second half of each head's row of q_proj's output.
   a.gate = Binding{qg.buffer, qg.offset + D * xs, qg.bytes > D * xs ? qg.bytes - D * xs : 0};
-  a.gate_head_stride = 2 * D;
   a.gate_stride = fused ? qg_stride : nq;
   a.out = op.attn;
   a.scratch = op.scratch;
-  a.dtype = op.dtype;
   a.tokens = T;
-  a.q_heads = op.q_heads;
-  a.kv_heads = op.kv_heads;
-  a.head_dim = D;
   a.position = op.position;
   a.kv = op.kv;
   if (T == 1) encode_attention_decode(enc, a);
