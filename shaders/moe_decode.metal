@@ -291,13 +291,22 @@ template <typename T, typename S, int bits, int sbits>
   if (shared) {
     members = (1u << T_) - 1u;
   } else {
+    // Every simdgroup scans the T k ids at once, a lane per id (no serial chain of loads): the
+    // column works only if no earlier token chose e (it owns e), and takes every token that did.
     e = ids[col];
-    bool owner = true;  // no earlier token chose e
-    for (uint32_t i = 0; i < col - col % k; ++i) owner = owner && ids[i] != e;
-    if (owner)
-      for (uint32_t m = col / k; m < T_; ++m)
-        for (uint32_t j = 0; j < k; ++j)
-          if (ids[m * k + j] == e) members |= 1u << m;
+    const uint32_t first = col - col % k;  // the ids of the tokens before this column's
+    uint32_t before = 0u, mem = 0u;
+    for (uint32_t i = lane; i < T_ * k; i += 32) {
+      if (ids[i] == e) {
+        if (i < first) before = 1u;
+        else mem |= 1u << (i / k);
+      }
+    }
+    for (ushort d = 1; d < 32; d *= 2) {
+      before |= simd_shuffle_xor(before, d);
+      mem |= simd_shuffle_xor(mem, d);
+    }
+    members = before != 0u ? 0u : mem;
   }
   const uint32_t N = shared ? args.shared_inter : args.inter;
   const uint32_t wpr = H * (shared ? sbits : bits) / 32, gpr = H >> args.group_shift;
