@@ -180,8 +180,8 @@ template <typename T, typename S, int bits, int sbits>
 
 // The K loop of moe_gate_up_mvb at `bits`: as moe_gate_up_mv_blocks, for every member token m
 // (bit m of `members`) of the expert: each row's codes are loaded once per block and kept packed,
-// then dotted with each member's pre-scaled x, in the order moe_gate_up_mv_blocks sums one token's
-// (so each token's h is the mv route's, bit for bit). ag / au: [kMoeMvMaxTokens * kMoeMvbRows].
+// then dotted with each member's pre-scaled x, in one order per token whatever the other members.
+// ag / au: [kMoeMvMaxTokens * kMoeMvbRows].
 template <typename T, typename S, int bits>
 inline void moe_gate_up_mvb_blocks(const device T* x, uint32_t members, const device uint32_t* wg,
                                    const device S* sg, const device S* bg, const device uint32_t* wu,
@@ -244,22 +244,24 @@ inline uint32_t moe_mvb_slot(const device uint32_t* ids, uint32_t m, uint32_t k,
 
 // ---------------------------------------------------------------------------------------------
 // moe_gate_up_mvb: batched decode (2 <= T <= kMoeMvMaxTokens tokens, one per sequence): the
-// mv route's product over the union of the tokens' experts, each expert's weights read once for
-// every token that chose it, and the shared expert's once for all T tokens. The routing comes
-// from moe_route (ids [T, k], weights [T, k + 1], the level before), so no simdgroup selects.
+// matvecs over the union of the tokens' experts, each expert's weights read once for every token
+// that chose it, and the shared expert's once for all T tokens. The routing comes from moe_route
+// (ids [T, k], weights [T, k + 1], the level before), so no simdgroup selects.
 // Issue 42: at T = 8 the tokens pick about 57 distinct experts of their 64 slots.
-//   grid:       (ceil(max(I, Is) / kMoeMvbRows), T * k + 1) threadgroups of 32 * splits threads,
-//               splits as moe_gate_up_mv (host: moe_mv_shape); column c < T k is slot (c / k, c % k)
-//               and works only if no earlier token chose that expert (it then owns the expert and
-//               takes every later token that chose it too); column T k is the shared expert, every
-//               token its member. An idle column loads nothing (K_end = 0) and still meets the
-//               barrier.
-//   block:      as moe_gate_up_mv: B = 32 lanes x V codes (Qmv1Codes), simdgroup s walks blocks s,
-//               s + splits, ...; per block the lane loads its codes of kMoeMvbRows gate and up rows
-//               once (2 kMoeMvbRows 16-byte loads in flight), then for each member its V values of
-//               x, summed, pre-scaled, dotted with every row.
-//   numerics:   per token the mv route's operations in its order (fma chain per block, simd_sum,
-//               splits summed in order): h equals moe_gate_up_mv's bit for bit.
+//   grid:       (ceil(max(I, Is) / (kMoeMvbRows kMoeMvbSimds)), T k + 1) threadgroups of
+//               32 kMoeMvbSimds threads. Column 0 is the shared expert, every token its member (the
+//               longest column starts first); column c >= 1 is routed slot c - 1 = (t, j) and works
+//               only if no earlier token chose that expert (it then owns the expert and takes every
+//               later token that chose it too). The simdgroups scan the ids a lane each.
+//   simdgroup:  kMoeMvbRows features (gate and up rows each) of its own, over all of K = H: no
+//               split, no threadgroup memory, no barrier. An idle simdgroup (a column that owns no
+//               expert, features past N) loads nothing.
+//   block:      B = 32 lanes x V codes (Qmv1Codes, as moe_gate_up_mv); per block the lane loads its
+//               codes of the rows once (2 kMoeMvbRows 16-byte loads, kept packed), then for each
+//               member its V values of x, summed, pre-scaled, dotted with every row.
+//   numerics:   a token's operations and their order do not depend on the other tokens: its h is
+//               the same bit for bit in any batch (moe_gate_up_mv splits K over simdgroups: a
+//               different order, so within rounding of it).
 //   registers:  acc [kMoeMvMaxTokens][kMoeMvbRows] for gate and up, compile-time indexed.
 //   buffers:    1 x [T, H], 2 ids [T, k], 3..14 as moe_gate_up_mv, 15 h [T (k + 1), h_stride].
 template <typename T, typename S, int bits, int sbits>
@@ -282,19 +284,16 @@ template <typename T, typename S, int bits, int sbits>
                                 LILY_KERNEL_TAIL) {
   constexpr uint32_t R = kMoeMvbRows;
   constexpr uint32_t MT = kMoeMvMaxTokens;
-  LILY_TG_ARRAY(float, red, [kMoeGateUpMaxSplits * kMoeMvMaxTokens * 2 * kMoeMvbRows]);
   const uint32_t T_ = args.tokens, k = args.top_k, H = args.hidden;
-  const uint32_t splits = group_size.x / 32;
   const uint32_t col = group_pos.y;
-  const bool shared = col == T_ * k;  // uniform over the threadgroup
+  const bool shared = col == 0;  // uniform over the threadgroup
   uint32_t e = 0, members = 0;
   if (shared) {
     members = (1u << T_) - 1u;
   } else {
-    // Every simdgroup scans the T k ids at once, a lane per id (no serial chain of loads): the
-    // column works only if no earlier token chose e (it owns e), and takes every token that did.
-    e = ids[col];
-    const uint32_t first = col - col % k;  // the ids of the tokens before this column's
+    const uint32_t c = col - 1;  // routed slot (t, j) = (c / k, c % k)
+    e = ids[c];
+    const uint32_t first = c - c % k;  // the ids of the tokens before this column's
     uint32_t before = 0u, mem = 0u;
     for (uint32_t i = lane; i < T_ * k; i += 32) {
       if (ids[i] == e) {
@@ -309,15 +308,15 @@ template <typename T, typename S, int bits, int sbits>
     members = before != 0u ? 0u : mem;
   }
   const uint32_t N = shared ? args.shared_inter : args.inter;
-  const uint32_t wpr = H * (shared ? sbits : bits) / 32, gpr = H >> args.group_shift;
+  const uint32_t wpr = H * bits / 32, gpr = H >> args.group_shift;  // the routed experts' rows
   const device uint32_t* wg = shared ? sh_gate_w : gate_w + e * N * wpr;
   const device S* sg = shared ? sh_gate_s : gate_s + e * N * gpr;
   const device S* bg = shared ? sh_gate_b : gate_b + e * N * gpr;
   const device uint32_t* wu = shared ? sh_up_w : up_w + e * N * wpr;
   const device S* su = shared ? sh_up_s : up_s + e * N * gpr;
   const device S* bu = shared ? sh_up_b : up_b + e * N * gpr;
-  const uint32_t n0 = group_pos.x * R;
-  const uint32_t K_end = (n0 < N && members != 0u) ? H : 0u;  // uniform over the threadgroup
+  const uint32_t n0 = (group_pos.x * kMoeMvbSimds + simd_id) * R;
+  const uint32_t K_end = (n0 < N && members != 0u) ? H : 0u;  // uniform over the simdgroup
 
   uint32_t row[R];
   LILY_UNROLL
@@ -329,37 +328,21 @@ template <typename T, typename S, int bits, int sbits>
     au[i] = 0.0f;
   }
   if (sbits != bits && shared)
-    moe_gate_up_mvb_blocks<T, S, sbits>(x, members, wg, sg, bg, wu, su, bu, row, H, args.group_shift, K_end, splits,
-                                        simd_id, lane, ag, au);
+    moe_gate_up_mvb_blocks<T, S, sbits>(x, members, wg, sg, bg, wu, su, bu, row, H, args.group_shift, K_end, 1u, 0u,
+                                        lane, ag, au);
   else
-    moe_gate_up_mvb_blocks<T, S, bits>(x, members, wg, sg, bg, wu, su, bu, row, H, args.group_shift, K_end, splits,
-                                       simd_id, lane, ag, au);
+    moe_gate_up_mvb_blocks<T, S, bits>(x, members, wg, sg, bg, wu, su, bu, row, H, args.group_shift, K_end, 1u, 0u,
+                                       lane, ag, au);
   LILY_UNROLL
   for (uint32_t m = 0; m < MT; ++m) {
     if ((members >> m) & 1u) {
+      const uint32_t slot = shared ? m * (k + 1) + k : moe_mvb_slot(ids, m, k, e);
       LILY_UNROLL
       for (uint32_t r = 0; r < R; ++r) {
-        const float g = simd_sum(ag[m * R + r]);
-        const float u = simd_sum(au[m * R + r]);
-        if (lane == 0) {
-          red[(simd_id * MT + m) * 2 * R + r] = g;
-          red[(simd_id * MT + m) * 2 * R + R + r] = u;
-        }
+        const float G = simd_sum(ag[m * R + r]);
+        const float U = simd_sum(au[m * R + r]);
+        if (lane == 0 && n0 + r < N) h[slot * args.h_stride + n0 + r] = moe_silu(G) * U;
       }
-    }
-  }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  const uint32_t i = thread_pos.x;
-  if (i < MT * R) {
-    const uint32_t m = i / R, r = i % R;
-    if (((members >> m) & 1u) && n0 + r < N) {
-      float G = 0.0f, U = 0.0f;
-      for (uint32_t s = 0; s < splits; ++s) {
-        G += red[(s * MT + m) * 2 * R + r];
-        U += red[(s * MT + m) * 2 * R + R + r];
-      }
-      const uint32_t slot = shared ? m * (k + 1) + k : moe_mvb_slot(ids, m, k, e);
-      h[slot * args.h_stride + n0 + r] = moe_silu(G) * U;
     }
   }
 }

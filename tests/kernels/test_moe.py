@@ -40,7 +40,8 @@ TILE32_MAX_ROWS = 32       # must match kMoeTile32MaxRows (checked below)
 FEW_MAX_ROWS_M5 = 2        # must match kMoeFewMaxRowsM5: the few-row threshold with tensor ops
 TILE16_MAX_ROWS = 16       # must match kMoeTile16MaxRows: 32-row-list tiles run as 16 rows on M5
 MV_ROWS = 4                # kMoeMvRows: output rows per threadgroup of the decode matvecs
-MVB_ROWS = 2               # kMoeMvbRows: gate/up features per threadgroup of moe_gate_up_mvb
+MVB_ROWS = 2               # kMoeMvbRows: gate/up features per simdgroup of moe_gate_up_mvb
+MVB_SIMDS = 4              # kMoeMvbSimds: simdgroups per threadgroup of moe_gate_up_mvb
 GATE_UP_MAX_SPLITS = 4     # kMoeGateUpMaxSplits
 DOWN_MAX_SPLITS = 8        # kMoeDownMaxSplits
 CODES = 32                 # 4-bit codes per lane and row in the decode matvecs: one 16-byte load
@@ -143,6 +144,7 @@ def test_route_constants_match_extension():
     assert core.ops.MOE_TILE16_MAX_ROWS == TILE16_MAX_ROWS
     assert core.ops.MOE_MV_ROWS == MV_ROWS
     assert core.ops.MOE_MVB_ROWS == MVB_ROWS
+    assert core.ops.MOE_MVB_SIMDS == MVB_SIMDS
     assert core.ops.MOE_GATE_UP_MAX_SPLITS == GATE_UP_MAX_SPLITS
     assert core.ops.MOE_DOWN_MAX_SPLITS == DOWN_MAX_SPLITS
     assert ops.moe_route(1, 8) == "mv"
@@ -367,15 +369,16 @@ def mv_shapes(T, *, H, k, I, Is):
     """(grid x, grid y, grid z, threads) of the expert kernels of the matvec routes, as
     docs/kernels-moe.md states them: gate_up splits K = H over min(4, ceil(H / 1024)) simdgroups
     (a block = 32 lanes x 32 codes); one token (mv): rows in fours, one grid row per slot; 2..8
-    tokens (mvb): moe_route (a simdgroup per token), then gate_up's features in twos, one grid row
-    per (token, routed slot) and one for the shared expert; down (both) splits the concatenated
+    tokens (mvb): moe_route (a simdgroup per token), then gate_up's features in twos per simdgroup,
+    four simdgroups, one grid row for the shared expert and one per (token, routed slot); down
+    (both) splits the concatenated
     K' = k I + Is (chunks of 32 codes) over min(8, ceil(chunks / 32)) simdgroups."""
     gu = max(1, min(GATE_UP_MAX_SPLITS, -(-H // (32 * CODES))))
     dn = max(1, min(DOWN_MAX_SPLITS, -(-(k * (I // CODES) + Is // CODES) // 32)))
     down = (-(-H // MV_ROWS), T, 1, 32 * dn)
     if T == 1:
         return [(-(-max(I, Is) // MV_ROWS), T * (k + 1), 1, 32 * gu), down]
-    return [(T, 1, 1, 32), (-(-max(I, Is) // MVB_ROWS), T * k + 1, 1, 32 * gu), down]
+    return [(T, 1, 1, 32), (-(-max(I, Is) // (MVB_ROWS * MVB_SIMDS)), T * k + 1, 1, 32 * MVB_SIMDS), down]
 
 
 def mv_kernels(T, bits="b4", x="xf32"):
@@ -437,7 +440,7 @@ def test_batched_matvecs_per_token_independent_of_the_batch(rng, device, T, E, k
     owned by the first token that chose it) but computes every token with the same operations in
     the same order: a token's output row, ids and weights are bit for bit those it gets beside one
     other, fresh token. (Against a one-token run they agree within rounding, not bit for bit: the
-    router's logits come from qmv1 there and qmv here.) Few experts make tokens share most of
+    router's logits come from qmv1 there and qmv here, and mv splits K over simdgroups.) Few experts make tokens share most of
     theirs; two rows of x are equal (the same experts, both members of every one); the shared
     expert is twice as wide (routed columns past I load nothing); H = 1088: a second, partial K
     block."""
@@ -504,7 +507,7 @@ def test_decode_matvecs_real_shapes(rng, T):
     out, ids, weights, stats = ops._moe(x, *ops.moe_weights(W), top_k=k, residual=res, seed=rng.seed)
     assert stats["route"] == expected_route(T, k) and stats["host_syncs"] == 0
     assert stats["shapes"][1:] == mv_shapes(T, H=H, k=k, I=I, Is=Is)
-    gate_up = (128, 9, 1, 64) if T == 1 else (256, T * 8 + 1, 1, 64)  # 2 simdgroups
+    gate_up = (128, 9, 1, 64) if T == 1 else (64, T * 8 + 1, 1, 128)  # 2 / 4 simdgroups
     assert stats["shapes"][-2:] == [gate_up, (512, T, 1, 160)]  # down: 5 simdgroups
     dense = {"router": W.router.dense(), "shared_gate": W.shared_expert_gate.dense(),
              "gate": _LazyStack(W.gate_proj), "up": _LazyStack(W.up_proj), "down": _LazyStack(W.down_proj),

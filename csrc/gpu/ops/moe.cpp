@@ -88,8 +88,8 @@ MoeArgs make_args(const MoeOperands& op, MoeRoute route, bool tensor_ops) {
 
 }  // namespace
 
-static_assert(kMoeMvMaxTokens <= 32 && kMoeMvbRows * kMoeMvMaxTokens <= 32,
-              "moe_gate_up_mvb: a token bitmask in 32 bits; its h writers are threads of one threadgroup");
+static_assert(kMoeMvMaxTokens <= 32 && 32 * kMoeMvbSimds <= 128,
+              "moe_gate_up_mvb: a token bitmask in 32 bits; 128 threads at most (the cuda launch bound)");
 MoeRoute moe_route(uint32_t tokens, uint32_t /*top_k*/) {
   return tokens == 1 ? MoeRoute::mv : tokens <= kMoeMvMaxTokens ? MoeRoute::mvb : MoeRoute::tiled;
 }
@@ -391,7 +391,7 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
       enc.set_buffer(1, range(op.x, act, "x"));
       enc.set_buffer(2, range(op.scratch.ids, sb.ids, "scratch.ids"));
       bind_gate_up();
-      enc.dispatch({ceil_div(a.h_stride, kMoeMvbRows), T * k + 1, 1}, {32 * sh.gate_up_splits, 1, 1});
+      enc.dispatch({ceil_div(a.h_stride, kMoeMvbRows * kMoeMvbSimds), T * k + 1, 1}, {32 * kMoeMvbSimds, 1, 1});
     } else {
       // 2. gate + up + SwiGLU of the selected experts and the shared expert, per slot; every
       // threadgroup selects its token's experts from the logits itself (no route level), and one
