@@ -1,9 +1,7 @@
-// Mixture of experts, the matvec routes (decode). One token (mv): moe_gate_up_mv selects each
-// slot's expert from the router logits itself (common/moe.h) and writes the token's routing (ids,
-// weights) once; moe_down_mv reads it. No moe_route level: router logits (qmv1, qmm.metal) ->
-// moe_gate_up_mv -> moe_down_mv. 2 <= T <= kMoeMvMaxTokens (mvb, a batched decode step): router
-// logits (qmv) -> moe_route (moe_plan.metal) -> moe_gate_up_mvb (each expert of the union once)
-// -> moe_down_mv.
+// Mixture of experts, the matvec route (decode, T <= kMoeMvMaxTokens): moe_gate_up_mv selects
+// each slot's expert from the router logits itself (common/moe.h) and writes the token's routing
+// (ids, weights) once; moe_down_mv reads it. No moe_route level: router logits (qmv1 / qmv,
+// qmm.metal) -> moe_gate_up_mv -> moe_down_mv.
 // Buffers of quantized matrices follow MLX's affine layout (common/quant.h): routed experts
 // stacked [E, N, K * bits / 32] with scales/biases [E, N, K / group_size], the shared expert's
 // [N, K * bits / 32]; the shared expert is one more slot (index E) with weight sigmoid(logit E).
@@ -178,175 +176,6 @@ template <typename T, typename S, int bits, int sbits>
   }
 }
 
-// The K loop of moe_gate_up_mvb at `bits`: as moe_gate_up_mv_blocks, for every member token m
-// (bit m of `members`) of the expert: each row's codes are loaded once per block and kept packed,
-// then dotted with each member's pre-scaled x, in one order per token whatever the other members.
-// ag / au: [kMoeMvMaxTokens * kMoeMvbRows].
-template <typename T, typename S, int bits>
-inline void moe_gate_up_mvb_blocks(const device T* x, uint32_t members, const device uint32_t* wg,
-                                   const device S* sg, const device S* bg, const device uint32_t* wu,
-                                   const device S* su, const device S* bu, const thread uint32_t* row, uint32_t H,
-                                   uint32_t group_shift, uint32_t K_end, uint32_t splits, uint32_t simd_id,
-                                   uint32_t lane, thread float* ag, thread float* au) {
-  constexpr uint32_t R = kMoeMvbRows;
-  constexpr uint32_t MT = kMoeMvMaxTokens;
-  constexpr uint32_t V = Qmv1Codes<bits>::V;
-  constexpr uint32_t B = 32 * V;
-  typedef typename Qmv1Codes<bits>::Words Words;
-  const uint32_t wpr = H * bits / 32, gpr = H >> group_shift;
-  for (uint32_t k0 = simd_id * B; k0 < K_end; k0 += splits * B) {
-    const uint32_t kk = k0 + lane * V;
-    if (kk < H) {  // only a last, partial block diverges (H is a multiple of 32)
-      const uint32_t gi = kk >> group_shift;
-      const uint32_t wo = kk * bits / 32;
-      Words cg[R], cu[R];
-      float s_g[R], b_g[R], s_u[R], b_u[R];
-      LILY_UNROLL
-      for (uint32_t r = 0; r < R; ++r) {
-        cg[r] = Qmv1Codes<bits>::load(wg + row[r] * wpr + wo);
-        cu[r] = Qmv1Codes<bits>::load(wu + row[r] * wpr + wo);
-        s_g[r] = float(sg[row[r] * gpr + gi]);
-        b_g[r] = float(bg[row[r] * gpr + gi]);
-        s_u[r] = float(su[row[r] * gpr + gi]);
-        b_u[r] = float(bu[row[r] * gpr + gi]);
-      }
-      LILY_UNROLL
-      for (uint32_t m = 0; m < MT; ++m) {
-        if ((members >> m) & 1u) {  // uniform over the threadgroup
-          float xv[V];
-          moe_load_act<V>(x + m * H + kk, xv);
-          float xs[V];
-          float xsum = 0.0f;
-          for (uint32_t i = 0; i < V; ++i) {
-            xsum += xv[i];
-            xs[i] = xv[i] * Qmv1Codes<bits>::scale_of(i);
-          }
-          LILY_UNROLL
-          for (uint32_t r = 0; r < R; ++r) {
-            const float dg = Qmv1Codes<bits>::dot(cg[r], xs);
-            const float du = Qmv1Codes<bits>::dot(cu[r], xs);
-            ag[m * R + r] = fma(s_g[r], dg, fma(b_g[r], xsum, ag[m * R + r]));
-            au[m * R + r] = fma(s_u[r], du, fma(b_u[r], xsum, au[m * R + r]));
-          }
-        }
-      }
-    }
-  }
-}
-
-// The slot of token m whose expert is e (k routed ids per token; the caller knows there is one).
-inline uint32_t moe_mvb_slot(const device uint32_t* ids, uint32_t m, uint32_t k, uint32_t e) {
-  uint32_t j = 0;
-  for (uint32_t i = 0; i < k; ++i)
-    if (ids[m * k + i] == e) j = i;
-  return m * (k + 1) + j;
-}
-
-// ---------------------------------------------------------------------------------------------
-// moe_gate_up_mvb: batched decode (2 <= T <= kMoeMvMaxTokens tokens, one per sequence): the
-// matvecs over the union of the tokens' experts, each expert's weights read once for every token
-// that chose it, and the shared expert's once for all T tokens. The routing comes from moe_route
-// (ids [T, k], weights [T, k + 1], the level before), so no simdgroup selects.
-// Issue 42: at T = 8 the tokens pick about 57 distinct experts of their 64 slots.
-//   grid:       (ceil(max(I, Is) / (kMoeMvbRows kMoeMvbSimds)), T k + 1) threadgroups of
-//               32 kMoeMvbSimds threads. Column 0 is the shared expert, every token its member (the
-//               longest column starts first); column c >= 1 is routed slot c - 1 = (t, j) and works
-//               only if no earlier token chose that expert (it then owns the expert and takes every
-//               later token that chose it too). The simdgroups scan the ids a lane each.
-//   simdgroup:  kMoeMvbRows features (gate and up rows each) of its own, over all of K = H: no
-//               split, no threadgroup memory, no barrier. An idle simdgroup (a column that owns no
-//               expert, features past N) loads nothing.
-//   block:      B = 32 lanes x V codes (Qmv1Codes, as moe_gate_up_mv); per block the lane loads its
-//               codes of the rows once (2 kMoeMvbRows 16-byte loads, kept packed), then for each
-//               member its V values of x, summed, pre-scaled, dotted with every row.
-//   numerics:   a token's operations and their order do not depend on the other tokens: its h is
-//               the same bit for bit in any batch (moe_gate_up_mv splits K over simdgroups: a
-//               different order, so within rounding of it).
-//   registers:  acc [kMoeMvMaxTokens][kMoeMvbRows] for gate and up, compile-time indexed.
-//   buffers:    1 x [T, H], 2 ids [T, k], 3..14 as moe_gate_up_mv, 15 h [T (k + 1), h_stride].
-template <typename T, typename S, int bits, int sbits>
-[[kernel]] void moe_gate_up_mvb(constant MoeArgs& args [[buffer(0)]],
-                                const device T* x [[buffer(1)]],
-                                const device uint32_t* ids [[buffer(2)]],
-                                const device uint32_t* gate_w [[buffer(3)]],
-                                const device S* gate_s [[buffer(4)]],
-                                const device S* gate_b [[buffer(5)]],
-                                const device uint32_t* up_w [[buffer(6)]],
-                                const device S* up_s [[buffer(7)]],
-                                const device S* up_b [[buffer(8)]],
-                                const device uint32_t* sh_gate_w [[buffer(9)]],
-                                const device S* sh_gate_s [[buffer(10)]],
-                                const device S* sh_gate_b [[buffer(11)]],
-                                const device uint32_t* sh_up_w [[buffer(12)]],
-                                const device S* sh_up_s [[buffer(13)]],
-                                const device S* sh_up_b [[buffer(14)]],
-                                device float* h [[buffer(15)]],
-                                LILY_KERNEL_TAIL) {
-  constexpr uint32_t R = kMoeMvbRows;
-  constexpr uint32_t MT = kMoeMvMaxTokens;
-  const uint32_t T_ = args.tokens, k = args.top_k, H = args.hidden;
-  const uint32_t col = group_pos.y;
-  const bool shared = col == 0;  // uniform over the threadgroup
-  uint32_t e = 0, members = 0;
-  if (shared) {
-    members = (1u << T_) - 1u;
-  } else {
-    const uint32_t c = col - 1;  // routed slot (t, j) = (c / k, c % k)
-    e = ids[c];
-    const uint32_t first = c - c % k;  // the ids of the tokens before this column's
-    uint32_t before = 0u, mem = 0u;
-    for (uint32_t i = lane; i < T_ * k; i += 32) {
-      if (ids[i] == e) {
-        if (i < first) before = 1u;
-        else mem |= 1u << (i / k);
-      }
-    }
-    for (ushort d = 1; d < 32; d *= 2) {
-      before |= simd_shuffle_xor(before, d);
-      mem |= simd_shuffle_xor(mem, d);
-    }
-    members = before != 0u ? 0u : mem;
-  }
-  const uint32_t N = shared ? args.shared_inter : args.inter;
-  const uint32_t wpr = H * bits / 32, gpr = H >> args.group_shift;  // the routed experts' rows
-  const device uint32_t* wg = shared ? sh_gate_w : gate_w + e * N * wpr;
-  const device S* sg = shared ? sh_gate_s : gate_s + e * N * gpr;
-  const device S* bg = shared ? sh_gate_b : gate_b + e * N * gpr;
-  const device uint32_t* wu = shared ? sh_up_w : up_w + e * N * wpr;
-  const device S* su = shared ? sh_up_s : up_s + e * N * gpr;
-  const device S* bu = shared ? sh_up_b : up_b + e * N * gpr;
-  const uint32_t n0 = (group_pos.x * kMoeMvbSimds + simd_id) * R;
-  const uint32_t K_end = (n0 < N && members != 0u) ? H : 0u;  // uniform over the simdgroup
-
-  uint32_t row[R];
-  LILY_UNROLL
-  for (uint32_t r = 0; r < R; ++r) row[r] = min(n0 + r, N - 1);
-  float ag[MT * R], au[MT * R];
-  LILY_UNROLL
-  for (uint32_t i = 0; i < MT * R; ++i) {
-    ag[i] = 0.0f;
-    au[i] = 0.0f;
-  }
-  if (sbits != bits && shared)
-    moe_gate_up_mvb_blocks<T, S, sbits>(x, members, wg, sg, bg, wu, su, bu, row, H, args.group_shift, K_end, 1u, 0u,
-                                        lane, ag, au);
-  else
-    moe_gate_up_mvb_blocks<T, S, bits>(x, members, wg, sg, bg, wu, su, bu, row, H, args.group_shift, K_end, 1u, 0u,
-                                       lane, ag, au);
-  LILY_UNROLL
-  for (uint32_t m = 0; m < MT; ++m) {
-    if ((members >> m) & 1u) {
-      const uint32_t slot = shared ? m * (k + 1) + k : moe_mvb_slot(ids, m, k, e);
-      LILY_UNROLL
-      for (uint32_t r = 0; r < R; ++r) {
-        const float G = simd_sum(ag[m * R + r]);
-        const float U = simd_sum(au[m * R + r]);
-        if (lane == 0 && n0 + r < N) h[slot * args.h_stride + n0 + r] = moe_silu(G) * U;
-      }
-    }
-  }
-}
-
 // One chunk of moe_down_mv at `bits`: the V values of h at hp times the slot's routing weight wj,
 // summed once, pre-scaled; acc[r] += the dot product with row row[r] of the slot's expert w.
 template <typename S, int bits>
@@ -451,68 +280,48 @@ template <typename T, typename S, int bits, int sbits>
 // Instantiations: the matvec rows of csrc/gpu/kernel_ids.h (2 to 8-bit experts, fp32 and bf16
 // activations, bf16 scales).
 LILY_INSTANTIATE("moe_gate_up_mv_b4_xf32_sbf16", moe_gate_up_mv<float, bfloat, 4, 4>)
-LILY_INSTANTIATE("moe_gate_up_mvb_b4_xf32_sbf16", moe_gate_up_mvb<float, bfloat, 4, 4>)
 LILY_INSTANTIATE("moe_down_mv_b4_xf32_sbf16", moe_down_mv<float, bfloat, 4, 4>)
 LILY_INSTANTIATE("moe_gate_up_mv_b4_xbf16_sbf16", moe_gate_up_mv<bfloat, bfloat, 4, 4>)
-LILY_INSTANTIATE("moe_gate_up_mvb_b4_xbf16_sbf16", moe_gate_up_mvb<bfloat, bfloat, 4, 4>)
 LILY_INSTANTIATE("moe_down_mv_b4_xbf16_sbf16", moe_down_mv<bfloat, bfloat, 4, 4>)
 LILY_INSTANTIATE("moe_gate_up_mv_b2_xf32_sbf16", moe_gate_up_mv<float, bfloat, 2, 2>)
-LILY_INSTANTIATE("moe_gate_up_mvb_b2_xf32_sbf16", moe_gate_up_mvb<float, bfloat, 2, 2>)
 LILY_INSTANTIATE("moe_down_mv_b2_xf32_sbf16", moe_down_mv<float, bfloat, 2, 2>)
 LILY_INSTANTIATE("moe_gate_up_mv_b2_xbf16_sbf16", moe_gate_up_mv<bfloat, bfloat, 2, 2>)
-LILY_INSTANTIATE("moe_gate_up_mvb_b2_xbf16_sbf16", moe_gate_up_mvb<bfloat, bfloat, 2, 2>)
 LILY_INSTANTIATE("moe_down_mv_b2_xbf16_sbf16", moe_down_mv<bfloat, bfloat, 2, 2>)
 LILY_INSTANTIATE("moe_gate_up_mv_b3_xf32_sbf16", moe_gate_up_mv<float, bfloat, 3, 3>)
-LILY_INSTANTIATE("moe_gate_up_mvb_b3_xf32_sbf16", moe_gate_up_mvb<float, bfloat, 3, 3>)
 LILY_INSTANTIATE("moe_down_mv_b3_xf32_sbf16", moe_down_mv<float, bfloat, 3, 3>)
 LILY_INSTANTIATE("moe_gate_up_mv_b3_xbf16_sbf16", moe_gate_up_mv<bfloat, bfloat, 3, 3>)
-LILY_INSTANTIATE("moe_gate_up_mvb_b3_xbf16_sbf16", moe_gate_up_mvb<bfloat, bfloat, 3, 3>)
 LILY_INSTANTIATE("moe_down_mv_b3_xbf16_sbf16", moe_down_mv<bfloat, bfloat, 3, 3>)
 LILY_INSTANTIATE("moe_gate_up_mv_b5_xf32_sbf16", moe_gate_up_mv<float, bfloat, 5, 5>)
-LILY_INSTANTIATE("moe_gate_up_mvb_b5_xf32_sbf16", moe_gate_up_mvb<float, bfloat, 5, 5>)
 LILY_INSTANTIATE("moe_down_mv_b5_xf32_sbf16", moe_down_mv<float, bfloat, 5, 5>)
 LILY_INSTANTIATE("moe_gate_up_mv_b5_xbf16_sbf16", moe_gate_up_mv<bfloat, bfloat, 5, 5>)
-LILY_INSTANTIATE("moe_gate_up_mvb_b5_xbf16_sbf16", moe_gate_up_mvb<bfloat, bfloat, 5, 5>)
 LILY_INSTANTIATE("moe_down_mv_b5_xbf16_sbf16", moe_down_mv<bfloat, bfloat, 5, 5>)
 LILY_INSTANTIATE("moe_gate_up_mv_b6_xf32_sbf16", moe_gate_up_mv<float, bfloat, 6, 6>)
-LILY_INSTANTIATE("moe_gate_up_mvb_b6_xf32_sbf16", moe_gate_up_mvb<float, bfloat, 6, 6>)
 LILY_INSTANTIATE("moe_down_mv_b6_xf32_sbf16", moe_down_mv<float, bfloat, 6, 6>)
 LILY_INSTANTIATE("moe_gate_up_mv_b6_xbf16_sbf16", moe_gate_up_mv<bfloat, bfloat, 6, 6>)
-LILY_INSTANTIATE("moe_gate_up_mvb_b6_xbf16_sbf16", moe_gate_up_mvb<bfloat, bfloat, 6, 6>)
 LILY_INSTANTIATE("moe_down_mv_b6_xbf16_sbf16", moe_down_mv<bfloat, bfloat, 6, 6>)
 LILY_INSTANTIATE("moe_gate_up_mv_b8_xf32_sbf16", moe_gate_up_mv<float, bfloat, 8, 8>)
-LILY_INSTANTIATE("moe_gate_up_mvb_b8_xf32_sbf16", moe_gate_up_mvb<float, bfloat, 8, 8>)
 LILY_INSTANTIATE("moe_down_mv_b8_xf32_sbf16", moe_down_mv<float, bfloat, 8, 8>)
 LILY_INSTANTIATE("moe_gate_up_mv_b8_xbf16_sbf16", moe_gate_up_mv<bfloat, bfloat, 8, 8>)
-LILY_INSTANTIATE("moe_gate_up_mvb_b8_xbf16_sbf16", moe_gate_up_mvb<bfloat, bfloat, 8, 8>)
 LILY_INSTANTIATE("moe_down_mv_b8_xbf16_sbf16", moe_down_mv<bfloat, bfloat, 8, 8>)
 
 
 // Mixed checkpoints: routed experts at b, the shared expert at s (csrc/gpu/kernel_ids.h,
 // kMoeSharedWidths: the pairs built).
 LILY_INSTANTIATE("moe_gate_up_mv_b2s6_xf32_sbf16", moe_gate_up_mv<float, bfloat, 2, 6>)
-LILY_INSTANTIATE("moe_gate_up_mvb_b2s6_xf32_sbf16", moe_gate_up_mvb<float, bfloat, 2, 6>)
 LILY_INSTANTIATE("moe_down_mv_b2s6_xf32_sbf16", moe_down_mv<float, bfloat, 2, 6>)
 LILY_INSTANTIATE("moe_gate_up_mv_b2s6_xbf16_sbf16", moe_gate_up_mv<bfloat, bfloat, 2, 6>)
-LILY_INSTANTIATE("moe_gate_up_mvb_b2s6_xbf16_sbf16", moe_gate_up_mvb<bfloat, bfloat, 2, 6>)
 LILY_INSTANTIATE("moe_down_mv_b2s6_xbf16_sbf16", moe_down_mv<bfloat, bfloat, 2, 6>)
 LILY_INSTANTIATE("moe_gate_up_mv_b3s6_xf32_sbf16", moe_gate_up_mv<float, bfloat, 3, 6>)
-LILY_INSTANTIATE("moe_gate_up_mvb_b3s6_xf32_sbf16", moe_gate_up_mvb<float, bfloat, 3, 6>)
 LILY_INSTANTIATE("moe_down_mv_b3s6_xf32_sbf16", moe_down_mv<float, bfloat, 3, 6>)
 LILY_INSTANTIATE("moe_gate_up_mv_b3s6_xbf16_sbf16", moe_gate_up_mv<bfloat, bfloat, 3, 6>)
-LILY_INSTANTIATE("moe_gate_up_mvb_b3s6_xbf16_sbf16", moe_gate_up_mvb<bfloat, bfloat, 3, 6>)
 LILY_INSTANTIATE("moe_down_mv_b3s6_xbf16_sbf16", moe_down_mv<bfloat, bfloat, 3, 6>)
 LILY_INSTANTIATE("moe_gate_up_mv_b4s6_xf32_sbf16", moe_gate_up_mv<float, bfloat, 4, 6>)
-LILY_INSTANTIATE("moe_gate_up_mvb_b4s6_xf32_sbf16", moe_gate_up_mvb<float, bfloat, 4, 6>)
 LILY_INSTANTIATE("moe_down_mv_b4s6_xf32_sbf16", moe_down_mv<float, bfloat, 4, 6>)
 LILY_INSTANTIATE("moe_gate_up_mv_b4s6_xbf16_sbf16", moe_gate_up_mv<bfloat, bfloat, 4, 6>)
-LILY_INSTANTIATE("moe_gate_up_mvb_b4s6_xbf16_sbf16", moe_gate_up_mvb<bfloat, bfloat, 4, 6>)
 LILY_INSTANTIATE("moe_down_mv_b4s6_xbf16_sbf16", moe_down_mv<bfloat, bfloat, 4, 6>)
 LILY_INSTANTIATE("moe_gate_up_mv_b4s8_xf32_sbf16", moe_gate_up_mv<float, bfloat, 4, 8>)
-LILY_INSTANTIATE("moe_gate_up_mvb_b4s8_xf32_sbf16", moe_gate_up_mvb<float, bfloat, 4, 8>)
 LILY_INSTANTIATE("moe_down_mv_b4s8_xf32_sbf16", moe_down_mv<float, bfloat, 4, 8>)
 LILY_INSTANTIATE("moe_gate_up_mv_b4s8_xbf16_sbf16", moe_gate_up_mv<bfloat, bfloat, 4, 8>)
-LILY_INSTANTIATE("moe_gate_up_mvb_b4s8_xbf16_sbf16", moe_gate_up_mvb<bfloat, bfloat, 4, 8>)
 LILY_INSTANTIATE("moe_down_mv_b4s8_xbf16_sbf16", moe_down_mv<bfloat, bfloat, 4, 8>)
 
 }  // namespace lily

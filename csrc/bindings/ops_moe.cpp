@@ -37,7 +37,7 @@ nb::object copy_out(const gpu::Binding& b, std::vector<size_t> shape) {
 void init_ops_moe(nb::module_& m) {
   m.def("moe_route", [](uint32_t tokens, uint32_t top_k) {
     return std::string(gpu::ops::moe_route_name(gpu::ops::moe_route(tokens, top_k)));
-  }, "tokens"_a, "top_k"_a, "Route the MoE block takes: 'mv' (one token), 'mvb' (2 to 8 tokens) or 'tiled'.");
+  }, "tokens"_a, "top_k"_a, "Route the MoE block takes: 'mv', 'mm32' or 'mm64'.");
   m.attr("MOE_MV_MAX_TOKENS") = static_cast<uint32_t>(kMoeMvMaxTokens);
   m.attr("MOE_FEW_MAX_ROWS") = static_cast<uint32_t>(kMoeFewMaxRows);
   m.attr("MOE_TILE32_MAX_ROWS") = static_cast<uint32_t>(kMoeTile32MaxRows);
@@ -46,8 +46,6 @@ void init_ops_moe(nb::module_& m) {
   m.attr("MOE_MAX_EXPERTS") = static_cast<uint32_t>(kMoeMaxExperts);
   m.attr("MOE_MAX_TOP_K") = static_cast<uint32_t>(kMoeMaxTopK);
   m.attr("MOE_MV_ROWS") = static_cast<uint32_t>(kMoeMvRows);
-  m.attr("MOE_MVB_ROWS") = static_cast<uint32_t>(kMoeMvbRows);
-  m.attr("MOE_MVB_SIMDS") = static_cast<uint32_t>(kMoeMvbSimds);
   m.attr("MOE_GATE_UP_MAX_SPLITS") = static_cast<uint32_t>(kMoeGateUpMaxSplits);
   m.attr("MOE_DOWN_MAX_SPLITS") = static_cast<uint32_t>(kMoeDownMaxSplits);
 

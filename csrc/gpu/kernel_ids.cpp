@@ -27,7 +27,6 @@ constexpr WidthPattern kWidthPatterns[] = {
     {"embedding", "_xf32_sbf16"}, {"embedding", "_xbf16_sbf16"},
     {"moe_gate_up_mv", "_xf32_sbf16"}, {"moe_gate_up_mv", "_xbf16_sbf16"},
     {"moe_down_mv", "_xf32_sbf16"}, {"moe_down_mv", "_xbf16_sbf16"},
-    {"moe_gate_up_mvb", "_xf32_sbf16"}, {"moe_gate_up_mvb", "_xbf16_sbf16"},
     {"moe_gate_up_mm32", "_xf32_sbf16"}, {"moe_gate_up_mm32", "_xbf16_sbf16"},
     {"moe_gate_up_mm64", "_xf32_sbf16"}, {"moe_gate_up_mm64", "_xbf16_sbf16"},
     {"moe_gate_up_few", "_xf32_sbf16"}, {"moe_gate_up_few", "_xbf16_sbf16"},

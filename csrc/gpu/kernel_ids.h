@@ -207,7 +207,6 @@
   X(moe_route,                       MoeArgs, 3)                              \
   X(moe_plan,                        MoeArgs, 5)                              \
   X(moe_gate_up_mv_b4_xf32_sbf16, MoeArgs, 17)                             \
-  X(moe_gate_up_mvb_b4_xf32_sbf16, MoeArgs, 15) \
   X(moe_down_mv_b4_xf32_sbf16, MoeArgs, 11)                             \
   X(moe_gate_up_mm32_b4_xf32_sbf16,  MoeArgs, 15)                             \
   X(moe_gate_up_mm64_b4_xf32_sbf16,  MoeArgs, 15)                             \
@@ -218,7 +217,6 @@
   X(moe_combine_xf32,                MoeArgs, 4)                              \
   X(moe_route_xbf16, MoeArgs, 3) \
   X(moe_gate_up_mv_b4_xbf16_sbf16, MoeArgs, 17) \
-  X(moe_gate_up_mvb_b4_xbf16_sbf16, MoeArgs, 15) \
   X(moe_down_mv_b4_xbf16_sbf16, MoeArgs, 11) \
   X(moe_gate_up_mm32_b4_xbf16_sbf16, MoeArgs, 15) \
   X(moe_gate_up_mm64_b4_xbf16_sbf16, MoeArgs, 15) \
@@ -375,13 +373,11 @@
   X(qmv1_b6_xbf16_sbf16_yf32_r1, Qmv1Args, 9) \
   X(qmm_b6_xbf16_sbf16_yf32, QmmArgs, 5) \
   X(moe_gate_up_mv_b2_xf32_sbf16, MoeArgs, 17) \
-  X(moe_gate_up_mvb_b2_xf32_sbf16, MoeArgs, 15) \
   X(moe_down_mv_b2_xf32_sbf16, MoeArgs, 11) \
   X(moe_gate_up_mm32_b2_xf32_sbf16, MoeArgs, 15) \
   X(moe_gate_up_mm64_b2_xf32_sbf16, MoeArgs, 15) \
   X(moe_gate_up_few_b2_xf32_sbf16, MoeArgs, 15) \
   X(moe_gate_up_mv_b2_xbf16_sbf16, MoeArgs, 17) \
-  X(moe_gate_up_mvb_b2_xbf16_sbf16, MoeArgs, 15) \
   X(moe_down_mv_b2_xbf16_sbf16, MoeArgs, 11) \
   X(moe_gate_up_mm32_b2_xbf16_sbf16, MoeArgs, 15) \
   X(moe_gate_up_mm64_b2_xbf16_sbf16, MoeArgs, 15) \
@@ -390,13 +386,11 @@
   X(moe_down_mm64_b2_sbf16, MoeArgs, 10) \
   X(moe_down_few_b2_sbf16, MoeArgs, 10) \
   X(moe_gate_up_mv_b3_xf32_sbf16, MoeArgs, 17) \
-  X(moe_gate_up_mvb_b3_xf32_sbf16, MoeArgs, 15) \
   X(moe_down_mv_b3_xf32_sbf16, MoeArgs, 11) \
   X(moe_gate_up_mm32_b3_xf32_sbf16, MoeArgs, 15) \
   X(moe_gate_up_mm64_b3_xf32_sbf16, MoeArgs, 15) \
   X(moe_gate_up_few_b3_xf32_sbf16, MoeArgs, 15) \
   X(moe_gate_up_mv_b3_xbf16_sbf16, MoeArgs, 17) \
-  X(moe_gate_up_mvb_b3_xbf16_sbf16, MoeArgs, 15) \
   X(moe_down_mv_b3_xbf16_sbf16, MoeArgs, 11) \
   X(moe_gate_up_mm32_b3_xbf16_sbf16, MoeArgs, 15) \
   X(moe_gate_up_mm64_b3_xbf16_sbf16, MoeArgs, 15) \
@@ -405,13 +399,11 @@
   X(moe_down_mm64_b3_sbf16, MoeArgs, 10) \
   X(moe_down_few_b3_sbf16, MoeArgs, 10) \
   X(moe_gate_up_mv_b5_xf32_sbf16, MoeArgs, 17) \
-  X(moe_gate_up_mvb_b5_xf32_sbf16, MoeArgs, 15) \
   X(moe_down_mv_b5_xf32_sbf16, MoeArgs, 11) \
   X(moe_gate_up_mm32_b5_xf32_sbf16, MoeArgs, 15) \
   X(moe_gate_up_mm64_b5_xf32_sbf16, MoeArgs, 15) \
   X(moe_gate_up_few_b5_xf32_sbf16, MoeArgs, 15) \
   X(moe_gate_up_mv_b5_xbf16_sbf16, MoeArgs, 17) \
-  X(moe_gate_up_mvb_b5_xbf16_sbf16, MoeArgs, 15) \
   X(moe_down_mv_b5_xbf16_sbf16, MoeArgs, 11) \
   X(moe_gate_up_mm32_b5_xbf16_sbf16, MoeArgs, 15) \
   X(moe_gate_up_mm64_b5_xbf16_sbf16, MoeArgs, 15) \
@@ -420,13 +412,11 @@
   X(moe_down_mm64_b5_sbf16, MoeArgs, 10) \
   X(moe_down_few_b5_sbf16, MoeArgs, 10) \
   X(moe_gate_up_mv_b6_xf32_sbf16, MoeArgs, 17) \
-  X(moe_gate_up_mvb_b6_xf32_sbf16, MoeArgs, 15) \
   X(moe_down_mv_b6_xf32_sbf16, MoeArgs, 11) \
   X(moe_gate_up_mm32_b6_xf32_sbf16, MoeArgs, 15) \
   X(moe_gate_up_mm64_b6_xf32_sbf16, MoeArgs, 15) \
   X(moe_gate_up_few_b6_xf32_sbf16, MoeArgs, 15) \
   X(moe_gate_up_mv_b6_xbf16_sbf16, MoeArgs, 17) \
-  X(moe_gate_up_mvb_b6_xbf16_sbf16, MoeArgs, 15) \
   X(moe_down_mv_b6_xbf16_sbf16, MoeArgs, 11) \
   X(moe_gate_up_mm32_b6_xbf16_sbf16, MoeArgs, 15) \
   X(moe_gate_up_mm64_b6_xbf16_sbf16, MoeArgs, 15) \
@@ -435,13 +425,11 @@
   X(moe_down_mm64_b6_sbf16, MoeArgs, 10) \
   X(moe_down_few_b6_sbf16, MoeArgs, 10) \
   X(moe_gate_up_mv_b8_xf32_sbf16, MoeArgs, 17) \
-  X(moe_gate_up_mvb_b8_xf32_sbf16, MoeArgs, 15) \
   X(moe_down_mv_b8_xf32_sbf16, MoeArgs, 11) \
   X(moe_gate_up_mm32_b8_xf32_sbf16, MoeArgs, 15) \
   X(moe_gate_up_mm64_b8_xf32_sbf16, MoeArgs, 15) \
   X(moe_gate_up_few_b8_xf32_sbf16, MoeArgs, 15) \
   X(moe_gate_up_mv_b8_xbf16_sbf16, MoeArgs, 17) \
-  X(moe_gate_up_mvb_b8_xbf16_sbf16, MoeArgs, 15) \
   X(moe_down_mv_b8_xbf16_sbf16, MoeArgs, 11) \
   X(moe_gate_up_mm32_b8_xbf16_sbf16, MoeArgs, 15) \
   X(moe_gate_up_mm64_b8_xbf16_sbf16, MoeArgs, 15) \
@@ -452,13 +440,11 @@
   /* The MoE kernels of mixed checkpoints: routed experts at b bits, the shared expert at s   */ \
   /* (moe_decode.metal, moe_prefill.metal; width_kernel(family, b, s)) */ \
   X(moe_gate_up_mv_b2s6_xf32_sbf16, MoeArgs, 17) \
-  X(moe_gate_up_mvb_b2s6_xf32_sbf16, MoeArgs, 15) \
   X(moe_down_mv_b2s6_xf32_sbf16, MoeArgs, 11) \
   X(moe_gate_up_mm32_b2s6_xf32_sbf16, MoeArgs, 15) \
   X(moe_gate_up_mm64_b2s6_xf32_sbf16, MoeArgs, 15) \
   X(moe_gate_up_few_b2s6_xf32_sbf16, MoeArgs, 15) \
   X(moe_gate_up_mv_b2s6_xbf16_sbf16, MoeArgs, 17) \
-  X(moe_gate_up_mvb_b2s6_xbf16_sbf16, MoeArgs, 15) \
   X(moe_down_mv_b2s6_xbf16_sbf16, MoeArgs, 11) \
   X(moe_gate_up_mm32_b2s6_xbf16_sbf16, MoeArgs, 15) \
   X(moe_gate_up_mm64_b2s6_xbf16_sbf16, MoeArgs, 15) \
@@ -467,13 +453,11 @@
   X(moe_down_mm64_b2s6_sbf16, MoeArgs, 10) \
   X(moe_down_few_b2s6_sbf16, MoeArgs, 10) \
   X(moe_gate_up_mv_b3s6_xf32_sbf16, MoeArgs, 17) \
-  X(moe_gate_up_mvb_b3s6_xf32_sbf16, MoeArgs, 15) \
   X(moe_down_mv_b3s6_xf32_sbf16, MoeArgs, 11) \
   X(moe_gate_up_mm32_b3s6_xf32_sbf16, MoeArgs, 15) \
   X(moe_gate_up_mm64_b3s6_xf32_sbf16, MoeArgs, 15) \
   X(moe_gate_up_few_b3s6_xf32_sbf16, MoeArgs, 15) \
   X(moe_gate_up_mv_b3s6_xbf16_sbf16, MoeArgs, 17) \
-  X(moe_gate_up_mvb_b3s6_xbf16_sbf16, MoeArgs, 15) \
   X(moe_down_mv_b3s6_xbf16_sbf16, MoeArgs, 11) \
   X(moe_gate_up_mm32_b3s6_xbf16_sbf16, MoeArgs, 15) \
   X(moe_gate_up_mm64_b3s6_xbf16_sbf16, MoeArgs, 15) \
@@ -482,13 +466,11 @@
   X(moe_down_mm64_b3s6_sbf16, MoeArgs, 10) \
   X(moe_down_few_b3s6_sbf16, MoeArgs, 10) \
   X(moe_gate_up_mv_b4s6_xf32_sbf16, MoeArgs, 17) \
-  X(moe_gate_up_mvb_b4s6_xf32_sbf16, MoeArgs, 15) \
   X(moe_down_mv_b4s6_xf32_sbf16, MoeArgs, 11) \
   X(moe_gate_up_mm32_b4s6_xf32_sbf16, MoeArgs, 15) \
   X(moe_gate_up_mm64_b4s6_xf32_sbf16, MoeArgs, 15) \
   X(moe_gate_up_few_b4s6_xf32_sbf16, MoeArgs, 15) \
   X(moe_gate_up_mv_b4s6_xbf16_sbf16, MoeArgs, 17) \
-  X(moe_gate_up_mvb_b4s6_xbf16_sbf16, MoeArgs, 15) \
   X(moe_down_mv_b4s6_xbf16_sbf16, MoeArgs, 11) \
   X(moe_gate_up_mm32_b4s6_xbf16_sbf16, MoeArgs, 15) \
   X(moe_gate_up_mm64_b4s6_xbf16_sbf16, MoeArgs, 15) \
@@ -497,13 +479,11 @@
   X(moe_down_mm64_b4s6_sbf16, MoeArgs, 10) \
   X(moe_down_few_b4s6_sbf16, MoeArgs, 10) \
   X(moe_gate_up_mv_b4s8_xf32_sbf16, MoeArgs, 17) \
-  X(moe_gate_up_mvb_b4s8_xf32_sbf16, MoeArgs, 15) \
   X(moe_down_mv_b4s8_xf32_sbf16, MoeArgs, 11) \
   X(moe_gate_up_mm32_b4s8_xf32_sbf16, MoeArgs, 15) \
   X(moe_gate_up_mm64_b4s8_xf32_sbf16, MoeArgs, 15) \
   X(moe_gate_up_few_b4s8_xf32_sbf16, MoeArgs, 15) \
   X(moe_gate_up_mv_b4s8_xbf16_sbf16, MoeArgs, 17) \
-  X(moe_gate_up_mvb_b4s8_xbf16_sbf16, MoeArgs, 15) \
   X(moe_down_mv_b4s8_xbf16_sbf16, MoeArgs, 11) \
   X(moe_gate_up_mm32_b4s8_xbf16_sbf16, MoeArgs, 15) \
   X(moe_gate_up_mm64_b4s8_xbf16_sbf16, MoeArgs, 15) \
@@ -556,7 +536,6 @@ enum class WidthFamily : uint8_t {
   qmm_xf32, qmm_xbf16, qmm_xbf16_yf32,
   embedding_xf32, embedding_xbf16,
   moe_gate_up_mv_xf32, moe_gate_up_mv_xbf16, moe_down_mv_xf32, moe_down_mv_xbf16,
-  moe_gate_up_mvb_xf32, moe_gate_up_mvb_xbf16,
   moe_gate_up_mm32_xf32, moe_gate_up_mm32_xbf16, moe_gate_up_mm64_xf32, moe_gate_up_mm64_xbf16,
   moe_gate_up_few_xf32, moe_gate_up_few_xbf16, moe_down_mm32, moe_down_mm64, moe_down_few,
   count

@@ -40,8 +40,6 @@ enum : uint32_t {
   kMoeMvRowsPerSimd = 4,      // few-row tiles (moe_*_few): output features per simdgroup
   kMoeMvSimdsPerGroup = 2,    // few-row tiles (moe_*_few): simdgroups per threadgroup
   kMoeMvRows = 4,             // decode matvecs (moe_*_mv): output rows per threadgroup
-  kMoeMvbRows = 2,            // moe_gate_up_mvb: features per simdgroup (gate and up rows each)
-  kMoeMvbSimds = 4,           // moe_gate_up_mvb: simdgroups per threadgroup, each on its own features
   kMoeGateUpMaxSplits = 4,    // moe_gate_up_mv: simdgroups splitting K = H (min(this, H / block))
   kMoeDownMaxSplits = 8,      // moe_down_mv: simdgroups splitting K' = k I + Is (min(this, chunks / 32))
   kMoeTileN = 32,             // tiled: output features per tile

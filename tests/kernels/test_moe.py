@@ -40,8 +40,6 @@ TILE32_MAX_ROWS = 32       # must match kMoeTile32MaxRows (checked below)
 FEW_MAX_ROWS_M5 = 2        # must match kMoeFewMaxRowsM5: the few-row threshold with tensor ops
 TILE16_MAX_ROWS = 16       # must match kMoeTile16MaxRows: 32-row-list tiles run as 16 rows on M5
 MV_ROWS = 4                # kMoeMvRows: output rows per threadgroup of the decode matvecs
-MVB_ROWS = 2               # kMoeMvbRows: gate/up features per simdgroup of moe_gate_up_mvb
-MVB_SIMDS = 4              # kMoeMvbSimds: simdgroups per threadgroup of moe_gate_up_mvb
 GATE_UP_MAX_SPLITS = 4     # kMoeGateUpMaxSplits
 DOWN_MAX_SPLITS = 8        # kMoeDownMaxSplits
 CODES = 32                 # 4-bit codes per lane and row in the decode matvecs: one 16-byte load
@@ -143,19 +141,15 @@ def test_route_constants_match_extension():
     assert core.ops.MOE_FEW_MAX_ROWS_M5 == FEW_MAX_ROWS_M5
     assert core.ops.MOE_TILE16_MAX_ROWS == TILE16_MAX_ROWS
     assert core.ops.MOE_MV_ROWS == MV_ROWS
-    assert core.ops.MOE_MVB_ROWS == MVB_ROWS
-    assert core.ops.MOE_MVB_SIMDS == MVB_SIMDS
     assert core.ops.MOE_GATE_UP_MAX_SPLITS == GATE_UP_MAX_SPLITS
     assert core.ops.MOE_DOWN_MAX_SPLITS == DOWN_MAX_SPLITS
-    assert ops.moe_route(1, 8) == "mv"
-    assert ops.moe_route(2, 8) == "mvb"
-    assert ops.moe_route(MV_MAX_TOKENS, 8) == "mvb"
+    assert ops.moe_route(MV_MAX_TOKENS, 8) == "mv"
     assert ops.moe_route(MV_MAX_TOKENS + 1, 8) == "tiled"
     assert ops.moe_route(4096, 8) == "tiled"
 
 
 def expected_route(T, k):
-    return "mv" if T == 1 else "mvb" if T <= MV_MAX_TOKENS else "tiled"
+    return "mv" if T <= MV_MAX_TOKENS else "tiled"
 
 
 def expected_tiles(ids, E, m5=False):
@@ -345,7 +339,7 @@ def test_nan_and_inf_activations_choose_valid_experts(rng, device, T, dtype):
     x = x.astype(dtype)
     out, ids, weights, stats = ops._moe(x, *ops.moe_weights(W), top_k=k, device=device, seed=rng.seed,
                                         fp_traps=False)
-    assert stats["route"] == expected_route(T, k), stats
+    assert (stats["route"] == "mv") == (T <= MV_MAX_TOKENS), stats
     assert ((ids >= 0) & (ids < E)).all(), f"expert ids outside [0, {E}): {ids[~((ids >= 0) & (ids < E)).all(1)]}"
     for t in range(T):
         assert len(set(ids[t].tolist())) == k, f"token {t}: experts not distinct: {ids[t]}"
@@ -366,27 +360,13 @@ def test_nan_and_inf_activations_choose_valid_experts(rng, device, T, dtype):
 
 # ------------------------------------------------------------------------------ decode matvecs
 def mv_shapes(T, *, H, k, I, Is):
-    """(grid x, grid y, grid z, threads) of the expert kernels of the matvec routes, as
-    docs/kernels-moe.md states them: gate_up splits K = H over min(4, ceil(H / 1024)) simdgroups
-    (a block = 32 lanes x 32 codes); one token (mv): rows in fours, one grid row per slot; 2..8
-    tokens (mvb): moe_route (a simdgroup per token), then gate_up's features in twos per simdgroup,
-    four simdgroups, one grid row for the shared expert and one per (token, routed slot); down
-    (both) splits the concatenated
+    """(grid x, grid y, grid z, threads) of moe_gate_up_mv and moe_down_mv, as docs/kernels-moe.md
+    states them: gate_up splits K = H over min(4, ceil(H / 1024)) simdgroups (a block = 32 lanes x
+    32 codes), rows in fours, one grid row per (token, slot); down splits the concatenated
     K' = k I + Is (chunks of 32 codes) over min(8, ceil(chunks / 32)) simdgroups."""
     gu = max(1, min(GATE_UP_MAX_SPLITS, -(-H // (32 * CODES))))
     dn = max(1, min(DOWN_MAX_SPLITS, -(-(k * (I // CODES) + Is // CODES) // 32)))
-    down = (-(-H // MV_ROWS), T, 1, 32 * dn)
-    if T == 1:
-        return [(-(-max(I, Is) // MV_ROWS), T * (k + 1), 1, 32 * gu), down]
-    return [(T, 1, 1, 32), (-(-max(I, Is) // (MVB_ROWS * MVB_SIMDS)), T * k + 1, 1, 32 * MVB_SIMDS), down]
-
-
-def mv_kernels(T, bits="b4", x="xf32"):
-    """The expert kernels of the matvec routes after the router (stats["kernels"][1:])."""
-    if T == 1:
-        return [f"moe_gate_up_mv_{bits}_{x}_sbf16", f"moe_down_mv_{bits}_{x}_sbf16"]
-    return ["moe_route" if x == "xf32" else "moe_route_xbf16", f"moe_gate_up_mvb_{bits}_{x}_sbf16",
-            f"moe_down_mv_{bits}_{x}_sbf16"]
+    return [(-(-max(I, Is) // MV_ROWS), T * (k + 1), 1, 32 * gu), (-(-H // MV_ROWS), T, 1, 32 * dn)]
 
 
 # Both sides of every shape switch of the decode matvecs (odd expert counts, T = 1 and a few tokens):
@@ -414,8 +394,8 @@ def test_decode_matvec_shapes(rng, case, T):
     c = MV_CASES[case]
     W, x_of = make_block(rng, E=c["E"], H=c["H"], I=c["I"], Is=c["Is"], gs=c["gs"])
     res = rng.standard_normal((T, c["H"])).astype(np.float32)
-    _, ids, stats = check(rng, W, x_of(T, c["k"]), c["k"], residual=res, route=expected_route(T, c["k"]))
-    assert stats["kernels"][1:] == mv_kernels(T)
+    _, ids, stats = check(rng, W, x_of(T, c["k"]), c["k"], residual=res, route="mv")
+    assert stats["kernels"][1:] == ["moe_gate_up_mv_b4_xf32_sbf16", "moe_down_mv_b4_xf32_sbf16"]
     assert stats["shapes"][1:] == mv_shapes(T, H=c["H"], k=c["k"], I=c["I"], Is=c["Is"]), case
 
 
@@ -428,42 +408,10 @@ def test_decode_matvec_thread_order(rng, case):
     x = x_of(2)
     runs = [ops._moe(x, *ops.moe_weights(W), top_k=c["k"], order=o, seed=rng.seed)
             for o in ("forward", "reverse", "shuffle", "ahead")]
-    assert runs[0][3]["route"] == "mvb"
+    assert runs[0][3]["route"] == "mv"
     for o, r in zip(("reverse", "shuffle", "ahead"), runs[1:]):
         for a, b in zip(runs[0][:3], r[:3]):
             np.testing.assert_array_equal(a, b, err_msg=f"{case}: order {o!r} differs from 'forward'")
-
-
-@pytest.mark.parametrize("T,E,k", [(3, 5, 4), (5, 9, 4), (MV_MAX_TOKENS, 7, 3), (MV_MAX_TOKENS, 67, 8)])
-def test_batched_matvecs_per_token_independent_of_the_batch(rng, device, T, E, k):
-    """mvb groups the tokens by expert (each expert of the union read once for all its tokens,
-    owned by the first token that chose it) but computes every token with the same operations in
-    the same order: a token's output row, ids and weights are bit for bit those it gets beside one
-    other, fresh token. (Against a one-token run they agree within rounding, not bit for bit: the
-    router's logits come from qmv1 there and qmv here, and mv splits K over simdgroups.) Few experts make tokens share most of
-    theirs; two rows of x are equal (the same experts, both members of every one); the shared
-    expert is twice as wide (routed columns past I load nothing); H = 1088: a second, partial K
-    block."""
-    W, x_of = make_block(rng, E=E, H=1088, I=64, Is=128, gs=64)
-    x = x_of(T + T, k)
-    other, x = x[T:], x[:T]
-    x[T - 1] = x[0]
-    res = rng.standard_normal((T, 1088)).astype(np.float32)
-    out, ids, weights, stats = ops._moe(x, *ops.moe_weights(W), top_k=k, residual=res, device=device, seed=rng.seed)
-    assert stats["route"] == "mvb", stats
-    shared = sum(len(set(ids[t]) & set(ids[u])) for t in range(T) for u in range(t))
-    assert shared > 0, f"no expert shared between tokens (seed {rng.seed}): the test needs overlap"
-    for t in range(T):
-        pair = np.stack([x[t], other[t]])
-        o2, i2, w2, s2 = ops._moe(pair, *ops.moe_weights(W), top_k=k, residual=np.stack([res[t], res[0]]),
-                                  device=device, seed=rng.seed)
-        assert s2["route"] == "mvb"
-        np.testing.assert_array_equal(ids[t], i2[0], err_msg=f"token {t}: routing differs beside another token")
-        np.testing.assert_array_equal(weights[t], w2[0], err_msg=f"token {t}: weights differ beside another token")
-        np.testing.assert_array_equal(out[t], o2[0], err_msg=f"token {t}: output differs beside another token")
-    o1, _, _, _ = ops._moe(x[:1], *ops.moe_weights(W), top_k=k, residual=res[:1], device=device, seed=rng.seed)
-    assert_close(out[:1], o1, atol=1e-5 * np.abs(o1).max(), rtol=0, what="mvb against mv (one token)",
-                 seed=rng.seed)
 
 
 class _LazyStack:
@@ -505,10 +453,9 @@ def test_decode_matvecs_real_shapes(rng, T):
     x = rng.standard_normal((T, H)).astype(np.float32)
     res = rng.standard_normal((T, H)).astype(np.float32)
     out, ids, weights, stats = ops._moe(x, *ops.moe_weights(W), top_k=k, residual=res, seed=rng.seed)
-    assert stats["route"] == expected_route(T, k) and stats["host_syncs"] == 0
+    assert stats["route"] == "mv" and stats["host_syncs"] == 0
     assert stats["shapes"][1:] == mv_shapes(T, H=H, k=k, I=I, Is=Is)
-    gate_up = (128, 9, 1, 64) if T == 1 else (64, T * 8 + 1, 1, 128)  # 2 / 4 simdgroups
-    assert stats["shapes"][-2:] == [gate_up, (512, T, 1, 160)]  # down: 5 simdgroups
+    assert stats["shapes"][1:] == [(128, T * 9, 1, 64), (512, T, 1, 160)]  # 2 and 5 simdgroups
     dense = {"router": W.router.dense(), "shared_gate": W.shared_expert_gate.dense(),
              "gate": _LazyStack(W.gate_proj), "up": _LazyStack(W.up_proj), "down": _LazyStack(W.down_proj),
              "shared_gate_proj": W.shared_gate_proj.dense(), "shared_up": W.shared_up_proj.dense(),
@@ -538,7 +485,7 @@ def test_decode_matvecs_real_shapes(rng, T):
 
 
 # ------------------------------------------------------------------------------ counters
-@pytest.mark.parametrize("T,route,dispatches,barriers", [(1, "mv", 3, 2), (2, "mvb", 4, 3), (MV_MAX_TOKENS, "mvb", 4, 3),
+@pytest.mark.parametrize("T,route,dispatches,barriers", [(1, "mv", 3, 2), (MV_MAX_TOKENS, "mv", 3, 2),
                                                          (MV_MAX_TOKENS + 1, "tiled", 10, 9), (257, "tiled", 10, 9)])
 def test_dispatches_per_block_and_no_host_sync(rng, T, route, dispatches, barriers):
     W, x_of = make_block(rng, E=9, H=64, I=32, gs=32)
@@ -551,19 +498,19 @@ def test_dispatches_per_block_and_no_host_sync(rng, T, route, dispatches, barrie
     router = 2 * T * H * (9 + 1)  # plus the router's E + 1 logits
     assert stats["flops_useful"] == router + 6 * H * I * T * (8 + 1)
     assert stats["flops_executed"] >= stats["flops_useful"]
-    if route != "tiled":
+    if route == "mv":
         assert stats["flops_executed"] == stats["flops_useful"]
     else:
         assert stats["kernels"][3:] == ["moe_gate_up_mm64_b4_xf32_sbf16", "moe_gate_up_mm32_b4_xf32_sbf16",
                                         "moe_gate_up_few_b4_xf32_sbf16", "moe_down_mm64_b4_sbf16",
                                         "moe_down_mm32_b4_sbf16", "moe_down_few_b4_sbf16", "moe_combine_xf32"]
     assert stats["host_syncs"] == 0  # no commit / wait inside the block: nothing read back
-    assert stats["kernels"][0] == ("qmv1_b8_xf32_sbf16_r1" if T == 1 else "qmv_b8_xf32_sbf16" if route == "mvb"
+    assert stats["kernels"][0] == ("qmv1_b8_xf32_sbf16_r1" if T == 1 else "qmv_b8_xf32_sbf16" if route == "mv"
                                    else "qmm_b8_xf32_sbf16")
     # mv: the expert kernels select the experts from the logits themselves (no moe_route level)
     assert stats["kernels"][1] == ("moe_gate_up_mv_b4_xf32_sbf16" if route == "mv" else "moe_route")
-    if route != "tiled":
-        assert stats["kernels"][1:] == mv_kernels(T)
+    if route == "mv":
+        assert stats["kernels"][1:] == ["moe_gate_up_mv_b4_xf32_sbf16", "moe_down_mv_b4_xf32_sbf16"]
 
 
 @pytest.mark.parametrize("T", [3, 40])
@@ -639,7 +586,7 @@ BF16_U = 2.0 ** -8  # bfloat16 unit roundoff (8 significand bits: relative 2^-8 
 @pytest.mark.parametrize("T", [1, 7, 9, 33, 130])
 def test_bf16_activations(rng, T):
     """bfloat16 x / residual / out (the engine's bf16 residual stream): the *_xbf16 kernels, both
-    routes (mv: T = 1; mvb: 2 <= T <= 8; tiled: 64-, 32- and few-row tiles). The router logits are written in
+    routes (mv: T <= 8; tiled: 64-, 32- and few-row tiles). The router logits are written in
     bf16 (as MLX's bf16 model writes them), the expert intermediates and the sum stay fp32, the
     output is rounded to bf16 once.
 
@@ -673,7 +620,7 @@ def test_bf16_activations(rng, T):
     out, ids, weights, stats = ops._moe(x, *ops.moe_weights(W), top_k=k, residual=res, seed=rng.seed)
     assert out.dtype == BF16 and out.shape == (T, H)
     # mv: the expert kernels select the experts from the bf16 logits themselves (no route dispatch)
-    want_kernels = (set(mv_kernels(T, x="xbf16")) if T <= 8 else
+    want_kernels = ({"moe_gate_up_mv_b4_xbf16_sbf16", "moe_down_mv_b4_xbf16_sbf16"} if T <= 8 else
                     {"moe_route_xbf16", "moe_gate_up_bf16_64_b4_xbf16_sbf16", "moe_gate_up_bf16_32_b4_xbf16_sbf16",
                      "moe_gate_up_few_b4_xbf16_sbf16", "moe_down_bf16_64_b4_sbf16", "moe_down_bf16_32_b4_sbf16",
                      "moe_combine_xbf16"})

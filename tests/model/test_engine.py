@@ -184,11 +184,10 @@ def _expected_counts(cfg, tokens: int, position: int = 0, logits: bool = True,
     token: also 4 / 3, the conv fused into gated_delta_decode and its gated norm a dispatch of its
     own: MSL 3.1 orders nothing between threadgroups); attention 4 / 3, plus one dispatch
     and one barrier when decode attention takes two passes (the vec route of head_dim 64 / 128 /
-    256 at every length; other head dims beyond 256 keys). MoE: mv route (one token; the expert
-    kernels select the experts themselves, no route dispatch) 3 / 2, mvb (2 to 8 tokens: a route
-    dispatch, then the union's gate/up and down) 4 / 3, tiled 10 / 9 (the three tile kinds of a stage one after another). `cfg` is a ModelConfig."""
+    256 at every length; other head dims beyond 256 keys). MoE: mv route (tokens <= 8; the expert
+    kernels select the experts themselves, no route dispatch) 3 / 2, tiled 10 / 9 (the three tile kinds of a stage one after another). `cfg` is a ModelConfig."""
     from lily_py.ops import attention_decode_route, gated_delta_route, moe_route
-    moe, moe_barriers = {"mv": (3, 2), "mvb": (4, 3), "tiled": (10, 9)}[moe_route(tokens, cfg.num_experts_per_tok)]
+    moe, moe_barriers = (3, 2) if moe_route(tokens, cfg.num_experts_per_tok) == "mv" else (10, 9)
     chunked = gated_delta_route(tokens, cfg.linear_key_head_dim, cfg.linear_value_head_dim) == "chunked"
     two_pass = tokens == 1 and attention_decode_route(position + 1, cfg.head_dim)["route"] != "single"
     norms = 0 if tokens == 1 else 2  # separate norm dispatches per layer

@@ -93,9 +93,8 @@ def test_flops_attributed_per_dispatch(tokens, position, tensor_ops):
         for n, v in by.items():
             if n.startswith("moe_") and ("few" in n or "32" in n):
                 assert v[1] == v[2] == 0, n
-    else:  # matvec routes (mv, or mvb at 2..8 tokens): exact, no padding
-        gate_up = "moe_gate_up_mv_b4_xbf16_sbf16" if T == 1 else "moe_gate_up_mvb_b4_xbf16_sbf16"
-        assert by[gate_up][1:] == [L * 4 * H * rows] * 2
+    else:  # matvec route: exact, no padding
+        assert by["moe_gate_up_mv_b4_xbf16_sbf16"][1:] == [L * 4 * H * rows] * 2
         assert by["moe_down_mv_b4_xbf16_sbf16"][1:] == [L * 2 * H * rows] * 2
     # the delta rule: chunked (WY products, then the state pass with the rule's useful FLOPs) or scan
     if T >= 64:

@@ -88,10 +88,8 @@ MoeArgs make_args(const MoeOperands& op, MoeRoute route, bool tensor_ops) {
 
 }  // namespace
 
-static_assert(kMoeMvMaxTokens <= 32 && 32 * kMoeMvbSimds <= 128,
-              "moe_gate_up_mvb: a token bitmask in 32 bits; 128 threads at most (the cuda launch bound)");
 MoeRoute moe_route(uint32_t tokens, uint32_t /*top_k*/) {
-  return tokens == 1 ? MoeRoute::mv : tokens <= kMoeMvMaxTokens ? MoeRoute::mvb : MoeRoute::tiled;
+  return tokens <= kMoeMvMaxTokens ? MoeRoute::mv : MoeRoute::tiled;
 }
 
 MoeMvShape moe_mv_shape(uint32_t H, uint32_t top_k, uint32_t I, uint32_t Is, uint32_t bits, uint32_t shared_bits) {
@@ -104,8 +102,7 @@ MoeMvShape moe_mv_shape(uint32_t H, uint32_t top_k, uint32_t I, uint32_t Is, uin
 }
 
 bool moe_shared_width_built(uint32_t bits, uint32_t shared_bits) {
-  for (WidthFamily f : {WidthFamily::moe_gate_up_mv_xf32, WidthFamily::moe_gate_up_mv_xbf16,
-                        WidthFamily::moe_gate_up_mvb_xf32, WidthFamily::moe_gate_up_mvb_xbf16, WidthFamily::moe_down_mv_xf32,
+  for (WidthFamily f : {WidthFamily::moe_gate_up_mv_xf32, WidthFamily::moe_gate_up_mv_xbf16, WidthFamily::moe_down_mv_xf32,
                         WidthFamily::moe_down_mv_xbf16, WidthFamily::moe_gate_up_mm32_xf32,
                         WidthFamily::moe_gate_up_mm32_xbf16, WidthFamily::moe_gate_up_mm64_xf32,
                         WidthFamily::moe_gate_up_mm64_xbf16, WidthFamily::moe_gate_up_few_xf32,
@@ -129,9 +126,9 @@ std::string moe_shared_widths_text() {
   return t;
 }
 
-const char* moe_route_name(MoeRoute r) { return r == MoeRoute::mv ? "mv" : r == MoeRoute::mvb ? "mvb" : "tiled"; }
+const char* moe_route_name(MoeRoute r) { return r == MoeRoute::mv ? "mv" : "tiled"; }
 
-uint32_t moe_tile_rows(MoeRoute r) { return r == MoeRoute::tiled ? 64 : 0; }
+uint32_t moe_tile_rows(MoeRoute r) { return r == MoeRoute::mv ? 0 : 64; }
 
 static_assert(kMoeFewMaxRowsM5 <= kMoeFewMaxRows && kMoeFewMaxRowsM5 < kMoeTile16MaxRows &&
                   kMoeFewMaxRows <= 2 * kMoeFewBlockRows && kMoeFewMaxRows < kMoeTile32MaxRows,
@@ -153,7 +150,7 @@ MoeFlops moe_expert_flops(uint32_t tokens, uint32_t top_k, uint32_t experts, uin
   const uint64_t T = tokens, useful = 6ull * H * (T * top_k * I + T * Is);
   const MoeRoute route = moe_route(tokens, top_k);
   const uint64_t useful_gu = 4ull * H * (T * top_k * I + T * Is), useful_dn = useful - useful_gu;
-  if (route != MoeRoute::tiled)  // matvecs per (token, slot): no padding
+  if (route == MoeRoute::mv)  // one matvec per (token, slot): no padding
     return {useful, useful, useful_gu, useful_gu, useful_dn, useful_dn};
   const uint64_t bn = kMoeTileN;
   auto pad = [bn](uint64_t n) { return (n + bn - 1) / bn * bn; };
@@ -201,7 +198,7 @@ MoeScratchBytes moe_scratch_bytes(const MoeOperands& op) {
   b.h = R * std::max(op.inter, op.shared_inter) * 4;
   b.x_i8 = qmm_i8_scratch_bytes(op.tokens, op.hidden);
   b.h_i8 = qmm_i8_scratch_bytes(uint32_t(R), std::max(op.inter, op.shared_inter));
-  if (route == MoeRoute::tiled) {
+  if (route != MoeRoute::mv) {
     // the bound over both paths' few-row thresholds (the M5 one, smaller, makes more 32-row tiles)
     const uint64_t tiles = moe_tile_bounds(op.tokens, op.top_k, op.experts, kMoeFewMaxRowsM5).total();
     b.plan = (kMoePlanTiles + 3 * tiles + 2 * R) * 4;
@@ -353,7 +350,7 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
   // M5 with int8 allowed (Encoder::tensor_int8, the opt-in of docs/int8.md): the 64-row
   // kind takes moe_gate_up_m5i8 / moe_down_m5i8 (int8 x and h on the int8 rows of matmul2d) when
   // moe_int8_allowed; the 32-row and few-row kinds keep theirs. x's codes beside the router.
-  const bool i8 = route == MoeRoute::tiled && m5 && enc.tensor_int8() && moe_int8_allowed(op);
+  const bool i8 = route != MoeRoute::mv && m5 && enc.tensor_int8() && moe_int8_allowed(op);
   if (i8) encode_quantize_i8(enc, op.x, T, H, H, range(op.scratch.x_i8, sb.x_i8, "scratch.x_i8"));
   // logits -> the expert kernels (mv) / route (tiled); folded norm: also h -> down's residual,
   // xn -> the expert kernels; x's codes -> the int8 gate/up tiles
@@ -369,42 +366,23 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
     enc.set_buffer(15, range(op.scratch.h, sb.h, "scratch.h"));
   };
 
-  if (route != MoeRoute::tiled) {
+  if (route == MoeRoute::mv) {
     // The mv kernels read x and h in 16-byte loads (moe_load_act): aligned bindings.
     if (op.x.offset % 16 != 0 || op.scratch.h.offset % 16 != 0)
-      throw EncodeError("moe (" + std::string(moe_route_name(route)) + " route): x at byte offset " +
-                        std::to_string(op.x.offset) + " and scratch.h at " + std::to_string(op.scratch.h.offset) +
-                        " must be multiples of 16 (16-byte loads)");
+      throw EncodeError("moe (mv route): x at byte offset " + std::to_string(op.x.offset) + " and scratch.h at " +
+                        std::to_string(op.scratch.h.offset) + " must be multiples of 16 (16-byte loads)");
+    // 2. gate + up + SwiGLU of the selected experts and the shared expert, per slot; every
+    // threadgroup selects its token's experts from the logits itself (no route level), and one
+    // simdgroup per token writes the routing (ids, weights) for down
+    enc.set_kernel(width_kernel(xb ? WidthFamily::moe_gate_up_mv_xbf16 : WidthFamily::moe_gate_up_mv_xf32, op.bits, sb_gu));
+    enc.set_args(a);
+    enc.set_buffer(1, range(op.x, act, "x"));
+    enc.set_buffer(2, range(op.scratch.logits, sb.logits, "scratch.logits"));
+    bind_gate_up();
+    enc.set_buffer(16, range(op.scratch.ids, sb.ids, "scratch.ids"));
+    enc.set_buffer(17, range(op.scratch.weights, sb.weights, "scratch.weights"));
     const MoeMvShape sh = moe_mv_shape(H, k, I, Is, op.bits);
-    if (route == MoeRoute::mvb) {
-      // 2. mvb: softmax, top-k, renormalise, shared gate (ids, weights: for gate/up and down)
-      enc.set_kernel(xb ? KernelId::moe_route_xbf16 : KernelId::moe_route);
-      enc.set_args(a);
-      enc.set_buffer(1, range(op.scratch.logits, sb.logits, "scratch.logits"));
-      enc.set_buffer(2, range(op.scratch.ids, sb.ids, "scratch.ids"));
-      enc.set_buffer(3, range(op.scratch.weights, sb.weights, "scratch.weights"));
-      enc.dispatch({T, 1, 1}, {32, 1, 1});
-      enc.barrier();  // ids -> gate/up (weights -> down)
-      // 3. gate + up + SwiGLU over the union of the tokens' experts, each expert once
-      enc.set_kernel(width_kernel(xb ? WidthFamily::moe_gate_up_mvb_xbf16 : WidthFamily::moe_gate_up_mvb_xf32, op.bits, sb_gu));
-      enc.set_args(a);
-      enc.set_buffer(1, range(op.x, act, "x"));
-      enc.set_buffer(2, range(op.scratch.ids, sb.ids, "scratch.ids"));
-      bind_gate_up();
-      enc.dispatch({ceil_div(a.h_stride, kMoeMvbRows * kMoeMvbSimds), T * k + 1, 1}, {32 * kMoeMvbSimds, 1, 1});
-    } else {
-      // 2. gate + up + SwiGLU of the selected experts and the shared expert, per slot; every
-      // threadgroup selects its token's experts from the logits itself (no route level), and one
-      // simdgroup per token writes the routing (ids, weights) for down
-      enc.set_kernel(width_kernel(xb ? WidthFamily::moe_gate_up_mv_xbf16 : WidthFamily::moe_gate_up_mv_xf32, op.bits, sb_gu));
-      enc.set_args(a);
-      enc.set_buffer(1, range(op.x, act, "x"));
-      enc.set_buffer(2, range(op.scratch.logits, sb.logits, "scratch.logits"));
-      bind_gate_up();
-      enc.set_buffer(16, range(op.scratch.ids, sb.ids, "scratch.ids"));
-      enc.set_buffer(17, range(op.scratch.weights, sb.weights, "scratch.weights"));
-      enc.dispatch({ceil_div(a.h_stride, kMoeMvRows), T * (k + 1), 1}, {32 * sh.gate_up_splits, 1, 1});
-    }
+    enc.dispatch({ceil_div(a.h_stride, kMoeMvRows), T * (k + 1), 1}, {32 * sh.gate_up_splits, 1, 1});
     enc.add_flops(flops.gate_up_executed, flops.gate_up_useful);
     enc.barrier();  // h, ids, weights -> down
     // 3. down projection x routing weights, shared expert x gate, residual add (the routing as

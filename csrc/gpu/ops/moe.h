@@ -19,9 +19,7 @@
 namespace lily::gpu::ops {
 
 enum class MoeRoute : uint8_t {
-  mv,     // one token: gather matvec per slot, each simdgroup selecting its expert; fused down + combine
-  mvb,    // 2 <= tokens <= kMoeMvMaxTokens (a batched decode step): moe_route, then the gate/up
-          // matvecs over the union of the tokens' experts (each read once), then mv's down
+  mv,     // tokens <= kMoeMvMaxTokens: gather matvec per (token, slot), fused down + combine
   tiled,  // grouped matmul with tiles sized by each expert's load on the device: 64-row tiles,
           // and for the remainder a 32-row tile or (<= MoeArgs::few_rows rows) a matvec-style tile
 };

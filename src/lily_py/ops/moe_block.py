@@ -38,9 +38,7 @@ def _core():
 
 
 def moe_route(tokens: int, top_k: int) -> str:
-    """The route the block takes: ``"mv"`` (one token: gather matvec per slot), ``"mvb"`` (2 to 8
-    tokens, a batched decode step: the matvecs over the union of the tokens' experts, each read
-    once) or ``"tiled"`` (grouped
+    """The route the block takes: ``"mv"`` (tokens <= 8: gather matvec) or ``"tiled"`` (grouped
     matmul; the device plan sizes each expert's tiles by its load: 64-row tiles, and for the
     remainder a 32-row tile or, for <= 8 rows, a matvec-style tile)."""
     return str(_core().ops.moe_route(int(tokens), int(top_k)))

@@ -1,0 +1,40 @@
+#!/bin/bash
+# A/B of a change to the batched decode step on cuda, one device call: builds the working tree
+# and the commit in base.tar (git archive -o base.tar <commit>, untracked beside the tree), then
+# per build: benchmarks/batch_decode.py --time --kernels on 8 layers (each kernel alone) and
+# --time on the real 40 layers (JSON to $OUT); then the new build's MoE and batch tests on cuda
+# and compute-sanitizer on mvb (SKIP_TESTS=1: not). SKIP_BASE=1 with ORDER=new: the working tree
+# alone. Needs .whl/ as suites.sh.
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/lily_gpu_out}
+mkdir -p $OUT /tmp/base
+tar -xf base.tar -C /tmp/base || exit 1
+t0=$SECONDS
+( PYTHONPATH=/tmp/site python3 -m pip install --no-build-isolation --no-deps --target /tmp/lib_new . -Ccmake.define.LILY_CUDA=ON > $OUT/build_new.log 2>&1; echo "new rc=$?" ) &
+[ -n "${SKIP_BASE:-}" ] || ( cd /tmp/base && PYTHONPATH=/tmp/site python3 -m pip install --no-build-isolation --no-deps --target /tmp/lib_base . -Ccmake.define.LILY_CUDA=ON > $OUT/build_base.log 2>&1; echo "base rc=$?" ) &
+wait
+echo "builds: $((SECONDS - t0)) s"
+for n in 8 40; do  # one random-weight checkpoint of the real shapes per depth, for both builds
+  PYTHONPATH=/tmp/lib_new:/tmp/site python3 -c "from lily_py.testing import make_checkpoint; from lily_py.tools.bench import _config_dict; make_checkpoint('/tmp/ckpt$n', _config_dict('real', $n), fmt='mlx', seed=0)" || exit 1
+done
+echo "checkpoints: $((SECONDS - t0)) s"
+for v in ${ORDER:-base new}; do
+  echo "=== $v"
+  PYTHONPATH=/tmp/lib_$v:/tmp/site python3 benchmarks/batch_decode.py --time --model /tmp/ckpt8 --layers 8 --kernels --batches ${KB:-4,8} --prompt 8 --prefill-step 8 --trials 3 2>&1 | grep -v "^command"
+  PYTHONPATH=/tmp/lib_$v:/tmp/site python3 benchmarks/batch_decode.py --time --model /tmp/ckpt40 --prompt 8 --prefill-step 8 --trials 5 --json $OUT/batch_$v.json 2>&1 | grep -v "^command"
+  echo "t=$((SECONDS - t0))"
+done
+if [ -z "${SKIP_TESTS:-}" ]; then  # the new build's MoE and batch tests on cuda, and the sanitizers on mvb
+  export PYTHONPATH=/tmp/lib_new:/tmp/site
+  ( LILY_TEST_DEVICES=cuda timeout 150 python3 -m pytest tests/kernels/test_moe.py tests/kernels/test_quant_widths.py -q -p no:cacheprovider -k "cuda" > /tmp/ab_k.log 2>&1; echo "rc=$?" >> /tmp/ab_k.log ) &
+  ( LILY_TEST_ENGINE=cuda timeout 150 python3 -m pytest tests/model/test_batch_decode.py -q -p no:cacheprovider > /tmp/ab_b.log 2>&1; echo "rc=$?" >> /tmp/ab_b.log ) &
+  for tool in memcheck racecheck; do
+    ( LILY_TEST_DEVICES=cuda timeout 150 compute-sanitizer --tool $tool --print-limit 20 python3 -m pytest tests/kernels/test_moe.py -q -p no:cacheprovider -k "cuda and (independent_of_the_batch or real_shapes)" > /tmp/ab_$tool.log 2>&1; echo "rc=$?" >> /tmp/ab_$tool.log ) &
+  done
+  wait
+  for f in /tmp/ab_k.log /tmp/ab_b.log; do echo "$f: $(grep -E '[0-9]+ (passed|failed)' $f | tail -1) $(tail -1 $f)"; grep -E "^(FAILED|ERROR)" $f | head -5; done
+  for tool in memcheck racecheck; do echo "$tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' /tmp/ab_$tool.log | tail -1) | $(grep -E 'passed|failed' /tmp/ab_$tool.log | tail -1) | $(tail -1 /tmp/ab_$tool.log)"; done
+  echo "tests: $((SECONDS - t0)) s"
+  unset PYTHONPATH
+fi
