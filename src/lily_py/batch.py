@@ -179,11 +179,6 @@ class Batcher:
     def idle(self) -> bool:
         return self.load == 0
 
-    @property
-    def _cache(self):
-        """The model's prompt cache, or None when it is off (max_bytes 0)."""
-        return self._m.prompt_cache if self._m.prompt_cache.max_bytes > 0 else None
-
     def add(self, r: Request) -> None:
         self._queue.append(r)
 
@@ -261,7 +256,7 @@ class Batcher:
 
     def _restore(self, r: Request) -> None:
         """Restore the longest cached prefix of r's prompt into its sequence."""
-        cache = self._cache
+        cache = self._m._active_prompt_cache
         if cache is None:
             return
         entry = cache.lookup(r.ids, count=False)
@@ -309,7 +304,7 @@ class Batcher:
         if r.fed == len(r.ids):       # the whole prompt came from the prompt cache
             self._first = r.first
             return 0
-        cache = self._cache
+        cache = self._m._active_prompt_cache
         end = min(r.fed + budget, len(r.ids))
         snap = False
         for p in r.points:

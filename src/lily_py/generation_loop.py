@@ -41,7 +41,7 @@ def stream(m, ids: list[int], points: list[int], params: SamplingParams,
     prompt cache, ``lp_top`` the top logprobs per token (-1: no logprobs)."""
     seed = params.seed if params.seed is not None else secrets.randbits(63)
     t0 = time.perf_counter()
-    cache = m.prompt_cache if m.prompt_cache.max_bytes > 0 else None
+    cache = m._active_prompt_cache
     reuse = m._reusable_prefix(ids)
     entry = cache.lookup(ids, count=False) if cache is not None else None
     cached = 0

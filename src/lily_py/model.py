@@ -155,6 +155,11 @@ class Model:
     def position(self) -> int:
         return len(self._history)
 
+    @property
+    def _active_prompt_cache(self):
+        """The prompt cache, or None when it is off (max_bytes 0): generate and the Batcher."""
+        return self.prompt_cache if self.prompt_cache.max_bytes > 0 else None
+
     def stats(self) -> dict | None:
         """Counters of the backend's last step (engine backends: dispatches, barriers,
         bytes_bound, bytes_touched (what the kernels read plus write: routed experts only),
