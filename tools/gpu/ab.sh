@@ -15,24 +15,12 @@ set -u
 V=${VARIANTS:?VARIANTS=file of "NAME | FILE | OLD | NEW" lines}
 O=${OUT:-/tmp/lily_gpu_out}; mkdir -p $O
 R=$PWD; T0=$(date +%s); L=${LAYERS:-40}
-names=$(grep -v '^\s*#' "$V" | grep '|' | cut -d'|' -f1 | sed 's/ *$//; s/^ *//' | awk '!seen[$0]++')
+names=$(python3 tools/gpu/substitute.py "$V" --names)
 for n in base $names; do
   rm -rf /tmp/v_$n; mkdir -p /tmp/v_$n
   tar --exclude=./build --exclude=./.venv --exclude=./.git --exclude=./.whl --exclude=./.mlxparts -cf - . | tar -xf - -C /tmp/v_$n
 done
-python3 - "$V" <<'PY' || exit 1
-import sys
-for line in open(sys.argv[1]):
-    if line.lstrip().startswith("#") or "|" not in line:
-        continue
-    name, path, old, new = (p.strip() for p in line.rstrip("\n").split("|", 3))
-    f = f"/tmp/v_{name}/{path}"
-    s = open(f).read()
-    if old not in s:
-        sys.exit(f"ab.sh: variant {name}: {old!r} is not in {path}")
-    open(f, "w").write(s.replace(old, new))
-    print(f"variant {name}: {path}: {old!r} -> {new!r}")
-PY
+python3 tools/gpu/substitute.py "$V" /tmp || exit 1
 [ -n "${DRY:-}" ] && { echo "DRY: variant trees in /tmp/v_NAME for" base $names; exit 0; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1

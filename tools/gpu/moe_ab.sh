@@ -3,23 +3,36 @@
 # and the commit in base.tar (git archive -o base.tar <commit>, untracked beside the tree), then
 # per build: benchmarks/batch_decode.py --time --kernels on 8 layers (each kernel alone) and
 # --time on the real 40 layers (JSON to $OUT); then the new build's MoE and batch tests on cuda
-# and compute-sanitizer on mvb (SKIP_TESTS=1: not). SKIP_BASE=1 with ORDER=new: the working tree
-# alone. Needs .whl/ as suites.sh.
+# and compute-sanitizer on the MoE kernel tests (SKIP_TESTS=1: not). SKIP_BASE=1 with ORDER=new:
+# the working tree alone. VARIANTS=file (tools/gpu/ab.sh's `NAME | FILE | OLD | NEW` lines): more
+# builds, each the working tree with those substitutions, timed after base and new. KB: the
+# batches of the 8-layer per-kernel runs (default 4,8). Needs .whl/ as suites.sh.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/lily_gpu_out}
 mkdir -p $OUT /tmp/base
 tar -xf base.tar -C /tmp/base || exit 1
+names=""
+if [ -n "${VARIANTS:-}" ]; then
+  names=$(python3 tools/gpu/substitute.py "$VARIANTS" --names)
+  for n in $names; do
+    rm -rf /tmp/v_$n; mkdir -p /tmp/v_$n
+    tar --exclude=./build --exclude=./.git --exclude=./.whl --exclude=./base.tar -cf - . | tar -xf - -C /tmp/v_$n
+  done
+  python3 tools/gpu/substitute.py "$VARIANTS" /tmp || exit 1
+fi
 t0=$SECONDS
+for n in $names; do
+  ( cd /tmp/v_$n && PYTHONPATH=/tmp/site python3 -m pip install --no-build-isolation --no-deps --target /tmp/lib_$n . -Ccmake.define.LILY_CUDA=ON > $OUT/build_$n.log 2>&1; echo "$n rc=$?" ) &
+done
 ( PYTHONPATH=/tmp/site python3 -m pip install --no-build-isolation --no-deps --target /tmp/lib_new . -Ccmake.define.LILY_CUDA=ON > $OUT/build_new.log 2>&1; echo "new rc=$?" ) &
 [ -n "${SKIP_BASE:-}" ] || ( cd /tmp/base && PYTHONPATH=/tmp/site python3 -m pip install --no-build-isolation --no-deps --target /tmp/lib_base . -Ccmake.define.LILY_CUDA=ON > $OUT/build_base.log 2>&1; echo "base rc=$?" ) &
-wait
-echo "builds: $((SECONDS - t0)) s"
-for n in 8 40; do  # one random-weight checkpoint of the real shapes per depth, for both builds
-  PYTHONPATH=/tmp/lib_new:/tmp/site python3 -c "from lily_py.testing import make_checkpoint; from lily_py.tools.bench import _config_dict; make_checkpoint('/tmp/ckpt$n', _config_dict('real', $n), fmt='mlx', seed=0)" || exit 1
+for n in 8 40; do  # one random-weight checkpoint of the real shapes per depth, for every build
+  ( PYTHONPATH=$PWD/src:/tmp/site python3 -c "from lily_py.testing import make_checkpoint; from lily_py.tools.bench import _config_dict; make_checkpoint('/tmp/ckpt$n', _config_dict('real', $n), fmt='mlx', seed=0)" > $OUT/checkpoint$n.log 2>&1; echo "checkpoint $n rc=$?" ) &
 done
-echo "checkpoints: $((SECONDS - t0)) s"
-for v in ${ORDER:-base new}; do
+wait
+echo "builds and checkpoints: $((SECONDS - t0)) s"
+for v in ${ORDER:-base new $names}; do
   echo "=== $v"
   PYTHONPATH=/tmp/lib_$v:/tmp/site python3 benchmarks/batch_decode.py --time --model /tmp/ckpt8 --layers 8 --kernels --batches ${KB:-4,8} --prompt 8 --prefill-step 8 --trials 3 2>&1 | grep -v "^command"
   PYTHONPATH=/tmp/lib_$v:/tmp/site python3 benchmarks/batch_decode.py --time --model /tmp/ckpt40 --prompt 8 --prefill-step 8 --trials 5 --json $OUT/batch_$v.json 2>&1 | grep -v "^command"
@@ -30,7 +43,7 @@ if [ -z "${SKIP_TESTS:-}" ]; then  # the new build's MoE and batch tests on cuda
   ( LILY_TEST_DEVICES=cuda timeout 150 python3 -m pytest tests/kernels/test_moe.py tests/kernels/test_quant_widths.py -q -p no:cacheprovider -k "cuda" > /tmp/ab_k.log 2>&1; echo "rc=$?" >> /tmp/ab_k.log ) &
   ( LILY_TEST_ENGINE=cuda timeout 150 python3 -m pytest tests/model/test_batch_decode.py -q -p no:cacheprovider > /tmp/ab_b.log 2>&1; echo "rc=$?" >> /tmp/ab_b.log ) &
   for tool in memcheck racecheck; do
-    ( LILY_TEST_DEVICES=cuda timeout 150 compute-sanitizer --tool $tool --print-limit 20 python3 -m pytest tests/kernels/test_moe.py -q -p no:cacheprovider -k "cuda and (independent_of_the_batch or real_shapes)" > /tmp/ab_$tool.log 2>&1; echo "rc=$?" >> /tmp/ab_$tool.log ) &
+    ( LILY_TEST_DEVICES=cuda timeout 150 compute-sanitizer --tool $tool --print-limit 20 python3 -m pytest tests/kernels/test_moe.py -q -p no:cacheprovider -k "cuda and (decode_matvec or exact_ties or nan_and_inf)" > /tmp/ab_$tool.log 2>&1; echo "rc=$?" >> /tmp/ab_$tool.log ) &
   done
   wait
   for f in /tmp/ab_k.log /tmp/ab_b.log; do echo "$f: $(grep -E '[0-9]+ (passed|failed)' $f | tail -1) $(tail -1 $f)"; grep -E "^(FAILED|ERROR)" $f | head -5; done

@@ -4,12 +4,12 @@
         --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,\
 l1tex__throughput.avg.pct_of_peak_sustained_active,sm__inst_issued.avg.pct_of_peak_sustained_active,\
 smsp__inst_executed.sum,dram__bytes_read.sum \
-        python3 tools/gpu/ncu_decode.py run CKPT POSITION
+        python3 tools/gpu/ncu_decode.py run CKPT POSITION [BATCH]
     python3 tools/gpu/ncu_decode.py table OUT.csv
 
 ``run`` loads CKPT on cuda with serial launches (LILY_CUDA_GRAPHS=0, so ncu sees each kernel),
 then profiles exactly one greedy decode step (cuProfilerStart/Stop
-around it). ``table`` maps the cubin entries to host names (the installed manifest.txt) and
+around it): of one sequence, or with BATCH > 1 the batched step of BATCH sequences. ``table`` maps the cubin entries to host names (the installed manifest.txt) and
 prints per kernel: launches, µs, DRAM, L1/TEX and issue-slot utilisation (% of peak), and the
 warp instructions executed per KiB read from DRAM (ncu flushes the caches before each launch, so
 DRAM bytes read are the bytes the kernel touches once): the generated code's instructions per byte.
@@ -27,16 +27,18 @@ METRICS = {"gpu__time_duration.sum": "us", "dram__throughput.avg.pct_of_peak_sus
 UNITS = {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "KB": 1e3, "MB": 1e6, "GB": 1e9}
 
 
-def run(ckpt, position):
+def run(ckpt, position, batch=1):
     os.environ["LILY_CUDA_GRAPHS"] = "0"
     import lily_py
-    m = lily_py.load(ckpt, backend="cuda", context_length=position + 16, verbose=False)
+    m = lily_py.load(ckpt, backend="cuda", context_length=position + 16, prefill_chunk=max(8, batch), verbose=False)
     e = m._backend.engine  # the step at POSITION over whatever the cache holds: only time counts
     cuda = ctypes.CDLL("libcuda.so.1")
     g = dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, step=0, valid_vocab=0)
-    e.time_step(1, position, sample=g, repeats=1, trials=1)  # warm: every pipeline once
+    step = (lambda **kw: e.time_step(1, position, sample=g, **kw)) if batch == 1 else (
+        lambda **kw: e.time_batch(batch, position, **kw))  # the batch's own greedy rows
+    step(repeats=1, trials=1)  # warm: every pipeline once
     cuda.cuProfilerStart()
-    e.time_step(1, position, sample=g, repeats=1, trials=1, per_dispatch=False)
+    step(repeats=1, trials=1, per_dispatch=False)
     cuda.cuProfilerStop()
 
 
@@ -79,6 +81,6 @@ def table(path):
 
 if __name__ == "__main__":
     if sys.argv[1] == "run":
-        run(sys.argv[2], int(sys.argv[3]))
+        run(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]) if len(sys.argv) > 4 else 1)
     else:
         table(sys.argv[2])
