@@ -16,11 +16,7 @@ V=${VARIANTS:?VARIANTS=file of "NAME | FILE | OLD | NEW" lines}
 O=${OUT:-/tmp/lily_gpu_out}; mkdir -p $O
 R=$PWD; T0=$(date +%s); L=${LAYERS:-40}
 names=$(python3 tools/gpu/substitute.py "$V" --names)
-for n in base $names; do
-  rm -rf /tmp/v_$n; mkdir -p /tmp/v_$n
-  tar --exclude=./build --exclude=./.venv --exclude=./.git --exclude=./.whl --exclude=./.mlxparts -cf - . | tar -xf - -C /tmp/v_$n
-done
-python3 tools/gpu/substitute.py "$V" /tmp || exit 1
+python3 tools/gpu/substitute.py "$V" /tmp base || exit 1
 [ -n "${DRY:-}" ] && { echo "DRY: variant trees in /tmp/v_NAME for" base $names; exit 0; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1

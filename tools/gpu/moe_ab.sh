@@ -15,18 +15,16 @@ tar -xf base.tar -C /tmp/base || exit 1
 names=""
 if [ -n "${VARIANTS:-}" ]; then
   names=$(python3 tools/gpu/substitute.py "$VARIANTS" --names)
-  for n in $names; do
-    rm -rf /tmp/v_$n; mkdir -p /tmp/v_$n
-    tar --exclude=./build --exclude=./.git --exclude=./.whl --exclude=./base.tar -cf - . | tar -xf - -C /tmp/v_$n
-  done
   python3 tools/gpu/substitute.py "$VARIANTS" /tmp || exit 1
 fi
+build() {  # build NAME DIR: the package from DIR into /tmp/lib_NAME, in the background
+  ( cd $2 && PYTHONPATH=/tmp/site python3 -m pip install --no-build-isolation --no-deps --target /tmp/lib_$1 . \
+      -Ccmake.define.LILY_CUDA=ON > $OUT/build_$1.log 2>&1; echo "$1 rc=$?" ) &
+}
 t0=$SECONDS
-for n in $names; do
-  ( cd /tmp/v_$n && PYTHONPATH=/tmp/site python3 -m pip install --no-build-isolation --no-deps --target /tmp/lib_$n . -Ccmake.define.LILY_CUDA=ON > $OUT/build_$n.log 2>&1; echo "$n rc=$?" ) &
-done
-( PYTHONPATH=/tmp/site python3 -m pip install --no-build-isolation --no-deps --target /tmp/lib_new . -Ccmake.define.LILY_CUDA=ON > $OUT/build_new.log 2>&1; echo "new rc=$?" ) &
-[ -n "${SKIP_BASE:-}" ] || ( cd /tmp/base && PYTHONPATH=/tmp/site python3 -m pip install --no-build-isolation --no-deps --target /tmp/lib_base . -Ccmake.define.LILY_CUDA=ON > $OUT/build_base.log 2>&1; echo "base rc=$?" ) &
+build new .
+[ -n "${SKIP_BASE:-}" ] || build base /tmp/base
+for n in $names; do build $n /tmp/v_$n; done
 for n in 8 40; do  # one random-weight checkpoint of the real shapes per depth, for every build
   ( PYTHONPATH=$PWD/src:/tmp/site python3 -c "from lily_py.testing import make_checkpoint; from lily_py.tools.bench import _config_dict; make_checkpoint('/tmp/ckpt$n', _config_dict('real', $n), fmt='mlx', seed=0)" > $OUT/checkpoint$n.log 2>&1; echo "checkpoint $n rc=$?" ) &
 done
@@ -38,7 +36,7 @@ for v in ${ORDER:-base new $names}; do
   PYTHONPATH=/tmp/lib_$v:/tmp/site python3 benchmarks/batch_decode.py --time --model /tmp/ckpt40 --prompt 8 --prefill-step 8 --trials 5 --json $OUT/batch_$v.json 2>&1 | grep -v "^command"
   echo "t=$((SECONDS - t0))"
 done
-if [ -z "${SKIP_TESTS:-}" ]; then  # the new build's MoE and batch tests on cuda, and the sanitizers on mvb
+if [ -z "${SKIP_TESTS:-}" ]; then  # the new build's MoE and batch tests on cuda, and the sanitizers
   export PYTHONPATH=/tmp/lib_new:/tmp/site
   ( LILY_TEST_DEVICES=cuda timeout 150 python3 -m pytest tests/kernels/test_moe.py tests/kernels/test_quant_widths.py -q -p no:cacheprovider -k "cuda" > /tmp/ab_k.log 2>&1; echo "rc=$?" >> /tmp/ab_k.log ) &
   ( LILY_TEST_ENGINE=cuda timeout 150 python3 -m pytest tests/model/test_batch_decode.py -q -p no:cacheprovider > /tmp/ab_b.log 2>&1; echo "rc=$?" >> /tmp/ab_b.log ) &

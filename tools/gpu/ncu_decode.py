@@ -8,9 +8,9 @@ smsp__inst_executed.sum,dram__bytes_read.sum \
     python3 tools/gpu/ncu_decode.py table OUT.csv
 
 ``run`` loads CKPT on cuda with serial launches (LILY_CUDA_GRAPHS=0, so ncu sees each kernel),
-then profiles exactly one greedy decode step (cuProfilerStart/Stop
-around it): of one sequence, or with BATCH > 1 the batched step of BATCH sequences. ``table`` maps the cubin entries to host names (the installed manifest.txt) and
-prints per kernel: launches, µs, DRAM, L1/TEX and issue-slot utilisation (% of peak), and the
+then profiles exactly one greedy decode step (cuProfilerStart/Stop around it): of one sequence,
+or with BATCH > 1 the batched step of BATCH sequences. ``table`` maps the cubin entries to host
+names (the installed manifest.txt) and prints per kernel: launches, µs, DRAM, L1/TEX and issue-slot utilisation (% of peak), and the
 warp instructions executed per KiB read from DRAM (ncu flushes the caches before each launch, so
 DRAM bytes read are the bytes the kernel touches once): the generated code's instructions per byte.
 """

@@ -1,13 +1,18 @@
 """Write variant trees for the device A/B scripts (tools/gpu/ab.sh, moe_ab.sh).
 
-    python3 tools/gpu/substitute.py VARIANTS_FILE ROOT
+    python3 tools/gpu/substitute.py VARIANTS_FILE ROOT [NAME ...]
     python3 tools/gpu/substitute.py VARIANTS_FILE --names    (the variants' names, in order)
 
 VARIANTS_FILE has one substitution a line, `NAME | FILE | OLD TEXT | NEW TEXT` (several lines of
-one NAME make one variant; `#` lines are comments); ROOT/v_NAME must already hold a copy of the
-tree. An OLD TEXT that is not in FILE stops with an error before anything is built.
+one NAME make one variant; `#` lines are comments). Each variant, and each extra NAME (ab.sh's
+`base`: the tree unchanged), gets ROOT/v_NAME: a fresh copy of the current directory without
+build outputs, then the substitutions. An OLD TEXT that is not in FILE stops with an error
+before anything is built.
 """
+import shutil
 import sys
+
+SKIP = shutil.ignore_patterns("build", ".venv", ".git", ".whl", ".mlxparts", "base.tar")
 
 
 def lines(variants: str):
@@ -16,10 +21,17 @@ def lines(variants: str):
             yield (p.strip() for p in line.rstrip("\n").split("|", 3))
 
 
-def main(variants: str, root: str) -> None:
+def names(variants: str) -> list[str]:
+    return list(dict.fromkeys(name for name, *_ in lines(variants)))
+
+
+def main(variants: str, root: str, *extra: str) -> None:
     if root == "--names":
-        print(" ".join(dict.fromkeys(name for name, *_ in lines(variants))))
+        print(" ".join(names(variants)))
         return
+    for name in [*extra, *names(variants)]:
+        shutil.rmtree(f"{root}/v_{name}", ignore_errors=True)
+        shutil.copytree(".", f"{root}/v_{name}", ignore=SKIP, symlinks=True)
     for name, path, old, new in lines(variants):
         f = f"{root}/v_{name}/{path}"
         s = open(f).read()
@@ -30,4 +42,4 @@ def main(variants: str, root: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    main(*sys.argv[1:])
