@@ -58,8 +58,8 @@ FACTS = {
     "gd_chunk_norm": ("4 B o_raw / z / weight", "one simdgroup per value head: simd_sum of o^2 over Dv",
                       "gated RMSNorm over a head's columns"),
     "moe_route": ("4 B", "one simdgroup per token; top-k as k rounds of simd_max", "single simdgroup"),
-    "moe_gate_up_mv": ("16 B codes, 16 B x", "its slot's expert selected in every simdgroup (no barrier); one 1024-code "
-                       "block x 4 rows x 2 matrices per lane", "gather_qmv_fast / mul_mv_id (routed + shared slots)"),
+    "moe_gate_up_mv": ("16 B codes, 16 B x", "every slot of a token in one threadgroup, its experts selected once "
+                       "(one barrier; the shared slot loads first); one 1024-code block x 4 rows x 2 matrices per lane", "gather_qmv_fast / mul_mv_id (routed + shared slots)"),
     "moe_down_mv": ("16 B codes, 16 B h", "routing read from gate/up's ids and weights; one 32-code chunk of the k + 1 slots' "
                     "K' x 4 rows per lane; splits summed in tg memory", "gather_qmv_fast, split-K over slots"),
     "qk_norm_rope": ("4 B", "-", "one simdgroup per head"),

@@ -1,6 +1,6 @@
 // Mixture of experts, the matvec route (decode, T <= kMoeMvMaxTokens): moe_gate_up_mv selects
-// each slot's expert from the router logits itself (common/moe.h) and writes the token's routing
-// (ids, weights) once; moe_down_mv reads it. No moe_route level: router logits (qmv1 / qmv,
+// its token's experts from the router logits itself, once per threadgroup (common/moe.h), and
+// writes the token's routing (ids, weights) once; moe_down_mv reads it. No moe_route level: router logits (qmv1 / qmv,
 // qmm.metal) -> moe_gate_up_mv -> moe_down_mv.
 // Buffers of quantized matrices follow MLX's affine layout (common/quant.h): routed experts
 // stacked [E, N, K * bits / 32] with scales/biases [E, N, K / group_size], the shared expert's
@@ -27,19 +27,19 @@ inline void moe_load_act(const device T* p, thread float* o) {
   for (uint32_t i = 0; i < V; i += 8) load8(p + i, o + i);
 }
 
-// The K loop of moe_gate_up_mv at `bits`: simdgroup s walks the blocks s, s + splits, ... of
+// The K loop of moe_gate_up_mv at `bits`: split s of a slot walks the blocks s, s + splits, ... of
 // B = 32 x V codes; ag[r] / au[r] collect the lane's part of gate and up row row[r].
 template <typename T, typename S, int bits>
 inline void moe_gate_up_mv_blocks(const device T* xt, const device uint32_t* wg, const device S* sg,
                                   const device S* bg, const device uint32_t* wu, const device S* su,
                                   const device S* bu, const thread uint32_t* row, uint32_t H, uint32_t group_shift,
-                                  uint32_t K_end, uint32_t splits, uint32_t simd_id, uint32_t lane,
+                                  uint32_t K_end, uint32_t splits, uint32_t split, uint32_t lane,
                                   thread float* ag, thread float* au) {
-  constexpr uint32_t R = kMoeMvRows;
+  constexpr uint32_t R = kMoeGateUpRows;
   constexpr uint32_t V = Qmv1Codes<bits>::V;
   constexpr uint32_t B = 32 * V;
   const uint32_t wpr = H * bits / 32, gpr = H >> group_shift;
-  for (uint32_t k0 = simd_id * B; k0 < K_end; k0 += splits * B) {
+  for (uint32_t k0 = split * B; k0 < K_end; k0 += splits * B) {
     const uint32_t kk = k0 + lane * V;
     if (kk < H) {  // only a last, partial block diverges (H is a multiple of 32)
       float xv[V];
@@ -66,26 +66,30 @@ inline void moe_gate_up_mv_blocks(const device T* xt, const device uint32_t* wg,
 // moe_gate_up_mv: decode / matvec route. h[slot, n] = silu(gate_g[n] . x_t) * (up_g[n] . x_t)
 // for the k selected experts and the shared expert of every token; reads only those experts.
 // Design: MLX gather_qmv_fast / llama.cpp kernel_mul_mv_id (a dense single-row matvec per
-// (token, slot) whose matrix is looked up from the routing), on qmv1's qmv_fast layout.
-//   grid:       (ceil(max(I, Is) / kMoeMvRows), T * (k + 1)) threadgroups of 32 * splits threads,
-//               splits = min(kMoeGateUpMaxSplits, ceil(H / B)) (host: moe_mv_splits)
-//   routing:    every simdgroup selects its slot's expert from the router logits [T, E + 1]
-//               (moe_select_slot: j + 1 rounds of the code moe_route runs, in registers; the
-//               shared slot selects nothing): no barrier before the loads. Simdgroup 0 of the
-//               shared slot's first threadgroup also runs moe_select for the whole token and
-//               writes ids [T, k] and weights [T, k + 1] (moe_down_mv's routing)
+// (token, slot) whose matrix is looked up from the routing), on qmv1's qmv_fast layout; one
+// threadgroup covers the same kMoeGateUpRows rows of every slot of its token, so the token's experts
+// are selected once per threadgroup, not once per simdgroup.
+//   grid:       (ceil(max(I, Is) / kMoeGateUpRows), T) threadgroups of 32 * (k + 1) * splits threads:
+//               simdgroup j * splits + s is slot j (j == k: the shared expert), K split s;
+//               splits = max(1, min(kMoeGateUpMaxSplits, ceil(H / B), kMoeGateUpMaxSimds / (k + 1)))
+//               (host: moe_mv_shape)
+//   routing:    simdgroup 0 selects the token's k experts (moe_select: softmax, k rounds of
+//               simd_max / simd_min) into threadgroup memory; meanwhile the shared slot's
+//               simdgroups, which need no selection, run their loads; one barrier, then the
+//               routed slots read their expert. Threadgroup 0 of each token also writes ids [T, k]
+//               and weights [T, k + 1] (moe_down_mv's routing)
 //   block:      B = 32 lanes x V codes (Qmv1Codes: V = 128 / bits, one 16-byte load per lane and
 //               row, at 4 and 8 bits; V = 32, `bits` words, at 2, 3, 5, 6);
-//               simdgroup s walks the K = H blocks s, s + splits, ...; per block the lane's V
-//               values of x are loaded once (16-byte loads), summed once for the bias term,
-//               pre-scaled (Qmv1Codes::scale_of) and reused by the kMoeMvRows gate rows and
-//               kMoeMvRows up rows: 8 independent 16-byte weight loads per lane in flight
-//   rows:       rows past N load row N - 1 (no branch before a load); only the store is
-//               guarded. Threadgroups wholly past N (the narrower of I and Is) load nothing.
-//   reduction:  ag[R], au[R] (compile-time indexed: registers), simd_sum, then over the splits
-//               through threadgroup memory in order; thread r < R applies SwiGLU, writes h
+//               simdgroup s of a slot walks the K = H blocks s, s + splits, ...; per block the
+//               lane's V values of x are loaded once (16-byte loads), summed once for the bias
+//               term, pre-scaled (Qmv1Codes::scale_of) and reused by the kMoeGateUpRows gate rows and
+//               kMoeGateUpRows up rows: 8 independent 16-byte weight loads per lane in flight
+//   rows:       rows past a slot's N (I routed, Is shared) load row N - 1 (no branch before a
+//               load); only the store is guarded. A slot's simdgroups wholly past its N load nothing.
+//   reduction:  ag[R], au[R] (compile-time indexed: registers), simd_sum, then over a slot's splits
+//               through threadgroup memory in order; thread j * R + r applies SwiGLU, writes h
 //   widths:     the routed experts at `bits`, the shared slot at `sbits` (a mixed checkpoint; its
-//               threadgroups run their own blocks, B = 32 x Qmv1Codes<sbits>::V); sbits == bits
+//               simdgroups run their own blocks, B = 32 x Qmv1Codes<sbits>::V); sbits == bits
 //               compiles one loop
 template <typename T, typename S, int bits, int sbits>
 [[kernel]] void moe_gate_up_mv(constant MoeArgs& args [[buffer(0)]],
@@ -107,20 +111,24 @@ template <typename T, typename S, int bits, int sbits>
                                device uint32_t* ids [[buffer(16)]],
                                device float* weights [[buffer(17)]],
                                LILY_KERNEL_TAIL) {
-  constexpr uint32_t R = kMoeMvRows;
-  LILY_TG_ARRAY(float, red, [kMoeGateUpMaxSplits * 2 * kMoeMvRows]);
+  constexpr uint32_t R = kMoeGateUpRows;
+  LILY_TG_ARRAY(float, red, [kMoeGateUpMaxSimds * 2 * kMoeGateUpRows]);
   LILY_TG_ARRAY(uint32_t, sel_s, [kMoeMaxTopK]);
   LILY_TG_ARRAY(float, w_s, [kMoeMaxTopK + 1]);
-  const uint32_t k = args.top_k, H = args.hidden;
-  const uint32_t splits = group_size.x / 32;
-  const uint32_t slot = group_pos.y, t = slot / (k + 1), j = slot - t * (k + 1);
-  const bool shared = j == k;  // uniform over the threadgroup
-  // The token's whole routing (experts and weights, for moe_down_mv, callers and tests): simdgroup
-  // 0 of the shared slot's first threadgroup, whose own loads need no selection; lane 0 writes
-  // sel_s / w_s and reads back only what it wrote itself, so no barrier.
-  if (shared && group_pos.x == 0 && simd_id == 0) {
+  const uint32_t k = args.top_k, H = args.hidden, t = group_pos.y;
+  const uint32_t splits = group_size.x / (32 * (k + 1));
+  const uint32_t j = simd_id / splits, split = simd_id - j * splits;
+  const bool shared = j == k;  // uniform over the simdgroup
+  const uint32_t n0 = group_pos.x * R;
+  const device T* xt = x + t * H;
+  float ag[R], au[R];
+  for (uint32_t r = 0; r < R; ++r) {
+    ag[r] = 0.0f;
+    au[r] = 0.0f;
+  }
+  if (simd_id == 0) {  // slot 0's first simdgroup selects for the threadgroup
     moe_select<T>(args, logits + t * (args.experts + 1), lane, sel_s, w_s);
-    if (lane == 0) {
+    if (group_pos.x == 0 && lane == 0) {  // lane 0 reads back only what it wrote itself
       for (uint32_t i = 0; i < k; ++i) {
         ids[t * k + i] = sel_s[i];
         weights[t * (k + 1) + i] = w_s[i];
@@ -128,33 +136,23 @@ template <typename T, typename S, int bits, int sbits>
       weights[t * (k + 1) + k] = w_s[k];
     }
   }
-  // Every simdgroup selects its slot's expert itself: no simdgroup waits at a barrier for another.
-  const uint32_t g = shared ? 0u : moe_select_slot<T>(args, logits + t * (args.experts + 1), lane, j);
-  const uint32_t N = shared ? args.shared_inter : args.inter;
-  const uint32_t wpr = H * bits / 32, gpr = H >> args.group_shift;  // the routed experts' rows
-  const device uint32_t* wg = shared ? sh_gate_w : gate_w + g * N * wpr;
-  const device S* sg = shared ? sh_gate_s : gate_s + g * N * gpr;
-  const device S* bg = shared ? sh_gate_b : gate_b + g * N * gpr;
-  const device uint32_t* wu = shared ? sh_up_w : up_w + g * N * wpr;
-  const device S* su = shared ? sh_up_s : up_s + g * N * gpr;
-  const device S* bu = shared ? sh_up_b : up_b + g * N * gpr;
-  const device T* xt = x + t * H;
-  const uint32_t n0 = group_pos.x * R;
-  const uint32_t K_end = n0 < N ? H : 0u;  // uniform over the threadgroup
-
-  uint32_t row[R];
-  for (uint32_t r = 0; r < R; ++r) row[r] = min(n0 + r, N - 1);
-  float ag[R], au[R];
-  for (uint32_t r = 0; r < R; ++r) {
-    ag[r] = 0.0f;
-    au[r] = 0.0f;
+  if (shared) {  // needs no selection: its loads go out while simdgroup 0 selects
+    const uint32_t N = args.shared_inter;
+    uint32_t row[R];
+    for (uint32_t r = 0; r < R; ++r) row[r] = min(n0 + r, N - 1);
+    moe_gate_up_mv_blocks<T, S, sbits>(xt, sh_gate_w, sh_gate_s, sh_gate_b, sh_up_w, sh_up_s, sh_up_b, row, H,
+                                       args.group_shift, n0 < N ? H : 0u, splits, split, lane, ag, au);
   }
-  if (sbits != bits && shared)
-    moe_gate_up_mv_blocks<T, S, sbits>(xt, wg, sg, bg, wu, su, bu, row, H, args.group_shift, K_end, splits, simd_id,
-                                       lane, ag, au);
-  else
-    moe_gate_up_mv_blocks<T, S, bits>(xt, wg, sg, bg, wu, su, bu, row, H, args.group_shift, K_end, splits, simd_id,
-                                      lane, ag, au);
+  threadgroup_barrier(mem_flags::mem_threadgroup);  // sel_s
+  if (!shared) {
+    const uint32_t N = args.inter, g = sel_s[j];
+    const uint32_t wpr = H * bits / 32, gpr = H >> args.group_shift;
+    uint32_t row[R];
+    for (uint32_t r = 0; r < R; ++r) row[r] = min(n0 + r, N - 1);
+    moe_gate_up_mv_blocks<T, S, bits>(xt, gate_w + g * N * wpr, gate_s + g * N * gpr, gate_b + g * N * gpr,
+                                      up_w + g * N * wpr, up_s + g * N * gpr, up_b + g * N * gpr, row, H,
+                                      args.group_shift, n0 < N ? H : 0u, splits, split, lane, ag, au);
+  }
   for (uint32_t r = 0; r < R; ++r) {
     ag[r] = simd_sum(ag[r]);
     au[r] = simd_sum(au[r]);
@@ -166,13 +164,14 @@ template <typename T, typename S, int bits, int sbits>
     }
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
-  if (thread_pos.x < R && n0 + thread_pos.x < N) {
+  const uint32_t oj = thread_pos.x / R, r = thread_pos.x - oj * R;  // thread oj * R + r: slot oj, row r
+  if (oj <= k && n0 + r < (oj == k ? args.shared_inter : args.inter)) {
     float G = 0.0f, U = 0.0f;
     for (uint32_t s = 0; s < splits; ++s) {
-      G += red[s * 2 * R + thread_pos.x];
-      U += red[s * 2 * R + R + thread_pos.x];
+      G += red[(oj * splits + s) * 2 * R + r];
+      U += red[(oj * splits + s) * 2 * R + R + r];
     }
-    h[slot * args.h_stride + n0 + thread_pos.x] = moe_silu(G) * U;
+    h[(t * (k + 1) + oj) * args.h_stride + n0 + r] = moe_silu(G) * U;
   }
 }
 

@@ -83,7 +83,7 @@ namespace lily_cuda {
 // then spilled to local memory. Metal's compiler makes this choice itself and reports
 // maxTotalThreadsPerThreadgroup; here cuFuncGetAttribute reports the bound and the engine checks
 // every dispatch against it at load (DeviceLimitError), as on Metal. The numbers are the host's:
-// kAttnVecSimds * 32, kQmv1MaxSplits * 32 (qmv1 and qmv), kMoeGateUpMaxSplits * 32,
+// kAttnVecSimds * 32, kQmv1MaxSplits * 32 (qmv1 and qmv), kMoeGateUpMaxSimds * 32,
 // kMoeDownMaxSplits * 32.
 constexpr bool starts_with(const char* s, const char* p) {
   for (; *p; ++s, ++p)
@@ -94,7 +94,7 @@ constexpr unsigned max_threads(const char* name) {
   return starts_with(name, "attn_decode_vec_")       ? 256u
          : starts_with(name, "qmv1_")                ? 128u
          : starts_with(name, "qmv_")                 ? 128u
-         : starts_with(name, "moe_gate_up_mv_")      ? 128u
+         : starts_with(name, "moe_gate_up_mv_")      ? 544u  // kMoeGateUpMaxSimds * 32
          : starts_with(name, "moe_down_mv_")         ? 256u
          : starts_with(name, "gated_delta_decode_")  ? 256u  // kGdDecodeThreads
          : starts_with(name, "qmm_")                 ? 128u  // every tiled qmm: 4 simdgroups

@@ -28,6 +28,7 @@ namespace lily {
 
 enum : uint32_t {
   kMoeMaxExperts = 512,       // routed experts a block may have (router kernel registers)
+  kMoeSelectLane = 8,         // selection (common/moe.h): probabilities per lane when E <= 32 x this
   kMoeMaxTopK = 16,           // experts per token
   kMoeMvMaxTokens = 8,        // tokens <= this: matrix-vector route (decode)
   kMoeFewMaxRows = 16,        // tiled, M1-M4: a group's remainder of <= this many rows -> few-row tile
@@ -39,8 +40,10 @@ enum : uint32_t {
   kMoeTile32MaxRows = 32,     // tiled: a remainder of <= this many rows -> 32-row tile, else 64
   kMoeMvRowsPerSimd = 4,      // few-row tiles (moe_*_few): output features per simdgroup
   kMoeMvSimdsPerGroup = 2,    // few-row tiles (moe_*_few): simdgroups per threadgroup
-  kMoeMvRows = 4,             // decode matvecs (moe_*_mv): output rows per threadgroup
+  kMoeMvRows = 4,             // moe_down_mv: output rows per threadgroup
+  kMoeGateUpRows = 4,         // moe_gate_up_mv: rows of every slot per threadgroup
   kMoeGateUpMaxSplits = 4,    // moe_gate_up_mv: simdgroups splitting K = H (min(this, H / block))
+  kMoeGateUpMaxSimds = 17,    // moe_gate_up_mv: simdgroups a threadgroup, (k + 1) slots x splits
   kMoeDownMaxSplits = 8,      // moe_down_mv: simdgroups splitting K' = k I + Is (min(this, chunks / 32))
   kMoeTileN = 32,             // tiled: output features per tile
   kMoeTileK = 32,             // tiled: K step (divides every supported group size)

@@ -14,35 +14,36 @@ inline float moe_silu(float v) { return v / (1.0f + exp(-v)); }
 // row[0 .. E) in fp32 (moe_probs), then rounds of (simd_max, simd_min of the index) (moe_take).
 // Every caller runs this same code on the same logits, so every kernel that selects for itself
 // gets the same experts (ties go to the lowest expert index, as in lily_py.reference.moe.route).
+// P: probabilities per lane, kMoeSelectLane (8) when E <= 256 (this model), else
+// kMoeMaxExperts / 32: the same experts and weights either way, half the scan a round for E <= 256.
 constant constexpr float kMoeTaken = -1.0f;  // below every probability
 
 // p[i]: the probability of expert lane + 32 i (kMoeTaken past E). A NaN probability (a NaN or
 // infinite logit: the activations went bad upstream) ranks below every number and above a taken
 // expert, so k distinct experts below E are always chosen (an id past E would read outside the
 // expert stacks). Returns whether the row had one (uniform over the simdgroup).
-template <typename L>
+template <uint32_t P, typename L>
 inline bool moe_probs(constant MoeArgs& args, const device L* row, uint32_t lane, thread float* p) {
-  constexpr uint32_t PER_LANE = kMoeMaxExperts / 32;
   const uint32_t E = args.experts;
   float m = -3.0e38f;
-  for (uint32_t i = 0; i < PER_LANE; ++i) {
+  for (uint32_t i = 0; i < P; ++i) {
     const uint32_t e = lane + 32 * i;
     p[i] = e < E ? float(row[e]) : kMoeTaken;
     if (e < E) m = max(m, p[i]);
   }
   m = simd_max(m);
   float sum = 0.0f;
-  for (uint32_t i = 0; i < PER_LANE; ++i) {
+  for (uint32_t i = 0; i < P; ++i) {
     if (lane + 32 * i < E) {
       p[i] = exp(p[i] - m);
       sum += p[i];
     }
   }
   sum = simd_sum(sum);
-  for (uint32_t i = 0; i < PER_LANE; ++i)
+  for (uint32_t i = 0; i < P; ++i)
     if (lane + 32 * i < E) p[i] = p[i] / sum;
   bool bad = false;
-  for (uint32_t i = 0; i < PER_LANE; ++i) {
+  for (uint32_t i = 0; i < P; ++i) {
     if (lane + 32 * i < E && !(p[i] >= 0.0f)) {
       p[i] = 0.5f * kMoeTaken;
       bad = true;
@@ -53,11 +54,11 @@ inline bool moe_probs(constant MoeArgs& args, const device L* row, uint32_t lane
 
 // One round: the largest untaken probability (the lowest index among equals), marked taken.
 // Returns its expert and sets top to its probability, the same on every lane.
+template <uint32_t P>
 inline uint32_t moe_take(thread float* p, uint32_t lane, uint32_t E, thread float& top) {
-  constexpr uint32_t PER_LANE = kMoeMaxExperts / 32;
   float best = kMoeTaken;
   uint32_t best_e = 0xFFFFFFFFu;
-  for (uint32_t i = 0; i < PER_LANE; ++i) {  // ascending e: the lane keeps its lowest index
+  for (uint32_t i = 0; i < P; ++i) {  // ascending e: the lane keeps its lowest index
     const uint32_t e = lane + 32 * i;
     if (e < E && p[i] > best) {
       best = p[i];
@@ -66,25 +67,21 @@ inline uint32_t moe_take(thread float* p, uint32_t lane, uint32_t E, thread floa
   }
   top = simd_max(best);
   const uint32_t top_e = simd_min(best == top ? best_e : 0xFFFFFFFFu);
-  for (uint32_t i = 0; i < PER_LANE; ++i)
+  for (uint32_t i = 0; i < P; ++i)
     if (lane + 32 * i == top_e) p[i] = kMoeTaken;
   return top_e;
 }
 
-// moe_select: k rounds, renormalised in slot order. Lane 0 writes sel[j] (expert of slot j),
-// w[j] = p_j / sum p (j < k) and w[k] = sigmoid(row[E]) to threadgroup memory (a row with a NaN
-// or infinite logit: experts still distinct and below E, w[j < k] NaN). moe_route and
-// moe_down_mv select with it.
-template <typename L>
-inline void moe_select(constant MoeArgs& args, const device L* row, uint32_t lane, threadgroup uint32_t* sel,
-                       threadgroup float* w) {
+template <uint32_t P, typename L>
+inline void moe_select_lanes(constant MoeArgs& args, const device L* row, uint32_t lane, threadgroup uint32_t* sel,
+                             threadgroup float* w) {
   const uint32_t E = args.experts, k = args.top_k;
-  float p[kMoeMaxExperts / 32];
-  const bool bad = moe_probs<L>(args, row, lane, p);
+  float p[P];
+  const bool bad = moe_probs<P, L>(args, row, lane, p);
   float wsum = 0.0f;
   for (uint32_t j = 0; j < k; ++j) {  // k is uniform: every lane makes the same collectives
     float top;
-    const uint32_t top_e = moe_take(p, lane, E, top);
+    const uint32_t top_e = moe_take<P>(p, lane, E, top);
     if (lane == 0) {
       sel[j] = top_e;
       w[j] = top;
@@ -97,18 +94,17 @@ inline void moe_select(constant MoeArgs& args, const device L* row, uint32_t lan
   }
 }
 
-// moe_select_slot: the expert of slot j < k alone (j + 1 rounds), in registers on every lane: no
-// threadgroup memory, no barrier (moe_gate_up_mv, which needs no weights).
+// moe_select: k rounds, renormalised in slot order. Lane 0 writes sel[j] (expert of slot j),
+// w[j] = p_j / sum p (j < k) and w[k] = sigmoid(row[E]) to threadgroup memory (a row with a NaN
+// or infinite logit: experts still distinct and below E, w[j < k] NaN). moe_route and
+// moe_gate_up_mv select with it.
 template <typename L>
-inline uint32_t moe_select_slot(constant MoeArgs& args, const device L* row, uint32_t lane, uint32_t j) {
-  float p[kMoeMaxExperts / 32];
-  moe_probs<L>(args, row, lane, p);
-  uint32_t id = 0;
-  for (uint32_t r = 0; r <= j; ++r) {  // j is uniform over the simdgroup
-    float top;
-    id = moe_take(p, lane, args.experts, top);
-  }
-  return id;
+inline void moe_select(constant MoeArgs& args, const device L* row, uint32_t lane, threadgroup uint32_t* sel,
+                       threadgroup float* w) {
+  if (args.experts <= 32 * kMoeSelectLane)  // uniform
+    moe_select_lanes<kMoeSelectLane, L>(args, row, lane, sel, w);
+  else
+    moe_select_lanes<kMoeMaxExperts / 32, L>(args, row, lane, sel, w);
 }
 
 }  // namespace lily

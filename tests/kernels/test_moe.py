@@ -39,8 +39,10 @@ FEW_MAX_ROWS = 16          # must match kMoeFewMaxRows (checked below): the M1-M
 TILE32_MAX_ROWS = 32       # must match kMoeTile32MaxRows (checked below)
 FEW_MAX_ROWS_M5 = 2        # must match kMoeFewMaxRowsM5: the few-row threshold with tensor ops
 TILE16_MAX_ROWS = 16       # must match kMoeTile16MaxRows: 32-row-list tiles run as 16 rows on M5
-MV_ROWS = 4                # kMoeMvRows: output rows per threadgroup of the decode matvecs
+MV_ROWS = 4                # kMoeMvRows: output rows per threadgroup of moe_down_mv
+GATE_UP_ROWS = 4           # kMoeGateUpRows: rows of every slot per threadgroup of moe_gate_up_mv
 GATE_UP_MAX_SPLITS = 4     # kMoeGateUpMaxSplits
+GATE_UP_MAX_SIMDS = 17     # kMoeGateUpMaxSimds: simdgroups of a gate/up threadgroup, (k + 1) x splits
 DOWN_MAX_SPLITS = 8        # kMoeDownMaxSplits
 CODES = 32                 # 4-bit codes per lane and row in the decode matvecs: one 16-byte load
 TIE_MARGIN = 1e-5
@@ -141,7 +143,9 @@ def test_route_constants_match_extension():
     assert core.ops.MOE_FEW_MAX_ROWS_M5 == FEW_MAX_ROWS_M5
     assert core.ops.MOE_TILE16_MAX_ROWS == TILE16_MAX_ROWS
     assert core.ops.MOE_MV_ROWS == MV_ROWS
+    assert core.ops.MOE_GATE_UP_ROWS == GATE_UP_ROWS
     assert core.ops.MOE_GATE_UP_MAX_SPLITS == GATE_UP_MAX_SPLITS
+    assert core.ops.MOE_GATE_UP_MAX_SIMDS == GATE_UP_MAX_SIMDS
     assert core.ops.MOE_DOWN_MAX_SPLITS == DOWN_MAX_SPLITS
     assert ops.moe_route(MV_MAX_TOKENS, 8) == "mv"
     assert ops.moe_route(MV_MAX_TOKENS + 1, 8) == "tiled"
@@ -295,7 +299,7 @@ def test_exact_ties_go_to_the_lowest_index(rng, T):
 # Exact ties at every rank: the router's rows come from a pool of about E / 4 distinct rows, so
 # each probability is shared by about 4 experts. The selection must give the reference's order
 # (equal probabilities: the lowest index first) at every rank, k = 12 included, and
-# moe_gate_up_mv (which selects per slot) must agree with the routing it writes: the outputs are
+# moe_gate_up_mv (which selects in every threadgroup) must agree with the routing it writes: the outputs are
 # checked too.
 @pytest.mark.parametrize("E,top_k", [(40, 3), (256, 8), (256, 12), (300, 8)])
 @pytest.mark.parametrize("T", [1, 5, 33])
@@ -361,17 +365,19 @@ def test_nan_and_inf_activations_choose_valid_experts(rng, device, T, dtype):
 # ------------------------------------------------------------------------------ decode matvecs
 def mv_shapes(T, *, H, k, I, Is):
     """(grid x, grid y, grid z, threads) of moe_gate_up_mv and moe_down_mv, as docs/kernels-moe.md
-    states them: gate_up splits K = H over min(4, ceil(H / 1024)) simdgroups (a block = 32 lanes x
-    32 codes), rows in fours, one grid row per (token, slot); down splits the concatenated
-    K' = k I + Is (chunks of 32 codes) over min(8, ceil(chunks / 32)) simdgroups."""
-    gu = max(1, min(GATE_UP_MAX_SPLITS, -(-H // (32 * CODES))))
+    states them: gate_up runs every slot of a token in one threadgroup, rows in fours, one grid
+    row per token; each slot splits K = H over min(4, ceil(H / 1024), 17 // (k + 1)) simdgroups (a
+    block = 32 lanes x 32 codes); down splits the concatenated K' = k I + Is (chunks of 32 codes)
+    over min(8, ceil(chunks / 32)) simdgroups."""
+    gu = max(1, min(GATE_UP_MAX_SPLITS, -(-H // (32 * CODES)), GATE_UP_MAX_SIMDS // (k + 1)))
     dn = max(1, min(DOWN_MAX_SPLITS, -(-(k * (I // CODES) + Is // CODES) // 32)))
-    return [(-(-max(I, Is) // MV_ROWS), T * (k + 1), 1, 32 * gu), (-(-H // MV_ROWS), T, 1, 32 * dn)]
+    return [(-(-max(I, Is) // GATE_UP_ROWS), T, 1, 32 * (k + 1) * gu), (-(-H // MV_ROWS), T, 1, 32 * dn)]
 
 
 # Both sides of every shape switch of the decode matvecs (odd expert counts, T = 1 and a few tokens):
 #   gate_up splits: H = 1024 (1 block, 1 split) | 1088 (2 splits, the second block partial: 2 of 32
-#     lanes) | 4160 (5 blocks > 4 splits: simdgroup 0 walks blocks 0 and 4, the last partial);
+#     lanes) | 4160 (5 blocks > 4 splits: split 0 walks blocks 0 and 4, the last partial) | 4160
+#     at k = 4 (17 // 5 = 3 splits a slot: split 0 walks blocks 0 and 3) | k = 8 (one split);
 #   down splits: chunks 32 (1 split) | 33 (2 splits, one lane of the second) | 258 > 8 x 32 (8
 #     splits, lanes 0 and 1 of simdgroup 0 take a second chunk);
 #   Is > I (routed slots' threadgroups past I load nothing) and Is < I (the shared slot's do), the
@@ -380,6 +386,7 @@ MV_CASES = {
     "H1024-1split": dict(E=5, H=1024, I=64, Is=64, k=2, gs=64),
     "H1088-2splits-partial": dict(E=5, H=1088, I=64, Is=64, k=2, gs=64),
     "H4160-capped-4splits": dict(E=3, H=4160, I=32, Is=32, k=1, gs=32),
+    "H4160-k4-3splits": dict(E=9, H=4160, I=64, Is=32, k=4, gs=32),
     "chunks32-1split": dict(E=9, H=64, I=128, Is=128, k=7, gs=32),
     "chunks33-2splits": dict(E=9, H=64, I=128, Is=32, k=8, gs=32),
     "chunks258-8splits-loop": dict(E=17, H=64, I=512, Is=64, k=16, gs=64),
@@ -390,11 +397,11 @@ MV_CASES = {
 
 @pytest.mark.parametrize("T", [1, 3])
 @pytest.mark.parametrize("case", list(MV_CASES))
-def test_decode_matvec_shapes(rng, case, T):
+def test_decode_matvec_shapes(rng, device, case, T):
     c = MV_CASES[case]
     W, x_of = make_block(rng, E=c["E"], H=c["H"], I=c["I"], Is=c["Is"], gs=c["gs"])
     res = rng.standard_normal((T, c["H"])).astype(np.float32)
-    _, ids, stats = check(rng, W, x_of(T, c["k"]), c["k"], residual=res, route="mv")
+    _, ids, stats = check(rng, W, x_of(T, c["k"]), c["k"], residual=res, route="mv", device=device)
     assert stats["kernels"][1:] == ["moe_gate_up_mv_b4_xf32_sbf16", "moe_down_mv_b4_xf32_sbf16"]
     assert stats["shapes"][1:] == mv_shapes(T, H=c["H"], k=c["k"], I=c["I"], Is=c["Is"]), case
 
@@ -440,7 +447,7 @@ def _random_quant(rng, shape, gs):
 
 
 @pytest.mark.parametrize("T", [1, 2])
-def test_decode_matvecs_real_shapes(rng, T):
+def test_decode_matvecs_real_shapes(rng, device, T):
     """The real model's MoE block (hidden 2048, 256 experts of intermediate 512, top-8, shared
     expert 512, group 64): routing, output and weights against the float64 reference (only the
     selected experts are dequantized); the decode grids as documented."""
@@ -452,10 +459,11 @@ def test_decode_matvecs_real_shapes(rng, T):
         shared_up_proj=_random_quant(rng, (Is, H), gs), shared_down_proj=_random_quant(rng, (H, Is), gs))
     x = rng.standard_normal((T, H)).astype(np.float32)
     res = rng.standard_normal((T, H)).astype(np.float32)
-    out, ids, weights, stats = ops._moe(x, *ops.moe_weights(W), top_k=k, residual=res, seed=rng.seed)
+    out, ids, weights, stats = ops._moe(x, *ops.moe_weights(W), top_k=k, residual=res, seed=rng.seed,
+                                        device=device)
     assert stats["route"] == "mv" and stats["host_syncs"] == 0
     assert stats["shapes"][1:] == mv_shapes(T, H=H, k=k, I=I, Is=Is)
-    assert stats["shapes"][1:] == [(128, T * 9, 1, 64), (512, T, 1, 160)]  # 2 and 5 simdgroups
+    assert stats["shapes"][1:] == [(128, T, 1, 288), (512, T, 1, 160)]  # 9 x 1 and 5 simdgroups
     dense = {"router": W.router.dense(), "shared_gate": W.shared_expert_gate.dense(),
              "gate": _LazyStack(W.gate_proj), "up": _LazyStack(W.up_proj), "down": _LazyStack(W.down_proj),
              "shared_gate_proj": W.shared_gate_proj.dense(), "shared_up": W.shared_up_proj.dense(),

@@ -96,7 +96,8 @@ MoeMvShape moe_mv_shape(uint32_t H, uint32_t top_k, uint32_t I, uint32_t Is, uin
   const uint32_t V = qmv1_lane_codes(bits);  // codes per lane and row (Qmv1Codes::V)
   const uint32_t Vs = qmv1_lane_codes(shared_bits ? shared_bits : bits);
   MoeMvShape s;
-  s.gate_up_splits = std::max(1u, std::min<uint32_t>(kMoeGateUpMaxSplits, ceil_div(H, 32 * V)));
+  s.gate_up_splits = std::max(
+      1u, std::min<uint32_t>({kMoeGateUpMaxSplits, ceil_div(H, 32 * V), kMoeGateUpMaxSimds / (top_k + 1)}));
   s.down_splits = std::max(1u, std::min<uint32_t>(kMoeDownMaxSplits, ceil_div(top_k * (I / V) + Is / Vs, 32)));
   return s;
 }
@@ -133,6 +134,8 @@ uint32_t moe_tile_rows(MoeRoute r) { return r == MoeRoute::mv ? 0 : 64; }
 static_assert(kMoeFewMaxRowsM5 <= kMoeFewMaxRows && kMoeFewMaxRowsM5 < kMoeTile16MaxRows &&
                   kMoeFewMaxRows <= 2 * kMoeFewBlockRows && kMoeFewMaxRows < kMoeTile32MaxRows,
               "the few-row kernels run a tile in <= 2 register blocks; the 32-row kind takes the rest");
+static_assert(kMoeGateUpMaxSimds >= kMoeMaxTopK + 1 && kMoeGateUpRows * (kMoeMaxTopK + 1) <= 32 * kMoeGateUpMaxSimds,
+              "moe_gate_up_mv: every slot of a token gets a simdgroup, and a thread per (slot, row) stores h");
 uint32_t moe_few_rows(bool tensor_ops) { return tensor_ops ? kMoeFewMaxRowsM5 : kMoeFewMaxRows; }
 
 MoeTileBounds moe_tile_bounds(uint32_t tokens, uint32_t top_k, uint32_t experts, uint32_t few_rows) {
@@ -371,9 +374,9 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
     if (op.x.offset % 16 != 0 || op.scratch.h.offset % 16 != 0)
       throw EncodeError("moe (mv route): x at byte offset " + std::to_string(op.x.offset) + " and scratch.h at " +
                         std::to_string(op.scratch.h.offset) + " must be multiples of 16 (16-byte loads)");
-    // 2. gate + up + SwiGLU of the selected experts and the shared expert, per slot; every
-    // threadgroup selects its token's experts from the logits itself (no route level), and one
-    // simdgroup per token writes the routing (ids, weights) for down
+    // 2. gate + up + SwiGLU of the selected experts and the shared expert, every slot of a token
+    // in one threadgroup; each threadgroup selects its token's experts from the logits itself (no
+    // route level), and one simdgroup per token writes the routing (ids, weights) for down
     enc.set_kernel(width_kernel(xb ? WidthFamily::moe_gate_up_mv_xbf16 : WidthFamily::moe_gate_up_mv_xf32, op.bits, sb_gu));
     enc.set_args(a);
     enc.set_buffer(1, range(op.x, act, "x"));
@@ -382,7 +385,7 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
     enc.set_buffer(16, range(op.scratch.ids, sb.ids, "scratch.ids"));
     enc.set_buffer(17, range(op.scratch.weights, sb.weights, "scratch.weights"));
     const MoeMvShape sh = moe_mv_shape(H, k, I, Is, op.bits);
-    enc.dispatch({ceil_div(a.h_stride, kMoeMvRows), T * (k + 1), 1}, {32 * sh.gate_up_splits, 1, 1});
+    enc.dispatch({ceil_div(a.h_stride, kMoeGateUpRows), T, 1}, {32 * (k + 1) * sh.gate_up_splits, 1, 1});
     enc.add_flops(flops.gate_up_executed, flops.gate_up_useful);
     enc.barrier();  // h, ids, weights -> down
     // 3. down projection x routing weights, shared expert x gate, residual add (the routing as

@@ -26,9 +26,9 @@ enum class MoeRoute : uint8_t {
 
 MoeRoute moe_route(uint32_t tokens, uint32_t top_k);
 
-// Threadgroup shapes of the decode matvecs (mv route): moe_gate_up_mv runs 32 * gate_up_splits
-// threads (K = H split over min(kMoeGateUpMaxSplits, ceil(H / B)) simdgroups, B = 32 lanes x
-// 128 / bits codes); moe_down_mv runs 32 * down_splits threads (the k + 1 slots' concatenated
+// Threadgroup shapes of the decode matvecs (mv route): moe_gate_up_mv runs 32 * (k + 1) *
+// gate_up_splits threads (every slot of a token; K = H split over max(1, min(kMoeGateUpMaxSplits,
+// ceil(H / B), kMoeGateUpMaxSimds / (k + 1))) simdgroups a slot, B = 32 lanes x 128 / bits codes); moe_down_mv runs 32 * down_splits threads (the k + 1 slots' concatenated
 // K' = k I + Is, in chunks of 128 / bits codes, over min(kMoeDownMaxSplits, ceil(chunks / 32))
 // simdgroups). Both: kMoeMvRows output rows per threadgroup.
 struct MoeMvShape {
