@@ -136,22 +136,19 @@ template <typename T, typename S, int bits, int sbits>
       weights[t * (k + 1) + k] = w_s[k];
     }
   }
-  if (shared) {  // needs no selection: its loads go out while simdgroup 0 selects
-    const uint32_t N = args.shared_inter;
-    uint32_t row[R];
-    for (uint32_t r = 0; r < R; ++r) row[r] = min(n0 + r, N - 1);
+  const uint32_t N = shared ? args.shared_inter : args.inter;  // the slot's rows
+  const uint32_t K_end = n0 < N ? H : 0u;                        // uniform over the simdgroup
+  uint32_t row[R];
+  for (uint32_t r = 0; r < R; ++r) row[r] = min(n0 + r, N - 1);
+  if (shared)  // needs no selection: its loads go out while simdgroup 0 selects
     moe_gate_up_mv_blocks<T, S, sbits>(xt, sh_gate_w, sh_gate_s, sh_gate_b, sh_up_w, sh_up_s, sh_up_b, row, H,
-                                       args.group_shift, n0 < N ? H : 0u, splits, split, lane, ag, au);
-  }
+                                       args.group_shift, K_end, splits, split, lane, ag, au);
   threadgroup_barrier(mem_flags::mem_threadgroup);  // sel_s
   if (!shared) {
-    const uint32_t N = args.inter, g = sel_s[j];
-    const uint32_t wpr = H * bits / 32, gpr = H >> args.group_shift;
-    uint32_t row[R];
-    for (uint32_t r = 0; r < R; ++r) row[r] = min(n0 + r, N - 1);
+    const uint32_t g = sel_s[j], wpr = H * bits / 32, gpr = H >> args.group_shift;
     moe_gate_up_mv_blocks<T, S, bits>(xt, gate_w + g * N * wpr, gate_s + g * N * gpr, gate_b + g * N * gpr,
                                       up_w + g * N * wpr, up_s + g * N * gpr, up_b + g * N * gpr, row, H,
-                                      args.group_shift, n0 < N ? H : 0u, splits, split, lane, ag, au);
+                                      args.group_shift, K_end, splits, split, lane, ag, au);
   }
   for (uint32_t r = 0; r < R; ++r) {
     ag[r] = simd_sum(ag[r]);
