@@ -6,7 +6,9 @@
 # and compute-sanitizer on the MoE kernel tests (SKIP_TESTS=1: not). SKIP_BASE=1 with ORDER=new:
 # the working tree alone. VARIANTS=file (tools/gpu/ab.sh's `NAME | FILE | OLD | NEW` lines): more
 # builds, each the working tree with those substitutions, timed after base and new. KB: the
-# batches of the 8-layer per-kernel runs (default 4,8). Needs .whl/ as suites.sh.
+# batches of the 8-layer per-kernel runs (default 4,8); SB: of the 40-layer steps (default
+# 1,2,4,8). SKIP_BUILD=1: time the builds and checkpoints an earlier call left in /tmp (a warm
+# machine), e.g. ORDER="s2 r2" SKIP_BUILD=1 after a call that built them. Needs .whl/ as suites.sh.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/lily_gpu_out}
@@ -22,18 +24,20 @@ build() {  # build NAME DIR: the package from DIR into /tmp/lib_NAME, in the bac
       -Ccmake.define.LILY_CUDA=ON > $OUT/build_$1.log 2>&1; echo "$1 rc=$?" ) &
 }
 t0=$SECONDS
-build new .
-[ -n "${SKIP_BASE:-}" ] || build base /tmp/base
-for n in $names; do build $n /tmp/v_$n; done
-for n in 8 40; do  # one random-weight checkpoint of the real shapes per depth, for every build
-  ( PYTHONPATH=$PWD/src:/tmp/site python3 -c "from lily_py.testing import make_checkpoint; from lily_py.tools.bench import _config_dict; make_checkpoint('/tmp/ckpt$n', _config_dict('real', $n), fmt='mlx', seed=0)" > $OUT/checkpoint$n.log 2>&1; echo "checkpoint $n rc=$?" ) &
-done
-wait
-echo "builds and checkpoints: $((SECONDS - t0)) s"
+if [ -z "${SKIP_BUILD:-}" ]; then
+  build new .
+  [ -n "${SKIP_BASE:-}" ] || build base /tmp/base
+  for n in $names; do build $n /tmp/v_$n; done
+  for n in 8 40; do  # one random-weight checkpoint of the real shapes per depth, for every build
+    ( PYTHONPATH=$PWD/src:/tmp/site python3 -c "from lily_py.testing import make_checkpoint; from lily_py.tools.bench import _config_dict; make_checkpoint('/tmp/ckpt$n', _config_dict('real', $n), fmt='mlx', seed=0)" > $OUT/checkpoint$n.log 2>&1; echo "checkpoint $n rc=$?" ) &
+  done
+  wait
+  echo "builds and checkpoints: $((SECONDS - t0)) s"
+fi
 for v in ${ORDER:-base new $names}; do
   echo "=== $v"
   PYTHONPATH=/tmp/lib_$v:/tmp/site python3 benchmarks/batch_decode.py --time --model /tmp/ckpt8 --layers 8 --kernels --batches ${KB:-4,8} --prompt 8 --prefill-step 8 --trials 3 2>&1 | grep -v "^command"
-  PYTHONPATH=/tmp/lib_$v:/tmp/site python3 benchmarks/batch_decode.py --time --model /tmp/ckpt40 --prompt 8 --prefill-step 8 --trials 5 --json $OUT/batch_$v.json 2>&1 | grep -v "^command"
+  PYTHONPATH=/tmp/lib_$v:/tmp/site python3 benchmarks/batch_decode.py --time --model /tmp/ckpt40 --prompt 8 --prefill-step 8 --batches ${SB:-1,2,4,8} --trials 5 --json $OUT/batch_$v.json 2>&1 | grep -v "^command"
   echo "t=$((SECONDS - t0))"
 done
 if [ -z "${SKIP_TESTS:-}" ]; then  # the new build's MoE and batch tests on cuda, and the sanitizers
