@@ -22,9 +22,12 @@ namespace lily {
 //              ceil(K / B)), 1 for lm_head-sized N)
 //   block:     B = 32 lanes x kQmvLaneCodes (8) codes; simdgroup s walks K blocks s, s + splits, ...
 //   per block: the lane unpacks its 8 codes of each of the kQmvRows rows once (unpack_row: every
-//              width 2..8, exact values), with their scale and bias; then for each row m of x its 8
-//              values (one 16-byte load8 at bf16: x 16-byte aligned, the host checks) and their sum,
-//              and 8 fma per row of w: s * dot(x, q) + b * sum(x) into acc[m][r].
+//              width 2..8, exact values) and dequantizes them once, w = s * q + b in fp32; then for
+//              each row m of x its 8 values (one 16-byte load8 at bf16: x 16-byte aligned, the host
+//              checks) and 8 fma per row of w into acc[m][r]. Per code: the unpack and one fma shared
+//              by the M rows of x, then one fma per row of x: no sum of x and no scale or bias
+//              arithmetic per row of x (M = 8, 4 bits, sm_90: about 600 instructions per lane and
+//              block instead of 750; instruction-bound there, docs/kernels-matmul.md).
 //   rows:      rows past N load row N - 1; only the store is guarded. Rows of x past M are skipped
 //              by a uniform branch (acc[m][r] stays compile-time indexed: registers).
 //   reduction: simd_sum of acc[m][r], then over the splits through threadgroup memory in order.
@@ -60,25 +63,22 @@ template <typename T, typename S, int bits, typename Y = T>
     const uint32_t k = k0 + lane * V;
     if (k < K) {  // only a last, partial block diverges (K is a multiple of 32, k of 8)
       const uint32_t g = k / args.group_size;  // the 8 codes lie in one group
-      float q[R][V], sc[R], bi[R];
+      float wq[R][V];  // the dequantized weights, s * q + b
       LILY_UNROLL
       for (uint32_t r = 0; r < R; ++r) {
-        unpack_row<bits, V>(w + row[r] * words_per_row, k, q[r]);
-        sc[r] = float(scales[row[r] * groups_per_row + g]);
-        bi[r] = float(biases[row[r] * groups_per_row + g]);
+        unpack_row<bits, V>(w + row[r] * words_per_row, k, wq[r]);
+        const float sc = float(scales[row[r] * groups_per_row + g]);
+        const float bi = float(biases[row[r] * groups_per_row + g]);
+        for (uint32_t i = 0; i < V; ++i) wq[r][i] = fma(sc, wq[r][i], bi);
       }
       LILY_UNROLL
       for (uint32_t m = 0; m < MR; ++m) {
         if (m < M) {
           float xv[V];
           load8(x + m * args.x_stride + k, xv);
-          float xsum = 0.0f;
-          for (uint32_t i = 0; i < V; ++i) xsum += xv[i];
           LILY_UNROLL
           for (uint32_t r = 0; r < R; ++r) {
-            float d = 0.0f;
-            for (uint32_t i = 0; i < V; ++i) d = fma(xv[i], q[r][i], d);
-            acc[m][r] = fma(sc[r], d, fma(bi[r], xsum, acc[m][r]));
+            for (uint32_t i = 0; i < V; ++i) acc[m][r] = fma(xv[i], wq[r][i], acc[m][r]);
           }
         }
       }
