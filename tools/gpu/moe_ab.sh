@@ -7,8 +7,9 @@
 # the working tree alone. VARIANTS=file (tools/gpu/ab.sh's `NAME | FILE | OLD | NEW` lines): more
 # builds, each the working tree with those substitutions, timed after base and new. KB: the
 # batches of the 8-layer per-kernel runs (default 4,8); SB: of the 40-layer steps (default
-# 1,2,4,8). SKIP_BUILD=1: time the builds and checkpoints an earlier call left in /tmp (a warm
-# machine), e.g. ORDER="s2 r2" SKIP_BUILD=1 after a call that built them. Needs .whl/ as suites.sh.
+# 1,2,4,8; 0: none); VSB: SB of the variants (default SB). SKIP_BUILD=1: time the builds and
+# checkpoints an earlier call left in /tmp (a warm machine), e.g. ORDER="s2 r2" SKIP_BUILD=1
+# after a call that built them. Needs .whl/ as suites.sh.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/lily_gpu_out}
@@ -37,12 +38,14 @@ fi
 for v in ${ORDER:-base new $names}; do
   echo "=== $v"
   PYTHONPATH=/tmp/lib_$v:/tmp/site python3 benchmarks/batch_decode.py --time --model /tmp/ckpt8 --layers 8 --kernels --batches ${KB:-4,8} --prompt 8 --prefill-step 8 --trials 3 2>&1 | grep -v "^command"
-  PYTHONPATH=/tmp/lib_$v:/tmp/site python3 benchmarks/batch_decode.py --time --model /tmp/ckpt40 --prompt 8 --prefill-step 8 --batches ${SB:-1,2,4,8} --trials 5 --json $OUT/batch_$v.json 2>&1 | grep -v "^command"
+  sb=${SB:-1,2,4,8}
+  case " base new " in *" $v "*) ;; *) sb=${VSB:-$sb} ;; esac
+  [ "$sb" = 0 ] || PYTHONPATH=/tmp/lib_$v:/tmp/site python3 benchmarks/batch_decode.py --time --model /tmp/ckpt40 --prompt 8 --prefill-step 8 --batches $sb --trials 5 --json $OUT/batch_$v.json 2>&1 | grep -v "^command"
   echo "t=$((SECONDS - t0))"
 done
 if [ -z "${SKIP_TESTS:-}" ]; then  # the new build's MoE and batch tests on cuda, and the sanitizers
   export PYTHONPATH=/tmp/lib_new:/tmp/site
-  ( LILY_TEST_DEVICES=cuda timeout 150 python3 -m pytest tests/kernels/test_moe.py tests/kernels/test_quant_widths.py -q -p no:cacheprovider -k "cuda" > /tmp/ab_k.log 2>&1; echo "rc=$?" >> /tmp/ab_k.log ) &
+  ( LILY_TEST_DEVICES=cuda timeout 150 python3 -m pytest tests/kernels/test_moe.py tests/kernels/test_quant_widths.py tests/kernels/test_quantized_matmul.py -q -p no:cacheprovider -k "cuda" > /tmp/ab_k.log 2>&1; echo "rc=$?" >> /tmp/ab_k.log ) &
   ( LILY_TEST_ENGINE=cuda timeout 150 python3 -m pytest tests/model/test_batch_decode.py -q -p no:cacheprovider > /tmp/ab_b.log 2>&1; echo "rc=$?" >> /tmp/ab_b.log ) &
   for tool in memcheck racecheck; do
     ( LILY_TEST_DEVICES=cuda timeout 150 compute-sanitizer --tool $tool --print-limit 20 python3 -m pytest tests/kernels/test_moe.py -q -p no:cacheprovider -k "cuda and (decode_matvec or exact_ties or nan_and_inf)" > /tmp/ab_$tool.log 2>&1; echo "rc=$?" >> /tmp/ab_$tool.log ) &
