@@ -47,7 +47,8 @@ template <typename T, typename S, int bits, typename Y = T>
   const uint32_t K = args.K, M = args.M;
   const uint32_t splits = group_size.x / 32;
   const uint32_t words_per_row = K * bits / 32;
-  const uint32_t groups_per_row = K / args.group_size;
+  const uint32_t gshift = group_shift_of(args.group_size);
+  const uint32_t groups_per_row = K >> gshift;
   const uint32_t n0 = group_pos.x * R;
 
   uint32_t row[R];
@@ -62,7 +63,7 @@ template <typename T, typename S, int bits, typename Y = T>
   for (uint32_t k0 = simd_id * B; k0 < K; k0 += splits * B) {
     const uint32_t k = k0 + lane * V;
     if (k < K) {  // only a last, partial block diverges (K is a multiple of 32, k of 8)
-      const uint32_t g = k / args.group_size;  // the 8 codes lie in one group
+      const uint32_t g = k >> gshift;  // the 8 codes lie in one group
       float wq[R][V];  // the dequantized weights, s * q + b
       LILY_UNROLL
       for (uint32_t r = 0; r < R; ++r) {
@@ -371,7 +372,7 @@ template <typename T, typename S, int bits>
   const uint32_t sm = (simd_id / 2) * 32;  // this simdgroup's quarter of the tile
   const uint32_t sn = (simd_id % 2) * 32;
 
-  const uint32_t gshift = args.group_size == 32 ? 5u : args.group_size == 64 ? 6u : 7u;
+  const uint32_t gshift = group_shift_of(args.group_size);
   QmmXRegs<T> xr;
   uint4 wq = uint4(0u);
   float sc = 0.0f, bi = 0.0f;

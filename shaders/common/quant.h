@@ -17,6 +17,12 @@ inline float masked_code(uint32_t v, uint32_t mask) {
   return as_type<float>((v & mask) | 0x4B000000u) - 8388608.0f;
 }
 
+// log2 of a quantization group size (32, 64 or 128: the hosts check), so that a code's group is
+// a shift of its index, not a division.
+inline uint32_t group_shift_of(uint32_t group_size) {
+  return group_size == 32 ? 5u : group_size == 64 ? 6u : 7u;
+}
+
 // Codes [k, k + count) of one row as floats; `words` points at the word holding code k, and k is
 // a multiple of count (count * bits is a multiple of 32, so no code straddles the loaded words).
 // Widths that divide 32 (2, 4, 8) only: unpack_row takes every width.
