@@ -26,7 +26,7 @@ namespace lily {
 //              each row m of x its 8 values (one 16-byte load8 at bf16: x 16-byte aligned, the host
 //              checks) and 8 fma per row of w into acc[m][r]. Per code: the unpack and one fma shared
 //              by the M rows of x, then one fma per row of x: no sum of x and no scale or bias
-//              arithmetic per row of x (M = 8, 4 bits, sm_90: about 600 instructions per lane and
+//              arithmetic per row of x (M = 8, 4 bits, sm_90: about 570 instructions per lane and
 //              block instead of 750; instruction-bound there, docs/kernels-matmul.md).
 //   rows:      rows past N load row N - 1; only the store is guarded. Rows of x past M are skipped
 //              by a uniform branch (acc[m][r] stays compile-time indexed: registers).
