@@ -28,13 +28,13 @@ inline void moe_load_act(const device T* p, thread float* o) {
 }
 
 // The K loop of moe_gate_up_mv at `bits`: split s of a slot walks the blocks s, s + splits, ... of
-// B = 32 x V codes; ag[r] / au[r] collect the lane's part of gate and up row row[r].
+// B = 32 x V codes; ag[r] / au[r] collect the lane's part of gate and up row row[r], r < rows.
 template <typename T, typename S, int bits>
 inline void moe_gate_up_mv_blocks(const device T* xt, const device uint32_t* wg, const device S* sg,
                                   const device S* bg, const device uint32_t* wu, const device S* su,
                                   const device S* bu, const thread uint32_t* row, uint32_t H, uint32_t group_shift,
-                                  uint32_t K_end, uint32_t splits, uint32_t split, uint32_t lane,
-                                  thread float* ag, thread float* au) {
+                                  uint32_t K_end, uint32_t splits, uint32_t split, uint32_t rows,
+                                  uint32_t lane, thread float* ag, thread float* au) {
   constexpr uint32_t R = kMoeGateUpRows;
   constexpr uint32_t V = Qmv1Codes<bits>::V;
   constexpr uint32_t B = 32 * V;
@@ -53,6 +53,7 @@ inline void moe_gate_up_mv_blocks(const device T* xt, const device uint32_t* wg,
       const uint32_t gi = kk >> group_shift;
       const uint32_t wo = kk * bits / 32;
       for (uint32_t r = 0; r < R; ++r) {
+        if (r >= rows) break;  // uniform: the threadgroup's rows (args.mv_rows)
         const float dg = Qmv1Codes<bits>::dot_at(wg + row[r] * wpr + wo, xs);
         const float du = Qmv1Codes<bits>::dot_at(wu + row[r] * wpr + wo, xs);
         ag[r] = fma(float(sg[row[r] * gpr + gi]), dg, fma(float(bg[row[r] * gpr + gi]), xsum, ag[r]));
@@ -67,12 +68,12 @@ inline void moe_gate_up_mv_blocks(const device T* xt, const device uint32_t* wg,
 // for the k selected experts and the shared expert of every token; reads only those experts.
 // Design: MLX gather_qmv_fast / llama.cpp kernel_mul_mv_id (a dense single-row matvec per
 // (token, slot) whose matrix is looked up from the routing), on qmv1's qmv_fast layout; one
-// threadgroup covers the same kMoeGateUpRows rows of every slot of its token, so the token's experts
-// are selected once per threadgroup, not once per simdgroup.
-//   grid:       (ceil(max(I, Is) / kMoeGateUpRows), T) threadgroups of 32 * (k + 1) * splits threads:
+// threadgroup covers the same rows = args.mv_rows (<= kMoeGateUpRows) rows of every slot of its
+// token, so the token's experts are selected once per threadgroup, not once per simdgroup.
+//   grid:       (ceil(max(I, Is) / rows), T) threadgroups of 32 * (k + 1) * splits threads:
 //               simdgroup j * splits + s is slot j (j == k: the shared expert), K split s;
 //               splits = max(1, min(kMoeGateUpMaxSplits, ceil(H / B), kMoeGateUpMaxSimds / (k + 1)))
-//               (host: moe_mv_shape)
+//               (host: moe_mv_shape); rows = 2 at one token, else 4 (host: moe_gate_up_rows)
 //   routing:    simdgroup 0 selects the token's k experts (moe_select: softmax, k rounds of
 //               simd_max / simd_min) into threadgroup memory; meanwhile the shared slot's
 //               simdgroups, which need no selection, run their loads; one barrier, then the
@@ -82,8 +83,8 @@ inline void moe_gate_up_mv_blocks(const device T* xt, const device uint32_t* wg,
 //               row, at 4 and 8 bits; V = 32, `bits` words, at 2, 3, 5, 6);
 //               simdgroup s of a slot walks the K = H blocks s, s + splits, ...; per block the
 //               lane's V values of x are loaded once (16-byte loads), summed once for the bias
-//               term, pre-scaled (Qmv1Codes::scale_of) and reused by the kMoeGateUpRows gate rows and
-//               kMoeGateUpRows up rows: 8 independent 16-byte weight loads per lane in flight
+//               term, pre-scaled (Qmv1Codes::scale_of) and reused by the rows' gate and up rows:
+//               2 x rows independent 16-byte weight loads per lane in flight
 //   rows:       rows past a slot's N (I routed, Is shared) load row N - 1 (no branch before a
 //               load); only the store is guarded. A slot's simdgroups wholly past its N load nothing.
 //   reduction:  ag[R], au[R] (compile-time indexed: registers), simd_sum, then over a slot's splits
@@ -119,7 +120,8 @@ template <typename T, typename S, int bits, int sbits>
   const uint32_t splits = group_size.x / (32 * (k + 1));
   const uint32_t j = simd_id / splits, split = simd_id - j * splits;
   const bool shared = j == k;  // uniform over the simdgroup
-  const uint32_t n0 = group_pos.x * R;
+  const uint32_t rows = args.mv_rows;  // <= R
+  const uint32_t n0 = group_pos.x * rows;
   const device T* xt = x + t * H;
   float ag[R], au[R];
   for (uint32_t r = 0; r < R; ++r) {
@@ -142,13 +144,13 @@ template <typename T, typename S, int bits, int sbits>
   for (uint32_t r = 0; r < R; ++r) row[r] = min(n0 + r, N - 1);
   if (shared)  // needs no selection: its loads go out while simdgroup 0 selects
     moe_gate_up_mv_blocks<T, S, sbits>(xt, sh_gate_w, sh_gate_s, sh_gate_b, sh_up_w, sh_up_s, sh_up_b, row, H,
-                                       args.group_shift, K_end, splits, split, lane, ag, au);
+                                       args.group_shift, K_end, splits, split, rows, lane, ag, au);
   threadgroup_barrier(mem_flags::mem_threadgroup);  // sel_s
   if (!shared) {
     const uint32_t g = sel_s[j], wpr = H * bits / 32, gpr = H >> args.group_shift;
     moe_gate_up_mv_blocks<T, S, bits>(xt, gate_w + g * N * wpr, gate_s + g * N * gpr, gate_b + g * N * gpr,
                                       up_w + g * N * wpr, up_s + g * N * gpr, up_b + g * N * gpr, row, H,
-                                      args.group_shift, K_end, splits, split, lane, ag, au);
+                                      args.group_shift, K_end, splits, split, rows, lane, ag, au);
   }
   for (uint32_t r = 0; r < R; ++r) {
     ag[r] = simd_sum(ag[r]);
@@ -162,7 +164,7 @@ template <typename T, typename S, int bits, int sbits>
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
   const uint32_t oj = thread_pos.x / R, r = thread_pos.x - oj * R;  // thread oj * R + r: slot oj, row r
-  if (oj <= k && n0 + r < (oj == k ? args.shared_inter : args.inter)) {
+  if (oj <= k && r < rows && n0 + r < (oj == k ? args.shared_inter : args.inter)) {
     float G = 0.0f, U = 0.0f;
     for (uint32_t s = 0; s < splits; ++s) {
       G += red[(oj * splits + s) * 2 * R + r];

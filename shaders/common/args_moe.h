@@ -41,7 +41,8 @@ enum : uint32_t {
   kMoeMvRowsPerSimd = 4,      // few-row tiles (moe_*_few): output features per simdgroup
   kMoeMvSimdsPerGroup = 2,    // few-row tiles (moe_*_few): simdgroups per threadgroup
   kMoeMvRows = 4,             // moe_down_mv: output rows per threadgroup
-  kMoeGateUpRows = 4,         // moe_gate_up_mv: rows of every slot per threadgroup
+  kMoeGateUpRows = 4,         // moe_gate_up_mv: rows of every slot per threadgroup (at most: MoeArgs::mv_rows)
+  kMoeGateUpRowsOne = 2,      // moe_gate_up_mv at one token: rows per threadgroup (2 x the threadgroups)
   kMoeGateUpMaxSplits = 4,    // moe_gate_up_mv: simdgroups splitting K = H (min(this, H / block))
   kMoeGateUpMaxSimds = 17,    // moe_gate_up_mv: simdgroups a threadgroup, (k + 1) slots x splits
   kMoeDownMaxSplits = 8,      // moe_down_mv: simdgroups splitting K' = k I + Is (min(this, chunks / 32))
@@ -70,6 +71,8 @@ struct MoeArgs {
   uint32_t group_shift;   // log2(group_size)
   uint32_t few_rows;      // tiled route: a remainder of <= this many rows -> few-row tile
                           // (kMoeFewMaxRows, or kMoeFewMaxRowsM5 with tensor ops)
+  uint32_t mv_rows;       // matvec route: rows of every slot per moe_gate_up_mv threadgroup
+                          // (moe_gate_up_rows: kMoeGateUpRowsOne at T = 1, else kMoeGateUpRows)
 };
 
 // First entry of each tile list in the plan buffer (rows <= 64 / <= 32 / <= few_rows).

@@ -41,6 +41,7 @@ FEW_MAX_ROWS_M5 = 2        # must match kMoeFewMaxRowsM5: the few-row threshold 
 TILE16_MAX_ROWS = 16       # must match kMoeTile16MaxRows: 32-row-list tiles run as 16 rows on M5
 MV_ROWS = 4                # kMoeMvRows: output rows per threadgroup of moe_down_mv
 GATE_UP_ROWS = 4           # kMoeGateUpRows: rows of every slot per threadgroup of moe_gate_up_mv
+GATE_UP_ROWS_ONE = 2       # kMoeGateUpRowsOne: its rows at one token (twice the threadgroups)
 GATE_UP_MAX_SPLITS = 4     # kMoeGateUpMaxSplits
 GATE_UP_MAX_SIMDS = 17     # kMoeGateUpMaxSimds: simdgroups of a gate/up threadgroup, (k + 1) x splits
 DOWN_MAX_SPLITS = 8        # kMoeDownMaxSplits
@@ -144,6 +145,7 @@ def test_route_constants_match_extension():
     assert core.ops.MOE_TILE16_MAX_ROWS == TILE16_MAX_ROWS
     assert core.ops.MOE_MV_ROWS == MV_ROWS
     assert core.ops.MOE_GATE_UP_ROWS == GATE_UP_ROWS
+    assert core.ops.MOE_GATE_UP_ROWS_ONE == GATE_UP_ROWS_ONE
     assert core.ops.MOE_GATE_UP_MAX_SPLITS == GATE_UP_MAX_SPLITS
     assert core.ops.MOE_GATE_UP_MAX_SIMDS == GATE_UP_MAX_SIMDS
     assert core.ops.MOE_DOWN_MAX_SPLITS == DOWN_MAX_SPLITS
@@ -365,13 +367,14 @@ def test_nan_and_inf_activations_choose_valid_experts(rng, device, T, dtype):
 # ------------------------------------------------------------------------------ decode matvecs
 def mv_shapes(T, *, H, k, I, Is):
     """(grid x, grid y, grid z, threads) of moe_gate_up_mv and moe_down_mv, as docs/kernels-moe.md
-    states them: gate_up runs every slot of a token in one threadgroup, rows in fours, one grid
-    row per token; each slot splits K = H over min(4, ceil(H / 1024), 17 // (k + 1)) simdgroups (a
+    states them: gate_up runs every slot of a token in one threadgroup, rows in fours (in twos at
+    T = 1), one grid row per token; each slot splits K = H over min(4, ceil(H / 1024), 17 // (k + 1)) simdgroups (a
     block = 32 lanes x 32 codes); down splits the concatenated K' = k I + Is (chunks of 32 codes)
     over min(8, ceil(chunks / 32)) simdgroups."""
     gu = max(1, min(GATE_UP_MAX_SPLITS, -(-H // (32 * CODES)), GATE_UP_MAX_SIMDS // (k + 1)))
     dn = max(1, min(DOWN_MAX_SPLITS, -(-(k * (I // CODES) + Is // CODES) // 32)))
-    return [(-(-max(I, Is) // GATE_UP_ROWS), T, 1, 32 * (k + 1) * gu), (-(-H // MV_ROWS), T, 1, 32 * dn)]
+    rows = GATE_UP_ROWS_ONE if T == 1 else GATE_UP_ROWS
+    return [(-(-max(I, Is) // rows), T, 1, 32 * (k + 1) * gu), (-(-H // MV_ROWS), T, 1, 32 * dn)]
 
 
 # Both sides of every shape switch of the decode matvecs (odd expert counts, T = 1 and a few tokens):
@@ -463,7 +466,8 @@ def test_decode_matvecs_real_shapes(rng, device, T):
                                         device=device)
     assert stats["route"] == "mv" and stats["host_syncs"] == 0
     assert stats["shapes"][1:] == mv_shapes(T, H=H, k=k, I=I, Is=Is)
-    assert stats["shapes"][1:] == [(128, T, 1, 288), (512, T, 1, 160)]  # 9 x 1 and 5 simdgroups
+    gu_groups = 256 if T == 1 else 128  # 2 rows a threadgroup at one token, else 4
+    assert stats["shapes"][1:] == [(gu_groups, T, 1, 288), (512, T, 1, 160)]  # 9 x 1 and 5 simdgroups
     dense = {"router": W.router.dense(), "shared_gate": W.shared_expert_gate.dense(),
              "gate": _LazyStack(W.gate_proj), "up": _LazyStack(W.up_proj), "down": _LazyStack(W.down_proj),
              "shared_gate_proj": W.shared_gate_proj.dense(), "shared_up": W.shared_up_proj.dense(),

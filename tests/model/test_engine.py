@@ -331,9 +331,9 @@ def _real_cfg():
 @pytest.mark.parametrize("position", [0, 255, 32767])
 def test_moe_decode_grids_real_config(position):
     """The MoE decode matvecs of the real 35B config on the counting device, every dispatch:
-    grids and threads as docs/kernels-moe.md states them (4 rows per threadgroup; gate_up: the 9
-    slots of the token in one threadgroup, one simdgroup each over K = H = 2048 (17 // 9 = 1
-    split); down: the 8 x 512 + 512 concatenated K' in 144 chunks of 32 codes over 5
+    grids and threads as docs/kernels-moe.md states them (gate_up: 2 rows of the token's 9 slots
+    per threadgroup at one token, one simdgroup each over K = H = 2048 (17 // 9 = 1 split); down:
+    4 rows per threadgroup, the 8 x 512 + 512 concatenated K' in 144 chunks of 32 codes over 5
     simdgroups), no moe_route level; 3 dispatches per MoE block, each after a barrier."""
     from lily_py.backends.engine import REAL_QUANT, _core, engine_spec
     cfg = _real_cfg()
@@ -346,10 +346,10 @@ def test_moe_decode_grids_real_config(position):
     gu = [d for d in ds if d["kernel"] == "moe_gate_up_mv_b4_xf32_sbf16"]
     dn = [d for d in ds if d["kernel"] == "moe_down_mv_b4_xf32_sbf16"]
     assert len(gu) == len(dn) == L
-    assert {(d["groups"], d["threads"]) for d in gu} == {((128, 1, 1), (288, 1, 1))}
+    assert {(d["groups"], d["threads"]) for d in gu} == {((256, 1, 1), (288, 1, 1))}
     assert {(d["groups"], d["threads"]) for d in dn} == {((512, 1, 1), (160, 1, 1))}
     simds = lambda d: d["groups"][0] * d["groups"][1] * d["threads"][0] // 32  # noqa: E731
-    assert simds(gu[0]) / 40 == 28.8 and simds(dn[0]) / 40 == 64.0
+    assert simds(gu[0]) / 40 == 57.6 and simds(dn[0]) / 40 == 64.0
     for g, d in zip(gu, dn):  # router -> gate_up -> down, one level each
         i = ds.index(g)
         assert names[i - 1] == "qmv1_b8_xf32_sbf16_r1" and names[i + 1] == "moe_down_mv_b4_xf32_sbf16"

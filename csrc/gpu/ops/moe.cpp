@@ -83,6 +83,7 @@ MoeArgs make_args(const MoeOperands& op, MoeRoute route, bool tensor_ops) {
   a.max_few = tb.few;
   while ((1u << a.group_shift) < op.group_size) ++a.group_shift;  // 32, 64 or 128 (validated)
   a.few_rows = few;
+  a.mv_rows = moe_gate_up_rows(op.tokens);
   return a;
 }
 
@@ -91,6 +92,8 @@ MoeArgs make_args(const MoeOperands& op, MoeRoute route, bool tensor_ops) {
 MoeRoute moe_route(uint32_t tokens, uint32_t /*top_k*/) {
   return tokens <= kMoeMvMaxTokens ? MoeRoute::mv : MoeRoute::tiled;
 }
+
+uint32_t moe_gate_up_rows(uint32_t tokens) { return tokens == 1 ? kMoeGateUpRowsOne : kMoeGateUpRows; }
 
 MoeMvShape moe_mv_shape(uint32_t H, uint32_t top_k, uint32_t I, uint32_t Is, uint32_t bits, uint32_t shared_bits) {
   const uint32_t V = qmv1_lane_codes(bits);  // codes per lane and row (Qmv1Codes::V)
@@ -134,6 +137,7 @@ uint32_t moe_tile_rows(MoeRoute r) { return r == MoeRoute::mv ? 0 : 64; }
 static_assert(kMoeFewMaxRowsM5 <= kMoeFewMaxRows && kMoeFewMaxRowsM5 < kMoeTile16MaxRows &&
                   kMoeFewMaxRows <= 2 * kMoeFewBlockRows && kMoeFewMaxRows < kMoeTile32MaxRows,
               "the few-row kernels run a tile in <= 2 register blocks; the 32-row kind takes the rest");
+static_assert(kMoeGateUpRowsOne <= kMoeGateUpRows, "moe_gate_up_mv: registers for kMoeGateUpRows rows");
 static_assert(kMoeGateUpMaxSimds >= kMoeMaxTopK + 1 && kMoeGateUpRows * (kMoeMaxTopK + 1) <= 32 * kMoeGateUpMaxSimds,
               "moe_gate_up_mv: every slot of a token gets a simdgroup, and a thread per (slot, row) stores h");
 uint32_t moe_few_rows(bool tensor_ops) { return tensor_ops ? kMoeFewMaxRowsM5 : kMoeFewMaxRows; }
@@ -385,7 +389,7 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
     enc.set_buffer(16, range(op.scratch.ids, sb.ids, "scratch.ids"));
     enc.set_buffer(17, range(op.scratch.weights, sb.weights, "scratch.weights"));
     const MoeMvShape sh = moe_mv_shape(H, k, I, Is, op.bits);
-    enc.dispatch({ceil_div(a.h_stride, kMoeGateUpRows), T, 1}, {32 * (k + 1) * sh.gate_up_splits, 1, 1});
+    enc.dispatch({ceil_div(a.h_stride, a.mv_rows), T, 1}, {32 * (k + 1) * sh.gate_up_splits, 1, 1});
     enc.add_flops(flops.gate_up_executed, flops.gate_up_useful);
     enc.barrier();  // h, ids, weights -> down
     // 3. down projection x routing weights, shared expert x gate, residual add (the routing as

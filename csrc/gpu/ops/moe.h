@@ -28,12 +28,19 @@ MoeRoute moe_route(uint32_t tokens, uint32_t top_k);
 
 // Threadgroup shapes of the decode matvecs (mv route): moe_gate_up_mv runs 32 * (k + 1) *
 // gate_up_splits threads (every slot of a token; K = H split over max(1, min(kMoeGateUpMaxSplits,
-// ceil(H / B), kMoeGateUpMaxSimds / (k + 1))) simdgroups a slot, B = 32 lanes x 128 / bits codes); moe_down_mv runs 32 * down_splits threads (the k + 1 slots' concatenated
-// K' = k I + Is, in chunks of 128 / bits codes, over min(kMoeDownMaxSplits, ceil(chunks / 32))
-// simdgroups). Both: kMoeMvRows output rows per threadgroup.
+// ceil(H / B), kMoeGateUpMaxSimds / (k + 1))) simdgroups a slot, B = 32 lanes x 128 / bits codes)
+// over moe_gate_up_rows(T) rows of every slot; moe_down_mv runs 32 * down_splits threads (the
+// k + 1 slots' concatenated K' = k I + Is, in chunks of 128 / bits codes, over
+// min(kMoeDownMaxSplits, ceil(chunks / 32)) simdgroups) over kMoeMvRows output rows.
 struct MoeMvShape {
   uint32_t gate_up_splits = 1, down_splits = 1;
 };
+// Rows of every slot per moe_gate_up_mv threadgroup (MoeArgs::mv_rows): kMoeGateUpRowsOne at one
+// token, kMoeGateUpRows otherwise. At one token 4 rows give ceil(512 / 4) = 128 threadgroups of
+// the real config: one per SM of an H100 (132), where a threadgroup's selection has no other
+// threadgroup's loads to hide behind; 2 rows give 256 (docs/gpu-decode-ab.md: the 40-layer step
+// 2,887 -> 2,645 us on an H100). From two tokens on, 4 rows (fewer selections) are faster.
+uint32_t moe_gate_up_rows(uint32_t tokens);
 // shared_bits: the shared slot's width in moe_down_mv (its chunks hold Qmv1Codes<shared_bits>::V
 // codes); 0: bits.
 MoeMvShape moe_mv_shape(uint32_t H, uint32_t top_k, uint32_t I, uint32_t Is, uint32_t bits, uint32_t shared_bits = 0);
