@@ -232,7 +232,8 @@ template <typename S, int bits, int sbits, int BM>
 }
 
 // The K loop of a few-row gate/up block at `bits`: strips of strip_codes<bits>() codes per lane;
-// ag[m][r] / au[m][r] += s * dot(x, q) + b * sum(x) for row m of the block and feature n0 + r.
+// the strip's codes of feature n0 + r dequantized once (w = s * q + b, fp32), then
+// ag[m][r] / au[m][r] += x . w for row m of the block: no sum of x and no scale or bias per row.
 template <typename T, typename S, int bits>
 inline void moe_few_gate_up_strips(const device T* x, const thread uint32_t* tok, uint32_t rows,
                                    const device uint32_t* wg, const device S* sg, const device S* bg,
@@ -252,18 +253,21 @@ inline void moe_few_gate_up_strips(const device T* x, const thread uint32_t* tok
       unpack_row<bits, V>(wu + n * wpr, kk, qu);
       const float s1 = float(sg[n * gpr + grp]), b1 = float(bg[n * gpr + grp]);
       const float s2 = float(su[n * gpr + grp]), b2 = float(bu[n * gpr + grp]);
+      for (uint32_t i = 0; i < V; ++i) {
+        qg[i] = fma(s1, qg[i], b1);
+        qu[i] = fma(s2, qu[i], b2);
+      }
       for (uint32_t m = 0; m < kMoeFewBlockRows; ++m) {
         if (m >= rows) break;
         const device T* xm = x + tok[m] * H + kk;
-        float dg = 0.0f, du = 0.0f, xsum = 0.0f;
+        float dg = 0.0f, du = 0.0f;
         for (uint32_t i = 0; i < V; ++i) {
           const float xv = float(xm[i]);
-          dg += xv * qg[i];
-          du += xv * qu[i];
-          xsum += xv;
+          dg = fma(xv, qg[i], dg);
+          du = fma(xv, qu[i], du);
         }
-        ag[m][r] += s1 * dg + b1 * xsum;
-        au[m][r] += s2 * du + b2 * xsum;
+        ag[m][r] += dg;
+        au[m][r] += du;
       }
     }
   }
@@ -278,7 +282,8 @@ inline void moe_few_gate_up_strips(const device T* x, const thread uint32_t* tok
 //   grid:       (ceil(max(I, Is) / 8), max_few) threadgroups of 64 threads (2 simdgroups);
 //               tiles >= the plan's few-row count do no work (uniformly)
 //   simdgroup:  4 consecutive features n0..n0+3 of gate and up for the tile's rows (<= 8)
-//   lane:       strips of strip_codes<bits>() codes per step; per (feature, row): s * dot(x, q) + b * sum(x);
+//   lane:       strips of strip_codes<bits>() codes per step, dequantized once per feature (s * q + b),
+//               then per (feature, row) x . w;
 //               one simd_sum(float4) per row and matrix; lane 0 writes h = silu(gate) * up
 //   buffers:    as moe_gate_up_mm (x rows gathered through the plan's row -> token map)
 //   widths:     as moe_gate_up_mm: the shared group's strips at `sbits` (its own strip size)
@@ -345,8 +350,9 @@ template <typename T, typename S, int bits, int sbits>
   }
 }
 
-// The K loop of a few-row down block at `bits` (K = I, or Is for the shared group): acc[m][r] +=
-// s * dot(h, q) + b * sum(h) for row m of the block (h rows at hb + m * h_stride) and feature n0 + r.
+// The K loop of a few-row down block at `bits` (K = I, or Is for the shared group): the strip's
+// codes of feature n0 + r dequantized once (w = s * q + b, fp32), then acc[m][r] += h . w for row m
+// of the block (h rows at hb + m * h_stride).
 template <typename S, int bits>
 inline void moe_few_down_strips(const device float* hb, uint32_t h_stride, uint32_t rows,
                                 const device uint32_t* w, const device S* sc, const device S* bi,
@@ -362,15 +368,13 @@ inline void moe_few_down_strips(const device float* hb, uint32_t h_stride, uint3
       float q[V];
       unpack_row<bits, V>(w + n * wpr, kk, q);
       const float s = float(sc[n * gpr + grp]), b = float(bi[n * gpr + grp]);
+      for (uint32_t i = 0; i < V; ++i) q[i] = fma(s, q[i], b);  // dequantized once for the rows
       for (uint32_t m = 0; m < kMoeFewBlockRows; ++m) {
         if (m >= rows) break;
         const device float* hm = hb + m * h_stride + kk;
-        float dot = 0.0f, hsum = 0.0f;
-        for (uint32_t i = 0; i < V; ++i) {
-          dot += hm[i] * q[i];
-          hsum += hm[i];
-        }
-        acc[m][r] += s * dot + b * hsum;
+        float dot = 0.0f;
+        for (uint32_t i = 0; i < V; ++i) dot = fma(hm[i], q[i], dot);
+        acc[m][r] += dot;
       }
     }
   }
