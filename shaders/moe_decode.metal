@@ -90,8 +90,8 @@ inline void moe_gate_up_mv_blocks(const device T* xt, const device uint32_t* wg,
 //   reduction:  ag[R], au[R] (compile-time indexed: registers), simd_sum, then over a slot's splits
 //               through threadgroup memory in order; thread j * R + r applies SwiGLU, writes h
 //   widths:     the routed experts at `bits`, the shared slot at `sbits` (a mixed checkpoint; its
-//               simdgroups run their own blocks, B = 32 x Qmv1Codes<sbits>::V); sbits == bits
-//               compiles one loop
+//               simdgroups run their own blocks, B = 32 x Qmv1Codes<sbits>::V), before the
+//               barrier; the routed slots' after it
 template <typename T, typename S, int bits, int sbits>
 [[kernel]] void moe_gate_up_mv(constant MoeArgs& args [[buffer(0)]],
                                const device T* x [[buffer(1)]],

@@ -93,7 +93,7 @@ template <typename S, int bits, int BM>
   const uint32_t row_token = moe_plan_row_token(args.max_tiles);
   const uint32_t tok = (active && !stages_w) ? plan[row_token + min(r0 + srow, r1 - 1)] : 0u;
   const device bfloat* xrow = x + tok * H;
-  const uint32_t gshift = group_shift_of(args.group_size);
+  const uint32_t gshift = args.group_shift;  // MoeArgs: log2(group_size), set by the host
 
   QmmXRegs<bfloat> xr;
   uint4 wq = uint4(0u);
@@ -185,7 +185,7 @@ template <typename S, int bits, int BM>
   const device S* sp = (shared ? sh_down_s : down_s + g * H * gpr) + n * gpr;
   const device S* bp = (shared ? sh_down_b : down_b + g * H * gpr) + n * gpr;
   const device float* xrow = h + min(r0 + srow, r1 - 1) * args.h_stride;
-  const uint32_t gshift = group_shift_of(args.group_size);
+  const uint32_t gshift = args.group_shift;  // MoeArgs: log2(group_size), set by the host
 
   QmmXRegs<float> xr;
   uint4 wq = uint4(0u);

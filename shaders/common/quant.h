@@ -18,7 +18,8 @@ inline float masked_code(uint32_t v, uint32_t mask) {
 }
 
 // log2 of a quantization group size (32, 64 or 128: the hosts check), so that a code's group is
-// a shift of its index, not a division.
+// a shift of its index, not a division: for the kernels whose args carry only group_size
+// (QmmArgs); MoeArgs and Qmv1Args carry the host's group_shift.
 inline uint32_t group_shift_of(uint32_t group_size) {
   return group_size == 32 ? 5u : group_size == 64 ? 6u : 7u;
 }

@@ -14,18 +14,16 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/lily_gpu_out}
 mkdir -p $OUT /tmp/base
-tar -xf base.tar -C /tmp/base || exit 1
 names=""
-if [ -n "${VARIANTS:-}" ]; then
-  names=$(python3 tools/gpu/substitute.py "$VARIANTS" --names)
-  python3 tools/gpu/substitute.py "$VARIANTS" /tmp || exit 1
-fi
+[ -n "${VARIANTS:-}" ] && names=$(python3 tools/gpu/substitute.py "$VARIANTS" --names)
 build() {  # build NAME DIR: the package from DIR into /tmp/lib_NAME, in the background
   ( cd $2 && PYTHONPATH=/tmp/site python3 -m pip install --no-build-isolation --no-deps --target /tmp/lib_$1 . \
       -Ccmake.define.LILY_CUDA=ON > $OUT/build_$1.log 2>&1; echo "$1 rc=$?" ) &
 }
 t0=$SECONDS
-if [ -z "${SKIP_BUILD:-}" ]; then
+if [ -z "${SKIP_BUILD:-}" ]; then  # the trees: base.tar's, and the variants'
+  [ -n "${SKIP_BASE:-}" ] || tar -xf base.tar -C /tmp/base || exit 1
+  [ -z "$names" ] || python3 tools/gpu/substitute.py "$VARIANTS" /tmp || exit 1
   build new .
   [ -n "${SKIP_BASE:-}" ] || build base /tmp/base
   for n in $names; do build $n /tmp/v_$n; done
