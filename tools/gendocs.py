@@ -3,6 +3,7 @@
     python tools/gendocs.py            # rewrite every generated block in place
     python tools/gendocs.py --check    # exit 1 with a diff per stale block, write nothing
     python tools/gendocs.py --check --quick   # the same without the blocks marked slow
+    python tools/gendocs.py --check --slow-only   # only the blocks marked slow
     python tools/gendocs.py --list     # the blocks and their commands
 
 A generated block is
@@ -59,13 +60,15 @@ def run(cmd: str, cache: dict[str, str]) -> str:
     return cache[cmd]
 
 
-def render(text: str, cache: dict[str, str], quick: bool = False) -> tuple[str, list[tuple[str, str, str]]]:
+def render(text: str, cache: dict[str, str], quick: bool = False,
+           slow_only: bool = False) -> tuple[str, list[tuple[str, str, str]]]:
     """The page with every block regenerated, and (command, old body, new body) per block.
-    ``quick``: blocks marked `gen slow:` are left as they are (not run, not compared)."""
+    ``quick``: blocks marked `gen slow:` are left as they are (not run, not compared);
+    ``slow_only``: only those are run and compared."""
     blocks = []
 
     def one(m: re.Match) -> str:
-        if quick and m["slow"]:
+        if (quick and m["slow"]) or (slow_only and not m["slow"]):
             return m[0]
         out = run(m["cmd"], cache)
         body = out if m["raw"] else f"{FENCE}\n{out}{FENCE}\n"
@@ -81,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--list", action="store_true", help="print page: command for every block")
     ap.add_argument("--quick", action="store_true",
                     help="skip the blocks marked `gen slow:` (commands of a minute or more)")
+    ap.add_argument("--slow-only", action="store_true",
+                    help="only the blocks marked `gen slow:` (the full test tier: --quick's are the quick tier's)")
     a = ap.parse_args(argv)
     cache: dict[str, str] = {}
     stale = 0
@@ -94,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         if len(OPEN.findall(text)) != len(BLOCK.findall(text)):
             print(f"{rel}: a `<!-- gen` marker without its `<!-- end gen -->`", file=sys.stderr)
             return 2
-        new, blocks = render(text, cache, quick=a.quick)
+        new, blocks = render(text, cache, quick=a.quick, slow_only=a.slow_only)
         for cmd, old, body in blocks:
             if old != body:
                 stale += 1
