@@ -9,15 +9,11 @@
 // outputs are rounded to the activation dtype T once.
 #include "common/lily_metal.h"
 #include "common/reduce.h"
+#include "common/gated_norm.h"
 
 namespace lily {
 
-// sigmoid(x) with exp of a non-positive number only (never overflows); same formula as
-// lily_py.reference.ops.sigmoid.
-inline float gd_sigmoid(float x) {
-  const float e = exp(-abs(x));
-  return x >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
-}
+inline float gd_sigmoid(float x) { return gn_sigmoid(x); }  // common/gated_norm.h
 
 inline float gd_silu(float x) { return x * gd_sigmoid(x); }
 
@@ -175,7 +171,7 @@ template <typename T, typename W>
     const float inv_rms = rsqrt(total / float(Dv) + args.eps);
     if (lane < kGdColsPerSimd && j0 + lane < Dv)
       y[uint64_t(t) * args.Hv * Dv + h * Dv + j0 + lane] =
-          T(o[lane] * inv_rms * w_norm[lane] * gd_silu(zz[lane]));
+          T(gated_norm_value(o[lane], inv_rms, w_norm[lane], zz[lane]));
   }
 
   for (uint32_t r = 0; r < kGdRowsPerLane; ++r) {

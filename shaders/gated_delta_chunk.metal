@@ -30,13 +30,11 @@
 #include "common/lily_metal.h"
 #include "common/reduce.h"
 #include "common/gated_delta_chunk.h"
+#include "common/gated_norm.h"
 
 namespace lily {
 
-inline float gdc_sigmoid(float x) {  // same formula as gd_sigmoid (gated_delta.metal)
-  const float e = exp(-abs(x));
-  return x >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
-}
+inline float gdc_sigmoid(float x) { return gn_sigmoid(x); }  // common/gated_norm.h
 
 inline float gdc_softplus(float x) {  // same formula as gd_softplus (gated_delta.metal)
   const float e = exp(-abs(x));
@@ -363,7 +361,7 @@ template <typename T, typename W>
   const float inv_rms = rsqrt(ss / float(Dv) + args.eps);
   for (uint32_t d = lane; d < Dv; d += 32) {
     const float zz = float(z[uint64_t(t) * args.z_stride + h * Dv + d]);
-    y[uint64_t(t) * args.Hv * Dv + h * Dv + d] = T(o[d] * inv_rms * float(norm_weight[d]) * (zz * gdc_sigmoid(zz)));
+    y[uint64_t(t) * args.Hv * Dv + h * Dv + d] = T(gated_norm_value(o[d], inv_rms, float(norm_weight[d]), zz));
   }
 }
 

@@ -12,6 +12,7 @@
 #include "common/mma.h"
 #include "common/qmm_bf16.h"
 #include "common/quant.h"
+#include "common/gated_norm.h"
 
 namespace lily {
 
@@ -107,6 +108,61 @@ template <typename T, typename S, int bits, typename Y = T>
 }
 
 // ---------------------------------------------------------------------------------------------
+// qmv1's pieces, shared with qmv1_gated (inlined: acc and row stay compile-time indexed).
+// The R rows' share of a lane's block: acc[r] += s * (codes . xs) + b * xsum. Rows in batches of
+// RB: every row's codes, scale and bias of the batch are loaded before any dot product, so RB
+// independent 16-byte loads per lane are in flight (compilers keep a load next to its use
+// otherwise: the H200's qmv1_*_r16 had one in flight, docs/gpu.md). wk: w at the lane's first code.
+template <int bits, uint32_t R, typename S>
+inline void qmv1_block_rows(thread const float* xs, float xsum, thread const uint32_t* row, const device uint32_t* wk,
+                            const device S* scales, const device S* biases, uint32_t words_per_row,
+                            uint32_t groups_per_row, uint32_t g, thread float* acc) {
+  constexpr uint32_t RB = R < kQmv1LoadBatch ? R : kQmv1LoadBatch;
+  LILY_UNROLL
+  for (uint32_t r0 = 0; r0 < R; r0 += RB) {
+    typename Qmv1Codes<bits>::Words wv[RB];
+    float sc[RB], bi[RB];
+    LILY_UNROLL
+    for (uint32_t r = 0; r < RB; ++r) {
+      wv[r] = Qmv1Codes<bits>::load(wk + row[r0 + r] * words_per_row);
+      sc[r] = float(scales[row[r0 + r] * groups_per_row + g]);
+      bi[r] = float(biases[row[r0 + r] * groups_per_row + g]);
+    }
+    float dr[RB];
+    Qmv1Codes<bits>::template dot_rows<RB>(wv, xs, dr);
+    LILY_UNROLL
+    for (uint32_t r = 0; r < RB; ++r) acc[r0 + r] = fma(sc[r], dr[r], fma(bi[r], xsum, acc[r0 + r]));
+  }
+}
+
+// The reduction: simd_sum of acc[r] and of ss, then over the splits through `red` (splits x (R + 1)
+// floats) in order; thread r < R stores y[n0 + r] = total * inv_rms (rows < N), inv_rms =
+// rsqrt(sum(ss) / norm_count + eps) when norm_count > 0 (the fused RMSNorm), else 1. Returns inv_rms.
+template <uint32_t R, typename Y>
+inline float qmv1_reduce_store(thread float* acc, float ss, uint32_t N, uint32_t n0, threadgroup float* red,
+                               device Y* y, uint32_t lane, uint32_t simd_id, uint32_t splits, uint32_t tid,
+                               float norm_count, float eps) {
+  LILY_UNROLL
+  for (uint32_t r = 0; r < R; ++r) acc[r] = simd_sum(acc[r]);
+  ss = simd_sum(ss);
+  if (lane == 0) {
+    LILY_UNROLL
+    for (uint32_t r = 0; r < R; ++r) red[simd_id * (R + 1) + r] = acc[r];
+    red[simd_id * (R + 1) + R] = ss;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  float total_ss = 0.0f;
+  for (uint32_t s = 0; s < splits; ++s) total_ss += red[s * (R + 1) + R];
+  const float inv_rms = norm_count > 0.0f ? rsqrt(total_ss / norm_count + eps) : 1.0f;
+  if (tid < R && n0 + tid < N) {
+    float total = 0.0f;
+    for (uint32_t s = 0; s < splits; ++s) total += red[s * (R + 1) + tid];
+    y[n0 + tid] = Y(total * inv_rms);
+  }
+  return inv_rms;
+}
+
+// ---------------------------------------------------------------------------------------------
 // qmv1: the single-token route (M = 1: every decode projection), after MLX's qmv_fast.
 //   grid:      ceil(N / R) threadgroups of 32 * splits threads, splits = min(4, ceil(K / B));
 //              R = kQmv1Rows = 8 rows per threadgroup, or R = 1 (the *_r1 kernels) where 8 would
@@ -182,46 +238,13 @@ template <typename T, typename S, int bits, typename Y = T, uint32_t R = kQmv1Ro
           xs[c + i] = xv * Qmv1Codes<bits>::scale_of(c + i);
         }
       }
-      const uint32_t g = k >> args.group_shift;
-      // Rows in batches of RB: every row's codes, scale and bias of the batch are loaded before
-      // any dot product, so RB independent 16-byte loads per lane are in flight (compilers keep a
-      // load next to its use otherwise: the H200's qmv1_*_r16 had one in flight, docs/gpu.md).
-      constexpr uint32_t RB = R < kQmv1LoadBatch ? R : kQmv1LoadBatch;
-      LILY_UNROLL
-      for (uint32_t r0 = 0; r0 < R; r0 += RB) {
-        typename Qmv1Codes<bits>::Words wv[RB];
-        float sc[RB], bi[RB];
-        LILY_UNROLL
-        for (uint32_t r = 0; r < RB; ++r) {
-          wv[r] = Qmv1Codes<bits>::load(w + row[r0 + r] * words_per_row + k * bits / 32);
-          sc[r] = float(scales[row[r0 + r] * groups_per_row + g]);
-          bi[r] = float(biases[row[r0 + r] * groups_per_row + g]);
-        }
-        float dr[RB];
-        Qmv1Codes<bits>::template dot_rows<RB>(wv, xs, dr);
-        LILY_UNROLL
-        for (uint32_t r = 0; r < RB; ++r) acc[r0 + r] = fma(sc[r], dr[r], fma(bi[r], xsum, acc[r0 + r]));
-      }
+      qmv1_block_rows<bits, R>(xs, xsum, row, w + k * bits / 32, scales, biases, words_per_row, groups_per_row,
+                               k >> args.group_shift, acc);
     }
   }
 
-  LILY_UNROLL
-  for (uint32_t r = 0; r < R; ++r) acc[r] = simd_sum(acc[r]);
-  ss = simd_sum(ss);
-  if (lane == 0) {
-    LILY_UNROLL
-    for (uint32_t r = 0; r < R; ++r) red[simd_id * (R + 1) + r] = acc[r];
-    red[simd_id * (R + 1) + R] = ss;
-  }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  float total_ss = 0.0f;
-  for (uint32_t s = 0; s < splits; ++s) total_ss += red[s * (R + 1) + R];
-  const float inv_rms = has_norm ? rsqrt(total_ss / float(K) + args.eps) : 1.0f;
-  if (thread_pos.x < R && n0 + thread_pos.x < args.N) {
-    float total = 0.0f;
-    for (uint32_t s = 0; s < splits; ++s) total += red[s * (R + 1) + thread_pos.x];
-    y[n0 + thread_pos.x] = Y(total * inv_rms);
-  }
+  const float inv_rms = qmv1_reduce_store<R>(acc, ss, args.N, n0, red, y, lane, simd_id, splits, thread_pos.x,
+                                             has_norm ? float(K) : 0.0f, args.eps);
   if ((args.flags & kQmv1Side) != 0 && group_pos.x == 0) {
     for (uint32_t c = thread_pos.x; c < K; c += group_size.x) {
       float h = float(x[c]);
@@ -230,6 +253,80 @@ template <typename T, typename S, int bits, typename Y = T, uint32_t R = kQmv1Ro
       xn_out[c] = T(h * inv_rms * norm_w[c]);
     }
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// qmv1_gated: a DeltaNet layer's out_proj at one token with the gated RMSNorm folded in front, so
+// the norm needs no level of its own (30 fewer per token on the real config). x is the delta rule's
+// raw output o [K = Hv * Dv] (float, gated_delta_decode's o_raw); the product is taken with
+//   x_j = round_Y(gated_norm_value(o_j, rsqrt(|o_h|^2 / Dv + eps), norm_w[j % Dv], z_j))
+// (common/gated_norm.h), the very value gd_chunk_norm writes for out_proj to read.
+//   grid, block, rows, reduction: as qmv1 (R = 8 or 1; K split over `splits` simdgroups).
+//   per block: a lane's V values lie in one head (Dv = head_lanes * V, head_lanes a power of two
+//              <= 32; a block starts on a head boundary, 32 V being a multiple of Dv), so |o_h|^2 is
+//              the lane's sum of squares reduced over the head's head_lanes lanes: log2(head_lanes)
+//              xor shuffles, in uniform control flow (lanes past K add 0; a head's lanes are all
+//              inside K or all past it). o and z are loaded together before the shuffles, norm_w
+//              after (16-byte loads); the gated value is rounded to Y and pre-scaled as qmv1's x.
+//   buffers:   1 o [K] float, 2 w, 3 scales, 4 biases, 5 y [N] Y, 6 z [K] Y, 7 norm_w [Dv] float
+//              (o, z and norm_w 16-byte aligned: the host checks).
+template <typename S, int bits, typename Y, uint32_t R>
+[[kernel]] void qmv1_gated(constant Qmv1GatedArgs& args [[buffer(0)]],
+                           const device float* o [[buffer(1)]],
+                           const device uint32_t* w [[buffer(2)]],
+                           const device S* scales [[buffer(3)]],
+                           const device S* biases [[buffer(4)]],
+                           device Y* y [[buffer(5)]],
+                           const device Y* z [[buffer(6)]],
+                           const device float* norm_w [[buffer(7)]],
+                           LILY_KERNEL_TAIL) {
+  static_assert(R == kQmv1Rows || R == 1, "qmv1_gated is instantiated for 8 or 1 rows");
+  constexpr uint32_t V = Qmv1Codes<bits>::V;
+  constexpr uint32_t B = 32 * V;
+  LILY_TG_ARRAY(float, red, [kQmv1MaxSplits * (R + 1)]);
+  const uint32_t K = args.K;
+  const uint32_t splits = group_size.x / 32;
+  const uint32_t words_per_row = K * bits / 32;
+  const uint32_t groups_per_row = K >> args.group_shift;
+  const uint32_t n0 = group_pos.x * R;
+
+  uint32_t row[R];
+  LILY_UNROLL
+  for (uint32_t r = 0; r < R; ++r) row[r] = min(n0 + r, args.N - 1);
+  float acc[R];
+  LILY_UNROLL
+  for (uint32_t r = 0; r < R; ++r) acc[r] = 0.0f;
+  for (uint32_t k0 = simd_id * B; k0 < K; k0 += splits * B) {  // uniform in the simdgroup
+    const uint32_t k = k0 + lane * V;
+    const bool live = k < K;
+    float xs[V], zs[V];  // o, then x; z (loaded with o: one round trip before the shuffles)
+    float ss = 0.0f;
+    if (live) {
+      for (uint32_t c = 0; c < V; c += 8) {
+        load8(o + k + c, xs + c);
+        load8(z + k + c, zs + c);
+      }
+      for (uint32_t i = 0; i < V; ++i) ss += xs[i] * xs[i];
+    }
+    for (uint32_t m = 1; m < args.head_lanes; m <<= 1) ss += simd_shuffle_xor(ss, ushort(m));
+    if (live) {
+      const float inv_rms = rsqrt(ss / float(args.Dv) + args.eps);
+      const uint32_t d = k & (args.Dv - 1);  // the lane's first column within its head
+      float xsum = 0.0f;
+      for (uint32_t c = 0; c < V; c += 8) {
+        float nv[8];
+        load8(norm_w + d + c, nv);
+        for (uint32_t i = 0; i < 8; ++i) {
+          const float xv = float(Y(gated_norm_value(xs[c + i], inv_rms, nv[i], zs[c + i])));
+          xsum += xv;
+          xs[c + i] = xv * Qmv1Codes<bits>::scale_of(c + i);
+        }
+      }
+      qmv1_block_rows<bits, R>(xs, xsum, row, w + k * bits / 32, scales, biases, words_per_row, groups_per_row,
+                               k >> args.group_shift, acc);
+    }
+  }
+  qmv1_reduce_store<R>(acc, 0.0f, args.N, n0, red, y, lane, simd_id, splits, thread_pos.x, 0.0f, 0.0f);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -534,5 +631,24 @@ LILY_INSTANTIATE("qmv_b6_xbf16_sbf16_yf32", qmv<bfloat, bfloat, 6, float>)
 LILY_INSTANTIATE("qmv1_b6_xbf16_sbf16_yf32", qmv1<bfloat, bfloat, 6, float>)
 LILY_INSTANTIATE("qmv1_b6_xbf16_sbf16_yf32_r1", qmv1<bfloat, bfloat, 6, float, 1>)
 LILY_INSTANTIATE("qmm_b6_xbf16_sbf16_yf32", qmm<bfloat, bfloat, 6, float>)
+
+// qmv1_gated (out_proj of a DeltaNet layer at one token): 4 and 8 bits, float / bfloat16 scales and
+// activations (y and z), 8 or 1 rows per threadgroup.
+LILY_INSTANTIATE("qmv1_gated_b4_sf32_yf32", qmv1_gated<float, 4, float, kQmv1Rows>)
+LILY_INSTANTIATE("qmv1_gated_b4_sbf16_yf32", qmv1_gated<bfloat, 4, float, kQmv1Rows>)
+LILY_INSTANTIATE("qmv1_gated_b4_sf32_ybf16", qmv1_gated<float, 4, bfloat, kQmv1Rows>)
+LILY_INSTANTIATE("qmv1_gated_b4_sbf16_ybf16", qmv1_gated<bfloat, 4, bfloat, kQmv1Rows>)
+LILY_INSTANTIATE("qmv1_gated_b8_sf32_yf32", qmv1_gated<float, 8, float, kQmv1Rows>)
+LILY_INSTANTIATE("qmv1_gated_b8_sbf16_yf32", qmv1_gated<bfloat, 8, float, kQmv1Rows>)
+LILY_INSTANTIATE("qmv1_gated_b8_sf32_ybf16", qmv1_gated<float, 8, bfloat, kQmv1Rows>)
+LILY_INSTANTIATE("qmv1_gated_b8_sbf16_ybf16", qmv1_gated<bfloat, 8, bfloat, kQmv1Rows>)
+LILY_INSTANTIATE("qmv1_gated_b4_sf32_yf32_r1", qmv1_gated<float, 4, float, 1>)
+LILY_INSTANTIATE("qmv1_gated_b4_sbf16_yf32_r1", qmv1_gated<bfloat, 4, float, 1>)
+LILY_INSTANTIATE("qmv1_gated_b4_sf32_ybf16_r1", qmv1_gated<float, 4, bfloat, 1>)
+LILY_INSTANTIATE("qmv1_gated_b4_sbf16_ybf16_r1", qmv1_gated<bfloat, 4, bfloat, 1>)
+LILY_INSTANTIATE("qmv1_gated_b8_sf32_yf32_r1", qmv1_gated<float, 8, float, 1>)
+LILY_INSTANTIATE("qmv1_gated_b8_sbf16_yf32_r1", qmv1_gated<bfloat, 8, float, 1>)
+LILY_INSTANTIATE("qmv1_gated_b8_sf32_ybf16_r1", qmv1_gated<float, 8, bfloat, 1>)
+LILY_INSTANTIATE("qmv1_gated_b8_sbf16_ybf16_r1", qmv1_gated<bfloat, 8, bfloat, 1>)
 
 }  // namespace lily

@@ -159,6 +159,13 @@ void init_ops(nb::module_& parent) {
         "Rows per threadgroup of the qmv1 route (M = 1): QMV1_ROWS, 1 where ceil(N / QMV1_ROWS) * splits "
         "simdgroups would fall short of QMV1_MIN_SIMDGROUPS (the *_r1 kernels), or 16 where "
         "ceil(N / QMV1_ROWS) >= QMV1_ONE_SPLIT_GROUPS at 4 and 8 bits (K not split: the *_r16 kernels).");
+  m.def("qmv1_gated_supported",
+        [](uint32_t N, uint32_t K, uint32_t Dv, uint32_t bits) { return gpu::ops::qmv1_gated_supported(N, K, Dv, bits); },
+        "N"_a, "K"_a, "Dv"_a, "bits"_a,
+        "Whether qmv1_gated (a DeltaNet out_proj at one token with the gated RMSNorm folded in front) is "
+        "built for N outputs, K = Hv * Dv inputs, value head dim Dv at these bits: 4 or 8 bits, Dv a power "
+        "of two that is a multiple of a lane's codes (32 at 4 bits, 16 at 8) and at most 32 of them, the "
+        "rows rule giving 8 or 1 rows. Where it is, one decode token's DeltaNet mixer takes 3 dispatches, not 4.");
   m.attr("QMV1_ROWS") = static_cast<uint32_t>(kQmv1Rows);
   m.attr("QMV1_MIN_SIMDGROUPS") = static_cast<uint32_t>(kQmv1MinSimdgroups);
   m.attr("QMV1_ONE_SPLIT_GROUPS") = static_cast<uint32_t>(kQmv1OneSplitGroups);

@@ -349,9 +349,10 @@ void init_ops_gated_delta(nb::module_& m) {
         const auto route = gpu::ops::qmm_route(T, bits, run.enc->tensor_ops(), op.x_dtype == gpu::DType::bf16);
         run.note(gpu::ops::qmm_kernel(route, bits, op.x_dtype, st, false, gpu::ops::qmv1_rows(P, H, bits),
                                       run.enc->tensor_int8()));
+        const bool folds = gpu::ops::gated_delta_mixer_folds_norm(op);
         if (T == 1) {
           run.note(gpu::ops::gated_delta_decode_kernel(op.x_dtype, op.w_dtype));
-          run.note(gpu::ops::gd_chunk_kernels(false, false, op.x_dtype, op.w_dtype)[3]);
+          if (!folds) run.note(gpu::ops::gd_chunk_kernels(false, false, op.x_dtype, op.w_dtype)[3]);
         } else if (chunked) {
           for (gpu::KernelId k : gpu::ops::gd_chunk_kernels(true, run.enc->tensor_ops(), op.x_dtype, op.w_dtype))
             run.note(k);
@@ -359,8 +360,9 @@ void init_ops_gated_delta(nb::module_& m) {
           run.note(gpu::ops::conv1d_kernel(op.x_dtype, op.w_dtype));
           run.note(gpu::ops::gated_delta_kernel(op.x_dtype, op.w_dtype));
         }
-        run.note(gpu::ops::qmm_kernel(route, bits, op.x_dtype, st, false, gpu::ops::qmv1_rows(H, VD, bits),
-                                      run.enc->tensor_int8()));
+        run.note(folds ? gpu::ops::qmv1_gated_kernel(bits, op.x_dtype, st, gpu::ops::qmv1_rows(H, VD, bits))
+                       : gpu::ops::qmm_kernel(route, bits, op.x_dtype, st, false, gpu::ops::qmv1_rows(H, VD, bits),
+                                              run.enc->tensor_int8()));
         return nb::make_tuple(run.download(op.out, op.x_dtype, {T, H}),
                               run.download(op.conv_state_out, op.x_dtype, {K - 1, C}),
                               run.download(op.state, gpu::DType::f32, {Hv, Dv, Dk}), run.stats());

@@ -59,6 +59,23 @@
   X(qmv1_b4_xbf16_sbf16_yf32_r1, Qmv1Args, 9) \
   X(qmv1_b8_xbf16_sf32_yf32_r1, Qmv1Args, 9) \
   X(qmv1_b8_xbf16_sbf16_yf32_r1, Qmv1Args, 9) \
+  /* qmv1 with the DeltaNet's gated RMSNorm in front (out_proj at one token): o, w, scales, biases, y, z, norm_w */ \
+  X(qmv1_gated_b4_sf32_yf32, Qmv1GatedArgs, 7) \
+  X(qmv1_gated_b4_sf32_ybf16, Qmv1GatedArgs, 7) \
+  X(qmv1_gated_b4_sbf16_yf32, Qmv1GatedArgs, 7) \
+  X(qmv1_gated_b4_sbf16_ybf16, Qmv1GatedArgs, 7) \
+  X(qmv1_gated_b8_sf32_yf32, Qmv1GatedArgs, 7) \
+  X(qmv1_gated_b8_sf32_ybf16, Qmv1GatedArgs, 7) \
+  X(qmv1_gated_b8_sbf16_yf32, Qmv1GatedArgs, 7) \
+  X(qmv1_gated_b8_sbf16_ybf16, Qmv1GatedArgs, 7) \
+  X(qmv1_gated_b4_sf32_yf32_r1, Qmv1GatedArgs, 7) \
+  X(qmv1_gated_b4_sf32_ybf16_r1, Qmv1GatedArgs, 7) \
+  X(qmv1_gated_b4_sbf16_yf32_r1, Qmv1GatedArgs, 7) \
+  X(qmv1_gated_b4_sbf16_ybf16_r1, Qmv1GatedArgs, 7) \
+  X(qmv1_gated_b8_sf32_yf32_r1, Qmv1GatedArgs, 7) \
+  X(qmv1_gated_b8_sf32_ybf16_r1, Qmv1GatedArgs, 7) \
+  X(qmv1_gated_b8_sbf16_yf32_r1, Qmv1GatedArgs, 7) \
+  X(qmv1_gated_b8_sbf16_ybf16_r1, Qmv1GatedArgs, 7) \
   /* the same with 16 rows per threadgroup (qmv1_rows: K not split, 4 and 8 bits: lm_head) */ \
   X(qmv1_b4_xf32_sf32_r16, Qmv1Args, 9) \
   X(qmv1_b4_xf32_sbf16_r16, Qmv1Args, 9) \

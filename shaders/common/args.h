@@ -86,6 +86,20 @@ struct Qmv1Args {
   float eps;            // RMSNorm epsilon (flags & kQmv1Norm)
 };
 
+// qmv1_gated (shaders/qmm.metal): a DeltaNet layer's out_proj at one token with its gated RMSNorm
+// folded in front. x is the delta rule's raw output o [K = Hv * Dv] (float); the product is taken
+// with x_j = round_T(o_j * rsqrt(|o_h|^2 / Dv + eps) * norm_w[j % Dv] * silu(z_j)) (h: j's head),
+// the row gd_chunk_norm writes. A lane's block of V codes lies in one head: Dv = head_lanes * V,
+// head_lanes a power of two <= 32 (ops::qmv1_gated_supported).
+struct Qmv1GatedArgs {
+  uint32_t N;           // rows of w / outputs
+  uint32_t K;           // Hv * Dv, a multiple of group_size
+  uint32_t group_shift; // log2(group_size)
+  uint32_t Dv;          // value head dim (a power of two)
+  uint32_t head_lanes;  // lanes of a simdgroup per head: Dv / V
+  float eps;            // the gated RMSNorm's epsilon
+};
+
 // y[M, N] = x[M, K] @ dequant(w)[N, K]^T ; w uint32 [N, K*bits/32], scales/biases [N, K/group_size]
 struct QmmArgs {
   uint32_t M;           // rows of x / y

@@ -330,6 +330,8 @@ def test_gated_delta_mixer(rng, device, T, x_dtype):
     route = "qmv1" if T == 1 else "qmv" if T <= 8 else "qmm_bf16" if T >= 33 and x_dtype == BF16 else "qmm"
     xs, ss = dname(x_dtype), dname(s_dtype)
     if T == 1:
+        # Dv = 16 is less than a lane's 32 codes, so out_proj cannot fold the gated norm (qmv1_gated:
+        # test_gated_delta_mixer_folds_the_gated_norm); nor could it with these bf16 norm weights.
         assert stats["dispatches"] == 4 and stats["barriers"] == 3
         # small projections (in_proj 2 Hk Dk + 2 Hv Dv + 2 Hv = 200 rows, out_proj 128; one split at
         # K = 128 and 64): 1 row per qmv1 threadgroup (qmv1_rows: 25 and 16 simdgroups at 8 rows, < 1024)
@@ -415,16 +417,27 @@ def test_gated_delta_mixer_bad_input(rng):
         ops.gated_delta_mixer(*m.values(), num_key_heads=2, num_value_heads=4, head_k_dim=32, head_v_dim=16)
 
 
-def test_gated_delta_mixer_real_dims_decode(rng):
-    """One decode step of a real DeltaNet layer (hidden 2048, Hk 16, Hv 32, Dk = Dv = 128, bf16):
-    exactly 4 dispatches and 3 barriers (the numbers docs/kernels-deltanet.md quotes): the conv is fused
-    into the rule; the gated norm is its own dispatch (MSL 3.1 orders nothing between threadgroups)."""
+@pytest.mark.parametrize("w_dtype", [F32, BF16], ids=["wf32", "wbf16"])
+def test_gated_delta_mixer_real_dims_decode(rng, w_dtype):
+    """One decode step of a real DeltaNet layer (hidden 2048, Hk 16, Hv 32, Dk = Dv = 128, bf16
+    activations and scales). With the float32 conv and norm weights the engine keeps: 3 dispatches,
+    2 barriers (the numbers docs/kernels-deltanet.md quotes): the conv fused into the rule, the
+    gated norm into out_proj (qmv1_gated, 8 rows per threadgroup). With bf16 norm weights (no
+    qmv1_gated for those) the norm is its own dispatch: 4 and 3 (MSL 3.1 orders nothing between
+    the rule's threadgroups)."""
     m = make_mixer(rng, 1, 2048, 16, 32, 128, 128, BF16, BF16)
+    for n in ("conv_weight", "dt_bias", "norm_weight"):
+        m[n] = m[n].astype(w_dtype)
     dims = dict(num_key_heads=16, num_value_heads=32, head_k_dim=128, head_v_dim=128)
     out, cs, S, stats = _gated_delta_mixer(*m.values(), **dims, seed=rng.seed)
-    assert stats["dispatches"] == 4 and stats["barriers"] == 3
-    assert stats["kernels"] == ["qmv1_b4_xbf16_sbf16", "gated_delta_decode_xbf16_wbf16", "gd_chunk_norm_xbf16_wbf16",
-                                "qmv1_b4_xbf16_sbf16"]
+    if w_dtype == F32:
+        assert stats["dispatches"] == 3 and stats["barriers"] == 2
+        assert stats["kernels"] == ["qmv1_b4_xbf16_sbf16", "gated_delta_decode_xbf16_wf32",
+                                    "qmv1_gated_b4_sbf16_ybf16"]
+    else:
+        assert stats["dispatches"] == 4 and stats["barriers"] == 3
+        assert stats["kernels"] == ["qmv1_b4_xbf16_sbf16", "gated_delta_decode_xbf16_wbf16",
+                                    "gd_chunk_norm_xbf16_wbf16", "qmv1_b4_xbf16_sbf16"]
     in_proj = tuple(np.concatenate([m[n][i] for n in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")])
                     for i in range(3))
     outr, _, Sr = ref.gated_delta_mixer(
@@ -438,6 +451,60 @@ def test_gated_delta_mixer_real_dims_decode(rng):
     # apart — in v, or in k before its L2 norm, which moves a whole row of the increment. Same
     # bound as the small mixer test's bf16 state: 2^-6 max|S| (seen: up to 1.1e-4 max|S|).
     assert_close(S, Sr, atol=2.0 ** -6 * np.abs(Sr).max(), rtol=0, what="real-dims mixer state", seed=rng.seed)
+
+
+# (Hk, Hv, Dk, Dv, hidden, bits): a head on 1, 2 or 4 lanes of a 4-bit block (Dv = 32, 64, 128; 32
+# codes a lane), on 1 and 8 lanes of an 8-bit one (Dv = 16, 128; 16 codes a lane); K = Hv Dv from
+# 128 to 640 (a partial last block: 640 = 1024 - 384); out_proj on 1 row per threadgroup (these N).
+FOLD_SHAPES = [(2, 4, 32, 32, 128, 4), (2, 4, 32, 64, 192, 4), (1, 5, 32, 128, 64, 4), (2, 8, 32, 16, 128, 8),
+               (1, 2, 32, 128, 128, 8)]
+
+
+@pytest.mark.parametrize("shape", FOLD_SHAPES, ids=lambda s: "hk%d_hv%d_dk%d_dv%d_h%d_b%d" % s)
+@pytest.mark.parametrize("x_dtype", DTYPES, ids=["xf32", "xbf16"])
+def test_gated_delta_mixer_folds_the_gated_norm(rng, device, shape, x_dtype):
+    """One token with float32 norm weights: out_proj applies the gated RMSNorm itself (qmv1_gated),
+    3 dispatches and 2 barriers instead of 4 and 3. Its x is the very row gd_chunk_norm would write
+    (one expression, rounded to the activation dtype) and its products are qmv1's, so the mixer's
+    output equals the separate ops (in_proj, gated_delta_decode with its norm, out_proj) up to the
+    order of |o_h|^2's sum: fp32, a few ulp of inv_rms, atol 1e-6 max|out|; bf16, a row element
+    that rounds one ulp apart (2^-8 relative) moves out by at most 2^-8 |w_j x_j|: atol 2^-8 max|out|.
+    Against the float64 reference too, with test_gated_delta_mixer's bounds."""
+    from lily_py.ops.qmm import _quantized_matmul
+    Hk, Hv, Dk, Dv, hidden, bits = shape
+    s_dtype = BF16 if x_dtype == BF16 else F32
+    m = make_mixer(rng, 1, hidden, Hk, Hv, Dk, Dv, x_dtype, s_dtype, bits=bits)
+    for n in ("conv_weight", "dt_bias", "norm_weight"):
+        m[n] = m[n].astype(F32)
+    dims = dict(num_key_heads=Hk, num_value_heads=Hv, head_k_dim=Dk, head_v_dim=Dv)
+    out, cs, S, stats = _gated_delta_mixer(*m.values(), **dims, bits=bits, eps=1e-6, device=device, seed=rng.seed)
+    xs, ss = dname(x_dtype), dname(s_dtype)
+    assert stats["dispatches"] == 3 and stats["barriers"] == 2
+    assert stats["kernels"] == [f"qmv1_b{bits}_x{xs}_s{ss}_r1", f"gated_delta_decode_x{xs}_wf32",
+                                f"qmv1_gated_b{bits}_s{ss}_y{xs}_r1"], stats["kernels"]
+    # the separate ops: in_proj, the rule + gd_chunk_norm, out_proj on the normed row
+    C, VD = 2 * Hk * Dk + Hv * Dv, Hv * Dv
+    in_proj = [np.concatenate([m[n][i] for n in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")])
+               for i in range(3)]
+    proj, _ = _quantized_matmul(m["x"], *in_proj, bits=bits, group_size=64, device=device)
+    p = proj[0]
+    y, cs2, S2, st2 = _gated_delta_decode(
+        p[:Hk * Dk].reshape(Hk, Dk), p[Hk * Dk:2 * Hk * Dk].reshape(Hk, Dk), p[2 * Hk * Dk:C].reshape(Hv, Dv),
+        p[C:C + VD].reshape(Hv, Dv), p[C + VD + Hv:], p[C + VD:C + VD + Hv], m["conv_weight"], m["conv_state"],
+        m["A_log"], m["dt_bias"], m["norm_weight"], m["state"], eps=1e-6, device=device)
+    assert st2["kernels"][1] == f"gd_chunk_norm_x{xs}_wf32"
+    out2, _ = _quantized_matmul(y.reshape(1, VD), *m["out_proj"], bits=bits, group_size=64, device=device)
+    for what, got, want in (("state", S, S2), ("conv window", cs, cs2)):
+        diff = np.flatnonzero(np.asarray(got, np.float64) != np.asarray(want, np.float64))
+        assert diff.size == 0, f"{what}: {diff.size} elements differ, first at flat index {diff[0]} (seed {rng.seed})"
+    tol = 2.0 ** -8 if x_dtype == BF16 else 1e-6
+    assert_close(out, out2, atol=tol * np.abs(out2).max(), rtol=0, what=f"folded vs separate {shape}", seed=rng.seed)
+    outr, _, _ = ref.gated_delta_mixer(
+        m["x"], tuple(in_proj), m["out_proj"], m["conv_weight"], m["A_log"], m["dt_bias"], m["norm_weight"],
+        m["conv_state"], m["state"], Hk=Hk, Hv=Hv, Dk=Dk, Dv=Dv, eps=1e-6, bits=bits, group_size=64,
+        round_to=x_dtype if x_dtype == BF16 else None)
+    assert_close(out, outr, atol=(2.0 ** -6 if x_dtype == BF16 else 1e-4) * np.abs(outr).max(),
+                 rtol=out_rtol(x_dtype), what=f"folded mixer {shape} vs reference", seed=rng.seed)
 
 
 def test_gated_delta_is_order_independent(rng):

@@ -174,26 +174,31 @@ def test_snapshot_restore_reset(dn_ckpt, rng):
 
 
 def _expected_counts(cfg, tokens: int, position: int = 0, logits: bool = True,
-                     all_logits: bool = False) -> tuple[int, int]:
+                     all_logits: bool = False, out_bits: int = 4) -> tuple[int, int]:
     """(dispatches, barriers) of one step, from the engine's encoding plan (csrc/gpu/step.h):
     embedding | per layer: input norm, mixer, fused residual + post norm, MoE, one barrier after
     each | final norm | lm_head. Decode (one token) fuses the input norm into the mixer's first
     projection and the post norm into the router (two dispatches and barriers fewer per layer);
     with one row of logits the final norm is fused into lm_head. Mixers: DeltaNet 4 dispatches /
     3 barriers inside (the chunked delta rule: 2 more of each, the conv fused into its prep; one
-    token: also 4 / 3, the conv fused into gated_delta_decode and its gated norm a dispatch of its
-    own: MSL 3.1 orders nothing between threadgroups); attention 4 / 3, plus one dispatch
+    token: 3 / 2, the conv fused into gated_delta_decode and its gated norm into out_proj,
+    qmv1_gated, where that is built for the shape (`out_bits`: out_proj's width), else 4 / 3, the
+    norm a dispatch of its own: MSL 3.1 orders nothing between threadgroups); attention 4 / 3, plus one dispatch
     and one barrier when decode attention takes two passes (the vec route of head_dim 64 / 128 /
     256 at every length; other head dims beyond 256 keys). MoE: mv route (tokens <= 8; the expert
     kernels select the experts themselves, no route dispatch) 3 / 2, tiled 10 / 9 (the three tile kinds of a stage one after another). `cfg` is a ModelConfig."""
+    from lily_py.backends.engine import _core
     from lily_py.ops import attention_decode_route, gated_delta_route, moe_route
     moe, moe_barriers = (3, 2) if moe_route(tokens, cfg.num_experts_per_tok) == "mv" else (10, 9)
     chunked = gated_delta_route(tokens, cfg.linear_key_head_dim, cfg.linear_value_head_dim) == "chunked"
     two_pass = tokens == 1 and attention_decode_route(position + 1, cfg.head_dim)["route"] != "single"
     norms = 0 if tokens == 1 else 2  # separate norm dispatches per layer
+    Dv = cfg.linear_value_head_dim
+    folds = tokens == 1 and _core().ops.qmv1_gated_supported(cfg.hidden_size, cfg.linear_num_value_heads * Dv, Dv,
+                                                              out_bits)
     dispatches = barriers = 1
     for i in range(cfg.num_hidden_layers):
-        mixer = 4
+        mixer = 3 if folds and not cfg.is_full_attention(i) else 4
         if cfg.is_full_attention(i) and two_pass:
             mixer = 5
         if not cfg.is_full_attention(i) and chunked:
@@ -375,7 +380,9 @@ def test_qmv1_decode_grids_real_config(position):
     n_full = sum(t == "full_attention" for t in cfg.layer_types)  # 10 attention, 30 DeltaNet layers
     assert got == {
         ("qmv1_b4_xf32_sbf16", (1544, 1, 1), (64, 1, 1)): L - n_full,    # DeltaNet in_proj 12352 x 2048
-        ("qmv1_b4_xf32_sbf16", (256, 1, 1), (128, 1, 1)): L,             # out_proj / o_proj 2048 x 4096
+        ("qmv1_b4_xf32_sbf16", (256, 1, 1), (128, 1, 1)): n_full,        # o_proj 2048 x 4096
+        # DeltaNet out_proj 2048 x 4096 with the gated norm folded in front (8 rows, 4 splits)
+        ("qmv1_gated_b4_sbf16_yf32", (256, 1, 1), (128, 1, 1)): L - n_full,
         ("qmv1_b4_xf32_sbf16", (1152, 1, 1), (64, 1, 1)): n_full,        # attention qkv 9216 x 2048
         ("qmv1_b4_xf32_sbf16_r16", (15520, 1, 1), (32, 1, 1)): 1,        # lm_head 248320 x 2048, 16 rows, 1 split
         ("qmv1_b8_xf32_sbf16_r1", (257, 1, 1), (128, 1, 1)): L,          # router + shared gate 257 x 2048

@@ -421,6 +421,33 @@ GatedDeltaOperands gated_delta_operands(const GatedDeltaMixerOperands& op, At at
 
 }  // namespace
 
+Qmv1GatedOperands gated_delta_mixer_out_proj(const GatedDeltaMixerOperands& op) {
+  const uint32_t C = 2 * op.Hk * op.Dk + op.Hv * op.Dv, VD = op.Hv * op.Dv;
+  const uint64_t zoff = uint64_t(C) * dtype_size(op.x_dtype);
+  Qmv1GatedOperands g;
+  g.o = op.gd_o_raw;
+  g.z = Binding{op.proj.buffer, op.proj.offset + zoff, op.proj.bytes > zoff ? op.proj.bytes - zoff : 0};
+  g.norm_weight = op.norm_weight;
+  g.w = op.out_proj.w;
+  g.scales = op.out_proj.scales;
+  g.biases = op.out_proj.biases;
+  g.y = op.out;
+  g.x_dtype = op.x_dtype;
+  g.scale_dtype = op.out_proj.scale_dtype;
+  g.N = op.hidden;
+  g.K = VD;
+  g.Dv = op.Dv;
+  g.bits = op.out_proj.bits;
+  g.group_size = op.out_proj.group_size;
+  g.eps = op.eps;
+  return g;
+}
+
+bool gated_delta_mixer_folds_norm(const GatedDeltaMixerOperands& op) {
+  return op.T == 1 && op.seqs.empty() && op.gd_o_raw.buffer != nullptr && op.out_proj.blocks.empty() &&
+         op.w_dtype == DType::f32 && qmv1_gated_allowed(gated_delta_mixer_out_proj(op));
+}
+
 void encode_gated_delta_mixer(Encoder& enc, const GatedDeltaMixerOperands& op) {
   const uint32_t C = 2 * op.Hk * op.Dk + op.Hv * op.Dv, VD = op.Hv * op.Dv;
   const uint32_t P = gated_delta_mixer_proj_rows(op.Hk, op.Hv, op.Dk, op.Dv);
@@ -490,7 +517,16 @@ void encode_gated_delta_mixer(Encoder& enc, const GatedDeltaMixerOperands& op) {
   } else if (op.T == 1) {
     if (op.gd_o_raw.buffer == nullptr)
       throw std::invalid_argument("gated_delta_mixer: one token needs gd_o_raw bound");
-    encode_gated_delta_decode(enc, decode_op(0, GdSequence{op.conv_state_in, op.conv_state_out, op.state, op.gd_o_raw}));
+    const GdDecodeOperands dd = decode_op(0, GdSequence{op.conv_state_in, op.conv_state_out, op.state, op.gd_o_raw});
+    // out_proj reads the raw output and applies the gated norm itself (qmv1_gated) where it is
+    // built for the shape: one level fewer. Else the norm is its own level (gd_chunk_norm).
+    if (gated_delta_mixer_folds_norm(op)) {
+      encode_gated_delta_decode(enc, dd, GdDecodePhase::rule);
+      enc.barrier();  // o_raw -> out_proj with the gated norm
+      encode_qmv1_gated(enc, gated_delta_mixer_out_proj(op));
+      return;
+    }
+    encode_gated_delta_decode(enc, dd);
   } else if (op.chunk_scratch.buffer && gated_delta_route(op.T, op.Dk, op.Dv) == GdRoute::chunked) {
     // prefill, chunked: the conv fused into the prep (gd_chunk_prep_conv reads proj's qkv columns)
     GatedDeltaOperands gd = gated_delta_operands(op, at, C, VD, P);

@@ -146,8 +146,10 @@ struct QuantLinear {
 // state and conv window): in_proj and out_proj over the T rows (every weight byte read once),
 // between them one gated_delta_decode rule per sequence, a barrier, one norm per sequence: the
 // levels of one token, 2 T + 2 dispatches.
-// Dispatches: T = 1 (decode): 4 (in_proj, gated_delta_decode with the conv fused, its gated norm,
-// out_proj), 3 barriers; needs gd_o_raw. T > 1: 4 (in_proj, conv1d, gated_delta, out_proj),
+// Dispatches: T = 1 (decode): 3 (in_proj, gated_delta_decode with the conv fused, out_proj with
+// the gated norm folded in front: qmv1_gated), 2 barriers, where qmv1_gated_allowed and w_dtype is
+// float32 and out_proj has no blocks; else 4 (the norm, gd_chunk_norm, its own level), 3 barriers;
+// needs gd_o_raw. T > 1: 4 (in_proj, conv1d, gated_delta, out_proj),
 // 3 barriers, one before each consumer; on the chunked route (gated_delta_route, chunk_scratch
 // bound) the delta rule takes 4 dispatches instead of 1: 7 dispatches, 6 barriers.
 // One sequence of a batched decode step: its recurrent state, conv windows and raw-output scratch.
@@ -184,6 +186,11 @@ struct GatedDeltaMixerOperands {
 };
 
 uint32_t gated_delta_mixer_proj_rows(uint32_t Hk, uint32_t Hv, uint32_t Dk, uint32_t Dv);
+// T = 1: out_proj with the gated norm folded in front (qmv1_gated; z = proj's columns after qkv).
+Qmv1GatedOperands gated_delta_mixer_out_proj(const GatedDeltaMixerOperands& op);
+// Whether one token's out_proj takes qmv1_gated (no gd_chunk_norm level): T = 1, not batched,
+// gd_o_raw bound, out_proj in one block, float32 norm weight, qmv1_gated_allowed.
+bool gated_delta_mixer_folds_norm(const GatedDeltaMixerOperands& op);
 void encode_gated_delta_mixer(Encoder& enc, const GatedDeltaMixerOperands& op);
 
 }  // namespace lily::gpu::ops

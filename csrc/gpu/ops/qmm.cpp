@@ -424,4 +424,64 @@ void encode_quantized_matmul(Encoder& enc, const QmmOperands& op) {
   enc.add_flops(f.executed, f.useful);
 }
 
+bool qmv1_gated_supported(uint32_t N, uint32_t K, uint32_t Dv, uint32_t bits) {
+  if (bits != 4 && bits != 8) return false;
+  const uint32_t V = qmv1_lane_codes(bits);
+  const bool pow2 = Dv != 0 && (Dv & (Dv - 1)) == 0;
+  if (!pow2 || Dv % V != 0 || Dv / V > 32 || N == 0 || K == 0 || K % Dv != 0) return false;
+  const uint32_t rows = qmv1_rows(N, K, bits);
+  return rows == kQmv1Rows || rows == 1;
+}
+
+bool qmv1_gated_allowed(const Qmv1GatedOperands& op) {
+  const bool aligned = op.o.offset % 16 == 0 && op.z.offset % 16 == 0 && op.norm_weight.offset % 16 == 0;
+  return qmv1_gated_supported(op.N, op.K, op.Dv, op.bits) && aligned && op.K % op.group_size == 0 &&
+         (op.group_size == 32 || op.group_size == 64 || op.group_size == 128);
+}
+
+KernelId qmv1_gated_kernel(uint32_t bits, DType x_dtype, DType scale_dtype, uint32_t rows) {
+  // kernel_ids.h lists the 16 in this order: rows (8, 1), bits (4, 8), scales (f32, bf16), y (f32, bf16)
+  static_assert(uint16_t(KernelId::qmv1_gated_b8_sbf16_ybf16_r1) - uint16_t(KernelId::qmv1_gated_b4_sf32_yf32) == 15,
+                "the qmv1_gated rows of kernel_ids.h are consecutive");
+  if ((bits != 4 && bits != 8) || (rows != kQmv1Rows && rows != 1))
+    throw std::invalid_argument("qmv1_gated: built for 4 and 8 bits at 8 or 1 rows, not " + std::to_string(bits) +
+                                " bits at " + std::to_string(rows) + " rows");
+  const uint32_t i = (rows == 1 ? 8 : 0) + (bits == 8 ? 4 : 0) + (scale_dtype == DType::bf16 ? 2 : 0) +
+                     (x_dtype == DType::bf16 ? 1 : 0);
+  return KernelId(uint16_t(KernelId::qmv1_gated_b4_sf32_yf32) + i);
+}
+
+void encode_qmv1_gated(Encoder& enc, const Qmv1GatedOperands& op) {
+  auto fail = [](const std::string& m) { throw std::invalid_argument("qmv1_gated: " + m); };
+  if (!qmv1_gated_allowed(op))
+    fail("not built for N=" + std::to_string(op.N) + " K=" + std::to_string(op.K) + " Dv=" + std::to_string(op.Dv) +
+         " at " + std::to_string(op.bits) + " bits, group " + std::to_string(op.group_size) +
+         " (or o, z, norm_weight not 16-byte aligned); see qmv1_gated_allowed");
+  if (!(op.eps > 0.0f)) fail("eps must be > 0");
+  const uint64_t xe = dtype_size(op.x_dtype), se = dtype_size(op.scale_dtype), groups = op.K / op.group_size;
+  auto range = [&](Binding b, uint64_t bytes, const char* what) {
+    if (b.buffer == nullptr) fail(std::string(what) + " not bound");
+    if (b.bytes < bytes)
+      fail(std::string(what) + " range has " + std::to_string(b.bytes) + " bytes, needs " + std::to_string(bytes));
+    b.bytes = bytes;
+    return b;
+  };
+  uint32_t shift = 0;
+  while ((1u << shift) < op.group_size) ++shift;
+  const uint32_t rows = qmv1_rows(op.N, op.K, op.bits);
+  Qmv1GatedArgs a{op.N, op.K, shift, op.Dv, op.Dv / qmv1_lane_codes(op.bits), op.eps};
+  enc.set_kernel(qmv1_gated_kernel(op.bits, op.x_dtype, op.scale_dtype, rows));
+  enc.set_args(a);
+  enc.set_buffer(1, range(op.o, uint64_t(op.K) * 4, "o"));
+  enc.set_buffer(2, range(op.w, uint64_t(op.N) * op.K * op.bits / 8, "w"));
+  enc.set_buffer(3, range(op.scales, uint64_t(op.N) * groups * se, "scales"));
+  enc.set_buffer(4, range(op.biases, uint64_t(op.N) * groups * se, "biases"));
+  enc.set_buffer(5, range(op.y, uint64_t(op.N) * xe, "y"));
+  enc.set_buffer(6, range(op.z, uint64_t(op.K) * xe, "z"));
+  enc.set_buffer(7, range(op.norm_weight, uint64_t(op.Dv) * 4, "norm_weight"));
+  enc.dispatch({ceil_div(op.N, rows), 1, 1}, {32 * qmv1_splits(op.N, op.K, op.bits), 1, 1});
+  const QmmFlops f = qmm_flops(1, op.N, op.K, op.bits);
+  enc.add_flops(f.executed, f.useful);
+}
+
 }  // namespace lily::gpu::ops

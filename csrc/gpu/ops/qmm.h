@@ -148,4 +148,32 @@ void validate(const QmmOperands& op);
 // int8 route two, quantize_i8 and qmm_m5i8, with a barrier between them.
 void encode_quantized_matmul(Encoder& enc, const QmmOperands& op);
 
+// A DeltaNet layer's out_proj at one token with its gated RMSNorm folded in front (qmv1_gated,
+// shaders/qmm.metal): y = dequant(w) @ x with x_j = round(o_j * rsqrt(|o_h|^2 / Dv + eps) *
+// norm_weight[j % Dv] * silu(z_j)), h = j / Dv: the row gd_chunk_norm would write, without its level.
+struct Qmv1GatedOperands {
+  Binding o;            // float32 [K]: the delta rule's raw output (gated_delta_decode's o_raw)
+  Binding z;            // [K] of x_dtype: the gate
+  Binding norm_weight;  // float32 [Dv]
+  Binding w, scales, biases;  // [N, K] at `bits`, MLX affine layout
+  Binding y;            // [N] of x_dtype
+  DType x_dtype = DType::f32;  // the activations' dtype (z and y)
+  DType scale_dtype = DType::f32;
+  uint32_t N = 0, K = 0, Dv = 0;
+  uint32_t bits = 4, group_size = 64;
+  float eps = 1e-6f;
+};
+// Whether qmv1_gated is built for this shape: 4 or 8 bits; Dv a power of two that is a multiple of
+// a lane's codes (qmv1_lane_codes) and at most 32 of them (a head on 1..32 lanes of a block);
+// K a multiple of Dv and of group_size; the rows rule (qmv1_rows) giving 8 or 1 rows. The bindings'
+// 16-byte alignment is checked by encode_qmv1_gated.
+bool qmv1_gated_supported(uint32_t N, uint32_t K, uint32_t Dv, uint32_t bits);
+// Whether these operands take qmv1_gated: qmv1_gated_supported and o, z, norm_weight bound on
+// 16-byte boundaries (its 16-byte loads). Otherwise the caller runs the norm as its own level.
+bool qmv1_gated_allowed(const Qmv1GatedOperands& op);
+KernelId qmv1_gated_kernel(uint32_t bits, DType x_dtype, DType scale_dtype, uint32_t rows);
+// One dispatch, no barrier (the caller orders it after o's writer). Throws std::invalid_argument
+// on operands qmv1_gated_allowed refuses or bindings too small.
+void encode_qmv1_gated(Encoder& enc, const Qmv1GatedOperands& op);
+
 }  // namespace lily::gpu::ops
