@@ -2,8 +2,9 @@
 # A/B of a change to the batched decode step on cuda, one device call: builds the working tree
 # and the commit in base.tar (git archive -o base.tar <commit>, untracked beside the tree), then
 # per build: benchmarks/batch_decode.py --time --kernels on 8 layers (each kernel alone) and
-# --time on the real 40 layers (JSON to $OUT); then the new build's MoE and batch tests on cuda
-# and compute-sanitizer on the MoE kernel tests (SKIP_TESTS=1: not). SKIP_BASE=1 with ORDER=new:
+# --time on the real 40 layers (JSON to $OUT); then the new build's MoE, matmul, DeltaNet and
+# batch tests on cuda and compute-sanitizer on the MoE decode and the folded-norm kernel tests
+# (SKIP_TESTS=1: not). SKIP_BASE=1 with ORDER=new:
 # the working tree alone. VARIANTS=file (tools/gpu/ab.sh's `NAME | FILE | OLD | NEW` lines): more
 # builds, each the working tree with those substitutions, timed after base and new. KB: the
 # batches of the 8-layer per-kernel runs (default 4,8); SB: of the 40-layer steps (default
@@ -43,10 +44,10 @@ for v in ${ORDER:-base new $names}; do
 done
 if [ -z "${SKIP_TESTS:-}" ]; then  # the new build's MoE and batch tests on cuda, and the sanitizers
   export PYTHONPATH=/tmp/lib_new:/tmp/site
-  ( LILY_TEST_DEVICES=cuda timeout 150 python3 -m pytest tests/kernels/test_moe.py tests/kernels/test_quant_widths.py tests/kernels/test_quantized_matmul.py -q -p no:cacheprovider -k "cuda" > /tmp/ab_k.log 2>&1; echo "rc=$?" >> /tmp/ab_k.log ) &
+  ( LILY_TEST_DEVICES=cuda timeout 150 python3 -m pytest tests/kernels/test_moe.py tests/kernels/test_quant_widths.py tests/kernels/test_quantized_matmul.py tests/kernels/test_gated_delta.py -q -p no:cacheprovider -k "cuda" > /tmp/ab_k.log 2>&1; echo "rc=$?" >> /tmp/ab_k.log ) &
   ( LILY_TEST_ENGINE=cuda timeout 150 python3 -m pytest tests/model/test_batch_decode.py -q -p no:cacheprovider > /tmp/ab_b.log 2>&1; echo "rc=$?" >> /tmp/ab_b.log ) &
   for tool in memcheck racecheck; do
-    ( LILY_TEST_DEVICES=cuda timeout 150 compute-sanitizer --tool $tool --print-limit 20 python3 -m pytest tests/kernels/test_moe.py -q -p no:cacheprovider -k "cuda and (decode_matvec or exact_ties or nan_and_inf)" > /tmp/ab_$tool.log 2>&1; echo "rc=$?" >> /tmp/ab_$tool.log ) &
+    ( LILY_TEST_DEVICES=cuda timeout 150 compute-sanitizer --tool $tool --print-limit 20 python3 -m pytest tests/kernels/test_moe.py tests/kernels/test_gated_delta.py -q -p no:cacheprovider -k "cuda and (decode_matvec or exact_ties or nan_and_inf or folds_the_gated_norm)" > /tmp/ab_$tool.log 2>&1; echo "rc=$?" >> /tmp/ab_$tool.log ) &
   done
   wait
   for f in /tmp/ab_k.log /tmp/ab_b.log; do echo "$f: $(grep -E '[0-9]+ (passed|failed)' $f | tail -1) $(tail -1 $f)"; grep -E "^(FAILED|ERROR)" $f | head -5; done
