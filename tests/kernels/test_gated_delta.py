@@ -453,6 +453,19 @@ def test_gated_delta_mixer_real_dims_decode(rng, w_dtype):
     assert_close(S, Sr, atol=2.0 ** -6 * np.abs(Sr).max(), rtol=0, what="real-dims mixer state", seed=rng.seed)
 
 
+def test_qmv1_gated_support_rule():
+    """Where out_proj folds the gated norm: 4 or 8 bits; Dv a power of two, a multiple of a lane's
+    codes (32 at 4 bits, 16 at 8) and at most 32 lanes of them; K a multiple of Dv; 8 or 1 rows."""
+    sup = core.ops.qmv1_gated_supported
+    assert sup(2048, 4096, 128, 4) and sup(2048, 4096, 128, 8)       # the real out_proj
+    assert sup(256, 256, 64, 4)                                       # the demo's (1 row)
+    assert sup(128, 128, 16, 8) and not sup(128, 128, 16, 4)          # 16 < a 4-bit lane's 32 codes
+    assert not sup(128, 192, 48, 4) and not sup(128, 96, 96, 8)       # not powers of two
+    assert not sup(2048, 4096, 128, 6) and not sup(2048, 4096, 128, 3)  # widths without the kernel
+    assert not sup(128, 200, 64, 4) and not sup(0, 128, 64, 4)        # K not a multiple of Dv; no rows
+    assert not sup(248320, 4096, 128, 4)                              # lm_head-sized N: 16 rows
+
+
 # (Hk, Hv, Dk, Dv, hidden, bits): a head on 1, 2 or 4 lanes of a 4-bit block (Dv = 32, 64, 128; 32
 # codes a lane), on 1 and 8 lanes of an 8-bit one (Dv = 16, 128; 16 codes a lane); K = Hv Dv from
 # 128 to 640 (a partial last block: 640 = 1024 - 384); out_proj on 1 row per threadgroup (these N).

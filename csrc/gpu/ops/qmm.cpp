@@ -435,8 +435,8 @@ bool qmv1_gated_supported(uint32_t N, uint32_t K, uint32_t Dv, uint32_t bits) {
 
 bool qmv1_gated_allowed(const Qmv1GatedOperands& op) {
   const bool aligned = op.o.offset % 16 == 0 && op.z.offset % 16 == 0 && op.norm_weight.offset % 16 == 0;
-  return qmv1_gated_supported(op.N, op.K, op.Dv, op.bits) && aligned && op.K % op.group_size == 0 &&
-         (op.group_size == 32 || op.group_size == 64 || op.group_size == 128);
+  const bool groups = op.group_size == 32 || op.group_size == 64 || op.group_size == 128;
+  return qmv1_gated_supported(op.N, op.K, op.Dv, op.bits) && aligned && groups && op.K % op.group_size == 0;
 }
 
 KernelId qmv1_gated_kernel(uint32_t bits, DType x_dtype, DType scale_dtype, uint32_t rows) {
