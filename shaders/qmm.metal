@@ -260,7 +260,8 @@ template <typename T, typename S, int bits, typename Y = T, uint32_t R = kQmv1Ro
 // the norm needs no level of its own (30 fewer per token on the real config). x is the delta rule's
 // raw output o [K = Hv * Dv] (float, gated_delta_decode's o_raw); the product is taken with
 //   x_j = round_Y(gated_norm_value(o_j, rsqrt(|o_h|^2 / Dv + eps), norm_w[j % Dv], z_j))
-// (common/gated_norm.h), the very value gd_chunk_norm writes for out_proj to read.
+// (common/gated_norm.h), the expression gd_chunk_norm writes for out_proj to read; only the
+// order of the |o_h|^2 sum differs (fp32: a few ulp of inv_rms).
 //   grid, block, rows, reduction: as qmv1 (R = 8 or 1; K split over `splits` simdgroups).
 //   per block: a lane's V values lie in one head (Dv = head_lanes * V, head_lanes a power of two
 //              <= 32; a block starts on a head boundary, 32 V being a multiple of Dv), so |o_h|^2 is

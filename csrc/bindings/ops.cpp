@@ -165,7 +165,9 @@ void init_ops(nb::module_& parent) {
         "Whether qmv1_gated (a DeltaNet out_proj at one token with the gated RMSNorm folded in front) is "
         "built for N outputs, K = Hv * Dv inputs, value head dim Dv at these bits: 4 or 8 bits, Dv a power "
         "of two that is a multiple of a lane's codes (32 at 4 bits, 16 at 8) and at most 32 of them, the "
-        "rows rule giving 8 or 1 rows. Where it is, one decode token's DeltaNet mixer takes 3 dispatches, not 4.");
+        "rows rule giving 8 or 1 rows. Where it is (and the operands allow it: group size, 16-byte aligned "
+        "bindings, float32 norm weights, one weight block), one decode token's DeltaNet mixer takes 3 "
+        "dispatches, not 4.");
   m.attr("QMV1_ROWS") = static_cast<uint32_t>(kQmv1Rows);
   m.attr("QMV1_MIN_SIMDGROUPS") = static_cast<uint32_t>(kQmv1MinSimdgroups);
   m.attr("QMV1_ONE_SPLIT_GROUPS") = static_cast<uint32_t>(kQmv1OneSplitGroups);

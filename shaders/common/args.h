@@ -89,7 +89,7 @@ struct Qmv1Args {
 // qmv1_gated (shaders/qmm.metal): a DeltaNet layer's out_proj at one token with its gated RMSNorm
 // folded in front. x is the delta rule's raw output o [K = Hv * Dv] (float); the product is taken
 // with x_j = round_T(o_j * rsqrt(|o_h|^2 / Dv + eps) * norm_w[j % Dv] * silu(z_j)) (h: j's head),
-// the row gd_chunk_norm writes. A lane's block of V codes lies in one head: Dv = head_lanes * V,
+// gd_chunk_norm's row up to the order of the |o_h|^2 sum. A lane's block of V codes lies in one head: Dv = head_lanes * V,
 // head_lanes a power of two <= 32 (ops::qmv1_gated_supported).
 struct Qmv1GatedArgs {
   uint32_t N;           // rows of w / outputs

@@ -150,7 +150,8 @@ void encode_quantized_matmul(Encoder& enc, const QmmOperands& op);
 
 // A DeltaNet layer's out_proj at one token with its gated RMSNorm folded in front (qmv1_gated,
 // shaders/qmm.metal): y = dequant(w) @ x with x_j = round(o_j * rsqrt(|o_h|^2 / Dv + eps) *
-// norm_weight[j % Dv] * silu(z_j)), h = j / Dv: the row gd_chunk_norm would write, without its level.
+// norm_weight[j % Dv] * silu(z_j)), h = j / Dv: gd_chunk_norm's row (up to the order of the |o_h|^2
+// sum), without its level.
 struct Qmv1GatedOperands {
   Binding o;            // float32 [K]: the delta rule's raw output (gated_delta_decode's o_raw)
   Binding z;            // [K] of x_dtype: the gate
@@ -165,8 +166,8 @@ struct Qmv1GatedOperands {
 };
 // Whether qmv1_gated is built for this shape: 4 or 8 bits; Dv a power of two that is a multiple of
 // a lane's codes (qmv1_lane_codes) and at most 32 of them (a head on 1..32 lanes of a block);
-// K a multiple of Dv and of group_size; the rows rule (qmv1_rows) giving 8 or 1 rows. The bindings'
-// 16-byte alignment is checked by encode_qmv1_gated.
+// K a multiple of Dv; the rows rule (qmv1_rows) giving 8 or 1 rows. The group size and the
+// bindings' 16-byte alignment are qmv1_gated_allowed's.
 bool qmv1_gated_supported(uint32_t N, uint32_t K, uint32_t Dv, uint32_t bits);
 // Whether these operands take qmv1_gated: qmv1_gated_supported and o, z, norm_weight bound on
 // 16-byte boundaries (its 16-byte loads). Otherwise the caller runs the norm as its own level.
