@@ -13,19 +13,6 @@
 
 namespace lily {
 
-inline float gd_sigmoid(float x) { return gn_sigmoid(x); }  // common/gated_norm.h
-
-inline float gd_silu(float x) { return x * gd_sigmoid(x); }
-
-// softplus(x) = max(x, 0) + log1p(exp(-|x|)); log1p(e) as log(u) * e / (u - 1) with u = 1 + e
-// (exact to a few ulp even when e is far below 1 ulp of 1, where log(1 + e) would return 0).
-inline float gd_softplus(float x) {
-  const float e = exp(-abs(x));
-  const float u = 1.0f + e;
-  const float log1p_e = u == 1.0f ? e : log(u) * (e / (u - 1.0f));
-  return max(x, 0.0f) + log1p_e;
-}
-
 // ---------------------------------------------------------------------------------------------
 // conv1d: y[t, c] = silu(sum_j w[c, j] * xx[t + j, c]), xx = concat(state_in [K-1, C], x [T, C]).
 //   grid:      (ceil(C / kConvThreads), T) threadgroups of kConvThreads threads
@@ -54,7 +41,7 @@ template <typename T, typename W>
     const float v = p < hist ? float(state_in[p * C + c]) : float(x[(p - hist) * args.x_stride + c]);
     acc += float(weight[c * K + j]) * v;
   }
-  y[t * args.y_stride + c] = T(gd_silu(acc));
+  y[t * args.y_stride + c] = T(gn_silu(acc));
   if (t + 1 == args.T) {
     T keep[kConvMaxKernel];
     for (uint32_t r = 0; r < hist; ++r) {
@@ -140,8 +127,8 @@ template <typename T, typename W>
       qr[r] *= q_norm;
       kr[r] *= k_norm;
     }
-    const float decay = exp(neg_A * gd_softplus(float(a[uint64_t(t) * args.ab_stride + h]) + dt_b));
-    const float beta = gd_sigmoid(float(b[uint64_t(t) * args.ab_stride + h]));
+    const float decay = exp(neg_A * gn_softplus(float(a[uint64_t(t) * args.ab_stride + h]) + dt_b));
+    const float beta = gn_sigmoid(float(b[uint64_t(t) * args.ab_stride + h]));
 
     float4 vv = float4(0.0f), zz = float4(0.0f);
     for (uint32_t c = 0; c < kGdColsPerSimd; ++c) {
@@ -255,7 +242,7 @@ template <typename T, typename W>
         const float v = j < hist ? float(conv_in[j * C + ch]) : float(x[ch]);
         acc += float(conv_w[ch * K + j]) * v;
       }
-      out = float(T(gd_silu(acc)));
+      out = float(T(gn_silu(acc)));
       if (write)
         for (uint32_t r = 0; r < hist; ++r) conv_out[r * C + ch] = r + 1 < hist ? conv_in[(r + 1) * C + ch] : x[ch];
     }
@@ -283,8 +270,8 @@ template <typename T, typename W>
   ss = simd_sum(ss);
   qr *= rsqrt(ss.x + 1e-6f) * args.q_scale;
   kr *= rsqrt(ss.y + 1e-6f);
-  const float decay = exp(-exp(A_log[h]) * gd_softplus(float(a[h]) + float(dt_bias[h])));
-  const float beta = gd_sigmoid(float(b[h]));
+  const float decay = exp(-exp(A_log[h]) * gn_softplus(float(a[h]) + float(dt_bias[h])));
+  const float beta = gn_sigmoid(float(b[h]));
 
   float4 s[kGdDecodeColsPerSimd];
   float2 vv = float2(0.0f);

@@ -34,17 +34,6 @@
 
 namespace lily {
 
-inline float gdc_sigmoid(float x) { return gn_sigmoid(x); }  // common/gated_norm.h
-
-inline float gdc_softplus(float x) {  // same formula as gd_softplus (gated_delta.metal)
-  const float e = exp(-abs(x));
-  const float u = 1.0f + e;
-  const float log1p_e = u == 1.0f ? e : log(u) * (e / (u - 1.0f));
-  return max(x, 0.0f) + log1p_e;
-}
-
-inline float gdc_silu(float x) { return x * gdc_sigmoid(x); }  // same formula as gd_silu
-
 // Channel c of token t (t < T) as the prep reads it, in fp32. Conv = false: qkv is the conv's
 // output, row t. Conv = true (gd_chunk_prep_conv): qkv is the conv's input (the in_proj columns),
 // and the value is conv1d's, computed the same way (shaders/gated_delta.metal: taps j = 0..K-1 of
@@ -61,7 +50,7 @@ inline float gdc_channel(constant GdChunkArgs& args, const device T* qkv, const 
     const float v = p < hist ? float(conv_in[p * C + c]) : float(qkv[uint64_t(p - hist) * args.qkv_stride + c]);
     acc += float(conv_w[c * K + j]) * v;
   }
-  return float(T(gdc_silu(acc)));
+  return float(T(gn_silu(acc)));
 }
 
 // The conv window after the chunk, channel c: conv_out[r] = xx[T + r], r < K - 1 (the conv's raw
@@ -107,8 +96,8 @@ inline void gdc_prep(constant GdChunkArgs& args, const device T* qkv, const devi
   }
   if (lane == 0) {
     const uint64_t ab = uint64_t(live ? t : 0) * args.ab_stride + h;
-    g[uint64_t(h) * args.Tp + t] = live ? -exp(A_log[h]) * gdc_softplus(float(a[ab]) + float(dt_bias[h])) : 0.0f;
-    beta[uint64_t(h) * args.Tp + t] = live ? gdc_sigmoid(float(b[ab])) : 0.0f;
+    g[uint64_t(h) * args.Tp + t] = live ? -exp(A_log[h]) * gn_softplus(float(a[ab]) + float(dt_bias[h])) : 0.0f;
+    beta[uint64_t(h) * args.Tp + t] = live ? gn_sigmoid(float(b[ab])) : 0.0f;
   }
   if (h % ratio == 0) {  // uniform: one value head per key head writes q and k
     float qr[kGdRowsPerLane], kr[kGdRowsPerLane];

@@ -419,33 +419,58 @@ GatedDeltaOperands gated_delta_operands(const GatedDeltaMixerOperands& op, At at
   return gd;
 }
 
+// One of the mixer's projections as a quantized-matmul product: y[M, N] = x[M, K] @ l^T (the
+// caller adds blocks, the fused norm and the int8 scratch where they apply).
+QmmOperands linear_operands(const QuantLinear& l, Binding x, Binding y, DType x_dtype, uint32_t M, uint32_t N,
+                            uint32_t K) {
+  QmmOperands m;
+  m.x = x;
+  m.w = l.w;
+  m.scales = l.scales;
+  m.biases = l.biases;
+  m.y = y;
+  m.x_dtype = x_dtype;
+  m.scale_dtype = l.scale_dtype;
+  m.M = M;
+  m.N = N;
+  m.K = K;
+  m.bits = l.bits;
+  m.group_size = l.group_size;
+  return m;
+}
+
+QmmOperands out_proj_operands(const GatedDeltaMixerOperands& op) {
+  QmmOperands out = linear_operands(op.out_proj, op.o, op.out, op.x_dtype, op.T, op.hidden, op.Hv * op.Dv);
+  out.x_i8 = op.x_i8;
+  return out;
+}
+
 }  // namespace
 
 Qmv1GatedOperands gated_delta_mixer_out_proj(const GatedDeltaMixerOperands& op) {
-  const uint32_t C = 2 * op.Hk * op.Dk + op.Hv * op.Dv, VD = op.Hv * op.Dv;
+  const uint32_t C = 2 * op.Hk * op.Dk + op.Hv * op.Dv;
   const uint64_t zoff = uint64_t(C) * dtype_size(op.x_dtype);
   Qmv1GatedOperands g;
+  g.mm = out_proj_operands(op);
   g.o = op.gd_o_raw;
   g.z = Binding{op.proj.buffer, op.proj.offset + zoff, op.proj.bytes > zoff ? op.proj.bytes - zoff : 0};
   g.norm_weight = op.norm_weight;
-  g.w = op.out_proj.w;
-  g.scales = op.out_proj.scales;
-  g.biases = op.out_proj.biases;
-  g.y = op.out;
-  g.x_dtype = op.x_dtype;
-  g.scale_dtype = op.out_proj.scale_dtype;
-  g.N = op.hidden;
-  g.K = VD;
   g.Dv = op.Dv;
-  g.bits = op.out_proj.bits;
-  g.group_size = op.out_proj.group_size;
   g.eps = op.eps;
   return g;
 }
 
-bool gated_delta_mixer_folds_norm(const GatedDeltaMixerOperands& op) {
+namespace {
+
+bool folds_norm(const GatedDeltaMixerOperands& op, const Qmv1GatedOperands& g) {
   return op.T == 1 && op.seqs.empty() && op.gd_o_raw.buffer != nullptr && op.out_proj.blocks.empty() &&
-         op.w_dtype == DType::f32 && qmv1_gated_allowed(gated_delta_mixer_out_proj(op));
+         op.w_dtype == DType::f32 && qmv1_gated_allowed(g);
+}
+
+}  // namespace
+
+bool gated_delta_mixer_folds_norm(const GatedDeltaMixerOperands& op) {
+  return folds_norm(op, gated_delta_mixer_out_proj(op));
 }
 
 void encode_gated_delta_mixer(Encoder& enc, const GatedDeltaMixerOperands& op) {
@@ -456,19 +481,7 @@ void encode_gated_delta_mixer(Encoder& enc, const GatedDeltaMixerOperands& op) {
     return Binding{b.buffer, b.offset + size_t(col) * xe, b.bytes - size_t(col) * xe};
   };
 
-  QmmOperands in;
-  in.x = op.x;
-  in.w = op.in_proj.w;
-  in.scales = op.in_proj.scales;
-  in.biases = op.in_proj.biases;
-  in.y = op.proj;
-  in.x_dtype = op.x_dtype;
-  in.scale_dtype = op.in_proj.scale_dtype;
-  in.M = op.T;
-  in.N = P;
-  in.K = op.hidden;
-  in.bits = op.in_proj.bits;
-  in.group_size = op.in_proj.group_size;
+  QmmOperands in = linear_operands(op.in_proj, op.x, op.proj, op.x_dtype, op.T, P, op.hidden);
   in.norm_weight = op.in_norm;
   in.eps = op.in_norm_eps;
   in.x_i8 = op.x_i8;
@@ -520,10 +533,11 @@ void encode_gated_delta_mixer(Encoder& enc, const GatedDeltaMixerOperands& op) {
     const GdDecodeOperands dd = decode_op(0, GdSequence{op.conv_state_in, op.conv_state_out, op.state, op.gd_o_raw});
     // out_proj reads the raw output and applies the gated norm itself (qmv1_gated) where it is
     // built for the shape: one level fewer. Else the norm is its own level (gd_chunk_norm).
-    if (gated_delta_mixer_folds_norm(op)) {
+    const Qmv1GatedOperands g = gated_delta_mixer_out_proj(op);
+    if (folds_norm(op, g)) {
       encode_gated_delta_decode(enc, dd, GdDecodePhase::rule);
       enc.barrier();  // o_raw -> out_proj with the gated norm
-      encode_qmv1_gated(enc, gated_delta_mixer_out_proj(op));
+      encode_qmv1_gated(enc, g);
       return;
     }
     encode_gated_delta_decode(enc, dd);
@@ -559,20 +573,7 @@ void encode_gated_delta_mixer(Encoder& enc, const GatedDeltaMixerOperands& op) {
   }
   enc.barrier();  // o written -> read by out_proj
 
-  QmmOperands out;
-  out.x = op.o;
-  out.w = op.out_proj.w;
-  out.scales = op.out_proj.scales;
-  out.biases = op.out_proj.biases;
-  out.y = op.out;
-  out.x_dtype = op.x_dtype;
-  out.scale_dtype = op.out_proj.scale_dtype;
-  out.M = op.T;
-  out.N = op.hidden;
-  out.K = VD;
-  out.bits = op.out_proj.bits;
-  out.group_size = op.out_proj.group_size;
-  out.x_i8 = op.x_i8;
+  const QmmOperands out = out_proj_operands(op);
   validate(out);
   encode_quantized_matmul(enc, out);
 }

@@ -58,8 +58,7 @@ bool mixed_widths(const MoeOperands& op) { return shared_bits(op) != op.bits || 
 // The down stage's args: its own group size (mixed-bit checkpoints).
 MoeArgs down_args(MoeArgs a, const MoeOperands& op) {
   a.group_size = down_group(op);
-  a.group_shift = 0;
-  while ((1u << a.group_shift) < a.group_size) ++a.group_shift;
+  a.group_shift = qmm_group_shift(a.group_size);
   return a;
 }
 
@@ -81,7 +80,7 @@ MoeArgs make_args(const MoeOperands& op, MoeRoute route, bool tensor_ops) {
   a.has_residual = op.residual.buffer != nullptr ? 1u : 0u;
   a.max_tiles32 = tb.t32;
   a.max_few = tb.few;
-  while ((1u << a.group_shift) < op.group_size) ++a.group_shift;  // 32, 64 or 128 (validated)
+  a.group_shift = qmm_group_shift(op.group_size);  // 32, 64 or 128 (validated)
   a.few_rows = few;
   a.mv_rows = moe_gate_up_rows(op.tokens);
   return a;

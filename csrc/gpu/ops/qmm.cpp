@@ -353,9 +353,7 @@ void encode_quantized_matmul(Encoder& enc, const QmmOperands& op) {
     if (op.norm_weight.buffer) flags |= kQmv1Norm;
     if (op.residual.buffer) flags |= kQmv1Residual;
     if (op.h_out.buffer) flags |= kQmv1Side;
-    uint32_t shift = 0;
-    while ((1u << shift) < op.group_size) ++shift;
-    Qmv1Args a{op.N, op.K, shift, flags, op.eps};
+    Qmv1Args a{op.N, op.K, qmm_group_shift(op.group_size), flags, op.eps};
     // qmv1 reads x, residual and norm_w in 16-byte loads (load8): their bindings must be aligned.
     for (const auto& [b, what] : {std::pair{&op.x, "x"}, std::pair{&op.residual, "residual"},
                                   std::pair{&op.norm_weight, "norm_weight"}})
@@ -434,9 +432,11 @@ bool qmv1_gated_supported(uint32_t N, uint32_t K, uint32_t Dv, uint32_t bits) {
 }
 
 bool qmv1_gated_allowed(const Qmv1GatedOperands& op) {
+  const QmmOperands& m = op.mm;
   const bool aligned = op.o.offset % 16 == 0 && op.z.offset % 16 == 0 && op.norm_weight.offset % 16 == 0;
-  const bool groups = op.group_size == 32 || op.group_size == 64 || op.group_size == 128;
-  return qmv1_gated_supported(op.N, op.K, op.Dv, op.bits) && aligned && groups && op.K % op.group_size == 0;
+  const bool groups = m.group_size == 32 || m.group_size == 64 || m.group_size == 128;
+  return qmv1_gated_supported(m.N, m.K, op.Dv, m.bits) && aligned && groups && m.K % m.group_size == 0 &&
+         m.blocks.empty();
 }
 
 KernelId qmv1_gated_kernel(uint32_t bits, DType x_dtype, DType scale_dtype, uint32_t rows) {
@@ -452,13 +452,14 @@ KernelId qmv1_gated_kernel(uint32_t bits, DType x_dtype, DType scale_dtype, uint
 }
 
 void encode_qmv1_gated(Encoder& enc, const Qmv1GatedOperands& op) {
-  auto fail = [](const std::string& m) { throw std::invalid_argument("qmv1_gated: " + m); };
+  const QmmOperands& m = op.mm;
+  auto fail = [](const std::string& msg) { throw std::invalid_argument("qmv1_gated: " + msg); };
   if (!qmv1_gated_allowed(op))
-    fail("not built for N=" + std::to_string(op.N) + " K=" + std::to_string(op.K) + " Dv=" + std::to_string(op.Dv) +
-         " at " + std::to_string(op.bits) + " bits, group " + std::to_string(op.group_size) +
-         " (or o, z, norm_weight not 16-byte aligned); see qmv1_gated_allowed");
+    fail("not built for N=" + std::to_string(m.N) + " K=" + std::to_string(m.K) + " Dv=" + std::to_string(op.Dv) +
+         " at " + std::to_string(m.bits) + " bits, group " + std::to_string(m.group_size) +
+         " (or o, z, norm_weight not 16-byte aligned, or the weight in blocks); see qmv1_gated_allowed");
   if (!(op.eps > 0.0f)) fail("eps must be > 0");
-  const uint64_t xe = dtype_size(op.x_dtype), se = dtype_size(op.scale_dtype), groups = op.K / op.group_size;
+  const uint64_t xe = dtype_size(m.x_dtype), se = dtype_size(m.scale_dtype), groups = m.K / m.group_size;
   auto range = [&](Binding b, uint64_t bytes, const char* what) {
     if (b.buffer == nullptr) fail(std::string(what) + " not bound");
     if (b.bytes < bytes)
@@ -466,21 +467,19 @@ void encode_qmv1_gated(Encoder& enc, const Qmv1GatedOperands& op) {
     b.bytes = bytes;
     return b;
   };
-  uint32_t shift = 0;
-  while ((1u << shift) < op.group_size) ++shift;
-  const uint32_t rows = qmv1_rows(op.N, op.K, op.bits);
-  Qmv1GatedArgs a{op.N, op.K, shift, op.Dv, op.Dv / qmv1_lane_codes(op.bits), op.eps};
-  enc.set_kernel(qmv1_gated_kernel(op.bits, op.x_dtype, op.scale_dtype, rows));
+  const uint32_t rows = qmv1_rows(m.N, m.K, m.bits);
+  Qmv1GatedArgs a{m.N, m.K, qmm_group_shift(m.group_size), op.Dv, op.Dv / qmv1_lane_codes(m.bits), op.eps};
+  enc.set_kernel(qmv1_gated_kernel(m.bits, m.x_dtype, m.scale_dtype, rows));
   enc.set_args(a);
-  enc.set_buffer(1, range(op.o, uint64_t(op.K) * 4, "o"));
-  enc.set_buffer(2, range(op.w, uint64_t(op.N) * op.K * op.bits / 8, "w"));
-  enc.set_buffer(3, range(op.scales, uint64_t(op.N) * groups * se, "scales"));
-  enc.set_buffer(4, range(op.biases, uint64_t(op.N) * groups * se, "biases"));
-  enc.set_buffer(5, range(op.y, uint64_t(op.N) * xe, "y"));
-  enc.set_buffer(6, range(op.z, uint64_t(op.K) * xe, "z"));
+  enc.set_buffer(1, range(op.o, uint64_t(m.K) * 4, "o"));
+  enc.set_buffer(2, range(m.w, uint64_t(m.N) * m.K * m.bits / 8, "w"));
+  enc.set_buffer(3, range(m.scales, uint64_t(m.N) * groups * se, "scales"));
+  enc.set_buffer(4, range(m.biases, uint64_t(m.N) * groups * se, "biases"));
+  enc.set_buffer(5, range(m.y, uint64_t(m.N) * xe, "y"));
+  enc.set_buffer(6, range(op.z, uint64_t(m.K) * xe, "z"));
   enc.set_buffer(7, range(op.norm_weight, uint64_t(op.Dv) * 4, "norm_weight"));
-  enc.dispatch({ceil_div(op.N, rows), 1, 1}, {32 * qmv1_splits(op.N, op.K, op.bits), 1, 1});
-  const QmmFlops f = qmm_flops(1, op.N, op.K, op.bits);
+  enc.dispatch({ceil_div(m.N, rows), 1, 1}, {32 * qmv1_splits(m.N, m.K, m.bits), 1, 1});
+  const QmmFlops f = qmm_flops(1, m.N, m.K, m.bits);
   enc.add_flops(f.executed, f.useful);
 }
 

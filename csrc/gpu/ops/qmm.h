@@ -24,6 +24,12 @@ enum class QmmRoute : uint8_t {
 // Widths other than 4 and 8 (2, 3, 5, 6) take qmm's fp32 tiles for M > kQmvMaxRows: the bf16 and
 // tensor-op tiles are built for 4 and 8 bits only.
 QmmRoute qmm_route(uint32_t M, uint32_t bits = 4, bool tensor_ops = false, bool bf16_tiles = true);
+// log2 of a group size (32, 64, 128: a power of two), the kernels' group_shift (no division).
+constexpr uint32_t qmm_group_shift(uint32_t group_size) {
+  uint32_t shift = 0;
+  while ((1u << shift) < group_size) ++shift;
+  return shift;
+}
 // Whether the kernels take this weight width (2, 3, 4, 5, 6, 8: MLX's affine widths; not 7).
 constexpr bool qmm_width_supported(uint32_t bits) { return bits >= 2 && bits <= 8 && bits != 7; }
 // Codes per lane of one qmv1 / MoE-matvec block (common/quant.h Qmv1Codes::V): one 16-byte load
@@ -153,15 +159,12 @@ void encode_quantized_matmul(Encoder& enc, const QmmOperands& op);
 // norm_weight[j % Dv] * silu(z_j)), h = j / Dv: gd_chunk_norm's row (up to the order of the |o_h|^2
 // sum), without its level.
 struct Qmv1GatedOperands {
+  QmmOperands mm;       // the product (M = 1): w, scales, biases, y [N], N, K = Hv * Dv, bits,
+                        // group_size, x_dtype (the activations': z and y); its x is not read (o is)
   Binding o;            // float32 [K]: the delta rule's raw output (gated_delta_decode's o_raw)
-  Binding z;            // [K] of x_dtype: the gate
+  Binding z;            // [K] of mm.x_dtype: the gate
   Binding norm_weight;  // float32 [Dv]
-  Binding w, scales, biases;  // [N, K] at `bits`, MLX affine layout
-  Binding y;            // [N] of x_dtype
-  DType x_dtype = DType::f32;  // the activations' dtype (z and y)
-  DType scale_dtype = DType::f32;
-  uint32_t N = 0, K = 0, Dv = 0;
-  uint32_t bits = 4, group_size = 64;
+  uint32_t Dv = 0;
   float eps = 1e-6f;
 };
 // Whether qmv1_gated is built for this shape: 4 or 8 bits; Dv a power of two that is a multiple of
