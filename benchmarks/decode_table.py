@@ -267,6 +267,12 @@ def stand_in(kernel: str) -> str:
     return f"qmv1_b{m[1]}_x{m[3]}_s{m[2]}{m[4] or ''}" if m else kernel
 
 
+def stand_ins_used(kernels, frac: dict) -> str:
+    """'K as M, ...' for each kernel of `kernels` with no measured fraction of its own that is read
+    as its stand_in's; '' when none is."""
+    return ", ".join(sorted({f"{k} as {stand_in(k)}" for k in kernels if k not in frac and stand_in(k) in frac}))
+
+
 def attention_at(attn: dict, context: int) -> tuple[dict, int]:
     """The attention fractions measured at the context nearest to `context` (in log2), and that context."""
     import math
@@ -294,9 +300,11 @@ def estimate(cfg, positions, sample, eta: float, t_level: float, t_min: float, a
     if not quiet and measured:
         what = "a device copy" if measured_by == "copy" else "a streaming read"
         ctxs = ", ".join(f"{attention_at(attn, p + 1)[1]}" for p in positions)
+        subs = stand_ins_used({d["kernel"] for d in step(cfg, positions[0], sample, quant, kv_dtype)[1]}, frac)
         print(f"\n### per-kernel eta = {eta} x min(1, fraction of {what} measured on {run}); the "
-              f"attention's at the measured context nearest each row's ({ctxs}); qmv1_gated (not measured) as "
-              f"qmv1 (stand_in); other kernels not measured keep {eta}")
+              f"attention's at the measured context nearest each row's ({ctxs}); "
+              f"{'not measured, read as the kernel whose code it shares (stand_in): ' + subs + '; ' if subs else ''}"
+              f"other kernels not measured keep {eta}")
     if not quiet:
         print(f"\n### estimate (a model, not a measurement): eta = {eta} of peak bandwidth, occupancy "
           f"min(1, simdgroups per core / {sat:g}), t_level = {t_level * 1e6:.1f} us per dependent "
@@ -464,10 +472,12 @@ def target_table(cfg, a) -> None:
             files.setdefault(json.load(f).get("kv_dtype"), []).append(path)
     kw = quiet_estimate_args(a)
     gpu = next(iter(GPUS))
-    cols = {}
+    cols, subs = {}, set()
     for kv, name in (("bfloat16", "bf16"), ("int8", "int8")):
         if kv not in files:
             continue
+        kernels = {d["kernel"] for d in step(cfg, TARGET_CONTEXTS[0], None, None, kv)[1]}
+        subs.add(stand_ins_used(kernels, measured_fractions(files[kv])[0]))
         for by in ("copy", "read"):
             res = estimate(cfg, TARGET_CONTEXTS, None, measured=files[kv], measured_by=by, kv_dtype=kv, **kw)
             cols[f"{name} KV, {by}"] = {c: t for g, c, t in res if g == gpu}
@@ -475,7 +485,8 @@ def target_table(cfg, a) -> None:
         near = ", ".join(f"{p + 1} from {attention_at(att, p + 1)[1]}" for p in TARGET_CONTEXTS)
         print(f"{name} KV: measured on {run}; the attention's fraction at the measured context nearest each ({near})")
     print(f"\n{gpu}, greedy decode, ESTIMATE with each kernel's measured fraction (a model, not a measurement; "
-          f"qmv1_gated, not measured, as qmv1; MLX-LM: published). Target: {LONG_TARGET}x MLX-LM.\n")
+          f"{''.join(f'not measured, read as its stand_in: {x}; ' for x in sorted(subs) if x)}MLX-LM: published). "
+          f"Target: {LONG_TARGET}x MLX-LM.\n")
     print("| context | " + " | ".join(f"est. {c}" for c in cols) + " | MLX-LM | target | "
           + " | ".join(f"{c} / MLX-LM" for c in cols) + " |")
     print("|---|" + "---|" * (2 * len(cols) + 2))

@@ -1,7 +1,9 @@
-// Mixture of experts, the matvec route (decode, T <= kMoeMvMaxTokens): moe_gate_up_mv selects
-// its token's experts from the router logits itself, once per threadgroup (common/moe.h), and
-// writes the token's routing (ids, weights) once; moe_down_mv reads it. No moe_route level: router logits (qmv1 / qmv,
-// qmm.metal) -> moe_gate_up_mv -> moe_down_mv.
+// Mixture of experts, the matvec route (decode, T <= kMoeMvMaxTokens). Below kMoeMvRouteMinTokens
+// tokens moe_gate_up_mv selects its token's experts from the router logits itself, once per
+// threadgroup (common/moe.h), and writes the token's routing (ids, weights) once: router logits
+// (qmv1 / qmv, qmm.metal) -> moe_gate_up_mv -> moe_down_mv. From there on a moe_route level
+// (moe_plan.metal) writes the routing first and gate/up reads it (MoeArgs::mv_routed). moe_down_mv
+// reads the routing either way.
 // Buffers of quantized matrices follow MLX's affine layout (common/quant.h): routed experts
 // stacked [E, N, K * bits / 32] with scales/biases [E, N, K / group_size], the shared expert's
 // [N, K * bits / 32]; the shared expert is one more slot (index E) with weight sigmoid(logit E).
@@ -78,7 +80,9 @@ inline void moe_gate_up_mv_blocks(const device T* xt, const device uint32_t* wg,
 //               simd_max / simd_min) into threadgroup memory; meanwhile the shared slot's
 //               simdgroups, which need no selection, run their loads; one barrier, then the
 //               routed slots read their expert. Threadgroup 0 of each token also writes ids [T, k]
-//               and weights [T, k + 1] (moe_down_mv's routing)
+//               and weights [T, k + 1] (moe_down_mv's routing). args.mv_routed (uniform): moe_route
+//               wrote them already; routed simdgroup j reads ids[t k + j], nothing selects, no
+//               barrier before the loads
 //   block:      B = 32 lanes x V codes (Qmv1Codes: V = 128 / bits, one 16-byte load per lane and
 //               row, at 4 and 8 bits; V = 32, `bits` words, at 2, 3, 5, 6);
 //               simdgroup s of a slot walks the K = H blocks s, s + splits, ...; per block the
@@ -128,7 +132,8 @@ template <typename T, typename S, int bits, int sbits>
     ag[r] = 0.0f;
     au[r] = 0.0f;
   }
-  if (simd_id == 0) {  // slot 0's first simdgroup selects for the threadgroup
+  const bool routed = args.mv_routed != 0;  // uniform: a moe_route level wrote ids already
+  if (!routed && simd_id == 0) {  // slot 0's first simdgroup selects for the threadgroup
     moe_select<T>(args, logits + t * (args.experts + 1), lane, sel_s, w_s);
     if (group_pos.x == 0 && lane == 0) {  // lane 0 reads back only what it wrote itself
       for (uint32_t i = 0; i < k; ++i) {
@@ -145,9 +150,9 @@ template <typename T, typename S, int bits, int sbits>
   if (shared)  // needs no selection: its loads go out while simdgroup 0 selects
     moe_gate_up_mv_blocks<T, S, sbits>(xt, sh_gate_w, sh_gate_s, sh_gate_b, sh_up_w, sh_up_s, sh_up_b, row, H,
                                        args.group_shift, K_end, splits, split, rows, lane, ag, au);
-  threadgroup_barrier(mem_flags::mem_threadgroup);  // sel_s
+  if (!routed) threadgroup_barrier(mem_flags::mem_threadgroup);  // sel_s (uniform branch)
   if (!shared) {
-    const uint32_t g = sel_s[j], wpr = H * bits / 32, gpr = H >> args.group_shift;
+    const uint32_t g = routed ? ids[t * k + j] : sel_s[j], wpr = H * bits / 32, gpr = H >> args.group_shift;
     moe_gate_up_mv_blocks<T, S, bits>(xt, gate_w + g * N * wpr, gate_s + g * N * gpr, gate_b + g * N * gpr,
                                       up_w + g * N * wpr, up_s + g * N * gpr, up_b + g * N * gpr, row, H,
                                       args.group_shift, K_end, splits, split, rows, lane, ag, au);

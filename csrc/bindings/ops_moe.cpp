@@ -48,6 +48,7 @@ void init_ops_moe(nb::module_& m) {
   m.attr("MOE_MV_ROWS") = static_cast<uint32_t>(kMoeMvRows);
   m.attr("MOE_GATE_UP_ROWS") = static_cast<uint32_t>(kMoeGateUpRows);
   m.attr("MOE_GATE_UP_ROWS_ONE") = static_cast<uint32_t>(kMoeGateUpRowsOne);
+  m.attr("MOE_MV_ROUTE_MIN_TOKENS") = gpu::ops::kMoeMvRouteMinTokens;
   m.attr("MOE_GATE_UP_MAX_SPLITS") = static_cast<uint32_t>(kMoeGateUpMaxSplits);
   m.attr("MOE_GATE_UP_MAX_SIMDS") = static_cast<uint32_t>(kMoeGateUpMaxSimds);
   m.attr("MOE_DOWN_MAX_SPLITS") = static_cast<uint32_t>(kMoeDownMaxSplits);

@@ -73,6 +73,8 @@ struct MoeArgs {
                           // (kMoeFewMaxRows, or kMoeFewMaxRowsM5 with tensor ops)
   uint32_t mv_rows;       // matvec route: rows of every slot per moe_gate_up_mv threadgroup
                           // (moe_gate_up_rows: kMoeGateUpRowsOne at T = 1, else kMoeGateUpRows)
+  uint32_t mv_routed;     // matvec route: 1 when a moe_route level wrote ids / weights before
+                          // moe_gate_up_mv (which then reads them), 0 when it selects itself
 };
 
 // First entry of each tile list in the plan buffer (rows <= 64 / <= 32 / <= few_rows).

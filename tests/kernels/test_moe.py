@@ -42,6 +42,7 @@ TILE16_MAX_ROWS = 16       # must match kMoeTile16MaxRows: 32-row-list tiles run
 MV_ROWS = 4                # kMoeMvRows: output rows per threadgroup of moe_down_mv
 GATE_UP_ROWS = 4           # kMoeGateUpRows: rows of every slot per threadgroup of moe_gate_up_mv
 GATE_UP_ROWS_ONE = 2       # kMoeGateUpRowsOne: its rows at one token (twice the threadgroups)
+ROUTE_MIN_TOKENS = 3       # kMoeMvRouteMinTokens: from here the mv route runs moe_route as a level
 GATE_UP_MAX_SPLITS = 4     # kMoeGateUpMaxSplits
 GATE_UP_MAX_SIMDS = 17     # kMoeGateUpMaxSimds: simdgroups of a gate/up threadgroup, (k + 1) x splits
 DOWN_MAX_SPLITS = 8        # kMoeDownMaxSplits
@@ -146,12 +147,19 @@ def test_route_constants_match_extension():
     assert core.ops.MOE_MV_ROWS == MV_ROWS
     assert core.ops.MOE_GATE_UP_ROWS == GATE_UP_ROWS
     assert core.ops.MOE_GATE_UP_ROWS_ONE == GATE_UP_ROWS_ONE
+    assert core.ops.MOE_MV_ROUTE_MIN_TOKENS == ROUTE_MIN_TOKENS
     assert core.ops.MOE_GATE_UP_MAX_SPLITS == GATE_UP_MAX_SPLITS
     assert core.ops.MOE_GATE_UP_MAX_SIMDS == GATE_UP_MAX_SIMDS
     assert core.ops.MOE_DOWN_MAX_SPLITS == DOWN_MAX_SPLITS
     assert ops.moe_route(MV_MAX_TOKENS, 8) == "mv"
     assert ops.moe_route(MV_MAX_TOKENS + 1, 8) == "tiled"
     assert ops.moe_route(4096, 8) == "tiled"
+
+
+def mv_route_kernels(T, x="xf32"):
+    """The mv route's moe_route level: from ROUTE_MIN_TOKENS tokens on, moe_route selects once per
+    token and gate/up reads its ids; below, each gate/up threadgroup selects for itself."""
+    return [] if T < ROUTE_MIN_TOKENS else ["moe_route" if x == "xf32" else "moe_route_xbf16"]
 
 
 def expected_route(T, k):
@@ -374,7 +382,8 @@ def mv_shapes(T, *, H, k, I, Is):
     gu = max(1, min(GATE_UP_MAX_SPLITS, -(-H // (32 * CODES)), GATE_UP_MAX_SIMDS // (k + 1)))
     dn = max(1, min(DOWN_MAX_SPLITS, -(-(k * (I // CODES) + Is // CODES) // 32)))
     rows = GATE_UP_ROWS_ONE if T == 1 else GATE_UP_ROWS
-    return [(-(-max(I, Is) // rows), T, 1, 32 * (k + 1) * gu), (-(-H // MV_ROWS), T, 1, 32 * dn)]
+    route = [(T, 1, 1, 32)] if mv_route_kernels(T) else []  # moe_route: one simdgroup per token
+    return route + [(-(-max(I, Is) // rows), T, 1, 32 * (k + 1) * gu), (-(-H // MV_ROWS), T, 1, 32 * dn)]
 
 
 # Both sides of every shape switch of the decode matvecs (odd expert counts, T = 1 and a few tokens):
@@ -405,17 +414,18 @@ def test_decode_matvec_shapes(rng, device, case, T):
     W, x_of = make_block(rng, E=c["E"], H=c["H"], I=c["I"], Is=c["Is"], gs=c["gs"])
     res = rng.standard_normal((T, c["H"])).astype(np.float32)
     _, ids, stats = check(rng, W, x_of(T, c["k"]), c["k"], residual=res, route="mv", device=device)
-    assert stats["kernels"][1:] == ["moe_gate_up_mv_b4_xf32_sbf16", "moe_down_mv_b4_xf32_sbf16"]
+    assert stats["kernels"][1:] == mv_route_kernels(T) + ["moe_gate_up_mv_b4_xf32_sbf16", "moe_down_mv_b4_xf32_sbf16"]
     assert stats["shapes"][1:] == mv_shapes(T, H=c["H"], k=c["k"], I=c["I"], Is=c["Is"]), case
 
 
+@pytest.mark.parametrize("T", [2, ROUTE_MIN_TOKENS])  # gate/up selecting itself | reading moe_route's ids
 @pytest.mark.parametrize("case", ["H1088-2splits-partial", "chunks258-8splits-loop", "Is-narrower-gs128"])
-def test_decode_matvec_thread_order(rng, case):
+def test_decode_matvec_thread_order(rng, case, T):
     """Split-K partial sums meet in threadgroup memory: every scheduling order (the adversarial
     'ahead' one included) gives bit-identical results."""
     c = MV_CASES[case]
     W, x_of = make_block(rng, E=c["E"], H=c["H"], I=c["I"], Is=c["Is"], gs=c["gs"])
-    x = x_of(2)
+    x = x_of(T)
     runs = [ops._moe(x, *ops.moe_weights(W), top_k=c["k"], order=o, seed=rng.seed)
             for o in ("forward", "reverse", "shuffle", "ahead")]
     assert runs[0][3]["route"] == "mv"
@@ -497,7 +507,8 @@ def test_decode_matvecs_real_shapes(rng, device, T):
 
 
 # ------------------------------------------------------------------------------ counters
-@pytest.mark.parametrize("T,route,dispatches,barriers", [(1, "mv", 3, 2), (MV_MAX_TOKENS, "mv", 3, 2),
+@pytest.mark.parametrize("T,route,dispatches,barriers", [(1, "mv", 3, 2), (ROUTE_MIN_TOKENS - 1, "mv", 3, 2),
+                                                         (ROUTE_MIN_TOKENS, "mv", 4, 3), (MV_MAX_TOKENS, "mv", 4, 3),
                                                          (MV_MAX_TOKENS + 1, "tiled", 10, 9), (257, "tiled", 10, 9)])
 def test_dispatches_per_block_and_no_host_sync(rng, T, route, dispatches, barriers):
     W, x_of = make_block(rng, E=9, H=64, I=32, gs=32)
@@ -519,10 +530,11 @@ def test_dispatches_per_block_and_no_host_sync(rng, T, route, dispatches, barrie
     assert stats["host_syncs"] == 0  # no commit / wait inside the block: nothing read back
     assert stats["kernels"][0] == ("qmv1_b8_xf32_sbf16_r1" if T == 1 else "qmv_b8_xf32_sbf16" if route == "mv"
                                    else "qmm_b8_xf32_sbf16")
-    # mv: the expert kernels select the experts from the logits themselves (no moe_route level)
-    assert stats["kernels"][1] == ("moe_gate_up_mv_b4_xf32_sbf16" if route == "mv" else "moe_route")
+    # mv: below ROUTE_MIN_TOKENS gate/up selects the experts from the logits itself (no moe_route level)
     if route == "mv":
-        assert stats["kernels"][1:] == ["moe_gate_up_mv_b4_xf32_sbf16", "moe_down_mv_b4_xf32_sbf16"]
+        assert stats["kernels"][1:] == mv_route_kernels(T) + ["moe_gate_up_mv_b4_xf32_sbf16", "moe_down_mv_b4_xf32_sbf16"]
+    else:
+        assert stats["kernels"][1] == "moe_route"
 
 
 @pytest.mark.parametrize("T", [3, 40])
@@ -631,8 +643,9 @@ def test_bf16_activations(rng, T):
     res = rng.standard_normal((T, H)).astype(np.float32).astype(BF16)
     out, ids, weights, stats = ops._moe(x, *ops.moe_weights(W), top_k=k, residual=res, seed=rng.seed)
     assert out.dtype == BF16 and out.shape == (T, H)
-    # mv: the expert kernels select the experts from the bf16 logits themselves (no route dispatch)
-    want_kernels = ({"moe_gate_up_mv_b4_xbf16_sbf16", "moe_down_mv_b4_xbf16_sbf16"} if T <= 8 else
+    # mv: gate/up selects the experts from the bf16 logits itself, or (from ROUTE_MIN_TOKENS) moe_route does
+    want_kernels = ({"moe_gate_up_mv_b4_xbf16_sbf16", "moe_down_mv_b4_xbf16_sbf16", *mv_route_kernels(T, "xbf16")}
+                    if T <= 8 else
                     {"moe_route_xbf16", "moe_gate_up_bf16_64_b4_xbf16_sbf16", "moe_gate_up_bf16_32_b4_xbf16_sbf16",
                      "moe_gate_up_few_b4_xbf16_sbf16", "moe_down_bf16_64_b4_sbf16", "moe_down_bf16_32_b4_sbf16",
                      "moe_combine_xbf16"})

@@ -83,6 +83,7 @@ MoeArgs make_args(const MoeOperands& op, MoeRoute route, bool tensor_ops) {
   a.group_shift = qmm_group_shift(op.group_size);  // 32, 64 or 128 (validated)
   a.few_rows = few;
   a.mv_rows = moe_gate_up_rows(op.tokens);
+  a.mv_routed = route == MoeRoute::mv && moe_mv_route_level(op.tokens) ? 1u : 0u;
   return a;
 }
 
@@ -128,6 +129,8 @@ std::string moe_shared_widths_text() {
   for (auto [b, s] : moe_shared_widths()) t += (t.empty() ? "" : ", ") + std::to_string(b) + "/" + std::to_string(s);
   return t;
 }
+
+bool moe_mv_route_level(uint32_t tokens) { return tokens >= kMoeMvRouteMinTokens; }
 
 const char* moe_route_name(MoeRoute r) { return r == MoeRoute::mv ? "mv" : "tiled"; }
 
@@ -372,11 +375,24 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
     enc.set_buffer(15, range(op.scratch.h, sb.h, "scratch.h"));
   };
 
+  // softmax, top-k, renormalise, shared gate: one simdgroup per token (tiled route; the mv route
+  // when a.mv_routed)
+  auto encode_route = [&] {
+    enc.set_kernel(xb ? KernelId::moe_route_xbf16 : KernelId::moe_route);
+    enc.set_args(a);
+    enc.set_buffer(1, range(op.scratch.logits, sb.logits, "scratch.logits"));
+    enc.set_buffer(2, range(op.scratch.ids, sb.ids, "scratch.ids"));
+    enc.set_buffer(3, range(op.scratch.weights, sb.weights, "scratch.weights"));
+    enc.dispatch({T, 1, 1}, {32, 1, 1});
+    enc.barrier();  // ids, weights -> gate/up (mv) or the plan (tiled)
+  };
+
   if (route == MoeRoute::mv) {
     // The mv kernels read x and h in 16-byte loads (moe_load_act): aligned bindings.
     if (op.x.offset % 16 != 0 || op.scratch.h.offset % 16 != 0)
       throw EncodeError("moe (mv route): x at byte offset " + std::to_string(op.x.offset) + " and scratch.h at " +
                         std::to_string(op.scratch.h.offset) + " must be multiples of 16 (16-byte loads)");
+    if (a.mv_routed) encode_route();
     // 2. gate + up + SwiGLU of the selected experts and the shared expert, every slot of a token
     // in one threadgroup; each threadgroup selects its token's experts from the logits itself (no
     // route level), and one simdgroup per token writes the routing (ids, weights) for down
@@ -408,14 +424,8 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
     return;
   }
 
-  // 2. softmax, top-k, renormalise, shared gate
-  enc.set_kernel(xb ? KernelId::moe_route_xbf16 : KernelId::moe_route);
-  enc.set_args(a);
-  enc.set_buffer(1, range(op.scratch.logits, sb.logits, "scratch.logits"));
-  enc.set_buffer(2, range(op.scratch.ids, sb.ids, "scratch.ids"));
-  enc.set_buffer(3, range(op.scratch.weights, sb.weights, "scratch.weights"));
-  enc.dispatch({T, 1, 1}, {32, 1, 1});
-  enc.barrier();  // ids, weights -> plan
+  // 2. the route
+  encode_route();
 
   const MoeTileBounds tb = moe_tile_bounds(T, k, E, a.few_rows);
   // 3. plan: counts, offsets, tiles by load, permutation (one threadgroup)

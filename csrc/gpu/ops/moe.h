@@ -41,6 +41,15 @@ struct MoeMvShape {
 // threadgroup's loads to hide behind; 2 rows give 256 (docs/gpu-decode-ab.md: the 40-layer step
 // 2,887 -> 2,645 us on an H100). From two tokens on, 4 rows (fewer selections) are faster.
 uint32_t moe_gate_up_rows(uint32_t tokens);
+// Whether the mv route runs moe_route as a level of its own between the router and
+// moe_gate_up_mv (MoeArgs::mv_routed: gate/up then reads the ids and selects nothing): 4
+// dispatches and 3 barriers instead of 3 and 2. From kMoeMvRouteMinTokens tokens on: gate/up then
+// has more threadgroups than one wave of an H100, and each wave would wait on its own selection
+// (about 5 us of serial simdgroup work); below, one selection inside gate/up, hidden behind the
+// shared slot's loads, costs less than the level (docs/gpu-decode-ab.md: the 40-layer step at
+// B = 1 2,732 -> 2,791 us with the level, at B = 8 10,252 -> 9,670 us).
+constexpr uint32_t kMoeMvRouteMinTokens = 3;
+bool moe_mv_route_level(uint32_t tokens);
 // shared_bits: the shared slot's width in moe_down_mv (its chunks hold Qmv1Codes<shared_bits>::V
 // codes); 0: bits.
 MoeMvShape moe_mv_shape(uint32_t H, uint32_t top_k, uint32_t I, uint32_t Is, uint32_t bits, uint32_t shared_bits = 0);
