@@ -109,10 +109,39 @@ template <typename T, typename S, int bits, typename Y = T>
 
 // ---------------------------------------------------------------------------------------------
 // qmv1's pieces, shared with qmv1_gated (inlined: acc and row stay compile-time indexed).
-// The R rows' share of a lane's block: acc[r] += s * (codes . xs) + b * xsum. Rows in batches of
-// RB: every row's codes, scale and bias of the batch are loaded before any dot product, so RB
-// independent 16-byte loads per lane are in flight (compilers keep a load next to its use
-// otherwise: the H200's qmv1_*_r16 had one in flight, docs/gpu.md). wk: w at the lane's first code.
+// One batch of RB rows of a lane's block: every row's codes, scale and bias loaded
+// (qmv1_batch_load) before any dot product (qmv1_batch_accumulate: acc[r] += s * (codes . xs) +
+// b * xsum), so RB independent 16-byte
+// loads per lane are in flight (compilers keep a load next to its use otherwise: the H200's
+// qmv1_*_r16 had one in flight, docs/gpu.md). wk: w at the lane's first code; g: its group.
+template <int bits, uint32_t RB, typename S>
+struct Qmv1RowBatch {
+  typename Qmv1Codes<bits>::Words wv[RB];
+  float sc[RB], bi[RB];
+};
+
+template <int bits, uint32_t RB, typename S>
+inline void qmv1_batch_load(thread Qmv1RowBatch<bits, RB, S>& b, thread const uint32_t* row,
+                            const device uint32_t* wk, const device S* scales, const device S* biases,
+                            uint32_t words_per_row, uint32_t groups_per_row, uint32_t g) {
+  LILY_UNROLL
+  for (uint32_t r = 0; r < RB; ++r) {
+    b.wv[r] = Qmv1Codes<bits>::load(wk + row[r] * words_per_row);
+    b.sc[r] = float(scales[row[r] * groups_per_row + g]);
+    b.bi[r] = float(biases[row[r] * groups_per_row + g]);
+  }
+}
+
+template <int bits, uint32_t RB, typename S>
+inline void qmv1_batch_accumulate(thread const Qmv1RowBatch<bits, RB, S>& b, thread const float* xs, float xsum,
+                                  thread float* acc) {
+  float dr[RB];
+  Qmv1Codes<bits>::template dot_rows<RB>(b.wv, xs, dr);
+  LILY_UNROLL
+  for (uint32_t r = 0; r < RB; ++r) acc[r] = fma(b.sc[r], dr[r], fma(b.bi[r], xsum, acc[r]));
+}
+
+// The R rows' share of a lane's block, in batches of kQmv1LoadBatch rows (Qmv1RowBatch).
 template <int bits, uint32_t R, typename S>
 inline void qmv1_block_rows(thread const float* xs, float xsum, thread const uint32_t* row, const device uint32_t* wk,
                             const device S* scales, const device S* biases, uint32_t words_per_row,
@@ -120,18 +149,9 @@ inline void qmv1_block_rows(thread const float* xs, float xsum, thread const uin
   constexpr uint32_t RB = R < kQmv1LoadBatch ? R : kQmv1LoadBatch;
   LILY_UNROLL
   for (uint32_t r0 = 0; r0 < R; r0 += RB) {
-    typename Qmv1Codes<bits>::Words wv[RB];
-    float sc[RB], bi[RB];
-    LILY_UNROLL
-    for (uint32_t r = 0; r < RB; ++r) {
-      wv[r] = Qmv1Codes<bits>::load(wk + row[r0 + r] * words_per_row);
-      sc[r] = float(scales[row[r0 + r] * groups_per_row + g]);
-      bi[r] = float(biases[row[r0 + r] * groups_per_row + g]);
-    }
-    float dr[RB];
-    Qmv1Codes<bits>::template dot_rows<RB>(wv, xs, dr);
-    LILY_UNROLL
-    for (uint32_t r = 0; r < RB; ++r) acc[r0 + r] = fma(sc[r], dr[r], fma(bi[r], xsum, acc[r0 + r]));
+    Qmv1RowBatch<bits, RB, S> b;
+    qmv1_batch_load(b, row + r0, wk, scales, biases, words_per_row, groups_per_row, g);
+    qmv1_batch_accumulate(b, xs, xsum, acc + r0);
   }
 }
 
@@ -267,8 +287,9 @@ template <typename T, typename S, int bits, typename Y = T, uint32_t R = kQmv1Ro
 //              <= 32; a block starts on a head boundary, 32 V being a multiple of Dv), so |o_h|^2 is
 //              the lane's sum of squares reduced over the head's head_lanes lanes: log2(head_lanes)
 //              xor shuffles, in uniform control flow (lanes past K add 0; a head's lanes are all
-//              inside K or all past it). o and z are loaded together before the shuffles, norm_w
-//              after (16-byte loads); the gated value is rounded to Y and pre-scaled as qmv1's x.
+//              inside K or all past it). The R rows' codes, scales and biases are loaded first
+//              (one Qmv1RowBatch), then o and z, before the shuffles, norm_w after (16-byte loads);
+//              the gated value is rounded to Y and pre-scaled as qmv1's x.
 //   buffers:   1 o [K] float, 2 w, 3 scales, 4 biases, 5 y [N] Y, 6 z [K] Y, 7 norm_w [Dv] float
 //              (o, z and norm_w 16-byte aligned: the host checks).
 template <typename S, int bits, typename Y, uint32_t R>
@@ -282,6 +303,7 @@ template <typename S, int bits, typename Y, uint32_t R>
                            const device float* norm_w [[buffer(7)]],
                            LILY_KERNEL_TAIL) {
   static_assert(R == kQmv1Rows || R == 1, "qmv1_gated is instantiated for 8 or 1 rows");
+  static_assert(R <= kQmv1LoadBatch, "qmv1_gated loads its rows in one batch");
   constexpr uint32_t V = Qmv1Codes<bits>::V;
   constexpr uint32_t B = 32 * V;
   LILY_TG_ARRAY(float, red, [kQmv1MaxSplits * (R + 1)]);
@@ -302,7 +324,12 @@ template <typename S, int bits, typename Y, uint32_t R>
     const bool live = k < K;
     float xs[V], zs[V];  // o, then x; z (loaded with o: one round trip before the shuffles)
     float ss = 0.0f;
+    // The R rows' weights first: their loads go out before the norm's loads, shuffles and
+    // sigmoids, not after them (all R rows in one batch: R <= kQmv1LoadBatch)
+    Qmv1RowBatch<bits, R, S> rows;
     if (live) {
+      qmv1_batch_load(rows, row, w + k * bits / 32, scales, biases, words_per_row, groups_per_row,
+                      k >> args.group_shift);
       for (uint32_t c = 0; c < V; c += 8) {
         load8(o + k + c, xs + c);
         load8(z + k + c, zs + c);
@@ -323,8 +350,7 @@ template <typename S, int bits, typename Y, uint32_t R>
           xs[c + i] = xv * Qmv1Codes<bits>::scale_of(c + i);
         }
       }
-      qmv1_block_rows<bits, R>(xs, xsum, row, w + k * bits / 32, scales, biases, words_per_row, groups_per_row,
-                               k >> args.group_shift, acc);
+      qmv1_batch_accumulate(rows, xs, xsum, acc);
     }
   }
   qmv1_reduce_store<R>(acc, 0.0f, args.N, n0, red, y, lane, simd_id, splits, thread_pos.x, 0.0f, 0.0f);
