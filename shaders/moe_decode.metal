@@ -212,8 +212,9 @@ inline void moe_down_mv_chunk(const device float* hp, float wj, const device uin
 // the threadgroup's simdgroups.
 //   grid:       (ceil(H / kMoeMvRows), T) threadgroups of 32 * splits threads,
 //               splits = min(kMoeDownMaxSplits, ceil(C / 32)), C = K' / V chunks (host)
-//   routing:    read from ids [T, k] and weights [T, k + 1], which moe_gate_up_mv wrote (the
-//               barrier between the two is h's): no selection and no barrier before the loads
+//   routing:    read from ids [T, k] and weights [T, k + 1], which moe_gate_up_mv (or, from
+//               kMoeMvRouteMinTokens tokens on, moe_route) wrote before the barrier that h needs:
+//               no selection and no barrier before the loads
 //   chunk:      V codes (one 16-byte load per row) of one slot: chunk c < k I / V is slot
 //               c / (I / V) (one division per chunk, outside the row loop), the rest the shared
 //               slot. Lane l of simdgroup s takes chunks s * 32 + l, + 32 splits, ...: every lane

@@ -1,4 +1,5 @@
-// Mixture of experts, the tiled routes' routing: router top-k (moe_route), the routing plan
+// Mixture of experts, the routing: router top-k (moe_route: the tiled route, and the matvec route
+// from kMoeMvRouteMinTokens tokens on), the tiled route's plan
 // (moe_plan) and the combine of the expert outputs (moe_combine). The expert kernels: the decode
 // matvecs in moe_decode.metal, the prefill tiles in moe_prefill.metal and moe_prefill_bf16.metal
 // (M5: m5/moe_m5.metal); shared selection code in common/moe.h. Host: csrc/gpu/ops/moe.cpp
@@ -7,8 +8,10 @@
 //
 // The block, per route (T tokens, k of E experts, args MoeArgs in common/args_moe.h):
 //   matvec (T <= kMoeMvMaxTokens):  router logits (qmv1 / qmv, qmm.metal) -> moe_gate_up_mv ->
-//                                   moe_down_mv (3 dispatches; both select the experts from the
-//                                   logits themselves, moe_select, no moe_route level:
+//                                   moe_down_mv (3 dispatches; gate/up selects the experts from
+//                                   the logits itself, moe_select, and writes the routing down
+//                                   reads), or from kMoeMvRouteMinTokens tokens on router logits
+//                                   -> moe_route -> moe_gate_up_mv -> moe_down_mv (4 dispatches;
 //                                   moe_decode.metal)
 //   tiled (T > kMoeMvMaxTokens):     router logits (qmm) -> moe_route -> moe_plan ->
 //                                   moe_gate_up_{mm64, mm32, few} -> moe_down_{mm64, mm32, few}

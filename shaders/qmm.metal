@@ -111,17 +111,17 @@ template <typename T, typename S, int bits, typename Y = T>
 // qmv1's pieces, shared with qmv1_gated (inlined: acc and row stay compile-time indexed).
 // One batch of RB rows of a lane's block: every row's codes, scale and bias loaded
 // (qmv1_batch_load) before any dot product (qmv1_batch_accumulate: acc[r] += s * (codes . xs) +
-// b * xsum), so RB independent 16-byte
-// loads per lane are in flight (compilers keep a load next to its use otherwise: the H200's
-// qmv1_*_r16 had one in flight, docs/gpu.md). wk: w at the lane's first code; g: its group.
-template <int bits, uint32_t RB, typename S>
+// b * xsum), so RB independent 16-byte loads per lane are in flight (compilers keep a load next
+// to its use otherwise: the H200's qmv1_*_r16 had one in flight, docs/gpu.md). wk: w at the
+// lane's first code; g: its group.
+template <int bits, uint32_t RB>
 struct Qmv1RowBatch {
   typename Qmv1Codes<bits>::Words wv[RB];
   float sc[RB], bi[RB];
 };
 
 template <int bits, uint32_t RB, typename S>
-inline void qmv1_batch_load(thread Qmv1RowBatch<bits, RB, S>& b, thread const uint32_t* row,
+inline void qmv1_batch_load(thread Qmv1RowBatch<bits, RB>& b, thread const uint32_t* row,
                             const device uint32_t* wk, const device S* scales, const device S* biases,
                             uint32_t words_per_row, uint32_t groups_per_row, uint32_t g) {
   LILY_UNROLL
@@ -132,8 +132,8 @@ inline void qmv1_batch_load(thread Qmv1RowBatch<bits, RB, S>& b, thread const ui
   }
 }
 
-template <int bits, uint32_t RB, typename S>
-inline void qmv1_batch_accumulate(thread const Qmv1RowBatch<bits, RB, S>& b, thread const float* xs, float xsum,
+template <int bits, uint32_t RB>
+inline void qmv1_batch_accumulate(thread const Qmv1RowBatch<bits, RB>& b, thread const float* xs, float xsum,
                                   thread float* acc) {
   float dr[RB];
   Qmv1Codes<bits>::template dot_rows<RB>(b.wv, xs, dr);
@@ -149,7 +149,7 @@ inline void qmv1_block_rows(thread const float* xs, float xsum, thread const uin
   constexpr uint32_t RB = R < kQmv1LoadBatch ? R : kQmv1LoadBatch;
   LILY_UNROLL
   for (uint32_t r0 = 0; r0 < R; r0 += RB) {
-    Qmv1RowBatch<bits, RB, S> b;
+    Qmv1RowBatch<bits, RB> b;
     qmv1_batch_load(b, row + r0, wk, scales, biases, words_per_row, groups_per_row, g);
     qmv1_batch_accumulate(b, xs, xsum, acc + r0);
   }
@@ -326,7 +326,7 @@ template <typename S, int bits, typename Y, uint32_t R>
     float ss = 0.0f;
     // The R rows' weights first: their loads go out before the norm's loads, shuffles and
     // sigmoids, not after them (all R rows in one batch: R <= kQmv1LoadBatch)
-    Qmv1RowBatch<bits, R, S> rows;
+    Qmv1RowBatch<bits, R> rows;
     if (live) {
       qmv1_batch_load(rows, row, w + k * bits / 32, scales, biases, words_per_row, groups_per_row,
                       k >> args.group_shift);

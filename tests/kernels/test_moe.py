@@ -459,7 +459,7 @@ def _random_quant(rng, shape, gs):
     return QuantLinear(w, s.astype(BF16), b.astype(BF16), 4, gs)
 
 
-@pytest.mark.parametrize("T", [1, 2])
+@pytest.mark.parametrize("T", [1, 2, ROUTE_MIN_TOKENS])  # gate/up selecting itself at 1 and 2
 def test_decode_matvecs_real_shapes(rng, device, T):
     """The real model's MoE block (hidden 2048, 256 experts of intermediate 512, top-8, shared
     expert 512, group 64): routing, output and weights against the float64 reference (only the
@@ -650,6 +650,7 @@ def test_bf16_activations(rng, T):
                      "moe_gate_up_few_b4_xbf16_sbf16", "moe_down_bf16_64_b4_sbf16", "moe_down_bf16_32_b4_sbf16",
                      "moe_combine_xbf16"})
     assert want_kernels <= set(stats["kernels"]), stats["kernels"]
+    assert ("moe_route_xbf16" in stats["kernels"]) == (T >= ROUTE_MIN_TOKENS), stats["kernels"]
     # the router's qmv/qmm reads bf16 x (T = 1: qmv1 with 1 row per threadgroup, E + 1 = 8 rows)
     assert stats["kernels"][0] == ("qmv1_b8_xbf16_sbf16_r1" if T == 1 else
                                    "qmv_b8_xbf16_sbf16" if T <= 8 else "qmm_b8_xbf16_sbf16"), stats["kernels"]

@@ -185,11 +185,15 @@ def _expected_counts(cfg, tokens: int, position: int = 0, logits: bool = True,
     qmv1_gated, where that is built for the shape (`out_bits`: out_proj's width), else 4 / 3, the
     norm a dispatch of its own: MSL 3.1 orders nothing between threadgroups); attention 4 / 3, plus one dispatch
     and one barrier when decode attention takes two passes (the vec route of head_dim 64 / 128 /
-    256 at every length; other head dims beyond 256 keys). MoE: mv route (tokens <= 8; the expert
-    kernels select the experts themselves, no route dispatch) 3 / 2, tiled 10 / 9 (the three tile kinds of a stage one after another). `cfg` is a ModelConfig."""
+    256 at every length; other head dims beyond 256 keys). MoE: mv route (tokens <= 8; below
+    3 tokens gate/up selects the experts itself, no route dispatch) 3 / 2, from 3 tokens on a
+    moe_route dispatch first 4 / 3, tiled 10 / 9 (the three tile kinds of a stage one after another). `cfg` is a ModelConfig."""
     from lily_py.backends.engine import _core
     from lily_py.ops import attention_decode_route, gated_delta_route, moe_route
-    moe, moe_barriers = (3, 2) if moe_route(tokens, cfg.num_experts_per_tok) == "mv" else (10, 9)
+    if moe_route(tokens, cfg.num_experts_per_tok) == "mv":
+        moe, moe_barriers = (4, 3) if tokens >= _core().ops.MOE_MV_ROUTE_MIN_TOKENS else (3, 2)
+    else:
+        moe, moe_barriers = 10, 9
     chunked = gated_delta_route(tokens, cfg.linear_key_head_dim, cfg.linear_value_head_dim) == "chunked"
     two_pass = tokens == 1 and attention_decode_route(position + 1, cfg.head_dim)["route"] != "single"
     norms = 0 if tokens == 1 else 2  # separate norm dispatches per layer
@@ -249,7 +253,7 @@ def _attention_decode_padding_flops(cfg, position: int) -> int:
     return layers * 4 * cfg.head_dim * cfg.num_attention_heads * pad
 
 
-@pytest.mark.parametrize("tokens", [1, 11])
+@pytest.mark.parametrize("tokens", [1, 5, 11])  # 5: the MoE mv route with its moe_route level
 def test_step_counters(attn_ckpt, rng, tokens):
     m = lily_py.load(attn_ckpt, backend=ENGINE, context_length=64)
     m.prefill(rng.integers(0, 320, size=tokens).tolist())

@@ -394,8 +394,9 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
                         std::to_string(op.scratch.h.offset) + " must be multiples of 16 (16-byte loads)");
     if (a.mv_routed) encode_route();
     // 2. gate + up + SwiGLU of the selected experts and the shared expert, every slot of a token
-    // in one threadgroup; each threadgroup selects its token's experts from the logits itself (no
-    // route level), and one simdgroup per token writes the routing (ids, weights) for down
+    // in one threadgroup. Below kMoeMvRouteMinTokens each threadgroup selects its token's experts
+    // from the logits itself and one simdgroup per token writes the routing (ids, weights) for
+    // down; from there on the route level above wrote it and gate/up reads the ids
     enc.set_kernel(width_kernel(xb ? WidthFamily::moe_gate_up_mv_xbf16 : WidthFamily::moe_gate_up_mv_xf32, op.bits, sb_gu));
     enc.set_args(a);
     enc.set_buffer(1, range(op.x, act, "x"));
@@ -406,9 +407,9 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
     const MoeMvShape sh = moe_mv_shape(H, k, I, Is, op.bits);
     enc.dispatch({ceil_div(a.h_stride, a.mv_rows), T, 1}, {32 * (k + 1) * sh.gate_up_splits, 1, 1});
     enc.add_flops(flops.gate_up_executed, flops.gate_up_useful);
-    enc.barrier();  // h, ids, weights -> down
+    enc.barrier();  // h (and, below kMoeMvRouteMinTokens, ids and weights) -> down
     // 3. down projection x routing weights, shared expert x gate, residual add (the routing as
-    // gate/up wrote it)
+    // gate/up or moe_route wrote it)
     enc.set_kernel(width_kernel(xb ? WidthFamily::moe_down_mv_xbf16 : WidthFamily::moe_down_mv_xf32, down_bits(op), sb_d));
     enc.set_args(ad);
     enc.set_buffer(1, range(op.scratch.ids, sb.ids, "scratch.ids"));

@@ -162,7 +162,8 @@ MoeScratchBytes moe_scratch_bytes(const MoeOperands& op);
 // Throws std::invalid_argument naming the bad operand.
 void validate(const MoeOperands& op);
 
-// Encodes the whole block (3 dispatches and 2 barriers on the mv route; 10 and 9 on the tiled
+// Encodes the whole block (3 dispatches and 2 barriers on the mv route, 4 and 3 from
+// kMoeMvRouteMinTokens tokens on; 10 and 9 on the tiled
 // route: the 64-row, 32-row and few-row kernels of one stage run side by side). Never commits, waits or reads device memory.
 // The tiled route's 64- and 32-row kinds take the M1-M4 bf16 simdgroup tiles (moe_gate_up_bf16 /
 // moe_down_bf16) when this holds and the device has no tensor ops: bf16 activations and 16-byte
