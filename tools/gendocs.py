@@ -22,6 +22,13 @@ from the repository root through bash with pipefail, with this Python's director
 per BLAS pool. They must be deterministic: counts, sizes, derived
 estimates; never timings, dates or anything measured on the machine that runs them. A command
 quoted by several blocks runs once.
+
+Error figures (max_rel, NMSE) depend on the order of float32 sums, and both NumPy's loops and its
+OpenBLAS pick kernels by the CPU: the same command printed other digits on an AVX2 machine than
+on an AVX-512 one. So every command runs with the kernels of one CPU level, x86-64-v3 (AVX2 and
+FMA, which every x86 CI machine has): OPENBLAS_CORETYPE=Haswell, and NumPy's AVX-512 dispatch
+turned off (NUMERICS_ENV). The NumPy version matters too (it ships the OpenBLAS): CI installs the
+one in .ci/constraints.txt.
 """
 from __future__ import annotations
 
@@ -44,9 +51,15 @@ def pages() -> list[str]:
     return sorted(glob.glob(os.path.join(ROOT, "docs", "*.md"))) + [os.path.join(ROOT, "README.md")]
 
 
+# One CPU level for every x86-64 machine (see the docstring). The pages are generated on x86-64;
+# on another architecture the error figures cannot match them digit for digit.
+NUMERICS_ENV = {"OPENBLAS_CORETYPE": "Haswell", "NPY_DISABLE_CPU_FEATURES": "X86_V4 AVX512_ICL AVX512_SPR"}
+
+
 def run(cmd: str, cache: dict[str, str]) -> str:
     if cmd not in cache:
         env = dict(os.environ, PYTHONHASHSEED="0", OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
+                   **NUMERICS_ENV,
                    PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
         # pipefail: a failing command (a test that fails, say) is an error even when piped into grep
         p = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], cwd=ROOT, env=env, capture_output=True,

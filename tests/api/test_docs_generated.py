@@ -44,3 +44,16 @@ def test_check_names_a_stale_block(tmp_path):
     assert gendocs.render(slow, {})[0] == new.replace("gen:", "gen slow:")
     assert gendocs.render(text, {}, slow_only=True) == (text, [])
     assert gendocs.render(slow, {}, slow_only=True)[0] == new.replace("gen:", "gen slow:")
+
+
+def test_commands_run_with_one_cpu_level_of_kernels():
+    """The error figures of the pages depend on which kernels NumPy and its OpenBLAS pick for the
+    CPU; gendocs holds them to x86-64-v3's on every x86 machine (tools/gendocs.py): OpenBLAS's
+    Haswell kernels, and no NumPy dispatch target above X86_V3 enabled, whatever the machine has
+    (a new target in a later NumPy fails here until NUMERICS_ENV names it)."""
+    sys.path.insert(0, os.path.dirname(GENDOCS))
+    import gendocs
+    probe = ("python -c \"import os, numpy; m = getattr(numpy, '_core', None) or numpy.core; "
+             "m = m._multiarray_umath; print(os.environ['OPENBLAS_CORETYPE'], "
+             "[t for t in m.__cpu_dispatch__ if m.__cpu_features__[t] and t != 'X86_V3'])\"")
+    assert gendocs.run(probe, {}) == "Haswell []\n"
