@@ -262,6 +262,38 @@ def test_bytes_touched_counts_routed_experts_and_touched_rows(attn_ckpt, activat
     assert not [n for n in ks if n.startswith(("conv1d", "gated_delta_x"))]   # decode: the conv is fused
 
 
+@pytest.mark.parametrize("tokens", [2, 3, 5])
+def test_moe_mv_bytes_on_both_gate_up_paths(attn_ckpt, tokens):
+    """The MoE mv route's bytes at a few tokens (float32 activations): below
+    MOE_MV_ROUTE_MIN_TOKENS moe_gate_up_mv reads the router logits and writes the routing (ids
+    and weights) itself; from there on a moe_route level reads the logits and writes the
+    routing, and gate/up reads the ids only (neither the logits nor the weights count for it)."""
+    from lily_py.backends.engine import _core, checkpoint_quant, engine_spec
+    m = lily_py.load(attn_ckpt, backend="reference")
+    cfg, quant = m.config, checkpoint_quant(m.weights)
+    eng = _core().Engine(engine_spec(cfg, quant, context_length=tokens, prefill_chunk=tokens,
+                                     activations="float32"), "count")
+    eng.count(tokens, 0, False)
+    ks = eng.count_kernels()
+    T, H, E, k, I = tokens, cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
+    L, shared, gs = cfg.num_hidden_layers, cfg.shared_expert_intermediate_size, quant["experts_q"]["group_size"]
+    matrix = lambda rows: rows * H // 2 + 2 * 2 * rows * (H // gs)   # noqa: E731  one [rows, H] 4-bit matrix
+    used = min(E, T * k)
+    x, logits, h = 4 * T * H, 4 * T * (E + 1), 4 * T * (k + 1) * max(I, shared)
+    ids, weights = 4 * T * k, 4 * T * (k + 1)
+    routed = T >= _core().ops.MOE_MV_ROUTE_MIN_TOKENS
+    gate_up = [v for n, v in ks.items() if n.startswith("moe_gate_up_mv")]
+    route = [v for n, v in ks.items() if n.startswith("moe_route")]
+    assert len(gate_up) == 1 and gate_up[0]["dispatches"] == L
+    weights_and_x = 2 * used * matrix(I) + 2 * matrix(shared) + x + h
+    if routed:
+        assert gate_up[0]["bytes_touched"] == L * (weights_and_x + ids)
+        assert len(route) == 1 and route[0]["bytes_touched"] == L * (logits + ids + weights)
+    else:
+        assert gate_up[0]["bytes_touched"] == L * (weights_and_x + logits + ids + weights)
+        assert not route
+
+
 def test_engine_refuses_unsupported_checkpoints(tiny_hf):
     with pytest.raises(lily_py.BackendError, match="not MLX-quantized"):
         lily_py.load(tiny_hf, backend=ENGINE, context_length=16)

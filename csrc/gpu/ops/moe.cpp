@@ -404,6 +404,10 @@ void encode_moe(Encoder& enc, const MoeOperands& op) {
     bind_gate_up();
     enc.set_buffer(16, range(op.scratch.ids, sb.ids, "scratch.ids"));
     enc.set_buffer(17, range(op.scratch.weights, sb.weights, "scratch.weights"));
+    if (a.mv_routed) {  // moe_route read the logits and wrote the weights: gate/up reads the ids only
+      enc.set_touched(2, 0);
+      enc.set_touched(17, 0);
+    }
     const MoeMvShape sh = moe_mv_shape(H, k, I, Is, op.bits);
     enc.dispatch({ceil_div(a.h_stride, a.mv_rows), T, 1}, {32 * (k + 1) * sh.gate_up_splits, 1, 1});
     enc.add_flops(flops.gate_up_executed, flops.gate_up_useful);
