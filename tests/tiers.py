@@ -77,9 +77,12 @@ FULL_TIER: dict[str, str] = {
     "tests/api/test_structured.py::test_json_schema_answers_validate_20_seeds_of_20[[]*": (
         "the done-when run, 20 seeds per backend (about 9 min, mostly the emulator); quick keeps "
         "3 reference seeds and 1 emu seed of the same schema"),
-    "tests/api/test_structured.py::test_forced_tool_calls_parse_20_seeds_of_20[[]*": (
-        "the done-when run for forced tool calls, 20 seeds per backend (minutes, mostly the "
-        "emulator); quick keeps 2 reference seeds (required, named after thinking)"),
+    "tests/api/test_structured.py::test_forced_tool_calls_parse_20_seeds_of_20": (
+        "the done-when run for forced tool calls, 20 seeds on the reference (80 s); quick keeps 2 "
+        "reference seeds (required, named after thinking)"),
+    "tests/api/test_structured.py::test_forced_tool_calls_parse_on_the_engine": (
+        "4 of those seeds on the emulator (about 4 min); quick keeps test_json_schema_answers_validate[emu-*], "
+        "the same masked sampling on the engine"),
     "tests/api/test_structured.py::test_forced_tool_call_on_the_engine": (
         "one short forced call on the emulator (about 90 s on 2 busy cores); quick keeps "
         "test_json_schema_answers_validate[emu-*], the same constrained path on the engine"),
