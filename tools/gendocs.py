@@ -25,10 +25,11 @@ quoted by several blocks runs once.
 
 Error figures (max_rel, NMSE) depend on the order of float32 sums, and both NumPy's loops and its
 OpenBLAS pick kernels by the CPU: the same command printed other digits on an AVX2 machine than
-on an AVX-512 one. So every command runs with the kernels of one CPU level, x86-64-v3 (AVX2 and
-FMA, which every x86 CI machine has): OPENBLAS_CORETYPE=Haswell, and NumPy's AVX-512 dispatch
-turned off (NUMERICS_ENV). The NumPy version matters too (it ships the OpenBLAS): CI installs the
-one in .ci/constraints.txt.
+on an AVX-512 one. So on x86-64 every command runs with the kernels of one CPU level, x86-64-v3
+(AVX2 and FMA, which every x86 CI machine has): OPENBLAS_CORETYPE=Haswell, and NumPy's AVX-512
+dispatch turned off (NUMERICS_ENV; `python tools/numerics_env.py` prints what a process gets).
+The NumPy version matters too (it ships the OpenBLAS): CI installs the one in
+.ci/constraints.txt.
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ import argparse
 import difflib
 import glob
 import os
+import platform
 import re
 import subprocess
 import sys
@@ -51,9 +53,11 @@ def pages() -> list[str]:
     return sorted(glob.glob(os.path.join(ROOT, "docs", "*.md"))) + [os.path.join(ROOT, "README.md")]
 
 
-# One CPU level for every x86-64 machine (see the docstring). The pages are generated on x86-64;
-# on another architecture the error figures cannot match them digit for digit.
-NUMERICS_ENV = {"OPENBLAS_CORETYPE": "Haswell", "NPY_DISABLE_CPU_FEATURES": "X86_V4 AVX512_ICL AVX512_SPR"}
+# One CPU level for every x86-64 machine (see the docstring; `python tools/numerics_env.py` prints
+# what a process gets). The pages are generated on x86-64; elsewhere the error figures cannot
+# match them digit for digit, and nothing is pinned.
+X86 = platform.machine().lower() in ("x86_64", "amd64")
+NUMERICS_ENV = {"OPENBLAS_CORETYPE": "Haswell", "NPY_DISABLE_CPU_FEATURES": "X86_V4 AVX512_ICL AVX512_SPR"} if X86 else {}
 
 
 def run(cmd: str, cache: dict[str, str]) -> str:

@@ -136,7 +136,8 @@ struct StepParams {
 };
 
 // Dispatch and barrier counts of one step are whatever the encoder counts (Encoder::counters);
-// tests compare them with a count derived from the config (tests/model/test_engine.py).
+// tests compare them with a count derived from the config (tests/model/step_plan.py; asserted in
+// tests/model/test_engine.py and tests/model/test_real_config_counts.py).
 void encode_prefill_chunk(Encoder& enc, const core::ModelSpec& spec, const ModelBuffers& m, const StepParams& p);
 void encode_decode_step(Encoder& enc, const core::ModelSpec& spec, const ModelBuffers& m, const StepParams& p);
 // The sampler alone over logits row `logits_row`, into the slot p.slot (token, chosen logit,

@@ -126,7 +126,8 @@ def test_forced_tool_calls_parse_and_validate(tool_choice, thinking):
 
 
 def test_forced_tool_call_on_the_engine():
-    """A short forced call on the emulator (the 20-seed run covers the long schema there)."""
+    """A short forced call on the emulator (test_forced_tool_calls_parse_on_the_engine runs the
+    long schema there)."""
     demo = _load("emu")
     pick = {"type": "object", "properties": {"c": {"enum": ["x", "y"]}}, "required": ["c"]}
     tools = [{"type": "function", "function": {"name": "go", "parameters": pick}}]
@@ -150,8 +151,9 @@ def test_forced_tool_calls_parse_20_seeds_of_20():
 @pytest.mark.slow
 def test_forced_tool_calls_parse_on_the_engine():
     """Four of those seeds on the emulator (2 required, 2 named after thinking): the engine's own
-    part, the masked sampling on the device and the switch from free thinking to the constrained
-    call, runs in each. All 20 there took 18 minutes of one core of a 2-core CI run."""
+    part runs in each, the masked sampling on the device, and in the two named ones the switch
+    from free thinking to the constrained call. All 20 there took 18 minutes of one core of a
+    2-core CI run."""
     check_forced_calls("emu", range(2), "required", False)
     check_forced_calls("emu", range(10, 12), NAMED, True)
 

@@ -335,20 +335,27 @@ def test_selection_with_exact_ties_at_every_rank(rng, device, E, top_k, T):
     assert_close(out[ok], want[ok], atol=bound[ok], rtol=0, what=what, seed=rng.seed)
 
 
-@pytest.mark.parametrize("E,top_k", [(256, 8), (77, 5), (5, 5), (256, 12)])
+@pytest.mark.parametrize("E,top_k", [(256, 8), (77, 5), (5, 5), (256, 12), (300, 8)])
 @pytest.mark.parametrize("T", [1, ROUTE_MIN_TOKENS, 11])
 def test_every_expert_tied(rng, device, E, top_k, T):
     """A router of zeros: every expert has the same probability, so the selection must name
     experts 0 .. k - 1 in order with weights 1 / k, on every path that selects (gate/up at one
-    token, the moe_route level, the tiled route's moe_route) and both selections of common/moe.h
-    (merging for k <= 8, rounds for k = 12). E = 5, k = 5: every expert, with lanes past E."""
+    token, where every threadgroup selects and the output shows it, the moe_route level at 3
+    tokens, the tiled route's moe_route at 11), with 8 probabilities a lane (E <= 256) and 16
+    (E = 300). E = 5, k = 5: every expert, with lanes past E."""
     W, x_of = make_block(rng, E=E, H=64, I=32, gs=32)
     W.router = quantized(rng, (E, 64), 8, 32, fill=np.zeros((E, 64), np.float32))
     x = x_of(T)
     out, ids, weights, stats = ops._moe(x, *ops.moe_weights(W), top_k=top_k, seed=rng.seed, device=device)
     assert stats["route"] == expected_route(T, top_k)
-    np.testing.assert_array_equal(ids, np.tile(np.arange(top_k), (T, 1)), err_msg=f"E={E} k={top_k} T={T}")
+    what = f"E={E} k={top_k} T={T}"
+    np.testing.assert_array_equal(ids, np.tile(np.arange(top_k), (T, 1)), err_msg=what)
     np.testing.assert_allclose(weights[:, :top_k], 1.0 / top_k, rtol=1e-6)  # k sums of one float32
+    dense, mags = parts(W)
+    want, rids, _ = ref.moe(x, *(dense[k] for k in KEYS), top_k=top_k)
+    np.testing.assert_array_equal(rids, ids, err_msg=f"{what}: the reference's stable sort")
+    assert_close(out, want, atol=ref.moe_error_bound(x, mags, dense, top_k=top_k), rtol=0, what=what,
+                 seed=rng.seed)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, BF16])

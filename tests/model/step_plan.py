@@ -6,7 +6,7 @@ from __future__ import annotations
 
 
 def expected_counts(cfg, tokens: int, position: int = 0, logits: bool = True,
-                     all_logits: bool = False, out_bits: int = 4) -> tuple[int, int]:
+                    all_logits: bool = False, out_bits: int = 4) -> tuple[int, int]:
     """(dispatches, barriers) of one step, from the engine's encoding plan (csrc/gpu/step.h):
     embedding | per layer: input norm, mixer, fused residual + post norm, MoE, one barrier after
     each | final norm | lm_head. Decode (one token) fuses the input norm into the mixer's first
