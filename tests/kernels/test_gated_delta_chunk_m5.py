@@ -16,12 +16,15 @@ float64 reference's (that operand then moves by one half ulp, at most twice its 
 so the kernel is held to d's largest value per head (state) or row (y), not element by element:
   state:  |S - ref| <= the fp32 route's bound (tests/kernels/test_gated_delta_chunk.py) + 2 max_head(d_S)
   y:      |y - ref| <= the fp32 route's bound + 2 max_row(d_y) (+ bf16 output rounding)
-and it must be closer to ref_m5 than ref_m5 is to ref (norms: S - ref_m5 <= CLOSER d_S,
-y - ref_m5 <= CLOSER d_y): a kernel that did not round at all lands at ratio ~1, one that rounded
-at other points (the WY factors, the solve) at ~sqrt(2) (independent errors of d's size). The
-honest kernel's ratio has a tail (boundary flips where d itself is small): over 1,460 fresh fp32
-draws of the shapes below, median 0.00, 99th percentile 0.23, largest 0.53 (T=63, 2x2x24x40),
-so CLOSER = 3/4 sits between that tail and 1. The half
+and it must round where ref_m5 does: the ratios |S - ref_m5| / d_S and |y - ref_m5| / d_y
+(norms) sit near 0 for the honest kernel, at ~1 for a kernel that did not round at all and at
+~sqrt(2) for one that rounded at other points (the WY factors, the solve: independent errors of
+d's size). One draw's ratio has a tail: a boundary flip of one half operand where d itself is
+small (over 1,460 fresh fp32 draws: median 0.00, 99th percentile 0.23, largest 0.53; one CI-like
+run later drew 1.10, at T=64, 1x2x16x8, xf32_wbf16, seed 2089913929225521866, whose flipped head
+is nearer the exact state than ref_m5 is). So the ratio is judged on the median of fresh draws
+(test_m5_rounds_where_the_reference_does: median <= MEDIAN_CLOSER = 1/2, between 0 and 1), not
+draw by draw. The half
 operands must also cost less than one bf16 rounding of the layer's output: a statement about the
 typical error, so test_m5_half_operands_cost_less_than_bf16 checks it on the median of many fresh
 draws (one draw's ratio has a heavy tail: a row whose o nearly cancels, |o| << |q||S| + |P||U|,
@@ -45,7 +48,7 @@ from test_gated_delta_chunk import CHUNK, growth
 
 M5_KERNELS = ["gd_chunk_prep_q16_xf32_wf32", "gd_chunk_wy_m5_f32", "gd_chunk_state_m5_f32", "gd_chunk_norm_xf32_wf32"]
 U_H = 2.0 ** -11
-CLOSER = 0.75  # derived in the module docstring
+MEDIAN_CLOSER = 0.5  # derived in the module docstring
 
 
 def run_m5(args, **kw):
@@ -54,8 +57,10 @@ def run_m5(args, **kw):
 
 
 def check_m5(rng, args, y, S, what, eps=1e-6, m5=True, parts=None):
-    """``m5``: y and S come from the M5 chunked kernels (False: from the scan, which has no half
-    operands; then only the bounds against the recurrent reference apply)."""
+    """The bounds against the recurrent reference; returns the ratios (|S - ref_m5| / d_S,
+    |y - ref_m5| / d_y) where d is above fp32 noise (else None), for
+    test_m5_rounds_where_the_reference_does. ``m5``: y and S come from the M5 chunked kernels
+    (False: from the scan, which has no half operands; no ratios)."""
     q, k, v, z, a, b, A_log, dt_bias, norm_w, S0 = args
     T, Dk = q.shape[0], q.shape[2]
     yr, Sr = ref.gated_delta(q, k, v, z, a, b, A_log, dt_bias, norm_w, S0, eps=eps)
@@ -64,10 +69,9 @@ def check_m5(rng, args, y, S, what, eps=1e-6, m5=True, parts=None):
     rel_s = 16 * np.sqrt((T + 1) * Dk) * F32_EPS * growth(args)  # the fp32 route's bound
     d_head = np.abs(Sh - Sr).max(axis=(1, 2), keepdims=True)              # [Hv, 1, 1]
     assert_close(S, Sr, atol=rel_s * M + 2 * d_head, rtol=0, what=f"{what}: state", seed=rng.seed)
+    ratio_s = ratio_y = None
     if m5 and np.linalg.norm(Sh - Sr) > 1e3 * F32_EPS * np.linalg.norm(Sr):
-        # the kernel rounds where the reference says: much closer to it than it is to the exact state
-        assert np.linalg.norm(S - Sh) <= CLOSER * np.linalg.norm(Sh - Sr), (
-            what, np.linalg.norm(S - Sh), np.linalg.norm(Sh - Sr), rng.seed)
+        ratio_s = float(np.linalg.norm(S - Sh) / np.linalg.norm(Sh - Sr))
     z64 = z.astype(np.float64)
     gate = np.abs(norm_w.astype(np.float64) * z64 / (1 + np.exp(-z64)))
     o_rms = _ref_o_rms(q, k, v, a, b, A_log, dt_bias, S0, eps)
@@ -75,10 +79,9 @@ def check_m5(rng, args, y, S, what, eps=1e-6, m5=True, parts=None):
     atol_y = rel_s * M / o_rms[..., None] * gate + 2 * d_row
     assert_close(y, yr, atol=atol_y, rtol=16 * F32_EPS + out_rtol(y.dtype), what=f"{what}: y", seed=rng.seed)
     if m5 and y.dtype == F32 and np.linalg.norm(yh - yr) > 1e3 * F32_EPS * np.linalg.norm(yr):
-        # the kernel rounds where the reference says (bf16 outputs: their rounding dominates)
-        assert np.linalg.norm(y - yh) <= CLOSER * np.linalg.norm(yh - yr), (
-            what, np.linalg.norm(y - yh), np.linalg.norm(yh - yr), rng.seed)
-    return yr
+        # (bf16 outputs: their rounding dominates)
+        ratio_y = float(np.linalg.norm(y - yh) / np.linalg.norm(yh - yr))
+    return ratio_s, ratio_y
 
 
 def chunk_flops(T, Hv, Dk, Dv):
@@ -117,6 +120,26 @@ def test_m5_matches_reference(rng, shape, T, dtypes):
     assert stats["flops_executed"] == tensor + alu
     assert stats["flops_useful"] == 6 * T * Hv * Dk * Dv
     check_m5(rng, args, y, S, f"m5 T={T} {shape}")
+
+
+def test_m5_rounds_where_the_reference_does(rng):
+    """Over 16 fresh draws (the shapes and chunk counts above, fp32 or bf16 weights), the median of
+    |S - ref_m5| / |ref_m5 - ref| and of |y - ref_m5| / |ref_m5 - ref| is at most MEDIAN_CLOSER:
+    the kernels round their operands to half where ref_m5 does (module docstring). A kernel that
+    kept fp32 operands sits at ~1, one rounding elsewhere at ~1.4."""
+    cases = [((1, 2, 16, 8), 64), ((2, 2, 24, 40), 65), ((2, 4, 32, 16), 130), ((1, 2, 16, 8), 130)]
+    ratios_s, ratios_y = [], []
+    for i in range(16):
+        shape, T = cases[i % len(cases)]
+        args = make_gd(rng, T, *shape, F32, BF16 if i % 2 else F32)
+        y, S, _ = run_m5(args, route="chunked")
+        r_s, r_y = check_m5(rng, args, y, S, f"draw {i}: m5 T={T} {shape}")
+        ratios_s += [r_s] if r_s is not None else []
+        ratios_y += [r_y] if r_y is not None else []
+    print("state ratios", np.round(ratios_s, 3), "y ratios", np.round(ratios_y, 3))
+    for name, r in (("state", ratios_s), ("y", ratios_y)):
+        assert len(r) >= 8, f"{name}: {len(r)} of 16 draws above fp32 noise (seed {rng.seed})"
+        assert np.median(r) <= MEDIAN_CLOSER, (name, np.round(r, 3), rng.seed)
 
 
 def test_m5_route_switch(rng):
