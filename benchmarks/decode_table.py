@@ -297,10 +297,11 @@ def estimate(cfg, positions, sample, eta: float, t_level: float, t_min: float, a
     q8 = resolve_kv_dtype(cfg, kv_dtype) == "int8"
     n_ipk = ipk or instr_per_key(cfg.num_attention_heads // cfg.num_key_value_heads, cfg.head_dim // 32, q8=q8)
     frac, attn, run = measured_fractions(measured, measured_by) if measured else ({}, {}, "")
+    steps = {pos: step(cfg, pos, sample, quant, kv_dtype) for pos in positions}  # counted once, every GPU reads them
     if not quiet and measured:
         what = "a device copy" if measured_by == "copy" else "a streaming read"
         ctxs = ", ".join(f"{attention_at(attn, p + 1)[1]}" for p in positions)
-        subs = stand_ins_used({d["kernel"] for d in step(cfg, positions[0], sample, quant, kv_dtype)[1]}, frac)
+        subs = stand_ins_used({d["kernel"] for d in steps[positions[0]][1]}, frac)
         print(f"\n### per-kernel eta = {eta} x min(1, fraction of {what} measured on {run}); the "
               f"attention's at the measured context nearest each row's ({ctxs}); "
               f"{'not measured, read as the kernel whose code it shares (stand_in): ' + subs + '; ' if subs else ''}"
@@ -317,7 +318,7 @@ def estimate(cfg, positions, sample, eta: float, t_level: float, t_min: float, a
         print("|---|---|---|---|---|---|---|")
     for gpu, (cores, bw) in GPUS.items():
         for pos in positions:
-            st, ds = step(cfg, pos, sample, quant, kv_dtype)
+            st, ds = steps[pos]
             fk = {**frac, **attention_at(attn, pos + 1)[0]}
             by_level: dict = {}
             issue = alu_eff * cores * 4 * clock  # simd instructions per second

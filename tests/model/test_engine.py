@@ -233,6 +233,11 @@ def test_serialize_switch(attn_ckpt, rng):
     assert st["barriers"] == st["dispatches"] - 1 and st["dispatches"] == a.stats()["dispatches"]
 
 
+def _q4_bytes(rows: int, H: int, gs: int) -> int:
+    """One [rows, H] 4-bit matrix: codes, and a bf16 scale and bias per group of gs."""
+    return rows * H // 2 + 2 * 2 * rows * (H // gs)
+
+
 @pytest.mark.parametrize("activations,xe", [("float32", 4), ("bfloat16", 2)])
 def test_bytes_touched_counts_routed_experts_and_touched_rows(attn_ckpt, activations, xe):
     """Exact per-kernel bytes on a small config: the embedding reads one row, the expert
@@ -246,11 +251,11 @@ def test_bytes_touched_counts_routed_experts_and_touched_rows(attn_ckpt, activat
     gs = quant["experts_q"]["group_size"]
     emb = [v for n, v in ks.items() if n.startswith("embedding")][0]
     assert emb["bytes_touched"] == 4 + H // 2 + 2 * 2 * (H // quant["embed"]["group_size"]) + xe * H
-    expert = I * H // 2 + 2 * 2 * I * (H // gs)                      # one [I, H] 4-bit matrix
+    expert = _q4_bytes(I, H, gs)
     shared = cfg.shared_expert_intermediate_size
     gate_up = [v for n, v in ks.items() if n.startswith("moe_gate_up")][0]
     L = cfg.num_hidden_layers
-    sh = shared * H // 2 + 2 * 2 * shared * (H // gs)
+    sh = _q4_bytes(shared, H, gs)
     # x, the router logits (each threadgroup selects the experts itself), h, and the routing it
     # writes for moe_down_mv (ids [k] uint32, weights [k + 1] float)
     x, logits, h, routing = xe * H, xe * (E + 1), 4 * (k + 1) * max(I, shared), 4 * k + 4 * (k + 1)
@@ -277,7 +282,6 @@ def test_moe_mv_bytes_on_both_gate_up_paths(attn_ckpt, tokens):
     ks = eng.count_kernels()
     T, H, E, k, I = tokens, cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
     L, shared, gs = cfg.num_hidden_layers, cfg.shared_expert_intermediate_size, quant["experts_q"]["group_size"]
-    matrix = lambda rows: rows * H // 2 + 2 * 2 * rows * (H // gs)   # noqa: E731  one [rows, H] 4-bit matrix
     used = min(E, T * k)
     x, logits, h = 4 * T * H, 4 * T * (E + 1), 4 * T * (k + 1) * max(I, shared)
     ids, weights = 4 * T * k, 4 * T * (k + 1)
@@ -285,7 +289,7 @@ def test_moe_mv_bytes_on_both_gate_up_paths(attn_ckpt, tokens):
     gate_up = [v for n, v in ks.items() if n.startswith("moe_gate_up_mv")]
     route = [v for n, v in ks.items() if n.startswith("moe_route")]
     assert len(gate_up) == 1 and gate_up[0]["dispatches"] == L
-    weights_and_x = 2 * used * matrix(I) + 2 * matrix(shared) + x + h
+    weights_and_x = 2 * used * _q4_bytes(I, H, gs) + 2 * _q4_bytes(shared, H, gs) + x + h
     if routed:
         assert gate_up[0]["bytes_touched"] == L * (weights_and_x + ids)
         assert len(route) == 1 and route[0]["bytes_touched"] == L * (logits + ids + weights)
