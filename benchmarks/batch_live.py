@@ -1,7 +1,7 @@
 """The Batcher as ``lily-py serve`` drives it (issue 42), end to end on an NVIDIA GPU: aggregate
-and per-stream tokens per second with the host's part included (logits copied to the host and
-sampled there, one host wait per step), and the time between tokens of running streams while a
-long prompt arrives and is prefilled between their steps.
+and per-stream tokens per second with the host's part included (each step encoded afresh, its
+rows sampled on the device, two steps in flight, one host wait per step), and the time between
+tokens of running streams while a long prompt arrives and is prefilled between their steps.
 
     python3 benchmarks/batch_live.py [--layers 40] [--position 256] [--batches 1,2,4,8]
                                      [--steps 24] [--prompt 4096] [--prefill-steps 128,512]
@@ -103,8 +103,9 @@ def while_prefilling(m, a, step: int, rng) -> dict:
 
 
 def show(t: dict) -> None:
+    # runs recorded before the Batcher sampled on the device carry no "sampling" entry
     print(f"{t['device']}, {t['date']}, {t['layers']} layers, KV cache {t['kv_dtype']}, streams at position "
-          f"{t['position']}; greedy, sampled on the host; {t['steps']} steps timed")
+          f"{t['position']}; greedy, {t.get('sampling', 'sampled on the host')}; {t['steps']} steps timed")
     base = None
     for r in t["throughput"]:
         base = base or r["aggregate_tok_s"]
@@ -139,7 +140,8 @@ def main() -> None:
     m, info, _tmp = load(a)
     rng = np.random.default_rng(0)
     out = dict(device=info.get("device_name"), date=time.strftime("%Y-%m-%d"), layers=a.layers,
-               kv_dtype=m.kv_dtype, position=a.position, steps=a.steps, throughput=[], while_prefilling=[])
+               kv_dtype=m.kv_dtype, position=a.position, steps=a.steps,
+               sampling="sampled on the device, two steps in flight", throughput=[], while_prefilling=[])
     for B in [int(x) for x in a.batches.split(",")]:
         out["throughput"].append(throughput(m, a, B, rng))
     for step in [int(x) for x in a.prefill_steps.split(",")]:

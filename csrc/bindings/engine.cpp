@@ -630,15 +630,59 @@ void init_engine(nb::module_& m) {
           "seqs[t] (uint32); returns (float32 logits [B, V], row t for seqs[t], stats). B == 1 is the "
           "single-stream step. Leaves the batch's last sequence active.")
       .def(
+          "submit_batch",
+          [](core::Engine& e, IdArray seqs, nb::object ids, std::vector<core::StepSampling> samplings, IdArray steps) {
+            const uint32_t B = uint32_t(seqs.shape(0));
+            if (samplings.size() != B || steps.shape(0) != B)
+              throw std::invalid_argument("submit_batch: " + std::to_string(B) + " sequences for " +
+                                          std::to_string(samplings.size()) + " samplings and " +
+                                          std::to_string(steps.shape(0)) + " steps");
+            for (uint32_t t = 0; t < B; ++t) samplings[t].params.step = steps.data()[t];
+            const bool from_slot = ids.is_none();
+            std::vector<uint32_t> host(B, 0);
+            if (!from_slot) {
+              const IdArray a = nb::cast<IdArray>(ids);
+              if (a.shape(0) != B)
+                throw std::invalid_argument("submit_batch: " + std::to_string(B) + " sequences for " +
+                                            std::to_string(a.shape(0)) + " token ids");
+              std::copy(a.data(), a.data() + B, host.begin());
+            }
+            core::StepStats st;
+            {
+              nb::gil_scoped_release release;
+              st = e.submit_batch(seqs.data(), host.data(), B, samplings, from_slot);
+            }
+            return stats_dict(st);
+          },
+          "seqs"_a, "ids"_a.none(), "samplings"_a, "steps"_a,
+          "Commit a batched decode step that samples each row on the device, without waiting: seqs "
+          "(uint32 [B]) fed ids (uint32 [B]), or None: each the token the previous submit_batch() of "
+          "the same sequences sampled for it (device slot). samplings: a Sampling per row, steps "
+          "(uint32 [B]) its step. At most two steps in flight; complete_batch() returns the oldest's "
+          "tokens.")
+      .def(
+          "complete_batch",
+          [](core::Engine& e) {
+            std::vector<uint32_t> tok;
+            {
+              nb::gil_scoped_release release;
+              e.complete_batch(tok);
+            }
+            return tok;
+          },
+          "Wait for the oldest submit_batch() step in flight: its sampled tokens, a list with one per "
+          "row (stats via last_stats()).")
+      .def(
           "count_batch", [](core::Engine& e, uint32_t B, uint32_t position) { return stats_dict(e.count_batch(B, position)); },
           "batch"_a, "position"_a = 0, "Counters of a batched step of `batch` sequences at `position` (counting device).")
       .def(
           "check_batch",
-          [](core::Engine& e, uint32_t B, uint32_t position, int64_t skip) {
-            return stats_dict(e.check_batch(B, position, skip));
+          [](core::Engine& e, uint32_t B, uint32_t position, int64_t skip, std::vector<core::StepSampling> samplings) {
+            return stats_dict(e.check_batch(B, position, skip, samplings));
           },
-          "batch"_a, "position"_a = 0, "skip_barrier"_a = -1,
-          "Emulator only: check() of a batched step of `batch` sequences at `position`.")
+          "batch"_a, "position"_a = 0, "skip_barrier"_a = -1, "samplings"_a = std::vector<core::StepSampling>{},
+          "Emulator only: check() of a batched step of `batch` sequences at `position` (with "
+          "`samplings`, a Sampling per row: the step with its device samplers, as submit_batch).")
       .def(
           "time_batch",
           [](core::Engine& e, uint32_t B, uint32_t position, uint32_t repeats, uint32_t trials, bool per_dispatch) {

@@ -38,13 +38,16 @@ void Engine::discard_inflight() {
     inflight_.pop_front();
   }
   have_token_ = false;
+  have_batch_token_ = false;
 }
 
 Engine::InFlight Engine::encode(uint32_t T, uint32_t position, bool all_logits, const StepSampling& sampling,
                                 bool want_logits, std::unique_ptr<gpu::Encoder> enc,
-                                const std::vector<gpu::SeqState>* batch) {
+                                const std::vector<gpu::SeqState>* batch,
+                                const std::vector<gpu::ops::SampleParams>* batch_sample) {
   gpu::StepParams p;
   p.batch = batch;
+  p.batch_sample = batch_sample;
   p.logits = want_logits;
   p.sample = sampling.enabled;
   p.sample_params = sampling.params;
@@ -116,6 +119,7 @@ StepStats Engine::submit(const uint32_t* ids, uint32_t T, bool all_logits, const
   write_mask(sampling, next_slot_);
   valid_ = false;  // until every step in flight finished: a device error leaves a half-updated state
   have_token_ = false;
+  have_batch_token_ = false;  // the sequence moves on without the batch (submit_batch sets it back for B == 1)
   last_rows_ = 0;  // the new step will overwrite the logits rows
   InFlight f;
   const bool idle = inflight_.empty();
@@ -139,6 +143,7 @@ StepStats Engine::submit(const uint32_t* ids, uint32_t T, bool all_logits, const
 
 StepStats Engine::complete(float* logits) {
   if (inflight_.empty()) fail("complete: no step in flight");
+  if (inflight_.front().seqs.size() > 1) fail("complete: the oldest step in flight is a batched one; complete_batch() it");
   InFlight f = std::move(inflight_.front());
   inflight_.pop_front();
   counters_.host_waits += 1;

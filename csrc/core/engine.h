@@ -249,10 +249,25 @@ class Engine {
   // batch active. Validation failures throw before anything is encoded; a device error marks
   // every sequence of the batch invalid.
   StepStats decode_batch(const uint32_t* seqs, const uint32_t* ids, uint32_t B, float* logits);
+  // Batched decode with the device sampler, two steps in flight (as submit() / complete() for one
+  // sequence): submit_batch() encodes and commits the step of decode_batch() plus one sampler per
+  // row (sampling[t] for sequence seqs[t]: its own parameters, seed and step) without waiting; the
+  // sequences' positions advance at once. ids (host token ids) feed the step when from_slot is
+  // false; with from_slot, each row reads the token the previous batched step sampled for it on
+  // the device, which needs that step to have been a submit_batch() of the same sequences in the
+  // same order. While a step is in flight only a from_slot step may be submitted. B == 1 is the
+  // single-stream submit() of that sequence. complete_batch() waits for the oldest step in flight
+  // and returns its B sampled tokens in `tokens` (no logits leave the device). SampleError names the first row
+  // whose logits were not finite; a device error leaves every sequence of the step invalid.
+  StepStats submit_batch(const uint32_t* seqs, const uint32_t* ids, uint32_t B, const std::vector<StepSampling>& sampling,
+                         bool from_slot);
+  StepStats complete_batch(std::vector<uint32_t>& tokens);
   // count() / check() / time_step() of a batched step of B sequences each at `position` (B - 1
   // temporary sequences, dropped after; time_batch resets the active one as time_step does).
   StepStats count_batch(uint32_t B, uint32_t position);
-  StepStats check_batch(uint32_t B, uint32_t position, int64_t skip_barrier = -1);
+  // check_batch with `sampling` (one per row, as submit_batch takes): the step with its samplers.
+  StepStats check_batch(uint32_t B, uint32_t position, int64_t skip_barrier = -1,
+                        const std::vector<StepSampling>& sampling = {});
   gpu::StepTiming time_batch(uint32_t B, uint32_t position, const gpu::TimingOptions& options);
 
   void reset();
@@ -287,9 +302,11 @@ class Engine {
     std::unique_ptr<gpu::Encoder> sampler;  // submit_sampler's command buffer (after enc)
     uint32_t slot = 0, rows = 0;
     bool sampled = false, masked = false;
+    std::vector<uint32_t> seqs;  // submit_batch(): the step's sequences, in row order (else empty)
   };
   InFlight encode(uint32_t T, uint32_t position, bool all_logits, const StepSampling& sampling, bool want_logits,
-                  std::unique_ptr<gpu::Encoder> enc = nullptr, const std::vector<gpu::SeqState>* batch = nullptr);
+                  std::unique_ptr<gpu::Encoder> enc = nullptr, const std::vector<gpu::SeqState>* batch = nullptr,
+                  const std::vector<gpu::ops::SampleParams>* batch_sample = nullptr);
   // Run encode_step on the counting device with the recorder on; keep its kernels and stats.
   StepStats record_counted(const std::function<InFlight()>& encode_step);
   // Sequences that are not active: their state buffers (Engine::state_ order), position, conv
@@ -301,7 +318,18 @@ class Engine {
   };
   std::map<uint32_t, Parked> parked_;
   uint32_t active_ = 0, next_sequence_ = 1;
-  void swap_active(Parked& p);  // exchanges the active sequence's members with p's, rebinds m_
+  void swap_state(Parked& p);   // exchanges the active sequence's state members with p's, rebinds m_
+  void swap_active(Parked& p);  // swap_state, and the device slot / logits rows no longer hold its
+  void ensure_kv_of(uint32_t id, uint64_t rows);  // ensure_kv() of any sequence, active or parked
+  void set_sequence_valid(uint32_t id, bool v);
+  void advance_sequence(uint32_t id);  // position + 1, conv parity flipped
+  // The batched sampler's buffers (add_sequence, with the batch scratch) and their bindings in m_.s.
+  std::vector<uint64_t> batch_sampler_sizes() const;
+  uint64_t batch_sampler_bytes() const;
+  void bind_batch_sampler();
+  std::vector<std::unique_ptr<gpu::Buffer>> batch_sampler_;
+  bool have_batch_token_ = false;     // the last submitted step was a sampling submit_batch() ...
+  std::vector<uint32_t> batch_seqs_;  // ... of these sequences
   void rebind_state();          // points m_'s state bindings at state_ (build_buffers' order)
   // The batched step's bindings of sequence `id` (its scratch: row `index` of the batch scratch).
   gpu::SeqState seq_state(uint32_t id, uint32_t index, uint32_t position) const;

@@ -4,6 +4,7 @@
 // swap in without a copy. decode_batch() feeds one token to each of B sequences in one step:
 // the projections, router, experts and lm_head over B rows (each weight byte read once), the
 // DeltaNet rule and attention per sequence on its own buffers (gpu::SeqState, StepParams::batch).
+// submit_batch() / complete_batch() run the same step with a sampler per row, two in flight.
 #include <algorithm>
 #include <set>
 #include <string>
@@ -11,6 +12,7 @@
 #include "core/engine.h"
 #include "core/engine_internal.h"
 #include "gpu/ops/attention.h"
+#include "gpu/ops/sampling.h"
 
 namespace lily::core {
 
@@ -39,7 +41,7 @@ void Engine::rebind_state() {
   if (i != state_.size()) fail("state buffers do not match the layers");
 }
 
-void Engine::swap_active(Parked& p) {
+void Engine::swap_state(Parked& p) {
   std::swap(state_, p.state);
   std::swap(position_, p.position);
   std::swap(conv_parity_, p.conv_parity);
@@ -47,10 +49,31 @@ void Engine::swap_active(Parked& p) {
   const uint32_t blocks = spec_.kv_pool();
   spec_.kv_pool_blocks = p.pool_blocks;
   p.pool_blocks = blocks;
+  rebind_state();
+}
+
+void Engine::swap_active(Parked& p) {
+  swap_state(p);
   failed_ = false;
   have_token_ = false;  // the device slot and the logits rows hold the other sequence's
   last_rows_ = 0;
-  rebind_state();
+}
+
+void Engine::ensure_kv_of(uint32_t id, uint64_t rows) {
+  if (id == active_) return ensure_kv(rows);
+  Parked& p = parked_.at(id);
+  const uint64_t B = spec_.kv_block_tokens;
+  if ((rows + B - 1) / B <= p.pool_blocks || kv_cache_.empty()) return;
+  // The parked sequence's buffers become the engine's for the resize (ensure_kv waits for the
+  // steps in flight first), then go back; the active sequence's slots are not touched.
+  swap_state(p);
+  try {
+    ensure_kv(rows);
+  } catch (...) {
+    swap_state(p);
+    throw;
+  }
+  swap_state(p);
 }
 
 uint64_t Engine::sequence_state_bytes(uint32_t pool_blocks) const {
@@ -58,6 +81,31 @@ uint64_t Engine::sequence_state_bytes(uint32_t pool_blocks) const {
   for (size_t i = 0; i < state_.size(); ++i)
     if (!is_kv(i)) n += state_[i]->size();
   return n + uint64_t(pool_blocks) * kv_block_bytes();
+}
+
+// The batched sampler's buffers (gpu::StepScratch::batch_tokens ...), one per binding so that each
+// starts at offset 0 (Metal binds a buffer at a multiple of its element's size): token ids, chosen
+// logits and SampleStates of 2 slots x kBatchSlots rows, then the sampler scratch of kBatchSlots
+// rows of V.
+std::vector<uint64_t> Engine::batch_sampler_sizes() const {
+  const uint32_t R = gpu::kBatchSlots, V = spec_.vocab;
+  return {2 * R * 4, 2 * R * 4, 2 * R * gpu::ops::sample_state_bytes(1), R * gpu::ops::sample_partials_bytes(1, V),
+          R * gpu::ops::sample_hist_bytes(1, V)};
+}
+
+uint64_t Engine::batch_sampler_bytes() const {
+  uint64_t n = 0;
+  for (uint64_t b : batch_sampler_sizes()) n += b;
+  return n;
+}
+
+void Engine::bind_batch_sampler() {
+  const std::vector<uint64_t> sizes = batch_sampler_sizes();
+  batch_sampler_.clear();
+  for (uint64_t n : sizes) batch_sampler_.push_back(device_->new_buffer(n));
+  gpu::Binding* out[] = {&m_.s.batch_tokens, &m_.s.batch_chosen, &m_.s.batch_sample_state, &m_.s.batch_sample_partials,
+                         &m_.s.batch_sample_hist};
+  for (size_t i = 0; i < sizes.size(); ++i) *out[i] = gpu::Binding{batch_sampler_[i].get(), 0, sizes[i]};
 }
 
 uint32_t Engine::add_sequence() {
@@ -72,7 +120,7 @@ uint32_t Engine::add_sequence() {
       kv_cache_.empty() ? 0
                         : gpu::ops::attention_scratch_bytes(s.q_heads, s.head_dim, s.context_length, s.kv_block_tokens);
   const uint64_t per_sequence = std::max<uint64_t>(VD * 4, 4) + std::max<uint64_t>(partials, 4);
-  const uint64_t scratch_bytes = scratch ? kMaxBatch * per_sequence : 0;
+  const uint64_t scratch_bytes = scratch ? kMaxBatch * per_sequence + batch_sampler_bytes() : 0;
   if (memory_.working_set_bytes && memory_.total() + bytes + scratch_bytes > memory_.working_set_bytes)
     throw DeviceMemoryError("engine: a new sequence needs " + num(bytes + scratch_bytes) + " bytes of state, but " +
                             num(memory_.total()) + " of the device's " + num(memory_.working_set_bytes) +
@@ -88,6 +136,7 @@ uint32_t Engine::add_sequence() {
       batch_o_raw_ = device_->new_buffer(kMaxBatch * std::max<uint64_t>(VD * 4, 4));
       batch_partials_ = device_->new_buffer(kMaxBatch * std::max<uint64_t>(partials, 4));
       batch_partials_bytes_ = partials;
+      bind_batch_sampler();
       memory_.scratch_bytes += scratch_bytes;
     }
   } catch (const DeviceMemoryError&) {
@@ -211,12 +260,9 @@ StepStats Engine::decode_batch(const uint32_t* seqs, const uint32_t* ids, uint32
   std::vector<gpu::SeqState> states;
   for (uint32_t t = 0; t < B; ++t) states.push_back(seq_state(seqs[t], t, sequence_position(seqs[t])));
   if (m_.s.ids.buffer->has_storage()) m_.s.ids.buffer->write(m_.s.ids.offset, ids, size_t(B) * 4);
-  auto set_valid = [&](uint32_t id, bool v) {
-    if (id == active_) valid_ = v;
-    else parked_.at(id).valid = v;
-  };
-  for (uint32_t t = 0; t < B; ++t) set_valid(seqs[t], false);  // until the step finished
+  for (uint32_t t = 0; t < B; ++t) set_sequence_valid(seqs[t], false);  // until the step finished
   last_rows_ = 0;
+  have_batch_token_ = false;  // the sequences move on without sampling into the batch slot
   StepStats st;
   try {
     InFlight f = encode(B, 0, true, StepSampling{}, true, nullptr, &states);
@@ -230,16 +276,8 @@ StepStats Engine::decode_batch(const uint32_t* seqs, const uint32_t* ids, uint32
     throw;  // every sequence of the batch stays invalid until reset / restore
   }
   for (uint32_t t = 0; t < B; ++t) {
-    const uint32_t id = seqs[t];
-    set_valid(id, true);
-    if (id == active_) {
-      position_ += 1;
-      conv_parity_ = 1 - conv_parity_;
-    } else {
-      Parked& p = parked_.at(id);
-      p.position += 1;
-      p.conv_parity = 1 - p.conv_parity;
-    }
+    set_sequence_valid(seqs[t], true);
+    advance_sequence(seqs[t]);
   }
   st.host_waits = st.waits_in_step + 1;
   const size_t V = spec_.vocab;
@@ -249,6 +287,144 @@ StepStats Engine::decode_batch(const uint32_t* seqs, const uint32_t* ids, uint32
     logit_bytes_copied_ += uint64_t(B) * V * 4;
   }
   last_ = st;
+  return st;
+}
+
+void Engine::set_sequence_valid(uint32_t id, bool v) {
+  if (id == active_) valid_ = v;
+  else parked_.at(id).valid = v;
+}
+
+void Engine::advance_sequence(uint32_t id) {
+  if (id == active_) {
+    position_ += 1;
+    conv_parity_ = 1 - conv_parity_;
+  } else {
+    Parked& p = parked_.at(id);
+    p.position += 1;
+    p.conv_parity = 1 - p.conv_parity;
+  }
+}
+
+StepStats Engine::submit_batch(const uint32_t* seqs, const uint32_t* ids, uint32_t B,
+                               const std::vector<StepSampling>& sampling, bool from_slot) {
+  if (B == 0 || B > max_batch())
+    fail("submit_batch: " + num(B) + " sequences outside [1, max_batch=" + num(max_batch()) + "]");
+  if (sampling.size() != B) fail("submit_batch: " + num(uint32_t(sampling.size())) + " samplings for " + num(B) + " sequences");
+  if (inflight_.size() >= 2) fail("submit_batch: two steps are in flight already; complete one first");
+  const bool idle = inflight_.empty();
+  if (!idle && !from_slot)
+    fail("submit_batch: only a step fed from the device slot may be submitted while another is in flight");
+  const std::vector<uint32_t> order(seqs, seqs + B);
+  if (from_slot && (!have_batch_token_ || batch_seqs_ != order))
+    fail("submit_batch: feeding the device slot needs the step before to be a sampling submit_batch() of the same "
+         "sequences in the same order");
+  std::set<uint32_t> seen;
+  for (uint32_t t = 0; t < B; ++t) {
+    const uint32_t id = seqs[t];
+    const StepSampling& s = sampling[t];
+    if (!seen.insert(id).second) fail("submit_batch: sequence " + num(id) + " appears twice");
+    if (id != active_ && !parked_.count(id)) fail("submit_batch: no sequence " + num(id) + " (index " + num(t) + ")");
+    if (idle && !sequence_valid(id))
+      fail("submit_batch: sequence " + num(id) + " is invalid after a failed step: reset or restore it first");
+    if (uint64_t(sequence_position(id)) + 1 > spec_.context_length)
+      fail("submit_batch: sequence " + num(id) + " at position " + num(sequence_position(id)) +
+           " has no room left in context_length " + num(spec_.context_length));
+    if (!from_slot && ids[t] >= spec_.vocab)
+      fail("submit_batch: token id " + num(ids[t]) + " at index " + num(t) + " outside [0, " + num(spec_.vocab) + ")");
+    if (!s.enabled || s.mask || s.ids_from_slot || s.params.logprobs >= 0)
+      fail("submit_batch: sampling " + num(t) + " must sample, with no mask, slot feed or logprobs");
+    if (!s.params.greedy && !(s.params.temperature > 0))
+      fail("submit_batch: temperature must be > 0 when not greedy (index " + num(t) + ")");
+    if (s.valid_vocab > spec_.vocab || s.valid_vocab != sampling[0].valid_vocab)
+      fail("submit_batch: valid_vocab must be the same for every row and <= vocab " + num(spec_.vocab));
+  }
+  if (B == 1) {  // the single-stream step of that sequence (its own slot feed)
+    if (idle) select_sequence(seqs[0]);
+    StepSampling s = sampling[0];
+    s.ids_from_slot = from_slot;
+    const uint32_t placeholder = 0;
+    const StepStats st = submit(from_slot ? &placeholder : ids, 1, false, s, true);
+    inflight_.back().seqs = order;
+    have_batch_token_ = true;
+    batch_seqs_ = order;
+    return st;
+  }
+  if (!batch_o_raw_) fail("submit_batch: the batch scratch is allocated with the first extra sequence");
+  for (uint32_t t = 0; t < B; ++t)  // every sequence's KV blocks first (waits for the steps in flight to grow one)
+    ensure_kv_of(seqs[t], uint64_t(sequence_position(seqs[t])) + 1);
+  std::vector<gpu::SeqState> states;
+  for (uint32_t t = 0; t < B; ++t) states.push_back(seq_state(seqs[t], t, sequence_position(seqs[t])));
+  if (!from_slot && m_.s.ids.buffer->has_storage()) m_.s.ids.buffer->write(m_.s.ids.offset, ids, size_t(B) * 4);
+  std::vector<gpu::ops::SampleParams> params;
+  for (const StepSampling& s : sampling) params.push_back(s.params);
+  StepSampling step;
+  step.enabled = true;
+  step.valid_vocab = sampling[0].valid_vocab;
+  step.ids_from_slot = from_slot;
+  for (uint32_t id : order) set_sequence_valid(id, false);  // until the step finished
+  have_token_ = false;
+  have_batch_token_ = false;
+  last_rows_ = 0;
+  InFlight f;
+  try {
+    f = encode(B, 0, true, step, true, nullptr, &states, &params);
+  } catch (...) {
+    discard_inflight();  // the sequences of the batch stay invalid until reset / restore
+    throw;
+  }
+  counters_.commits += 1;
+  counters_.idle_commits += idle ? 1 : 0;
+  for (uint32_t id : order) advance_sequence(id);
+  next_slot_ = 1 - next_slot_;
+  have_batch_token_ = true;
+  batch_seqs_ = order;
+  f.seqs = order;
+  const StepStats st = f.st;
+  inflight_.push_back(std::move(f));
+  return st;
+}
+
+StepStats Engine::complete_batch(std::vector<uint32_t>& tokens) {
+  if (inflight_.empty()) fail("complete_batch: no step in flight");
+  if (inflight_.front().seqs.empty()) fail("complete_batch: the oldest step in flight is not a submit_batch(); complete() it");
+  if (inflight_.front().seqs.size() == 1) {
+    const StepStats st = complete(nullptr);
+    tokens.assign(1, st.token);
+    return st;
+  }
+  InFlight f = std::move(inflight_.front());
+  inflight_.pop_front();
+  counters_.host_waits += 1;
+  try {
+    f.enc->wait();
+  } catch (...) {
+    discard_inflight();  // every sequence of the step stays invalid until reset / restore
+    have_batch_token_ = false;
+    throw;
+  }
+  StepStats st = f.st;
+  st.host_waits = st.waits_in_step + 1;
+  correct_moe_flops(st, f.slot);
+  if (inflight_.empty())
+    for (uint32_t id : f.seqs) set_sequence_valid(id, true);
+  last_ = st;
+  const uint32_t B = uint32_t(f.seqs.size());
+  tokens.assign(B, 0u);
+  gpu::Buffer& tb = *m_.s.batch_tokens.buffer;
+  if (!tb.has_storage()) return st;  // the counting device
+  const uint64_t first = uint64_t(gpu::kBatchSlots) * f.slot;
+  tb.read(m_.s.batch_tokens.offset + first * 4, tokens.data(), size_t(B) * 4);
+  std::vector<::lily::SampleState> states(B);
+  m_.s.batch_sample_state.buffer->read(m_.s.batch_sample_state.offset + first * sizeof(::lily::SampleState),
+                                       states.data(), size_t(B) * sizeof(::lily::SampleState));
+  for (uint32_t t = 0; t < B; ++t) {
+    if (states[t].status == 0) continue;
+    if (inflight_.empty()) have_batch_token_ = false;
+    throw SampleError("engine: the sampler found a non-finite logit" +
+                      (states[t].bad_id != 0xFFFFFFFFu ? " at token id " + num(states[t].bad_id) : std::string(" (all -inf)")) +
+                      " in row " + num(t) + " (sequence " + num(f.seqs[t]) + ") of a batched step (numerical failure in the model)");
+  }
   return st;
 }
 
@@ -295,11 +471,19 @@ StepStats Engine::count_batch(uint32_t B, uint32_t position) {
   });
 }
 
-StepStats Engine::check_batch(uint32_t B, uint32_t position, int64_t skip) {
+StepStats Engine::check_batch(uint32_t B, uint32_t position, int64_t skip, const std::vector<StepSampling>& sampling) {
+  if (!sampling.empty() && sampling.size() != B)
+    fail("check_batch: " + num(uint32_t(sampling.size())) + " samplings for " + num(B) + " sequences");
   return with_temporary_batch(B, position, [&](const std::vector<gpu::SeqState>& states, const std::vector<uint32_t>&) {
     auto enc = device_->new_checking_encoder(skip, false);
     if (!enc) fail("check_batch() needs a device that checks plans (the emulator, device 'emu')");
-    return encode(B, 0, true, StepSampling{}, true, std::move(enc), &states).st;
+    if (sampling.empty()) return encode(B, 0, true, StepSampling{}, true, std::move(enc), &states).st;
+    std::vector<gpu::ops::SampleParams> params;
+    for (const StepSampling& s : sampling) params.push_back(s.params);
+    StepSampling step;
+    step.enabled = true;
+    step.valid_vocab = sampling[0].valid_vocab;
+    return encode(B, 0, true, step, true, std::move(enc), &states, &params).st;
   });
 }
 

@@ -112,6 +112,7 @@ void Engine::reset() {
   valid_ = true;
   failed_ = false;
   have_token_ = false;
+  have_batch_token_ = false;
   last_rows_ = 0;
 }
 
@@ -165,6 +166,7 @@ void Engine::restore(const Snapshot& s) {
   valid_ = true;
   failed_ = false;
   have_token_ = false;
+  have_batch_token_ = false;
   last_rows_ = 0;
 }
 

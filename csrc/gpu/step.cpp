@@ -212,6 +212,37 @@ void encode_moe_block(Encoder& enc, const core::ModelSpec& spec, const Layer& L,
   ops::encode_moe(enc, m);
 }
 
+// A batched step's samplers: row t of the logits with (*p.batch_sample)[t] into
+// batch_tokens[kBatchSlots * slot + t], each row on its own state entry and scratch rows, all rows'
+// passes in the levels of the deepest (ops::encode_samples).
+void encode_batch_sampler(Encoder& enc, const core::ModelSpec& spec, const ModelBuffers& m, const StepParams& p) {
+  const StepScratch& s = m.s;
+  const uint32_t V = spec.vocab;
+  const uint64_t state_bytes = ops::sample_state_bytes(1);
+  const uint64_t part_bytes = ops::sample_partials_bytes(1, p.valid_vocab ? p.valid_vocab : V);
+  const uint64_t hist_bytes = ops::sample_hist_bytes(1, p.valid_vocab ? p.valid_vocab : V);
+  std::vector<ops::SampleOperands> rows;
+  for (uint32_t t = 0; t < p.tokens; ++t) {
+    const uint32_t entry = kBatchSlots * p.slot + t;
+    ops::SampleOperands so;
+    so.logits = Binding{s.logits.buffer, s.logits.offset + uint64_t(t) * V * 4, uint64_t(V) * 4};
+    // Each row binds its own entries (slot 0 of the binding), so no two rows' ranges overlap.
+    so.ids = Binding{s.batch_tokens.buffer, s.batch_tokens.offset + entry * 4, 4};
+    so.chosen_logit = Binding{s.batch_chosen.buffer, s.batch_chosen.offset + entry * 4, 4};
+    so.state = Binding{s.batch_sample_state.buffer, s.batch_sample_state.offset + entry * state_bytes, state_bytes};
+    so.partials = Binding{s.batch_sample_partials.buffer, s.batch_sample_partials.offset + t * part_bytes, part_bytes};
+    so.hist = Binding{s.batch_sample_hist.buffer, s.batch_sample_hist.offset + t * hist_bytes, hist_bytes};
+    so.logprobs = Binding{};
+    so.rows = 1;
+    so.stride = V;
+    so.valid_vocab = p.valid_vocab ? p.valid_vocab : V;
+    so.slot = 0;
+    so.params = (*p.batch_sample)[t];
+    rows.push_back(so);
+  }
+  ops::encode_samples(enc, rows);
+}
+
 void encode_step(Encoder& enc, const core::ModelSpec& spec, const ModelBuffers& m, const StepParams& p) {
   const uint32_t T = p.tokens, H = spec.hidden;
   if (T == 0 || T > spec.prefill_chunk)
@@ -228,13 +259,22 @@ void encode_step(Encoder& enc, const core::ModelSpec& spec, const ModelBuffers& 
   const uint64_t xe = dtype_size(act);
   const uint64_t row = uint64_t(H) * xe;
   StepScratch t = s;  // the activations narrowed to T rows (ops bind exactly what they touch)
-  if (p.ids_from_slot && T != 1) throw std::invalid_argument("engine step: ids_from_slot needs exactly one token");
-  if (p.batch && (p.batch->size() != T || T < 2 || !p.all_logits || p.sample || p.ids_from_slot))
-    throw std::invalid_argument("engine step: a batched decode step feeds one token to each of >= 2 sequences, "
-                                "with all_logits and without sampling");
+  if (p.ids_from_slot && T != 1 && !p.batch) throw std::invalid_argument("engine step: ids_from_slot needs exactly one token");
+  if (p.batch && (p.batch->size() != T || T < 2 || T > kBatchSlots || !p.all_logits || p.masked))
+    throw std::invalid_argument("engine step: a batched decode step feeds one token to each of 2.." +
+                                std::to_string(kBatchSlots) + " sequences, with all_logits and no token mask");
+  if (p.batch && p.sample && (!p.batch_sample || p.batch_sample->size() != T || !s.batch_tokens.buffer))
+    throw std::invalid_argument("engine step: a sampling batched step needs one SampleParams per sequence "
+                                "and the batch sampler's buffers");
+  if (p.batch && p.ids_from_slot && !s.batch_tokens.buffer)
+    throw std::invalid_argument("engine step: no batched step sampled before this one");
   if (p.slot > 1) throw std::invalid_argument("engine step: slot must be 0 or 1");
-  t.ids = p.ids_from_slot ? Binding{s.token_slot.buffer, s.token_slot.offset + (1 - p.slot) * 4, 4}
-                          : Binding{s.ids.buffer, s.ids.offset, uint64_t(T) * 4};
+  if (p.batch && p.ids_from_slot)
+    t.ids = Binding{s.batch_tokens.buffer, s.batch_tokens.offset + uint64_t(kBatchSlots) * (1 - p.slot) * 4, uint64_t(T) * 4};
+  else if (p.ids_from_slot)
+    t.ids = Binding{s.token_slot.buffer, s.token_slot.offset + (1 - p.slot) * 4, 4};
+  else
+    t.ids = Binding{s.ids.buffer, s.ids.offset, uint64_t(T) * 4};
   t.x = rows(s.x, 0, T, row);
   t.h = rows(s.h, 0, T, row);
   t.xn = rows(s.xn, 0, T, row);
@@ -346,7 +386,8 @@ void encode_step(Encoder& enc, const core::ModelSpec& spec, const ModelBuffers& 
   ops::encode_quantized_matmul(enc, head);
   if (!p.sample) return;
   enc.barrier();  // logits -> sampler
-  encode_step_sampler(enc, spec, m, p, logits_row + out_rows - 1);
+  if (p.batch) encode_batch_sampler(enc, spec, m, p);
+  else encode_step_sampler(enc, spec, m, p, logits_row + out_rows - 1);
 }
 
 }  // namespace

@@ -89,6 +89,11 @@ struct StepScratch {
   Binding chosen_logit;         // float32 [2]: their raw logits
   Binding sample_state;         // SampleState [2] (one per slot: the host reads its status)
   Binding sample_partials, sample_hist;  // sampler scratch for one row of V
+  // Batched steps that sample (bound with the batch scratch, Engine::add_sequence): 2 slots of
+  // kBatchSlots entries each (entry kBatchSlots * slot + t: row t's token, its logit, its
+  // SampleState), and the sampler scratch of kBatchSlots rows.
+  Binding batch_tokens, batch_chosen, batch_sample_state;
+  Binding batch_sample_partials, batch_sample_hist;
   Binding logprobs;             // uint32 [2, kSampleLogprobWords]: logprob records (one per slot)
   Binding token_mask;           // uint32 [2, ceil(V / 32)]: a constraint's allowed-token bitset per slot
 };
@@ -131,9 +136,16 @@ struct StepParams {
   uint32_t valid_vocab = 0;    // ids >= valid_vocab are never sampled (0: vocab)
   bool masked = false;         // the sampler applies token_mask[slot] (the host wrote it before the commit)
   // Batched decode: token t (tokens = batch->size() >= 2) is the one token of sequence (*batch)[t];
-  // position and conv_parity above are unused. Needs all_logits (row t: sequence t) and no sampling.
+  // position and conv_parity above are unused. Needs all_logits (row t: sequence t) and no mask.
+  // With `sample`, row t is sampled with batch_sample[t] (sample_params is unused) into
+  // batch_tokens[kBatchSlots * slot + t]; with ids_from_slot, token t is
+  // batch_tokens[kBatchSlots * (1 - slot) + t] (the previous batched step's sample of row t).
   const std::vector<SeqState>* batch = nullptr;
+  const std::vector<ops::SampleParams>* batch_sample = nullptr;
 };
+
+// Rows a batched step samples at most: the entries per slot of StepScratch::batch_tokens.
+inline constexpr uint32_t kBatchSlots = 8;
 
 // Dispatch and barrier counts of one step are whatever the encoder counts (Encoder::counters);
 // tests compare them with a count derived from the config (tests/model/step_plan.py; asserted in

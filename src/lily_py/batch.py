@@ -13,16 +13,20 @@ string, ``max_tokens``, a full context, ``cancel(key)``) frees its place for the
 A prompt's longest prefix in the model's prompt cache is restored into its sequence instead of
 prefilled, and its snapshot points are snapshotted into the cache, as ``generate`` does.
 
-Tokens are sampled on the host from each row (``lily_py.sampling.sample``, bit-identical to the
-device sampler that ``generate`` uses), with the request's own parameters, seed and step, so a
-request's tokens equal those ``generate`` samples for it alone, up to the batched matmuls'
-rounding (the qmv route over B rows instead of qmv1 with the norms fused in; docs/batching.md).
+Each row of a decode step is sampled on the device (``Engine.submit_batch``: the sampler that
+``generate`` uses, with the request's own parameters, seed and step), so a request's tokens equal
+those ``generate`` samples for it alone, up to the batched matmuls' rounding (the qmv route over B
+rows instead of qmv1 with the norms fused in; docs/batching.md). No logits leave the device, and
+two decode steps are in flight, as in ``generate``: step N + 1 is committed, fed from the device
+slot, before the host waits for step N's tokens, so the host's part of a step (encoding,
+detokenizing, stop strings) overlaps the GPU. A request that ends at step N leaves one wasted row
+in step N + 1; admitting, prefilling or dropping a request waits for the steps in flight first.
+The first token of a prompt is sampled on the host from the prefill's last row
+(``lily_py.sampling.sample``, bit-identical to the device sampler).
 """
 from __future__ import annotations
 
 import collections
-import concurrent.futures
-import os
 import secrets
 import threading
 import time
@@ -62,8 +66,11 @@ class Request:
     cached: int = 0               # of those, restored from the prompt cache
     first: np.ndarray | None = None  # logits of a whole prompt restored from the cache
     looked_up: bool = False       # the prompt cache was consulted
-    n: int = 0                    # tokens sampled
+    n: int = 0                    # tokens sampled (and handed out)
+    sub: int = 0                  # ... and those of the decode steps in flight
     tok: int = -1                 # the last sampled token (fed by the next decode step)
+    sampling: object = None       # the device sampler's parameters (_core.Sampling), at admission
+    ended: bool = False           # finished: its rows in flight are dropped
     detok: object = None
     matcher: StopMatcher = field(default_factory=lambda: StopMatcher([]))
     t0: float = 0.0
@@ -119,18 +126,6 @@ def check_batch_args(m, max_batch, prefill_step) -> tuple[int, int]:
     return max_batch, prefill_step
 
 
-_POOL: concurrent.futures.ThreadPoolExecutor | None = None
-
-
-def _pool() -> concurrent.futures.ThreadPoolExecutor:
-    """The threads that sample a batched step's rows (one per row, at most 8)."""
-    global _POOL
-    if _POOL is None:
-        _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1),
-                                                      thread_name_prefix="lily-py-sample")
-    return _POOL
-
-
 class Batcher:
     """Continuous batching on one model. One thread drives it: ``add`` (a ``Request``), ``step``
     (one round: admit waiting requests, run one prefill chunk, one batched decode step; returns
@@ -148,6 +143,8 @@ class Batcher:
         self._queue: collections.deque[Request] = collections.deque()
         self._prefilling: list[Request] = []
         self._decoding: list[Request] = []
+        self._flights: collections.deque[list[Request]] = collections.deque()  # decode steps in flight
+        self._ended: list[Request] = []   # finished; their sequences go once nothing is in flight
         self._cancelled: set = set()
         self._lock = threading.Lock()
         self._home = -1               # the model's own sequence while the Batcher holds the model
@@ -204,36 +201,50 @@ class Batcher:
 
     def step(self) -> list[tuple[Hashable, GenerationChunk]]:
         out: list[tuple[Hashable, GenerationChunk]] = []
-        if self.idle:
+        if self.idle and not self._flights:
             return out
         self.hold()
         try:
+            admitting = self._queue and self.running < self.max_batch
+            if admitting or self._prefilling:
+                self._drain(out)      # a new sequence, a prefill chunk: nothing may be in flight
             self._admit(out)
             if self._prefilling:
                 self._prefill(out)
             if self._decoding:
                 self._decode(out)
+            if not self._decoding and self._flights:
+                self._drain(out)      # every row in flight ended
         except BaseException:
             self.close()
             raise
-        self._e.select_sequence(self._home)   # the conversation is active between steps
-        if self.idle:
-            self._release()
+        if not self._flights:
+            self._drop_ended()
+            self._e.select_sequence(self._home)   # the conversation is active between steps
+            if self.idle:
+                self._release()
         return out
 
     def close(self) -> None:
         """End every request and free its sequence (no chunks); the model goes back as it was."""
         self._queue.clear()
         try:
+            while self._flights:   # wait out the steps in flight; their tokens are dropped
+                self._flights.popleft()
+                try:
+                    self._e.complete_batch()
+                except Exception:   # a failed step: the engine dropped the others
+                    self._flights.clear()
             if self._home >= 0:
                 self._e.select_sequence(self._home)
-                for r in self._prefilling + self._decoding:
+                for r in self._prefilling + self._decoding + self._ended:
                     if r.seq >= 0 and r.seq != self._home:
                         self._e.drop_sequence(r.seq)
         except Exception:   # a device error left steps unfinished: the next reset cleans up
             pass
         finally:
-            self._prefilling, self._decoding = [], []
+            self._prefilling, self._decoding, self._ended = [], [], []
+            self._flights.clear()
             self._release()
 
     # ---- one round ----------------------------------------------------------------------------
@@ -244,6 +255,11 @@ class Batcher:
         while self._queue and self.running < self.max_batch:
             r = self._queue.popleft()
             r.seq = self._e.add_sequence()
+            p = r.params
+            r.sampling = self._m._backend.sampling(dict(
+                temperature=p.temperature, top_k=min(int(p.top_k), self._m.config.vocab_size),
+                top_p=p.top_p, min_p=p.min_p, seed=r.seed & 0xFFFFFFFFFFFFFFFF, step=0,
+                valid_vocab=self._valid))
             r.t0 = time.perf_counter()
             r.detok = self._m.tokenizer.detokenizer() if self._m.tokenizer is not None else None
             r.matcher = StopMatcher(r.stops)
@@ -288,6 +304,7 @@ class Batcher:
             r.t_prefill = time.perf_counter() - r.t0
             r.t1 = time.perf_counter()
             c = self._sample(r, self._first, len(r.ids))
+            r.sub = r.n
             if c.finish_reason is None:
                 self._decoding.append(r)
             else:
@@ -323,29 +340,72 @@ class Batcher:
         return len(part)
 
     def _decode(self, out: list) -> None:
-        e = self._e
-        seqs = np.array([r.seq for r in self._decoding], dtype=np.uint32)
-        toks = np.array([r.tok for r in self._decoding], dtype=np.uint32)
-        logits, _ = e.decode_batch(seqs, toks)
+        """Commit the next decode step (fed from the device slot when it follows the step in
+        flight with the same rows, else from the host's tokens once the steps in flight are
+        done), then hand out the oldest step's tokens: two steps in flight in the steady state."""
+        if self._flights and not self._follows(self._flights[-1]):
+            self._drain(out)
+        if not self._flights:
+            if not self._decoding:
+                return
+            self._submit(list(self._decoding), from_slot=False)
+        if self._follows(self._flights[-1]):
+            self._submit(self._flights[-1], from_slot=True)
+        self._complete(out)
+
+    def _follows(self, rows: list[Request]) -> bool:
+        """Whether a step fed from the device slot may follow ``rows`` (the newest step in
+        flight): the same requests decoding in the same order, each wanting another token that
+        fits its context."""
+        if len(rows) != len(self._decoding) or any(a is not b for a, b in zip(rows, self._decoding)):
+            return False
+        ctx = self._m.context_length
+        return all(r.sub < r.max_tokens and len(r.ids) + r.sub <= ctx and not self._is_cancelled(r.key)
+                   for r in rows)
+
+    def _submit(self, rows: list[Request], from_slot: bool) -> None:
+        seqs = np.array([r.seq for r in rows], dtype=np.uint32)
+        steps = np.array([r.sub for r in rows], dtype=np.uint32)
+        ids = None if from_slot else np.array([r.tok for r in rows], dtype=np.uint32)
+        self._e.submit_batch(seqs, ids, [r.sampling for r in rows], steps)
+        for r in rows:
+            r.sub += 1
+        self._flights.append(rows)
         self.steps += 1
-        self.peak = max(self.peak, len(seqs))
-        rows = list(self._decoding)
-        picks = [None] * len(rows)
-        sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
-        if len(sampled) > 1:   # numpy releases the GIL: the rows' samplers run side by side
-            for i, tok in zip(sampled, _pool().map(lambda i: self._pick(rows[i], logits[i]), sampled)):
-                picks[i] = tok
-        for i, r in enumerate(rows):
-            c = self._sample(r, logits[i], e.sequence_position(r.seq), picks[i])
+        self.peak = max(self.peak, len(rows))
+
+    def _complete(self, out: list) -> None:
+        """Wait for the oldest step in flight and hand out its tokens (rows of requests that
+        ended meanwhile are dropped)."""
+        rows = self._flights.popleft()
+        toks = self._e.complete_batch()
+        for r, tok in zip(rows, toks):
+            if r.ended:
+                continue
+            c = self._sample(r, None, len(r.ids) + r.n, int(tok))
             if c.finish_reason is not None:
                 self._decoding.remove(r)
                 self._finish(r)
             out.append((r.key, c))
 
+    def _drain(self, out: list) -> None:
+        """Hand out every step in flight, then free the sequences of the requests that ended."""
+        while self._flights:
+            self._complete(out)
+        self._drop_ended()
+
     def _finish(self, r: Request) -> None:
+        r.ended = True
+        self._ended.append(r)
+
+    def _drop_ended(self) -> None:
+        if not self._ended:
+            return
         self._e.select_sequence(self._home)
-        self._e.drop_sequence(r.seq)
-        r.seq = -1
+        for r in self._ended:
+            self._e.drop_sequence(r.seq)
+            r.seq = -1
+        self._ended = []
 
     # ---- chunks -------------------------------------------------------------------------------
     def _chunk(self, r: Request, text: str, tok: int | None, finish: str | None = None) -> GenerationChunk:
@@ -367,7 +427,7 @@ class Batcher:
                                raw=text, stop_sequence=stop, section=section)
 
     def _pick(self, r: Request, row: np.ndarray) -> int:
-        """r's next token from its logits row (no state changes: safe on a worker thread)."""
+        """r's next token from its logits row on the host (the first token, from the prefill)."""
         if self._valid < row.shape[-1]:
             row = row.copy()
             row[self._valid:] = -np.inf

@@ -104,6 +104,30 @@ def test_cancel_one_leaves_the_others(model, single):
     assert toks[0] == single[0].tokens and toks[2] == single[2].tokens
 
 
+def test_decode_steps_run_two_in_flight_without_copying_logits(model):
+    """The batch's decode steps are sampled on the device and overlap: the device is idle at the
+    first one only (and after a request ends early, when the rows change), each costs one host
+    wait, and no logits row leaves the device (each prefill copies its last row, for the first
+    token); the tokens are those generate() samples for each request alone."""
+    e = model._backend.engine
+    n = 9
+    reqs = [dict(prompt=[40 + i, 50 + i, 60 + i], max_tokens=n, temperature=0.9, seed=i) for i in range(3)]
+    want = [alone(model, r) for r in reqs]
+    counters, copied = dict(e.counters), e.logit_bytes_copied
+    g = model.generate_batch(reqs)
+    toks, _, last, _ = run(g)
+    assert [toks[i] for i in range(3)] == [r.tokens for r in want]
+    assert [last[i].finish_reason for i in range(3)] == [r.finish_reason for r in want]
+    grew = {k: e.counters[k] - counters[k] for k in counters}
+    steps, prefills = g._batcher.steps, len(reqs)   # a prefill: one chunk, one commit, one wait
+    early = sum(r.finish_reason != "length" for r in want)
+    if not early:
+        assert steps == n - 1
+    assert grew["commits"] == grew["host_waits"] == prefills + steps, (grew, steps)
+    assert prefills + 1 <= grew["idle_commits"] <= prefills + 1 + early, grew
+    assert e.logit_bytes_copied - copied == prefills * model.config.vocab_size * 4
+
+
 def test_close_early_frees_every_sequence(model):
     e = model._backend.engine
     g = model.generate_batch(PROMPTS[:4], max_tokens=MAX_TOKENS)

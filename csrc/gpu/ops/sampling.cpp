@@ -2,10 +2,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <initializer_list>
 #include <limits>
 #include <stdexcept>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace lily::gpu::ops {
 
@@ -100,7 +103,14 @@ void validate(const SampleOperands& op) {
   if (sample_plan(op).small_k || sample_plan(op).buckets || s.logprobs > 0) need(op.hist, sample_hist_bytes(op.rows, op.valid_vocab), "hist");
 }
 
-void encode_sample(Encoder& enc, const SampleOperands& op) {
+namespace {
+
+// One call's dispatches by level: every dispatch of level i reads what level i - 1 wrote (a
+// barrier between two levels), dispatches of one level are independent. Each closure sets its
+// kernel, args and buffers in full, so the levels of several calls can interleave.
+using Level = std::vector<std::function<void(Encoder&)>>;
+
+std::vector<Level> sample_levels(const SampleOperands& op) {
   validate(op);
   const SamplePlan plan = sample_plan(op);
   const SampleParams& s = op.params;
@@ -134,74 +144,55 @@ void encode_sample(Encoder& enc, const SampleOperands& op) {
   const uint64_t bins_bytes = uint64_t(op.rows) * kSampleHistBins * kSampleBinWords * 4;
   const Size3 partial_grid{G, op.rows, 1}, final_grid{1, op.rows, 1};
   const Size3 partial_threads{kSampleThreads, 1, 1}, final_threads{kSampleFinalThreads, 1, 1};
-  bool first = true;
-  // Every pass reads what the previous one wrote: a barrier before each but the first. The
-  // buffers bind at indices 1, 2, ... in the order given (index 0 is the args).
-  auto begin = [&](KernelId k, std::initializer_list<Binding> buffers) {
-    if (!first) enc.barrier();
-    first = false;
-    enc.set_kernel(k);
-    enc.set_args(a);
-    uint32_t index = 1;
-    for (const Binding& b : buffers) enc.set_buffer(index++, b);
+  std::vector<Level> levels;
+  // A dispatch of its own level. The buffers bind at indices 1, 2, ... in the order given (index
+  // 0 is the args); touched: (index, bytes) overrides.
+  auto level = [&](KernelId k, const SampleArgs& args, std::vector<Binding> buffers, Size3 grid, Size3 threads,
+                   std::vector<std::pair<uint32_t, uint64_t>> touched = {}, bool same_level = false) {
+    auto d = [=](Encoder& enc) {
+      enc.set_kernel(k);
+      enc.set_args(args);
+      uint32_t index = 1;
+      for (const Binding& b : buffers) enc.set_buffer(index++, b);
+      for (auto [i, n] : touched) enc.set_touched(i, n);
+      enc.dispatch(grid, threads);
+    };
+    if (same_level) levels.back().push_back(d);
+    else levels.push_back(Level{d});
   };
 
-  auto route = [&] {
-    // Unmasked: the state binding stands in for the mask (never read).
-    begin(KernelId::sample_max_partial_f32,
-          {logits, parts, a.masked ? range(op.mask, uint64_t(op.rows) * a.mask_stride * 4) : state});
-    if (!a.masked) enc.set_touched(3, 0);
-    enc.dispatch(partial_grid, partial_threads);
-    if (plan.buckets) {
-      begin(KernelId::sample_max_final_buckets, {parts, state, hist});
-      enc.set_touched(3, bins_bytes);
-      enc.dispatch(final_grid, final_threads);
-    } else {
-      begin(KernelId::sample_max_final, {parts, state, ids, chosen});
-      enc.dispatch(final_grid, final_threads);
-    }
-    if (plan.greedy) return;
-
-    if (plan.small_k) {
-      const uint64_t cand = uint64_t(op.rows) * G * a.top_k * 8;  // (s, id) per candidate
-      begin(KernelId::sample_topk_partial_f32, {logits, state, hist});
-      enc.set_touched(3, cand);
-      enc.dispatch(partial_grid, partial_threads);
-      begin(KernelId::sample_topk_merge_f32, {logits, state, hist, ids, chosen});
-      enc.set_touched(1, uint64_t(op.rows) * 4);  // reads the chosen entry's logit only
-      enc.set_touched(3, cand);
-      enc.dispatch(final_grid, Size3{kSampleMergeThreads, 1, 1});
-      return;
-    }
-
-    if (plan.plain) {
-      begin(KernelId::sample_gumbel_partial_f32, {logits, state, parts});
-      enc.dispatch(partial_grid, partial_threads);
-      begin(KernelId::sample_gumbel_final, {parts, state, ids, chosen});
-      enc.dispatch(final_grid, final_threads);
-      return;
-    }
-
-    // The bucket route. Touched bytes: the buckets, the cumulative buckets, and at most cap
-    // candidates (the fallback re-reads the row instead; not counted).
+  // Unmasked: the state binding stands in for the mask (never read).
+  if (a.masked) {
+    level(KernelId::sample_max_partial_f32, a, {logits, parts, range(op.mask, uint64_t(op.rows) * a.mask_stride * 4)},
+          partial_grid, partial_threads);
+  } else {
+    level(KernelId::sample_max_partial_f32, a, {logits, parts, state}, partial_grid, partial_threads, {{3, 0}});
+  }
+  if (plan.buckets) level(KernelId::sample_max_final_buckets, a, {parts, state, hist}, final_grid, final_threads, {{3, bins_bytes}});
+  else level(KernelId::sample_max_final, a, {parts, state, ids, chosen}, final_grid, final_threads);
+  if (plan.small_k) {
+    const uint64_t cand = uint64_t(op.rows) * G * a.top_k * 8;  // (s, id) per candidate
+    level(KernelId::sample_topk_partial_f32, a, {logits, state, hist}, partial_grid, partial_threads, {{3, cand}});
+    // the merge reads the chosen entry's logit only
+    level(KernelId::sample_topk_merge_f32, a, {logits, state, hist, ids, chosen}, final_grid,
+          Size3{kSampleMergeThreads, 1, 1}, {{1, uint64_t(op.rows) * 4}, {3, cand}});
+  } else if (plan.plain) {
+    level(KernelId::sample_gumbel_partial_f32, a, {logits, state, parts}, partial_grid, partial_threads);
+    level(KernelId::sample_gumbel_final, a, {parts, state, ids, chosen}, final_grid, final_threads);
+  } else if (plan.buckets) {
+    // Touched bytes: the buckets, the cumulative buckets, and at most cap candidates (the
+    // fallback re-reads the row instead; not counted).
     const uint64_t cum_bytes = uint64_t(op.rows) * kSampleHistBins * kSampleCumWords * 4;
     const uint64_t cand_bytes = uint64_t(op.rows) * a.cap * 8;
-    begin(KernelId::sample_hist_partial_f32, {logits, state, hist});
-    enc.set_touched(3, bins_bytes);
-    enc.dispatch(partial_grid, partial_threads);
-    begin(KernelId::sample_select, {state, hist});
-    enc.set_touched(2, bins_bytes + cum_bytes);
-    enc.dispatch(final_grid, Size3{kSampleSelectThreads, 1, 1});
-    begin(KernelId::sample_collect_f32, {logits, state, hist, parts});
-    enc.set_touched(3, cand_bytes);
-    enc.dispatch(partial_grid, partial_threads);
-    begin(KernelId::sample_resolve_f32, {logits, state, hist, parts, ids, chosen});
-    enc.set_touched(1, cand_bytes / 2);  // the candidates' logits
-    enc.set_touched(3, cum_bytes + cand_bytes);
-    enc.dispatch(final_grid, Size3{kSampleResolveThreads, 1, 1});
-  };
-  route();
-  if (plan.logprobs < 0) return;
+    level(KernelId::sample_hist_partial_f32, a, {logits, state, hist}, partial_grid, partial_threads, {{3, bins_bytes}});
+    level(KernelId::sample_select, a, {state, hist}, final_grid, Size3{kSampleSelectThreads, 1, 1},
+          {{2, bins_bytes + cum_bytes}});
+    level(KernelId::sample_collect_f32, a, {logits, state, hist, parts}, partial_grid, partial_threads, {{3, cand_bytes}});
+    // the candidates' logits
+    level(KernelId::sample_resolve_f32, a, {logits, state, hist, parts, ids, chosen}, final_grid,
+          Size3{kSampleResolveThreads, 1, 1}, {{1, cand_bytes / 2}, {3, cum_bytes + cand_bytes}});
+  }
+  if (plan.logprobs < 0) return levels;
 
   // Logprobs: the top candidates of s = l - max (the small-k partial at temperature 1) and the
   // groups' sums of exp(s), one level; then the record. Both overwrite scratch the route is done
@@ -211,34 +202,38 @@ void encode_sample(Encoder& enc, const SampleOperands& op) {
   lp.top_k = uint32_t(plan.logprobs);
   const Binding sums = range(op.partials, uint64_t(op.rows) * G * 4);
   const Binding records = range(op.logprobs, (uint64_t(op.slot) + op.rows) * kSampleLogprobWords * 4);
+  const Binding lp_hist = range(op.hist, sample_hist_bytes(op.rows, op.valid_vocab));
   const uint64_t lp_cand = uint64_t(op.rows) * G * lp.top_k * 8;
-  enc.barrier();
+  if (lp.top_k > 0) level(KernelId::sample_topk_partial_f32, lp, {logits, state, lp_hist}, partial_grid, partial_threads, {{3, lp_cand}});
+  // same level: reads what the route left
+  level(KernelId::sample_lse_partial_f32, lp, {logits, state, sums}, partial_grid, partial_threads, {}, lp.top_k > 0);
   if (lp.top_k > 0) {
-    enc.set_kernel(KernelId::sample_topk_partial_f32);
-    enc.set_args(lp);
-    enc.set_buffer(1, logits);
-    enc.set_buffer(2, state);
-    enc.set_buffer(3, range(op.hist, sample_hist_bytes(op.rows, op.valid_vocab)));
-    enc.set_touched(3, lp_cand);
-    enc.dispatch(partial_grid, partial_threads);
+    level(KernelId::sample_logprobs, lp, {state, lp_hist, sums, chosen, records}, final_grid,
+          Size3{kSampleMergeThreads, 1, 1}, {{2, lp_cand}});
+  } else {
+    level(KernelId::sample_logprobs, lp, {state, sums, sums, chosen, records}, final_grid, Size3{kSampleMergeThreads, 1, 1});
   }
-  enc.set_kernel(KernelId::sample_lse_partial_f32);  // same level: reads what the route left
-  enc.set_args(lp);
-  enc.set_buffer(1, logits);
-  enc.set_buffer(2, state);
-  enc.set_buffer(3, sums);
-  enc.dispatch(partial_grid, partial_threads);
-  enc.barrier();
-  enc.set_kernel(KernelId::sample_logprobs);
-  enc.set_args(lp);
-  enc.set_buffer(1, state);
-  enc.set_buffer(2, lp.top_k > 0 ? range(op.hist, sample_hist_bytes(op.rows, op.valid_vocab)) : sums);
-  if (lp.top_k > 0) enc.set_touched(2, lp_cand);
-  enc.set_buffer(3, sums);
-  enc.set_buffer(4, chosen);
-  enc.set_buffer(5, records);
-  enc.dispatch(final_grid, Size3{kSampleMergeThreads, 1, 1});
+  return levels;
 }
+
+}  // namespace
+
+void encode_samples(Encoder& enc, const std::vector<SampleOperands>& ops) {
+  std::vector<std::vector<Level>> all;
+  size_t depth = 0;
+  for (const SampleOperands& op : ops) {  // every call validated before anything is encoded
+    all.push_back(sample_levels(op));
+    depth = std::max(depth, all.back().size());
+  }
+  for (size_t i = 0; i < depth; ++i) {
+    if (i) enc.barrier();
+    for (const std::vector<Level>& levels : all)
+      if (i < levels.size())
+        for (const auto& d : levels[i]) d(enc);
+  }
+}
+
+void encode_sample(Encoder& enc, const SampleOperands& op) { encode_samples(enc, {op}); }
 
 void encode_sample_noise(Encoder& enc, const Binding& out, uint32_t n, uint64_t seed, uint32_t step) {
   if (n == 0) throw std::invalid_argument("sample_noise: n must be > 0");

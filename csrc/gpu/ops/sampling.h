@@ -4,6 +4,7 @@
 // Reference: lily_py.sampling (sample / keep_mask), reproduced bit for bit.
 #pragma once
 #include <cstdint>
+#include <vector>
 
 #include "gpu/encoder.h"
 
@@ -62,6 +63,10 @@ float sample_bin_scale(double temperature);
 // Encodes the plan's dispatches with a barrier between consecutive ones (each reads what the
 // previous wrote); no barrier after the last one.
 void encode_sample(Encoder& enc, const SampleOperands& op);
+// Several calls (each row of a batched step with its own parameters) in the levels of the deepest:
+// level i of every call, then one barrier, then level i + 1. The calls must not share scratch
+// (state, partials, hist) or output entries. Each is validated before anything is encoded.
+void encode_samples(Encoder& enc, const std::vector<SampleOperands>& ops);
 
 // The Gumbel noise of (seed, step) for ids 0..n-1 into out (float32 [n]); for tests.
 void encode_sample_noise(Encoder& enc, const Binding& out, uint32_t n, uint64_t seed, uint32_t step);
