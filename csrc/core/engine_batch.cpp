@@ -306,6 +306,8 @@ void Engine::advance_sequence(uint32_t id) {
   }
 }
 
+static_assert(Engine::kMaxBatch <= gpu::kBatchSlots, "a batched step samples at most kBatchSlots rows");
+
 StepStats Engine::submit_batch(const uint32_t* seqs, const uint32_t* ids, uint32_t B,
                                const std::vector<StepSampling>& sampling, bool from_slot) {
   if (B == 0 || B > max_batch())
@@ -334,10 +336,13 @@ StepStats Engine::submit_batch(const uint32_t* seqs, const uint32_t* ids, uint32
       fail("submit_batch: token id " + num(ids[t]) + " at index " + num(t) + " outside [0, " + num(spec_.vocab) + ")");
     if (!s.enabled || s.mask || s.ids_from_slot || s.params.logprobs >= 0)
       fail("submit_batch: sampling " + num(t) + " must sample, with no mask, slot feed or logprobs");
-    if (!s.params.greedy && !(s.params.temperature > 0))
-      fail("submit_batch: temperature must be > 0 when not greedy (index " + num(t) + ")");
     if (s.valid_vocab > spec_.vocab || s.valid_vocab != sampling[0].valid_vocab)
       fail("submit_batch: valid_vocab must be the same for every row and <= vocab " + num(spec_.vocab));
+    try {
+      gpu::ops::validate_params(s.params, s.valid_vocab ? s.valid_vocab : spec_.vocab);
+    } catch (const std::invalid_argument& e) {
+      fail("submit_batch: sampling " + num(t) + ": " + e.what());
+    }
   }
   if (B == 1) {  // the single-stream step of that sequence (its own slot feed)
     if (idle) select_sequence(seqs[0]);
@@ -400,7 +405,6 @@ StepStats Engine::complete_batch(std::vector<uint32_t>& tokens) {
     f.enc->wait();
   } catch (...) {
     discard_inflight();  // every sequence of the step stays invalid until reset / restore
-    have_batch_token_ = false;
     throw;
   }
   StepStats st = f.st;

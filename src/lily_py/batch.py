@@ -4,8 +4,8 @@
 Each request gets a sequence of its own on the engine (its own DeltaNet state, conv windows and
 KV blocks; ``_core.Engine.add_sequence``), apart from the model's conversation, which is left as
 it was. A ``Batcher`` keeps up to ``max_batch`` requests decoding: one batched step
-(``Engine.decode_batch``) feeds each its last token and returns one row of logits per sequence,
-so every weight byte is read once for the whole batch. Requests join at any time (``add``); one
+(``Engine.submit_batch``) feeds each its last token and samples its next one, so every weight
+byte is read once for the whole batch. Requests join at any time (``add``); one
 that arrives while others decode is prefilled ``prefill_step`` tokens at a time (short prompts
 share that budget), between two decode steps, so the running streams keep their pace; a request that ends (EOS, stop
 string, ``max_tokens``, a full context, ``cancel(key)``) frees its place for the next one.
@@ -19,8 +19,10 @@ those ``generate`` samples for it alone, up to the batched matmuls' rounding (th
 rows instead of qmv1 with the norms fused in; docs/batching.md). No logits leave the device, and
 two decode steps are in flight, as in ``generate``: step N + 1 is committed, fed from the device
 slot, before the host waits for step N's tokens, so the host's part of a step (encoding,
-detokenizing, stop strings) overlaps the GPU. A request that ends at step N leaves one wasted row
-in step N + 1; admitting, prefilling or dropping a request waits for the steps in flight first.
+detokenizing, stop strings) overlaps the GPU. A request that ends at step N unforeseen (EOS, a
+stop string, a cancel) leaves one wasted row in step N + 1; whenever the rows change (a request
+ends, is admitted or prefilled) the steps in flight are waited for first, and a round that
+prefills runs one decode step, not pipelined.
 The first token of a prompt is sampled on the host from the prefill's last row
 (``lily_py.sampling.sample``, bit-identical to the device sampler).
 """
@@ -128,7 +130,8 @@ def check_batch_args(m, max_batch, prefill_step) -> tuple[int, int]:
 
 class Batcher:
     """Continuous batching on one model. One thread drives it: ``add`` (a ``Request``), ``step``
-    (one round: admit waiting requests, run one prefill chunk, one batched decode step; returns
+    (one round: admit waiting requests, run one prefill chunk, hand out one batched decode
+    step's tokens, with the next step already committed when the rows stay the same; returns
     the ``(key, GenerationChunk)`` pairs it made) and ``close``; ``cancel(key)`` may come from any
     thread. While requests run, the Batcher holds the model (``generate`` raises BusyError); it
     lets go whenever it is idle, so a driver can run ``generate`` between two batches."""
@@ -205,14 +208,14 @@ class Batcher:
             return out
         self.hold()
         try:
-            admitting = self._queue and self.running < self.max_batch
-            if admitting or self._prefilling:
+            if self._admitting() or self._prefilling:
                 self._drain(out)      # a new sequence, a prefill chunk: nothing may be in flight
             self._admit(out)
             if self._prefilling:
                 self._prefill(out)
             if self._decoding:
-                self._decode(out)
+                # one decode step between two prefill chunks (no follower to wait for next round)
+                self._decode(out, follow=not self._prefilling and not self._admitting())
             if not self._decoding and self._flights:
                 self._drain(out)      # every row in flight ended
         except BaseException:
@@ -233,8 +236,9 @@ class Batcher:
                 self._flights.popleft()
                 try:
                     self._e.complete_batch()
-                except Exception:   # a failed step: the engine dropped the others
-                    self._flights.clear()
+                except Exception:   # a failed step (the engine dropped the others) or a bad row
+                    if self._e.in_flight == 0:
+                        self._flights.clear()
             if self._home >= 0:
                 self._e.select_sequence(self._home)
                 for r in self._prefilling + self._decoding + self._ended:
@@ -248,6 +252,10 @@ class Batcher:
             self._release()
 
     # ---- one round ----------------------------------------------------------------------------
+    def _admitting(self) -> bool:
+        """Whether a waiting request gets a place this round (a new sequence: nothing in flight)."""
+        return bool(self._queue) and self.running < self.max_batch
+
     def _admit(self, out: list) -> None:
         for r in [r for r in self._queue if self._is_cancelled(r.key)]:
             self._queue.remove(r)
@@ -339,17 +347,18 @@ class Batcher:
         self._first = logits[-1] if want else None
         return len(part)
 
-    def _decode(self, out: list) -> None:
+    def _decode(self, out: list, follow: bool = True) -> None:
         """Commit the next decode step (fed from the device slot when it follows the step in
         flight with the same rows, else from the host's tokens once the steps in flight are
-        done), then hand out the oldest step's tokens: two steps in flight in the steady state."""
+        done), then hand out the oldest step's tokens: two steps in flight in the steady state.
+        ``follow`` False: no step fed from the slot (the next round must wait for the device)."""
         if self._flights and not self._follows(self._flights[-1]):
             self._drain(out)
         if not self._flights:
             if not self._decoding:
                 return
             self._submit(list(self._decoding), from_slot=False)
-        if self._follows(self._flights[-1]):
+        if follow and self._follows(self._flights[-1]):
             self._submit(self._flights[-1], from_slot=True)
         self._complete(out)
 

@@ -128,6 +128,25 @@ def test_decode_steps_run_two_in_flight_without_copying_logits(model):
     assert e.logit_bytes_copied - copied == prefills * model.config.vocab_size * 4
 
 
+def test_a_stop_string_ends_one_stream_with_its_next_row_in_flight(model, single):
+    """A stop string cannot be foreseen: request 0 ends at a step whose successor is already in
+    flight. That row is dropped, the device waits once more for the host (the rows change), and
+    every request's tokens are those generate() gives it alone with the same arguments."""
+    e = model._backend.engine
+    piece = model.tokenizer.decode(single[0].tokens[2:3])
+    reqs = [dict(prompt=PROMPTS[0], stop=[piece])] + PROMPTS[1:3]
+    want = [alone(model, r) for r in reqs]
+    assert want[0].finish_reason == "stop" and len(want[0].tokens) < MAX_TOKENS, want[0]
+    assert all(r.finish_reason == "length" for r in want[1:]), want
+    counters = dict(e.counters)
+    toks, text, last, _ = run(model.generate_batch(reqs, max_tokens=MAX_TOKENS))
+    for i, r in enumerate(want):
+        assert (toks[i], text[i], last[i].finish_reason) == (r.tokens, r.text, r.finish_reason), i
+    prefills = len(reqs)
+    assert e.counters["idle_commits"] - counters["idle_commits"] == prefills + 2
+    assert e.sequences == [e.active_sequence]
+
+
 def test_close_early_frees_every_sequence(model):
     e = model._backend.engine
     g = model.generate_batch(PROMPTS[:4], max_tokens=MAX_TOKENS)

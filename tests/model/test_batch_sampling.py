@@ -80,7 +80,8 @@ def u32(*v):
 
 def test_device_rows_equal_the_host_sampler(engine):
     e, V = engine
-    rng = np.random.default_rng()
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    rng = np.random.default_rng(seed)
     # 30 and 62 cross a 32-token KV block within the steps: those pools grow with a step in flight
     lengths = (30, 5, 62, 17)
     prompts = [rng.integers(0, V, n).tolist() for n in lengths]
@@ -106,6 +107,7 @@ def test_device_rows_equal_the_host_sampler(engine):
     before, copied = dict(e.counters), e.logit_bytes_copied
     dev = [[t] for t in tok0]
     e.submit_batch(u32(*seqs), u32(*tok0), samplings, u32(1, 1, 1, 1))
+    pools = e.memory["state_bytes"]   # (the restores took the pools back to the prompts' blocks)
     for n in range(2, steps + 2):
         if n <= steps:
             st = e.submit_batch(u32(*seqs), None, samplings, u32(n, n, n, n))
@@ -113,7 +115,8 @@ def test_device_rows_equal_the_host_sampler(engine):
         for i, t in enumerate(e.complete_batch()):
             dev[i].append(t)
     for i in range(4):
-        assert dev[i] == host[i], f"sequence {i} ({ROUTES[i]}): device {dev[i]} != host {host[i]}"
+        assert dev[i] == host[i], f"seed {seed}, sequence {i} ({ROUTES[i]}): device {dev[i]} != host {host[i]}"
+    assert e.memory["state_bytes"] > pools   # KV pools grew while a step was in flight
     grew = {k: e.counters[k] - before[k] for k in before}
     assert grew == dict(commits=steps, idle_commits=1, host_waits=steps, masks_written=0), grew
     assert e.logit_bytes_copied == copied
@@ -189,8 +192,14 @@ def test_misuse_raises(engine):
         e.submit_batch(u32(*seqs), u32(1, 2), two[:1], u32(0, 0))
     with pytest.raises(ValueError, match="valid_vocab must be the same"):
         e.submit_batch(u32(*seqs), u32(1, 2), [two[0], core.Sampling(dict(d[1], valid_vocab=V - 1))], u32(0, 0))
+    with pytest.raises(ValueError, match="sampling 1: sample: top_p must be in"):
+        e.submit_batch(u32(*seqs), u32(1, 2), [two[0], core.Sampling(dict(d[1], top_p=0.0))], u32(0, 0))
     assert [e.sequence_position(s) for s in seqs] == [2, 3]  # nothing ran
+    assert all(e.sequence_valid(s) for s in seqs)
     e.submit_batch(u32(*seqs), u32(1, 2), two, u32(0, 0))
+    with pytest.raises(ValueError, match="sampling 0: sample: min_p must be in"):
+        e.submit_batch(u32(*seqs), None, [core.Sampling(dict(d[0], min_p=2.0)), two[1]], u32(1, 1))
+    assert e.in_flight == 1   # the step in flight is untouched
     with pytest.raises(ValueError, match="only a step fed from the device slot"):
         e.submit_batch(u32(*seqs), u32(1, 2), two, u32(1, 1))
     with pytest.raises(ValueError, match="same sequences in the same order"):

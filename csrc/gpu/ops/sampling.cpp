@@ -76,19 +76,27 @@ size_t sample_hist_bytes(uint32_t rows, uint32_t v) {
   return size_t(rows) * std::max<size_t>(small_k, size_t(kSampleRowWords) * 4);
 }
 
-void validate(const SampleOperands& op) {
+void validate_params(const SampleParams& s, uint32_t valid_vocab) {
   auto fail = [](const std::string& m) { throw std::invalid_argument("sample: " + m); };
-  if (op.rows == 0 || op.valid_vocab == 0) fail("empty shape");
-  if (op.stride < op.valid_vocab) fail("stride " + std::to_string(op.stride) + " < valid_vocab " + std::to_string(op.valid_vocab));
-  const SampleParams& s = op.params;
   if (!s.greedy && !(s.temperature > 0)) fail("temperature must be > 0 when sampling");
   if (!(s.top_p > 0 && s.top_p <= 1)) fail("top_p must be in (0, 1]");
   if (!(s.min_p >= 0 && s.min_p <= 1)) fail("min_p must be in [0, 1]");
   if (s.logprobs < -1 || s.logprobs > int32_t(kSampleMaxLogprobs))
     fail("logprobs must be -1 (off) or a top count in [0, " + std::to_string(kSampleMaxLogprobs) + "]");
+  SampleOperands op;
+  op.params = s;
+  op.valid_vocab = valid_vocab;
+  if (sample_plan(op).buckets && valid_vocab > kSampleMaxVocab)
+    fail("valid_vocab " + std::to_string(valid_vocab) + " > " + std::to_string(kSampleMaxVocab) + " (bucket masses)");
+}
+
+void validate(const SampleOperands& op) {
+  auto fail = [](const std::string& m) { throw std::invalid_argument("sample: " + m); };
+  if (op.rows == 0 || op.valid_vocab == 0) fail("empty shape");
+  if (op.stride < op.valid_vocab) fail("stride " + std::to_string(op.stride) + " < valid_vocab " + std::to_string(op.valid_vocab));
+  const SampleParams& s = op.params;
+  validate_params(s, op.valid_vocab);
   if (op.candidate_cap > kSampleCandidates) fail("candidate_cap must be <= " + std::to_string(kSampleCandidates));
-  if (sample_plan(op).buckets && op.valid_vocab > kSampleMaxVocab)
-    fail("valid_vocab " + std::to_string(op.valid_vocab) + " > " + std::to_string(kSampleMaxVocab) + " (bucket masses)");
   auto need = [&](const Binding& b, uint64_t bytes, const char* what) {
     if (b.buffer == nullptr) fail(std::string(what) + " not bound");
     if (b.bytes < bytes) fail(std::string(what) + " range has " + std::to_string(b.bytes) + " bytes, needs " + std::to_string(bytes));

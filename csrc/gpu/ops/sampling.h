@@ -58,6 +58,8 @@ size_t sample_partials_bytes(uint32_t rows, uint32_t valid_vocab);
 size_t sample_hist_bytes(uint32_t rows, uint32_t valid_vocab);
 // Throws std::invalid_argument naming the bad operand or parameter.
 void validate(const SampleOperands& op);
+// The parameters' part of validate (a call sampling ids < valid_vocab with them).
+void validate_params(const SampleParams& params, uint32_t valid_vocab);
 // Bucket route: the bucket scale of a temperature (x = -s * scale; any positive value is exact).
 float sample_bin_scale(double temperature);
 // Encodes the plan's dispatches with a barrier between consecutive ones (each reads what the
