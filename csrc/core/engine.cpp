@@ -179,9 +179,7 @@ StepStats Engine::complete(float* logits) {
       const auto state = sb.read_value<::lily::SampleState>(m_.s.sample_state.offset + f.slot * gpu::ops::sample_state_bytes(1));
       if (state.status != 0) {
         if (inflight_.empty()) have_token_ = false;
-        throw SampleError("engine: the sampler found a non-finite logit" +
-                          (state.bad_id != 0xFFFFFFFFu ? " at token id " + num(state.bad_id) : std::string(" (all -inf)")) +
-                          " (numerical failure in the model)");
+        throw detail::sample_error(state, " (numerical failure in the model)");
       }
     }
     lp_slot_ = f.slot;

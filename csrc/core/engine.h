@@ -334,6 +334,9 @@ class Engine {
   // The batched step's bindings of sequence `id` (its scratch: row `index` of the batch scratch).
   gpu::SeqState seq_state(uint32_t id, uint32_t index, uint32_t position) const;
   uint64_t sequence_state_bytes(uint32_t pool_blocks) const;
+  // decode_batch / submit_batch's checks of seqs (distinct, existing, valid when check_valid,
+  // room for a token) and ids (< vocab; null: fed from the device); fail() naming `what`.
+  void check_batch_rows(const char* what, const uint32_t* seqs, const uint32_t* ids, uint32_t B, bool check_valid) const;
   std::unique_ptr<gpu::Buffer> batch_o_raw_, batch_partials_;  // batched decode scratch (first extra sequence)
   uint64_t batch_partials_bytes_ = 0;  // per sequence
   // Runs `fn` on a batch of B sequences at `position` (B - 1 temporary ones), then drops them.

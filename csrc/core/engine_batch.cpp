@@ -232,23 +232,29 @@ gpu::SeqState Engine::seq_state(uint32_t id, uint32_t index, uint32_t position) 
   return q;
 }
 
+void Engine::check_batch_rows(const char* what, const uint32_t* seqs, const uint32_t* ids, uint32_t B,
+                              bool check_valid) const {
+  const std::string w(what);
+  std::set<uint32_t> seen;
+  for (uint32_t t = 0; t < B; ++t) {
+    const uint32_t id = seqs[t];
+    if (!seen.insert(id).second) fail(w + ": sequence " + num(id) + " appears twice");
+    if (id != active_ && !parked_.count(id)) fail(w + ": no sequence " + num(id) + " (index " + num(t) + ")");
+    if (check_valid && !sequence_valid(id))
+      fail(w + ": sequence " + num(id) + " is invalid after a failed step: reset or restore it first");
+    if (uint64_t(sequence_position(id)) + 1 > spec_.context_length)
+      fail(w + ": sequence " + num(id) + " at position " + num(sequence_position(id)) +
+           " has no room left in context_length " + num(spec_.context_length));
+    if (ids && ids[t] >= spec_.vocab)
+      fail(w + ": token id " + num(ids[t]) + " at index " + num(t) + " outside [0, " + num(spec_.vocab) + ")");
+  }
+}
+
 StepStats Engine::decode_batch(const uint32_t* seqs, const uint32_t* ids, uint32_t B, float* logits) {
   require_idle("decode_batch");
   if (B == 0 || B > max_batch())
     fail("decode_batch: " + num(B) + " sequences outside [1, max_batch=" + num(max_batch()) + "]");
-  std::set<uint32_t> seen;
-  for (uint32_t t = 0; t < B; ++t) {
-    const uint32_t id = seqs[t];
-    if (!seen.insert(id).second) fail("decode_batch: sequence " + num(id) + " appears twice");
-    if (id != active_ && !parked_.count(id)) fail("decode_batch: no sequence " + num(id) + " (index " + num(t) + ")");
-    if (!sequence_valid(id))
-      fail("decode_batch: sequence " + num(id) + " is invalid after a failed step: reset or restore it first");
-    if (uint64_t(sequence_position(id)) + 1 > spec_.context_length)
-      fail("decode_batch: sequence " + num(id) + " at position " + num(sequence_position(id)) +
-           " has no room left in context_length " + num(spec_.context_length));
-    if (ids[t] >= spec_.vocab)
-      fail("decode_batch: token id " + num(ids[t]) + " at index " + num(t) + " outside [0, " + num(spec_.vocab) + ")");
-  }
+  check_batch_rows("decode_batch", seqs, ids, B, true);
   if (B == 1) {  // today's single-stream step: the same levels and bytes
     select_sequence(seqs[0]);
     return forward(ids, 1, false, logits);
@@ -306,6 +312,17 @@ void Engine::advance_sequence(uint32_t id) {
   }
 }
 
+// The step-level sampling of a sampled batched step (rows' parameters into `params`).
+static StepSampling batch_sampling(const std::vector<StepSampling>& rows, bool from_slot,
+                                   std::vector<gpu::ops::SampleParams>& params) {
+  for (const StepSampling& s : rows) params.push_back(s.params);
+  StepSampling step;
+  step.enabled = true;
+  step.valid_vocab = rows[0].valid_vocab;
+  step.ids_from_slot = from_slot;
+  return step;
+}
+
 static_assert(Engine::kMaxBatch <= gpu::kBatchSlots, "a batched step samples at most kBatchSlots rows");
 
 StepStats Engine::submit_batch(const uint32_t* seqs, const uint32_t* ids, uint32_t B,
@@ -321,19 +338,10 @@ StepStats Engine::submit_batch(const uint32_t* seqs, const uint32_t* ids, uint32
   if (from_slot && (!have_batch_token_ || batch_seqs_ != order))
     fail("submit_batch: feeding the device slot needs the step before to be a sampling submit_batch() of the same "
          "sequences in the same order");
-  std::set<uint32_t> seen;
+  // sequences in flight are invalid until their step completes; a slot feed has no host ids
+  check_batch_rows("submit_batch", seqs, from_slot ? nullptr : ids, B, idle);
   for (uint32_t t = 0; t < B; ++t) {
-    const uint32_t id = seqs[t];
     const StepSampling& s = sampling[t];
-    if (!seen.insert(id).second) fail("submit_batch: sequence " + num(id) + " appears twice");
-    if (id != active_ && !parked_.count(id)) fail("submit_batch: no sequence " + num(id) + " (index " + num(t) + ")");
-    if (idle && !sequence_valid(id))
-      fail("submit_batch: sequence " + num(id) + " is invalid after a failed step: reset or restore it first");
-    if (uint64_t(sequence_position(id)) + 1 > spec_.context_length)
-      fail("submit_batch: sequence " + num(id) + " at position " + num(sequence_position(id)) +
-           " has no room left in context_length " + num(spec_.context_length));
-    if (!from_slot && ids[t] >= spec_.vocab)
-      fail("submit_batch: token id " + num(ids[t]) + " at index " + num(t) + " outside [0, " + num(spec_.vocab) + ")");
     if (!s.enabled || s.mask || s.ids_from_slot || s.params.logprobs >= 0)
       fail("submit_batch: sampling " + num(t) + " must sample, with no mask, slot feed or logprobs");
     if (s.valid_vocab > spec_.vocab || s.valid_vocab != sampling[0].valid_vocab)
@@ -362,11 +370,7 @@ StepStats Engine::submit_batch(const uint32_t* seqs, const uint32_t* ids, uint32
   for (uint32_t t = 0; t < B; ++t) states.push_back(seq_state(seqs[t], t, sequence_position(seqs[t])));
   if (!from_slot && m_.s.ids.buffer->has_storage()) m_.s.ids.buffer->write(m_.s.ids.offset, ids, size_t(B) * 4);
   std::vector<gpu::ops::SampleParams> params;
-  for (const StepSampling& s : sampling) params.push_back(s.params);
-  StepSampling step;
-  step.enabled = true;
-  step.valid_vocab = sampling[0].valid_vocab;
-  step.ids_from_slot = from_slot;
+  const StepSampling step = batch_sampling(sampling, from_slot, params);
   for (uint32_t id : order) set_sequence_valid(id, false);  // until the step finished
   have_token_ = false;
   have_batch_token_ = false;
@@ -425,9 +429,8 @@ StepStats Engine::complete_batch(std::vector<uint32_t>& tokens) {
   for (uint32_t t = 0; t < B; ++t) {
     if (states[t].status == 0) continue;
     if (inflight_.empty()) have_batch_token_ = false;
-    throw SampleError("engine: the sampler found a non-finite logit" +
-                      (states[t].bad_id != 0xFFFFFFFFu ? " at token id " + num(states[t].bad_id) : std::string(" (all -inf)")) +
-                      " in row " + num(t) + " (sequence " + num(f.seqs[t]) + ") of a batched step (numerical failure in the model)");
+    throw detail::sample_error(states[t], " in row " + num(t) + " (sequence " + num(f.seqs[t]) +
+                                          ") of a batched step (numerical failure in the model)");
   }
   return st;
 }
@@ -483,10 +486,7 @@ StepStats Engine::check_batch(uint32_t B, uint32_t position, int64_t skip, const
     if (!enc) fail("check_batch() needs a device that checks plans (the emulator, device 'emu')");
     if (sampling.empty()) return encode(B, 0, true, StepSampling{}, true, std::move(enc), &states).st;
     std::vector<gpu::ops::SampleParams> params;
-    for (const StepSampling& s : sampling) params.push_back(s.params);
-    StepSampling step;
-    step.enabled = true;
-    step.valid_vocab = sampling[0].valid_vocab;
+    const StepSampling step = batch_sampling(sampling, false, params);
     return encode(B, 0, true, step, true, std::move(enc), &states, &params).st;
   });
 }

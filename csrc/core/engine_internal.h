@@ -15,6 +15,12 @@ namespace lily::core::detail {
 
 inline std::string num(uint64_t v) { return std::to_string(v); }
 
+// A SampleError for a sampler state in error, `where` saying which row (" in ...").
+inline SampleError sample_error(const ::lily::SampleState& st, const std::string& where) {
+  return SampleError("engine: the sampler found a non-finite logit" +
+                     (st.bad_id != 0xFFFFFFFFu ? " at token id " + num(st.bad_id) : std::string(" (all -inf)")) + where);
+}
+
 inline std::string gib(uint64_t bytes) {
   char buf[48];
   std::snprintf(buf, sizeof buf, "%.2f GiB", double(bytes) / double(1ull << 30));

@@ -53,9 +53,7 @@ uint32_t Engine::sample_row(const float* row, const StepSampling& sampling) {
   enc->wait();
   const auto state = m_.s.sample_state.buffer->read_value<::lily::SampleState>(m_.s.sample_state.offset);
   if (state.status != 0)
-    throw SampleError("engine: the sampler found a non-finite logit" +
-                      (state.bad_id != 0xFFFFFFFFu ? " at token id " + num(state.bad_id) : std::string(" (all -inf)")) +
-                      " in the row given to sample_row");
+    throw detail::sample_error(state, " in the row given to sample_row");
   lp_slot_ = 0;
   return m_.s.token_slot.buffer->read_value<uint32_t>(m_.s.token_slot.offset);
 }
