@@ -16,6 +16,7 @@
 #include "common/lily_metal.h"
 #include "common/moe.h"
 #include "common/quant.h"
+#include "common/reduce.h"
 
 namespace lily {
 
@@ -91,8 +92,10 @@ inline void moe_gate_up_mv_blocks(const device T* xt, const device uint32_t* wg,
 //               2 x rows independent 16-byte weight loads per lane in flight
 //   rows:       rows past a slot's N (I routed, Is shared) load row N - 1 (no branch before a
 //               load); only the store is guarded. A slot's simdgroups wholly past its N load nothing.
-//   reduction:  ag[R], au[R] (compile-time indexed: registers), simd_sum, then over a slot's splits
-//               through threadgroup memory in order; thread j * R + r applies SwiGLU, writes h
+//   reduction:  ag[R], au[R] (compile-time indexed: registers), reduce-scattered over the lanes
+//               (simd_sum_scatter: 2 R totals in 9 shuffles where 2 R simd_sums take 40), then
+//               over a slot's splits through threadgroup memory in order; thread j * R + r applies
+//               SwiGLU, writes h
 //   widths:     the routed experts at `bits`, the shared slot at `sbits` (a mixed checkpoint; its
 //               simdgroups run their own blocks, B = 32 x Qmv1Codes<sbits>::V), before the
 //               barrier; the routed slots' after it
@@ -157,16 +160,13 @@ template <typename T, typename S, int bits, int sbits>
                                       up_w + g * N * wpr, up_s + g * N * gpr, up_b + g * N * gpr, row, H,
                                       args.group_shift, K_end, splits, split, rows, lane, ag, au);
   }
+  float v[2 * R];  // value r: gate row r; R + r: up row r
   for (uint32_t r = 0; r < R; ++r) {
-    ag[r] = simd_sum(ag[r]);
-    au[r] = simd_sum(au[r]);
+    v[r] = ag[r];
+    v[R + r] = au[r];
   }
-  if (lane == 0) {
-    for (uint32_t r = 0; r < R; ++r) {
-      red[simd_id * 2 * R + r] = ag[r];
-      red[simd_id * 2 * R + R + r] = au[r];
-    }
-  }
+  const float tot = simd_sum_scatter<2 * R>(v, lane);
+  if (lane < 2 * R) red[simd_id * 2 * R + simd_scatter_index<2 * R>(lane)] = tot;
   threadgroup_barrier(mem_flags::mem_threadgroup);
   const uint32_t oj = thread_pos.x / R, r = thread_pos.x - oj * R;  // thread oj * R + r: slot oj, row r
   if (oj <= k && r < rows && n0 + r < (oj == k ? args.shared_inter : args.inter)) {
@@ -222,8 +222,8 @@ inline void moe_down_mv_chunk(const device float* hp, float wj, const device uin
 //   per chunk:  the V values of h (float4 loads) times w_j, summed once, pre-scaled; kMoeMvRows
 //               rows of that slot's expert: 4 independent 16-byte weight loads in flight
 //   rows:       rows past H load row H - 1; only the store is guarded
-//   reduction:  acc[R] in registers, simd_sum, over the splits through threadgroup memory in
-//               order, + residual, rounded to T once
+//   reduction:  acc[R] in registers, reduce-scattered over the lanes (simd_sum_scatter), over the
+//               splits through threadgroup memory in order, + residual, rounded to T once
 //   widths:     the routed chunks at `bits`, then the shared slot's at `sbits` (V_s codes each:
 //               C = k I / V + Is / V_s); a lane walks its routed chunks, then its shared ones
 template <typename T, typename S, int bits, int sbits>
@@ -268,9 +268,8 @@ template <typename T, typename S, int bits, int sbits>
     moe_down_mv_chunk<S, sbits>(h + (t * (k + 1) + k) * args.h_stride + kk, weights[t * (k + 1) + k], sh_down_w,
                                 sh_down_s, sh_down_b, wpS, gpS, kk, args.group_shift, row, acc);
   }
-  for (uint32_t r = 0; r < R; ++r) acc[r] = simd_sum(acc[r]);
-  if (lane == 0)
-    for (uint32_t r = 0; r < R; ++r) red[simd_id * R + r] = acc[r];
+  const float tot = simd_sum_scatter<R>(acc, lane);
+  if (lane < R) red[simd_id * R + simd_scatter_index<R>(lane)] = tot;
   threadgroup_barrier(mem_flags::mem_threadgroup);
   const uint32_t n = n0 + thread_pos.x;
   if (thread_pos.x < R && n < H) {

@@ -12,6 +12,7 @@
 #include "common/mma.h"
 #include "common/qmm_bf16.h"
 #include "common/quant.h"
+#include "common/reduce.h"
 #include "common/gated_norm.h"
 
 namespace lily {
@@ -31,7 +32,9 @@ namespace lily {
 //              block instead of 750; instruction-bound there, docs/kernels-matmul.md).
 //   rows:      rows past N load row N - 1; only the store is guarded. Rows of x past M are skipped
 //              by a uniform branch (acc[m][r] stays compile-time indexed: registers).
-//   reduction: simd_sum of acc[m][r], then over the splits through threadgroup memory in order.
+//   reduction: the 32 acc[m][r] reduce-scattered over the lanes (simd_sum_scatter: 31 shuffles
+//              where 32 simd_sums take 160; each total simd_sum's), lane l storing value
+//              simd_scatter_index(l), then over the splits through threadgroup memory in order.
 template <typename T, typename S, int bits, typename Y = T>
 [[kernel]] void qmv(constant QmmArgs& args [[buffer(0)]],
                     const device T* x [[buffer(1)]],
@@ -87,16 +90,14 @@ template <typename T, typename S, int bits, typename Y = T>
     }
   }
 
+  float v[MR * R];  // value m * R + r; rows of x past M are zeros (summed, never stored)
   LILY_UNROLL
   for (uint32_t m = 0; m < MR; ++m) {
-    if (m < M) {
-      LILY_UNROLL
-      for (uint32_t r = 0; r < R; ++r) {
-        const float t = simd_sum(acc[m][r]);
-        if (lane == 0) red[(simd_id * MR + m) * R + r] = t;
-      }
-    }
+    LILY_UNROLL
+    for (uint32_t r = 0; r < R; ++r) v[m * R + r] = acc[m][r];
   }
+  const float t = simd_sum_scatter<MR * R>(v, lane);
+  if (lane < MR * R) red[simd_id * MR * R + simd_scatter_index<MR * R>(lane)] = t;
   threadgroup_barrier(mem_flags::mem_threadgroup);
   for (uint32_t i = thread_pos.x; i < M * R; i += group_size.x) {
     const uint32_t m = i / R, r = i % R;
@@ -155,25 +156,26 @@ inline void qmv1_block_rows(thread const float* xs, float xsum, thread const uin
   }
 }
 
-// The reduction: simd_sum of acc[r] and of ss, then over the splits through `red` (splits x (R + 1)
+// The reduction: acc[R] reduce-scattered over the lanes (simd_sum_scatter: acc is overwritten) and
+// simd_sum of ss (norm_count > 0 only), then over the splits through `red` (splits x (R + 1)
 // floats) in order; thread r < R stores y[n0 + r] = total * inv_rms (rows < N), inv_rms =
 // rsqrt(sum(ss) / norm_count + eps) when norm_count > 0 (the fused RMSNorm), else 1. Returns inv_rms.
 template <uint32_t R, typename Y>
 inline float qmv1_reduce_store(thread float* acc, float ss, uint32_t N, uint32_t n0, threadgroup float* red,
                                device Y* y, uint32_t lane, uint32_t simd_id, uint32_t splits, uint32_t tid,
                                float norm_count, float eps) {
-  LILY_UNROLL
-  for (uint32_t r = 0; r < R; ++r) acc[r] = simd_sum(acc[r]);
-  ss = simd_sum(ss);
-  if (lane == 0) {
-    LILY_UNROLL
-    for (uint32_t r = 0; r < R; ++r) red[simd_id * (R + 1) + r] = acc[r];
-    red[simd_id * (R + 1) + R] = ss;
-  }
+  const bool norm = norm_count > 0.0f;  // uniform
+  const float t = simd_sum_scatter<R>(acc, lane);
+  if (norm) ss = simd_sum(ss);
+  if (lane < R) red[simd_id * (R + 1) + simd_scatter_index<R>(lane)] = t;
+  if (norm && lane == 0) red[simd_id * (R + 1) + R] = ss;
   threadgroup_barrier(mem_flags::mem_threadgroup);
-  float total_ss = 0.0f;
-  for (uint32_t s = 0; s < splits; ++s) total_ss += red[s * (R + 1) + R];
-  const float inv_rms = norm_count > 0.0f ? rsqrt(total_ss / norm_count + eps) : 1.0f;
+  float inv_rms = 1.0f;
+  if (norm) {
+    float total_ss = 0.0f;
+    for (uint32_t s = 0; s < splits; ++s) total_ss += red[s * (R + 1) + R];
+    inv_rms = rsqrt(total_ss / norm_count + eps);
+  }
   if (tid < R && n0 + tid < N) {
     float total = 0.0f;
     for (uint32_t s = 0; s < splits; ++s) total += red[s * (R + 1) + tid];

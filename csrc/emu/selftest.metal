@@ -5,6 +5,7 @@
 //   * "broken_*" kernels contain the bugs a GPU hides; the emulator must raise EmulatorError.
 // They follow the shader rules of common/lily_metal.h except where a rule is the bug under test.
 #include "common/lily_metal.h"
+#include "common/reduce.h"
 
 namespace lily_selftest {
 
@@ -43,6 +44,36 @@ template <typename Dummy>
   v4.w = 1.0f;
   const float4 f4 = simd_sum(v4);
   out[14 * n + i] = f4.x + 10.0f * f4.w;
+}
+
+// simd_sum_scatter (common/reduce.h) against simd_sum, one simdgroup: lane l's values are
+// x[32 l .. 32 l + 32). out[j] = simd_sum of value j (j < 32); then for each N = 1, 2, ..., 32
+// (i = log2 N) out[32 + (2 i) * 32 + l] = lane l's scattered total, out[32 + (2 i + 1) * 32 + l]
+// = simd_scatter_index<N>(l) as a float.
+template <uint32_t N>
+inline void scatter_case(const device float* x, device float* out, uint32_t lane, uint32_t i) {
+  float v[N];
+  for (uint32_t j = 0; j < N; ++j) v[j] = x[32 * lane + j];
+  const float t = lily::simd_sum_scatter<N>(v, lane);
+  out[32 + (2 * i) * 32 + lane] = t;
+  out[32 + (2 * i + 1) * 32 + lane] = float(lily::simd_scatter_index<N>(lane));
+}
+
+template <typename Dummy>
+[[kernel]] void sum_scatter(constant SelftestArgs& args [[buffer(0)]],
+                            const device float* x [[buffer(1)]],
+                            device float* out [[buffer(2)]],
+                            LILY_KERNEL_TAIL) {
+  for (uint32_t j = 0; j < 32; ++j) {
+    const float s = simd_sum(x[32 * lane + j]);
+    if (lane == 0) out[j] = s;
+  }
+  scatter_case<1>(x, out, lane, 0);
+  scatter_case<2>(x, out, lane, 1);
+  scatter_case<4>(x, out, lane, 2);
+  scatter_case<8>(x, out, lane, 3);
+  scatter_case<16>(x, out, lane, 4);
+  scatter_case<32>(x, out, lane, 5);
 }
 
 // out[8 * gid + j] = (grid_pos.xyz, thread_pos.xyz, lane, simd_id) as uint, gid = linear grid index.
@@ -382,6 +413,7 @@ template <typename Dummy>
 }
 
 LILY_INSTANTIATE("selftest_simd_ops", simd_ops<void>)
+LILY_INSTANTIATE("selftest_sum_scatter", sum_scatter<void>)
 LILY_INSTANTIATE("selftest_thread_ids", thread_ids<void>)
 LILY_INSTANTIATE("selftest_tg_rotate", tg_rotate<void>)
 LILY_INSTANTIATE("selftest_atomics", atomics<void>)

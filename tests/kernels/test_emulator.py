@@ -82,6 +82,39 @@ def test_simd_collectives_match_numpy(rng, threads, order):
         assert_close(got[i], want[i], atol=0, rtol=0, what=f"simd op {name}", seed=rng.seed)
 
 
+def pairwise_lane_sum(v: np.ndarray) -> np.float32:
+    """simd_sum's order in float32: a pairwise tree in lane order (stride 1 first)."""
+    v = v.astype(np.float32).copy()
+    s = 1
+    while s < v.size:
+        v[0::2 * s] = v[0::2 * s] + v[s::2 * s]
+        s *= 2
+    return v[0]
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_simd_sum_scatter_is_simd_sum_bit_for_bit(rng, order):
+    # common/reduce.h's simd_sum_scatter<N>: each lane holds one value's total, which must equal
+    # simd_sum of that value bit for bit, at the lane simd_scatter_index<N> names. Magnitudes
+    # spread over 2^-12 .. 2^12 so that a different order of the adds changes the rounding.
+    x = (rng.standard_normal((32, 32)) * 2.0 ** rng.integers(-12, 13, size=(32, 32))).astype(np.float32)
+    out = np.full(32 + 6 * 2 * 32, np.nan, np.float32)
+    dispatch("sum_scatter", 32, 0, [x.ravel(), out], (1, 1, 1), (32, 1, 1), order=order, seed=rng.seed)
+    sums = out[:32]
+    want = np.array([pairwise_lane_sum(x[:, j]) for j in range(32)], np.float32)
+    assert_close(sums, want, atol=0, rtol=0, what="simd_sum against the pairwise lane-order tree", seed=rng.seed)
+    lanes = np.arange(32)
+    for i in range(6):
+        n = 1 << i
+        got = out[32 + 2 * i * 32:32 + (2 * i + 1) * 32]
+        index = out[32 + (2 * i + 1) * 32:32 + (2 * i + 2) * 32].astype(np.int64)
+        # the index: lane bit b (b < log2 N) is worth N / 2^(b + 1): bit-reversed low bits
+        want_index = sum(((lanes >> b) & 1) * (n >> (b + 1)) for b in range(i))
+        np.testing.assert_array_equal(index, want_index, err_msg=f"N = {n}: simd_scatter_index")
+        assert set(index[:n]) == set(range(n)), f"N = {n}: lanes 0 .. N - 1 hold every value once"
+        assert_close(got, sums[index], atol=0, rtol=0, what=f"N = {n}: scattered totals", seed=rng.seed)
+
+
 def test_thread_positions_3d_grid():
     groups, threads = (3, 2, 2), (5, 3, 2)  # 30 threads per threadgroup: one partial simdgroup
     per_group = int(np.prod(threads))
