@@ -5,6 +5,7 @@
     python tools/gendocs.py --check --quick   # the same without the blocks marked slow
     python tools/gendocs.py --check --slow-only   # only the blocks marked slow
     python tools/gendocs.py --list     # the blocks and their commands
+    python tools/gendocs.py --check --slow-only --page docs/int8.md   # one page (repeatable)
 
 A generated block is
 
@@ -103,11 +104,20 @@ def main(argv: list[str] | None = None) -> int:
                     help="skip the blocks marked `gen slow:` (commands of a minute or more)")
     ap.add_argument("--slow-only", action="store_true",
                     help="only the blocks marked `gen slow:` (the full test tier: --quick's are the quick tier's)")
+    ap.add_argument("--page", action="append", default=[],
+                    help="only this page (a path from the repository root, e.g. docs/int8.md); repeatable")
     a = ap.parse_args(argv)
+    known = {os.path.relpath(p, ROOT) for p in pages()}
+    unknown = [p for p in a.page if os.path.normpath(p) not in known]
+    if unknown:
+        print(f"gendocs: no such page: {', '.join(unknown)} (pages: docs/*.md, README.md)", file=sys.stderr)
+        return 2
     cache: dict[str, str] = {}
     stale = 0
     for path in pages():
         rel = os.path.relpath(path, ROOT)
+        if a.page and rel not in {os.path.normpath(p) for p in a.page}:
+            continue
         text = open(path, encoding="utf-8").read()
         if a.list:
             for m in BLOCK.finditer(text):

@@ -1,8 +1,10 @@
 """Every generated block in docs/*.md and README.md is what its command prints now
 (tools/gendocs.py --check): a kernel change that moves a quoted counter or estimate fails here
 until `python tools/gendocs.py` is rerun and the pages committed."""
+import glob
 import os
 import platform
+import re
 import subprocess
 import sys
 
@@ -22,11 +24,36 @@ def test_generated_docs_are_current():
     check("--quick")
 
 
+def slow_pages() -> list[str]:
+    """The pages with a block marked `gen slow:` / `gen-raw slow:`, from the repository root."""
+    found = []
+    for path in sorted(glob.glob(os.path.join(ROOT, "docs", "*.md"))) + [os.path.join(ROOT, "README.md")]:
+        if re.search(r"<!-- gen(-raw)? slow:", open(path, encoding="utf-8").read()):
+            found.append(os.path.relpath(path, ROOT))
+    return found
+
+
 @pytest.mark.full
-def test_slow_generated_docs_are_current():
-    """The blocks marked `gen slow:` (the int8 study on the engine: minutes); the quick tier's
-    test_generated_docs_are_current checks the others, in the same run of the full tier."""
-    check("--slow-only")
+@pytest.mark.parametrize("page", slow_pages())
+def test_slow_generated_docs_are_current(page):
+    """The blocks marked `gen slow:` (the int8 study on the engine: minutes), one page a test so
+    that the workers of `-n auto` share them; the quick tier's test_generated_docs_are_current
+    checks the others, in the same run of the full tier."""
+    check("--slow-only", "--page", page)
+
+
+def test_slow_pages_are_found():
+    """The parametrization above sees the slow blocks (an empty list would check nothing)."""
+    assert "docs/int8.md" in slow_pages() and len(slow_pages()) >= 5, slow_pages()
+
+
+def test_page_option_limits_and_checks_names():
+    p = subprocess.run([sys.executable, GENDOCS, "--list", "--page", "docs/int8.md"], cwd=ROOT, capture_output=True,
+                       text=True)
+    assert p.returncode == 0 and p.stdout and all(line.startswith("docs/int8.md:") for line in p.stdout.splitlines())
+    bad = subprocess.run([sys.executable, GENDOCS, "--check", "--page", "docs/nope.md"], cwd=ROOT,
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "no such page: docs/nope.md" in bad.stderr
 
 
 def test_check_names_a_stale_block(tmp_path):
