@@ -55,7 +55,8 @@ inline void moe_gate_up_mv_blocks(const device T* xt, const device uint32_t* wg,
       }
       const uint32_t gi = kk >> group_shift;
       const uint32_t wo = kk * bits / 32;
-      for (uint32_t r = 0; r < R; ++r) {
+      LILY_UNROLL
+      for (uint32_t r = 0; r < R; ++r) {  // unrolled: ag, au and row stay registers
         if (r >= rows) break;  // uniform: the threadgroup's rows (args.mv_rows)
         const float dg = Qmv1Codes<bits>::dot_at(wg + row[r] * wpr + wo, xs);
         const float du = Qmv1Codes<bits>::dot_at(wu + row[r] * wpr + wo, xs);
@@ -131,6 +132,7 @@ template <typename T, typename S, int bits, int sbits>
   const uint32_t n0 = group_pos.x * rows;
   const device T* xt = x + t * H;
   float ag[R], au[R];
+  LILY_UNROLL
   for (uint32_t r = 0; r < R; ++r) {
     ag[r] = 0.0f;
     au[r] = 0.0f;
@@ -149,6 +151,7 @@ template <typename T, typename S, int bits, int sbits>
   const uint32_t N = shared ? args.shared_inter : args.inter;  // the slot's rows
   const uint32_t K_end = n0 < N ? H : 0u;                        // uniform over the simdgroup
   uint32_t row[R];
+  LILY_UNROLL
   for (uint32_t r = 0; r < R; ++r) row[r] = min(n0 + r, N - 1);
   if (shared)  // needs no selection: its loads go out while simdgroup 0 selects
     moe_gate_up_mv_blocks<T, S, sbits>(xt, sh_gate_w, sh_gate_s, sh_gate_b, sh_up_w, sh_up_s, sh_up_b, row, H,
@@ -161,6 +164,7 @@ template <typename T, typename S, int bits, int sbits>
                                       args.group_shift, K_end, splits, split, rows, lane, ag, au);
   }
   float v[2 * R];  // value r: gate row r; R + r: up row r
+  LILY_UNROLL
   for (uint32_t r = 0; r < R; ++r) {
     v[r] = ag[r];
     v[R + r] = au[r];
