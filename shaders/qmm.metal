@@ -28,7 +28,7 @@ namespace lily {
 //              each row m of x its 8 values (one 16-byte load8 at bf16: x 16-byte aligned, the host
 //              checks) and 8 fma per row of w into acc[m][r]. Per code: the unpack and one fma shared
 //              by the M rows of x, then one fma per row of x: no sum of x and no scale or bias
-//              arithmetic per row of x (M = 8, 4 bits, sm_90: about 570 instructions per lane and
+//              arithmetic per row of x (M = 8, 4 bits, sm_90: about 580 instructions per lane and
 //              block instead of 750; instruction-bound there, docs/kernels-matmul.md).
 //   rows:      rows past N load row N - 1; only the store is guarded. Rows of x past M are skipped
 //              by a uniform branch (acc[m][r] stays compile-time indexed: registers).
@@ -201,8 +201,9 @@ inline float qmv1_reduce_store(thread float* acc, float ss, uint32_t N, uint32_t
 //              for the bias term, and reused by the R rows: R independent 16-byte loads per
 //              lane in flight. The group index is a shift (group_shift), no division.
 //   rows:      rows past N load row N - 1 (loads never wait on a branch); only the store is guarded
-//   reduction: per lane acc[R] (compile-time indexed: registers) and the sum of squares
-//              of h; simd_sum, then over the splits through threadgroup memory in order.
+//   reduction: per lane acc[R] (compile-time indexed: registers), reduce-scattered over the
+//              lanes (simd_sum_scatter), and with the norm the sum of squares of h (simd_sum);
+//              then over the splits through threadgroup memory in order.
 //   norm:      y = rsqrt(sum(h^2) / K + eps) * (w . (h * norm_w)), sum(h^2) recomputed by every
 //              threadgroup (x, residual, norm_w re-read per threadgroup); threadgroup 0 writes the side
 //              outputs h_out and xn_out = T(h * rsqrt(...) * norm_w) when asked (kQmv1Side).

@@ -105,10 +105,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slow-only", action="store_true",
                     help="only the blocks marked `gen slow:` (the full test tier: --quick's are the quick tier's)")
     ap.add_argument("--page", action="append", default=[],
-                    help="only this page (a path from the repository root, e.g. docs/int8.md); repeatable")
+                    help="only this page (a path, e.g. docs/int8.md from the repository root); repeatable")
     a = ap.parse_args(argv)
     known = {os.path.relpath(p, ROOT) for p in pages()}
-    unknown = [p for p in a.page if os.path.normpath(p) not in known]
+    only = {os.path.relpath(os.path.abspath(p), ROOT) for p in a.page}  # from the current directory
+    unknown = [p for p in a.page if os.path.relpath(os.path.abspath(p), ROOT) not in known]
     if unknown:
         print(f"gendocs: no such page: {', '.join(unknown)} (pages: docs/*.md, README.md)", file=sys.stderr)
         return 2
@@ -116,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     stale = 0
     for path in pages():
         rel = os.path.relpath(path, ROOT)
-        if a.page and rel not in {os.path.normpath(p) for p in a.page}:
+        if only and rel not in only:
             continue
         text = open(path, encoding="utf-8").read()
         if a.list:

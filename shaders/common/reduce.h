@@ -22,8 +22,9 @@ inline float threadgroup_sum(float v, threadgroup float* partials, uint32_t lane
 // same index hold the same total). At stride s = 1, 2, 4, ... a lane keeps half of its values,
 // sends the other half to lane ^ s and adds what it receives, until one value is left, then the
 // strides that remain add it as a butterfly: N - 1 + 5 - log2(N) shuffles and adds where N
-// simd_sums take 5 N. Each total is simd_sum's bit for bit: the same pairwise tree in lane order
-// (an aligned block of s lanes added to the next one; a + b == b + a in IEEE arithmetic).
+// simd_sums take 5 N. Each total is simd_sum's bit for bit as the emulator and the cuda device
+// define it: the same pairwise tree in lane order (an aligned block of s lanes added to the next
+// one; a + b == b + a in IEEE arithmetic). Metal leaves simd_sum's order unspecified.
 // N a power of two <= 32; v is overwritten; every lane of a full simdgroup (32 lanes) calls it, in
 // uniform control flow.
 template <uint32_t N>
