@@ -93,8 +93,8 @@ inline void moe_gate_up_mv_blocks(const device T* xt, const device uint32_t* wg,
 //               2 x rows independent 16-byte weight loads per lane in flight
 //   rows:       rows past a slot's N (I routed, Is shared) load row N - 1 (no branch before a
 //               load); only the store is guarded. A slot's simdgroups wholly past its N load nothing.
-//   reduction:  ag[R], au[R] (compile-time indexed: registers), reduce-scattered over the lanes
-//               (simd_sum_scatter: 2 R totals in 9 shuffles where 2 R simd_sums take 40), then
+//   reduction:  acc[2 R] = ag[R], au[R] (compile-time indexed: registers), reduce-scattered over
+//               the lanes (simd_sum_scatter: 2 R totals in 9 shuffles where 2 R simd_sums take 40), then
 //               over a slot's splits through threadgroup memory in order; thread j * R + r applies
 //               SwiGLU, writes h
 //   widths:     the routed experts at `bits`, the shared slot at `sbits` (a mixed checkpoint; its
@@ -131,12 +131,11 @@ template <typename T, typename S, int bits, int sbits>
   const uint32_t rows = args.mv_rows;  // <= R
   const uint32_t n0 = group_pos.x * rows;
   const device T* xt = x + t * H;
-  float ag[R], au[R];
+  float acc[2 * R];  // ag = acc[0, R): gate rows; au = acc[R, 2 R): up rows
   LILY_UNROLL
-  for (uint32_t r = 0; r < R; ++r) {
-    ag[r] = 0.0f;
-    au[r] = 0.0f;
-  }
+  for (uint32_t i = 0; i < 2 * R; ++i) acc[i] = 0.0f;
+  thread float* ag = acc;
+  thread float* au = acc + R;
   const bool routed = args.mv_routed != 0;  // uniform: a moe_route level wrote ids already
   if (!routed && simd_id == 0) {  // slot 0's first simdgroup selects for the threadgroup
     moe_select<T>(args, logits + t * (args.experts + 1), lane, sel_s, w_s);
@@ -163,13 +162,7 @@ template <typename T, typename S, int bits, int sbits>
                                       up_w + g * N * wpr, up_s + g * N * gpr, up_b + g * N * gpr, row, H,
                                       args.group_shift, K_end, splits, split, rows, lane, ag, au);
   }
-  float v[2 * R];  // value r: gate row r; R + r: up row r
-  LILY_UNROLL
-  for (uint32_t r = 0; r < R; ++r) {
-    v[r] = ag[r];
-    v[R + r] = au[r];
-  }
-  const float tot = simd_sum_scatter<2 * R>(v, lane);
+  const float tot = simd_sum_scatter<2 * R>(acc, lane);  // value r: gate row r; R + r: up row r
   if (lane < 2 * R) red[simd_id * 2 * R + simd_scatter_index<2 * R>(lane)] = tot;
   threadgroup_barrier(mem_flags::mem_threadgroup);
   const uint32_t oj = thread_pos.x / R, r = thread_pos.x - oj * R;  // thread oj * R + r: slot oj, row r

@@ -90,13 +90,8 @@ template <typename T, typename S, int bits, typename Y = T>
     }
   }
 
-  float v[MR * R];  // value m * R + r; rows of x past M are zeros (summed, never stored)
-  LILY_UNROLL
-  for (uint32_t m = 0; m < MR; ++m) {
-    LILY_UNROLL
-    for (uint32_t r = 0; r < R; ++r) v[m * R + r] = acc[m][r];
-  }
-  const float t = simd_sum_scatter<MR * R>(v, lane);
+  // value m * R + r of the flat acc; rows of x past M are zeros (summed, never stored)
+  const float t = simd_sum_scatter<MR * R>(&acc[0][0], lane);
   if (lane < MR * R) red[simd_id * MR * R + simd_scatter_index<MR * R>(lane)] = t;
   threadgroup_barrier(mem_flags::mem_threadgroup);
   for (uint32_t i = thread_pos.x; i < M * R; i += group_size.x) {

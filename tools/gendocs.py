@@ -108,8 +108,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="only this page (a path, e.g. docs/int8.md from the repository root); repeatable")
     a = ap.parse_args(argv)
     known = {os.path.relpath(p, ROOT) for p in pages()}
-    only = {os.path.relpath(os.path.abspath(p), ROOT) for p in a.page}  # from the current directory
-    unknown = [p for p in a.page if os.path.relpath(os.path.abspath(p), ROOT) not in known]
+    asked = {p: os.path.relpath(os.path.abspath(p), ROOT) for p in a.page}  # paths from the current directory
+    only = set(asked.values())
+    unknown = [p for p, rel in asked.items() if rel not in known]
     if unknown:
         print(f"gendocs: no such page: {', '.join(unknown)} (pages: docs/*.md, README.md)", file=sys.stderr)
         return 2
